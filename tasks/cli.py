@@ -1,0 +1,179 @@
+"""`msllm`: the command line (a contract, see DESIGN.md).
+
+    msllm validate|data|train|finetune|eval|export|predict|convert|lineage|plan [options]
+
+Common options: --config PATH (default ./pipelines.yaml), --pipeline NAME
+(default: the file's default), --set dotted.key=VALUE (repeatable, VALUE parsed
+as YAML), --artifacts DIR (default ./artifacts). A stage subcommand takes its
+upstream artifact with --from PATH and prints the path of the artifact it wrote
+(or found cached) as the last line of stdout. Exit 0 on success, 2 on a config
+error (every error listed), 1 on any other failure, with a short message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Callable
+
+from tasks.config import ConfigError, PipelineConfig, resolve_pipeline, to_yaml, validate_file
+
+
+class StageError(RuntimeError):
+    """A stage failed for a reason the user can fix; the message says how."""
+
+
+class NotBuiltYet(StageError):
+    pass
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default="pipelines.yaml", help="pipelines file (default: ./pipelines.yaml)")
+    p.add_argument("--pipeline", default=None, help="pipeline name (default: the file's `default:`)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a key, e.g. --set pretrain.max_steps=100 (repeatable; VALUE is YAML)")
+    p.add_argument("--artifacts", default=os.environ.get("MSLLM_ARTIFACTS", "artifacts"),
+                   help="artifact root (default: ./artifacts)")
+
+
+def _stage(p: argparse.ArgumentParser) -> None:
+    _common(p)
+    p.add_argument("--from", dest="from_", default=None, metavar="PATH",
+                   help="upstream artifact (default: the newest one of this pipeline)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="msllm", description="LLaMA-style LLM pipeline on MindSpore + Prefect")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("validate", help="validate pipelines.yaml and print the resolved pipeline")
+    _common(p)
+    p.add_argument("--all", action="store_true", help="validate every pipeline of the file")
+    p.add_argument("--forward", action="store_true", help="also build the model and run one forward pass")
+
+    for name, help_ in (
+        ("data", "corpora → tokenizer → packed MindRecord shards"),
+        ("train", "pretrain (from scratch or continued)"),
+        ("finetune", "LoRA or full fine-tuning"),
+        ("eval", "perplexity, lm-eval tasks, sample generations"),
+        ("export", "MindIR and ONNX, verified"),
+    ):
+        _stage(sub.add_parser(name, help=help_))
+
+    p = sub.add_parser("predict", help="generate completions")
+    _stage(p)
+    p.add_argument("prompts", nargs="*")
+
+    p = sub.add_parser("convert", help="HF LLaMA ⇄ native checkpoints")
+    _common(p)
+    p.add_argument("--from-hf", default=None)
+    p.add_argument("--to-hf", nargs=2, default=None, metavar=("ARTIFACT", "DIR"))
+
+    p = sub.add_parser("lineage", help="where an artifact came from, down to raw corpus bytes")
+    _common(p)
+    p.add_argument("artifact")
+    p.add_argument("--format", choices=["text", "json", "mermaid", "dot"], default="text")
+
+    p = sub.add_parser("plan", help="memory estimate and parallel layout")
+    _common(p)
+    p.add_argument("--device-memory", default="32GiB")
+    p.add_argument("--devices", type=int, default=None)
+    return ap
+
+
+def _load(args) -> PipelineConfig:
+    return resolve_pipeline(args.config, args.pipeline, args.overrides)
+
+
+def cmd_validate(args) -> int:
+    if args.all:
+        results = validate_file(args.config)
+        bad = 0
+        for name, errs in results.items():
+            print(f"{name}: {'ok' if not errs else 'INVALID'}")
+            for e in errs:
+                print(f"  {e}", file=sys.stderr)
+            bad += bool(errs)
+        return 2 if bad else 0
+    cfg = _load(args)
+    print(to_yaml(cfg), end="")
+    mc = cfg.model.resolve()
+    print(f"# model: {cfg.model.name}/{cfg.model.preset}, {mc.num_parameters / 1e6:.2f}M parameters", flush=True)
+    if args.forward:
+        _forward_check(cfg)
+    print(f"pipeline '{cfg.name}' is valid")
+    return 0
+
+
+def _forward_check(cfg: PipelineConfig) -> None:
+    import time
+
+    import numpy as np
+
+    from model.runtime import setup_mindspore
+
+    setup_mindspore()
+    import mindspore as ms
+
+    from model.registry import build_model
+
+    mc = cfg.model.resolve()
+    t0 = time.perf_counter()
+    net = build_model(cfg.model.name, mc, seed=cfg.pretrain.seed)
+    ids = np.random.default_rng(0).integers(0, mc.vocab_size, size=(2, min(32, cfg.data.seq_length)), dtype=np.int32)
+    logits = net(ms.Tensor(ids)).asnumpy()
+    print(
+        f"# forward pass: input_ids {list(ids.shape)} -> logits {list(logits.shape)}, "
+        f"finite={bool(np.isfinite(logits).all())}, mean={logits.mean():.4f}, std={logits.std():.4f}, "
+        f"{time.perf_counter() - t0:.1f}s"
+    )
+
+
+def _not_built(what: str, issue: str) -> Callable:
+    def run(args) -> int:
+        _load(args) if hasattr(args, "pipeline") else None
+        raise NotBuiltYet(f"'{args.command}' is not built yet ({what}; tracked in issue {issue})")
+
+    return run
+
+
+COMMANDS: dict[str, Callable] = {
+    "validate": cmd_validate,
+    "data": _not_built("data stage", "[2/9]"),
+    "train": _not_built("pretraining", "[3/9]"),
+    "finetune": _not_built("fine-tuning", "[6/9]"),
+    "eval": _not_built("evaluation", "[5/9]"),
+    "export": _not_built("export", "[7/9]"),
+    "predict": _not_built("generation", "[5/9]"),
+    "convert": _not_built("weight conversion", "[8/9]"),
+    "lineage": _not_built("lineage review", "[4/9]"),
+    "plan": _not_built("memory plan", "[3/9]"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args) or 0
+    except ConfigError as exc:
+        print(f"error: {len(exc.errors)} problem(s) in {args.config}:", file=sys.stderr)
+        for e in exc.errors:
+            print(f"  {e}", file=sys.stderr)
+        return 2
+    except NotBuiltYet as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 3
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except (StageError, OSError, ValueError, RuntimeError) as exc:
+        from tasks.artifacts import ArtifactError  # noqa: F401  (same family of messages)
+
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

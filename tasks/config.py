@@ -1,0 +1,567 @@
+"""The `pipelines.yaml` schema: one pydantic model per section, validated before any compute.
+
+Importable without MindSpore, so the CLI and the flows validate a pipeline in
+milliseconds. Use:
+
+    pipes = load_pipelines("pipelines.yaml")            # PipelinesFile
+    cfg = resolve_pipeline("pipelines.yaml", "demo", overrides=["pretrain.max_steps=10"])
+    cfg.pretrain.max_steps  -> 10
+
+Every error names its YAML path (`pipelines.demo.parallel.tensor_parallel`)
+and what would fix it; all errors of a file are reported together
+(`ConfigError.errors`).
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import glob
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from model.config import PRESETS, ModelConfig
+
+# ----------------------------------------------------------------------------- errors
+
+
+class ConfigError(ValueError):
+    """One or more problems in a pipelines file; `errors` lists them, each naming its YAML path."""
+
+    def __init__(self, errors: list[str]):
+        self.errors = list(errors)
+        super().__init__("\n".join(self.errors))
+
+
+# ----------------------------------------------------------------------------- sections
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, validate_default=True)
+
+
+class ModelSection(_Section):
+    name: str = "llama"
+    """Registered model name (see model.registry.default_registry)."""
+    preset: str = "tiny"
+    """Named ModelConfig preset: tiny, small, tiny-llama-bench, llama2-7b, llama3-8b."""
+    vocab_size: int | None = Field(None, gt=0)
+    """Override the preset's vocabulary size (must equal the tokenizer's)."""
+    hidden_size: int | None = Field(None, gt=0)
+    intermediate_size: int | None = Field(None, gt=0)
+    num_layers: int | None = Field(None, gt=0)
+    num_heads: int | None = Field(None, gt=0)
+    num_kv_heads: int | None = Field(None, gt=0)
+    max_seq_length: int | None = Field(None, gt=0)
+    rope_theta: float | None = Field(None, gt=0)
+    norm_eps: float | None = Field(None, gt=0)
+    tie_embeddings: bool | None = None
+    init_std: float | None = Field(None, gt=0)
+
+    def overrides(self) -> dict[str, Any]:
+        return {k: v for k, v in self.model_dump().items() if k not in ("name", "preset") and v is not None}
+
+    def resolve(self) -> ModelConfig:
+        """The ModelConfig this section describes (preset + overrides)."""
+        return ModelConfig.from_name(self.preset, **self.overrides())
+
+
+class TokenizerSection(_Section):
+    path: str | None = None
+    """An existing SentencePiece tokenizer.model to reuse (continued pretraining keeps the base's)."""
+    model_type: Literal["bpe", "unigram"] = "bpe"
+    vocab_size: int = Field(512, ge=64)
+    """Vocabulary size to train; must equal the model's vocab_size."""
+    character_coverage: float = Field(1.0, gt=0, le=1.0)
+    """SentencePiece character_coverage; 0.9995 suits Chinese/Japanese."""
+    sample_documents: int = Field(20000, gt=0)
+    """At most this many documents (chosen deterministically) train the tokenizer."""
+    max_sentence_length: int = Field(16384, gt=0)
+
+
+class CleanSection(_Section):
+    normalize: Literal["NFC", "NFKC", "none"] = "NFC"
+    dedup: bool = True
+    """Drop exact duplicates (by sha256 of the normalized text)."""
+    min_chars: int = Field(1, ge=0)
+    max_chars: int | None = Field(None, gt=0)
+    invalid_utf8: Literal["replace", "skip"] = "replace"
+
+
+class DataSection(_Section):
+    sources: list[str] = Field(default_factory=list)
+    """Files, directories or globs (.txt, .jsonl, .jsonl.gz, .json, .parquet), or `hf:NAME` for a cached hub dataset."""
+    text_field: str = "text"
+    """Field holding the document text in JSON / JSON Lines / parquet inputs."""
+    txt_split: Literal["file", "blank_lines"] = "blank_lines"
+    """`.txt` inputs: one document per file, or one per blank-line-separated paragraph."""
+    seq_length: int = Field(128, gt=0)
+    """Tokens per training example; blocks hold seq_length + 1 tokens."""
+    tokenizer: TokenizerSection = Field(default_factory=TokenizerSection)
+    clean: CleanSection = Field(default_factory=CleanSection)
+    tail: Literal["drop", "pad"] = "drop"
+    """What happens to the last partial block of each split."""
+    validation_fraction: float = Field(0.05, ge=0, lt=1)
+    validation_documents: int | None = Field(None, ge=1)
+    """Held-out documents by count; overrides validation_fraction."""
+    num_shards: int = Field(1, ge=1, le=1000)
+    num_workers: int = Field(2, ge=1)
+    """Processes that tokenize in parallel."""
+    chunk_documents: int = Field(2000, ge=1)
+    """Documents per tokenization chunk (the unit a Dask worker maps over)."""
+    seed: int = 1234
+    dask_address: str | None = None
+    """Run the tokenization fan-out on this Dask scheduler instead of in-process."""
+
+
+class OptimizerSection(_Section):
+    name: Literal["adamw"] = "adamw"
+    lr: float = Field(3e-4, gt=0)
+    min_lr: float = Field(3e-5, ge=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.1, ge=0)
+    decay_norms_and_biases: bool = False
+    decay_embeddings: bool = False
+
+
+class ScheduleSection(_Section):
+    warmup_steps: int = Field(10, ge=0)
+    decay: Literal["cosine", "linear", "constant"] = "cosine"
+
+
+class PretrainSection(_Section):
+    micro_batch_size: int = Field(8, gt=0)
+    gradient_accumulation: int = Field(1, gt=0)
+    seq_length: int | None = Field(None, gt=0)
+    """Defaults to data.seq_length; must not exceed it."""
+    max_steps: int | None = Field(None, gt=0)
+    max_tokens: int | None = Field(None, gt=0)
+    """Alternative to max_steps: stop after this many training tokens."""
+    optimizer: OptimizerSection = Field(default_factory=OptimizerSection)
+    schedule: ScheduleSection = Field(default_factory=ScheduleSection)
+    grad_clip: float | None = Field(1.0, gt=0)
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    loss_scale: float = Field(65536.0, gt=0)
+    """Initial dynamic loss scale (fp16 only)."""
+    recompute: bool = False
+    seed: int = 42
+    log_steps: int = Field(10, gt=0)
+    eval_steps: int = Field(50, gt=0)
+    eval_batches: int = Field(8, gt=0)
+    max_nonfinite_steps: int = Field(5, gt=0)
+    """Consecutive NaN/Inf steps (each skipped) before the run stops."""
+    peak_flops: float | None = Field(None, gt=0)
+    """Device peak FLOP/s for MFU; measured with a matmul when omitted."""
+    init_from: str | None = None
+    """A pretrain artifact (or converted HF checkpoint) to continue from; None = from scratch."""
+    replay_ratio: float = Field(0.0, ge=0, lt=1)
+    """Share of each batch drawn from the init model's own training data."""
+
+
+class ParallelSection(_Section):
+    data_parallel: int = Field(1, ge=1)
+    tensor_parallel: int = Field(1, ge=1)
+    pipeline_parallel: int = Field(1, ge=1)
+    micro_batch_num: int = Field(1, ge=1)
+    optimizer_shard: bool = False
+    device_num: int = Field(1, ge=1)
+    device_target: Literal["CPU", "GPU", "Ascend"] = "CPU"
+    master_addr: str = "127.0.0.1"
+    master_port: int = Field(8118, ge=1024, le=65535)
+    node_num: int = Field(1, ge=1)
+    node_rank: int = Field(0, ge=0)
+
+
+class CheckpointSection(_Section):
+    save_steps: int = Field(100, gt=0)
+    keep_checkpoint_max: int = Field(3, ge=1)
+    load_checkpoint: str | None = None
+    """A checkpoint file or directory to load weights from."""
+    resume: bool = True
+    """Continue from the newest complete checkpoint of this run, when one exists."""
+    format: Literal["safetensors", "ckpt"] = "safetensors"
+
+
+class LoraSection(_Section):
+    rank: int = Field(8, gt=0)
+    alpha: float = Field(16.0, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] | str = Field(default_factory=lambda: ["q_proj", "v_proj"])
+    """Projection names (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj) or a regex."""
+
+
+class FinetuneSection(_Section):
+    method: Literal["lora", "full"] = "lora"
+    lora: LoraSection = Field(default_factory=LoraSection)
+    sources: list[str] = Field(default_factory=list)
+    format: Literal["text", "instruction"] = "instruction"
+    max_steps: int = Field(50, gt=0)
+    micro_batch_size: int = Field(8, gt=0)
+    lr: float = Field(1e-3, gt=0)
+
+
+class EvalSection(_Section):
+    tasks: list[str] = Field(default_factory=list)
+    limit: int | None = Field(None, gt=0)
+    """At most this many examples per task."""
+    batch_size: int = Field(8, gt=0)
+    perplexity_files: list[str] = Field(default_factory=list)
+    prompts: list[str] = Field(default_factory=list)
+    max_new_tokens: int = Field(64, gt=0)
+    temperature: float = Field(0.0, ge=0)
+    top_k: int | None = Field(None, gt=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    seed: int = 0
+
+
+class ExportSection(_Section):
+    formats: list[Literal["mindir", "onnx"]] = Field(default_factory=lambda: ["mindir", "onnx"])
+    batch_size: int = Field(1, gt=0)
+    seq_length: int = Field(32, gt=0)
+    atol: float = Field(1e-4, gt=0)
+
+
+class PipelineConfig(_Section):
+    """One named pipeline, fully resolved (after `base:` and `--set`)."""
+
+    description: str = ""
+    model: ModelSection = Field(default_factory=ModelSection)
+    data: DataSection = Field(default_factory=DataSection)
+    pretrain: PretrainSection = Field(default_factory=PretrainSection)
+    parallel: ParallelSection = Field(default_factory=ParallelSection)
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    finetune: FinetuneSection = Field(default_factory=FinetuneSection)
+    eval: EvalSection = Field(default_factory=EvalSection)
+    export: ExportSection = Field(default_factory=ExportSection)
+
+    # set by resolve_pipeline; not YAML keys
+    name: str = ""
+    base_dir: str = "."
+
+    def model_config_resolved(self) -> ModelConfig:
+        return self.model.resolve()
+
+    def section(self, name: str) -> dict[str, Any]:
+        """A section as plain data (what a stage's cache key hashes)."""
+        return getattr(self, name).model_dump(mode="json")
+
+    def resolve_path(self, p: str) -> Path:
+        """A path from the YAML, relative to the pipelines file's directory."""
+        q = Path(os.path.expanduser(p))
+        return q if q.is_absolute() else Path(self.base_dir) / q
+
+
+_YAML_KEYS_EXCLUDED = {"name", "base_dir"}
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def _suggest(key: str, valid: list[str]) -> str:
+    near = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    hint = f"did you mean '{near[0]}'? " if near else ""
+    return f"{hint}valid keys: {', '.join(sorted(valid))}"
+
+
+def _model_at(loc: tuple, root: type[BaseModel] = PipelineConfig) -> type[BaseModel] | None:
+    m: Any = root
+    for part in loc:
+        if not (isinstance(m, type) and issubclass(m, BaseModel)) or part not in m.model_fields:
+            return None
+        ann = m.model_fields[part].annotation
+        m = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+    return m
+
+
+def _format_pydantic(prefix: str, exc: ValidationError) -> list[str]:
+    out = []
+    for e in exc.errors():
+        loc = tuple(str(x) for x in e["loc"])
+        path = ".".join([prefix, *loc])
+        if e["type"] == "extra_forbidden":
+            parent = _model_at(tuple(e["loc"][:-1]))
+            valid = [k for k in (parent.model_fields if parent else []) if k not in _YAML_KEYS_EXCLUDED]
+            out.append(f"{path}: unknown key '{loc[-1]}'; {_suggest(loc[-1], valid)}")
+        elif e["type"] == "literal_error":
+            out.append(f"{path}: {e['input']!r} is not allowed; {e['msg'].lower()}")
+        elif e["type"] in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
+            out.append(f"{path}: {e['input']!r} is out of range; value must be {e['msg'].split('be ', 1)[-1]}")
+        else:
+            out.append(f"{path}: {e['msg']} (got {e['input']!r}); fix the type of this value")
+    return out
+
+
+def _deep_merge(base: dict, over: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def read_pipelines_file(path: str | os.PathLike) -> dict[str, Any]:
+    """The raw YAML of a pipelines file: {'default': name, 'pipelines': {...}}."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError([f"{p}: pipelines file not found; pass --config PATH or create pipelines.yaml"])
+    try:
+        raw = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise ConfigError([f"{p}: not valid YAML: {exc}"]) from None
+    if not isinstance(raw, dict) or not isinstance(raw.get("pipelines"), dict) or not raw["pipelines"]:
+        raise ConfigError([f"{p}: expected a mapping with a non-empty 'pipelines:' mapping of named pipelines"])
+    unknown = set(raw) - {"default", "pipelines"}
+    if unknown:
+        k = sorted(unknown)[0]
+        raise ConfigError([f"{k}: unknown top-level key '{k}'; {_suggest(k, ['default', 'pipelines'])}"])
+    return raw
+
+
+def _raw_pipeline(raw: dict, name: str, seen: tuple[str, ...] = ()) -> dict:
+    pipes = raw["pipelines"]
+    if name not in pipes:
+        near = difflib.get_close_matches(name, list(pipes), n=1)
+        hint = f" did you mean '{near[0]}'?" if near else ""
+        where = f"pipelines.{seen[-1]}.base" if seen else "--pipeline"
+        raise ConfigError([f"{where}: no pipeline named '{name}';{hint} defined: {', '.join(sorted(pipes))}"])
+    if name in seen:
+        raise ConfigError([f"pipelines.{name}.base: circular 'base:' chain {' -> '.join([*seen, name])}; remove one link"])
+    body = pipes[name]
+    if body is None:
+        body = {}
+    if not isinstance(body, dict):
+        raise ConfigError([f"pipelines.{name}: expected a mapping of sections, got {type(body).__name__}"])
+    body = dict(body)
+    base = body.pop("base", None)
+    if base is None:
+        return body
+    if not isinstance(base, str):
+        raise ConfigError([f"pipelines.{name}.base: must be the name of another pipeline, got {base!r}"])
+    return _deep_merge(_raw_pipeline(raw, base, (*seen, name)), body)
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """`a.b.c=VALUE` -> (['a','b','c'], yaml-parsed VALUE)."""
+    if "=" not in item:
+        raise ConfigError([f"--set {item}: expected dotted.key=VALUE, e.g. --set pretrain.max_steps=100"])
+    key, _, value = item.partition("=")
+    parts = [p for p in key.strip().split(".") if p]
+    if not parts:
+        raise ConfigError([f"--set {item}: empty key; expected dotted.key=VALUE"])
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else None
+    except yaml.YAMLError as exc:
+        raise ConfigError([f"--set {item}: VALUE is not valid YAML ({exc})"]) from None
+    return parts, parsed
+
+
+def apply_overrides(body: dict, overrides: list[str] | None) -> dict:
+    body = copy.deepcopy(body)
+    for item in overrides or []:
+        parts, value = parse_override(item)
+        node = body
+        for p in parts[:-1]:
+            nxt = node.get(p)
+            if nxt is None:
+                nxt = node[p] = {}
+            if not isinstance(nxt, dict):
+                raise ConfigError([f"--set {item}: '{p}' is a value, not a section"])
+            node = nxt
+        node[parts[-1]] = value
+    return body
+
+
+def default_pipeline_name(raw: dict, path: str | os.PathLike = "pipelines.yaml") -> str:
+    name = raw.get("default")
+    if name is None:
+        return "demo" if "demo" in raw["pipelines"] else sorted(raw["pipelines"])[0]
+    if name not in raw["pipelines"]:
+        raise ConfigError([f"default: '{name}' is not a pipeline in {path}; defined: {', '.join(sorted(raw['pipelines']))}"])
+    return name
+
+
+def resolve_pipeline(
+    path: str | os.PathLike = "pipelines.yaml",
+    name: str | None = None,
+    overrides: list[str] | None = None,
+    check_files: bool = True,
+) -> PipelineConfig:
+    """Load, inherit (`base:`), override (`--set`) and validate one pipeline. Raises ConfigError."""
+    raw = read_pipelines_file(path)
+    name = name or default_pipeline_name(raw, path)
+    body = apply_overrides(_raw_pipeline(raw, name), overrides)
+    prefix = f"pipelines.{name}"
+    bad_top = [k for k in body if k in _YAML_KEYS_EXCLUDED]
+    if bad_top:
+        raise ConfigError([f"{prefix}.{bad_top[0]}: '{bad_top[0]}' is set by the loader, not in YAML; remove it"])
+    try:
+        cfg = PipelineConfig.model_validate(body)
+    except ValidationError as exc:
+        raise ConfigError(_format_pydantic(prefix, exc)) from None
+    cfg.name = name
+    cfg.base_dir = str(Path(path).resolve().parent)
+    errors = check_pipeline(cfg, prefix, check_files=check_files)
+    if errors:
+        raise ConfigError(errors)
+    return cfg
+
+
+# ----------------------------------------------------------------------------- cross-field rules
+
+
+def _expand_source(cfg: PipelineConfig, src: str) -> list[Path]:
+    if src.startswith("hf:"):
+        return []
+    p = cfg.resolve_path(src)
+    if any(ch in src for ch in "*?["):
+        return [Path(x) for x in sorted(glob.glob(str(p), recursive=True))]
+    return [p] if p.exists() else []
+
+
+def check_pipeline(cfg: PipelineConfig, prefix: str, check_files: bool = True) -> list[str]:
+    """Rules that span keys or touch the file system; each message names a YAML path and a fix."""
+    errs: list[str] = []
+    # model
+    if cfg.model.preset not in PRESETS:
+        errs.append(
+            f"{prefix}.model.preset: unknown preset '{cfg.model.preset}'; "
+            f"{_suggest(cfg.model.preset, list(PRESETS)).replace('valid keys', 'presets')}"
+        )
+        return errs
+    try:
+        mc = cfg.model.resolve()
+    except ValueError as exc:
+        errs.append(f"{prefix}.model: {exc}")
+        return errs
+    par = cfg.parallel
+    if mc.num_heads % mc.num_kv_heads:
+        errs.append(
+            f"{prefix}.model.num_kv_heads: num_heads={mc.num_heads} is not divisible by num_kv_heads={mc.num_kv_heads}; "
+            "choose num_kv_heads that divides num_heads"
+        )
+    if mc.num_heads % par.tensor_parallel or mc.num_kv_heads % par.tensor_parallel:
+        errs.append(
+            f"{prefix}.parallel.tensor_parallel: {par.tensor_parallel} must divide num_heads={mc.num_heads} "
+            f"and num_kv_heads={mc.num_kv_heads}; pick a divisor of {mc.num_kv_heads}"
+        )
+    elif mc.intermediate_size % par.tensor_parallel:
+        errs.append(
+            f"{prefix}.parallel.tensor_parallel: {par.tensor_parallel} must divide intermediate_size={mc.intermediate_size}"
+        )
+    # parallel layout
+    prod = par.data_parallel * par.tensor_parallel * par.pipeline_parallel
+    if prod != par.device_num:
+        errs.append(
+            f"{prefix}.parallel.device_num: data_parallel×tensor_parallel×pipeline_parallel = "
+            f"{par.data_parallel}×{par.tensor_parallel}×{par.pipeline_parallel} = {prod} but device_num = {par.device_num}; "
+            f"set device_num: {prod} or change the layout"
+        )
+    if par.micro_batch_num < par.pipeline_parallel:
+        errs.append(
+            f"{prefix}.parallel.micro_batch_num: {par.micro_batch_num} < pipeline_parallel={par.pipeline_parallel}; "
+            f"set micro_batch_num >= {par.pipeline_parallel} so every stage has work"
+        )
+    if par.pipeline_parallel > mc.num_layers:
+        errs.append(
+            f"{prefix}.parallel.pipeline_parallel: {par.pipeline_parallel} stages for {mc.num_layers} layers; "
+            f"use at most {mc.num_layers}"
+        )
+    if par.node_rank >= par.node_num:
+        errs.append(f"{prefix}.parallel.node_rank: {par.node_rank} must be < node_num={par.node_num}")
+    # sequence lengths
+    if cfg.data.seq_length > mc.max_seq_length:
+        errs.append(
+            f"{prefix}.data.seq_length: {cfg.data.seq_length} exceeds the model's max_seq_length={mc.max_seq_length}; "
+            f"lower it or set model.max_seq_length"
+        )
+    sl = cfg.pretrain.seq_length
+    if sl is not None and sl > min(cfg.data.seq_length, mc.max_seq_length):
+        errs.append(
+            f"{prefix}.pretrain.seq_length: {sl} exceeds data.seq_length={cfg.data.seq_length} "
+            f"(or the model's max_seq_length={mc.max_seq_length}); lower it"
+        )
+    if cfg.export.seq_length > mc.max_seq_length:
+        errs.append(f"{prefix}.export.seq_length: {cfg.export.seq_length} exceeds max_seq_length={mc.max_seq_length}")
+    # tokenizer vs model
+    if cfg.data.tokenizer.path is None and cfg.data.tokenizer.vocab_size != mc.vocab_size:
+        errs.append(
+            f"{prefix}.data.tokenizer.vocab_size: {cfg.data.tokenizer.vocab_size} differs from the model's "
+            f"vocab_size={mc.vocab_size}; make them equal (set model.vocab_size or data.tokenizer.vocab_size)"
+        )
+    # training budget and schedule
+    pt = cfg.pretrain
+    if pt.max_steps is None and pt.max_tokens is None:
+        errs.append(f"{prefix}.pretrain.max_steps: set max_steps or max_tokens")
+    if pt.max_steps is not None and pt.schedule.warmup_steps > pt.max_steps:
+        errs.append(
+            f"{prefix}.pretrain.schedule.warmup_steps: {pt.schedule.warmup_steps} > max_steps={pt.max_steps}; "
+            "warmup must fit in the run"
+        )
+    if pt.optimizer.min_lr > pt.optimizer.lr:
+        errs.append(f"{prefix}.pretrain.optimizer.min_lr: {pt.optimizer.min_lr} > lr={pt.optimizer.lr}; min_lr must be <= lr")
+    if pt.precision in ("bf16", "fp16") and par.device_target == "CPU":
+        errs.append(
+            f"{prefix}.pretrain.precision: {pt.precision} has no MindSpore CPU kernels for training "
+            "(MatMul/Softmax reject bf16; fp16 runs at half speed); use fp32 on CPU or set parallel.device_target"
+        )
+    if pt.replay_ratio > 0 and not pt.init_from:
+        errs.append(f"{prefix}.pretrain.replay_ratio: replay needs pretrain.init_from (the model whose data is replayed)")
+    # lora
+    valid_mods = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    tm = cfg.finetune.lora.target_modules
+    if isinstance(tm, list):
+        for i, m in enumerate(tm):
+            if m not in valid_mods:
+                errs.append(
+                    f"{prefix}.finetune.lora.target_modules[{i}]: unknown module '{m}'; "
+                    f"{_suggest(m, sorted(valid_mods)).replace('valid keys', 'modules')}"
+                )
+    if cfg.data.validation_fraction == 0 and cfg.data.validation_documents is None:
+        errs.append(f"{prefix}.data.validation_fraction: 0 leaves no held-out split; set a fraction > 0 or validation_documents")
+    # files
+    if check_files:
+        if not cfg.data.sources:
+            errs.append(f"{prefix}.data.sources: empty; list at least one corpus file, directory or glob")
+        for i, src in enumerate(cfg.data.sources):
+            if not src.startswith("hf:") and not _expand_source(cfg, src):
+                errs.append(f"{prefix}.data.sources[{i}]: '{src}' matches no file (looked in {cfg.resolve_path(src)}); fix the path")
+        for key, val in (
+            ("data.tokenizer.path", cfg.data.tokenizer.path),
+            ("checkpoint.load_checkpoint", cfg.checkpoint.load_checkpoint),
+            ("pretrain.init_from", cfg.pretrain.init_from),
+        ):
+            if val and not cfg.resolve_path(val).exists():
+                errs.append(f"{prefix}.{key}: '{val}' does not exist (looked in {cfg.resolve_path(val)}); fix the path")
+        for i, src in enumerate(cfg.finetune.sources):
+            if not _expand_source(cfg, src):
+                errs.append(f"{prefix}.finetune.sources[{i}]: '{src}' matches no file; fix the path")
+        for i, src in enumerate(cfg.eval.perplexity_files):
+            if not cfg.resolve_path(src).is_file():
+                errs.append(f"{prefix}.eval.perplexity_files[{i}]: '{src}' is not a file; fix the path")
+    return errs
+
+
+def validate_file(path: str | os.PathLike = "pipelines.yaml") -> dict[str, list[str]]:
+    """Validate every pipeline of a file; {name: [errors]} (empty lists when fine)."""
+    raw = read_pipelines_file(path)
+    out = {}
+    for name in raw["pipelines"]:
+        try:
+            resolve_pipeline(path, name)
+            out[name] = []
+        except ConfigError as exc:
+            out[name] = exc.errors
+    return out
+
+
+def to_yaml(cfg: PipelineConfig) -> str:
+    data = cfg.model_dump(mode="json", exclude=_YAML_KEYS_EXCLUDED)
+    return yaml.safe_dump({cfg.name: data}, sort_keys=False)
