@@ -139,17 +139,106 @@ def _not_built(what: str, issue: str) -> Callable:
     return run
 
 
+def _store(args):
+    from tasks.artifacts import ArtifactStore
+
+    return ArtifactStore(args.artifacts)
+
+
+def _upstream(args, store, stage: str, pipeline: str, hint: str) -> Path:
+    if args.from_:
+        return store.find(args.from_)
+    p = store.newest(stage, pipeline)
+    if p is None:
+        raise StageError(f"no {stage} artifact for pipeline '{pipeline}' under {store.root}; run `{hint}` first or pass --from PATH")
+    return p
+
+
+def cmd_data(args) -> int:
+    from tasks import data
+
+    cfg = _load(args)
+    store = _store(args)
+    tok = None
+    if cfg.pretrain.init_from:  # continued pretraining keeps the base model's tokenizer
+        tok = store.find(str(cfg.resolve_path(cfg.pretrain.init_from))) / "tokenizer.model"
+    path = data.run(cfg, store, tokenizer_model=tok)
+    _print_metrics(path)
+    print(path)
+    return 0
+
+
+def cmd_train(args) -> int:
+    from tasks import pretrain
+
+    cfg = _load(args)
+    store = _store(args)
+    data_art = _upstream(args, store, "data", cfg.name, f"msllm data --pipeline {cfg.name}")
+    init = store.find(str(cfg.resolve_path(cfg.pretrain.init_from))) if cfg.pretrain.init_from else None
+    path = pretrain.run(cfg, store, data_art, init_from=init, retries=1)
+    _print_metrics(path)
+    print(path)
+    return 0
+
+
+def _print_metrics(path: Path) -> None:
+    import json
+
+    m = json.loads((Path(path) / "manifest.json").read_text())
+    shown = {k: v for k, v in m.get("metrics", {}).items() if not isinstance(v, (dict, list))}
+    print(f"# {m['stage']} artifact {m['key']}: " + ", ".join(
+        f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in shown.items()))
+
+
+def cmd_plan(args) -> int:
+    from tasks.memory import GiB, Layout, estimate, parse_bytes, plan
+
+    cfg = _load(args)
+    mc = cfg.model.resolve()
+    par, pt = cfg.parallel, cfg.pretrain
+    seq = pt.seq_length or cfg.data.seq_length
+    lay = Layout(dp=par.data_parallel, tp=par.tensor_parallel, pp=par.pipeline_parallel,
+                 micro_batch_num=par.micro_batch_num, optimizer_shard=par.optimizer_shard)
+    mem = parse_bytes(args.device_memory)
+    est = estimate(mc, micro_batch=pt.micro_batch_size, seq=seq, precision=pt.precision, recompute=pt.recompute,
+                   layout=lay, backend=par.device_target)
+    print(f"model {cfg.model.preset}: {mc.num_parameters / 1e9:.3f}B parameters; micro batch {pt.micro_batch_size}, "
+          f"seq {seq}, {pt.precision}, recompute {'on' if pt.recompute else 'off'}, backend {par.device_target}")
+    print(f"configured layout dp={lay.dp} tp={lay.tp} pp={lay.pp} (micro_batch_num={lay.micro_batch_num}, "
+          f"optimizer_shard={lay.optimizer_shard}): per-device estimate")
+    print(est.table())
+    fits = est.total <= mem
+    print(f"  -> {'fits' if fits else 'DOES NOT FIT'} in {mem / GiB:.1f} GiB per device")
+    devices = args.devices or par.device_num
+    rows = plan(mc, devices=devices, device_memory=mem, micro_batch=pt.micro_batch_size, seq=seq,
+                precision=pt.precision, backend=par.device_target)
+    print(f"\nlayouts for {devices} device(s) × {mem / GiB:.1f} GiB (best first):")
+    for lay2, rc, e2, ok in rows[:8]:
+        print(f"  {'fits ' if ok else 'no   '} dp={lay2.dp} tp={lay2.tp} pp={lay2.pp} micro_batch_num={lay2.micro_batch_num} "
+              f"optimizer_shard={str(lay2.optimizer_shard).lower():5} recompute={'on ' if rc else 'off'} "
+              f"{e2.total / GiB:8.2f} GiB")
+    best = next((r for r in rows if r[3]), None)
+    if best is None:
+        print("recommendation: nothing fits; add devices, lower micro_batch_size or seq_length")
+        return 1
+    lay2, rc, e2, _ = best
+    print(f"recommendation: parallel: {{data_parallel: {lay2.dp}, tensor_parallel: {lay2.tp}, pipeline_parallel: {lay2.pp}, "
+          f"micro_batch_num: {lay2.micro_batch_num}, optimizer_shard: {str(lay2.optimizer_shard).lower()}, "
+          f"device_num: {lay2.devices}}}, pretrain.recompute: {str(rc).lower()}  ({e2.total / GiB:.2f} GiB per device)")
+    return 0
+
+
 COMMANDS: dict[str, Callable] = {
     "validate": cmd_validate,
-    "data": _not_built("data stage", "[2/9]"),
-    "train": _not_built("pretraining", "[3/9]"),
+    "data": cmd_data,
+    "train": cmd_train,
     "finetune": _not_built("fine-tuning", "[6/9]"),
     "eval": _not_built("evaluation", "[5/9]"),
     "export": _not_built("export", "[7/9]"),
     "predict": _not_built("generation", "[5/9]"),
     "convert": _not_built("weight conversion", "[8/9]"),
     "lineage": _not_built("lineage review", "[4/9]"),
-    "plan": _not_built("memory plan", "[3/9]"),
+    "plan": cmd_plan,
 }
 
 
@@ -169,8 +258,6 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except (StageError, OSError, ValueError, RuntimeError) as exc:
-        from tasks.artifacts import ArtifactError  # noqa: F401  (same family of messages)
-
         print(f"error: {exc}", file=sys.stderr)
         return 1
 

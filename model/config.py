@@ -1,0 +1,146 @@
+"""Architecture config for the LLaMA decoder, plus named presets.
+
+Usage:
+    cfg = ModelConfig.from_name("tiny")                  # a preset
+    cfg = ModelConfig.from_name("small", max_seq_length=256)  # preset + overrides
+    cfg = ModelConfig.from_dict(checkpoint_meta["model"])     # round-trip via to_dict()
+
+Only architecture lives here: no trainer, data or parallelism settings.
+Derived values (head_dim, num_parameters, flops_per_token) are properties,
+never stored, so they cannot drift from the fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+
+@dataclass
+class ModelConfig:
+    """Shapes and hyper-parameters of a LLaMA-style decoder-only transformer."""
+
+    vocab_size: int
+    """Number of token ids; rows of the embedding table and columns of the logits."""
+    hidden_size: int
+    """Width of the residual stream (d_model)."""
+    intermediate_size: int
+    """Inner width of the SwiGLU MLP (gate/up projections output this many features)."""
+    num_layers: int
+    """Number of decoder layers."""
+    num_heads: int
+    """Number of query heads; must divide hidden_size."""
+    num_kv_heads: int
+    """Number of key/value heads (grouped-query attention); must divide num_heads."""
+    max_seq_length: int
+    """Longest sequence the model supports; RoPE tables are precomputed up to this length."""
+    rope_theta: float = 10000.0
+    """Base of the rotary position embedding frequencies."""
+    norm_eps: float = 1e-5
+    """Epsilon added to the mean square in RMSNorm."""
+    tie_embeddings: bool = False
+    """If True the output projection reuses the embedding table (no separate lm_head)."""
+    init_std: float = 0.02
+    """Standard deviation of the normal init of embedding and projection weights."""
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "max_seq_length"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
+        for name in ("rope_theta", "norm_eps", "init_std"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive number, got {value!r}")
+        if not isinstance(self.tie_embeddings, bool):
+            raise ValueError(f"ModelConfig.tie_embeddings must be a bool, got {self.tie_embeddings!r}")
+        if self.hidden_size % self.num_heads != 0:
+            raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by "
+                             f"num_heads ({self.num_heads})")
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ValueError(f"num_heads ({self.num_heads}) must be divisible by "
+                             f"num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim % 2 != 0:
+            raise ValueError(f"head_dim (hidden_size / num_heads = {self.head_dim}) must be even for RoPE")
+
+    # ---- derived values -------------------------------------------------
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head."""
+        return self.hidden_size // self.num_heads
+
+    @property
+    def _layer_matmul_params(self) -> int:
+        h, kv = self.hidden_size, self.num_kv_heads * self.head_dim
+        attn = 2 * h * h + 2 * h * kv             # q, o: [h, h]; k, v: [kv, h]
+        mlp = 3 * h * self.intermediate_size      # gate, up, down
+        return attn + mlp
+
+    @property
+    def num_parameters(self) -> int:
+        """Exact number of parameters of `LlamaForCausalLM(self)`."""
+        h = self.hidden_size
+        layer = self._layer_matmul_params + 2 * h  # + input/post-attention RMSNorm
+        embed = self.vocab_size * h
+        head = 0 if self.tie_embeddings else self.vocab_size * h
+        return embed + self.num_layers * layer + h + head  # + final norm
+
+    def flops_per_token(self, seq_len: int | None = None) -> float:
+        """Training FLOPs (forward + backward) per token, PaLM appendix B / Chinchilla style.
+
+        6 * N_matmul + 12 * num_layers * hidden_size * seq_len, where N_matmul counts
+        the weights that take part in a matmul: all projections of every layer plus the
+        output projection (vocab_size * hidden_size, also when tied). The embedding
+        lookup and the norm weights do no matmul and are left out. The second term is
+        the attention score and value matmuls (QK^T and PV, forward + backward) without
+        discounting the causal mask, as PaLM does. `seq_len` defaults to max_seq_length.
+        """
+        t = self.max_seq_length if seq_len is None else seq_len
+        h = self.hidden_size
+        n_matmul = self.num_layers * self._layer_matmul_params + self.vocab_size * h
+        return 6.0 * n_matmul + 12.0 * self.num_layers * h * t
+
+    # ---- (de)serialisation ------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict of the fields (JSON/YAML friendly); `from_dict` inverts it."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
+        """Build from a dict of fields; unknown keys raise ValueError naming the key."""
+        known = {f.name for f in fields(cls)}
+        for key in d:
+            if key not in known:
+                raise ValueError(f"unknown ModelConfig key {key!r}; valid keys: {sorted(known)}")
+        return cls(**dict(d))
+
+    @classmethod
+    def from_name(cls, name: str, **overrides: Any) -> "ModelConfig":
+        """Preset `name` from PRESETS, with fields replaced by `overrides`."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown model preset {name!r}; available: {sorted(PRESETS)}")
+        return cls.from_dict({**PRESETS[name], **overrides})
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # Unit tests: compiles and runs in seconds.
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=172, num_layers=2,
+                 num_heads=4, num_kv_heads=2, max_seq_length=128),
+    # Demo model trained on 2 CPU cores: ~20.8M parameters, the cheapest shape we
+    # found inside the 20-50M target (hidden 384 / 6 layers is only ~12.6M).
+    "small": dict(vocab_size=4096, hidden_size=512, intermediate_size=1376, num_layers=6,
+                  num_heads=8, num_kv_heads=2, max_seq_length=512),
+    # Shapes used for the MindSpore vs PyTorch throughput comparison.
+    "tiny-llama-bench": dict(vocab_size=8192, hidden_size=256, intermediate_size=688,
+                             num_layers=4, num_heads=8, num_kv_heads=4, max_seq_length=256),
+    # Real shapes, for the memory estimator (never built on CPU).
+    "llama2-7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                      num_layers=32, num_heads=32, num_kv_heads=32, max_seq_length=4096),
+    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                      num_layers=32, num_heads=32, num_kv_heads=8, max_seq_length=8192,
+                      rope_theta=500000.0, norm_eps=1e-5),
+}

@@ -1,0 +1,226 @@
+"""LLaMA decoder-only transformer in MindSpore, and its causal-LM loss.
+
+    model = LlamaForCausalLM(ModelConfig.from_name("tiny"), seed=0)
+    logits = model(input_ids)              # [B, T] int32 -> [B, T, vocab] float32
+    loss = model.loss(input_ids, labels)   # labels aligned with input_ids, -100 = ignore
+
+Parameter names mirror Hugging Face's LlamaForCausalLM without the "model."
+prefix (embed_tokens.weight, layers.0.self_attn.q_proj.weight, ..., norm.weight,
+lm_head.weight), every projection weight is [out, in] and RoPE uses HF's
+rotate-half layout, so weight conversion is a plain rename table.
+
+CPU-driven choices (see MINDSPORE_CPU_NOTES.md): projections are one 2-D MatMul
+on the flattened tokens, attention scores use BatchMatMul(transpose_b=True), the
+loss is a hand-written log-sum-exp, and RMSNorm / embedding avoid Rsqrt and
+nn.Embedding so the model exports to ONNX.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import mindspore as ms
+from mindspore import Parameter, Tensor, nn, ops
+
+from model.config import ModelConfig
+
+_MASKED = -1e9  # additive score for disallowed keys; exp() of it underflows to exactly 0
+
+
+def rope_tables(head_dim: int, max_seq_length: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin tables [max_seq_length, head_dim] for rotate-half RoPE (HF layout)."""
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    freqs = np.outer(np.arange(max_seq_length, dtype=np.float64), inv_freq)  # [S, hd/2]
+    angles = np.concatenate([freqs, freqs], axis=-1)                         # [S, hd]
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate x [B, heads, T, hd] by the angles of its positions; cos/sin are [T, hd]."""
+    x1, x2 = ops.chunk(x, 2, axis=-1)
+    return x * cos + ops.cat((-x2, x1), axis=-1) * sin
+
+
+def causal_mask(q_positions: Tensor, k_positions: Tensor) -> Tensor:
+    """Additive mask [Tq, Tk]: 0 where the key is at or before the query, else -1e9.
+
+    Built from positions (not from T alone) so a KV-cache decode step, whose
+    queries sit at the end of a longer key sequence, can reuse it.
+    """
+    future = k_positions.reshape(1, -1) > q_positions.reshape(-1, 1)
+    return future.astype(ms.float32) * _MASKED
+
+
+class Linear(nn.Cell):
+    """Bias-free projection with an [out, in] weight, as ONE 2-D matmul on flattened tokens."""
+
+    def __init__(self, weight: np.ndarray):
+        super().__init__()
+        self.out_features = weight.shape[0]
+        self.weight = Parameter(Tensor(weight), name="weight")
+        self.matmul = ops.MatMul(transpose_b=True)
+
+    def construct(self, x: Tensor) -> Tensor:
+        # x: [..., in] -> [N, in] @ [out, in]^T -> [..., out]
+        y = self.matmul(x.reshape(-1, x.shape[-1]), self.weight)
+        return y.reshape(x.shape[:-1] + (self.out_features,))
+
+
+class Embedding(nn.Cell):
+    """Token embedding as a gather on a [vocab, hidden] Parameter (ONNX-exportable)."""
+
+    def __init__(self, weight: np.ndarray):
+        super().__init__()
+        self.weight = Parameter(Tensor(weight), name="weight")
+
+    def construct(self, input_ids: Tensor) -> Tensor:
+        return ops.gather(self.weight, input_ids, 0)  # [B, T] -> [B, T, H]
+
+
+class RMSNorm(nn.Cell):
+    """x / sqrt(mean(x^2) + eps) * weight, over the last axis (no Rsqrt: ONNX has no mapping)."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = Parameter(Tensor(np.ones(hidden_size, np.float32)), name="weight")
+
+    def construct(self, x: Tensor) -> Tensor:
+        mean_sq = ops.mean(ops.square(x), -1, keep_dims=True)  # [..., 1]
+        return x / ops.sqrt(mean_sq + self.eps) * self.weight
+
+
+class Attention(nn.Cell):
+    """Grouped-query causal self-attention with RoPE."""
+
+    def __init__(self, config: ModelConfig, init):
+        super().__init__()
+        h, hd = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, hd
+        self.n_rep = config.num_heads // config.num_kv_heads
+        self.scale = hd ** -0.5
+        self.q_proj = Linear(init(config.num_heads * hd, h))
+        self.k_proj = Linear(init(config.num_kv_heads * hd, h))
+        self.v_proj = Linear(init(config.num_kv_heads * hd, h))
+        self.o_proj = Linear(init(h, config.num_heads * hd))
+        self.scores_matmul = ops.BatchMatMul(transpose_b=True)
+        self.values_matmul = ops.BatchMatMul()
+
+    def construct(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
+        b, t, h = x.shape
+        nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        q = ops.transpose(self.q_proj(x).reshape(b, t, nh, hd), (0, 2, 1, 3))   # [B, nh, T, hd]
+        k = ops.transpose(self.k_proj(x).reshape(b, t, nkv, hd), (0, 2, 1, 3))  # [B, nkv, S, hd]
+        v = ops.transpose(self.v_proj(x).reshape(b, t, nkv, hd), (0, 2, 1, 3))  # [B, nkv, S, hd]
+        q = apply_rope(q, cos, sin) * self.scale
+        k = apply_rope(k, cos, sin)
+        # (a KV cache would append k, v here and return them; S = cached + T)
+        # GQA without copying K/V: query heads h*n_rep..h*n_rep+n_rep-1 share kv head h,
+        # so fold them into the query-length axis of their kv head.
+        q = q.reshape(b, nkv, self.n_rep * t, hd)                                 # [B, nkv, rep*T, hd]
+        scores = self.scores_matmul(q, k)                                         # [B, nkv, rep*T, S]
+        scores = scores.reshape(b, nh, t, -1) + mask                              # [B, nh, T, S]
+        probs = ops.softmax(scores, -1).reshape(b, nkv, self.n_rep * t, -1)       # [B, nkv, rep*T, S]
+        out = self.values_matmul(probs, v).reshape(b, nh, t, hd)                  # [B, nh, T, hd]
+        out = ops.transpose(out, (0, 2, 1, 3)).reshape(b, t, nh * hd)             # [B, T, nh*hd]
+        return self.o_proj(out)                                                   # [B, T, H]
+
+
+class MLP(nn.Cell):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig, init):
+        super().__init__()
+        h, f = config.hidden_size, config.intermediate_size
+        self.gate_proj = Linear(init(f, h))
+        self.up_proj = Linear(init(f, h))
+        self.down_proj = Linear(init(h, f))
+
+    def construct(self, x: Tensor) -> Tensor:
+        return self.down_proj(ops.silu(self.gate_proj(x)) * self.up_proj(x))  # [B, T, H]
+
+
+class DecoderLayer(nn.Cell):
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.))."""
+
+    def __init__(self, config: ModelConfig, init):
+        super().__init__()
+        self.self_attn = Attention(config, init)
+        self.mlp = MLP(config, init)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
+
+    def construct(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)  # [B, T, H]
+        return x + self.mlp(self.post_attention_layernorm(x))            # [B, T, H]
+
+
+class LlamaForCausalLM(nn.Cell):
+    """LLaMA decoder with an LM head; fp32 weights.
+
+    `seed` drives a numpy RandomState that draws every weight (normal(0, init_std),
+    norms = 1), so the init is reproducible and independent of MindSpore's global seed.
+    """
+
+    def __init__(self, config: ModelConfig, seed: int | None = None):
+        super().__init__()
+        self.config = config
+        rng = np.random.RandomState(seed)
+
+        def init(*shape: int) -> np.ndarray:
+            return rng.normal(0.0, config.init_std, size=shape).astype(np.float32)
+
+        h = config.hidden_size
+        self.tie_embeddings = config.tie_embeddings
+        self.embed_tokens = Embedding(init(config.vocab_size, h))
+        self.layers = nn.CellList([DecoderLayer(config, init) for _ in range(config.num_layers)])
+        self.norm = RMSNorm(h, config.norm_eps)
+        if not config.tie_embeddings:
+            self.lm_head = Linear(init(config.vocab_size, h))
+        self.tied_matmul = ops.MatMul(transpose_b=True)
+        cos, sin = rope_tables(config.head_dim, config.max_seq_length, config.rope_theta)
+        self.rope_cos, self.rope_sin = Tensor(cos), Tensor(sin)  # constants, not Parameters
+
+    def enable_recompute(self) -> None:
+        """Recompute each decoder layer's activations in backward (less memory, more compute)."""
+        for layer in self.layers:
+            layer.recompute()
+
+    def construct(self, input_ids: Tensor) -> Tensor:
+        b, t = input_ids.shape
+        positions = ops.arange(t, dtype=ms.int32)                      # [T]
+        cos = ops.gather(self.rope_cos, positions, 0)                  # [T, hd]
+        sin = ops.gather(self.rope_sin, positions, 0)                  # [T, hd]
+        mask = causal_mask(positions, positions)                       # [T, T]
+        x = self.embed_tokens(input_ids)                               # [B, T, H]
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask)                               # [B, T, H]
+        x = self.norm(x)                                               # [B, T, H]
+        if self.tie_embeddings:
+            logits = self.tied_matmul(x.reshape(b * t, -1), self.embed_tokens.weight)
+            return logits.reshape(b, t, -1)                            # [B, T, V]
+        return self.lm_head(x)                                         # [B, T, V]
+
+    def loss(self, input_ids: Tensor, labels: Tensor) -> Tensor:
+        """Mean next-token cross-entropy; labels[b, t] is the target of position t."""
+        return causal_lm_loss(self.construct(input_ids), labels)  # self(...) fails under jit
+
+
+def causal_lm_loss(logits: Tensor, labels: Tensor, ignore_index: int = -100) -> Tensor:
+    """Mean cross-entropy of logits [B, T, V] against labels [B, T], skipping ignore_index.
+
+    Labels are already aligned with the logits (no shift here: the data pipeline
+    stores tokens[1:] as labels of tokens[:-1]). Returns a float32 scalar, 0 when
+    every label is ignored. Log-sum-exp with the max under stop_gradient: the max
+    only stabilises, and differentiating through ReduceMax is slow on CPU.
+    """
+    vocab = logits.shape[-1]
+    logits = logits.reshape(-1, vocab).astype(ms.float32)                      # [N, V]
+    labels = labels.reshape(-1)                                                # [N]
+    keep = labels != ignore_index                                              # [N]
+    safe_labels = ops.select(keep, labels, ops.zeros_like(labels))
+    row_max = ops.stop_gradient(ops.amax(logits, -1, True))                    # [N, 1]
+    lse = ops.log(ops.sum(ops.exp(logits - row_max), -1)) + row_max.reshape(-1)  # [N]
+    target = ops.gather_elements(logits, 1, safe_labels.reshape(-1, 1)).reshape(-1)  # [N]
+    nll = ops.select(keep, lse - target, ops.zeros_like(lse))                  # [N]
+    count = keep.astype(ms.float32).sum()
+    return nll.sum() / ops.maximum(count, 1.0)

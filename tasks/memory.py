@@ -1,0 +1,156 @@
+"""Per-device training memory: an estimate, and a layout recommendation (`msllm plan`).
+
+    est = estimate(model_cfg, micro_batch=8, seq=256, precision="fp32", recompute=False,
+                   layout=Layout(dp=1, tp=1, pp=1))
+    est.total, est.parts            # bytes per device
+    plan(model_cfg, devices=8, device_memory=32 * 2**30, ...)  # ranked layouts that fit
+
+Parts, per device:
+- parameters: fp32 master weights (+ a half-precision copy under bf16/fp16), split by
+  tensor parallel (attention/MLP matrices) and pipeline stages (layers);
+- gradients: one per trainable parameter, in the compute dtype;
+- optimizer: AdamW moments, 2 × fp32, divided by data parallel with optimizer_shard;
+- activations: what backward needs per layer per micro-batch, following Korthikanti
+  et al. (2022, "Reducing Activation Recomputation") adapted to SwiGLU and GQA; with
+  recompute only each layer's input is kept, plus one layer's working set; a pipeline
+  stage holds up to `pp` micro-batches in flight (1F1B);
+- logits: the [B, T, V] logits, their softmax and gradient (fp32);
+- runtime: the framework's own resident memory (CPU: the MindSpore process after
+  import and graph compilation, measured on this machine; GPU/Ascend: workspace).
+The graph executor on CPU keeps intermediates alive for the whole step; the
+activation term carries a backend factor measured against peak RSS of real runs
+(tests/test_memory.py holds the estimate within 30% of the tiny and small presets).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from model.config import ModelConfig
+
+GiB = 2**30
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+# Resident memory of a MindSpore training process beyond the tensors (measured here, CPU).
+RUNTIME_BYTES = {"CPU": int(0.75 * GiB), "GPU": int(1.0 * GiB), "Ascend": int(2.0 * GiB)}
+# Graph-mode executors keep more intermediates than the textbook minimum.
+ACTIVATION_FACTOR = {"CPU": 2.0, "GPU": 1.0, "Ascend": 1.0}
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    micro_batch_num: int = 1
+    optimizer_shard: bool = False
+
+    @property
+    def devices(self) -> int:
+        return self.dp * self.tp * self.pp
+
+
+@dataclass
+class Estimate:
+    parts: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+    def table(self) -> str:
+        rows = [f"  {k:<12} {v / GiB:8.3f} GiB" for k, v in self.parts.items()]
+        return "\n".join([*rows, f"  {'total':<12} {self.total / GiB:8.3f} GiB"])
+
+
+def param_split(cfg: ModelConfig, layout: Layout) -> int:
+    """Parameters held by one device (the first pipeline stage, which also holds the embedding)."""
+    h, f, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_kv_heads * cfg.head_dim
+    attn = h * h * 2 + h * kv * 2  # q, o + k, v
+    mlp = 3 * h * f
+    per_layer = (attn + mlp) // layout.tp + 2 * h
+    layers = -(-cfg.num_layers // layout.pp)
+    embed = cfg.vocab_size * h
+    head = 0 if cfg.tie_embeddings else cfg.vocab_size * h
+    first_stage_extra = embed + (head if layout.pp == 1 else 0) + h
+    return per_layer * layers + first_stage_extra
+
+
+def activation_bytes(cfg: ModelConfig, micro_batch: int, seq: int, precision: str, recompute: bool,
+                     layout: Layout) -> int:
+    s, b, h, a = seq, micro_batch, cfg.hidden_size, cfg.num_heads
+    kv = cfg.num_kv_heads * cfg.head_dim
+    f = cfg.intermediate_size
+    e = DTYPE_BYTES[precision]
+    t = layout.tp
+    # elements per token kept for backward in one layer:
+    #   norms' inputs/outputs 4h, q,k,v (h + 2kv)/t, rope'd q,k (h + kv)/t, attention context h/t,
+    #   scores + softmax 2·a·s/t (+ the fp32 mask-add), o_proj out h, MLP gate/up/act/product 4f/t
+    per_token = 4 * h + (2 * h + 3 * kv + h) / t + 3 * a * s / t + h + 4 * f / t
+    full_layer = s * b * per_token * e
+    layers = -(-cfg.num_layers // layout.pp)
+    in_flight = min(layout.pp, layout.micro_batch_num)
+    if recompute:
+        return int((layers * s * b * h * e + full_layer) * in_flight)
+    return int(layers * full_layer * in_flight)
+
+
+def estimate(cfg: ModelConfig, *, micro_batch: int, seq: int, precision: str = "fp32", recompute: bool = False,
+             layout: Layout = Layout(), backend: str = "CPU", trainable_fraction: float = 1.0) -> Estimate:
+    p = param_split(cfg, layout)
+    half = precision != "fp32"
+    trainable = int(p * trainable_fraction)
+    opt = trainable * 8 // (layout.dp if layout.optimizer_shard else 1)
+    logits = 3 * micro_batch * seq * cfg.vocab_size * 4 // (1 if layout.pp == 1 else 1)
+    act = int(activation_bytes(cfg, micro_batch, seq, precision, recompute, layout) * ACTIVATION_FACTOR.get(backend, 1.0))
+    return Estimate({
+        "parameters": p * 4 + (p * 2 if half else 0),
+        "gradients": trainable * DTYPE_BYTES[precision],
+        "optimizer": opt,
+        "activations": act,
+        "logits": logits,
+        "runtime": RUNTIME_BYTES.get(backend, GiB),
+    })
+
+
+def candidate_layouts(cfg: ModelConfig, devices: int, global_batch: int | None = None) -> list[Layout]:
+    out = []
+    for tp in range(1, devices + 1):
+        if devices % tp or cfg.num_heads % tp or cfg.num_kv_heads % tp or tp > 8:
+            continue
+        for pp in range(1, devices // tp + 1):
+            if (devices // tp) % pp or pp > cfg.num_layers:
+                continue
+            dp = devices // (tp * pp)
+            for shard in (False, True) if dp > 1 else (False,):
+                out.append(Layout(dp=dp, tp=tp, pp=pp, micro_batch_num=max(1, 4 * pp if pp > 1 else 1), optimizer_shard=shard))
+    return out
+
+
+def plan(cfg: ModelConfig, *, devices: int, device_memory: int, micro_batch: int, seq: int, precision: str,
+         backend: str = "Ascend") -> list[tuple[Layout, bool, Estimate, bool]]:
+    """Every candidate (layout, recompute) with its estimate and whether it fits, best first.
+
+    Preference among layouts that fit: no recompute (it costs ~1/3 more compute), then
+    the least model splitting (tensor parallel before pipeline parallel: TP needs fast
+    intra-node links, PP adds bubbles), then optimizer sharding off.
+    """
+    rows = []
+    for lay in candidate_layouts(cfg, devices):
+        for rc in (False, True):
+            est = estimate(cfg, micro_batch=micro_batch, seq=seq, precision=precision, recompute=rc, layout=lay, backend=backend)
+            rows.append((lay, rc, est, est.total <= device_memory))
+
+    def rank(r):
+        lay, rc, est, fits = r
+        return (not fits, rc, lay.tp * lay.pp, lay.pp, lay.optimizer_shard, est.total)
+
+    rows.sort(key=rank)
+    return rows
+
+
+def parse_bytes(text: str) -> int:
+    t = text.strip().lower().replace(" ", "")
+    for suf, mul in (("gib", GiB), ("gb", 10**9), ("mib", 2**20), ("mb", 10**6), ("g", GiB), ("m", 2**20)):
+        if t.endswith(suf):
+            return int(float(t[: -len(suf)]) * mul)
+    return int(float(t))

@@ -1,0 +1,140 @@
+"""AdamW with bias correction, global-norm clipping, a learning-rate schedule and non-finite skipping.
+
+Everything that runs per step is a MindSpore Cell so the whole train step
+compiles under `mindspore.jit`. The learning rate and step count are tensors fed
+in each step (no recompilation); a non-finite loss or gradient norm leaves
+parameters and moments untouched (the caller counts the skip).
+
+MindSpore's own `nn.AdamWeightDecay` has no bias correction; this one matches
+`torch.optim.AdamW` (decoupled weight decay: p -= lr * (m̂ / (√v̂ + eps) + wd * p)).
+"""
+
+from __future__ import annotations
+
+import math
+
+import mindspore as ms
+from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
+
+
+def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, max_steps: int, decay: str) -> float:
+    """Learning rate for optimizer step `step` (0-based): linear warmup, then decay to min_lr."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    if decay == "constant" or max_steps <= warmup_steps:
+        return lr
+    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+    if decay == "linear":
+        return lr + (min_lr - lr) * progress
+    return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))  # cosine
+
+
+def decays(name: str, *, decay_norms_and_biases: bool, decay_embeddings: bool) -> bool:
+    """Whether weight decay applies to a parameter, by its name."""
+    lname = name.lower()
+    if "norm" in lname or lname.endswith("bias"):
+        return decay_norms_and_biases
+    if "embed" in lname:
+        return decay_embeddings
+    return True
+
+
+class AdamW(nn.Cell):
+    """In-graph AdamW over `params`; construct(grads, lr, step, grad_scale) -> (grad_norm, finite).
+
+    `grad_scale` divides the gradients first (gradient accumulation count × loss scale).
+    """
+
+    def __init__(self, params: list[Parameter], *, beta1: float, beta2: float, eps: float,
+                 weight_decay: float, grad_clip: float | None, decay_mask: list[bool]):
+        super().__init__()
+        self.params = ParameterTuple(params)
+        self.exp_avg = self.params.clone(prefix="adam_m", init="zeros")
+        self.exp_avg_sq = self.params.clone(prefix="adam_v", init="zeros")
+        self.beta1, self.beta2, self.eps = beta1, beta2, eps
+        self.wd = tuple(weight_decay if d else 0.0 for d in decay_mask)
+        self.clip = grad_clip if grad_clip is not None else 0.0
+        self.n = len(params)
+
+    def construct(self, grads, lr: Tensor, step: Tensor, grad_scale: Tensor):
+        grads = tuple(g / grad_scale for g in grads)
+        sq = ops.stack([ops.sum(g * g) for g in grads])
+        gnorm = ops.sqrt(ops.sum(sq))
+        finite = ops.logical_and(ops.isfinite(gnorm), ops.isfinite(ops.sum(sq)))
+        coef = ops.ones((), ms.float32)
+        if self.clip > 0:
+            coef = ops.minimum(coef, self.clip / (gnorm + 1e-6))
+        bc1 = 1.0 - ops.pow(self.beta1, step)
+        bc2 = 1.0 - ops.pow(self.beta2, step)
+        for i in range(self.n):
+            p, m, v = self.params[i], self.exp_avg[i], self.exp_avg_sq[i]
+            g = grads[i] * coef
+            m_new = self.beta1 * m + (1.0 - self.beta1) * g
+            v_new = self.beta2 * v + (1.0 - self.beta2) * g * g
+            update = (m_new / bc1) / (ops.sqrt(v_new / bc2) + self.eps) + self.wd[i] * p
+            p_new = p - lr * update
+            ops.assign(m, ops.select(finite, m_new, m))
+            ops.assign(v, ops.select(finite, v_new, v))
+            ops.assign(p, ops.select(finite, p_new, p))
+        return gnorm, finite
+
+
+class TrainStep:
+    """The compiled step: forward, loss, value_and_grad, (accumulate,) clip, AdamW.
+
+    `loss_fn(*batch) -> scalar` closes over the network. With accumulation k > 1,
+    `micro(*batch)` adds gradients into buffers and `apply(lr, step)` updates
+    with their mean; with k == 1 `step(*batch, lr, step)` does both in one graph.
+    """
+
+    def __init__(self, loss_fn, params: list[Parameter], optimizer: AdamW, accumulation: int = 1,
+                 loss_scale: float = 1.0):
+        self.optimizer = optimizer
+        self.k = accumulation
+        self.loss_scale = loss_scale
+        scale = loss_scale
+
+        def scaled_loss(*batch):
+            loss = loss_fn(*batch)
+            return loss * scale, loss
+
+        grad_fn = ms.value_and_grad(scaled_loss, None, weights=params, has_aux=True)
+        self.accum = ParameterTuple(params).clone(prefix="grad_accum", init="zeros") if accumulation > 1 else None
+        accum = self.accum
+
+        @ms.jit
+        def fused(input_ids, labels, lr, step, grad_scale):
+            (_, loss), grads = grad_fn(input_ids, labels)
+            gnorm, finite = optimizer(grads, lr, step, grad_scale)
+            return loss, gnorm, finite
+
+        @ms.jit
+        def micro(input_ids, labels):
+            (_, loss), grads = grad_fn(input_ids, labels)
+            for a, g in zip(accum, grads):
+                ops.assign_add(a, g)
+            return loss
+
+        @ms.jit
+        def apply(lr, step, grad_scale):
+            grads = tuple(a * 1.0 for a in accum)
+            gnorm, finite = optimizer(grads, lr, step, grad_scale)
+            for a in accum:
+                ops.assign(a, ops.zeros_like(a))
+            return gnorm, finite
+
+        self._fused, self._micro, self._apply = fused, micro, apply
+
+    def __call__(self, micro_batches, lr: float, step: int):
+        """micro_batches: list of k (input_ids, labels) numpy pairs. Returns (loss, grad_norm, finite)."""
+        lr_t = Tensor(lr, ms.float32)
+        step_t = Tensor(float(step), ms.float32)
+        if self.k == 1:
+            ids, labels = micro_batches[0]
+            scale = Tensor(self.loss_scale, ms.float32)
+            loss, gnorm, finite = self._fused(Tensor(ids), Tensor(labels), lr_t, step_t, scale)
+            return float(loss.asnumpy()), float(gnorm.asnumpy()), bool(finite.asnumpy())
+        losses = [float(self._micro(Tensor(ids), Tensor(labels)).asnumpy()) for ids, labels in micro_batches]
+        gnorm, finite = self._apply(lr_t, step_t, Tensor(self.loss_scale * self.k, ms.float32))
+        loss = sum(losses) / len(losses)
+        return loss, float(gnorm.asnumpy()), bool(finite.asnumpy()) and math.isfinite(loss)

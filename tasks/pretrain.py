@@ -1,0 +1,278 @@
+"""The pretrain stage: from scratch, or continued from a model artifact, on a data artifact.
+
+    path = run(cfg, store, data_artifact)                  # supervised child process, cached by content
+    path = run(cfg, store, data_artifact, init_from=prev)   # continued pretraining (keeps prev's tokenizer)
+
+The stage runs in a child process (`python -m tasks.pretrain --child SPEC`):
+MindSpore's context is process-global, and a crash or OOM must not take the
+caller (a Prefect flow) down. The child trains in `<root>/runs/pretrain/<key>/`
+(checkpoints, metrics) and publishes the artifact through the store when done;
+a retry of the same key resumes from the newest checkpoint there.
+
+Artifact payload: model.safetensors (weights), model.json (architecture,
+tokenizer ids), tokenizer.model, metrics.jsonl, loss_curve.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from collections import deque
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from tasks.artifacts import ArtifactStore, atomic_write_json, code_version
+from tasks.config import PipelineConfig
+
+STAGE = "pretrain"
+
+
+class StageFailed(RuntimeError):
+    """The stage's child process failed; the message starts with its own error."""
+
+
+# ----------------------------------------------------------------------------- keys and inputs
+
+
+def stage_key(cfg: PipelineConfig, store: ArtifactStore, data_artifact: Path, init_from: Path | None,
+              stage: str = STAGE) -> tuple[str, list[dict[str, Any]], dict[str, Any]]:
+    inputs = [store.input_ref(data_artifact)]
+    if init_from is not None:
+        inputs.append(store.input_ref(init_from))
+    section = {"model": cfg.section("model"), "pretrain": cfg.section("pretrain"), "parallel": cfg.section("parallel")}
+    section["pretrain"].pop("init_from", None)  # identified by its digest among the inputs instead
+    return store.key(stage, section, inputs, code_version(stage)), inputs, section
+
+
+def model_info(artifact: Path) -> dict[str, Any]:
+    return json.loads((Path(artifact) / "model.json").read_text())
+
+
+# ----------------------------------------------------------------------------- supervisor (parent)
+
+
+def run(cfg: PipelineConfig, store: ArtifactStore, data_artifact: Path, init_from: Path | None = None,
+        *, retries: int = 0, isolate: bool = True, progress: bool = True) -> Path:
+    """Return the pretrain artifact for these inputs, training it in a child process if needed."""
+    data_artifact = store.inside(data_artifact)
+    init_from = store.inside(init_from) if init_from else None
+    key, inputs, section = stage_key(cfg, store, data_artifact, init_from)
+    hit = store.lookup(STAGE, key)
+    if hit is not None:
+        return hit
+    run_dir = store.root / "runs" / STAGE / key
+    run_dir.mkdir(parents=True, exist_ok=True)
+    spec = {"config": cfg.model_dump(mode="json"), "root": str(store.root), "data": str(data_artifact),
+            "init_from": str(init_from) if init_from else None, "key": key, "progress": progress}
+    atomic_write_json(run_dir / "spec.json", spec)
+    if not isolate:
+        return train(spec)
+    for attempt in range(retries + 1):
+        err = _run_child(run_dir / "spec.json")
+        hit = store.lookup(STAGE, key)
+        if err is None and hit is not None:
+            return hit
+        if attempt < retries:
+            print(f"[pretrain] attempt {attempt + 1} failed; retrying from the last checkpoint", file=sys.stderr)
+    raise StageFailed(err or "the pretrain child exited without writing its artifact")
+
+
+def _run_child(spec_path: Path) -> str | None:
+    """Run the child, streaming its output; None on success, else its error (last lines) on top."""
+    env = dict(os.environ, GLOG_v=os.environ.get("GLOG_v", "3"), PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "tasks.pretrain", "--child", str(spec_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, bufsize=1)
+    tail: deque[str] = deque(maxlen=40)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        sys.stderr.write(line)
+        tail.append(line.rstrip("\n"))
+    rc = proc.wait()
+    if rc == 0:
+        return None
+    errors = [ln for ln in tail if ln.startswith("error:") or "Error" in ln.split(":")[0]]
+    head = errors[-1] if errors else f"pretrain child exited with code {rc}"
+    if rc < 0 or rc == 137:
+        head = f"pretrain child was killed (signal {-rc if rc < 0 else 9}; out of memory?)"
+    return head + "\n--- last lines of the child's log ---\n" + "\n".join(tail)
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def block_batches(data_artifact: Path, split: str, batch_size: int, seq_length: int, seed: int,
+                  start_sample: int = 0, repeat: bool = True, num_shards: int = 1, shard_id: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """(input_ids [B, T], labels [B, T]) from a data artifact's packed blocks; labels -100 where masked."""
+    from tasks.dataset import open_blocks
+
+    for b in open_blocks(data_artifact, split, batch_size=batch_size, num_shards=num_shards, shard_id=shard_id,
+                         seed=seed, start_sample=start_sample, repeat=repeat, shuffle=(split == "train")):
+        ids = b["input_ids"][:, : seq_length + 1].astype(np.int32)
+        mask = b["loss_mask"][:, :seq_length]
+        labels = np.where(mask > 0, ids[:, 1:], -100).astype(np.int32)
+        yield np.ascontiguousarray(ids[:, :-1]), labels
+
+
+def mixed_batches(main: Iterator, replay: Iterator | None, ratio: float, batch_size: int) -> Iterator:
+    """Replace round(ratio × B) rows of each main batch with rows of the replay stream."""
+    n_replay = int(round(ratio * batch_size)) if replay is not None else 0
+    for ids, labels in main:
+        if n_replay:
+            rids, rlabels = next(replay)
+            ids = np.concatenate([ids[: batch_size - n_replay], rids[:n_replay]])
+            labels = np.concatenate([labels[: batch_size - n_replay], rlabels[:n_replay]])
+        yield ids, labels
+
+
+def unigram_entropy(data_artifact: Path, split: str = "train") -> float:
+    """Entropy (nats/token) of the split's unigram token distribution: the loss of a model that ignores context."""
+    counts: np.ndarray | None = None
+    for ids, labels in block_batches(data_artifact, split, 64, 10**9, seed=0, repeat=False):
+        tok = labels[labels != -100]
+        c = np.bincount(tok, minlength=1)
+        counts = c if counts is None else np.pad(counts, (0, max(0, len(c) - len(counts)))) + np.pad(c, (0, max(0, len(counts) - len(c))))
+    if counts is None or counts.sum() == 0:
+        return float("nan")
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+# ----------------------------------------------------------------------------- the child
+
+
+def train(spec: dict[str, Any]) -> Path | None:
+    """Train and publish the artifact (runs inside the child process)."""
+    from model.runtime import setup_mindspore
+
+    cfg = PipelineConfig.model_validate(spec["config"])
+    setup_mindspore(cfg.parallel.device_target, seed=cfg.pretrain.seed)
+    return _train(cfg, ArtifactStore(spec["root"]), Path(spec["data"]),
+                  Path(spec["init_from"]) if spec["init_from"] else None, spec["key"], spec.get("progress", True),
+                  stop_after=spec.get("stop_after"), fault_steps=spec.get("fault_steps", []))
+
+
+def build_network(cfg: PipelineConfig, init_from: Path | None):
+    """The model: architecture from the init artifact when continuing, else from the config (seeded init)."""
+    from model.config import ModelConfig
+    from model.registry import build_model
+    from tasks.checkpoint import load_weights
+    from tasks.trainer import _assign
+
+    if init_from is None:
+        mc = cfg.model.resolve()
+        net = build_model(cfg.model.name, mc, seed=cfg.pretrain.seed)
+        return net, mc
+    info = model_info(init_from)
+    mc = ModelConfig.from_dict(info["model"])
+    net = build_model(info.get("name", cfg.model.name), mc, seed=cfg.pretrain.seed)
+    _assign(net.trainable_params(), load_weights(init_from), str(init_from))
+    return net, mc
+
+
+def _train(cfg: PipelineConfig, store: ArtifactStore, data_artifact: Path, init_from: Path | None, key: str,
+           progress: bool, stop_after: int | None = None, fault_steps: list[int] | None = None) -> Path | None:
+    from model.llama import causal_lm_loss
+    from tasks.trainer import LoopConfig, fit, plot_loss_curve
+
+    _, inputs, section = stage_key(cfg, store, data_artifact, init_from)
+    data_manifest = store.read_manifest(data_artifact)
+    net, mc = build_network(cfg, init_from)
+    tok = json.loads((data_artifact / "tokenizer.json").read_text())
+    if tok["vocab_size"] != mc.vocab_size:
+        raise ValueError(
+            f"tokenizer of {data_artifact} has {tok['vocab_size']} pieces but the model's vocab_size is "
+            f"{mc.vocab_size}; set model.vocab_size / data.tokenizer.vocab_size to match"
+        )
+    if init_from is not None:
+        base_tok = Path(init_from) / "tokenizer.model"
+        if base_tok.read_bytes() != (data_artifact / "tokenizer.model").read_bytes():
+            raise ValueError(
+                f"continued pretraining must keep the base model's tokenizer: {data_artifact} was tokenized with "
+                f"another tokenizer.model than {init_from}; rerun the data stage with the base's tokenizer"
+            )
+    if cfg.pretrain.recompute:
+        net.enable_recompute()
+    seq = cfg.pretrain.seq_length or cfg.data.seq_length
+    pt = cfg.pretrain
+    max_steps = pt.max_steps or max(1, pt.max_tokens // (pt.micro_batch_size * pt.gradient_accumulation * seq))
+    loop = LoopConfig.from_sections(pt, cfg.checkpoint, max_steps, progress=progress)
+    loop.stop_after, loop.fault_steps = stop_after, list(fault_steps or [])
+
+    replay_data = None
+    if init_from is not None and pt.replay_ratio > 0:
+        prev = store.read_manifest(init_from)
+        replay_data = next((Path(i["path"]) for i in prev["inputs"] if i.get("stage") == "data"), None)
+        if replay_data is None or not store.is_complete(replay_data):
+            raise ValueError(f"pretrain.replay_ratio: the data artifact of {init_from} is gone; rebuild it or set replay_ratio: 0")
+
+    def batches(start: int) -> Iterator:
+        main = block_batches(data_artifact, "train", pt.micro_batch_size, seq, pt.seed, start_sample=start)
+        replay = block_batches(replay_data, "train", pt.micro_batch_size, seq, pt.seed + 1, start_sample=start) if replay_data else None
+        return mixed_batches(main, replay, pt.replay_ratio, pt.micro_batch_size)
+
+    def valid() -> Iterator:
+        return block_batches(data_artifact, "valid", pt.micro_batch_size, seq, 0, repeat=False)
+
+    params = net.trainable_params()
+    run_dir = store.root / "runs" / STAGE / key
+    meta = {"model": mc.to_dict(), "name": cfg.model.name, "tokenizer_sha256": _tok_sha(data_artifact),
+            "seed": pt.seed, "data_artifact": data_manifest["key"]}
+    def loss_fn(ids, labels):  # a def, not a lambda: MindSpore's jit parser needs it on its own line
+        return causal_lm_loss(net(ids), labels)
+
+    result = fit(net, params, loss_fn, loop,
+                 batches=batches, valid=valid, run_dir=run_dir, meta=meta,
+                 flops_per_token=mc.flops_per_token(seq), tokens_per_sample=seq)
+    if result.stopped_early:
+        return None  # stopped on request (tests): checkpoints stay in run_dir, no artifact
+    entropy = unigram_entropy(data_artifact)
+    with store.build(STAGE, key, pipeline=cfg.name, config=section, inputs=inputs, code=code_version(STAGE)) as b:
+        from tasks.checkpoint import save_tensors
+
+        save_tensors(b.dir / "model.safetensors", {p.name: p.asnumpy() for p in params})
+        shutil.copy2(data_artifact / "tokenizer.model", b.dir / "tokenizer.model")
+        atomic_write_json(b.dir / "model.json", {"name": cfg.model.name, "model": mc.to_dict(), "tokenizer": tok,
+                                                 "seq_length": seq})
+        shutil.copy2(run_dir / "metrics.jsonl", b.dir / "metrics.jsonl")
+        plot_loss_curve(result.history, b.dir / "loss_curve.png",
+                        f"{cfg.name}: {cfg.model.preset} ({mc.num_parameters / 1e6:.1f}M params)")
+        b.metrics.update(
+            steps=result.steps, consumed_samples=result.consumed_samples, tokens=result.consumed_samples * seq,
+            final_train_loss=result.final_loss, val_loss=result.val_loss,
+            val_ppl=math.exp(result.val_loss) if result.val_loss is not None else None,
+            unigram_entropy=entropy, skipped_steps=result.skipped_steps, tokens_per_s=result.tokens_per_s,
+            parameters=mc.num_parameters, continued_from=str(init_from) if init_from else None,
+        )
+    print(f"[pretrain] val_loss {result.val_loss:.4f} vs unigram entropy {entropy:.4f} nats/token", file=sys.stderr)
+    return b.path
+
+
+def _tok_sha(data_artifact: Path) -> str:
+    from tasks.artifacts import sha256_file
+
+    return sha256_file(Path(data_artifact) / "tokenizer.model")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--child", required=True)
+    args = ap.parse_args(argv)
+    spec = json.loads(Path(args.child).read_text())
+    try:
+        path = train(spec)
+    except (ValueError, RuntimeError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
