@@ -3,6 +3,8 @@
     model = LlamaForCausalLM(ModelConfig.from_name("tiny"), seed=0)
     logits = model(input_ids)              # [B, T] int32 -> [B, T, vocab] float32
     loss = model.loss(input_ids, labels)   # labels aligned with input_ids, -100 = ignore
+    k, v = model.init_cache(batch_size=1)  # KV-cache decoding (see model/generate.py)
+    logits, k, v = model.forward_cached(input_ids, ms.Tensor(0, ms.int32), k, v)
 
 Parameter names mirror Hugging Face's LlamaForCausalLM without the "model."
 prefix (embed_tokens.weight, layers.0.self_attn.q_proj.weight, ..., norm.weight,
@@ -106,14 +108,33 @@ class Attention(nn.Cell):
         self.values_matmul = ops.BatchMatMul()
 
     def construct(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
+        q, k, v = self._qkv(x, cos, sin)
+        return self._attend(q, k, v, mask)                                        # [B, T, H]
+
+    def construct_cached(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, src: Tensor, written: Tensor,
+                         k_cache: Tensor, v_cache: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Attention of x's T tokens over a fixed-size cache [B, nkv, S, hd] that they are written into.
+
+        Cache slot j takes the new token src[j] where written[j] (one gather + select keeps the
+        cache shape fixed, so a jit-compiled step never recompiles); mask is [T, S].
+        """
+        q, k, v = self._qkv(x, cos, sin)
+        place = written.reshape(1, 1, -1, 1)                                      # [1, 1, S, 1]
+        k_cache = ops.where(place, ops.gather(k, src, 2), k_cache)               # [B, nkv, S, hd]
+        v_cache = ops.where(place, ops.gather(v, src, 2), v_cache)               # [B, nkv, S, hd]
+        return self._attend(q, k_cache, v_cache, mask), k_cache, v_cache
+
+    def _qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         b, t, h = x.shape
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
         q = ops.transpose(self.q_proj(x).reshape(b, t, nh, hd), (0, 2, 1, 3))   # [B, nh, T, hd]
-        k = ops.transpose(self.k_proj(x).reshape(b, t, nkv, hd), (0, 2, 1, 3))  # [B, nkv, S, hd]
-        v = ops.transpose(self.v_proj(x).reshape(b, t, nkv, hd), (0, 2, 1, 3))  # [B, nkv, S, hd]
-        q = apply_rope(q, cos, sin) * self.scale
-        k = apply_rope(k, cos, sin)
-        # (a KV cache would append k, v here and return them; S = cached + T)
+        k = ops.transpose(self.k_proj(x).reshape(b, t, nkv, hd), (0, 2, 1, 3))  # [B, nkv, T, hd]
+        v = ops.transpose(self.v_proj(x).reshape(b, t, nkv, hd), (0, 2, 1, 3))  # [B, nkv, T, hd]
+        return apply_rope(q, cos, sin) * self.scale, apply_rope(k, cos, sin), v
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+        b, nh, t, hd = q.shape
+        nkv = self.num_kv_heads
         # GQA without copying K/V: query heads h*n_rep..h*n_rep+n_rep-1 share kv head h,
         # so fold them into the query-length axis of their kv head.
         q = q.reshape(b, nkv, self.n_rep * t, hd)                                 # [B, nkv, rep*T, hd]
@@ -152,6 +173,13 @@ class DecoderLayer(nn.Cell):
     def construct(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)  # [B, T, H]
         return x + self.mlp(self.post_attention_layernorm(x))            # [B, T, H]
+
+    def construct_cached(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, src: Tensor, written: Tensor,
+                         k_cache: Tensor, v_cache: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        a, k_cache, v_cache = self.self_attn.construct_cached(self.input_layernorm(x), cos, sin, mask, src, written,
+                                                              k_cache, v_cache)
+        x = x + a                                                        # [B, T, H]
+        return x + self.mlp(self.post_attention_layernorm(x)), k_cache, v_cache
 
 
 class LlamaForCausalLM(nn.Cell):
@@ -194,11 +222,52 @@ class LlamaForCausalLM(nn.Cell):
         x = self.embed_tokens(input_ids)                               # [B, T, H]
         for layer in self.layers:
             x = layer(x, cos, sin, mask)                               # [B, T, H]
+        return self._logits(x)                                         # [B, T, V]
+
+    def _logits(self, x: Tensor) -> Tensor:
+        b, t, _ = x.shape
         x = self.norm(x)                                               # [B, T, H]
         if self.tie_embeddings:
             logits = self.tied_matmul(x.reshape(b * t, -1), self.embed_tokens.weight)
             return logits.reshape(b, t, -1)                            # [B, T, V]
         return self.lm_head(x)                                         # [B, T, V]
+
+    def init_cache(self, batch_size: int, max_len: int | None = None) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
+        """Zeroed KV caches for `forward_cached`: per layer one K and one V of [B, n_kv, max_len, head_dim]."""
+        c = self.config
+        shape = (batch_size, c.num_kv_heads, max_len or c.max_seq_length, c.head_dim)
+        k = tuple(ops.zeros(shape, ms.float32) for _ in range(c.num_layers))
+        v = tuple(ops.zeros(shape, ms.float32) for _ in range(c.num_layers))
+        return k, v
+
+    def forward_cached(self, input_ids: Tensor, start_pos: Tensor, k_caches: tuple, v_caches: tuple
+                       ) -> tuple[Tensor, tuple, tuple]:
+        """Logits of input_ids [B, T] at positions start_pos.. (a 0-d int32 Tensor), attending to the cache.
+
+        Writes the tokens' K/V into cache slots start_pos..start_pos+T-1 and returns
+        (logits [B, T, V], new k_caches, new v_caches). Caches keep their fixed shape
+        [B, n_kv, S, hd] (S slots; see `init_cache`), and start_pos is a Tensor, so one
+        jit compilation serves every decode step. Slots after the last written one may
+        hold stale values: the causal mask hides them, and positions past the prompt
+        are overwritten before any query can see them. Prefill is a call with start_pos 0.
+        """
+        b, t = input_ids.shape
+        s = k_caches[0].shape[2]
+        positions = start_pos + ops.arange(t, dtype=ms.int32)          # [T]
+        slots = ops.arange(s, dtype=ms.int32)                          # [S]
+        cos = ops.gather(self.rope_cos, positions, 0)                  # [T, hd]
+        sin = ops.gather(self.rope_sin, positions, 0)                  # [T, hd]
+        mask = causal_mask(positions, slots)                           # [T, S]
+        offset = slots - start_pos                                     # [S]: which new token goes to slot j
+        written = ops.logical_and(offset >= 0, offset < t)             # [S]
+        src = ops.clip(offset, 0, t - 1)                               # [S]
+        x = self.embed_tokens(input_ids)                               # [B, T, H]
+        new_k, new_v = (), ()
+        for i, layer in enumerate(self.layers):
+            x, k, v = layer.construct_cached(x, cos, sin, mask, src, written, k_caches[i], v_caches[i])
+            new_k = new_k + (k,)
+            new_v = new_v + (v,)
+        return self._logits(x), new_k, new_v                           # [B, T, V], caches
 
     def loss(self, input_ids: Tensor, labels: Tensor) -> Tensor:
         """Mean next-token cross-entropy; labels[b, t] is the target of position t."""

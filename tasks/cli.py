@@ -190,6 +190,14 @@ def _print_metrics(path: Path) -> None:
         f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in shown.items()))
 
 
+def cmd_lineage(args) -> int:
+    from tasks.lineage import lineage_tree, render
+
+    store = _store(args)
+    print(render(lineage_tree(store, store.find(args.artifact)), args.format))
+    return 0
+
+
 def cmd_plan(args) -> int:
     from tasks.memory import GiB, Layout, estimate, parse_bytes, plan
 
@@ -237,7 +245,7 @@ COMMANDS: dict[str, Callable] = {
     "export": _not_built("export", "[7/9]"),
     "predict": _not_built("generation", "[5/9]"),
     "convert": _not_built("weight conversion", "[8/9]"),
-    "lineage": _not_built("lineage review", "[4/9]"),
+    "lineage": cmd_lineage,
     "plan": cmd_plan,
 }
 

@@ -80,6 +80,8 @@ class TokenizerSection(_Section):
     """SentencePiece character_coverage; 0.9995 suits Chinese/Japanese."""
     sample_documents: int = Field(20000, gt=0)
     """At most this many documents (chosen deterministically) train the tokenizer."""
+    sample_chars: int = Field(20_000_000, gt=0)
+    """...and at most about this many characters of them (bounds tokenizer training time and memory)."""
     max_sentence_length: int = Field(16384, gt=0)
 
 
@@ -113,6 +115,9 @@ class DataSection(_Section):
     """Processes that tokenize in parallel."""
     chunk_documents: int = Field(2000, ge=1)
     """Documents per tokenization chunk (the unit a Dask worker maps over)."""
+    chunk_bytes: int = Field(2 * 1024 * 1024, ge=1)
+    """...a chunk also closes at this many bytes of text, so corpora of long documents still fan out.
+    Neither chunk setting changes the output bytes."""
     seed: int = 1234
     dask_address: str | None = None
     """Run the tokenization fan-out on this Dask scheduler instead of in-process."""
@@ -162,6 +167,26 @@ class PretrainSection(_Section):
     """A pretrain artifact (or converted HF checkpoint) to continue from; None = from scratch."""
     replay_ratio: float = Field(0.0, ge=0, lt=1)
     """Share of each batch drawn from the init model's own training data."""
+
+
+class ContinuedSection(_Section):
+    """Continued pretraining on new-domain corpora, starting from this pipeline's pretrained model.
+
+    The full pipeline runs it after `pretrain` when `sources` is set; the scheduled
+    continued-pretraining flow runs it on every new corpus dropped into `inbox`.
+    The base model's tokenizer is kept; other pretrain settings are inherited.
+    """
+
+    sources: list[str] = Field(default_factory=list)
+    """New-domain corpora (files, directories, globs); empty = no continued pretraining in full-pipeline."""
+    inbox: str | None = None
+    """Directory the scheduled flow scans for new corpora (each consumed once, by sha256)."""
+    max_steps: int = Field(100, gt=0)
+    lr: float | None = Field(None, gt=0)
+    """Peak learning rate (default: pretrain.optimizer.lr)."""
+    warmup_steps: int = Field(10, ge=0)
+    replay_ratio: float = Field(0.0, ge=0, lt=1)
+    """Share of each batch replayed from the base model's own training data (limits forgetting)."""
 
 
 class ParallelSection(_Section):
@@ -234,6 +259,7 @@ class PipelineConfig(_Section):
     model: ModelSection = Field(default_factory=ModelSection)
     data: DataSection = Field(default_factory=DataSection)
     pretrain: PretrainSection = Field(default_factory=PretrainSection)
+    continued: ContinuedSection = Field(default_factory=ContinuedSection)
     parallel: ParallelSection = Field(default_factory=ParallelSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     finetune: FinetuneSection = Field(default_factory=FinetuneSection)
@@ -250,6 +276,20 @@ class PipelineConfig(_Section):
     def section(self, name: str) -> dict[str, Any]:
         """A section as plain data (what a stage's cache key hashes)."""
         return getattr(self, name).model_dump(mode="json")
+
+    def for_continued(self, sources: list[str]) -> "PipelineConfig":
+        """The config of a continued-pretraining run on `sources` (base tokenizer kept by the caller)."""
+        c = self.model_copy(deep=True)
+        c.data.sources = list(sources)
+        cont = self.continued
+        c.pretrain.max_steps, c.pretrain.max_tokens = cont.max_steps, None
+        c.pretrain.schedule.warmup_steps = cont.warmup_steps
+        c.pretrain.eval_steps = min(c.pretrain.eval_steps, cont.max_steps)
+        if cont.lr is not None:
+            c.pretrain.optimizer.lr = cont.lr
+            c.pretrain.optimizer.min_lr = min(c.pretrain.optimizer.min_lr, cont.lr)
+        c.pretrain.replay_ratio = cont.replay_ratio
+        return c
 
     def resolve_path(self, p: str) -> Path:
         """A path from the YAML, relative to the pipelines file's directory."""
@@ -512,6 +552,8 @@ def check_pipeline(cfg: PipelineConfig, prefix: str, check_files: bool = True) -
             f"{prefix}.pretrain.precision: {pt.precision} has no MindSpore CPU kernels for training "
             "(MatMul/Softmax reject bf16; fp16 runs at half speed); use fp32 on CPU or set parallel.device_target"
         )
+    if cfg.continued.warmup_steps > cfg.continued.max_steps:
+        errs.append(f"{prefix}.continued.warmup_steps: {cfg.continued.warmup_steps} > max_steps={cfg.continued.max_steps}")
     if pt.replay_ratio > 0 and not pt.init_from:
         errs.append(f"{prefix}.pretrain.replay_ratio: replay needs pretrain.init_from (the model whose data is replayed)")
     # lora
@@ -540,6 +582,9 @@ def check_pipeline(cfg: PipelineConfig, prefix: str, check_files: bool = True) -
         ):
             if val and not cfg.resolve_path(val).exists():
                 errs.append(f"{prefix}.{key}: '{val}' does not exist (looked in {cfg.resolve_path(val)}); fix the path")
+        for i, src in enumerate(cfg.continued.sources):
+            if not _expand_source(cfg, src):
+                errs.append(f"{prefix}.continued.sources[{i}]: '{src}' matches no file (looked in {cfg.resolve_path(src)}); fix the path")
         for i, src in enumerate(cfg.finetune.sources):
             if not _expand_source(cfg, src):
                 errs.append(f"{prefix}.finetune.sources[{i}]: '{src}' matches no file; fix the path")

@@ -32,6 +32,7 @@ from tasks.artifacts import ArtifactStore, atomic_write_json, code_version
 from tasks.config import PipelineConfig
 
 STAGE = "pretrain"
+STOPPED_EARLY = 75  # child exit code: stopped on request before max_steps, checkpoints kept
 
 
 class StageFailed(RuntimeError):
@@ -51,19 +52,20 @@ def stage_key(cfg: PipelineConfig, store: ArtifactStore, data_artifact: Path, in
     return store.key(stage, section, inputs, code_version(stage)), inputs, section
 
 
-def model_info(artifact: Path) -> dict[str, Any]:
-    return json.loads((Path(artifact) / "model.json").read_text())
-
-
 # ----------------------------------------------------------------------------- supervisor (parent)
 
 
 def run(cfg: PipelineConfig, store: ArtifactStore, data_artifact: Path, init_from: Path | None = None,
-        *, retries: int = 0, isolate: bool = True, progress: bool = True) -> Path:
-    """Return the pretrain artifact for these inputs, training it in a child process if needed."""
+        *, retries: int = 0, isolate: bool = True, progress: bool = True, inject: dict | None = None) -> Path:
+    """Return the pretrain artifact for these inputs, training it in a child process if needed.
+
+    A failed attempt is retried `retries` times; each retry resumes from the newest checkpoint.
+    `inject` (tests only) adds fault settings to the first attempt: {"stop_after": k} stops it
+    after k steps as if killed, {"fault_steps": [...]} makes those steps non-finite.
+    """
     data_artifact = store.inside(data_artifact)
     init_from = store.inside(init_from) if init_from else None
-    key, inputs, section = stage_key(cfg, store, data_artifact, init_from)
+    key, _, _ = stage_key(cfg, store, data_artifact, init_from)
     hit = store.lookup(STAGE, key)
     if hit is not None:
         return hit
@@ -71,11 +73,15 @@ def run(cfg: PipelineConfig, store: ArtifactStore, data_artifact: Path, init_fro
     run_dir.mkdir(parents=True, exist_ok=True)
     spec = {"config": cfg.model_dump(mode="json"), "root": str(store.root), "data": str(data_artifact),
             "init_from": str(init_from) if init_from else None, "key": key, "progress": progress}
-    atomic_write_json(run_dir / "spec.json", spec)
     if not isolate:
-        return train(spec)
+        out = train({**spec, **(inject or {})})
+        if out is None:
+            raise StageFailed("pretrain stopped before max_steps (stop_after)")
+        return out
+    err = None
     for attempt in range(retries + 1):
-        err = _run_child(run_dir / "spec.json")
+        atomic_write_json(run_dir / "spec.json", {**spec, **((inject or {}) if attempt == 0 else {})})
+        err = _run_child("tasks.pretrain", run_dir / "spec.json")
         hit = store.lookup(STAGE, key)
         if err is None and hit is not None:
             return hit
@@ -84,10 +90,10 @@ def run(cfg: PipelineConfig, store: ArtifactStore, data_artifact: Path, init_fro
     raise StageFailed(err or "the pretrain child exited without writing its artifact")
 
 
-def _run_child(spec_path: Path) -> str | None:
-    """Run the child, streaming its output; None on success, else its error (last lines) on top."""
+def _run_child(module: str, spec_path: Path) -> str | None:
+    """Run `python -m module --child spec`, streaming its output; None on success, else its error on top."""
     env = dict(os.environ, GLOG_v=os.environ.get("GLOG_v", "3"), PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-m", "tasks.pretrain", "--child", str(spec_path)],
+    proc = subprocess.Popen([sys.executable, "-m", module, "--child", str(spec_path)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, bufsize=1)
     tail: deque[str] = deque(maxlen=40)
     assert proc.stdout is not None
@@ -98,9 +104,11 @@ def _run_child(spec_path: Path) -> str | None:
     if rc == 0:
         return None
     errors = [ln for ln in tail if ln.startswith("error:") or "Error" in ln.split(":")[0]]
-    head = errors[-1] if errors else f"pretrain child exited with code {rc}"
-    if rc < 0 or rc == 137:
-        head = f"pretrain child was killed (signal {-rc if rc < 0 else 9}; out of memory?)"
+    head = errors[-1] if errors else f"{module} child exited with code {rc}"
+    if rc == STOPPED_EARLY:
+        head = f"{module} child stopped before the end (stop_after)"
+    elif rc < 0 or rc == 137:
+        head = f"{module} child was killed (signal {-rc if rc < 0 else 9}; out of memory?)"
     return head + "\n--- last lines of the child's log ---\n" + "\n".join(tail)
 
 
@@ -163,13 +171,14 @@ def build_network(cfg: PipelineConfig, init_from: Path | None):
     from model.config import ModelConfig
     from model.registry import build_model
     from tasks.checkpoint import load_weights
+    from tasks.model_artifact import read_info
     from tasks.trainer import _assign
 
     if init_from is None:
         mc = cfg.model.resolve()
         net = build_model(cfg.model.name, mc, seed=cfg.pretrain.seed)
         return net, mc
-    info = model_info(init_from)
+    info = read_info(init_from)
     mc = ModelConfig.from_dict(info["model"])
     net = build_model(info.get("name", cfg.model.name), mc, seed=cfg.pretrain.seed)
     _assign(net.trainable_params(), load_weights(init_from), str(init_from))
@@ -179,6 +188,7 @@ def build_network(cfg: PipelineConfig, init_from: Path | None):
 def _train(cfg: PipelineConfig, store: ArtifactStore, data_artifact: Path, init_from: Path | None, key: str,
            progress: bool, stop_after: int | None = None, fault_steps: list[int] | None = None) -> Path | None:
     from model.llama import causal_lm_loss
+    from tasks.model_artifact import write_model
     from tasks.trainer import LoopConfig, fit, plot_loss_curve
 
     _, inputs, section = stage_key(cfg, store, data_artifact, init_from)
@@ -234,18 +244,14 @@ def _train(cfg: PipelineConfig, store: ArtifactStore, data_artifact: Path, init_
         return None  # stopped on request (tests): checkpoints stay in run_dir, no artifact
     entropy = unigram_entropy(data_artifact)
     with store.build(STAGE, key, pipeline=cfg.name, config=section, inputs=inputs, code=code_version(STAGE)) as b:
-        from tasks.checkpoint import save_tensors
-
-        save_tensors(b.dir / "model.safetensors", {p.name: p.asnumpy() for p in params})
-        shutil.copy2(data_artifact / "tokenizer.model", b.dir / "tokenizer.model")
-        atomic_write_json(b.dir / "model.json", {"name": cfg.model.name, "model": mc.to_dict(), "tokenizer": tok,
-                                                 "seq_length": seq})
+        write_model(b.dir, name=cfg.model.name, config=mc, weights={p.name: p.asnumpy() for p in params},
+                    tokenizer_model=data_artifact / "tokenizer.model", tokenizer_info=tok, seq_length=seq)
         shutil.copy2(run_dir / "metrics.jsonl", b.dir / "metrics.jsonl")
         plot_loss_curve(result.history, b.dir / "loss_curve.png",
                         f"{cfg.name}: {cfg.model.preset} ({mc.num_parameters / 1e6:.1f}M params)")
         b.metrics.update(
             steps=result.steps, consumed_samples=result.consumed_samples, tokens=result.consumed_samples * seq,
-            final_train_loss=result.final_loss, val_loss=result.val_loss,
+            final_train_loss=result.final_loss, initial_val_loss=result.initial_val_loss, val_loss=result.val_loss,
             val_ppl=math.exp(result.val_loss) if result.val_loss is not None else None,
             unigram_entropy=entropy, skipped_steps=result.skipped_steps, tokens_per_s=result.tokens_per_s,
             parameters=mc.num_parameters, continued_from=str(init_from) if init_from else None,
@@ -270,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, RuntimeError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 1
+    if path is None:
+        return STOPPED_EARLY
     print(path)
     return 0
 

@@ -90,6 +90,7 @@ class FitResult:
     skipped_steps: int
     tokens_per_s: float
     history: list[dict[str, Any]]
+    initial_val_loss: float | None = None
     stopped_early: bool = False
 
 
@@ -161,6 +162,13 @@ def fit(net, params, loss_fn, loop: LoopConfig, *, batches: Batches, valid: Call
     _write_jsonl(metrics_path, history)
     peak = loop.peak_flops or measure_peak_flops()
 
+    if valid is not None and step == 0:  # the starting point: shows what training (or continuing) changed
+        v0 = evaluate_loss(eval_fn, valid(), loop.eval_batches)
+        r0 = {"step": 0, "val_loss": v0, "val_ppl": math.exp(min(v0, 50))}
+        history.append(r0)
+        _append_jsonl(metrics_path, r0)
+        print(f"[train] step 0: val_loss {v0:.4f} (ppl {r0['val_ppl']:.1f})", file=sys.stderr, flush=True)
+
     # ---- fit
     per_step = loop.micro_batch_size * loop.gradient_accumulation
     it = batches(consumed)
@@ -229,7 +237,9 @@ def fit(net, params, loss_fn, loop: LoopConfig, *, batches: Batches, valid: Call
             break
     bar.close()
     elapsed = time.perf_counter() - t_start
+    initial_val = next((r["val_loss"] for r in history if r.get("step") == 0 and "val_loss" in r), None)
     return FitResult(steps=step, consumed_samples=consumed, final_loss=last_loss, val_loss=val_loss,
+                     initial_val_loss=initial_val,
                      skipped_steps=skipped, tokens_per_s=steps_here * per_step * tokens_per_sample / max(elapsed, 1e-9),
                      history=history, stopped_early=stopped)
 

@@ -1,0 +1,119 @@
+"""Prefect tasks: thin wrappers around the stage functions in `tasks/`, cached by content.
+
+Each task's Prefect cache key IS the artifact store's content key (stage + resolved
+config section + input digests + code version), so a hit in one is a hit in the
+other: when the store holds the artifact the task shows Cached; when the store has
+lost it, the key gets a one-off suffix and the task reruns. Results are file paths,
+persisted as JSON (never pickle).
+
+Tasks take (config path, pipeline name, overrides) rather than config objects, so
+their parameters stay small and readable in the UI; each resolves and validates the
+config itself, which costs milliseconds.
+"""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+from typing import Any
+
+from prefect import task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+from tasks.artifacts import ArtifactStore
+from tasks.config import PipelineConfig, resolve_pipeline
+
+
+def load_cfg(config: str, pipeline: str, overrides: list[str] | None, continued_sources: list[str] | None = None) -> PipelineConfig:
+    cfg = resolve_pipeline(config, pipeline, overrides or [])
+    return cfg.for_continued(continued_sources) if continued_sources else cfg
+
+
+def _store_key_fn(stage: str, key_of):
+    """A Prefect cache_key_fn returning the store's key (suffixed when the store lacks the artifact)."""
+
+    def fn(context, params: dict[str, Any]) -> str:
+        store = ArtifactStore(params["artifacts"])
+        key = key_of(store, params)
+        if store.lookup(stage, key) is None:
+            return f"{stage}-{key}-build-{uuid.uuid4().hex[:8]}"
+        return f"{stage}-{key}"
+
+    return fn
+
+
+def _p(x: str | None) -> Path | None:
+    return Path(x) if x else None
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def _data_key(store, params):
+    from tasks import data
+
+    cfg = load_cfg(params["config"], params["pipeline"], params["overrides"], params.get("continued_sources"))
+    return data.stage_key(cfg, store, _p(params.get("tokenizer_model")))[0]
+
+
+@task(name="data", cache_key_fn=_store_key_fn("data", _data_key), persist_result=True, result_serializer="json")
+def data_task(config: str, pipeline: str, overrides: list[str], artifacts: str,
+              tokenizer_model: str | None = None, continued_sources: list[str] | None = None) -> str:
+    from tasks import data
+
+    cfg = load_cfg(config, pipeline, overrides, continued_sources)
+    path = data.run(cfg, ArtifactStore(artifacts), tokenizer_model=_p(tokenizer_model))
+    publish_metrics("data", path)
+    return str(path)
+
+
+# ----------------------------------------------------------------------------- pretrain
+
+
+def _pretrain_key(store, params):
+    from tasks import pretrain
+
+    cfg = load_cfg(params["config"], params["pipeline"], params["overrides"], params.get("continued_sources"))
+    return pretrain.stage_key(cfg, store, Path(params["data_artifact"]), _p(params.get("init_from")))[0]
+
+
+@task(name="pretrain", cache_key_fn=_store_key_fn("pretrain", _pretrain_key), persist_result=True,
+      result_serializer="json", retries=1, retry_delay_seconds=2)
+def pretrain_task(config: str, pipeline: str, overrides: list[str], artifacts: str, data_artifact: str,
+                  init_from: str | None = None, continued_sources: list[str] | None = None) -> str:
+    """Trains in a supervised child process; a Prefect retry resumes from the newest checkpoint."""
+    from tasks import pretrain
+
+    cfg = load_cfg(config, pipeline, overrides, continued_sources)
+    path = pretrain.run(cfg, ArtifactStore(artifacts), Path(data_artifact), init_from=_p(init_from))
+    publish_metrics("pretrain", path)
+    return str(path)
+
+
+# ----------------------------------------------------------------------------- UI artifacts
+
+
+def _slug(s: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in s.lower()).strip("-")[:60]
+
+
+def publish_metrics(stage: str, path: str | Path) -> None:
+    """The stage's manifest metrics as a Prefect table artifact."""
+    m = ArtifactStore.read_manifest(path)
+    rows = [{"metric": k, "value": (f"{v:.6g}" if isinstance(v, float) else str(v))}
+            for k, v in m.get("metrics", {}).items() if not isinstance(v, (dict, list))]
+    create_table_artifact(key=_slug(f"{stage}-metrics"), table=rows,
+                          description=f"{stage} artifact {m['key']} ({path})")
+
+
+def publish_lineage(store: ArtifactStore, path: str | Path) -> str:
+    """The lineage tree of an artifact as a Prefect markdown artifact (mermaid + text); returns the text."""
+    from tasks.lineage import lineage_tree, raw_inputs, render
+
+    tree = lineage_tree(store, path)
+    text = render(tree, "text")
+    raws = "\n".join(f"| {Path(r['path']).name} | {r['size']} | `{r['sha256']}` |" for r in raw_inputs(tree))
+    md = (f"# Lineage of {tree['stage']}/{tree['key']}\n\n```mermaid\n{render(tree, 'mermaid')}\n```\n\n"
+          f"```\n{text}\n```\n\n| raw input | bytes | sha256 |\n|---|---|---|\n{raws}\n")
+    create_markdown_artifact(key=_slug(f"lineage-{tree['stage']}"), markdown=md, description=f"lineage of {path}")
+    return text
