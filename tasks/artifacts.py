@@ -45,8 +45,14 @@ _REPO = Path(__file__).resolve().parent.parent
 STAGE_SOURCES: dict[str, list[str]] = {
     "data": ["tasks/data.py", "tasks/artifacts.py"],
     "pretrain": ["tasks/pretrain.py", "tasks/trainer.py", "tasks/checkpoint.py", "model/llama.py", "model/config.py"],
-    "finetune": ["tasks/finetune.py", "tasks/trainer.py", "tasks/checkpoint.py", "model/llama.py", "model/lora.py"],
-    "eval": ["tasks/evaluate.py", "model/llama.py", "model/generate.py"],
+    "finetune": ["tasks/finetune.py", "tasks/trainer.py", "tasks/optim.py", "tasks/checkpoint.py",
+                 "tasks/model_artifact.py", "model/llama.py", "model/lora.py"],
+    "merged": ["tasks/finetune.py", "tasks/model_artifact.py", "model/lora.py"],
+    "eval": ["tasks/evaluate.py", "tasks/lm_adapter.py", "model/llama.py", "model/generate.py",
+             "tasks/lm_tasks/utils.py", "tasks/lm_tasks/local_arc_easy.yaml", "tasks/lm_tasks/local_arc_challenge.yaml",
+             "tasks/lm_tasks/local_piqa.yaml", "tasks/lm_tasks/local_boolq.yaml", "tasks/lm_tasks/local_winogrande.yaml",
+             "tasks/lm_tasks/local_lambada_openai.yaml", "tasks/lm_tasks/local_truthfulqa_mc1.yaml",
+             "tasks/lm_tasks/local_truthfulqa_mc2.yaml"],
     "export": ["tasks/export.py", "model/llama.py"],
     "convert": ["tasks/convert.py", "model/convert.py", "model/llama.py"],
 }

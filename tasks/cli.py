@@ -60,7 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
         ("eval", "perplexity, lm-eval tasks, sample generations"),
         ("export", "MindIR and ONNX, verified"),
     ):
-        _stage(sub.add_parser(name, help=help_))
+        p = sub.add_parser(name, help=help_)
+        _stage(p)
+        if name == "eval":
+            p.add_argument("compare", nargs="*", metavar="compare A B", help="compare two eval artifacts side by side")
 
     p = sub.add_parser("predict", help="generate completions")
     _stage(p)
@@ -240,10 +243,10 @@ COMMANDS: dict[str, Callable] = {
     "validate": cmd_validate,
     "data": cmd_data,
     "train": cmd_train,
-    "finetune": _not_built("fine-tuning", "[6/9]"),
-    "eval": _not_built("evaluation", "[5/9]"),
+    "finetune": lambda args: __import__("tasks.finetune", fromlist=["cli_finetune"]).cli_finetune(args),
+    "eval": lambda args: __import__("tasks.evaluate", fromlist=["cli_eval"]).cli_eval(args),
     "export": _not_built("export", "[7/9]"),
-    "predict": _not_built("generation", "[5/9]"),
+    "predict": lambda args: __import__("tasks.evaluate", fromlist=["cli_predict"]).cli_predict(args),
     "convert": _not_built("weight conversion", "[8/9]"),
     "lineage": cmd_lineage,
     "plan": cmd_plan,

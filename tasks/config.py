@@ -229,6 +229,26 @@ class FinetuneSection(_Section):
     max_steps: int = Field(50, gt=0)
     micro_batch_size: int = Field(8, gt=0)
     lr: float = Field(1e-3, gt=0)
+    min_lr: float | None = Field(None, ge=0)
+    """Learning rate at the end of the decay; defaults to lr / 10."""
+    warmup_steps: int = Field(5, ge=0)
+    """Linear warmup steps (must not exceed max_steps)."""
+    decay: Literal["cosine", "linear", "constant"] = "cosine"
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay of the trained parameters (0 is usual for LoRA)."""
+    seq_length: int | None = Field(None, gt=0)
+    """Tokens per example (longer ones are truncated, shorter padded); defaults to the base model's
+    training seq_length and must not exceed its max_seq_length."""
+    validation_fraction: float = Field(0.05, ge=0, lt=1)
+    """Share of the examples (instruction) or blocks (text) held out for the validation loss."""
+    seed: int = 42
+    """Seeds the LoRA init, the train/validation split and the per-epoch shuffle."""
+    log_steps: int = Field(10, gt=0)
+    eval_steps: int = Field(50, gt=0)
+    """Validation loss (response tokens only for instruction data) every this many steps, and at the end."""
+    eval_batches: int = Field(4, gt=0)
+    save_steps: int = Field(50, gt=0)
+    """Checkpoint (trained parameters + optimizer) every this many steps; a rerun resumes from the newest."""
 
 
 class EvalSection(_Section):
@@ -243,6 +263,8 @@ class EvalSection(_Section):
     top_k: int | None = Field(None, gt=0)
     top_p: float | None = Field(None, gt=0, le=1)
     seed: int = 0
+    stop: list[str] = Field(default_factory=list)
+    """Stop strings for the sample generations and `msllm predict` (the text is cut before the first one; EOS always stops)."""
 
 
 class ExportSection(_Section):

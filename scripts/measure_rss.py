@@ -1,0 +1,54 @@
+"""Peak RSS of real jit training steps for a preset (used by tests/test_memory.py). Prints one JSON line.
+
+    python scripts/measure_rss.py --preset tiny --batch 8 --seq 64 [--steps 3] [--recompute]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--recompute", action="store_true")
+    a = ap.parse_args()
+    import numpy as np
+
+    from model.runtime import setup_mindspore
+
+    setup_mindspore()
+    from model.config import ModelConfig
+    from model.llama import LlamaForCausalLM, causal_lm_loss
+    from tasks.optim import AdamW, TrainStep, decays
+
+    cfg = ModelConfig.from_name(a.preset)
+    net = LlamaForCausalLM(cfg, seed=0)
+    if a.recompute:
+        net.enable_recompute()
+    params = net.trainable_params()
+    opt = AdamW(params, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, grad_clip=1.0,
+                decay_mask=[decays(p.name, decay_norms_and_biases=False, decay_embeddings=False) for p in params])
+
+    def loss_fn(ids, labels):
+        return causal_lm_loss(net(ids), labels)
+
+    step = TrainStep(loss_fn, params, opt)
+    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (a.batch, a.seq + 1)).astype(np.int32)
+    for s in range(a.steps):
+        step([(ids[:, :-1], ids[:, 1:])], 1e-4, s + 1)
+    print(json.dumps({"preset": a.preset, "batch": a.batch, "seq": a.seq, "recompute": a.recompute,
+                      "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+
+
+if __name__ == "__main__":
+    main()
