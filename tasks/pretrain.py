@@ -22,7 +22,6 @@ import os
 import shutil
 import subprocess
 import sys
-from collections import deque
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -72,7 +71,8 @@ def run(cfg: PipelineConfig, store: ArtifactStore, data_artifact: Path, init_fro
     run_dir = store.root / "runs" / STAGE / key
     run_dir.mkdir(parents=True, exist_ok=True)
     spec = {"config": cfg.model_dump(mode="json"), "root": str(store.root), "data": str(data_artifact),
-            "init_from": str(init_from) if init_from else None, "key": key, "progress": progress}
+            "init_from": str(init_from) if init_from else None, "key": key,
+            "progress": progress and sys.stderr.isatty()}  # a bar only where a terminal shows it
     if not isolate:
         out = train({**spec, **(inject or {})})
         if out is None:
@@ -91,25 +91,31 @@ def run(cfg: PipelineConfig, store: ArtifactStore, data_artifact: Path, init_fro
 
 
 def _run_child(module: str, spec_path: Path) -> str | None:
-    """Run `python -m module --child spec`, streaming its output; None on success, else its error on top."""
+    """Run `python -m module --child spec`, relaying its output as it comes (progress bars included).
+
+    Returns None on success, else the child's own error line on top of its last log lines.
+    """
     env = dict(os.environ, GLOG_v=os.environ.get("GLOG_v", "3"), PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-m", module, "--child", str(spec_path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, bufsize=1)
-    tail: deque[str] = deque(maxlen=40)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     assert proc.stdout is not None
-    for line in proc.stdout:
-        sys.stderr.write(line)
-        tail.append(line.rstrip("\n"))
+    tail = b""
+    while chunk := proc.stdout.read1(65536):
+        sys.stderr.buffer.write(chunk)
+        sys.stderr.buffer.flush()
+        tail = (tail + chunk)[-20000:]
     rc = proc.wait()
     if rc == 0:
         return None
-    errors = [ln for ln in tail if ln.startswith("error:") or "Error" in ln.split(":")[0]]
+    lines = [ln.rsplit("\r", 1)[-1] for ln in tail.decode("utf-8", "replace").splitlines()]
+    lines = [ln for ln in lines if ln.strip()][-40:]
+    errors = [ln for ln in lines if ln.startswith("error:") or "Error" in ln.split(":")[0]]
     head = errors[-1] if errors else f"{module} child exited with code {rc}"
     if rc == STOPPED_EARLY:
         head = f"{module} child stopped before the end (stop_after)"
     elif rc < 0 or rc == 137:
         head = f"{module} child was killed (signal {-rc if rc < 0 else 9}; out of memory?)"
-    return head + "\n--- last lines of the child's log ---\n" + "\n".join(tail)
+    return head + "\n--- last lines of the child's log ---\n" + "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------- data
