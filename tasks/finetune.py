@@ -387,7 +387,7 @@ def run(cfg: PipelineConfig, store: ArtifactStore, base_artifact: Path, *, progr
     run_dir = store.root / "runs" / STAGE / key
     run_dir.mkdir(parents=True, exist_ok=True)
     spec = {"config": cfg.model_dump(mode="json"), "root": str(store.root), "base": str(base), "key": key,
-            "progress": progress}
+            "progress": progress and sys.stderr.isatty()}  # a bar only where a terminal shows it
     if not isolate:
         out = train({**spec, **(inject or {})})
         if out is None:

@@ -1,0 +1,118 @@
+"""LoRA versus full fine-tuning: step time, peak memory and trainable parameters. Prints one JSON line.
+
+Same model (`small` preset by default: ~21M parameters, vocab 4096), same batch
+(micro batch 8 × seq 128, random tokens), the same compiled train step and AdamW
+as `tasks.trainer.fit`; LoRA on q_proj,v_proj (rank 8, alpha 16) versus every
+weight trainable. Each variant runs in its own process, one after the other, so
+its peak RSS is its own (MindSpore keeps graph memory for the life of a process).
+
+    python scripts/bench/finetune.py [--preset small] [--steps 10] [--warmup 2] [--batch 8] [--seq 128]
+    python scripts/bench/finetune.py --preset tiny --steps 2 --warmup 1     # a smoke run (seconds)
+
+Output fields per variant: trainable_params, trainable_share, step_s (mean over
+`steps` after `warmup` steps, compile excluded), tokens_per_s, first_step_s
+(compile + one step), peak_rss_bytes (whole process) and rss_before_train_bytes
+(model built, nothing compiled); `lora_vs_full` holds the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+
+def _rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def run_variant(variant: str, preset: str, steps: int, warmup: int, batch: int, seq: int, rank: int,
+                targets: str) -> dict:
+    import numpy as np
+
+    from model.runtime import setup_mindspore
+
+    setup_mindspore(seed=0)
+    from model.config import ModelConfig
+    from model.llama import LlamaForCausalLM, causal_lm_loss
+    from model.lora import inject_lora, mark_only_lora_trainable, trainable_summary
+    from tasks.optim import AdamW, TrainStep, decays
+
+    cfg = ModelConfig.from_name(preset)
+    seq = min(seq, cfg.max_seq_length)
+    net = LlamaForCausalLM(cfg, seed=0)
+    if variant == "lora":
+        inject_lora(net, targets, rank=rank, alpha=2.0 * rank)
+        params = mark_only_lora_trainable(net)
+    else:
+        params = net.trainable_params()
+    summary = trainable_summary(net)
+    opt = AdamW(params, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, grad_clip=1.0,
+                decay_mask=[decays(p.name, decay_norms_and_biases=False, decay_embeddings=False) for p in params])
+
+    def loss_fn(ids, labels):
+        return causal_lm_loss(net(ids), labels)
+
+    step = TrainStep(loss_fn, params, opt)
+    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, seq + 1)).astype(np.int32)
+    micro = [(ids[:, :-1], ids[:, 1:])]
+    rss_before = _rss()
+    t0 = time.perf_counter()
+    first_loss = step(micro, 1e-4, 1)[0]
+    first_step_s = time.perf_counter() - t0
+    for s in range(1, warmup):
+        step(micro, 1e-4, s + 1)
+    t0 = time.perf_counter()
+    loss = first_loss
+    for s in range(steps):
+        loss = step(micro, 1e-4, warmup + s + 1)[0]
+    dt = (time.perf_counter() - t0) / max(steps, 1)
+    return {"trainable_params": summary.trainable, "total_params": summary.total,
+            "trainable_share": round(summary.share, 6), "step_s": round(dt, 4),
+            "tokens_per_s": round(batch * seq / dt, 1), "first_step_s": round(first_step_s, 2),
+            "peak_rss_bytes": _rss(), "rss_before_train_bytes": rss_before,
+            "first_loss": round(first_loss, 4), "last_loss": round(loss, 4)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2, help="steps before timing (the first one compiles)")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--rank", type=int, default=8)
+    ap.add_argument("--targets", default="q_proj,v_proj")
+    ap.add_argument("--variant", choices=["lora", "full"], help=argparse.SUPPRESS)  # the per-variant child
+    a = ap.parse_args(argv)
+    knobs = dict(preset=a.preset, steps=a.steps, warmup=max(1, a.warmup), batch=a.batch, seq=a.seq, rank=a.rank,
+                 targets=a.targets)
+    if a.variant:
+        print(json.dumps(run_variant(a.variant, **knobs)))
+        return 0
+    out = {"bench": "finetune", **knobs}
+    env = dict(os.environ, GLOG_v=os.environ.get("GLOG_v", "3"))
+    for variant in ("lora", "full"):
+        cmd = [sys.executable, __file__, "--variant", variant] + [f"--{k}={v}" for k, v in knobs.items()]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if proc.returncode != 0:
+            print(proc.stdout + proc.stderr, file=sys.stderr)
+            raise SystemExit(f"{variant} run failed with exit code {proc.returncode}")
+        out[variant] = json.loads(proc.stdout.strip().splitlines()[-1])
+    lo, fu = out["lora"], out["full"]
+    out["lora_vs_full"] = {"step_time": round(lo["step_s"] / fu["step_s"], 3),
+                           "peak_rss": round(lo["peak_rss_bytes"] / fu["peak_rss_bytes"], 3),
+                           "trainable_params": round(lo["trainable_params"] / fu["trainable_params"], 6)}
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
