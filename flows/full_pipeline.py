@@ -47,6 +47,10 @@ def full_pipeline(pipeline: str = "demo", config: str = "pipelines.yaml", overri
         out["continued_pretrain"] = stages.pretrain_task(**common, data_artifact=out["continued_data"],
                                                          init_from=model, continued_sources=srcs)
         model = out["continued_pretrain"]
+    if cfg.finetune.sources:
+        ft = stages.finetune_task(**common, base_artifact=model)
+        out["finetune"], out["merged"] = ft["finetune"], ft["merged"]
+        model = ft["merged"]
     final = model
     print(stages.publish_lineage(ArtifactStore(artifacts), final))
     return out

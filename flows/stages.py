@@ -90,6 +90,29 @@ def pretrain_task(config: str, pipeline: str, overrides: list[str], artifacts: s
     return str(path)
 
 
+# ----------------------------------------------------------------------------- finetune (+ merge)
+
+
+def _finetune_key(store, params):
+    from tasks import finetune
+
+    cfg = load_cfg(params["config"], params["pipeline"], params["overrides"])
+    return finetune.stage_key(cfg, store, Path(params["base_artifact"]))[0]
+
+
+@task(name="finetune", cache_key_fn=_store_key_fn("finetune", _finetune_key), persist_result=True,
+      result_serializer="json", retries=1, retry_delay_seconds=2)
+def finetune_task(config: str, pipeline: str, overrides: list[str], artifacts: str, base_artifact: str) -> dict[str, str]:
+    """LoRA/full fine-tuning in a supervised child, then the merge eval and export consume."""
+    from tasks import finetune
+
+    cfg = load_cfg(config, pipeline, overrides)
+    store = ArtifactStore(artifacts)
+    path = finetune.run(cfg, store, Path(base_artifact))
+    publish_metrics("finetune", path)
+    return {"finetune": str(path), "merged": str(finetune.merge(store, path))}
+
+
 # ----------------------------------------------------------------------------- UI artifacts
 
 

@@ -1,0 +1,53 @@
+"""One flow per stage, each running that stage alone on given input artifacts.
+
+Inputs default to the newest artifact of the upstream stage for the pipeline, so
+`prefect deployment run 'eval-stage/eval-only'` re-evaluates the newest model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import flow
+
+from flows import stages
+from tasks.artifacts import ArtifactStore
+from tasks.config import resolve_pipeline
+
+
+def _newest(artifacts: str, stage: str, pipeline: str, hint: str) -> str:
+    p = ArtifactStore(artifacts).newest(stage, pipeline)
+    if p is None:
+        raise RuntimeError(f"no {stage} artifact for pipeline '{pipeline}' under {artifacts}; run {hint} first")
+    return str(p)
+
+
+def _common(pipeline: str, config: str, overrides: list[str] | None, artifacts: str) -> dict:
+    config = str(Path(config).resolve())
+    resolve_pipeline(config, pipeline, overrides or [])  # validate before any compute
+    return dict(config=config, pipeline=pipeline, overrides=list(overrides or []), artifacts=str(Path(artifacts).resolve()))
+
+
+@flow(name="data-stage", log_prints=True)
+def data_flow(pipeline: str = "demo", config: str = "pipelines.yaml", overrides: list[str] | None = None,
+              artifacts: str = "artifacts", tokenizer_model: str | None = None) -> str:
+    return stages.data_task(**_common(pipeline, config, overrides, artifacts), tokenizer_model=tokenizer_model)
+
+
+@flow(name="pretrain-stage", log_prints=True)
+def pretrain_flow(pipeline: str = "demo", config: str = "pipelines.yaml", overrides: list[str] | None = None,
+                  artifacts: str = "artifacts", data_artifact: str | None = None, init_from: str | None = None) -> str:
+    c = _common(pipeline, config, overrides, artifacts)
+    data_artifact = data_artifact or _newest(c["artifacts"], "data", pipeline, "the data stage")
+    return stages.pretrain_task(**c, data_artifact=data_artifact, init_from=init_from)
+
+
+@flow(name="finetune-stage", log_prints=True)
+def finetune_flow(pipeline: str = "demo", config: str = "pipelines.yaml", overrides: list[str] | None = None,
+                  artifacts: str = "artifacts", base_artifact: str | None = None) -> dict[str, str]:
+    c = _common(pipeline, config, overrides, artifacts)
+    base_artifact = base_artifact or _newest(c["artifacts"], "pretrain", pipeline, "the pretrain stage")
+    return stages.finetune_task(**c, base_artifact=base_artifact)
+
+
+STAGE_FLOWS = {"data": data_flow, "pretrain": pretrain_flow, "finetune": finetune_flow}

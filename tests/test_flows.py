@@ -1,0 +1,92 @@
+"""Prefect flows on the embedded server: content-addressed caching across flow runs.
+
+Each scenario runs in its own Python process with its own PREFECT_HOME (the embedded
+server is process-global); the driver prints the state of every task run as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+
+DRIVER = r"""
+import json, sys, time
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+from flows.full_pipeline import full_pipeline
+
+args = json.loads(sys.argv[1])
+report = []
+for overrides in args["runs"]:
+    t0 = time.perf_counter()
+    state = full_pipeline(pipeline="tiny", config=args["config"], overrides=overrides, artifacts=args["artifacts"],
+                          return_state=True)
+    wall = time.perf_counter() - t0
+    with get_client(sync_client=True) as c:
+        trs = c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
+    tasks = {}
+    for tr in sorted(trs, key=lambda t: t.expected_start_time or t.start_time):
+        tasks.setdefault(tr.name.rsplit("-", 1)[0], []).append(tr.state.name)
+    report.append({"flow": state.name, "wall": wall, "tasks": tasks, "result": state.result() if state.is_completed() else None})
+print("REPORT " + json.dumps(report))
+"""
+
+
+def _drive(tmp_path: Path, config: Path, runs: list[list[str]]) -> list[dict]:
+    env = dict(os.environ, PREFECT_HOME=str(tmp_path / "prefect_home"), PREFECT_SERVER_ANALYTICS_ENABLED="false",
+               PREFECT_API_URL="", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", GLOG_v="3",
+               PREFECT_LOGGING_LEVEL="WARNING")
+    env.pop("PREFECT_API_URL")
+    arg = json.dumps({"config": str(config), "artifacts": str(tmp_path / "artifacts"), "runs": runs})
+    out = subprocess.run([sys.executable, "-c", DRIVER, arg], capture_output=True, text=True, cwd=REPO, env=env,
+                         timeout=1200)
+    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("REPORT ")), None)
+    assert out.returncode == 0 and line, (out.stdout[-3000:], out.stderr[-5000:])
+    return json.loads(line[len("REPORT "):])
+
+
+def _tiny_config(tmp_path: Path) -> Path:
+    """The repo's pipelines.yaml with the tiny pipeline's corpus copied into tmp (so tests can edit its bytes)."""
+    doc = yaml.safe_load((REPO / "pipelines.yaml").read_text())
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text((REPO / "data/corpora/tinyshakespeare.txt").read_text()[:150_000])
+    tiny = doc["pipelines"]["tiny"]
+    tiny["data"]["sources"] = [str(corpus)]
+    tiny["pretrain"].update(max_steps=4, eval_steps=4, log_steps=2)
+    tiny["pretrain"]["schedule"]["warmup_steps"] = 1
+    tiny["checkpoint"]["save_steps"] = 4
+    f = tmp_path / "pipelines.yaml"
+    f.write_text(yaml.safe_dump(doc))
+    shutil.copytree(REPO / "data", tmp_path / "data", dirs_exist_ok=True, ignore=shutil.ignore_patterns("corpora"))
+    return f
+
+
+@pytest.mark.slow
+def test_rerun_is_cached_and_edits_rerun_only_what_changed(tmp_path):
+    cfg = _tiny_config(tmp_path)
+    first, again, edited = _drive(tmp_path, cfg, [[], [], ["pretrain.optimizer.lr=0.002"]])
+    assert first["flow"] == "Completed" and all(s == ["Completed"] for s in first["tasks"].values()), first
+    # unchanged rerun: every stage cached, same artifacts, seconds
+    assert all(set(s) == {"Cached"} for s in again["tasks"].values()), again
+    assert again["result"] == first["result"]
+    assert again["wall"] < 60, again["wall"]
+    # editing only the pretrain section: data cached, pretrain reruns
+    assert edited["tasks"]["data"] == ["Cached"] and edited["tasks"]["pretrain"] == ["Completed"], edited
+    assert edited["result"]["data"] == first["result"]["data"]
+    assert edited["result"]["pretrain"] != first["result"]["pretrain"]
+    # changing the corpus bytes under the same path reruns data and everything after it
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(corpus.read_text().replace("ROMEO", "ROMEA"))
+    (changed,) = _drive(tmp_path, cfg, [[]])
+    assert changed["tasks"]["data"] == ["Completed"] and changed["tasks"]["pretrain"] == ["Completed"], changed
+    assert changed["result"]["data"] != first["result"]["data"]
