@@ -67,8 +67,16 @@ class Generator:
         self.max_len = max_len or net.config.max_seq_length  # cache slots S
         if self.max_len > net.config.max_seq_length:
             raise ValueError(f"max_len {self.max_len} exceeds the model's max_seq_length {net.config.max_seq_length}")
-        self._step = ms.jit(net.forward_cached)
-        self._forward = ms.jit(net.construct)
+        # Plain closures, not `ms.jit(net.forward_cached)`: jit on a bound method of a Cell binds that
+        # method as the Cell's graph, and a later `net(ids)` inside another jit function fails.
+        def step(input_ids, start_pos, k_caches, v_caches):
+            return net.forward_cached(input_ids, start_pos, k_caches, v_caches)
+
+        def forward(input_ids):
+            return net(input_ids)
+
+        self._step = ms.jit(step)
+        self._forward = ms.jit(forward)
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int = 64, *, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = 0,
@@ -97,6 +105,16 @@ class Generator:
             logits = next_logits.send(tok)
         next_logits.close()
         return new
+
+    def compile(self, prompt_len: int, max_new_tokens: int, use_cache: bool = True) -> None:
+        """Compile every shape a `generate` of this size uses (benchmarks time decoding, not compilation)."""
+        n = min(prompt_len, self.max_len - 1)
+        if use_cache:
+            self.generate([0] * n, 2)
+            return
+        fed = range(n, min(n + max_new_tokens, self.max_len))  # sequence lengths the forward sees
+        for length in sorted({min(-(-m // self.bucket) * self.bucket, self.max_len) for m in fed}):
+            self._forward(Tensor(np.zeros((1, length), np.int32))).asnumpy()
 
     # Each path is a coroutine: it yields the logits [V] for the next position, and is sent the
     # token chosen there.

@@ -37,7 +37,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from tasks.artifacts import ArtifactError, ArtifactStore, atomic_write_json, code_version, raw_file_input
+from tasks.artifacts import ArtifactError, ArtifactStore, code_version, raw_file_input
 from tasks.config import PipelineConfig
 
 STAGE = "eval"
@@ -52,7 +52,11 @@ _BOOTSTRAP_ITERS = 1000  # stderr of non-mean aggregates (lambada perplexity); l
 def stage_key(cfg: PipelineConfig, store: ArtifactStore, model_artifact: Path,
               data_artifact: Path | None) -> tuple[str, list[dict[str, Any]]]:
     inputs = [store.input_ref(model_artifact)] + ([store.input_ref(data_artifact)] if data_artifact else [])
-    inputs += [raw_file_input(cfg.resolve_path(p)) for p in cfg.eval.perplexity_files]
+    for f in cfg.eval.perplexity_files:
+        p = cfg.resolve_path(f)
+        if not p.is_file():
+            raise FileNotFoundError(f"eval.perplexity_files: {f} not found (resolved to {p})")
+        inputs.append(raw_file_input(p))
     return store.key(STAGE, cfg.section("eval"), inputs, code_version(STAGE)), inputs
 
 
@@ -173,11 +177,11 @@ def task_manager(tasks: list[str]):
     return tm
 
 
-def run_tasks(lm, tasks: list[str], limit: int | None, seed: int = 0) -> dict[str, Any]:
+def run_tasks(lm, tasks: list[str], limit: int | None, seed: int = 0, tm=None) -> dict[str, Any]:
     """lm_eval.simple_evaluate on our model; returns the harness's result dict (with "samples")."""
     import lm_eval
 
-    tm = task_manager(tasks)
+    tm = tm or task_manager(tasks)
     note_filter = _QuietCustomDatasetNote()
     task_logger = logging.getLogger("lm_eval.api.task")
     task_logger.addFilter(note_filter)
@@ -219,6 +223,31 @@ def _log(progress: bool, msg: str) -> None:
         print(f"[eval] {msg}", file=sys.stderr, flush=True)
 
 
+def perplexities(cfg: PipelineConfig, lm, data_artifact: Path | None, progress: bool) -> dict[str, dict[str, Any]]:
+    """{"held-out": …, "<file name>": …} rows of tokens, bytes, perplexity, bits_per_byte."""
+    out = {}
+    if data_artifact is not None:
+        out["held-out"] = heldout_perplexity(lm, data_artifact, cfg.eval.batch_size, progress)
+    for f in cfg.eval.perplexity_files:
+        p = cfg.resolve_path(f)
+        out[p.name] = documents_perplexity(lm, _read_documents(p), progress)
+    for name, r in out.items():
+        _log(progress, f"{name}: perplexity {_fmt(r['perplexity'])}, {_fmt(r['bits_per_byte'])} bits/byte ({r['tokens']} tokens)")
+    return out
+
+
+def sample_generations(lm, ev, progress: bool = False) -> list[dict[str, Any]]:
+    """Completions of ev.prompts with the eval section's generation settings."""
+    out = []
+    for prompt in ev.prompts:
+        completion = lm.generate_text(prompt, until=ev.stop, max_gen_toks=ev.max_new_tokens, temperature=ev.temperature,
+                                      top_k=ev.top_k, top_p=ev.top_p, seed=ev.seed)
+        out.append({"prompt": prompt, "completion": completion, "max_new_tokens": ev.max_new_tokens,
+                    "temperature": ev.temperature, "top_k": ev.top_k, "top_p": ev.top_p, "seed": ev.seed})
+        _log(progress, f"{prompt!r} -> {completion[:80]!r}")
+    return out
+
+
 def run(cfg: PipelineConfig, store: ArtifactStore, model_artifact: Path, data_artifact: Path | None = None,
         progress: bool = True) -> Path:
     """Return the eval artifact of this model (and data artifact), computing it when not cached."""
@@ -233,39 +262,26 @@ def run(cfg: PipelineConfig, store: ArtifactStore, model_artifact: Path, data_ar
         raise ValueError(f"{data_artifact} was tokenized with another tokenizer than {model_artifact}; "
                          "pass the data artifact the model was trained on (or none)")
     ev = cfg.eval
+    tm = task_manager(ev.tasks) if ev.tasks else None  # unknown task names fail here, before any compute
     from tasks.lm_adapter import MindSporeLM
 
     t0 = time.perf_counter()
     lm = MindSporeLM(pretrained=model_artifact, batch_size=ev.batch_size, max_gen_toks=ev.max_new_tokens,
                      progress=progress)
-    ppl: dict[str, dict[str, Any]] = {}
+    ppl = perplexities(cfg, lm, data_artifact, progress)
     metrics: dict[str, Any] = {}
-    if data_artifact is not None:
-        ppl["held-out"] = heldout_perplexity(lm, data_artifact, ev.batch_size, progress)
+    if "held-out" in ppl:
         metrics.update(perplexity=ppl["held-out"]["perplexity"], bits_per_byte=ppl["held-out"]["bits_per_byte"])
-        _log(progress, f"held-out: perplexity {ppl['held-out']['perplexity']:.3f}, "
-                       f"{ppl['held-out']['bits_per_byte']:.4f} bits/byte ({ppl['held-out']['tokens']} tokens)")
-    for f in ev.perplexity_files:
-        p = cfg.resolve_path(f)
-        name = p.name
-        ppl[name] = documents_perplexity(lm, _read_documents(p), progress)
-        metrics.update({f"{name}.perplexity": ppl[name]["perplexity"], f"{name}.bits_per_byte": ppl[name]["bits_per_byte"]})
-        _log(progress, f"{name}: perplexity {ppl[name]['perplexity']:.3f}, {ppl[name]['bits_per_byte']:.4f} bits/byte")
-
+    for name, row in ppl.items():
+        if name != "held-out":
+            metrics.update({f"{name}.perplexity": row["perplexity"], f"{name}.bits_per_byte": row["bits_per_byte"]})
     results: dict[str, Any] = {"results": {}, "configs": {}, "versions": {}, "n-shot": {}, "higher_is_better": {},
                                "n-samples": {}}
     if ev.tasks:
         _log(progress, f"lm-eval tasks {ev.tasks} (limit {ev.limit})")
-        results = run_tasks(lm, ev.tasks, ev.limit, ev.seed)
+        results = run_tasks(lm, ev.tasks, ev.limit, ev.seed, tm)
         metrics.update(main_metrics(results))
-
-    generations = []
-    for prompt in ev.prompts:
-        completion = lm.generate_text(prompt, until=ev.stop, max_gen_toks=ev.max_new_tokens, temperature=ev.temperature,
-                                      top_k=ev.top_k, top_p=ev.top_p, seed=ev.seed)
-        generations.append({"prompt": prompt, "completion": completion, "max_new_tokens": ev.max_new_tokens,
-                            "temperature": ev.temperature, "top_k": ev.top_k, "top_p": ev.top_p, "seed": ev.seed})
-        _log(progress, f"{prompt!r} -> {completion[:80]!r}")
+    generations = sample_generations(lm, ev, progress)
     metrics["eval_seconds"] = round(time.perf_counter() - t0, 1)
 
     samples = results.pop("samples", {})
@@ -284,7 +300,6 @@ def run(cfg: PipelineConfig, store: ArtifactStore, model_artifact: Path, data_ar
         (b.dir / "report.md").write_text(render_report(model_artifact, data_artifact, results, generations, ev.limit),
                                          encoding="utf-8")
         b.metrics.update({k: v for k, v in metrics.items() if v is not None})
-        b.extra["eval"] = {"model": str(model_artifact), "data": str(data_artifact) if data_artifact else None}
     return b.path
 
 

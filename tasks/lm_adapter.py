@@ -214,9 +214,9 @@ class MindSporeLM(TemplateLM):
                       seed: int | None = 0) -> str:
         """The completion of `context`, cut before the first stop string (EOS always stops)."""
         max_gen = int(max_gen_toks or self.max_gen_toks)
-        ids = self.tok_encode(context)
-        keep = max(1, self.max_length - max_gen)
-        ids = ids[-keep:]
+        # Keep room for the new tokens inside the trained length, but never less than half of it as
+        # context (the cache holds max_seq_length tokens, so long generations still fit).
+        ids = self.tok_encode(context)[-max(self.max_length - max_gen, self.max_length // 2):]
         until = [u for u in until if u]
 
         def hit_stop(new_ids: list[int]) -> bool:

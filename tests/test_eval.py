@@ -1,0 +1,279 @@
+"""The eval stage: lm-eval adapter (checked against the model's own logits), perplexity, local tasks, CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from mindspore import Tensor
+
+from helpers import REPO, tiny_model_artifact
+
+pytest.importorskip("lm_eval")
+from lm_eval.api.instance import Instance  # noqa: E402
+
+from model.llama import causal_lm_loss  # noqa: E402
+from tasks import evaluate, lm_adapter  # noqa: E402
+from tasks.artifacts import ArtifactStore  # noqa: E402
+from tasks.cli import main  # noqa: E402
+from tasks.config import resolve_pipeline  # noqa: E402
+
+TEXT = ("ROMEO: But soft, what light through yonder window breaks? It is the east, and Juliet is the sun. "
+        "Arise, fair sun, and kill the envious moon, who is already sick and pale with grief.")
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("store")
+
+
+@pytest.fixture(scope="module")
+def artifact(root) -> Path:
+    return tiny_model_artifact(root, init_std=0.3)  # peaked predictions: log-probs far from uniform
+
+
+@pytest.fixture(scope="module")
+def lm(artifact):
+    return lm_adapter.MindSporeLM(pretrained=artifact, batch_size=4, progress=False)
+
+
+def req(kind: str, *args) -> Instance:
+    return Instance(request_type=kind, doc={}, arguments=args, idx=0)
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    z = logits.astype(np.float64)
+    z = z - z.max(-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+
+def direct_loglikelihood(lm, context: str, continuation: str) -> tuple[float, bool]:
+    """From the model's logits on the unpadded sequence: the harness's split of (context, continuation)."""
+    sp, eos, L = lm.sp, lm.eot_token_id, lm.max_length
+    if context:
+        whole, ctx = [eos] + sp.encode(context + continuation), [eos] + sp.encode(context)
+        cont = whole[len(ctx):]
+    else:
+        ctx, cont = [eos], sp.encode(continuation)
+        whole = ctx + cont
+    whole = whole[-(L + 1):]
+    logp = log_softmax(lm.net(Tensor(np.asarray([whole[:-1]], np.int32))).asnumpy()[0])
+    n = len(cont)
+    rows = np.arange(len(whole) - 1 - n, len(whole) - 1)
+    targets = np.asarray(whole[-n:])
+    return float(logp[rows, targets].sum()), bool((logp[rows].argmax(-1) == targets).all())
+
+
+def test_loglikelihood_equals_sum_of_log_softmax_of_the_logits(lm):
+    long_context = " ".join([TEXT] * 4)  # > max_length tokens: truncated from the left
+    pairs = [("ROMEO:", " But soft"), ("Question: What is the east?\nAnswer:", " Juliet is the sun."),
+             ("", "Arise, fair sun"), ("It is the ", "east"), (long_context, " and pale with grief."),
+             ("a", " b"), (TEXT[:60], TEXT[60:140])]
+    assert len(lm.tok_encode(long_context)) > lm.max_length
+    got = lm.loglikelihood([req("loglikelihood", c, x) for c, x in pairs])  # one call: mixed lengths, padded batches
+    assert len(lm.scorer.shapes_compiled) >= 2
+    for (c, x), (ll, greedy) in zip(pairs, got):
+        want_ll, want_greedy = direct_loglikelihood(lm, c, x)
+        assert ll == pytest.approx(want_ll, abs=1e-4), (c[:30], x)
+        assert greedy == want_greedy
+    assert all(ll < 0 for ll, _ in got)
+
+
+def test_is_greedy_true_for_the_models_own_continuation(lm):
+    ctx = "ROMEO: But soft"
+    ids = [lm.eot_token_id] + lm.sp.encode(ctx)
+    for _ in range(3):  # append the argmax token three times
+        logits = lm.net(Tensor(np.asarray([ids], np.int32))).asnumpy()[0, -1]
+        ids.append(int(np.argmax(logits)))
+    cont_ids = ids[-3:]
+    (ll, greedy), = lm._loglikelihood_tokens([(None, ids[:-3], cont_ids)])
+    assert greedy and ll < 0
+
+
+def test_trailing_context_space_moves_to_the_continuation(lm):
+    a, b = lm.loglikelihood([req("loglikelihood", "It is the ", "east"), req("loglikelihood", "It is the", " east")])
+    assert a == b
+
+
+def test_rolling_loglikelihood_agrees_with_the_perplexity_function(artifact):
+    small = lm_adapter.MindSporeLM(pretrained=artifact, batch_size=4, max_length=16, progress=False)
+    docs = [TEXT, TEXT[:50], "x"]
+    n_tokens = [len(small.tok_encode(d, add_special_tokens=False)) for d in docs]
+    assert n_tokens[0] > 3 * 16 and n_tokens[0] % 16 != 0  # several windows, a partial last one
+    rolling = small.loglikelihood_rolling([req("loglikelihood_rolling", d) for d in docs])
+    ppl = evaluate.documents_perplexity(small, docs)
+    assert ppl["tokens"] == sum(n_tokens)
+    assert ppl["perplexity"] == pytest.approx(math.exp(-sum(rolling) / sum(n_tokens)), rel=1e-5)
+    assert ppl["bits_per_byte"] == pytest.approx(-sum(rolling) / math.log(2) / len("".join(docs).encode()), rel=1e-5)
+
+
+def test_perplexity_in_one_window_is_exp_of_the_model_loss(lm):
+    ids = [lm.eot_token_id] + lm.sp.encode(TEXT[:120])
+    assert len(ids) - 1 <= lm.max_length
+    x, y = np.asarray([ids[:-1]], np.int32), np.asarray([ids[1:]], np.int32)
+    loss = float(causal_lm_loss(lm.net(Tensor(x)), Tensor(y)).asnumpy())
+    assert evaluate.documents_perplexity(lm, [TEXT[:120]])["perplexity"] == pytest.approx(math.exp(loss), rel=1e-4)
+
+
+def test_token_byte_lengths_count_utf8_bytes(lm):
+    tb = lm_adapter.token_byte_lengths(lm.sp)
+    text = "Arise, fair sun — café!"
+    ids = lm.sp.encode(text)
+    dummy_prefix = 1 if lm.sp.id_to_piece(ids[0]).startswith("\u2581") else 0  # this test tokenizer adds "▁"
+    assert tb[ids].sum() == len(text.encode("utf-8")) + dummy_prefix
+    assert tb[lm.eot_token_id] == 0
+
+
+def test_generate_until_cuts_at_stop_strings(lm):
+    free = lm.generate_text("ROMEO:", max_gen_toks=12)
+    assert isinstance(free, str) and free
+    stop = free[3:5] if len(free) >= 5 else free[-1]
+    out = lm.generate_until([req("generate_until", "ROMEO:", {"until": [stop], "max_gen_toks": 12})])
+    assert out == [free.split(stop)[0]]
+
+
+def test_register_is_idempotent_and_simple_evaluate_takes_the_name(artifact):
+    import lm_eval
+    from lm_eval.api.registry import get_model
+
+    lm_adapter.register()
+    lm_adapter.register()
+    assert get_model("msllm") is lm_adapter.MindSporeLM
+    assert get_model("dummy") is not None  # the harness's own models stay reachable
+    res = lm_eval.simple_evaluate(model="msllm", model_args=f"pretrained={artifact},batch_size=4",
+                                  tasks=["local_arc_easy"], limit=2, task_manager=evaluate.task_manager(["local_arc_easy"]),
+                                  bootstrap_iters=10)
+    assert 0.0 <= res["results"]["local_arc_easy"]["acc,none"] <= 1.0
+
+
+def test_task_run_returns_the_harness_result_structure(lm):
+    tasks = ["local_arc_easy", "local_winogrande", "local_truthfulqa_mc2", "local_lambada_openai"]
+    res = evaluate.run_tasks(lm, tasks, limit=3)
+    for key in ("results", "configs", "versions", "n-shot", "higher_is_better", "n-samples", "samples"):
+        assert key in res
+    for t in tasks:
+        r = res["results"][t]
+        assert 0.0 <= r["acc,none"] <= 1.0 and "acc_stderr,none" in r
+        assert res["n-samples"][t]["effective"] == 3 and len(res["samples"][t]) == 3
+    assert res["results"]["local_lambada_openai"]["perplexity,none"] > 1.0
+    # the harness's recorded log-likelihoods are the adapter's, request by request
+    s = res["samples"]["local_arc_easy"][0]
+    again = lm.loglikelihood([req("loglikelihood", *a) for a in s["arguments"]])
+    assert [r[0][0] for r in s["resps"]] == pytest.approx([a[0] for a in again], abs=1e-6)
+    m = evaluate.main_metrics(res)
+    assert set(m) == {f"{t}.acc" for t in tasks}
+
+
+# ---- local tasks mirror the harness's own definitions --------------------------------------------
+
+
+class _Loader(yaml.SafeLoader):
+    pass
+
+
+_Loader.add_constructor("!function", lambda loader, node: f"!function {loader.construct_scalar(node)}")
+
+
+def _yaml(path: Path) -> dict:
+    cfg = yaml.load(path.read_text(), Loader=_Loader)
+    if "include" in cfg:
+        cfg = {**_yaml(path.parent / cfg.pop("include")), **cfg}
+    return cfg
+
+
+HARNESS = Path(__import__("lm_eval").__file__).parent / "tasks"
+
+
+@pytest.mark.parametrize("local, harness", [
+    ("local_arc_easy", "arc/arc_easy.yaml"), ("local_arc_challenge", "arc/arc_challenge.yaml"),
+    ("local_piqa", "piqa/piqa.yaml"), ("local_boolq", "super_glue/boolq/default.yaml"),
+    ("local_lambada_openai", "lambada/lambada_openai.yaml"), ("local_truthfulqa_mc1", "truthfulqa/truthfulqa_mc1.yaml"),
+    ("local_truthfulqa_mc2", "truthfulqa/truthfulqa_mc2.yaml"), ("local_winogrande", "winogrande/default.yaml"),
+])
+def test_local_task_prompts_mirror_the_harness(local, harness):
+    ours, theirs = _yaml(evaluate.LOCAL_TASKS / f"{local}.yaml"), _yaml(HARNESS / harness)
+    fields = ["output_type", "doc_to_text", "doc_to_target", "doc_to_choice", "num_fewshot", "target_delimiter"]
+    if local == "local_winogrande":  # same partial scoring, written for MosaicML's pre-split records
+        fields = ["output_type"]
+    for f in fields:
+        assert ours.get(f) == theirs.get(f), f
+    assert [m["metric"] for m in ours["metric_list"]] == [m["metric"] for m in theirs["metric_list"]]
+
+
+def test_local_loaders_reproduce_the_source_records():
+    from tasks.lm_tasks import utils
+
+    root = REPO / "data" / "benchmarks"
+    raw = [json.loads(ln) for ln in (root / "boolq" / "boolq.jsonl").read_text().splitlines()]
+    rows = utils.read_boolq(root)
+    assert [f"Passage: {r['passage']}\nQuestion: {r['question']}?" for r in rows] == [r["query"] for r in raw]
+    arc = utils.read_arc(root, "arc_challenge")
+    assert len(arc) == 1172 and all(r["answerKey"] in r["choices"]["label"] for r in arc)
+    piqa = utils.read_piqa(root)
+    assert len(piqa) == 1838 and {r["label"] for r in piqa} == {0, 1}
+    tqa = utils.read_truthfulqa(root)
+    assert len(tqa) == 817 and all(r["mc1_targets"]["labels"][0] == 1 and sum(r["mc1_targets"]["labels"]) == 1 for r in tqa)
+    assert tqa[0]["question"].startswith("What is the smallest country in the world")
+    for name in ("arc_easy", "arc_challenge", "piqa", "boolq", "winogrande", "lambada_openai", "truthfulqa_mc"):
+        assert (root / name / "SOURCE.txt").is_file()
+
+
+# ---- the stage and its command line ----------------------------------------------------------------
+
+
+def test_eval_stage_writes_the_artifact_and_caches(root, artifact, tmp_path):
+    text = tmp_path / "sample.txt"
+    text.write_text(TEXT * 3, encoding="utf-8")
+    cfg = resolve_pipeline(REPO / "pipelines.yaml", "tiny", [
+        "eval.tasks=[local_piqa, local_boolq]", "eval.limit=2", "eval.max_new_tokens=5", "eval.prompts=['ROMEO:']",
+        f"eval.perplexity_files=['{text}']"])
+    store = ArtifactStore(root)
+    path = evaluate.run(cfg, store, artifact, progress=False)
+    m = store.verify(path)
+    assert m["stage"] == "eval" and m["inputs"][0]["key"] == artifact.name
+    for k in ("local_piqa.acc", "local_boolq.acc", "sample.txt.perplexity", "sample.txt.bits_per_byte"):
+        assert k in m["metrics"]
+    results = json.loads((path / "results.json").read_text())
+    assert set(results["results"]) == {"local_piqa", "local_boolq"} and "samples" not in results
+    assert results["perplexity"]["sample.txt"]["perplexity"] == m["metrics"]["sample.txt.perplexity"]
+    assert len((path / "samples" / "local_piqa.jsonl").read_text().splitlines()) == 2
+    gens = [json.loads(ln) for ln in (path / "generations.jsonl").read_text().splitlines()]
+    assert [g["prompt"] for g in gens] == ["ROMEO:"]
+    report = (path / "report.md").read_text()
+    assert "## Perplexity" in report and "local_piqa" in report and "ROMEO:" in report
+    assert evaluate.run(cfg, store, artifact, progress=False) == path  # cache hit
+    table = evaluate.compare_table(path, path)
+    assert "| local_piqa.acc |" in table and "+0.0000" in table
+
+
+def test_cli_eval_compare_and_predict(root, artifact, tmp_path, capsys):
+    common = ["--config", str(REPO / "pipelines.yaml"), "--pipeline", "tiny", "--artifacts", str(root)]
+    paths = []
+    for seed in (0, 1):
+        assert main(["eval", *common, "--from", str(artifact), "--set", "eval.tasks=[local_winogrande]",
+                     "--set", "eval.limit=2", "--set", "eval.max_new_tokens=4", "--set", f"eval.seed={seed}"]) == 0
+        out = capsys.readouterr().out.strip().splitlines()
+        assert out[-2].startswith("# eval artifact") and "local_winogrande.acc=" in out[-2]
+        paths.append(out[-1])
+    assert paths[0] != paths[1] and all(Path(p).is_dir() for p in paths)
+    assert main(["eval", "compare", paths[0], paths[1], "--artifacts", str(root)]) == 0
+    assert "| local_winogrande.acc |" in capsys.readouterr().out
+    assert main(["eval", "compare", paths[0], "--artifacts", str(root)]) == 1
+    assert "usage: msllm eval compare" in capsys.readouterr().err
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("JULIET:\nTo be\n")
+    assert main(["predict", *common, "--from", str(artifact), "--set", "eval.max_new_tokens=4", "ROMEO:", f"@{prompts}"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("ROMEO:") and "\nJULIET:" in out and "\nTo be" in out and out.count("-" * 40) == 2
+
+
+@pytest.mark.slow  # indexes lm-eval's ~14,700 built-in tasks (~17 s)
+def test_unknown_task_names_the_local_ones():
+    with pytest.raises(ValueError, match="unknown task.*local_nope.*local_arc_easy"):
+        evaluate.task_manager(["local_nope"])
+    assert "arc_easy" in evaluate.task_manager(["arc_easy"]).all_tasks  # standard names pass through
