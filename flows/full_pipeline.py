@@ -51,6 +51,8 @@ def full_pipeline(pipeline: str = "demo", config: str = "pipelines.yaml", overri
         ft = stages.finetune_task(**common, base_artifact=model)
         out["finetune"], out["merged"] = ft["finetune"], ft["merged"]
         model = ft["merged"]
+    out["eval"] = stages.eval_task(**common, model_artifact=model,
+                                   data_artifact=out.get("continued_data", out["data"]))
     final = model
     print(stages.publish_lineage(ArtifactStore(artifacts), final))
     return out

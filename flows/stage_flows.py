@@ -50,4 +50,26 @@ def finetune_flow(pipeline: str = "demo", config: str = "pipelines.yaml", overri
     return stages.finetune_task(**c, base_artifact=base_artifact)
 
 
-STAGE_FLOWS = {"data": data_flow, "pretrain": pretrain_flow, "finetune": finetune_flow}
+def _newest_model(artifacts: str, pipeline: str) -> str:
+    store = ArtifactStore(artifacts)
+    p = store.newest("merged", pipeline) or store.newest("pretrain", pipeline)
+    if p is None:
+        raise RuntimeError(f"no model artifact (merged or pretrain) for pipeline '{pipeline}' under {artifacts}")
+    return str(p)
+
+
+@flow(name="eval-stage", log_prints=True)
+def eval_flow(pipeline: str = "demo", config: str = "pipelines.yaml", overrides: list[str] | None = None,
+              artifacts: str = "artifacts", model_artifact: str | None = None, data_artifact: str | None = None) -> str:
+    """Evaluate a model artifact (default: the pipeline's newest merged or pretrain model)."""
+    from tasks.evaluate import lineage_data_artifact
+
+    c = _common(pipeline, config, overrides, artifacts)
+    model_artifact = model_artifact or _newest_model(c["artifacts"], pipeline)
+    if data_artifact is None:
+        found = lineage_data_artifact(ArtifactStore(c["artifacts"]), Path(model_artifact))
+        data_artifact = str(found) if found else None
+    return stages.eval_task(**c, model_artifact=model_artifact, data_artifact=data_artifact)
+
+
+STAGE_FLOWS = {"data": data_flow, "pretrain": pretrain_flow, "finetune": finetune_flow, "eval": eval_flow}

@@ -113,6 +113,32 @@ def finetune_task(config: str, pipeline: str, overrides: list[str], artifacts: s
     return {"finetune": str(path), "merged": str(finetune.merge(store, path))}
 
 
+# ----------------------------------------------------------------------------- eval
+
+
+def _eval_key(store, params):
+    from tasks import evaluate
+
+    cfg = load_cfg(params["config"], params["pipeline"], params["overrides"])
+    return evaluate.stage_key(cfg, store, Path(params["model_artifact"]), _p(params.get("data_artifact")))[0]
+
+
+@task(name="eval", cache_key_fn=_store_key_fn("eval", _eval_key), persist_result=True, result_serializer="json")
+def eval_task(config: str, pipeline: str, overrides: list[str], artifacts: str, model_artifact: str,
+              data_artifact: str | None = None) -> str:
+    """Perplexity on the held-out split, lm-eval tasks, sample generations."""
+    from tasks import evaluate
+
+    cfg = load_cfg(config, pipeline, overrides)
+    path = evaluate.run(cfg, ArtifactStore(artifacts), Path(model_artifact), _p(data_artifact))
+    publish_metrics("eval", path)
+    report = Path(path) / "report.md"
+    if report.is_file():
+        create_markdown_artifact(key=_slug(f"eval-report-{pipeline}"), markdown=report.read_text(),
+                                 description=f"eval of {model_artifact}")
+    return str(path)
+
+
 # ----------------------------------------------------------------------------- UI artifacts
 
 

@@ -33,6 +33,15 @@ from tasks.artifacts import ArtifactError, ArtifactStore
 from tasks.data import DATA_SCHEMA_VERSION, SPLITS, DataError, verify_files
 
 _WINDOW = 16384  # samples per MindDataset pipeline (a new one per window; cheap)
+_VERIFIED: set[tuple] = set()  # (path, size, mtime_ns) of files already checked in this process
+
+
+def _stamp(p: Path) -> tuple | None:
+    try:
+        st = p.stat()
+    except OSError:
+        return None
+    return (str(p.resolve()), st.st_size, st.st_mtime_ns)
 
 
 def data_info(data_artifact: str | Path) -> dict[str, Any]:
@@ -89,7 +98,7 @@ def open_blocks(data_artifact: str | Path, split: str, *, batch_size: int, num_s
                 num_parallel_workers: int = 2) -> Iterator[dict[str, np.ndarray]]:
     """Batches of one rank's slice of a split; see the module docstring for the order.
 
-    repeat (alias epoch_repeat): endless epochs; False = one epoch from `start_sample`, then stop.
+    repeat (alias epoch_repeat): endless epochs; False = the rest of the epoch `start_sample` is in.
     shuffle: default True for train, False for valid. drop_last: default True when repeating
     (never a short batch), False for a single pass (the last batch may be short).
     """
@@ -114,7 +123,12 @@ def open_blocks(data_artifact: str | Path, split: str, *, batch_size: int, num_s
                         "use fewer ranks or rebuild with a smaller data.seq_length")
     files = [str(root / f) for f in sp["files"]]
     if verify:
-        verify_files(root, [f for rel in sp["files"] for f in (rel, rel + ".db")])
+        rels = [f for rel in sp["files"] for f in (rel, rel + ".db")]
+        stamps = [_stamp(root / rel) for rel in rels]
+        todo = [rel for rel, st in zip(rels, stamps) if st not in _VERIFIED]
+        if todo:
+            verify_files(root, todo)
+            _VERIFIED.update(st for rel, st in zip(rels, stamps) if rel in todo and st is not None)
     return _batches(files, n, start_sample // num_shards, batch_size=batch_size, num_shards=num_shards,
                     shard_id=shard_id, seed=seed, repeat=repeat, shuffle=shuffle, drop_last=drop_last,
                     workers=num_parallel_workers)
@@ -125,7 +139,7 @@ def _batches(files: list[str], n: int, pos: int, *, batch_size: int, num_shards:
     import mindspore.dataset as ds
 
     per = n // num_shards
-    end = None if repeat else per
+    end = None if repeat else (pos // per + 1) * per  # single pass: to the end of the epoch `pos` is in
     window = (min(_WINDOW, n) // batch_size) * batch_size  # a SubsetSampler takes at most n indices
     if window == 0:  # fewer blocks than one batch: read them once, assemble batches in memory
         yield from _small_split(files, n, pos, end, batch_size=batch_size, num_shards=num_shards, shard_id=shard_id,

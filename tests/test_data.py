@@ -159,8 +159,9 @@ def test_two_ranks_read_every_block_once_per_epoch(shakespeare):
     both = np.concatenate(seen)
     assert len(np.unique(both)) == len(both) == 2 * (n // 2)  # every block at most once, all but n % 2
     assert not np.array_equal(rank_order(n, 0, seed=7, num_shards=2), rank_order(n, 1, seed=7, num_shards=2))
-    assert np.array_equal(np.sort(np.concatenate([rank_order(10, 3, seed=1, num_shards=2, shard_id=r) for r in (0, 1)])),
-                          np.arange(10))
+    S = next(s for s in range(2, n + 1) if n % s == 0)  # when num_shards divides n: every block exactly once
+    assert np.array_equal(np.sort(np.concatenate([rank_order(n, 5, seed=7, num_shards=S, shard_id=r) for r in range(S)])),
+                          np.arange(n))
 
 
 def test_resume_at_offset_reproduces_the_stream(shakespeare):
@@ -408,3 +409,26 @@ def test_too_few_blocks_for_shards(tmp_path, tok512):
     write_txt(tmp_path / "c.txt", paragraphs(6))
     with pytest.raises(DataError, match=r"lower data.num_shards"):
         run_small(make_cfg([tmp_path / "c.txt"], "data.num_shards=500", "data.validation_documents=1"), tmp_path, tok512)
+
+
+def test_fast_mindrecord_writer_matches_public_api(tmp_path, monkeypatch):
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 512, size=(3000, 65), dtype=np.int32)
+    mask = np.ones((3000, 64), dtype=np.int32)
+    mask[-1, 20:] = 0
+    digests = []
+    for fast in (True, False):
+        monkeypatch.setattr(data, "_FAST_WRITE", fast)
+        w = data._SplitWriter(tmp_path / str(fast), "train", 2, 64)
+        w._put(ids, mask)
+        w.close("drop", 3, tmp_path / str(fast))
+        digests.append([hashlib.sha256((tmp_path / str(fast) / f).read_bytes()).hexdigest()
+                        for rel in w.files for f in (rel, rel + ".db")])
+    assert digests[0] == digests[1]
+
+
+def test_uncached_hub_dataset_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(DataError, match=r"hf:nobody/not-cached: cannot load with HF datasets .*use local files"):
+        run_small(make_cfg(["hf:nobody/not-cached"]), tmp_path, None)

@@ -74,19 +74,21 @@ def _tiny_config(tmp_path: Path) -> Path:
 @pytest.mark.slow
 def test_rerun_is_cached_and_edits_rerun_only_what_changed(tmp_path):
     cfg = _tiny_config(tmp_path)
-    first, again, edited = _drive(tmp_path, cfg, [[], [], ["pretrain.optimizer.lr=0.002"]])
+    first, again, edited = _drive(tmp_path, cfg, [[], [], ["eval.limit=4"]])
     assert first["flow"] == "Completed" and all(s == ["Completed"] for s in first["tasks"].values()), first
     # unchanged rerun: every stage cached, same artifacts, seconds
     assert all(set(s) == {"Cached"} for s in again["tasks"].values()), again
     assert again["result"] == first["result"]
     assert again["wall"] < 60, again["wall"]
-    # editing only the pretrain section: data cached, pretrain reruns
-    assert edited["tasks"]["data"] == ["Cached"] and edited["tasks"]["pretrain"] == ["Completed"], edited
-    assert edited["result"]["data"] == first["result"]["data"]
-    assert edited["result"]["pretrain"] != first["result"]["pretrain"]
+    # editing only the eval section reruns only eval
+    assert {k: v for k, v in edited["tasks"].items() if k != "eval"} == {k: ["Cached"] for k in edited["tasks"] if k != "eval"}
+    assert edited["tasks"]["eval"] == ["Completed"], edited
+    assert edited["result"]["pretrain"] == first["result"]["pretrain"]
+    assert edited["result"]["eval"] != first["result"]["eval"]
     # changing the corpus bytes under the same path reruns data and everything after it
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(corpus.read_text().replace("ROMEO", "ROMEA"))
     (changed,) = _drive(tmp_path, cfg, [[]])
-    assert changed["tasks"]["data"] == ["Completed"] and changed["tasks"]["pretrain"] == ["Completed"], changed
+    assert all(v == ["Completed"] for v in changed["tasks"].values()), changed
+    assert set(changed["tasks"]) == {"data", "pretrain", "finetune", "eval"} | ({"export"} & set(changed["tasks"]))
     assert changed["result"]["data"] != first["result"]["data"]

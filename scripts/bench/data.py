@@ -13,7 +13,9 @@ trained beforehand (not timed) and used by both sides:
   reader    tasks.dataset.open_blocks on the train split (shuffled, batch 8): blocks/s, and the
             ratio to what the trainer consumes (~2000 tokens/s on 2 cores → 2000/128 ≈ 15.6 blocks/s).
 
-MindSpore and datasets are imported before any timing (steady state). Run it alone: two cores.
+MindSpore and datasets are imported before any timing (steady state); each side runs `--repeat`
+times, alternating, and the fastest run counts. Run it alone: two cores. `loadavg` in the output is
+the 1-minute load average before the first run (other processes skew the figures).
 """
 
 from __future__ import annotations
@@ -88,6 +90,7 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--corpora", nargs="+", default=list(CORPORA), choices=list(CORPORA))
     ap.add_argument("--reader-blocks", type=int, default=20000)
+    ap.add_argument("--repeat", type=int, default=2, help="runs of each side, alternating; the fastest counts")
     args = ap.parse_args()
 
     import datasets
@@ -100,6 +103,7 @@ def main() -> int:
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity_error()
     files = [CORPORA[c] for c in args.corpora]
+    load = round(os.getloadavg()[0], 2)
     cfg = resolve_pipeline(REPO / "pipelines.yaml", "demo", [
         f"data.sources={json.dumps([str(f) for f in files])}", f"data.num_workers={args.workers}",
         "data.tokenizer.character_coverage=0.9995",
@@ -111,19 +115,23 @@ def main() -> int:
         plan = data.plan_chunks(cfg, tmp / "plan")
         model = data.train_tokenizer(cfg.data.tokenizer, plan.sample_path, tmp / "tokenizer.model")
 
-        t0 = time.perf_counter()
-        art = data.run(cfg, ArtifactStore(tmp / "art"), tokenizer_model=model, progress=False)
-        ours_s = time.perf_counter() - t0
+        ours_s, base, art = float("inf"), None, None
+        for r in range(args.repeat):  # alternate the sides so that load from elsewhere hits both alike
+            t0 = time.perf_counter()
+            a = data.run(cfg, ArtifactStore(tmp / f"art{r}"), tokenizer_model=model, progress=False)
+            if time.perf_counter() - t0 < ours_s:
+                ours_s, art = time.perf_counter() - t0, a
+            b = baseline(files, model, seq, args.workers, tmp / f"hf-cache{r}")
+            base = b if base is None or b["seconds"] < base["seconds"] else base
         met = ArtifactStore.read_manifest(art)["metrics"]
         tokens = met["tokens"]["train"] + met["tokens"]["valid"]
         ours = {"seconds": round(ours_s, 3), "mb": met["raw_text_mb"], "tokens": tokens,
                 "blocks": met["blocks"]["train"] + met["blocks"]["valid"], "mb_per_s": round(met["raw_text_mb"] / ours_s, 3),
                 "tokens_per_s": round(tokens / ours_s), "phases_s": met["seconds"]}
 
-        base = baseline(files, model, seq, args.workers, tmp / "hf-cache")
         read = reader(art, cfg.pretrain.micro_batch_size, seq, args.reader_blocks)
     print(json.dumps({
-        "bench": "data", "corpora": args.corpora, "workers": args.workers, "vocab_size": cfg.data.tokenizer.vocab_size,
+        "bench": "data", "loadavg": load, "corpora": args.corpora, "workers": args.workers, "vocab_size": cfg.data.tokenizer.vocab_size,
         "seq_length": seq, "ours": ours, "baseline_hf_map": base,
         "throughput_vs_baseline": round(ours["mb_per_s"] / base["mb_per_s"], 2), "reader": read,
     }))
