@@ -856,6 +856,26 @@ def _pool_map(num_workers: int, n_tasks: int):
             raise
 
 
+def stage_key(cfg: PipelineConfig, store: ArtifactStore, tokenizer_model: Path | None = None):
+    """(key, inputs, (sources, ignored files, tokenizer path)): the content key, before any heavy work.
+
+    Also checks the model's vocab size against the tokenizer (the reused one, or the one to train).
+    """
+    d = cfg.data
+    sources, ignored = resolve_sources(cfg)
+    tok_path = Path(tokenizer_model) if tokenizer_model else (cfg.resolve_path(d.tokenizer.path) if d.tokenizer.path else None)
+    if tok_path is not None:
+        base = load_tokenizer(tok_path)
+        check_vocab(cfg, base.get_piece_size(), str(tok_path))
+        if base.eos_id() < 0:
+            raise DataError(f"{tok_path}: tokenizer has no EOS piece to join documents with; use another tokenizer.model")
+    else:
+        check_vocab(cfg, d.tokenizer.vocab_size, None)
+    inputs = source_inputs(sources) + ([raw_file_input(tok_path)] if tok_path else [])
+    key = store.key("data", _key_config(cfg, tok_path is not None), inputs, code_version("data"))
+    return key, inputs, (sources, ignored, tok_path)
+
+
 def run(cfg: PipelineConfig, store: ArtifactStore, tokenizer_model: Path | None = None, progress: bool = True,
         map_fn: Callable[[Callable, list], Iterable] | None = None) -> Path:
     """Build (or find cached) the data artifact of `cfg`; returns its directory.
@@ -867,18 +887,8 @@ def run(cfg: PipelineConfig, store: ArtifactStore, tokenizer_model: Path | None 
     t0 = time.perf_counter()
     d = cfg.data
     log = (lambda msg: print(f"data: {msg}", file=sys.stderr, flush=True)) if progress else (lambda msg: None)
-    sources, ignored = resolve_sources(cfg)
-    tok_path = Path(tokenizer_model) if tokenizer_model else (cfg.resolve_path(d.tokenizer.path) if d.tokenizer.path else None)
-    if tok_path is not None:
-        base = load_tokenizer(tok_path)
-        check_vocab(cfg, base.get_piece_size(), str(tok_path))
-        if base.eos_id() < 0:
-            raise DataError(f"{tok_path}: tokenizer has no EOS piece to join documents with; use another tokenizer.model")
-    else:
-        check_vocab(cfg, d.tokenizer.vocab_size, None)
-    inputs = source_inputs(sources) + ([raw_file_input(tok_path)] if tok_path else [])
+    key, inputs, (sources, ignored, tok_path) = stage_key(cfg, store, tokenizer_model)
     code = code_version("data")
-    key = store.key("data", _key_config(cfg, tok_path is not None), inputs, code)
     hit = store.lookup("data", key)
     if hit is not None:
         log(f"cache hit {hit}")
