@@ -37,7 +37,12 @@ def full_pipeline(pipeline: str = "demo", config: str = "pipelines.yaml", overri
     common = dict(config=config, pipeline=pipeline, overrides=overrides, artifacts=artifacts)
     out: dict[str, str] = {}
     tok = str(Path(init_from) / "tokenizer.model") if init_from else None
-    out["data"] = stages.data_task(**common, tokenizer_model=tok)
+    if cfg.data.executor == "dask":  # chunks mapped over a Dask cluster (same bytes as the local pool)
+        from flows.data_dask import run_on_dask
+
+        out["data"] = run_on_dask(cfg, artifacts, tok)
+    else:
+        out["data"] = stages.data_task(**common, tokenizer_model=tok)
     out["pretrain"] = stages.pretrain_task(**common, data_artifact=out["data"], init_from=init_from)
     model = out["pretrain"]
     if cfg.continued.sources:

@@ -119,8 +119,10 @@ class DataSection(_Section):
     """...a chunk also closes at this many bytes of text, so corpora of long documents still fan out.
     Neither chunk setting changes the output bytes."""
     seed: int = 1234
+    executor: Literal["processes", "dask"] = "processes"
+    """Where chunks are tokenized: a local process pool, or mapped Prefect tasks on Dask (flows only)."""
     dask_address: str | None = None
-    """Run the tokenization fan-out on this Dask scheduler instead of in-process."""
+    """With executor: dask, the scheduler of an existing Dask cluster (default: a LocalCluster of num_workers)."""
 
 
 class OptimizerSection(_Section):
@@ -272,6 +274,10 @@ class ExportSection(_Section):
     batch_size: int = Field(1, gt=0)
     seq_length: int = Field(32, gt=0)
     atol: float = Field(1e-4, gt=0)
+    prompts: list[str] = Field(default_factory=lambda: ["ROMEO:", "To be, or not", "The king"], min_length=1)
+    """Fixed prompts of the export check: logits of MindSpore vs the reloaded MindIR and onnxruntime, and greedy tokens."""
+    max_new_tokens: int = Field(8, gt=0)
+    """Greedy tokens per prompt that onnxruntime must reproduce (at most seq_length minus the prompt's length)."""
 
 
 class PipelineConfig(_Section):

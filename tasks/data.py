@@ -834,7 +834,7 @@ def finalize(results: Iterable[str | os.PathLike], out_dir: Path, *, seq_length:
 def _key_config(cfg: PipelineConfig, reused_tokenizer: bool) -> dict[str, Any]:
     """The data section minus settings that do not change the output bytes (workers, chunking)."""
     section = cfg.section("data")
-    for k in ("num_workers", "chunk_documents", "chunk_bytes", "dask_address"):
+    for k in ("num_workers", "chunk_documents", "chunk_bytes", "executor", "dask_address"):
         section.pop(k, None)
     if reused_tokenizer:  # identified by its sha256 among the inputs, not by where it lies
         section["tokenizer"] = {"reused": True}

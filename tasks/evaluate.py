@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import logging
 import math
 import sys
@@ -179,6 +180,9 @@ def task_manager(tasks: list[str]):
 
 def run_tasks(lm, tasks: list[str], limit: int | None, seed: int = 0, tm=None) -> dict[str, Any]:
     """lm_eval.simple_evaluate on our model; returns the harness's result dict (with "samples")."""
+    # lm-eval bootstraps stderrs in a fork()ed multiprocessing.Pool; forking a process that
+    # holds MindSpore's threads deadlocks (seen under Prefect). One process is fast enough.
+    os.environ["DISABLE_MULTIPROC"] = "1"
     import lm_eval
 
     tm = tm or task_manager(tasks)
