@@ -245,7 +245,7 @@ COMMANDS: dict[str, Callable] = {
     "train": cmd_train,
     "finetune": lambda args: __import__("tasks.finetune", fromlist=["cli_finetune"]).cli_finetune(args),
     "eval": lambda args: __import__("tasks.evaluate", fromlist=["cli_eval"]).cli_eval(args),
-    "export": _not_built("export", "[7/9]"),
+    "export": lambda args: __import__("tasks.export", fromlist=["cli_export"]).cli_export(args),
     "predict": lambda args: __import__("tasks.evaluate", fromlist=["cli_predict"]).cli_predict(args),
     "convert": _not_built("weight conversion", "[8/9]"),
     "lineage": cmd_lineage,
