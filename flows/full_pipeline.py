@@ -42,23 +42,26 @@ def full_pipeline(pipeline: str = "demo", config: str = "pipelines.yaml", overri
 
         out["data"] = run_on_dask(cfg, artifacts, tok)
     else:
-        out["data"] = stages.data_task(**common, tokenizer_model=tok)
-    out["pretrain"] = stages.pretrain_task(**common, data_artifact=out["data"], init_from=init_from)
+        out["data"] = stages.run_stage(stages.data_task, **common, tokenizer_model=tok)
+    out["pretrain"] = stages.run_stage(stages.pretrain_task, **common, data_artifact=out["data"], init_from=init_from)
     model = out["pretrain"]
     if cfg.continued.sources:
         srcs = [str(cfg.resolve_path(s)) for s in cfg.continued.sources]
-        out["continued_data"] = stages.data_task(**common, tokenizer_model=str(Path(model) / "tokenizer.model"),
+        out["continued_data"] = stages.run_stage(stages.data_task, **common, tokenizer_model=str(Path(model) / "tokenizer.model"),
                                                  continued_sources=srcs)
-        out["continued_pretrain"] = stages.pretrain_task(**common, data_artifact=out["continued_data"],
+        out["continued_pretrain"] = stages.run_stage(stages.pretrain_task, **common, data_artifact=out["continued_data"],
                                                          init_from=model, continued_sources=srcs)
         model = out["continued_pretrain"]
     if cfg.finetune.sources:
-        ft = stages.finetune_task(**common, base_artifact=model)
+        ft = stages.run_stage(stages.finetune_task, **common, base_artifact=model)
         out["finetune"], out["merged"] = ft["finetune"], ft["merged"]
         model = ft["merged"]
-    out["eval"] = stages.eval_task(**common, model_artifact=model,
+    out["eval"] = stages.run_stage(stages.eval_task, **common, model_artifact=model,
                                    data_artifact=out.get("continued_data", out["data"]))
-    final = model
+    # export does not take the eval artifact as an input, so editing only `eval:` reruns only eval
+    # (`msllm export` / the export-stage flow put the newest matching eval into the model card)
+    out["export"] = stages.run_stage(stages.export_task, **common, model_artifact=model)
+    final = out["export"]
     print(stages.publish_lineage(ArtifactStore(artifacts), final))
     return out
 

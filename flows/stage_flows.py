@@ -31,7 +31,7 @@ def _common(pipeline: str, config: str, overrides: list[str] | None, artifacts: 
 @flow(name="data-stage", log_prints=True)
 def data_flow(pipeline: str = "demo", config: str = "pipelines.yaml", overrides: list[str] | None = None,
               artifacts: str = "artifacts", tokenizer_model: str | None = None) -> str:
-    return stages.data_task(**_common(pipeline, config, overrides, artifacts), tokenizer_model=tokenizer_model)
+    return stages.run_stage(stages.data_task, **_common(pipeline, config, overrides, artifacts), tokenizer_model=tokenizer_model)
 
 
 @flow(name="pretrain-stage", log_prints=True)
@@ -39,7 +39,7 @@ def pretrain_flow(pipeline: str = "demo", config: str = "pipelines.yaml", overri
                   artifacts: str = "artifacts", data_artifact: str | None = None, init_from: str | None = None) -> str:
     c = _common(pipeline, config, overrides, artifacts)
     data_artifact = data_artifact or _newest(c["artifacts"], "data", pipeline, "the data stage")
-    return stages.pretrain_task(**c, data_artifact=data_artifact, init_from=init_from)
+    return stages.run_stage(stages.pretrain_task, **c, data_artifact=data_artifact, init_from=init_from)
 
 
 @flow(name="finetune-stage", log_prints=True)
@@ -47,7 +47,7 @@ def finetune_flow(pipeline: str = "demo", config: str = "pipelines.yaml", overri
                   artifacts: str = "artifacts", base_artifact: str | None = None) -> dict[str, str]:
     c = _common(pipeline, config, overrides, artifacts)
     base_artifact = base_artifact or _newest(c["artifacts"], "pretrain", pipeline, "the pretrain stage")
-    return stages.finetune_task(**c, base_artifact=base_artifact)
+    return stages.run_stage(stages.finetune_task, **c, base_artifact=base_artifact)
 
 
 def _newest_model(artifacts: str, pipeline: str) -> str:
@@ -69,7 +69,22 @@ def eval_flow(pipeline: str = "demo", config: str = "pipelines.yaml", overrides:
     if data_artifact is None:
         found = lineage_data_artifact(ArtifactStore(c["artifacts"]), Path(model_artifact))
         data_artifact = str(found) if found else None
-    return stages.eval_task(**c, model_artifact=model_artifact, data_artifact=data_artifact)
+    return stages.run_stage(stages.eval_task, **c, model_artifact=model_artifact, data_artifact=data_artifact)
 
 
-STAGE_FLOWS = {"data": data_flow, "pretrain": pretrain_flow, "finetune": finetune_flow, "eval": eval_flow}
+@flow(name="export-stage", log_prints=True)
+def export_flow(pipeline: str = "demo", config: str = "pipelines.yaml", overrides: list[str] | None = None,
+                artifacts: str = "artifacts", model_artifact: str | None = None, eval_artifact: str | None = None) -> str:
+    """Export a model artifact (default: the pipeline's newest merged or pretrain model) to MindIR + ONNX."""
+    from tasks.export import matching_eval
+
+    c = _common(pipeline, config, overrides, artifacts)
+    model_artifact = model_artifact or _newest_model(c["artifacts"], pipeline)
+    if eval_artifact is None:
+        found = matching_eval(ArtifactStore(c["artifacts"]), Path(model_artifact), pipeline)
+        eval_artifact = str(found) if found else None
+    return stages.run_stage(stages.export_task, **c, model_artifact=model_artifact, eval_artifact=eval_artifact)
+
+
+STAGE_FLOWS = {"data": data_flow, "pretrain": pretrain_flow, "finetune": finetune_flow, "eval": eval_flow,
+               "export": export_flow}

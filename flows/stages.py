@@ -13,7 +13,6 @@ config itself, which costs milliseconds.
 
 from __future__ import annotations
 
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -29,17 +28,29 @@ def load_cfg(config: str, pipeline: str, overrides: list[str] | None, continued_
     return cfg.for_continued(continued_sources) if continued_sources else cfg
 
 
+_KEY_FNS: dict[str, Any] = {}
+
+
 def _store_key_fn(stage: str, key_of):
-    """A Prefect cache_key_fn returning the store's key (suffixed when the store lacks the artifact)."""
+    """A Prefect cache_key_fn returning the store's content key for this stage's inputs."""
 
     def fn(context, params: dict[str, Any]) -> str:
-        store = ArtifactStore(params["artifacts"])
-        key = key_of(store, params)
-        if store.lookup(stage, key) is None:
-            return f"{stage}-{key}-build-{uuid.uuid4().hex[:8]}"
-        return f"{stage}-{key}"
+        return f"{stage}-{key_of(ArtifactStore(params['artifacts']), params)}"
 
+    _KEY_FNS[stage] = key_of
     return fn
+
+
+def run_stage(task_obj, **params):
+    """Call a stage task so that Prefect's cache agrees with the artifact store.
+
+    When the store lacks the artifact (never built, or deleted), Prefect's cache record for
+    the key is refreshed (the task runs); when the store has it, Prefect reports Cached.
+    """
+    stage = task_obj.name
+    store = ArtifactStore(params["artifacts"])
+    missing = store.lookup(stage, _KEY_FNS[stage](store, params)) is None
+    return task_obj.with_options(refresh_cache=missing)(**params)
 
 
 def _p(x: str | None) -> Path | None:
@@ -136,6 +147,28 @@ def eval_task(config: str, pipeline: str, overrides: list[str], artifacts: str, 
     if report.is_file():
         create_markdown_artifact(key=_slug(f"eval-report-{pipeline}"), markdown=report.read_text(),
                                  description=f"eval of {model_artifact}")
+    return str(path)
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def _export_key(store, params):
+    from tasks import export
+
+    cfg = load_cfg(params["config"], params["pipeline"], params["overrides"])
+    return export.stage_key(cfg, store, Path(params["model_artifact"]), _p(params.get("eval_artifact")))[0]
+
+
+@task(name="export", cache_key_fn=_store_key_fn("export", _export_key), persist_result=True, result_serializer="json")
+def export_task(config: str, pipeline: str, overrides: list[str], artifacts: str, model_artifact: str,
+                eval_artifact: str | None = None) -> str:
+    """MindIR + ONNX, each verified by reloading and comparing logits (in a child process)."""
+    from tasks import export
+
+    cfg = load_cfg(config, pipeline, overrides)
+    path = export.run(cfg, ArtifactStore(artifacts), Path(model_artifact), eval_artifact=_p(eval_artifact))
+    publish_metrics("export", path)
     return str(path)
 
 
