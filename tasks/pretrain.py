@@ -110,7 +110,7 @@ def _run_child(module: str, spec_path: Path) -> str | None:
     lines = [ln.rsplit("\r", 1)[-1] for ln in tail.decode("utf-8", "replace").splitlines()]
     lines = [ln for ln in lines if ln.strip()][-40:]
     errors = [ln for ln in lines if ln.startswith("error:") or "Error" in ln.split(":")[0]]
-    head = errors[-1] if errors else f"{module} child exited with code {rc}"
+    head = errors[-1].removeprefix("error: ") if errors else f"{module} child exited with code {rc}"
     if rc == STOPPED_EARLY:
         head = f"{module} child stopped before the end (stop_after)"
     elif rc < 0 or rc == 137:

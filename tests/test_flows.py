@@ -87,7 +87,7 @@ def test_rerun_is_cached_and_edits_rerun_only_what_changed(tmp_path):
     assert edited["result"]["eval"] != first["result"]["eval"]
     # changing the corpus bytes under the same path reruns data and everything after it
     corpus = tmp_path / "corpus.txt"
-    corpus.write_text(corpus.read_text().replace("ROMEO", "ROMEA"))
+    corpus.write_text(corpus.read_text().replace("Citizen", "Burgher"))
     (changed,) = _drive(tmp_path, cfg, [[]])
     assert all(v == ["Completed"] for v in changed["tasks"].values()), changed
     assert set(changed["tasks"]) == {"data", "pretrain", "finetune", "eval", "export"}

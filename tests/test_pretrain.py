@@ -117,5 +117,5 @@ def test_child_error_is_reported_on_top(tmp_path, data_artifact):
     with pytest.raises(pretrain.StageFailed) as ei:
         pretrain.run(cfg, store, data_copy, progress=False)
     first = str(ei.value).splitlines()[0]
-    assert first.startswith("error: tokenizer of") and "vocab_size is 1024" in first
+    assert first.startswith("tokenizer of") and "vocab_size is 1024" in first
     assert store.list("pretrain") == []
