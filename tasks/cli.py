@@ -247,7 +247,7 @@ COMMANDS: dict[str, Callable] = {
     "eval": lambda args: __import__("tasks.evaluate", fromlist=["cli_eval"]).cli_eval(args),
     "export": lambda args: __import__("tasks.export", fromlist=["cli_export"]).cli_export(args),
     "predict": lambda args: __import__("tasks.evaluate", fromlist=["cli_predict"]).cli_predict(args),
-    "convert": _not_built("weight conversion", "[8/9]"),
+    "convert": lambda args: __import__("tasks.convert", fromlist=["cli_convert"]).cli_convert(args),
     "lineage": cmd_lineage,
     "plan": cmd_plan,
 }

@@ -43,7 +43,6 @@ greedy_tokens_match, parameters, export_seconds.
 
 from __future__ import annotations
 
-import argparse
 import datetime as _dt
 import json
 import os
@@ -57,6 +56,7 @@ import numpy as np
 
 from tasks.artifacts import ArtifactError, ArtifactStore, atomic_write_json, code_version
 from tasks.config import ConfigError, PipelineConfig
+from tasks.supervise import child_main
 
 STAGE = "export"
 MODEL_STAGES = ("merged", "pretrain", "convert")  # artifacts holding model.json + weights
@@ -140,12 +140,12 @@ def run(cfg: PipelineConfig, store: ArtifactStore, model_artifact: Path, *, eval
     """Return the verified export artifact of this model, exporting it in a child process if needed.
 
     Raises ConfigError for settings the model cannot take, and ExportCheckFailed (in
-    process) or tasks.pretrain.StageFailed (from the child, message starting with the
+    process) or tasks.supervise.StageFailed (from the child, message starting with the
     check that failed) when an exported model does not match; no artifact is written then.
     `isolate=False` exports in this process (tests).
     """
     from tasks.model_artifact import read_info
-    from tasks.pretrain import StageFailed, _run_child  # one child-process supervisor for every stage
+    from tasks.supervise import supervise
 
     model = resolve_model(store, model_artifact)
     check(cfg, read_info(model))
@@ -158,16 +158,7 @@ def run(cfg: PipelineConfig, store: ArtifactStore, model_artifact: Path, *, eval
         return hit
     spec = {"config": cfg.model_dump(mode="json"), "root": str(store.root), "model": str(model),
             "eval": str(eval_art) if eval_art else None, "key": key, "progress": progress}
-    if not isolate:
-        return export(spec)
-    run_dir = store.root / "runs" / STAGE / key
-    run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(run_dir / "spec.json", spec)
-    err = _run_child("tasks.export", run_dir / "spec.json")
-    hit = store.lookup(STAGE, key)
-    if err is None and hit is not None:
-        return hit
-    raise StageFailed((err or "the export child exited without writing its artifact").removeprefix("error: "))
+    return supervise(STAGE, store, key, spec, export, isolate=isolate)
 
 
 # ----------------------------------------------------------------------------- the child
@@ -530,19 +521,5 @@ def cli_export(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--child", required=True)
-    args = ap.parse_args(argv)
-    spec = json.loads(Path(args.child).read_text())
-    try:
-        path = export(spec)
-    except (ValueError, RuntimeError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        return 1
-    print(path)
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(child_main(export))

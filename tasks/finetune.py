@@ -38,7 +38,6 @@ weights: `merge()` takes both from the base artifact it names.
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import json
 import shutil
@@ -376,7 +375,7 @@ def run(cfg: PipelineConfig, store: ArtifactStore, base_artifact: Path, *, progr
     {"stop_after": k} / {"fault_steps": [...]} to the first attempt, as in pretrain.
     """
     from tasks.model_artifact import read_info
-    from tasks.pretrain import StageFailed, _run_child  # one child-process supervisor for both stages
+    from tasks.supervise import supervise
 
     base = store.inside(base_artifact)
     check(cfg, read_info(base))
@@ -384,25 +383,9 @@ def run(cfg: PipelineConfig, store: ArtifactStore, base_artifact: Path, *, progr
     hit = store.lookup(STAGE, key)
     if hit is not None:
         return hit
-    run_dir = store.root / "runs" / STAGE / key
-    run_dir.mkdir(parents=True, exist_ok=True)
     spec = {"config": cfg.model_dump(mode="json"), "root": str(store.root), "base": str(base), "key": key,
             "progress": progress and sys.stderr.isatty()}  # a bar only where a terminal shows it
-    if not isolate:
-        out = train({**spec, **(inject or {})})
-        if out is None:
-            raise StageFailed("finetune stopped before max_steps (stop_after)")
-        return out
-    err = None
-    for attempt in range(retries + 1):
-        atomic_write_json(run_dir / "spec.json", {**spec, **((inject or {}) if attempt == 0 else {})})
-        err = _run_child("tasks.finetune", run_dir / "spec.json")
-        hit = store.lookup(STAGE, key)
-        if err is None and hit is not None:
-            return hit
-        if attempt < retries:
-            print(f"[finetune] attempt {attempt + 1} failed; retrying from the last checkpoint", file=sys.stderr)
-    raise StageFailed(err or "the finetune child exited without writing its artifact")
+    return supervise(STAGE, store, key, spec, train, retries=retries, isolate=isolate, inject=inject)
 
 
 # ----------------------------------------------------------------------------- the child
@@ -600,23 +583,7 @@ def cli_finetune(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    from tasks.pretrain import STOPPED_EARLY
-
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--child", required=True)
-    args = ap.parse_args(argv)
-    spec = json.loads(Path(args.child).read_text())
-    try:
-        path = train(spec)
-    except (ValueError, RuntimeError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        return 1
-    if path is None:
-        return STOPPED_EARLY
-    print(path)
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    from tasks.supervise import child_main
+
+    sys.exit(child_main(train))

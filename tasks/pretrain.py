@@ -15,12 +15,9 @@ tokenizer ids), tokenizer.model, metrics.jsonl, loss_curve.png.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Iterator
@@ -29,13 +26,9 @@ import numpy as np
 
 from tasks.artifacts import ArtifactStore, atomic_write_json, code_version
 from tasks.config import PipelineConfig
+from tasks.supervise import STOPPED_EARLY, StageFailed, child_main, supervise  # noqa: F401 (re-exported)
 
 STAGE = "pretrain"
-STOPPED_EARLY = 75  # child exit code: stopped on request before max_steps, checkpoints kept
-
-
-class StageFailed(RuntimeError):
-    """The stage's child process failed; the message starts with its own error."""
 
 
 # ----------------------------------------------------------------------------- keys and inputs
@@ -68,54 +61,10 @@ def run(cfg: PipelineConfig, store: ArtifactStore, data_artifact: Path, init_fro
     hit = store.lookup(STAGE, key)
     if hit is not None:
         return hit
-    run_dir = store.root / "runs" / STAGE / key
-    run_dir.mkdir(parents=True, exist_ok=True)
     spec = {"config": cfg.model_dump(mode="json"), "root": str(store.root), "data": str(data_artifact),
             "init_from": str(init_from) if init_from else None, "key": key,
             "progress": progress and sys.stderr.isatty()}  # a bar only where a terminal shows it
-    if not isolate:
-        out = train({**spec, **(inject or {})})
-        if out is None:
-            raise StageFailed("pretrain stopped before max_steps (stop_after)")
-        return out
-    err = None
-    for attempt in range(retries + 1):
-        atomic_write_json(run_dir / "spec.json", {**spec, **((inject or {}) if attempt == 0 else {})})
-        err = _run_child("tasks.pretrain", run_dir / "spec.json")
-        hit = store.lookup(STAGE, key)
-        if err is None and hit is not None:
-            return hit
-        if attempt < retries:
-            print(f"[pretrain] attempt {attempt + 1} failed; retrying from the last checkpoint", file=sys.stderr)
-    raise StageFailed(err or "the pretrain child exited without writing its artifact")
-
-
-def _run_child(module: str, spec_path: Path) -> str | None:
-    """Run `python -m module --child spec`, relaying its output as it comes (progress bars included).
-
-    Returns None on success, else the child's own error line on top of its last log lines.
-    """
-    env = dict(os.environ, GLOG_v=os.environ.get("GLOG_v", "3"), PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-m", module, "--child", str(spec_path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
-    assert proc.stdout is not None
-    tail = b""
-    while chunk := proc.stdout.read1(65536):
-        sys.stderr.buffer.write(chunk)
-        sys.stderr.buffer.flush()
-        tail = (tail + chunk)[-20000:]
-    rc = proc.wait()
-    if rc == 0:
-        return None
-    lines = [ln.rsplit("\r", 1)[-1] for ln in tail.decode("utf-8", "replace").splitlines()]
-    lines = [ln for ln in lines if ln.strip()][-40:]
-    errors = [ln for ln in lines if ln.startswith("error:") or "Error" in ln.split(":")[0]]
-    head = errors[-1].removeprefix("error: ") if errors else f"{module} child exited with code {rc}"
-    if rc == STOPPED_EARLY:
-        head = f"{module} child stopped before the end (stop_after)"
-    elif rc < 0 or rc == 137:
-        head = f"{module} child was killed (signal {-rc if rc < 0 else 9}; out of memory?)"
-    return head + "\n--- last lines of the child's log ---\n" + "\n".join(lines)
+    return supervise(STAGE, store, key, spec, train, retries=retries, isolate=isolate, inject=inject)
 
 
 # ----------------------------------------------------------------------------- data
@@ -272,21 +221,5 @@ def _tok_sha(data_artifact: Path) -> str:
     return sha256_file(Path(data_artifact) / "tokenizer.model")
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--child", required=True)
-    args = ap.parse_args(argv)
-    spec = json.loads(Path(args.child).read_text())
-    try:
-        path = train(spec)
-    except (ValueError, RuntimeError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        return 1
-    if path is None:
-        return STOPPED_EARLY
-    print(path)
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(child_main(train))

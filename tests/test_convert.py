@@ -238,3 +238,27 @@ def test_cli_and_continued_pretraining_start_from_the_converted_model(case, tmp_
     assert mc.tie_embeddings and mc.num_kv_heads == 2 and mc.hidden_size == 64
     native = hf_to_native(read_hf_tensors(case["hf_dir"]), mc)
     assert all(np.array_equal(p.asnumpy(), native[p.name]) for p in net.trainable_params())
+
+
+@pytest.mark.slow
+def test_converted_model_runs_through_continued_pretraining_eval_and_export(case, capsys):
+    """The acceptance path, through the CLI: data (base tokenizer) -> train (init_from) -> eval -> export (~40 s)."""
+    if case["name"] != "gqa-tied-sharded":
+        pytest.skip("one case is enough")
+    from tasks import cli
+
+    common = ["--config", str(REPO / "pipelines.yaml"), "--pipeline", "tiny", "--artifacts", str(case["store"].root),
+              "--set", f"pretrain.init_from={case['artifact']}", "--set", "pretrain.max_steps=4",
+              "--set", "pretrain.eval_steps=2", "--set", "checkpoint.save_steps=2", "--set", "eval.limit=4"]
+
+    def run(*argv: str) -> Path:
+        assert cli.main([*argv, *common]) == 0, capsys.readouterr().err
+        return Path(capsys.readouterr().out.strip().splitlines()[-1])
+
+    data = run("data")
+    assert (data / "tokenizer.model").read_bytes() == (case["artifact"] / "tokenizer.model").read_bytes()
+    trained = run("train", "--from", str(data))
+    m = ArtifactStore.read_manifest(trained)
+    assert m["metrics"]["continued_from"] == str(case["artifact"]) and m["metrics"]["steps"] == 4
+    assert run("eval", "--from", str(trained)).parent.name == "eval"
+    assert run("export", "--from", str(trained)).parent.name == "export"

@@ -21,7 +21,7 @@ from tasks.pretrain import StageFailed
 from tests.helpers import tiny_model_artifact
 
 REPO = Path(__file__).resolve().parent.parent
-SETS = ["export.batch_size=2"]  # a batch of 2 also exercises the spare (all-padding) rows
+SETS = ["export.batch_size=2", "export.seq_length=16"]  # a batch of 2 also exercises the spare (all-padding) rows
 
 
 def _cfg(*extra: str):
@@ -128,14 +128,14 @@ print(json.dumps({{"snippet": out.getvalue(), "completion": completion, "copy": 
 
 
 def test_rerun_is_a_cache_hit_and_cli_prints_the_path(env, monkeypatch, capsys):
-    from tasks import cli, pretrain
+    from tasks import cli, supervise
 
     def no_child(*a, **k):
         raise AssertionError("a cached export must not start a child")
 
-    monkeypatch.setattr(pretrain, "_run_child", no_child)
+    monkeypatch.setattr(supervise, "run_child", no_child)
     assert export.run(_cfg(), env["store"], env["model"]) == env["path"]
-    rc = cli.main(["export", "--config", str(REPO / "pipelines.yaml"), "--pipeline", "tiny", "--set", SETS[0],
+    rc = cli.main(["export", "--config", str(REPO / "pipelines.yaml"), "--pipeline", "tiny", *[a for s in SETS for a in ("--set", s)],
                    "--artifacts", str(env["root"]), "--from", str(env["model"])])
     out = capsys.readouterr().out.strip().splitlines()
     assert rc == 0 and out[-1] == str(env["path"])
