@@ -62,9 +62,19 @@ def main() -> int:
               f"  ({_du(Path(path)) / 1e6:.1f} MB)")
         met = m.get("metrics", {})
         if "val_loss" in met:
-            print(f"   {'':<20} val loss {met.get('initial_val_loss', float('nan')):.3f} → {met['val_loss']:.3f} nats/token "
-                  f"(unigram entropy of the corpus {met.get('unigram_entropy', float('nan')):.3f}); "
+            before = met.get("initial_val_loss", met.get("val_loss_before"))
+            what = "response-only val loss" if m["stage"] == "finetune" else "val loss"
+            ent = f" (unigram entropy of the corpus {met['unigram_entropy']:.3f})" if "unigram_entropy" in met else ""
+            print(f"   {'':<20} {what} {before:.3f} → {met['val_loss']:.3f} nats/token{ent}; "
                   f"loss curve: {Path(path) / 'loss_curve.png'}")
+        if m["stage"] == "eval":
+            tasks = ", ".join(f"{k.removeprefix('local_').split('.')[0]} {v:.2f}" for k, v in met.items() if k.endswith(".acc"))
+            print(f"   {'':<20} held-out perplexity {met.get('perplexity', float('nan')):.1f}, "
+                  f"bits/byte {met.get('bits_per_byte', float('nan')):.3f}; acc: {tasks}; report: {Path(path) / 'report.md'}")
+        if m["stage"] == "export":
+            v = m.get("verification", {})
+            print(f"   {'':<20} MindIR max |Δlogit| {v.get('mindir_max_abs_diff')}, ONNX {v.get('onnx_max_abs_diff'):.2e}, "
+                  f"greedy tokens match: {v.get('greedy_tokens_match')}; model card: {Path(path) / 'MODEL_CARD.md'}")
             rows = [json.loads(x) for x in (Path(path) / "metrics.jsonl").read_text().splitlines()]
             curve = [f"{r['step']}:{r['loss']:.2f}" for r in rows if "grad_norm" in r]
             if curve:
