@@ -14,7 +14,7 @@ want=$(cat pyproject.toml requirements.lock | sha256sum | cut -c1-16)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "[setup] installing pinned dependencies (first run: a few minutes)"
   .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -c requirements.lock -e ".[test]"
+  .venv/bin/python -m pip install -q -c requirements.lock -e ".[test,reference]"
   echo "$want" > "$stamp"
 else
   echo "[setup] .venv up to date"
