@@ -92,3 +92,40 @@ def test_rerun_is_cached_and_edits_rerun_only_what_changed(tmp_path):
     assert all(v == ["Completed"] for v in changed["tasks"].values()), changed
     assert set(changed["tasks"]) == {"data", "pretrain", "finetune", "eval", "export"}
     assert changed["result"]["data"] != first["result"]["data"]
+
+
+FAIL_DRIVER = r"""
+import json, sys
+from flows.full_pipeline import full_pipeline
+args = json.loads(sys.argv[1])
+state = full_pipeline(pipeline="tiny", config=args["config"], overrides=[], artifacts=args["artifacts"], return_state=True)
+exc = state.result(raise_on_failure=False)
+print("REPORT " + json.dumps({"state": state.name, "error": str(exc)}))
+"""
+
+
+@pytest.mark.slow
+def test_failing_stage_fails_the_flow_with_its_own_error_and_leaves_no_artifact(tmp_path):
+    import gzip
+
+    cfg = _tiny_config(tmp_path)
+    bad = tmp_path / "corpus.jsonl.gz"
+    bad.write_bytes(gzip.compress(b'{"text": "a document"}\n' * 2000)[:-40])  # truncated gzip stream
+    doc = yaml.safe_load(cfg.read_text())
+    doc["pipelines"]["tiny"]["data"]["sources"] = [str(bad)]
+    cfg.write_text(yaml.safe_dump(doc))
+    env = dict(os.environ, PREFECT_HOME=str(tmp_path / "ph"), PREFECT_SERVER_ANALYTICS_ENABLED="false", GLOG_v="3",
+               PREFECT_LOGGING_LEVEL="WARNING")
+    env.pop("PREFECT_API_URL", None)
+    arg = json.dumps({"config": str(cfg), "artifacts": str(tmp_path / "artifacts")})
+    out = subprocess.run([sys.executable, "-c", FAIL_DRIVER, arg], capture_output=True, text=True, cwd=REPO, env=env,
+                         timeout=600)
+    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("REPORT ")), None)
+    assert line, out.stderr[-4000:]
+    rep = json.loads(line[len("REPORT "):])
+    assert rep["state"] == "Failed"
+    assert "corpus.jsonl.gz" in rep["error"] and "gzip" in rep["error"].lower(), rep["error"]
+    from tasks.artifacts import ArtifactStore
+
+    store = ArtifactStore(tmp_path / "artifacts")
+    assert all(store.list(stage) == [] for stage in ("data", "pretrain", "finetune", "eval", "export"))
