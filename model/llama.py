@@ -11,6 +11,12 @@ prefix (embed_tokens.weight, layers.0.self_attn.q_proj.weight, ..., norm.weight,
 lm_head.weight), every projection weight is [out, in] and RoPE uses HF's
 rotate-half layout, so weight conversion is a plain rename table.
 
+Mixed precision: `LlamaForCausalLM(config, compute_dtype=ms.float16)` keeps fp32
+master Parameters and runs the projections and attention matmuls in fp16 (input and
+weight cast per call, so gradients reach the fp32 weights through the Cast); the
+residual stream is fp16, RMSNorm, softmax and the loss run in fp32 and logits are
+returned as fp32. The default float32 adds no casts at all.
+
 CPU-driven choices (see MINDSPORE_CPU_NOTES.md): projections are one 2-D MatMul
 on the flattened tokens, attention scores use BatchMatMul(transpose_b=True), the
 loss is a hand-written log-sum-exp, and RMSNorm / embedding avoid Rsqrt and
@@ -55,38 +61,54 @@ def causal_mask(q_positions: Tensor, k_positions: Tensor) -> Tensor:
 class Linear(nn.Cell):
     """Bias-free projection with an [out, in] weight, as ONE 2-D matmul on flattened tokens."""
 
-    def __init__(self, weight: np.ndarray):
+    def __init__(self, weight: np.ndarray, compute_dtype=ms.float32):
         super().__init__()
         self.out_features = weight.shape[0]
         self.weight = Parameter(Tensor(weight), name="weight")
         self.matmul = ops.MatMul(transpose_b=True)
+        self.half = compute_dtype != ms.float32
+        self.compute_dtype = compute_dtype
 
     def construct(self, x: Tensor) -> Tensor:
         # x: [..., in] -> [N, in] @ [out, in]^T -> [..., out]
-        y = self.matmul(x.reshape(-1, x.shape[-1]), self.weight)
+        if self.half:  # fp32 master weight, low-precision matmul; output stays in compute_dtype
+            y = self.matmul(x.reshape(-1, x.shape[-1]).astype(self.compute_dtype), self.weight.astype(self.compute_dtype))
+        else:
+            y = self.matmul(x.reshape(-1, x.shape[-1]), self.weight)
         return y.reshape(x.shape[:-1] + (self.out_features,))
 
 
 class Embedding(nn.Cell):
     """Token embedding as a gather on a [vocab, hidden] Parameter (ONNX-exportable)."""
 
-    def __init__(self, weight: np.ndarray):
+    def __init__(self, weight: np.ndarray, compute_dtype=ms.float32):
         super().__init__()
         self.weight = Parameter(Tensor(weight), name="weight")
+        self.half = compute_dtype != ms.float32
+        self.compute_dtype = compute_dtype
 
     def construct(self, input_ids: Tensor) -> Tensor:
-        return ops.gather(self.weight, input_ids, 0)  # [B, T] -> [B, T, H]
+        x = ops.gather(self.weight, input_ids, 0)  # [B, T] -> [B, T, H]
+        if self.half:
+            x = x.astype(self.compute_dtype)
+        return x
 
 
 class RMSNorm(nn.Cell):
     """x / sqrt(mean(x^2) + eps) * weight, over the last axis (no Rsqrt: ONNX has no mapping)."""
 
-    def __init__(self, hidden_size: int, eps: float):
+    def __init__(self, hidden_size: int, eps: float, compute_dtype=ms.float32):
         super().__init__()
         self.eps = eps
         self.weight = Parameter(Tensor(np.ones(hidden_size, np.float32)), name="weight")
+        self.half = compute_dtype != ms.float32
+        self.compute_dtype = compute_dtype
 
     def construct(self, x: Tensor) -> Tensor:
+        if self.half:  # normalise in fp32, hand back the compute dtype
+            x = x.astype(ms.float32)
+            mean_sq = ops.mean(ops.square(x), -1, keep_dims=True)  # [..., 1]
+            return (x / ops.sqrt(mean_sq + self.eps) * self.weight).astype(self.compute_dtype)
         mean_sq = ops.mean(ops.square(x), -1, keep_dims=True)  # [..., 1]
         return x / ops.sqrt(mean_sq + self.eps) * self.weight
 
@@ -94,16 +116,18 @@ class RMSNorm(nn.Cell):
 class Attention(nn.Cell):
     """Grouped-query causal self-attention with RoPE."""
 
-    def __init__(self, config: ModelConfig, init):
+    def __init__(self, config: ModelConfig, init, compute_dtype=ms.float32):
         super().__init__()
+        self.half = compute_dtype != ms.float32
+        self.compute_dtype = compute_dtype
         h, hd = config.hidden_size, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, hd
         self.n_rep = config.num_heads // config.num_kv_heads
         self.scale = hd ** -0.5
-        self.q_proj = Linear(init(config.num_heads * hd, h))
-        self.k_proj = Linear(init(config.num_kv_heads * hd, h))
-        self.v_proj = Linear(init(config.num_kv_heads * hd, h))
-        self.o_proj = Linear(init(h, config.num_heads * hd))
+        self.q_proj = Linear(init(config.num_heads * hd, h), compute_dtype)
+        self.k_proj = Linear(init(config.num_kv_heads * hd, h), compute_dtype)
+        self.v_proj = Linear(init(config.num_kv_heads * hd, h), compute_dtype)
+        self.o_proj = Linear(init(h, config.num_heads * hd), compute_dtype)
         self.scores_matmul = ops.BatchMatMul(transpose_b=True)
         self.values_matmul = ops.BatchMatMul()
 
@@ -139,8 +163,12 @@ class Attention(nn.Cell):
         # so fold them into the query-length axis of their kv head.
         q = q.reshape(b, nkv, self.n_rep * t, hd)                                 # [B, nkv, rep*T, hd]
         scores = self.scores_matmul(q, k)                                         # [B, nkv, rep*T, S]
-        scores = scores.reshape(b, nh, t, -1) + mask                              # [B, nh, T, S]
-        probs = ops.softmax(scores, -1).reshape(b, nkv, self.n_rep * t, -1)       # [B, nkv, rep*T, S]
+        if self.half:  # mask and softmax in fp32, probabilities back to the compute dtype
+            scores = scores.reshape(b, nh, t, -1).astype(ms.float32) + mask          # [B, nh, T, S]
+            probs = ops.softmax(scores, -1).astype(self.compute_dtype).reshape(b, nkv, self.n_rep * t, -1)
+        else:
+            scores = scores.reshape(b, nh, t, -1) + mask                          # [B, nh, T, S]
+            probs = ops.softmax(scores, -1).reshape(b, nkv, self.n_rep * t, -1)   # [B, nkv, rep*T, S]
         out = self.values_matmul(probs, v).reshape(b, nh, t, hd)                  # [B, nh, T, hd]
         out = ops.transpose(out, (0, 2, 1, 3)).reshape(b, t, nh * hd)             # [B, T, nh*hd]
         return self.o_proj(out)                                                   # [B, T, H]
@@ -149,12 +177,12 @@ class Attention(nn.Cell):
 class MLP(nn.Cell):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, config: ModelConfig, init):
+    def __init__(self, config: ModelConfig, init, compute_dtype=ms.float32):
         super().__init__()
         h, f = config.hidden_size, config.intermediate_size
-        self.gate_proj = Linear(init(f, h))
-        self.up_proj = Linear(init(f, h))
-        self.down_proj = Linear(init(h, f))
+        self.gate_proj = Linear(init(f, h), compute_dtype)
+        self.up_proj = Linear(init(f, h), compute_dtype)
+        self.down_proj = Linear(init(h, f), compute_dtype)
 
     def construct(self, x: Tensor) -> Tensor:
         return self.down_proj(ops.silu(self.gate_proj(x)) * self.up_proj(x))  # [B, T, H]
@@ -163,12 +191,12 @@ class MLP(nn.Cell):
 class DecoderLayer(nn.Cell):
     """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.))."""
 
-    def __init__(self, config: ModelConfig, init):
+    def __init__(self, config: ModelConfig, init, compute_dtype=ms.float32):
         super().__init__()
-        self.self_attn = Attention(config, init)
-        self.mlp = MLP(config, init)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.self_attn = Attention(config, init, compute_dtype)
+        self.mlp = MLP(config, init, compute_dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps, compute_dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps, compute_dtype)
 
     def construct(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)  # [B, T, H]
@@ -187,11 +215,17 @@ class LlamaForCausalLM(nn.Cell):
 
     `seed` drives a numpy RandomState that draws every weight (normal(0, init_std),
     norms = 1), so the init is reproducible and independent of MindSpore's global seed.
+    `compute_dtype` (ms.float32 or ms.float16) is the matmul / residual-stream dtype;
+    Parameters stay fp32 either way, logits are always fp32.
     """
 
-    def __init__(self, config: ModelConfig, seed: int | None = None):
+    def __init__(self, config: ModelConfig, seed: int | None = None, compute_dtype=ms.float32):
         super().__init__()
+        if compute_dtype not in (ms.float32, ms.float16):
+            raise ValueError(f"compute_dtype must be mindspore.float32 or mindspore.float16, got {compute_dtype}")
         self.config = config
+        self.compute_dtype = compute_dtype
+        self.half = compute_dtype != ms.float32
         rng = np.random.RandomState(seed)
 
         def init(*shape: int) -> np.ndarray:
@@ -199,13 +233,15 @@ class LlamaForCausalLM(nn.Cell):
 
         h = config.hidden_size
         self.tie_embeddings = config.tie_embeddings
-        self.embed_tokens = Embedding(init(config.vocab_size, h))
-        self.layers = nn.CellList([DecoderLayer(config, init) for _ in range(config.num_layers)])
-        self.norm = RMSNorm(h, config.norm_eps)
+        self.embed_tokens = Embedding(init(config.vocab_size, h), compute_dtype)
+        self.layers = nn.CellList([DecoderLayer(config, init, compute_dtype) for _ in range(config.num_layers)])
+        self.norm = RMSNorm(h, config.norm_eps, compute_dtype)
         if not config.tie_embeddings:
-            self.lm_head = Linear(init(config.vocab_size, h))
+            self.lm_head = Linear(init(config.vocab_size, h), compute_dtype)
         self.tied_matmul = ops.MatMul(transpose_b=True)
         cos, sin = rope_tables(config.head_dim, config.max_seq_length, config.rope_theta)
+        if self.half:  # tables in the compute dtype: q/k stay fp16 through RoPE
+            cos, sin = cos.astype(np.float16), sin.astype(np.float16)
         self.rope_cos, self.rope_sin = Tensor(cos), Tensor(sin)  # constants, not Parameters
 
     def enable_recompute(self) -> None:
@@ -227,17 +263,22 @@ class LlamaForCausalLM(nn.Cell):
     def _logits(self, x: Tensor) -> Tensor:
         b, t, _ = x.shape
         x = self.norm(x)                                               # [B, T, H]
+        if self.half:
+            if self.tie_embeddings:
+                logits = self.tied_matmul(x.reshape(b * t, -1), self.embed_tokens.weight.astype(self.compute_dtype))
+                return logits.reshape(b, t, -1).astype(ms.float32)     # [B, T, V]
+            return self.lm_head(x).astype(ms.float32)                  # [B, T, V]
         if self.tie_embeddings:
             logits = self.tied_matmul(x.reshape(b * t, -1), self.embed_tokens.weight)
             return logits.reshape(b, t, -1)                            # [B, T, V]
         return self.lm_head(x)                                         # [B, T, V]
 
     def init_cache(self, batch_size: int, max_len: int | None = None) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
-        """Zeroed KV caches for `forward_cached`: per layer one K and one V of [B, n_kv, max_len, head_dim]."""
+        """Zeroed KV caches for `forward_cached`: per layer one K and one V of [B, n_kv, max_len, head_dim] (compute dtype)."""
         c = self.config
         shape = (batch_size, c.num_kv_heads, max_len or c.max_seq_length, c.head_dim)
-        k = tuple(ops.zeros(shape, ms.float32) for _ in range(c.num_layers))
-        v = tuple(ops.zeros(shape, ms.float32) for _ in range(c.num_layers))
+        k = tuple(ops.zeros(shape, self.compute_dtype) for _ in range(c.num_layers))
+        v = tuple(ops.zeros(shape, self.compute_dtype) for _ in range(c.num_layers))
         return k, v
 
     def forward_cached(self, input_ids: Tensor, start_pos: Tensor, k_caches: tuple, v_caches: tuple

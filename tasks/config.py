@@ -155,7 +155,9 @@ class PretrainSection(_Section):
     grad_clip: float | None = Field(1.0, gt=0)
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     loss_scale: float = Field(65536.0, gt=0)
-    """Initial dynamic loss scale (fp16 only)."""
+    """Initial dynamic loss scale (fp16 only): halved on every overflowed (skipped) step."""
+    loss_scale_window: int = Field(1000, gt=0)
+    """fp16 only: the loss scale doubles after this many consecutive finite steps."""
     recompute: bool = False
     seed: int = 42
     log_steps: int = Field(10, gt=0)
@@ -575,10 +577,11 @@ def check_pipeline(cfg: PipelineConfig, prefix: str, check_files: bool = True) -
         )
     if pt.optimizer.min_lr > pt.optimizer.lr:
         errs.append(f"{prefix}.pretrain.optimizer.min_lr: {pt.optimizer.min_lr} > lr={pt.optimizer.lr}; min_lr must be <= lr")
-    if pt.precision in ("bf16", "fp16") and par.device_target == "CPU":
+    if pt.precision == "bf16" and par.device_target == "CPU":
         errs.append(
-            f"{prefix}.pretrain.precision: {pt.precision} has no MindSpore CPU kernels for training "
-            "(MatMul/Softmax reject bf16; fp16 runs at half speed); use fp32 on CPU or set parallel.device_target"
+            f"{prefix}.pretrain.precision: bf16 has no MindSpore CPU kernels for training "
+            "(MatMul/Softmax reject bf16); use fp32 on CPU (fp16 also works on CPU, at about half the fp32 speed) "
+            "or set parallel.device_target"
         )
     if cfg.continued.warmup_steps > cfg.continued.max_steps:
         errs.append(f"{prefix}.continued.warmup_steps: {cfg.continued.warmup_steps} > max_steps={cfg.continued.max_steps}")

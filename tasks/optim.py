@@ -86,12 +86,51 @@ class AdamW(nn.Cell):
         return gnorm, finite
 
 
+class DynamicLossScale:
+    """fp16 loss scale S: halves on an overflowed (non-finite gradient) step, doubles after `window` good ones.
+
+    Host-side state (S is fed to the compiled step as a Tensor each step, so changing it never
+    recompiles). `dynamic=False` keeps S fixed (fp32 training: S = 1). S never drops below
+    `floor`; a non-finite step at the floor is a genuine fault, not an overflow (see `update`).
+    """
+
+    def __init__(self, scale: float = 1.0, *, window: int = 1000, dynamic: bool = False, floor: float = 1.0):
+        self.scale, self.window, self.dynamic, self.floor = float(scale), int(window), dynamic, float(floor)
+        self.good_steps = 0  # consecutive finite steps since the last change of S
+
+    def update(self, grads_finite: bool) -> bool:
+        """Record a step's outcome; True when it was a loss-scale overflow (S halved, not a fault)."""
+        if not self.dynamic:
+            return False
+        if grads_finite:
+            self.good_steps += 1
+            if self.good_steps >= self.window:
+                self.scale *= 2.0
+                self.good_steps = 0
+            return False
+        self.good_steps = 0
+        if self.scale > self.floor:
+            self.scale = max(self.floor, self.scale / 2.0)
+            return True
+        return False
+
+    def state_dict(self) -> dict:
+        return {"loss_scale": self.scale, "loss_scale_good_steps": self.good_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "loss_scale" in state:
+            self.scale = float(state["loss_scale"])
+            self.good_steps = int(state.get("loss_scale_good_steps", 0))
+
+
 class TrainStep:
     """The compiled step: forward, loss, value_and_grad, (accumulate,) clip, AdamW.
 
     `loss_fn(*batch) -> scalar` closes over the network. With accumulation k > 1,
     `micro(*batch)` adds gradients into buffers and `apply(lr, step)` updates
     with their mean; with k == 1 `step(*batch, lr, step)` does both in one graph.
+    The loss scale S is a runtime Tensor input (the loss is multiplied by it and the
+    gradients divided back), so a dynamic scale never recompiles the graph.
     """
 
     def __init__(self, loss_fn, params: list[Parameter], optimizer: AdamW, accumulation: int = 1,
@@ -99,10 +138,9 @@ class TrainStep:
         self.optimizer = optimizer
         self.k = accumulation
         self.loss_scale = loss_scale
-        scale = loss_scale
 
-        def scaled_loss(*batch):
-            loss = loss_fn(*batch)
+        def scaled_loss(input_ids, labels, scale):
+            loss = loss_fn(input_ids, labels)
             return loss * scale, loss
 
         grad_fn = ms.value_and_grad(scaled_loss, None, weights=params, has_aux=True)
@@ -111,13 +149,13 @@ class TrainStep:
 
         @ms.jit
         def fused(input_ids, labels, lr, step, grad_scale):
-            (_, loss), grads = grad_fn(input_ids, labels)
+            (_, loss), grads = grad_fn(input_ids, labels, grad_scale)
             gnorm, finite = optimizer(grads, lr, step, grad_scale)
             return loss, gnorm, finite
 
         @ms.jit
-        def micro(input_ids, labels):
-            (_, loss), grads = grad_fn(input_ids, labels)
+        def micro(input_ids, labels, scale):
+            (_, loss), grads = grad_fn(input_ids, labels, scale)
             for a, g in zip(accum, grads):
                 ops.assign_add(a, g)
             return loss
@@ -132,16 +170,20 @@ class TrainStep:
 
         self._fused, self._micro, self._apply = fused, micro, apply
 
-    def __call__(self, micro_batches, lr: float, step: int):
-        """micro_batches: list of k (input_ids, labels) numpy pairs. Returns (loss, grad_norm, finite)."""
+    def __call__(self, micro_batches, lr: float, step: int, loss_scale: float | None = None):
+        """micro_batches: list of k (input_ids, labels) numpy pairs. Returns (loss, grad_norm, finite).
+
+        `loss_scale` overrides `self.loss_scale` for this step (the dynamic fp16 scale).
+        """
         lr_t = Tensor(lr, ms.float32)
         step_t = Tensor(float(step), ms.float32)
+        s = self.loss_scale if loss_scale is None else loss_scale
+        scale = Tensor(s, ms.float32)
         if self.k == 1:
             ids, labels = micro_batches[0]
-            scale = Tensor(self.loss_scale, ms.float32)
             loss, gnorm, finite = self._fused(Tensor(ids), Tensor(labels), lr_t, step_t, scale)
             return float(loss.asnumpy()), float(gnorm.asnumpy()), bool(finite.asnumpy())
-        losses = [float(self._micro(Tensor(ids), Tensor(labels)).asnumpy()) for ids, labels in micro_batches]
-        gnorm, finite = self._apply(lr_t, step_t, Tensor(self.loss_scale * self.k, ms.float32))
+        losses = [float(self._micro(Tensor(ids), Tensor(labels), scale).asnumpy()) for ids, labels in micro_batches]
+        gnorm, finite = self._apply(lr_t, step_t, Tensor(s * self.k, ms.float32))
         loss = sum(losses) / len(losses)
         return loss, float(gnorm.asnumpy()), bool(finite.asnumpy()) and math.isfinite(loss)

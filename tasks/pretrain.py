@@ -129,13 +129,18 @@ def build_network(cfg: PipelineConfig, init_from: Path | None):
     from tasks.model_artifact import read_info
     from tasks.trainer import _assign
 
+    dtype = {}
+    if cfg.pretrain.precision == "fp16":  # fp32 master weights, fp16 matmuls (model/llama.py)
+        import mindspore as ms
+
+        dtype = {"compute_dtype": ms.float16}
     if init_from is None:
         mc = cfg.model.resolve()
-        net = build_model(cfg.model.name, mc, seed=cfg.pretrain.seed)
+        net = build_model(cfg.model.name, mc, seed=cfg.pretrain.seed, **dtype)
         return net, mc
     info = read_info(init_from)
     mc = ModelConfig.from_dict(info["model"])
-    net = build_model(info.get("name", cfg.model.name), mc, seed=cfg.pretrain.seed)
+    net = build_model(info.get("name", cfg.model.name), mc, seed=cfg.pretrain.seed, **dtype)
     _assign(net.trainable_params(), load_weights(init_from), str(init_from))
     return net, mc
 
@@ -209,6 +214,7 @@ def _train(cfg: PipelineConfig, store: ArtifactStore, data_artifact: Path, init_
             final_train_loss=result.final_loss, initial_val_loss=result.initial_val_loss, val_loss=result.val_loss,
             val_ppl=math.exp(result.val_loss) if result.val_loss is not None else None,
             unigram_entropy=entropy, skipped_steps=result.skipped_steps, tokens_per_s=result.tokens_per_s,
+            precision=pt.precision, overflow_steps=result.overflow_steps, final_loss_scale=result.loss_scale,
             parameters=mc.num_parameters, continued_from=str(init_from) if init_from else None,
         )
     print(f"[pretrain] val_loss {result.val_loss:.4f} vs unigram entropy {entropy:.4f} nats/token", file=sys.stderr)

@@ -59,6 +59,12 @@ class LoopConfig:
     keep_checkpoint_max: int = 3
     resume: bool = True
     max_nonfinite_steps: int = 5
+    precision: str = "fp32"
+    """"fp32" (loss scale fixed at 1) or "fp16" (dynamic loss scaling; the caller builds an fp16 network)."""
+    loss_scale: float = 65536.0
+    """Initial dynamic loss scale S (fp16 only)."""
+    loss_scale_window: int = 1000
+    """fp16: S doubles after this many consecutive finite steps (and halves on every overflow)."""
     peak_flops: float | None = None
     progress: bool = True
     fault_steps: list[int] = field(default_factory=list)
@@ -78,6 +84,7 @@ class LoopConfig:
             eval_steps=pretrain.eval_steps, eval_batches=pretrain.eval_batches, save_steps=checkpoint.save_steps,
             keep_checkpoint_max=checkpoint.keep_checkpoint_max, resume=checkpoint.resume,
             max_nonfinite_steps=pretrain.max_nonfinite_steps, peak_flops=pretrain.peak_flops, progress=progress,
+            precision=pretrain.precision, loss_scale=pretrain.loss_scale, loss_scale_window=pretrain.loss_scale_window,
         )
 
 
@@ -92,6 +99,10 @@ class FitResult:
     history: list[dict[str, Any]]
     initial_val_loss: float | None = None
     stopped_early: bool = False
+    overflow_steps: int = 0
+    """fp16: steps skipped because the scaled gradients overflowed (expected; S halved, not faults)."""
+    loss_scale: float = 1.0
+    """The loss scale S at the end (1 in fp32)."""
 
 
 def peak_rss_bytes() -> int:
@@ -135,7 +146,7 @@ def fit(net, params, loss_fn, loop: LoopConfig, *, batches: Batches, valid: Call
         run_dir: Path, meta: dict[str, Any], flops_per_token: float, tokens_per_sample: int) -> FitResult:
     import mindspore as ms
 
-    from tasks.optim import AdamW, TrainStep, decays, lr_at
+    from tasks.optim import AdamW, DynamicLossScale, TrainStep, decays, lr_at
 
     # ---- setup
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -147,10 +158,12 @@ def fit(net, params, loss_fn, loop: LoopConfig, *, batches: Batches, valid: Call
                            decay_embeddings=loop.decay_embeddings) for p in params],
     )
     step_fn = TrainStep(loss_fn, params, optimizer, accumulation=loop.gradient_accumulation)
+    fp16 = loop.precision == "fp16"
+    scaler = DynamicLossScale(loop.loss_scale if fp16 else 1.0, window=loop.loss_scale_window, dynamic=fp16)
     eval_fn = ms.jit(loss_fn)
     opt_params = list(optimizer.exp_avg) + list(optimizer.exp_avg_sq)
 
-    step, consumed, updates, skipped, consecutive = 0, 0, 0, 0, 0
+    step, consumed, updates, skipped, consecutive, overflows = 0, 0, 0, 0, 0, 0
     history: list[dict[str, Any]] = []
     metrics_path = run_dir / "metrics.jsonl"
     latest = newest_checkpoint(ckpt_root) if loop.resume else None
@@ -159,6 +172,9 @@ def fit(net, params, loss_fn, loop: LoopConfig, *, batches: Batches, valid: Call
         _assign(params, weights, str(latest))
         _assign(opt_params, opt_state, str(latest))
         step, consumed, updates, skipped = state["step"], state["consumed_samples"], state["updates"], state["skipped_steps"]
+        overflows = state.get("overflow_steps", 0)
+        if fp16:
+            scaler.load_state_dict(state)  # S and its good-step count: resume stays exact
         history = [r for r in _read_jsonl(metrics_path) if r.get("step", 0) <= step]
         print(f"[train] resumed from {latest.name}: step {step}, {consumed} samples consumed", file=sys.stderr)
     _write_jsonl(metrics_path, history)
@@ -182,13 +198,13 @@ def fit(net, params, loss_fn, loop: LoopConfig, *, batches: Batches, valid: Call
         micro = [next(it) for _ in range(loop.gradient_accumulation)]
         lr = lr_at(step, lr=loop.lr, min_lr=loop.min_lr, warmup_steps=loop.warmup_steps,
                    max_steps=loop.max_steps, decay=loop.decay)
-        if step + 1 in loop.fault_steps:
-            step_fn.loss_scale, saved = 0.0, step_fn.loss_scale  # grads / 0 -> non-finite
-            loss, gnorm, finite = step_fn(micro, lr, updates + 1)
-            step_fn.loss_scale = saved
-        else:
-            loss, gnorm, finite = step_fn(micro, lr, updates + 1)
-        finite = finite and math.isfinite(loss)
+        scale = scaler.scale
+        # fault hook: scale 0 -> grads / 0 -> non-finite
+        loss, gnorm, finite = step_fn(micro, lr, updates + 1, 0.0 if step + 1 in loop.fault_steps else scale)
+        if math.isfinite(loss):
+            overflow = scaler.update(finite)  # fp16: a non-finite gradient while S > 1 halves S
+        else:  # a non-finite forward is never a loss-scale overflow (S only scales the backward)
+            finite, overflow, scaler.good_steps = False, False, 0
         step += 1
         steps_here += 1
         consumed += per_step
@@ -197,6 +213,10 @@ def fit(net, params, loss_fn, loop: LoopConfig, *, batches: Batches, valid: Call
             updates += 1
             consecutive = 0
             last_loss = loss
+        elif overflow:
+            overflows += 1
+            print(f"[train] step {step}: gradient overflow at loss scale {scale:g}; update skipped, "
+                  f"scale -> {scaler.scale:g}", file=sys.stderr)
         else:
             skipped += 1
             consecutive += 1
@@ -220,6 +240,8 @@ def fit(net, params, loss_fn, loop: LoopConfig, *, batches: Batches, valid: Call
             record = {"step": step, "loss": loss, "lr": lr, "grad_norm": gnorm, "tokens_per_s": tps,
                       "mfu": tps * flops_per_token / peak, "peak_rss_bytes": peak_rss_bytes(), "eta_s": eta,
                       "consumed_samples": consumed, "skipped_steps": skipped}
+            if fp16:
+                record.update(loss_scale=scale, overflow_steps=overflows)
             t_log, tok_log = now, 0
         if valid is not None and (step % loop.eval_steps == 0 or step == loop.max_steps):
             val_loss = evaluate_loss(eval_fn, valid(), loop.eval_batches)
@@ -231,6 +253,7 @@ def fit(net, params, loss_fn, loop: LoopConfig, *, batches: Batches, valid: Call
             bar.write(_format_record(record, loop.max_steps))
         if step % loop.save_steps == 0 or step == loop.max_steps:
             state = {"consumed_samples": consumed, "updates": updates, "skipped_steps": skipped,
+                     "overflow_steps": overflows, "precision": loop.precision, **scaler.state_dict(),
                      "rng": {"data_seed": meta.get("seed"), "numpy": "order derived from seed+epoch"}, **meta}
             save_checkpoint(ckpt_root, step, _named_arrays(params), _named_arrays(opt_params), state,
                             loop.keep_checkpoint_max)
@@ -243,7 +266,7 @@ def fit(net, params, loss_fn, loop: LoopConfig, *, batches: Batches, valid: Call
     return FitResult(steps=step, consumed_samples=consumed, final_loss=last_loss, val_loss=val_loss,
                      initial_val_loss=initial_val,
                      skipped_steps=skipped, tokens_per_s=steps_here * per_step * tokens_per_sample / max(elapsed, 1e-9),
-                     history=history, stopped_early=stopped)
+                     history=history, stopped_early=stopped, overflow_steps=overflows, loss_scale=scaler.scale)
 
 
 def evaluate_loss(eval_fn, batches: Iterator, max_batches: int) -> float:
