@@ -28,21 +28,14 @@ def main() -> None:
 
     setup_mindspore()
     from model.config import ModelConfig
-    from model.llama import LlamaForCausalLM, causal_lm_loss
-    from tasks.optim import AdamW, TrainStep, decays
+    from model.llama import LlamaForCausalLM
+    from tasks.optim import causal_lm_train_step
 
     cfg = ModelConfig.from_name(a.preset)
     net = LlamaForCausalLM(cfg, seed=0)
     if a.recompute:
         net.enable_recompute()
-    params = net.trainable_params()
-    opt = AdamW(params, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, grad_clip=1.0,
-                decay_mask=[decays(p.name, decay_norms_and_biases=False, decay_embeddings=False) for p in params])
-
-    def loss_fn(ids, labels):
-        return causal_lm_loss(net(ids), labels)
-
-    step = TrainStep(loss_fn, params, opt)
+    step = causal_lm_train_step(net, net.trainable_params())
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (a.batch, a.seq + 1)).astype(np.int32)
     for s in range(a.steps):
         step([(ids[:, :-1], ids[:, 1:])], 1e-4, s + 1)

@@ -187,3 +187,21 @@ class TrainStep:
         gnorm, finite = self._apply(lr_t, step_t, Tensor(s * self.k, ms.float32))
         loss = sum(losses) / len(losses)
         return loss, float(gnorm.asnumpy()), bool(finite.asnumpy()) and math.isfinite(loss)
+
+
+def causal_lm_train_step(net, params: list[Parameter], *, weight_decay: float = 0.1, grad_clip: float | None = 1.0,
+                         beta1: float = 0.9, beta2: float = 0.95, eps: float = 1e-8, accumulation: int = 1) -> TrainStep:
+    """A compiled next-token train step for `net` over `params` with AdamW (norms/embeddings not decayed).
+
+    What the benchmarks, the memory measurement and the optimizer tests use; the trainer builds
+    the same pieces from its LoopConfig.
+    """
+    from model.llama import causal_lm_loss
+
+    opt = AdamW(params, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, grad_clip=grad_clip,
+                decay_mask=[decays(p.name, decay_norms_and_biases=False, decay_embeddings=False) for p in params])
+
+    def loss_fn(ids, labels):  # a def, not a lambda: MindSpore's jit parser needs it on its own line
+        return causal_lm_loss(net(ids), labels)
+
+    return TrainStep(loss_fn, params, opt, accumulation=accumulation)

@@ -9,8 +9,8 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, ops
 
 from model.config import ModelConfig
-from model.llama import LlamaForCausalLM, causal_lm_loss
-from tasks.optim import AdamW, TrainStep, decays, lr_at
+from model.llama import LlamaForCausalLM
+from tasks.optim import AdamW, causal_lm_train_step, decays, lr_at
 
 
 def test_lr_schedule_shapes():
@@ -69,15 +69,7 @@ def test_nonfinite_gradient_skips_the_update():
 def _setup(k: int, seed: int = 0):
     cfg = ModelConfig.from_name("tiny")
     net = LlamaForCausalLM(cfg, seed=seed)
-    params = net.trainable_params()
-    opt = AdamW(params, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, grad_clip=1.0,
-                decay_mask=[decays(q.name, decay_norms_and_biases=False, decay_embeddings=False) for q in params])
-
-    def loss_fn(ids, labels):
-        return causal_lm_loss(net(ids), labels)
-
-    step = TrainStep(loss_fn, params, opt, accumulation=k)
-    return cfg, net, step
+    return cfg, net, causal_lm_train_step(net, net.trainable_params(), accumulation=k)
 
 
 def test_gradient_accumulation_equals_large_batch():

@@ -41,9 +41,9 @@ def run_variant(variant: str, preset: str, steps: int, warmup: int, batch: int, 
 
     setup_mindspore(seed=0)
     from model.config import ModelConfig
-    from model.llama import LlamaForCausalLM, causal_lm_loss
+    from model.llama import LlamaForCausalLM
     from model.lora import inject_lora, mark_only_lora_trainable, trainable_summary
-    from tasks.optim import AdamW, TrainStep, decays
+    from tasks.optim import causal_lm_train_step
 
     cfg = ModelConfig.from_name(preset)
     seq = min(seq, cfg.max_seq_length)
@@ -54,13 +54,7 @@ def run_variant(variant: str, preset: str, steps: int, warmup: int, batch: int, 
     else:
         params = net.trainable_params()
     summary = trainable_summary(net)
-    opt = AdamW(params, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, grad_clip=1.0,
-                decay_mask=[decays(p.name, decay_norms_and_biases=False, decay_embeddings=False) for p in params])
-
-    def loss_fn(ids, labels):
-        return causal_lm_loss(net(ids), labels)
-
-    step = TrainStep(loss_fn, params, opt)
+    step = causal_lm_train_step(net, params, weight_decay=0.0)
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, seq + 1)).astype(np.int32)
     micro = [(ids[:, :-1], ids[:, 1:])]
     rss_before = _rss()
