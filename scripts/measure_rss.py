@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import sys
 from pathlib import Path
 
@@ -30,6 +29,7 @@ def main() -> None:
     from model.config import ModelConfig
     from model.llama import LlamaForCausalLM
     from tasks.optim import causal_lm_train_step
+    from tasks.trainer import peak_rss_bytes
 
     cfg = ModelConfig.from_name(a.preset)
     net = LlamaForCausalLM(cfg, seed=0)
@@ -40,7 +40,7 @@ def main() -> None:
     for s in range(a.steps):
         step([(ids[:, :-1], ids[:, 1:])], 1e-4, s + 1)
     print(json.dumps({"preset": a.preset, "batch": a.batch, "seq": a.seq, "recompute": a.recompute,
-                      "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+                      "peak_rss_bytes": peak_rss_bytes()}))
 
 
 if __name__ == "__main__":

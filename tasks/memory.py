@@ -31,10 +31,10 @@ from model.config import ModelConfig
 GiB = 2**30
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # Resident memory of a MindSpore training process beyond the tensors (measured here, CPU).
-RUNTIME_BYTES = {"CPU": int(0.73 * GiB), "GPU": int(1.0 * GiB), "Ascend": int(2.0 * GiB)}
+RUNTIME_BYTES = {"CPU": int(0.615 * GiB), "GPU": int(1.0 * GiB), "Ascend": int(2.0 * GiB)}
 # Graph-mode executors keep more intermediates than the textbook minimum: on CPU every
 # intermediate of the compiled step keeps its own buffer for the whole step (measured
-# here: peak RSS of tiny / small / tiny-llama-bench steps, scripts/measure_rss.py).
+# here: peak RSS (VmHWM) of tiny / small / tiny-llama-bench steps, scripts/measure_rss.py).
 # GPU/Ascend reuse memory across the graph; their factor is the textbook 1 (untested here).
 ACTIVATION_FACTOR = {"CPU": 4.8, "GPU": 1.0, "Ascend": 1.0}
 

@@ -106,6 +106,18 @@ class FitResult:
 
 
 def peak_rss_bytes() -> int:
+    """Peak resident memory of this process: VmHWM, the high-water mark of its own address space.
+
+    Not ru_maxrss: Linux folds the pre-exec image into it, so a child started by a large
+    parent (pytest, a Prefect worker) would report the parent's peak.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -30,7 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def _rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    from tasks.trainer import peak_rss_bytes
+
+    return peak_rss_bytes()
 
 
 def run_variant(variant: str, preset: str, steps: int, warmup: int, batch: int, seq: int, rank: int,

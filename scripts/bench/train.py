@@ -13,13 +13,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tasks.trainer import peak_rss_bytes  # noqa: E402  (after the sys.path insert)
 
 PRESET, BATCH, SEQ = "tiny-llama-bench", 8, 256
 
@@ -46,7 +47,7 @@ def _ms(steps: int, warmup: int) -> dict:
     for s in range(steps):
         loss = step(batch, 1e-4, warmup + s + 1)[0]
     dt = time.perf_counter() - t0
-    return {"tokens_per_s": steps * BATCH * SEQ / dt, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    return {"tokens_per_s": steps * BATCH * SEQ / dt, "peak_rss_bytes": peak_rss_bytes(),
             "flops_per_token": cfg.flops_per_token(SEQ), "peak_flops": measure_peak_flops(), "loss": loss,
             "step_s": dt / steps}
 
@@ -84,7 +85,7 @@ def _torch(steps: int, warmup: int) -> dict:
     for _ in range(steps):
         loss = one()
     dt = time.perf_counter() - t0
-    return {"tokens_per_s": steps * BATCH * SEQ / dt, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    return {"tokens_per_s": steps * BATCH * SEQ / dt, "peak_rss_bytes": peak_rss_bytes(),
             "loss": loss, "step_s": dt / steps}
 
 
