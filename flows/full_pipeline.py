@@ -36,6 +36,8 @@ def full_pipeline(pipeline: str = "demo", config: str = "pipelines.yaml", overri
     cfg = resolve_pipeline(config, pipeline, overrides)  # fails fast, naming the YAML path
     common = dict(config=config, pipeline=pipeline, overrides=overrides, artifacts=artifacts)
     out: dict[str, str] = {}
+    if init_from is None and cfg.pretrain.init_from:  # the YAML key, when no parameter overrides it
+        init_from = str(cfg.resolve_path(cfg.pretrain.init_from))
     tok = str(Path(init_from) / "tokenizer.model") if init_from else None
     if cfg.data.executor == "dask":  # chunks mapped over a Dask cluster (same bytes as the local pool)
         from flows.data_dask import run_on_dask
