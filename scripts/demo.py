@@ -61,12 +61,17 @@ def main() -> int:
         print(f"   {stage:<20} {Path(path).relative_to(Path(a.artifacts).resolve().parent) if Path(path).is_absolute() else path}"
               f"  ({_du(Path(path)) / 1e6:.1f} MB)")
         met = m.get("metrics", {})
-        if "val_loss" in met:
+        if "val_loss" in met and (Path(path) / "metrics.jsonl").is_file():
             before = met.get("initial_val_loss", met.get("val_loss_before"))
             what = "response-only val loss" if m["stage"] == "finetune" else "val loss"
             ent = f" (unigram entropy of the corpus {met['unigram_entropy']:.3f})" if "unigram_entropy" in met else ""
             print(f"   {'':<20} {what} {before:.3f} → {met['val_loss']:.3f} nats/token{ent}; "
                   f"loss curve: {Path(path) / 'loss_curve.png'}")
+            rows = [json.loads(x) for x in (Path(path) / "metrics.jsonl").read_text().splitlines()]
+            curve = [f"{r['step']}:{r['loss']:.2f}" for r in rows if "grad_norm" in r]
+            if curve:
+                step = max(1, len(curve) // 8)
+                print(f"   {'':<20} train loss by step: {' '.join(curve[::step] + ([curve[-1]] if (len(curve) - 1) % step else []))}")
         if m["stage"] == "eval":
             tasks = ", ".join(f"{k.removeprefix('local_').split('.')[0]} {v:.2f}" for k, v in met.items() if k.endswith(".acc"))
             print(f"   {'':<20} held-out perplexity {met.get('perplexity', float('nan')):.1f}, "
@@ -75,11 +80,6 @@ def main() -> int:
             v = m.get("verification", {})
             print(f"   {'':<20} MindIR max |Δlogit| {v.get('mindir_max_abs_diff')}, ONNX {v.get('onnx_max_abs_diff'):.2e}, "
                   f"greedy tokens match: {v.get('greedy_tokens_match')}; model card: {Path(path) / 'MODEL_CARD.md'}")
-            rows = [json.loads(x) for x in (Path(path) / "metrics.jsonl").read_text().splitlines()]
-            curve = [f"{r['step']}:{r['loss']:.2f}" for r in rows if "grad_norm" in r]
-            if curve:
-                step = max(1, len(curve) // 8)
-                print(f"   {'':<20} train loss by step: {' '.join(curve[::step] + ([curve[-1]] if (len(curve) - 1) % step else []))}")
     print(f"\nfinal artifact: {list(out.values())[-1]}")
     print(f"lineage of it:  .venv/bin/msllm lineage {list(out.values())[-1]} --format text|json|mermaid|dot")
     return 0
