@@ -51,8 +51,9 @@ def finetune_flow(pipeline: str = "demo", config: str = "pipelines.yaml", overri
 
 
 def _newest_model(artifacts: str, pipeline: str) -> str:
-    store = ArtifactStore(artifacts)
-    p = store.newest("merged", pipeline) or store.newest("pretrain", pipeline)
+    from tasks.model_artifact import newest_model
+
+    p = newest_model(ArtifactStore(artifacts), pipeline)
     if p is None:
         raise RuntimeError(f"no model artifact (merged or pretrain) for pipeline '{pipeline}' under {artifacts}")
     return str(p)

@@ -380,8 +380,9 @@ def _model_upstream(args, store: ArtifactStore, pipeline: str) -> Path:
 
     if args.from_:
         return store.find(args.from_)
-    newest = [items[-1] for stage in ("merged", "pretrain") if (items := store.list(stage, pipeline))]
-    p = max(newest, key=lambda pm: pm[1].get("created", ""))[0] if newest else None
+    from tasks.model_artifact import newest_model
+
+    p = newest_model(store, pipeline)
     if p is None:
         raise StageError(f"no model artifact for pipeline '{pipeline}' under {store.root}; "
                          f"run `msllm train --pipeline {pipeline}` first or pass --from PATH")

@@ -507,7 +507,9 @@ def cli_export(args) -> int:
     if args.from_:
         model = store.find(args.from_)
     else:
-        model = store.newest("merged", cfg.name) or store.newest("pretrain", cfg.name)
+        from tasks.model_artifact import newest_model
+
+        model = newest_model(store, cfg.name)
         if model is None:
             raise StageError(f"no merged or pretrain artifact for pipeline '{cfg.name}' under {store.root}; run "
                              f"`msllm train --pipeline {cfg.name}` first or pass --from PATH")

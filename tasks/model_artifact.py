@@ -72,3 +72,9 @@ def write_model(out_dir: Path, *, name: str, config, weights: dict[str, np.ndarr
 def tokenizer_info(sp) -> dict[str, Any]:
     return {"vocab_size": sp.get_piece_size(), "bos_id": sp.bos_id(), "eos_id": sp.eos_id(), "pad_id": sp.pad_id(),
             "unk_id": sp.unk_id()}
+
+
+def newest_model(store, pipeline: str) -> Path | None:
+    """The pipeline's newest model artifact (a merged finetune or a pretrain, whichever was created last)."""
+    newest = [items[-1] for stage in ("merged", "pretrain") if (items := store.list(stage, pipeline))]
+    return max(newest, key=lambda pm: pm[1].get("created", ""))[0] if newest else None
