@@ -114,26 +114,47 @@ class RMSNorm(nn.Cell):
 
 
 class Attention(nn.Cell):
-    """Grouped-query causal self-attention with RoPE."""
+    """Grouped-query causal self-attention with RoPE.
 
-    def __init__(self, config: ModelConfig, init, compute_dtype=ms.float32):
+    Under tensor parallel (model/parallel.py) each rank holds num_heads/tp query heads and
+    num_kv_heads/tp KV heads (the KV heads its query heads share) and all-reduces o_proj's output.
+    """
+
+    def __init__(self, config: ModelConfig, init, compute_dtype=ms.float32, tensor_parallel=None):
         super().__init__()
         self.half = compute_dtype != ms.float32
         self.compute_dtype = compute_dtype
+        tp = tensor_parallel
+        t = tp.size if tp is not None else 1
         h, hd = config.hidden_size, config.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, hd
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads // t, config.num_kv_heads // t, hd
         self.n_rep = config.num_heads // config.num_kv_heads
         self.scale = hd ** -0.5
-        self.q_proj = Linear(init(config.num_heads * hd, h), compute_dtype)
-        self.k_proj = Linear(init(config.num_kv_heads * hd, h), compute_dtype)
-        self.v_proj = Linear(init(config.num_kv_heads * hd, h), compute_dtype)
-        self.o_proj = Linear(init(h, config.num_heads * hd), compute_dtype)
+        # full matrices drawn in the same order as on one device, then sliced: same init at any tp
+        q, k, v, o = (init(config.num_heads * hd, h), init(config.num_kv_heads * hd, h),
+                      init(config.num_kv_heads * hd, h), init(h, config.num_heads * hd))
+        if tp is not None:
+            q, k, v, o = tp.rows(q), tp.rows(k), tp.rows(v), tp.cols(o)
+        self.q_proj = Linear(q, compute_dtype)
+        self.k_proj = Linear(k, compute_dtype)
+        self.v_proj = Linear(v, compute_dtype)
+        self.o_proj = Linear(o, compute_dtype)
         self.scores_matmul = ops.BatchMatMul(transpose_b=True)
         self.values_matmul = ops.BatchMatMul()
+        self.tp = tp is not None
+        if self.tp:
+            from model.parallel import CopyToTP, ReduceFromTP
+
+            self.tp_in, self.tp_out = CopyToTP(tp.group), ReduceFromTP(tp.group)
 
     def construct(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
+        if self.tp:
+            x = self.tp_in(x)
         q, k, v = self._qkv(x, cos, sin)
-        return self._attend(q, k, v, mask)                                        # [B, T, H]
+        out = self._attend(q, k, v, mask)                                         # [B, T, H] (partial under tp)
+        if self.tp:
+            out = self.tp_out(out)
+        return out
 
     def construct_cached(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, src: Tensor, written: Tensor,
                          k_cache: Tensor, v_cache: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -177,24 +198,36 @@ class Attention(nn.Cell):
 class MLP(nn.Cell):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, config: ModelConfig, init, compute_dtype=ms.float32):
+    def __init__(self, config: ModelConfig, init, compute_dtype=ms.float32, tensor_parallel=None):
         super().__init__()
         h, f = config.hidden_size, config.intermediate_size
-        self.gate_proj = Linear(init(f, h), compute_dtype)
-        self.up_proj = Linear(init(f, h), compute_dtype)
-        self.down_proj = Linear(init(h, f), compute_dtype)
+        tp = tensor_parallel
+        gate, up, down = init(f, h), init(f, h), init(h, f)
+        if tp is not None:  # each rank: f/tp hidden units
+            gate, up, down = tp.rows(gate), tp.rows(up), tp.cols(down)
+        self.gate_proj = Linear(gate, compute_dtype)
+        self.up_proj = Linear(up, compute_dtype)
+        self.down_proj = Linear(down, compute_dtype)
+        self.tp = tp is not None
+        if self.tp:
+            from model.parallel import CopyToTP, ReduceFromTP
+
+            self.tp_in, self.tp_out = CopyToTP(tp.group), ReduceFromTP(tp.group)
 
     def construct(self, x: Tensor) -> Tensor:
+        if self.tp:
+            x = self.tp_in(x)
+            return self.tp_out(self.down_proj(ops.silu(self.gate_proj(x)) * self.up_proj(x)))
         return self.down_proj(ops.silu(self.gate_proj(x)) * self.up_proj(x))  # [B, T, H]
 
 
 class DecoderLayer(nn.Cell):
     """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.))."""
 
-    def __init__(self, config: ModelConfig, init, compute_dtype=ms.float32):
+    def __init__(self, config: ModelConfig, init, compute_dtype=ms.float32, tensor_parallel=None):
         super().__init__()
-        self.self_attn = Attention(config, init, compute_dtype)
-        self.mlp = MLP(config, init, compute_dtype)
+        self.self_attn = Attention(config, init, compute_dtype, tensor_parallel)
+        self.mlp = MLP(config, init, compute_dtype, tensor_parallel)
         self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps, compute_dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps, compute_dtype)
 
@@ -217,9 +250,11 @@ class LlamaForCausalLM(nn.Cell):
     norms = 1), so the init is reproducible and independent of MindSpore's global seed.
     `compute_dtype` (ms.float32 or ms.float16) is the matmul / residual-stream dtype;
     Parameters stay fp32 either way, logits are always fp32.
+    `tensor_parallel` (a model.parallel.TensorParallel) builds this rank's slice of the model
+    for Megatron-style tensor parallelism (training only: the KV-cache path is single-device).
     """
 
-    def __init__(self, config: ModelConfig, seed: int | None = None, compute_dtype=ms.float32):
+    def __init__(self, config: ModelConfig, seed: int | None = None, compute_dtype=ms.float32, tensor_parallel=None):
         super().__init__()
         if compute_dtype not in (ms.float32, ms.float16):
             raise ValueError(f"compute_dtype must be mindspore.float32 or mindspore.float16, got {compute_dtype}")
@@ -234,7 +269,13 @@ class LlamaForCausalLM(nn.Cell):
         h = config.hidden_size
         self.tie_embeddings = config.tie_embeddings
         self.embed_tokens = Embedding(init(config.vocab_size, h), compute_dtype)
-        self.layers = nn.CellList([DecoderLayer(config, init, compute_dtype) for _ in range(config.num_layers)])
+        self.tensor_parallel = tensor_parallel
+        if tensor_parallel is not None and (config.num_kv_heads % tensor_parallel.size
+                                            or config.intermediate_size % tensor_parallel.size):
+            raise ValueError(f"tensor_parallel={tensor_parallel.size} must divide num_kv_heads={config.num_kv_heads} "
+                             f"and intermediate_size={config.intermediate_size}")
+        self.layers = nn.CellList([DecoderLayer(config, init, compute_dtype, tensor_parallel)
+                                   for _ in range(config.num_layers)])
         self.norm = RMSNorm(h, config.norm_eps, compute_dtype)
         if not config.tie_embeddings:
             self.lm_head = Linear(init(config.vocab_size, h), compute_dtype)

@@ -44,9 +44,10 @@ _REPO = Path(__file__).resolve().parent.parent
 # Source files whose bytes form each stage's code version (a change reruns the stage).
 STAGE_SOURCES: dict[str, list[str]] = {
     "data": ["tasks/data.py", "tasks/artifacts.py"],
-    "pretrain": ["tasks/pretrain.py", "tasks/trainer.py", "tasks/checkpoint.py", "model/llama.py", "model/config.py"],
+    "pretrain": ["tasks/pretrain.py", "tasks/trainer.py", "tasks/optim.py", "tasks/checkpoint.py", "model/llama.py",
+                 "model/config.py", "model/parallel.py", "tasks/distributed.py"],
     "finetune": ["tasks/finetune.py", "tasks/trainer.py", "tasks/optim.py", "tasks/checkpoint.py",
-                 "tasks/model_artifact.py", "model/llama.py", "model/lora.py"],
+                 "tasks/model_artifact.py", "model/llama.py", "model/lora.py", "model/parallel.py", "tasks/distributed.py"],
     "merged": ["tasks/finetune.py", "tasks/model_artifact.py", "model/lora.py"],
     "eval": ["tasks/evaluate.py", "tasks/lm_adapter.py", "model/llama.py", "model/generate.py",
              "tasks/lm_tasks/utils.py", "tasks/lm_tasks/local_arc_easy.yaml", "tasks/lm_tasks/local_arc_challenge.yaml",

@@ -7,6 +7,15 @@ Layout of one checkpoint (a directory, complete only once `state.json` exists):
         optimizer.safetensors   AdamW moments (adam_m.*, adam_v.*)
         state.json              step, consumed samples, RNG, model config, tokenizer, sha256 of both files
 
+A run with tensor parallel tp > 1 stores one file pair per tensor-parallel rank,
+`model.tp{i}-of-{tp}.safetensors` / `optimizer.tp{i}-of-{tp}.safetensors` (written by
+data-parallel replica 0; the other replicas hold the same values), and state.json's
+`layout` ({data_parallel, tensor_parallel}) says how. `load_checkpoint(ckpt, tp=, tp_index=)`
+reshards to any layout: it concatenates the slices along each parameter's split axis
+(model/parallel.py `split_axis`) and cuts the caller's slice, bit for bit. The data
+position (`consumed_samples`) is global, so a resume under another data-parallel size
+continues where the run stopped.
+
 Tensors are stored with safetensors (no pickle anywhere); metadata in JSON.
 A checkpoint is written into `.tmp-step_*`, fsynced and renamed, so a crash
 leaves either the previous set or a complete new one. Rotation keeps the
@@ -48,11 +57,20 @@ def save_tensors(path: Path, tensors: dict[str, np.ndarray]) -> str:
     return sha256_file(path)
 
 
+def shard_files(tp: int, tp_index: int) -> tuple[str, str]:
+    """(model file, optimizer file) names of one tensor-parallel rank's slice."""
+    if tp == 1:
+        return "model.safetensors", "optimizer.safetensors"
+    return f"model.tp{tp_index}-of-{tp}.safetensors", f"optimizer.tp{tp_index}-of-{tp}.safetensors"
+
+
 def save_checkpoint(ckpt_root: Path, step: int, weights: dict[str, np.ndarray], optimizer: dict[str, np.ndarray],
-                    state: dict[str, Any], keep: int) -> Path:
+                    state: dict[str, Any], keep: int, mesh=None) -> Path:
+    """Write checkpoint `step` atomically and rotate; with a distributed `mesh` every rank must call it."""
+    if mesh is not None and mesh.distributed:
+        return _save_distributed(ckpt_root, step, weights, optimizer, state, keep, mesh)
     ckpt_root.mkdir(parents=True, exist_ok=True)
     name = f"step_{step:08d}"
-    final = ckpt_root / name
     tmp = ckpt_root / f".tmp-{name}-{uuid.uuid4().hex[:6]}"
     tmp.mkdir()
     try:
@@ -60,16 +78,53 @@ def save_checkpoint(ckpt_root: Path, step: int, weights: dict[str, np.ndarray], 
             "model.safetensors": save_tensors(tmp / "model.safetensors", weights),
             "optimizer.safetensors": save_tensors(tmp / "optimizer.safetensors", optimizer),
         }
-        atomic_write_json(tmp / STATE, {**state, "step": step, "files": files, "complete": True})
-        _fsync_dir(tmp)
-        if final.exists():  # a re-run of the same step (after resume): replace it
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        _fsync_dir(ckpt_root)
+        layout = {"data_parallel": 1, "tensor_parallel": 1}
+        return _publish(ckpt_root, tmp, step, {**state, "layout": layout}, files, keep)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _publish(ckpt_root: Path, tmp: Path, step: int, state: dict[str, Any], files: dict[str, str], keep: int) -> Path:
+    final = ckpt_root / f"step_{step:08d}"
+    atomic_write_json(tmp / STATE, {**state, "step": step, "files": files, "complete": True})
+    _fsync_dir(tmp)
+    if final.exists():  # a re-run of the same step (after resume): replace it
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync_dir(ckpt_root)
     rotate(ckpt_root, keep)
+    return final
+
+
+def _save_distributed(ckpt_root: Path, step: int, weights, optimizer, state, keep: int, mesh) -> Path:
+    """Replica 0's tensor-parallel ranks write their slices into one temp dir; rank 0 publishes it.
+
+    Three barriers: the temp dir is fresh before anyone writes, every slice is on disk before
+    rank 0 writes state.json (the completeness mark) and renames the dir into place.
+    """
+    tmp = ckpt_root / f".tmp-step_{step:08d}-dist"
+    if mesh.rank == 0:
+        ckpt_root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():  # left by a crashed attempt
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    mesh.barrier()
+    if mesh.writes_checkpoint:
+        mfile, ofile = shard_files(mesh.tp, mesh.tp_index)
+        digests = {mfile: save_tensors(tmp / mfile, weights), ofile: save_tensors(tmp / ofile, optimizer)}
+        atomic_write_json(tmp / f".files-tp{mesh.tp_index}.json", digests)
+    mesh.barrier()
+    final = ckpt_root / f"step_{step:08d}"
+    if mesh.rank == 0:
+        files: dict[str, str] = {}
+        for i in range(mesh.tp):
+            part = tmp / f".files-tp{i}.json"
+            files.update(json.loads(part.read_text()))
+            part.unlink()
+        layout = {"data_parallel": mesh.dp, "tensor_parallel": mesh.tp}
+        _publish(ckpt_root, tmp, step, {**state, "layout": layout}, files, keep)
+    mesh.barrier()  # nobody reads or writes checkpoints while rank 0 renames and rotates
     return final
 
 
@@ -110,18 +165,44 @@ def rotate(ckpt_root: Path, keep: int) -> None:
         shutil.rmtree(stale, ignore_errors=True)
 
 
-def load_checkpoint(ckpt: Path) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, Any]]:
-    """(weights, optimizer, state), each file checked against the sha256 in state.json."""
+def layout_of(state: dict[str, Any]) -> dict[str, int]:
+    return state.get("layout") or {"data_parallel": 1, "tensor_parallel": 1}
+
+
+def load_checkpoint(ckpt: Path, tp: int = 1, tp_index: int = 0
+                    ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, Any]]:
+    """(weights, optimizer, state) for tensor-parallel rank `tp_index` of `tp`, whatever layout saved it.
+
+    Every file read is checked against the sha256 in state.json. The saved slices are
+    merged and re-cut only when the saved tensor-parallel size differs from `tp`.
+    """
+    from model.parallel import shard, unshard
+
     state = read_state(ckpt)
-    for fname, digest in state["files"].items():
+    saved_tp = int(layout_of(state)["tensor_parallel"])
+
+    def read(fname: str) -> dict[str, np.ndarray]:
+        digest = state["files"].get(fname)
+        if digest is None:
+            raise CheckpointError(f"{ckpt}: state.json lists no {fname}; the checkpoint is incomplete")
         if sha256_file(ckpt / fname) != digest:
             raise CheckpointError(f"{ckpt / fname}: sha256 mismatch (corrupt); delete {ckpt} to resume from an older one")
-    return load_file(str(ckpt / "model.safetensors")), load_file(str(ckpt / "optimizer.safetensors")), state
+        return load_file(str(ckpt / fname))
+
+    if saved_tp == tp:
+        mfile, ofile = shard_files(tp, tp_index)
+        return read(mfile), read(ofile), state
+    pairs = [shard_files(saved_tp, i) for i in range(saved_tp)]
+    weights = unshard([read(m) for m, _ in pairs])
+    opt = unshard([read(o) for _, o in pairs])
+    return shard(weights, tp, tp_index), shard(opt, tp, tp_index), state
 
 
 def load_weights(path: Path) -> dict[str, np.ndarray]:
-    """Weights from a `model.safetensors` file, a checkpoint dir or an artifact dir."""
+    """Weights from a `model.safetensors` file, a checkpoint dir (any layout, merged) or an artifact dir."""
     p = Path(path)
+    if p.is_dir() and (p / STATE).is_file():
+        return load_checkpoint(p)[0]
     if p.is_dir():
         p = p / "model.safetensors"
     if not p.is_file():

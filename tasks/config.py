@@ -205,6 +205,8 @@ class ParallelSection(_Section):
     master_port: int = Field(8118, ge=1024, le=65535)
     node_num: int = Field(1, ge=1)
     node_rank: int = Field(0, ge=0)
+    cluster_timeout: int = Field(300, gt=0)
+    """Seconds msrun's workers wait for the whole cluster to join before giving up."""
 
 
 class CheckpointSection(_Section):
@@ -546,6 +548,18 @@ def check_pipeline(cfg: PipelineConfig, prefix: str, check_files: bool = True) -
         )
     if par.node_rank >= par.node_num:
         errs.append(f"{prefix}.parallel.node_rank: {par.node_rank} must be < node_num={par.node_num}")
+    if par.device_num % par.node_num:
+        errs.append(f"{prefix}.parallel.node_num: device_num={par.device_num} does not split evenly over "
+                    f"node_num={par.node_num} nodes; make device_num a multiple of node_num")
+    if par.pipeline_parallel > 1:
+        where = ("MindSpore runs pipeline stages only on Ascend/GPU (semi_auto_parallel)" if par.device_target == "CPU"
+                 else "this pipeline does not build pipeline stages yet (untested on Ascend/GPU)")
+        errs.append(f"{prefix}.parallel.pipeline_parallel: {par.pipeline_parallel} > 1 is not supported: {where}; "
+                    "use data_parallel / tensor_parallel (`msllm plan` still estimates pp layouts)")
+    if par.optimizer_shard and par.data_parallel > 1:
+        where = ("MindSpore shards optimizer state only on Ascend/GPU" if par.device_target == "CPU"
+                 else "this pipeline does not shard optimizer state yet (untested on Ascend/GPU)")
+        errs.append(f"{prefix}.parallel.optimizer_shard: not supported: {where}; set optimizer_shard: false")
     # sequence lengths
     if cfg.data.seq_length > mc.max_seq_length:
         errs.append(

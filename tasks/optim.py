@@ -50,7 +50,10 @@ class AdamW(nn.Cell):
     """
 
     def __init__(self, params: list[Parameter], *, beta1: float, beta2: float, eps: float,
-                 weight_decay: float, grad_clip: float | None, decay_mask: list[bool]):
+                 weight_decay: float, grad_clip: float | None, decay_mask: list[bool],
+                 sharded: list[bool] | None = None, tp_group: str | None = None):
+        """`sharded` marks tensor-parallel slices; their squared norms are summed over `tp_group`
+        so that clipping uses the global gradient norm of the unsplit model."""
         super().__init__()
         self.params = ParameterTuple(params)
         self.exp_avg = self.params.clone(prefix="adam_m", init="zeros")
@@ -60,10 +63,20 @@ class AdamW(nn.Cell):
         self.clip = grad_clip if grad_clip is not None else 0.0
         self.n = len(params)
         self.adam = ops.AdamWeightDecay()
+        self.tp = tp_group is not None and sharded is not None and any(sharded)
+        if self.tp:
+            self.rep_idx = tuple(i for i, s in enumerate(sharded) if not s)
+            self.shard_idx = tuple(i for i, s in enumerate(sharded) if s)
+            self.tp_sum = ops.AllReduce(group=tp_group)
 
     def construct(self, grads, lr: Tensor, step: Tensor, grad_scale: Tensor):
-        sq = ops.stack([ops.sum(ops.square(g)) for g in grads])
-        gnorm = ops.sqrt(ops.sum(sq)) / grad_scale  # norm of the unscaled gradient
+        if self.tp:  # replicated grads counted once, slices summed over the tensor-parallel ranks
+            sq_shard = self.tp_sum(ops.sum(ops.stack([ops.sum(ops.square(grads[i])) for i in self.shard_idx])))
+            sq_rep = ops.sum(ops.stack([ops.sum(ops.square(grads[i])) for i in self.rep_idx]))
+            gnorm = ops.sqrt(sq_rep + sq_shard) / grad_scale
+        else:
+            sq = ops.stack([ops.sum(ops.square(g)) for g in grads])
+            gnorm = ops.sqrt(ops.sum(sq)) / grad_scale  # norm of the unscaled gradient
         finite = ops.isfinite(gnorm)
         coef = ops.ones((), ms.float32)
         if self.clip > 0:
@@ -134,10 +147,28 @@ class TrainStep:
     """
 
     def __init__(self, loss_fn, params: list[Parameter], optimizer: AdamW, accumulation: int = 1,
-                 loss_scale: float = 1.0):
+                 loss_scale: float = 1.0, dp_group: str | None = None, dp: int = 1):
+        """`dp_group` (data parallel): gradients and the reported loss are averaged over its `dp` ranks
+        (MindSpore's `nn.DistributedGradReducer`) before clipping and the update."""
         self.optimizer = optimizer
         self.k = accumulation
         self.loss_scale = loss_scale
+        if dp_group is not None and dp > 1:
+            reducer = nn.DistributedGradReducer(params, mean=True, degree=dp, group=dp_group)
+            loss_sum = ops.AllReduce(group=dp_group)
+            inv_dp = 1.0 / dp
+
+            def reduce_grads(grads):
+                return reducer(grads)
+
+            def reduce_loss(loss):
+                return loss_sum(loss) * inv_dp
+        else:
+            def reduce_grads(grads):
+                return grads
+
+            def reduce_loss(loss):
+                return loss
 
         def scaled_loss(input_ids, labels, scale):
             loss = loss_fn(input_ids, labels)
@@ -150,8 +181,8 @@ class TrainStep:
         @ms.jit
         def fused(input_ids, labels, lr, step, grad_scale):
             (_, loss), grads = grad_fn(input_ids, labels, grad_scale)
-            gnorm, finite = optimizer(grads, lr, step, grad_scale)
-            return loss, gnorm, finite
+            gnorm, finite = optimizer(reduce_grads(grads), lr, step, grad_scale)
+            return reduce_loss(loss), gnorm, finite
 
         @ms.jit
         def micro(input_ids, labels, scale):
@@ -161,12 +192,12 @@ class TrainStep:
             return loss
 
         @ms.jit
-        def apply(lr, step, grad_scale):
-            grads = tuple(a * 1.0 for a in accum)
+        def apply(lr, step, grad_scale, loss):
+            grads = reduce_grads(tuple(a * 1.0 for a in accum))
             gnorm, finite = optimizer(grads, lr, step, grad_scale)
             for a in accum:
                 ops.assign(a, ops.zeros_like(a))
-            return gnorm, finite
+            return gnorm, finite, reduce_loss(loss)
 
         self._fused, self._micro, self._apply = fused, micro, apply
 
@@ -184,8 +215,9 @@ class TrainStep:
             loss, gnorm, finite = self._fused(Tensor(ids), Tensor(labels), lr_t, step_t, scale)
             return float(loss.asnumpy()), float(gnorm.asnumpy()), bool(finite.asnumpy())
         losses = [float(self._micro(Tensor(ids), Tensor(labels), scale).asnumpy()) for ids, labels in micro_batches]
-        gnorm, finite = self._apply(lr_t, step_t, Tensor(s * self.k, ms.float32))
-        loss = sum(losses) / len(losses)
+        gnorm, finite, loss = self._apply(lr_t, step_t, Tensor(s * self.k, ms.float32),
+                                          Tensor(sum(losses) / len(losses), ms.float32))
+        loss = float(loss.asnumpy())
         return loss, float(gnorm.asnumpy()), bool(finite.asnumpy()) and math.isfinite(loss)
 
 

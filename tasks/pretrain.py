@@ -41,7 +41,18 @@ def stage_key(cfg: PipelineConfig, store: ArtifactStore, data_artifact: Path, in
         inputs.append(store.input_ref(init_from))
     section = {"model": cfg.section("model"), "pretrain": cfg.section("pretrain"), "parallel": cfg.section("parallel")}
     section["pretrain"].pop("init_from", None)  # identified by its digest among the inputs instead
+    if cfg.checkpoint.load_checkpoint:  # continuing a training checkpoint: which one, by content
+        section["load_checkpoint"] = checkpoint_ref(cfg.resolve_path(cfg.checkpoint.load_checkpoint))
     return store.key(stage, section, inputs, code_version(stage)), inputs, section
+
+
+def checkpoint_ref(path: Path) -> dict[str, Any]:
+    """Identity of a training checkpoint for cache keys: its path and the digest of its state.json."""
+    from tasks.artifacts import sha256_file
+    from tasks.trainer import resolve_checkpoint
+
+    ckpt = resolve_checkpoint(path)
+    return {"path": str(ckpt), "state_sha256": sha256_file(ckpt / "state.json")}
 
 
 # ----------------------------------------------------------------------------- supervisor (parent)
@@ -64,7 +75,8 @@ def run(cfg: PipelineConfig, store: ArtifactStore, data_artifact: Path, init_fro
     spec = {"config": cfg.model_dump(mode="json"), "root": str(store.root), "data": str(data_artifact),
             "init_from": str(init_from) if init_from else None, "key": key,
             "progress": progress and sys.stderr.isatty()}  # a bar only where a terminal shows it
-    return supervise(STAGE, store, key, spec, train, retries=retries, isolate=isolate, inject=inject)
+    return supervise(STAGE, store, key, spec, train, retries=retries, isolate=isolate, inject=inject,
+                     parallel=cfg.parallel)
 
 
 # ----------------------------------------------------------------------------- data
@@ -114,14 +126,18 @@ def train(spec: dict[str, Any]) -> Path | None:
     """Train and publish the artifact (runs inside the child process)."""
     from model.runtime import setup_mindspore
 
+    from tasks.distributed import Mesh
+
     cfg = PipelineConfig.model_validate(spec["config"])
     setup_mindspore(cfg.parallel.device_target, seed=cfg.pretrain.seed)
+    par = cfg.parallel
+    mesh = Mesh.init(par.data_parallel, par.tensor_parallel) if par.device_num > 1 else Mesh()
     return _train(cfg, ArtifactStore(spec["root"]), Path(spec["data"]),
                   Path(spec["init_from"]) if spec["init_from"] else None, spec["key"], spec.get("progress", True),
-                  stop_after=spec.get("stop_after"), fault_steps=spec.get("fault_steps", []))
+                  stop_after=spec.get("stop_after"), fault_steps=spec.get("fault_steps", []), mesh=mesh)
 
 
-def build_network(cfg: PipelineConfig, init_from: Path | None):
+def build_network(cfg: PipelineConfig, init_from: Path | None, tensor_parallel=None):
     """The model: architecture from the init artifact when continuing, else from the config (seeded init)."""
     from model.config import ModelConfig
     from model.registry import build_model
@@ -134,6 +150,8 @@ def build_network(cfg: PipelineConfig, init_from: Path | None):
         import mindspore as ms
 
         dtype = {"compute_dtype": ms.float16}
+    if tensor_parallel is not None:
+        dtype["tensor_parallel"] = tensor_parallel
     if init_from is None:
         mc = cfg.model.resolve()
         net = build_model(cfg.model.name, mc, seed=cfg.pretrain.seed, **dtype)
@@ -141,19 +159,27 @@ def build_network(cfg: PipelineConfig, init_from: Path | None):
     info = read_info(init_from)
     mc = ModelConfig.from_dict(info["model"])
     net = build_model(info.get("name", cfg.model.name), mc, seed=cfg.pretrain.seed, **dtype)
-    _assign(net.trainable_params(), load_weights(init_from), str(init_from))
+    weights = load_weights(init_from)
+    if tensor_parallel is not None:
+        from model.parallel import shard
+
+        weights = shard(weights, tensor_parallel.size, tensor_parallel.rank)
+    _assign(net.trainable_params(), weights, str(init_from))
     return net, mc
 
 
 def _train(cfg: PipelineConfig, store: ArtifactStore, data_artifact: Path, init_from: Path | None, key: str,
-           progress: bool, stop_after: int | None = None, fault_steps: list[int] | None = None) -> Path | None:
+           progress: bool, stop_after: int | None = None, fault_steps: list[int] | None = None,
+           mesh=None) -> Path | None:
     from model.llama import causal_lm_loss
+    from tasks.distributed import Mesh
     from tasks.model_artifact import write_model
     from tasks.trainer import LoopConfig, fit, plot_loss_curve
 
+    mesh = mesh or Mesh()
     _, inputs, section = stage_key(cfg, store, data_artifact, init_from)
     data_manifest = store.read_manifest(data_artifact)
-    net, mc = build_network(cfg, init_from)
+    net, mc = build_network(cfg, init_from, mesh.tensor_parallel())
     tok = json.loads((data_artifact / "tokenizer.json").read_text())
     if tok["vocab_size"] != mc.vocab_size:
         raise ValueError(
@@ -182,13 +208,17 @@ def _train(cfg: PipelineConfig, store: ArtifactStore, data_artifact: Path, init_
         if replay_data is None or not store.is_complete(replay_data):
             raise ValueError(f"pretrain.replay_ratio: the data artifact of {init_from} is gone; rebuild it or set replay_ratio: 0")
 
+    shards = {"num_shards": mesh.dp, "shard_id": mesh.dp_index}  # data-parallel replicas read disjoint slices
+
     def batches(start: int) -> Iterator:
-        main = block_batches(data_artifact, "train", pt.micro_batch_size, seq, pt.seed, start_sample=start)
-        replay = block_batches(replay_data, "train", pt.micro_batch_size, seq, pt.seed + 1, start_sample=start) if replay_data else None
+        main = block_batches(data_artifact, "train", pt.micro_batch_size, seq, pt.seed, start_sample=start, **shards)
+        replay = (block_batches(replay_data, "train", pt.micro_batch_size, seq, pt.seed + 1, start_sample=start, **shards)
+                  if replay_data else None)
         return mixed_batches(main, replay, pt.replay_ratio, pt.micro_batch_size)
 
     def valid() -> Iterator:
-        return block_batches(data_artifact, "valid", pt.micro_batch_size, seq, 0, repeat=False)
+        # one global batch per validation batch: the same held-out samples whatever the layout
+        return block_batches(data_artifact, "valid", pt.micro_batch_size * mesh.dp, seq, 0, repeat=False)
 
     params = net.trainable_params()
     run_dir = store.root / "runs" / STAGE / key
@@ -199,12 +229,19 @@ def _train(cfg: PipelineConfig, store: ArtifactStore, data_artifact: Path, init_
 
     result = fit(net, params, loss_fn, loop,
                  batches=batches, valid=valid, run_dir=run_dir, meta=meta,
-                 flops_per_token=mc.flops_per_token(seq), tokens_per_sample=seq)
+                 flops_per_token=mc.flops_per_token(seq), tokens_per_sample=seq, mesh=mesh)
     if result.stopped_early:
         return None  # stopped on request (tests): checkpoints stay in run_dir, no artifact
+    if mesh.rank != 0:
+        return run_dir  # rank 0 publishes the artifact
+    weights = {p.name: p.asnumpy() for p in params}
+    if mesh.tp > 1:  # the full model, merged from the final checkpoint's tensor-parallel slices
+        from tasks.checkpoint import load_checkpoint, newest_checkpoint
+
+        weights = load_checkpoint(newest_checkpoint(run_dir / "checkpoints"))[0]
     entropy = unigram_entropy(data_artifact)
     with store.build(STAGE, key, pipeline=cfg.name, config=section, inputs=inputs, code=code_version(STAGE)) as b:
-        write_model(b.dir, name=cfg.model.name, config=mc, weights={p.name: p.asnumpy() for p in params},
+        write_model(b.dir, name=cfg.model.name, config=mc, weights=weights,
                     tokenizer_model=data_artifact / "tokenizer.model", tokenizer_info=tok, seq_length=seq)
         shutil.copy2(run_dir / "metrics.jsonl", b.dir / "metrics.jsonl")
         plot_loss_curve(result.history, b.dir / "loss_curve.png",
@@ -216,6 +253,7 @@ def _train(cfg: PipelineConfig, store: ArtifactStore, data_artifact: Path, init_
             unigram_entropy=entropy, skipped_steps=result.skipped_steps, tokens_per_s=result.tokens_per_s,
             precision=pt.precision, overflow_steps=result.overflow_steps, final_loss_scale=result.loss_scale,
             parameters=mc.num_parameters, continued_from=str(init_from) if init_from else None,
+            layout={"data_parallel": mesh.dp, "tensor_parallel": mesh.tp},
         )
     print(f"[pretrain] val_loss {result.val_loss:.4f} vs unigram entropy {entropy:.4f} nats/token", file=sys.stderr)
     return b.path

@@ -59,12 +59,18 @@ def run_child(module: str, spec_path: Path) -> str | None:
 
 def supervise(stage: str, store: ArtifactStore, key: str, spec: dict[str, Any],
               child_fn: Callable[[dict[str, Any]], Path | None], *, retries: int = 0, isolate: bool = True,
-              inject: dict | None = None) -> Path:
+              inject: dict | None = None, parallel=None) -> Path:
     """Run `child_fn(spec)` in `python -m tasks.<stage> --child` (or in-process), retrying failures.
 
+    With `parallel` (a config ParallelSection) of device_num > 1 the child is `device_num`
+    ranks started by msrun (tasks/distributed.py); its logs go to runs/<stage>/<key>/msrun_logs.
     `inject` (tests only) is merged into the first attempt's spec: {"stop_after": k} stops it
     after k steps as if killed, {"fault_steps": [...]} makes those steps non-finite.
     """
+    distributed = parallel is not None and parallel.device_num > 1
+    if distributed and not isolate:
+        raise ValueError(f"{stage}: parallel.device_num={parallel.device_num} runs ranks under msrun; "
+                         "it cannot run in-process (isolate=False)")
     if not isolate:
         out = child_fn({**spec, **(inject or {})})
         if out is None:
@@ -75,7 +81,12 @@ def supervise(stage: str, store: ArtifactStore, key: str, spec: dict[str, Any],
     err = None
     for attempt in range(retries + 1):
         atomic_write_json(run_dir / "spec.json", {**spec, **((inject or {}) if attempt == 0 else {})})
-        err = run_child(f"tasks.{stage}", run_dir / "spec.json")
+        if distributed:
+            from tasks.distributed import launch
+
+            err = launch(stage, run_dir / "spec.json", parallel, run_dir / "msrun_logs")
+        else:
+            err = run_child(f"tasks.{stage}", run_dir / "spec.json")
         hit = store.lookup(stage, key)
         if err is None and hit is not None:
             return hit
@@ -96,6 +107,9 @@ def child_main(child_fn: Callable[[dict[str, Any]], Path | None], argv: list[str
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 1
     if path is None:
+        from tasks.distributed import STOPPED_MARK
+
+        print(STOPPED_MARK, file=sys.stderr, flush=True)
         return STOPPED_EARLY
     print(path)
     return 0

@@ -71,6 +71,9 @@ class LoopConfig:
     """Test hook: steps whose gradients are made non-finite (exercises the skip path)."""
     stop_after: int | None = None
     """Stop (as if killed) after this many steps of this process, leaving the checkpoints."""
+    load_checkpoint: str | None = None
+    """A training checkpoint (dir with state.json, or a checkpoints/ dir: its newest) to continue from when
+    this run has none of its own: weights, optimizer state, step and data position, resharded to this layout."""
 
     @classmethod
     def from_sections(cls, pretrain, checkpoint, max_steps: int, progress: bool = True) -> "LoopConfig":
@@ -85,6 +88,7 @@ class LoopConfig:
             keep_checkpoint_max=checkpoint.keep_checkpoint_max, resume=checkpoint.resume,
             max_nonfinite_steps=pretrain.max_nonfinite_steps, peak_flops=pretrain.peak_flops, progress=progress,
             precision=pretrain.precision, loss_scale=pretrain.loss_scale, loss_scale_window=pretrain.loss_scale_window,
+            load_checkpoint=checkpoint.load_checkpoint,
         )
 
 
@@ -154,12 +158,31 @@ def _assign(params, arrays: dict[str, np.ndarray], what: str) -> None:
         p.set_data(ms.Tensor(arrays[p.name]))
 
 
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint dir (has state.json), or the newest complete one under a checkpoints/ or run dir."""
+    p = Path(path)
+    if (p / "state.json").is_file():
+        return p
+    for root in (p, p / "checkpoints"):
+        found = newest_checkpoint(root)
+        if found is not None:
+            return found
+    raise ValueError(f"checkpoint.load_checkpoint: {p} holds no complete training checkpoint "
+                     "(a step_* dir with state.json); point it at one, or at a run's checkpoints/ dir")
+
+
 def fit(net, params, loss_fn, loop: LoopConfig, *, batches: Batches, valid: Callable[[], Iterator] | None,
-        run_dir: Path, meta: dict[str, Any], flops_per_token: float, tokens_per_sample: int) -> FitResult:
+        run_dir: Path, meta: dict[str, Any], flops_per_token: float, tokens_per_sample: int, mesh=None) -> FitResult:
+    """Train; with a distributed `mesh` (tasks/distributed.py) every rank calls this with its own slice of the
+    model and `batches` yielding its own data shard; rank 0 writes the metrics, replica 0 the checkpoints."""
     import mindspore as ms
 
+    from model.parallel import split_axis
+    from tasks.distributed import Mesh
     from tasks.optim import AdamW, DynamicLossScale, TrainStep, decays, lr_at
 
+    mesh = mesh or Mesh()
+    lead = mesh.rank == 0
     # ---- setup
     run_dir.mkdir(parents=True, exist_ok=True)
     ckpt_root = run_dir / "checkpoints"
@@ -168,8 +191,10 @@ def fit(net, params, loss_fn, loop: LoopConfig, *, batches: Batches, valid: Call
         grad_clip=loop.grad_clip,
         decay_mask=[decays(p.name, decay_norms_and_biases=loop.decay_norms_and_biases,
                            decay_embeddings=loop.decay_embeddings) for p in params],
+        sharded=[mesh.tp > 1 and split_axis(p.name) is not None for p in params], tp_group=mesh.tp_group,
     )
-    step_fn = TrainStep(loss_fn, params, optimizer, accumulation=loop.gradient_accumulation)
+    step_fn = TrainStep(loss_fn, params, optimizer, accumulation=loop.gradient_accumulation,
+                        dp_group=mesh.dp_group, dp=mesh.dp)
     fp16 = loop.precision == "fp16"
     scaler = DynamicLossScale(loop.loss_scale if fp16 else 1.0, window=loop.loss_scale_window, dynamic=fp16)
     eval_fn = ms.jit(loss_fn)
@@ -179,30 +204,45 @@ def fit(net, params, loss_fn, loop: LoopConfig, *, batches: Batches, valid: Call
     history: list[dict[str, Any]] = []
     metrics_path = run_dir / "metrics.jsonl"
     latest = newest_checkpoint(ckpt_root) if loop.resume else None
+    if latest is None and loop.load_checkpoint:
+        latest = resolve_checkpoint(loop.load_checkpoint)
     if latest is not None:
-        weights, opt_state, state = load_checkpoint(latest)
+        weights, opt_state, state = load_checkpoint(latest, tp=mesh.tp, tp_index=mesh.tp_index)
         _assign(params, weights, str(latest))
         _assign(opt_params, opt_state, str(latest))
         step, consumed, updates, skipped = state["step"], state["consumed_samples"], state["updates"], state["skipped_steps"]
         overflows = state.get("overflow_steps", 0)
         if fp16:
             scaler.load_state_dict(state)  # S and its good-step count: resume stays exact
+        if consumed % mesh.dp:
+            raise ValueError(f"{latest}: {consumed} samples consumed is not a multiple of data_parallel={mesh.dp}, "
+                             "so the ranks cannot split the data position evenly; resume with a data_parallel "
+                             "that divides it (e.g. 1)")
         history = [r for r in _read_jsonl(metrics_path) if r.get("step", 0) <= step]
-        print(f"[train] resumed from {latest.name}: step {step}, {consumed} samples consumed", file=sys.stderr)
-    _write_jsonl(metrics_path, history)
+        if not history and latest.parent != ckpt_root:  # continuing another run's checkpoint: its metrics too
+            history = [r for r in _read_jsonl(latest.parent.parent / "metrics.jsonl") if r.get("step", 0) <= step]
+        saved = state.get("layout", {})
+        print(f"[train] resumed from {latest.name if latest.parent == ckpt_root else latest}: step {step}, {consumed} samples consumed (saved by dp="
+              f"{saved.get('data_parallel', 1)} tp={saved.get('tensor_parallel', 1)}, now dp={mesh.dp} tp={mesh.tp})",
+              file=sys.stderr)
+    if lead:
+        _write_jsonl(metrics_path, history)
     peak = loop.peak_flops or measure_peak_flops()
 
-    if valid is not None and step == 0:  # the starting point: shows what training (or continuing) changed
+    # under pure data parallel only rank 0 validates (the replicas are equal); tensor-parallel ranks all take part
+    do_eval = valid is not None and (lead or mesh.tp > 1)
+    if do_eval and step == 0:  # the starting point: shows what training (or continuing) changed
         v0 = evaluate_loss(eval_fn, valid(), loop.eval_batches)
         r0 = {"step": 0, "val_loss": v0, "val_ppl": math.exp(min(v0, 50))}
         history.append(r0)
-        _append_jsonl(metrics_path, r0)
+        if lead:
+            _append_jsonl(metrics_path, r0)
         print(f"[train] step 0: val_loss {v0:.4f} (ppl {r0['val_ppl']:.1f})", file=sys.stderr, flush=True)
 
     # ---- fit
-    per_step = loop.micro_batch_size * loop.gradient_accumulation
+    per_step = loop.micro_batch_size * loop.gradient_accumulation * mesh.dp  # global samples per step
     it = batches(consumed)
-    bar = _progress(loop, step)
+    bar = _progress(loop, step) if lead else _NoBar()
     t_start, steps_here, last_loss, val_loss = time.perf_counter(), 0, float("nan"), None
     t_log, tok_log = time.perf_counter(), 0
     stopped = False
@@ -255,20 +295,21 @@ def fit(net, params, loss_fn, loop: LoopConfig, *, batches: Batches, valid: Call
             if fp16:
                 record.update(loss_scale=scale, overflow_steps=overflows)
             t_log, tok_log = now, 0
-        if valid is not None and (step % loop.eval_steps == 0 or step == loop.max_steps):
+        if do_eval and (step % loop.eval_steps == 0 or step == loop.max_steps):
             val_loss = evaluate_loss(eval_fn, valid(), loop.eval_batches)
             record = record or {"step": step, "loss": loss, "lr": lr}
             record.update(val_loss=val_loss, val_ppl=math.exp(min(val_loss, 50)))
         if record is not None:
             history.append(record)
-            _append_jsonl(metrics_path, record)
-            bar.write(_format_record(record, loop.max_steps))
+            if lead:
+                _append_jsonl(metrics_path, record)
+                bar.write(_format_record(record, loop.max_steps))
         if step % loop.save_steps == 0 or step == loop.max_steps:
             state = {"consumed_samples": consumed, "updates": updates, "skipped_steps": skipped,
                      "overflow_steps": overflows, "precision": loop.precision, **scaler.state_dict(),
                      "rng": {"data_seed": meta.get("seed"), "numpy": "order derived from seed+epoch"}, **meta}
             save_checkpoint(ckpt_root, step, _named_arrays(params), _named_arrays(opt_params), state,
-                            loop.keep_checkpoint_max)
+                            loop.keep_checkpoint_max, mesh=mesh)
         if loop.stop_after is not None and steps_here >= loop.stop_after and step < loop.max_steps:
             stopped = True
             break

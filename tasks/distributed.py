@@ -1,0 +1,236 @@
+"""Multi-process training: launching ranks with `msrun`, and each rank's place in the layout.
+
+Parent side (the pretrain/finetune stage's supervisor, when `parallel.device_num > 1`):
+
+    err = launch("pretrain", spec_path, cfg.parallel, log_dir)   # None on success
+
+runs MindSpore's own launcher,
+
+    msrun --worker_num=N --local_worker_num=N/node_num --master_addr=A --master_port=P
+          --node_rank=R --log_dir=LOG --join=True tasks/launch/worker.py --stage pretrain --child spec.json
+
+relays rank 0's log while the job runs, and on failure returns the failing rank's own
+error on top of the last lines of its log (`LOG/worker_<rank>.log`; the scheduler's
+log is `LOG/scheduler.log`). Collectives go over HCCL on Ascend, NCCL on GPU and
+MindSpore's TCP backend on CPU.
+
+Rank side (inside a worker):
+
+    mesh = Mesh.init(dp=2, tp=1)     # mindspore.communication.init() + the dp / tp groups
+    mesh.dp_index, mesh.tp_index      # rank = dp_index * tp + tp_index (tp innermost)
+
+Tensor-parallel ranks of one data-parallel replica read the same batches; data-parallel
+replicas read disjoint slices (`num_shards=dp`, `shard_id=dp_index`) and average gradients.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+WORKER = Path(__file__).resolve().parent / "launch" / "worker.py"
+STOPPED_MARK = "[rank stopped early]"
+
+
+# ----------------------------------------------------------------------------- rank side
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """This process's place in a dp × tp layout; a single process is Mesh() (no collectives)."""
+
+    dp: int = 1
+    tp: int = 1
+    rank: int = 0
+    dp_group: str | None = None
+    """Group of the ranks holding the same model slice (gradients averaged over it); None when dp == 1."""
+    tp_group: str | None = None
+    """Group of the ranks sharing one replica's tensor-parallel slices; None when tp == 1."""
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp
+
+    @property
+    def dp_index(self) -> int:
+        return self.rank // self.tp
+
+    @property
+    def tp_index(self) -> int:
+        return self.rank % self.tp
+
+    @property
+    def distributed(self) -> bool:
+        return self.world > 1
+
+    @property
+    def writes_checkpoint(self) -> bool:
+        """Data-parallel replica 0 writes the checkpoint shards (the other replicas hold copies)."""
+        return self.dp_index == 0
+
+    def tensor_parallel(self):
+        """The model's TensorParallel for this rank, or None when tp == 1."""
+        if self.tp == 1:
+            return None
+        from model.parallel import TensorParallel
+
+        return TensorParallel(size=self.tp, rank=self.tp_index, group=self.tp_group)
+
+    @classmethod
+    def init(cls, dp: int, tp: int) -> "Mesh":
+        """Join the job msrun started (mindspore.communication.init) and create this rank's groups."""
+        from mindspore.communication import GlobalComm, create_group, get_group_size, get_rank, init
+
+        init()
+        world, rank = get_group_size(), get_rank()
+        if world != dp * tp:
+            raise RuntimeError(f"msrun started {world} workers but parallel.data_parallel × tensor_parallel = "
+                               f"{dp}×{tp} = {dp * tp}; set parallel.device_num to match")
+        d, t = rank // tp, rank % tp
+        dp_group = tp_group = None
+        if dp > 1:
+            dp_group = GlobalComm.WORLD_COMM_GROUP if tp == 1 else f"dp_{t}"
+            if tp > 1:
+                create_group(dp_group, [i * tp + t for i in range(dp)])
+        if tp > 1:
+            tp_group = GlobalComm.WORLD_COMM_GROUP if dp == 1 else f"tp_{d}"
+            if dp > 1:
+                create_group(tp_group, [d * tp + i for i in range(tp)])
+        return cls(dp=dp, tp=tp, rank=rank, dp_group=dp_group, tp_group=tp_group)
+
+    def barrier(self) -> None:
+        """Wait for every rank (an AllReduce of one number: MindSpore's Barrier has no CPU kernel)."""
+        if not self.distributed:
+            return
+        import mindspore as ms
+        from mindspore import ops
+        from mindspore.communication import GlobalComm
+
+        ops.AllReduce(group=GlobalComm.WORLD_COMM_GROUP)(ms.Tensor([1.0], ms.float32)).asnumpy()
+
+
+# ----------------------------------------------------------------------------- parent side
+
+
+def msrun_command(parallel, log_dir: Path, stage: str, spec_path: Path) -> list[str]:
+    """The msrun command line for `parallel` (a config ParallelSection)."""
+    msrun = shutil.which("msrun", path=_path_env()) or "msrun"
+    local = parallel.device_num // parallel.node_num
+    return [msrun, f"--worker_num={parallel.device_num}", f"--local_worker_num={local}",
+            f"--master_addr={parallel.master_addr}", f"--master_port={parallel.master_port}",
+            f"--node_rank={parallel.node_rank}", f"--log_dir={log_dir}", "--join=True",
+            f"--cluster_time_out={parallel.cluster_timeout}",
+            str(WORKER), "--stage", stage, "--child", str(spec_path)]
+
+
+def _path_env() -> str:
+    # msrun starts workers with `python` from PATH: this interpreter's directory goes first
+    return os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+
+
+def check_port(parallel) -> None:
+    """On the master node, fail before launching when parallel.master_port is taken."""
+    if parallel.node_rank != 0 or parallel.master_addr not in ("127.0.0.1", "localhost"):
+        return
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", parallel.master_port))
+        except OSError:
+            raise RuntimeError(
+                f"parallel.master_port: port {parallel.master_port} on {parallel.master_addr} is in use "
+                "(another msrun job?); set parallel.master_port to a free port") from None
+
+
+def launch(stage: str, spec_path: Path, parallel, log_dir: Path, relay: bool = True) -> str | None:
+    """Run the stage's workers under msrun; None on success, else the failing rank's error on top."""
+    check_port(parallel)
+    if log_dir.exists():
+        shutil.rmtree(log_dir)  # this attempt's logs only
+    log_dir.mkdir(parents=True)
+    threads = max(1, (os.cpu_count() or 1) // max(1, parallel.device_num // parallel.node_num))
+    env = {**os.environ, "PATH": _path_env(), "PYTHONUNBUFFERED": "1", "GLOG_v": os.environ.get("GLOG_v", "3"),
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+           "OMP_NUM_THREADS": str(threads)}
+    cmd = msrun_command(parallel, log_dir, stage, spec_path)
+    print(f"[{stage}] msrun: {parallel.device_num} workers ({parallel.device_num // parallel.node_num} on this node), "
+          f"logs in {log_dir}", file=sys.stderr, flush=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=str(REPO))
+    first = log_dir / f"worker_{parallel.node_rank * (parallel.device_num // parallel.node_num)}.log"
+    pos, partial = 0, b""
+    msrun_out = b""
+    assert proc.stdout is not None
+    os.set_blocking(proc.stdout.fileno(), False)
+    while True:
+        rc = proc.poll()
+        chunk = proc.stdout.read() or b""
+        msrun_out = (msrun_out + chunk)[-20000:]
+        if relay and first.is_file():
+            with open(first, "rb") as f:
+                f.seek(pos)
+                new = f.read()
+            pos += len(new)
+            *lines, partial = (partial + new).split(b"\n")
+            keep = [ln for ln in lines if not ln.startswith((b"[INFO]", b"[WARNING]", b"[DEBUG]"))]
+            if keep:  # MindSpore's own C++ log lines stay in the rank's log file
+                sys.stderr.buffer.write(b"\n".join(keep) + b"\n")
+                sys.stderr.buffer.flush()
+        if rc is not None:
+            break
+        time.sleep(0.5)
+    if rc == 0:
+        return None
+    return failure_report(log_dir, rc, msrun_out.decode("utf-8", "replace"))
+
+
+def rank_logs(log_dir: Path) -> dict[int, Path]:
+    out = {}
+    for p in log_dir.glob("worker_*.log"):
+        m = re.fullmatch(r"worker_(\d+)\.log", p.name)
+        if m:
+            out[int(m.group(1))] = p
+    return dict(sorted(out.items()))
+
+
+def _tail(path: Path, n: int = 30) -> list[str]:
+    try:
+        text = path.read_bytes()[-40000:].decode("utf-8", "replace")
+    except OSError:
+        return []
+    lines = [ln.rsplit("\r", 1)[-1] for ln in text.splitlines()]
+    return [ln for ln in lines if ln.strip() and not ln.startswith("[WARNING]") and not ln.startswith("[INFO]")][-n:]
+
+
+def _error_line(lines: list[str]) -> str | None:
+    errs = [ln for ln in lines if ln.startswith("error:") or re.match(r"^\w*(Error|Exception)\b", ln)]
+    return errs[-1].removeprefix("error: ") if errs else None
+
+
+def failure_report(log_dir: Path, rc: int, msrun_out: str) -> str:
+    """The first failing rank's own error on top, then its log's last lines, then every rank's status."""
+    logs = rank_logs(log_dir)
+    status, failing = [], None
+    for rank, path in logs.items():
+        lines = _tail(path)
+        err = _error_line(lines)
+        stopped = any(STOPPED_MARK in ln for ln in lines)
+        status.append(f"  rank {rank}: {'error: ' + err if err else ('stopped early' if stopped else 'no error in its log')}"
+                      f" ({path})")
+        if err and failing is None:
+            failing = (rank, err, lines)
+    if failing is None and logs and all(STOPPED_MARK in "\n".join(_tail(p)) for p in logs.values()):
+        return "all ranks stopped before the end (stop_after)\n" + "\n".join(status)
+    if failing is None:
+        tail = [ln for ln in msrun_out.splitlines() if ln.strip()][-20:]
+        return (f"msrun exited with code {rc} and no rank logged an error (cluster start failed? see "
+                f"{log_dir / 'scheduler.log'})\n" + "\n".join(status) + "\n--- msrun ---\n" + "\n".join(tail))
+    rank, err, lines = failing
+    return (f"rank {rank}: {err}\n--- last lines of rank {rank}'s log ({logs[rank]}) ---\n" + "\n".join(lines)
+            + "\n--- all ranks ---\n" + "\n".join(status))
