@@ -117,18 +117,45 @@ class Mesh:
         ops.AllReduce(group=GlobalComm.WORLD_COMM_GROUP)(ms.Tensor([1.0], ms.float32)).asnumpy()
 
 
+    def check_replicas(self, arrays: dict[str, "np.ndarray"]) -> str:
+        """sha256 of this rank's tensors, checked equal across the data-parallel replicas (RuntimeError if not).
+
+        The replicas start from the same seed and apply the same averaged gradients, so their
+        parameters must agree bit for bit; the digests travel by AllGather (it runs on CPU).
+        """
+        import hashlib
+
+        import numpy as np
+
+        h = hashlib.sha256()
+        for k in sorted(arrays):
+            h.update(k.encode())
+            h.update(np.ascontiguousarray(arrays[k]).tobytes())
+        digest = h.hexdigest()
+        if self.dp_group is None:
+            return digest
+        import mindspore as ms
+        from mindspore import ops
+
+        mine = np.frombuffer(bytes.fromhex(digest), dtype=np.int32).reshape(1, -1)
+        everyone = ops.AllGather(group=self.dp_group)(ms.Tensor(mine)).asnumpy()
+        if not (everyone == mine).all():
+            raise RuntimeError(f"data-parallel replicas diverged: rank {self.rank}'s parameters differ from another "
+                               f"replica's (sha256 {digest[:16]}…); gradients were not averaged identically")
+        return digest
+
+
 # ----------------------------------------------------------------------------- parent side
 
 
-def msrun_command(parallel, log_dir: Path, stage: str, spec_path: Path) -> list[str]:
-    """The msrun command line for `parallel` (a config ParallelSection)."""
+def msrun_command(parallel, log_dir: Path, script: list[str]) -> list[str]:
+    """The msrun command line running `script` (path and arguments) for `parallel` (a config ParallelSection)."""
     msrun = shutil.which("msrun", path=_path_env()) or "msrun"
     local = parallel.device_num // parallel.node_num
     return [msrun, f"--worker_num={parallel.device_num}", f"--local_worker_num={local}",
             f"--master_addr={parallel.master_addr}", f"--master_port={parallel.master_port}",
             f"--node_rank={parallel.node_rank}", f"--log_dir={log_dir}", "--join=True",
-            f"--cluster_time_out={parallel.cluster_timeout}",
-            str(WORKER), "--stage", stage, "--child", str(spec_path)]
+            f"--cluster_time_out={parallel.cluster_timeout}", *script]
 
 
 def _path_env() -> str:
@@ -141,6 +168,7 @@ def check_port(parallel) -> None:
     if parallel.node_rank != 0 or parallel.master_addr not in ("127.0.0.1", "localhost"):
         return
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed job's TIME_WAIT is no conflict
         try:
             s.bind(("127.0.0.1", parallel.master_port))
         except OSError:
@@ -151,6 +179,15 @@ def check_port(parallel) -> None:
 
 def launch(stage: str, spec_path: Path, parallel, log_dir: Path, relay: bool = True) -> str | None:
     """Run the stage's workers under msrun; None on success, else the failing rank's error on top."""
+    return run_msrun([str(WORKER), "--stage", stage, "--child", str(spec_path)], parallel, log_dir,
+                     label=stage, relay=relay)
+
+
+def run_msrun(script: list[str], parallel, log_dir: Path, *, label: str = "msrun", relay: bool = True) -> str | None:
+    """Run `script` on every rank under msrun, relaying this node's first rank's log to stderr as it grows.
+
+    None on success, else the failing rank's own error on top of its log's last lines.
+    """
     check_port(parallel)
     if log_dir.exists():
         shutil.rmtree(log_dir)  # this attempt's logs only
@@ -159,17 +196,25 @@ def launch(stage: str, spec_path: Path, parallel, log_dir: Path, relay: bool = T
     env = {**os.environ, "PATH": _path_env(), "PYTHONUNBUFFERED": "1", "GLOG_v": os.environ.get("GLOG_v", "3"),
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
            "OMP_NUM_THREADS": str(threads)}
-    cmd = msrun_command(parallel, log_dir, stage, spec_path)
-    print(f"[{stage}] msrun: {parallel.device_num} workers ({parallel.device_num // parallel.node_num} on this node), "
+    cmd = msrun_command(parallel, log_dir, script)
+    print(f"[{label}] msrun: {parallel.device_num} workers ({parallel.device_num // parallel.node_num} on this node), "
           f"logs in {log_dir}", file=sys.stderr, flush=True)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=str(REPO))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=str(REPO),
+                            start_new_session=True)  # its own process group: a failed job is stopped as a whole
     first = log_dir / f"worker_{parallel.node_rank * (parallel.device_num // parallel.node_num)}.log"
     pos, partial = 0, b""
     msrun_out = b""
     assert proc.stdout is not None
     os.set_blocking(proc.stdout.fileno(), False)
+    failed_at = None
     while True:
         rc = proc.poll()
+        if rc is None and failed_at is None and _some_rank_failed(log_dir):
+            failed_at = time.monotonic()
+        if rc is None and failed_at is not None and time.monotonic() - failed_at > FAIL_GRACE_S:
+            # a rank died; the others would wait in a collective until the cluster times out
+            _stop_group(proc)
+            rc = proc.wait()
         chunk = proc.stdout.read() or b""
         msrun_out = (msrun_out + chunk)[-20000:]
         if relay and first.is_file():
@@ -188,6 +233,63 @@ def launch(stage: str, spec_path: Path, parallel, log_dir: Path, relay: bool = T
     if rc == 0:
         return None
     return failure_report(log_dir, rc, msrun_out.decode("utf-8", "replace"))
+
+
+FAIL_GRACE_S = 5.0  # after one rank logged its error, how long msrun gets to stop the job itself
+
+
+def _some_rank_failed(log_dir: Path) -> bool:
+    for path in rank_logs(log_dir).values():
+        try:
+            tail = path.read_bytes()[-4000:]
+        except OSError:
+            continue
+        if b"\nerror: " in tail or tail.startswith(b"error: ") or b"\nTraceback (most recent call last)" in tail:
+            return True
+    return False
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (msrun puts its workers in their own process groups)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    """Stop msrun and every worker it started: SIGTERM, then SIGKILL what is left."""
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in [*_descendants(proc.pid), proc.pid]:
+            try:
+                os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            continue
+        if not any(_alive(p) for p in _descendants(proc.pid)):
+            return
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except OSError:
+        return False
 
 
 def rank_logs(log_dir: Path) -> dict[int, Path]:

@@ -361,6 +361,8 @@ def stage_key(cfg: PipelineConfig, store: ArtifactStore, base: Path) -> tuple[st
                                              "max_nonfinite_steps": cfg.pretrain.max_nonfinite_steps}}
     if ft["format"] == "text":
         section["text_field"] = cfg.data.text_field
+    if cfg.parallel.device_num > 1:  # data parallel multiplies the global batch
+        section["parallel"] = cfg.section("parallel")
     return store.key(STAGE, section, inputs, code_version(STAGE)), inputs, section
 
 
@@ -379,13 +381,19 @@ def run(cfg: PipelineConfig, store: ArtifactStore, base_artifact: Path, *, progr
 
     base = store.inside(base_artifact)
     check(cfg, read_info(base))
+    if cfg.parallel.tensor_parallel > 1:
+        raise ValueError(
+            f"parallel.tensor_parallel: {cfg.parallel.tensor_parallel} > 1 is for pretraining; fine-tuning runs data "
+            "parallel only (LoRA adapters are not split across ranks); run this stage with "
+            f"--set parallel.tensor_parallel=1 --set parallel.device_num={cfg.parallel.data_parallel}")
     key, _, _ = stage_key(cfg, store, base)
     hit = store.lookup(STAGE, key)
     if hit is not None:
         return hit
     spec = {"config": cfg.model_dump(mode="json"), "root": str(store.root), "base": str(base), "key": key,
             "progress": progress and sys.stderr.isatty()}  # a bar only where a terminal shows it
-    return supervise(STAGE, store, key, spec, train, retries=retries, isolate=isolate, inject=inject)
+    return supervise(STAGE, store, key, spec, train, retries=retries, isolate=isolate, inject=inject,
+                     parallel=cfg.parallel)
 
 
 # ----------------------------------------------------------------------------- the child
@@ -395,10 +403,13 @@ def train(spec: dict[str, Any]) -> Path | None:
     """Train and publish the artifact (inside the child process, or in-process with isolate=False)."""
     from model.runtime import setup_mindspore
 
+    from tasks.distributed import Mesh
+
     cfg = PipelineConfig.model_validate(spec["config"])
     setup_mindspore(cfg.parallel.device_target, seed=cfg.finetune.seed)
+    mesh = Mesh.init(cfg.parallel.data_parallel, 1) if cfg.parallel.device_num > 1 else Mesh()
     return _train(cfg, ArtifactStore(spec["root"]), Path(spec["base"]), spec["key"], spec.get("progress", True),
-                  stop_after=spec.get("stop_after"), fault_steps=spec.get("fault_steps", []))
+                  stop_after=spec.get("stop_after"), fault_steps=spec.get("fault_steps", []), mesh=mesh)
 
 
 def _loop_config(cfg: PipelineConfig, progress: bool):
@@ -417,14 +428,16 @@ def _loop_config(cfg: PipelineConfig, progress: bool):
 
 
 def _train(cfg: PipelineConfig, store: ArtifactStore, base: Path, key: str, progress: bool,
-           stop_after: int | None = None, fault_steps: list[int] | None = None) -> Path | None:
+           stop_after: int | None = None, fault_steps: list[int] | None = None, mesh=None) -> Path | None:
     from model.config import ModelConfig
     from model.llama import causal_lm_loss
     from model.lora import inject_lora, lora_state_dict, mark_only_lora_trainable, trainable_summary
     from tasks.checkpoint import save_tensors
     from tasks.model_artifact import load_model, load_tokenizer
+    from tasks.distributed import Mesh
     from tasks.trainer import fit, plot_loss_curve
 
+    mesh = mesh or Mesh()
     # ---- setup: base model, data, what trains
     ft = cfg.finetune
     _, inputs, section = stage_key(cfg, store, base)
@@ -453,10 +466,14 @@ def _train(cfg: PipelineConfig, store: ArtifactStore, base: Path, key: str, prog
         return causal_lm_loss(net(ids), labels)
 
     def batches(start: int) -> Iterator:
-        return example_batches(data.train, ft.micro_batch_size, ft.seed, start_sample=start, pad_id=pad)
+        # the global batch (micro × dp examples); data-parallel rank r trains on rows r, r + dp, ...
+        for ids, labels in example_batches(data.train, ft.micro_batch_size * mesh.dp, ft.seed, start_sample=start,
+                                           pad_id=pad):
+            yield ids[mesh.dp_index::mesh.dp], labels[mesh.dp_index::mesh.dp]
 
-    def valid() -> Iterator:
-        return example_batches(data.valid, ft.micro_batch_size, ft.seed, repeat=False, shuffle=False, pad_id=pad)
+    def valid() -> Iterator:  # rank 0 validates on global batches: the same examples whatever the layout
+        return example_batches(data.valid, ft.micro_batch_size * mesh.dp, ft.seed, repeat=False, shuffle=False,
+                               pad_id=pad)
 
     # ---- fit (the shared loop)
     run_dir = store.root / "runs" / STAGE / key
@@ -466,9 +483,11 @@ def _train(cfg: PipelineConfig, store: ArtifactStore, base: Path, key: str, prog
     # gradients, so about 4N instead of 6N (the adapters' own matmuls are negligible).
     fpt = mc.flops_per_token(seq) * (4 / 6 if ft.method == "lora" else 1.0)
     result = fit(net, params, loss_fn, loop, batches=batches, valid=valid if data.valid is not None else None,
-                 run_dir=run_dir, meta=meta, flops_per_token=fpt, tokens_per_sample=seq)
+                 run_dir=run_dir, meta=meta, flops_per_token=fpt, tokens_per_sample=seq, mesh=mesh)
     if result.stopped_early:
         return None  # stopped on request (tests): checkpoints stay in run_dir, no artifact
+    if mesh.rank != 0:
+        return run_dir  # rank 0 publishes the artifact
 
     # ---- publish
     train_rows = [r for r in result.history if "grad_norm" in r]

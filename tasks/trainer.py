@@ -314,6 +314,10 @@ def fit(net, params, loss_fn, loop: LoopConfig, *, batches: Batches, valid: Call
             stopped = True
             break
     bar.close()
+    if mesh.dp > 1:
+        digest = mesh.check_replicas(_named_arrays(params))
+        print(f"[train] rank {mesh.rank}: parameters sha256 {digest} (equal on all {mesh.dp} data-parallel replicas)",
+              file=sys.stderr, flush=True)
     elapsed = time.perf_counter() - t_start
     initial_val = next((r["val_loss"] for r in history if r.get("step") == 0 and "val_loss" in r), None)
     return FitResult(steps=step, consumed_samples=consumed, final_loss=last_loss, val_loss=val_loss,
