@@ -1,0 +1,254 @@
+"""Training throughput of three layouts on this machine: dp=1 vs dp=2 vs tp=2, communication timed separately.
+
+Same model and the same global batch for every layout (`tiny-llama-bench` by default: vocab 8192,
+hidden 256, 4 layers; global batch 8 × seq 256, random tokens, fp32), the same compiled train step
+and AdamW as `tasks.trainer.fit` builds for a mesh:
+
+- dp1: one process, no msrun, OMP_NUM_THREADS = cpu_count;
+- dp2: 2 msrun workers, each a micro batch of global/2 (different random tokens per rank),
+  gradients averaged with `nn.DistributedGradReducer`;
+- tp2: 2 msrun workers, each the whole global batch through its tensor-parallel half of the model.
+
+tokens/s = global batch × seq × steps / rank 0's wall time of `steps` steps after `warmup` steps
+(compilation). After the training steps the same workers time their communication alone:
+dp2 the gradient all-reduce (a jit'd `DistributedGradReducer` over gradient-shaped tensors),
+tp2 the 4 × num_layers activation AllReduces of [batch, seq, hidden] one step performs
+(2 forward + 2 backward per layer) plus the grad-norm scalar; each averaged over `--comm-repeats`.
+`comm_share` = comm seconds per step / step seconds. Prints one JSON line (progress on stderr).
+
+    python scripts/bench/distributed.py [--preset tiny-llama-bench] [--batch 8] [--seq 256] [--steps 25] [--warmup 2]
+    python scripts/bench/distributed.py --preset tiny --steps 3 --warmup 1      # a smoke run
+
+With 2 workers on 2 cores each worker gets 1 thread where dp1 gets 2, so on such a machine the
+ideal speedup is about 1× at best; the numbers measure the parallel overhead, not a gain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path[0] = str(REPO)  # the repo, not scripts/bench (msrun starts this file as a worker script)
+
+from tasks.trainer import peak_rss_bytes  # noqa: E402  (after the sys.path change)
+
+LAYOUTS = {"dp1": (1, 1), "dp2": (2, 1), "tp2": (1, 2)}
+
+
+def _sync(x=None) -> None:
+    import mindspore as ms
+
+    try:
+        ms.runtime.synchronize()
+    except Exception:  # noqa: BLE001 — older runtimes: fall back to reading a result back
+        if x is not None:
+            x.asnumpy()
+
+
+def _time_comm(fn, args, repeats: int) -> float:
+    """Mean seconds of one call of the jit'd `fn(*args)` (after one untimed compile call), ranks aligned."""
+    out = fn(*args)
+    _sync(out[-1] if isinstance(out, tuple) else out)
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        out = fn(*args)
+        _sync(out[-1] if isinstance(out, tuple) else out)
+    return (time.perf_counter() - t0) / repeats
+
+
+def worker(a: argparse.Namespace) -> None:
+    """One rank of one layout: timed training steps, then communication alone; writes OUT/<layout>_rank<r>.json."""
+    import numpy as np
+
+    from model.runtime import setup_mindspore
+
+    setup_mindspore(seed=0)  # ms.set_device("CPU") before Mesh.init
+    import mindspore as ms
+    from mindspore import nn, ops
+
+    from model.config import ModelConfig
+    from model.llama import LlamaForCausalLM, causal_lm_loss
+    from model.parallel import split_axis
+    from tasks.distributed import Mesh
+    from tasks.optim import AdamW, TrainStep, decays
+
+    dp, tp = LAYOUTS[a.layout]
+    mesh = Mesh.init(dp, tp) if dp * tp > 1 else Mesh()
+    cfg = ModelConfig.from_name(a.preset)
+    seq = min(a.seq, cfg.max_seq_length)
+    micro = a.batch // dp
+    net = LlamaForCausalLM(cfg, seed=0, tensor_parallel=mesh.tensor_parallel())
+    params = net.trainable_params()
+    # exactly as tasks.trainer.fit builds them for a mesh (LoopConfig's defaults)
+    optimizer = AdamW(params, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, grad_clip=1.0,
+                      decay_mask=[decays(p.name, decay_norms_and_biases=False, decay_embeddings=False) for p in params],
+                      sharded=[mesh.tp > 1 and split_axis(p.name) is not None for p in params], tp_group=mesh.tp_group)
+
+    def loss_fn(ids, labels):  # a def, not a lambda: MindSpore's jit parser needs it on its own line
+        return causal_lm_loss(net(ids), labels)
+
+    step_fn = TrainStep(loss_fn, params, optimizer, accumulation=1, dp_group=mesh.dp_group, dp=mesh.dp)
+    # data-parallel replicas read different batches, tensor-parallel ranks the same ones
+    rng = np.random.default_rng(1000 + mesh.dp_index)
+    total = a.warmup + a.steps
+    data = rng.integers(0, cfg.vocab_size, (total, micro, seq + 1)).astype(np.int32)
+    batches = [[(d[:, :-1], d[:, 1:])] for d in data]
+
+    log = (lambda msg: print(f"[{a.layout} rank {mesh.rank}] {msg}", file=sys.stderr, flush=True))
+    t0 = time.perf_counter()
+    for s in range(a.warmup):
+        step_fn(batches[s], 1e-4, s + 1)
+    warmup_s = time.perf_counter() - t0
+    log(f"{a.warmup} warm-up steps in {warmup_s:.1f}s")
+    mesh.barrier()
+    t0 = time.perf_counter()
+    for s in range(a.warmup, total):
+        loss = step_fn(batches[s], 1e-4, s + 1)[0]  # float(): waits for the step
+    dt = time.perf_counter() - t0
+    step_s = dt / a.steps
+    log(f"{a.steps} steps in {dt:.2f}s ({step_s:.3f} s/step), loss {loss:.4f}")
+
+    comm = None
+    if a.layout == "dp2":
+        reducer = nn.DistributedGradReducer(params, mean=True, degree=mesh.dp, group=mesh.dp_group)
+
+        @ms.jit
+        def reduce_grads(grads):
+            return reducer(grads)
+
+        grads = tuple(ops.ones_like(p) for p in params)
+        mesh.barrier()
+        comm = _time_comm(reduce_grads, (grads,), a.comm_repeats)
+        n_bytes = sum(int(np.prod(p.shape)) * 4 for p in params)
+        log(f"gradient all-reduce ({len(params)} tensors, {n_bytes / 1e6:.1f} MB): {comm * 1e3:.1f} ms")
+    elif a.layout == "tp2":
+        all_reduce = ops.AllReduce(group=mesh.tp_group)
+        n = 4 * cfg.num_layers  # per layer: attention + MLP outputs forward, their inputs' gradients backward
+
+        @ms.jit
+        def activations(x):
+            for _ in range(n):  # a chain (zeros stay zeros), as in the step: no two calls can be merged
+                x = all_reduce(x)
+            return x
+
+        @ms.jit
+        def grad_norm(x):
+            return all_reduce(x)
+
+        x = ms.Tensor(np.zeros((micro, seq, cfg.hidden_size), np.float32))
+        mesh.barrier()
+        act = _time_comm(activations, (x,), a.comm_repeats)
+        scalar = _time_comm(grad_norm, (ms.Tensor(np.zeros((1,), np.float32)),), a.comm_repeats)
+        comm = act + scalar
+        log(f"{n} activation all-reduces of {[micro, seq, cfg.hidden_size]}: {act * 1e3:.1f} ms, "
+            f"grad-norm scalar: {scalar * 1e3:.2f} ms")
+    mesh.barrier()
+    out = {"rank": mesh.rank, "step_s": step_s, "wall_s": dt, "warmup_s": warmup_s, "loss": loss,
+           "comm_s_per_step": comm, "peak_rss_bytes": peak_rss_bytes()}
+    (Path(a.out) / f"{a.layout}_rank{mesh.rank}.json").write_text(json.dumps(out))
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = []
+    try:
+        for _ in range(n):  # held open together: n distinct ports
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="tiny-llama-bench")
+    ap.add_argument("--batch", type=int, default=8, help="global batch (split over dp ranks)")
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=25)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--comm-repeats", type=int, default=10)
+    # a worker's own flags: none may be a prefix of one of msrun's (--worker_num, --rank_table_file, ...),
+    # since msrun's argparse reads abbreviations from the script's arguments too
+    ap.add_argument("--run-layout", dest="layout", choices=list(LAYOUTS), default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.batch % 2:
+        ap.error("--batch must be even (dp=2 splits it over 2 ranks)")
+    if a.layout:
+        worker(a)
+        return
+
+    from tasks.config import ParallelSection
+    from tasks.distributed import run_msrun
+
+    from model.config import ModelConfig
+
+    cfg = ModelConfig.from_name(a.preset)
+    seq = min(a.seq, cfg.max_seq_length)
+    tmp = Path(tempfile.mkdtemp(prefix="bench_distributed_"))
+    out = tmp / "out"
+    out.mkdir()
+    common = ["--preset", a.preset, "--batch", str(a.batch), "--seq", str(a.seq), "--steps", str(a.steps),
+              "--warmup", str(a.warmup), "--comm-repeats", str(a.comm_repeats), "--out", str(out)]
+    me = str(Path(__file__).resolve())
+    cpus = os.cpu_count() or 1
+    ports = dict(zip(("dp2", "tp2"), _free_ports(2)))
+    res, wall = {}, {}
+    for layout, (dp, tp) in LAYOUTS.items():
+        print(f"[bench] {layout}: preset {a.preset}, global batch {a.batch} × seq {seq}, "
+              f"{a.warmup} warm-up + {a.steps} steps", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        args = [me, "--run-layout", layout, *common]
+        if layout == "dp1":
+            env = dict(os.environ, GLOG_v=os.environ.get("GLOG_v", "3"), OMP_NUM_THREADS=str(cpus))
+            proc = subprocess.run([sys.executable, *args], env=env, cwd=str(REPO))
+            err = None if proc.returncode == 0 else f"dp1 worker exited with code {proc.returncode}"
+        else:
+            par = ParallelSection(data_parallel=dp, tensor_parallel=tp, device_num=dp * tp, master_port=ports[layout])
+            err = run_msrun(args, par, tmp / f"logs_{layout}", label=layout, relay=False)
+        if err:
+            print(f"[bench] {layout} failed:\n{err}", file=sys.stderr, flush=True)
+            sys.exit(1)
+        wall[layout] = time.perf_counter() - t0
+        ranks = [json.loads(p.read_text()) for p in sorted(out.glob(f"{layout}_rank*.json"))]
+        res[layout] = {"rank0": next(r for r in ranks if r["rank"] == 0),
+                       "peak_rss_bytes": max(r["peak_rss_bytes"] for r in ranks)}
+        print(f"[bench] {layout}: {res[layout]['rank0']['step_s']:.3f} s/step ({wall[layout]:.0f}s in all)",
+              file=sys.stderr, flush=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+    tokens = a.batch * seq
+    r0 = {k: v["rank0"] for k, v in res.items()}
+    tps = {k: tokens / v["step_s"] for k, v in r0.items()}
+    print(json.dumps({
+        "bench": "distributed", "preset": a.preset, "global_batch": a.batch, "seq": seq, "steps": a.steps,
+        "warmup": a.warmup, "cpu_count": cpus,
+        "tokens_per_s": {k: round(v, 1) for k, v in tps.items()},
+        "step_s": {k: round(v["step_s"], 4) for k, v in r0.items()},
+        "comm_s_per_step": {k: round(r0[k]["comm_s_per_step"], 5) for k in ("dp2", "tp2")},
+        "comm_share": {k: round(r0[k]["comm_s_per_step"] / r0[k]["step_s"], 3) for k in ("dp2", "tp2")},
+        "speedup": {k: round(tps[k] / tps["dp1"], 3) for k in ("dp2", "tp2")},
+        "warmup_s": {k: round(v["warmup_s"], 1) for k, v in r0.items()},
+        "loss": {k: round(v["loss"], 4) for k, v in r0.items()},
+        "peak_rss_bytes": {k: v["peak_rss_bytes"] for k, v in res.items()},
+        "wall_s": {k: round(v, 1) for k, v in wall.items()},
+        "note": (f"{cpus} cores: dp1 is one process with {cpus} threads; dp2/tp2 are 2 msrun workers sharing the same "
+                 f"cores (OMP_NUM_THREADS={max(1, cpus // 2)} each), so the ideal speedup here is at most ~1x. "
+                 "comm_s_per_step is timed alone after training (no overlap with compute); peak_rss_bytes is "
+                 "per process (max over ranks)."),
+    }))
+
+
+if __name__ == "__main__":
+    main()
