@@ -202,7 +202,7 @@ def cmd_lineage(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from tasks.memory import GiB, Layout, estimate, parse_bytes, plan
+    from tasks.memory import GiB, Layout, estimate, parse_bytes, plan, unsupported
 
     cfg = _load(args)
     mc = cfg.model.resolve()
@@ -216,21 +216,28 @@ def cmd_plan(args) -> int:
     print(f"model {cfg.model.preset}: {mc.num_parameters / 1e9:.3f}B parameters; micro batch {pt.micro_batch_size}, "
           f"seq {seq}, {pt.precision}, recompute {'on' if pt.recompute else 'off'}, backend {par.device_target}")
     print(f"configured layout dp={lay.dp} tp={lay.tp} pp={lay.pp} (micro_batch_num={lay.micro_batch_num}, "
-          f"optimizer_shard={lay.optimizer_shard}): per-device estimate")
+          f"optimizer_shard={lay.optimizer_shard}): estimate per rank (each of {lay.devices} process(es))")
     print(est.table())
     fits = est.total <= mem
     print(f"  -> {'fits' if fits else 'DOES NOT FIT'} in {mem / GiB:.1f} GiB per device")
+    why = unsupported(lay, par.device_target)
+    if why:
+        print(f"  -> this layout does not run here ({why})")
     devices = args.devices or par.device_num
     rows = plan(mc, devices=devices, device_memory=mem, micro_batch=pt.micro_batch_size, seq=seq,
                 precision=pt.precision, backend=par.device_target)
     print(f"\nlayouts for {devices} device(s) × {mem / GiB:.1f} GiB (best first):")
     for lay2, rc, e2, ok in rows[:8]:
+        why = unsupported(lay2, par.device_target)
         print(f"  {'fits ' if ok else 'no   '} dp={lay2.dp} tp={lay2.tp} pp={lay2.pp} micro_batch_num={lay2.micro_batch_num} "
               f"optimizer_shard={str(lay2.optimizer_shard).lower():5} recompute={'on ' if rc else 'off'} "
-              f"{e2.total / GiB:8.2f} GiB")
-    best = next((r for r in rows if r[3]), None)
+              f"{e2.total / GiB:8.2f} GiB{'   (not runnable here: ' + why + ')' if why else ''}")
+    best = next((r for r in rows if r[3] and unsupported(r[0], par.device_target) is None), None)
     if best is None:
-        print("recommendation: nothing fits; add devices, lower micro_batch_size or seq_length")
+        other = next((r for r in rows if r[3]), None)
+        hint = (f" (dp={other[0].dp} tp={other[0].tp} pp={other[0].pp} would fit but: "
+                f"{unsupported(other[0], par.device_target)})" if other else "")
+        print(f"recommendation: no runnable layout fits{hint}; add devices, lower micro_batch_size or seq_length")
         return 1
     lay2, rc, e2, _ = best
     print(f"recommendation: parallel: {{data_parallel: {lay2.dp}, tensor_parallel: {lay2.tp}, pipeline_parallel: {lay2.pp}, "

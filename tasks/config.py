@@ -209,6 +209,12 @@ class ParallelSection(_Section):
     """Seconds msrun's workers wait for the whole cluster to join before giving up."""
 
 
+LAYOUT_KEYS = ("data_parallel", "tensor_parallel", "pipeline_parallel", "micro_batch_num", "optimizer_shard",
+               "device_target")
+"""The parallel settings that change what training computes (cache keys); where and how ranks
+connect (master_addr/port, node_rank, cluster_timeout) does not."""
+
+
 class CheckpointSection(_Section):
     save_steps: int = Field(100, gt=0)
     keep_checkpoint_max: int = Field(3, ge=1)

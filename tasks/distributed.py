@@ -121,7 +121,7 @@ class Mesh:
         """sha256 of this rank's tensors, checked equal across the data-parallel replicas (RuntimeError if not).
 
         The replicas start from the same seed and apply the same averaged gradients, so their
-        parameters must agree bit for bit; the digests travel by AllGather (it runs on CPU).
+        parameters must agree bit for bit; the digests travel by AllGather (every rank must call this).
         """
         import hashlib
 
@@ -136,10 +136,13 @@ class Mesh:
             return digest
         import mindspore as ms
         from mindspore import ops
+        from mindspore.communication import GlobalComm
 
         mine = np.frombuffer(bytes.fromhex(digest), dtype=np.int32).reshape(1, -1)
-        everyone = ops.AllGather(group=self.dp_group)(ms.Tensor(mine)).asnumpy()
-        if not (everyone == mine).all():
+        # over the world group (the only one AllGather supports on CPU); row r is rank r's digest
+        everyone = ops.AllGather(group=GlobalComm.WORLD_COMM_GROUP)(ms.Tensor(mine)).asnumpy()
+        replicas = everyone[self.tp_index::self.tp]  # the ranks holding the same slice as this one
+        if not (replicas == mine).all():
             raise RuntimeError(f"data-parallel replicas diverged: rank {self.rank}'s parameters differ from another "
                                f"replica's (sha256 {digest[:16]}…); gradients were not averaged identically")
         return digest

@@ -362,7 +362,9 @@ def stage_key(cfg: PipelineConfig, store: ArtifactStore, base: Path) -> tuple[st
     if ft["format"] == "text":
         section["text_field"] = cfg.data.text_field
     if cfg.parallel.device_num > 1:  # data parallel multiplies the global batch
-        section["parallel"] = cfg.section("parallel")
+        from tasks.config import LAYOUT_KEYS
+
+        section["parallel"] = {k: v for k, v in cfg.section("parallel").items() if k in LAYOUT_KEYS}
     return store.key(STAGE, section, inputs, code_version(STAGE)), inputs, section
 
 

@@ -129,10 +129,20 @@ def candidate_layouts(cfg: ModelConfig, devices: int, global_batch: int | None =
     return out
 
 
+def unsupported(layout: Layout, backend: str) -> str | None:
+    """Why this pipeline cannot run `layout` on `backend` (None when it can): see the README's support matrix."""
+    if layout.pp > 1:
+        return "pipeline stages: Ascend/GPU only, not built" if backend == "CPU" else "pipeline stages: not built"
+    if layout.optimizer_shard and layout.dp > 1:
+        return "optimizer sharding: Ascend/GPU only, not built" if backend == "CPU" else "optimizer sharding: not built"
+    return None
+
+
 def plan(cfg: ModelConfig, *, devices: int, device_memory: int, micro_batch: int, seq: int, precision: str,
          backend: str = "Ascend") -> list[tuple[Layout, bool, Estimate, bool]]:
     """Every candidate (layout, recompute) with its estimate and whether it fits, best first.
 
+    Layouts this pipeline can run (`unsupported(...) is None`) come before those it cannot.
     Preference among layouts that fit: no recompute (it costs ~1/3 more compute), then
     the least model splitting (tensor parallel before pipeline parallel: TP needs fast
     intra-node links, PP adds bubbles), then optimizer sharding off.
@@ -145,7 +155,8 @@ def plan(cfg: ModelConfig, *, devices: int, device_memory: int, micro_batch: int
 
     def rank(r):
         lay, rc, est, fits = r
-        return (not fits, rc, lay.tp * lay.pp, lay.pp, lay.optimizer_shard, est.total)
+        return (not fits, unsupported(lay, backend) is not None, rc, lay.tp * lay.pp, lay.pp, lay.optimizer_shard,
+                est.total)
 
     rows.sort(key=rank)
     return rows

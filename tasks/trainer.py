@@ -227,7 +227,7 @@ def fit(net, params, loss_fn, loop: LoopConfig, *, batches: Batches, valid: Call
               file=sys.stderr)
     if lead:
         _write_jsonl(metrics_path, history)
-    peak = loop.peak_flops or measure_peak_flops()
+    peak = loop.peak_flops or measure_peak_flops()  # per rank: MFU divides by world × peak
 
     # under pure data parallel only rank 0 validates (the replicas are equal); tensor-parallel ranks all take part
     do_eval = valid is not None and (lead or mesh.tp > 1)
@@ -290,7 +290,7 @@ def fit(net, params, loss_fn, loop: LoopConfig, *, batches: Batches, valid: Call
             tps = tok_log / max(now - t_log, 1e-9)
             eta = (loop.max_steps - step) * (now - t_start) / max(steps_here, 1)
             record = {"step": step, "loss": loss, "lr": lr, "grad_norm": gnorm, "tokens_per_s": tps,
-                      "mfu": tps * flops_per_token / peak, "peak_rss_bytes": peak_rss_bytes(), "eta_s": eta,
+                      "mfu": tps * flops_per_token / (peak * mesh.world), "peak_rss_bytes": peak_rss_bytes(), "eta_s": eta,
                       "consumed_samples": consumed, "skipped_steps": skipped}
             if fp16:
                 record.update(loss_scale=scale, overflow_steps=overflows)

@@ -287,3 +287,45 @@ def test_tensor_parallel_checkpoint_resumes_under_another_layout(tmp_path, data_
     lb = _train_losses(path)
     assert max(abs(ls[s] - lb[s]) for s in ls) <= 1e-5, (ls, lb)
     assert ArtifactStore(root2).verify(path)["metrics"]["consumed_samples"] == 48
+
+
+def test_cache_key_follows_the_layout_not_the_rendezvous(tmp_path, data_artifact):
+    store = ArtifactStore(tmp_path)
+    data_copy = _copy_data(tmp_path, data_artifact)
+
+    def key(*o):
+        return pretrain.stage_key(resolve_pipeline(REPO / "pipelines.yaml", "tiny", list(o)), store, data_copy, None)[0]
+
+    base = key()
+    assert key("parallel.master_port=9001", "parallel.cluster_timeout=30") == base
+    assert key("parallel.data_parallel=2", "parallel.device_num=2") != base
+    assert key("parallel.tensor_parallel=2", "parallel.device_num=2") != key("parallel.data_parallel=2", "parallel.device_num=2")
+
+
+@pytest.mark.slow
+def test_data_and_tensor_parallel_together_match_single_process(tmp_path, data_artifact):
+    """4 ranks (dp=2 × tp=2, groups dp_0/dp_1 and tp_0/tp_1) against one process with the same global batch."""
+    single, _ = _single(_cfg(), tmp_path / "single", data_artifact)
+    root = tmp_path / "dp2tp2"
+    cfg = _cfg("parallel.data_parallel=2", "parallel.tensor_parallel=2", "parallel.device_num=4",
+               "pretrain.micro_batch_size=4")
+    path = pretrain.run(cfg, ArtifactStore(root), _copy_data(root, data_artifact), progress=False)
+    ls, lp = _train_losses(single), _train_losses(path)
+    assert max(abs(ls[s] - lp[s]) for s in ls) <= 1e-5, (ls, lp)
+    ck = complete_checkpoints(root / "runs" / "pretrain" / path.name / "checkpoints")[-1]
+    assert json.loads((ck / "state.json").read_text())["layout"] == {"data_parallel": 2, "tensor_parallel": 2}
+    assert sorted(p.name for p in ck.glob("model*.safetensors")) == ["model.tp0-of-2.safetensors",
+                                                                      "model.tp1-of-2.safetensors"]
+
+
+@pytest.mark.slow
+def test_data_parallel_with_gradient_accumulation_matches_single_process(tmp_path, data_artifact):
+    """dp=2 × micro 2 × accumulation 2 (gradients reduced once per step, after accumulating) == 1 × 8."""
+    single, _ = _single(_cfg(), tmp_path / "single", data_artifact)
+    root = tmp_path / "acc"
+    cfg = _cfg("parallel.data_parallel=2", "parallel.device_num=2", "pretrain.micro_batch_size=2",
+               "pretrain.gradient_accumulation=2")
+    path = pretrain.run(cfg, ArtifactStore(root), _copy_data(root, data_artifact), progress=False)
+    ls, lp = _train_losses(single), _train_losses(path)
+    assert max(abs(ls[s] - lp[s]) for s in ls) <= 1e-5, (ls, lp)
+    assert ArtifactStore(root).verify(path)["metrics"]["consumed_samples"] == 48

@@ -129,3 +129,29 @@ def test_failing_stage_fails_the_flow_with_its_own_error_and_leaves_no_artifact(
 
     store = ArtifactStore(tmp_path / "artifacts")
     assert all(store.list(stage) == [] for stage in ("data", "pretrain", "finetune", "eval", "export"))
+
+
+@pytest.mark.slow
+def test_full_pipeline_runs_data_parallel_through_msrun(tmp_path):
+    """The whole flow with parallel {data_parallel: 2, device_num: 2}: pretrain and finetune under msrun."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = _tiny_config(tmp_path)
+    dp2 = ["parallel.data_parallel=2", "parallel.device_num=2", f"parallel.master_port={port}",
+           "pretrain.micro_batch_size=4", "finetune.micro_batch_size=4"]
+    (run,) = _drive(tmp_path, config, [dp2])
+    assert run["flow"] == "Completed", run
+    assert all(states == ["Completed"] for states in run["tasks"].values()), run["tasks"]
+    art = tmp_path / "artifacts"
+    for stage in ("pretrain", "finetune"):
+        (key_dir,) = (art / "runs" / stage).iterdir()
+        logs = sorted(p.name for p in (key_dir / "msrun_logs").glob("worker_*.log"))
+        assert logs == ["worker_0.log", "worker_1.log"], (stage, logs)
+    (pre,) = (art / "pretrain").iterdir()
+    manifest = json.loads((pre / "manifest.json").read_text())
+    assert manifest["metrics"]["layout"] == {"data_parallel": 2, "tensor_parallel": 1}
+    assert manifest["metrics"]["consumed_samples"] == 4 * 8  # 4 steps × global batch 2 × 4
+    assert list((art / "export").iterdir())  # eval and export ran on the merged model
