@@ -303,29 +303,21 @@ def test_cache_key_follows_the_layout_not_the_rendezvous(tmp_path, data_artifact
 
 
 @pytest.mark.slow
-def test_data_and_tensor_parallel_together_match_single_process(tmp_path, data_artifact):
-    """4 ranks (dp=2 × tp=2, groups dp_0/dp_1 and tp_0/tp_1) against one process with the same global batch."""
+@pytest.mark.parametrize("overrides, dp, tp", [
+    # 4 ranks: groups dp_0/dp_1 and tp_0/tp_1
+    (["parallel.data_parallel=2", "parallel.tensor_parallel=2", "parallel.device_num=4", "pretrain.micro_batch_size=4"], 2, 2),
+    # gradients reduced once per step, after accumulating 2 micro batches of 2
+    (["parallel.data_parallel=2", "parallel.device_num=2", "pretrain.micro_batch_size=2", "pretrain.gradient_accumulation=2"], 2, 1),
+], ids=["dp2xtp2", "dp2-accumulation2"])
+def test_more_layouts_match_single_process(tmp_path, data_artifact, overrides, dp, tp):
+    """Global batch 8 either way: the same per-step losses and data position as one process."""
     single, _ = _single(_cfg(), tmp_path / "single", data_artifact)
-    root = tmp_path / "dp2tp2"
-    cfg = _cfg("parallel.data_parallel=2", "parallel.tensor_parallel=2", "parallel.device_num=4",
-               "pretrain.micro_batch_size=4")
-    path = pretrain.run(cfg, ArtifactStore(root), _copy_data(root, data_artifact), progress=False)
-    ls, lp = _train_losses(single), _train_losses(path)
-    assert max(abs(ls[s] - lp[s]) for s in ls) <= 1e-5, (ls, lp)
-    ck = complete_checkpoints(root / "runs" / "pretrain" / path.name / "checkpoints")[-1]
-    assert json.loads((ck / "state.json").read_text())["layout"] == {"data_parallel": 2, "tensor_parallel": 2}
-    assert sorted(p.name for p in ck.glob("model*.safetensors")) == ["model.tp0-of-2.safetensors",
-                                                                      "model.tp1-of-2.safetensors"]
-
-
-@pytest.mark.slow
-def test_data_parallel_with_gradient_accumulation_matches_single_process(tmp_path, data_artifact):
-    """dp=2 × micro 2 × accumulation 2 (gradients reduced once per step, after accumulating) == 1 × 8."""
-    single, _ = _single(_cfg(), tmp_path / "single", data_artifact)
-    root = tmp_path / "acc"
-    cfg = _cfg("parallel.data_parallel=2", "parallel.device_num=2", "pretrain.micro_batch_size=2",
-               "pretrain.gradient_accumulation=2")
-    path = pretrain.run(cfg, ArtifactStore(root), _copy_data(root, data_artifact), progress=False)
+    root = tmp_path / "parallel"
+    path = pretrain.run(_cfg(*overrides), ArtifactStore(root), _copy_data(root, data_artifact), progress=False)
     ls, lp = _train_losses(single), _train_losses(path)
     assert max(abs(ls[s] - lp[s]) for s in ls) <= 1e-5, (ls, lp)
     assert ArtifactStore(root).verify(path)["metrics"]["consumed_samples"] == 48
+    ck = complete_checkpoints(root / "runs" / "pretrain" / path.name / "checkpoints")[-1]
+    assert json.loads((ck / "state.json").read_text())["layout"] == {"data_parallel": dp, "tensor_parallel": tp}
+    assert sorted(p.name for p in ck.glob("model*.safetensors")) == (
+        [f"model.tp{i}-of-{tp}.safetensors" for i in range(tp)] if tp > 1 else ["model.safetensors"])
