@@ -144,6 +144,13 @@ class TrainStep:
     with their mean; with k == 1 `step(*batch, lr, step)` does both in one graph.
     The loss scale S is a runtime Tensor input (the loss is multiplied by it and the
     gradients divided back), so a dynamic scale never recompiles the graph.
+
+    The step's loss is the mean over every counted token (labels != -100) of all k micro-batches
+    on all data-parallel ranks, as one process with the whole global batch computes it: each
+    micro-batch's mean loss is weighted by its share of the tokens (w = tokens · k · dp / total)
+    before the gradients are averaged. With equal token counts (packed pretraining blocks) w is
+    exactly 1; with response-only fine-tuning masks it keeps accumulation and data parallelism
+    from over-weighting short micro-batches.
     """
 
     def __init__(self, loss_fn, params: list[Parameter], optimizer: AdamW, accumulation: int = 1,
@@ -153,6 +160,8 @@ class TrainStep:
         self.optimizer = optimizer
         self.k = accumulation
         self.loss_scale = loss_scale
+        self.dp = dp if dp_group is not None else 1
+        self._count_sum = ops.AllReduce(group=dp_group) if self.dp > 1 else None
         if dp_group is not None and dp > 1:
             reducer = nn.DistributedGradReducer(params, mean=True, degree=dp, group=dp_group)
             loss_sum = ops.AllReduce(group=dp_group)
@@ -170,8 +179,8 @@ class TrainStep:
             def reduce_loss(loss):
                 return loss
 
-        def scaled_loss(input_ids, labels, scale):
-            loss = loss_fn(input_ids, labels)
+        def scaled_loss(input_ids, labels, scale, weight):
+            loss = loss_fn(input_ids, labels) * weight
             return loss * scale, loss
 
         grad_fn = ms.value_and_grad(scaled_loss, None, weights=params, has_aux=True)
@@ -179,14 +188,14 @@ class TrainStep:
         accum = self.accum
 
         @ms.jit
-        def fused(input_ids, labels, lr, step, grad_scale):
-            (_, loss), grads = grad_fn(input_ids, labels, grad_scale)
+        def fused(input_ids, labels, lr, step, grad_scale, weight):
+            (_, loss), grads = grad_fn(input_ids, labels, grad_scale, weight)
             gnorm, finite = optimizer(reduce_grads(grads), lr, step, grad_scale)
             return reduce_loss(loss), gnorm, finite
 
         @ms.jit
-        def micro(input_ids, labels, scale):
-            (_, loss), grads = grad_fn(input_ids, labels, scale)
+        def micro(input_ids, labels, scale, weight):
+            (_, loss), grads = grad_fn(input_ids, labels, scale, weight)
             for a, g in zip(accum, grads):
                 ops.assign_add(a, g)
             return loss
@@ -210,15 +219,31 @@ class TrainStep:
         step_t = Tensor(float(step), ms.float32)
         s = self.loss_scale if loss_scale is None else loss_scale
         scale = Tensor(s, ms.float32)
+        weights = [Tensor(w, ms.float32) for w in self.token_weights([labels for _, labels in micro_batches])]
         if self.k == 1:
             ids, labels = micro_batches[0]
-            loss, gnorm, finite = self._fused(Tensor(ids), Tensor(labels), lr_t, step_t, scale)
+            loss, gnorm, finite = self._fused(Tensor(ids), Tensor(labels), lr_t, step_t, scale, weights[0])
             return float(loss.asnumpy()), float(gnorm.asnumpy()), bool(finite.asnumpy())
-        losses = [float(self._micro(Tensor(ids), Tensor(labels), scale).asnumpy()) for ids, labels in micro_batches]
+        losses = [float(self._micro(Tensor(ids), Tensor(labels), scale, w).asnumpy())
+                  for (ids, labels), w in zip(micro_batches, weights)]
         gnorm, finite, loss = self._apply(lr_t, step_t, Tensor(s * self.k, ms.float32),
                                           Tensor(sum(losses) / len(losses), ms.float32))
         loss = float(loss.asnumpy())
         return loss, float(gnorm.asnumpy()), bool(finite.asnumpy()) and math.isfinite(loss)
+
+
+    def token_weights(self, labels: list) -> list[float]:
+        """Each micro-batch's weight: its counted tokens × k × dp / the step's total over all ranks."""
+        import numpy as np
+
+        counts = [int(np.count_nonzero(np.asarray(y) != -100)) for y in labels]
+        total = sum(counts)
+        if self._count_sum is not None:  # the other ranks' tokens (one scalar AllReduce per step)
+            # float32 only on CPU: send total // 4096 and total % 4096, both summed exactly (< 2^24)
+            hi, lo = self._count_sum(Tensor([total >> 12, total & 4095], ms.float32)).asnumpy()
+            total = (int(hi) << 12) + int(lo)
+        n = len(counts) * self.dp
+        return [c * n / total if total else 0.0 for c in counts]
 
 
 def causal_lm_train_step(net, params: list[Parameter], *, weight_decay: float = 0.1, grad_clip: float | None = 1.0,

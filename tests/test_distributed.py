@@ -321,3 +321,29 @@ def test_more_layouts_match_single_process(tmp_path, data_artifact, overrides, d
     assert json.loads((ck / "state.json").read_text())["layout"] == {"data_parallel": dp, "tensor_parallel": tp}
     assert sorted(p.name for p in ck.glob("model*.safetensors")) == (
         [f"model.tp{i}-of-{tp}.safetensors" for i in range(tp)] if tp > 1 else ["model.safetensors"])
+
+
+@pytest.mark.slow
+def test_finetune_data_parallel_matches_single_process(tmp_path):
+    """LoRA on response-only instruction data (unequal token counts per rank): 2 × 4 == 1 × 8."""
+    from tasks.checkpoint import load_weights
+    from tests.helpers import tiny_model_artifact
+
+    (tmp_path / "base").mkdir()
+    base = tiny_model_artifact(tmp_path / "base")
+    common = ["finetune.max_steps=4", "finetune.log_steps=1", "finetune.eval_steps=2", "finetune.warmup_steps=1"]
+    one = finetune.run(_cfg(*common), ArtifactStore(tmp_path / "base"), base, progress=False, isolate=False)
+    root = tmp_path / "dp2"
+    store = ArtifactStore(root)
+    import shutil
+
+    shutil.copytree(base, root / "pretrain" / base.name)
+    two = finetune.run(_cfg(*common, "parallel.data_parallel=2", "parallel.device_num=2", "finetune.micro_batch_size=4"),
+                       store, root / "pretrain" / base.name, progress=False)
+    l1, l2 = _train_losses(one), _train_losses(two)
+    assert sorted(l2) == [1, 2, 3, 4] and max(abs(l1[s] - l2[s]) for s in l1) <= 1e-5, (l1, l2)
+    v1 = [r["val_loss"] for r in _metrics(one) if "val_loss" in r]
+    v2 = [r["val_loss"] for r in _metrics(two) if "val_loss" in r]
+    assert len(v1) == len(v2) == 3 and max(abs(a - b) for a, b in zip(v1, v2)) <= 1e-5
+    a1, a2 = load_weights(one / "adapter.safetensors"), load_weights(two / "adapter.safetensors")
+    assert max(float(np.abs(a1[k] - a2[k]).max()) for k in a1) <= 1e-5
