@@ -315,6 +315,11 @@ class PipelineConfig(_Section):
         """A section as plain data (what a stage's cache key hashes)."""
         return getattr(self, name).model_dump(mode="json")
 
+    def layout_section(self) -> dict[str, Any]:
+        """The `parallel` keys that change what training computes (LAYOUT_KEYS), for cache keys."""
+        par = self.section("parallel")
+        return {k: par[k] for k in LAYOUT_KEYS}
+
     def for_continued(self, sources: list[str]) -> "PipelineConfig":
         """The config of a continued-pretraining run on `sources` (base tokenizer kept by the caller)."""
         c = self.model_copy(deep=True)

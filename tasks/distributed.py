@@ -35,6 +35,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tasks.artifacts import _pid_alive
+
 REPO = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "launch" / "worker.py"
 STOPPED_MARK = "[rank stopped early]"
@@ -83,6 +85,12 @@ class Mesh:
         from model.parallel import TensorParallel
 
         return TensorParallel(size=self.tp, rank=self.tp_index, group=self.tp_group)
+
+    def sharded(self, params) -> list[bool]:
+        """Which of `params` are tensor-parallel slices (AdamW sums their squared norms over the tp group)."""
+        from model.parallel import split_axis
+
+        return [self.tp > 1 and split_axis(p.name) is not None for p in params]
 
     @classmethod
     def init(cls, dp: int, tp: int) -> "Mesh":
@@ -283,16 +291,8 @@ def _stop_group(proc: subprocess.Popen) -> None:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             continue
-        if not any(_alive(p) for p in _descendants(proc.pid)):
+        if not any(_pid_alive(p) for p in _descendants(proc.pid)):
             return
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except OSError:
-        return False
 
 
 def rank_logs(log_dir: Path) -> dict[int, Path]:

@@ -362,9 +362,7 @@ def stage_key(cfg: PipelineConfig, store: ArtifactStore, base: Path) -> tuple[st
     if ft["format"] == "text":
         section["text_field"] = cfg.data.text_field
     if cfg.parallel.device_num > 1:  # data parallel multiplies the global batch
-        from tasks.config import LAYOUT_KEYS
-
-        section["parallel"] = {k: v for k, v in cfg.section("parallel").items() if k in LAYOUT_KEYS}
+        section["parallel"] = cfg.layout_section()
     return store.key(STAGE, section, inputs, code_version(STAGE)), inputs, section
 
 

@@ -247,18 +247,24 @@ class TrainStep:
 
 
 def causal_lm_train_step(net, params: list[Parameter], *, weight_decay: float = 0.1, grad_clip: float | None = 1.0,
-                         beta1: float = 0.9, beta2: float = 0.95, eps: float = 1e-8, accumulation: int = 1) -> TrainStep:
+                         beta1: float = 0.9, beta2: float = 0.95, eps: float = 1e-8, accumulation: int = 1,
+                         mesh=None) -> TrainStep:
     """A compiled next-token train step for `net` over `params` with AdamW (norms/embeddings not decayed).
 
     What the benchmarks, the memory measurement and the optimizer tests use; the trainer builds
-    the same pieces from its LoopConfig.
+    the same pieces from its LoopConfig. With a `mesh` (tasks/distributed.py) the step averages
+    gradients over its data-parallel group and clips by the norm over its tensor-parallel slices.
     """
     from model.llama import causal_lm_loss
 
+    sharded, tp_group, dp_group, dp = None, None, None, 1
+    if mesh is not None:
+        sharded, tp_group, dp_group, dp = mesh.sharded(params), mesh.tp_group, mesh.dp_group, mesh.dp
     opt = AdamW(params, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, grad_clip=grad_clip,
-                decay_mask=[decays(p.name, decay_norms_and_biases=False, decay_embeddings=False) for p in params])
+                decay_mask=[decays(p.name, decay_norms_and_biases=False, decay_embeddings=False) for p in params],
+                sharded=sharded, tp_group=tp_group)
 
     def loss_fn(ids, labels):  # a def, not a lambda: MindSpore's jit parser needs it on its own line
         return causal_lm_loss(net(ids), labels)
 
-    return TrainStep(loss_fn, params, opt, accumulation=accumulation)
+    return TrainStep(loss_fn, params, opt, accumulation=accumulation, dp_group=dp_group, dp=dp)

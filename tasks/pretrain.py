@@ -39,11 +39,7 @@ def stage_key(cfg: PipelineConfig, store: ArtifactStore, data_artifact: Path, in
     inputs = [store.input_ref(data_artifact)]
     if init_from is not None:
         inputs.append(store.input_ref(init_from))
-    from tasks.config import LAYOUT_KEYS
-
-    par = cfg.section("parallel")
-    section = {"model": cfg.section("model"), "pretrain": cfg.section("pretrain"),
-               "parallel": {k: par[k] for k in LAYOUT_KEYS}}
+    section = {"model": cfg.section("model"), "pretrain": cfg.section("pretrain"), "parallel": cfg.layout_section()}
     section["pretrain"].pop("init_from", None)  # identified by its digest among the inputs instead
     if cfg.checkpoint.load_checkpoint:  # continuing a training checkpoint: which one, by content
         section["load_checkpoint"] = checkpoint_ref(cfg.resolve_path(cfg.checkpoint.load_checkpoint))

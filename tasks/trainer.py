@@ -177,7 +177,6 @@ def fit(net, params, loss_fn, loop: LoopConfig, *, batches: Batches, valid: Call
     model and `batches` yielding its own data shard; rank 0 writes the metrics, replica 0 the checkpoints."""
     import mindspore as ms
 
-    from model.parallel import split_axis
     from tasks.distributed import Mesh
     from tasks.optim import AdamW, DynamicLossScale, TrainStep, decays, lr_at
 
@@ -191,7 +190,7 @@ def fit(net, params, loss_fn, loop: LoopConfig, *, batches: Batches, valid: Call
         grad_clip=loop.grad_clip,
         decay_mask=[decays(p.name, decay_norms_and_biases=loop.decay_norms_and_biases,
                            decay_embeddings=loop.decay_embeddings) for p in params],
-        sharded=[mesh.tp > 1 and split_axis(p.name) is not None for p in params], tp_group=mesh.tp_group,
+        sharded=mesh.sharded(params), tp_group=mesh.tp_group,
     )
     step_fn = TrainStep(loss_fn, params, optimizer, accumulation=loop.gradient_accumulation,
                         dp_group=mesh.dp_group, dp=mesh.dp)

@@ -16,9 +16,9 @@ if __name__ == "__main__":
 
     from model.config import ModelConfig
     from model.llama import LlamaForCausalLM, causal_lm_loss
-    from model.parallel import shard, split_axis
+    from model.parallel import shard
     from tasks.distributed import Mesh
-    from tasks.optim import AdamW, TrainStep, decays
+    from tasks.optim import causal_lm_train_step
 
     out = Path(sys.argv[1])
     ms.set_device("CPU")
@@ -29,11 +29,8 @@ if __name__ == "__main__":
     labels = np.roll(ids, -1, axis=1)
     labels[:, -1] = -100
 
-    def train_step(net, sharded, group):
+    def train_step(net, mesh):
         params = net.trainable_params()
-        opt = AdamW(params, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, grad_clip=0.5,
-                    decay_mask=[decays(p.name, decay_norms_and_biases=False, decay_embeddings=False) for p in params],
-                    sharded=[sharded and split_axis(p.name) is not None for p in params], tp_group=group)
 
         def loss_fn(i, y):
             return causal_lm_loss(net(i), y)
@@ -42,7 +39,8 @@ if __name__ == "__main__":
         grads = {p.name: g.asnumpy().copy() for p, g in zip(params, grads)}
         # lr 1e-3: AdamW's first update is lr·g/(|g|+eps), which turns float noise in near-zero
         # gradient entries into differences up to 2·lr; the gradients themselves are compared exactly above
-        loss, gnorm, finite = TrainStep(loss_fn, params, opt)([(ids, labels)], 1e-3, 1)
+        step = causal_lm_train_step(net, params, grad_clip=0.5, mesh=mesh)  # clipping active: norm 1.8 > 0.5
+        loss, gnorm, finite = step([(ids, labels)], 1e-3, 1)
         return loss, gnorm, {p.name: p.asnumpy().copy() for p in params}, grads
 
     single = LlamaForCausalLM(cfg, seed=0)
@@ -59,8 +57,8 @@ if __name__ == "__main__":
 
     logits_single = ms.jit(forward_single)(ms.Tensor(ids)).asnumpy()
     logits_tp = ms.jit(forward_tp)(ms.Tensor(ids)).asnumpy()
-    loss_s, gnorm_s, after_s, grads_s = train_step(single, False, None)
-    loss_t, gnorm_t, after_t, grads_t = train_step(tp_net, True, mesh.tp_group)
+    loss_s, gnorm_s, after_s, grads_s = train_step(single, None)
+    loss_t, gnorm_t, after_t, grads_t = train_step(tp_net, mesh)
     want = shard(after_s, 2, mesh.tp_index)
     want_g = shard(grads_s, 2, mesh.tp_index)
     moved = max(float(np.abs(after_s[k] - full0[k]).max()) for k in after_s)

@@ -241,17 +241,21 @@ def test_finetune_rejects_tensor_parallel_before_training(tmp_path):
         finetune.run(cfg, ArtifactStore(tmp_path), base, progress=False)
 
 
-@pytest.mark.slow
-def test_two_rank_checkpoint_resumes_on_one_process(tmp_path, data_artifact):
-    """dp=2 stops after 3 steps; one process continues from its checkpoint to the same losses and data position."""
-    _, run_straight = _single(_cfg(), tmp_path / "straight", data_artifact)
-    root = tmp_path / "dp2"
-    cfg = _cfg(*DP2)
+def _stopped_after_3(root: Path, data_artifact: Path, overrides: list[str]) -> Path:
+    """Run the stage under msrun with `overrides`, stopped after 3 steps (as if killed); its checkpoints dir."""
+    cfg = _cfg(*overrides)
     store = ArtifactStore(root)
     with pytest.raises(StageFailed, match="stopped before the end"):
         pretrain.run(cfg, store, _copy_data(root, data_artifact), progress=False, inject={"stop_after": 3})
     key, _, _ = pretrain.stage_key(cfg, store, root / "data" / data_artifact.name, None)
-    ckpts = root / "runs" / "pretrain" / key / "checkpoints"
+    return root / "runs" / "pretrain" / key / "checkpoints"
+
+
+@pytest.mark.slow
+def test_two_rank_checkpoint_resumes_on_one_process(tmp_path, data_artifact):
+    """dp=2 stops after 3 steps; one process continues from its checkpoint to the same losses and data position."""
+    _, run_straight = _single(_cfg(), tmp_path / "straight", data_artifact)
+    ckpts = _stopped_after_3(tmp_path / "dp2", data_artifact, DP2)
     assert [c.name for c in complete_checkpoints(ckpts)] == ["step_00000003"]
     resumed_cfg = _cfg(f"checkpoint.load_checkpoint={ckpts}")
     out, run_resumed = _single(resumed_cfg, tmp_path / "one", data_artifact)
@@ -267,13 +271,7 @@ def test_tensor_parallel_checkpoint_resumes_under_another_layout(tmp_path, data_
     _, run_straight = _single(_cfg(), tmp_path / "straight", data_artifact)
     ls = _train_losses(run_straight)
     # tp=2 for 3 steps, then one process
-    root = tmp_path / "tp2"
-    cfg = _cfg(*TP2)
-    store = ArtifactStore(root)
-    with pytest.raises(StageFailed, match="stopped before the end"):
-        pretrain.run(cfg, store, _copy_data(root, data_artifact), progress=False, inject={"stop_after": 3})
-    key, _, _ = pretrain.stage_key(cfg, store, root / "data" / data_artifact.name, None)
-    ck = complete_checkpoints(root / "runs" / "pretrain" / key / "checkpoints")[-1]
+    ck = complete_checkpoints(_stopped_after_3(tmp_path / "tp2", data_artifact, TP2))[-1]
     assert (ck / "model.tp1-of-2.safetensors").is_file()
     _, run_a = _single(_cfg(f"checkpoint.load_checkpoint={ck}"), tmp_path / "a", data_artifact)
     la = _train_losses(run_a)

@@ -76,10 +76,9 @@ def worker(a: argparse.Namespace) -> None:
     from mindspore import nn, ops
 
     from model.config import ModelConfig
-    from model.llama import LlamaForCausalLM, causal_lm_loss
-    from model.parallel import split_axis
+    from model.llama import LlamaForCausalLM
     from tasks.distributed import Mesh
-    from tasks.optim import AdamW, TrainStep, decays
+    from tasks.optim import causal_lm_train_step
 
     dp, tp = LAYOUTS[a.layout]
     mesh = Mesh.init(dp, tp) if dp * tp > 1 else Mesh()
@@ -88,15 +87,8 @@ def worker(a: argparse.Namespace) -> None:
     micro = a.batch // dp
     net = LlamaForCausalLM(cfg, seed=0, tensor_parallel=mesh.tensor_parallel())
     params = net.trainable_params()
-    # exactly as tasks.trainer.fit builds them for a mesh (LoopConfig's defaults)
-    optimizer = AdamW(params, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, grad_clip=1.0,
-                      decay_mask=[decays(p.name, decay_norms_and_biases=False, decay_embeddings=False) for p in params],
-                      sharded=[mesh.tp > 1 and split_axis(p.name) is not None for p in params], tp_group=mesh.tp_group)
-
-    def loss_fn(ids, labels):  # a def, not a lambda: MindSpore's jit parser needs it on its own line
-        return causal_lm_loss(net(ids), labels)
-
-    step_fn = TrainStep(loss_fn, params, optimizer, accumulation=1, dp_group=mesh.dp_group, dp=mesh.dp)
+    # the trainer's defaults (AdamW, clip 1.0), gradients averaged over dp, clipped by the norm over tp slices
+    step_fn = causal_lm_train_step(net, params, mesh=mesh)
     # data-parallel replicas read different batches, tensor-parallel ranks the same ones
     rng = np.random.default_rng(1000 + mesh.dp_index)
     total = a.warmup + a.steps
