@@ -82,6 +82,9 @@ def main() -> int:
                   f"greedy tokens match: {v.get('greedy_tokens_match')}; model card: {Path(path) / 'MODEL_CARD.md'}")
     print(f"\nfinal artifact: {list(out.values())[-1]}")
     print(f"lineage of it:  .venv/bin/msllm lineage {list(out.values())[-1]} --format text|json|mermaid|dot")
+    runs = Path(a.artifacts).resolve() / "runs"
+    print(f"training curves: .venv/bin/tensorboard --logdir {os.path.relpath(runs)}   "
+          f"(every pretrain/finetune/eval run of every pipeline; http://localhost:6006)")
     return 0
 
 

@@ -226,6 +226,9 @@ def fit(net, params, loss_fn, loop: LoopConfig, *, batches: Batches, valid: Call
               file=sys.stderr)
     if lead:
         _write_jsonl(metrics_path, history)
+    from tasks.tensorboard import open_run
+
+    events = open_run(run_dir, history, meta, enabled=lead)  # TensorBoard: the same records, rewritten on resume
     peak = loop.peak_flops or measure_peak_flops()  # per rank: MFU divides by world × peak
 
     # under pure data parallel only rank 0 validates (the replicas are equal); tensor-parallel ranks all take part
@@ -236,6 +239,7 @@ def fit(net, params, loss_fn, loop: LoopConfig, *, batches: Batches, valid: Call
         history.append(r0)
         if lead:
             _append_jsonl(metrics_path, r0)
+            events.write(r0)
         print(f"[train] step 0: val_loss {v0:.4f} (ppl {r0['val_ppl']:.1f})", file=sys.stderr, flush=True)
 
     # ---- fit
@@ -302,6 +306,7 @@ def fit(net, params, loss_fn, loop: LoopConfig, *, batches: Batches, valid: Call
             history.append(record)
             if lead:
                 _append_jsonl(metrics_path, record)
+                events.write(record)
                 bar.write(_format_record(record, loop.max_steps))
         if step % loop.save_steps == 0 or step == loop.max_steps:
             state = {"consumed_samples": consumed, "updates": updates, "skipped_steps": skipped,
@@ -313,6 +318,7 @@ def fit(net, params, loss_fn, loop: LoopConfig, *, batches: Batches, valid: Call
             stopped = True
             break
     bar.close()
+    events.close()
     if mesh.dp > 1:
         digest = mesh.check_replicas(_named_arrays(params))
         print(f"[train] rank {mesh.rank}: parameters sha256 {digest} (equal on all {mesh.dp} data-parallel replicas)",
