@@ -17,7 +17,7 @@ weight cast per call, so gradients reach the fp32 weights through the Cast); the
 residual stream is fp16, RMSNorm, softmax and the loss run in fp32 and logits are
 returned as fp32. The default float32 adds no casts at all.
 
-CPU-driven choices (see MINDSPORE_CPU_NOTES.md): projections are one 2-D MatMul
+CPU-driven choices (see docs/MINDSPORE_CPU.md): projections are one 2-D MatMul
 on the flattened tokens, attention scores use BatchMatMul(transpose_b=True), the
 loss is a hand-written log-sum-exp, and RMSNorm / embedding avoid Rsqrt and
 nn.Embedding so the model exports to ONNX.
