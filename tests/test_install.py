@@ -35,8 +35,14 @@ def _run(cmd: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: 
 
 
 def _tracked_package_files() -> set[str]:
-    out = subprocess.run(["git", "-C", str(REPO), "ls-files", *PACKAGES], capture_output=True, text=True, check=True)
-    return {f for f in out.stdout.splitlines() if (REPO / f).is_file()}
+    """The packages' files as git tracks them (every file under them, without git)."""
+    try:
+        out = subprocess.run(["git", "-C", str(REPO), "ls-files", *PACKAGES], capture_output=True, text=True, check=True)
+        files = out.stdout.splitlines()
+    except (OSError, subprocess.CalledProcessError):
+        files = [p.relative_to(REPO).as_posix() for pkg in PACKAGES for p in (REPO / pkg).rglob("*")
+                 if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc"]
+    return {f for f in files if (REPO / f).is_file()}
 
 
 def _absolute_paths(node, base: Path):
