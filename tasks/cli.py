@@ -79,11 +79,48 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("artifact")
     p.add_argument("--format", choices=["text", "json", "mermaid", "dot"], default="text")
 
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming)")
+    _common(p)
+    p.add_argument("artifact", nargs="?", help="export or model artifact (default: the pipeline's newest export)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model-name", default=None, help="model id clients send (default: <stage>/<key>)")
+    p.add_argument("--max-active", type=int, default=32, help="sequences decoded in turn; the rest queue")
+    p.add_argument("--max-queue", type=int, default=256, help="queued requests before 503")
+    p.add_argument("--drain-timeout", type=float, default=8.0, help="seconds SIGTERM waits for requests in flight")
+
     p = sub.add_parser("plan", help="memory estimate and parallel layout")
     _common(p)
-    p.add_argument("--device-memory", default="32GiB")
-    p.add_argument("--devices", type=int, default=None)
+    p.add_argument("--device-memory", type=_device_memory, default="32GiB",
+                   help="memory per device, e.g. 32GiB, 80GB, 512MiB (default: 32GiB)")
+    p.add_argument("--devices", type=_device_count, default=None,
+                   help="devices to plan for (default: parallel.device_num)")
     return ap
+
+
+def _device_count(text: str) -> int:
+    """argparse type of `plan --devices`: a positive integer (bad values exit 2 naming the argument)."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device count; give a positive whole number, e.g. --devices 8")
+    return n
+
+
+def _device_memory(text: str) -> int:
+    """argparse type of `plan --device-memory`: a positive, finite size in bytes."""
+    from tasks.memory import parse_bytes
+
+    try:
+        n = parse_bytes(text)
+    except (ValueError, OverflowError):
+        n = 0
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a memory size; give a positive size with a unit, "
+                                         "e.g. 32GiB, 80GB or 512MiB")
+    return n
 
 
 def _load(args) -> PipelineConfig:
@@ -202,7 +239,7 @@ def cmd_lineage(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from tasks.memory import GiB, Layout, estimate, parse_bytes, plan, unsupported
+    from tasks.memory import GiB, Layout, estimate, plan, unsupported
 
     cfg = _load(args)
     mc = cfg.model.resolve()
@@ -210,7 +247,7 @@ def cmd_plan(args) -> int:
     seq = pt.seq_length or cfg.data.seq_length
     lay = Layout(dp=par.data_parallel, tp=par.tensor_parallel, pp=par.pipeline_parallel,
                  micro_batch_num=par.micro_batch_num, optimizer_shard=par.optimizer_shard)
-    mem = parse_bytes(args.device_memory)
+    mem = args.device_memory  # bytes (parsed and checked by argparse)
     est = estimate(mc, micro_batch=pt.micro_batch_size, seq=seq, precision=pt.precision, recompute=pt.recompute,
                    layout=lay, backend=par.device_target)
     print(f"model {cfg.model.preset}: {mc.num_parameters / 1e9:.3f}B parameters; micro batch {pt.micro_batch_size}, "
@@ -257,6 +294,7 @@ COMMANDS: dict[str, Callable] = {
     "convert": lambda args: __import__("tasks.convert", fromlist=["cli_convert"]).cli_convert(args),
     "lineage": cmd_lineage,
     "plan": cmd_plan,
+    "serve": lambda args: __import__("tasks.serving.app", fromlist=["cli_serve"]).cli_serve(args),
 }
 
 

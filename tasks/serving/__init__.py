@@ -1,0 +1,15 @@
+"""`msllm serve`: a trained model behind the OpenAI HTTP API (completions, chat, streaming).
+
+    msllm serve [ARTIFACT] [--host 127.0.0.1] [--port 8000]
+
+Modules:
+    backends.py  what runs the model: an export artifact through onnxruntime with its KV
+                 cache (the default: the pipeline's newest export), or a model artifact
+                 (pretrain / merged / convert) through MindSpore's `model.generate.Generator`
+    engine.py    one worker thread owns the backend: a request queue, up to `max_active`
+                 sequences decoded in turn (one token each per round, each with its own
+                 KV cache and sampler), stop strings, incremental detokenisation
+    app.py       the FastAPI app (request validation with OpenAI's error shape, SSE
+                 streaming), `serve()` under uvicorn with a graceful SIGTERM drain,
+                 and `cli_serve` for the command line
+"""

@@ -1,0 +1,277 @@
+"""The generation engine: one worker thread, a request queue, sequences decoded in turn.
+
+    engine = Engine(lambda: load_backend(path), max_active=32, max_queue=256)
+    engine.start()                                  # loads the backend in the worker thread; raises its error
+    req = engine.submit(prompt_ids, Sampling(max_tokens=32, temperature=0.0), emit)
+    # emit(event) is called from the worker thread with, in order:
+    #   {"type": "token", "text": "...", "tokens": n}     zero or more: text safe to show (stop strings held back)
+    #   {"type": "done", "finish_reason": "stop"|"length", "prompt_tokens", "completion_tokens", timings}
+    #   or {"type": "error", "message": ...}
+    req.cancel()                                    # a client went away: dropped at the next round
+    engine.stop()
+
+Everything that touches the model (loading, compiling, every step) runs in the one
+worker thread: MindSpore is not thread-safe in general, and one thread keeps the
+arithmetic of each sequence independent of what else is running. Up to `max_active`
+sequences are decoded in turn, one model call each per round (the prefill of a newly
+admitted one, a decode step for the others), so a new request gets its first token after
+at most one round instead of waiting for every earlier request to finish; the rest wait
+in the queue (FIFO). Each sequence has its own KV cache and its own
+`numpy.random.default_rng(seed)`, and tokens are drawn with `model.generate.sample_next`
+exactly as `Generator.generate` does: with a seed (or temperature 0) a request yields
+the same tokens alone or among 31 others, and the same as `msllm predict`.
+
+Stop strings: after each token the completion is decoded again (together with the last
+prompt tokens, so a leading space survives); the first occurrence of any stop string ends
+the request and the text is cut before it (OpenAI's semantics). A streamed delta never
+contains a tail that could still become a stop string, nor an incomplete UTF-8 character
+(byte-fallback pieces decode to U+FFFD until the character is complete).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+log = logging.getLogger("msllm.serve")
+
+_HEAD_TOKENS = 8  # prompt tokens decoded with the completion, so its first piece keeps its leading space
+
+
+@dataclass
+class Sampling:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+
+
+class Busy(RuntimeError):
+    """The queue is full or the server is shutting down."""
+
+
+class Request:
+    """One generation request; `emit` receives its events (from the worker thread)."""
+
+    _ids = 0
+    _lock = threading.Lock()
+
+    def __init__(self, prompt_ids: Sequence[int], sampling: Sampling, emit: Callable[[dict[str, Any]], None]):
+        with Request._lock:
+            Request._ids += 1
+            self.number = Request._ids
+        self.prompt_ids = [int(t) for t in prompt_ids]
+        self.sampling = sampling
+        self.emit = emit
+        self.cancelled = False
+        self.t_arrival = time.perf_counter()
+        self.t_start: float | None = None
+        self.t_first: float | None = None
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class TextStream:
+    """Incremental detokenisation of one completion with stop strings (see the module docstring)."""
+
+    def __init__(self, sp, prompt_ids: Sequence[int], stop: Sequence[str], eos_id: int):
+        self.sp, self.eos = sp, eos_id
+        self.head = [int(t) for t in prompt_ids if t != eos_id][-_HEAD_TOKENS:]
+        self.head_text = sp.decode(self.head) if self.head else ""
+        self.stop = [s for s in stop if s]
+        self.sent = 0  # characters of the completion already handed out
+        self.text = ""
+
+    def _decode(self, new_ids: Sequence[int]) -> str:
+        new = [int(t) for t in new_ids if t != self.eos]
+        if not self.head:
+            return self.sp.decode(new)
+        full = self.sp.decode(self.head + new)
+        return full[len(self.head_text):] if full.startswith(self.head_text) else self.sp.decode(new)
+
+    def update(self, new_ids: Sequence[int], final: bool) -> tuple[str, bool]:
+        """(text to hand out now, whether a stop string was hit). After a hit, `self.text` is the final text."""
+        text = self._decode(new_ids)
+        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        if hits:
+            self.text = text[: min(hits)]
+            delta, self.sent = self.text[self.sent:], len(self.text)
+            return delta, True
+        self.text = text
+        end = len(text)
+        if not final:
+            hold = max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+            while end - hold > self.sent and text[end - hold - 1] == "\ufffd":  # an incomplete character
+                hold += 1
+            end -= hold
+        if end <= self.sent:
+            return "", False
+        delta, self.sent = text[self.sent:end], end
+        return delta, False
+
+
+class _Seq:
+    """A request being decoded: its backend step coroutine, sampler and text."""
+
+    def __init__(self, req: Request, backend, budget: int):
+        self.req = req
+        self.steps = backend.steps(req.prompt_ids)
+        self.rng = np.random.default_rng(req.sampling.seed)
+        self.text = TextStream(backend.tokenizer, req.prompt_ids, req.sampling.stop, backend.eos_id)
+        self.budget = budget
+        self.new: list[int] = []
+        self.emitted = 0  # tokens already reported in token events
+
+    def close(self) -> None:
+        self.steps.close()
+
+
+class Engine:
+    def __init__(self, load_backend: Callable[[], Any], max_active: int = 32, max_queue: int = 256):
+        if max_active < 1 or max_queue < 1:
+            raise ValueError("max_active and max_queue must be at least 1")
+        self._load_backend = load_backend
+        self.max_active = max_active
+        self.max_queue = max_queue
+        self.backend = None
+        self._queue: queue.Queue = queue.Queue()
+        self._ready = threading.Event()
+        self._load_error: BaseException | None = None
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="msllm-serve-engine", daemon=True)
+        self.active = 0
+
+    # ---- lifecycle
+
+    def start(self, timeout: float | None = None) -> None:
+        """Start the worker; return once the backend is loaded and warmed up (or raise its load error)."""
+        self._thread.start()
+        self._ready.wait(timeout)
+        if self._load_error is not None:
+            raise self._load_error
+        if self.backend is None:
+            raise TimeoutError(f"the model did not load within {timeout}s")
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop the worker: requests still queued or running get an error event."""
+        self._stopping = True
+        self._queue.put(None)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
+    # ---- requests
+
+    def submit(self, prompt_ids: Sequence[int], sampling: Sampling, emit: Callable[[dict[str, Any]], None]) -> Request:
+        if self._stopping:
+            raise Busy("the server is shutting down")
+        if self._queue.qsize() >= self.max_queue:
+            raise Busy(f"{self._queue.qsize()} requests are already waiting (--max-queue {self.max_queue}); retry later")
+        req = Request(prompt_ids, sampling, emit)
+        self._queue.put(req)
+        return req
+
+    def queued(self) -> int:
+        return self._queue.qsize()
+
+    # ---- the worker thread
+
+    def _run(self) -> None:
+        try:
+            self.backend = self._load_backend()
+            self.backend.warmup()
+        except BaseException as exc:  # noqa: BLE001 - handed to start(), which raises it in the main thread
+            self.backend = None
+            self._load_error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        active: list[_Seq] = []
+        stop = False
+        while not stop:
+            # admit new requests: block only when idle
+            while len(active) < self.max_active:
+                try:
+                    req = self._queue.get(block=not active, timeout=None if active else 0.5)
+                except queue.Empty:
+                    break
+                if req is None:
+                    stop = True
+                    break
+                if req.cancelled:
+                    continue
+                seq = self._admit(req)
+                if seq is not None:
+                    active.append(seq)
+            self.active = len(active)
+            for seq in list(active):
+                if not self._advance(seq):
+                    active.remove(seq)
+                    seq.close()
+            self.active = len(active)
+        for seq in active:
+            seq.close()
+            seq.req.emit({"type": "error", "message": "the server shut down before the request finished"})
+        while True:
+            try:
+                req = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if req is not None:
+                req.emit({"type": "error", "message": "the server shut down before the request started"})
+
+    def _admit(self, req: Request) -> _Seq | None:
+        req.t_start = time.perf_counter()
+        budget = min(req.sampling.max_tokens, self.backend.context_length - len(req.prompt_ids))
+        try:
+            if budget < 1:
+                raise ValueError(f"no room for new tokens: the prompt has {len(req.prompt_ids)} tokens and the "
+                                 f"context {self.backend.context_length}")
+            return _Seq(req, self.backend, budget)
+        except Exception as exc:  # noqa: BLE001 - one request fails, the server goes on
+            log.exception("request %d failed to start", req.number)
+            req.emit({"type": "error", "message": f"{type(exc).__name__}: {exc}"})
+            return None
+
+    def _advance(self, seq: _Seq) -> bool:
+        """One model call and one token for `seq`; False once it is finished."""
+        from model.generate import sample_next  # numpy only; the same sampler as Generator.generate
+
+        req, s = seq.req, seq.req.sampling
+        if req.cancelled:
+            return False
+        try:
+            logits = next(seq.steps) if not seq.new else seq.steps.send(seq.new[-1])
+            tok = sample_next(np.asarray(logits), s.temperature, s.top_k, s.top_p, seq.rng)
+        except Exception as exc:  # noqa: BLE001 - one request fails, the server goes on
+            log.exception("request %d failed", req.number)
+            req.emit({"type": "error", "message": f"{type(exc).__name__}: {exc}"})
+            return False
+        if req.t_first is None:
+            req.t_first = time.perf_counter()
+        seq.new.append(tok)
+        eos = tok == self.backend.eos_id
+        full = len(seq.new) >= seq.budget
+        delta, hit = seq.text.update(seq.new, final=eos or full)
+        if delta:
+            req.emit({"type": "token", "text": delta, "tokens": len(seq.new) - seq.emitted})
+            seq.emitted = len(seq.new)
+        if not (eos or hit or full):
+            return True
+        now = time.perf_counter()
+        req.emit({"type": "done", "finish_reason": "stop" if eos or hit else "length", "text": seq.text.text,
+                  "prompt_tokens": len(req.prompt_ids), "completion_tokens": len(seq.new),
+                  "queue_s": req.t_start - req.t_arrival, "ttft_s": req.t_first - req.t_arrival,
+                  "total_s": now - req.t_arrival, "decode_s": now - req.t_start})
+        return False

@@ -1,0 +1,356 @@
+"""`msllm serve`: a real server process on a free loopback port, driven by the official `openai` client.
+
+The model is a tiny model artifact in the store format (tests/helpers.py). Every server is
+a `python -m tasks.cli serve ...` child in its own process group; its stderr goes to a file
+the tests read for the per-request log lines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import tiny_model_artifact
+
+openai = pytest.importorskip("openai")
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`msllm serve ARTIFACT` on 127.0.0.1:<free port>, stopped (SIGTERM, then SIGKILL) by stop()."""
+
+    def __init__(self, artifact: Path, log_dir: Path, *extra: str, timeout: float = 180):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_dir / f"serve-{self.port}.log"
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tasks.cli", "serve", str(artifact), "--host", "127.0.0.1", "--port", str(self.port),
+             *extra], cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        t0 = time.time()
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.time() - t0 > timeout:
+                self.stop()
+                raise TimeoutError(f"server not healthy after {timeout}s:\n{self.log()}")
+            time.sleep(0.5)
+        self.model = json.loads(urllib.request.urlopen(self.url + "/v1/models", timeout=5).read())["data"][0]["id"]
+
+    def client(self, cls=None):
+        return (cls or openai.OpenAI)(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
+
+
+@pytest.fixture(scope="module")
+def model_art(tmp_path_factory):
+    return tiny_model_artifact(tmp_path_factory.mktemp("serve_root"))
+
+
+@pytest.fixture(scope="module")
+def server(model_art, tmp_path_factory):
+    srv = Server(model_art, tmp_path_factory.mktemp("serve_logs"))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(model_art):
+    """The same artifact in this process: Generator (KV cache) with the tokenizer, as `msllm predict` runs it."""
+    from model.generate import Generator
+    from tasks.model_artifact import load_model, load_tokenizer
+
+    net, _ = load_model(model_art)
+    sp = load_tokenizer(model_art)
+    gen = Generator(net)
+
+    def complete(prompt_ids: list[int], max_tokens: int, **kw) -> tuple[str, list[int]]:
+        new = gen.generate(prompt_ids, max_tokens, eos_id=sp.eos_id(), **kw)
+        head = [t for t in prompt_ids if t != sp.eos_id()]
+        text = sp.decode(head + [t for t in new if t != sp.eos_id()])[len(sp.decode(head)):]
+        return text, new
+
+    return sp, complete
+
+
+def _post(url: str, data: bytes, content_type: str = "application/json") -> tuple[int, dict]:
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": content_type})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+# ----------------------------------------------------------------------------- basics
+
+
+def test_models_and_health(server):
+    models = server.client().models.list().data
+    assert [m.id for m in models] == [server.model] and server.model.startswith("pretrain/")
+    assert models[0].context_length == 128 and models[0].backend == "mindspore"
+    health = json.loads(urllib.request.urlopen(server.url + "/health", timeout=5).read())
+    assert health["status"] == "ok" and health["model"] == server.model
+
+
+def test_completion_equals_generator_and_is_logged(server, reference):
+    sp, complete = reference
+    prompt = "ROMEO: speak"
+    r = server.client().completions.create(model=server.model, prompt=prompt, max_tokens=24, temperature=0)
+    ids = [sp.eos_id()] + sp.encode(prompt)  # how `msllm predict` encodes a prompt
+    want, new = complete(ids, 24)
+    assert r.object == "text_completion" and r.choices[0].text == want
+    assert r.choices[0].finish_reason == ("stop" if new[-1] == sp.eos_id() else "length")
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (len(ids), len(new), len(ids) + len(new))
+    line = next(ln for ln in server.log().splitlines() if r.id in ln)  # one log line per request
+    m = re.search(r"in=(\d+) out=(\d+) ttft=([\d.]+)s tok/s=([\d.]+)", line)
+    assert m and (int(m[1]), int(m[2])) == (len(ids), len(new)) and float(m[4]) > 0
+
+
+def test_seeded_sampling_equals_generator(server, reference):
+    sp, complete = reference
+    kw = dict(temperature=0.9, top_p=0.95, seed=7, extra_body={"top_k": 40})  # top_k: not in OpenAI's schema
+    r = server.client().completions.create(model=server.model, prompt="JULIET:", max_tokens=16, **kw)
+    want, _ = complete([sp.eos_id()] + sp.encode("JULIET:"), 16, temperature=0.9, top_p=0.95, seed=7, top_k=40)
+    assert r.choices[0].text == want
+    again = server.client().completions.create(model=server.model, prompt="JULIET:", max_tokens=16, **kw)
+    assert again.choices[0].text == want
+
+
+def test_chat_uses_the_finetune_instruction_template(server, reference):
+    from tasks.finetune import prompt_ids
+
+    sp, complete = reference
+    r = server.client().chat.completions.create(model=server.model, messages=[{"role": "user", "content": "Who loves Juliet?"}],
+                                                max_tokens=12, temperature=0)
+    ids = prompt_ids(sp, "Who loves Juliet?")  # what the finetune stage trains on, up to the response
+    want, new = complete(ids, 12)
+    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == want
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), len(new))
+    # a system message and earlier turns render through the same template
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Bye"}]
+    r2 = server.client().chat.completions.create(model=server.model, messages=msgs, max_tokens=4, temperature=0)
+    from tasks.serving.app import chat_prompt_ids
+
+    ids2 = chat_prompt_ids(sp, [(m["role"], m["content"]) for m in msgs])
+    assert r2.usage.prompt_tokens == len(ids2) and ids2.count(sp.eos_id()) == 1  # the earlier answer closed by EOS
+    assert " ".join(sp.decode(ids2).split()) == ("### System: Be brief. ### Instruction: Hi ### Response: Hello "
+                                                 "### Instruction: Bye ### Response:")  # (this tokenizer folds newlines)
+
+
+def test_streaming_matches_the_full_response(server):
+    client = server.client()
+    full = client.completions.create(model=server.model, prompt="KING:", max_tokens=20, temperature=0)
+    chunks = list(client.completions.create(model=server.model, prompt="KING:", max_tokens=20, temperature=0, stream=True))
+    assert len(chunks) > 2 and all(c.object == "text_completion" for c in chunks)
+    assert "".join(c.choices[0].text for c in chunks) == full.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+    assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+    msgs = [{"role": "user", "content": "Speak."}]
+    full = client.chat.completions.create(model=server.model, messages=msgs, max_tokens=20, temperature=0)
+    chunks = list(client.chat.completions.create(model=server.model, messages=msgs, max_tokens=20, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant" and all(c.object == "chat.completion.chunk" for c in chunks)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == full.choices[0].message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == full.usage.total_tokens  # include_usage
+    assert chunks[-2].choices[0].finish_reason == full.choices[0].finish_reason
+
+
+def test_stop_sequences_cut_the_text_before_them(server):
+    client = server.client()
+    full = client.completions.create(model=server.model, prompt="HAMLET:", max_tokens=40, temperature=0).choices[0].text
+    assert len(full) > 12, full
+    stop = full[8:11]  # a string the completion is known to contain
+    cut = full[: full.find(stop)]
+    r = client.completions.create(model=server.model, prompt="HAMLET:", max_tokens=40, temperature=0, stop=[stop, "\x00never"])
+    assert r.choices[0].text == cut and r.choices[0].finish_reason == "stop"
+    chunks = list(client.completions.create(model=server.model, prompt="HAMLET:", max_tokens=40, temperature=0,
+                                            stop=stop, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == cut and chunks[-1].choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens < 40
+
+
+BAD = [
+    # (request body changes, expected status, param named, words in the message)
+    ({"max_tokens": -5}, 400, "max_tokens", "at least 1"),
+    ({"max_tokens": 10**9}, 400, "max_tokens", "at most"),
+    ({"prompt": "word " * 400}, 400, "prompt", "context"),
+    ({"model": "no-such-model"}, 404, "model", "no-such-model"),
+    ({"temperature": -0.5}, 400, "temperature", "temperature"),
+    ({"n": 2}, 400, "n", "one choice"),
+    ({"top_p": 0}, 400, "top_p", "top_p"),
+    ({"stop": 3}, 400, "stop", "stop"),
+    ({"seed": "x"}, 400, "seed", "integer"),
+    ({"logprobs": 3}, 400, "logprobs", "not supported"),
+]
+
+
+@pytest.mark.parametrize("change,status,param,words", BAD, ids=[next(iter(b[0])) for b in BAD])
+def test_bad_completion_requests_get_openai_errors(server, change, status, param, words):
+    body = {"model": server.model, "prompt": "Hi", "max_tokens": 4, **change}
+    with pytest.raises(openai.APIStatusError) as exc:
+        server.client().completions.create(**body)
+    e = exc.value
+    assert e.status_code == status and e.param == param and e.type == "invalid_request_error"
+    assert words in e.message and param in e.message
+
+
+def test_bad_chat_requests_name_the_field(server):
+    client = server.client()
+    for msgs, param in (([], "messages"), ([{"role": "robot", "content": "x"}], "messages[0].role"),
+                        ([{"role": "user", "content": 5}], "messages[0].content"),
+                        ([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}], "messages[1].role"),
+                        ([{"role": "user", "content": "word " * 400}], "messages")):
+        with pytest.raises(openai.BadRequestError) as exc:
+            client.chat.completions.create(model=server.model, messages=msgs, max_tokens=4)
+        assert exc.value.param == param, (msgs, exc.value.message)
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "x"}],
+                                       max_completion_tokens=100000)
+    assert exc.value.param == "max_completion_tokens"
+
+
+def test_malformed_bodies_and_routes_and_the_server_survives(server):
+    status, body = _post(server.url + "/v1/completions", b'{"model": "x", "prompt": ')
+    assert status == 400 and "not valid JSON" in body["error"]["message"] and body["error"]["type"] == "invalid_request_error"
+    status, body = _post(server.url + "/v1/chat/completions", b"[1, 2]")
+    assert status == 400 and "JSON object" in body["error"]["message"]
+    status, body = _post(server.url + "/v1/completions", b"\xff\xfe")
+    assert status == 400 and "error" in body
+    status, body = _post(server.url + "/v1/completions", json.dumps({"prompt": "x"}).encode())
+    assert status == 400 and body["error"]["param"] == "model"
+    status, body = _post(server.url + "/v1/engines", b"{}")
+    assert status == 404 and "/v1" in body["error"]["message"]
+    with pytest.raises(openai.NotFoundError):
+        server.client().models.retrieve("nope")
+    assert server.client().completions.create(model=server.model, prompt="Still here", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_text_stream_holds_back_possible_stop_strings(reference):
+    from tasks.serving.engine import TextStream
+
+    sp, _ = reference
+    prompt = [sp.eos_id()] + sp.encode("To be")
+    new = sp.encode(" or not to be, that is the question")
+    ts = TextStream(sp, prompt, ["that is", "zzz"], sp.eos_id())
+    out, hit = [], False
+    for i in range(1, len(new) + 1):
+        delta, hit = ts.update(new[:i], final=False)
+        out.append(delta)
+        assert not any(s in "".join(out) for s in ("that is",))
+        if hit:
+            break
+    assert hit and "".join(out) == ts.text == " or not to be, "
+
+
+# ----------------------------------------------------------------------------- concurrency and shutdown
+
+
+@pytest.mark.slow
+def test_32_concurrent_streaming_clients_match_single_client_tokens(server):
+    prompts = ["ROMEO:", "JULIET:", "To be", "KING:", "What is", "Enter", "My lord", "O"]
+    params = [dict(temperature=0) if i % 2 == 0 else dict(temperature=0.8, seed=i, extra_body={"top_k": 50}) for i in range(32)]
+    jobs = [(prompts[i % len(prompts)], params[i]) for i in range(32)]
+    client = server.client()
+    single = [client.completions.create(model=server.model, prompt=p, max_tokens=24, **kw) for p, kw in jobs]
+
+    async def one(aclient, prompt, kw):
+        stream = await aclient.completions.create(model=server.model, prompt=prompt, max_tokens=24, stream=True, **kw)
+        chunks = [c async for c in stream]
+        return "".join(c.choices[0].text for c in chunks), chunks[-1].usage.completion_tokens
+
+    async def run_all():
+        aclient = server.client(openai.AsyncOpenAI)
+        try:
+            return await asyncio.gather(*(one(aclient, p, kw) for p, kw in jobs))
+        finally:
+            await aclient.close()
+
+    t0 = time.time()
+    results = asyncio.run(run_all())
+    took = time.time() - t0
+    assert [r[0] for r in results] == [s.choices[0].text for s in single]
+    assert [r[1] for r in results] == [s.usage.completion_tokens for s in single]
+    assert len({r[0] for r in results}) > 8  # independent outputs, not one answer copied around
+    assert took < 120
+
+
+@pytest.mark.slow
+def test_sigterm_drains_in_flight_streams_and_exits(model_art, tmp_path):
+    srv = Server(model_art, tmp_path)
+    try:
+        client = srv.client()
+        stream = client.completions.create(model=srv.model, prompt="Now", max_tokens=100, temperature=0, stream=True)
+        it = iter(stream)
+        first = next(it)
+        t0 = time.time()
+        os.killpg(srv.proc.pid, signal.SIGTERM)
+        rest = list(it)
+        chunks = [first, *rest]
+        assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+        assert chunks[-1].usage.completion_tokens == 100 or chunks[-1].choices[0].finish_reason == "stop"
+        assert srv.proc.wait(10) == 0
+        assert time.time() - t0 < 10
+        with pytest.raises(openai.APIConnectionError):
+            srv.client().models.list()
+        log = srv.log()
+        assert "Shutting down" in log and "finish=" in log and log.rstrip().endswith("stopped")
+    finally:
+        srv.stop()
+
+
+def test_cli_serve_without_an_export_says_what_to_run(tmp_path, capsys):
+    from tasks.cli import main
+
+    rc = main(["serve", "--pipeline", "tiny", "--artifacts", str(tmp_path / "none")])
+    err = capsys.readouterr().err
+    assert rc == 1 and "no export artifact" in err and "msllm export --pipeline tiny" in err
+
+
+def test_cli_serve_rejects_a_directory_that_is_no_artifact(tmp_path, capsys):
+    from tasks.cli import main
+
+    rc = main(["serve", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 1 and "neither an export artifact" in err
