@@ -366,3 +366,23 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
         if v not in index:
             strongconnect(v)
     return sorted(out)
+
+
+def shortest_cycle(graph: dict[str, set[str]], start: str) -> list[str]:
+    """One shortest import chain from `start` back to itself (`[start, ..., start]`), or [] if there is none."""
+    parent: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for node in frontier:
+            for w in sorted(graph.get(node, ())):
+                if w == start:
+                    path = [node]
+                    while path[-1] != start:
+                        path.append(parent[path[-1]])
+                    return [start, *reversed(path[:-1]), start] if node != start else [start, start]
+                if w not in parent:
+                    parent[w] = node
+                    nxt.append(w)
+        frontier = nxt
+    return []
