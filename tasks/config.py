@@ -18,6 +18,7 @@ import copy
 import difflib
 import glob
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -25,6 +26,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from model.config import PRESETS, ModelConfig
+from model.registry import BUILTIN_MODELS
 
 # ----------------------------------------------------------------------------- errors
 
@@ -41,7 +43,9 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, validate_default=True)
+    # allow_inf_nan=False: `.inf` / `.nan` are valid YAML floats, but no setting of this schema is
+    # meaningful when infinite (an infinite learning rate or loss scale trains NaN weights).
+    model_config = ConfigDict(extra="forbid", strict=True, validate_default=True, allow_inf_nan=False)
 
 
 class ModelSection(_Section):
@@ -288,6 +292,9 @@ class ExportSection(_Section):
     """Fixed prompts of the export check: logits of MindSpore vs the reloaded MindIR and onnxruntime, and greedy tokens."""
     max_new_tokens: int = Field(8, gt=0)
     """Greedy tokens per prompt that onnxruntime must reproduce (at most seq_length minus the prompt's length)."""
+    int8: bool = False
+    """Also write model.int8.onnx (onnxruntime dynamic quantization, int8 weights); its size, decode speed and
+    held-out perplexity change go in the manifest. fp32 model.onnx stays the default."""
 
 
 class PipelineConfig(_Section):
@@ -371,6 +378,8 @@ def _format_pydantic(prefix: str, exc: ValidationError) -> list[str]:
             parent = _model_at(tuple(e["loc"][:-1]))
             valid = [k for k in (parent.model_fields if parent else []) if k not in _YAML_KEYS_EXCLUDED]
             out.append(f"{path}: unknown key '{loc[-1]}'; {_suggest(loc[-1], valid)}")
+        elif e["type"] == "finite_number":
+            out.append(f"{path}: {e['input']!r} is not a finite number; use a finite value (no .inf / .nan)")
         elif e["type"] == "literal_error":
             out.append(f"{path}: {e['input']!r} is not allowed; {e['msg'].lower()}")
         elif e["type"] in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
@@ -390,15 +399,75 @@ def _deep_merge(base: dict, over: dict) -> dict:
     return out
 
 
+class DuplicateKeyError(yaml.YAMLError):
+    def __init__(self, key: Any, line: int, first: int):
+        self.key, self.line, self.first = key, line, first
+        super().__init__(f"duplicate key '{key}' (first at line {first})")
+
+
+class Loader(yaml.SafeLoader):
+    """yaml.SafeLoader for YAML as people write it (pipelines files and `--set` values):
+
+    - `1e-3`, `1.0e6`, `2E5` are floats. PyYAML follows YAML 1.1, where a float needs a dot and a
+      signed exponent (`1.0e+6`), so it reads those as strings; this loader uses the YAML 1.2 core
+      schema's float pattern instead (integers such as `10` stay integers, `1.2.3` stays a string).
+    - A key repeated in one mapping is an error naming the key and both lines (PyYAML keeps the
+      last value silently). Keys brought in by a merge (`<<: *anchor`) may be overridden as usual.
+    """
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            first: dict[Any, Any] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    seen = first.setdefault(key, key_node)
+                except TypeError:  # an unhashable key: the base class names it
+                    continue
+                if seen is not key_node:
+                    raise DuplicateKeyError(key, key_node.start_mark.line + 1, seen.start_mark.line + 1)
+        return super().construct_mapping(node, deep=deep)
+
+
+_FLOAT_TAG = "tag:yaml.org,2002:float"
+Loader.yaml_implicit_resolvers = {
+    ch: [(tag, rx) for tag, rx in resolvers if tag != _FLOAT_TAG]
+    for ch, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+Loader.add_implicit_resolver(_FLOAT_TAG, re.compile(r"""^(?:
+      [-+]?[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+    | [-+]?[0-9][0-9_]*[eE][-+]?[0-9]+
+    | [-+]?\.[0-9][0-9_]*(?:[eE][-+]?[0-9]+)?
+    | [-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+\.[0-9_]*
+    | [-+]?\.(?:inf|Inf|INF)
+    | \.(?:nan|NaN|NAN))$""", re.X), list("-+0123456789."))
+
+
+def load_yaml(text: str) -> Any:
+    """Parse YAML with `Loader` (safe: plain data only)."""
+    return yaml.load(text, Loader=Loader)  # noqa: S506  (Loader is a yaml.SafeLoader)
+
+
 def read_pipelines_file(path: str | os.PathLike) -> dict[str, Any]:
     """The raw YAML of a pipelines file: {'default': name, 'pipelines': {...}}."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError([f"{p}: pipelines file not found; pass --config PATH or create pipelines.yaml"])
+    data = p.read_bytes()
     try:
-        raw = yaml.safe_load(p.read_text(encoding="utf-8"))
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError([f"{p}: not a text file (invalid UTF-8 at byte {exc.start}); --config must name a "
+                           "YAML pipelines file such as pipelines.yaml"]) from None
+    try:
+        raw = load_yaml(text)
+    except DuplicateKeyError as exc:
+        raise ConfigError([f"{p}:{exc.line}: duplicate key '{exc.key}' (first at line {exc.first}); keep one of them"]) from None
     except yaml.YAMLError as exc:
-        raise ConfigError([f"{p}: not valid YAML: {exc}"]) from None
+        hint = "; --config must name a YAML pipelines file such as pipelines.yaml" if "\x00" in text else ""
+        raise ConfigError([f"{p}: not valid YAML: {exc}{hint}"]) from None
     if not isinstance(raw, dict) or not isinstance(raw.get("pipelines"), dict) or not raw["pipelines"]:
         raise ConfigError([f"{p}: expected a mapping with a non-empty 'pipelines:' mapping of named pipelines"])
     unknown = set(raw) - {"default", "pipelines"}
@@ -440,7 +509,9 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     if not parts:
         raise ConfigError([f"--set {item}: empty key; expected dotted.key=VALUE"])
     try:
-        parsed = yaml.safe_load(value) if value.strip() else None
+        parsed = load_yaml(value) if value.strip() else None
+    except DuplicateKeyError as exc:
+        raise ConfigError([f"--set {item}: duplicate key '{exc.key}' in VALUE; keep one of them"]) from None
     except yaml.YAMLError as exc:
         raise ConfigError([f"--set {item}: VALUE is not valid YAML ({exc})"]) from None
     return parts, parsed
@@ -513,6 +584,9 @@ def check_pipeline(cfg: PipelineConfig, prefix: str, check_files: bool = True) -
     """Rules that span keys or touch the file system; each message names a YAML path and a fix."""
     errs: list[str] = []
     # model
+    if cfg.model.name not in BUILTIN_MODELS:
+        errs.append(f"{prefix}.model.name: unknown model '{cfg.model.name}'; "
+                    f"{_suggest(cfg.model.name, sorted(BUILTIN_MODELS)).replace('valid keys', 'registered models')}")
     if cfg.model.preset not in PRESETS:
         errs.append(
             f"{prefix}.model.preset: unknown preset '{cfg.model.preset}'; "
