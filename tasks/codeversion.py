@@ -14,10 +14,13 @@ YAMLs, say):
 What counts as an import: `import a.b` (a and a.b), `from a import b` (a, and a.b when
 it is a module), relative imports, imports inside functions, and
 `importlib.import_module("a.b")` / `__import__("a.b", fromlist=[...])` with literal
-names. Not counted: imports under `if TYPE_CHECKING:` (never executed) and dynamic
-imports whose name is computed (`dynamic_imports()` lists those, so a test can hold
-them to a known set). Importing `a.b.c` also runs `a/__init__.py` and
-`a/b/__init__.py`, so those are in the closure.
+names. Importing `a.b.c` also runs `a/__init__.py` and `a/b/__init__.py`, so those are
+in the closure. Imports under `if TYPE_CHECKING:` never execute, so they are not edges
+of `import_graph()` (the cycle test), but they are in the closure: a module imports a
+type only to use objects of it that its callers pass in (the data stage calls
+`PipelineConfig` methods), so that code runs too. Dynamic imports whose name is
+computed are invisible (`dynamic_imports()` lists them, so a test can hold them to a
+known set).
 
 A project import that resolves to no file, a declared data file that does not exist,
 or a file that does not parse is an error (`CodeVersionError`), never a silent skip.
@@ -55,6 +58,7 @@ class DynamicImport:
 @dataclass(frozen=True)
 class _Parsed:
     imports: frozenset[str]
+    typing_imports: frozenset[str]  # under `if TYPE_CHECKING:`
     dynamic: tuple[DynamicImport, ...]
 
 
@@ -108,10 +112,11 @@ class _Project:
             self._parsed[name] = _PARSE_CACHE[key]
         return self._parsed[name]
 
-    def edges(self, name: str) -> set[str]:
-        """The project modules (with a file) that importing `name` imports directly."""
+    def edges(self, name: str, typing: bool = False) -> set[str]:
+        """The project modules (with a file) that importing `name` imports directly (+ type-only ones if `typing`)."""
+        parsed = self.parsed(name)
         out = set()
-        for target in self.parsed(name).imports:
+        for target in parsed.imports | (parsed.typing_imports if typing else frozenset()):
             for anc in _ancestry(target):
                 # a module inside package P runs only after P's __init__ began: no edge to P
                 if anc in self.files and anc != name and not name.startswith(anc + "."):
@@ -136,6 +141,8 @@ class _ImportVisitor(ast.NodeVisitor):
         self.project, self.name, self.path = project, name, path
         self.package = name if project.is_package(name) else name.rpartition(".")[0]
         self.imports: set[str] = set()
+        self.typing_imports: set[str] = set()
+        self.in_typing = False
         self.dynamic: list[DynamicImport] = []
 
     # -- helpers
@@ -154,7 +161,7 @@ class _ImportVisitor(ast.NodeVisitor):
                 rel = anc.replace(".", "/")
                 self._fail(node, what, f"no module {anc} under {self.project.root} "
                                        f"(neither {rel}.py nor {rel}/__init__.py)")
-        self.imports.add(module)
+        (self.typing_imports if self.in_typing else self.imports).add(module)
 
     def _from(self, node: ast.AST, base: str, names: Iterable[str], what: str) -> None:
         self._require(node, base, what)
@@ -165,7 +172,7 @@ class _ImportVisitor(ast.NodeVisitor):
                 continue
             sub = f"{base}.{n}"
             if self.project.exists(sub):
-                self.imports.add(sub)
+                (self.typing_imports if self.in_typing else self.imports).add(sub)
             elif base in self.project.namespaces:  # a namespace package has no attributes, only submodules
                 self._fail(node, what, f"no module {sub} under {self.project.root} "
                                        f"(neither {sub.replace('.', '/')}.py nor {sub.replace('.', '/')}/__init__.py)")
@@ -182,7 +189,11 @@ class _ImportVisitor(ast.NodeVisitor):
         t = node.test
         if (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
                 isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING"):
-            for child in node.orelse:  # the body never runs
+            outer, self.in_typing = self.in_typing, True
+            for child in node.body:  # never runs: type-only imports
+                self.visit(child)
+            self.in_typing = outer
+            for child in node.orelse:
                 self.visit(child)
             return
         self.generic_visit(node)
@@ -242,16 +253,19 @@ def _parse(project: _Project, name: str, path: Path, data: bytes) -> _Parsed:
     v = _ImportVisitor(project, name, path)
     v.visit(tree)
     v.imports.discard(name)
-    return _Parsed(frozenset(v.imports), tuple(v.dynamic))
+    v.typing_imports.discard(name)
+    return _Parsed(frozenset(v.imports), frozenset(v.typing_imports - v.imports), tuple(v.dynamic))
 
 
 # ----------------------------------------------------------------------------- public API
 
 
-def import_graph(root: str | Path = REPO) -> dict[str, set[str]]:
-    """{module: the project modules it imports directly}, for every module of model/, tasks/, flows/."""
+def import_graph(root: str | Path = REPO, typing: bool = False) -> dict[str, set[str]]:
+    """{module: the project modules it imports directly}, for every module of model/, tasks/, flows/.
+
+    Run-time imports only, unless `typing` adds those under `if TYPE_CHECKING:` (the closure's graph)."""
     project = _Project(root)
-    return {name: project.edges(name) for name in sorted(project.files)}
+    return {name: project.edges(name, typing) for name in sorted(project.files)}
 
 
 def dynamic_imports(root: str | Path = REPO) -> list[DynamicImport]:
@@ -274,7 +288,7 @@ def _closure_modules(project: _Project, modules: Iterable[str]) -> set[str]:
             continue
         seen.add(m)
         todo.extend(a for a in _ancestry(m) if a in project.files and a not in seen)  # parents' __init__ run too
-        todo.extend(project.edges(m) - seen)
+        todo.extend(project.edges(m, typing=True) - seen)
     return seen
 
 

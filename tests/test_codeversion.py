@@ -31,6 +31,14 @@ def _edit(path: Path, text: str = "\n# an edit\n") -> None:
     path.write_text(path.read_text() + text)
 
 
+def test_data_closure_holds_the_config_it_is_passed(repo_copy):
+    # tasks/data.py imports tasks.config only for type checking, but runs PipelineConfig's methods
+    assert "tasks/config.py" in import_closure("tasks.data", repo_copy)
+    before = code_version("tasks.data", root=repo_copy)
+    _edit(repo_copy / "tasks/config.py")
+    assert code_version("tasks.data", root=repo_copy) != before
+
+
 def test_pretrain_closure_follows_function_level_imports(repo_copy):
     closure = import_closure("tasks.pretrain", repo_copy)
     # the MindRecord reader, the loop and the model are reached (some only through imports inside functions)
@@ -143,6 +151,9 @@ def test_every_import_form_is_an_edge(tmp_path):
     graph = import_graph(tmp_path)
     assert graph["tasks.a"] == {"tasks.b", "tasks.c", "tasks.sub", "tasks.sub.d", "tasks.runtime_branch", "tasks.e",
                                 "tasks.f", "tasks.sub.g", "tasks.h", "model", "model.heavy"}
+    # a type-only import is no run-time edge (no cycle), but its code is in the closure: callers pass its objects in
+    assert import_graph(tmp_path, typing=True)["tasks.a"] == graph["tasks.a"] | {"tasks.typing_only"}
+    assert "tasks/typing_only.py" in import_closure("tasks.a", tmp_path)
     assert graph["tasks.sub"] == {"tasks.sub.d"}
     assert graph["model"] == {"model.config"}
     assert graph["model.heavy"] == set()  # no edge from a module to its own package
