@@ -92,6 +92,33 @@ def server(model_art, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def onnx_art(model_art, tmp_path_factory):
+    """An export-style directory with the KV-cache ONNX decoder of the same weights (model.onnx, tokenizer.model,
+    model.json), written by tasks.onnx_decoder as the export stage writes it."""
+    import shutil
+
+    from tasks.checkpoint import load_weights
+    from tasks.model_artifact import read_info
+    from tasks.onnx_decoder import build_decoder, save_model
+
+    out = tmp_path_factory.mktemp("serve_export") / "export" / "tinykv"
+    out.mkdir(parents=True)
+    info = read_info(model_art)
+    save_model(build_decoder(info["model"], load_weights(model_art), metadata={"eos_id": info["tokenizer"]["eos_id"]}),
+               out / "model.onnx")
+    for f in ("tokenizer.model", "model.json"):
+        shutil.copy2(model_art / f, out / f)
+    return out
+
+
+@pytest.fixture(scope="module")
+def onnx_server(onnx_art, tmp_path_factory):
+    srv = Server(onnx_art, tmp_path_factory.mktemp("serve_onnx_logs"))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
 def reference(model_art):
     """The same artifact in this process: Generator (KV cache) with the tokenizer, as `msllm predict` runs it."""
     from model.generate import Generator
@@ -284,11 +311,62 @@ def test_text_stream_holds_back_possible_stop_strings(reference):
     assert hit and "".join(out) == ts.text == " or not to be, "
 
 
+# ----------------------------------------------------------------------------- the onnxruntime backend
+
+
+def test_onnxruntime_backend_matches_onnx_generator_and_mindspore(onnx_server, onnx_art, server):
+    import sentencepiece as spm
+
+    from tasks.onnx_generate import OnnxGenerator, decode_completion
+
+    sp = spm.SentencePieceProcessor(model_file=str(onnx_art / "tokenizer.model"))
+    gen = OnnxGenerator(onnx_art / "model.onnx")
+    models = onnx_server.client().models.list().data
+    assert models[0].backend == "onnxruntime" and models[0].context_length == 128
+    # the server process runs on onnxruntime alone: MindSpore's libraries are never loaded
+    assert "mindspore" not in Path(f"/proc/{onnx_server.proc.pid}/maps").read_text()
+    ids = [sp.eos_id()] + sp.encode("ROMEO: speak")
+    for kw in (dict(temperature=0), dict(temperature=0.9, top_p=0.95, seed=3)):
+        r = onnx_server.client().completions.create(model=onnx_server.model, prompt="ROMEO: speak", max_tokens=24, **kw)
+        new = gen.generate(ids, 24, eos_id=sp.eos_id(), **kw)
+        assert r.choices[0].text == decode_completion(sp, ids, new) and r.usage.completion_tokens == len(new)
+    greedy = dict(prompt="ROMEO: speak", max_tokens=24, temperature=0)
+    ms = server.client().completions.create(model=server.model, **greedy)
+    ort = onnx_server.client().completions.create(model=onnx_server.model, **greedy)
+    assert ort.choices[0].text == ms.choices[0].text  # same weights, same tokens on both backends
+    chunks = list(onnx_server.client().chat.completions.create(
+        model=onnx_server.model, messages=[{"role": "user", "content": "Hi"}], max_tokens=8, temperature=0, stream=True))
+    assert chunks[-1].choices[0].finish_reason in ("length", "stop") and chunks[-1].usage.prompt_tokens > 5
+
+
+def test_serving_a_fixed_shape_onnx_export_says_to_re_export(onnx_art, tmp_path, capsys):
+    """An export made before the KV-cache decoder (fixed [batch, seq] input_ids only) is refused with the fix."""
+    import shutil
+
+    import onnx
+    from onnx import TensorProto, helper
+
+    old = tmp_path / "export" / "old"
+    old.mkdir(parents=True)
+    shutil.copy2(onnx_art / "tokenizer.model", old / "tokenizer.model")
+    graph = helper.make_graph([helper.make_node("Cast", ["input_ids"], ["logits"], to=TensorProto.FLOAT)], "old",
+                              [helper.make_tensor_value_info("input_ids", TensorProto.INT32, [1, 16])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, 16])])
+    onnx.save_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), str(old / "model.onnx"))
+    from tasks.cli import main
+
+    assert main(["serve", str(old)]) == 1
+    err = capsys.readouterr().err
+    assert "not a KV-cache decoder" in err and "msllm export" in err
+
+
 # ----------------------------------------------------------------------------- concurrency and shutdown
 
 
 @pytest.mark.slow
-def test_32_concurrent_streaming_clients_match_single_client_tokens(server):
+@pytest.mark.parametrize("backend", ["mindspore", "onnxruntime"])
+def test_32_concurrent_streaming_clients_match_single_client_tokens(backend, request):
+    server = request.getfixturevalue("server" if backend == "mindspore" else "onnx_server")
     prompts = ["ROMEO:", "JULIET:", "To be", "KING:", "What is", "Enter", "My lord", "O"]
     params = [dict(temperature=0) if i % 2 == 0 else dict(temperature=0.8, seed=i, extra_body={"top_k": 50}) for i in range(32)]
     jobs = [(prompts[i % len(prompts)], params[i]) for i in range(32)]

@@ -45,13 +45,14 @@ class MindSporeBackend:
         from model.runtime import setup_mindspore
 
         setup_mindspore()
-        from model.generate import Generator
+        from model.generate import Generator, sample_next
         from tasks.model_artifact import load_model, load_tokenizer
 
         self.path = Path(path)
         net, self.info = load_model(path)
         self.tokenizer = load_tokenizer(path)
         self.generator = Generator(net)
+        self.sample_next = sample_next
         self.context_length = int(self.generator.max_len)
         self.vocab_size = int(net.config.vocab_size)
         self.eos_id = int(self.tokenizer.eos_id())
@@ -78,10 +79,39 @@ def load_backend(path: str | Path):
 
 
 class OnnxBackend:
-    """An export artifact on onnxruntime alone (numpy, onnxruntime, sentencepiece)."""
+    """An export artifact on onnxruntime alone (numpy, onnxruntime, sentencepiece; no MindSpore import).
+
+    `tasks.onnx_generate.OnnxGenerator` over the exported KV-cache decoder: one prefill call
+    over the prompt, then one call per token feeding `present` back as `past`, and its
+    `sample_next` (the same arithmetic as MindSpore's), so tokens equal `OnnxGenerator.generate`.
+    """
 
     kind = "onnxruntime"
 
-    def __init__(self, path: str | Path):
-        raise ValueError(f"{path}: serving an export artifact needs its KV-cache ONNX decoder, which this export "
-                         f"does not have; serve the model artifact it was exported from instead")
+    def __init__(self, path: str | Path, threads: int | None = None):
+        import sentencepiece as spm
+
+        from tasks.onnx_generate import OnnxGenerator, sample_next
+
+        self.path = Path(path)
+        for f in ("model.onnx", "tokenizer.model"):
+            if not (self.path / f).is_file():
+                raise ValueError(f"{path}: no {f}; pass an export artifact directory (the path `msllm export` prints)")
+        self.generator = OnnxGenerator(self.path / "model.onnx", threads=threads)  # ValueError for a pre-KV export
+        self.tokenizer = spm.SentencePieceProcessor(model_file=str(self.path / "tokenizer.model"))
+        self.sample_next = sample_next
+        self.context_length = int(self.generator.max_len)
+        self.vocab_size = int(self.generator.vocab_size or self.tokenizer.get_piece_size())
+        self.eos_id = int(self.tokenizer.eos_id())
+
+    def steps(self, prompt_ids: list[int]) -> Generator[np.ndarray, int, None]:
+        logits, state = self.generator.prefill([[int(t) for t in prompt_ids]])
+        tok = yield logits[0]
+        while True:
+            tok = yield self.generator.step(state, [tok])[0]
+
+    def warmup(self) -> None:
+        s = self.steps([self.eos_id])
+        next(s)
+        s.send(self.eos_id)
+        s.close()

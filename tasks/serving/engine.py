@@ -17,8 +17,9 @@ sequences are decoded in turn, one model call each per round (the prefill of a n
 admitted one, a decode step for the others), so a new request gets its first token after
 at most one round instead of waiting for every earlier request to finish; the rest wait
 in the queue (FIFO). Each sequence has its own KV cache and its own
-`numpy.random.default_rng(seed)`, and tokens are drawn with `model.generate.sample_next`
-exactly as `Generator.generate` does: with a seed (or temperature 0) a request yields
+`numpy.random.default_rng(seed)`, and tokens are drawn with the backend's `sample_next`
+(`model.generate.sample_next`, or its numpy copy in `tasks.onnx_generate`) exactly as
+`Generator.generate` / `OnnxGenerator.generate` do: with a seed (or temperature 0) a request yields
 the same tokens alone or among 31 others, and the same as `msllm predict`.
 
 Stop strings: after each token the completion is decoded again (together with the last
@@ -246,14 +247,12 @@ class Engine:
 
     def _advance(self, seq: _Seq) -> bool:
         """One model call and one token for `seq`; False once it is finished."""
-        from model.generate import sample_next  # numpy only; the same sampler as Generator.generate
-
         req, s = seq.req, seq.req.sampling
         if req.cancelled:
             return False
         try:
             logits = next(seq.steps) if not seq.new else seq.steps.send(seq.new[-1])
-            tok = sample_next(np.asarray(logits), s.temperature, s.top_k, s.top_p, seq.rng)
+            tok = self.backend.sample_next(np.asarray(logits), s.temperature, s.top_k, s.top_p, seq.rng)
         except Exception as exc:  # noqa: BLE001 - one request fails, the server goes on
             log.exception("request %d failed", req.number)
             req.emit({"type": "error", "message": f"{type(exc).__name__}: {exc}"})
