@@ -62,7 +62,7 @@ class _Parsed:
     dynamic: tuple[DynamicImport, ...]
 
 
-_PARSE_CACHE: dict[tuple[str, bool, str, str], _Parsed] = {}
+_PARSE_CACHE: dict[tuple[str, str, str, str], _Parsed] = {}  # (file, module, sha256 of bytes, module set)
 
 
 # ----------------------------------------------------------------------------- the project's modules
@@ -92,6 +92,8 @@ class _Project:
                 if not (d / "__init__.py").is_file() and any(d.rglob("*.py")):
                     self.namespaces.add(".".join(parts))
         self._parsed: dict[str, _Parsed] = {}
+        # a parse checks imports against the module set, so a cached parse is valid for that set only
+        self._layout = hashlib.sha256("\n".join(sorted(self.files) + ["|"] + sorted(self.namespaces)).encode()).hexdigest()
 
     def rel(self, path: Path) -> str:
         return path.relative_to(self.root).as_posix()
@@ -106,7 +108,7 @@ class _Project:
         if name not in self._parsed:
             path = self.files[name]
             data = path.read_bytes()
-            key = (str(path), self.is_package(name), name, hashlib.sha256(data).hexdigest())
+            key = (str(path), name, hashlib.sha256(data).hexdigest(), self._layout)
             if key not in _PARSE_CACHE:
                 _PARSE_CACHE[key] = _parse(self, name, path, data)
             self._parsed[name] = _PARSE_CACHE[key]

@@ -99,6 +99,13 @@ def test_import_of_a_missing_module_is_an_error(repo_copy):
         code_version("tasks.nope", root=repo_copy)
 
 
+def test_deleting_an_imported_module_is_an_error(repo_copy):
+    code_version("tasks.pretrain", root=repo_copy)  # parses (and caches) every file of the closure
+    (repo_copy / "tasks/optim.py").unlink()          # the importers' bytes are unchanged
+    with pytest.raises(CodeVersionError, match=r"no module tasks\.optim"):
+        code_version("tasks.pretrain", root=repo_copy)
+
+
 def test_a_file_that_does_not_parse_is_an_error(repo_copy):
     _edit(repo_copy / "tasks/dataset.py", "\ndef broken(:\n")
     with pytest.raises(CodeVersionError, match=r"tasks/dataset\.py:\d+: does not parse"):
