@@ -1,0 +1,157 @@
+"""prefect.yaml: the deployments of scripts/serve.py on a `process` work pool, run by real workers.
+
+The fast test checks that prefect.yaml declares exactly what serve.py serves. The slow one
+starts `prefect server start` on a free loopback port (own PREFECT_HOME), creates the pool,
+runs `prefect deploy --all` from the repo root, starts two `prefect worker start --pool`
+processes, and runs eval-only twice through the pool at once: each worker takes one run,
+and each run writes its eval artifact (and its TensorBoard scores) into the shared root.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.test_server import PREFECT, _free_port, _task_names, _wait_health
+
+REPO = Path(__file__).resolve().parent.parent
+POOL = "msllm"
+
+
+def _prefect_yaml() -> dict:
+    return yaml.safe_load((REPO / "prefect.yaml").read_text())
+
+
+def test_prefect_yaml_declares_the_served_deployments():
+    spec = importlib.util.spec_from_file_location("serve_script", REPO / "scripts" / "serve.py")
+    serve = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(serve)
+    served = serve.deployments("demo", "pipelines.yaml", "artifacts", "0 3 * * 1", None)
+    doc = _prefect_yaml()
+    declared = {}
+    for d in doc["deployments"]:
+        module, func = d["entrypoint"].split(":")
+        mod = importlib.import_module(module.removesuffix(".py").replace("/", "."))
+        declared[(getattr(mod, func).name, d["name"])] = d
+    assert set(declared) == {(d.flow_name, d.name) for d in served}
+    for d in served:
+        y = declared[(d.flow_name, d.name)]
+        assert y["work_pool"]["name"] == POOL
+        assert {k: v for k, v in y["parameters"].items() if k not in ("config", "artifacts")} == \
+            {k: v for k, v in d.parameters.items() if k not in ("config", "artifacts")}
+        assert set(y["parameters"]) == set(d.parameters)
+        crons = [s.schedule.cron for s in d.schedules or []]
+        assert [s["cron"] for s in y.get("schedules", [])] == crons, d.name
+    assert doc["definitions"]["work_pool"]["job_variables"]["env"]["HF_HUB_OFFLINE"] == "1"
+
+
+def _api(url: str, body: dict | None = None):
+    req = urllib.request.Request(url, data=json.dumps(body).encode() if body is not None else None,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def _stop(proc: subprocess.Popen, sig=signal.SIGINT, wait: float = 20) -> None:
+    """Stop a process group we started: SIGINT (a worker exits cleanly on it), then SIGKILL."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, sig)
+        try:
+            proc.wait(wait)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def _wait_terminal(api: str, run_id: str, timeout: float) -> dict:
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        run = _api(f"{api}/flow_runs/{run_id}")
+        if run["state"] and run["state"]["type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
+            return run
+        time.sleep(2)
+    raise TimeoutError(f"flow run {run_id} not finished after {timeout}s")
+
+
+@pytest.mark.slow
+def test_two_workers_run_eval_only_from_prefect_yaml(tmp_path):
+    from tasks.artifacts import ArtifactStore
+    from tasks.tensorboard import read_scalars
+    from tests.helpers import tiny_model_artifact
+
+    artifacts = tmp_path / "artifacts"
+    artifacts.mkdir()
+    model = tiny_model_artifact(artifacts)  # a real (random) tiny model artifact in the shared root
+    port = _free_port()
+    api = f"http://127.0.0.1:{port}/api"
+    env = dict(os.environ, PREFECT_HOME=str(tmp_path / "home"), PREFECT_API_URL=api,
+               PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_WORKER_QUERY_SECONDS="2", GLOG_v="3",
+               PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    logs = {}
+    procs: list[subprocess.Popen] = []
+
+    def start(name: str, *args: str) -> subprocess.Popen:
+        logs[name] = tmp_path / f"{name}.log"
+        p = subprocess.Popen([PREFECT, *args], cwd=REPO, env=env, stdout=open(logs[name], "w"),
+                             stderr=subprocess.STDOUT, start_new_session=True)
+        procs.append(p)
+        return p
+
+    def cli(*args: str, timeout: int = 120) -> str:
+        out = subprocess.run([PREFECT, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
+                             stdin=subprocess.DEVNULL)
+        assert out.returncode == 0, (args, out.stdout[-3000:], out.stderr[-3000:])
+        return out.stdout
+
+    t0 = time.time()
+    try:
+        start("server", "server", "start", "--host", "127.0.0.1", "--port", str(port))
+        _wait_health(api, 120)
+        cli("work-pool", "create", POOL, "--type", "process")
+        cli("deploy", "--all", timeout=300)
+        deployed = {d["name"]: d for d in _api(f"{api}/deployments/filter", {})}
+        assert sorted(deployed) == sorted(d["name"] for d in _prefect_yaml()["deployments"])
+        assert {d["work_pool_name"] for d in deployed.values()} == {POOL}
+        assert deployed["scheduled"]["schedules"][0]["schedule"]["cron"] == "0 3 * * 1"
+        step = deployed["eval-only"]["pull_steps"][0]["prefect.deployments.steps.set_working_directory"]
+        assert Path(step["directory"]) == REPO  # no pull section: the directory `prefect deploy` ran in
+        for w in ("worker-a", "worker-b"):
+            start(w, "worker", "start", "--pool", POOL, "--name", w, "--limit", "1")
+        params = {"pipeline": "tiny", "config": str(REPO / "pipelines.yaml"), "artifacts": str(artifacts),
+                  "model_artifact": str(model)}
+        run_ids = []
+        for limit in (3, 4):  # two different eval keys, submitted together: one per worker
+            p = dict(params, overrides=["eval.tasks=[local_arc_easy]", f"eval.limit={limit}"])
+            out = cli("deployment", "run", "eval-stage/eval-only", "--params", json.dumps(p))
+            run_ids.append(re.search(r"UUID:\s*([0-9a-f-]{36})", out).group(1))
+        runs = [_wait_terminal(api, r, 600) for r in run_ids]
+        states = {r["id"]: [s["name"] for s in _api(f"{api}/flow_run_states/?flow_run_id={r['id']}")] for r in runs}
+        assert all(r["state"]["type"] == "COMPLETED" for r in runs), (states, *(logs[w].read_text()[-3000:] for w in logs))
+        taken = {w: re.findall(r"submitting flow run '([0-9a-f-]{36})'", logs[w].read_text())
+                 for w in ("worker-a", "worker-b")}
+        assert sorted(sum(taken.values(), [])) == sorted(run_ids) and all(len(v) == 1 for v in taken.values()), taken
+        assert all(_task_names(api, r) == ["eval"] for r in run_ids)
+    finally:
+        for p in reversed(procs):  # workers first, while the server still answers
+            _stop(p)
+    store = ArtifactStore(artifacts)
+    evals = [p for p, _ in store.list("eval", "tiny")]
+    assert len(evals) == 2
+    for path in evals:
+        m = store.verify(path)
+        assert 0.0 <= m["metrics"]["local_arc_easy.acc"] <= 1.0 and (path / "results.json").is_file()
+        scores = read_scalars(store.root / "runs" / "eval" / path.name)
+        assert scores["eval/local_arc_easy.acc"] == [(0, pytest.approx(m["metrics"]["local_arc_easy.acc"]))]
+    assert all(p.poll() is not None for p in procs)
+    print("WORKPOOL", json.dumps({"states": states, "taken": taken, "wall_s": round(time.time() - t0, 1)}))
