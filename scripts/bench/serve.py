@@ -1,0 +1,204 @@
+"""Serving throughput and latency of `msllm serve` at 1, 8 and 32 concurrent streaming clients.
+
+A random-init model of `--preset` (default `small`, the demo's shape) is written as a model
+artifact (store format, a SentencePiece tokenizer trained on Shakespeare at the preset's
+vocabulary size) and, for the onnxruntime backend, as an export-style directory holding the
+KV-cache ONNX decoder of the same weights (`tasks.onnx_decoder`, what the export stage
+writes); `--artifact PATH` serves an existing artifact instead. For each backend a real
+server process (`python -m tasks.cli serve`) is started on a free loopback port; for each
+concurrency level C, C clients each send `--rounds` streaming completion requests one after
+another (a `--prompt-tokens` token-id prompt, `--new-tokens` greedy tokens), after one
+warm-up request per client. Clients are raw `httpx` SSE readers in one asyncio loop (the
+`openai` client's parsing would cost the 2-core machine more than the server's work).
+
+Per level: requests/s and output tokens/s over the wall time, p50/p95 time to first token
+(request sent -> first text chunk) and inter-token latency (the gaps between a stream's
+chunks, pooled over all requests). Prints one JSON line.
+
+    python scripts/bench/serve.py [--preset small] [--backends onnxruntime,mindspore] [--concurrency 1,8,32]
+    python scripts/bench/serve.py --preset tiny --new-tokens 8 --concurrency 1,4 --rounds 1   # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+
+def _percentile(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    k = (len(xs) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_artifacts(preset: str, root: Path, backends: list[str]) -> dict[str, Path]:
+    """{backend: artifact dir} for a random-init model of `preset`."""
+    from tasks.checkpoint import load_weights
+    from tasks.model_artifact import read_info
+    from tests.helpers import tiny_model_artifact  # the store-format model artifact the tests use
+
+    import mindspore as ms
+
+    ms.set_device("CPU")
+    model = tiny_model_artifact(root, preset=preset)
+    out = {"mindspore": model}
+    if "onnxruntime" in backends:
+        from tasks.onnx_decoder import build_decoder, save_model
+
+        exp = root / "export" / f"{preset}-kv"
+        exp.mkdir(parents=True, exist_ok=True)
+        info = read_info(model)
+        save_model(build_decoder(info["model"], load_weights(model), metadata={"eos_id": info["tokenizer"]["eos_id"]}),
+                   exp / "model.onnx")
+        for f in ("tokenizer.model", "model.json"):
+            shutil.copy2(model / f, exp / f)
+        out["onnxruntime"] = exp
+    return out
+
+
+class ServerProcess:
+    def __init__(self, artifact: Path, log_path: Path, max_active: int):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(log_path, "wb")
+        t0 = time.perf_counter()
+        self.proc = subprocess.Popen([sys.executable, "-m", "tasks.cli", "serve", str(artifact), "--port", str(self.port),
+                                      "--max-active", str(max_active)], cwd=REPO, stdout=self.log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        while True:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"server exited with {self.proc.returncode}; see {log_path}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.5)
+        self.startup_s = time.perf_counter() - t0
+        self.model = json.loads(urllib.request.urlopen(self.url + "/v1/models").read())["data"][0]["id"]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        self.log.close()
+
+
+async def _one(client, url: str, body: dict) -> dict:
+    t0 = time.perf_counter()
+    stamps, usage = [], None
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise SystemExit(f"request failed: {r.status_code} {(await r.aread())[:300]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk["choices"] and chunk["choices"][0]["text"]:
+                stamps.append(time.perf_counter())
+            usage = chunk.get("usage") or usage
+    return {"t0": t0, "stamps": stamps, "tokens": usage["completion_tokens"] if usage else len(stamps)}
+
+
+async def _level(url: str, model: str, concurrency: int, rounds: int, prompt: list[int], new_tokens: int) -> dict:
+    import httpx
+
+    body = {"model": model, "prompt": prompt, "max_tokens": new_tokens, "temperature": 0, "stream": True}
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        await asyncio.gather(*(_one(client, url, {**body, "max_tokens": 2}) for _ in range(concurrency)))  # warm-up
+
+        async def worker() -> list[dict]:
+            return [await _one(client, url, body) for _ in range(rounds)]
+
+        t0 = time.perf_counter()
+        done = [r for rs in await asyncio.gather(*(worker() for _ in range(concurrency))) for r in rs]
+        wall = time.perf_counter() - t0
+    ttft = [r["stamps"][0] - r["t0"] for r in done if r["stamps"]]
+    itl = [b - a for r in done for a, b in zip(r["stamps"], r["stamps"][1:])]
+    out_tokens = sum(r["tokens"] for r in done)
+    ms = lambda x: None if x is None else round(1000 * x, 2)  # noqa: E731
+    return {"clients": concurrency, "requests": len(done), "wall_s": round(wall, 2),
+            "requests_per_s": round(len(done) / wall, 3), "output_tokens_per_s": round(out_tokens / wall, 1),
+            "ttft_p50_ms": ms(_percentile(ttft, 0.5)), "ttft_p95_ms": ms(_percentile(ttft, 0.95)),
+            "itl_p50_ms": ms(_percentile(itl, 0.5)), "itl_p95_ms": ms(_percentile(itl, 0.95)),
+            "mean_output_tokens": round(out_tokens / len(done), 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--artifact", default=None, help="serve this export or model artifact instead of a random-init one")
+    ap.add_argument("--backends", default="onnxruntime,mindspore")
+    ap.add_argument("--concurrency", default="1,8,32")
+    ap.add_argument("--rounds", type=int, default=2, help="requests each client sends one after another")
+    ap.add_argument("--prompt-tokens", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--keep", action="store_true", help="keep the temporary artifacts and server logs")
+    a = ap.parse_args()
+
+    import numpy as np
+
+    levels = [int(c) for c in a.concurrency.split(",")]
+    tmp = Path(tempfile.mkdtemp(prefix="bench-serve-"))
+    try:
+        if a.artifact:
+            from tasks.serving.backends import artifact_kind
+
+            arts = {"onnxruntime" if artifact_kind(a.artifact) == "export" else "mindspore": Path(a.artifact).resolve()}
+        else:
+            arts = make_artifacts(a.preset, tmp, a.backends.split(","))
+            arts = {b: arts[b] for b in a.backends.split(",")}
+        res: dict = {"bench": "serve", "preset": None if a.artifact else a.preset, "artifact": a.artifact,
+                     "prompt_tokens": a.prompt_tokens, "new_tokens": a.new_tokens, "rounds": a.rounds,
+                     "cpus": os.cpu_count(), "backends": {}}
+        for backend, art in arts.items():
+            srv = ServerProcess(art, tmp / f"serve-{backend}.log", max_active=max(levels))
+            try:
+                info = json.loads(urllib.request.urlopen(srv.url + "/v1/models").read())["data"][0]
+                if a.prompt_tokens + a.new_tokens > info["context_length"]:
+                    raise SystemExit(f"prompt + new tokens ({a.prompt_tokens} + {a.new_tokens}) exceed the context "
+                                     f"{info['context_length']}")
+                prompt = [int(t) for t in np.random.default_rng(0).integers(4, 200, a.prompt_tokens)]
+                out = {"startup_s": round(srv.startup_s, 1)}
+                for c in levels:
+                    out[f"c{c}"] = asyncio.run(_level(srv.url, srv.model, c, a.rounds, prompt, a.new_tokens))
+                res["backends"][backend] = out
+            finally:
+                srv.stop()
+        print(json.dumps(res))
+    finally:
+        if a.keep:
+            print(f"# kept {tmp}", file=sys.stderr)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
