@@ -88,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-active", type=int, default=32, help="sequences decoded in turn; the rest queue")
     p.add_argument("--max-queue", type=int, default=256, help="queued requests before 503")
     p.add_argument("--drain-timeout", type=float, default=8.0, help="seconds SIGTERM waits for requests in flight")
+    p.add_argument("--no-batching", dest="batching", action="store_false",
+                   help="onnxruntime: decode the active sequences one call each instead of one batched call")
 
     p = sub.add_parser("plan", help="memory estimate and parallel layout")
     _common(p)

@@ -392,6 +392,41 @@ def test_32_concurrent_streaming_clients_match_single_client_tokens(backend, req
     assert [r[1] for r in results] == [s.usage.completion_tokens for s in single]
     assert len({r[0] for r in results}) > 8  # independent outputs, not one answer copied around
     assert took < 120
+    health = json.loads(urllib.request.urlopen(server.url + "/health", timeout=5).read())
+    assert health["peak_active"] > 8 and health["batched"] == (backend == "onnxruntime")  # really concurrent
+
+
+def test_onnx_batch_rows_join_and_leave_without_changing_tokens(onnx_art):
+    """OnnxBackend's continuous batching: sequences of different lengths join a running batch at different
+    steps (left-padded), one leaves mid-way (its row dropped, padding columns trimmed); every row's greedy
+    tokens equal OnnxGenerator.generate of that prompt alone."""
+    import numpy as np
+
+    from tasks.onnx_generate import OnnxGenerator
+    from tasks.serving.backends import OnnxBackend
+
+    b = OnnxBackend(onnx_art)
+    alone = OnnxGenerator(onnx_art / "model.onnx")
+    prompts = {"a": [3, 40, 41, 42, 43, 44, 45, 46, 47, 48], "b": [3, 7], "c": [3, 100, 101, 102, 103]}
+    want = {k: alone.generate(p, 12) for k, p in prompts.items()}
+    got = {k: [] for k in prompts}
+    joins, leave = {"a": 0, "b": 3, "c": 5}, {"b": 6}  # step at which each joins; b leaves after 6 tokens
+    for step in range(20):
+        live = [k for k in got if k in b._rows and k not in b._dead]
+        if live:
+            rows = b.decode({k: got[k][-1] for k in live})
+            assert b._state.attention_mask.any(axis=0).all()  # no cache column is padding in every row
+            for k in live:
+                got[k].append(int(np.argmax(rows[k])))
+        for k, at in joins.items():
+            if at == step:
+                got[k].append(int(np.argmax(b.prefill(k, prompts[k]))))
+        for k in list(got):
+            if len(got[k]) >= (leave.get(k) or 12) and k in b._rows:
+                b.release(k)
+    assert got["a"] == want["a"] and got["c"] == want["c"] and got["b"] == want["b"][:6]
+    b._compact()
+    assert b._rows == [] and b._state is None
 
 
 @pytest.mark.slow

@@ -5,7 +5,9 @@ artifact (store format, a SentencePiece tokenizer trained on Shakespeare at the 
 vocabulary size) and, for the onnxruntime backend, as an export-style directory holding the
 KV-cache ONNX decoder of the same weights (`tasks.onnx_decoder`, what the export stage
 writes); `--artifact PATH` serves an existing artifact instead. For each backend a real
-server process (`python -m tasks.cli serve`) is started on a free loopback port; for each
+server process (`python -m tasks.cli serve`) is started on a free loopback port; the
+onnxruntime backend runs twice, with batched decoding (one call per round for all active
+sequences, the default) and interleaved (`--no-batching`: one call per sequence). For each
 concurrency level C, C clients each send `--rounds` streaming completion requests one after
 another (a `--prompt-tokens` token-id prompt, `--new-tokens` greedy tokens), after one
 warm-up request per client. Clients are raw `httpx` SSE readers in one asyncio loop (the
@@ -15,7 +17,7 @@ Per level: requests/s and output tokens/s over the wall time, p50/p95 time to fi
 (request sent -> first text chunk) and inter-token latency (the gaps between a stream's
 chunks, pooled over all requests). Prints one JSON line.
 
-    python scripts/bench/serve.py [--preset small] [--backends onnxruntime,mindspore] [--concurrency 1,8,32]
+    python scripts/bench/serve.py [--preset small] [--backends onnxruntime,onnxruntime-interleaved,mindspore] [--concurrency 1,8,32]
     python scripts/bench/serve.py --preset tiny --new-tokens 8 --concurrency 1,4 --rounds 1   # smoke
 """
 
@@ -80,13 +82,13 @@ def make_artifacts(preset: str, root: Path, backends: list[str]) -> dict[str, Pa
 
 
 class ServerProcess:
-    def __init__(self, artifact: Path, log_path: Path, max_active: int):
+    def __init__(self, artifact: Path, log_path: Path, max_active: int, *extra: str):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log_path, "wb")
         t0 = time.perf_counter()
         self.proc = subprocess.Popen([sys.executable, "-m", "tasks.cli", "serve", str(artifact), "--port", str(self.port),
-                                      "--max-active", str(max_active)], cwd=REPO, stdout=self.log,
+                                      "--max-active", str(max_active), *extra], cwd=REPO, stdout=self.log,
                                      stderr=subprocess.STDOUT, start_new_session=True)
         while True:
             if self.proc.poll() is not None:
@@ -155,7 +157,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="small")
     ap.add_argument("--artifact", default=None, help="serve this export or model artifact instead of a random-init one")
-    ap.add_argument("--backends", default="onnxruntime,mindspore")
+    ap.add_argument("--backends", default="onnxruntime,onnxruntime-interleaved,mindspore",
+                    help="onnxruntime (batched decoding), onnxruntime-interleaved (--no-batching), mindspore")
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--rounds", type=int, default=2, help="requests each client sends one after another")
     ap.add_argument("--prompt-tokens", type=int, default=32)
@@ -173,13 +176,14 @@ def main() -> None:
 
             arts = {"onnxruntime" if artifact_kind(a.artifact) == "export" else "mindspore": Path(a.artifact).resolve()}
         else:
-            arts = make_artifacts(a.preset, tmp, a.backends.split(","))
-            arts = {b: arts[b] for b in a.backends.split(",")}
+            arts = make_artifacts(a.preset, tmp, [b.split("-")[0] for b in a.backends.split(",")])
+            arts = {b: arts[b.split("-")[0]] for b in a.backends.split(",")}
         res: dict = {"bench": "serve", "preset": None if a.artifact else a.preset, "artifact": a.artifact,
                      "prompt_tokens": a.prompt_tokens, "new_tokens": a.new_tokens, "rounds": a.rounds,
                      "cpus": os.cpu_count(), "backends": {}}
         for backend, art in arts.items():
-            srv = ServerProcess(art, tmp / f"serve-{backend}.log", max_active=max(levels))
+            srv = ServerProcess(art, tmp / f"serve-{backend}.log", max(levels),
+                                *(["--no-batching"] if backend.endswith("-interleaved") else []))
             try:
                 info = json.loads(urllib.request.urlopen(srv.url + "/v1/models").read())["data"][0]
                 if a.prompt_tokens + a.new_tokens > info["context_length"]:

@@ -284,7 +284,8 @@ def build_app(engine: Engine, model_id: str, artifact: Path | str) -> FastAPI:
     async def health():
         ok = engine.alive()
         return JSONResponse({"status": "ok" if ok else "stopping", "model": model_id, "backend": backend.kind,
-                             "active": engine.active, "queued": engine.queued()}, status_code=200 if ok else 503)
+                             "batched": engine.batched, "active": engine.active, "peak_active": engine.peak_active,
+                             "queued": engine.queued()}, status_code=200 if ok else 503)
 
     @app.get("/v1/models")
     async def models():
@@ -435,7 +436,7 @@ def configure_logging() -> None:
 
 
 def serve(artifact: str | Path, host: str = "127.0.0.1", port: int = 8000, *, model_name: str | None = None,
-          max_active: int = 32, max_queue: int = 256, drain_timeout: float = 8.0) -> int:
+          max_active: int = 32, max_queue: int = 256, drain_timeout: float = 8.0, batching: bool = True) -> int:
     """Load the artifact, serve it until SIGTERM/SIGINT, drain, return 0."""
     import uvicorn
 
@@ -445,12 +446,13 @@ def serve(artifact: str | Path, host: str = "127.0.0.1", port: int = 8000, *, mo
     artifact_kind(artifact)  # a bad path fails here, before the model is loaded
     configure_logging()
     t0 = time.perf_counter()
-    engine = Engine(lambda: load_backend(artifact), max_active=max_active, max_queue=max_queue)
+    engine = Engine(lambda: load_backend(artifact), max_active=max_active, max_queue=max_queue, batching=batching)
     engine.start()
     b = engine.backend
     model_id = model_name or default_model_id(artifact)
-    log.info("loaded %s on %s in %.1fs: model '%s', context %d tokens, vocabulary %d", artifact, b.kind,
-             time.perf_counter() - t0, model_id, b.context_length, b.vocab_size)
+    log.info("loaded %s on %s in %.1fs: model '%s', context %d tokens, vocabulary %d, %s of up to %d sequences",
+             artifact, b.kind, time.perf_counter() - t0, model_id, b.context_length, b.vocab_size,
+             "batched decoding" if engine.batched else "interleaved decoding", max_active)
     app = build_app(engine, model_id, artifact)
     config = uvicorn.Config(app, host=host, port=port, access_log=False, log_config=None, lifespan="off",
                             timeout_graceful_shutdown=drain_timeout, timeout_keep_alive=5)
@@ -488,7 +490,8 @@ def resolve_artifact(args) -> Path:
 
 def cli_serve(args) -> int:
     return serve(resolve_artifact(args), args.host, args.port, model_name=args.model_name,
-                 max_active=args.max_active, max_queue=args.max_queue, drain_timeout=args.drain_timeout)
+                 max_active=args.max_active, max_queue=args.max_queue, drain_timeout=args.drain_timeout,
+                 batching=args.batching)
 
 
 if __name__ == "__main__":

@@ -87,6 +87,7 @@ class OnnxBackend:
     """
 
     kind = "onnxruntime"
+    batched = True  # the engine may decode all active sequences in one call (see prefill / decode / release)
 
     def __init__(self, path: str | Path, threads: int | None = None):
         import sentencepiece as spm
@@ -103,6 +104,64 @@ class OnnxBackend:
         self.context_length = int(self.generator.max_len)
         self.vocab_size = int(self.generator.vocab_size or self.tokenizer.get_piece_size())
         self.eos_id = int(self.tokenizer.eos_id())
+        self._state = None  # KVState of the running batch, rows in the order of self._rows
+        self._rows: list = []
+        self._dead: set = set()
+
+    # ---- continuous batching: each sequence is prefilled alone (batch 1, exactly as `OnnxGenerator`), then
+    # joins the running batch, left-padded to the batch's cache length (attention_mask 0 over the padding,
+    # position_ids its own), so one call per round decodes every active sequence and each row sees what it
+    # would see alone. Rows that finish are dropped (and all-padding cache columns trimmed) before the next call.
+
+    def prefill(self, key, prompt_ids: list[int]) -> np.ndarray:
+        """Logits [V] after the prompt; the sequence `key` joins the batch."""
+        logits, state = self.generator.prefill([[int(t) for t in prompt_ids]])
+        self._compact()
+        if self._state is None:
+            self._state, self._rows = state, [key]
+        else:
+            from tasks.onnx_generate import KVState
+
+            a, b = self._state, state
+            n = max(a.length, b.length)
+            past = {k: np.concatenate([_left_pad(a.past[k], n - a.length, 2), _left_pad(b.past[k], n - b.length, 2)])
+                    for k in a.past}
+            mask = np.concatenate([_left_pad(a.attention_mask, n - a.length, 1),
+                                   _left_pad(b.attention_mask, n - b.length, 1)])
+            self._state = KVState(past, mask, np.concatenate([a.positions, b.positions]))
+            self._rows.append(key)
+        return logits[0]
+
+    def decode(self, tokens: dict) -> dict:
+        """One decode step for every sequence of the batch: {key: token} -> {key: logits [V]}."""
+        self._compact()
+        if set(tokens) != set(self._rows):
+            raise RuntimeError(f"decode got {len(tokens)} tokens for a batch of {len(self._rows)} sequences")
+        logits = self.generator.step(self._state, [tokens[k] for k in self._rows])
+        return {k: logits[i] for i, k in enumerate(self._rows)}
+
+    def release(self, key) -> None:
+        """The sequence `key` is done (idempotent); its row goes at the next call."""
+        if key in self._rows:
+            self._dead.add(key)
+
+    def _compact(self) -> None:
+        if not self._dead:
+            return
+        keep = [i for i, k in enumerate(self._rows) if k not in self._dead]
+        self._rows = [self._rows[i] for i in keep]
+        self._dead.clear()
+        if not keep:
+            self._state = None
+            return
+        st = self._state
+        mask = st.attention_mask[keep]
+        first = int(np.argmax(mask.any(axis=0)))  # the cache columns before it are padding in every row left
+        st.past = {k: np.ascontiguousarray(v[keep][:, :, first:]) for k, v in st.past.items()}
+        st.attention_mask = mask[:, first:]
+        st.positions = st.positions[keep]
+
+    # ---- one sequence alone
 
     def steps(self, prompt_ids: list[int]) -> Generator[np.ndarray, int, None]:
         logits, state = self.generator.prefill([[int(t) for t in prompt_ids]])
@@ -115,3 +174,11 @@ class OnnxBackend:
         next(s)
         s.send(self.eos_id)
         s.close()
+
+
+def _left_pad(x: np.ndarray, n: int, axis: int) -> np.ndarray:
+    if n == 0:
+        return x
+    width = [(0, 0)] * x.ndim
+    width[axis] = (n, 0)
+    return np.pad(x, width)

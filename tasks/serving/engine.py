@@ -121,11 +121,14 @@ class TextStream:
 
 
 class _Seq:
-    """A request being decoded: its backend step coroutine, sampler and text."""
+    """A request being decoded: its backend state, sampler and text."""
 
-    def __init__(self, req: Request, backend, budget: int):
+    def __init__(self, req: Request, backend, budget: int, batched: bool):
         self.req = req
-        self.steps = backend.steps(req.prompt_ids)
+        self.backend = backend
+        self.batched = batched
+        # interleaved: the backend's step coroutine; batched: the backend holds the row (keyed by this object)
+        self.steps = None if batched else backend.steps(req.prompt_ids)
         self.rng = np.random.default_rng(req.sampling.seed)
         self.text = TextStream(backend.tokenizer, req.prompt_ids, req.sampling.stop, backend.eos_id)
         self.budget = budget
@@ -133,14 +136,20 @@ class _Seq:
         self.emitted = 0  # tokens already reported in token events
 
     def close(self) -> None:
-        self.steps.close()
+        if self.batched:
+            self.backend.release(self)
+        else:
+            self.steps.close()
 
 
 class Engine:
-    def __init__(self, load_backend: Callable[[], Any], max_active: int = 32, max_queue: int = 256):
+    def __init__(self, load_backend: Callable[[], Any], max_active: int = 32, max_queue: int = 256,
+                 batching: bool = True):
         if max_active < 1 or max_queue < 1:
             raise ValueError("max_active and max_queue must be at least 1")
         self._load_backend = load_backend
+        self.batching = batching  # decode the active sequences in one batched call when the backend can
+        self.batched = False
         self.max_active = max_active
         self.max_queue = max_queue
         self.backend = None
@@ -150,6 +159,7 @@ class Engine:
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="msllm-serve-engine", daemon=True)
         self.active = 0
+        self.peak_active = 0  # the most sequences decoded in one round so far
 
     # ---- lifecycle
 
@@ -197,14 +207,16 @@ class Engine:
             self._load_error = exc
             self._ready.set()
             return
+        self.batched = self.batching and getattr(self.backend, "batched", False)
         self._ready.set()
         active: list[_Seq] = []
         stop = False
         while not stop:
             # admit new requests: block only when idle
-            while len(active) < self.max_active:
+            new: list[_Seq] = []
+            while len(active) + len(new) < self.max_active:
                 try:
-                    req = self._queue.get(block=not active, timeout=None if active else 0.5)
+                    req = self._queue.get(block=not (active or new), timeout=None if active or new else 0.5)
                 except queue.Empty:
                     break
                 if req is None:
@@ -214,12 +226,19 @@ class Engine:
                     continue
                 seq = self._admit(req)
                 if seq is not None:
-                    active.append(seq)
-            self.active = len(active)
-            for seq in list(active):
-                if not self._advance(seq):
-                    active.remove(seq)
+                    new.append(seq)
+            self.active = len(active) + len(new)
+            self.peak_active = max(self.peak_active, self.active)
+            # one model call per sequence per round: the prefill of a new one, a decode step for the others
+            if self.batched:
+                running = self._batched_step(active)
+            else:
+                running = [seq for seq in active if self._advance(seq)]
+            running += [seq for seq in new if self._advance(seq)]
+            for seq in active + new:
+                if seq not in running:
                     seq.close()
+            active = running
             self.active = len(active)
         for seq in active:
             seq.close()
@@ -239,24 +258,53 @@ class Engine:
             if budget < 1:
                 raise ValueError(f"no room for new tokens: the prompt has {len(req.prompt_ids)} tokens and the "
                                  f"context {self.backend.context_length}")
-            return _Seq(req, self.backend, budget)
+            return _Seq(req, self.backend, budget, self.batched)
         except Exception as exc:  # noqa: BLE001 - one request fails, the server goes on
             log.exception("request %d failed to start", req.number)
             req.emit({"type": "error", "message": f"{type(exc).__name__}: {exc}"})
             return None
 
     def _advance(self, seq: _Seq) -> bool:
-        """One model call and one token for `seq`; False once it is finished."""
-        req, s = seq.req, seq.req.sampling
-        if req.cancelled:
+        """One model call for `seq` alone (a prefill, or an interleaved decode step) and its token; False once done."""
+        if seq.req.cancelled:
             return False
         try:
-            logits = next(seq.steps) if not seq.new else seq.steps.send(seq.new[-1])
-            tok = self.backend.sample_next(np.asarray(logits), s.temperature, s.top_k, s.top_p, seq.rng)
+            if seq.batched:  # only prefills come here when batched
+                logits = self.backend.prefill(seq, seq.req.prompt_ids)
+            else:
+                logits = next(seq.steps) if not seq.new else seq.steps.send(seq.new[-1])
         except Exception as exc:  # noqa: BLE001 - one request fails, the server goes on
-            log.exception("request %d failed", req.number)
-            req.emit({"type": "error", "message": f"{type(exc).__name__}: {exc}"})
-            return False
+            return self._fail([seq], exc)
+        return self._take(seq, logits)
+
+    def _batched_step(self, active: list[_Seq]) -> list[_Seq]:
+        """One batched decode call for every active sequence; those still running."""
+        gone = [seq for seq in active if seq.req.cancelled]
+        live = [seq for seq in active if not seq.req.cancelled]
+        for seq in gone:
+            self.backend.release(seq)
+        if not live:
+            return []
+        try:
+            rows = self.backend.decode({seq: seq.new[-1] for seq in live})
+        except Exception as exc:  # noqa: BLE001 - these requests fail, the server goes on
+            self._fail(live, exc)
+            return []
+        return [seq for seq in live if self._take(seq, rows[seq])]
+
+    def _fail(self, seqs: list[_Seq], exc: Exception) -> bool:
+        log.exception("generation failed for request(s) %s", [s.req.number for s in seqs])
+        for seq in seqs:
+            seq.req.emit({"type": "error", "message": f"{type(exc).__name__}: {exc}"})
+        return False
+
+    def _take(self, seq: _Seq, logits) -> bool:
+        """Sample the next token of `seq` from `logits` [V] and hand out its text; False once the request is done."""
+        req, s = seq.req, seq.req.sampling
+        try:
+            tok = self.backend.sample_next(np.asarray(logits), s.temperature, s.top_k, s.top_p, seq.rng)
+        except Exception as exc:  # noqa: BLE001
+            return self._fail([seq], exc)
         if req.t_first is None:
             req.t_first = time.perf_counter()
         seq.new.append(tok)
