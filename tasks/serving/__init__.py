@@ -7,8 +7,9 @@ Modules:
                  cache (the default: the pipeline's newest export), or a model artifact
                  (pretrain / merged / convert) through MindSpore's `model.generate.Generator`
     engine.py    one worker thread owns the backend: a request queue, up to `max_active`
-                 sequences decoded in turn (one token each per round, each with its own
-                 KV cache and sampler), stop strings, incremental detokenisation
+                 sequences at once, one token each per round (onnxruntime: one batched call
+                 for all of them; MindSpore: one call each, in turn), each with its own KV
+                 cache and seeded sampler; stop strings, incremental detokenisation
     app.py       the FastAPI app (request validation with OpenAI's error shape, SSE
                  streaming), `serve()` under uvicorn with a graceful SIGTERM drain,
                  and `cli_serve` for the command line

@@ -10,6 +10,13 @@
 
 Each `steps` coroutine owns its KV cache, so any number of them can be interleaved (the
 engine does, one token each per round) and each yields what it would yield alone.
+A backend with `batched = True` (onnxruntime) also keeps a running batch for the engine:
+
+    logits = backend.prefill(key, prompt_ids)    # the sequence `key` alone, then it joins the batch
+    rows = backend.decode({key: token, ...})     # one call for every sequence of the batch -> {key: logits}
+    backend.release(key)                         # done; its row leaves before the next call
+
+Every backend also names its sampler, `backend.sample_next` (the same arithmetic on both).
 """
 
 from __future__ import annotations

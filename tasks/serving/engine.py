@@ -11,12 +11,16 @@
     engine.stop()
 
 Everything that touches the model (loading, compiling, every step) runs in the one
-worker thread: MindSpore is not thread-safe in general, and one thread keeps the
-arithmetic of each sequence independent of what else is running. Up to `max_active`
-sequences are decoded in turn, one model call each per round (the prefill of a newly
-admitted one, a decode step for the others), so a new request gets its first token after
-at most one round instead of waiting for every earlier request to finish; the rest wait
-in the queue (FIFO). Each sequence has its own KV cache and its own
+worker thread: MindSpore is not thread-safe in general. Up to `max_active` sequences run
+at once (the rest wait in the queue, FIFO); each round gives every one of them a token, so
+a new request gets its first token after at most one round instead of waiting for every
+earlier request to finish. A newly admitted sequence is prefilled alone. Then either:
+  - batched (a backend with `batched = True`, onnxruntime): one `decode` call per round for
+    all running sequences, which the backend keeps as one left-padded batch (continuous
+    batching: rows join after their prefill and leave when done), or
+  - interleaved (MindSpore, or `batching=False`): one call per sequence per round through
+    its own `steps` coroutine.
+Each sequence has its own KV cache (or cache rows) and its own
 `numpy.random.default_rng(seed)`, and tokens are drawn with the backend's `sample_next`
 (`model.generate.sample_next`, or its numpy copy in `tasks.onnx_generate`) exactly as
 `Generator.generate` / `OnnxGenerator.generate` do: with a seed (or temperature 0) a request yields
