@@ -78,6 +78,15 @@ def data_task(config: str, pipeline: str, overrides: list[str], artifacts: str,
     return str(path)
 
 
+def _retry_helps(task, task_run, state) -> bool:
+    """Prefect retries a training task only when a rerun could succeed (tasks/supervise.is_permanent):
+    a bad config, a corrupt or foreign artifact, or a non-finite run fails the same way every time."""
+    from tasks.supervise import is_permanent
+
+    exc = state.data
+    return not (isinstance(exc, BaseException) and is_permanent(exc))
+
+
 # ----------------------------------------------------------------------------- pretrain
 
 
@@ -89,7 +98,8 @@ def _pretrain_key(store, params):
 
 
 @task(name="pretrain", cache_key_fn=_store_key_fn("pretrain", _pretrain_key), persist_result=True,
-      result_serializer="json", retries=1, retry_delay_seconds=2)
+      result_serializer="json", retries=1, retry_delay_seconds=2,
+      retry_condition_fn=_retry_helps)
 def pretrain_task(config: str, pipeline: str, overrides: list[str], artifacts: str, data_artifact: str,
                   init_from: str | None = None, continued_sources: list[str] | None = None) -> str:
     """Trains in a supervised child process; a Prefect retry resumes from the newest checkpoint."""
@@ -112,7 +122,8 @@ def _finetune_key(store, params):
 
 
 @task(name="finetune", cache_key_fn=_store_key_fn("finetune", _finetune_key), persist_result=True,
-      result_serializer="json", retries=1, retry_delay_seconds=2)
+      result_serializer="json", retries=1, retry_delay_seconds=2,
+      retry_condition_fn=_retry_helps)
 def finetune_task(config: str, pipeline: str, overrides: list[str], artifacts: str, base_artifact: str) -> dict[str, str]:
     """LoRA/full fine-tuning in a supervised child, then the merge eval and export consume."""
     from tasks import finetune

@@ -42,6 +42,11 @@ class ModelRegistry:
         return name in self._models
 
 
+BUILTIN_MODELS = ("llama",)
+"""Every built-in model name; importable without MindSpore, so the config schema checks `model.name`
+before any compute (tests/test_model.py keeps it equal to `default_registry().names()`)."""
+
+
 def default_registry() -> ModelRegistry:
     """A fresh registry holding the built-in models."""
     from model.llama import LlamaForCausalLM

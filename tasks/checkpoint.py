@@ -40,7 +40,9 @@ STATE = "state.json"
 
 
 class CheckpointError(RuntimeError):
-    pass
+    """A checkpoint is incomplete, corrupt, or belongs to another model or tokenizer."""
+
+    permanent = True
 
 
 def _fsync_file(p: Path) -> None:
@@ -152,14 +154,31 @@ def complete_checkpoints(ckpt_root: Path) -> list[Path]:
     return out
 
 
-def newest_checkpoint(ckpt_root: Path) -> Path | None:
+def is_good(ckpt: Path) -> bool:
+    """Finite weights and no non-finite step since the previous checkpoint (state.json `good`; the
+    trainer refuses to write non-finite weights at all). Checkpoints from before the flag count as good."""
+    try:
+        return bool(read_state(ckpt).get("good", True))
+    except CheckpointError:
+        return False
+
+
+def newest_checkpoint(ckpt_root: Path, good_only: bool = False) -> Path | None:
+    """The newest complete checkpoint (with `good_only`, the newest good one: what resumes use)."""
     ck = complete_checkpoints(ckpt_root)
+    if good_only:
+        ck = [c for c in ck if is_good(c)]
     return ck[-1] if ck else None
 
 
 def rotate(ckpt_root: Path, keep: int) -> None:
+    """Keep the `keep` newest complete checkpoints, and always the newest good one (a streak of
+    non-finite steps must never rotate away the checkpoint a resume would use)."""
     ck = complete_checkpoints(ckpt_root)
+    good = newest_checkpoint(ckpt_root, good_only=True)
     for old in ck[: max(0, len(ck) - max(1, keep))]:
+        if old == good:
+            continue
         shutil.rmtree(old, ignore_errors=True)
     for stale in ckpt_root.glob(".tmp-step_*"):
         shutil.rmtree(stale, ignore_errors=True)
@@ -187,7 +206,7 @@ def load_checkpoint(ckpt: Path, tp: int = 1, tp_index: int = 0
             raise CheckpointError(f"{ckpt}: state.json lists no {fname}; the checkpoint is incomplete")
         if sha256_file(ckpt / fname) != digest:
             raise CheckpointError(f"{ckpt / fname}: sha256 mismatch (corrupt); delete {ckpt} to resume from an older one")
-        return load_file(str(ckpt / fname))
+        return read_tensors(ckpt / fname, f"delete {ckpt} to resume from an older checkpoint")
 
     if saved_tp == tp:
         mfile, ofile = shard_files(tp, tp_index)
@@ -207,4 +226,15 @@ def load_weights(path: Path) -> dict[str, np.ndarray]:
         p = p / "model.safetensors"
     if not p.is_file():
         raise CheckpointError(f"{path}: no model.safetensors found")
-    return load_file(str(p))
+    return read_tensors(p, "rebuild the artifact that wrote it")
+
+
+def read_tensors(path: Path, fix: str) -> dict[str, np.ndarray]:
+    """A safetensors file's tensors; CheckpointError naming the file when it is truncated or not safetensors."""
+    try:
+        return load_file(str(path))
+    except Exception as exc:  # safetensors raises SafetensorError (not an OSError/ValueError) on bad bytes
+        if type(exc).__name__ != "SafetensorError" and not isinstance(exc, (OSError, ValueError)):
+            raise
+        raise CheckpointError(f"{path}: not a readable safetensors file ({exc}); it is truncated or corrupt: "
+                              f"{fix}") from None

@@ -60,14 +60,14 @@ def weight_files(hf_dir: Path) -> list[Path]:
 
 def read_hf_tensors(hf_dir: Path) -> dict[str, np.ndarray]:
     """Every tensor of the directory's safetensors file(s), by HF key; a key in two shards raises."""
-    from safetensors.numpy import load_file
+    from tasks.checkpoint import read_tensors
 
     files = weight_files(hf_dir)
     sharded = not (hf_dir / "model.safetensors").is_file()
     weight_map = json.loads((hf_dir / INDEX).read_text())["weight_map"] if sharded else None
     out: dict[str, np.ndarray] = {}
     for f in files:
-        for k, v in load_file(str(f)).items():
+        for k, v in read_tensors(f, "re-download or re-save the HF checkpoint").items():
             if k in out:
                 raise ConversionError(f"{k}: found in more than one shard ({f.name} and another)")
             if sharded and weight_map.get(k) != f.name:

@@ -62,6 +62,17 @@ def data_info(data_artifact: str | Path) -> dict[str, Any]:
     return {**info, "root": str(root)}
 
 
+def _inside(root: Path, rel: str) -> Path:
+    """A shard path from the manifest, which must stay inside the artifact directory: the pretrain key
+    covers this artifact's files, so reading any other file would train on data the key does not name."""
+    base = Path(root).resolve()
+    p = (base / rel).resolve()
+    if base not in p.parents:
+        raise DataError(f"{root}/manifest.json: shard path {rel!r} points outside the artifact ({p}); the manifest is "
+                        "corrupt or crafted: rerun the data stage (`msllm data`)")
+    return p
+
+
 def _split(info: dict[str, Any], split: str) -> dict[str, Any]:
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
@@ -121,7 +132,7 @@ def open_blocks(data_artifact: str | Path, split: str, *, batch_size: int, num_s
     if per == 0:
         raise DataError(f"{root}: the {split} split has {n} block(s), fewer than num_shards={num_shards}; "
                         "use fewer ranks or rebuild with a smaller data.seq_length")
-    files = [str(root / f) for f in sp["files"]]
+    files = [str(_inside(root, f)) for f in sp["files"]]
     if verify:
         rels = [f for rel in sp["files"] for f in (rel, rel + ".db")]
         stamps = [_stamp(root / rel) for rel in rels]

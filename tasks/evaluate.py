@@ -50,6 +50,24 @@ _BOOTSTRAP_ITERS = 1000  # stderr of non-mean aggregates (lambada perplexity); l
 # ----------------------------------------------------------------------------- inputs
 
 
+class EvalError(RuntimeError):
+    """The model cannot be scored (non-finite logits or scores); rerunning cannot fix it."""
+
+    permanent = True
+
+
+def check_finite_logits(lm, model_artifact: Path) -> None:
+    """One forward pass over a short prompt: non-finite logits make every score meaningless."""
+    import mindspore as ms
+
+    ids = np.asarray([[lm.eot_token_id] + lm.tok_encode("The quick brown fox")], np.int32)
+    logits = lm.net(ms.Tensor(ids)).asnumpy()
+    if not np.isfinite(logits).all():
+        raise EvalError(f"{model_artifact}: the model's logits are non-finite (NaN/Inf weights?); no eval artifact "
+                        "is written: retrain it (a stage that published it should have refused; see README "
+                        "Reliability) or evaluate another model artifact")
+
+
 def stage_key(cfg: PipelineConfig, store: ArtifactStore, model_artifact: Path,
               data_artifact: Path | None) -> tuple[str, list[dict[str, Any]]]:
     inputs = [store.input_ref(model_artifact)] + ([store.input_ref(data_artifact)] if data_artifact else [])
@@ -272,6 +290,7 @@ def run(cfg: PipelineConfig, store: ArtifactStore, model_artifact: Path, data_ar
     t0 = time.perf_counter()
     lm = MindSporeLM(pretrained=model_artifact, batch_size=ev.batch_size, max_gen_toks=ev.max_new_tokens,
                      progress=progress)
+    check_finite_logits(lm, model_artifact)  # before any score: NaN logits give NaN ppl but "accuracy 1.0"
     ppl = perplexities(cfg, lm, data_artifact, progress)
     metrics: dict[str, Any] = {}
     if "held-out" in ppl:
@@ -285,6 +304,11 @@ def run(cfg: PipelineConfig, store: ArtifactStore, model_artifact: Path, data_ar
         _log(progress, f"lm-eval tasks {ev.tasks} (limit {ev.limit})")
         results = run_tasks(lm, ev.tasks, ev.limit, ev.seed, tm)
         metrics.update(main_metrics(results))
+    bad = sorted(k for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v))
+    if bad:
+        raise EvalError(f"{model_artifact}: non-finite scores ({', '.join(f'{k}={metrics[k]}' for k in bad[:4])}); "
+                        "the model is broken (NaN/Inf weights or logits) and no eval artifact is written; "
+                        "evaluate another model artifact")
     generations = sample_generations(lm, ev, progress)
     metrics["eval_seconds"] = round(time.perf_counter() - t0, 1)
 

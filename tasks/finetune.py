@@ -530,6 +530,10 @@ def base_of(store: ArtifactStore, finetune_artifact: Path) -> Path:
     ref = json.loads((Path(finetune_artifact) / "adapter.json").read_text())["base"]
     candidates = [store.root / ref["stage"] / ref["key"], Path(ref["path"])]  # the root may have moved
     for c in candidates:
+        try:
+            c = store.inside(c)  # a recorded path is data, not trust: never followed outside the root
+        except ArtifactError:
+            continue
         if c.is_dir() and store.is_complete(c):
             if store.read_manifest(c)["digest"] != ref["digest"]:
                 raise ArtifactError(f"{c}: the base of {finetune_artifact} has changed (digest differs from "
@@ -546,7 +550,7 @@ def merge(store: ArtifactStore, finetune_artifact: Path) -> Path:
     fine-tuning: the trained weights. Tokenizer and model.json come from the base, so
     `tasks.model_artifact.load_model` loads it like any pretrain artifact.
     """
-    from safetensors.numpy import load_file
+    from tasks.checkpoint import read_tensors
 
     from model.config import ModelConfig
     from tasks.checkpoint import load_weights
@@ -565,7 +569,7 @@ def merge(store: ArtifactStore, finetune_artifact: Path) -> Path:
         return hit
     info = read_info(base)
     base_w = load_weights(base)
-    trained = load_file(str(ft / "adapter.safetensors"))
+    trained = read_tensors(ft / "adapter.safetensors", f"rerun the finetune stage ({ft} is damaged)")
     if adapter_cfg["method"] == "lora":
         from model.lora import merge_adapter
 

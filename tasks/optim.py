@@ -69,7 +69,8 @@ class AdamW(nn.Cell):
             self.shard_idx = tuple(i for i, s in enumerate(sharded) if s)
             self.tp_sum = ops.AllReduce(group=tp_group)
 
-    def construct(self, grads, lr: Tensor, step: Tensor, grad_scale: Tensor):
+    def construct(self, grads, lr: Tensor, step: Tensor, grad_scale: Tensor, allow: Tensor):
+        """`allow` (bool): False skips the update whatever the gradients (see `UpdateGuard`)."""
         if self.tp:  # replicated grads counted once, slices summed over the tensor-parallel ranks
             sq_shard = self.tp_sum(ops.sum(ops.stack([ops.sum(ops.square(grads[i])) for i in self.shard_idx])))
             sq_rep = ops.sum(ops.stack([ops.sum(ops.square(grads[i])) for i in self.rep_idx]))
@@ -91,12 +92,66 @@ class AdamW(nn.Cell):
         eps_f = self.eps * sbc2
         b1 = ops.ones((), ms.float32) * self.beta1
         b2 = ops.ones((), ms.float32) * self.beta2
-        if finite:  # a non-finite step leaves parameters and moments untouched
+        if ops.logical_and(finite, allow):  # a non-finite or refused step leaves parameters and moments untouched
             for i in range(self.n):
                 wd_f = self.wd[i] * bc1 / sbc2
                 self.adam(self.params[i], self.exp_avg[i], self.exp_avg_sq[i], lr_f, b1, b2, eps_f, wd_f,
                           grads[i] * coef)
         return gnorm, finite
+
+
+class UpdateGuard:
+    """Refuses, before it is applied, any AdamW update that could make a weight non-finite.
+
+    With finite gradients, moments and weights, an update can only produce Inf/NaN by float32
+    overflow. This bounds the largest weight after the update without reading the weights:
+    AdamW computes p' = p·(1 − lr·wd) − lr'·m/(√v + eps'), with lr' = lr·√(1−β2^t)/(1−β1^t), and
+    since m and v are moving averages of the same gradients starting at zero, Cauchy–Schwarz gives
+    |m|/√v ≤ K_t = (1−β1)/√(1−β2) · √(Σ_{k<t} (β1²/β2)^k). So
+    max|p'| ≤ P·max(1, |1 − lr·wd|) + lr'·K_t, where P bounds max|p| (measured exactly at the
+    start of a process, then carried by this same recurrence). An update whose bound reaches
+    `limit` (1e37, ~34× below float32's largest value) is refused (`TrainStep(..., allow=False)`)
+    and counted as a non-finite step; the weights and moments stay as they were. The check is host
+    arithmetic on scalars, so it costs nothing per step. With sane learning rates the bound stays
+    tiny (lr 3e-4 for 10^6 steps adds < 10^3); it trips for learning rates around 1e36 and above,
+    or a weight decay that makes |1 − lr·wd| > 1 and the weights grow geometrically.
+    """
+
+    def __init__(self, max_abs_weight: float, *, beta1: float, beta2: float, weight_decay: float,
+                 limit: float = 1e37):
+        self.bound = float(max_abs_weight)
+        self.beta1, self.beta2, self.wd, self.limit = beta1, beta2, weight_decay, limit
+
+    @staticmethod
+    def max_abs(arrays) -> float:
+        """max |w| over numpy arrays (inf when any is non-finite)."""
+        import numpy as np
+
+        m = 0.0
+        for a in arrays:
+            if a.size:
+                m = max(m, float(np.max(np.abs(a))))
+        return m
+
+    def _next_bound(self, lr: float, step: int) -> float:
+        b1, b2 = self.beta1, self.beta2
+        r = b1 * b1 / b2
+        series = float(step) if abs(r - 1.0) < 1e-12 else (1.0 - r**step) / (1.0 - r)
+        k = (1.0 - b1) / math.sqrt(1.0 - b2) * math.sqrt(series)
+        lr_f = lr * math.sqrt(1.0 - b2**step) / (1.0 - b1**step)
+        try:
+            return self.bound * max(1.0, abs(1.0 - lr * self.wd)) + lr_f * k
+        except OverflowError:
+            return math.inf
+
+    def allows(self, lr: float, step: int) -> bool:
+        """Whether the update of optimizer step `step` (1-based) at `lr` is safe to apply."""
+        nxt = self._next_bound(lr, step)
+        return math.isfinite(nxt) and nxt < self.limit
+
+    def applied(self, lr: float, step: int) -> None:
+        """Carry the bound over an update that was applied."""
+        self.bound = self._next_bound(lr, step)
 
 
 class DynamicLossScale:
@@ -188,9 +243,9 @@ class TrainStep:
         accum = self.accum
 
         @ms.jit
-        def fused(input_ids, labels, lr, step, grad_scale, weight):
+        def fused(input_ids, labels, lr, step, grad_scale, weight, allow):
             (_, loss), grads = grad_fn(input_ids, labels, grad_scale, weight)
-            gnorm, finite = optimizer(reduce_grads(grads), lr, step, grad_scale)
+            gnorm, finite = optimizer(reduce_grads(grads), lr, step, grad_scale, allow)
             return reduce_loss(loss), gnorm, finite
 
         @ms.jit
@@ -201,20 +256,22 @@ class TrainStep:
             return loss
 
         @ms.jit
-        def apply(lr, step, grad_scale, loss):
+        def apply(lr, step, grad_scale, loss, allow):
             grads = reduce_grads(tuple(a * 1.0 for a in accum))
-            gnorm, finite = optimizer(grads, lr, step, grad_scale)
+            gnorm, finite = optimizer(grads, lr, step, grad_scale, allow)
             for a in accum:
                 ops.assign(a, ops.zeros_like(a))
             return gnorm, finite, reduce_loss(loss)
 
         self._fused, self._micro, self._apply = fused, micro, apply
 
-    def __call__(self, micro_batches, lr: float, step: int, loss_scale: float | None = None):
+    def __call__(self, micro_batches, lr: float, step: int, loss_scale: float | None = None, allow: bool = True):
         """micro_batches: list of k (input_ids, labels) numpy pairs. Returns (loss, grad_norm, finite).
 
-        `loss_scale` overrides `self.loss_scale` for this step (the dynamic fp16 scale).
+        `loss_scale` overrides `self.loss_scale` for this step (the dynamic fp16 scale); `allow=False`
+        computes loss and gradient norm but applies no update (`UpdateGuard` refused it).
         """
+        allow_t = Tensor(bool(allow), ms.bool_)
         lr_t = Tensor(lr, ms.float32)
         step_t = Tensor(float(step), ms.float32)
         s = self.loss_scale if loss_scale is None else loss_scale
@@ -222,12 +279,12 @@ class TrainStep:
         weights = [Tensor(w, ms.float32) for w in self.token_weights([labels for _, labels in micro_batches])]
         if self.k == 1:
             ids, labels = micro_batches[0]
-            loss, gnorm, finite = self._fused(Tensor(ids), Tensor(labels), lr_t, step_t, scale, weights[0])
+            loss, gnorm, finite = self._fused(Tensor(ids), Tensor(labels), lr_t, step_t, scale, weights[0], allow_t)
             return float(loss.asnumpy()), float(gnorm.asnumpy()), bool(finite.asnumpy())
         losses = [float(self._micro(Tensor(ids), Tensor(labels), scale, w).asnumpy())
                   for (ids, labels), w in zip(micro_batches, weights)]
         gnorm, finite, loss = self._apply(lr_t, step_t, Tensor(s * self.k, ms.float32),
-                                          Tensor(sum(losses) / len(losses), ms.float32))
+                                          Tensor(sum(losses) / len(losses), ms.float32), allow_t)
         loss = float(loss.asnumpy())
         return loss, float(gnorm.asnumpy()), bool(finite.asnumpy()) and math.isfinite(loss)
 

@@ -119,6 +119,28 @@ def unigram_entropy(data_artifact: Path, split: str = "train") -> float:
     return float(-(p * np.log(p)).sum())
 
 
+def replay_data_artifact(store: ArtifactStore, init_from: Path) -> Path:
+    """The data artifact `init_from` was trained on, found by its key in this store (a manifest's
+    recorded path is never followed outside the artifact root) and checked against its recorded digest."""
+    from tasks.artifacts import ArtifactError
+
+    prev = store.read_manifest(init_from)
+    ref = next((i for i in prev.get("inputs", []) if i.get("kind") == "artifact" and i.get("stage") == "data"), None)
+    found = None
+    if ref is not None:
+        try:
+            found = store.lookup("data", str(ref.get("key", "")))
+        except ArtifactError:
+            found = None
+    if found is None:
+        raise ValueError(f"pretrain.replay_ratio: the data artifact of {init_from} is not in {store.root}; "
+                         "rebuild it or set replay_ratio: 0")
+    if store.read_manifest(found)["digest"] != ref.get("digest"):
+        raise ValueError(f"pretrain.replay_ratio: {found} differs from the data {init_from} was trained on "
+                         "(digest mismatch); rebuild it or set replay_ratio: 0")
+    return found
+
+
 # ----------------------------------------------------------------------------- the child
 
 
@@ -203,10 +225,7 @@ def _train(cfg: PipelineConfig, store: ArtifactStore, data_artifact: Path, init_
 
     replay_data = None
     if init_from is not None and pt.replay_ratio > 0:
-        prev = store.read_manifest(init_from)
-        replay_data = next((Path(i["path"]) for i in prev["inputs"] if i.get("stage") == "data"), None)
-        if replay_data is None or not store.is_complete(replay_data):
-            raise ValueError(f"pretrain.replay_ratio: the data artifact of {init_from} is gone; rebuild it or set replay_ratio: 0")
+        replay_data = replay_data_artifact(store, init_from)
 
     shards = {"num_shards": mesh.dp, "shard_id": mesh.dp_index}  # data-parallel replicas read disjoint slices
 

@@ -22,11 +22,34 @@ from typing import Any, Callable
 from tasks.artifacts import ArtifactStore, atomic_write_json
 
 STOPPED_EARLY = 75  # child exit code: stopped on request before max_steps, checkpoints kept
+PERMANENT = 3  # child exit code: a failure that a retry cannot fix (bad config, corrupt artifact, non-finite run)
+FAILURE_FILE = "failure.json"  # beside the spec: the child's error, and whether a retry could help
 CHILD_ENV = {"PYTHONUNBUFFERED": "1"}  # the child's output streams through the parent as it comes
 
 
 class StageFailed(RuntimeError):
-    """The stage's child process failed; the message starts with its own error."""
+    """The stage's child process failed; the message starts with its own error.
+
+    `permanent` is True when a retry cannot succeed (the flows' Prefect retries skip it too).
+    """
+
+    def __init__(self, message: str, permanent: bool = False):
+        super().__init__(message)
+        self.permanent = permanent
+
+
+def is_permanent(exc: BaseException) -> bool:
+    """Whether rerunning cannot fix `exc`: the same input fails the same way.
+
+    Errors of bad input, configuration, corrupt or foreign artifacts and checkpoints, and runs that
+    went non-finite say so with a `permanent = True` class attribute; built-in ValueError, LookupError
+    (an unknown key or name), TypeError and AttributeError are bugs or bad input too. An OSError,
+    MemoryError, a kill, or a framework RuntimeError may be transient and is retried.
+    """
+    flag = getattr(exc, "permanent", None)
+    if flag is not None:
+        return bool(flag)
+    return isinstance(exc, (ValueError, LookupError, TypeError, AttributeError, NotImplementedError))
 
 
 def run_child(module: str, spec_path: Path) -> str | None:
@@ -38,23 +61,41 @@ def run_child(module: str, spec_path: Path) -> str | None:
     proc = subprocess.Popen([sys.executable, "-m", module, "--child", str(spec_path)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     assert proc.stdout is not None
-    tail = b""
+    tail, pending = b"", b""
+    out = sys.stderr.buffer
     while chunk := proc.stdout.read1(65536):
-        sys.stderr.buffer.write(chunk)
-        sys.stderr.buffer.flush()
         tail = (tail + chunk)[-20000:]
+        # relay whole lines, minus the child's own `error:` line: the caller reports it, once
+        *lines, pending = (pending + chunk).split(b"\n")
+        out.write(b"".join(ln + b"\n" for ln in lines if not ln.startswith(b"error: ")))
+        if b"\r" in pending:  # a progress bar redraws without a newline: show it as it comes
+            done, _, pending = pending.rpartition(b"\r")
+            out.write(done + b"\r")
+        out.flush()
+    if pending and not pending.startswith(b"error: "):
+        out.write(pending)
+        out.flush()
     rc = proc.wait()
     if rc == 0:
         return None
     lines = [ln.rsplit("\r", 1)[-1] for ln in tail.decode("utf-8", "replace").splitlines()]
     lines = [ln for ln in lines if ln.strip()][-40:]
-    errors = [ln for ln in lines if ln.startswith("error:") or "Error" in ln.split(":")[0]]
-    head = errors[-1].removeprefix("error: ") if errors else f"{module} child exited with code {rc}"
+    errors = [ln for ln in lines if ln.startswith("error:")]
+    if errors and rc in (1, PERMANENT):  # the child reported its own error (its log was already shown live)
+        return errors[-1].removeprefix("error: ")
+    head = f"{module} child exited with code {rc}"
     if rc == STOPPED_EARLY:
         head = f"{module} child stopped before the end (stop_after)"
     elif rc < 0 or rc == 137:
         head = f"{module} child was killed (signal {-rc if rc < 0 else 9}; out of memory?)"
     return head + "\n--- last lines of the child's log ---\n" + "\n".join(lines)
+
+
+def _read_failure(run_dir: Path) -> dict[str, Any]:
+    try:
+        return json.loads((run_dir / FAILURE_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def supervise(stage: str, store: ArtifactStore, key: str, spec: dict[str, Any],
@@ -80,6 +121,7 @@ def supervise(stage: str, store: ArtifactStore, key: str, spec: dict[str, Any],
     run_dir.mkdir(parents=True, exist_ok=True)
     err = None
     for attempt in range(retries + 1):
+        (run_dir / FAILURE_FILE).unlink(missing_ok=True)
         atomic_write_json(run_dir / "spec.json", {**spec, **((inject or {}) if attempt == 0 else {})})
         if distributed:
             from tasks.distributed import launch
@@ -90,6 +132,8 @@ def supervise(stage: str, store: ArtifactStore, key: str, spec: dict[str, Any],
         hit = store.lookup(stage, key)
         if err is None and hit is not None:
             return hit
+        if _read_failure(run_dir).get("permanent"):
+            raise StageFailed(err or _read_failure(run_dir).get("error", f"{stage} failed"), permanent=True)
         if attempt < retries:
             print(f"[{stage}] attempt {attempt + 1} failed; retrying from the last checkpoint", file=sys.stderr)
     raise StageFailed(err or f"the {stage} child exited without writing its artifact")
@@ -103,9 +147,25 @@ def child_main(child_fn: Callable[[dict[str, Any]], Path | None], argv: list[str
     spec = json.loads(Path(args.child).read_text())
     try:
         path = child_fn(spec)
-    except (ValueError, RuntimeError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        return 1
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr, flush=True)
+        return 130
+    except Exception as exc:  # one line for the user, whatever it is; a traceback only for unexpected kinds
+        permanent = is_permanent(exc)
+        known = permanent or isinstance(exc, (RuntimeError, OSError))
+        if not known:
+            import traceback
+
+            traceback.print_exc(file=sys.stderr)
+        text = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)  # KeyError's str is a repr
+        msg = text if known else f"{type(exc).__name__}: {text}"
+        print(f"error: {msg}", file=sys.stderr, flush=True)
+        try:
+            atomic_write_json(Path(args.child).parent / FAILURE_FILE,
+                              {"error": msg, "type": type(exc).__name__, "permanent": permanent})
+        except OSError:
+            pass
+        return PERMANENT if permanent else 1
     if path is None:
         from tasks.distributed import STOPPED_MARK
 

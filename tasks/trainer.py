@@ -27,13 +27,15 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from tasks.checkpoint import load_checkpoint, newest_checkpoint, save_checkpoint
+from tasks.checkpoint import CheckpointError, load_checkpoint, newest_checkpoint, save_checkpoint
 
 Batches = Callable[[int], Iterator[tuple[np.ndarray, np.ndarray]]]
 
 
 class NonFiniteError(RuntimeError):
-    """Too many consecutive NaN/Inf steps."""
+    """The run went non-finite (or applied no update): a retry from the same checkpoint would too."""
+
+    permanent = True
 
 
 @dataclass
@@ -107,6 +109,8 @@ class FitResult:
     """fp16: steps skipped because the scaled gradients overflowed (expected; S halved, not faults)."""
     loss_scale: float = 1.0
     """The loss scale S at the end (1 in fp32)."""
+    updates: int = 0
+    """Updates applied in the whole run (resumed ones included)."""
 
 
 def peak_rss_bytes() -> int:
@@ -126,11 +130,10 @@ def peak_rss_bytes() -> int:
 
 
 def measure_peak_flops(n: int = 2048, repeats: int = 3) -> float:
-    """Peak fp32 matmul FLOP/s of this machine (the MFU denominator when `pretrain.peak_flops` is unset).
+    """Achievable fp32 matmul FLOP/s here: the best of a few large sgemms (numpy's BLAS, all cores).
 
-    The best of a few large sgemms (numpy's BLAS, all cores): a single timing on a busy machine
-    under-measures, and MFU above 100% is the symptom. Configure `pretrain.peak_flops` for a
-    fixed denominator (e.g. the accelerator's datasheet number).
+    Shown beside MFU as the achievable peak; never MFU's denominator (a busy machine under-measures it,
+    which once printed "MFU 211%"). See `theoretical_peak_flops`.
     """
     a = np.random.default_rng(0).standard_normal((n, n)).astype(np.float32)
     a @ a  # warm up the BLAS threads
@@ -142,43 +145,195 @@ def measure_peak_flops(n: int = 2048, repeats: int = 3) -> float:
     return 2 * n**3 / best
 
 
+def _cpu_ghz() -> tuple[float, str]:
+    """The highest clock this machine reports (GHz) and where it was read."""
+    cands: list[tuple[float, str]] = []
+    try:
+        cands.append((int(Path("/sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq").read_text()) / 1e6,
+                      "cpufreq cpuinfo_max_freq"))
+    except (OSError, ValueError):
+        pass
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        for line in info.splitlines():
+            if line.startswith("cpu MHz"):
+                cands.append((float(line.split(":")[1]) / 1e3, "/proc/cpuinfo cpu MHz"))
+                break
+        import re
+
+        m = re.search(r"model name\s*:.*@\s*([0-9.]+)\s*GHz", info)
+        if m:
+            cands.append((float(m.group(1)), "model name"))
+    except (OSError, ValueError):
+        pass
+    return max(cands) if cands else (0.0, "unknown")
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _cores_for_this_process() -> int:
+    """Cores this process computes on: its CPU affinity, capped by OMP_NUM_THREADS (msrun sets it per rank)."""
+    import os
+
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    omp = os.environ.get("OMP_NUM_THREADS", "")
+    return max(1, min(n, int(omp))) if omp.isdigit() and int(omp) > 0 else n
+
+
+def theoretical_peak_flops() -> tuple[float, str]:
+    """fp32 peak of the cores this process uses: cores × clock × FLOPs per cycle per core, and how it was derived.
+
+    FLOPs per cycle = SIMD fp32 lanes (16 with AVX-512, 8 with AVX2, 4 with SSE/NEON) × 2 with FMA
+    × 2 FMA units (every AVX2/AVX-512 server core since Haswell/Skylake-SP has two; with one, the true
+    peak is half and MFU is understated, never overstated). The clock is the highest one the machine
+    reports; a turbo clock above it could in principle exceed it, so `resolve_peak_flops` also never
+    lets the denominator fall below a measured sgemm.
+    """
+    flags = _cpu_flags()
+    lanes = 16 if "avx512f" in flags else 8 if "avx2" in flags or "avx" in flags else 4
+    fma = 2 if ("fma" in flags or "asimd" in flags) else 1
+    units = 2 if lanes >= 8 else 1
+    ghz, src = _cpu_ghz()
+    cores = _cores_for_this_process()
+    if ghz <= 0:
+        return 0.0, "clock unknown"
+    per_cycle = lanes * fma * units
+    how = (f"{cores} cores × {ghz:.2f} GHz ({src}) × {per_cycle} fp32 FLOP/cycle "
+           f"({lanes} lanes{' × FMA' if fma == 2 else ''} × {units} units)")
+    return cores * ghz * 1e9 * per_cycle, how
+
+
+@dataclass
+class PeakFlops:
+    flops: float
+    how: str
+    achievable: float | None = None
+
+    def describe(self) -> str:
+        s = f"{self.flops / 1e9:.1f} GFLOP/s fp32 per rank ({self.how})"
+        if self.achievable:
+            s += f"; measured sgemm {self.achievable / 1e9:.1f} GFLOP/s ({100 * self.achievable / self.flops:.0f}% of it)"
+        return s
+
+
+def resolve_peak_flops(configured: float | None = None) -> PeakFlops:
+    """MFU's denominator: `pretrain.peak_flops` when set, else the hardware's theoretical peak.
+
+    The measured sgemm rides along as the achievable peak; should it ever exceed the theoretical
+    figure (an unreported turbo clock), it becomes the denominator, so MFU > 100% cannot be printed.
+    """
+    if configured:
+        return PeakFlops(float(configured), "pretrain.peak_flops")
+    theo, how = theoretical_peak_flops()
+    meas = measure_peak_flops(n=1024, repeats=3)
+    if theo < meas:
+        return PeakFlops(meas, f"measured sgemm (above the derived {how})", meas)
+    return PeakFlops(theo, how, meas)
+
+
 def _named_arrays(params) -> dict[str, np.ndarray]:
     return {p.name: p.asnumpy() for p in params}
 
 
-def _assign(params, arrays: dict[str, np.ndarray], what: str) -> None:
+def _assign(params, arrays: dict[str, np.ndarray], what: str, *, strict: bool = True) -> None:
+    """Set `params` from `arrays` by name; every parameter must be there with its shape, and (strict)
+    nothing else may be: a tensor the model lacks means the file belongs to another model."""
     import mindspore as ms
 
     missing = [p.name for p in params if p.name not in arrays]
     if missing:
-        raise RuntimeError(f"checkpoint {what} lacks {missing[:3]}{'…' if len(missing) > 3 else ''}; it belongs to another model")
+        raise CheckpointError(f"{what} lacks {missing[:3]}{'…' if len(missing) > 3 else ''}; it belongs to another "
+                              "model (compare its model.json / state.json with this pipeline's model section)")
+    if strict:
+        names = {p.name for p in params}
+        extra = sorted(k for k in arrays if k not in names)
+        if extra:
+            raise CheckpointError(f"{what} holds {len(extra)} tensor(s) this model does not have ({', '.join(extra[:3])}"
+                                  f"{'…' if len(extra) > 3 else ''}); it belongs to another model (e.g. more layers); "
+                                  "point at a checkpoint of this architecture")
     for p in params:
         if tuple(arrays[p.name].shape) != tuple(p.shape):
-            raise RuntimeError(f"checkpoint {what}: {p.name} has shape {arrays[p.name].shape}, model wants {tuple(p.shape)}")
+            raise CheckpointError(f"{what}: {p.name} has shape {arrays[p.name].shape}, model wants {tuple(p.shape)}")
         p.set_data(ms.Tensor(arrays[p.name]))
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint dir (has state.json), or the newest complete one under a checkpoints/ or run dir."""
+    """A checkpoint dir (has state.json), or the newest good one under a checkpoints/ or run dir."""
     p = Path(path)
     if (p / "state.json").is_file():
         return p
     for root in (p, p / "checkpoints"):
-        found = newest_checkpoint(root)
+        found = newest_checkpoint(root, good_only=True)
         if found is not None:
             return found
-    raise ValueError(f"checkpoint.load_checkpoint: {p} holds no complete training checkpoint "
-                     "(a step_* dir with state.json); point it at one, or at a run's checkpoints/ dir")
+    raise ValueError(f"checkpoint.load_checkpoint: {p} holds no good training checkpoint "
+                     "(a step_* dir with state.json and finite weights); point it at one, or at a run's checkpoints/ dir")
+
+
+def check_compatible(state: dict[str, Any], meta: dict[str, Any], ckpt: Path) -> None:
+    """A checkpoint continues this run only if it has the same model config and tokenizer (both sides named)."""
+    saved, want = state.get("model"), meta.get("model")
+    if saved is not None and want is not None and saved != want:
+        diff = sorted(k for k in set(saved) | set(want) if saved.get(k) != want.get(k))
+        detail = ", ".join(f"{k}: checkpoint {saved.get(k)!r} vs this run {want.get(k)!r}" for k in diff[:4])
+        raise CheckpointError(f"{ckpt}: model config differs from this run's ({detail}); load a checkpoint of "
+                              "this architecture or change the model section to match it")
+    saved_tok, want_tok = state.get("tokenizer_sha256"), meta.get("tokenizer_sha256")
+    if saved_tok and want_tok and saved_tok != want_tok:
+        raise CheckpointError(f"{ckpt}: trained with tokenizer sha256 {saved_tok[:12]}… but this run's data artifact "
+                              f"uses {want_tok[:12]}…; the token ids mean different pieces. Tokenize the data with the "
+                              "checkpoint's tokenizer (data.tokenizer.path) or start from scratch")
+
+
+@dataclass
+class LoopState:
+    """The loop's counters: what a checkpoint's state.json saves and a resume restores (mirror images)."""
+
+    step: int = 0
+    consumed: int = 0
+    updates: int = 0
+    skipped: int = 0
+    """Non-finite steps (loss, gradient, or an update refused by the UpdateGuard): faults, not fp16 overflows."""
+    consecutive: int = 0
+    overflows: int = 0
+    skipped_at_save: int = 0
+    """`skipped` when the previous checkpoint was written: a checkpoint is good only if none happened since."""
+
+    def to_state(self) -> dict[str, Any]:
+        return {"consumed_samples": self.consumed, "updates": self.updates, "skipped_steps": self.skipped,
+                "overflow_steps": self.overflows, "good": self.skipped == self.skipped_at_save}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> "LoopState":
+        skipped = state["skipped_steps"]
+        return cls(step=state["step"], consumed=state["consumed_samples"], updates=state["updates"], skipped=skipped,
+                   overflows=state.get("overflow_steps", 0), skipped_at_save=skipped)
 
 
 def fit(net, params, loss_fn, loop: LoopConfig, *, batches: Batches, valid: Callable[[], Iterator] | None,
         run_dir: Path, meta: dict[str, Any], flops_per_token: float, tokens_per_sample: int, mesh=None) -> FitResult:
     """Train; with a distributed `mesh` (tasks/distributed.py) every rank calls this with its own slice of the
-    model and `batches` yielding its own data shard; rank 0 writes the metrics, replica 0 the checkpoints."""
+    model and `batches` yielding its own data shard; rank 0 writes the metrics, replica 0 the checkpoints.
+
+    Raises NonFiniteError when the run cannot produce a trustworthy model: `max_nonfinite_steps` non-finite
+    steps in a row (the message names the newest *good* checkpoint), no update applied at all, or a
+    non-finite final validation loss. Nothing is published in those cases (the caller publishes after fit).
+    """
     import mindspore as ms
 
     from tasks.distributed import Mesh
-    from tasks.optim import AdamW, DynamicLossScale, TrainStep, decays, lr_at
+    from tasks.optim import AdamW, DynamicLossScale, TrainStep, UpdateGuard, decays, lr_at
 
     mesh = mesh or Mesh()
     lead = mesh.rank == 0
@@ -198,123 +353,126 @@ def fit(net, params, loss_fn, loop: LoopConfig, *, batches: Batches, valid: Call
     scaler = DynamicLossScale(loop.loss_scale if fp16 else 1.0, window=loop.loss_scale_window, dynamic=fp16)
     eval_fn = ms.jit(loss_fn)
     opt_params = list(optimizer.exp_avg) + list(optimizer.exp_avg_sq)
-
-    step, consumed, updates, skipped, consecutive, overflows = 0, 0, 0, 0, 0, 0
-    history: list[dict[str, Any]] = []
     metrics_path = run_dir / "metrics.jsonl"
-    latest = newest_checkpoint(ckpt_root) if loop.resume else None
+
+    # ---- resume (the mirror image of the save at the bottom of the loop)
+    st, history = LoopState(), []
+    latest = newest_checkpoint(ckpt_root, good_only=True) if loop.resume else None
     if latest is None and loop.load_checkpoint:
         latest = resolve_checkpoint(loop.load_checkpoint)
     if latest is not None:
         weights, opt_state, state = load_checkpoint(latest, tp=mesh.tp, tp_index=mesh.tp_index)
+        check_compatible(state, meta, latest)
         _assign(params, weights, str(latest))
         _assign(opt_params, opt_state, str(latest))
-        step, consumed, updates, skipped = state["step"], state["consumed_samples"], state["updates"], state["skipped_steps"]
-        overflows = state.get("overflow_steps", 0)
+        st = LoopState.from_state(state)
         if fp16:
             scaler.load_state_dict(state)  # S and its good-step count: resume stays exact
-        if consumed % mesh.dp:
-            raise ValueError(f"{latest}: {consumed} samples consumed is not a multiple of data_parallel={mesh.dp}, "
+        if st.consumed % mesh.dp:
+            raise ValueError(f"{latest}: {st.consumed} samples consumed is not a multiple of data_parallel={mesh.dp}, "
                              "so the ranks cannot split the data position evenly; resume with a data_parallel "
                              "that divides it (e.g. 1)")
-        history = [r for r in _read_jsonl(metrics_path) if r.get("step", 0) <= step]
-        if not history and latest.parent != ckpt_root:  # continuing another run's checkpoint: its metrics too
-            history = [r for r in _read_jsonl(latest.parent.parent / "metrics.jsonl") if r.get("step", 0) <= step]
+        history = [r for r in _read_jsonl(metrics_path) if r.get("step", 0) <= st.step]
+        if not history and latest.parent != ckpt_root:  # continuing another (checked compatible) run: its metrics too
+            history = [r for r in _read_jsonl(latest.parent.parent / "metrics.jsonl") if r.get("step", 0) <= st.step]
         saved = state.get("layout", {})
-        print(f"[train] resumed from {latest.name if latest.parent == ckpt_root else latest}: step {step}, {consumed} samples consumed (saved by dp="
-              f"{saved.get('data_parallel', 1)} tp={saved.get('tensor_parallel', 1)}, now dp={mesh.dp} tp={mesh.tp})",
-              file=sys.stderr)
+        print(f"[train] resumed from {latest.name if latest.parent == ckpt_root else latest}: step {st.step}, "
+              f"{st.consumed} samples consumed (saved by dp={saved.get('data_parallel', 1)} "
+              f"tp={saved.get('tensor_parallel', 1)}, now dp={mesh.dp} tp={mesh.tp})", file=sys.stderr)
     if lead:
         _write_jsonl(metrics_path, history)
     from tasks.tensorboard import open_run
 
     events = open_run(run_dir, history, meta, enabled=lead)  # TensorBoard: the same records, rewritten on resume
-    peak = loop.peak_flops or measure_peak_flops()  # per rank: MFU divides by world × peak
+    guard = UpdateGuard(UpdateGuard.max_abs(p.asnumpy() for p in params), beta1=loop.beta1, beta2=loop.beta2,
+                        weight_decay=loop.weight_decay)
+    peak = resolve_peak_flops(loop.peak_flops)  # per rank: MFU divides by world × peak
+    if lead:
+        print(f"[train] MFU denominator: {peak.describe()}", file=sys.stderr, flush=True)
 
     # under pure data parallel only rank 0 validates (the replicas are equal); tensor-parallel ranks all take part
     do_eval = valid is not None and (lead or mesh.tp > 1)
-    if do_eval and step == 0:  # the starting point: shows what training (or continuing) changed
+    if do_eval and st.step == 0:  # the starting point: shows what training (or continuing) changed
         v0 = evaluate_loss(eval_fn, valid(), loop.eval_batches)
-        r0 = {"step": 0, "val_loss": v0, "val_ppl": math.exp(min(v0, 50))}
+        r0 = {"step": 0, "val_loss": v0, "val_ppl": _ppl(v0)}
         history.append(r0)
         if lead:
             _append_jsonl(metrics_path, r0)
             events.write(r0)
         print(f"[train] step 0: val_loss {v0:.4f} (ppl {r0['val_ppl']:.1f})", file=sys.stderr, flush=True)
 
-    # ---- fit
+    # ---- the loop: step → log → validate → save
     per_step = loop.micro_batch_size * loop.gradient_accumulation * mesh.dp  # global samples per step
-    it = batches(consumed)
-    bar = _progress(loop, step) if lead else _NoBar()
+    it = batches(st.consumed)
+    bar = _progress(loop, st.step) if lead else _NoBar()
     t_start, steps_here, last_loss, val_loss = time.perf_counter(), 0, float("nan"), None
     t_log, tok_log = time.perf_counter(), 0
     stopped = False
-    while step < loop.max_steps:
+    while st.step < loop.max_steps:
         micro = [next(it) for _ in range(loop.gradient_accumulation)]
-        lr = lr_at(step, lr=loop.lr, min_lr=loop.min_lr, warmup_steps=loop.warmup_steps,
+        lr = lr_at(st.step, lr=loop.lr, min_lr=loop.min_lr, warmup_steps=loop.warmup_steps,
                    max_steps=loop.max_steps, decay=loop.decay)
         scale = scaler.scale
+        allow = guard.allows(lr, st.updates + 1)
         # fault hook: scale 0 -> grads / 0 -> non-finite
-        loss, gnorm, finite = step_fn(micro, lr, updates + 1, 0.0 if step + 1 in loop.fault_steps else scale)
+        loss, gnorm, finite = step_fn(micro, lr, st.updates + 1, 0.0 if st.step + 1 in loop.fault_steps else scale,
+                                      allow=allow)
         if math.isfinite(loss):
             overflow = scaler.update(finite)  # fp16: a non-finite gradient while S > 1 halves S
         else:  # a non-finite forward is never a loss-scale overflow (S only scales the backward)
             finite, overflow, scaler.good_steps = False, False, 0
-        step += 1
+        st.step += 1
         steps_here += 1
-        consumed += per_step
+        st.consumed += per_step
         tok_log += per_step * tokens_per_sample
-        if finite:
-            updates += 1
-            consecutive = 0
+        if finite and allow:
+            guard.applied(lr, st.updates + 1)
+            st.updates += 1
+            st.consecutive = 0
             last_loss = loss
         elif overflow:
-            overflows += 1
-            print(f"[train] step {step}: gradient overflow at loss scale {scale:g}; update skipped, "
+            st.overflows += 1
+            print(f"[train] step {st.step}: gradient overflow at loss scale {scale:g}; update skipped, "
                   f"scale -> {scaler.scale:g}", file=sys.stderr)
         else:
-            skipped += 1
-            consecutive += 1
-            print(f"[train] step {step}: non-finite loss/grad norm ({loss}, {gnorm}); update skipped "
-                  f"({consecutive} in a row)", file=sys.stderr)
-            if consecutive >= loop.max_nonfinite_steps:
+            st.skipped += 1
+            st.consecutive += 1
+            why = (f"non-finite loss/grad norm ({loss}, {gnorm})" if not finite else
+                   f"the update at lr {lr:.3g} could make weights non-finite (|w| bound {guard._next_bound(lr, st.updates + 1):.3g})")
+            print(f"[train] step {st.step}: {why}; update skipped ({st.consecutive} in a row)", file=sys.stderr)
+            if st.consecutive >= loop.max_nonfinite_steps:
                 bar.close()
-                good = newest_checkpoint(ckpt_root)
                 raise NonFiniteError(
-                    f"{consecutive} consecutive non-finite steps (limit pretrain.max_nonfinite_steps="
-                    f"{loop.max_nonfinite_steps}) at step {step}; the last good checkpoint is "
-                    f"{good or 'none (no checkpoint yet)'}; lower the learning rate or check the data"
-                )
+                    f"{st.consecutive} consecutive non-finite steps (limit pretrain.max_nonfinite_steps="
+                    f"{loop.max_nonfinite_steps}) at step {st.step}; the last good checkpoint is "
+                    f"{newest_checkpoint(ckpt_root, good_only=True) or 'none (no good checkpoint yet)'}; "
+                    "lower the learning rate or check the data")
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}")
         record: dict[str, Any] | None = None
-        if step % loop.log_steps == 0 or step == loop.max_steps:
+        if st.step % loop.log_steps == 0 or st.step == loop.max_steps:
             now = time.perf_counter()
             tps = tok_log / max(now - t_log, 1e-9)
-            eta = (loop.max_steps - step) * (now - t_start) / max(steps_here, 1)
-            record = {"step": step, "loss": loss, "lr": lr, "grad_norm": gnorm, "tokens_per_s": tps,
-                      "mfu": tps * flops_per_token / (peak * mesh.world), "peak_rss_bytes": peak_rss_bytes(), "eta_s": eta,
-                      "consumed_samples": consumed, "skipped_steps": skipped}
+            eta = (loop.max_steps - st.step) * (now - t_start) / max(steps_here, 1)
+            record = {"step": st.step, "loss": loss, "lr": lr, "grad_norm": gnorm, "tokens_per_s": tps,
+                      "mfu": tps * flops_per_token / (peak.flops * mesh.world), "peak_rss_bytes": peak_rss_bytes(),
+                      "eta_s": eta, "consumed_samples": st.consumed, "skipped_steps": st.skipped}
             if fp16:
-                record.update(loss_scale=scale, overflow_steps=overflows)
+                record.update(loss_scale=scale, overflow_steps=st.overflows)
             t_log, tok_log = now, 0
-        if do_eval and (step % loop.eval_steps == 0 or step == loop.max_steps):
+        if do_eval and (st.step % loop.eval_steps == 0 or st.step == loop.max_steps):
             val_loss = evaluate_loss(eval_fn, valid(), loop.eval_batches)
-            record = record or {"step": step, "loss": loss, "lr": lr}
-            record.update(val_loss=val_loss, val_ppl=math.exp(min(val_loss, 50)))
+            record = record or {"step": st.step, "loss": loss, "lr": lr}
+            record.update(val_loss=val_loss, val_ppl=_ppl(val_loss))
         if record is not None:
             history.append(record)
             if lead:
                 _append_jsonl(metrics_path, record)
                 events.write(record)
                 bar.write(_format_record(record, loop.max_steps))
-        if step % loop.save_steps == 0 or step == loop.max_steps:
-            state = {"consumed_samples": consumed, "updates": updates, "skipped_steps": skipped,
-                     "overflow_steps": overflows, "precision": loop.precision, **scaler.state_dict(),
-                     "rng": {"data_seed": meta.get("seed"), "numpy": "order derived from seed+epoch"}, **meta}
-            save_checkpoint(ckpt_root, step, _named_arrays(params), _named_arrays(opt_params), state,
-                            loop.keep_checkpoint_max, mesh=mesh)
-        if loop.stop_after is not None and steps_here >= loop.stop_after and step < loop.max_steps:
+        if st.step % loop.save_steps == 0 or st.step == loop.max_steps:
+            _save(ckpt_root, st, params, opt_params, scaler, loop, meta, mesh)
+        if loop.stop_after is not None and steps_here >= loop.stop_after and st.step < loop.max_steps:
             stopped = True
             break
     bar.close()
@@ -323,12 +481,47 @@ def fit(net, params, loss_fn, loop: LoopConfig, *, batches: Batches, valid: Call
         digest = mesh.check_replicas(_named_arrays(params))
         print(f"[train] rank {mesh.rank}: parameters sha256 {digest} (equal on all {mesh.dp} data-parallel replicas)",
               file=sys.stderr, flush=True)
+    if not stopped:
+        _check_trustworthy(st, val_loss, ckpt_root, fp16)
     elapsed = time.perf_counter() - t_start
     initial_val = next((r["val_loss"] for r in history if r.get("step") == 0 and "val_loss" in r), None)
-    return FitResult(steps=step, consumed_samples=consumed, final_loss=last_loss, val_loss=val_loss,
-                     initial_val_loss=initial_val,
-                     skipped_steps=skipped, tokens_per_s=steps_here * per_step * tokens_per_sample / max(elapsed, 1e-9),
-                     history=history, stopped_early=stopped, overflow_steps=overflows, loss_scale=scaler.scale)
+    return FitResult(steps=st.step, consumed_samples=st.consumed, final_loss=last_loss, val_loss=val_loss,
+                     initial_val_loss=initial_val, skipped_steps=st.skipped,
+                     tokens_per_s=steps_here * per_step * tokens_per_sample / max(elapsed, 1e-9),
+                     history=history, stopped_early=stopped, overflow_steps=st.overflows, loss_scale=scaler.scale,
+                     updates=st.updates)
+
+
+def _save(ckpt_root: Path, st: LoopState, params, opt_params, scaler, loop: LoopConfig, meta: dict[str, Any],
+          mesh) -> None:
+    """Checkpoint the loop: weights, moments, counters; marked good only with finite weights and no
+    non-finite step since the previous checkpoint (resume and the error messages use good ones only)."""
+    weights, moments = _named_arrays(params), _named_arrays(opt_params)
+    state = {**st.to_state(), "precision": loop.precision, **scaler.state_dict(),
+             "rng": {"data_seed": meta.get("seed"), "numpy": "order derived from seed+epoch"}, **meta}
+    if mesh.tp == 1 and not all(np.isfinite(a).all() for a in (*weights.values(), *moments.values())):
+        # cannot happen while the UpdateGuard holds; never write a checkpoint a resume could pick up
+        raise NonFiniteError(f"step {st.step}: the weights or optimizer moments are non-finite; not checkpointed. "
+                             f"The last good checkpoint is {newest_checkpoint(ckpt_root, good_only=True) or 'none'}")
+    save_checkpoint(ckpt_root, st.step, weights, moments, state, loop.keep_checkpoint_max, mesh=mesh)
+    st.skipped_at_save = st.skipped
+
+
+def _check_trustworthy(st: LoopState, val_loss: float | None, ckpt_root: Path, fp16: bool) -> None:
+    """A finished run publishes only if it changed the model and its final validation loss is finite."""
+    if st.updates == 0:
+        why = ("every step overflowed in fp16 (the loss scale fell to its floor without a finite step); "
+               "raise pretrain.loss_scale_window or train in fp32" if fp16 and st.overflows else
+               "every step was non-finite or refused; lower the learning rate or check the data")
+        raise NonFiniteError(f"no update was applied in {st.step} steps: {why}. Nothing is published")
+    if val_loss is not None and not math.isfinite(val_loss):
+        raise NonFiniteError(f"the final validation loss is {val_loss} after {st.step} steps; the model is not "
+                             f"usable and is not published. The last good checkpoint is "
+                             f"{newest_checkpoint(ckpt_root, good_only=True) or 'none'}; lower the learning rate")
+
+
+def _ppl(loss: float) -> float:
+    return math.exp(min(loss, 50)) if math.isfinite(loss) else float("nan")
 
 
 def evaluate_loss(eval_fn, batches: Iterator, max_batches: int) -> float:

@@ -263,3 +263,9 @@ def test_config_and_registry_import_without_mindspore():
     code = ("import sys, model, model.config, model.registry; "
             "assert 'mindspore' not in sys.modules, 'mindspore imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_builtin_model_names_match_the_registry():
+    from model.registry import BUILTIN_MODELS, default_registry
+
+    assert sorted(BUILTIN_MODELS) == default_registry().names()
