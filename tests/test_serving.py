@@ -38,14 +38,15 @@ def _free_port() -> int:
 class Server:
     """`msllm serve ARTIFACT` on 127.0.0.1:<free port>, stopped (SIGTERM, then SIGKILL) by stop()."""
 
-    def __init__(self, artifact: Path, log_dir: Path, *extra: str, timeout: float = 180):
+    def __init__(self, artifact: Path | None, log_dir: Path, *extra: str, timeout: float = 180):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"serve-{self.port}.log"
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tasks.cli", "serve", str(artifact), "--host", "127.0.0.1", "--port", str(self.port),
-             *extra], cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+            [sys.executable, "-m", "tasks.cli", "serve", *([str(artifact)] if artifact else []), "--host", "127.0.0.1",
+             "--port", str(self.port), *extra], cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
+            start_new_session=True)
         t0 = time.time()
         while True:
             if self.proc.poll() is not None:
@@ -292,6 +293,26 @@ def test_malformed_bodies_and_routes_and_the_server_survives(server):
     with pytest.raises(openai.NotFoundError):
         server.client().models.retrieve("nope")
     assert server.client().completions.create(model=server.model, prompt="Still here", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_a_client_that_goes_away_mid_stream_frees_its_slot(server):
+    import httpx
+
+    body = {"model": server.model, "prompt": "Go", "max_tokens": 120, "temperature": 0, "stream": True}
+    with httpx.Client(timeout=30) as http:
+        with http.stream("POST", server.url + "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            assert next(ln for ln in lines if ln.startswith("data: "))  # the first chunk, then hang up
+            rid = json.loads(next(ln for ln in lines if ln.startswith("data: "))[6:])["id"]
+    t0 = time.time()
+    while f"{rid} client went away" not in server.log() and time.time() - t0 < 20:
+        time.sleep(0.2)
+    assert f"{rid} client went away" in server.log()
+    while json.loads(urllib.request.urlopen(server.url + "/health", timeout=5).read())["active"] and time.time() - t0 < 20:
+        time.sleep(0.2)
+    assert json.loads(urllib.request.urlopen(server.url + "/health", timeout=5).read())["active"] == 0
+    assert f"{rid} 200" not in server.log()  # it was stopped, not run to the end
+    assert server.client().completions.create(model=server.model, prompt="Next", max_tokens=3).usage.completion_tokens == 3
 
 
 def test_text_stream_holds_back_possible_stop_strings(reference):

@@ -97,7 +97,8 @@ def _float(body: dict, name: str, default: float, lo: float, hi: float, lo_open:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise ApiError(400, f"{name} must be a number, got {_type_name(v)}", name)
     if v < lo or v > hi or (lo_open and v == lo):
-        raise ApiError(400, f"{name} must be {'>' if lo_open else '>='} {lo} and <= {hi}, got {v}", name)
+        rng = f"above {lo:g} and at most {hi:g}" if lo_open else f"between {lo:g} and {hi:g}"
+        raise ApiError(400, f"{name} must be {rng}, got {v}", name)
     return float(v)
 
 
@@ -110,7 +111,7 @@ def _bool(body: dict, name: str, default: bool = False) -> bool:
     return v
 
 
-def _unsupported(body: dict, chat: bool) -> None:
+def _unsupported(body: dict) -> None:
     """Fields whose non-default values this server cannot honour: refused, never silently ignored."""
     neutral = {"presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": ({},), "echo": (False,),
                "best_of": (1,), "suffix": ("",), "top_logprobs": (0,), "tools": ([],), "functions": ([],),
@@ -193,7 +194,7 @@ def parse_request(body: Any, *, chat: bool, model_id: str, backend) -> Parsed:
     if model != model_id:
         raise ApiError(404, f"model '{model}' does not exist; this server serves '{model_id}'", "model",
                        code="model_not_found")
-    _unsupported(body, chat)
+    _unsupported(body)
     _int(body, "n", 1, lo=1, hi=1, fix=" (one choice per request)")
     stream = _bool(body, "stream")
     so = body.get("stream_options")
