@@ -360,6 +360,32 @@ def test_onnxruntime_backend_matches_onnx_generator_and_mindspore(onnx_server, o
     assert chunks[-1].choices[0].finish_reason in ("length", "stop") and chunks[-1].usage.prompt_tokens > 5
 
 
+@pytest.mark.slow
+def test_default_artifact_is_the_pipelines_newest_export(model_art, tmp_path):
+    """`msllm serve --pipeline tiny` with no ARTIFACT serves the newest export of the pipeline on onnxruntime."""
+    import sentencepiece as spm
+
+    from tasks import export
+    from tasks.artifacts import ArtifactStore
+    from tasks.config import resolve_pipeline
+    from tasks.onnx_generate import OnnxGenerator, decode_completion
+
+    root = model_art.parent.parent  # the store model_art lives in
+    path = export.run(resolve_pipeline(REPO / "pipelines.yaml", "tiny", []), ArtifactStore(root), model_art,
+                      progress=False)
+    srv = Server(None, tmp_path, "--pipeline", "tiny", "--artifacts", str(root))
+    try:
+        card = srv.client().models.list().data[0]
+        assert card.id == f"export/{path.name}" and card.backend == "onnxruntime"
+        sp = spm.SentencePieceProcessor(model_file=str(path / "tokenizer.model"))
+        ids = [sp.eos_id()] + sp.encode("ROMEO:")
+        new = OnnxGenerator(path / "model.onnx").generate(ids, 16, eos_id=sp.eos_id())
+        r = srv.client().completions.create(model=card.id, prompt="ROMEO:", max_tokens=16, temperature=0)
+        assert r.choices[0].text == decode_completion(sp, ids, new)
+    finally:
+        srv.stop()
+
+
 def test_serving_a_fixed_shape_onnx_export_says_to_re_export(onnx_art, tmp_path, capsys):
     """An export made before the KV-cache decoder (fixed [batch, seq] input_ids only) is refused with the fix."""
     import shutil
