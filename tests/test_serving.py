@@ -288,6 +288,9 @@ def test_malformed_bodies_and_routes_and_the_server_survives(server):
     assert status == 400 and "error" in body
     status, body = _post(server.url + "/v1/completions", json.dumps({"prompt": "x"}).encode())
     assert status == 400 and body["error"]["param"] == "model"
+    status, body = _post(server.url + "/v1/completions", f'{{"model": "{server.model}", "prompt": "x", '
+                         f'"temperature": NaN}}'.encode())
+    assert status == 400 and body["error"]["param"] == "temperature" and "finite" in body["error"]["message"]
     status, body = _post(server.url + "/v1/engines", b"{}")
     assert status == 404 and "/v1" in body["error"]["message"]
     with pytest.raises(openai.NotFoundError):

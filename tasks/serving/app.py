@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import signal
 import sys
 import time
@@ -94,8 +95,8 @@ def _float(body: dict, name: str, default: float, lo: float, hi: float, lo_open:
     v = body.get(name)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise ApiError(400, f"{name} must be a number, got {_type_name(v)}", name)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ApiError(400, f"{name} must be a finite number, got {v if isinstance(v, float) else _type_name(v)}", name)
     if v < lo or v > hi or (lo_open and v == lo):
         rng = f"above {lo:g} and at most {hi:g}" if lo_open else f"between {lo:g} and {hi:g}"
         raise ApiError(400, f"{name} must be {rng}, got {v}", name)
