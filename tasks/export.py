@@ -844,6 +844,9 @@ def model_card(*, info: dict[str, Any], parameters: int, model_ref: dict[str, An
                   "", "```python", f'ART = "{artifact_path}"', SNIPPET.rstrip(), "```", "",
                   "## Generate with onnxruntime-genai", "", "```python", f'ART = "{artifact_path}"',
                   GENAI_SNIPPET.rstrip(), "```", ""]
+        if genai.get("text_prefix"):
+            lines += ["This tokenizer adds SentencePiece's dummy prefix (a space before the text), which "
+                      "onnxruntime-genai's tokenizer does not: encode `\" \" + text` to get the same ids.", ""]
     return "\n".join(lines)
 
 
