@@ -39,6 +39,7 @@ from tasks.artifacts import _pid_alive
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "launch" / "worker.py"
+MSRUN_NODE = Path(__file__).resolve().parent / "launch" / "msrun_node.py"
 STOPPED_MARK = "[rank stopped early]"
 
 
@@ -161,9 +162,11 @@ class Mesh:
 
 def msrun_command(parallel, log_dir: Path, script: list[str]) -> list[str]:
     """The msrun command line running `script` (path and arguments) for `parallel` (a config ParallelSection)."""
-    msrun = shutil.which("msrun", path=_path_env()) or "msrun"
+    msrun = [shutil.which("msrun", path=_path_env()) or "msrun"]
+    if parallel.node_rank > 0:  # node 0 hosts the scheduler, even when master_addr is also this host's
+        msrun = [sys.executable, str(MSRUN_NODE)]
     local = parallel.device_num // parallel.node_num
-    return [msrun, f"--worker_num={parallel.device_num}", f"--local_worker_num={local}",
+    return [*msrun, f"--worker_num={parallel.device_num}", f"--local_worker_num={local}",
             f"--master_addr={parallel.master_addr}", f"--master_port={parallel.master_port}",
             f"--node_rank={parallel.node_rank}", f"--log_dir={log_dir}", "--join=True",
             f"--cluster_time_out={parallel.cluster_timeout}", *script]
@@ -189,9 +192,33 @@ def check_port(parallel) -> None:
 
 
 def launch(stage: str, spec_path: Path, parallel, log_dir: Path, relay: bool = True) -> str | None:
-    """Run the stage's workers under msrun; None on success, else the failing rank's error on top."""
-    return run_msrun([str(WORKER), "--stage", stage, "--child", str(spec_path)], parallel, log_dir,
-                     label=stage, relay=relay)
+    """Run the stage's workers under msrun; None on success, else the failing rank's error on top.
+
+    On a node other than 0 (`parallel.node_rank > 0`) success also waits for rank 0 (on node 0) to
+    publish the artifact into the shared root, so that every node's command returns its path.
+    """
+    err = run_msrun([str(WORKER), "--stage", stage, "--child", str(spec_path)], parallel, log_dir,
+                    label=stage, relay=relay)
+    if err is None and parallel.node_rank > 0:
+        err = wait_published(stage, spec_path, timeout=parallel.cluster_timeout, node=parallel.node_rank)
+    return err
+
+
+def wait_published(stage: str, spec_path: Path, timeout: float, node: int) -> str | None:
+    """Wait for the artifact of the spec's key to appear in its root (published by node 0); None once it has."""
+    import json
+
+    from tasks.artifacts import ArtifactStore
+
+    spec = json.loads(Path(spec_path).read_text())
+    store, t0 = ArtifactStore(spec["root"]), time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if store.lookup(stage, spec["key"]) is not None:
+            return None
+        time.sleep(1.0)
+    return (f"node {node}: this node's ranks finished but node 0 did not publish "
+            f"{stage}/{spec['key']} under {spec['root']} within {timeout:.0f}s (parallel.cluster_timeout); see node 0's "
+            "log, and check that every node sees the same artifact root (a shared filesystem)")
 
 
 def run_msrun(script: list[str], parallel, log_dir: Path, *, label: str = "msrun", relay: bool = True) -> str | None:
@@ -200,6 +227,8 @@ def run_msrun(script: list[str], parallel, log_dir: Path, *, label: str = "msrun
     None on success, else the failing rank's own error on top of its log's last lines.
     """
     check_port(parallel)
+    if parallel.node_num > 1:  # each node its own log dir: the nodes may share the run dir (one filesystem)
+        log_dir = log_dir / f"node_{parallel.node_rank}"
     if log_dir.exists():
         shutil.rmtree(log_dir)  # this attempt's logs only
     log_dir.mkdir(parents=True)
