@@ -265,9 +265,7 @@ def _export(cfg: PipelineConfig, store: ArtifactStore, model: Path, eval_art: Pa
         shutil.copy2(model / "model.json", b.dir / "model.json")
         shutil.copy2(_HERE / "onnx_generate.py", b.dir / "onnx_generate.py")
         mc = model_config(model)
-        files = [f for f, on in (("model.mindir", "mindir" in ex.formats), ("model.onnx", "onnx" in ex.formats),
-                                 ("model.int8.onnx", "onnx" in ex.formats and ex.int8)) if on]
-        files += list(GENAI_FILES) if "onnx" in ex.formats else []
+        files = [f for f in ("model.mindir", "model.onnx", "model.int8.onnx", *GENAI_FILES) if (b.dir / f).is_file()]
         atomic_write_json(b.dir / "export.json", {
             "mindir": {"inputs": {MINDIR_INPUT: "int32 [batch, seq] token ids"},
                        "outputs": {OUTPUT_NAME: "float32 [batch, seq, vocab]"}},
@@ -327,15 +325,18 @@ def _export_onnx_checked(out: Path, info: dict[str, Any], weights: dict[str, np.
 
     data = _heldout_data(store, model)
     heldout = _heldout_rows(data) if data is not None else None
-    write_genai_files(out, info, (model / "tokenizer.model").read_bytes())
+    no_tokenizer = write_genai_files(out, info, (model / "tokenizer.model").read_bytes())
+    if no_tokenizer:
+        _log(progress, f"onnxruntime-genai: no tokenizer files ({no_tokenizer}); genai generates from token ids")
     texts = [*ex.prompts, *TOKENIZER_SAMPLES, *(_decode_rows(sp, heldout[0]) if heldout else [])]
     ver["genai"] = verify_genai(out, sp, texts, ver["greedy"], ex.max_new_tokens, ex.seq_length)
     g = ver["genai"]
+    g["tokenizer_files"] = "not written: " + no_tokenizer if no_tokenizer else "tokenizer.json, tokenizer_config.json"
     _log(progress, f"onnxruntime-genai: greedy tokens == MindSpore: {g['greedy_tokens_match']}; tokenizer ids == "
                    f"SentencePiece on {g['tokenizer_texts']} texts ({g['tokenizer_tokens']} tokens): "
                    f"{g['tokenizer_ids_match']}")
     failures += [_divergence(x, "onnxruntime_genai") for x in ver["greedy"] if x["mindspore"] != x["onnxruntime_genai"]]
-    if not g["tokenizer_ids_match"]:
+    if g["tokenizer_ids_match"] is False:
         _log(progress, f"warning: onnxruntime-genai's tokenizer differs from SentencePiece: "
                        f"{g['tokenizer_first_mismatch']}")
 
@@ -479,27 +480,37 @@ def _max_abs_diff(a: np.ndarray, b: np.ndarray) -> float:
 # ----------------------------------------------------------------------------- onnxruntime-genai
 
 
-def write_genai_files(out: Path, info: dict[str, Any], tokenizer_model: bytes) -> None:
-    """genai_config.json, tokenizer.json and tokenizer_config.json next to model.onnx."""
+def write_genai_files(out: Path, info: dict[str, Any], tokenizer_model: bytes) -> str | None:
+    """genai_config.json, tokenizer.json and tokenizer_config.json next to model.onnx.
+
+    Returns None, or why the tokenizer files were not written (a SentencePiece model that is
+    not BPE): genai then still generates from token ids.
+    """
     from tasks.onnx_decoder import genai_config, hf_tokenizer_files
 
     tok = info.get("tokenizer", {})
-    cfg = genai_config(info["model"], eos_id=tok.get("eos_id", 2), bos_id=tok.get("bos_id", 1),
-                       pad_id=tok.get("pad_id", -1) if tok.get("pad_id", -1) >= 0 else tok.get("eos_id", 2))
-    atomic_write_json(out / "genai_config.json", cfg)
-    tok_json, tok_cfg = hf_tokenizer_files(tokenizer_model)
+    eos = tok.get("eos_id", 2)
+    pad = tok.get("pad_id", -1)
+    atomic_write_json(out / "genai_config.json", genai_config(info["model"], eos_id=eos, bos_id=tok.get("bos_id", 1),
+                                                              pad_id=pad if pad is not None and pad >= 0 else eos))
+    try:
+        tok_json, tok_cfg = hf_tokenizer_files(tokenizer_model)
+    except ValueError as exc:
+        return str(exc)
     atomic_write_json(out / "tokenizer.json", tok_json)
     atomic_write_json(out / "tokenizer_config.json", tok_cfg)
+    return None
 
 
-def genai_generate(model, ids: list[int], max_new_tokens: int) -> list[int]:
-    """Greedy new tokens of onnxruntime-genai after `ids` (stops at the config's EOS, included)."""
+def genai_generate(model, ids: list[int], max_new_tokens: int, hold_eos: bool = False) -> list[int]:
+    """Greedy new tokens of onnxruntime-genai after `ids` (stops at the config's EOS, included, unless hold_eos)."""
     import onnxruntime_genai as og
 
     if max_new_tokens <= 0:
         return []
     params = og.GeneratorParams(model)
-    params.set_search_options(max_length=len(ids) + max_new_tokens, do_sample=False)
+    opts = {"max_length": len(ids) + max_new_tokens, "do_sample": False}
+    params.set_search_options(**opts, **({"min_length": opts["max_length"]} if hold_eos else {}))
     gen = og.Generator(model, params)
     gen.append_tokens(ids)
     while not gen.is_done():
@@ -516,6 +527,11 @@ def verify_genai(out: Path, sp, texts: list[str], greedy: list[dict[str, Any]], 
     for g in greedy:  # the window of model.generate.Generator(max_len=seq_length)
         ids = g["prompt_ids"][-(seq_length - 1):]
         g["onnxruntime_genai"] = genai_generate(model, ids, min(max_new_tokens, seq_length - len(ids)))
+    res = {"greedy_tokens_match": all(g["mindspore"] == g["onnxruntime_genai"] for g in greedy),
+           "version": og.__version__}
+    if not (out / "tokenizer.json").is_file():
+        return {**res, "tokenizer_ids_match": None, "tokenizer_texts": 0, "tokenizer_tokens": 0,
+                "tokenizer_first_mismatch": None, "text_prefix": "", "decode_matches": None}
     tok = og.Tokenizer(model)
     # onnxruntime-genai 0.18 does not add SentencePiece's dummy prefix ("▁" before the text) with this
     # tokenizer.json: for a model that has one, the equivalent of sp.encode(text) is tok.encode(" " + text)
@@ -529,10 +545,8 @@ def verify_genai(out: Path, sp, texts: list[str], greedy: list[dict[str, Any]], 
             first = {"text": text[max(0, at - 40):at + 80], "sentencepiece": want[at:at + 8], "genai": got[at:at + 8]}
     decoded = all(tok.decode(g["mindspore"]) in (sp.decode(g["mindspore"]), prefix + sp.decode(g["mindspore"]))
                   for g in greedy)
-    return {"greedy_tokens_match": all(g["mindspore"] == g["onnxruntime_genai"] for g in greedy),
-            "tokenizer_ids_match": first is None, "tokenizer_texts": len(texts), "tokenizer_tokens": tokens,
-            "tokenizer_first_mismatch": first, "text_prefix": prefix, "decode_matches": decoded,
-            "version": og.__version__}
+    return {**res, "tokenizer_ids_match": first is None, "tokenizer_texts": len(texts), "tokenizer_tokens": tokens,
+            "tokenizer_first_mismatch": first, "text_prefix": prefix, "decode_matches": decoded}
 
 
 # ----------------------------------------------------------------------------- int8
@@ -798,8 +812,9 @@ def model_card(*, info: dict[str, Any], parameters: int, model_ref: dict[str, An
             lines += [f"| greedy tokens, onnxruntime-genai {genai.get('version')} == MindSpore | "
                       f"{n_ok}/{len(v.get('greedy', []))} prompts |",
                       f"| tokenizer.json ids == SentencePiece (onnxruntime-genai's tokenizer) | "
-                      f"{genai['tokenizer_ids_match']} on {genai['tokenizer_texts']} texts, "
-                      f"{genai['tokenizer_tokens']} tokens |"]
+                      + (f"{genai['tokenizer_ids_match']} on {genai['tokenizer_texts']} texts, "
+                         f"{genai['tokenizer_tokens']} tokens |" if genai.get("tokenizer_ids_match") is not None
+                         else f"{genai.get('tokenizer_files')} |")]
         if int8:
             lines += [f"| int8: max abs logit diff vs MindSpore | {_num(int8['max_abs_diff'])} |",
                       f"| int8: greedy tokens == MindSpore | {int8['greedy_tokens_match']} |",

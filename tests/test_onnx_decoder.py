@@ -226,3 +226,22 @@ def test_tokenizer_files_give_sentencepiece_ids(tiny, tmp_path):
     ids = sp.encode(text[:2000])
     assert genai.decode(ids) == sp.decode(ids) == hf.decode(ids)
     assert tok_cfg["eos_token"] == "</s>" and tok_json["model"]["byte_fallback"] is True
+
+
+def test_a_unigram_tokenizer_gets_no_tokenizer_files(tmp_path):
+    """onnxruntime-genai's files are written for BPE SentencePiece models; another type says so (and genai still
+    runs from token ids: genai_config.json is written)."""
+    import sentencepiece as spm
+
+    from tasks.export import write_genai_files
+
+    lines = [ln for ln in SHAKESPEARE.read_text(encoding="utf-8")[:100_000].splitlines() if ln.strip()]
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=buf, vocab_size=300, model_type="unigram",
+                                   minloglevel=2)
+    with pytest.raises(ValueError, match="UNIGRAM SentencePiece model; .* BPE models only"):
+        hf_tokenizer_files(buf.getvalue())
+    info = {"model": _net().config.to_dict(), "tokenizer": {"eos_id": 2, "bos_id": 1, "pad_id": -1}}
+    assert "BPE models only" in write_genai_files(tmp_path, info, buf.getvalue())
+    cfg = json.loads((tmp_path / "genai_config.json").read_text())
+    assert cfg["model"]["pad_token_id"] == 2 and not (tmp_path / "tokenizer.json").exists()

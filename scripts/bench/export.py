@@ -1,27 +1,32 @@
-"""Inference latency of the exported model: onnxruntime vs MindSpore, prefill and per-token decode.
+"""Decode speed of the exported model, side by side: MindSpore vs onnxruntime (fp32, int8) vs onnxruntime-genai, all with a KV cache.
 
-A random-init model of `--preset` (default `small`, the demo's shape) is exported the way
-the export stage does it (`tasks.export.export_onnx` at [1, --seq-length], and MindIR with
-dynamic shapes), then greedy-generates `--new-tokens` after a `--prompt-tokens` prompt:
+A random-init model of `--preset` (default `small`, the demo's shape) is exported the way the
+export stage does it (tasks/onnx_decoder.py from the weights; `tasks.export.export_int8`;
+genai_config.json as `tasks.export.write_genai_files` writes it), then each runtime greedy-generates
+`--new-tokens` (default 256) after a `--prompt-tokens` (default 16) prompt, batch 1:
 
-  - onnxruntime (`tasks.onnx_generate.OnnxGenerator`): the fixed-shape ONNX model has no KV
-    cache, so prefill and every decode step are one full [1, seq_length] forward;
-  - MindSpore (`model.generate.Generator`, jit, KV cache over the same seq_length window):
-    prefill = `generate(prompt, 1)`, decode = the rest of `generate(prompt, N)` per token;
-  - one full [1, seq_length] forward each through onnxruntime, MindSpore jit and the
-    reloaded MindIR (`nn.GraphCell`): the same work on each runtime.
+  - MindSpore: `model.generate.Generator` (jit prefill + jit KV-cache decode step, compiled first);
+  - onnxruntime fp32 and int8: `tasks.onnx_generate.OnnxGenerator` (prefill, then one call per
+    token feeding present back as past);
+  - onnxruntime-genai: `onnxruntime_genai.Generator` over the same model.onnx (greedy; EOS is
+    held off with min_length so every runtime generates the same count).
 
-Compilation and session creation happen before any clock starts; each timing is the
-median of `--repeats` runs. Prints one JSON line.
+For each: prefill = generating 1 token, total = generating N; decode tokens/s = (N - 1) / (total -
+prefill); each figure is the median of `--repeats` runs, after a warm-up. onnxruntime and genai
+use `--threads` intra-op threads (default: onnxruntime's choice, one per physical core). Also
+reported: whether the greedy tokens agree (fp32 and genai must equal MindSpore's; int8 may drift),
+the file sizes, and the ratios the README quotes (onnxruntime fp32 / MindSpore, int8 / fp32,
+genai / MindSpore). Prints one JSON line.
 
-    python scripts/bench/export.py [--preset small] [--seq-length 128] [--prompt-tokens 16] [--new-tokens 64]
-    python scripts/bench/export.py --preset tiny --seq-length 16 --prompt-tokens 4 --new-tokens 4 --repeats 1  # smoke
+    python scripts/bench/export.py [--preset small] [--prompt-tokens 16] [--new-tokens 256] [--repeats 3]
+    python scripts/bench/export.py --preset tiny --prompt-tokens 4 --new-tokens 8 --repeats 1   # smoke
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -40,13 +45,23 @@ def _median_s(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _rates(gen_fn, n: int, repeats: int) -> dict:
+    """prefill ms, total s and decode tokens/s of a `gen_fn(max_new_tokens) -> tokens` (warmed up first)."""
+    gen_fn(2)
+    prefill = _median_s(lambda: gen_fn(1), repeats)
+    total = _median_s(lambda: gen_fn(n), repeats)
+    decode = (total - prefill) / (n - 1)
+    return {"prefill_ms": round(prefill * 1e3, 2), "decode_ms_per_token": round(decode * 1e3, 3),
+            "decode_tokens_per_s": round(1 / decode, 1) if decode > 0 else None, "total_s": round(total, 3)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="small")
-    ap.add_argument("--seq-length", type=int, default=128, help="the ONNX export length (export.seq_length)")
     ap.add_argument("--prompt-tokens", type=int, default=16)
-    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None, help="onnxruntime / genai intra-op threads")
     a = ap.parse_args()
 
     import numpy as np
@@ -54,80 +69,79 @@ def main() -> None:
     from model.runtime import setup_mindspore
 
     setup_mindspore()
-    import mindspore as ms
-
     from model.config import ModelConfig
     from model.generate import Generator
     from model.llama import LlamaForCausalLM
-    from tasks.export import export_mindir, export_onnx
+    from tasks.export import export_int8, genai_generate
+    from tasks.onnx_decoder import build_decoder, save_model
     from tasks.onnx_generate import OnnxGenerator
 
     cfg = ModelConfig.from_name(a.preset)
-    t, p, n = a.seq_length, a.prompt_tokens, a.new_tokens
-    if t > cfg.max_seq_length or p + n > t or n < 2:
-        raise SystemExit(f"need prompt + new tokens ({p} + {n}) <= seq_length {t} <= {a.preset}'s max_seq_length "
-                         f"{cfg.max_seq_length}, and at least 2 new tokens")
-
-    def fresh():  # one Cell per export: MindSpore cannot export the same Cell twice in a process
-        net = LlamaForCausalLM(cfg, seed=0)
-        net.set_train(False)
-        return net
-
-    net = fresh()
+    p, n = a.prompt_tokens, a.new_tokens
+    max_len = p + n
+    if max_len > cfg.max_seq_length or n < 2 or p < 1:
+        raise SystemExit(f"need prompt + new tokens ({p} + {n}) <= {a.preset}'s max_seq_length {cfg.max_seq_length}, "
+                         "a prompt token and at least 2 new tokens")
+    net = LlamaForCausalLM(cfg, seed=0)
+    net.set_train(False)
     prompt = [int(x) for x in np.random.default_rng(0).integers(3, cfg.vocab_size, p)]
-    x = np.zeros((1, t), np.int32)
-    x[0, :p] = prompt
-    res: dict = {"bench": "export", "preset": a.preset, "parameters": cfg.num_parameters, "seq_length": t,
-                 "prompt_tokens": p, "new_tokens": n, "repeats": a.repeats}
+    res: dict = {"bench": "export", "preset": a.preset, "parameters": cfg.num_parameters, "prompt_tokens": p,
+                 "new_tokens": n, "batch": 1, "repeats": a.repeats, "threads": a.threads, "cpus": os.cpu_count()}
     with tempfile.TemporaryDirectory() as tmp:
-        onnx_path, mindir_path = Path(tmp) / "model.onnx", Path(tmp) / "model.mindir"
+        d = Path(tmp)
+        weights = {q.name: q.asnumpy() for q in net.trainable_params()}
         t0 = time.perf_counter()
-        export_onnx(fresh(), onnx_path, 1, t)
-        res["onnx_export_s"] = round(time.perf_counter() - t0, 2)
+        save_model(build_decoder(cfg.to_dict(), weights), d / "model.onnx")
+        res["onnx_build_s"] = round(time.perf_counter() - t0, 2)
         t0 = time.perf_counter()
-        export_mindir(fresh(), mindir_path)
-        res["mindir_export_s"] = round(time.perf_counter() - t0, 2)
-        ort_gen = OnnxGenerator(onnx_path)
-        graph = ms.nn.GraphCell(ms.load(str(mindir_path)))
+        export_int8(d / "model.onnx", d / "model.int8.onnx")
+        res["int8_quantize_s"] = round(time.perf_counter() - t0, 2)
+        res["onnx_mb"] = round((d / "model.onnx").stat().st_size / 1e6, 2)
+        res["int8_mb"] = round((d / "model.int8.onnx").stat().st_size / 1e6, 2)
+        # genai reads genai_config.json (no tokenizer files needed: it generates from token ids); EOS (2) is held
+        # off with min_length, as MindSpore and OnnxGenerator run without an eos_id here
+        import onnxruntime_genai as og
 
-        # onnxruntime: every step is the same full forward (no KV cache in a fixed-shape graph)
-        ort_gen.generate(prompt, 2)  # warm-up
-        ort_prefill = _median_s(lambda: ort_gen.generate(prompt, 1), a.repeats)
-        ort_total = _median_s(lambda: ort_gen.generate(prompt, n), a.repeats)
-        ort_tokens = ort_gen.generate(prompt, n)
+        _write_genai_config(d, cfg.to_dict(), a.threads)
 
-        # MindSpore: jit prefill + jit KV-cache decode step, compiled before timing
-        gen = Generator(net, max_len=t)
-        gen.compile(p, n)
-        ms_prefill = _median_s(lambda: gen.generate(prompt, 1), a.repeats)
-        ms_total = _median_s(lambda: gen.generate(prompt, n), a.repeats)
-        ms_tokens = gen.generate(prompt, n)
+        ms_gen = Generator(net, max_len=max_len)
+        ms_gen.compile(p, n)
+        ort = {k: OnnxGenerator(d / f, threads=a.threads, max_len=max_len)
+               for k, f in (("fp32", "model.onnx"), ("int8", "model.int8.onnx"))}
+        genai_model = og.Model(str(d))
 
-        # the same work on each runtime: one full [1, T] forward
-        def full_forward(ids):  # a def, not a lambda: MindSpore's jit parser needs it on its own line
-            return net(ids)
+        def genai(k: int) -> list[int]:
+            return genai_generate(genai_model, prompt, k, hold_eos=True)
 
-        fwd = ms.jit(full_forward)
-        fwd(ms.Tensor(x)).asnumpy()
-        graph(ms.Tensor(x)).asnumpy()
-        forward = {
-            "onnx": _median_s(lambda: ort_gen.session.run(None, {"input_ids": x}), a.repeats),
-            "mindspore_jit": _median_s(lambda: fwd(ms.Tensor(x)).asnumpy(), a.repeats),
-            "mindir": _median_s(lambda: graph(ms.Tensor(x)).asnumpy(), a.repeats),
-        }
+        runs = {"mindspore": lambda k: ms_gen.generate(prompt, k), "onnx_fp32": lambda k: ort["fp32"].generate(prompt, k),
+                "onnx_int8": lambda k: ort["int8"].generate(prompt, k), "genai": genai}
+        tokens = {}
+        for name, fn in runs.items():
+            res[name] = _rates(fn, n, a.repeats)
+            tokens[name] = fn(n)
+    ms = res["mindspore"]["decode_tokens_per_s"]
 
-    ort_decode = (ort_total - ort_prefill) / (n - 1)
-    ms_decode = (ms_total - ms_prefill) / (n - 1)
+    def ratio(x, y):
+        return round(x / y, 2) if x and y else None
+
     res.update(
-        onnx_prefill_ms=round(ort_prefill * 1e3, 2), onnx_decode_ms_per_token=round(ort_decode * 1e3, 2),
-        onnx_tokens_per_s=round(n / ort_total, 1),
-        mindspore_prefill_ms=round(ms_prefill * 1e3, 2), mindspore_decode_ms_per_token=round(ms_decode * 1e3, 2),
-        mindspore_tokens_per_s=round(n / ms_total, 1),
-        onnx_vs_mindspore_decode=round(ms_decode / ort_decode, 2) if ort_decode > 0 else None,
-        forward_ms={k: round(v * 1e3, 2) for k, v in forward.items()},
-        same_tokens=ort_tokens == ms_tokens,
+        onnx_vs_mindspore_decode=ratio(res["onnx_fp32"]["decode_tokens_per_s"], ms),
+        int8_vs_fp32_decode=ratio(res["onnx_int8"]["decode_tokens_per_s"], res["onnx_fp32"]["decode_tokens_per_s"]),
+        genai_vs_mindspore_decode=ratio(res["genai"]["decode_tokens_per_s"], ms),
+        same_tokens={k: tokens[k] == tokens["mindspore"] for k in ("onnx_fp32", "onnx_int8", "genai")},
+        int8_tokens_agree=sum(x == y for x, y in zip(tokens["onnx_int8"], tokens["mindspore"])),
     )
     print(json.dumps(res))
+
+
+def _write_genai_config(d: Path, model_config: dict, threads: int | None) -> None:
+    from tasks.artifacts import atomic_write_json
+    from tasks.onnx_decoder import genai_config
+
+    cfg = genai_config(model_config, eos_id=2, bos_id=1, pad_id=0)
+    if threads:
+        cfg["model"]["decoder"]["session_options"]["intra_op_num_threads"] = threads
+    atomic_write_json(d / "genai_config.json", cfg)
 
 
 if __name__ == "__main__":
