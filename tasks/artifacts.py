@@ -54,7 +54,7 @@ STAGE_SOURCES: dict[str, list[str]] = {
              "tasks/lm_tasks/local_piqa.yaml", "tasks/lm_tasks/local_boolq.yaml", "tasks/lm_tasks/local_winogrande.yaml",
              "tasks/lm_tasks/local_lambada_openai.yaml", "tasks/lm_tasks/local_truthfulqa_mc1.yaml",
              "tasks/lm_tasks/local_truthfulqa_mc2.yaml"],
-    "export": ["tasks/export.py", "tasks/onnx_generate.py", "model/llama.py", "model/generate.py"],
+    "export": ["tasks/export.py", "tasks/onnx_generate.py", "tasks/onnx_decoder.py", "model/llama.py", "model/generate.py"],
     "convert": ["tasks/convert.py", "model/convert.py", "model/llama.py"],
 }
 
