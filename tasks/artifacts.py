@@ -18,6 +18,13 @@ version. The build is atomic: files are fsynced, the manifest is written last,
 and the directory is renamed into place; a directory without a complete
 manifest is never returned. When two processes race on one key, the first
 rename wins and the loser's copy is discarded. Nothing is read back with pickle.
+
+A build directory is named `.tmp-<key>-<pid>-<random>@<host>`. A process killed
+mid-build (kill -9, OOM, power loss) leaves it behind; the first build of each
+store object removes those whose process is gone (`clean_stale`): same host,
+and the pid no longer running or now a different process (started after the
+directory was last written). Live builds, other hosts' builds and anything
+not named like a build directory are left alone.
 """
 
 from __future__ import annotations
@@ -29,7 +36,10 @@ import importlib.metadata as _md
 import json
 import os
 import platform
+import re
 import shutil
+import socket
+import sys
 import subprocess
 import uuid
 from dataclasses import dataclass, field
@@ -165,6 +175,7 @@ class Build:
 class ArtifactStore:
     def __init__(self, root: str | os.PathLike = "artifacts"):
         self.root = Path(root).resolve()
+        self._cleaned = False  # leftovers of dead builds are removed on this store's first build
 
     # -- keys
     @staticmethod
@@ -283,7 +294,11 @@ class ArtifactStore:
     ) -> Iterator[Build]:
         final = self.path_for(stage, key)
         final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = final.parent / f".tmp-{key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        if not self._cleaned:
+            self._cleaned = True
+            if n := self.clean_stale():
+                print(f"[artifacts] removed {n} build dir(s) left under {self.root} by killed builds", file=sys.stderr)
+        tmp = final.parent / f".tmp-{key}-{os.getpid()}-{uuid.uuid4().hex[:8]}@{_HOST}"
         tmp.mkdir()
         b = Build(dir=tmp, path=final)
         try:
@@ -331,7 +346,7 @@ class ArtifactStore:
                 shutil.rmtree(tmp, ignore_errors=True)
 
     def clean_stale(self) -> int:
-        """Remove leftover `.tmp-*` build directories of dead builds; returns how many."""
+        """Remove `.tmp-*` build directories of dead builds (see the module doc); returns how many."""
         n = 0
         if not self.root.is_dir():
             return 0
@@ -339,12 +354,33 @@ class ArtifactStore:
             if not stage_dir.is_dir():
                 continue
             for t in stage_dir.glob(".tmp-*"):
-                pid = t.name.split("-")[2] if t.name.count("-") >= 3 else ""
-                if pid.isdigit() and _pid_alive(int(pid)):
+                m = _TMP_BUILD.match(t.name)
+                if m is None or (m["host"] or _HOST) != _HOST:
+                    continue  # not a store build dir (e.g. `.tmp-step_*` checkpoints), or another host's
+                try:
+                    written = t.stat().st_mtime
+                except OSError:
+                    continue
+                if _pid_alive(int(m["pid"])) and not _started_after(int(m["pid"]), written):
                     continue
                 shutil.rmtree(t, ignore_errors=True)
-                n += 1
+                n += not t.exists()
         return n
+
+
+# Build dirs: `.tmp-<key>-<pid>-<8 hex>@<host tag>` (without the tag: written before the tag existed).
+_TMP_BUILD = re.compile(rf"^\.tmp-[0-9a-f]{{{KEY_LEN}}}-(?P<pid>[0-9]+)-[0-9a-f]{{8}}(?:@(?P<host>[0-9a-f]{{8}}))?$")
+_HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+
+
+def _started_after(pid: int, t: float, slack: float = 2.0) -> bool:
+    """True when process `pid` started after time `t` (so it cannot be what wrote something at `t`)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).create_time() > t + slack
+    except (psutil.Error, OSError):
+        return False
 
 
 def _pid_alive(pid: int) -> bool:

@@ -31,7 +31,10 @@ invalid UTF-8 without naming the file, and cannot replace or skip one bad docume
 Cleaning, in order (each dropped document counted by reason in the manifest, nothing silently):
 `binary` (a NUL character; a file whose first 8 KiB hold a NUL byte counts once and is listed in
 `skipped_files`), `invalid_utf8` (with `clean.invalid_utf8: skip`; with `replace` the bad bytes
-become U+FFFD and the document counts under `documents_repaired`), Unicode normalization
+become U+FFFD and the document counts under `documents_repaired`), `mostly_invalid` (more than
+half of the document's characters are U+FFFD after that repair: binary data without NUL bytes,
+e.g. an image or an archive renamed `.txt`; random bytes come out ~80% U+FFFD, real text with a
+few bad bytes far below 50%; such a document is not also counted as repaired), Unicode normalization
 (`clean.normalize`), `empty`, `whitespace`, `too_short` (< `min_chars`), `too_long`
 (> `max_chars`), `duplicate` (sha256 of the normalized text). Validation documents are then drawn
 at random (seed `data.seed`), so no document — and no block — is in both splits.
@@ -96,7 +99,8 @@ if TYPE_CHECKING:
 
 DATA_SCHEMA_VERSION = 1
 SPLITS = ("train", "valid")
-SKIP_REASONS = ("binary", "invalid_utf8", "empty", "whitespace", "too_short", "too_long", "duplicate")
+SKIP_REASONS = ("binary", "invalid_utf8", "mostly_invalid", "empty", "whitespace", "too_short", "too_long", "duplicate")
+MAX_REPLACEMENT_FRACTION = 0.5  # a document with more U+FFFD than this (after repair) is `mostly_invalid`
 COLUMNS = {"input_ids": "int32 [seq_length + 1]", "loss_mask": "int32 [seq_length]"}
 _SNIFF_BYTES = 8192
 _MR_PAGE_SIZE = 1 << 20  # MindRecord pads every blob page to this size; the default (32 MiB) bloats small shards
@@ -372,6 +376,10 @@ class Cleaner:
                 self._skip("invalid_utf8")
                 return False
             text = raw.decode("utf-8", "replace")
+        if text and text.count("\ufffd") > MAX_REPLACEMENT_FRACTION * len(text):
+            self._skip("mostly_invalid")
+            return False
+        if not valid:
             s.repaired["invalid_utf8"] += 1
         if self.c.normalize != "none" and not unicodedata.is_normalized(self.c.normalize, text):
             text = unicodedata.normalize(self.c.normalize, text)

@@ -250,8 +250,8 @@ def test_cleaning_counts_every_drop():
         c.add(t)
     s = c.stats
     assert c.kept == ["hello world", "fine print"]  # NFKC folds the ligature
-    assert s.skipped == {"binary": 1, "invalid_utf8": 1, "empty": 1, "whitespace": 1, "too_short": 1, "too_long": 1,
-                         "duplicate": 1}
+    assert s.skipped == {"binary": 1, "invalid_utf8": 1, "mostly_invalid": 0, "empty": 1, "whitespace": 1,
+                         "too_short": 1, "too_long": 1, "duplicate": 1}
     assert s.seen == s.kept + sum(s.skipped.values()) == 9
     r = data.Cleaner(CleanSection(invalid_utf8="replace"))
     r.add(bad)
