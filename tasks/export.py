@@ -305,7 +305,8 @@ def _export_onnx_checked(out: Path, info: dict[str, Any], weights: dict[str, np.
     ver.update(export_onnx(info, weights, out / "model.onnx", meta))
     ver["onnx_checker"] = "passed"  # export_onnx raises otherwise
     gen = OnnxGenerator(out / "model.onnx", max_len=ex.seq_length)
-    ver["onnx_checks"] = onnx_checks(gen, reference, prompts, info["model"]["vocab_size"])
+    room = ex.seq_length - CHUNK - STEPS  # each checked row (prompt + chunk + steps) fits the window
+    ver["onnx_checks"] = onnx_checks(gen, reference, [p[-room:] for p in prompts], info["model"]["vocab_size"])
     ver["onnx_kv_steps"] = STEPS
     diff = max(c["max_abs_diff"] for c in ver["onnx_checks"])
     ver["onnx_max_abs_diff"] = diff
@@ -573,10 +574,12 @@ def _heldout_rows(data: Path) -> tuple[np.ndarray, np.ndarray] | None:
     """(input_ids [B, T], labels [B, T], -100 = not counted) of the first HELDOUT_BLOCKS valid blocks, or None."""
     from tasks.pretrain import block_batches
 
+    from tasks.data import DataError
+
     try:
         for ids, labels in block_batches(data, "valid", HELDOUT_BLOCKS, 10**9, seed=0, repeat=False):
             return ids, labels
-    except Exception:  # noqa: BLE001 - an unreadable or empty split: fall back to the prompts, and say so
+    except (DataError, ArtifactError, OSError, ValueError, RuntimeError):  # unreadable or empty: the prompts instead
         return None
     return None
 
