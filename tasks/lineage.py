@@ -80,7 +80,8 @@ def _input(store: ArtifactStore, inp: Any, done: dict, active: set, depth: int) 
     try:
         p = store.inside(inp["path"])
     except ArtifactError as exc:
-        return {"kind": "rejected", "stage": stage, "key": key, "digest": digest, "error": f"{exc}; not followed"}
+        return {"kind": "rejected", "stage": stage, "key": key, "digest": digest,
+                "error": f"{exc}; not followed (a manifest may only name artifacts of its own store: rebuild the one that lists it)"}
     if p in done or p in active:
         child = {"kind": "artifact-ref", "ref": "cycle" if p in active else "shown above", "stage": stage, "key": key,
                  "digest": digest, "path": str(p)}
