@@ -72,6 +72,8 @@ STAGE_SOURCES: dict[str, list[str]] = {
 class ArtifactError(RuntimeError):
     """An artifact is missing, incomplete, corrupt or outside the artifact root."""
 
+    permanent = True  # rerunning the stage that reads it cannot repair it (tasks/supervise.is_permanent)
+
 
 # ----------------------------------------------------------------------------- hashing
 
