@@ -14,9 +14,9 @@ from pathlib import Path
 from prefect import flow
 
 from flows import stages
-from tasks.artifacts import ArtifactStore, sha256_file
+from tasks.store.artifacts import ArtifactStore, sha256_file
 from tasks.config import resolve_pipeline
-from tasks.lineage import lineage_tree, raw_inputs
+from tasks.store.lineage import lineage_tree, raw_inputs
 
 CORPUS_SUFFIXES = (".txt", ".jsonl", ".json", ".jsonl.gz", ".parquet")
 

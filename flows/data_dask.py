@@ -15,20 +15,20 @@ from pathlib import Path
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
-from tasks.artifacts import ArtifactStore
+from tasks.store.artifacts import ArtifactStore
 from tasks.config import PipelineConfig
 
 
 @task(name="tokenize-chunk", cache_policy=NO_CACHE, persist_result=False)
 def tokenize_chunk_task(spec: dict) -> str:
-    from tasks.data import tokenize_chunk
+    from tasks.stages.data import tokenize_chunk
 
     return tokenize_chunk(spec)
 
 
 @flow(name="data-dask", log_prints=True)
 def data_dask_flow(cfg_json: dict, artifacts: str, tokenizer_model: str | None = None) -> str:
-    from tasks import data
+    from tasks.stages import data
 
     cfg = PipelineConfig.model_validate(cfg_json)
 

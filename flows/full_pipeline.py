@@ -19,7 +19,7 @@ from pathlib import Path
 from prefect import flow
 
 from flows import stages
-from tasks.artifacts import ArtifactStore
+from tasks.store.artifacts import ArtifactStore
 from tasks.config import ConfigError, resolve_pipeline
 
 

@@ -11,15 +11,14 @@ from pathlib import Path
 from prefect import flow
 
 from flows import stages
-from tasks.artifacts import ArtifactStore
 from tasks.config import resolve_pipeline
+from tasks.stages.upstream import upstream
+from tasks.store.artifacts import ArtifactStore
 
 
-def _newest(artifacts: str, stage: str, pipeline: str, hint: str) -> str:
-    p = ArtifactStore(artifacts).newest(stage, pipeline)
-    if p is None:
-        raise RuntimeError(f"no {stage} artifact for pipeline '{pipeline}' under {artifacts}; run {hint} first")
-    return str(p)
+def _upstream(artifacts: str, stage: str, pipeline: str, given: str | None) -> str:
+    """The input a stage flow reads: the given artifact, or the stage table's default (tasks.stages.upstream)."""
+    return str(upstream(ArtifactStore(artifacts), stage, pipeline, given))
 
 
 def _common(pipeline: str, config: str, overrides: list[str] | None, artifacts: str) -> dict:
@@ -38,7 +37,7 @@ def data_flow(pipeline: str = "demo", config: str = "pipelines.yaml", overrides:
 def pretrain_flow(pipeline: str = "demo", config: str = "pipelines.yaml", overrides: list[str] | None = None,
                   artifacts: str = "artifacts", data_artifact: str | None = None, init_from: str | None = None) -> str:
     c = _common(pipeline, config, overrides, artifacts)
-    data_artifact = data_artifact or _newest(c["artifacts"], "data", pipeline, "the data stage")
+    data_artifact = _upstream(c["artifacts"], "pretrain", pipeline, data_artifact)
     return stages.run_stage(stages.pretrain_task, **c, data_artifact=data_artifact, init_from=init_from)
 
 
@@ -46,27 +45,18 @@ def pretrain_flow(pipeline: str = "demo", config: str = "pipelines.yaml", overri
 def finetune_flow(pipeline: str = "demo", config: str = "pipelines.yaml", overrides: list[str] | None = None,
                   artifacts: str = "artifacts", base_artifact: str | None = None) -> dict[str, str]:
     c = _common(pipeline, config, overrides, artifacts)
-    base_artifact = base_artifact or _newest(c["artifacts"], "pretrain", pipeline, "the pretrain stage")
+    base_artifact = _upstream(c["artifacts"], "finetune", pipeline, base_artifact)
     return stages.run_stage(stages.finetune_task, **c, base_artifact=base_artifact)
-
-
-def _newest_model(artifacts: str, pipeline: str) -> str:
-    from tasks.model_artifact import newest_model
-
-    p = newest_model(ArtifactStore(artifacts), pipeline)
-    if p is None:
-        raise RuntimeError(f"no model artifact (merged or pretrain) for pipeline '{pipeline}' under {artifacts}")
-    return str(p)
 
 
 @flow(name="eval-stage", log_prints=True)
 def eval_flow(pipeline: str = "demo", config: str = "pipelines.yaml", overrides: list[str] | None = None,
               artifacts: str = "artifacts", model_artifact: str | None = None, data_artifact: str | None = None) -> str:
     """Evaluate a model artifact (default: the pipeline's newest merged or pretrain model)."""
-    from tasks.evaluate import lineage_data_artifact
+    from tasks.stages.evaluate import lineage_data_artifact
 
     c = _common(pipeline, config, overrides, artifacts)
-    model_artifact = model_artifact or _newest_model(c["artifacts"], pipeline)
+    model_artifact = _upstream(c["artifacts"], "eval", pipeline, model_artifact)
     if data_artifact is None:
         found = lineage_data_artifact(ArtifactStore(c["artifacts"]), Path(model_artifact))
         data_artifact = str(found) if found else None
@@ -77,10 +67,10 @@ def eval_flow(pipeline: str = "demo", config: str = "pipelines.yaml", overrides:
 def export_flow(pipeline: str = "demo", config: str = "pipelines.yaml", overrides: list[str] | None = None,
                 artifacts: str = "artifacts", model_artifact: str | None = None, eval_artifact: str | None = None) -> str:
     """Export a model artifact (default: the pipeline's newest merged or pretrain model) to MindIR + ONNX."""
-    from tasks.export import matching_eval
+    from tasks.stages.export import matching_eval
 
     c = _common(pipeline, config, overrides, artifacts)
-    model_artifact = model_artifact or _newest_model(c["artifacts"], pipeline)
+    model_artifact = _upstream(c["artifacts"], "export", pipeline, model_artifact)
     if eval_artifact is None:
         found = matching_eval(ArtifactStore(c["artifacts"]), Path(model_artifact), pipeline)
         eval_artifact = str(found) if found else None

@@ -19,7 +19,7 @@ from typing import Any
 from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from tasks.artifacts import ArtifactStore
+from tasks.store.artifacts import ArtifactStore
 from tasks.config import PipelineConfig, resolve_pipeline
 
 
@@ -61,7 +61,7 @@ def _p(x: str | None) -> Path | None:
 
 
 def _data_key(store, params):
-    from tasks import data
+    from tasks.stages import data
 
     cfg = load_cfg(params["config"], params["pipeline"], params["overrides"], params.get("continued_sources"))
     return data.stage_key(cfg, store, _p(params.get("tokenizer_model")))[0]
@@ -70,7 +70,7 @@ def _data_key(store, params):
 @task(name="data", cache_key_fn=_store_key_fn("data", _data_key), persist_result=True, result_serializer="json")
 def data_task(config: str, pipeline: str, overrides: list[str], artifacts: str,
               tokenizer_model: str | None = None, continued_sources: list[str] | None = None) -> str:
-    from tasks import data
+    from tasks.stages import data
 
     cfg = load_cfg(config, pipeline, overrides, continued_sources)
     path = data.run(cfg, ArtifactStore(artifacts), tokenizer_model=_p(tokenizer_model))
@@ -79,9 +79,9 @@ def data_task(config: str, pipeline: str, overrides: list[str], artifacts: str,
 
 
 def _retry_helps(task, task_run, state) -> bool:
-    """Prefect retries a training task only when a rerun could succeed (tasks/supervise.is_permanent):
+    """Prefect retries a training task only when a rerun could succeed (tasks/runtime/supervise.is_permanent):
     a bad config, a corrupt or foreign artifact, or a non-finite run fails the same way every time."""
-    from tasks.supervise import is_permanent
+    from tasks.runtime.supervise import is_permanent
 
     exc = state.data
     return not (isinstance(exc, BaseException) and is_permanent(exc))
@@ -91,7 +91,7 @@ def _retry_helps(task, task_run, state) -> bool:
 
 
 def _pretrain_key(store, params):
-    from tasks import pretrain
+    from tasks.stages import pretrain
 
     cfg = load_cfg(params["config"], params["pipeline"], params["overrides"], params.get("continued_sources"))
     return pretrain.stage_key(cfg, store, Path(params["data_artifact"]), _p(params.get("init_from")))[0]
@@ -103,7 +103,7 @@ def _pretrain_key(store, params):
 def pretrain_task(config: str, pipeline: str, overrides: list[str], artifacts: str, data_artifact: str,
                   init_from: str | None = None, continued_sources: list[str] | None = None) -> str:
     """Trains in a supervised child process; a Prefect retry resumes from the newest checkpoint."""
-    from tasks import pretrain
+    from tasks.stages import pretrain
 
     cfg = load_cfg(config, pipeline, overrides, continued_sources)
     path = pretrain.run(cfg, ArtifactStore(artifacts), Path(data_artifact), init_from=_p(init_from))
@@ -115,7 +115,7 @@ def pretrain_task(config: str, pipeline: str, overrides: list[str], artifacts: s
 
 
 def _finetune_key(store, params):
-    from tasks import finetune
+    from tasks.stages import finetune
 
     cfg = load_cfg(params["config"], params["pipeline"], params["overrides"])
     return finetune.stage_key(cfg, store, Path(params["base_artifact"]))[0]
@@ -126,7 +126,7 @@ def _finetune_key(store, params):
       retry_condition_fn=_retry_helps)
 def finetune_task(config: str, pipeline: str, overrides: list[str], artifacts: str, base_artifact: str) -> dict[str, str]:
     """LoRA/full fine-tuning in a supervised child, then the merge eval and export consume."""
-    from tasks import finetune
+    from tasks.stages import finetune
 
     cfg = load_cfg(config, pipeline, overrides)
     store = ArtifactStore(artifacts)
@@ -139,7 +139,7 @@ def finetune_task(config: str, pipeline: str, overrides: list[str], artifacts: s
 
 
 def _eval_key(store, params):
-    from tasks import evaluate
+    from tasks.stages import evaluate
 
     cfg = load_cfg(params["config"], params["pipeline"], params["overrides"])
     return evaluate.stage_key(cfg, store, Path(params["model_artifact"]), _p(params.get("data_artifact")))[0]
@@ -149,7 +149,7 @@ def _eval_key(store, params):
 def eval_task(config: str, pipeline: str, overrides: list[str], artifacts: str, model_artifact: str,
               data_artifact: str | None = None) -> str:
     """Perplexity on the held-out split, lm-eval tasks, sample generations."""
-    from tasks import evaluate
+    from tasks.stages import evaluate
 
     cfg = load_cfg(config, pipeline, overrides)
     path = evaluate.run(cfg, ArtifactStore(artifacts), Path(model_artifact), _p(data_artifact))
@@ -165,7 +165,7 @@ def eval_task(config: str, pipeline: str, overrides: list[str], artifacts: str, 
 
 
 def _export_key(store, params):
-    from tasks import export
+    from tasks.stages import export
 
     cfg = load_cfg(params["config"], params["pipeline"], params["overrides"])
     return export.stage_key(cfg, store, Path(params["model_artifact"]), _p(params.get("eval_artifact")))[0]
@@ -175,7 +175,7 @@ def _export_key(store, params):
 def export_task(config: str, pipeline: str, overrides: list[str], artifacts: str, model_artifact: str,
                 eval_artifact: str | None = None) -> str:
     """MindIR + ONNX, each verified by reloading and comparing logits (in a child process)."""
-    from tasks import export
+    from tasks.stages import export
 
     cfg = load_cfg(config, pipeline, overrides)
     path = export.run(cfg, ArtifactStore(artifacts), Path(model_artifact), eval_artifact=_p(eval_artifact))
@@ -201,7 +201,7 @@ def publish_metrics(stage: str, path: str | Path) -> None:
 
 def publish_lineage(store: ArtifactStore, path: str | Path) -> str:
     """The lineage tree of an artifact as a Prefect markdown artifact (mermaid + text); returns the text."""
-    from tasks.lineage import lineage_tree, raw_inputs, render
+    from tasks.store.lineage import lineage_tree, raw_inputs, render
 
     tree = lineage_tree(store, path)
     text = render(tree, "text")

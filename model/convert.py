@@ -13,7 +13,7 @@ The logit-parity tests (tests/test_convert.py) are what proves this.
 Every key on either side is used exactly once and every shape is checked;
 a mismatch raises ConversionError naming the key. Tied embeddings: our model
 has no lm_head.weight; HF files may omit it or carry a copy of the embedding.
-Reading and writing files (safetensors, shards, tokenizer) is in tasks/convert.py:
+Reading and writing files (safetensors, shards, tokenizer) is in tasks/stages/convert.py:
 this module needs numpy only.
 """
 

@@ -53,7 +53,7 @@ def main() -> int:
     out = full_pipeline(pipeline=cfg.name, config="pipelines.yaml", overrides=a.overrides, artifacts=a.artifacts)
     wall = time.perf_counter() - t0
 
-    from tasks.artifacts import ArtifactStore
+    from tasks.store.artifacts import ArtifactStore
 
     print(f"\n== full-pipeline '{cfg.name}' finished in {wall / 60:.1f} min; artifacts:")
     for stage, path in out.items():

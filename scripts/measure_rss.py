@@ -28,8 +28,8 @@ def main() -> None:
     setup_mindspore()
     from model.config import ModelConfig
     from model.llama import LlamaForCausalLM
-    from tasks.optim import causal_lm_train_step
-    from tasks.trainer import peak_rss_bytes
+    from tasks.training.optim import causal_lm_train_step
+    from tasks.training.trainer import peak_rss_bytes
 
     cfg = ModelConfig.from_name(a.preset)
     net = LlamaForCausalLM(cfg, seed=0)

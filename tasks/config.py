@@ -226,7 +226,6 @@ class CheckpointSection(_Section):
     """A checkpoint file or directory to load weights from."""
     resume: bool = True
     """Continue from the newest complete checkpoint of this run, when one exists."""
-    format: Literal["safetensors", "ckpt"] = "safetensors"
 
 
 class LoraSection(_Section):
@@ -314,9 +313,6 @@ class PipelineConfig(_Section):
     # set by resolve_pipeline; not YAML keys
     name: str = ""
     base_dir: str = "."
-
-    def model_config_resolved(self) -> ModelConfig:
-        return self.model.resolve()
 
     def section(self, name: str) -> dict[str, Any]:
         """A section as plain data (what a stage's cache key hashes)."""
@@ -581,9 +577,21 @@ def _expand_source(cfg: PipelineConfig, src: str) -> list[Path]:
 
 
 def check_pipeline(cfg: PipelineConfig, prefix: str, check_files: bool = True) -> list[str]:
-    """Rules that span keys or touch the file system; each message names a YAML path and a fix."""
+    """Rules that span keys or touch the file system, one function per concern; each message names a
+    YAML path and a fix. Every rule runs, so all problems are reported together."""
+    errs, mc = _model_rules(cfg, prefix)
+    if mc is None:
+        return errs
+    for rule in (_layout_rules, _length_rules, _tokenizer_rules, _schedule_rules, _lora_rules):
+        errs += rule(cfg, prefix, mc)
+    if check_files:
+        errs += _file_rules(cfg, prefix)
+    return errs
+
+
+def _model_rules(cfg: PipelineConfig, prefix: str) -> tuple[list[str], ModelConfig | None]:
+    """The model name and preset resolve to a ModelConfig (the other rules need it)."""
     errs: list[str] = []
-    # model
     if cfg.model.name not in BUILTIN_MODELS:
         errs.append(f"{prefix}.model.name: unknown model '{cfg.model.name}'; "
                     f"{_suggest(cfg.model.name, sorted(BUILTIN_MODELS)).replace('valid keys', 'registered models')}")
@@ -592,12 +600,18 @@ def check_pipeline(cfg: PipelineConfig, prefix: str, check_files: bool = True) -
             f"{prefix}.model.preset: unknown preset '{cfg.model.preset}'; "
             f"{_suggest(cfg.model.preset, list(PRESETS)).replace('valid keys', 'presets')}"
         )
-        return errs
+        return errs, None
     try:
         mc = cfg.model.resolve()
     except ValueError as exc:
         errs.append(f"{prefix}.model: {exc}")
-        return errs
+        return errs, None
+    return errs, mc
+
+
+def _layout_rules(cfg: PipelineConfig, prefix: str, mc: ModelConfig) -> list[str]:
+    """Tensor-parallel divisibility and the parallel layout (device counts, stages, nodes)."""
+    errs: list[str] = []
     par = cfg.parallel
     if mc.num_heads % mc.num_kv_heads:
         errs.append(
@@ -613,7 +627,6 @@ def check_pipeline(cfg: PipelineConfig, prefix: str, check_files: bool = True) -
         errs.append(
             f"{prefix}.parallel.tensor_parallel: {par.tensor_parallel} must divide intermediate_size={mc.intermediate_size}"
         )
-    # parallel layout
     prod = par.data_parallel * par.tensor_parallel * par.pipeline_parallel
     if prod != par.device_num:
         errs.append(
@@ -645,7 +658,12 @@ def check_pipeline(cfg: PipelineConfig, prefix: str, check_files: bool = True) -
         where = ("MindSpore shards optimizer state only on Ascend/GPU" if par.device_target == "CPU"
                  else "this pipeline does not shard optimizer state yet (untested on Ascend/GPU)")
         errs.append(f"{prefix}.parallel.optimizer_shard: not supported: {where}; set optimizer_shard: false")
-    # sequence lengths
+    return errs
+
+
+def _length_rules(cfg: PipelineConfig, prefix: str, mc: ModelConfig) -> list[str]:
+    """Sequence lengths against the model's max_seq_length."""
+    errs: list[str] = []
     if cfg.data.seq_length > mc.max_seq_length:
         errs.append(
             f"{prefix}.data.seq_length: {cfg.data.seq_length} exceeds the model's max_seq_length={mc.max_seq_length}; "
@@ -659,13 +677,24 @@ def check_pipeline(cfg: PipelineConfig, prefix: str, check_files: bool = True) -
         )
     if cfg.export.seq_length > mc.max_seq_length:
         errs.append(f"{prefix}.export.seq_length: {cfg.export.seq_length} exceeds max_seq_length={mc.max_seq_length}")
-    # tokenizer vs model
+    return errs
+
+
+def _tokenizer_rules(cfg: PipelineConfig, prefix: str, mc: ModelConfig) -> list[str]:
+    """The tokenizer's vocabulary against the model's."""
+    errs: list[str] = []
     if cfg.data.tokenizer.path is None and cfg.data.tokenizer.vocab_size != mc.vocab_size:
         errs.append(
             f"{prefix}.data.tokenizer.vocab_size: {cfg.data.tokenizer.vocab_size} differs from the model's "
             f"vocab_size={mc.vocab_size}; make them equal (set model.vocab_size or data.tokenizer.vocab_size)"
         )
-    # training budget and schedule
+    return errs
+
+
+def _schedule_rules(cfg: PipelineConfig, prefix: str, mc: ModelConfig) -> list[str]:
+    """Training budget, warmup, learning rates and precision."""
+    errs: list[str] = []
+    par = cfg.parallel
     pt = cfg.pretrain
     if pt.max_steps is None and pt.max_tokens is None:
         errs.append(f"{prefix}.pretrain.max_steps: set max_steps or max_tokens")
@@ -686,7 +715,12 @@ def check_pipeline(cfg: PipelineConfig, prefix: str, check_files: bool = True) -
         errs.append(f"{prefix}.continued.warmup_steps: {cfg.continued.warmup_steps} > max_steps={cfg.continued.max_steps}")
     if pt.replay_ratio > 0 and not pt.init_from:
         errs.append(f"{prefix}.pretrain.replay_ratio: replay needs pretrain.init_from (the model whose data is replayed)")
-    # lora
+    return errs
+
+
+def _lora_rules(cfg: PipelineConfig, prefix: str, mc: ModelConfig) -> list[str]:
+    """LoRA target modules and the held-out split."""
+    errs: list[str] = []
     valid_mods = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
     tm = cfg.finetune.lora.target_modules
     if isinstance(tm, list):
@@ -698,29 +732,33 @@ def check_pipeline(cfg: PipelineConfig, prefix: str, check_files: bool = True) -
                 )
     if cfg.data.validation_fraction == 0 and cfg.data.validation_documents is None:
         errs.append(f"{prefix}.data.validation_fraction: 0 leaves no held-out split; set a fraction > 0 or validation_documents")
-    # files
-    if check_files:
-        if not cfg.data.sources:
-            errs.append(f"{prefix}.data.sources: empty; list at least one corpus file, directory or glob")
-        for i, src in enumerate(cfg.data.sources):
-            if not src.startswith("hf:") and not _expand_source(cfg, src):
-                errs.append(f"{prefix}.data.sources[{i}]: '{src}' matches no file (looked in {cfg.resolve_path(src)}); fix the path")
-        for key, val in (
-            ("data.tokenizer.path", cfg.data.tokenizer.path),
-            ("checkpoint.load_checkpoint", cfg.checkpoint.load_checkpoint),
-            ("pretrain.init_from", cfg.pretrain.init_from),
-        ):
-            if val and not cfg.resolve_path(val).exists():
-                errs.append(f"{prefix}.{key}: '{val}' does not exist (looked in {cfg.resolve_path(val)}); fix the path")
-        for i, src in enumerate(cfg.continued.sources):
-            if not _expand_source(cfg, src):
-                errs.append(f"{prefix}.continued.sources[{i}]: '{src}' matches no file (looked in {cfg.resolve_path(src)}); fix the path")
-        for i, src in enumerate(cfg.finetune.sources):
-            if not _expand_source(cfg, src):
-                errs.append(f"{prefix}.finetune.sources[{i}]: '{src}' matches no file; fix the path")
-        for i, src in enumerate(cfg.eval.perplexity_files):
-            if not cfg.resolve_path(src).is_file():
-                errs.append(f"{prefix}.eval.perplexity_files[{i}]: '{src}' is not a file; fix the path")
+    return errs
+
+
+def _file_rules(cfg: PipelineConfig, prefix: str) -> list[str]:
+    """Every path the pipeline reads exists (skipped with check_files=False)."""
+    errs: list[str] = []
+    if not cfg.data.sources:
+        errs.append(f"{prefix}.data.sources: empty; list at least one corpus file, directory or glob")
+    for i, src in enumerate(cfg.data.sources):
+        if not src.startswith("hf:") and not _expand_source(cfg, src):
+            errs.append(f"{prefix}.data.sources[{i}]: '{src}' matches no file (looked in {cfg.resolve_path(src)}); fix the path")
+    for key, val in (
+        ("data.tokenizer.path", cfg.data.tokenizer.path),
+        ("checkpoint.load_checkpoint", cfg.checkpoint.load_checkpoint),
+        ("pretrain.init_from", cfg.pretrain.init_from),
+    ):
+        if val and not cfg.resolve_path(val).exists():
+            errs.append(f"{prefix}.{key}: '{val}' does not exist (looked in {cfg.resolve_path(val)}); fix the path")
+    for i, src in enumerate(cfg.continued.sources):
+        if not _expand_source(cfg, src):
+            errs.append(f"{prefix}.continued.sources[{i}]: '{src}' matches no file (looked in {cfg.resolve_path(src)}); fix the path")
+    for i, src in enumerate(cfg.finetune.sources):
+        if not _expand_source(cfg, src):
+            errs.append(f"{prefix}.finetune.sources[{i}]: '{src}' matches no file; fix the path")
+    for i, src in enumerate(cfg.eval.perplexity_files):
+        if not cfg.resolve_path(src).is_file():
+            errs.append(f"{prefix}.eval.perplexity_files[{i}]: '{src}' is not a file; fix the path")
     return errs
 
 

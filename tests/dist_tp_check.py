@@ -17,8 +17,8 @@ if __name__ == "__main__":
     from model.config import ModelConfig
     from model.llama import LlamaForCausalLM, causal_lm_loss
     from model.parallel import shard
-    from tasks.distributed import Mesh
-    from tasks.optim import causal_lm_train_step
+    from tasks.runtime.distributed import Mesh
+    from tasks.training.optim import causal_lm_train_step
 
     out = Path(sys.argv[1])
     ms.set_device("CPU")

@@ -30,8 +30,8 @@ def tiny_model_artifact(root: Path, preset: str = "tiny", seed: int = 0, **overr
 
     from model.config import ModelConfig
     from model.llama import LlamaForCausalLM
-    from tasks.artifacts import ArtifactStore
-    from tasks.model_artifact import tokenizer_info, write_model
+    from tasks.store.artifacts import ArtifactStore
+    from tasks.store.model_artifact import tokenizer_info, write_model
 
     store = ArtifactStore(root)
     mc = ModelConfig.from_name(preset, **overrides)

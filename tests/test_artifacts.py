@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.artifacts import ArtifactError, ArtifactStore, raw_file_input, sha256_file
+from tasks.store.artifacts import ArtifactError, ArtifactStore, raw_file_input, sha256_file
 
 
 def test_key_depends_on_content_not_path(tmp_path):

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from tasks.codeversion import (PACKAGES, CodeVersionError, code_version, dynamic_imports, import_closure,
+from tasks.store.codeversion import (PACKAGES, CodeVersionError, code_version, dynamic_imports, import_closure,
                                import_graph)
 
 REPO = Path(__file__).resolve().parent.parent
-LM_TASK_FILES = ["tasks/lm_tasks/*.yaml", "tasks/lm_tasks/utils.py"]
+LM_TASK_FILES = ["tasks/stages/evaluate/lm_tasks/*.yaml", "tasks/stages/evaluate/lm_tasks/utils.py"]
 
 
 @pytest.fixture
@@ -32,84 +32,83 @@ def _edit(path: Path, text: str = "\n# an edit\n") -> None:
 
 
 def test_data_closure_holds_the_config_it_is_passed(repo_copy):
-    # tasks/data.py imports tasks.config only for type checking, but runs PipelineConfig's methods
-    assert "tasks/config.py" in import_closure("tasks.data", repo_copy)
-    before = code_version("tasks.data", root=repo_copy)
+    # tasks/stages/data/ imports tasks.config only for type checking, but runs PipelineConfig's methods
+    assert "tasks/config.py" in import_closure("tasks.stages.data", repo_copy)
+    before = code_version("tasks.stages.data", root=repo_copy)
     _edit(repo_copy / "tasks/config.py")
-    assert code_version("tasks.data", root=repo_copy) != before
+    assert code_version("tasks.stages.data", root=repo_copy) != before
 
 
 def test_pretrain_closure_follows_function_level_imports(repo_copy):
-    closure = import_closure("tasks.pretrain", repo_copy)
+    closure = import_closure("tasks.stages.pretrain", repo_copy)
     # the MindRecord reader, the loop and the model are reached (some only through imports inside functions)
-    for rel in ("tasks/pretrain.py", "tasks/dataset.py", "tasks/trainer.py", "tasks/optim.py", "tasks/checkpoint.py",
+    for rel in ("tasks/stages/pretrain.py", "tasks/store/reader.py", "tasks/training/trainer.py", "tasks/training/optim.py", "tasks/training/checkpoint.py",
                 "model/__init__.py", "model/llama.py", "model/config.py"):
         assert rel in closure
-    assert "tasks/onnx_generate.py" not in closure
+    assert "tasks/deploy/onnx_generate.py" not in closure
     assert "flows/stages.py" not in closure
     assert closure == sorted(closure)
 
 
-@pytest.mark.parametrize("rel", ["tasks/dataset.py", "tasks/trainer.py", "model/llama.py", "model/__init__.py"])
+@pytest.mark.parametrize("rel", ["tasks/store/reader.py", "tasks/training/trainer.py", "model/llama.py", "model/__init__.py"])
 def test_edit_inside_the_closure_changes_the_version(repo_copy, rel):
-    before = code_version("tasks.pretrain", root=repo_copy)
+    before = code_version("tasks.stages.pretrain", root=repo_copy)
     _edit(repo_copy / rel)
-    assert code_version("tasks.pretrain", root=repo_copy) != before
+    assert code_version("tasks.stages.pretrain", root=repo_copy) != before
 
 
-@pytest.mark.parametrize("rel", ["tasks/onnx_generate.py", "flows/full_pipeline.py", "tasks/lm_tasks/utils.py"])
+@pytest.mark.parametrize("rel", ["tasks/deploy/onnx_generate.py", "flows/full_pipeline.py", "tasks/stages/evaluate/lm_tasks/utils.py"])
 def test_edit_outside_the_closure_keeps_the_version(repo_copy, rel):
-    before = code_version("tasks.pretrain", root=repo_copy)
+    before = code_version("tasks.stages.pretrain", root=repo_copy)
     _edit(repo_copy / rel)
-    assert code_version("tasks.pretrain", root=repo_copy) == before
+    assert code_version("tasks.stages.pretrain", root=repo_copy) == before
 
 
 def test_version_does_not_depend_on_where_the_repo_lives(repo_copy, tmp_path):
     other = tmp_path / "elsewhere" / "clone"
     shutil.copytree(repo_copy, other)
-    assert code_version("tasks.pretrain", root=other) == code_version("tasks.pretrain", root=repo_copy)
-    assert code_version("tasks.pretrain", root=other) == code_version("tasks.pretrain", root=REPO)
+    assert code_version("tasks.stages.pretrain", root=other) == code_version("tasks.stages.pretrain", root=repo_copy)
+    assert code_version("tasks.stages.pretrain", root=other) == code_version("tasks.stages.pretrain", root=REPO)
 
 
 def test_declared_data_files_are_hashed(repo_copy):
-    before = code_version("tasks.evaluate", LM_TASK_FILES, root=repo_copy)
-    assert before != code_version("tasks.evaluate", root=repo_copy)
-    _edit(repo_copy / "tasks/lm_tasks/local_boolq.yaml")
-    assert code_version("tasks.evaluate", LM_TASK_FILES, root=repo_copy) != before
+    before = code_version("tasks.stages.evaluate", LM_TASK_FILES, root=repo_copy)
+    assert before != code_version("tasks.stages.evaluate", root=repo_copy)
+    _edit(repo_copy / "tasks/stages/evaluate/lm_tasks/local_boolq.yaml")
+    assert code_version("tasks.stages.evaluate", LM_TASK_FILES, root=repo_copy) != before
 
 
 def test_missing_data_file_is_an_error(repo_copy):
-    (repo_copy / "tasks/lm_tasks/local_piqa.yaml").unlink()
-    with pytest.raises(CodeVersionError, match="tasks/lm_tasks/local_piqa.yaml does not exist"):
-        code_version("tasks.evaluate", ["tasks/lm_tasks/local_piqa.yaml"], root=repo_copy)
+    (repo_copy / "tasks/stages/evaluate/lm_tasks/local_piqa.yaml").unlink()
+    with pytest.raises(CodeVersionError, match="tasks/stages/evaluate/lm_tasks/local_piqa.yaml does not exist"):
+        code_version("tasks.stages.evaluate", ["tasks/stages/evaluate/lm_tasks/local_piqa.yaml"], root=repo_copy)
     with pytest.raises(CodeVersionError, match="match nothing"):
-        code_version("tasks.evaluate", ["tasks/lm_tasks/*.yml"], root=repo_copy)
+        code_version("tasks.stages.evaluate", ["tasks/stages/evaluate/lm_tasks/*.yml"], root=repo_copy)
     with pytest.raises(CodeVersionError, match="relative to"):
-        code_version("tasks.evaluate", ["../outside.yaml"], root=repo_copy)
+        code_version("tasks.stages.evaluate", ["../outside.yaml"], root=repo_copy)
 
 
 def test_import_of_a_missing_module_is_an_error(repo_copy):
-    _edit(repo_copy / "tasks/trainer.py", "\n\ndef later():\n    from tasks import no_such_module\n")
-    with pytest.raises(CodeVersionError, match=r"tasks/trainer\.py:\d+: `from tasks import no_such_module`: no module "
-                                               r"tasks\.no_such_module"):
-        code_version("tasks.pretrain", root=repo_copy)
+    _edit(repo_copy / "tasks/training/trainer.py", "\n\ndef later():\n    import tasks.training.no_such_module\n")
+    with pytest.raises(CodeVersionError, match=r"tasks/training/trainer\.py:\d+: .*no module tasks\.training\.no_such_module"):
+        code_version("tasks.stages.pretrain", root=repo_copy)
     # a stage that does not reach the broken file is unaffected
-    code_version("tasks.data", root=repo_copy)
+    code_version("tasks.stages.data", root=repo_copy)
     with pytest.raises(CodeVersionError, match="module tasks.nope is not a file"):
         code_version("tasks.nope", root=repo_copy)
 
 
 def test_deleting_an_imported_module_is_an_error(repo_copy):
-    code_version("tasks.pretrain", root=repo_copy)  # parses (and caches) every file of the closure
-    (repo_copy / "tasks/optim.py").unlink()          # the importers' bytes are unchanged
-    with pytest.raises(CodeVersionError, match=r"no module tasks\.optim"):
-        code_version("tasks.pretrain", root=repo_copy)
+    code_version("tasks.stages.pretrain", root=repo_copy)  # parses (and caches) every file of the closure
+    (repo_copy / "tasks/training/optim.py").unlink()          # the importers' bytes are unchanged
+    with pytest.raises(CodeVersionError, match=r"no module tasks\.training\.optim"):
+        code_version("tasks.stages.pretrain", root=repo_copy)
 
 
 def test_a_file_that_does_not_parse_is_an_error(repo_copy):
-    _edit(repo_copy / "tasks/dataset.py", "\ndef broken(:\n")
-    with pytest.raises(CodeVersionError, match=r"tasks/dataset\.py:\d+: does not parse"):
-        code_version("tasks.pretrain", root=repo_copy)
+    _edit(repo_copy / "tasks/store/reader.py", "\ndef broken(:\n")
+    with pytest.raises(CodeVersionError, match=r"tasks/store/reader\.py:\d+: does not parse"):
+        code_version("tasks.stages.pretrain", root=repo_copy)
 
 
 def _write(root: Path, files: dict[str, str]) -> None:

@@ -125,7 +125,7 @@ def test_bad_set_override(tmp_path):
 
 
 def test_config_module_imports_without_mindspore():
-    code = "import sys, tasks.config, tasks.cli, tasks.artifacts; assert 'mindspore' not in sys.modules, 'mindspore imported'"
+    code = "import sys, tasks.config, tasks.cli, tasks.store.artifacts; assert 'mindspore' not in sys.modules, 'mindspore imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
 
 

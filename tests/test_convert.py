@@ -1,4 +1,4 @@
-"""HF LlamaForCausalLM <-> model artifact conversion (model/convert.py, tasks/convert.py).
+"""HF LlamaForCausalLM <-> model artifact conversion (model/convert.py, tasks/stages/convert.py).
 
 Parity against the reference implementation: random transformers models (MHA untied,
 GQA tied + sharded, GQA saved in bf16) are saved with save_pretrained, converted, and
@@ -20,8 +20,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from model.convert import ConversionError, config_from_hf, hf_to_native, key_pairs, native_to_hf  # noqa: E402
-from tasks.artifacts import ArtifactStore  # noqa: E402
-from tasks.convert import from_hf, read_hf_tensors, to_hf  # noqa: E402
+from tasks.store.artifacts import ArtifactStore  # noqa: E402
+from tasks.stages.convert import from_hf, read_hf_tensors, to_hf  # noqa: E402
 from tests.helpers import train_tiny_tokenizer  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -78,7 +78,7 @@ def case(request, tmp_path_factory, tokenizer):
 def test_logits_match_transformers(case):
     import mindspore as ms
 
-    from tasks.model_artifact import load_model
+    from tasks.store.model_artifact import load_model
 
     if case["name"] == "gqa-tied-sharded":
         assert (case["hf_dir"] / "model.safetensors.index.json").is_file()  # really sharded
@@ -94,7 +94,7 @@ def test_logits_match_transformers(case):
 
 
 def test_artifact_is_self_describing_with_tokenizer_lineage(case):
-    from tasks.artifacts import sha256_file
+    from tasks.store.artifacts import sha256_file
 
     info = json.loads((case["artifact"] / "model.json").read_text())
     hf_cfg = case["model"].config
@@ -223,7 +223,7 @@ def test_cli_and_continued_pretraining_start_from_the_converted_model(case, tmp_
         pytest.skip("one case is enough")
     from tasks import cli
     from tasks.config import resolve_pipeline
-    from tasks.pretrain import build_network
+    from tasks.stages.pretrain import build_network
 
     root = str(case["store"].root)
     assert cli.main(["convert", "--artifacts", root, "--from-hf", str(case["hf_dir"])]) == 0

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tasks import data
-from tasks.artifacts import ArtifactStore
+from tasks.stages import data
+from tasks.store.artifacts import ArtifactStore
 from tasks.config import resolve_pipeline
 
 REPO = Path(__file__).resolve().parent.parent

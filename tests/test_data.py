@@ -1,4 +1,4 @@
-"""The data stage (tasks/data.py) and the block reader (tasks/dataset.py).
+"""The data stage (tasks/stages/data/) and the block reader (tasks/store/reader.py).
 
 One end-to-end run of the `tiny` pipeline on the shipped Shakespeare (through the CLI), small
 corpora written into tmp_path for everything else, a reused tokenizer where training one is beside
@@ -18,11 +18,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tasks import data
-from tasks.artifacts import ArtifactStore
+from tasks.stages import data
+from tasks.store.artifacts import ArtifactStore
 from tasks.config import resolve_pipeline
-from tasks.data import DataError
-from tasks.dataset import data_info, num_blocks, open_blocks, rank_order
+from tasks.stages.data import DataError
+from tasks.store.reader import data_info, num_blocks, open_blocks, rank_order
 
 REPO = Path(__file__).resolve().parent.parent
 PIPELINES = REPO / "pipelines.yaml"
@@ -418,7 +418,7 @@ def test_fast_mindrecord_writer_matches_public_api(tmp_path, monkeypatch):
     mask[-1, 20:] = 0
     digests = []
     for fast in (True, False):
-        monkeypatch.setattr(data, "_FAST_WRITE", fast)
+        monkeypatch.setattr(data.shards, "_FAST_WRITE", fast)
         w = data._SplitWriter(tmp_path / str(fast), "train", 2, 64)
         w._put(ids, mask)
         w.close("drop", 3, tmp_path / str(fast))

@@ -15,13 +15,14 @@ import numpy as np
 import pytest
 
 from model.parallel import shard, split_axis, unshard
-from tasks import finetune, pretrain
-from tasks.artifacts import ArtifactStore
-from tasks.checkpoint import (_publish, complete_checkpoints, load_checkpoint, save_checkpoint, save_tensors,
+from tasks.stages import finetune
+from tasks.stages import pretrain
+from tasks.store.artifacts import ArtifactStore
+from tasks.training.checkpoint import (_publish, complete_checkpoints, load_checkpoint, save_checkpoint, save_tensors,
                               shard_files)
 from tasks.config import ParallelSection, resolve_pipeline
-from tasks.distributed import rank_logs, run_msrun
-from tasks.supervise import StageFailed
+from tasks.runtime.distributed import rank_logs, run_msrun
+from tasks.runtime.supervise import StageFailed
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -45,7 +46,7 @@ TP2 = ["parallel.tensor_parallel=2", "parallel.device_num=2"]
 
 @pytest.fixture(scope="module")
 def data_artifact(tmp_path_factory) -> Path:
-    from tasks import data
+    from tasks.stages import data
 
     root = tmp_path_factory.mktemp("data_root")
     return data.run(_cfg(), ArtifactStore(root), progress=False)
@@ -152,7 +153,7 @@ def test_corrupt_slice_is_named(tmp_path):
     ck = _write_tp_checkpoint(tmp_path, 3, weights, opt, {"consumed_samples": 24}, tp=2)
     f = ck / "model.tp1-of-2.safetensors"
     f.write_bytes(f.read_bytes()[:-8] + b"\0" * 8)
-    from tasks.checkpoint import CheckpointError
+    from tasks.training.checkpoint import CheckpointError
 
     with pytest.raises(CheckpointError, match="model.tp1-of-2.safetensors: sha256 mismatch"):
         load_checkpoint(ck, tp=1)
@@ -209,7 +210,7 @@ def test_data_parallel_matches_single_process(tmp_path, data_artifact):
     assert len(vs) == len(vd) == 3 and max(abs(a - b) for a, b in zip(vs, vd)) <= 1e-5
     m = store.verify(path)["metrics"]
     assert m["consumed_samples"] == 48 and m["layout"] == {"data_parallel": 2, "tensor_parallel": 1}
-    from tasks.checkpoint import load_weights
+    from tasks.training.checkpoint import load_weights
 
     a, b = load_weights(single), load_weights(path)
     assert max(float(np.abs(a[k] - b[k]).max()) for k in a) <= 1e-5
@@ -324,7 +325,7 @@ def test_more_layouts_match_single_process(tmp_path, data_artifact, overrides, d
 @pytest.mark.slow
 def test_finetune_data_parallel_matches_single_process(tmp_path):
     """LoRA on response-only instruction data (unequal token counts per rank): 2 × 4 == 1 × 8."""
-    from tasks.checkpoint import load_weights
+    from tasks.training.checkpoint import load_weights
     from tests.helpers import tiny_model_artifact
 
     (tmp_path / "base").mkdir()

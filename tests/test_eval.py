@@ -17,8 +17,9 @@ pytest.importorskip("lm_eval")
 from lm_eval.api.instance import Instance  # noqa: E402
 
 from model.llama import causal_lm_loss  # noqa: E402
-from tasks import evaluate, lm_adapter  # noqa: E402
-from tasks.artifacts import ArtifactStore  # noqa: E402
+from tasks.stages import evaluate  # noqa: E402
+from tasks.stages.evaluate import lm_adapter  # noqa: E402
+from tasks.store.artifacts import ArtifactStore  # noqa: E402
 from tasks.cli import main  # noqa: E402
 from tasks.config import resolve_pipeline  # noqa: E402
 
@@ -205,7 +206,7 @@ def test_local_task_prompts_mirror_the_harness(local, harness):
 
 
 def test_local_loaders_reproduce_the_source_records():
-    from tasks.lm_tasks import utils
+    from tasks.stages.evaluate.lm_tasks import utils
 
     root = REPO / "data" / "benchmarks"
     raw = [json.loads(ln) for ln in (root / "boolq" / "boolq.jsonl").read_text().splitlines()]

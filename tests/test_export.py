@@ -1,4 +1,4 @@
-"""Export stage (tasks/export.py): MindIR + the KV-cache ONNX decoder + onnxruntime-genai files (+ int8), verified.
+"""Export stage (tasks/stages/export.py): MindIR + the KV-cache ONNX decoder + onnxruntime-genai files (+ int8), verified.
 
 One real export (child process, as the CLI runs it) of a tiny random model is shared by most
 tests. The model artifact descends from a real `tiny` data artifact, so its tokenizer is the
@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tasks import export
-from tasks.artifacts import ArtifactError, ArtifactStore
+from tasks.stages import export
+from tasks.store.artifacts import ArtifactError, ArtifactStore
 from tasks.config import ConfigError, resolve_pipeline
-from tasks.pretrain import StageFailed
+from tasks.stages.pretrain import StageFailed
 from tests.helpers import tiny_model_artifact
 
 REPO = Path(__file__).resolve().parent.parent
@@ -34,7 +34,7 @@ def model_from_data(store: ArtifactStore, data: Path, seed: int = 0) -> Path:
     """A pretrain-type artifact (random `tiny` weights) whose input is `data` and whose tokenizer is data's."""
     from model.config import ModelConfig
     from model.llama import LlamaForCausalLM
-    from tasks.model_artifact import tokenizer_info, write_model
+    from tasks.store.model_artifact import tokenizer_info, write_model
     import sentencepiece as spm
 
     mc = ModelConfig.from_name("tiny")
@@ -50,7 +50,7 @@ def model_from_data(store: ArtifactStore, data: Path, seed: int = 0) -> Path:
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    from tasks import data
+    from tasks.stages import data
 
     root = tmp_path_factory.mktemp("export_root")
     store = ArtifactStore(root)
@@ -133,7 +133,7 @@ def test_onnx_io_names_and_dynamic_axes(env):
 def test_mindir_reloads_with_dynamic_shape(env):
     import mindspore as ms
 
-    from tasks.model_artifact import load_model
+    from tasks.store.model_artifact import load_model
 
     net, _ = load_model(env["model"])
     graph = ms.nn.GraphCell(ms.load(str(env["path"] / "model.mindir")))
@@ -145,8 +145,8 @@ def test_mindir_reloads_with_dynamic_shape(env):
 
 def test_onnxruntime_kv_generation_matches_mindspore(env):
     from model.generate import Generator
-    from tasks.model_artifact import load_model, load_tokenizer
-    from tasks.onnx_generate import OnnxGenerator, encode_prompt
+    from tasks.store.model_artifact import load_model, load_tokenizer
+    from tasks.deploy.onnx_generate import OnnxGenerator, encode_prompt
 
     net, _ = load_model(env["model"])
     sp = load_tokenizer(env["model"])
@@ -159,8 +159,8 @@ def test_onnxruntime_kv_generation_matches_mindspore(env):
 
 
 def test_onnx_generation_needs_no_mindspore(env):
-    """The README snippet (KV cache), tasks.onnx_generate and the artifact's copy of it, in a fresh interpreter."""
-    from tasks.onnx_generate import SNIPPET
+    """The README snippet (KV cache), tasks.deploy.onnx_generate and the artifact's copy of it, in a fresh interpreter."""
+    from tasks.deploy.onnx_generate import SNIPPET
 
     code = f"""
 import contextlib, io, json, runpy, sys
@@ -169,7 +169,7 @@ ART = {str(env["path"])!r}
 out = io.StringIO()
 with contextlib.redirect_stdout(out):
     exec({SNIPPET!r}, {{"ART": ART}})
-from tasks.onnx_generate import generate_text
+from tasks.deploy.onnx_generate import generate_text
 completion = generate_text(ART, "ROMEO:", 64)
 copy = runpy.run_path(ART + "/onnx_generate.py")["generate_text"](ART, "ROMEO:", 64)
 print(json.dumps({{"snippet": out.getvalue(), "completion": completion, "copy": copy,
@@ -184,7 +184,7 @@ print(json.dumps({{"snippet": out.getvalue(), "completion": completion, "copy": 
 
 
 def test_onnx_generate_cli(env, capsys):
-    from tasks import onnx_generate
+    from tasks.deploy import onnx_generate
 
     assert onnx_generate.main([str(env["path"]), "ROMEO:", "--max-new-tokens", "5"]) == 0
     assert capsys.readouterr().out.startswith("ROMEO:")
@@ -193,7 +193,8 @@ def test_onnx_generate_cli(env, capsys):
 
 
 def test_rerun_is_a_cache_hit_and_cli_prints_the_path(env, monkeypatch, capsys):
-    from tasks import cli, supervise
+    from tasks import cli
+    from tasks.runtime import supervise
 
     def no_child(*a, **k):
         raise AssertionError("a cached export must not start a child")
@@ -261,7 +262,7 @@ def test_finetune_artifact_is_merged_before_export(env):
     """A (full) finetune artifact resolves to its merged model; stage_key refuses the unmerged one."""
     from safetensors.numpy import save_file
 
-    from tasks.checkpoint import load_weights
+    from tasks.training.checkpoint import load_weights
 
     store, base = env["store"], env["model"]
     with store.build("finetune", "f" * 20, pipeline="test", config={}, inputs=[store.input_ref(base)], code="test") as b:
@@ -307,8 +308,8 @@ def test_onnxruntime_genai_greedy_matches_mindspore(env):
     """onnxruntime-genai on the export directory, in a fresh interpreter without MindSpore: the README example,
     and greedy tokens of longer runs on new prompts equal MindSpore's KV-cache generation."""
     from model.generate import Generator
-    from tasks.model_artifact import load_model, load_tokenizer
-    from tasks.onnx_generate import GENAI_SNIPPET, encode_prompt
+    from tasks.store.model_artifact import load_model, load_tokenizer
+    from tasks.deploy.onnx_generate import GENAI_SNIPPET, encode_prompt
 
     net, _ = load_model(env["model"])
     sp = load_tokenizer(env["model"])
@@ -317,7 +318,7 @@ def test_onnxruntime_genai_greedy_matches_mindspore(env):
 import contextlib, io, json, sys
 sys.path.insert(0, {str(REPO)!r})
 import onnxruntime_genai as og
-from tasks.export import genai_generate
+from tasks.stages.export import genai_generate
 ART = {str(env["path"])!r}
 out = io.StringIO()
 with contextlib.redirect_stdout(out):

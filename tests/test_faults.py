@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.artifacts import MANIFEST, ArtifactStore, atomic_write_json
+from tasks.store.artifacts import MANIFEST, ArtifactStore, atomic_write_json
 
 REPO = Path(__file__).resolve().parent.parent
 PIPELINES = REPO / "pipelines.yaml"
@@ -78,7 +78,7 @@ def _nodes(tree: dict) -> list[dict]:
 
 class TestLineage:
     def test_diamond_of_24_levels_is_linear(self, tmp_path):
-        from tasks.lineage import lineage_tree, raw_inputs, render
+        from tasks.store.lineage import lineage_tree, raw_inputs, render
 
         root = tmp_path / "art"
         level = [_art(root, "data", "d", [_file(tmp_path / "corpus.txt")])]
@@ -108,7 +108,7 @@ class TestLineage:
 
     def test_shared_input_is_expanded_once_then_referenced(self, tmp_path):
         """A normal pipeline's graph: the tree is unchanged except that a repeated artifact is a reference."""
-        from tasks.lineage import lineage_tree, raw_inputs, render
+        from tasks.store.lineage import lineage_tree, raw_inputs, render
 
         root = tmp_path / "art"
         data = _art(root, "data", "d", [_file(tmp_path / "corpus.txt")])
@@ -131,7 +131,7 @@ class TestLineage:
         assert len(edges) == 6  # file→data, data→pretrain, pretrain→export, pretrain→eval, data→eval, eval→export
 
     def test_digest_warning_in_every_format(self, tmp_path):
-        from tasks.lineage import lineage_tree, render
+        from tasks.store.lineage import lineage_tree, render
 
         root = tmp_path / "art"
         data = _art(root, "data", "d", [_file(tmp_path / "corpus.txt")])
@@ -147,7 +147,7 @@ class TestLineage:
         assert "digest differs" not in render(fine, "text")
 
     def test_input_outside_the_root_is_an_error_node(self, tmp_path):
-        from tasks.lineage import lineage_tree, raw_inputs, render
+        from tasks.store.lineage import lineage_tree, raw_inputs, render
 
         root, elsewhere = tmp_path / "art", tmp_path / "elsewhere"
         foreign = _art(elsewhere, "data", "foreign", [_file(tmp_path / "secret.txt")])
@@ -168,7 +168,7 @@ class TestLineage:
 
     def test_cycle_and_malformed_inputs(self, tmp_path):
         """A crafted cycle stops at a reference; a malformed input entry is an error node, not a KeyError."""
-        from tasks.lineage import lineage_tree, render
+        from tasks.store.lineage import lineage_tree, render
 
         root = tmp_path / "art"
         a_ref = {"kind": "artifact", "stage": "pretrain", "key": _key("a"), "digest": "x",
@@ -184,7 +184,7 @@ class TestLineage:
             render(tree, fmt)
 
     def test_very_deep_chain_is_cut_not_a_crash(self, tmp_path):
-        from tasks.lineage import MAX_DEPTH, lineage_tree, render
+        from tasks.store.lineage import MAX_DEPTH, lineage_tree, render
 
         root = tmp_path / "art"
         ref = _art(root, "data", "d", [_file(tmp_path / "corpus.txt")])
@@ -321,7 +321,7 @@ class TestYaml:
 
     def test_mostly_invalid_documents_are_dropped(self):
         from tasks.config import CleanSection
-        from tasks.data import SKIP_REASONS, Cleaner
+        from tasks.stages.data import SKIP_REASONS, Cleaner
 
         rng = random.Random(0)
         garbage = bytes(rng.randrange(0x80, 0x100) if rng.random() > 0.05 else rng.randrange(0x61, 0x7b)
@@ -341,7 +341,7 @@ class TestYaml:
         assert c.stats.seen == c.stats.kept + sum(c.stats.skipped.values())
 
     def test_mostly_invalid_file_is_counted_in_the_manifest(self, tmp_path):
-        from tasks import data
+        from tasks.stages import data
         from tasks.config import resolve_pipeline
         from tests.helpers import SHAKESPEARE, train_tiny_tokenizer
 
@@ -370,7 +370,7 @@ def _dead_pid() -> int:
 
 class TestLeftovers:
     def test_temp_dirs_of_dead_builds_are_removed_when_the_store_builds(self, tmp_path):
-        from tasks.artifacts import _HOST
+        from tasks.store.artifacts import _HOST
 
         root = tmp_path / "art"
         key = _key("k")

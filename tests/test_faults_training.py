@@ -13,11 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tasks import pretrain
-from tasks.artifacts import ArtifactStore, atomic_write_json, sha256_file
-from tasks.checkpoint import CheckpointError, complete_checkpoints, is_good, load_checkpoint
+from tasks.stages import pretrain
+from tasks.store.artifacts import ArtifactStore, atomic_write_json, sha256_file
+from tasks.training.checkpoint import CheckpointError, complete_checkpoints, is_good, load_checkpoint
 from tasks.config import ConfigError, resolve_pipeline
-from tasks.trainer import NonFiniteError
+from tasks.training.trainer import NonFiniteError
 
 REPO = Path(__file__).resolve().parent.parent
 BASE = ["pretrain.max_steps=6", "pretrain.log_steps=1", "pretrain.eval_steps=3", "pretrain.eval_batches=2",
@@ -31,7 +31,7 @@ def _cfg(*overrides: str):
 
 @pytest.fixture(scope="module")
 def data_artifact(tmp_path_factory) -> Path:
-    from tasks import data
+    from tasks.stages import data
 
     return data.run(_cfg(), ArtifactStore(tmp_path_factory.mktemp("fault_data")), progress=False)
 
@@ -71,7 +71,7 @@ class TestNonFiniteTraining:
 
         from model.config import ModelConfig
         from model.llama import LlamaForCausalLM
-        from tasks.optim import UpdateGuard, causal_lm_train_step
+        from tasks.training.optim import UpdateGuard, causal_lm_train_step
 
         net = LlamaForCausalLM(ModelConfig.from_name("tiny"), seed=0)
         params = net.trainable_params()
@@ -134,7 +134,7 @@ class TestNonFiniteTraining:
         assert ArtifactStore(tmp_path).list("pretrain") == []
 
     def test_eval_of_a_model_with_nonfinite_logits_fails(self, tmp_path):
-        from tasks import evaluate
+        from tasks.stages import evaluate
         from tests.helpers import tiny_model_artifact
 
         good = tiny_model_artifact(tmp_path)  # then the final norm's weights made NaN: every logit is NaN
@@ -171,16 +171,16 @@ class TestCheckpointLoading:
     def test_unexpected_tensors_are_an_error(self):
         from model.config import ModelConfig
         from model.llama import LlamaForCausalLM
-        from tasks.trainer import _assign
+        from tasks.training.checkpoint import assign
 
         params = LlamaForCausalLM(ModelConfig.from_name("tiny"), seed=0).trainable_params()
         arrays = {p.name: p.asnumpy() for p in params}
         arrays["layers.2.mlp.down_proj.weight"] = np.zeros((64, 172), np.float32)
         with pytest.raises(CheckpointError, match=r"1 tensor\(s\) this model does not have \(layers\.2"):
-            _assign(params, arrays, "ckpt")
+            assign(params, arrays, "ckpt")
 
     def test_checkpoint_trained_with_another_tokenizer_is_refused(self, tmp_path, data_artifact):
-        from tasks import data
+        from tasks.stages import data
 
         fn, run_a = _train(_cfg("pretrain.max_steps=1"), tmp_path / "a", data_artifact)
         fn()
@@ -211,8 +211,8 @@ class TestCheckpointLoading:
 
 class TestManifestPaths:
     def test_shard_paths_outside_the_artifact_are_refused(self, tmp_path, data_artifact):
-        from tasks.data import DataError
-        from tasks.dataset import open_blocks
+        from tasks.stages.data import DataError
+        from tasks.store.reader import open_blocks
 
         art = _copy_data(data_artifact, tmp_path / "root")
         outside = tmp_path / "outside"
@@ -244,8 +244,8 @@ class TestManifestPaths:
             pretrain.replay_data_artifact(ArtifactStore(root), base)
 
     def test_finetune_base_outside_the_root_is_not_followed(self, tmp_path):
-        from tasks.artifacts import ArtifactError
-        from tasks.finetune import base_of
+        from tasks.store.artifacts import ArtifactError
+        from tasks.stages.finetune import base_of
         from tests.helpers import tiny_model_artifact
 
         (tmp_path / "elsewhere").mkdir()
@@ -303,7 +303,7 @@ class TestOneMessage:
 class TestNoImpossibleFigure:
     def test_mfu_denominator_is_the_theoretical_peak_not_a_busy_sgemm(self, tmp_path, data_artifact, monkeypatch):
         """A busy machine under-measures the sgemm; MFU divided by it once printed 211%."""
-        from tasks import trainer
+        from tasks.training import trainer
 
         monkeypatch.setattr(trainer, "measure_peak_flops", lambda *a, **k: 1e6)  # what a busy machine measures
         theo, how = trainer.theoretical_peak_flops()

@@ -1,4 +1,4 @@
-"""Finetune stage (tasks/finetune.py): response-only labels, resumable batches, the stage, merge, the CLI."""
+"""Finetune stage (tasks/stages/finetune.py): response-only labels, resumable batches, the stage, merge, the CLI."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tasks import finetune
-from tasks.artifacts import ArtifactError, ArtifactStore
+from tasks.stages import finetune
+from tasks.store.artifacts import ArtifactError, ArtifactStore
 from tasks.config import ConfigError, resolve_pipeline
-from tasks.pretrain import StageFailed
-from tasks.finetune import (IGNORE, Examples, encode_segments, example_batches, instruction_examples, pack_example,
+from tasks.stages.pretrain import StageFailed
+from tasks.stages.finetune import (IGNORE, Examples, encode_segments, example_batches, instruction_examples, pack_example,
                             prompt_ids, text_examples, to_segments)
 from tests.helpers import tiny_model_artifact
 
@@ -35,7 +35,7 @@ def env(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def sp(env):
-    from tasks.model_artifact import load_tokenizer
+    from tasks.store.model_artifact import load_tokenizer
 
     return load_tokenizer(env[1])
 
@@ -160,8 +160,8 @@ def test_config_errors_name_the_yaml_path(env):
 
 def test_stage_trains_a_small_adapter_that_names_its_base_and_merges_exactly(env):
     from model.lora import inject_lora
-    from tasks.model_artifact import load_model
-    from tasks.trainer import _assign
+    from tasks.store.model_artifact import load_model
+    from tasks.training.checkpoint import assign as _assign
 
     root, base, data = env
     store = ArtifactStore(root)
@@ -257,7 +257,7 @@ def test_resume_gives_identical_losses(env, tmp_path):
 def test_full_finetuning_on_plain_text_stores_and_merges_every_weight(env):
     from safetensors.numpy import load_file
 
-    from tasks.checkpoint import load_weights
+    from tasks.training.checkpoint import load_weights
 
     root, base, _ = env
     store = ArtifactStore(root)

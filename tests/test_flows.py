@@ -125,7 +125,7 @@ def test_failing_stage_fails_the_flow_with_its_own_error_and_leaves_no_artifact(
     rep = json.loads(line[len("REPORT "):])
     assert rep["state"] == "Failed"
     assert "corpus.jsonl.gz" in rep["error"] and "gzip" in rep["error"].lower(), rep["error"]
-    from tasks.artifacts import ArtifactStore
+    from tasks.store.artifacts import ArtifactStore
 
     store = ArtifactStore(tmp_path / "artifacts")
     assert all(store.list(stage) == [] for stage in ("data", "pretrain", "finetune", "eval", "export"))

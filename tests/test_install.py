@@ -96,14 +96,14 @@ def test_wheel_installs_and_runs_outside_the_repo(tmp_path):
     work = tmp_path / "work"  # outside the repo
     work.mkdir()
     probe = json.loads(_run([str(py), "-c", (
-        "import json, tasks, tasks.cli, model, flows, tasks.evaluate as ev, tasks.distributed as d\n"
+        "import json, tasks, tasks.cli, model, flows, tasks.stages.evaluate as ev, tasks.runtime.distributed as d\n"
         "print(json.dumps({'tasks': list(tasks.__path__), 'cli': tasks.cli.__file__, 'model': model.__file__,"
         " 'flows': flows.__file__, 'lm_tasks': len(list(ev.LOCAL_TASKS.glob('*.yaml'))),"
         " 'worker': d.WORKER.is_file()}))")], cwd=work, env=env))
     assert probe["tasks"] == [str(site / "tasks")], probe
     for key in ("cli", "model", "flows"):
         assert Path(probe[key]).is_relative_to(site), probe
-    assert probe["lm_tasks"] == len(list((REPO / "tasks/lm_tasks").glob("*.yaml"))) > 0  # package data shipped
+    assert probe["lm_tasks"] == len(list((REPO / "tasks/stages/evaluate/lm_tasks").glob("*.yaml"))) > 0  # package data shipped
     assert probe["worker"], "the msrun worker script is not in the installed package"
 
     # 3. the CLI, from a directory outside the repo, with a pipelines.yaml that points at the shipped corpus

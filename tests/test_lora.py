@@ -12,7 +12,7 @@ from model.config import ModelConfig
 from model.llama import LlamaForCausalLM, causal_lm_loss
 from model.lora import (LoRALinear, inject_lora, lora_layers, lora_state_dict, mark_only_lora_trainable, match_targets,
                         merge_adapter, merge_lora, trainable_summary, unmerge_lora)
-from tasks.trainer import LoopConfig, fit
+from tasks.training.trainer import LoopConfig, fit
 
 CFG = ModelConfig.from_name("tiny")
 IDS = Tensor(np.random.default_rng(0).integers(0, CFG.vocab_size, (2, 24)).astype(np.int32))
@@ -172,7 +172,7 @@ def test_lora_training_keeps_base_bit_identical_and_lowers_the_loss(tmp_path):
             np.testing.assert_array_equal(p.asnumpy(), before[p.name])  # bit-identical base weights
     moved = [p for p in params if p.name.endswith("lora_B")]
     assert all(np.abs(p.asnumpy()).max() > 0 for p in moved)
-    from tasks.checkpoint import load_checkpoint, newest_checkpoint
+    from tasks.training.checkpoint import load_checkpoint, newest_checkpoint
 
     weights, _, _ = load_checkpoint(newest_checkpoint(tmp_path / "checkpoints"))
     assert set(weights) == {p.name for p in params}  # checkpoints hold the adapter only

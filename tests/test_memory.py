@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from model.config import ModelConfig
-from tasks.memory import GiB, Layout, estimate, plan
+from tasks.training.memory import GiB, Layout, estimate, plan
 
 REPO = Path(__file__).resolve().parent.parent
 

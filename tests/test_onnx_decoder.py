@@ -1,4 +1,4 @@
-"""The ONNX decoder written from the weights (tasks/onnx_decoder.py) and its KV-cache generator (tasks/onnx_generate.py).
+"""The ONNX decoder written from the weights (tasks/deploy/onnx_decoder.py) and its KV-cache generator (tasks/deploy/onnx_generate.py).
 
 Every check runs the graph in onnxruntime against the MindSpore network with the same
 weights (`tiny`, random init): logits at many (batch, sequence, past) shapes, present → past
@@ -16,8 +16,8 @@ import numpy as np
 import onnx
 import pytest
 
-from tasks.onnx_decoder import build_decoder, check_model, genai_config, hf_tokenizer_files, io_names, save_model
-from tasks.onnx_generate import OnnxGenerator, sample_next
+from tasks.deploy.onnx_decoder import build_decoder, check_model, genai_config, hf_tokenizer_files, io_names, save_model
+from tasks.deploy.onnx_generate import OnnxGenerator, sample_next
 
 REPO = Path(__file__).resolve().parent.parent
 SHAKESPEARE = REPO / "data/corpora/tinyshakespeare.txt"
@@ -171,7 +171,7 @@ def test_not_a_cache_decoder_is_a_clear_error(tmp_path):
 
 
 def test_int8_variant_is_smaller_and_close(tiny, tmp_path):
-    from tasks.export import export_int8
+    from tasks.stages.export import export_int8
 
     export_int8(tiny["path"], tmp_path / "model.int8.onnx")
     m = onnx.load(str(tmp_path / "model.int8.onnx"))
@@ -189,10 +189,10 @@ def test_int8_variant_is_smaller_and_close(tiny, tmp_path):
 
 
 def _data_stage_tokenizer(tmp_path: Path) -> Path:
-    """A tokenizer trained with the data stage's SentencePiece options (tasks/data.py)."""
+    """A tokenizer trained with the data stage's SentencePiece options (tasks/stages/data/tokenizer.py)."""
     import sentencepiece as spm
 
-    from tasks.data import _SPM_OPTIONS
+    from tasks.stages.data.tokenizer import _SPM_OPTIONS
 
     lines = [ln for ln in SHAKESPEARE.read_text(encoding="utf-8")[:200_000].splitlines() if ln.strip()]
     buf = io.BytesIO()
@@ -233,7 +233,7 @@ def test_a_unigram_tokenizer_gets_no_tokenizer_files(tmp_path):
     runs from token ids: genai_config.json is written)."""
     import sentencepiece as spm
 
-    from tasks.export import write_genai_files
+    from tasks.stages.export import write_genai_files
 
     lines = [ln for ln in SHAKESPEARE.read_text(encoding="utf-8")[:100_000].splitlines() if ln.strip()]
     buf = io.BytesIO()

@@ -10,7 +10,7 @@ from mindspore import Parameter, Tensor, ops
 
 from model.config import ModelConfig
 from model.llama import LlamaForCausalLM
-from tasks.optim import AdamW, causal_lm_train_step, decays, lr_at
+from tasks.training.optim import AdamW, causal_lm_train_step, decays, lr_at
 
 
 def test_lr_schedule_shapes():

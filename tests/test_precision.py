@@ -12,11 +12,11 @@ import mindspore as ms
 
 from model.config import ModelConfig
 from model.llama import LlamaForCausalLM, causal_lm_loss
-from tasks import pretrain
-from tasks.artifacts import ArtifactStore
-from tasks.checkpoint import load_checkpoint
+from tasks.stages import pretrain
+from tasks.store.artifacts import ArtifactStore
+from tasks.training.checkpoint import load_checkpoint
 from tasks.config import resolve_pipeline
-from tasks.optim import AdamW, DynamicLossScale, TrainStep, decays
+from tasks.training.optim import AdamW, DynamicLossScale, TrainStep, decays
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -127,7 +127,7 @@ def _cfg(*overrides: str):
 
 @pytest.fixture(scope="module")
 def data_artifact(tmp_path_factory) -> Path:
-    from tasks import data
+    from tasks.stages import data
 
     root = tmp_path_factory.mktemp("data_root")
     return data.run(_cfg(), ArtifactStore(root), progress=False)

@@ -8,11 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tasks import pretrain
-from tasks.artifacts import ArtifactStore
-from tasks.checkpoint import complete_checkpoints, load_checkpoint
+from tasks.stages import pretrain
+from tasks.store.artifacts import ArtifactStore
+from tasks.training.checkpoint import complete_checkpoints, load_checkpoint
 from tasks.config import resolve_pipeline
-from tasks.trainer import NonFiniteError
+from tasks.training.trainer import NonFiniteError
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -26,7 +26,7 @@ def _cfg(*overrides: str):
 
 @pytest.fixture(scope="module")
 def data_artifact(tmp_path_factory) -> Path:
-    from tasks import data
+    from tasks.stages import data
 
     root = tmp_path_factory.mktemp("data_root")
     return data.run(_cfg(), ArtifactStore(root), progress=False)

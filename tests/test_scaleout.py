@@ -24,8 +24,9 @@ from pathlib import Path
 
 import pytest
 
-from tasks import data, pretrain
-from tasks.artifacts import ArtifactStore
+from tasks.stages import data
+from tasks.stages import pretrain
+from tasks.store.artifacts import ArtifactStore
 from tasks.config import resolve_pipeline
 from tests.test_distributed import free_port
 
@@ -102,7 +103,7 @@ def test_data_stage_on_a_dask_cluster_started_by_address(tmp_path, local_data):
 
 def test_nodes_other_than_0_run_msrun_without_a_scheduler(tmp_path):
     from tasks.config import ParallelSection
-    from tasks.distributed import MSRUN_NODE, msrun_command
+    from tasks.runtime.distributed import MSRUN_NODE, msrun_command
 
     two = dict(data_parallel=2, device_num=2, node_num=2)
     node0 = msrun_command(ParallelSection(**two, node_rank=0), tmp_path, ["w.py"])

@@ -95,12 +95,12 @@ def server(model_art, tmp_path_factory):
 @pytest.fixture(scope="module")
 def onnx_art(model_art, tmp_path_factory):
     """An export-style directory with the KV-cache ONNX decoder of the same weights (model.onnx, tokenizer.model,
-    model.json), written by tasks.onnx_decoder as the export stage writes it."""
+    model.json), written by tasks.deploy.onnx_decoder as the export stage writes it."""
     import shutil
 
-    from tasks.checkpoint import load_weights
-    from tasks.model_artifact import read_info
-    from tasks.onnx_decoder import build_decoder, save_model
+    from tasks.training.checkpoint import load_weights
+    from tasks.store.model_artifact import read_info
+    from tasks.deploy.onnx_decoder import build_decoder, save_model
 
     out = tmp_path_factory.mktemp("serve_export") / "export" / "tinykv"
     out.mkdir(parents=True)
@@ -123,7 +123,7 @@ def onnx_server(onnx_art, tmp_path_factory):
 def reference(model_art):
     """The same artifact in this process: Generator (KV cache) with the tokenizer, as `msllm predict` runs it."""
     from model.generate import Generator
-    from tasks.model_artifact import load_model, load_tokenizer
+    from tasks.store.model_artifact import load_model, load_tokenizer
 
     net, _ = load_model(model_art)
     sp = load_tokenizer(model_art)
@@ -183,7 +183,7 @@ def test_seeded_sampling_equals_generator(server, reference):
 
 
 def test_chat_uses_the_finetune_instruction_template(server, reference):
-    from tasks.finetune import prompt_ids
+    from tasks.stages.finetune import prompt_ids
 
     sp, complete = reference
     r = server.client().chat.completions.create(model=server.model, messages=[{"role": "user", "content": "Who loves Juliet?"}],
@@ -341,7 +341,7 @@ def test_text_stream_holds_back_possible_stop_strings(reference):
 def test_onnxruntime_backend_matches_onnx_generator_and_mindspore(onnx_server, onnx_art, server):
     import sentencepiece as spm
 
-    from tasks.onnx_generate import OnnxGenerator, decode_completion
+    from tasks.deploy.onnx_generate import OnnxGenerator, decode_completion
 
     sp = spm.SentencePieceProcessor(model_file=str(onnx_art / "tokenizer.model"))
     gen = OnnxGenerator(onnx_art / "model.onnx")
@@ -368,10 +368,10 @@ def test_default_artifact_is_the_pipelines_newest_export(model_art, tmp_path):
     """`msllm serve --pipeline tiny` with no ARTIFACT serves the newest export of the pipeline on onnxruntime."""
     import sentencepiece as spm
 
-    from tasks import export
-    from tasks.artifacts import ArtifactStore
+    from tasks.stages import export
+    from tasks.store.artifacts import ArtifactStore
     from tasks.config import resolve_pipeline
-    from tasks.onnx_generate import OnnxGenerator, decode_completion
+    from tasks.deploy.onnx_generate import OnnxGenerator, decode_completion
 
     root = model_art.parent.parent  # the store model_art lives in
     path = export.run(resolve_pipeline(REPO / "pipelines.yaml", "tiny", []), ArtifactStore(root), model_art,
@@ -452,7 +452,7 @@ def test_onnx_batch_rows_join_and_leave_without_changing_tokens(onnx_art):
     tokens equal OnnxGenerator.generate of that prompt alone."""
     import numpy as np
 
-    from tasks.onnx_generate import OnnxGenerator
+    from tasks.deploy.onnx_generate import OnnxGenerator
     from tasks.serving.backends import OnnxBackend
 
     b = OnnxBackend(onnx_art)

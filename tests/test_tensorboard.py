@@ -1,6 +1,6 @@
 """TensorBoard event files: written beside metrics.jsonl, read back with TensorBoard's own EventAccumulator.
 
-The fast tests drive tasks/tensorboard.py directly; the slow one trains the tiny pipeline in the
+The fast tests drive tasks/training/tensorboard.py directly; the slow one trains the tiny pipeline in the
 stage's supervised child process, stops it between checkpoints (as if killed), resumes it, and
 checks every scalar of the event file against metrics.jsonl: same steps, no duplicates.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks import tensorboard as tb
+from tasks.training import tensorboard as tb
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -94,10 +94,11 @@ def test_eval_scores(tmp_path):
 @pytest.mark.slow
 def test_pretrain_run_events_match_metrics_across_a_resume(tmp_path):
     """Stop after 3 steps with the last checkpoint at step 2, resume: the event file holds each step once."""
-    from tasks import data, pretrain
-    from tasks.artifacts import ArtifactStore
+    from tasks.stages import data
+    from tasks.stages import pretrain
+    from tasks.store.artifacts import ArtifactStore
     from tasks.config import resolve_pipeline
-    from tasks.supervise import StageFailed
+    from tasks.runtime.supervise import StageFailed
 
     cfg = resolve_pipeline(REPO / "pipelines.yaml", "tiny", [
         "pretrain.max_steps=6", "pretrain.log_steps=1", "pretrain.eval_steps=3", "pretrain.eval_batches=2",

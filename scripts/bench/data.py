@@ -5,12 +5,12 @@
 On the shipped corpora with the `demo` settings (vocab 4096, seq 128), one SentencePiece model
 trained beforehand (not timed) and used by both sides:
 
-  ours      tasks.data.run(..., tokenizer_model=...) into a fresh store: read, clean, dedup, split,
+  ours      tasks.stages.data.run(..., tokenizer_model=...) into a fresh store: read, clean, dedup, split,
             tokenize in `--workers` processes, pack, write MindRecord shards, hash every file.
   baseline  datasets.load_dataset (text by paragraph / json) into a fresh cache, .map(tokenize,
             batched, num_proc=--workers) with the same model, then numpy packing (EOS-joined,
             reshaped to blocks); nothing written beyond HF's own cache.
-  reader    tasks.dataset.open_blocks on the train split (shuffled, batch 8): blocks/s, and the
+  reader    tasks.store.reader.open_blocks on the train split (shuffled, batch 8): blocks/s, and the
             ratio to what the trainer consumes (~2000 tokens/s on 2 cores → 2000/128 ≈ 15.6 blocks/s).
 
 MindSpore and datasets are imported before any timing (steady state); each side runs `--repeat`
@@ -71,7 +71,7 @@ def baseline(files: list[Path], model: Path, seq: int, workers: int, cache: Path
 
 
 def reader(artifact: Path, batch: int, seq: int, n_blocks: int) -> dict:
-    from tasks.dataset import open_blocks
+    from tasks.store.reader import open_blocks
 
     it = open_blocks(artifact, "train", batch_size=batch, seed=0)
     next(it)  # pipeline start-up is paid once per run
@@ -96,8 +96,8 @@ def main() -> int:
     import datasets
     import mindspore.dataset  # noqa: F401  (steady state: imported before timing)
 
-    from tasks import data
-    from tasks.artifacts import ArtifactStore
+    from tasks.stages import data
+    from tasks.store.artifacts import ArtifactStore
     from tasks.config import resolve_pipeline
 
     datasets.disable_progress_bars()

@@ -2,7 +2,7 @@
 
 Same model and the same global batch for every layout (`tiny-llama-bench` by default: vocab 8192,
 hidden 256, 4 layers; global batch 8 × seq 256, random tokens, fp32), the same compiled train step
-and AdamW as `tasks.trainer.fit` builds for a mesh:
+and AdamW as `tasks.training.trainer.fit` builds for a mesh:
 
 - dp1: one process, no msrun, OMP_NUM_THREADS = cpu_count;
 - dp2: 2 msrun workers, each a micro batch of global/2 (different random tokens per rank),
@@ -39,7 +39,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path[0] = str(REPO)  # the repo, not scripts/bench (msrun starts this file as a worker script)
 
-from tasks.trainer import peak_rss_bytes  # noqa: E402  (after the sys.path change)
+from tasks.training.trainer import peak_rss_bytes  # noqa: E402  (after the sys.path change)
 
 LAYOUTS = {"dp1": (1, 1), "dp2": (2, 1), "tp2": (1, 2)}
 
@@ -77,8 +77,8 @@ def worker(a: argparse.Namespace) -> None:
 
     from model.config import ModelConfig
     from model.llama import LlamaForCausalLM
-    from tasks.distributed import Mesh
-    from tasks.optim import causal_lm_train_step
+    from tasks.runtime.distributed import Mesh
+    from tasks.training.optim import causal_lm_train_step
 
     dp, tp = LAYOUTS[a.layout]
     mesh = Mesh.init(dp, tp) if dp * tp > 1 else Mesh()
@@ -182,7 +182,7 @@ def main() -> None:
         return
 
     from tasks.config import ParallelSection
-    from tasks.distributed import run_msrun
+    from tasks.runtime.distributed import run_msrun
 
     from model.config import ModelConfig
 

@@ -1,12 +1,12 @@
 """Decode speed of the exported model, side by side: MindSpore vs onnxruntime (fp32, int8) vs onnxruntime-genai, all with a KV cache.
 
 A random-init model of `--preset` (default `small`, the demo's shape) is exported the way the
-export stage does it (tasks/onnx_decoder.py from the weights; `tasks.export.export_int8`;
-genai_config.json as `tasks.export.write_genai_files` writes it), then each runtime greedy-generates
+export stage does it (tasks/deploy/onnx_decoder.py from the weights; `tasks.stages.export.export_int8`;
+genai_config.json as `tasks.stages.export.write_genai_files` writes it), then each runtime greedy-generates
 `--new-tokens` (default 256) after a `--prompt-tokens` (default 16) prompt, batch 1:
 
   - MindSpore: `model.generate.Generator` (jit prefill + jit KV-cache decode step, compiled first);
-  - onnxruntime fp32 and int8: `tasks.onnx_generate.OnnxGenerator` (prefill, then one call per
+  - onnxruntime fp32 and int8: `tasks.deploy.onnx_generate.OnnxGenerator` (prefill, then one call per
     token feeding present back as past);
   - onnxruntime-genai: `onnxruntime_genai.Generator` over the same model.onnx (greedy; EOS is
     held off with min_length so every runtime generates the same count).
@@ -72,9 +72,9 @@ def main() -> None:
     from model.config import ModelConfig
     from model.generate import Generator
     from model.llama import LlamaForCausalLM
-    from tasks.export import export_int8, genai_generate
-    from tasks.onnx_decoder import build_decoder, save_model
-    from tasks.onnx_generate import OnnxGenerator
+    from tasks.stages.export import export_int8, genai_generate
+    from tasks.deploy.onnx_decoder import build_decoder, save_model
+    from tasks.deploy.onnx_generate import OnnxGenerator
 
     cfg = ModelConfig.from_name(a.preset)
     p, n = a.prompt_tokens, a.new_tokens
@@ -135,8 +135,8 @@ def main() -> None:
 
 
 def _write_genai_config(d: Path, model_config: dict, threads: int | None) -> None:
-    from tasks.artifacts import atomic_write_json
-    from tasks.onnx_decoder import genai_config
+    from tasks.store.artifacts import atomic_write_json
+    from tasks.deploy.onnx_decoder import genai_config
 
     cfg = genai_config(model_config, eos_id=2, bos_id=1, pad_id=0)
     if threads:

@@ -2,7 +2,7 @@
 
 Same model (`small` preset by default: ~21M parameters, vocab 4096), same batch
 (micro batch 8 × seq 128, random tokens), the same compiled train step and AdamW
-as `tasks.trainer.fit`; LoRA on q_proj,v_proj (rank 8, alpha 16) versus every
+as `tasks.training.trainer.fit`; LoRA on q_proj,v_proj (rank 8, alpha 16) versus every
 weight trainable. Each variant runs in its own process, one after the other, so
 its peak RSS is its own (MindSpore keeps graph memory for the life of a process).
 
@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def _rss() -> int:
-    from tasks.trainer import peak_rss_bytes
+    from tasks.training.trainer import peak_rss_bytes
 
     return peak_rss_bytes()
 
@@ -44,7 +44,7 @@ def run_variant(variant: str, preset: str, steps: int, warmup: int, batch: int, 
     from model.config import ModelConfig
     from model.llama import LlamaForCausalLM
     from model.lora import inject_lora, mark_only_lora_trainable, trainable_summary
-    from tasks.optim import causal_lm_train_step
+    from tasks.training.optim import causal_lm_train_step
 
     cfg = ModelConfig.from_name(preset)
     seq = min(seq, cfg.max_seq_length)

@@ -41,7 +41,7 @@ def main() -> None:
     from model.config import ModelConfig
     from model.generate import Generator
     from model.llama import LlamaForCausalLM
-    from tasks.lm_adapter import MindSporeLM
+    from tasks.stages.evaluate.lm_adapter import MindSporeLM
 
     cfg = ModelConfig.from_name(a.preset)
     if a.prompt_tokens + a.new_tokens > cfg.max_seq_length:

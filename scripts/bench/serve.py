@@ -3,7 +3,7 @@
 A random-init model of `--preset` (default `small`, the demo's shape) is written as a model
 artifact (store format, a SentencePiece tokenizer trained on Shakespeare at the preset's
 vocabulary size) and, for the onnxruntime backend, as an export-style directory holding the
-KV-cache ONNX decoder of the same weights (`tasks.onnx_decoder`, what the export stage
+KV-cache ONNX decoder of the same weights (`tasks.deploy.onnx_decoder`, what the export stage
 writes); `--artifact PATH` serves an existing artifact instead. For each backend a real
 server process (`python -m tasks.cli serve`) is started on a free loopback port; the
 onnxruntime backend runs twice, with batched decoding (one call per round for all active
@@ -58,8 +58,8 @@ def _free_port() -> int:
 
 def make_artifacts(preset: str, root: Path, backends: list[str]) -> dict[str, Path]:
     """{backend: artifact dir} for a random-init model of `preset`."""
-    from tasks.checkpoint import load_weights
-    from tasks.model_artifact import read_info
+    from tasks.training.checkpoint import load_weights
+    from tasks.store.model_artifact import read_info
     from tests.helpers import tiny_model_artifact  # the store-format model artifact the tests use
 
     import mindspore as ms
@@ -68,7 +68,7 @@ def make_artifacts(preset: str, root: Path, backends: list[str]) -> dict[str, Pa
     model = tiny_model_artifact(root, preset=preset)
     out = {"mindspore": model}
     if "onnxruntime" in backends:
-        from tasks.onnx_decoder import build_decoder, save_model
+        from tasks.deploy.onnx_decoder import build_decoder, save_model
 
         exp = root / "export" / f"{preset}-kv"
         exp.mkdir(parents=True, exist_ok=True)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tasks.trainer import peak_rss_bytes  # noqa: E402  (after the sys.path insert)
+from tasks.training.trainer import peak_rss_bytes  # noqa: E402  (after the sys.path insert)
 
 PRESET, BATCH, SEQ = "tiny-llama-bench", 8, 256
 
@@ -33,8 +33,8 @@ def _ms(steps: int, warmup: int) -> dict:
     setup_mindspore()
     from model.config import ModelConfig
     from model.llama import LlamaForCausalLM
-    from tasks.optim import causal_lm_train_step
-    from tasks.trainer import measure_peak_flops
+    from tasks.training.optim import causal_lm_train_step
+    from tasks.training.trainer import measure_peak_flops
 
     cfg = ModelConfig.from_name(PRESET)
     net = LlamaForCausalLM(cfg, seed=0)

@@ -6,7 +6,7 @@
 Endpoints:
     POST /v1/completions        prompt (a string, or token ids) -> text
     POST /v1/chat/completions   messages rendered with the finetune stage's instruction template
-                                (`tasks.finetune.to_segments` / `encode_segments`), ending where the
+                                (`tasks.stages.finetune.to_segments` / `encode_segments`), ending where the
                                 response begins
     GET  /v1/models, /v1/models/{id}, /health
 
@@ -165,7 +165,7 @@ def _message_text(m: Any, j: int) -> tuple[str, str]:
 def chat_prompt_ids(sp, messages: list[tuple[str, str]]) -> list[int]:
     """Token ids of a conversation rendered with the finetune stage's instruction template, ending where the
     assistant's answer begins (the same tokens as the training examples up to their response)."""
-    from tasks.finetune import encode_segments, to_segments
+    from tasks.stages.finetune import encode_segments, to_segments
 
     # to_segments wants an assistant turn to train on: add an empty one and drop it again.
     record = {"messages": [{"role": r, "content": c} for r, c in messages] + [{"role": "assistant", "content": ""}]}
@@ -472,31 +472,3 @@ def serve(artifact: str | Path, host: str = "127.0.0.1", port: int = 8000, *, mo
         return 1  # uvicorn logged why (e.g. the port is in use)
     log.info("stopped")
     return 0
-
-
-def resolve_artifact(args) -> Path:
-    """ARTIFACT as given (a directory, `stage/key` or a key prefix), else the pipeline's newest export."""
-    from tasks.cli import StageError, _load, _store
-
-    if args.artifact:
-        p = Path(args.artifact)
-        return p.resolve() if p.is_dir() else _store(args).find(args.artifact)
-    cfg = _load(args)
-    store = _store(args)
-    p = store.newest("export", cfg.name)
-    if p is None:
-        raise StageError(f"no export artifact for pipeline '{cfg.name}' under {store.root}; run `msllm export "
-                         f"--pipeline {cfg.name}` first, or pass an artifact: msllm serve artifacts/merged/<key>")
-    return p
-
-
-def cli_serve(args) -> int:
-    return serve(resolve_artifact(args), args.host, args.port, model_name=args.model_name,
-                 max_active=args.max_active, max_queue=args.max_queue, drain_timeout=args.drain_timeout,
-                 batching=args.batching)
-
-
-if __name__ == "__main__":
-    from tasks.cli import main
-
-    sys.exit(main(["serve", *sys.argv[1:]]))

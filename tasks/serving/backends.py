@@ -53,7 +53,7 @@ class MindSporeBackend:
 
         setup_mindspore()
         from model.generate import Generator, sample_next
-        from tasks.model_artifact import load_model, load_tokenizer
+        from tasks.store.model_artifact import load_model, load_tokenizer
 
         self.path = Path(path)
         net, self.info = load_model(path)
@@ -88,7 +88,7 @@ def load_backend(path: str | Path):
 class OnnxBackend:
     """An export artifact on onnxruntime alone (numpy, onnxruntime, sentencepiece; no MindSpore import).
 
-    `tasks.onnx_generate.OnnxGenerator` over the exported KV-cache decoder: one prefill call
+    `tasks.deploy.onnx_generate.OnnxGenerator` over the exported KV-cache decoder: one prefill call
     over the prompt, then one call per token feeding `present` back as `past`, and its
     `sample_next` (the same arithmetic as MindSpore's), so tokens equal `OnnxGenerator.generate`.
     """
@@ -99,7 +99,7 @@ class OnnxBackend:
     def __init__(self, path: str | Path, threads: int | None = None):
         import sentencepiece as spm
 
-        from tasks.onnx_generate import OnnxGenerator, sample_next
+        from tasks.deploy.onnx_generate import OnnxGenerator, sample_next
 
         self.path = Path(path)
         for f in ("model.onnx", "tokenizer.model"):
@@ -127,7 +127,7 @@ class OnnxBackend:
         if self._state is None:
             self._state, self._rows = state, [key]
         else:
-            from tasks.onnx_generate import KVState
+            from tasks.deploy.onnx_generate import KVState
 
             a, b = self._state, state
             n = max(a.length, b.length)

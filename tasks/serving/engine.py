@@ -22,7 +22,7 @@ earlier request to finish. A newly admitted sequence is prefilled alone. Then ei
     its own `steps` coroutine.
 Each sequence has its own KV cache (or cache rows) and its own
 `numpy.random.default_rng(seed)`, and tokens are drawn with the backend's `sample_next`
-(`model.generate.sample_next`, or its numpy copy in `tasks.onnx_generate`) exactly as
+(`model.generate.sample_next`, or its numpy copy in `tasks.deploy.onnx_generate`) exactly as
 `Generator.generate` / `OnnxGenerator.generate` do: with a seed (or temperature 0) a request yields
 the same tokens alone or among 31 others, and the same as `msllm predict`.
 

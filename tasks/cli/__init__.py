@@ -1,0 +1,151 @@
+"""`msllm`: the command line (a contract, see docs/ARCHITECTURE.md). Parsing here, the commands in
+`tasks/cli/commands.py`; stage modules never import this package.
+
+    msllm validate|data|train|finetune|eval|export|predict|convert|lineage|plan [options]
+
+Common options: --config PATH (default ./pipelines.yaml), --pipeline NAME
+(default: the file's default), --set dotted.key=VALUE (repeatable, VALUE parsed
+as YAML), --artifacts DIR (default ./artifacts). A stage subcommand takes its
+upstream artifact with --from PATH and prints the path of the artifact it wrote
+(or found cached) as the last line of stdout. Exit 0 on success, 2 on a config
+error (every error listed), 1 on any other failure, with a short message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Callable
+
+from tasks.cli import commands
+from tasks.cli.common import StageError
+from tasks.config import ConfigError
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default="pipelines.yaml", help="pipelines file (default: ./pipelines.yaml)")
+    p.add_argument("--pipeline", default=None, help="pipeline name (default: the file's `default:`)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a key, e.g. --set pretrain.max_steps=100 (repeatable; VALUE is YAML)")
+    p.add_argument("--artifacts", default=os.environ.get("MSLLM_ARTIFACTS", "artifacts"),
+                   help="artifact root (default: ./artifacts)")
+
+
+def _stage(p: argparse.ArgumentParser) -> None:
+    _common(p)
+    p.add_argument("--from", dest="from_", default=None, metavar="PATH",
+                   help="upstream artifact (default: the newest one of this pipeline)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="msllm", description="LLaMA-style LLM pipeline on MindSpore + Prefect")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("validate", help="validate pipelines.yaml and print the resolved pipeline")
+    _common(p)
+    p.add_argument("--all", action="store_true", help="validate every pipeline of the file")
+    p.add_argument("--forward", action="store_true", help="also build the model and run one forward pass")
+
+    for name, help_ in (
+        ("data", "corpora → tokenizer → packed MindRecord shards"),
+        ("train", "pretrain (from scratch or continued)"),
+        ("finetune", "LoRA or full fine-tuning"),
+        ("eval", "perplexity, lm-eval tasks, sample generations"),
+        ("export", "MindIR and ONNX, verified"),
+    ):
+        p = sub.add_parser(name, help=help_)
+        _stage(p)
+        if name == "eval":
+            p.add_argument("compare", nargs="*", metavar="compare A B", help="compare two eval artifacts side by side")
+
+    p = sub.add_parser("predict", help="generate completions")
+    _stage(p)
+    p.add_argument("prompts", nargs="*")
+
+    p = sub.add_parser("convert", help="HF LLaMA ⇄ native checkpoints")
+    _common(p)
+    p.add_argument("--from-hf", default=None)
+    p.add_argument("--to-hf", nargs=2, default=None, metavar=("ARTIFACT", "DIR"))
+
+    p = sub.add_parser("lineage", help="where an artifact came from, down to raw corpus bytes")
+    _common(p)
+    p.add_argument("artifact")
+    p.add_argument("--format", choices=["text", "json", "mermaid", "dot"], default="text")
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming)")
+    _common(p)
+    p.add_argument("artifact", nargs="?", help="export or model artifact (default: the pipeline's newest export)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model-name", default=None, help="model id clients send (default: <stage>/<key>)")
+    p.add_argument("--max-active", type=int, default=32, help="sequences decoded in turn; the rest queue")
+    p.add_argument("--max-queue", type=int, default=256, help="queued requests before 503")
+    p.add_argument("--drain-timeout", type=float, default=8.0, help="seconds SIGTERM waits for requests in flight")
+    p.add_argument("--no-batching", dest="batching", action="store_false",
+                   help="onnxruntime: decode the active sequences one call each instead of one batched call")
+
+    p = sub.add_parser("plan", help="memory estimate and parallel layout")
+    _common(p)
+    p.add_argument("--device-memory", type=_device_memory, default="32GiB",
+                   help="memory per device, e.g. 32GiB, 80GB, 512MiB (default: 32GiB)")
+    p.add_argument("--devices", type=_device_count, default=None,
+                   help="devices to plan for (default: parallel.device_num)")
+    return ap
+
+
+def _device_count(text: str) -> int:
+    """argparse type of `plan --devices`: a positive integer (bad values exit 2 naming the argument)."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device count; give a positive whole number, e.g. --devices 8")
+    return n
+
+
+def _device_memory(text: str) -> int:
+    """argparse type of `plan --device-memory`: a positive, finite size in bytes."""
+    from tasks.training.memory import parse_bytes
+
+    try:
+        n = parse_bytes(text)
+    except (ValueError, OverflowError):
+        n = 0
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a memory size; give a positive size with a unit, "
+                                         "e.g. 32GiB, 80GB or 512MiB")
+    return n
+
+
+COMMANDS: dict[str, Callable] = {
+    "validate": commands.cmd_validate,
+    "data": commands.cmd_data,
+    "train": commands.cmd_train,
+    "finetune": commands.cmd_finetune,
+    "eval": commands.cmd_eval,
+    "export": commands.cmd_export,
+    "predict": commands.cmd_predict,
+    "convert": commands.cmd_convert,
+    "lineage": commands.cmd_lineage,
+    "plan": commands.cmd_plan,
+    "serve": commands.cmd_serve,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args) or 0
+    except ConfigError as exc:
+        print(f"error: {len(exc.errors)} problem(s) in {args.config}:", file=sys.stderr)
+        for e in exc.errors:
+            print(f"  {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except (StageError, OSError, ValueError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1

@@ -1,0 +1,267 @@
+"""The commands: each parses nothing (argparse did), calls one stage or tool, prints, returns an exit code.
+
+Stage modules never import this package; it imports them (through the stage table where it
+picks a stage by name).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from tasks.cli.common import StageError, load, print_metrics, store, upstream
+from tasks.config import to_yaml, validate_file
+
+def cmd_validate(args) -> int:
+    if args.all:
+        results = validate_file(args.config)
+        bad = 0
+        for name, errs in results.items():
+            print(f"{name}: {'ok' if not errs else 'INVALID'}")
+            for e in errs:
+                print(f"  {e}", file=sys.stderr)
+            bad += bool(errs)
+        return 2 if bad else 0
+    cfg = load(args)
+    print(to_yaml(cfg), end="")
+    mc = cfg.model.resolve()
+    print(f"# model: {cfg.model.name}/{cfg.model.preset}, {mc.num_parameters / 1e6:.2f}M parameters", flush=True)
+    if args.forward:
+        _forward_check(cfg)
+    print(f"pipeline '{cfg.name}' is valid")
+    return 0
+
+
+def _forward_check(cfg) -> None:
+    import time
+
+    import numpy as np
+
+    from model.runtime import setup_mindspore
+
+    setup_mindspore()
+    import mindspore as ms
+
+    from model.registry import build_model
+
+    mc = cfg.model.resolve()
+    t0 = time.perf_counter()
+    net = build_model(cfg.model.name, mc, seed=cfg.pretrain.seed)
+    ids = np.random.default_rng(0).integers(0, mc.vocab_size, size=(2, min(32, cfg.data.seq_length)), dtype=np.int32)
+    logits = net(ms.Tensor(ids)).asnumpy()
+    print(
+        f"# forward pass: input_ids {list(ids.shape)} -> logits {list(logits.shape)}, "
+        f"finite={bool(np.isfinite(logits).all())}, mean={logits.mean():.4f}, std={logits.std():.4f}, "
+        f"{time.perf_counter() - t0:.1f}s"
+    )
+
+
+# ----------------------------------------------------------------------------- stage commands
+
+
+def cmd_data(args) -> int:
+    from tasks.stages import data
+
+    cfg = load(args)
+    st = store(args)
+    tok = None
+    if cfg.pretrain.init_from:  # continued pretraining keeps the base model's tokenizer
+        tok = st.find(str(cfg.resolve_path(cfg.pretrain.init_from))) / "tokenizer.model"
+    path = data.run(cfg, st, tokenizer_model=tok)
+    print_metrics(path)
+    print(path)
+    return 0
+
+
+def cmd_train(args) -> int:
+    from tasks.stages import pretrain
+
+    cfg = load(args)
+    st = store(args)
+    data_art = upstream(args, st, "pretrain", cfg.name)
+    init = st.find(str(cfg.resolve_path(cfg.pretrain.init_from))) if cfg.pretrain.init_from else None
+    path = pretrain.run(cfg, st, data_art, init_from=init, retries=1)
+    print_metrics(path)
+    print(path)
+    return 0
+
+
+def cmd_finetune(args) -> int:
+    """`msllm finetune`: train (or find) the adapter, merge it; last stdout line = the finetune artifact."""
+    from tasks.stages import finetune
+
+    cfg = load(args)
+    st = store(args)
+    base = upstream(args, st, "finetune", cfg.name)
+    path = finetune.run(cfg, st, base, retries=1)
+    merged = finetune.merge(st, path)
+    print_metrics(path)
+    print(merged)
+    print(path)
+    return 0
+
+
+def cmd_eval(args) -> int:
+    """`msllm eval [--from MODEL]` runs the stage (default model: the pipeline's newest merged finetune or
+    pretrain artifact); `msllm eval compare A B` compares two eval artifacts."""
+    from tasks.stages import evaluate
+
+    if args.compare:
+        if args.compare[0] != "compare" or len(args.compare) != 3:
+            raise StageError(f"unexpected arguments {args.compare}; usage: msllm eval compare EVAL_A EVAL_B")
+        st = store(args)
+        print(evaluate.compare_table(st.find(args.compare[1]), st.find(args.compare[2])))
+        return 0
+    cfg = load(args)
+    st = store(args)
+    model = upstream(args, st, "eval", cfg.name)
+    data = evaluate.lineage_data_artifact(st, model)
+    if data is None:
+        print(f"[eval] no data artifact in the lineage of {model}: held-out perplexity skipped", file=sys.stderr)
+    path = evaluate.run(cfg, st, model, data)
+    print_metrics(path)
+    print(path)
+    return 0
+
+
+def _prompts(args) -> list[str]:
+    out = []
+    for p in args.prompts:
+        if p.startswith("@"):  # @FILE: one prompt per line
+            out += [ln for ln in Path(p[1:]).read_text(encoding="utf-8").splitlines() if ln.strip()]
+        else:
+            out.append(p)
+    return out
+
+
+def cmd_predict(args) -> int:
+    """`msllm predict [--from MODEL] PROMPT... | @FILE`: completions with the eval section's generation settings."""
+    from tasks.stages.evaluate.lm_adapter import MindSporeLM
+
+    cfg = load(args)
+    st = store(args)
+    prompts = _prompts(args) or list(cfg.eval.prompts)
+    if not prompts:
+        raise StageError("no prompts: pass them as arguments, as @FILE (one per line), or set eval.prompts")
+    model = upstream(args, st, "eval", cfg.name)
+    ev = cfg.eval
+    lm = MindSporeLM(pretrained=model, max_gen_toks=ev.max_new_tokens, progress=False)
+    for i, prompt in enumerate(prompts):
+        completion = lm.generate_text(prompt, until=ev.stop, max_gen_toks=ev.max_new_tokens, temperature=ev.temperature,
+                                      top_k=ev.top_k, top_p=ev.top_p, seed=ev.seed)
+        if i:
+            print("-" * 40)
+        print(prompt + completion, flush=True)
+    return 0
+
+
+def cmd_export(args) -> int:
+    """`msllm export [--from MODEL]`: default model = the pipeline's newest merged or pretrain artifact.
+
+    The newest eval artifact of that model (when there is one) goes into the model card.
+    """
+    from tasks.stages import export
+
+    cfg = load(args)
+    st = store(args)
+    model = export.resolve_model(st, upstream(args, st, "export", cfg.name))
+    ev = export.matching_eval(st, model, cfg.name)
+    print(f"[export] model {model}" + (f", eval {ev}" if ev else " (no eval artifact: card without results)"),
+          file=sys.stderr)
+    path = export.run(cfg, st, model, eval_artifact=ev)
+    print_metrics(path)
+    print(path)
+    return 0
+
+
+def cmd_convert(args) -> int:
+    """`msllm convert --from-hf DIR` | `msllm convert --to-hf ARTIFACT DIR`; prints the written path last."""
+    from tasks.stages import convert
+
+    if bool(args.from_hf) == bool(args.to_hf):
+        raise StageError("convert: pass exactly one of --from-hf DIR or --to-hf ARTIFACT DIR")
+    st = store(args)
+    if args.from_hf:
+        path = convert.from_hf(args.from_hf, st, pipeline=args.pipeline)
+        print_metrics(path)
+    else:
+        artifact, out = args.to_hf
+        path = convert.to_hf(st.find(artifact), out)
+        print(f"# wrote {', '.join(sorted(p.name for p in path.iterdir()))}", file=sys.stderr)
+    print(path)
+    return 0
+
+
+# ----------------------------------------------------------------------------- tools
+
+
+def cmd_serve(args) -> int:
+    """`msllm serve [ARTIFACT]`: ARTIFACT as given (a directory, `stage/key` or a key prefix), else the
+    pipeline's newest export."""
+    from tasks.serving.app import serve
+
+    if args.artifact:
+        p = Path(args.artifact)
+        artifact = p.resolve() if p.is_dir() else store(args).find(args.artifact)
+    else:
+        cfg = load(args)
+        st = store(args)
+        artifact = st.newest("export", cfg.name)
+        if artifact is None:
+            raise StageError(f"no export artifact for pipeline '{cfg.name}' under {st.root}; run `msllm export "
+                             f"--pipeline {cfg.name}` first, or pass an artifact: msllm serve artifacts/merged/<key>")
+    return serve(artifact, args.host, args.port, model_name=args.model_name, max_active=args.max_active,
+                 max_queue=args.max_queue, drain_timeout=args.drain_timeout, batching=args.batching)
+
+
+def cmd_lineage(args) -> int:
+    from tasks.store.lineage import lineage_tree, render
+
+    st = store(args)
+    print(render(lineage_tree(st, st.find(args.artifact)), args.format))
+    return 0
+
+
+def cmd_plan(args) -> int:
+    from tasks.training.memory import GiB, Layout, estimate, plan, unsupported
+
+    cfg = load(args)
+    mc = cfg.model.resolve()
+    par, pt = cfg.parallel, cfg.pretrain
+    seq = pt.seq_length or cfg.data.seq_length
+    lay = Layout(dp=par.data_parallel, tp=par.tensor_parallel, pp=par.pipeline_parallel,
+                 micro_batch_num=par.micro_batch_num, optimizer_shard=par.optimizer_shard)
+    mem = args.device_memory  # bytes (parsed and checked by argparse)
+    est = estimate(mc, micro_batch=pt.micro_batch_size, seq=seq, precision=pt.precision, recompute=pt.recompute,
+                   layout=lay, backend=par.device_target)
+    print(f"model {cfg.model.preset}: {mc.num_parameters / 1e9:.3f}B parameters; micro batch {pt.micro_batch_size}, "
+          f"seq {seq}, {pt.precision}, recompute {'on' if pt.recompute else 'off'}, backend {par.device_target}")
+    print(f"configured layout dp={lay.dp} tp={lay.tp} pp={lay.pp} (micro_batch_num={lay.micro_batch_num}, "
+          f"optimizer_shard={lay.optimizer_shard}): estimate per rank (each of {lay.devices} process(es))")
+    print(est.table())
+    fits = est.total <= mem
+    print(f"  -> {'fits' if fits else 'DOES NOT FIT'} in {mem / GiB:.1f} GiB per device")
+    why = unsupported(lay, par.device_target)
+    if why:
+        print(f"  -> this layout does not run here ({why})")
+    devices = args.devices or par.device_num
+    rows = plan(mc, devices=devices, device_memory=mem, micro_batch=pt.micro_batch_size, seq=seq,
+                precision=pt.precision, backend=par.device_target)
+    print(f"\nlayouts for {devices} device(s) × {mem / GiB:.1f} GiB (best first):")
+    for lay2, rc, e2, ok in rows[:8]:
+        why = unsupported(lay2, par.device_target)
+        print(f"  {'fits ' if ok else 'no   '} dp={lay2.dp} tp={lay2.tp} pp={lay2.pp} micro_batch_num={lay2.micro_batch_num} "
+              f"optimizer_shard={str(lay2.optimizer_shard).lower():5} recompute={'on ' if rc else 'off'} "
+              f"{e2.total / GiB:8.2f} GiB{'   (not runnable here: ' + why + ')' if why else ''}")
+    best = next((r for r in rows if r[3] and unsupported(r[0], par.device_target) is None), None)
+    if best is None:
+        other = next((r for r in rows if r[3]), None)
+        hint = (f" (dp={other[0].dp} tp={other[0].tp} pp={other[0].pp} would fit but: "
+                f"{unsupported(other[0], par.device_target)})" if other else "")
+        print(f"recommendation: no runnable layout fits{hint}; add devices, lower micro_batch_size or seq_length")
+        return 1
+    lay2, rc, e2, _ = best
+    print(f"recommendation: parallel: {{data_parallel: {lay2.dp}, tensor_parallel: {lay2.tp}, pipeline_parallel: {lay2.pp}, "
+          f"micro_batch_num: {lay2.micro_batch_num}, optimizer_shard: {str(lay2.optimizer_shard).lower()}, "
+          f"device_num: {lay2.devices}}}, pretrain.recompute: {str(rc).lower()}  ({e2.total / GiB:.2f} GiB per device)")
+    return 0

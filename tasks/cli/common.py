@@ -1,0 +1,36 @@
+"""What every command shares: loading the pipeline, the store, upstream artifacts, the metrics line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tasks.config import PipelineConfig, resolve_pipeline
+
+
+class StageError(RuntimeError):
+    """A command failed for a reason the user can fix; the message says how."""
+
+
+def load(args) -> PipelineConfig:
+    return resolve_pipeline(args.config, args.pipeline, args.overrides)
+
+
+def store(args):
+    from tasks.store.artifacts import ArtifactStore
+
+    return ArtifactStore(args.artifacts)
+
+
+def upstream(args, st, stage: str, pipeline: str) -> Path:
+    """`--from PATH`, else the pipeline's newest artifact that `stage` reads (the stage table's resolver)."""
+    from tasks.stages.upstream import upstream as resolve
+
+    return resolve(st, stage, pipeline, getattr(args, "from_", None))
+
+
+def print_metrics(path: Path) -> None:
+    m = json.loads((Path(path) / "manifest.json").read_text())
+    shown = {k: v for k, v in m.get("metrics", {}).items() if not isinstance(v, (dict, list))}
+    print(f"# {m['stage']} artifact {m['key']}: " + ", ".join(
+        f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in shown.items()))

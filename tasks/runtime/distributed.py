@@ -1,0 +1,370 @@
+"""Multi-process training: launching ranks with `msrun`, and each rank's place in the layout.
+
+Parent side (the pretrain/finetune stage's supervisor, when `parallel.device_num > 1`):
+
+    err = launch("pretrain", spec_path, cfg.parallel, log_dir)   # None on success
+
+runs MindSpore's own launcher,
+
+    msrun --worker_num=N --local_worker_num=N/node_num --master_addr=A --master_port=P
+          --node_rank=R --log_dir=LOG --join=True tasks/runtime/launch/worker.py --stage pretrain --child spec.json
+
+relays rank 0's log while the job runs, and on failure returns the failing rank's own
+error on top of the last lines of its log (`LOG/worker_<rank>.log`; the scheduler's
+log is `LOG/scheduler.log`). Collectives go over HCCL on Ascend, NCCL on GPU and
+MindSpore's TCP backend on CPU.
+
+Rank side (inside a worker):
+
+    mesh = Mesh.init(dp=2, tp=1)     # mindspore.communication.init() + the dp / tp groups
+    mesh.dp_index, mesh.tp_index      # rank = dp_index * tp + tp_index (tp innermost)
+
+Tensor-parallel ranks of one data-parallel replica read the same batches; data-parallel
+replicas read disjoint slices (`num_shards=dp`, `shard_id=dp_index`) and average gradients.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tasks.store.artifacts import _pid_alive
+
+REPO = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).resolve().parent / "launch" / "worker.py"
+MSRUN_NODE = Path(__file__).resolve().parent / "launch" / "msrun_node.py"
+STOPPED_MARK = "[rank stopped early]"
+
+
+# ----------------------------------------------------------------------------- rank side
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """This process's place in a dp × tp layout; a single process is Mesh() (no collectives)."""
+
+    dp: int = 1
+    tp: int = 1
+    rank: int = 0
+    dp_group: str | None = None
+    """Group of the ranks holding the same model slice (gradients averaged over it); None when dp == 1."""
+    tp_group: str | None = None
+    """Group of the ranks sharing one replica's tensor-parallel slices; None when tp == 1."""
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp
+
+    @property
+    def dp_index(self) -> int:
+        return self.rank // self.tp
+
+    @property
+    def tp_index(self) -> int:
+        return self.rank % self.tp
+
+    @property
+    def distributed(self) -> bool:
+        return self.world > 1
+
+    @property
+    def writes_checkpoint(self) -> bool:
+        """Data-parallel replica 0 writes the checkpoint shards (the other replicas hold copies)."""
+        return self.dp_index == 0
+
+    def tensor_parallel(self):
+        """The model's TensorParallel for this rank, or None when tp == 1."""
+        if self.tp == 1:
+            return None
+        from model.parallel import TensorParallel
+
+        return TensorParallel(size=self.tp, rank=self.tp_index, group=self.tp_group)
+
+    def sharded(self, params) -> list[bool]:
+        """Which of `params` are tensor-parallel slices (AdamW sums their squared norms over the tp group)."""
+        from model.parallel import split_axis
+
+        return [self.tp > 1 and split_axis(p.name) is not None for p in params]
+
+    @classmethod
+    def init(cls, dp: int, tp: int) -> "Mesh":
+        """Join the job msrun started (mindspore.communication.init) and create this rank's groups."""
+        from mindspore.communication import GlobalComm, create_group, get_group_size, get_rank, init
+
+        init()
+        world, rank = get_group_size(), get_rank()
+        if world != dp * tp:
+            raise RuntimeError(f"msrun started {world} workers but parallel.data_parallel × tensor_parallel = "
+                               f"{dp}×{tp} = {dp * tp}; set parallel.device_num to match")
+        d, t = rank // tp, rank % tp
+        dp_group = tp_group = None
+        if dp > 1:
+            dp_group = GlobalComm.WORLD_COMM_GROUP if tp == 1 else f"dp_{t}"
+            if tp > 1:
+                create_group(dp_group, [i * tp + t for i in range(dp)])
+        if tp > 1:
+            tp_group = GlobalComm.WORLD_COMM_GROUP if dp == 1 else f"tp_{d}"
+            if dp > 1:
+                create_group(tp_group, [d * tp + i for i in range(tp)])
+        return cls(dp=dp, tp=tp, rank=rank, dp_group=dp_group, tp_group=tp_group)
+
+    def barrier(self) -> None:
+        """Wait for every rank (an AllReduce of one number: MindSpore's Barrier has no CPU kernel)."""
+        if not self.distributed:
+            return
+        import mindspore as ms
+        from mindspore import ops
+        from mindspore.communication import GlobalComm
+
+        ops.AllReduce(group=GlobalComm.WORLD_COMM_GROUP)(ms.Tensor([1.0], ms.float32)).asnumpy()
+
+
+    def check_replicas(self, arrays: dict[str, "np.ndarray"]) -> str:
+        """sha256 of this rank's tensors, checked equal across the data-parallel replicas (RuntimeError if not).
+
+        The replicas start from the same seed and apply the same averaged gradients, so their
+        parameters must agree bit for bit; the digests travel by AllGather (every rank must call this).
+        """
+        import hashlib
+
+        import numpy as np
+
+        h = hashlib.sha256()
+        for k in sorted(arrays):
+            h.update(k.encode())
+            h.update(np.ascontiguousarray(arrays[k]).tobytes())
+        digest = h.hexdigest()
+        if self.dp_group is None:
+            return digest
+        import mindspore as ms
+        from mindspore import ops
+        from mindspore.communication import GlobalComm
+
+        mine = np.frombuffer(bytes.fromhex(digest), dtype=np.int32).reshape(1, -1)
+        # over the world group (the only one AllGather supports on CPU); row r is rank r's digest
+        everyone = ops.AllGather(group=GlobalComm.WORLD_COMM_GROUP)(ms.Tensor(mine)).asnumpy()
+        replicas = everyone[self.tp_index::self.tp]  # the ranks holding the same slice as this one
+        if not (replicas == mine).all():
+            raise RuntimeError(f"data-parallel replicas diverged: rank {self.rank}'s parameters differ from another "
+                               f"replica's (sha256 {digest[:16]}…); gradients were not averaged identically")
+        return digest
+
+
+# ----------------------------------------------------------------------------- parent side
+
+
+def msrun_command(parallel, log_dir: Path, script: list[str]) -> list[str]:
+    """The msrun command line running `script` (path and arguments) for `parallel` (a config ParallelSection)."""
+    msrun = [shutil.which("msrun", path=_path_env()) or "msrun"]
+    if parallel.node_rank > 0:  # node 0 hosts the scheduler, even when master_addr is also this host's
+        msrun = [sys.executable, str(MSRUN_NODE)]
+    local = parallel.device_num // parallel.node_num
+    return [*msrun, f"--worker_num={parallel.device_num}", f"--local_worker_num={local}",
+            f"--master_addr={parallel.master_addr}", f"--master_port={parallel.master_port}",
+            f"--node_rank={parallel.node_rank}", f"--log_dir={log_dir}", "--join=True",
+            f"--cluster_time_out={parallel.cluster_timeout}", *script]
+
+
+def _path_env() -> str:
+    # msrun starts workers with `python` from PATH: this interpreter's directory goes first
+    return os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+
+
+def check_port(parallel) -> None:
+    """On the master node, fail before launching when parallel.master_port is taken."""
+    if parallel.node_rank != 0 or parallel.master_addr not in ("127.0.0.1", "localhost"):
+        return
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed job's TIME_WAIT is no conflict
+        try:
+            s.bind(("127.0.0.1", parallel.master_port))
+        except OSError:
+            raise RuntimeError(
+                f"parallel.master_port: port {parallel.master_port} on {parallel.master_addr} is in use "
+                "(another msrun job?); set parallel.master_port to a free port") from None
+
+
+def launch(stage: str, spec_path: Path, parallel, log_dir: Path, relay: bool = True) -> str | None:
+    """Run the stage's workers under msrun; None on success, else the failing rank's error on top.
+
+    On a node other than 0 (`parallel.node_rank > 0`) success also waits for rank 0 (on node 0) to
+    publish the artifact into the shared root, so that every node's command returns its path.
+    """
+    err = run_msrun([str(WORKER), "--stage", stage, "--child", str(spec_path)], parallel, log_dir,
+                    label=stage, relay=relay)
+    if err is None and parallel.node_rank > 0:
+        err = wait_published(stage, spec_path, timeout=parallel.cluster_timeout, node=parallel.node_rank)
+    return err
+
+
+def wait_published(stage: str, spec_path: Path, timeout: float, node: int) -> str | None:
+    """Wait for the artifact of the spec's key to appear in its root (published by node 0); None once it has."""
+    import json
+
+    from tasks.store.artifacts import ArtifactStore
+
+    spec = json.loads(Path(spec_path).read_text())
+    store, t0 = ArtifactStore(spec["root"]), time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if store.lookup(stage, spec["key"]) is not None:
+            return None
+        time.sleep(1.0)
+    return (f"node {node}: this node's ranks finished but node 0 did not publish "
+            f"{stage}/{spec['key']} under {spec['root']} within {timeout:.0f}s (parallel.cluster_timeout); see node 0's "
+            "log, and check that every node sees the same artifact root (a shared filesystem)")
+
+
+def run_msrun(script: list[str], parallel, log_dir: Path, *, label: str = "msrun", relay: bool = True) -> str | None:
+    """Run `script` on every rank under msrun, relaying this node's first rank's log to stderr as it grows.
+
+    None on success, else the failing rank's own error on top of its log's last lines.
+    """
+    check_port(parallel)
+    if parallel.node_num > 1:  # each node its own log dir: the nodes may share the run dir (one filesystem)
+        log_dir = log_dir / f"node_{parallel.node_rank}"
+    if log_dir.exists():
+        shutil.rmtree(log_dir)  # this attempt's logs only
+    log_dir.mkdir(parents=True)
+    threads = max(1, (os.cpu_count() or 1) // max(1, parallel.device_num // parallel.node_num))
+    env = {**os.environ, "PATH": _path_env(), "PYTHONUNBUFFERED": "1", "GLOG_v": os.environ.get("GLOG_v", "3"),
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+           "OMP_NUM_THREADS": str(threads)}
+    cmd = msrun_command(parallel, log_dir, script)
+    print(f"[{label}] msrun: {parallel.device_num} workers ({parallel.device_num // parallel.node_num} on this node), "
+          f"logs in {log_dir}", file=sys.stderr, flush=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=str(REPO),
+                            start_new_session=True)  # its own process group: a failed job is stopped as a whole
+    first = log_dir / f"worker_{parallel.node_rank * (parallel.device_num // parallel.node_num)}.log"
+    pos, partial = 0, b""
+    msrun_out = b""
+    assert proc.stdout is not None
+    os.set_blocking(proc.stdout.fileno(), False)
+    failed_at = None
+    while True:
+        rc = proc.poll()
+        if rc is None and failed_at is None and _some_rank_failed(log_dir):
+            failed_at = time.monotonic()
+        if rc is None and failed_at is not None and time.monotonic() - failed_at > FAIL_GRACE_S:
+            # a rank died; the others would wait in a collective until the cluster times out
+            _stop_group(proc)
+            rc = proc.wait()
+        chunk = proc.stdout.read() or b""
+        msrun_out = (msrun_out + chunk)[-20000:]
+        if relay and first.is_file():
+            with open(first, "rb") as f:
+                f.seek(pos)
+                new = f.read()
+            pos += len(new)
+            *lines, partial = (partial + new).split(b"\n")
+            keep = [ln for ln in lines if not ln.startswith((b"[INFO]", b"[WARNING]", b"[DEBUG]"))]
+            if keep:  # MindSpore's own C++ log lines stay in the rank's log file
+                sys.stderr.buffer.write(b"\n".join(keep) + b"\n")
+                sys.stderr.buffer.flush()
+        if rc is not None:
+            break
+        time.sleep(0.5)
+    if rc == 0:
+        return None
+    return failure_report(log_dir, rc, msrun_out.decode("utf-8", "replace"))
+
+
+FAIL_GRACE_S = 5.0  # after one rank logged its error, how long msrun gets to stop the job itself
+
+
+def _some_rank_failed(log_dir: Path) -> bool:
+    for path in rank_logs(log_dir).values():
+        try:
+            tail = path.read_bytes()[-4000:]
+        except OSError:
+            continue
+        if b"\nerror: " in tail or tail.startswith(b"error: ") or b"\nTraceback (most recent call last)" in tail:
+            return True
+    return False
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (msrun puts its workers in their own process groups)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    """Stop msrun and every worker it started: SIGTERM, then SIGKILL what is left."""
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in [*_descendants(proc.pid), proc.pid]:
+            try:
+                os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            continue
+        if not any(_pid_alive(p) for p in _descendants(proc.pid)):
+            return
+
+
+def rank_logs(log_dir: Path) -> dict[int, Path]:
+    out = {}
+    for p in log_dir.glob("worker_*.log"):
+        m = re.fullmatch(r"worker_(\d+)\.log", p.name)
+        if m:
+            out[int(m.group(1))] = p
+    return dict(sorted(out.items()))
+
+
+def _tail(path: Path, n: int = 30) -> list[str]:
+    try:
+        text = path.read_bytes()[-40000:].decode("utf-8", "replace")
+    except OSError:
+        return []
+    lines = [ln.rsplit("\r", 1)[-1] for ln in text.splitlines()]
+    return [ln for ln in lines if ln.strip() and not ln.startswith("[WARNING]") and not ln.startswith("[INFO]")][-n:]
+
+
+def _error_line(lines: list[str]) -> str | None:
+    errs = [ln for ln in lines if ln.startswith("error:") or re.match(r"^\w*(Error|Exception)\b", ln)]
+    return errs[-1].removeprefix("error: ") if errs else None
+
+
+def failure_report(log_dir: Path, rc: int, msrun_out: str) -> str:
+    """The first failing rank's own error on top, then its log's last lines, then every rank's status."""
+    logs = rank_logs(log_dir)
+    status, failing = [], None
+    for rank, path in logs.items():
+        lines = _tail(path)
+        err = _error_line(lines)
+        stopped = any(STOPPED_MARK in ln for ln in lines)
+        status.append(f"  rank {rank}: {'error: ' + err if err else ('stopped early' if stopped else 'no error in its log')}"
+                      f" ({path})")
+        if err and failing is None:
+            failing = (rank, err, lines)
+    if failing is None and logs and all(STOPPED_MARK in "\n".join(_tail(p)) for p in logs.values()):
+        return "all ranks stopped before the end (stop_after)\n" + "\n".join(status)
+    if failing is None:
+        tail = [ln for ln in msrun_out.splitlines() if ln.strip()][-20:]
+        return (f"msrun exited with code {rc} and no rank logged an error (cluster start failed? see "
+                f"{log_dir / 'scheduler.log'})\n" + "\n".join(status) + "\n--- msrun ---\n" + "\n".join(tail))
+    rank, err, lines = failing
+    return (f"rank {rank}: {err}\n--- last lines of rank {rank}'s log ({logs[rank]}) ---\n" + "\n".join(lines)
+            + "\n--- all ranks ---\n" + "\n".join(status))

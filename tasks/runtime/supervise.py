@@ -1,0 +1,176 @@
+"""Running a heavy stage in a supervised child process (`python -m tasks.runtime.child --stage S --child spec.json`).
+
+MindSpore's context is process-global and a crash or OOM must not take the caller (a
+Prefect flow) down. The parent writes a JSON spec, streams the child's output as it
+comes, and on failure raises `StageFailed` with the child's own error line on top; a
+retry reruns the child, which resumes from its newest checkpoint.
+
+    path = supervise("pretrain", store, key, spec, train_fn, retries=1, isolate=True)
+    sys.exit(child_main(train_fn))      # in the stage module's `if __name__ == "__main__"`
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from tasks.store.artifacts import ArtifactStore, atomic_write_json
+
+STOPPED_EARLY = 75  # child exit code: stopped on request before max_steps, checkpoints kept
+PERMANENT = 3  # child exit code: a failure that a retry cannot fix (bad config, corrupt artifact, non-finite run)
+FAILURE_FILE = "failure.json"  # beside the spec: the child's error, and whether a retry could help
+CHILD_ENV = {"PYTHONUNBUFFERED": "1"}  # the child's output streams through the parent as it comes
+
+
+class StageFailed(RuntimeError):
+    """The stage's child process failed; the message starts with its own error.
+
+    `permanent` is True when a retry cannot succeed (the flows' Prefect retries skip it too).
+    """
+
+    def __init__(self, message: str, permanent: bool = False):
+        super().__init__(message)
+        self.permanent = permanent
+
+
+def is_permanent(exc: BaseException) -> bool:
+    """Whether rerunning cannot fix `exc`: the same input fails the same way.
+
+    Errors of bad input, configuration, corrupt or foreign artifacts and checkpoints, and runs that
+    went non-finite say so with a `permanent = True` class attribute; built-in ValueError, LookupError
+    (an unknown key or name), TypeError and AttributeError are bugs or bad input too. An OSError,
+    MemoryError, a kill, or a framework RuntimeError may be transient and is retried.
+    """
+    flag = getattr(exc, "permanent", None)
+    if flag is not None:
+        return bool(flag)
+    return isinstance(exc, (ValueError, LookupError, TypeError, AttributeError, NotImplementedError))
+
+
+def run_child(stage: str, spec_path: Path) -> str | None:
+    """Run `python -m tasks.runtime.child --stage STAGE --child spec`, relaying its output as it comes (progress bars included).
+
+    Returns None on success, else the child's own error line on top of its last log lines.
+    """
+    env = {**CHILD_ENV, **os.environ, "GLOG_v": os.environ.get("GLOG_v", "3")}
+    module = f"the {stage} child"
+    proc = subprocess.Popen([sys.executable, "-m", "tasks.runtime.child", "--stage", stage, "--child", str(spec_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    assert proc.stdout is not None
+    tail, pending = b"", b""
+    out = sys.stderr.buffer
+    while chunk := proc.stdout.read1(65536):
+        tail = (tail + chunk)[-20000:]
+        # relay whole lines, minus the child's own `error:` line: the caller reports it, once
+        *lines, pending = (pending + chunk).split(b"\n")
+        out.write(b"".join(ln + b"\n" for ln in lines if not ln.startswith(b"error: ")))
+        if b"\r" in pending:  # a progress bar redraws without a newline: show it as it comes
+            done, _, pending = pending.rpartition(b"\r")
+            out.write(done + b"\r")
+        out.flush()
+    if pending and not pending.startswith(b"error: "):
+        out.write(pending)
+        out.flush()
+    rc = proc.wait()
+    if rc == 0:
+        return None
+    lines = [ln.rsplit("\r", 1)[-1] for ln in tail.decode("utf-8", "replace").splitlines()]
+    lines = [ln for ln in lines if ln.strip()][-40:]
+    errors = [ln for ln in lines if ln.startswith("error:")]
+    if errors and rc in (1, PERMANENT):  # the child reported its own error (its log was already shown live)
+        return errors[-1].removeprefix("error: ")
+    head = f"{module} exited with code {rc}"
+    if rc == STOPPED_EARLY:
+        head = f"{module} stopped before the end (stop_after)"
+    elif rc < 0 or rc == 137:
+        head = f"{module} was killed (signal {-rc if rc < 0 else 9}; out of memory?)"
+    return head + "\n--- last lines of the child's log ---\n" + "\n".join(lines)
+
+
+def _read_failure(run_dir: Path) -> dict[str, Any]:
+    try:
+        return json.loads((run_dir / FAILURE_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def supervise(stage: str, store: ArtifactStore, key: str, spec: dict[str, Any],
+              child_fn: Callable[[dict[str, Any]], Path | None], *, retries: int = 0, isolate: bool = True,
+              inject: dict | None = None, parallel=None) -> Path:
+    """Run `child_fn(spec)` in `python -m tasks.runtime.child --stage STAGE` (or in-process), retrying failures.
+
+    With `parallel` (a config ParallelSection) of device_num > 1 the child is `device_num`
+    ranks started by msrun (tasks/runtime/distributed.py); its logs go to runs/<stage>/<key>/msrun_logs.
+    `inject` (tests only) is merged into the first attempt's spec: {"stop_after": k} stops it
+    after k steps as if killed, {"fault_steps": [...]} makes those steps non-finite.
+    """
+    distributed = parallel is not None and parallel.device_num > 1
+    if distributed and not isolate:
+        raise ValueError(f"{stage}: parallel.device_num={parallel.device_num} runs ranks under msrun; "
+                         "it cannot run in-process (isolate=False)")
+    if not isolate:
+        out = child_fn({**spec, **(inject or {})})
+        if out is None:
+            raise StageFailed(f"{stage} stopped before max_steps (stop_after)")
+        return out
+    run_dir = store.root / "runs" / stage / key
+    run_dir.mkdir(parents=True, exist_ok=True)
+    err = None
+    for attempt in range(retries + 1):
+        (run_dir / FAILURE_FILE).unlink(missing_ok=True)
+        atomic_write_json(run_dir / "spec.json", {**spec, **((inject or {}) if attempt == 0 else {})})
+        if distributed:
+            from tasks.runtime.distributed import launch
+
+            err = launch(stage, run_dir / "spec.json", parallel, run_dir / "msrun_logs")
+        else:
+            err = run_child(stage, run_dir / "spec.json")
+        hit = store.lookup(stage, key)
+        if err is None and hit is not None:
+            return hit
+        if _read_failure(run_dir).get("permanent"):
+            raise StageFailed(err or _read_failure(run_dir).get("error", f"{stage} failed"), permanent=True)
+        if attempt < retries:
+            print(f"[{stage}] attempt {attempt + 1} failed; retrying from the last checkpoint", file=sys.stderr)
+    raise StageFailed(err or f"the {stage} child exited without writing its artifact")
+
+
+def child_main(child_fn: Callable[[dict[str, Any]], Path | None], argv: list[str] | None = None) -> int:
+    """Entry point of a stage's child process: run the spec, print the artifact path."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--child", required=True)
+    args = ap.parse_args(argv)
+    spec = json.loads(Path(args.child).read_text())
+    try:
+        path = child_fn(spec)
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr, flush=True)
+        return 130
+    except Exception as exc:  # one line for the user, whatever it is; a traceback only for unexpected kinds
+        permanent = is_permanent(exc)
+        known = permanent or isinstance(exc, (RuntimeError, OSError))
+        if not known:
+            import traceback
+
+            traceback.print_exc(file=sys.stderr)
+        text = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)  # KeyError's str is a repr
+        msg = text if known else f"{type(exc).__name__}: {text}"
+        print(f"error: {msg}", file=sys.stderr, flush=True)
+        try:
+            atomic_write_json(Path(args.child).parent / FAILURE_FILE,
+                              {"error": msg, "type": type(exc).__name__, "permanent": permanent})
+        except OSError:
+            pass
+        return PERMANENT if permanent else 1
+    if path is None:
+        from tasks.runtime.distributed import STOPPED_MARK
+
+        print(STOPPED_MARK, file=sys.stderr, flush=True)
+        return STOPPED_EARLY
+    print(path)
+    return 0

@@ -1,0 +1,148 @@
+"""Step 4: train (or reuse) the SentencePiece tokenizer, and tokenize one chunk (the mapped task)."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import itertools
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+
+from tasks.stages.data.plan import Plan
+from tasks.stages.data.schema import DataError
+
+if TYPE_CHECKING:
+    from tasks.config import PipelineConfig, TokenizerSection
+
+# ----------------------------------------------------------------------------- tokenizer
+
+_SPM_OPTIONS = dict(
+    byte_fallback=True, normalization_rule_name="identity", remove_extra_whitespaces=False, add_dummy_prefix=False,
+    split_digits=True, allow_whitespace_only_pieces=True, unk_id=0, bos_id=1, eos_id=2, pad_id=3,
+    num_threads=1, input_sentence_size=0, shuffle_input_sentence=False, hard_vocab_limit=True, minloglevel=2,
+    required_chars="\u2581",  # the space symbol: without it, text without spaces (CJK) decodes " " as "▁"
+)
+
+
+def train_tokenizer(tok: TokenizerSection, sample_path: Path, out: Path) -> Path:
+    """Train SentencePiece (`tok.model_type`, `tok.vocab_size`) on the sample file; write `out`."""
+    import sentencepiece as spm
+
+    buf = io.BytesIO()
+    try:
+        # an iterator rather than input=PATH: the model would record the (temporary) path and differ per run
+        with open(sample_path, encoding="utf-8", newline="\n") as f:
+            spm.SentencePieceTrainer.train(
+                sentence_iterator=(line.rstrip("\n") for line in f), model_writer=buf, model_type=tok.model_type,
+                vocab_size=tok.vocab_size, character_coverage=tok.character_coverage,
+                max_sentence_length=tok.max_sentence_length, **_SPM_OPTIONS,
+            )
+    except RuntimeError as exc:
+        msg = str(exc).split("] ")[-1].strip()
+        if "required_chars" in msg:
+            hint = "lower data.tokenizer.character_coverage (e.g. 0.9995) or raise vocab_size"
+        elif "too high" in msg or "too large" in msg or "Vocabulary size" in msg:
+            hint = "the sample is too small for this vocab_size; lower data.tokenizer.vocab_size and model.vocab_size, or add text"
+        else:
+            hint = "check data.tokenizer"
+        raise DataError(f"data.tokenizer: SentencePiece training failed ({msg}); {hint}") from None
+    out.write_bytes(buf.getvalue())
+    return out
+
+
+def load_tokenizer(path: str | os.PathLike):
+    """A SentencePieceProcessor; DataError naming the file when it is missing or not a model."""
+    import sentencepiece as spm
+
+    p = Path(path)
+    if not p.is_file():
+        raise DataError(f"{p}: tokenizer model not found; fix data.tokenizer.path")
+    try:
+        return spm.SentencePieceProcessor(model_file=str(p))
+    except (RuntimeError, OSError) as exc:
+        raise DataError(f"{p}: not a SentencePiece model ({exc}); point data.tokenizer.path at a tokenizer.model") from None
+
+
+def tokenizer_info(sp, model_bytes: bytes, source: str) -> dict[str, Any]:
+    """What downstream stages need to know about the tokenizer (written as tokenizer.json)."""
+    try:
+        from sentencepiece import sentencepiece_model_pb2 as pb
+
+        proto = pb.ModelProto()
+        proto.ParseFromString(model_bytes)
+        ts, ns = proto.trainer_spec, proto.normalizer_spec
+        model_type = pb.TrainerSpec.ModelType.Name(ts.model_type).lower()
+        extra = {"byte_fallback": ts.byte_fallback, "add_dummy_prefix": ns.add_dummy_prefix,
+                 "normalization": ns.name, "character_coverage": round(ts.character_coverage, 6)}
+    except ImportError:  # protobuf missing: report what the processor knows
+        model_type, extra = "unknown", {}
+    return {
+        "type": "sentencepiece", "file": "tokenizer.model", "source": source, "model_type": model_type,
+        "vocab_size": sp.get_piece_size(), "unk_id": sp.unk_id(), "bos_id": sp.bos_id(), "eos_id": sp.eos_id(),
+        "pad_id": sp.pad_id(), "pad_fill_id": sp.pad_id() if sp.pad_id() >= 0 else sp.eos_id(), **extra,
+        "document_format": "tokens(document) + [eos_id], documents concatenated; no bos",
+        "sha256": hashlib.sha256(model_bytes).hexdigest(),
+    }
+
+
+def check_vocab(cfg: PipelineConfig, vocab: int, tokenizer: str | None) -> None:
+    """The model's vocab_size must equal the tokenizer's piece count (before any heavy compute)."""
+    mc = cfg.model.resolve()
+    if tokenizer is not None and vocab != mc.vocab_size:
+        raise DataError(
+            f"{tokenizer}: tokenizer has {vocab} pieces but model.vocab_size is {mc.vocab_size} "
+            f"(preset '{cfg.model.preset}'); set model.vocab_size: {vocab} — continued pretraining must keep "
+            "the base model's tokenizer — or use a tokenizer of the model's size"
+        )
+    if tokenizer is None and vocab != mc.vocab_size:
+        raise DataError(
+            f"data.tokenizer.vocab_size: {vocab} differs from model.vocab_size={mc.vocab_size}; make them equal"
+        )
+
+
+# ----------------------------------------------------------------------------- tokenize one chunk (a mapped task)
+
+_SP_CACHE: dict[str, Any] = {}
+
+
+def chunk_specs(plan: Plan, tokenizer: Path) -> list[dict[str, Any]]:
+    """The inputs of `tokenize_chunk`, in plan order (plain JSON-able dicts of paths)."""
+    return [{**c, "tokenizer": str(tokenizer)} for c in plan.chunks]
+
+
+def tokenize_chunk(spec: dict[str, Any]) -> str:
+    """Tokenize one chunk file and join its documents with EOS into one int32 token stream.
+
+    Pure (the output depends only on the files named in `spec`), so it can run in any process or
+    on any Dask worker sharing the file system. Writes `spec["tokens_path"]` (np.save, no pickle)
+    and a summary JSON beside it; returns the summary's path.
+    """
+    import sentencepiece as spm
+
+    tok = spec["tokenizer"]
+    sp = _SP_CACHE.get(tok)
+    if sp is None:
+        sp = _SP_CACHE[tok] = spm.SentencePieceProcessor(model_file=tok)
+    with open(spec["text_path"], encoding="utf-8") as f:
+        docs = [json.loads(line) for line in f]
+    ids = sp.encode(docs, num_threads=1) if docs else []
+    lens = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
+    n_text = int(lens.sum())
+    stream = np.empty(n_text + len(ids), dtype=np.int32)
+    eos_at = np.cumsum(lens + 1) - 1
+    is_text = np.ones(len(stream), dtype=bool)
+    is_text[eos_at] = False
+    stream[is_text] = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32, count=n_text)
+    stream[eos_at] = sp.eos_id()
+    np.save(spec["tokens_path"], stream, allow_pickle=False)
+    summary = {k: spec[k] for k in ("split", "index", "documents", "bytes", "tokens_path")}
+    summary["tokens"] = int(len(stream))
+    out = str(Path(spec["tokens_path"]).with_suffix("").with_suffix(".json"))
+    with open(out, "w", encoding="utf-8") as f:
+        json.dump(summary, f)
+    return out

@@ -1,0 +1,408 @@
+"""The eval stage: perplexity, lm-eval tasks and sample generations of a model artifact.
+
+    path = run(cfg, store, model_artifact, data_artifact)    # cached by content, like every stage
+    print(compare_table(store, path_a, path_b))               # two eval artifacts side by side
+
+What it measures (`eval` section of pipelines.yaml):
+  - perplexity and bits per byte on the held-out (`valid`) split of a data artifact (the
+    one the model was trained on, found through its lineage when not given), and on each
+    of `eval.perplexity_files` (plain text, or JSON Lines with a "text" field, gzip too;
+    each document scored in the harness's rolling windows);
+  - `eval.tasks` through lm-evaluation-harness with `tasks.stages.evaluate.lm_adapter.MindSporeLM`:
+    local task names (`local_arc_easy` …, or the tag `local` for all eight; see
+    tasks/stages/evaluate/lm_tasks/) run offline from data/benchmarks/; any other name is passed to the
+    harness's own task index (its dataset must be in the HF cache);
+  - completions of `eval.prompts` (greedy or sampled, KV cache).
+
+Artifact payload:
+    results.json         lm-eval's result dict (results, configs, versions, n-shot, n-samples, …) without the
+                         per-request records, plus "perplexity": {set: {tokens, bytes, perplexity, bits_per_byte}}
+    samples/<task>.jsonl the harness's per-document records (arguments, responses, metrics)
+    generations.jsonl    {"prompt", "completion", "new_tokens", generation settings}
+    report.md            markdown: perplexity table, lm-eval's task table, the generations
+manifest metrics: perplexity, bits_per_byte (held-out split), "<file>.perplexity" / "<file>.bits_per_byte",
+"<task>.<metric>" for each task's main metric (acc where it has one).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import logging
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+
+from tasks.store.artifacts import ArtifactError, ArtifactStore, raw_file_input
+from tasks.stages import code_version
+from tasks.config import PipelineConfig
+
+STAGE = "eval"
+LOCAL_TASKS = Path(__file__).resolve().parent / "lm_tasks"
+MODEL_STAGES = ("merged", "finetune", "pretrain", "convert")  # stages whose artifacts are (or lead to) models
+_BOOTSTRAP_ITERS = 1000  # stderr of non-mean aggregates (lambada perplexity); lm-eval's 100000 takes minutes
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+class EvalError(RuntimeError):
+    """The model cannot be scored (non-finite logits or scores); rerunning cannot fix it."""
+
+    permanent = True
+
+
+def check_finite_logits(lm, model_artifact: Path) -> None:
+    """One forward pass over a short prompt: non-finite logits make every score meaningless."""
+    import mindspore as ms
+
+    ids = np.asarray([[lm.eot_token_id] + lm.tok_encode("The quick brown fox")], np.int32)
+    logits = lm.net(ms.Tensor(ids)).asnumpy()
+    if not np.isfinite(logits).all():
+        raise EvalError(f"{model_artifact}: the model's logits are non-finite (NaN/Inf weights?); no eval artifact "
+                        "is written: retrain it (a stage that published it should have refused; see README "
+                        "Reliability) or evaluate another model artifact")
+
+
+def stage_key(cfg: PipelineConfig, store: ArtifactStore, model_artifact: Path,
+              data_artifact: Path | None) -> tuple[str, list[dict[str, Any]]]:
+    inputs = [store.input_ref(model_artifact)] + ([store.input_ref(data_artifact)] if data_artifact else [])
+    for f in cfg.eval.perplexity_files:
+        p = cfg.resolve_path(f)
+        if not p.is_file():
+            raise FileNotFoundError(f"eval.perplexity_files: {f} not found (resolved to {p})")
+        inputs.append(raw_file_input(p))
+    return store.key(STAGE, cfg.section("eval"), inputs, code_version(STAGE)), inputs
+
+
+def lineage_data_artifact(store: ArtifactStore, model_artifact: Path, depth: int = 4) -> Path | None:
+    """The data artifact a model was trained on (through finetune → pretrain …), if it is still in the store."""
+    m = store.read_manifest(model_artifact)
+    refs = [i for i in m.get("inputs", []) if i.get("kind") == "artifact"]
+    for ref in sorted(refs, key=lambda r: r.get("stage") != "data"):  # a direct data input first
+        try:
+            p = store.lookup(ref["stage"], ref["key"])
+        except ArtifactError:
+            continue
+        if p is None:
+            continue
+        if ref["stage"] == "data":
+            return p
+        if ref["stage"] in MODEL_STAGES and depth > 0:
+            found = lineage_data_artifact(store, p, depth - 1)
+            if found is not None:
+                return found
+    return None
+
+
+# ----------------------------------------------------------------------------- perplexity
+
+
+def _read_documents(path: Path) -> list[str]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        if path.name.removesuffix(".gz").endswith((".jsonl", ".json")):
+            docs = []
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    rec = json.loads(line)
+                    if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
+                        raise ValueError(f"{path}:{n}: expected a JSON object with a \"text\" string")
+                    docs.append(rec["text"])
+            return docs
+        return [f.read()]
+
+
+def _ppl_row(total_logprob: float, tokens: int, nbytes: int) -> dict[str, Any]:
+    nll = -total_logprob
+    return {"tokens": tokens, "bytes": nbytes, "perplexity": math.exp(nll / tokens) if tokens else None,
+            "bits_per_byte": nll / (math.log(2) * nbytes) if nbytes else None}
+
+
+def documents_perplexity(lm, docs: Iterable[str], progress: bool = False) -> dict[str, Any]:
+    """Token perplexity and bits per byte of documents, each scored alone after the prefix token.
+
+    Windows of max_length predictions, each with as much context as fits: the last window
+    of a long document re-reads the tokens before it, as lm-eval's rolling loglikelihood
+    does, so the total equals `loglikelihood_rolling` of each document (checked in tests).
+    Bytes are the documents' UTF-8 bytes, as in lm-eval's bits_per_byte.
+    """
+    L = lm.max_length
+    rows, spans, tokens, nbytes = [], [], 0, 0
+    for text in docs:
+        full = [lm.prefix_token_id] + lm.tok_encode(text, add_special_tokens=False)
+        tokens += len(full) - 1
+        nbytes += len(text.encode("utf-8"))
+        a = 1  # predicting full[a:b] from full[s:b-1]
+        while a < len(full):
+            b = min(a + L, len(full))
+            s = max(0, b - 1 - L)
+            rows.append((full[s:b - 1], full[s + 1:b]))
+            spans.append(b - a)
+            a = b
+    scored = lm.scorer.score(rows, progress=progress, desc="perplexity")
+    total = float(sum(lp[-n:].sum() for (lp, _), n in zip(scored, spans)))
+    return _ppl_row(total, tokens, nbytes)
+
+
+def heldout_perplexity(lm, data_artifact: Path, batch_size: int, progress: bool = False) -> dict[str, Any]:
+    """Perplexity and bits per byte on a data artifact's `valid` blocks (masked targets skipped)."""
+    from tasks.stages.evaluate.lm_adapter import token_byte_lengths
+    from tasks.stages.pretrain import block_batches
+
+    token_bytes = token_byte_lengths(lm.sp)
+    rows, masks = [], []
+    for ids, labels in block_batches(data_artifact, "valid", batch_size, 10**9, seed=0, repeat=False):
+        for r in range(len(ids)):
+            keep = labels[r] != -100
+            rows.append((ids[r], np.where(keep, labels[r], 0)))
+            masks.append(keep)
+    if not rows:
+        raise ValueError(f"{data_artifact}: the valid split has no blocks; raise data.validation_fraction")
+    scored = lm.scorer.score(rows, progress=progress, desc="held-out perplexity")
+    total = float(sum(lp[k].sum() for (lp, _), k in zip(scored, masks)))
+    tokens = int(sum(k.sum() for k in masks))
+    nbytes = int(sum(token_bytes[t[k]].sum() for (_, t), k in zip(rows, masks)))
+    return _ppl_row(total, tokens, nbytes)
+
+
+# ----------------------------------------------------------------------------- lm-eval tasks
+
+
+class _QuietCustomDatasetNote(logging.Filter):
+    """lm-eval logs a note about --metadata for every task with a custom loader (all local tasks)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Custom kwargs can be passed" not in record.getMessage()
+
+
+def task_manager(tasks: list[str]):
+    """A TaskManager over the local tasks, plus lm-eval's own index only when a task needs it (~17 s)."""
+    from lm_eval.tasks import TaskManager
+
+    local = TaskManager(include_path=str(LOCAL_TASKS), include_defaults=False)
+    if all(t in local.all_tasks for t in tasks):
+        return local
+    tm = TaskManager(include_path=str(LOCAL_TASKS), include_defaults=True)
+    unknown = [t for t in tasks if t not in tm.all_tasks]
+    if unknown:
+        local_names = ", ".join(sorted(local.all_tasks))
+        raise ValueError(f"eval.tasks: unknown task(s) {unknown}; local tasks: {local_names}; "
+                         f"or a task name of lm-eval (its dataset must be in the HF cache)")
+    return tm
+
+
+def run_tasks(lm, tasks: list[str], limit: int | None, seed: int = 0, tm=None) -> dict[str, Any]:
+    """lm_eval.simple_evaluate on our model; returns the harness's result dict (with "samples")."""
+    # lm-eval bootstraps stderrs in a fork()ed multiprocessing.Pool; forking a process that
+    # holds MindSpore's threads deadlocks (seen under Prefect). One process is fast enough.
+    os.environ["DISABLE_MULTIPROC"] = "1"
+    import lm_eval
+
+    tm = tm or task_manager(tasks)
+    note_filter = _QuietCustomDatasetNote()
+    task_logger = logging.getLogger("lm_eval.api.task")
+    task_logger.addFilter(note_filter)
+    try:
+        return lm_eval.simple_evaluate(model=lm, tasks=list(tasks), limit=limit, task_manager=tm, log_samples=True,
+                                       bootstrap_iters=_BOOTSTRAP_ITERS, random_seed=seed, numpy_random_seed=seed,
+                                       torch_random_seed=seed, fewshot_random_seed=seed)
+    finally:
+        task_logger.removeFilter(note_filter)
+
+
+def main_metrics(results: dict[str, Any]) -> dict[str, float]:
+    """{"<task>.<metric>": value} for each task's main metric: acc when it has one, else its first metric."""
+    out = {}
+    for task, res in results.get("results", {}).items():
+        names = [k for k, v in res.items() if "," in k and "_stderr" not in k and isinstance(v, (int, float))]
+        if not names:
+            continue
+        main = next((k for k in names if k.split(",")[0] == "acc"), names[0])
+        out[f"{task}.{main.split(',')[0]}"] = float(res[main])
+    return out
+
+
+def _json_default(o: Any) -> Any:
+    from lm_eval.utils import handle_non_serializable
+
+    return handle_non_serializable(o)
+
+
+def _dump(obj: Any) -> str:
+    return json.dumps(obj, indent=2, default=_json_default, ensure_ascii=False) + "\n"
+
+
+# ----------------------------------------------------------------------------- the stage
+
+
+def _log(progress: bool, msg: str) -> None:
+    if progress:
+        print(f"[eval] {msg}", file=sys.stderr, flush=True)
+
+
+def perplexities(cfg: PipelineConfig, lm, data_artifact: Path | None, progress: bool) -> dict[str, dict[str, Any]]:
+    """{"held-out": …, "<file name>": …} rows of tokens, bytes, perplexity, bits_per_byte."""
+    out = {}
+    if data_artifact is not None:
+        out["held-out"] = heldout_perplexity(lm, data_artifact, cfg.eval.batch_size, progress)
+    for f in cfg.eval.perplexity_files:
+        p = cfg.resolve_path(f)
+        out[p.name] = documents_perplexity(lm, _read_documents(p), progress)
+    for name, r in out.items():
+        _log(progress, f"{name}: perplexity {_fmt(r['perplexity'])}, {_fmt(r['bits_per_byte'])} bits/byte ({r['tokens']} tokens)")
+    return out
+
+
+def sample_generations(lm, ev, progress: bool = False) -> list[dict[str, Any]]:
+    """Completions of ev.prompts with the eval section's generation settings."""
+    out = []
+    for prompt in ev.prompts:
+        completion = lm.generate_text(prompt, until=ev.stop, max_gen_toks=ev.max_new_tokens, temperature=ev.temperature,
+                                      top_k=ev.top_k, top_p=ev.top_p, seed=ev.seed)
+        out.append({"prompt": prompt, "completion": completion, "max_new_tokens": ev.max_new_tokens,
+                    "temperature": ev.temperature, "top_k": ev.top_k, "top_p": ev.top_p, "seed": ev.seed})
+        _log(progress, f"{prompt!r} -> {completion[:80]!r}")
+    return out
+
+
+def run(cfg: PipelineConfig, store: ArtifactStore, model_artifact: Path, data_artifact: Path | None = None,
+        progress: bool = True) -> Path:
+    """Return the eval artifact of this model (and data artifact), computing it when not cached."""
+    model_artifact = store.inside(model_artifact)
+    data_artifact = store.inside(data_artifact) if data_artifact else None
+    key, inputs = stage_key(cfg, store, model_artifact, data_artifact)
+    hit = store.lookup(STAGE, key)
+    if hit is not None:
+        return hit
+    if data_artifact is not None and (data_artifact / "tokenizer.model").read_bytes() != \
+            (model_artifact / "tokenizer.model").read_bytes():
+        raise ValueError(f"{data_artifact} was tokenized with another tokenizer than {model_artifact}; "
+                         "pass the data artifact the model was trained on (or none)")
+    ev = cfg.eval
+    tm = task_manager(ev.tasks) if ev.tasks else None  # unknown task names fail here, before any compute
+    from tasks.stages.evaluate.lm_adapter import MindSporeLM
+
+    t0 = time.perf_counter()
+    lm = MindSporeLM(pretrained=model_artifact, batch_size=ev.batch_size, max_gen_toks=ev.max_new_tokens,
+                     progress=progress)
+    check_finite_logits(lm, model_artifact)  # before any score: NaN logits give NaN ppl but "accuracy 1.0"
+    ppl = perplexities(cfg, lm, data_artifact, progress)
+    metrics: dict[str, Any] = {}
+    if "held-out" in ppl:
+        metrics.update(perplexity=ppl["held-out"]["perplexity"], bits_per_byte=ppl["held-out"]["bits_per_byte"])
+    for name, row in ppl.items():
+        if name != "held-out":
+            metrics.update({f"{name}.perplexity": row["perplexity"], f"{name}.bits_per_byte": row["bits_per_byte"]})
+    results: dict[str, Any] = {"results": {}, "configs": {}, "versions": {}, "n-shot": {}, "higher_is_better": {},
+                               "n-samples": {}}
+    if ev.tasks:
+        _log(progress, f"lm-eval tasks {ev.tasks} (limit {ev.limit})")
+        results = run_tasks(lm, ev.tasks, ev.limit, ev.seed, tm)
+        metrics.update(main_metrics(results))
+    bad = sorted(k for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v))
+    if bad:
+        raise EvalError(f"{model_artifact}: non-finite scores ({', '.join(f'{k}={metrics[k]}' for k in bad[:4])}); "
+                        "the model is broken (NaN/Inf weights or logits) and no eval artifact is written; "
+                        "evaluate another model artifact")
+    generations = sample_generations(lm, ev, progress)
+    metrics["eval_seconds"] = round(time.perf_counter() - t0, 1)
+
+    samples = results.pop("samples", {})
+    results["perplexity"] = ppl
+    with store.build(STAGE, key, pipeline=cfg.name, config=cfg.section("eval"), inputs=inputs,
+                     code=code_version(STAGE)) as b:
+        (b.dir / "results.json").write_text(_dump(results), encoding="utf-8")
+        for task, recs in samples.items():
+            (b.dir / "samples").mkdir(exist_ok=True)
+            with open(b.dir / "samples" / f"{task}.jsonl", "w", encoding="utf-8") as f:
+                for r in recs:
+                    f.write(json.dumps(r, default=_json_default, ensure_ascii=False) + "\n")
+        with open(b.dir / "generations.jsonl", "w", encoding="utf-8") as f:
+            for g in generations:
+                f.write(json.dumps(g, ensure_ascii=False) + "\n")
+        (b.dir / "report.md").write_text(render_report(model_artifact, data_artifact, results, generations, ev.limit),
+                                         encoding="utf-8")
+        b.metrics.update({k: v for k, v in metrics.items() if v is not None})
+    _write_events(cfg, store, key, model_artifact, metrics)
+    return b.path
+
+
+def _write_events(cfg: PipelineConfig, store: ArtifactStore, key: str, model_artifact: Path, metrics: dict[str, Any]) -> None:
+    """The scores as TensorBoard scalars in runs/eval/<key>/ (beside the training runs), at the model's step."""
+    from tasks.training.tensorboard import write_eval
+
+    m = store.read_manifest(model_artifact)
+    scores = {k: v for k, v in metrics.items() if k != "eval_seconds"}
+    write_eval(store.root / "runs" / STAGE / key, scores, step=int(m.get("metrics", {}).get("steps") or 0),
+               hparams={"pipeline": cfg.name, "model": f"{m['stage']}/{m['key']}", "eval": cfg.section("eval")})
+
+
+# ----------------------------------------------------------------------------- reports
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, float):
+        return f"{v:.4f}" if abs(v) < 1e4 else f"{v:.4g}"
+    return str(v)
+
+
+def render_report(model_artifact: Path, data_artifact: Path | None, results: dict[str, Any],
+                  generations: list[dict[str, Any]], limit: int | None) -> str:
+    from lm_eval.utils import make_table
+
+    lines = [f"# Evaluation of `{model_artifact.parent.name}/{model_artifact.name}`", ""]
+    if data_artifact is not None:
+        lines += [f"Held-out split: `{data_artifact.parent.name}/{data_artifact.name}`", ""]
+    if results.get("perplexity"):
+        lines += ["## Perplexity", "", "| set | tokens | bytes | perplexity | bits/byte |", "|---|---:|---:|---:|---:|"]
+        for name, r in results["perplexity"].items():
+            lines.append(f"| {name} | {r['tokens']} | {r['bytes']} | {_fmt(r['perplexity'])} | {_fmt(r['bits_per_byte'])} |")
+        lines.append("")
+    if results.get("results"):
+        lines += [f"## lm-eval tasks ({f'{limit} examples each' if limit else 'all examples'})", "",
+                  make_table(results).strip(), ""]
+    if generations:
+        lines += ["## Sample generations", ""]
+        for g in generations:
+            settings = "greedy" if not g["temperature"] else f"temperature {g['temperature']}, top_k {g['top_k']}, top_p {g['top_p']}, seed {g['seed']}"
+            lines += [f"**{g['prompt']}** ({settings})", "", "```", g["prompt"] + g["completion"], "```", ""]
+    return "\n".join(lines)
+
+
+def _eval_metrics(path: Path) -> dict[str, Any]:
+    m = ArtifactStore.read_manifest(path)
+    if m["stage"] != STAGE:
+        raise ArtifactError(f"{path}: a {m['stage']} artifact, not an eval artifact")
+    out = {k: v for k, v in m.get("metrics", {}).items() if isinstance(v, (int, float)) and k != "eval_seconds"}
+    res = json.loads((path / "results.json").read_text(encoding="utf-8"))
+    for task, r in res.get("results", {}).items():  # every metric, not only the main one
+        for k, v in r.items():
+            if "," in k and "_stderr" not in k and isinstance(v, (int, float)):
+                out.setdefault(f"{task}.{k.split(',')[0]}", v)
+    return out
+
+
+def compare_table(path_a: Path, path_b: Path) -> str:
+    """Markdown table of two eval artifacts' metrics side by side, with B − A."""
+    a, b = _eval_metrics(path_a), _eval_metrics(path_b)
+    ma, mb = ArtifactStore.read_manifest(path_a), ArtifactStore.read_manifest(path_b)
+
+    def model_of(m: dict[str, Any]) -> str:
+        ref = next((i for i in m.get("inputs", []) if i.get("kind") == "artifact" and i.get("stage") != "data"), None)
+        return f"{ref['stage']}/{ref['key']}" if ref else "?"
+
+    lines = [f"A: eval/{ma['key']} (model {model_of(ma)})", f"B: eval/{mb['key']} (model {model_of(mb)})", "",
+             "| metric | A | B | B − A |", "|---|---:|---:|---:|"]
+    for k in sorted(set(a) | set(b), key=lambda k: (k.count("."), k)):
+        va, vb = a.get(k), b.get(k)
+        diff = vb - va if isinstance(va, (int, float)) and isinstance(vb, (int, float)) else None
+        lines.append(f"| {k} | {_fmt(va)} | {_fmt(vb)} | {_fmt(diff) if diff is None else f'{diff:+.4f}'} |")
+    return "\n".join(lines)

@@ -1,0 +1,256 @@
+"""lm-evaluation-harness on our MindSpore model: a `TemplateLM` subclass and the batched scorer under it.
+
+    from tasks.stages.evaluate import lm_adapter
+    lm_adapter.register()                               # idempotent; adds the model name "msllm"
+    lm_eval.simple_evaluate(model="msllm", model_args="pretrained=artifacts/pretrain/<key>", tasks=[...])
+    lm = lm_adapter.MindSporeLM(pretrained=path)        # or an instance, for simple_evaluate(model=lm)
+
+Token boundaries follow the harness (`TemplateLM`): a request (context, continuation)
+is encoded as the whole string and as the context alone, and the continuation is the
+whole's tokens after the context's (trailing spaces of the context move to the
+continuation); an empty context becomes the prefix token. Every encoding starts with
+the prefix token, EOS: the data stage writes `tokens(doc) + [eos]` back to back, so
+"after EOS" is where the model has seen documents begin. The sequence fed to the model
+is `(context + continuation)[-(max_length + 1):][:-1]`, scored on its last
+len(continuation) positions, as HF's LM does; `max_length` is the trained sequence
+length from model.json.
+
+`TokenScorer` does the arithmetic: rows sorted by length (longest first), cut into
+batches of `batch_size`, right-padded to a multiple of `bucket` tokens (the batch axis
+is padded too), and one `mindspore.jit` function per padded shape returns the log-softmax
+of each target and whether it was the argmax, so a run compiles once per length bucket
+instead of once per distinct length. Right padding is invisible to a causal model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+from lm_eval.api.model import TemplateLM
+from tqdm import tqdm
+
+MODEL_NAME = "msllm"
+
+
+class TokenScorer:
+    """Log-probabilities of target tokens under a network, batched and length-bucketed."""
+
+    def __init__(self, net, batch_size: int = 8, bucket: int = 32):
+        import mindspore as ms
+        from mindspore import ops
+
+        self.net, self.batch_size, self.bucket = net, batch_size, bucket
+        self.max_seq_length = net.config.max_seq_length
+        self.shapes_compiled: set[tuple[int, int]] = set()
+
+        def score(ids, targets):
+            logp = ops.log_softmax(net(ids), -1)                                      # [B, T, V]
+            target_logp = ops.gather_elements(logp, 2, targets.expand_dims(-1)).squeeze(-1)  # [B, T]
+            return target_logp, ops.argmax(logp, -1) == targets                       # [B, T], [B, T]
+
+        self._score = ms.jit(score)
+
+    def score(self, rows: Sequence[tuple[Sequence[int], Sequence[int]]], progress: bool = False,
+              desc: str = "scoring") -> list[tuple[np.ndarray, np.ndarray]]:
+        """For each (input_ids, target_ids) pair of equal length: (log p(target_t | input_≤t) [T], is_argmax [T])."""
+        import mindspore as ms
+
+        order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
+        out: list[Any] = [None] * len(rows)
+        bar = tqdm(total=len(rows), desc=desc, disable=not progress, leave=False)
+        for start in range(0, len(order), self.batch_size):
+            chunk = order[start:start + self.batch_size]
+            longest = len(rows[chunk[0]][0])
+            if longest == 0 or longest > self.max_seq_length:
+                raise ValueError(f"cannot score a sequence of {longest} tokens (model max_seq_length {self.max_seq_length})")
+            t = min(-(-longest // self.bucket) * self.bucket, self.max_seq_length)
+            ids = np.zeros((self.batch_size, t), np.int32)
+            tgt = np.zeros((self.batch_size, t), np.int32)
+            for r, i in enumerate(chunk):
+                inp, target = rows[i]
+                if len(inp) != len(target):
+                    raise ValueError(f"row {i}: {len(inp)} input ids but {len(target)} targets")
+                ids[r, :len(inp)], tgt[r, :len(inp)] = inp, target
+            logp, greedy = self._score(ms.Tensor(ids), ms.Tensor(tgt))
+            logp, greedy = logp.asnumpy(), greedy.asnumpy()
+            self.shapes_compiled.add((self.batch_size, t))
+            for r, i in enumerate(chunk):
+                n = len(rows[i][0])
+                out[i] = (logp[r, :n].astype(np.float64), greedy[r, :n])
+            bar.update(len(chunk))
+        bar.close()
+        return out
+
+
+def token_byte_lengths(sp) -> np.ndarray:
+    """UTF-8 bytes each token id stands for (control/unknown tokens 0, byte-fallback pieces 1).
+
+    With the data stage's tokenizer (no dummy prefix, identity normalisation) the sum over
+    a document's tokens is exactly the document's UTF-8 length.
+    """
+    n = sp.get_piece_size()
+    out = np.zeros(n, np.int64)
+    for i in range(n):
+        if sp.is_control(i) or sp.is_unknown(i):
+            continue
+        out[i] = 1 if sp.is_byte(i) else len(sp.id_to_piece(i).replace("\u2581", " ").encode("utf-8"))
+    return out
+
+
+class MindSporeLM(TemplateLM):
+    """lm-eval model backed by a model artifact (MindSpore network + SentencePiece tokenizer).
+
+    Construct from a model artifact (`pretrained=PATH`, what `model_args` passes), or
+    from a loaded network and tokenizer (`net=..., tokenizer=...`; `tokenizer` may be None
+    when only the token-level methods are used, e.g. by benchmarks).
+    """
+
+    def __init__(self, pretrained: str | Path | None = None, *, net=None, tokenizer=None, batch_size: int | str | None = 8,
+                 max_length: int | None = None, max_gen_toks: int = 256, bucket: int = 32,
+                 eot_token_id: int | None = None, progress: bool = True, **_harness_kwargs: Any):
+        super().__init__()
+        if pretrained is not None:
+            from model.runtime import setup_mindspore
+            from tasks.store.model_artifact import load_model, load_tokenizer
+
+            setup_mindspore()
+            net, info = load_model(pretrained)
+            tokenizer = load_tokenizer(pretrained)
+            max_length = max_length or info.get("seq_length")
+        if net is None:
+            raise ValueError("MindSporeLM needs `pretrained` (a model artifact path) or `net`")
+        self.net, self.sp = net, tokenizer
+        bs = int(batch_size) if str(batch_size or "").isdigit() else 8  # "auto" and None: our default
+        self.scorer = TokenScorer(net, batch_size=max(1, bs), bucket=bucket)
+        self._max_length = min(int(max_length or net.config.max_seq_length), net.config.max_seq_length)
+        self.max_gen_toks = int(max_gen_toks)
+        self.progress = progress
+        if eot_token_id is None:
+            if tokenizer is None:
+                raise ValueError("MindSporeLM without a tokenizer needs eot_token_id")
+            eot_token_id = tokenizer.eos_id() if tokenizer.eos_id() >= 0 else tokenizer.bos_id()
+        self._eot = int(eot_token_id)
+        self._generator = None
+
+    # ---- what the harness asks about the model
+
+    @property
+    def eot_token_id(self) -> int:
+        return self._eot
+
+    @property
+    def max_length(self) -> int:
+        return self._max_length
+
+    @property
+    def tokenizer_name(self) -> str:
+        return "sentencepiece"
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
+        """SentencePiece ids, after the prefix token unless add_special_tokens is False."""
+        ids = self.sp.encode(string)
+        return ids if add_special_tokens is False else [self.prefix_token_id] + ids
+
+    def tok_decode(self, ids: Iterable[int], **kwargs: Any) -> str:
+        return self.sp.decode([int(i) for i in ids])
+
+    def _encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        ctx, cont = super()._encode_pair(context, continuation)
+        if not cont:  # the tokenizer merged the continuation into the context's tokens: score it on its own
+            cont = self.tok_encode(continuation, add_special_tokens=False)
+        return ctx, cont
+
+    # ---- scoring
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs: Any) -> list[tuple[float, bool]]:
+        """requests: ((context, continuation) or None, context_ids, continuation_ids) -> (sum log p, all greedy)."""
+        rows, spans = [], []
+        for _, ctx, cont in requests:
+            cont = list(cont)[-self.max_length:]
+            whole = (list(ctx) + cont)[-(self.max_length + 1):]
+            rows.append((whole[:-1], whole[1:]))
+            spans.append(len(cont))
+        scored = self.scorer.score(rows, progress=self.progress and not disable_tqdm, desc="loglikelihood")
+        out = []
+        for (key, _, _), (logp, greedy), n in zip(requests, scored, spans):
+            answer = (float(logp[-n:].sum()), bool(greedy[-n:].all()))
+            if key is not None:
+                self.cache_hook.add_partial("loglikelihood", key, answer)
+            out.append(answer)
+        return out
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        """Whole-document log-likelihood, in disjoint windows of max_length tokens (the harness's windows)."""
+        from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+        windows, owner = [], []
+        for i, req in enumerate(requests):
+            tokens = self.tok_encode(req.args[0], add_special_tokens=False)
+            for ctx, cont in map(make_disjoint_window, get_rolling_token_windows(
+                    token_list=tokens, prefix_token=self.prefix_token_id, max_seq_len=self.max_length, context_len=1)):
+                windows.append((None, ctx, cont))
+                owner.append(i)
+        totals = [0.0] * len(requests)
+        for i, (ll, _) in zip(owner, self._loglikelihood_tokens(windows, disable_tqdm=disable_tqdm)):
+            totals[i] += ll
+        for req, total in zip(requests, totals):
+            self.cache_hook.add_partial("loglikelihood_rolling", (req.args[0],), total)
+        return totals
+
+    # ---- generation
+
+    @property
+    def generator(self):
+        if self._generator is None:
+            from model.generate import Generator
+
+            self._generator = Generator(self.net)
+        return self._generator
+
+    def generate_text(self, context: str, *, until: Sequence[str] = (), max_gen_toks: int | None = None,
+                      temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+                      seed: int | None = 0) -> str:
+        """The completion of `context`, cut before the first stop string (EOS always stops)."""
+        max_gen = int(max_gen_toks or self.max_gen_toks)
+        # Keep room for the new tokens inside the trained length, but never less than half of it as
+        # context (the cache holds max_seq_length tokens, so long generations still fit).
+        ids = self.tok_encode(context)[-max(self.max_length - max_gen, self.max_length // 2):]
+        until = [u for u in until if u]
+
+        def hit_stop(new_ids: list[int]) -> bool:
+            text = self.tok_decode(new_ids)
+            return any(u in text for u in until)
+
+        new = self.generator.generate(ids, max_gen, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                                      eos_id=self.eot_token_id, stop=hit_stop if until else None)
+        text = self.tok_decode([t for t in new if t != self.eot_token_id])
+        for u in until:
+            text = text.split(u)[0]
+        return text
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        out = []
+        for req in tqdm(requests, desc="generate_until", disable=disable_tqdm or not self.progress, leave=False):
+            context, kwargs = req.args
+            kwargs = dict(kwargs or {})
+            until = kwargs.pop("until", None) or []
+            until = [until] if isinstance(until, str) else list(until)
+            temperature = float(kwargs.get("temperature") or 1.0) if kwargs.get("do_sample") else 0.0  # HF's meaning
+            text = self.generate_text(context, until=until, max_gen_toks=kwargs.get("max_gen_toks"),
+                                      temperature=temperature, top_k=kwargs.get("top_k"), top_p=kwargs.get("top_p"),
+                                      seed=kwargs.get("seed", 0))
+            self.cache_hook.add_partial("generate_until", (context, req.args[1]), text)
+            out.append(text)
+        return out
+
+
+def register() -> None:
+    """Make `simple_evaluate(model="msllm", ...)` work. Idempotent; no import-time side effects."""
+    import lm_eval.models  # noqa: F401  (built-ins first: the registry loads them only while it is empty)
+    from lm_eval.api.registry import model_registry, register_model
+
+    if model_registry.get(MODEL_NAME, None) is not MindSporeLM:
+        register_model(MODEL_NAME)(MindSporeLM)
+

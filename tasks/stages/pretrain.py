@@ -1,0 +1,279 @@
+"""The pretrain stage: from scratch, or continued from a model artifact, on a data artifact.
+
+    path = run(cfg, store, data_artifact)                  # supervised child process, cached by content
+    path = run(cfg, store, data_artifact, init_from=prev)   # continued pretraining (keeps prev's tokenizer)
+
+The stage runs in a child process (`python -m tasks.stages.pretrain --child SPEC`):
+MindSpore's context is process-global, and a crash or OOM must not take the
+caller (a Prefect flow) down. The child trains in `<root>/runs/pretrain/<key>/`
+(checkpoints, metrics) and publishes the artifact through the store when done;
+a retry of the same key resumes from the newest checkpoint there.
+
+Artifact payload: model.safetensors (weights), model.json (architecture,
+tokenizer ids), tokenizer.model, metrics.jsonl, loss_curve.png.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from tasks.store.artifacts import ArtifactStore
+from tasks.stages import code_version
+from tasks.config import PipelineConfig
+from tasks.runtime.supervise import StageFailed, supervise  # noqa: F401 (StageFailed re-exported)
+
+STAGE = "pretrain"
+
+
+# ----------------------------------------------------------------------------- keys and inputs
+
+
+def stage_key(cfg: PipelineConfig, store: ArtifactStore, data_artifact: Path, init_from: Path | None,
+              stage: str = STAGE) -> tuple[str, list[dict[str, Any]], dict[str, Any]]:
+    inputs = [store.input_ref(data_artifact)]
+    if init_from is not None:
+        inputs.append(store.input_ref(init_from))
+    section = {"model": cfg.section("model"), "pretrain": cfg.section("pretrain"), "parallel": cfg.layout_section()}
+    section["pretrain"].pop("init_from", None)  # identified by its digest among the inputs instead
+    if cfg.checkpoint.load_checkpoint:  # continuing a training checkpoint: which one, by content
+        section["load_checkpoint"] = checkpoint_ref(cfg.resolve_path(cfg.checkpoint.load_checkpoint))
+    return store.key(stage, section, inputs, code_version(stage)), inputs, section
+
+
+def checkpoint_ref(path: Path) -> dict[str, Any]:
+    """Identity of a training checkpoint for cache keys: its path and the digest of its state.json."""
+    from tasks.store.artifacts import sha256_file
+    from tasks.training.trainer import resolve_checkpoint
+
+    ckpt = resolve_checkpoint(path)
+    return {"path": str(ckpt), "state_sha256": sha256_file(ckpt / "state.json")}
+
+
+# ----------------------------------------------------------------------------- supervisor (parent)
+
+
+def run(cfg: PipelineConfig, store: ArtifactStore, data_artifact: Path, init_from: Path | None = None,
+        *, retries: int = 0, isolate: bool = True, progress: bool = True, inject: dict | None = None) -> Path:
+    """Return the pretrain artifact for these inputs, training it in a child process if needed.
+
+    A failed attempt is retried `retries` times; each retry resumes from the newest checkpoint.
+    `inject` (tests only) adds fault settings to the first attempt: {"stop_after": k} stops it
+    after k steps as if killed, {"fault_steps": [...]} makes those steps non-finite.
+    """
+    data_artifact = store.inside(data_artifact)
+    init_from = store.inside(init_from) if init_from else None
+    key, _, _ = stage_key(cfg, store, data_artifact, init_from)
+    hit = store.lookup(STAGE, key)
+    if hit is not None:
+        return hit
+    spec = {"config": cfg.model_dump(mode="json"), "root": str(store.root), "data": str(data_artifact),
+            "init_from": str(init_from) if init_from else None, "key": key,
+            "progress": progress and sys.stderr.isatty()}  # a bar only where a terminal shows it
+    return supervise(STAGE, store, key, spec, train, retries=retries, isolate=isolate, inject=inject,
+                     parallel=cfg.parallel)
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def block_batches(data_artifact: Path, split: str, batch_size: int, seq_length: int, seed: int,
+                  start_sample: int = 0, repeat: bool = True, num_shards: int = 1, shard_id: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """(input_ids [B, T], labels [B, T]) from a data artifact's packed blocks; labels -100 where masked."""
+    from tasks.store.reader import open_blocks
+
+    for b in open_blocks(data_artifact, split, batch_size=batch_size, num_shards=num_shards, shard_id=shard_id,
+                         seed=seed, start_sample=start_sample, repeat=repeat, shuffle=(split == "train")):
+        ids = b["input_ids"][:, : seq_length + 1].astype(np.int32)
+        mask = b["loss_mask"][:, :seq_length]
+        labels = np.where(mask > 0, ids[:, 1:], -100).astype(np.int32)
+        yield np.ascontiguousarray(ids[:, :-1]), labels
+
+
+def mixed_batches(main: Iterator, replay: Iterator | None, ratio: float, batch_size: int) -> Iterator:
+    """Replace round(ratio × B) rows of each main batch with rows of the replay stream."""
+    n_replay = int(round(ratio * batch_size)) if replay is not None else 0
+    for ids, labels in main:
+        if n_replay:
+            rids, rlabels = next(replay)
+            ids = np.concatenate([ids[: batch_size - n_replay], rids[:n_replay]])
+            labels = np.concatenate([labels[: batch_size - n_replay], rlabels[:n_replay]])
+        yield ids, labels
+
+
+def unigram_entropy(data_artifact: Path, split: str = "train") -> float:
+    """Entropy (nats/token) of the split's unigram token distribution: the loss of a model that ignores context."""
+    counts: np.ndarray | None = None
+    for ids, labels in block_batches(data_artifact, split, 64, 10**9, seed=0, repeat=False):
+        tok = labels[labels != -100]
+        c = np.bincount(tok, minlength=1)
+        counts = c if counts is None else np.pad(counts, (0, max(0, len(c) - len(counts)))) + np.pad(c, (0, max(0, len(counts) - len(c))))
+    if counts is None or counts.sum() == 0:
+        return float("nan")
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+def replay_data_artifact(store: ArtifactStore, init_from: Path) -> Path:
+    """The data artifact `init_from` was trained on, found by its key in this store (a manifest's
+    recorded path is never followed outside the artifact root) and checked against its recorded digest."""
+    from tasks.store.artifacts import ArtifactError
+
+    prev = store.read_manifest(init_from)
+    ref = next((i for i in prev.get("inputs", []) if i.get("kind") == "artifact" and i.get("stage") == "data"), None)
+    found = None
+    if ref is not None:
+        try:
+            found = store.lookup("data", str(ref.get("key", "")))
+        except ArtifactError:
+            found = None
+    if found is None:
+        raise ValueError(f"pretrain.replay_ratio: the data artifact of {init_from} is not in {store.root}; "
+                         "rebuild it or set replay_ratio: 0")
+    if store.read_manifest(found)["digest"] != ref.get("digest"):
+        raise ValueError(f"pretrain.replay_ratio: {found} differs from the data {init_from} was trained on "
+                         "(digest mismatch); rebuild it or set replay_ratio: 0")
+    return found
+
+
+# ----------------------------------------------------------------------------- the child
+
+
+def train(spec: dict[str, Any]) -> Path | None:
+    """Train and publish the artifact (runs inside the child process)."""
+    from model.runtime import setup_mindspore
+
+    from tasks.runtime.distributed import Mesh
+
+    cfg = PipelineConfig.model_validate(spec["config"])
+    setup_mindspore(cfg.parallel.device_target, seed=cfg.pretrain.seed)
+    par = cfg.parallel
+    mesh = Mesh.init(par.data_parallel, par.tensor_parallel) if par.device_num > 1 else Mesh()
+    return _train(cfg, ArtifactStore(spec["root"]), Path(spec["data"]),
+                  Path(spec["init_from"]) if spec["init_from"] else None, spec["key"], spec.get("progress", True),
+                  stop_after=spec.get("stop_after"), fault_steps=spec.get("fault_steps", []), mesh=mesh)
+
+
+def build_network(cfg: PipelineConfig, init_from: Path | None, tensor_parallel=None):
+    """The model: architecture from the init artifact when continuing, else from the config (seeded init)."""
+    from model.config import ModelConfig
+    from model.registry import build_model
+    from tasks.training.checkpoint import load_weights
+    from tasks.store.model_artifact import read_info
+    from tasks.training.checkpoint import assign
+
+    dtype = {}
+    if cfg.pretrain.precision == "fp16":  # fp32 master weights, fp16 matmuls (model/llama.py)
+        import mindspore as ms
+
+        dtype = {"compute_dtype": ms.float16}
+    if tensor_parallel is not None:
+        dtype["tensor_parallel"] = tensor_parallel
+    if init_from is None:
+        mc = cfg.model.resolve()
+        net = build_model(cfg.model.name, mc, seed=cfg.pretrain.seed, **dtype)
+        return net, mc
+    info = read_info(init_from)
+    mc = ModelConfig.from_dict(info["model"])
+    net = build_model(info.get("name", cfg.model.name), mc, seed=cfg.pretrain.seed, **dtype)
+    weights = load_weights(init_from)
+    if tensor_parallel is not None:
+        from model.parallel import shard
+
+        weights = shard(weights, tensor_parallel.size, tensor_parallel.rank)
+    assign(net.trainable_params(), weights, str(init_from))
+    return net, mc
+
+
+def _train(cfg: PipelineConfig, store: ArtifactStore, data_artifact: Path, init_from: Path | None, key: str,
+           progress: bool, stop_after: int | None = None, fault_steps: list[int] | None = None,
+           mesh=None) -> Path | None:
+    from tasks.training.optim import causal_lm_loss_fn
+    from tasks.runtime.distributed import Mesh
+    from tasks.store.model_artifact import write_model
+    from tasks.training.trainer import LoopConfig, add_run_files, fit, run_outcome
+
+    mesh = mesh or Mesh()
+    _, inputs, section = stage_key(cfg, store, data_artifact, init_from)
+    data_manifest = store.read_manifest(data_artifact)
+    net, mc = build_network(cfg, init_from, mesh.tensor_parallel())
+    tok = json.loads((data_artifact / "tokenizer.json").read_text())
+    if tok["vocab_size"] != mc.vocab_size:
+        raise ValueError(
+            f"tokenizer of {data_artifact} has {tok['vocab_size']} pieces but the model's vocab_size is "
+            f"{mc.vocab_size}; set model.vocab_size / data.tokenizer.vocab_size to match"
+        )
+    if init_from is not None:
+        base_tok = Path(init_from) / "tokenizer.model"
+        if base_tok.read_bytes() != (data_artifact / "tokenizer.model").read_bytes():
+            raise ValueError(
+                f"continued pretraining must keep the base model's tokenizer: {data_artifact} was tokenized with "
+                f"another tokenizer.model than {init_from}; rerun the data stage with the base's tokenizer"
+            )
+    if cfg.pretrain.recompute:
+        net.enable_recompute()
+    seq = cfg.pretrain.seq_length or cfg.data.seq_length
+    pt = cfg.pretrain
+    max_steps = pt.max_steps or max(1, pt.max_tokens // (pt.micro_batch_size * pt.gradient_accumulation * seq))
+    loop = LoopConfig.from_sections(pt, cfg.checkpoint, max_steps, progress=progress)
+    loop.stop_after, loop.fault_steps = stop_after, list(fault_steps or [])
+
+    replay_data = None
+    if init_from is not None and pt.replay_ratio > 0:
+        replay_data = replay_data_artifact(store, init_from)
+
+    shards = {"num_shards": mesh.dp, "shard_id": mesh.dp_index}  # data-parallel replicas read disjoint slices
+
+    def batches(start: int) -> Iterator:
+        main = block_batches(data_artifact, "train", pt.micro_batch_size, seq, pt.seed, start_sample=start, **shards)
+        replay = (block_batches(replay_data, "train", pt.micro_batch_size, seq, pt.seed + 1, start_sample=start, **shards)
+                  if replay_data else None)
+        return mixed_batches(main, replay, pt.replay_ratio, pt.micro_batch_size)
+
+    def valid() -> Iterator:
+        # one global batch per validation batch: the same held-out samples whatever the layout
+        return block_batches(data_artifact, "valid", pt.micro_batch_size * mesh.dp, seq, 0, repeat=False)
+
+    params = net.trainable_params()
+    run_dir = store.root / "runs" / STAGE / key
+    meta = {"model": mc.to_dict(), "name": cfg.model.name, "tokenizer_sha256": _tok_sha(data_artifact),
+            "seed": pt.seed, "data_artifact": data_manifest["key"]}
+    loss_fn = causal_lm_loss_fn(net)
+
+    result = fit(net, params, loss_fn, loop,
+                 batches=batches, valid=valid, run_dir=run_dir, meta=meta,
+                 flops_per_token=mc.flops_per_token(seq), tokens_per_sample=seq, mesh=mesh)
+    if (outcome := run_outcome(result, mesh, run_dir)) is not True:
+        return outcome  # stopped on request, or not rank 0: rank 0 publishes
+    weights = {p.name: p.asnumpy() for p in params}
+    if mesh.tp > 1:  # the full model, merged from the final checkpoint's tensor-parallel slices
+        from tasks.training.checkpoint import load_checkpoint, newest_checkpoint
+
+        weights = load_checkpoint(newest_checkpoint(run_dir / "checkpoints"))[0]
+    entropy = unigram_entropy(data_artifact)
+    with store.build(STAGE, key, pipeline=cfg.name, config=section, inputs=inputs, code=code_version(STAGE)) as b:
+        write_model(b.dir, name=cfg.model.name, config=mc, weights=weights,
+                    tokenizer_model=data_artifact / "tokenizer.model", tokenizer_info=tok, seq_length=seq)
+        add_run_files(b.dir, run_dir, result, f"{cfg.name}: {cfg.model.preset} ({mc.num_parameters / 1e6:.1f}M params)")
+        b.metrics.update(
+            steps=result.steps, consumed_samples=result.consumed_samples, tokens=result.consumed_samples * seq,
+            final_train_loss=result.final_loss, initial_val_loss=result.initial_val_loss, val_loss=result.val_loss,
+            val_ppl=math.exp(result.val_loss) if result.val_loss is not None else None,
+            unigram_entropy=entropy, skipped_steps=result.skipped_steps, tokens_per_s=result.tokens_per_s,
+            precision=pt.precision, overflow_steps=result.overflow_steps, final_loss_scale=result.loss_scale,
+            parameters=mc.num_parameters, continued_from=str(init_from) if init_from else None,
+            layout={"data_parallel": mesh.dp, "tensor_parallel": mesh.tp},
+        )
+    print(f"[pretrain] val_loss {result.val_loss:.4f} vs unigram entropy {entropy:.4f} nats/token", file=sys.stderr)
+    return b.path
+
+
+def _tok_sha(data_artifact: Path) -> str:
+    from tasks.store.artifacts import sha256_file
+
+    return sha256_file(Path(data_artifact) / "tokenizer.model")

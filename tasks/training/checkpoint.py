@@ -1,0 +1,262 @@
+"""Training checkpoints: self-describing, atomic, checksummed, rotated.
+
+Layout of one checkpoint (a directory, complete only once `state.json` exists):
+
+    checkpoints/step_00000100/
+        model.safetensors       trainable parameters, by MindSpore parameter name
+        optimizer.safetensors   AdamW moments (adam_m.*, adam_v.*)
+        state.json              step, consumed samples, RNG, model config, tokenizer, sha256 of both files
+
+A run with tensor parallel tp > 1 stores one file pair per tensor-parallel rank,
+`model.tp{i}-of-{tp}.safetensors` / `optimizer.tp{i}-of-{tp}.safetensors` (written by
+data-parallel replica 0; the other replicas hold the same values), and state.json's
+`layout` ({data_parallel, tensor_parallel}) says how. `load_checkpoint(ckpt, tp=, tp_index=)`
+reshards to any layout: it concatenates the slices along each parameter's split axis
+(model/parallel.py `split_axis`) and cuts the caller's slice, bit for bit. The data
+position (`consumed_samples`) is global, so a resume under another data-parallel size
+continues where the run stopped.
+
+Tensors are stored with safetensors (no pickle anywhere); metadata in JSON.
+A checkpoint is written into `.tmp-step_*`, fsynced and renamed, so a crash
+leaves either the previous set or a complete new one. Rotation keeps the
+`keep` newest complete checkpoints and never deletes the newest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from safetensors.numpy import load_file, save_file
+
+from tasks.store.artifacts import _fsync_dir, atomic_write_json, sha256_file
+
+STATE = "state.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is incomplete, corrupt, or belongs to another model or tokenizer."""
+
+    permanent = True
+
+
+def _fsync_file(p: Path) -> None:
+    with open(p, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def save_tensors(path: Path, tensors: dict[str, np.ndarray]) -> str:
+    """Write a safetensors file atomically; returns its sha256."""
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp))
+    _fsync_file(tmp)
+    os.replace(tmp, path)
+    return sha256_file(path)
+
+
+def shard_files(tp: int, tp_index: int) -> tuple[str, str]:
+    """(model file, optimizer file) names of one tensor-parallel rank's slice."""
+    if tp == 1:
+        return "model.safetensors", "optimizer.safetensors"
+    return f"model.tp{tp_index}-of-{tp}.safetensors", f"optimizer.tp{tp_index}-of-{tp}.safetensors"
+
+
+def save_checkpoint(ckpt_root: Path, step: int, weights: dict[str, np.ndarray], optimizer: dict[str, np.ndarray],
+                    state: dict[str, Any], keep: int, mesh=None) -> Path:
+    """Write checkpoint `step` atomically and rotate; with a distributed `mesh` every rank must call it."""
+    if mesh is not None and mesh.distributed:
+        return _save_distributed(ckpt_root, step, weights, optimizer, state, keep, mesh)
+    ckpt_root.mkdir(parents=True, exist_ok=True)
+    name = f"step_{step:08d}"
+    tmp = ckpt_root / f".tmp-{name}-{uuid.uuid4().hex[:6]}"
+    tmp.mkdir()
+    try:
+        files = {
+            "model.safetensors": save_tensors(tmp / "model.safetensors", weights),
+            "optimizer.safetensors": save_tensors(tmp / "optimizer.safetensors", optimizer),
+        }
+        layout = {"data_parallel": 1, "tensor_parallel": 1}
+        return _publish(ckpt_root, tmp, step, {**state, "layout": layout}, files, keep)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _publish(ckpt_root: Path, tmp: Path, step: int, state: dict[str, Any], files: dict[str, str], keep: int) -> Path:
+    final = ckpt_root / f"step_{step:08d}"
+    atomic_write_json(tmp / STATE, {**state, "step": step, "files": files, "complete": True})
+    _fsync_dir(tmp)
+    if final.exists():  # a re-run of the same step (after resume): replace it
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync_dir(ckpt_root)
+    rotate(ckpt_root, keep)
+    return final
+
+
+def _save_distributed(ckpt_root: Path, step: int, weights, optimizer, state, keep: int, mesh) -> Path:
+    """Replica 0's tensor-parallel ranks write their slices into one temp dir; rank 0 publishes it.
+
+    Three barriers: the temp dir is fresh before anyone writes, every slice is on disk before
+    rank 0 writes state.json (the completeness mark) and renames the dir into place.
+    """
+    tmp = ckpt_root / f".tmp-step_{step:08d}-dist"
+    if mesh.rank == 0:
+        ckpt_root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():  # left by a crashed attempt
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    mesh.barrier()
+    if mesh.writes_checkpoint:
+        mfile, ofile = shard_files(mesh.tp, mesh.tp_index)
+        digests = {mfile: save_tensors(tmp / mfile, weights), ofile: save_tensors(tmp / ofile, optimizer)}
+        atomic_write_json(tmp / f".files-tp{mesh.tp_index}.json", digests)
+    mesh.barrier()
+    final = ckpt_root / f"step_{step:08d}"
+    if mesh.rank == 0:
+        files: dict[str, str] = {}
+        for i in range(mesh.tp):
+            part = tmp / f".files-tp{i}.json"
+            files.update(json.loads(part.read_text()))
+            part.unlink()
+        layout = {"data_parallel": mesh.dp, "tensor_parallel": mesh.tp}
+        _publish(ckpt_root, tmp, step, {**state, "layout": layout}, files, keep)
+    mesh.barrier()  # nobody reads or writes checkpoints while rank 0 renames and rotates
+    return final
+
+
+def read_state(ckpt: Path) -> dict[str, Any]:
+    try:
+        state = json.loads((ckpt / STATE).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{ckpt}: no readable {STATE} ({exc}); the checkpoint is incomplete") from None
+    if not state.get("complete"):
+        raise CheckpointError(f"{ckpt}: incomplete checkpoint")
+    return state
+
+
+def complete_checkpoints(ckpt_root: Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    if not ckpt_root.is_dir():
+        return []
+    out = []
+    for d in sorted(ckpt_root.glob("step_*")):
+        try:
+            read_state(d)
+            out.append(d)
+        except CheckpointError:
+            continue
+    return out
+
+
+def is_good(ckpt: Path) -> bool:
+    """Finite weights and no non-finite step since the previous checkpoint (state.json `good`; the
+    trainer refuses to write non-finite weights at all). Checkpoints from before the flag count as good."""
+    try:
+        return bool(read_state(ckpt).get("good", True))
+    except CheckpointError:
+        return False
+
+
+def newest_checkpoint(ckpt_root: Path, good_only: bool = False) -> Path | None:
+    """The newest complete checkpoint (with `good_only`, the newest good one: what resumes use)."""
+    ck = complete_checkpoints(ckpt_root)
+    if good_only:
+        ck = [c for c in ck if is_good(c)]
+    return ck[-1] if ck else None
+
+
+def rotate(ckpt_root: Path, keep: int) -> None:
+    """Keep the `keep` newest complete checkpoints, and always the newest good one (a streak of
+    non-finite steps must never rotate away the checkpoint a resume would use)."""
+    ck = complete_checkpoints(ckpt_root)
+    good = newest_checkpoint(ckpt_root, good_only=True)
+    for old in ck[: max(0, len(ck) - max(1, keep))]:
+        if old == good:
+            continue
+        shutil.rmtree(old, ignore_errors=True)
+    for stale in ckpt_root.glob(".tmp-step_*"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def layout_of(state: dict[str, Any]) -> dict[str, int]:
+    return state.get("layout") or {"data_parallel": 1, "tensor_parallel": 1}
+
+
+def load_checkpoint(ckpt: Path, tp: int = 1, tp_index: int = 0
+                    ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, Any]]:
+    """(weights, optimizer, state) for tensor-parallel rank `tp_index` of `tp`, whatever layout saved it.
+
+    Every file read is checked against the sha256 in state.json. The saved slices are
+    merged and re-cut only when the saved tensor-parallel size differs from `tp`.
+    """
+    from model.parallel import shard, unshard
+
+    state = read_state(ckpt)
+    saved_tp = int(layout_of(state)["tensor_parallel"])
+
+    def read(fname: str) -> dict[str, np.ndarray]:
+        digest = state["files"].get(fname)
+        if digest is None:
+            raise CheckpointError(f"{ckpt}: state.json lists no {fname}; the checkpoint is incomplete")
+        if sha256_file(ckpt / fname) != digest:
+            raise CheckpointError(f"{ckpt / fname}: sha256 mismatch (corrupt); delete {ckpt} to resume from an older one")
+        return read_tensors(ckpt / fname, f"delete {ckpt} to resume from an older checkpoint")
+
+    if saved_tp == tp:
+        mfile, ofile = shard_files(tp, tp_index)
+        return read(mfile), read(ofile), state
+    pairs = [shard_files(saved_tp, i) for i in range(saved_tp)]
+    weights = unshard([read(m) for m, _ in pairs])
+    opt = unshard([read(o) for _, o in pairs])
+    return shard(weights, tp, tp_index), shard(opt, tp, tp_index), state
+
+
+def load_weights(path: Path) -> dict[str, np.ndarray]:
+    """Weights from a `model.safetensors` file, a checkpoint dir (any layout, merged) or an artifact dir."""
+    p = Path(path)
+    if p.is_dir() and (p / STATE).is_file():
+        return load_checkpoint(p)[0]
+    if p.is_dir():
+        p = p / "model.safetensors"
+    if not p.is_file():
+        raise CheckpointError(f"{path}: no model.safetensors found")
+    return read_tensors(p, "rebuild the artifact that wrote it")
+
+
+def read_tensors(path: Path, fix: str) -> dict[str, np.ndarray]:
+    """A safetensors file's tensors; CheckpointError naming the file when it is truncated or not safetensors."""
+    try:
+        return load_file(str(path))
+    except Exception as exc:  # safetensors raises SafetensorError (not an OSError/ValueError) on bad bytes
+        if type(exc).__name__ != "SafetensorError" and not isinstance(exc, (OSError, ValueError)):
+            raise
+        raise CheckpointError(f"{path}: not a readable safetensors file ({exc}); it is truncated or corrupt: "
+                              f"{fix}") from None
+
+
+def assign(params, arrays: dict[str, np.ndarray], what: str, *, strict: bool = True) -> None:
+    """Set `params` from `arrays` by name; every parameter must be there with its shape, and (strict)
+    nothing else may be: a tensor the model lacks means the file belongs to another model."""
+    import mindspore as ms
+
+    missing = [p.name for p in params if p.name not in arrays]
+    if missing:
+        raise CheckpointError(f"{what} lacks {missing[:3]}{'…' if len(missing) > 3 else ''}; it belongs to another "
+                              "model (compare its model.json / state.json with this pipeline's model section)")
+    if strict:
+        names = {p.name for p in params}
+        extra = sorted(k for k in arrays if k not in names)
+        if extra:
+            raise CheckpointError(f"{what} holds {len(extra)} tensor(s) this model does not have ({', '.join(extra[:3])}"
+                                  f"{'…' if len(extra) > 3 else ''}); it belongs to another model (e.g. more layers); "
+                                  "point at a checkpoint of this architecture")
+    for p in params:
+        if tuple(arrays[p.name].shape) != tuple(p.shape):
+            raise CheckpointError(f"{what}: {p.name} has shape {arrays[p.name].shape}, model wants {tuple(p.shape)}")
+        p.set_data(ms.Tensor(arrays[p.name]))
