@@ -1,16 +1,24 @@
 #!/usr/bin/env bash
-# README command (b): set up .venv if needed, then run the tests: the fast suite first
-# (under 10 minutes on 2 cores), then the slow integration tests (Prefect server, Dask,
-# end-to-end flows). Arguments, when given, go to pytest instead (e.g. `-m slow`, `-k data`).
+# README command (b): set up .venv if needed, then run the tests in tiers: the unit tier (under
+# 2 minutes on 2 cores: no msrun, no training children, no servers), the integration tests
+# (stages, msrun, servers; with the unit tier under 10 minutes), then the slow ones (Prefect server
+# and work pools, Dask, end-to-end flows). This is what CI runs.
+#   bash scripts/test.sh unit      # the unit tier alone
+#   bash scripts/test.sh -k data   # any other arguments go to pytest instead
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export PREFECT_SERVER_ANALYTICS_ENABLED=false HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 GLOG_v=3
 unset PREFECT_API_URL
+if [ "${1:-}" = "unit" ]; then
+  exec .venv/bin/python -m pytest -m "not slow and not integration"
+fi
 if [ $# -gt 0 ]; then
   exec .venv/bin/python -m pytest "$@"
 fi
-echo "[test] fast suite"
-.venv/bin/python -m pytest -m "not slow"
+echo "[test] unit tier"
+.venv/bin/python -m pytest -m "not slow and not integration"
+echo "[test] integration tests"
+.venv/bin/python -m pytest -m "integration and not slow"
 echo "[test] slow integration tests"
 .venv/bin/python -m pytest -m slow

@@ -104,6 +104,7 @@ def test_sample_next_temperature_top_k_top_p():
     assert abs((hot == 3).mean() - 0.25) < 0.04
 
 
+@pytest.mark.integration
 def test_generate_benchmark_smoke():
     import json
     import subprocess
