@@ -654,10 +654,10 @@ def _layout_rules(cfg: PipelineConfig, prefix: str, mc: ModelConfig) -> list[str
                  else "this pipeline does not build pipeline stages yet (untested on Ascend/GPU)")
         errs.append(f"{prefix}.parallel.pipeline_parallel: {par.pipeline_parallel} > 1 is not supported: {where}; "
                     "use data_parallel / tensor_parallel (`msllm plan` still estimates pp layouts)")
-    if par.optimizer_shard and par.data_parallel > 1:
-        where = ("MindSpore shards optimizer state only on Ascend/GPU" if par.device_target == "CPU"
-                 else "this pipeline does not shard optimizer state yet (untested on Ascend/GPU)")
-        errs.append(f"{prefix}.parallel.optimizer_shard: not supported: {where}; set optimizer_shard: false")
+    if par.optimizer_shard and par.data_parallel > 1 and par.tensor_parallel > 1:
+        errs.append(f"{prefix}.parallel.optimizer_shard: optimizer sharding (ZeRO-1) is built for data parallel "
+                    f"only, not with tensor_parallel={par.tensor_parallel}; set tensor_parallel: 1 or "
+                    "optimizer_shard: false")
     return errs
 
 

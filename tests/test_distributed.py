@@ -165,8 +165,8 @@ def test_unsupported_layouts_are_config_errors():
     for overrides, needle in (
         (["parallel.pipeline_parallel=2", "parallel.micro_batch_num=2", "parallel.device_num=2"],
          "pipeline_parallel: 2 > 1 is not supported: MindSpore runs pipeline stages only on Ascend/GPU"),
-        (["parallel.data_parallel=2", "parallel.device_num=2", "parallel.optimizer_shard=true"],
-         "optimizer_shard: not supported: MindSpore shards optimizer state only on Ascend/GPU"),
+        (["parallel.data_parallel=2", "parallel.tensor_parallel=2", "parallel.device_num=4",
+          "parallel.optimizer_shard=true"], "optimizer_shard: optimizer sharding (ZeRO-1) is built for data parallel only"),
         (["parallel.data_parallel=3", "parallel.device_num=3", "parallel.node_num=2"],
          "device_num=3 does not split evenly over node_num=2"),
     ):

@@ -57,6 +57,13 @@ class Mesh:
     """Group of the ranks holding the same model slice (gradients averaged over it); None when dp == 1."""
     tp_group: str | None = None
     """Group of the ranks sharing one replica's tensor-parallel slices; None when tp == 1."""
+    optimizer_shard: bool = False
+    """parallel.optimizer_shard: ZeRO-1 (tasks/training/optim.py ShardedAdamW) when dp > 1 and tp == 1."""
+
+    @property
+    def zero(self) -> bool:
+        """Whether each data-parallel rank keeps only its share of the optimizer state."""
+        return self.optimizer_shard and self.dp > 1 and self.tp == 1
 
     @property
     def world(self) -> int:
@@ -94,7 +101,7 @@ class Mesh:
         return [self.tp > 1 and split_axis(p.name) is not None for p in params]
 
     @classmethod
-    def init(cls, dp: int, tp: int) -> "Mesh":
+    def init(cls, dp: int, tp: int, optimizer_shard: bool = False) -> "Mesh":
         """Join the job msrun started (mindspore.communication.init) and create this rank's groups."""
         from mindspore.communication import GlobalComm, create_group, get_group_size, get_rank, init
 
@@ -113,7 +120,7 @@ class Mesh:
             tp_group = GlobalComm.WORLD_COMM_GROUP if dp == 1 else f"tp_{d}"
             if dp > 1:
                 create_group(tp_group, [d * tp + i for i in range(tp)])
-        return cls(dp=dp, tp=tp, rank=rank, dp_group=dp_group, tp_group=tp_group)
+        return cls(dp=dp, tp=tp, rank=rank, dp_group=dp_group, tp_group=tp_group, optimizer_shard=optimizer_shard)
 
     def barrier(self) -> None:
         """Wait for every rank (an AllReduce of one number: MindSpore's Barrier has no CPU kernel)."""

@@ -407,7 +407,8 @@ def train(spec: dict[str, Any]) -> Path | None:
 
     cfg = PipelineConfig.model_validate(spec["config"])
     setup_mindspore(cfg.parallel.device_target, seed=cfg.finetune.seed)
-    mesh = Mesh.init(cfg.parallel.data_parallel, 1) if cfg.parallel.device_num > 1 else Mesh()
+    mesh = (Mesh.init(cfg.parallel.data_parallel, 1, cfg.parallel.optimizer_shard) if cfg.parallel.device_num > 1
+            else Mesh())
     return _train(cfg, ArtifactStore(spec["root"]), Path(spec["base"]), spec["key"], spec.get("progress", True),
                   stop_after=spec.get("stop_after"), fault_steps=spec.get("fault_steps", []), mesh=mesh)
 

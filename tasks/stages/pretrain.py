@@ -153,7 +153,7 @@ def train(spec: dict[str, Any]) -> Path | None:
     cfg = PipelineConfig.model_validate(spec["config"])
     setup_mindspore(cfg.parallel.device_target, seed=cfg.pretrain.seed)
     par = cfg.parallel
-    mesh = Mesh.init(par.data_parallel, par.tensor_parallel) if par.device_num > 1 else Mesh()
+    mesh = Mesh.init(par.data_parallel, par.tensor_parallel, par.optimizer_shard) if par.device_num > 1 else Mesh()
     return _train(cfg, ArtifactStore(spec["root"]), Path(spec["data"]),
                   Path(spec["init_from"]) if spec["init_from"] else None, spec["key"], spec.get("progress", True),
                   stop_after=spec.get("stop_after"), fault_steps=spec.get("fault_steps", []), mesh=mesh)

@@ -10,7 +10,12 @@ Layout of one checkpoint (a directory, complete only once `state.json` exists):
 A run with tensor parallel tp > 1 stores one file pair per tensor-parallel rank,
 `model.tp{i}-of-{tp}.safetensors` / `optimizer.tp{i}-of-{tp}.safetensors` (written by
 data-parallel replica 0; the other replicas hold the same values), and state.json's
-`layout` ({data_parallel, tensor_parallel}) says how. `load_checkpoint(ckpt, tp=, tp_index=)`
+`layout` ({data_parallel, tensor_parallel}) says how. With optimizer sharding (ZeRO-1, dp > 1,
+tp 1) every data-parallel rank writes its share of the flat moment buffers,
+`optimizer.dp{i}-of-{dp}.safetensors` ({adam_m, adam_v}: [shard]), and `layout.optimizer_shard`
+records the flat buffer's order (parameter names and shapes), its size and the share size; loading
+concatenates the shares, drops the padding and cuts the per-parameter moments back out, bit for
+bit, so any layout (sharded or not, any dp or tp) continues from it. `load_checkpoint(ckpt, tp=, tp_index=)`
 reshards to any layout: it concatenates the slices along each parameter's split axis
 (model/parallel.py `split_axis`) and cuts the caller's slice, bit for bit. The data
 position (`consumed_samples`) is global, so a resume under another data-parallel size
@@ -66,11 +71,18 @@ def shard_files(tp: int, tp_index: int) -> tuple[str, str]:
     return f"model.tp{tp_index}-of-{tp}.safetensors", f"optimizer.tp{tp_index}-of-{tp}.safetensors"
 
 
+def zero_files(dp: int) -> list[str]:
+    """The optimizer files of a ZeRO-1 checkpoint, one per data-parallel rank."""
+    return [f"optimizer.dp{i}-of-{dp}.safetensors" for i in range(dp)]
+
+
 def save_checkpoint(ckpt_root: Path, step: int, weights: dict[str, np.ndarray], optimizer: dict[str, np.ndarray],
-                    state: dict[str, Any], keep: int, mesh=None) -> Path:
-    """Write checkpoint `step` atomically and rotate; with a distributed `mesh` every rank must call it."""
+                    state: dict[str, Any], keep: int, mesh=None, opt_shard: dict[str, Any] | None = None) -> Path:
+    """Write checkpoint `step` atomically and rotate; with a distributed `mesh` every rank must call it.
+
+    `opt_shard` (ZeRO-1: ShardedAdamW.layout()): `optimizer` is this rank's share of the flat moments."""
     if mesh is not None and mesh.distributed:
-        return _save_distributed(ckpt_root, step, weights, optimizer, state, keep, mesh)
+        return _save_distributed(ckpt_root, step, weights, optimizer, state, keep, mesh, opt_shard)
     ckpt_root.mkdir(parents=True, exist_ok=True)
     name = f"step_{step:08d}"
     tmp = ckpt_root / f".tmp-{name}-{uuid.uuid4().hex[:6]}"
@@ -99,7 +111,8 @@ def _publish(ckpt_root: Path, tmp: Path, step: int, state: dict[str, Any], files
     return final
 
 
-def _save_distributed(ckpt_root: Path, step: int, weights, optimizer, state, keep: int, mesh) -> Path:
+def _save_distributed(ckpt_root: Path, step: int, weights, optimizer, state, keep: int, mesh,
+                      opt_shard: dict[str, Any] | None = None) -> Path:
     """Replica 0's tensor-parallel ranks write their slices into one temp dir; rank 0 publishes it.
 
     Three barriers: the temp dir is fresh before anyone writes, every slice is on disk before
@@ -112,7 +125,14 @@ def _save_distributed(ckpt_root: Path, step: int, weights, optimizer, state, kee
             shutil.rmtree(tmp)
         tmp.mkdir()
     mesh.barrier()
-    if mesh.writes_checkpoint:
+    if opt_shard is not None:  # ZeRO-1 (tp 1): replica 0 writes the weights, every rank its optimizer share
+        digests = {}
+        if mesh.writes_checkpoint:
+            digests["model.safetensors"] = save_tensors(tmp / "model.safetensors", weights)
+        ofile = zero_files(mesh.dp)[mesh.dp_index]
+        digests[ofile] = save_tensors(tmp / ofile, optimizer)
+        atomic_write_json(tmp / f".files-dp{mesh.dp_index}.json", digests)
+    elif mesh.writes_checkpoint:
         mfile, ofile = shard_files(mesh.tp, mesh.tp_index)
         digests = {mfile: save_tensors(tmp / mfile, weights), ofile: save_tensors(tmp / ofile, optimizer)}
         atomic_write_json(tmp / f".files-tp{mesh.tp_index}.json", digests)
@@ -120,11 +140,15 @@ def _save_distributed(ckpt_root: Path, step: int, weights, optimizer, state, kee
     final = ckpt_root / f"step_{step:08d}"
     if mesh.rank == 0:
         files: dict[str, str] = {}
-        for i in range(mesh.tp):
-            part = tmp / f".files-tp{i}.json"
+        parts = ([f".files-dp{i}.json" for i in range(mesh.dp)] if opt_shard is not None
+                 else [f".files-tp{i}.json" for i in range(mesh.tp)])
+        for name in parts:
+            part = tmp / name
             files.update(json.loads(part.read_text()))
             part.unlink()
         layout = {"data_parallel": mesh.dp, "tensor_parallel": mesh.tp}
+        if opt_shard is not None:
+            layout["optimizer_shard"] = opt_shard
         _publish(ckpt_root, tmp, step, {**state, "layout": layout}, files, keep)
     mesh.barrier()  # nobody reads or writes checkpoints while rank 0 renames and rotates
     return final
@@ -208,6 +232,16 @@ def load_checkpoint(ckpt: Path, tp: int = 1, tp_index: int = 0
             raise CheckpointError(f"{ckpt / fname}: sha256 mismatch (corrupt); delete {ckpt} to resume from an older one")
         return read_tensors(ckpt / fname, f"delete {ckpt} to resume from an older checkpoint")
 
+    zero = layout_of(state).get("optimizer_shard")
+    if zero is not None:  # ZeRO-1 shares -> full per-parameter moments (then cut like a tp=1 checkpoint)
+        shares = [read(f) for f in zero_files(int(zero["data_parallel"]))]
+        bad = [k for k in ("adam_m", "adam_v") for s in shares
+               if k not in s or s[k].shape != (int(zero["shard_numel"]),)]
+        if bad:
+            raise CheckpointError(f"{ckpt}: an optimizer share lacks {bad[0]} of {zero['shard_numel']} elements; "
+                                  f"the checkpoint is corrupt: delete {ckpt} to resume from an older one")
+        weights, opt = read("model.safetensors"), unflatten_moments(shares, zero)
+        return (weights, opt, state) if tp == 1 else (shard(weights, tp, tp_index), shard(opt, tp, tp_index), state)
     if saved_tp == tp:
         mfile, ofile = shard_files(tp, tp_index)
         return read(mfile), read(ofile), state
@@ -215,6 +249,32 @@ def load_checkpoint(ckpt: Path, tp: int = 1, tp_index: int = 0
     weights = unshard([read(m) for m, _ in pairs])
     opt = unshard([read(o) for _, o in pairs])
     return shard(weights, tp, tp_index), shard(opt, tp, tp_index), state
+
+
+def unflatten_moments(shards: list[dict], layout: dict) -> dict:
+    """Full per-parameter moments (`adam_m.<name>`, `adam_v.<name>`) from the dp flat shards of a ZeRO-1 checkpoint."""
+    out = {}
+    numel = int(layout["numel"])
+    for key in ("adam_m", "adam_v"):
+        flat = np.concatenate([s[key] for s in shards])[:numel]
+        o = 0
+        for name, shape in layout["params"]:
+            n = int(np.prod(shape)) if shape else 1
+            out[f"{key}.{name}"] = flat[o:o + n].reshape(shape).copy()
+            o += n
+    return out
+
+
+def flatten_moments(opt: dict, layout: dict) -> list[dict]:
+    """The inverse of `unflatten_moments`: per-parameter moments -> the dp zero-padded flat shares of `layout`."""
+    dp, size = int(layout["data_parallel"]), int(layout["shard_numel"])
+    out = [{} for _ in range(dp)]
+    for key in ("adam_m", "adam_v"):
+        flat = np.concatenate([opt[f"{key}.{name}"].reshape(-1) for name, _ in layout["params"]]).astype(np.float32)
+        flat = np.concatenate([flat, np.zeros(dp * size - flat.size, np.float32)])
+        for i in range(dp):
+            out[i][key] = flat[i * size:(i + 1) * size].copy()
+    return out
 
 
 def load_weights(path: Path) -> dict[str, np.ndarray]:

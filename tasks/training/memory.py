@@ -10,6 +10,9 @@ Parts, per device:
   tensor parallel (attention/MLP matrices) and pipeline stages (layers);
 - gradients: one per trainable parameter, in the compute dtype;
 - optimizer: AdamW moments, 2 × fp32, divided by data parallel with optimizer_shard;
+- master_share: with optimizer_shard (ZeRO-1, tasks/training/optim.py ShardedAdamW), the fp32
+  copy of this rank's 1/dp share of the parameters that the fused AdamW kernel updates in
+  place before the shares are gathered back (4 bytes per parameter / dp);
 - activations: what backward needs per layer per micro-batch, following Korthikanti
   et al. (2022, "Reducing Activation Recomputation") adapted to SwiGLU and GQA; with
   recompute only each layer's input is kept, plus one layer's working set; a pipeline
@@ -102,6 +105,7 @@ def estimate(cfg: ModelConfig, *, micro_batch: int, seq: int, precision: str = "
     p = param_split(cfg, layout)
     half = precision != "fp32"
     trainable = int(p * trainable_fraction)
+    zero = layout.optimizer_shard and layout.dp > 1
     opt = trainable * 8 // (layout.dp if layout.optimizer_shard else 1)
     logits = 3 * micro_batch * seq * cfg.vocab_size * 4 // (1 if layout.pp == 1 else 1)
     act = int(activation_bytes(cfg, micro_batch, seq, precision, recompute, layout) * ACTIVATION_FACTOR.get(backend, 1.0))
@@ -109,6 +113,7 @@ def estimate(cfg: ModelConfig, *, micro_batch: int, seq: int, precision: str = "
         "parameters": p * 4 + (p * 2 if half else 0),
         "gradients": trainable * DTYPE_BYTES[precision],
         "optimizer": opt,
+        **({"master_share": trainable * 4 // layout.dp} if zero else {}),
         "activations": act,
         "logits": logits,
         "runtime": RUNTIME_BYTES.get(backend, GiB),
@@ -133,8 +138,8 @@ def unsupported(layout: Layout, backend: str) -> str | None:
     """Why this pipeline cannot run `layout` on `backend` (None when it can): see the README's support matrix."""
     if layout.pp > 1:
         return "pipeline stages: Ascend/GPU only, not built" if backend == "CPU" else "pipeline stages: not built"
-    if layout.optimizer_shard and layout.dp > 1:
-        return "optimizer sharding: Ascend/GPU only, not built" if backend == "CPU" else "optimizer sharding: not built"
+    if layout.optimizer_shard and layout.dp > 1 and layout.tp > 1:
+        return "optimizer sharding with tensor parallel: not built (ZeRO-1 is built for data parallel)"
     return None
 
 

@@ -100,6 +100,146 @@ class AdamW(nn.Cell):
         return gnorm, finite
 
 
+class ShardedAdamW(nn.Cell):
+    """ZeRO-1: the AdamW of `AdamW`, with its state split over the `dp` data-parallel ranks.
+
+    The trainable parameters, flattened in order and zero-padded to a multiple of `dp`, form one
+    buffer of `dp × shard` elements; rank `dp_index` owns elements [dp_index·shard, (dp_index+1)·shard).
+    It keeps the AdamW moments and an fp32 master copy of only that share, as one Parameter
+    triple per parameter its share touches (a "segment"), and updates them with the same fused
+    `AdamWeightDecay` kernel and the same scalars as `AdamW`, so each element sees exactly the
+    arithmetic of the unsharded update. construct(grads, lr, step, grad_scale, allow) takes the
+    full all-reduced gradients (ZeRO-1: the gradient reduction is the unsharded one), computes the
+    global norm from all of them (clipping and the non-finite rule see what `AdamW` sees) and updates
+    its share. `rebuild()` (jit'd by `TrainStep` after every applied update) AllGathers the updated
+    shares over the world group (the data-parallel group, since tensor parallel is 1) and writes
+    the full parameters back, identical on every rank.
+
+    State per rank: 12 bytes per owned element (two moments + the master share) instead of
+    8 bytes per parameter element.
+    """
+
+    def __init__(self, params: list[Parameter], *, beta1: float, beta2: float, eps: float,
+                 weight_decay: float, grad_clip: float | None, decay_mask: list[bool], dp: int, dp_index: int):
+        super().__init__()
+        import numpy as np
+
+        self.params = ParameterTuple(params)
+        self.dp, self.dp_index = int(dp), int(dp_index)
+        self.shapes = tuple(tuple(int(d) for d in p.shape) for p in params)
+        self.sizes = tuple(int(np.prod(s)) if s else 1 for s in self.shapes)
+        self.offsets = tuple(int(o) for o in np.cumsum((0,) + self.sizes[:-1]))
+        self.numel = int(sum(self.sizes))
+        if self.numel < self.dp:
+            raise ValueError(f"optimizer_shard: {self.numel} trainable elements cannot be split over {self.dp} ranks")
+        self.shard = -(-self.numel // self.dp)
+        lo, hi = self.dp_index * self.shard, min(self.numel, (self.dp_index + 1) * self.shard)
+        segs = []
+        for i, (o, n) in enumerate(zip(self.offsets, self.sizes)):
+            a, b = max(lo, o) - o, min(hi, o + n) - o
+            if a < b:
+                segs.append((i, a, b))
+        self.segments = tuple(segs)
+        self.pad = self.shard - sum(b - a for _, a, b in segs)
+        self.names = tuple(p.name for p in params)
+        flat = [p.asnumpy().reshape(-1) for p in params]
+        self.master = ParameterTuple([Parameter(Tensor(flat[i][a:b].copy()), name=f"zero_master.{self.names[i]}",
+                                                requires_grad=False) for i, a, b in segs])
+        self.exp_avg = ParameterTuple([Parameter(Tensor(np.zeros(b - a, np.float32)), name=f"adam_m.{self.names[i]}",
+                                                 requires_grad=False) for i, a, b in segs])
+        self.exp_avg_sq = ParameterTuple([Parameter(Tensor(np.zeros(b - a, np.float32)), name=f"adam_v.{self.names[i]}",
+                                                    requires_grad=False) for i, a, b in segs])
+        self.beta1, self.beta2, self.eps = beta1, beta2, eps
+        self.seg_wd = tuple((weight_decay if decay_mask[i] else 0.0) for i, _, _ in segs)
+        self.seg_param = tuple(i for i, _, _ in segs)
+        self.seg_a = tuple(a for _, a, _ in segs)
+        self.seg_b = tuple(b for _, _, b in segs)
+        self.nseg = len(segs)
+        self.clip = grad_clip if grad_clip is not None else 0.0
+        self.n = len(params)
+        self.adam = ops.AdamWeightDecay()
+
+    def construct(self, grads, lr: Tensor, step: Tensor, grad_scale: Tensor, allow: Tensor):
+        sq = ops.stack([ops.sum(ops.square(g)) for g in grads])
+        gnorm = ops.sqrt(ops.sum(sq)) / grad_scale  # the global norm, from the full gradients (as AdamW)
+        finite = ops.isfinite(gnorm)
+        coef = ops.ones((), ms.float32)
+        if self.clip > 0:
+            coef = ops.minimum(coef, self.clip / (gnorm + 1e-6))
+        coef = coef / grad_scale
+        bc1 = 1.0 - ops.pow(self.beta1, step)
+        sbc2 = ops.sqrt(1.0 - ops.pow(self.beta2, step))
+        lr_f = lr * sbc2 / bc1
+        eps_f = self.eps * sbc2
+        b1 = ops.ones((), ms.float32) * self.beta1
+        b2 = ops.ones((), ms.float32) * self.beta2
+        if ops.logical_and(finite, allow):
+            for j in range(self.nseg):
+                wd_f = self.seg_wd[j] * bc1 / sbc2
+                g = ops.reshape(grads[self.seg_param[j]], (-1,))[self.seg_a[j]:self.seg_b[j]]
+                self.adam(self.master[j], self.exp_avg[j], self.exp_avg_sq[j], lr_f, b1, b2, eps_f, wd_f, g * coef)
+        return gnorm, finite
+
+    def rebuild_fn(self):
+        """A jit'd `() -> None` that AllGathers every rank's updated share and assigns the full parameters."""
+        from mindspore.communication import GlobalComm
+
+        gather = ops.AllGather(group=GlobalComm.WORLD_COMM_GROUP)
+        master, params = self.master, self.params
+        pad, offsets, sizes, shapes, n = self.pad, self.offsets, self.sizes, self.shapes, self.n
+
+        @ms.jit
+        def rebuild():
+            parts = [m * 1.0 for m in master]
+            if pad:
+                parts.append(ops.zeros((pad,), ms.float32))
+            flat = gather(ops.concat(parts))
+            for i in range(n):
+                ops.assign(params[i], ops.reshape(flat[offsets[i]:offsets[i] + sizes[i]], shapes[i]))
+            return flat[0:1]
+
+        return rebuild
+
+    # ---- checkpoint state: flat shards on disk, per-parameter full arrays in between layouts
+
+    def layout(self) -> dict:
+        """What state.json's layout records so that any layout can rebuild the full moments."""
+        return {"data_parallel": self.dp, "numel": self.numel, "shard_numel": self.shard,
+                "params": [[name, list(shape)] for name, shape in zip(self.names, self.shapes)]}
+
+    def shard_state(self) -> dict:
+        """This rank's share of the flat moment buffers: {"adam_m": [shard], "adam_v": [shard]} (zero-padded)."""
+        import numpy as np
+
+        out = {}
+        for key, ps in (("adam_m", self.exp_avg), ("adam_v", self.exp_avg_sq)):
+            parts = [p.asnumpy().reshape(-1) for p in ps] + [np.zeros(self.pad, np.float32)]
+            out[key] = np.concatenate(parts).astype(np.float32)
+        return out
+
+    def load_full(self, opt: dict, what: str) -> None:
+        """Cut this rank's share out of full per-parameter moments (`adam_m.<name>`, `adam_v.<name>`)."""
+        from tasks.training.checkpoint import CheckpointError
+
+        want = [f"{k}.{n}" for k in ("adam_m", "adam_v") for n in self.names]
+        missing = [k for k in want if k not in opt]
+        if missing:
+            raise CheckpointError(f"{what} lacks optimizer state {missing[:3]}; it belongs to another model")
+        for j, (i, a, b) in enumerate(self.segments):
+            for key, ps in (("adam_m", self.exp_avg), ("adam_v", self.exp_avg_sq)):
+                full = opt[f"{key}.{self.names[i]}"]
+                if tuple(full.shape) != self.shapes[i]:
+                    raise CheckpointError(f"{what}: {key}.{self.names[i]} has shape {full.shape}, model wants "
+                                          f"{self.shapes[i]}")
+                ps[j].set_data(Tensor(full.reshape(-1)[a:b].copy()))
+
+    def sync_master(self) -> None:
+        """Copy this rank's share of the current parameters into the master share (after loading weights)."""
+        flat = {i: self.params[i].asnumpy().reshape(-1) for i in set(self.seg_param)}
+        for j, (i, a, b) in enumerate(self.segments):
+            self.master[j].set_data(Tensor(flat[i][a:b].copy()))
+
+
 class UpdateGuard:
     """Refuses, before it is applied, any AdamW update that could make a weight non-finite.
 
@@ -264,6 +404,8 @@ class TrainStep:
             return gnorm, finite, reduce_loss(loss)
 
         self._fused, self._micro, self._apply = fused, micro, apply
+        # ZeRO-1 (ShardedAdamW): after an applied update, the ranks' updated shares are gathered into the parameters
+        self._rebuild = optimizer.rebuild_fn() if hasattr(optimizer, "rebuild_fn") else None
 
     def __call__(self, micro_batches, lr: float, step: int, loss_scale: float | None = None, allow: bool = True):
         """micro_batches: list of k (input_ids, labels) numpy pairs. Returns (loss, grad_norm, finite).
@@ -280,14 +422,23 @@ class TrainStep:
         if self.k == 1:
             ids, labels = micro_batches[0]
             loss, gnorm, finite = self._fused(Tensor(ids), Tensor(labels), lr_t, step_t, scale, weights[0], allow_t)
-            return float(loss.asnumpy()), float(gnorm.asnumpy()), bool(finite.asnumpy())
+            finite = bool(finite.asnumpy())
+            self._rebuild_if(finite and allow)
+            return float(loss.asnumpy()), float(gnorm.asnumpy()), finite
         losses = [float(self._micro(Tensor(ids), Tensor(labels), scale, w).asnumpy())
                   for (ids, labels), w in zip(micro_batches, weights)]
         gnorm, finite, loss = self._apply(lr_t, step_t, Tensor(s * self.k, ms.float32),
                                           Tensor(sum(losses) / len(losses), ms.float32), allow_t)
         loss = float(loss.asnumpy())
-        return loss, float(gnorm.asnumpy()), bool(finite.asnumpy()) and math.isfinite(loss)
+        finite = bool(finite.asnumpy())
+        self._rebuild_if(finite and allow)
+        return loss, float(gnorm.asnumpy()), finite and math.isfinite(loss)
 
+    def _rebuild_if(self, applied: bool) -> None:
+        """ZeRO-1: gather the updated shares when the optimizer applied its update (the same host-side decision
+        on every rank: the gradient norm is computed from the all-reduced gradients, `allow` from equal weights)."""
+        if self._rebuild is not None and applied:
+            self._rebuild().asnumpy()
 
     def token_weights(self, labels: list) -> list[float]:
         """Each micro-batch's weight: its counted tokens × k × dp / the step's total over all ranks."""
@@ -327,8 +478,12 @@ def causal_lm_train_step(net, params: list[Parameter], *, weight_decay: float = 
     sharded, tp_group, dp_group, dp = None, None, None, 1
     if mesh is not None:
         sharded, tp_group, dp_group, dp = mesh.sharded(params), mesh.tp_group, mesh.dp_group, mesh.dp
-    opt = AdamW(params, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, grad_clip=grad_clip,
-                decay_mask=[decays(p.name, decay_norms_and_biases=False, decay_embeddings=False) for p in params],
-                sharded=sharded, tp_group=tp_group)
+    mask = [decays(p.name, decay_norms_and_biases=False, decay_embeddings=False) for p in params]
+    if mesh is not None and getattr(mesh, "zero", False):
+        opt = ShardedAdamW(params, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, grad_clip=grad_clip,
+                           decay_mask=mask, dp=mesh.dp, dp_index=mesh.dp_index)
+    else:
+        opt = AdamW(params, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, grad_clip=grad_clip,
+                    decay_mask=mask, sharded=sharded, tp_group=tp_group)
 
     return TrainStep(causal_lm_loss_fn(net), params, opt, accumulation=accumulation, dp_group=dp_group, dp=dp)

@@ -311,20 +311,24 @@ def fit(net, params, loss_fn, loop: LoopConfig, *, batches: Batches, valid: Call
     import mindspore as ms
 
     from tasks.runtime.distributed import Mesh
-    from tasks.training.optim import AdamW, DynamicLossScale, TrainStep, UpdateGuard, decays, lr_at
+    from tasks.training.optim import AdamW, DynamicLossScale, ShardedAdamW, TrainStep, UpdateGuard, decays, lr_at
 
     mesh = mesh or Mesh()
     lead = mesh.rank == 0
     # ---- setup
     run_dir.mkdir(parents=True, exist_ok=True)
     ckpt_root = run_dir / "checkpoints"
-    optimizer = AdamW(
-        params, beta1=loop.beta1, beta2=loop.beta2, eps=loop.eps, weight_decay=loop.weight_decay,
-        grad_clip=loop.grad_clip,
-        decay_mask=[decays(p.name, decay_norms_and_biases=loop.decay_norms_and_biases,
-                           decay_embeddings=loop.decay_embeddings) for p in params],
-        sharded=mesh.sharded(params), tp_group=mesh.tp_group,
-    )
+    decay_mask = [decays(p.name, decay_norms_and_biases=loop.decay_norms_and_biases,
+                         decay_embeddings=loop.decay_embeddings) for p in params]
+    if mesh.zero:  # parallel.optimizer_shard: each rank keeps the moments of its 1/dp share (ZeRO-1)
+        optimizer = ShardedAdamW(params, beta1=loop.beta1, beta2=loop.beta2, eps=loop.eps,
+                                 weight_decay=loop.weight_decay, grad_clip=loop.grad_clip, decay_mask=decay_mask,
+                                 dp=mesh.dp, dp_index=mesh.dp_index)
+    else:
+        optimizer = AdamW(
+            params, beta1=loop.beta1, beta2=loop.beta2, eps=loop.eps, weight_decay=loop.weight_decay,
+            grad_clip=loop.grad_clip, decay_mask=decay_mask, sharded=mesh.sharded(params), tp_group=mesh.tp_group,
+        )
     step_fn = TrainStep(loss_fn, params, optimizer, accumulation=loop.gradient_accumulation,
                         dp_group=mesh.dp_group, dp=mesh.dp)
     fp16 = loop.precision == "fp16"
@@ -342,7 +346,10 @@ def fit(net, params, loss_fn, loop: LoopConfig, *, batches: Batches, valid: Call
         weights, opt_state, state = load_checkpoint(latest, tp=mesh.tp, tp_index=mesh.tp_index)
         check_compatible(state, meta, latest)
         assign(params, weights, str(latest))
-        assign(opt_params, opt_state, str(latest))
+        if mesh.zero:
+            optimizer.load_full(opt_state, str(latest))  # this rank's share, from the full moments of any layout
+        else:
+            assign(opt_params, opt_state, str(latest))
         st = LoopState.from_state(state)
         if fp16:
             scaler.load_state_dict(state)  # S and its good-step count: resume stays exact
@@ -356,7 +363,10 @@ def fit(net, params, loss_fn, loop: LoopConfig, *, batches: Batches, valid: Call
         saved = state.get("layout", {})
         print(f"[train] resumed from {latest.name if latest.parent == ckpt_root else latest}: step {st.step}, "
               f"{st.consumed} samples consumed (saved by dp={saved.get('data_parallel', 1)} "
-              f"tp={saved.get('tensor_parallel', 1)}, now dp={mesh.dp} tp={mesh.tp})", file=sys.stderr)
+              f"tp={saved.get('tensor_parallel', 1)}{', optimizer sharded' if 'optimizer_shard' in saved else ''}, "
+              f"now dp={mesh.dp} tp={mesh.tp}{', optimizer sharded' if mesh.zero else ''})", file=sys.stderr)
+    if mesh.zero:
+        optimizer.sync_master()  # the master share follows the (possibly loaded) weights
     if lead:
         _write_jsonl(metrics_path, history)
     from tasks.training.tensorboard import open_run
@@ -449,7 +459,7 @@ def fit(net, params, loss_fn, loop: LoopConfig, *, batches: Batches, valid: Call
                 events.write(record)
                 bar.write(_format_record(record, loop.max_steps))
         if st.step % loop.save_steps == 0 or st.step == loop.max_steps:
-            _save(ckpt_root, st, params, opt_params, scaler, loop, meta, mesh)
+            _save(ckpt_root, st, params, optimizer if mesh.zero else opt_params, scaler, loop, meta, mesh)
         if loop.stop_after is not None and steps_here >= loop.stop_after and st.step < loop.max_steps:
             stopped = True
             break
@@ -459,6 +469,8 @@ def fit(net, params, loss_fn, loop: LoopConfig, *, batches: Batches, valid: Call
         digest = mesh.check_replicas(_named_arrays(params))
         print(f"[train] rank {mesh.rank}: parameters sha256 {digest} (equal on all {mesh.dp} data-parallel replicas)",
               file=sys.stderr, flush=True)
+        print(f"[train] rank {mesh.rank}: peak RSS {peak_rss_bytes()} bytes"
+              f"{' (optimizer state sharded)' if mesh.zero else ''}", file=sys.stderr, flush=True)
     if not stopped:
         _check_trustworthy(st, val_loss, ckpt_root, fp16)
     elapsed = time.perf_counter() - t_start
@@ -473,15 +485,19 @@ def fit(net, params, loss_fn, loop: LoopConfig, *, batches: Batches, valid: Call
 def _save(ckpt_root: Path, st: LoopState, params, opt_params, scaler, loop: LoopConfig, meta: dict[str, Any],
           mesh) -> None:
     """Checkpoint the loop: weights, moments, counters; marked good only with finite weights and no
-    non-finite step since the previous checkpoint (resume and the error messages use good ones only)."""
-    weights, moments = _named_arrays(params), _named_arrays(opt_params)
+    non-finite step since the previous checkpoint (resume and the error messages use good ones only).
+    Under ZeRO-1 `opt_params` is the ShardedAdamW: every rank writes its own share of the moments."""
+    opt_shard = opt_params.layout() if mesh.zero else None
+    weights = _named_arrays(params)
+    moments = opt_params.shard_state() if mesh.zero else _named_arrays(opt_params)
     state = {**st.to_state(), "precision": loop.precision, **scaler.state_dict(),
              "rng": {"data_seed": meta.get("seed"), "numpy": "order derived from seed+epoch"}, **meta}
     if mesh.tp == 1 and not all(np.isfinite(a).all() for a in (*weights.values(), *moments.values())):
         # cannot happen while the UpdateGuard holds; never write a checkpoint a resume could pick up
         raise NonFiniteError(f"step {st.step}: the weights or optimizer moments are non-finite; not checkpointed. "
                              f"The last good checkpoint is {newest_checkpoint(ckpt_root, good_only=True) or 'none'}")
-    save_checkpoint(ckpt_root, st.step, weights, moments, state, loop.keep_checkpoint_max, mesh=mesh)
+    save_checkpoint(ckpt_root, st.step, weights, moments, state, loop.keep_checkpoint_max, mesh=mesh,
+                    opt_shard=opt_shard)
     st.skipped_at_save = st.skipped
 
 

@@ -1,0 +1,228 @@
+"""Optimizer-state sharding (ZeRO-1, `parallel.optimizer_shard: true`) under data parallel, on CPU under msrun.
+
+Each data-parallel rank keeps the AdamW moments (and the fp32 master copy it updates) of its 1/dp share
+of the flat, padded parameter buffer; the updated shares are AllGathered back into the parameters.
+Checked here: the same per-step losses as dp=2 without sharding and as one process with the same global
+batch; replicas bit-identical; checkpoints hold the shares and reshard bit for bit; resume across
+layouts; the planner's per-rank estimate against the measured per-rank peak RSS.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tasks.stages import pretrain
+from tasks.store.artifacts import ArtifactStore
+from tasks.training.checkpoint import (_publish, complete_checkpoints, flatten_moments, load_checkpoint,
+                                       save_checkpoint, save_tensors, unflatten_moments, zero_files)
+from tasks.runtime.distributed import rank_logs
+from tests.test_distributed import (DP2, _copy_data, _metrics, _single, _stopped_after_3, _tiny_arrays,  # noqa: F401
+                                    _train_losses, _cfg, data_artifact)
+
+REPO = Path(__file__).resolve().parent.parent
+ZERO = [*DP2, "parallel.optimizer_shard=true"]
+
+
+# ----------------------------------------------------------------------------- shares and resharding (no msrun)
+
+
+def _sharded_optimizer(dp: int, dp_index: int):
+    from model.config import ModelConfig
+    from model.llama import LlamaForCausalLM
+    from tasks.training.optim import ShardedAdamW
+
+    params = LlamaForCausalLM(ModelConfig.from_name("tiny"), seed=0).trainable_params()
+    return ShardedAdamW(params, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, grad_clip=1.0,
+                        decay_mask=[True] * len(params), dp=dp, dp_index=dp_index)
+
+
+def _moments() -> dict[str, np.ndarray]:
+    opt = {f"adam_m.{k}": v * 0.5 for k, v in _tiny_arrays(1).items()}
+    opt.update({f"adam_v.{k}": v ** 2 for k, v in _tiny_arrays(2).items()})
+    return opt
+
+
+def _write_zero_checkpoint(root: Path, step: int, weights, opt, state, layout) -> Path:
+    """A checkpoint as dp ZeRO-1 ranks write it (what _save_distributed produces with opt_shard)."""
+    tmp = root / f".tmp-step_{step:08d}-dist"
+    tmp.mkdir(parents=True)
+    files = {"model.safetensors": save_tensors(tmp / "model.safetensors", weights)}
+    for name, share in zip(zero_files(layout["data_parallel"]), flatten_moments(opt, layout)):
+        files[name] = save_tensors(tmp / name, share)
+    lay = {"data_parallel": layout["data_parallel"], "tensor_parallel": 1, "optimizer_shard": layout}
+    return _publish(root, tmp, step, {**state, "layout": lay}, files, keep=3)
+
+
+def test_shares_cover_the_flat_buffer_once():
+    """dp=7 does not divide the tiny model's element count: the last share is zero-padded, nothing overlaps."""
+    opts = [_sharded_optimizer(7, r) for r in range(7)]
+    numel, shard = opts[0].numel, opts[0].shard
+    assert numel % 7 and shard == -(-numel // 7)
+    covered = np.zeros(numel, np.int32)
+    for o in opts:
+        for i, a, b in o.segments:
+            covered[o.offsets[i] + a:o.offsets[i] + b] += 1
+        assert sum(b - a for _, a, b in o.segments) + o.pad == shard
+    assert (covered == 1).all()
+    assert [o.pad for o in opts] == [0] * 6 + [7 * shard - numel]
+    # the master share starts as the parameters' own values
+    o = opts[1]
+    i, a, b = o.segments[0]
+    assert o.master[0].asnumpy().tobytes() == o.params[i].asnumpy().reshape(-1)[a:b].tobytes()
+
+
+def test_zero_checkpoint_reshards_bit_for_bit(tmp_path):
+    """Shares of dp=2 -> full moments (dp 1, unsharded) -> the shares of dp=2 and dp=3 again, bit for bit."""
+    weights, opt = _tiny_arrays(0), _moments()
+    layout = _sharded_optimizer(2, 0).layout()
+    state = {"consumed_samples": 96, "updates": 12, "skipped_steps": 0}
+    ck = _write_zero_checkpoint(tmp_path / "zero", 12, weights, opt, state, layout)
+    assert sorted(p.name for p in ck.glob("*.safetensors")) == [
+        "model.safetensors", "optimizer.dp0-of-2.safetensors", "optimizer.dp1-of-2.safetensors"]
+    w, o, st = load_checkpoint(ck)  # sharded -> one process, unsharded
+    assert st["layout"]["optimizer_shard"]["shard_numel"] == layout["shard_numel"]
+    assert o.keys() == opt.keys() and all(o[k].tobytes() == opt[k].tobytes() for k in opt)
+    assert all(w[k].tobytes() == weights[k].tobytes() for k in weights)
+    # unsharded -> sharded: each rank cuts its share out of the full moments
+    full = save_checkpoint(tmp_path / "full", 12, weights, opt, state, keep=3)
+    for dp in (2, 3):
+        for r in range(dp):
+            so = _sharded_optimizer(dp, r)
+            so.load_full(load_checkpoint(full)[1], "full")
+            want = flatten_moments(opt, so.layout())[r]
+            got = so.shard_state()
+            assert all(got[k].tobytes() == want[k].tobytes() for k in ("adam_m", "adam_v")), (dp, r)
+    # and the dp=2 shares through the full form back to dp=2 shares: the same bytes as written
+    shares = flatten_moments(unflatten_moments(flatten_moments(opt, layout), layout), layout)
+    from safetensors.numpy import load_file
+
+    on_disk = [load_file(str(ck / f)) for f in zero_files(2)]
+    for a, b in zip(shares, on_disk):
+        assert all(a[k].tobytes() == b[k].tobytes() for k in ("adam_m", "adam_v"))
+    # sharded -> tensor parallel 2: the same slices as from the unsharded checkpoint
+    for r in range(2):
+        a, b = load_checkpoint(ck, tp=2, tp_index=r), load_checkpoint(full, tp=2, tp_index=r)
+        assert all(a[1][k].tobytes() == b[1][k].tobytes() for k in b[1])
+
+
+def test_optimizer_shard_is_a_data_parallel_layout():
+    from model.config import ModelConfig
+    from tasks.config import ConfigError, resolve_pipeline
+    from tasks.training.memory import Layout, estimate, unsupported
+
+    cfg = resolve_pipeline(REPO / "pipelines.yaml", "tiny", ZERO)
+    assert cfg.parallel.optimizer_shard
+    with pytest.raises(ConfigError) as exc:
+        resolve_pipeline(REPO / "pipelines.yaml", "tiny", ["parallel.data_parallel=2", "parallel.tensor_parallel=2",
+                                                           "parallel.device_num=4", "parallel.optimizer_shard=true"])
+    assert "parallel.optimizer_shard: optimizer sharding (ZeRO-1) is built for data parallel only" in str(exc.value)
+    assert unsupported(Layout(dp=2, optimizer_shard=True), "CPU") is None
+    assert "not built" in unsupported(Layout(dp=2, tp=2, optimizer_shard=True), "CPU")
+    mc = ModelConfig.from_name("tiny")
+    one, two = (estimate(mc, micro_batch=4, seq=64, layout=Layout(dp=2, optimizer_shard=s)) for s in (False, True))
+    assert two.parts["optimizer"] * 2 == one.parts["optimizer"]
+    assert two.parts["master_share"] == one.parts["optimizer"] // 4  # 4 bytes of 8 per element, over 2 ranks
+
+
+# ----------------------------------------------------------------------------- msrun jobs
+
+
+def _peak_rss(run_dir: Path) -> list[int]:
+    logs = rank_logs(run_dir / "msrun_logs")
+    return [int(re.findall(r"peak RSS (\d+) bytes", p.read_text())[-1]) for p in logs.values()]
+
+
+def test_zero_matches_unsharded_and_one_process(tmp_path, data_artifact):
+    """dp=2 sharded == dp=2 unsharded == 1 process with global batch 8, per step to ≤1e-5; replicas bit-identical;
+    every rank wrote its optimizer share; plan's per-rank estimate within 30% of each rank's peak RSS."""
+    from model.config import ModelConfig
+    from tasks.training.checkpoint import load_weights
+    from tasks.training.memory import Layout, estimate
+
+    single, _ = _single(_cfg(), tmp_path / "single", data_artifact)
+    runs = {}
+    for name, overrides in (("dp2", DP2), ("zero", ZERO)):
+        root = tmp_path / name
+        path = pretrain.run(_cfg(*overrides), ArtifactStore(root), _copy_data(root, data_artifact), progress=False)
+        runs[name] = (path, root / "runs" / "pretrain" / path.name)
+    ls, ld, lz = _train_losses(single), _train_losses(runs["dp2"][0]), _train_losses(runs["zero"][0])
+    assert sorted(lz) == [1, 2, 3, 4, 5, 6]
+    assert max(abs(ls[s] - lz[s]) for s in ls) <= 1e-5, (ls, lz)
+    assert max(abs(ld[s] - lz[s]) for s in ld) <= 1e-5, (ld, lz)
+    gz = [r["grad_norm"] for r in _metrics(runs["zero"][0]) if "grad_norm" in r]
+    gd = [r["grad_norm"] for r in _metrics(runs["dp2"][0]) if "grad_norm" in r]
+    assert max(abs(a - b) for a, b in zip(gz, gd)) <= 1e-5  # clipping sees the same global norm
+    vz = [r["val_loss"] for r in _metrics(runs["zero"][0]) if "val_loss" in r]
+    vs = [r["val_loss"] for r in _metrics(single) if "val_loss" in r]
+    assert len(vz) == 3 and max(abs(a - b) for a, b in zip(vs, vz)) <= 1e-5
+    wz, ws, wd = (load_weights(p) for p in (runs["zero"][0], single, runs["dp2"][0]))
+    assert max(float(np.abs(wz[k] - ws[k]).max()) for k in ws) <= 1e-5
+    assert max(float(np.abs(wz[k] - wd[k]).max()) for k in wd) <= 1e-5
+    logs = rank_logs(runs["zero"][1] / "msrun_logs")
+    digests = [re.findall(r"parameters sha256 ([0-9a-f]{64})", p.read_text()) for p in logs.values()]
+    assert len(digests) == 2 and digests[0] and digests[0] == digests[1]
+    ck = complete_checkpoints(runs["zero"][1] / "checkpoints")[-1]
+    lay = json.loads((ck / "state.json").read_text())["layout"]
+    assert lay["data_parallel"] == 2 and lay["optimizer_shard"]["data_parallel"] == 2
+    assert sorted(p.name for p in ck.glob("optimizer*")) == zero_files(2)
+    # the sharded checkpoint's moments equal the unsharded run's to float32 rounding (same kernel, same scalars)
+    oz = load_checkpoint(ck)[1]
+    od = load_checkpoint(complete_checkpoints(runs["dp2"][1] / "checkpoints")[-1])[1]
+    assert oz.keys() == od.keys() and max(float(np.abs(oz[k] - od[k]).max()) for k in od) <= 1e-5
+    # memory: plan's per-rank estimate against each rank's measured peak RSS (VmHWM)
+    cfg = _cfg(*ZERO)
+    est = estimate(ModelConfig.from_name("tiny"), micro_batch=4, seq=cfg.pretrain.seq_length or cfg.data.seq_length,
+                   layout=Layout(dp=2, optimizer_shard=True)).total
+    for rss in _peak_rss(runs["zero"][1]):
+        assert abs(est - rss) / rss < 0.30, (est, rss)
+
+
+@pytest.mark.slow
+def test_zero_accumulation_and_nonfinite_step_match_one_process(tmp_path, data_artifact):
+    """Accumulation 2 × micro batch 2 on each of 2 sharded ranks, with step 2's gradients made non-finite:
+    the same skipped step, losses and data position as one process with micro batch 8."""
+    single, _ = _single(_cfg(), tmp_path / "single", data_artifact, fault_steps=[2])
+    root = tmp_path / "zero"
+    cfg = _cfg(*ZERO, "pretrain.micro_batch_size=2", "pretrain.gradient_accumulation=2")
+    path = pretrain.run(cfg, ArtifactStore(root), _copy_data(root, data_artifact), progress=False,
+                        inject={"fault_steps": [2]})
+    ls, lz = _train_losses(single), _train_losses(path)
+    assert max(abs(ls[s] - lz[s]) for s in ls if s != 2) <= 1e-5, (ls, lz)
+    mz, ms_ = _metrics(path), _metrics(single)
+    assert [r["skipped_steps"] for r in mz if "skipped_steps" in r] == [r["skipped_steps"] for r in ms_ if "skipped_steps" in r]
+    assert max(r.get("skipped_steps", 0) for r in mz) == 1
+    assert ArtifactStore(root).verify(path)["metrics"]["consumed_samples"] == 48
+
+
+@pytest.mark.slow
+def test_zero_checkpoint_resumes_under_every_layout(tmp_path, data_artifact):
+    """Sharded dp=2 stopped after 3 steps continues (a) sharded dp=2 from its own checkpoint, (b) as one process;
+    one process stopped after 3 continues (c) sharded dp=2: each with the losses of an unbroken run."""
+    _, run_straight = _single(_cfg(), tmp_path / "straight", data_artifact)
+    ls = _train_losses(run_straight)
+    ckpts = _stopped_after_3(tmp_path / "zero", data_artifact, ZERO)
+    ck = complete_checkpoints(ckpts)[-1]
+    assert sorted(p.name for p in ck.glob("optimizer*")) == zero_files(2)
+    # (a) the same layout resumes its own run
+    root = tmp_path / "zero"
+    path = pretrain.run(_cfg(*ZERO), ArtifactStore(root), root / "data" / data_artifact.name, progress=False)
+    la = _train_losses(path)
+    assert sorted(la) == [1, 2, 3, 4, 5, 6] and max(abs(ls[s] - la[s]) for s in ls) <= 1e-5, (ls, la)
+    # (b) dp 2 -> 1, sharded -> not
+    _, run_b = _single(_cfg(f"checkpoint.load_checkpoint={ck}"), tmp_path / "b", data_artifact)
+    lb = _train_losses(run_b)
+    assert max(abs(ls[s] - lb[s]) for s in ls) <= 1e-5, (ls, lb)
+    # (c) dp 1 -> 2, not -> sharded
+    _single(_cfg(), tmp_path / "c1", data_artifact, stop_after=3)
+    ck1 = complete_checkpoints(next((tmp_path / "c1" / "runs" / "pretrain").iterdir()) / "checkpoints")[-1]
+    root2 = tmp_path / "c2"
+    path = pretrain.run(_cfg(*ZERO, f"checkpoint.load_checkpoint={ck1}"), ArtifactStore(root2),
+                        _copy_data(root2, data_artifact), progress=False)
+    lc = _train_losses(path)
+    assert max(abs(ls[s] - lc[s]) for s in ls) <= 1e-5, (ls, lc)
+    assert ArtifactStore(root2).verify(path)["metrics"]["consumed_samples"] == 48
