@@ -1,4 +1,5 @@
-"""Training throughput of three layouts on this machine: dp=1 vs dp=2 vs tp=2, communication timed separately.
+"""Training throughput of four layouts on this machine: dp=1 vs dp=2 vs dp=2 with optimizer-state sharding
+(ZeRO-1) vs tp=2, communication and per-rank peak RSS measured separately.
 
 Same model and the same global batch for every layout (`tiny-llama-bench` by default: vocab 8192,
 hidden 256, 4 layers; global batch 8 × seq 256, random tokens, fp32), the same compiled train step
@@ -7,11 +8,17 @@ and AdamW as `tasks.training.trainer.fit` builds for a mesh:
 - dp1: one process, no msrun, OMP_NUM_THREADS = cpu_count;
 - dp2: 2 msrun workers, each a micro batch of global/2 (different random tokens per rank),
   gradients averaged with `nn.DistributedGradReducer`;
+- dp2zero: dp2 with `parallel.optimizer_shard: true` (tasks/training/optim.py ShardedAdamW): each rank
+  keeps the AdamW moments and an fp32 master copy of its half of the flat parameter buffer, updates
+  it, and the halves are AllGathered (world group) back into the parameters after every update;
 - tp2: 2 msrun workers, each the whole global batch through its tensor-parallel half of the model.
 
 tokens/s = global batch × seq × steps / rank 0's wall time of `steps` steps after `warmup` steps
 (compilation). After the training steps the same workers time their communication alone:
 dp2 the gradient all-reduce (a jit'd `DistributedGradReducer` over gradient-shaped tensors),
+dp2zero the gradient all-reduce as its step issues it (one AllReduce per gradient, chained) plus the
+parameter rebuild: the AllGather of the flat shares it uses, and beside it (`param_rebuild_s`) an
+AllReduce of zero-padded shares (what a data-parallel group that is not the world group would need),
 tp2 the 4 × num_layers activation AllReduces of [batch, seq, hidden] one step performs
 (2 forward + 2 backward per layer) plus the grad-norm scalar; each averaged over `--comm-repeats`.
 `comm_share` = comm seconds per step / step seconds. Prints one JSON line (progress on stderr).
@@ -41,7 +48,8 @@ sys.path[0] = str(REPO)  # the repo, not scripts/bench (msrun starts this file a
 
 from tasks.training.trainer import peak_rss_bytes  # noqa: E402  (after the sys.path change)
 
-LAYOUTS = {"dp1": (1, 1), "dp2": (2, 1), "tp2": (1, 2)}
+LAYOUTS = {"dp1": (1, 1), "dp2": (2, 1), "dp2zero": (2, 1), "tp2": (1, 2)}
+ZERO = {"dp2zero"}  # parallel.optimizer_shard: true
 
 
 def _sync(x=None) -> None:
@@ -81,7 +89,7 @@ def worker(a: argparse.Namespace) -> None:
     from tasks.training.optim import causal_lm_train_step
 
     dp, tp = LAYOUTS[a.layout]
-    mesh = Mesh.init(dp, tp) if dp * tp > 1 else Mesh()
+    mesh = Mesh.init(dp, tp, a.layout in ZERO) if dp * tp > 1 else Mesh()
     cfg = ModelConfig.from_name(a.preset)
     seq = min(a.seq, cfg.max_seq_length)
     micro = a.batch // dp
@@ -109,8 +117,45 @@ def worker(a: argparse.Namespace) -> None:
     step_s = dt / a.steps
     log(f"{a.steps} steps in {dt:.2f}s ({step_s:.3f} s/step), loss {loss:.4f}")
 
-    comm = None
-    if a.layout == "dp2":
+    comm, rebuild = None, None
+    if a.layout == "dp2zero":
+        from mindspore.communication import GlobalComm
+
+        grad_sum = ops.AllReduce(group=mesh.dp_group)
+
+        @ms.jit
+        def reduce_chain(grads):  # as TrainStep issues them under ZeRO-1: chained, the same order on every rank
+            out, prev = [], None
+            for g in grads:
+                r = grad_sum(g if prev is None else ops.depend(g, prev))
+                prev = r
+                out.append(r * 0.5)
+            return tuple(out)
+
+        gather = ops.AllGather(group=GlobalComm.WORLD_COMM_GROUP)
+        world_sum = ops.AllReduce(group=GlobalComm.WORLD_COMM_GROUP)
+
+        @ms.jit
+        def all_gather(x):
+            return gather(x)
+
+        @ms.jit
+        def all_reduce_padded(x):
+            return world_sum(x)
+
+        shard = step_fn.optimizer.shard
+        grads = tuple(ops.ones_like(p) for p in params)
+        mesh.barrier()
+        reduce_s = _time_comm(reduce_chain, (grads,), a.comm_repeats)
+        mesh.barrier()
+        gather_s = _time_comm(all_gather, (ms.Tensor(np.zeros(shard, np.float32)),), a.comm_repeats)
+        mesh.barrier()
+        padded_s = _time_comm(all_reduce_padded, (ms.Tensor(np.zeros(shard * mesh.dp, np.float32)),), a.comm_repeats)
+        comm = reduce_s + gather_s  # what the step uses: AllGather (tp 1: the data-parallel group is the world)
+        rebuild = {"allgather": gather_s, "allreduce_zero_padded": padded_s, "shard_elements": shard}
+        log(f"gradient all-reduce (chained): {reduce_s * 1e3:.1f} ms; parameter rebuild of {shard} elements per rank: "
+            f"AllGather {gather_s * 1e3:.1f} ms, AllReduce of zero-padded shares {padded_s * 1e3:.1f} ms")
+    elif a.layout == "dp2":
         reducer = nn.DistributedGradReducer(params, mean=True, degree=mesh.dp, group=mesh.dp_group)
 
         @ms.jit
@@ -145,7 +190,7 @@ def worker(a: argparse.Namespace) -> None:
             f"grad-norm scalar: {scalar * 1e3:.2f} ms")
     mesh.barrier()
     out = {"rank": mesh.rank, "step_s": step_s, "wall_s": dt, "warmup_s": warmup_s, "loss": loss,
-           "comm_s_per_step": comm, "peak_rss_bytes": peak_rss_bytes()}
+           "comm_s_per_step": comm, "param_rebuild_s": rebuild, "peak_rss_bytes": peak_rss_bytes()}
     (Path(a.out) / f"{a.layout}_rank{mesh.rank}.json").write_text(json.dumps(out))
 
 
@@ -195,7 +240,7 @@ def main() -> None:
               "--warmup", str(a.warmup), "--comm-repeats", str(a.comm_repeats), "--out", str(out)]
     me = str(Path(__file__).resolve())
     cpus = os.cpu_count() or 1
-    ports = dict(zip(("dp2", "tp2"), _free_ports(2)))
+    ports = dict(zip(("dp2", "dp2zero", "tp2"), _free_ports(3)))
     res, wall = {}, {}
     for layout, (dp, tp) in LAYOUTS.items():
         print(f"[bench] {layout}: preset {a.preset}, global batch {a.batch} × seq {seq}, "
@@ -215,7 +260,8 @@ def main() -> None:
         wall[layout] = time.perf_counter() - t0
         ranks = [json.loads(p.read_text()) for p in sorted(out.glob(f"{layout}_rank*.json"))]
         res[layout] = {"rank0": next(r for r in ranks if r["rank"] == 0),
-                       "peak_rss_bytes": max(r["peak_rss_bytes"] for r in ranks)}
+                       "peak_rss_bytes": max(r["peak_rss_bytes"] for r in ranks),
+                       "rank_peak_rss_bytes": [r["peak_rss_bytes"] for r in sorted(ranks, key=lambda r: r["rank"])]}
         print(f"[bench] {layout}: {res[layout]['rank0']['step_s']:.3f} s/step ({wall[layout]:.0f}s in all)",
               file=sys.stderr, flush=True)
     shutil.rmtree(tmp, ignore_errors=True)
@@ -223,19 +269,30 @@ def main() -> None:
     tokens = a.batch * seq
     r0 = {k: v["rank0"] for k, v in res.items()}
     tps = {k: tokens / v["step_s"] for k, v in r0.items()}
+    multi = ("dp2", "dp2zero", "tp2")
+    from tasks.training.memory import Layout, estimate
+
+    zero_est = estimate(cfg, micro_batch=a.batch // 2, seq=seq, layout=Layout(dp=2, optimizer_shard=True))
+    plain_est = estimate(cfg, micro_batch=a.batch // 2, seq=seq, layout=Layout(dp=2))
     print(json.dumps({
         "bench": "distributed", "preset": a.preset, "global_batch": a.batch, "seq": seq, "steps": a.steps,
         "warmup": a.warmup, "cpu_count": cpus,
         "tokens_per_s": {k: round(v, 1) for k, v in tps.items()},
         "step_s": {k: round(v["step_s"], 4) for k, v in r0.items()},
-        "comm_s_per_step": {k: round(r0[k]["comm_s_per_step"], 5) for k in ("dp2", "tp2")},
-        "comm_share": {k: round(r0[k]["comm_s_per_step"] / r0[k]["step_s"], 3) for k in ("dp2", "tp2")},
-        "speedup": {k: round(tps[k] / tps["dp1"], 3) for k in ("dp2", "tp2")},
+        "comm_s_per_step": {k: round(r0[k]["comm_s_per_step"], 5) for k in multi},
+        "comm_share": {k: round(r0[k]["comm_s_per_step"] / r0[k]["step_s"], 3) for k in multi},
+        "speedup": {k: round(tps[k] / tps["dp1"], 3) for k in multi},
+        "dp2zero_param_rebuild_s": {k: (round(v, 5) if isinstance(v, float) else v)
+                                    for k, v in r0["dp2zero"]["param_rebuild_s"].items()},
+        "rank_peak_rss_bytes": {k: res[k]["rank_peak_rss_bytes"] for k in ("dp2", "dp2zero")},
+        "zero_rss_saving_bytes": max(res["dp2"]["rank_peak_rss_bytes"]) - max(res["dp2zero"]["rank_peak_rss_bytes"]),
+        "plan_estimate_bytes": {"dp2": plain_est.total, "dp2zero": zero_est.total},
+        "plan_error": round(zero_est.total / max(res["dp2zero"]["rank_peak_rss_bytes"]) - 1, 3),
         "warmup_s": {k: round(v["warmup_s"], 1) for k, v in r0.items()},
         "loss": {k: round(v["loss"], 4) for k, v in r0.items()},
         "peak_rss_bytes": {k: v["peak_rss_bytes"] for k, v in res.items()},
         "wall_s": {k: round(v, 1) for k, v in wall.items()},
-        "note": (f"{cpus} cores: dp1 is one process with {cpus} threads; dp2/tp2 are 2 msrun workers sharing the same "
+        "note": (f"{cpus} cores: dp1 is one process with {cpus} threads; dp2/dp2zero/tp2 are 2 msrun workers sharing the same "
                  f"cores (OMP_NUM_THREADS={max(1, cpus // 2)} each), so the ideal speedup here is at most ~1x. "
                  "comm_s_per_step is timed alone after training (no overlap with compute); peak_rss_bytes is "
                  "per process (max over ranks)."),

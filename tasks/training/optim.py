@@ -357,7 +357,29 @@ class TrainStep:
         self.loss_scale = loss_scale
         self.dp = dp if dp_group is not None else 1
         self._count_sum = ops.AllReduce(group=dp_group) if self.dp > 1 else None
-        if dp_group is not None and dp > 1:
+        zero = hasattr(optimizer, "rebuild_fn")
+        if dp_group is not None and dp > 1 and zero:
+            # ZeRO-1: the ranks' graphs differ (each updates its own share), so the runtime may order independent
+            # collectives differently on each rank, and a ring AllReduce of one gradient then meets another
+            # rank's AllReduce of a different one ("Memcpy error ... dest size ... src size"). Chained by
+            # data dependencies, every rank issues them in the same order; the arithmetic is the reducer's
+            # (sum, then × 1/dp).
+            grad_sum = ops.AllReduce(group=dp_group)
+            loss_sum = ops.AllReduce(group=dp_group)
+            inv_dp = 1.0 / dp
+            inv_t = Tensor(inv_dp, ms.float32)
+
+            def reduce_grads(grads):
+                out, prev = [], None
+                for g in grads:
+                    r = grad_sum(g if prev is None else ops.depend(g, prev))
+                    prev = r
+                    out.append(ops.tensor_mul(r, inv_t))
+                return tuple(out)
+
+            def reduce_loss(loss):
+                return loss_sum(loss) * inv_dp
+        elif dp_group is not None and dp > 1:
             reducer = nn.DistributedGradReducer(params, mean=True, degree=dp, group=dp_group)
             loss_sum = ops.AllReduce(group=dp_group)
             inv_dp = 1.0 / dp
@@ -386,6 +408,8 @@ class TrainStep:
         def fused(input_ids, labels, lr, step, grad_scale, weight, allow):
             (_, loss), grads = grad_fn(input_ids, labels, grad_scale, weight)
             gnorm, finite = optimizer(reduce_grads(grads), lr, step, grad_scale, allow)
+            if zero:  # after the gradients' collectives on every rank (see reduce_grads)
+                loss = ops.depend(loss, gnorm)
             return reduce_loss(loss), gnorm, finite
 
         @ms.jit
@@ -401,6 +425,8 @@ class TrainStep:
             gnorm, finite = optimizer(grads, lr, step, grad_scale, allow)
             for a in accum:
                 ops.assign(a, ops.zeros_like(a))
+            if zero:
+                loss = ops.depend(loss, gnorm)
             return gnorm, finite, reduce_loss(loss)
 
         self._fused, self._micro, self._apply = fused, micro, apply
