@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 import mindspore as ms
-from mindspore import Tensor
+from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
 
 def sample_next(logits: np.ndarray, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
@@ -58,6 +58,96 @@ def sample_next(logits: np.ndarray, temperature: float = 0.0, top_k: int | None 
     return int(rng.choice(p.size, p=p))
 
 
+class CachedDecoder(nn.Cell):
+    """The KV-cache forward of a LlamaForCausalLM for batch 1, specialised for decoding on CPU.
+
+    Same math as `LlamaForCausalLM.forward_cached` on the net's own Parameters (the norms,
+    projections and MLP are the net's Cells), arranged for few, cheap kernels per token:
+    activations stay 2-D [T, H]; the caches are Parameters [n_kv, S, head_dim] per layer
+    written in place with one ScatterNdUpdate each (the functional cache rewrites every slot
+    with a Select each step); RoPE broadcasts cos/sin over heads only; with T = 1 the head
+    transposes are reshapes; and only the one row whose logits are needed goes through the
+    final norm and the LM head. `construct(input_ids [1, T], start_pos, last)` returns the
+    logits [1, V] of position start_pos + last.
+    """
+
+    def __init__(self, net, max_len: int):
+        super().__init__()
+        c = net.config
+        self.net = net
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.n_rep = c.num_heads // c.num_kv_heads
+        self.max_len = max_len
+        self.k_cache = ParameterTuple([Parameter(Tensor(np.zeros((c.num_kv_heads, max_len, c.head_dim), np.float32)),
+                                                    name=f"decoder_k_cache.{i}", requires_grad=False)
+                                          for i in range(c.num_layers)])
+        self.v_cache = ParameterTuple([Parameter(Tensor(np.zeros((c.num_kv_heads, max_len, c.head_dim), np.float32)),
+                                                    name=f"decoder_v_cache.{i}", requires_grad=False)
+                                          for i in range(c.num_layers)])
+        self.scores_matmul = ops.BatchMatMul(transpose_b=True)
+        self.values_matmul = ops.BatchMatMul()
+        self.head_matmul = ops.MatMul(transpose_b=True)
+        self.scatter = ops.ScatterNdUpdate()
+
+    @staticmethod
+    def supports(net) -> bool:
+        """fp32, one device, plain `Linear` projections (no LoRA adapters, no tensor-parallel slices)."""
+        from model.llama import Linear
+
+        if getattr(net, "half", False) or getattr(net, "tensor_parallel", None) is not None:
+            return False
+        for layer in net.layers:
+            a, m = layer.self_attn, layer.mlp
+            projs = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
+            if any(type(p) is not Linear for p in projs) or a.tp or m.tp:
+                return False
+        return net.tie_embeddings or type(net.lm_head) is Linear
+
+    def _heads_first(self, x: Tensor, t: int, heads: int) -> Tensor:
+        """[T, heads * hd] -> [heads, T, hd]."""
+        if t == 1:
+            return x.reshape(heads, 1, self.head_dim)
+        return ops.transpose(x.reshape(t, heads, self.head_dim), (1, 0, 2))
+
+    def construct(self, input_ids: Tensor, start_pos: Tensor, last: Tensor) -> Tensor:
+        net = self.net
+        t = input_ids.shape[1]
+        nh, nkv, hd, s = self.num_heads, self.num_kv_heads, self.head_dim, self.max_len
+        positions = start_pos + ops.arange(t, dtype=ms.int32)                         # [T]
+        cos = ops.gather(net.rope_cos, positions, 0).reshape(t, 1, hd)                # [T, 1, hd]
+        sin = ops.gather(net.rope_sin, positions, 0).reshape(t, 1, hd)
+        mask = (ops.arange(s, dtype=ms.int32).reshape(1, -1) > positions.reshape(-1, 1)).astype(ms.float32) * -1e9
+        # cache rows written: (kv head h, slot start_pos + i) for h, i -> [nkv * T, 2]
+        heads = ops.arange(nkv, dtype=ms.int32).reshape(-1, 1, 1).broadcast_to((nkv, t, 1))
+        slots = positions.reshape(1, -1, 1).broadcast_to((nkv, t, 1))
+        rows = ops.cat((heads, slots), -1).reshape(nkv * t, 2)
+        x = ops.gather(net.embed_tokens.weight, input_ids.reshape(-1), 0)              # [T, H]
+        for i, layer in enumerate(net.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attn.q_proj(h).reshape(t * nh, hd)
+            k = attn.k_proj(h).reshape(t * nkv, hd)
+            v = attn.v_proj(h)
+            q = (q.reshape(t, nh, hd) * cos + attn.rotate_matmul(q, attn.rotate).reshape(t, nh, hd) * sin) * attn.scale
+            k = k.reshape(t, nkv, hd) * cos + attn.rotate_matmul(k, attn.rotate).reshape(t, nkv, hd) * sin
+            kc = self.scatter(self.k_cache[i], rows, self._heads_first(k.reshape(t, nkv * hd), t, nkv).reshape(nkv * t, hd))
+            vc = self.scatter(self.v_cache[i], rows, self._heads_first(v, t, nkv).reshape(nkv * t, hd))
+            qh = self._heads_first(q.reshape(t, nh * hd), t, nh).reshape(nkv, self.n_rep * t, hd)
+            scores = self.scores_matmul(qh, kc).reshape(nh, t, s) + mask               # [nh, T, S]
+            probs = ops.softmax(scores.reshape(nh * t, s), -1).reshape(nkv, self.n_rep * t, s)
+            out = self.values_matmul(probs, vc).reshape(nh, t, hd)                    # [nh, T, hd]
+            if t == 1:
+                out = out.reshape(1, nh * hd)
+            else:
+                out = ops.transpose(out, (1, 0, 2)).reshape(t, nh * hd)
+            x = x + attn.o_proj(out)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x = net.norm(ops.gather(x, last.reshape(1), 0))                               # [1, H]
+        if net.tie_embeddings:
+            return self.head_matmul(x, net.embed_tokens.weight)                       # [1, V]
+        return net.lm_head(x)
+
+
 class Generator:
     """Generation for one network; keeps its compiled prefill/decode steps across calls."""
 
@@ -77,6 +167,14 @@ class Generator:
 
         self._step = ms.jit(step)
         self._forward = ms.jit(forward)
+        self._decoder = CachedDecoder(net, self.max_len) if CachedDecoder.supports(net) else None
+        if self._decoder is not None:
+            decoder = self._decoder
+
+            def decode(input_ids, start_pos, last):
+                return decoder(input_ids, start_pos, last)
+
+            self._decode = ms.jit(decode)
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int = 64, *, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = 0,
@@ -124,6 +222,13 @@ class Generator:
         padded = min(-(-n // self.bucket) * self.bucket, self.max_len)
         x = np.zeros((1, padded), np.int32)
         x[0, :n] = ids
+        if self._decoder is not None:  # in-place caches; slots past the prompt are masked until written
+            zero = Tensor(0, ms.int32)
+            tok = yield self._decode(Tensor(x), zero, Tensor(n - 1, ms.int32)).asnumpy()[0]
+            pos = n
+            while True:
+                tok = yield self._decode(Tensor([[tok]], ms.int32), Tensor(pos, ms.int32), zero).asnumpy()[0]
+                pos += 1
         k, v = self.net.init_cache(1, self.max_len)
         logits, k, v = self._step(Tensor(x), Tensor(0, ms.int32), ms.mutable(k), ms.mutable(v))
         pos = n
