@@ -74,7 +74,8 @@ class CachedDecoder(nn.Cell):
     def __init__(self, net, max_len: int):
         super().__init__()
         c = net.config
-        self.net = net
+        # not a child Cell: registering it would prefix every one of the net's parameter names with "net."
+        object.__setattr__(self, "net", net)
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.n_rep = c.num_heads // c.num_kv_heads
         self.max_len = max_len

@@ -88,6 +88,25 @@ def test_stops_at_eos_stop_callback_budget_and_cache_size(gen, net):
         gen.generate([], 3)
 
 
+def test_fast_decoder_keeps_parameter_names_and_follows_weight_changes():
+    """Generator's batch-1 decoder reads the net's own Parameters: their names stay unprefixed (checkpoints
+    keep loading) and a weight change after the first generation reaches the next one."""
+    model = LlamaForCausalLM(ModelConfig.from_name("tiny", init_std=0.3), seed=1)
+    model.set_train(False)
+    names = [p.name for p in model.get_parameters()]
+    g = Generator(model)
+    assert g._decoder is not None  # fp32, plain projections: the fast path is the one under test
+    prompt = ids(6, seed=7)
+    before = g.generate(prompt, 10)
+    assert [p.name for p in model.get_parameters()] == names
+    w = model.layers[0].mlp.up_proj.weight
+    ms.ops.assign(w, Tensor(w.asnumpy() * -3.0))  # in place, as optimizers update (set_data would swap the
+    # tensor, and graphs compiled before keep the old one: true of every jit path, cached or not)
+    after = g.generate(prompt, 10)
+    assert after == g.generate(prompt, 10, use_cache=False)
+    assert after != before
+
+
 def test_sample_next_temperature_top_k_top_p():
     rng = np.random.default_rng(0)
     logits = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
