@@ -39,6 +39,15 @@ def decays(name: str, *, decay_norms_and_biases: bool, decay_embeddings: bool) -
     return True
 
 
+def sum_sq(g: Tensor) -> Tensor:
+    """Σ g² of one gradient: over its rows first, then the row sums. A full reduction of a large tensor
+    to a scalar is ~4x slower on MindSpore's CPU kernels ([8192, 256]: 7.4 vs 1.7 ms)."""
+    sq = ops.square(g)
+    if sq.ndim >= 2:
+        return ops.sum(ops.sum(sq.reshape(-1, sq.shape[-1]), -1))
+    return ops.sum(sq)
+
+
 class AdamW(nn.Cell):
     """In-graph AdamW over `params`; construct(grads, lr, step, grad_scale) -> (grad_norm, finite).
 
@@ -72,11 +81,11 @@ class AdamW(nn.Cell):
     def construct(self, grads, lr: Tensor, step: Tensor, grad_scale: Tensor, allow: Tensor):
         """`allow` (bool): False skips the update whatever the gradients (see `UpdateGuard`)."""
         if self.tp:  # replicated grads counted once, slices summed over the tensor-parallel ranks
-            sq_shard = self.tp_sum(ops.sum(ops.stack([ops.sum(ops.square(grads[i])) for i in self.shard_idx])))
-            sq_rep = ops.sum(ops.stack([ops.sum(ops.square(grads[i])) for i in self.rep_idx]))
+            sq_shard = self.tp_sum(ops.sum(ops.stack([sum_sq(grads[i]) for i in self.shard_idx])))
+            sq_rep = ops.sum(ops.stack([sum_sq(grads[i]) for i in self.rep_idx]))
             gnorm = ops.sqrt(sq_rep + sq_shard) / grad_scale
         else:
-            sq = ops.stack([ops.sum(ops.square(g)) for g in grads])
+            sq = ops.stack([sum_sq(g) for g in grads])
             gnorm = ops.sqrt(ops.sum(sq)) / grad_scale  # norm of the unscaled gradient
         finite = ops.isfinite(gnorm)
         coef = ops.ones((), ms.float32)
