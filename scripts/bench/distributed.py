@@ -108,13 +108,14 @@ def worker(a: argparse.Namespace) -> None:
     for s in range(a.warmup):
         step_fn(batches[s], 1e-4, s + 1)
     warmup_s = time.perf_counter() - t0
-    log(f"{a.warmup} warm-up steps in {warmup_s:.1f}s")
+    log(f"{a.warmup} warm-up steps in {warmup_s:.1f}s, peak RSS {peak_rss_bytes() / 2**20:.0f} MiB")
     mesh.barrier()
     t0 = time.perf_counter()
     for s in range(a.warmup, total):
         loss = step_fn(batches[s], 1e-4, s + 1)[0]  # float(): waits for the step
     dt = time.perf_counter() - t0
     step_s = dt / a.steps
+    train_rss = peak_rss_bytes()  # the training's own peak, before the communication timing below allocates its buffers
     log(f"{a.steps} steps in {dt:.2f}s ({step_s:.3f} s/step), loss {loss:.4f}")
 
     comm, rebuild = None, None
@@ -190,7 +191,7 @@ def worker(a: argparse.Namespace) -> None:
             f"grad-norm scalar: {scalar * 1e3:.2f} ms")
     mesh.barrier()
     out = {"rank": mesh.rank, "step_s": step_s, "wall_s": dt, "warmup_s": warmup_s, "loss": loss,
-           "comm_s_per_step": comm, "param_rebuild_s": rebuild, "peak_rss_bytes": peak_rss_bytes()}
+           "comm_s_per_step": comm, "param_rebuild_s": rebuild, "peak_rss_bytes": train_rss}
     (Path(a.out) / f"{a.layout}_rank{mesh.rank}.json").write_text(json.dumps(out))
 
 
@@ -295,7 +296,7 @@ def main() -> None:
         "note": (f"{cpus} cores: dp1 is one process with {cpus} threads; dp2/dp2zero/tp2 are 2 msrun workers sharing the same "
                  f"cores (OMP_NUM_THREADS={max(1, cpus // 2)} each), so the ideal speedup here is at most ~1x. "
                  "comm_s_per_step is timed alone after training (no overlap with compute); peak_rss_bytes is "
-                 "per process (max over ranks)."),
+                 "per process (max over ranks), VmHWM after the training steps (before the communication timing)."),
     }))
 
 

@@ -251,29 +251,47 @@ def load_checkpoint(ckpt: Path, tp: int = 1, tp_index: int = 0
     return shard(weights, tp, tp_index), shard(opt, tp, tp_index), state
 
 
+def _chunks(layout: dict) -> list[tuple[int, int]]:
+    """(parameter count, element count) of each chunk of a ZeRO-1 flat buffer (one chunk when unrecorded)."""
+    return [tuple(x) for x in layout.get("chunks") or [[len(layout["params"]), int(layout["numel"])]]]
+
+
 def unflatten_moments(shards: list[dict], layout: dict) -> dict:
-    """Full per-parameter moments (`adam_m.<name>`, `adam_v.<name>`) from the dp flat shards of a ZeRO-1 checkpoint."""
+    """Full per-parameter moments (`adam_m.<name>`, `adam_v.<name>`) from the dp flat shares of a ZeRO-1 checkpoint:
+    each chunk is the ranks' pieces of it in rank order, less its padding (tasks/training/optim.py ShardedAdamW)."""
+    dp = len(shards)
     out = {}
-    numel = int(layout["numel"])
     for key in ("adam_m", "adam_v"):
-        flat = np.concatenate([s[key] for s in shards])[:numel]
-        o = 0
-        for name, shape in layout["params"]:
-            n = int(np.prod(shape)) if shape else 1
-            out[f"{key}.{name}"] = flat[o:o + n].reshape(shape).copy()
-            o += n
+        pos, p = 0, 0
+        for count, numel in _chunks(layout):
+            piece = -(-numel // dp)
+            flat = np.concatenate([s[key][pos:pos + piece] for s in shards])[:numel]
+            pos += piece
+            o = 0
+            for name, shape in layout["params"][p:p + count]:
+                n = int(np.prod(shape)) if shape else 1
+                out[f"{key}.{name}"] = flat[o:o + n].reshape(shape).copy()
+                o += n
+            p += count
     return out
 
 
 def flatten_moments(opt: dict, layout: dict) -> list[dict]:
     """The inverse of `unflatten_moments`: per-parameter moments -> the dp zero-padded flat shares of `layout`."""
-    dp, size = int(layout["data_parallel"]), int(layout["shard_numel"])
+    dp = int(layout["data_parallel"])
     out = [{} for _ in range(dp)]
     for key in ("adam_m", "adam_v"):
-        flat = np.concatenate([opt[f"{key}.{name}"].reshape(-1) for name, _ in layout["params"]]).astype(np.float32)
-        flat = np.concatenate([flat, np.zeros(dp * size - flat.size, np.float32)])
-        for i in range(dp):
-            out[i][key] = flat[i * size:(i + 1) * size].copy()
+        pieces: list[list[np.ndarray]] = [[] for _ in range(dp)]
+        p = 0
+        for count, numel in _chunks(layout):
+            piece = -(-numel // dp)
+            flat = np.concatenate([opt[f"{key}.{name}"].reshape(-1) for name, _ in layout["params"][p:p + count]])
+            flat = np.concatenate([flat.astype(np.float32), np.zeros(dp * piece - numel, np.float32)])
+            for r in range(dp):
+                pieces[r].append(flat[r * piece:(r + 1) * piece])
+            p += count
+        for r in range(dp):
+            out[r][key] = np.concatenate(pieces[r])
     return out
 
 

@@ -112,24 +112,28 @@ class AdamW(nn.Cell):
 class ShardedAdamW(nn.Cell):
     """ZeRO-1: the AdamW of `AdamW`, with its state split over the `dp` data-parallel ranks.
 
-    The trainable parameters, flattened in order and zero-padded to a multiple of `dp`, form one
-    buffer of `dp × shard` elements; rank `dp_index` owns elements [dp_index·shard, (dp_index+1)·shard).
+    The trainable parameters, flattened in order, form one buffer cut into chunks of whole parameters
+    (~`chunk_elements` each), every chunk zero-padded to a multiple of `dp`; rank `dp_index` owns the
+    `dp_index`-th 1/dp of every chunk (`shard` elements in all, equal on every rank).
     It keeps the AdamW moments and an fp32 master copy of only that share, as one Parameter
     triple per parameter its share touches (a "segment"), and updates them with the same fused
     `AdamWeightDecay` kernel and the same scalars as `AdamW`, so each element sees exactly the
     arithmetic of the unsharded update. construct(grads, lr, step, grad_scale, allow) takes the
     full all-reduced gradients (ZeRO-1: the gradient reduction is the unsharded one), computes the
     global norm from all of them (clipping and the non-finite rule see what `AdamW` sees) and updates
-    its share. `rebuild()` (jit'd by `TrainStep` after every applied update) AllGathers the updated
-    shares over the world group (the data-parallel group, since tensor parallel is 1) and writes
-    the full parameters back, identical on every rank.
+    its share. `rebuild()` (called by `TrainStep` after every applied update) AllGathers the updated
+    shares chunk by chunk over the world group (the data-parallel group, since tensor parallel is 1)
+    and writes the full parameters back, identical on every rank. It runs eagerly, one chunk at a
+    time: compiled as one graph, or gathered in one piece, its buffers would be ~12 bytes per
+    parameter of extra peak memory (measured), more than the sharding saves.
 
     State per rank: 12 bytes per owned element (two moments + the master share) instead of
     8 bytes per parameter element.
     """
 
     def __init__(self, params: list[Parameter], *, beta1: float, beta2: float, eps: float,
-                 weight_decay: float, grad_clip: float | None, decay_mask: list[bool], dp: int, dp_index: int):
+                 weight_decay: float, grad_clip: float | None, decay_mask: list[bool], dp: int, dp_index: int,
+                 chunk_elements: int = 2**20):
         super().__init__()
         import numpy as np
 
@@ -141,23 +145,43 @@ class ShardedAdamW(nn.Cell):
         self.numel = int(sum(self.sizes))
         if self.numel < self.dp:
             raise ValueError(f"optimizer_shard: {self.numel} trainable elements cannot be split over {self.dp} ranks")
-        self.shard = -(-self.numel // self.dp)
-        lo, hi = self.dp_index * self.shard, min(self.numel, (self.dp_index + 1) * self.shard)
-        segs = []
-        for i, (o, n) in enumerate(zip(self.offsets, self.sizes)):
-            a, b = max(lo, o) - o, min(hi, o + n) - o
-            if a < b:
-                segs.append((i, a, b))
+        # chunks of whole parameters (~chunk_elements each, at least the largest parameter), each padded to a
+        # multiple of dp; rank r owns the r-th 1/dp of every chunk. The rebuild gathers one chunk at a time, so its
+        # transient buffers are bounded by a chunk, not the model (one chunk: the plain contiguous 1/dp split).
+        target = max(max(self.sizes), int(chunk_elements))
+        chunks, first, acc = [], 0, 0
+        for i, n in enumerate(self.sizes):
+            if acc and acc + n > target:
+                chunks.append((first, i, acc))
+                first, acc = i, 0
+            acc += n
+        chunks.append((first, len(self.sizes), acc))
+        self.chunks = tuple(chunks)
+        segs, pads = [], []
+        for first, end, numel in chunks:
+            piece = -(-numel // self.dp)
+            lo, hi = self.dp_index * piece, min(numel, (self.dp_index + 1) * piece)
+            covered = 0
+            for i in range(first, end):
+                o, n = self.offsets[i] - self.offsets[first], self.sizes[i]
+                a, b = max(lo, o) - o, min(hi, o + n) - o
+                if a < b:
+                    segs.append((i, a, b))
+                    covered += b - a
+            pads.append(piece - covered)
+        self.chunk_pads = tuple(pads)
+        self.shard = sum(-(-numel // self.dp) for _, _, numel in chunks)
         self.segments = tuple(segs)
-        self.pad = self.shard - sum(b - a for _, a, b in segs)
+        self.pad = sum(pads)
         self.names = tuple(p.name for p in params)
-        flat = [p.asnumpy().reshape(-1) for p in params]
-        self.master = ParameterTuple([Parameter(Tensor(flat[i][a:b].copy()), name=f"zero_master.{self.names[i]}",
-                                                requires_grad=False) for i, a, b in segs])
-        self.exp_avg = ParameterTuple([Parameter(Tensor(np.zeros(b - a, np.float32)), name=f"adam_m.{self.names[i]}",
-                                                 requires_grad=False) for i, a, b in segs])
-        self.exp_avg_sq = ParameterTuple([Parameter(Tensor(np.zeros(b - a, np.float32)), name=f"adam_v.{self.names[i]}",
-                                                    requires_grad=False) for i, a, b in segs])
+
+        def state(prefix: str) -> ParameterTuple:  # lazily zero-initialised (no host copy held, as `clone(init=)`)
+            from mindspore.common.initializer import initializer
+
+            return ParameterTuple([Parameter(initializer("zeros", (b - a,), ms.float32), name=f"{prefix}.{self.names[i]}",
+                                             requires_grad=False) for i, a, b in segs])
+
+        self.master, self.exp_avg, self.exp_avg_sq = state("zero_master"), state("adam_m"), state("adam_v")
         self.beta1, self.beta2, self.eps = beta1, beta2, eps
         self.seg_wd = tuple((weight_decay if decay_mask[i] else 0.0) for i, _, _ in segs)
         self.seg_param = tuple(i for i, _, _ in segs)
@@ -167,6 +191,8 @@ class ShardedAdamW(nn.Cell):
         self.clip = grad_clip if grad_clip is not None else 0.0
         self.n = len(params)
         self.adam = ops.AdamWeightDecay()
+        self._sync = None
+        self.sync_master()
 
     def construct(self, grads, lr: Tensor, step: Tensor, grad_scale: Tensor, allow: Tensor):
         sq = ops.stack([ops.sum(ops.square(g)) for g in grads])
@@ -195,17 +221,24 @@ class ShardedAdamW(nn.Cell):
 
         gather = ops.AllGather(group=GlobalComm.WORLD_COMM_GROUP)
         master, params = self.master, self.params
-        pad, offsets, sizes, shapes, n = self.pad, self.offsets, self.sizes, self.shapes, self.n
+        offsets, sizes, shapes = self.offsets, self.sizes, self.shapes
+        plan = []  # per chunk: (its first and end parameter, this rank's segment indices, its padding)
+        for c, (first, end, _) in enumerate(self.chunks):
+            plan.append((first, end, [j for j, (i, _, _) in enumerate(self.segments) if first <= i < end],
+                         self.chunk_pads[c]))
 
-        @ms.jit
-        def rebuild():
-            parts = [m * 1.0 for m in master]
-            if pad:
-                parts.append(ops.zeros((pad,), ms.float32))
-            flat = gather(ops.concat(parts))
-            for i in range(n):
-                ops.assign(params[i], ops.reshape(flat[offsets[i]:offsets[i] + sizes[i]], shapes[i]))
-            return flat[0:1]
+        def rebuild():  # eager, one chunk after another: each chunk's buffers are freed before the next
+            for first, end, mine, pad in plan:
+                parts = [master[j] for j in mine]
+                if pad:
+                    parts.append(ops.zeros((pad,), ms.float32))
+                flat = gather(ops.concat(parts) if len(parts) > 1 else parts[0] * 1.0)
+                base = offsets[first]
+                for i in range(first, end):
+                    o = offsets[i] - base
+                    ops.assign(params[i], ops.reshape(flat[o:o + sizes[i]], shapes[i]))
+                del flat, parts
+            return ops.zeros((1,), ms.float32)
 
         return rebuild
 
@@ -214,6 +247,7 @@ class ShardedAdamW(nn.Cell):
     def layout(self) -> dict:
         """What state.json's layout records so that any layout can rebuild the full moments."""
         return {"data_parallel": self.dp, "numel": self.numel, "shard_numel": self.shard,
+                "chunks": [[end - first, numel] for first, end, numel in self.chunks],
                 "params": [[name, list(shape)] for name, shape in zip(self.names, self.shapes)]}
 
     def shard_state(self) -> dict:
@@ -222,7 +256,10 @@ class ShardedAdamW(nn.Cell):
 
         out = {}
         for key, ps in (("adam_m", self.exp_avg), ("adam_v", self.exp_avg_sq)):
-            parts = [p.asnumpy().reshape(-1) for p in ps] + [np.zeros(self.pad, np.float32)]
+            parts = []
+            for c, (first, end, _) in enumerate(self.chunks):
+                parts += [ps[j].asnumpy().reshape(-1) for j, (i, _, _) in enumerate(self.segments) if first <= i < end]
+                parts.append(np.zeros(self.chunk_pads[c], np.float32))
             out[key] = np.concatenate(parts).astype(np.float32)
         return out
 
@@ -243,10 +280,19 @@ class ShardedAdamW(nn.Cell):
                 ps[j].set_data(Tensor(full.reshape(-1)[a:b].copy()))
 
     def sync_master(self) -> None:
-        """Copy this rank's share of the current parameters into the master share (after loading weights)."""
-        flat = {i: self.params[i].asnumpy().reshape(-1) for i in set(self.seg_param)}
-        for j, (i, a, b) in enumerate(self.segments):
-            self.master[j].set_data(Tensor(flat[i][a:b].copy()))
+        """Copy this rank's share of the current parameters into the master share (at construction and after
+        loading weights), in a compiled graph: no host copy of the share stays behind."""
+        if self._sync is None:
+            master, params, segs = self.master, self.params, self.segments
+
+            @ms.jit
+            def sync():
+                for j, (i, a, b) in enumerate(segs):
+                    ops.assign(master[j], ops.reshape(params[i], (-1,))[a:b])
+                return ops.zeros((1,), ms.float32)
+
+            self._sync = sync
+        self._sync().asnumpy()
 
 
 class UpdateGuard:
@@ -378,13 +424,13 @@ class TrainStep:
             inv_dp = 1.0 / dp
             inv_t = Tensor(inv_dp, ms.float32)
 
-            def reduce_grads(grads):
+            def reduce_grads(grads):  # last parameter first: the order in which backward produces the gradients
                 out, prev = [], None
-                for g in grads:
+                for g in grads[::-1]:
                     r = grad_sum(g if prev is None else ops.depend(g, prev))
                     prev = r
                     out.append(ops.tensor_mul(r, inv_t))
-                return tuple(out)
+                return tuple(out[::-1])
 
             def reduce_loss(loss):
                 return loss_sum(loss) * inv_dp
