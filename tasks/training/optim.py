@@ -191,7 +191,6 @@ class ShardedAdamW(nn.Cell):
         self.clip = grad_clip if grad_clip is not None else 0.0
         self.n = len(params)
         self.adam = ops.AdamWeightDecay()
-        self._sync = None
         self.sync_master()
 
     def construct(self, grads, lr: Tensor, step: Tensor, grad_scale: Tensor, allow: Tensor):
@@ -281,18 +280,11 @@ class ShardedAdamW(nn.Cell):
 
     def sync_master(self) -> None:
         """Copy this rank's share of the current parameters into the master share (at construction and after
-        loading weights), in a compiled graph: no host copy of the share stays behind."""
-        if self._sync is None:
-            master, params, segs = self.master, self.params, self.segments
-
-            @ms.jit
-            def sync():
-                for j, (i, a, b) in enumerate(segs):
-                    ops.assign(master[j], ops.reshape(params[i], (-1,))[a:b])
-                return ops.zeros((1,), ms.float32)
-
-            self._sync = sync
-        self._sync().asnumpy()
+        loading weights). Host-side on purpose: a compiled graph built before `assign(params, ...)` keeps
+        reading the parameters' old values (a resumed run then diverged at its first update)."""
+        flat = {i: self.params[i].asnumpy().reshape(-1) for i in set(self.seg_param)}
+        for j, (i, a, b) in enumerate(self.segments):
+            self.master[j].set_data(Tensor(flat[i][a:b].copy()))
 
 
 class UpdateGuard:
