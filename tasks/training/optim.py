@@ -194,7 +194,7 @@ class ShardedAdamW(nn.Cell):
         self.sync_master()
 
     def construct(self, grads, lr: Tensor, step: Tensor, grad_scale: Tensor, allow: Tensor):
-        sq = ops.stack([ops.sum(ops.square(g)) for g in grads])
+        sq = ops.stack([sum_sq(g) for g in grads])
         gnorm = ops.sqrt(ops.sum(sq)) / grad_scale  # the global norm, from the full gradients (as AdamW)
         finite = ops.isfinite(gnorm)
         coef = ops.ones((), ms.float32)
