@@ -169,6 +169,9 @@ class Generator:
         self._step = ms.jit(step)
         self._forward = ms.jit(forward)
         self._decoder = CachedDecoder(net, self.max_len) if CachedDecoder.supports(net) else None
+        # The decoder's caches are one set of Parameters: one sequence at a time may use them. Sequences
+        # interleaved with it (the server's engine runs several coroutines in turn) take the functional path.
+        self._decoder_busy = False
         if self._decoder is not None:
             decoder = self._decoder
 
@@ -223,13 +226,18 @@ class Generator:
         padded = min(-(-n // self.bucket) * self.bucket, self.max_len)
         x = np.zeros((1, padded), np.int32)
         x[0, :n] = ids
-        if self._decoder is not None:  # in-place caches; slots past the prompt are masked until written
-            zero = Tensor(0, ms.int32)
-            tok = yield self._decode(Tensor(x), zero, Tensor(n - 1, ms.int32)).asnumpy()[0]
-            pos = n
-            while True:
-                tok = yield self._decode(Tensor([[tok]], ms.int32), Tensor(pos, ms.int32), zero).asnumpy()[0]
-                pos += 1
+        if self._decoder is not None and not self._decoder_busy:
+            # in-place caches; slots past the prompt are masked until written
+            self._decoder_busy = True
+            try:
+                zero = Tensor(0, ms.int32)
+                tok = yield self._decode(Tensor(x), zero, Tensor(n - 1, ms.int32)).asnumpy()[0]
+                pos = n
+                while True:
+                    tok = yield self._decode(Tensor([[tok]], ms.int32), Tensor(pos, ms.int32), zero).asnumpy()[0]
+                    pos += 1
+            finally:  # close(), or the coroutine garbage-collected
+                self._decoder_busy = False
         k, v = self.net.init_cache(1, self.max_len)
         logits, k, v = self._step(Tensor(x), Tensor(0, ms.int32), ms.mutable(k), ms.mutable(v))
         pos = n

@@ -107,6 +107,23 @@ def test_fast_decoder_keeps_parameter_names_and_follows_weight_changes():
     assert after != before
 
 
+def test_interleaved_sequences_keep_their_own_caches(gen):
+    """The server decodes several sequences in turn on one Generator: each must see only its own cache."""
+    prompts = [ids(5, seed=8), ids(11, seed=9), ids(3, seed=10)]
+    alone = [gen.generate(p, 8) for p in prompts]
+    coros = [gen._cached_steps(p) for p in prompts]
+    logits = [next(c) for c in coros]
+    got = [[] for _ in prompts]
+    for _ in range(8):
+        for i, c in enumerate(coros):
+            got[i].append(int(np.argmax(logits[i])))
+            logits[i] = c.send(got[i][-1])
+    for c in coros:
+        c.close()
+    assert got == alone
+    assert not gen._decoder_busy  # released: the next generation takes the fast path again
+
+
 def test_sample_next_temperature_top_k_top_p():
     rng = np.random.default_rng(0)
     logits = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
