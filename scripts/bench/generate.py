@@ -142,7 +142,12 @@ def main() -> None:
 
     res: dict = {"bench": "generate", "preset": a.preset, "prompt_tokens": a.prompt_tokens, "new_tokens": a.new_tokens,
                  "batch": 1}
-    hf = None if a.no_hf else _run_hf(a, net, prompt)
+    import importlib.util
+
+    missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
+    if missing and not a.no_hf:
+        res["hf_skipped"] = f"{', '.join(missing)} not installed (the `reference` extra)"
+    hf = None if a.no_hf or missing else _run_hf(a, net, prompt)
     tokens = {}
     for name, cached in (("cached", True), ("uncached", False)):
         t0 = time.perf_counter()
