@@ -133,8 +133,9 @@ def supervise(stage: str, store: ArtifactStore, key: str, spec: dict[str, Any],
         hit = store.lookup(stage, key)
         if err is None and hit is not None:
             return hit
-        if _read_failure(run_dir).get("permanent"):
-            raise StageFailed(err or _read_failure(run_dir).get("error", f"{stage} failed"), permanent=True)
+        failure = _read_failure(run_dir)
+        if failure.get("permanent"):
+            raise StageFailed(err or failure.get("error", f"{stage} failed"), permanent=True)
         if attempt < retries:
             print(f"[{stage}] attempt {attempt + 1} failed; retrying from the last checkpoint", file=sys.stderr)
     raise StageFailed(err or f"the {stage} child exited without writing its artifact")

@@ -48,6 +48,32 @@ def sum_sq(g: Tensor) -> Tensor:
     return ops.sum(sq)
 
 
+def clip_coefficient(gnorm: Tensor, clip: float, grad_scale: Tensor) -> Tensor:
+    """The one factor each gradient is multiplied by: global-norm clipping (clip > 0) and the unscale by
+    grad_scale together (AdamW and ShardedAdamW share it, inside their compiled step)."""
+    coef = ops.ones((), ms.float32)
+    if clip > 0:
+        coef = ops.minimum(coef, clip / (gnorm + 1e-6))
+    return coef / grad_scale
+
+
+def folded_adam_scalars(lr: Tensor, step: Tensor, beta1: float, beta2: float, eps: float):
+    """torch's AdamW bias correction folded into the fused kernel's scalar inputs (exact algebra):
+
+    torch: p -= lr*wd*p; p -= lr * (m/bc1) / (sqrt(v/bc2) + eps)
+         = p - lr' * (m / (sqrt(v) + eps') + wd' * p)  with
+    lr' = lr*sqrt(bc2)/bc1, eps' = eps*sqrt(bc2), wd' = wd*bc1/sqrt(bc2) (the caller forms wd' per parameter).
+    Returns (bc1, sqrt(bc2), lr', eps', beta1, beta2) as tensors.
+    """
+    bc1 = 1.0 - ops.pow(beta1, step)
+    sbc2 = ops.sqrt(1.0 - ops.pow(beta2, step))
+    lr_f = lr * sbc2 / bc1
+    eps_f = eps * sbc2
+    b1 = ops.ones((), ms.float32) * beta1
+    b2 = ops.ones((), ms.float32) * beta2
+    return bc1, sbc2, lr_f, eps_f, b1, b2
+
+
 class AdamW(nn.Cell):
     """In-graph AdamW over `params`; construct(grads, lr, step, grad_scale) -> (grad_norm, finite).
 
@@ -88,19 +114,8 @@ class AdamW(nn.Cell):
             sq = ops.stack([sum_sq(g) for g in grads])
             gnorm = ops.sqrt(ops.sum(sq)) / grad_scale  # norm of the unscaled gradient
         finite = ops.isfinite(gnorm)
-        coef = ops.ones((), ms.float32)
-        if self.clip > 0:
-            coef = ops.minimum(coef, self.clip / (gnorm + 1e-6))
-        coef = coef / grad_scale  # one multiply per gradient: unscale and clip together
-        # torch AdamW: p -= lr*wd*p; p -= lr * (m/bc1) / (sqrt(v/bc2) + eps)
-        #   = p - lr' * (m / (sqrt(v) + eps') + wd' * p) with
-        #   lr' = lr*sqrt(bc2)/bc1, eps' = eps*sqrt(bc2), wd' = wd*bc1/sqrt(bc2)
-        bc1 = 1.0 - ops.pow(self.beta1, step)
-        sbc2 = ops.sqrt(1.0 - ops.pow(self.beta2, step))
-        lr_f = lr * sbc2 / bc1
-        eps_f = self.eps * sbc2
-        b1 = ops.ones((), ms.float32) * self.beta1
-        b2 = ops.ones((), ms.float32) * self.beta2
+        coef = clip_coefficient(gnorm, self.clip, grad_scale)
+        bc1, sbc2, lr_f, eps_f, b1, b2 = folded_adam_scalars(lr, step, self.beta1, self.beta2, self.eps)
         if ops.logical_and(finite, allow):  # a non-finite or refused step leaves parameters and moments untouched
             for i in range(self.n):
                 wd_f = self.wd[i] * bc1 / sbc2
@@ -197,16 +212,8 @@ class ShardedAdamW(nn.Cell):
         sq = ops.stack([sum_sq(g) for g in grads])
         gnorm = ops.sqrt(ops.sum(sq)) / grad_scale  # the global norm, from the full gradients (as AdamW)
         finite = ops.isfinite(gnorm)
-        coef = ops.ones((), ms.float32)
-        if self.clip > 0:
-            coef = ops.minimum(coef, self.clip / (gnorm + 1e-6))
-        coef = coef / grad_scale
-        bc1 = 1.0 - ops.pow(self.beta1, step)
-        sbc2 = ops.sqrt(1.0 - ops.pow(self.beta2, step))
-        lr_f = lr * sbc2 / bc1
-        eps_f = self.eps * sbc2
-        b1 = ops.ones((), ms.float32) * self.beta1
-        b2 = ops.ones((), ms.float32) * self.beta2
+        coef = clip_coefficient(gnorm, self.clip, grad_scale)
+        bc1, sbc2, lr_f, eps_f, b1, b2 = folded_adam_scalars(lr, step, self.beta1, self.beta2, self.eps)
         if ops.logical_and(finite, allow):
             for j in range(self.nseg):
                 wd_f = self.seg_wd[j] * bc1 / sbc2
