@@ -561,10 +561,9 @@ class _NoBar:
 def _progress(loop: LoopConfig, initial: int):
     if not loop.progress:
         return _NoBar()
-    from tqdm import tqdm
+    from tasks.runtime.progress import progress_bar
 
-    return tqdm(total=loop.max_steps, initial=initial, desc="train", unit="step", file=sys.stderr,
-                dynamic_ncols=True, mininterval=1.0)
+    return progress_bar(total=loop.max_steps, initial=initial, desc="train", unit="step", leave=True)
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:

@@ -35,10 +35,9 @@ class Plan:
 
 
 def _progress_bar(enabled: bool, desc: str, total: int | None = None):
-    from tqdm import tqdm
+    from tasks.runtime.progress import progress_bar
 
-    return tqdm(total=total, desc=desc, unit="doc", unit_scale=True, disable=not enabled, file=sys.stderr,
-                dynamic_ncols=True, mininterval=0.5)
+    return progress_bar(total=total, desc=desc, unit="doc", unit_scale=True, enabled=enabled)
 
 
 def _postfix(bar, nbytes: int, tokens: int | None = None) -> None:

@@ -29,7 +29,8 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 from lm_eval.api.model import TemplateLM
-from tqdm import tqdm
+
+from tasks.runtime.progress import progress_bar
 
 MODEL_NAME = "msllm"
 
@@ -59,7 +60,7 @@ class TokenScorer:
 
         order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
         out: list[Any] = [None] * len(rows)
-        bar = tqdm(total=len(rows), desc=desc, disable=not progress, leave=False)
+        bar = progress_bar(total=len(rows), desc=desc, enabled=progress)
         for start in range(0, len(order), self.batch_size):
             chunk = order[start:start + self.batch_size]
             longest = len(rows[chunk[0]][0])
@@ -232,7 +233,7 @@ class MindSporeLM(TemplateLM):
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         out = []
-        for req in tqdm(requests, desc="generate_until", disable=disable_tqdm or not self.progress, leave=False):
+        for req in progress_bar(requests, desc="generate_until", enabled=self.progress and not disable_tqdm):
             context, kwargs = req.args
             kwargs = dict(kwargs or {})
             until = kwargs.pop("until", None) or []
