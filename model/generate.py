@@ -23,6 +23,12 @@ see exactly the same context and produce the same tokens.
 
 from __future__ import annotations
 
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
@@ -149,10 +155,115 @@ class CachedDecoder(nn.Cell):
         return net.lm_head(x)
 
 
+KERNEL_SOURCE = Path(__file__).with_name("decode_kernel.cc")
+_KERNEL_FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC"]
+_built: dict[str, str | None] = {}
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def build_decode_kernel() -> str | None:
+    """Path of the compiled fused decode step (model/decode_kernel.cc), built once per source and CPU.
+
+    g++ -O3 -march=native -fopenmp into $MSLLM_KERNEL_CACHE (default ~/.cache/msllm/kernels), keyed by
+    a hash of the source, the flags and this CPU's feature flags; without OpenMP it builds single-threaded.
+    None when it cannot be used: no g++, a failed build, or MSLLM_FUSED_DECODE=0. Callers then decode
+    with `CachedDecoder` (MindSpore kernels), which gives the same tokens, slower.
+    """
+    if os.environ.get("MSLLM_FUSED_DECODE", "1") == "0":
+        return None
+    cxx = shutil.which(os.environ.get("CXX", "g++"))
+    if cxx is None or not KERNEL_SOURCE.is_file():
+        return None
+    src = KERNEL_SOURCE.read_bytes()
+    key = hashlib.sha256(src + " ".join([cxx] + _KERNEL_FLAGS).encode() + _cpu_flags().encode()).hexdigest()[:16]
+    if key in _built:
+        return _built[key]
+    cache = Path(os.environ.get("MSLLM_KERNEL_CACHE") or Path.home() / ".cache" / "msllm" / "kernels")
+    lib = cache / f"decode_kernel-{key}.so"
+    if not lib.is_file():
+        try:
+            cache.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+            os.close(fd)
+            ok = False
+            for extra in (["-fopenmp"], []):  # OpenMP if the compiler has it, else one thread
+                r = subprocess.run([cxx, *_KERNEL_FLAGS, *extra, str(KERNEL_SOURCE), "-o", tmp],
+                                   capture_output=True, timeout=300)
+                if r.returncode == 0:
+                    ok = True
+                    break
+            if ok:
+                os.replace(tmp, lib)  # atomic: concurrent builders never load a half-written file
+            else:
+                os.unlink(tmp)
+        except (OSError, subprocess.SubprocessError):
+            pass
+    _built[key] = str(lib) if lib.is_file() else None
+    return _built[key]
+
+
+def decode_threads() -> int:
+    """Threads of the fused decode step: $MSLLM_DECODE_THREADS, else the cores this process may use (at most 8)."""
+    env = os.environ.get("MSLLM_DECODE_THREADS")
+    if env:
+        return max(1, int(env))
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:
+        n = os.cpu_count() or 1
+    return max(1, min(n, 8))
+
+
+class FusedDecodeStep(nn.Cell):
+    """One decode token (batch 1, T = 1) of a `CachedDecoder` as ONE MindSpore custom op (model/decode_kernel.cc).
+
+    The op reads the net's own Parameters (nothing is copied, so weights updated in place reach the
+    next step, as on every jit path) and writes the token's K/V into the decoder's cache Parameters in
+    place; the prefill (T > 1) stays on `CachedDecoder`, which fills the same caches. `construct(token
+    [1, 1] int32, pos int32)` returns the logits [1, V] of position pos. One kernel per token instead
+    of ~280 MindSpore kernels, with AVX-512/AVX2 GEMVs over OpenMP threads.
+    """
+
+    def __init__(self, decoder: CachedDecoder, lib: str, threads: int):
+        super().__init__()
+        net = decoder.net
+        c = net.config
+        object.__setattr__(self, "net", net)
+        object.__setattr__(self, "decoder", decoder)
+        v = c.vocab_size
+        scale = net.layers[0].self_attn.scale
+        self.consts = Tensor(np.array([c.norm_eps, scale, threads], np.float32))
+        self.op = ops.Custom(f"{lib}:DecodeStep", out_shape=lambda *shapes: [1, v],
+                             out_dtype=lambda *dtypes: ms.float32, func_type="aot")
+
+    def construct(self, token: Tensor, pos: Tensor) -> Tensor:
+        net, dec = self.net, self.decoder
+        head = net.embed_tokens.weight if net.tie_embeddings else net.lm_head.weight
+        args = (token, pos, self.consts, net.embed_tokens.weight, net.norm.weight, head, net.rope_cos, net.rope_sin)
+        for layer in net.layers:
+            a, m = layer.self_attn, layer.mlp
+            args = args + (layer.input_layernorm.weight, a.q_proj.weight, a.k_proj.weight, a.v_proj.weight,
+                           a.o_proj.weight, layer.post_attention_layernorm.weight, m.gate_proj.weight,
+                           m.up_proj.weight, m.down_proj.weight)
+        for i in range(len(net.layers)):
+            args = args + (dec.k_cache[i],)
+        for i in range(len(net.layers)):
+            args = args + (dec.v_cache[i],)
+        return self.op(*args)
+
+
 class Generator:
     """Generation for one network; keeps its compiled prefill/decode steps across calls."""
 
-    def __init__(self, net, bucket: int = 32, max_len: int | None = None):
+    def __init__(self, net, bucket: int = 32, max_len: int | None = None, fused: bool = True,
+                 threads: int | None = None):
         self.net = net
         self.bucket = bucket
         self.max_len = max_len or net.config.max_seq_length  # cache slots S
@@ -179,6 +290,22 @@ class Generator:
                 return decoder(input_ids, start_pos, last)
 
             self._decode = ms.jit(decode)
+        # Decode tokens (T = 1) as one fused custom op when it builds here (see FusedDecodeStep); else, or
+        # with fused=False, on the decoder's MindSpore kernels. Both write the same caches.
+        self._fused = None
+        lib = build_decode_kernel() if fused and self._decoder is not None else None
+        if lib is not None:
+            fused_step = FusedDecodeStep(self._decoder, lib, threads or decode_threads())
+
+            def fused_decode(token, pos):
+                return fused_step(token, pos)
+
+            self._fused = ms.jit(fused_decode)
+
+    @property
+    def decode_path(self) -> str:
+        """Which kernels decode a sequence that gets the in-place caches: "fused", "decoder" or "functional"."""
+        return "fused" if self._fused is not None else "decoder" if self._decoder is not None else "functional"
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int = 64, *, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = 0,
@@ -234,7 +361,16 @@ class Generator:
                 tok = yield self._decode(Tensor(x), zero, Tensor(n - 1, ms.int32)).asnumpy()[0]
                 pos = n
                 while True:
-                    tok = yield self._decode(Tensor([[tok]], ms.int32), Tensor(pos, ms.int32), zero).asnumpy()[0]
+                    token, at = Tensor([[tok]], ms.int32), Tensor(pos, ms.int32)
+                    logits = None
+                    if self._fused is not None:
+                        try:
+                            logits = self._fused(token, at)
+                        except RuntimeError:  # the op failed to load or run (it checks its inputs before writing)
+                            self._fused = None
+                    if logits is None:
+                        logits = self._decode(token, at, zero)
+                    tok = yield logits.asnumpy()[0]
                     pos += 1
             finally:  # close(), or the coroutine garbage-collected
                 self._decoder_busy = False

@@ -8,7 +8,7 @@ import pytest
 from mindspore import Tensor
 
 from model.config import ModelConfig
-from model.generate import Generator, sample_next
+from model.generate import Generator, build_decode_kernel, sample_next
 from model.llama import LlamaForCausalLM
 
 
@@ -96,6 +96,7 @@ def test_fast_decoder_keeps_parameter_names_and_follows_weight_changes():
     names = [p.name for p in model.get_parameters()]
     g = Generator(model)
     assert g._decoder is not None  # fp32, plain projections: the fast path is the one under test
+    assert g.decode_path == ("fused" if build_decode_kernel() else "decoder")
     prompt = ids(6, seed=7)
     before = g.generate(prompt, 10)
     assert [p.name for p in model.get_parameters()] == names
@@ -105,6 +106,45 @@ def test_fast_decoder_keeps_parameter_names_and_follows_weight_changes():
     after = g.generate(prompt, 10)
     assert after == g.generate(prompt, 10, use_cache=False)
     assert after != before
+
+
+needs_kernel = pytest.mark.skipif(build_decode_kernel() is None, reason="the fused decode step did not build (no g++?)")
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", [
+    dict(init_std=0.3),                                                          # tiny: untied head, hd 16
+    dict(init_std=0.3, tie_embeddings=True),                                     # tied head
+    dict(init_std=0.3, hidden_size=48, num_heads=4, num_kv_heads=1, intermediate_size=100),  # hd 12: scalar tails
+])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_fused_decode_step_matches_the_decoder_and_the_full_forward(shape, threads):
+    """The one-op decode step (model/decode_kernel.cc): logits of every step equal the plain forward's, and
+    its greedy tokens equal the MindSpore-kernel decoder's and the uncached path's."""
+    model = LlamaForCausalLM(ModelConfig.from_name("tiny", **shape), seed=2)
+    model.set_train(False)
+    fused, plain = Generator(model, threads=threads), Generator(model, fused=False)
+    assert fused.decode_path == "fused" and plain.decode_path == "decoder"
+    prompt = ids(13, seed=11)
+    new = fused.generate(prompt, 30)
+    assert new == plain.generate(prompt, 30) == fused.generate(prompt, 30, use_cache=False)
+    full = model(Tensor(np.asarray([prompt + new], np.int32))).asnumpy()[0]
+    steps = fused._cached_steps(prompt)
+    got = [next(steps)] + [steps.send(t) for t in new[:-1]]
+    steps.close()
+    np.testing.assert_allclose(np.stack(got), full[len(prompt) - 1:-1], rtol=0, atol=1e-4 * np.abs(full).max())
+
+
+def test_without_a_compiler_generation_falls_back_to_the_decoder(net, monkeypatch):
+    monkeypatch.setenv("CXX", "/nonexistent/g++")
+    assert build_decode_kernel() is None
+    g = Generator(net)
+    assert g.decode_path == "decoder"
+    prompt = ids(7, seed=12)
+    assert g.generate(prompt, 12) == g.generate(prompt, 12, use_cache=False)
+    monkeypatch.delenv("CXX")
+    monkeypatch.setenv("MSLLM_FUSED_DECODE", "0")
+    assert Generator(net).decode_path == "decoder"
 
 
 def test_interleaved_sequences_keep_their_own_caches(gen):

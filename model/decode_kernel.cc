@@ -1,0 +1,216 @@
+// One LLaMA decode step (batch 1, one token) as a single MindSpore "aot" custom op on CPU.
+//
+// Built and loaded by model/generate.py (FusedDecodeStep): g++ -O3 -march=native -fopenmp -shared.
+// The step reads the net's own fp32 Parameters (no copies, so weights never go stale) and writes the
+// new token's K/V rows into the decoder's cache Parameters in place, then returns the logits [1, V].
+// Same math as CachedDecoder.construct with T = 1 (RMSNorm, rotate-half RoPE, scaled dot-product
+// attention over slots 0..pos, SwiGLU MLP, final norm, LM head); only the order of float sums differs.
+//
+// Inputs, in order (n = number of layers):
+//   0 token int32 [1, 1]      1 pos int32 []          2 consts float32 [3]: eps, attention scale, threads
+//   3 embed [V, H]            4 final norm [H]        5 lm head [V, H] (the embedding when tied)
+//   6 cos [S_rope, hd]        7 sin [S_rope, hd]
+//   8 + 9 * l + (0..8): input norm, q [nh*hd, H], k [nkv*hd, H], v [nkv*hd, H], o [H, nh*hd],
+//                       post norm, gate [F, H], up [F, H], down [H, F]
+//   8 + 9 * n + l: k cache [nkv, S, hd]       8 + 10 * n + l: v cache [nkv, S, hd]
+// Output: logits float32 [1, V].
+//
+// Parallel over rows of every projection (and over heads in attention) with OpenMP: one parallel
+// region per token, a barrier between dependent phases (4 per layer).
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace {
+
+inline void split(int64_t n, int t, int nt, int64_t *b, int64_t *e) {
+  int64_t chunk = n / nt, rem = n % nt;
+  *b = t * chunk + (t < rem ? t : rem);
+  *e = *b + chunk + (t < rem ? 1 : 0);
+}
+
+inline float dot(const float *a, const float *b, int64_t n) {
+  int64_t j = 0;
+  float s = 0.f;
+#if defined(__AVX512F__)
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+  for (; j + 32 <= n; j += 32) {
+    acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + j), _mm512_loadu_ps(b + j), acc0);
+    acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + j + 16), _mm512_loadu_ps(b + j + 16), acc1);
+  }
+  for (; j + 16 <= n; j += 16) acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + j), _mm512_loadu_ps(b + j), acc0);
+  s = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  for (; j + 16 <= n; j += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j + 8), _mm256_loadu_ps(b + j + 8), acc1);
+  }
+  alignas(32) float t[8];
+  _mm256_store_ps(t, _mm256_add_ps(acc0, acc1));
+  for (int i = 0; i < 8; ++i) s += t[i];
+#endif
+  for (; j < n; ++j) s += a[j] * b[j];
+  return s;
+}
+
+// y[r] (+)= W[r, :] . x for r in [r0, r1); W row-major [rows, n]. Four rows at a time share each load of x.
+inline void gemv_rows(const float *W, const float *x, float *y, int64_t n, int64_t r0, int64_t r1, bool accumulate) {
+  int64_t r = r0;
+#if defined(__AVX512F__)
+  if (n % 16 == 0) {
+    for (; r + 4 <= r1; r += 4) {
+      const float *w0 = W + r * n, *w1 = w0 + n, *w2 = w1 + n, *w3 = w2 + n;
+      __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+      for (int64_t j = 0; j < n; j += 16) {
+        __m512 xv = _mm512_loadu_ps(x + j);
+        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(w0 + j), xv, a0);
+        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(w1 + j), xv, a1);
+        a2 = _mm512_fmadd_ps(_mm512_loadu_ps(w2 + j), xv, a2);
+        a3 = _mm512_fmadd_ps(_mm512_loadu_ps(w3 + j), xv, a3);
+      }
+      float s0 = _mm512_reduce_add_ps(a0), s1 = _mm512_reduce_add_ps(a1);
+      float s2 = _mm512_reduce_add_ps(a2), s3 = _mm512_reduce_add_ps(a3);
+      if (accumulate) {
+        y[r] += s0; y[r + 1] += s1; y[r + 2] += s2; y[r + 3] += s3;
+      } else {
+        y[r] = s0; y[r + 1] = s1; y[r + 2] = s2; y[r + 3] = s3;
+      }
+    }
+  }
+#endif
+  for (; r < r1; ++r) {
+    float s = dot(W + r * n, x, n);
+    y[r] = accumulate ? y[r] + s : s;
+  }
+}
+
+inline void rms_norm(const float *x, const float *w, float *out, int64_t n, float eps) {
+  float ss = dot(x, x, n);
+  float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) out[i] = x[i] * inv * w[i];
+}
+
+// rotate-half RoPE of one head in place: x * cos + rotate_half(x) * sin, then * scale
+inline void rope(float *x, const float *cos, const float *sin, int64_t hd, float scale) {
+  int64_t half = hd / 2;
+  float tmp[1024];
+  for (int64_t i = 0; i < hd; ++i) {
+    float rot = i < half ? -x[i + half] : x[i - half];
+    tmp[i] = (x[i] * cos[i] + rot * sin[i]) * scale;
+  }
+  std::memcpy(x, tmp, hd * sizeof(float));
+}
+
+}  // namespace
+
+extern "C" int DecodeStep(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
+                          void *extra) {
+  (void)dtypes; (void)stream; (void)extra; (void)ndims;
+  const int n_layers = (nparam - 9) / 11;
+  if (n_layers < 1 || 9 + 11 * n_layers != nparam) return 1;
+  const int32_t tok = *static_cast<const int32_t *>(params[0]);
+  const int64_t pos = *static_cast<const int32_t *>(params[1]);
+  const float *consts = static_cast<const float *>(params[2]);
+  const float eps = consts[0], scale = consts[1];
+  const int threads = consts[2] >= 1.f ? static_cast<int>(consts[2]) : 1;
+  const float *embed = static_cast<const float *>(params[3]);
+  const float *final_norm = static_cast<const float *>(params[4]);
+  const float *head = static_cast<const float *>(params[5]);
+  const float *cos_t = static_cast<const float *>(params[6]);
+  const float *sin_t = static_cast<const float *>(params[7]);
+  const int64_t V = shapes[3][0], H = shapes[3][1], hd = shapes[6][1], S_rope = shapes[6][0];
+  const int64_t qdim = shapes[9][0], kvdim = shapes[10][0], F = shapes[14][0];
+  const int64_t nh = qdim / hd, nkv = kvdim / hd, n_rep = nh / nkv;
+  const int64_t S = shapes[8 + 9 * n_layers][1];
+  float *logits = static_cast<float *>(params[nparam - 1]);
+  if (tok < 0 || tok >= V || pos < 0 || pos >= S || pos >= S_rope || hd > 1024 || hd % 2) return 2;
+  const float *cos_p = cos_t + pos * hd, *sin_p = sin_t + pos * hd;
+
+  std::vector<float> x(embed + tok * H, embed + (tok + 1) * H);
+  std::vector<float> q(qdim), kv(2 * kvdim), attn(qdim), act(F), up(F), hn(H * threads), scores(S * threads);
+
+#pragma omp parallel num_threads(threads)
+  {
+#ifdef _OPENMP
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+#else
+    const int t = 0, nt = 1;
+#endif
+    float *h = hn.data() + H * t;       // this thread's copy of the normed activations
+    float *sc = scores.data() + S * t;  // this thread's attention scores
+    int64_t b, e;
+    for (int l = 0; l < n_layers; ++l) {
+      const float *const *w = reinterpret_cast<const float *const *>(params + 8 + 9 * l);
+      float *kc = static_cast<float *>(params[8 + 9 * n_layers + l]);
+      float *vc = static_cast<float *>(params[8 + 10 * n_layers + l]);
+      rms_norm(x.data(), w[0], h, H, eps);
+      // q | k | v rows, one range per thread over the three matrices
+      split(qdim + 2 * kvdim, t, nt, &b, &e);
+      if (b < qdim) gemv_rows(w[1], h, q.data(), H, b, e < qdim ? e : qdim, false);
+      if (e > qdim && b < qdim + kvdim)
+        gemv_rows(w[2], h, kv.data(), H, (b > qdim ? b : qdim) - qdim, (e < qdim + kvdim ? e : qdim + kvdim) - qdim, false);
+      if (e > qdim + kvdim)
+        gemv_rows(w[3], h, kv.data() + kvdim, H, (b > qdim + kvdim ? b : qdim + kvdim) - qdim - kvdim, e - qdim - kvdim, false);
+#pragma omp barrier
+      // RoPE and the cache write: kv heads split over threads; then attention, q heads split over threads
+      split(nkv, t, nt, &b, &e);
+      for (int64_t g = b; g < e; ++g) {
+        rope(kv.data() + g * hd, cos_p, sin_p, hd, 1.0f);
+        std::memcpy(kc + (g * S + pos) * hd, kv.data() + g * hd, hd * sizeof(float));
+        std::memcpy(vc + (g * S + pos) * hd, kv.data() + kvdim + g * hd, hd * sizeof(float));
+      }
+#pragma omp barrier
+      split(nh, t, nt, &b, &e);
+      for (int64_t hh = b; hh < e; ++hh) {
+        float *qh = q.data() + hh * hd;
+        rope(qh, cos_p, sin_p, hd, scale);
+        const int64_t g = hh / n_rep;
+        const float *K = kc + g * S * hd, *Vc = vc + g * S * hd;
+        float mx = -INFINITY;
+        for (int64_t j = 0; j <= pos; ++j) {
+          sc[j] = dot(qh, K + j * hd, hd);
+          mx = sc[j] > mx ? sc[j] : mx;
+        }
+        float sum = 0.f;
+        for (int64_t j = 0; j <= pos; ++j) {
+          sc[j] = std::exp(sc[j] - mx);
+          sum += sc[j];
+        }
+        const float inv = 1.0f / sum;
+        float *out = attn.data() + hh * hd;
+        for (int64_t i = 0; i < hd; ++i) out[i] = 0.f;
+        for (int64_t j = 0; j <= pos; ++j) {
+          const float p = sc[j] * inv;
+          const float *vr = Vc + j * hd;
+          for (int64_t i = 0; i < hd; ++i) out[i] += p * vr[i];
+        }
+      }
+#pragma omp barrier
+      split(H, t, nt, &b, &e);
+      gemv_rows(w[4], attn.data(), x.data(), qdim, b, e, true);  // x += o(attn), rows of x split
+#pragma omp barrier
+      rms_norm(x.data(), w[5], h, H, eps);
+      split(F, t, nt, &b, &e);
+      gemv_rows(w[6], h, act.data(), H, b, e, false);  // gate
+      gemv_rows(w[7], h, up.data(), H, b, e, false);   // up
+      for (int64_t r = b; r < e; ++r) act[r] = act[r] / (1.0f + std::exp(-act[r])) * up[r];  // silu(gate) * up
+#pragma omp barrier
+      split(H, t, nt, &b, &e);
+      gemv_rows(w[8], act.data(), x.data(), F, b, e, true);  // x += down(act)
+#pragma omp barrier
+    }
+    rms_norm(x.data(), final_norm, h, H, eps);
+    split(V, t, nt, &b, &e);
+    gemv_rows(head, h, logits, H, b, e, false);
+  }
+  return 0;
+}
