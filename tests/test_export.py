@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tasks.deploy.model_card import model_card, read_eval
 from tasks.stages import export
 from tasks.store.artifacts import ArtifactError, ArtifactStore
 from tasks.config import ConfigError, resolve_pipeline
@@ -293,14 +294,14 @@ def test_eval_results_reach_the_model_card(env, tmp_path):
 
     ver = env["manifest"]["verification"]
     lineage = {"text": "pretrain/abc", "raw": [{"path": "/data/corpus.txt", "size": 10, "sha256": "ab" * 32}]}
-    card = export.model_card(info=json.loads((model / "model.json").read_text()), parameters=123, pipeline="tiny",
+    card = model_card(info=json.loads((model / "model.json").read_text()), parameters=123, pipeline="tiny",
                              model_ref=store.input_ref(model), verification=ver, lineage=lineage,
-                             evaluation=export._read_eval(b.path), artifact_path=env["path"])
+                             evaluation=read_eval(b.path), artifact_path=env["path"])
     assert "| held-out | 1000 | 12.5 | 0.9 |" in card
     assert "| local_arc_easy | acc | 0.25 | 0.04 |" in card and "| local_arc_easy | acc_norm | 0.3 | – |" in card
     assert "| /data/corpus.txt | 10 | `" + "ab" * 32 + "` |" in card
     (tmp_path / "results.json").write_text("{not json")
-    assert "unreadable" in export._read_eval(tmp_path)["error"]
+    assert "unreadable" in read_eval(tmp_path)["error"]
 
 
 @pytest.mark.slow
@@ -318,7 +319,7 @@ def test_onnxruntime_genai_greedy_matches_mindspore(env):
 import contextlib, io, json, sys
 sys.path.insert(0, {str(REPO)!r})
 import onnxruntime_genai as og
-from tasks.stages.export import genai_generate
+from tasks.deploy.checks import genai_generate
 ART = {str(env["path"])!r}
 out = io.StringIO()
 with contextlib.redirect_stdout(out):

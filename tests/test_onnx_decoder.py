@@ -171,7 +171,7 @@ def test_not_a_cache_decoder_is_a_clear_error(tmp_path):
 
 
 def test_int8_variant_is_smaller_and_close(tiny, tmp_path):
-    from tasks.stages.export import export_int8
+    from tasks.deploy.formats import export_int8
 
     export_int8(tiny["path"], tmp_path / "model.int8.onnx")
     m = onnx.load(str(tmp_path / "model.int8.onnx"))
@@ -233,7 +233,7 @@ def test_a_unigram_tokenizer_gets_no_tokenizer_files(tmp_path):
     runs from token ids: genai_config.json is written)."""
     import sentencepiece as spm
 
-    from tasks.stages.export import write_genai_files
+    from tasks.deploy.formats import write_genai_files
 
     lines = [ln for ln in SHAKESPEARE.read_text(encoding="utf-8")[:100_000].splitlines() if ln.strip()]
     buf = io.BytesIO()

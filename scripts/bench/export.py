@@ -1,8 +1,8 @@
 """Decode speed of the exported model, side by side: MindSpore vs onnxruntime (fp32, int8) vs onnxruntime-genai, all with a KV cache.
 
 A random-init model of `--preset` (default `small`, the demo's shape) is exported the way the
-export stage does it (tasks/deploy/onnx_decoder.py from the weights; `tasks.stages.export.export_int8`;
-genai_config.json as `tasks.stages.export.write_genai_files` writes it), then each runtime greedy-generates
+export stage does it (tasks/deploy/onnx_decoder.py from the weights; `tasks.deploy.formats.export_int8`;
+genai_config.json as `tasks.deploy.formats.write_genai_files` writes it), then each runtime greedy-generates
 `--new-tokens` (default 256) after a `--prompt-tokens` (default 16) prompt, batch 1:
 
   - MindSpore: `model.generate.Generator` (jit prefill + jit KV-cache decode step, compiled first);
@@ -72,7 +72,8 @@ def main() -> None:
     from model.config import ModelConfig
     from model.generate import Generator
     from model.llama import LlamaForCausalLM
-    from tasks.stages.export import export_int8, genai_generate
+    from tasks.deploy.checks import genai_generate
+    from tasks.deploy.formats import export_int8
     from tasks.deploy.onnx_decoder import build_decoder, save_model
     from tasks.deploy.onnx_generate import OnnxGenerator
 

@@ -1,0 +1,159 @@
+"""MODEL_CARD.md of an export artifact: what the model is, where it came from, how it scores, how it was checked.
+
+    card = model_card(info=..., parameters=..., model_ref=..., pipeline=..., verification=...,
+                      lineage=..., evaluation=read_eval(eval_artifact) or None, artifact_path=...)
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+from pathlib import Path
+from typing import Any
+
+
+def read_eval(eval_art: Path) -> dict[str, Any]:
+    """What an eval artifact reports, read defensively (missing or odd pieces are skipped)."""
+    out: dict[str, Any] = {"ref": f"{eval_art.parent.name}/{eval_art.name}", "perplexity": {}, "tasks": []}
+    try:
+        res = json.loads((eval_art / "results.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        out["error"] = f"results.json unreadable ({exc})"
+        return out
+    ppl = res.get("perplexity") if isinstance(res, dict) else None
+    for name, row in (ppl.items() if isinstance(ppl, dict) else []):
+        if isinstance(row, dict):
+            out["perplexity"][str(name)] = {k: row.get(k) for k in ("tokens", "perplexity", "bits_per_byte")}
+    results = res.get("results") if isinstance(res, dict) else None
+    for task, r in (results.items() if isinstance(results, dict) else []):
+        for metric, v in (r.items() if isinstance(r, dict) else []):
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and "_stderr" not in metric:
+                err = r.get(metric.replace(",", "_stderr,", 1)) if "," in metric else None
+                out["tasks"].append({"task": str(task), "metric": metric.split(",")[0], "value": float(v),
+                                     "stderr": float(err) if isinstance(err, (int, float)) else None})
+    return out
+
+
+def _cell(text: str) -> str:
+    """Text as a markdown table cell: quoted, pipes escaped, on one line."""
+    return repr(text).replace("|", "\\|")
+
+
+def _num(v: Any) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def model_card(*, info: dict[str, Any], parameters: int, model_ref: dict[str, Any], pipeline: str,
+               verification: dict[str, Any], lineage: dict[str, Any], evaluation: dict[str, Any] | None,
+               artifact_path: Path) -> str:
+    """MODEL_CARD.md: what the model is, where it came from, how it scores, how it was checked, how to run it."""
+    from tasks.deploy.onnx_generate import GENAI_SNIPPET, SNIPPET
+
+    v = verification
+    mc, tok = info.get("model", {}), info.get("tokenizer", {})
+    lines = [f"# Model card: {info.get('name', 'llama')} from {model_ref['stage']}/{model_ref['key']}", "",
+             f"Exported by the `export` stage of pipeline `{pipeline}` on "
+             f"{_dt.datetime.now(_dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}.", "",
+             "## Model", "", "| | |", "|---|---|",
+             f"| parameters | {parameters / 1e6:.2f}M ({parameters:,}) |",
+             f"| trained sequence length | {_num(info.get('seq_length'))} |"]
+    lines += [f"| {k} | {_num(val)} |" for k, val in mc.items()]
+    lines += [f"| tokenizer | SentencePiece, {_num(tok.get('vocab_size'))} pieces; bos {_num(tok.get('bos_id'))}, "
+              f"eos {_num(tok.get('eos_id'))}, pad {_num(tok.get('pad_id'))} |", ""]
+
+    shapes = v.get("shapes", {})
+    onnx, int8, genai = "onnx" in shapes, v.get("int8"), v.get("genai") or {}
+    lines += ["## Files", "", "| file | what it is for |", "|---|---|"]
+    if "mindir" in shapes:
+        lines.append("| model.mindir | MindSpore's own format: `input_ids` int32 [batch, seq] (dynamic) → logits float32 "
+                     "[batch, seq, vocab], a full forward; `mindspore.load` + `nn.GraphCell` |")
+    if onnx:
+        lines += [f"| model.onnx | ONNX decoder with a KV cache (opset {v.get('onnx_opset')}): `input_ids`, "
+                  "`attention_mask`, `position_ids`, `past_key_values.{i}.key/value` → `logits`, "
+                  "`present.{i}.key/value`; batch, sequence and past dynamic. onnxruntime, onnxruntime-genai |"]
+        if int8:
+            lines.append(f"| model.int8.onnx | the same decoder with int8 weights (dynamic quantization): "
+                         f"{int8['size_ratio']:.2f}× the size |")
+        lines += ["| genai_config.json | onnxruntime-genai's description of model.onnx (decoder type llama) |",
+                  "| tokenizer.json, tokenizer_config.json | tokenizer.model as a Hugging Face BPE tokenizer, for "
+                  "onnxruntime-genai (which does not read SentencePiece models) |"]
+    lines += ["| tokenizer.model | the SentencePiece model |", "| model.json | architecture and tokenizer ids |",
+              "| export.json | names, shapes, prompt format, verification |"]
+    if onnx:
+        lines.append("| onnx_generate.py | KV-cache generation with onnxruntime only: "
+                     "`python onnx_generate.py . \"ROMEO:\"` |")
+    lines.append("")
+
+    lines += ["## Verification", "", f"Against the MindSpore network on {len(v['prompts'])} fixed prompts "
+              f"({', '.join(repr(p) for p in v['prompts'])}), encoded as {v['prompt_format']}.", "",
+              "| check | result |", "|---|---|"]
+    if "mindir" in shapes:
+        lines.append(f"| MindIR max abs logit diff | {_num(v['mindir_max_abs_diff'])} at shapes "
+                     f"{', '.join(str(list(s)) for s in shapes['mindir']['checked'])} |")
+    if onnx:
+        lines += [f"| onnxruntime: {c['check']} (batch {c['batch']}, sequence {c['sequence']}, past {c['past']}) | "
+                  f"max abs logit diff {_num(c['max_abs_diff'])} |" for c in v.get("onnx_checks", [])]
+        n_ok = sum(g["mindspore"] == g["onnxruntime"] for g in v.get("greedy", []))
+        lines += [f"| onnx.checker (full check) | {v.get('onnx_checker')} |",
+                  f"| greedy tokens, onnxruntime (KV cache) == MindSpore | {n_ok}/{len(v.get('greedy', []))} prompts, "
+                  f"up to {v['max_new_tokens']} new tokens |"]
+        if genai:
+            n_ok = sum(g["mindspore"] == g.get("onnxruntime_genai") for g in v.get("greedy", []))
+            lines += [f"| greedy tokens, onnxruntime-genai {genai.get('version')} == MindSpore | "
+                      f"{n_ok}/{len(v.get('greedy', []))} prompts |",
+                      "| tokenizer.json ids == SentencePiece (onnxruntime-genai's tokenizer) | "
+                      + (f"{genai['tokenizer_ids_match']} on {genai['tokenizer_texts']} texts, "
+                         f"{genai['tokenizer_tokens']} tokens |" if genai.get("tokenizer_ids_match") is not None
+                         else f"{genai.get('tokenizer_files')} |")]
+        if int8:
+            lines += [f"| int8: max abs logit diff vs MindSpore | {_num(int8['max_abs_diff'])} |",
+                      f"| int8: greedy tokens == MindSpore | {int8['greedy_tokens_match']} |",
+                      f"| int8: perplexity vs fp32 | {_num(int8['perplexity'])} vs {_num(int8['fp32_perplexity'])} "
+                      f"({int8['perplexity_change_pct']:+.2f}%) on {int8['perplexity_source']} |",
+                      f"| int8: decode tokens/s vs fp32 (onnxruntime, this machine, at export) | "
+                      f"{_num(int8['decode_tokens_per_s'])} vs {_num(int8['fp32_decode_tokens_per_s'])} |",
+                      f"| int8: size | {int8['bytes'] / 1e6:.1f} MB vs {int8['fp32_bytes'] / 1e6:.1f} MB |"]
+    lines += [f"| tolerance (export.atol) | {v['atol']:g} |", ""]
+    if v.get("greedy"):
+        lines += ["| prompt | greedy completion (onnxruntime) |", "|---|---|"]
+        lines += [f"| {_cell(g['prompt'])} | {_cell(g['completion'])} |" for g in v["greedy"]]
+        lines.append("")
+
+    if evaluation is not None:
+        lines += ["## Evaluation", "", f"From `{evaluation['ref']}`.", ""]
+        if evaluation.get("error"):
+            lines += [evaluation["error"], ""]
+        if evaluation.get("perplexity"):
+            lines += ["| set | tokens | perplexity | bits/byte |", "|---|---:|---:|---:|"]
+            lines += [f"| {n} | {_num(r['tokens'])} | {_num(r['perplexity'])} | {_num(r['bits_per_byte'])} |"
+                      for n, r in evaluation["perplexity"].items()]
+            lines.append("")
+        if evaluation.get("tasks"):
+            lines += ["| task | metric | value | ± |", "|---|---|---:|---:|"]
+            lines += [f"| {r['task']} | {r['metric']} | {_num(r['value'])} | {_num(r['stderr'])} |"
+                      for r in evaluation["tasks"]]
+            lines.append("")
+        if not evaluation.get("perplexity") and not evaluation.get("tasks") and not evaluation.get("error"):
+            lines += ["(no perplexity or task results in this eval artifact)", ""]
+
+    lines += ["## Lineage", "", "```text", lineage["text"], "```", ""]
+    if lineage.get("raw"):
+        lines += ["| raw input | bytes | sha256 |", "|---|---:|---|"]
+        lines += [f"| {r.get('path')} | {_num(r.get('size'))} | `{r.get('sha256')}` |" for r in lineage["raw"]]
+        lines.append("")
+
+    if onnx:
+        lines += ["## Generate with onnxruntime only", "",
+                  "numpy, onnxruntime and sentencepiece; no MindSpore. The prompt is run once (prefill), then each "
+                  "new token is one call that feeds the previous call's `present` back as `past`.",
+                  "", "```python", f'ART = "{artifact_path}"', SNIPPET.rstrip(), "```", "",
+                  "## Generate with onnxruntime-genai", "", "```python", f'ART = "{artifact_path}"',
+                  GENAI_SNIPPET.rstrip(), "```", ""]
+        if genai.get("text_prefix"):
+            lines += ["This tokenizer adds SentencePiece's dummy prefix (a space before the text), which "
+                      "onnxruntime-genai's tokenizer does not: encode `\" \" + text` to get the same ids.", ""]
+    return "\n".join(lines)
