@@ -317,45 +317,26 @@ class LoopState:
                    overflows=state.get("overflow_steps", 0), skipped_at_save=skipped)
 
 
-def fit(net, params, loss_fn, loop: LoopConfig, *, batches: Batches, valid: Callable[[], Iterator] | None,
-        run_dir: Path, meta: dict[str, Any], flops_per_token: float, tokens_per_sample: int, mesh=None) -> FitResult:
-    """Train; with a distributed `mesh` (tasks/runtime/distributed.py) every rank calls this with its own slice of the
-    model and `batches` yielding its own data shard; rank 0 writes the metrics, replica 0 the checkpoints.
+def _optimizer(params, loop: LoopConfig, mesh):
+    """AdamW over `params`, or under parallel.optimizer_shard (ZeRO-1) ShardedAdamW, each rank keeping the moments
+    of its 1/dp share."""
+    from tasks.training.optim import AdamW, ShardedAdamW, decays
 
-    Raises NonFiniteError when the run cannot produce a trustworthy model: `max_nonfinite_steps` non-finite
-    steps in a row (the message names the newest *good* checkpoint), no update applied at all, or a
-    non-finite final validation loss. Nothing is published in those cases (the caller publishes after fit).
-    """
-    import mindspore as ms
-
-    from tasks.runtime.distributed import Mesh
-    from tasks.training.optim import AdamW, DynamicLossScale, ShardedAdamW, TrainStep, UpdateGuard, decays, lr_at
-
-    mesh = mesh or Mesh()
-    lead = mesh.rank == 0
-    # ---- setup
-    run_dir.mkdir(parents=True, exist_ok=True)
-    ckpt_root = run_dir / "checkpoints"
     decay_mask = [decays(p.name, decay_norms_and_biases=loop.decay_norms_and_biases,
                          decay_embeddings=loop.decay_embeddings) for p in params]
-    if mesh.zero:  # parallel.optimizer_shard: each rank keeps the moments of its 1/dp share (ZeRO-1)
-        optimizer = ShardedAdamW(params, beta1=loop.beta1, beta2=loop.beta2, eps=loop.eps,
-                                 weight_decay=loop.weight_decay, grad_clip=loop.grad_clip, decay_mask=decay_mask,
-                                 dp=mesh.dp, dp_index=mesh.dp_index)
-    else:
-        optimizer = AdamW(
-            params, beta1=loop.beta1, beta2=loop.beta2, eps=loop.eps, weight_decay=loop.weight_decay,
-            grad_clip=loop.grad_clip, decay_mask=decay_mask, sharded=mesh.sharded(params), tp_group=mesh.tp_group,
-        )
-    step_fn = TrainStep(loss_fn, params, optimizer, accumulation=loop.gradient_accumulation,
-                        dp_group=mesh.dp_group, dp=mesh.dp)
-    fp16 = loop.precision == "fp16"
-    scaler = DynamicLossScale(loop.loss_scale if fp16 else 1.0, window=loop.loss_scale_window, dynamic=fp16)
-    eval_fn = ms.jit(loss_fn)
-    opt_params = list(optimizer.exp_avg) + list(optimizer.exp_avg_sq)
-    metrics_path = run_dir / "metrics.jsonl"
+    if mesh.zero:
+        return ShardedAdamW(params, beta1=loop.beta1, beta2=loop.beta2, eps=loop.eps, weight_decay=loop.weight_decay,
+                            grad_clip=loop.grad_clip, decay_mask=decay_mask, dp=mesh.dp, dp_index=mesh.dp_index)
+    return AdamW(params, beta1=loop.beta1, beta2=loop.beta2, eps=loop.eps, weight_decay=loop.weight_decay,
+                 grad_clip=loop.grad_clip, decay_mask=decay_mask, sharded=mesh.sharded(params), tp_group=mesh.tp_group)
 
-    # ---- resume (the mirror image of the save at the bottom of the loop)
+
+def _resume(loop: LoopConfig, mesh, ckpt_root: Path, params, optimizer, opt_params, scaler, meta: dict[str, Any],
+            metrics_path: Path) -> tuple[LoopState, list[dict[str, Any]]]:
+    """Where training starts: the newest good checkpoint of this run (pretrain.resume), else
+    checkpoint.load_checkpoint, else step 0. Loads weights, moments (this rank's share under ZeRO-1), the
+    loss scale and the counters into place, and returns the counters with the metrics history up to them."""
+    fp16 = loop.precision == "fp16"
     st, history = LoopState(), []
     latest = newest_checkpoint(ckpt_root, good_only=True) if loop.resume else None
     if latest is None and loop.load_checkpoint:
@@ -383,6 +364,39 @@ def fit(net, params, loss_fn, loop: LoopConfig, *, batches: Batches, valid: Call
               f"{st.consumed} samples consumed (saved by dp={saved.get('data_parallel', 1)} "
               f"tp={saved.get('tensor_parallel', 1)}{', optimizer sharded' if 'optimizer_shard' in saved else ''}, "
               f"now dp={mesh.dp} tp={mesh.tp}{', optimizer sharded' if mesh.zero else ''})", file=sys.stderr)
+    return st, history
+
+
+def fit(net, params, loss_fn, loop: LoopConfig, *, batches: Batches, valid: Callable[[], Iterator] | None,
+        run_dir: Path, meta: dict[str, Any], flops_per_token: float, tokens_per_sample: int, mesh=None) -> FitResult:
+    """Train; with a distributed `mesh` (tasks/runtime/distributed.py) every rank calls this with its own slice of the
+    model and `batches` yielding its own data shard; rank 0 writes the metrics, replica 0 the checkpoints.
+
+    Raises NonFiniteError when the run cannot produce a trustworthy model: `max_nonfinite_steps` non-finite
+    steps in a row (the message names the newest *good* checkpoint), no update applied at all, or a
+    non-finite final validation loss. Nothing is published in those cases (the caller publishes after fit).
+    """
+    import mindspore as ms
+
+    from tasks.runtime.distributed import Mesh
+    from tasks.training.optim import DynamicLossScale, TrainStep, UpdateGuard, lr_at
+
+    mesh = mesh or Mesh()
+    lead = mesh.rank == 0
+    # ---- setup
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ckpt_root = run_dir / "checkpoints"
+    optimizer = _optimizer(params, loop, mesh)
+    step_fn = TrainStep(loss_fn, params, optimizer, accumulation=loop.gradient_accumulation,
+                        dp_group=mesh.dp_group, dp=mesh.dp)
+    fp16 = loop.precision == "fp16"
+    scaler = DynamicLossScale(loop.loss_scale if fp16 else 1.0, window=loop.loss_scale_window, dynamic=fp16)
+    eval_fn = ms.jit(loss_fn)
+    opt_params = list(optimizer.exp_avg) + list(optimizer.exp_avg_sq)
+    metrics_path = run_dir / "metrics.jsonl"
+
+    # ---- resume (the mirror image of the save at the bottom of the loop)
+    st, history = _resume(loop, mesh, ckpt_root, params, optimizer, opt_params, scaler, meta, metrics_path)
     if mesh.zero:
         optimizer.sync_master()  # the master share follows the (possibly loaded) weights
     if lead:
