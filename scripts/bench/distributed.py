@@ -17,14 +17,17 @@ tokens/s = global batch × seq × steps / rank 0's wall time of `steps` steps af
 (compilation). After the training steps the same workers time their communication alone:
 dp2 the gradient all-reduce (a jit'd `DistributedGradReducer` over gradient-shaped tensors),
 dp2zero the gradient all-reduce as its step issues it (one AllReduce per gradient, chained) plus the
-parameter rebuild: the AllGather of the flat shares it uses, and beside it (`param_rebuild_s`) an
-AllReduce of zero-padded shares (what a data-parallel group that is not the world group would need),
-tp2 the 4 × num_layers activation AllReduces of [batch, seq, hidden] one step performs
+parameter rebuild as the step runs it (one small graph per chunk: AllGather + assign; `param_rebuild_s`
+also times one AllGather of the whole share and an AllReduce of zero-padded shares, what a data-parallel
+group that is not the world group would need), tp2 the 4 × num_layers activation AllReduces of [batch, seq, hidden] one step performs
 (2 forward + 2 backward per layer) plus the grad-norm scalar; each averaged over `--comm-repeats`.
 `comm_share` = comm seconds per step / step seconds. Prints one JSON line (progress on stderr).
 
     python scripts/bench/distributed.py [--preset tiny-llama-bench] [--batch 8] [--seq 256] [--steps 25] [--warmup 2]
     python scripts/bench/distributed.py --preset tiny --steps 3 --warmup 1      # a smoke run
+    # the per-rank memory saving of optimizer sharding, on an ~84M-parameter bench-only model:
+    python scripts/bench/distributed.py --preset zero-bench --batch 4 --seq 64 --steps 3 --warmup 1 \
+        --comm-repeats 3 --layouts dp2,dp2zero
 
 With 2 workers on 2 cores each worker gets 1 thread where dp1 gets 2, so on such a machine the
 ideal speedup is about 1× at best; the numbers measure the parallel overhead, not a gain.
@@ -50,6 +53,20 @@ from tasks.training.trainer import peak_rss_bytes  # noqa: E402  (after the sys.
 
 LAYOUTS = {"dp1": (1, 1), "dp2": (2, 1), "dp2zero": (2, 1), "tp2": (1, 2)}
 ZERO = {"dp2zero"}  # parallel.optimizer_shard: true
+# bench-only models (--preset accepts these besides model/config.py's PRESETS)
+BENCH_PRESETS = {
+    # ~84M parameters, where the AdamW moments (8 bytes per parameter) are hundreds of MB: the per-rank memory
+    # saving of optimizer sharding stands clear of the runtime's own ~1 GB. Run it at a short sequence, e.g.
+    # --preset zero-bench --batch 4 --seq 64 --steps 3 --warmup 1 --layouts dp2,dp2zero
+    "zero-bench": dict(vocab_size=8192, hidden_size=1024, intermediate_size=2816, num_layers=6,
+                       num_heads=16, num_kv_heads=4, max_seq_length=256),
+}
+
+
+def model_config(name: str):
+    from model.config import ModelConfig
+
+    return ModelConfig.from_dict(BENCH_PRESETS[name]) if name in BENCH_PRESETS else ModelConfig.from_name(name)
 
 
 def _sync(x=None) -> None:
@@ -83,14 +100,13 @@ def worker(a: argparse.Namespace) -> None:
     import mindspore as ms
     from mindspore import nn, ops
 
-    from model.config import ModelConfig
     from model.llama import LlamaForCausalLM
     from tasks.runtime.distributed import Mesh
     from tasks.training.optim import causal_lm_train_step
 
     dp, tp = LAYOUTS[a.layout]
     mesh = Mesh.init(dp, tp, a.layout in ZERO) if dp * tp > 1 else Mesh()
-    cfg = ModelConfig.from_name(a.preset)
+    cfg = model_config(a.preset)
     seq = min(a.seq, cfg.max_seq_length)
     micro = a.batch // dp
     net = LlamaForCausalLM(cfg, seed=0, tensor_parallel=mesh.tensor_parallel())
@@ -119,19 +135,30 @@ def worker(a: argparse.Namespace) -> None:
     log(f"{a.steps} steps in {dt:.2f}s ({step_s:.3f} s/step), loss {loss:.4f}")
 
     comm, rebuild = None, None
-    if a.layout == "dp2zero":
-        from mindspore.communication import GlobalComm
-
+    if a.layout in ("dp2", "dp2zero"):
+        reducer = nn.DistributedGradReducer(params, mean=True, degree=mesh.dp, group=mesh.dp_group)
         grad_sum = ops.AllReduce(group=mesh.dp_group)
 
         @ms.jit
-        def reduce_chain(grads):  # as TrainStep issues them under ZeRO-1: chained, the same order on every rank
-            out, prev = [], None
-            for g in grads:
+        def reduce_grads(grads):
+            if a.layout == "dp2":
+                return reducer(grads)
+            out, prev = [], None  # as TrainStep issues them under ZeRO-1: chained, the same order on every rank
+            for g in grads[::-1]:
                 r = grad_sum(g if prev is None else ops.depend(g, prev))
                 prev = r
                 out.append(r * 0.5)
-            return tuple(out)
+            return tuple(out[::-1])
+
+        grads = ms.mutable(tuple(ops.ones_like(p) for p in params))
+        mesh.barrier()
+        comm = _time_comm(reduce_grads, (grads,), a.comm_repeats)
+        del grads
+        n_bytes = sum(int(np.prod(p.shape)) * 4 for p in params)
+        log(f"gradient all-reduce ({len(params)} tensors, {n_bytes / 1e6:.1f} MB"
+            f"{', chained' if a.layout == 'dp2zero' else ''}): {comm * 1e3:.1f} ms")
+    if a.layout == "dp2zero":
+        from mindspore.communication import GlobalComm
 
         gather = ops.AllGather(group=GlobalComm.WORLD_COMM_GROUP)
         world_sum = ops.AllReduce(group=GlobalComm.WORLD_COMM_GROUP)
@@ -145,29 +172,18 @@ def worker(a: argparse.Namespace) -> None:
             return world_sum(x)
 
         shard = step_fn.optimizer.shard
-        grads = tuple(ops.ones_like(p) for p in params)
         mesh.barrier()
-        reduce_s = _time_comm(reduce_chain, (grads,), a.comm_repeats)
+        step_rebuild_s = _time_comm(step_fn._rebuild, (), a.comm_repeats)  # what the step runs: chunk by chunk
         mesh.barrier()
         gather_s = _time_comm(all_gather, (ms.Tensor(np.zeros(shard, np.float32)),), a.comm_repeats)
         mesh.barrier()
         padded_s = _time_comm(all_reduce_padded, (ms.Tensor(np.zeros(shard * mesh.dp, np.float32)),), a.comm_repeats)
-        comm = reduce_s + gather_s  # what the step uses: AllGather (tp 1: the data-parallel group is the world)
-        rebuild = {"allgather": gather_s, "allreduce_zero_padded": padded_s, "shard_elements": shard}
-        log(f"gradient all-reduce (chained): {reduce_s * 1e3:.1f} ms; parameter rebuild of {shard} elements per rank: "
-            f"AllGather {gather_s * 1e3:.1f} ms, AllReduce of zero-padded shares {padded_s * 1e3:.1f} ms")
-    elif a.layout == "dp2":
-        reducer = nn.DistributedGradReducer(params, mean=True, degree=mesh.dp, group=mesh.dp_group)
-
-        @ms.jit
-        def reduce_grads(grads):
-            return reducer(grads)
-
-        grads = tuple(ops.ones_like(p) for p in params)
-        mesh.barrier()
-        comm = _time_comm(reduce_grads, (grads,), a.comm_repeats)
-        n_bytes = sum(int(np.prod(p.shape)) * 4 for p in params)
-        log(f"gradient all-reduce ({len(params)} tensors, {n_bytes / 1e6:.1f} MB): {comm * 1e3:.1f} ms")
+        comm += step_rebuild_s
+        rebuild = {"step_rebuild": step_rebuild_s, "allgather": gather_s, "allreduce_zero_padded": padded_s,
+                   "shard_elements": shard, "chunks": len(step_fn.optimizer.chunks)}
+        log(f"parameter rebuild of {shard} elements per rank: as the step runs it ({len(step_fn.optimizer.chunks)} "
+            f"chunks, AllGather + assign) {step_rebuild_s * 1e3:.1f} ms; one AllGather of the whole share "
+            f"{gather_s * 1e3:.1f} ms, AllReduce of zero-padded shares {padded_s * 1e3:.1f} ms")
     elif a.layout == "tp2":
         all_reduce = ops.AllReduce(group=mesh.tp_group)
         n = 4 * cfg.num_layers  # per layer: attention + MLP outputs forward, their inputs' gradients backward
@@ -216,6 +232,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=25)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--comm-repeats", type=int, default=10)
+    ap.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated subset of " + ",".join(LAYOUTS))
     # a worker's own flags: none may be a prefix of one of msrun's (--worker_num, --rank_table_file, ...),
     # since msrun's argparse reads abbreviations from the script's arguments too
     ap.add_argument("--run-layout", dest="layout", choices=list(LAYOUTS), default=None, help=argparse.SUPPRESS)
@@ -230,9 +247,10 @@ def main() -> None:
     from tasks.config import ParallelSection
     from tasks.runtime.distributed import run_msrun
 
-    from model.config import ModelConfig
-
-    cfg = ModelConfig.from_name(a.preset)
+    layouts = [x for x in a.layouts.split(",") if x]
+    if not layouts or set(layouts) - set(LAYOUTS):
+        ap.error(f"--layouts: choose from {','.join(LAYOUTS)}")
+    cfg = model_config(a.preset)
     seq = min(a.seq, cfg.max_seq_length)
     tmp = Path(tempfile.mkdtemp(prefix="bench_distributed_"))
     out = tmp / "out"
@@ -243,7 +261,8 @@ def main() -> None:
     cpus = os.cpu_count() or 1
     ports = dict(zip(("dp2", "dp2zero", "tp2"), _free_ports(3)))
     res, wall = {}, {}
-    for layout, (dp, tp) in LAYOUTS.items():
+    for layout in layouts:
+        dp, tp = LAYOUTS[layout]
         print(f"[bench] {layout}: preset {a.preset}, global batch {a.batch} × seq {seq}, "
               f"{a.warmup} warm-up + {a.steps} steps", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
@@ -270,25 +289,34 @@ def main() -> None:
     tokens = a.batch * seq
     r0 = {k: v["rank0"] for k, v in res.items()}
     tps = {k: tokens / v["step_s"] for k, v in r0.items()}
-    multi = ("dp2", "dp2zero", "tp2")
+    multi = [k for k in ("dp2", "dp2zero", "tp2") if k in res]
     from tasks.training.memory import Layout, estimate
 
-    zero_est = estimate(cfg, micro_batch=a.batch // 2, seq=seq, layout=Layout(dp=2, optimizer_shard=True))
-    plain_est = estimate(cfg, micro_batch=a.batch // 2, seq=seq, layout=Layout(dp=2))
-    print(json.dumps({
-        "bench": "distributed", "preset": a.preset, "global_batch": a.batch, "seq": seq, "steps": a.steps,
-        "warmup": a.warmup, "cpu_count": cpus,
-        "tokens_per_s": {k: round(v, 1) for k, v in tps.items()},
-        "step_s": {k: round(v["step_s"], 4) for k, v in r0.items()},
-        "comm_s_per_step": {k: round(r0[k]["comm_s_per_step"], 5) for k in multi},
-        "comm_share": {k: round(r0[k]["comm_s_per_step"] / r0[k]["step_s"], 3) for k in multi},
-        "speedup": {k: round(tps[k] / tps["dp1"], 3) for k in multi},
-        "dp2zero_param_rebuild_s": {k: (round(v, 5) if isinstance(v, float) else v)
-                                    for k, v in r0["dp2zero"]["param_rebuild_s"].items()},
-        "rank_peak_rss_bytes": {k: res[k]["rank_peak_rss_bytes"] for k in ("dp2", "dp2zero")},
-        "zero_rss_saving_bytes": max(res["dp2"]["rank_peak_rss_bytes"]) - max(res["dp2zero"]["rank_peak_rss_bytes"]),
-        "plan_estimate_bytes": {"dp2": plain_est.total, "dp2zero": zero_est.total},
-        "plan_error": round(zero_est.total / max(res["dp2zero"]["rank_peak_rss_bytes"]) - 1, 3),
+    out = {"bench": "distributed", "preset": a.preset, "params": cfg_params(cfg), "global_batch": a.batch, "seq": seq,
+           "steps": a.steps, "warmup": a.warmup, "cpu_count": cpus,
+           "tokens_per_s": {k: round(v, 1) for k, v in tps.items()},
+           "step_s": {k: round(v["step_s"], 4) for k, v in r0.items()},
+           "comm_s_per_step": {k: round(r0[k]["comm_s_per_step"], 5) for k in multi},
+           "comm_share": {k: round(r0[k]["comm_s_per_step"] / r0[k]["step_s"], 3) for k in multi}}
+    if "dp1" in res:
+        out["speedup"] = {k: round(tps[k] / tps["dp1"], 3) for k in multi}
+    for k in ("dp2", "dp2zero"):
+        if k in res:
+            out.setdefault("rank_peak_rss_bytes", {})[k] = res[k]["rank_peak_rss_bytes"]
+            est = estimate(cfg, micro_batch=a.batch // 2, seq=seq, layout=Layout(dp=2, optimizer_shard=k == "dp2zero"))
+            out.setdefault("plan_estimate_bytes", {})[k] = est.total
+            out.setdefault("plan_error", {})[k] = round(est.total / max(res[k]["rank_peak_rss_bytes"]) - 1, 3)
+    if "dp2zero" in res:
+        out["dp2zero_param_rebuild_s"] = {k: (round(v, 5) if isinstance(v, float) else v)
+                                          for k, v in r0["dp2zero"]["param_rebuild_s"].items()}
+    if "dp2" in res and "dp2zero" in res:
+        saving = max(res["dp2"]["rank_peak_rss_bytes"]) - max(res["dp2zero"]["rank_peak_rss_bytes"])
+        n = out["params"]
+        out["zero_rss_saving_bytes"] = saving
+        # what sharding can save per rank at dp=2: half the moments (4N) less the fp32 master share (2N)
+        out["zero_rss_saving_of_4n"] = round(saving / (4 * n), 3)
+        out["zero_rss_saving_of_2n"] = round(saving / (2 * n), 3)
+    print(json.dumps({**out,
         "warmup_s": {k: round(v["warmup_s"], 1) for k, v in r0.items()},
         "loss": {k: round(v["loss"], 4) for k, v in r0.items()},
         "peak_rss_bytes": {k: v["peak_rss_bytes"] for k, v in res.items()},
@@ -298,6 +326,13 @@ def main() -> None:
                  "comm_s_per_step is timed alone after training (no overlap with compute); peak_rss_bytes is "
                  "per process (max over ranks), VmHWM after the training steps (before the communication timing)."),
     }))
+
+
+def cfg_params(cfg) -> int:
+    """Trainable parameters of the unsplit model (embedding, layers, final norm, untied head)."""
+    h, f, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_kv_heads * cfg.head_dim
+    per_layer = 2 * h * h + 2 * h * kv + 3 * h * f + 2 * h
+    return cfg.num_layers * per_layer + cfg.vocab_size * h * (1 if cfg.tie_embeddings else 2) + h
 
 
 if __name__ == "__main__":
