@@ -191,6 +191,7 @@ def test_generate_benchmark_smoke():
     out = subprocess.run([sys.executable, str(script), "--preset", "tiny", "--new-tokens", "8", "--requests", "8"],
                          capture_output=True, text=True, check=True, timeout=300)
     res = json.loads(out.stdout.strip().splitlines()[-1])
-    for k in ("cached_tokens_per_s", "uncached_tokens_per_s", "kv_speedup", "eval_requests_per_s"):
+    for k in ("tokens_per_s", "uncached_tokens_per_s", "kv_speedup", "eval_requests_per_s"):
         assert res[k] > 0, k
     assert res["same_tokens"] is True
+    assert res["decode_path"] == ("fused" if build_decode_kernel() else "decoder")

@@ -1,23 +1,37 @@
 """Decode throughput against HF `generate` (PyTorch, KV cache) side by side, and eval throughput.
 
 A random-init model of `--preset` (default `small`, the demo's shape) generates `--new-tokens`
-(256) greedy tokens after a `--prompt-tokens` (16) prompt, batch 1, on three paths in one run:
+(256) greedy tokens after a `--prompt-tokens` (16) prompt, batch 1, on these paths in one run:
 
-- this project's `Generator` with its KV cache (jit-compiled, in-place cache; the headline),
+- this project's `Generator` with its KV cache: the prefill on MindSpore kernels, then one fused
+  custom op per token (model/decode_kernel.cc; `decode_path` says "decoder" where it could not be
+  built) -- the headline `tokens_per_s`,
 - HF transformers `LlamaForCausalLM.generate` on PyTorch eager with its cache (`use_cache=True`),
-  the same weights (converted with model/convert.py), 2 threads, in its own process
-  (`--no-hf` skips it; needs the `reference` extra: torch, transformers),
+  the same weights (converted with model/convert.py), in its own process that stays up for the
+  whole run (`--no-hf` skips it; needs the `reference` extra: torch, transformers),
+- the same `Generator` with `fused=False`: every token on MindSpore's own kernels (`decoder_tokens_per_s`),
 - the same `Generator` recomputing the full forward each step (jit, 32-token buckets): the
-  secondary `kv_speedup` field only (that path is already compiled and bucketed).
+  secondary `kv_speedup` field only (one round; that path is already compiled and bucketed).
 
-Compilation / warm-up happen before the clock starts on every path. Decode speed is also given
-as a fraction of this machine's memory-bandwidth limit: bytes of matmul weights read per token
-(every projection and the LM head, fp32) against the bytes/s of a large fp32 GEMV measured
-here with numpy (`gemv_gb_per_s`). Then `MindSporeLM._loglikelihood_tokens` scores `--requests`
-synthetic (context, continuation) pairs shaped like multiple-choice requests (context 20–100
-tokens, continuation 1–12) with `--batch-size`, after one warm-up pass. Prints one JSON line.
+The fused step and HF each run on every thread count of `--threads` (default 1 and 2), in `--rounds`
+(3) interleaved rounds (every path once per round), so load on a shared machine hits them alike; each
+side's figure is its best thread count's best round (`tokens_per_s_by_threads` has them all). On a
+2-core machine that others use, 2-thread runs (ours and PyTorch's, both OpenMP) can collapse when a
+thread is descheduled at a barrier: taking each side's best thread count keeps the baseline honest.
+`speedup_vs_hf` is best against best; `speedup_vs_hf_rounds` the same ratio within each round.
 
-    python scripts/bench/generate.py [--preset small] [--new-tokens 256] [--requests 256]
+Decode speed is also given as a fraction of this machine's memory-bandwidth limit: bytes of matmul
+weights read per token (every projection and the LM head, fp32) over the bytes/s of an fp32 GEMV
+measured here with numpy (the best of the same thread counts), twice: on a matrix twice the L3 size
+(`gemv_gb_per_s`: DRAM bandwidth, the limit for weights that do not stay cached) and on a matrix the
+size of one token's weights (`gemv_in_cache_gb_per_s`: on a CPU whose L3 holds the model, as here,
+the weights stay in L3 between tokens, so decode can beat the DRAM figure; `bandwidth_note` says so
+when it does). Compilation / warm-up happen before the clock starts on every path.
+Then `MindSporeLM._loglikelihood_tokens` scores `--requests` synthetic (context, continuation) pairs
+shaped like multiple-choice requests (context 20–100 tokens, continuation 1–12) with `--batch-size`,
+after one warm-up pass. Prints one JSON line.
+
+    python scripts/bench/generate.py [--preset small] [--new-tokens 256] [--threads 1,2] [--rounds 3] [--requests 256]
     python scripts/bench/generate.py --preset tiny --new-tokens 16 --requests 16     # smoke run
 """
 
@@ -35,14 +49,38 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
-def gemv_bytes_per_s(rows: int = 8192, cols: int = 8192, repeats: int = 5) -> float:
-    """Memory bandwidth as a large fp32 GEMV streams it: matrix bytes / best time (numpy's BLAS, all cores)."""
+def l3_bytes() -> int:
+    """This CPU's last-level cache size (bytes) from sysfs; 0 when unknown."""
+    try:
+        text = Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip()
+    except OSError:
+        return 0
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:].upper(), 1)
+    return int(text.rstrip("KMGkmg") or 0) * mult
+
+
+def gemv_bytes_per_s(nbytes: int, repeats: int = 5, threads: int | None = None) -> float:
+    """Bytes/s of an fp32 GEMV on a ~nbytes matrix: matrix bytes / best time (numpy's BLAS on `threads`
+    threads where threadpoolctl is installed, else on its default: all cores)."""
+    import contextlib
+
     import numpy as np
 
-    rng = np.random.default_rng(0)
-    a = rng.standard_normal((rows, cols), dtype=np.float32)
-    v = rng.standard_normal(cols, dtype=np.float32)
-    a @ v  # warm up (pages touched, BLAS threads started)
+    try:
+        from threadpoolctl import threadpool_limits
+
+        limit = threadpool_limits(threads) if threads else contextlib.nullcontext()
+    except ImportError:
+        limit = contextlib.nullcontext()
+    with limit:
+        return _gemv_bytes_per_s(np, nbytes, repeats)
+
+
+def _gemv_bytes_per_s(np, nbytes: int, repeats: int) -> float:
+    cols = 4096
+    a = np.ones((max(1, nbytes // (4 * cols)), cols), np.float32)  # every page written: no lazy zero pages
+    v = np.ones(cols, np.float32)
+    a @ v  # warm up (BLAS threads started; an in-cache matrix loaded into the cache)
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -58,8 +96,9 @@ def weight_bytes_per_token(cfg) -> int:
     return 4 * (cfg.num_layers * per_layer + cfg.vocab_size * h)
 
 
-def _hf_side(a: argparse.Namespace) -> dict:
-    """HF LlamaForCausalLM.generate (greedy, use_cache=True) on the weights in a.weights."""
+def _hf_side(a: argparse.Namespace) -> None:
+    """HF LlamaForCausalLM.generate (greedy, use_cache=True) on the weights in a.weights: prints one JSON
+    line when loaded and warm, then one per line read from stdin (a timed generation each)."""
     import torch
     from safetensors.torch import load_file
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -67,7 +106,8 @@ def _hf_side(a: argparse.Namespace) -> dict:
     from model.config import ModelConfig
     from model.convert import config_to_hf
 
-    torch.set_num_threads(2)
+    threads = [int(t) for t in a.threads.split(",")]
+    torch.set_num_threads(max(threads))
     cfg = ModelConfig.from_name(a.preset)
     hf_cfg = {k: v for k, v in config_to_hf(cfg).items() if k not in ("architectures", "model_type", "dtype")}
     model = LlamaForCausalLM(LlamaConfig(**hf_cfg, attn_implementation="eager"))
@@ -79,29 +119,54 @@ def _hf_side(a: argparse.Namespace) -> dict:
     kw = dict(do_sample=False, use_cache=True, pad_token_id=0, eos_token_id=None)
     with torch.inference_mode():
         model.generate(prompt, max_new_tokens=8, min_new_tokens=8, **kw)  # warm-up
-        t0 = time.perf_counter()
-        out = model.generate(prompt, max_new_tokens=a.new_tokens, min_new_tokens=a.new_tokens, **kw)
-        dt = time.perf_counter() - t0
-    new = out[0, prompt.shape[1]:].tolist()
-    return {"tokens_per_s": len(new) / dt, "tokens": new}
+        print(json.dumps({"ready": True}), flush=True)
+        for line in sys.stdin:
+            torch.set_num_threads(int(line))
+            t0 = time.perf_counter()
+            out = model.generate(prompt, max_new_tokens=a.new_tokens, min_new_tokens=a.new_tokens, **kw)
+            dt = time.perf_counter() - t0
+            new = out[0, prompt.shape[1]:].tolist()
+            print(json.dumps({"tokens_per_s": len(new) / dt, "tokens": new}), flush=True)
 
 
-def _run_hf(a: argparse.Namespace, net, prompt: list[int]) -> dict:
-    from safetensors.numpy import save_file
+class _HFWorker:
+    """The HF side in its own process, kept up so its rounds interleave with ours."""
 
-    from model.convert import native_to_hf
+    def __init__(self, a: argparse.Namespace, net, prompt: list[int]):
+        from safetensors.numpy import save_file
 
-    with tempfile.TemporaryDirectory() as tmp:
-        weights = os.path.join(tmp, "weights.safetensors")
-        save_file(native_to_hf({p.name: p.asnumpy() for p in net.get_parameters()}, net.config), weights)
-        env = dict(os.environ, OMP_NUM_THREADS="2", GLOG_v="3")
-        out = subprocess.run([sys.executable, __file__, "--side", "hf", "--preset", a.preset, "--weights", weights,
-                              "--prompt", json.dumps(prompt), "--new-tokens", str(a.new_tokens)],
-                             capture_output=True, text=True, env=env)
-    if out.returncode:
-        raise SystemExit(f"the HF side failed (exit {out.returncode}); install the `reference` extra or pass "
-                         f"--no-hf:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+        from model.convert import native_to_hf
+
+        self.log = tempfile.TemporaryFile("w+")
+        with tempfile.TemporaryDirectory() as tmp:
+            weights = os.path.join(tmp, "weights.safetensors")
+            save_file(native_to_hf({p.name: p.asnumpy() for p in net.get_parameters()}, net.config), weights)
+            env = dict(os.environ, OMP_NUM_THREADS=str(max(int(t) for t in a.threads.split(","))), GLOG_v="3")
+            self.proc = subprocess.Popen([sys.executable, __file__, "--side", "hf", "--preset", a.preset,
+                                          "--weights", weights, "--prompt", json.dumps(prompt),
+                                          "--new-tokens", str(a.new_tokens), "--threads", str(a.threads)],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                         env=env)
+            self.info = self._read()  # the weights are loaded once this line arrives
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            self.proc.wait()
+            self.log.seek(0)
+            raise SystemExit(f"the HF side failed (exit {self.proc.returncode}); install the `reference` extra or "
+                             f"pass --no-hf:\n{self.log.read()[-3000:]}")
+        return json.loads(line)
+
+    def run(self, threads: int) -> dict:
+        self.proc.stdin.write(f"{threads}\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
+        self.log.close()
 
 
 def main() -> None:
@@ -109,6 +174,9 @@ def main() -> None:
     ap.add_argument("--preset", default="small")
     ap.add_argument("--prompt-tokens", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--threads", default="1,2",
+                    help="thread counts for the fused decode step, PyTorch (HF) and numpy's GEMV, comma-separated")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved timed rounds of HF, fused and decoder")
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers / PyTorch baseline")
@@ -117,7 +185,7 @@ def main() -> None:
     ap.add_argument("--prompt", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.side == "hf":
-        print(json.dumps(_hf_side(a)))
+        _hf_side(a)
         return
 
     import numpy as np
@@ -138,42 +206,88 @@ def main() -> None:
     net.set_train(False)
     rng = np.random.default_rng(0)
     prompt = [int(t) for t in rng.integers(3, cfg.vocab_size, a.prompt_tokens)]
-    gen = Generator(net)
+    counts = [int(t) for t in a.threads.split(",")]
+    fused = {t: Generator(net, threads=t) for t in counts}
+    plain = Generator(net, fused=False)
+    gen = fused[counts[-1]]
 
     res: dict = {"bench": "generate", "preset": a.preset, "prompt_tokens": a.prompt_tokens, "new_tokens": a.new_tokens,
-                 "batch": 1}
+                 "batch": 1, "decode_path": gen.decode_path, "rounds": a.rounds, "threads": counts}
     import importlib.util
 
     missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
     if missing and not a.no_hf:
         res["hf_skipped"] = f"{', '.join(missing)} not installed (the `reference` extra)"
-    hf = None if a.no_hf or missing else _run_hf(a, net, prompt)
-    tokens = {}
-    for name, cached in (("cached", True), ("uncached", False)):
-        t0 = time.perf_counter()
-        gen.compile(len(prompt), a.new_tokens, use_cache=cached)
-        res[f"{name}_compile_s"] = round(time.perf_counter() - t0, 2)
-        t0 = time.perf_counter()
-        tokens[name] = gen.generate(prompt, a.new_tokens, use_cache=cached)  # no eos: always the full length
-        dt = time.perf_counter() - t0
-        res[f"{name}_tokens_per_s"] = round(len(tokens[name]) / dt, 2)
-    tps = res["cached_tokens_per_s"]
-    bw = gemv_bytes_per_s()
+    hf = None if a.no_hf or missing else _HFWorker(a, net, prompt)
+    paths = {**{f"cached@{t}": g for t, g in fused.items()}, "decoder": plain}
+    if gen.decode_path != "fused":  # every Generator decodes on MindSpore kernels: time it once
+        paths = {f"cached@{counts[-1]}": gen}
+    t0 = time.perf_counter()
+    for g in paths.values():
+        g.compile(len(prompt), a.new_tokens)
+    res["cached_compile_s"] = round(time.perf_counter() - t0, 2)
+    tps: dict[str, list[float]] = {}
+    tokens: dict[str, list[int]] = {}
+    for _ in range(a.rounds):  # interleaved, so load on a shared machine hits every path alike
+        for t in counts if hf is not None else ():
+            out = hf.run(t)
+            tps.setdefault(f"hf@{t}", []).append(out["tokens_per_s"])
+            tokens["hf"] = out["tokens"]
+        for name, g in paths.items():
+            t0 = time.perf_counter()
+            tokens[name] = g.generate(prompt, a.new_tokens)  # no eos: always the full length
+            tps.setdefault(name, []).append(len(tokens[name]) / (time.perf_counter() - t0))
+    if hf is not None:
+        hf.close()
+    t0 = time.perf_counter()
+    gen.compile(len(prompt), a.new_tokens, use_cache=False)
+    res["uncached_compile_s"] = round(time.perf_counter() - t0, 2)
+    t0 = time.perf_counter()
+    tokens["uncached"] = gen.generate(prompt, a.new_tokens, use_cache=False)
+    res["uncached_tokens_per_s"] = round(len(tokens["uncached"]) / (time.perf_counter() - t0), 2)
+
+    def best_of(side: str) -> tuple[float, str]:
+        return max((max(v), k) for k, v in tps.items() if k.startswith(side + "@"))
+
+    best = {"cached": best_of("cached")[0]}
+    res["tokens_per_s"] = round(best["cached"], 2)
+    res["best_threads"] = int(best_of("cached")[1].split("@")[1])
+    if hf is not None:
+        best["hf"], hf_key = best_of("hf")
+        ours = tps[best_of("cached")[1]]
+        res.update(hf_tokens_per_s=round(best["hf"], 2), hf_best_threads=int(hf_key.split("@")[1]),
+                   speedup_vs_hf=round(best["cached"] / best["hf"], 2),
+                   speedup_vs_hf_rounds=[round(x / max(tps[f"hf@{t}"][i] for t in counts), 2)
+                                         for i, x in enumerate(ours)],
+                   hf_same_tokens_prefix=next((i for i, (x, y) in enumerate(zip(tokens[f"cached@{counts[-1]}"],
+                                                                                 tokens["hf"])) if x != y),
+                                              len(tokens["hf"])))
+    if "decoder" in tps:
+        best["decoder"] = max(tps["decoder"])
+        res["decoder_tokens_per_s"] = round(best["decoder"], 2)
+        if hf is not None:
+            res["decoder_speedup_vs_hf"] = round(best["decoder"] / best["hf"], 2)
+    res["tokens_per_s_by_threads"] = {name: [round(x, 1) for x in v] for name, v in tps.items()}
+
     per_token = weight_bytes_per_token(cfg)
-    limit = bw / per_token
-    if hf is not None:
-        same = next((i for i, (x, y) in enumerate(zip(tokens["cached"], hf["tokens"])) if x != y), len(hf["tokens"]))
-        res.update(speedup_vs_hf=round(tps / hf["tokens_per_s"], 2), tokens_per_s=tps,
-                   hf_tokens_per_s=round(hf["tokens_per_s"], 2), hf_same_tokens_prefix=same)
-    else:
-        res["tokens_per_s"] = tps
-    res.update(decode_ms_per_token=round(1000 / tps, 2), gemv_gb_per_s=round(bw / 1e9, 1),
-               weight_mb_per_token=round(per_token / 1e6, 1), bandwidth_limit_tokens_per_s=round(limit, 1),
-               fraction_of_bandwidth_limit=round(tps / limit, 3))
-    if hf is not None:
-        res["hf_fraction_of_bandwidth_limit"] = round(hf["tokens_per_s"] / limit, 3)
-    res["kv_speedup"] = round(tps / res["uncached_tokens_per_s"], 2)  # secondary: vs our own uncached path
-    res["same_tokens"] = tokens["cached"] == tokens["uncached"]
+    l3 = l3_bytes()
+    bw_dram = max(gemv_bytes_per_s(max(2 * l3, 512 << 20), threads=t) for t in counts)
+    bw_cache = max(gemv_bytes_per_s(per_token, repeats=20, threads=t) for t in counts)
+    res.update(decode_ms_per_token=round(1000 / best["cached"], 2), weight_mb_per_token=round(per_token / 1e6, 1),
+               l3_mb=round(l3 / 2**20), gemv_gb_per_s=round(bw_dram / 1e9, 1),
+               gemv_in_cache_gb_per_s=round(bw_cache / 1e9, 1),
+               bandwidth_limit_tokens_per_s=round(bw_dram / per_token, 1),
+               in_cache_limit_tokens_per_s=round(bw_cache / per_token, 1))
+    for name, key in (("cached", ""), ("decoder", "decoder_"), ("hf", "hf_")):
+        if name in best:
+            res[f"{key}fraction_of_bandwidth_limit"] = round(best[name] * per_token / bw_dram, 3)
+            res[f"{key}fraction_of_in_cache_limit"] = round(best[name] * per_token / bw_cache, 3)
+    if best["cached"] * per_token > bw_dram:
+        res["bandwidth_note"] = (f"decode reads {per_token / 1e6:.0f} MB of weights per token, which stay in the "
+                                 f"{l3 / 2**20:.0f} MiB L3 between tokens, so it can exceed the DRAM GEMV limit "
+                                 f"(matrix of 2x L3); the in-cache figure is a GEMV on one token's weight bytes")
+    res["kv_speedup"] = round(best["cached"] / res["uncached_tokens_per_s"], 2)  # secondary: vs our own uncached path
+    res["same_tokens"] = all(v == tokens["uncached"] for k, v in tokens.items() if k != "hf")
 
     lm = MindSporeLM(net=net, tokenizer=None, eot_token_id=2, batch_size=a.batch_size, progress=False)
     reqs = [(None, [int(t) for t in rng.integers(3, cfg.vocab_size, int(rng.integers(20, 101)))],
