@@ -106,6 +106,22 @@ class Embedding(nn.Cell):
         return x
 
 
+class FusedRMSNorm(nn.Cell):
+    """RMSNorm forward and backward as one fused kernel each (model/train_kernels.cc); the backward
+    recomputes 1/rms from x (one pass) rather than keeping it."""
+
+    def __init__(self, kernels, eps: float):
+        super().__init__()
+        self.forward_op, self.backward_op = kernels.rms_norm, kernels.rms_norm_grad
+        self.eps = Tensor(np.array([eps], np.float32))
+
+    def construct(self, x: Tensor, weight: Tensor) -> Tensor:
+        return self.forward_op(x, weight, self.eps)
+
+    def bprop(self, x, weight, out, dout):
+        return self.backward_op(x, weight, self.eps, dout)
+
+
 class RMSNorm(nn.Cell):
     """x * (1 / sqrt(mean(x^2) + eps)) * weight, over the last axis (no Rsqrt: ONNX has no mapping).
 
@@ -113,7 +129,7 @@ class RMSNorm(nn.Cell):
     last-axis ReduceMean of a 3-D tensor and Div's gradient are slow on CPU (docs/MINDSPORE_CPU.md).
     """
 
-    def __init__(self, hidden_size: int, eps: float, compute_dtype=ms.float32):
+    def __init__(self, hidden_size: int, eps: float, compute_dtype=ms.float32, kernels=None):
         super().__init__()
         self.eps = eps
         self.hidden_size = hidden_size
@@ -122,8 +138,13 @@ class RMSNorm(nn.Cell):
         self.sum_matmul = ops.MatMul()
         self.half = compute_dtype != ms.float32
         self.compute_dtype = compute_dtype
+        self.fused = kernels is not None and not self.half
+        if self.fused:  # forward and backward one fused kernel each (model/kernels.py)
+            self.fused_norm = FusedRMSNorm(kernels, eps)
 
     def construct(self, x: Tensor) -> Tensor:
+        if self.fused:
+            return self.fused_norm(x, self.weight)
         shape = x.shape
         x2 = x.reshape(-1, self.hidden_size)                                   # [N, H]
         if self.half:  # normalise in fp32, hand back the compute dtype
@@ -142,10 +163,14 @@ class Attention(nn.Cell):
     num_kv_heads/tp KV heads (the KV heads its query heads share) and all-reduces o_proj's output.
     """
 
-    def __init__(self, config: ModelConfig, init, compute_dtype=ms.float32, tensor_parallel=None):
+    def __init__(self, config: ModelConfig, init, compute_dtype=ms.float32, tensor_parallel=None, kernels=None):
         super().__init__()
         self.half = compute_dtype != ms.float32
         self.compute_dtype = compute_dtype
+        # the training forward's mask + softmax (and its backward) as one fused op each (model/kernels.py)
+        self.fused = kernels is not None and not self.half
+        if self.fused:
+            self.causal_softmax = FusedCausalSoftmax(kernels)
         tp = tensor_parallel
         t = tp.size if tp is not None else 1
         h, hd = config.hidden_size, config.head_dim
@@ -175,7 +200,7 @@ class Attention(nn.Cell):
         if self.tp:
             x = self.tp_in(x)
         q, k, v = self._qkv(x, cos, sin)
-        out = self._attend(q, k, v, mask)                                         # [B, T, H] (partial under tp)
+        out = self._attend(q, k, v, mask, True)                                   # [B, T, H] (partial under tp)
         if self.tp:
             out = self.tp_out(out)
         return out
@@ -191,7 +216,7 @@ class Attention(nn.Cell):
         place = written.reshape(1, 1, -1, 1)                                      # [1, 1, S, 1]
         k_cache = ops.where(place, ops.gather(k, src, 2), k_cache)               # [B, nkv, S, hd]
         v_cache = ops.where(place, ops.gather(v, src, 2), v_cache)               # [B, nkv, S, hd]
-        return self._attend(q, k_cache, v_cache, mask), k_cache, v_cache
+        return self._attend(q, k_cache, v_cache, mask, False), k_cache, v_cache
 
     def _qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         b, t, h = x.shape
@@ -207,9 +232,11 @@ class Attention(nn.Cell):
         rotated = self.rotate_matmul(x.reshape(-1, self.head_dim), self.rotate).reshape(x.shape)
         return x * ops.broadcast_to(cos, x.shape) + rotated * ops.broadcast_to(sin, x.shape)
 
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, causal: bool) -> Tensor:
         """mask: [T, S], or already broadcast to [B * nh, T, S] (LlamaForCausalLM.construct does,
-        once for all layers: adding a broadcast mask costs ~2x a same-shape add on CPU)."""
+        once for all layers: adding a broadcast mask costs ~2x a same-shape add on CPU). `causal`: the
+        queries are the last T of the S keys (the training forward), so a fused causal softmax may
+        replace the mask (it is then unused)."""
         b, nh, t, hd = q.shape
         nkv = self.num_kv_heads
         # GQA without copying K/V: query heads h*n_rep..h*n_rep+n_rep-1 share kv head h,
@@ -217,6 +244,10 @@ class Attention(nn.Cell):
         q = q.reshape(b, nkv, self.n_rep * t, hd)                                 # [B, nkv, rep*T, hd]
         scores = self.scores_matmul(q, k)                                         # [B, nkv, rep*T, S]
         s = scores.shape[-1]
+        if self.fused and causal:
+            probs = self.causal_softmax(scores.reshape(b * nh, t, s))                # [B*nh, T, S]
+            out = self.values_matmul(probs.reshape(b, nkv, self.n_rep * t, s), v).reshape(b, nh, t, hd)
+            return self.o_proj(ops.transpose(out, (0, 2, 1, 3)).reshape(b, t, nh * hd))
         # softmax over 2-D rows: a last-axis reduction (softmax's backward) of a 4-D tensor is ~3.5x slower
         if self.half:  # mask and softmax in fp32, probabilities back to the compute dtype
             scores = scores.reshape(b * nh, t, s).astype(ms.float32) + mask      # [B*nh, T, S]
@@ -229,14 +260,41 @@ class Attention(nn.Cell):
         return self.o_proj(out)                                                   # [B, T, H]
 
 
+class FusedCausalSoftmax(nn.Cell):
+    """softmax(scores + causal mask) over the last axis of [N, T, S] (queries at the last T of S keys), forward
+    and backward each one fused kernel (model/train_kernels.cc): 2-3x MindSpore's mask add + Softmax and
+    its expanded backward (Mul, ReduceSum, Sub, Mul) on CPU. Masked keys get probability exactly 0."""
+
+    def __init__(self, kernels):
+        super().__init__()
+        self.forward_op, self.backward_op = kernels.causal_softmax, kernels.softmax_grad
+
+    def construct(self, scores: Tensor) -> Tensor:
+        return self.forward_op(scores)
+
+    def bprop(self, scores, out, dout):
+        return (self.backward_op(out, dout),)
+
+
 class SwiGLU(nn.Cell):
     """silu(gate) * up, with a hand-written backward: ~28% faster forward + backward on CPU than
-    autodiff of ops.silu (which expands to Sigmoid, SigmoidGrad and more element-wise passes)."""
+    autodiff of ops.silu (which expands to Sigmoid, SigmoidGrad and more element-wise passes); with
+    `kernels` (model/kernels.py) forward and backward are one fused kernel each (~2x and ~3.5x faster)."""
+
+    def __init__(self, kernels=None):
+        super().__init__()
+        self.fused = kernels is not None
+        if self.fused:
+            self.forward_op, self.backward_op = kernels.swiglu, kernels.swiglu_grad
 
     def construct(self, gate: Tensor, up: Tensor) -> Tensor:
+        if self.fused:
+            return self.forward_op(gate, up)
         return ops.silu(gate) * up
 
     def bprop(self, gate, up, out, dout):
+        if self.fused:
+            return self.backward_op(gate, up, dout)
         s = ops.sigmoid(gate)
         a = gate * s                                       # silu(gate)
         # d silu(g) / dg = s + g * s * (1 - s) = s * (1 + g - a)
@@ -246,7 +304,7 @@ class SwiGLU(nn.Cell):
 class MLP(nn.Cell):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, config: ModelConfig, init, compute_dtype=ms.float32, tensor_parallel=None):
+    def __init__(self, config: ModelConfig, init, compute_dtype=ms.float32, tensor_parallel=None, kernels=None):
         super().__init__()
         h, f = config.hidden_size, config.intermediate_size
         tp = tensor_parallel
@@ -256,7 +314,7 @@ class MLP(nn.Cell):
         self.gate_proj = Linear(gate, compute_dtype)
         self.up_proj = Linear(up, compute_dtype)
         self.down_proj = Linear(down, compute_dtype)
-        self.swiglu = SwiGLU()
+        self.swiglu = SwiGLU(kernels if compute_dtype == ms.float32 else None)
         self.tp = tp is not None
         if self.tp:
             from model.parallel import CopyToTP, ReduceFromTP
@@ -273,12 +331,12 @@ class MLP(nn.Cell):
 class DecoderLayer(nn.Cell):
     """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.))."""
 
-    def __init__(self, config: ModelConfig, init, compute_dtype=ms.float32, tensor_parallel=None):
+    def __init__(self, config: ModelConfig, init, compute_dtype=ms.float32, tensor_parallel=None, kernels=None):
         super().__init__()
-        self.self_attn = Attention(config, init, compute_dtype, tensor_parallel)
-        self.mlp = MLP(config, init, compute_dtype, tensor_parallel)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps, compute_dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps, compute_dtype)
+        self.self_attn = Attention(config, init, compute_dtype, tensor_parallel, kernels)
+        self.mlp = MLP(config, init, compute_dtype, tensor_parallel, kernels)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps, compute_dtype, kernels)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps, compute_dtype, kernels)
 
     def construct(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)  # [B, T, H]
@@ -301,9 +359,14 @@ class LlamaForCausalLM(nn.Cell):
     Parameters stay fp32 either way, logits are always fp32.
     `tensor_parallel` (a model.parallel.TensorParallel) builds this rank's slice of the model
     for Megatron-style tensor parallelism (training only: the KV-cache path is single-device).
+    `fused_kernels=True` runs the training forward's causal softmax, SwiGLU and RMSNorm (and their backward) as fused
+    custom ops (model/kernels.py, built with g++ on first use; fp32 only). Without a compiler, in fp16, or by
+    default, MindSpore's own ops run: the same math to ~1e-6. The trainer turns it on (pretrain.fused_kernels);
+    inference and export keep the built-in ops (a MindIR with a custom op would need its library).
     """
 
-    def __init__(self, config: ModelConfig, seed: int | None = None, compute_dtype=ms.float32, tensor_parallel=None):
+    def __init__(self, config: ModelConfig, seed: int | None = None, compute_dtype=ms.float32, tensor_parallel=None,
+                 fused_kernels: bool = False):
         super().__init__()
         if compute_dtype not in (ms.float32, ms.float16):
             raise ValueError(f"compute_dtype must be mindspore.float32 or mindspore.float16, got {compute_dtype}")
@@ -323,9 +386,15 @@ class LlamaForCausalLM(nn.Cell):
                                             or config.intermediate_size % tensor_parallel.size):
             raise ValueError(f"tensor_parallel={tensor_parallel.size} must divide num_kv_heads={config.num_kv_heads} "
                              f"and intermediate_size={config.intermediate_size}")
-        self.layers = nn.CellList([DecoderLayer(config, init, compute_dtype, tensor_parallel)
+        kernels = None
+        if fused_kernels and not self.half:
+            from model.kernels import train_ops
+
+            kernels = train_ops()
+        self.fused_kernels = kernels is not None
+        self.layers = nn.CellList([DecoderLayer(config, init, compute_dtype, tensor_parallel, kernels)
                                    for _ in range(config.num_layers)])
-        self.norm = RMSNorm(h, config.norm_eps, compute_dtype)
+        self.norm = RMSNorm(h, config.norm_eps, compute_dtype, kernels)
         if not config.tie_embeddings:
             self.lm_head = Linear(init(config.vocab_size, h), compute_dtype)
         self.tied_matmul = ops.MatMul(transpose_b=True)
@@ -345,7 +414,10 @@ class LlamaForCausalLM(nn.Cell):
         cos = ops.gather(self.rope_cos, positions, 0)                  # [T, hd]
         sin = ops.gather(self.rope_sin, positions, 0)                  # [T, hd]
         heads = self.layers[0].self_attn.num_heads if len(self.layers) else 1  # this rank's heads
-        mask = ops.broadcast_to(ops.stop_gradient(causal_mask(positions, positions)), (b * heads, t, t))  # [B*nh, T, T]
+        if self.fused_kernels:  # the fused softmax applies the causal mask itself
+            mask = ops.zeros((), ms.float32)
+        else:
+            mask = ops.broadcast_to(ops.stop_gradient(causal_mask(positions, positions)), (b * heads, t, t))  # [B*nh, T, T]
         x = self.embed_tokens(input_ids)                               # [B, T, H]
         for layer in self.layers:
             x = layer(x, cos, sin, mask)                               # [B, T, H]

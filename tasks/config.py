@@ -163,6 +163,10 @@ class PretrainSection(_Section):
     loss_scale_window: int = Field(1000, gt=0)
     """fp16 only: the loss scale doubles after this many consecutive finite steps."""
     recompute: bool = False
+    fused_kernels: bool = True
+    """fp32 training (pretrain and finetune): the causal softmax, SwiGLU and RMSNorm, forward and backward, as fused
+    custom ops (model/train_kernels.cc, built with g++ on first use). Without a compiler MindSpore's own ops
+    run: the same math to ~1e-6, slower. false always uses MindSpore's own ops."""
     seed: int = 42
     log_steps: int = Field(10, gt=0)
     eval_steps: int = Field(50, gt=0)

@@ -162,8 +162,8 @@ def test_deterministic_init():
     assert np.all(a["norm.weight"] == 1.0)
 
 
-def jit_train_losses(recompute: bool, steps: int = 5) -> list[float]:
-    model = LlamaForCausalLM(tiny(), seed=0)
+def jit_train_losses(recompute: bool, steps: int = 5, fused_kernels: bool = False) -> list[float]:
+    model = LlamaForCausalLM(tiny(), seed=0, fused_kernels=fused_kernels)
     if recompute:
         model.enable_recompute()
     optimizer = nn.AdamWeightDecay(model.trainable_params(), learning_rate=1e-2)
@@ -190,6 +190,10 @@ def test_jit_train_step_lowers_loss_and_recompute_matches():
     assert abs(losses[0] - np.log(512)) < 0.1  # init std 0.02 gives near-uniform predictions
     assert losses[-1] < losses[0] - 0.5, losses
     np.testing.assert_allclose(jit_train_losses(recompute=True), losses, rtol=1e-6)
+    # the fused custom ops (model/kernels.py; built-in ops where no compiler) under jit, with and without recompute
+    fused = jit_train_losses(recompute=False, fused_kernels=True)
+    np.testing.assert_allclose(fused, losses, rtol=2e-4)
+    np.testing.assert_allclose(jit_train_losses(recompute=True, fused_kernels=True), fused, rtol=1e-6)
 
 
 # ---- config -----------------------------------------------------------------

@@ -14,7 +14,8 @@ under-measures it, so it is a denominator only if it exceeds the theoretical pea
     python scripts/bench/train.py --profile /tmp/prof [--steps 3]         # MindSpore side only:
         MindSpore's Profiler over `--steps` steps; one JSON line with the time by op category
         (MatMul, BatchMatMul, reductions, element-wise, softmax kernels, data movement,
-        optimizer, host gaps) and the top ops with their shapes.
+        optimizer, fused kernels, host gaps) and the top ops with their shapes.
+    python scripts/bench/train.py --no-fused                             # MindSpore's own ops only
 Needs the `reference` extra (torch==2.13.0 CPU, transformers) for the baseline.
 """
 
@@ -48,7 +49,7 @@ def _ms(a: argparse.Namespace) -> dict:
     from tasks.training.optim import causal_lm_train_step
 
     cfg = ModelConfig.from_name(a.preset)
-    net = LlamaForCausalLM(cfg, seed=0)
+    net = LlamaForCausalLM(cfg, seed=0, fused_kernels=not a.no_fused)  # as the trainer (pretrain.fused_kernels)
     step = causal_lm_train_step(net, net.trainable_params())
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (a.batch, a.seq + 1)).astype(np.int32)
     batch = [(ids[:, :-1], ids[:, 1:])]
@@ -64,6 +65,7 @@ def _ms(a: argparse.Namespace) -> dict:
         loss = step(batch, 1e-4, a.warmup + s + 1)[0]
     dt = time.perf_counter() - t0
     res = {"tokens_per_s": a.steps * a.batch * a.seq / dt, "peak_rss_bytes": peak_rss_bytes(),
+           "fused_kernels": net.fused_kernels,
            "flops_per_token": cfg.flops_per_token(a.seq), "loss": loss, "step_s": dt / a.steps}
     if prof is not None:
         prof.analyse()
@@ -121,6 +123,8 @@ _OPTIMIZER = {"AdamWeightDecay", "Adam", "ApplyAdam"}
 def _category(op: str, scope: str, after_backward: bool, shapes: str) -> str:
     if op in _OPTIMIZER or after_backward:
         return "optimizer"
+    if op.startswith("Custom"):
+        return "fused kernels"  # model/train_kernels.cc: causal softmax, SwiGLU, RMSNorm and their backward
     if op in _MATMUL:
         return "MatMul"
     if op in _BATCHMATMUL:
@@ -185,6 +189,8 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=SEQ)
     ap.add_argument("--profile", metavar="DIR", default=None,
                     help="profile the MindSpore side into DIR and print its breakdown (no baseline)")
+    ap.add_argument("--no-fused", action="store_true",
+                    help="MindSpore's own ops only (pretrain.fused_kernels: false; a machine without g++)")
     ap.add_argument("--side", choices=["ms", "torch"], default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.side:
@@ -192,7 +198,7 @@ def main() -> None:
         return
     env = dict(os.environ, GLOG_v="3", OMP_NUM_THREADS="2")
     common = ["--steps", str(a.steps), "--warmup", str(a.warmup), "--preset", a.preset, "--batch", str(a.batch),
-              "--seq", str(a.seq)]
+              "--seq", str(a.seq), *(["--no-fused"] if a.no_fused else [])]
 
     def side(name: str, extra: list[str] = ()) -> dict:
         out = subprocess.run([sys.executable, __file__, "--side", name, *common, *extra],
@@ -219,6 +225,7 @@ def main() -> None:
     achievable = peak.achievable or peak.flops
     print(json.dumps({
         "bench": "train", "preset": a.preset, "batch": a.batch, "seq": a.seq, "steps": a.steps,
+        "fused_kernels": ms_["fused_kernels"],
         "tokens_per_s": round(ms_["tokens_per_s"], 1), "baseline_tokens_per_s": round(pt["tokens_per_s"], 1),
         "ratio": round(ms_["tokens_per_s"] / pt["tokens_per_s"], 3),
         "mfu": round(ms_["tokens_per_s"] * fpt / peak.flops, 4),

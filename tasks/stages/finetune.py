@@ -443,7 +443,7 @@ def _train(cfg: PipelineConfig, store: ArtifactStore, base: Path, key: str, prog
     ft = cfg.finetune
     _, inputs, section = stage_key(cfg, store, base)
     base_ref = inputs[0]
-    net, info = load_model(base, seed=ft.seed)
+    net, info = load_model(base, seed=ft.seed, fused_kernels=cfg.pretrain.fused_kernels)
     mc = ModelConfig.from_dict(info["model"])
     seq = seq_length_for(cfg, info)
     sp = load_tokenizer(base)

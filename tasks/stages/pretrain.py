@@ -174,6 +174,7 @@ def build_network(cfg: PipelineConfig, init_from: Path | None, tensor_parallel=N
         dtype = {"compute_dtype": ms.float16}
     if tensor_parallel is not None:
         dtype["tensor_parallel"] = tensor_parallel
+    dtype["fused_kernels"] = cfg.pretrain.fused_kernels
     if init_from is None:
         mc = cfg.model.resolve()
         net = build_model(cfg.model.name, mc, seed=cfg.pretrain.seed, **dtype)

@@ -36,14 +36,15 @@ def model_config(path: str | Path):
     return ModelConfig.from_dict(read_info(path)["model"])
 
 
-def load_model(path: str | Path, seed: int = 0):
-    """(network with the artifact's weights, model.json contents)."""
+def load_model(path: str | Path, seed: int = 0, **kwargs):
+    """(network with the artifact's weights, model.json contents); kwargs go to the model's constructor
+    (e.g. fused_kernels=True for training)."""
     from model.registry import build_model
     from tasks.training.checkpoint import load_weights
     from tasks.training.checkpoint import assign
 
     info = read_info(path)
-    net = build_model(info.get("name", "llama"), model_config(path), seed=seed)
+    net = build_model(info.get("name", "llama"), model_config(path), seed=seed, **kwargs)
     assign(net.trainable_params(), load_weights(path), str(path))
     net.set_train(False)
     return net, info

@@ -1,0 +1,335 @@
+// Fused element-wise kernels of the LLaMA train step, as MindSpore "aot" custom ops on CPU.
+//
+// Built and loaded by model/kernels.py (g++ -O3 -march=native -shared). Each op does in one pass over
+// memory what MindSpore's CPU kernels do in several (see docs/MINDSPORE_CPU.md): the causal mask, the
+// softmax and its backward; SwiGLU and its backward. fp32, contiguous.
+//
+// Threads: rows are split over std::threads started per call (~20 us, against ops of milliseconds) and
+// joined before it returns: nothing spins afterwards. (OpenMP's idle workers spin-wait after each parallel
+// region and took a core from MindSpore's next MatMul: the step got 1.3x slower. libgomp's wait policy is
+// read once, when MindSpore loads it at import, so it cannot be set from here.) The count: the CPUs this
+// process may use, capped by OMP_NUM_THREADS (msrun gives each rank its share) and MSLLM_KERNEL_THREADS.
+// Every element is computed by exactly one thread in a fixed order: results do not depend on the count.
+//
+//   CausalSoftmax(scores [N, T, S]) -> probs [N, T, S]
+//       row t of each [T, S] block attends keys j <= t + (S - T); later keys get probability exactly 0
+//       (what adding -1e9 before a softmax gives in fp32).
+//   SoftmaxGrad(probs [N, T, S], dprobs [N, T, S]) -> dscores = probs * (dprobs - sum_j dprobs * probs)
+//       (causal: the zero probabilities give zero gradients; they are written, not computed).
+//   SwiGLU(gate [n], up [n]) -> silu(gate) * up
+//   SwiGLUGrad(gate [n], up [n], dout [n]) -> (dgate, dup)
+//   RMSNorm(x [N, H], weight [H], eps [1]) -> x / sqrt(mean(x^2) + eps) * weight
+//   RMSNormGrad(x [N, H], weight [H], eps [1], dy [N, H]) -> (dx [N, H], dweight [H])
+//       dweight sums fixed blocks of rows, then the blocks in order: the same bits at any thread count.
+//
+// Every function follows MindSpore's aot signature: int f(int nparam, void **params, int *ndims,
+// int64_t **shapes, const char **dtypes, void *stream, void *extra); inputs first, then outputs.
+
+#include <sched.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <thread>
+#include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+int env_int(const char *name) {
+  const char *v = std::getenv(name);
+  return v ? std::atoi(v) : 0;
+}
+
+int num_threads() {
+  cpu_set_t set;
+  int n = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 1;
+  for (const char *name : {"OMP_NUM_THREADS", "MSLLM_KERNEL_THREADS"}) {
+    const int cap = env_int(name);
+    if (cap > 0 && cap < n) n = cap;
+  }
+  return n < 1 ? 1 : n;
+}
+
+// fn(begin, end) over [0, n) in contiguous pieces, one per thread; the calling thread takes the first.
+template <typename F>
+void parallel_for(int64_t n, int64_t min_per_thread, F fn) {
+  int64_t t = num_threads();
+  if (t > n / (min_per_thread > 0 ? min_per_thread : 1)) t = n / (min_per_thread > 0 ? min_per_thread : 1);
+  if (t <= 1) {
+    fn(int64_t(0), n);
+    return;
+  }
+  std::vector<std::thread> workers;
+  const int64_t chunk = n / t, rem = n % t;
+  int64_t b = chunk + (rem > 0 ? 1 : 0);
+  for (int64_t i = 1; i < t; ++i) {
+    const int64_t e = b + chunk + (i < rem ? 1 : 0);
+    workers.emplace_back(fn, b, e);
+    b = e;
+  }
+  fn(int64_t(0), chunk + (rem > 0 ? 1 : 0));
+  for (auto &w : workers) w.join();
+}
+
+int64_t numel(int nd, const int64_t *shape) {
+  int64_t n = 1;
+  for (int i = 0; i < nd; ++i) n *= shape[i];
+  return n;
+}
+
+#if defined(__AVX512F__)
+// e^x for x <= 88.7 (below -87.3 it returns ~0): Cody-Waite range reduction to |r| <= ln2/2, degree-6
+// Taylor polynomial (relative error ~1e-7, about 1 ulp), times 2^n by scalef.
+inline __m512 exp512(__m512 x) {
+  const __m512 hi = _mm512_set1_ps(88.7f), lo = _mm512_set1_ps(-87.3f);
+  x = _mm512_max_ps(_mm512_min_ps(x, hi), lo);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+inline float exp1(float x) { return std::exp(x); }
+
+// softmax of row[0..k) in place into out[0..k), zeros in out[k..s)
+void softmax_row(const float *row, float *out, int64_t k, int64_t s) {
+  float m = -INFINITY;
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  __m512 vm = _mm512_set1_ps(-INFINITY);
+  for (; j + 16 <= k; j += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(row + j));
+  m = _mm512_reduce_max_ps(vm);
+#endif
+  for (; j < k; ++j) m = row[j] > m ? row[j] : m;
+  float sum = 0.f;
+  j = 0;
+#if defined(__AVX512F__)
+  const __m512 vmax = _mm512_set1_ps(m);
+  __m512 vs = _mm512_setzero_ps();
+  for (; j + 16 <= k; j += 16) {
+    __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(row + j), vmax));
+    _mm512_storeu_ps(out + j, e);
+    vs = _mm512_add_ps(vs, e);
+  }
+  sum = _mm512_reduce_add_ps(vs);
+#endif
+  for (; j < k; ++j) {
+    out[j] = exp1(row[j] - m);
+    sum += out[j];
+  }
+  const float inv = 1.0f / sum;
+  j = 0;
+#if defined(__AVX512F__)
+  const __m512 vinv = _mm512_set1_ps(inv);
+  for (; j + 16 <= k; j += 16) _mm512_storeu_ps(out + j, _mm512_mul_ps(_mm512_loadu_ps(out + j), vinv));
+#endif
+  for (; j < k; ++j) out[j] *= inv;
+  if (k < s) std::memset(out + k, 0, sizeof(float) * (s - k));
+}
+
+void softmax_grad_row(const float *p, const float *dp, float *out, int64_t k, int64_t s) {
+  float dot = 0.f;
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  __m512 vd = _mm512_setzero_ps();
+  for (; j + 16 <= k; j += 16) vd = _mm512_fmadd_ps(_mm512_loadu_ps(p + j), _mm512_loadu_ps(dp + j), vd);
+  dot = _mm512_reduce_add_ps(vd);
+#endif
+  for (; j < k; ++j) dot += p[j] * dp[j];
+  j = 0;
+#if defined(__AVX512F__)
+  const __m512 vdot = _mm512_set1_ps(dot);
+  for (; j + 16 <= k; j += 16)
+    _mm512_storeu_ps(out + j, _mm512_mul_ps(_mm512_loadu_ps(p + j), _mm512_sub_ps(_mm512_loadu_ps(dp + j), vdot)));
+#endif
+  for (; j < k; ++j) out[j] = p[j] * (dp[j] - dot);
+  if (k < s) std::memset(out + k, 0, sizeof(float) * (s - k));
+}
+
+constexpr int64_t kRowBlock = 32;  // rows per partial sum of RMSNormGrad's dweight
+
+// 1 / sqrt(mean(x^2) + eps) of one row
+inline float inv_rms(const float *x, int64_t h, float eps) {
+  float ss = 0.f;
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  for (; j + 16 <= h; j += 16) {
+    const __m512 v = _mm512_loadu_ps(x + j);
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  ss = _mm512_reduce_add_ps(acc);
+#endif
+  for (; j < h; ++j) ss += x[j] * x[j];
+  return 1.0f / std::sqrt(ss / static_cast<float>(h) + eps);
+}
+
+}  // namespace
+
+extern "C" int RMSNorm(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
+                       void *extra) {
+  if (nparam != 4) return 1;
+  const float *x = static_cast<const float *>(params[0]);
+  const float *w = static_cast<const float *>(params[1]);
+  const float eps = static_cast<const float *>(params[2])[0];
+  float *y = static_cast<float *>(params[3]);
+  const int64_t h = shapes[0][ndims[0] - 1], n = numel(ndims[0], shapes[0]) / h;
+  parallel_for(n, 64, [&](int64_t rb, int64_t re) {
+    for (int64_t r = rb; r < re; ++r) {
+      const float *xr = x + r * h;
+      float *yr = y + r * h;
+      const float inv = inv_rms(xr, h, eps);
+      int64_t j = 0;
+#if defined(__AVX512F__)
+      const __m512 vinv = _mm512_set1_ps(inv);
+      for (; j + 16 <= h; j += 16)
+        _mm512_storeu_ps(yr + j, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(xr + j), vinv), _mm512_loadu_ps(w + j)));
+#endif
+      for (; j < h; ++j) yr[j] = xr[j] * inv * w[j];
+    }
+  });
+  return 0;
+}
+
+extern "C" int RMSNormGrad(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                           void *stream, void *extra) {
+  if (nparam != 6) return 1;
+  const float *x = static_cast<const float *>(params[0]);
+  const float *w = static_cast<const float *>(params[1]);
+  const float eps = static_cast<const float *>(params[2])[0];
+  const float *dy = static_cast<const float *>(params[3]);
+  float *dx = static_cast<float *>(params[4]);
+  float *dw = static_cast<float *>(params[5]);
+  const int64_t h = shapes[0][ndims[0] - 1], n = numel(ndims[0], shapes[0]) / h;
+  const int64_t blocks = (n + kRowBlock - 1) / kRowBlock;
+  std::vector<float> partial(static_cast<size_t>(blocks * h), 0.f);
+  parallel_for(blocks, 2, [&](int64_t bb, int64_t be) {
+    for (int64_t b = bb; b < be; ++b) {
+      float *pw = partial.data() + b * h;
+      const int64_t r_end = (b + 1) * kRowBlock < n ? (b + 1) * kRowBlock : n;
+      for (int64_t r = b * kRowBlock; r < r_end; ++r) {
+        const float *xr = x + r * h, *gr = dy + r * h;
+        float *dxr = dx + r * h;
+        const float inv = inv_rms(xr, h, eps);
+        // dx = inv * (g - xhat * mean(g * xhat)), g = dy * w, xhat = x * inv;  dw += dy * xhat
+        float dot = 0.f;
+        for (int64_t j = 0; j < h; ++j) dot += gr[j] * w[j] * xr[j];
+        const float c = dot * inv * inv / static_cast<float>(h);
+        int64_t j = 0;
+#if defined(__AVX512F__)
+        const __m512 vinv = _mm512_set1_ps(inv), vc = _mm512_set1_ps(c);
+        for (; j + 16 <= h; j += 16) {
+          const __m512 vx = _mm512_loadu_ps(xr + j), vg = _mm512_loadu_ps(gr + j);
+          const __m512 vgw = _mm512_mul_ps(vg, _mm512_loadu_ps(w + j));
+          _mm512_storeu_ps(dxr + j, _mm512_mul_ps(vinv, _mm512_fnmadd_ps(vx, vc, vgw)));
+          _mm512_storeu_ps(pw + j, _mm512_fmadd_ps(vg, _mm512_mul_ps(vx, vinv), _mm512_loadu_ps(pw + j)));
+        }
+#endif
+        for (; j < h; ++j) {
+          dxr[j] = inv * (gr[j] * w[j] - xr[j] * c);
+          pw[j] += gr[j] * xr[j] * inv;
+        }
+      }
+    }
+  });
+  for (int64_t j = 0; j < h; ++j) dw[j] = 0.f;
+  for (int64_t b = 0; b < blocks; ++b)
+    for (int64_t j = 0; j < h; ++j) dw[j] += partial[b * h + j];
+  return 0;
+}
+
+extern "C" int CausalSoftmax(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                             void *stream, void *extra) {
+  if (nparam != 2 || ndims[0] != 3) return 1;
+  const float *x = static_cast<const float *>(params[0]);
+  float *y = static_cast<float *>(params[1]);
+  const int64_t n = shapes[0][0], t = shapes[0][1], s = shapes[0][2], off = s - t;
+  parallel_for(n * t, 16, [&](int64_t rb, int64_t re) {
+    for (int64_t r = rb; r < re; ++r) {
+      const int64_t k = (r % t) + off + 1;  // keys 0..t+off
+      softmax_row(x + r * s, y + r * s, k < s ? k : s, s);
+    }
+  });
+  return 0;
+}
+
+extern "C" int SoftmaxGrad(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                           void *stream, void *extra) {
+  if (nparam != 3 || ndims[0] != 3) return 1;
+  const float *p = static_cast<const float *>(params[0]);
+  const float *dp = static_cast<const float *>(params[1]);
+  float *out = static_cast<float *>(params[2]);
+  const int64_t n = shapes[0][0], t = shapes[0][1], s = shapes[0][2], off = s - t;
+  parallel_for(n * t, 16, [&](int64_t rb, int64_t re) {
+    for (int64_t r = rb; r < re; ++r) {
+      const int64_t k = (r % t) + off + 1;
+      softmax_grad_row(p + r * s, dp + r * s, out + r * s, k < s ? k : s, s);
+    }
+  });
+  return 0;
+}
+
+extern "C" int SwiGLU(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                      void *stream, void *extra) {
+  if (nparam != 3) return 1;
+  const float *g = static_cast<const float *>(params[0]);
+  const float *u = static_cast<const float *>(params[1]);
+  float *out = static_cast<float *>(params[2]);
+  const int64_t n = numel(ndims[0], shapes[0]);
+  parallel_for(n, 16384, [&](int64_t j, int64_t e) {
+#if defined(__AVX512F__)
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (; j + 16 <= e; j += 16) {
+      const __m512 vg = _mm512_loadu_ps(g + j);
+      const __m512 sg = _mm512_div_ps(one, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), vg))));
+      _mm512_storeu_ps(out + j, _mm512_mul_ps(_mm512_mul_ps(vg, sg), _mm512_loadu_ps(u + j)));
+    }
+#endif
+    for (; j < e; ++j) out[j] = g[j] / (1.0f + exp1(-g[j])) * u[j];
+  });
+  return 0;
+}
+
+extern "C" int SwiGLUGrad(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                          void *stream, void *extra) {
+  if (nparam != 5) return 1;
+  const float *g = static_cast<const float *>(params[0]);
+  const float *u = static_cast<const float *>(params[1]);
+  const float *d = static_cast<const float *>(params[2]);
+  float *dg = static_cast<float *>(params[3]);
+  float *du = static_cast<float *>(params[4]);
+  const int64_t n = numel(ndims[0], shapes[0]);
+  parallel_for(n, 16384, [&](int64_t j, int64_t e) {
+#if defined(__AVX512F__)
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (; j + 16 <= e; j += 16) {
+      const __m512 vg = _mm512_loadu_ps(g + j), vd = _mm512_loadu_ps(d + j);
+      const __m512 s = _mm512_div_ps(one, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), vg))));
+      const __m512 a = _mm512_mul_ps(vg, s);  // silu(g)
+      // d silu(g) / dg = s * (1 + g - a)
+      const __m512 ds = _mm512_mul_ps(s, _mm512_sub_ps(_mm512_add_ps(one, vg), a));
+      _mm512_storeu_ps(dg + j, _mm512_mul_ps(_mm512_mul_ps(vd, _mm512_loadu_ps(u + j)), ds));
+      _mm512_storeu_ps(du + j, _mm512_mul_ps(vd, a));
+    }
+#endif
+    for (; j < e; ++j) {
+      const float s = 1.0f / (1.0f + exp1(-g[j])), a = g[j] * s;
+      dg[j] = d[j] * u[j] * (s * (1.0f + g[j] - a));
+      du[j] = d[j] * a;
+    }
+  });
+  return 0;
+}

@@ -1,0 +1,135 @@
+"""The fused train-step kernels (model/train_kernels.cc via model/kernels.py) against MindSpore's own ops.
+
+Skipped only where no C++ compiler can build them; the model then runs MindSpore's own ops, which the
+fallback test checks."""
+
+from __future__ import annotations
+
+import numpy as np
+import mindspore as ms
+import pytest
+from mindspore import Tensor
+
+from model import LlamaForCausalLM, ModelConfig
+from model.kernels import train_ops
+
+K = train_ops()
+needs_kernels = pytest.mark.skipif(K is None, reason="no C++ compiler: the fused kernels cannot be built here")
+
+
+def _ref_causal_softmax(x: np.ndarray) -> np.ndarray:
+    n, t, s = x.shape
+    keep = np.arange(s)[None, :] <= np.arange(t)[:, None] + (s - t)           # [T, S]
+    z = np.where(keep, x.astype(np.float64), -np.inf)
+    e = np.exp(z - z.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+@pytest.fixture(params=["1", "3"])
+def threads(request, monkeypatch):
+    monkeypatch.setenv("MSLLM_KERNEL_THREADS", request.param)  # read at every call: results must not depend on it
+    return int(request.param)
+
+
+@needs_kernels
+@pytest.mark.parametrize("t,s", [(37, 37), (5, 21), (64, 64)])  # odd widths hit the scalar tails; S > T: queries at the end
+def test_causal_softmax_and_its_gradient(t, s, threads):
+    rng = np.random.default_rng(t * s)
+    x = (rng.standard_normal((3, t, s)) * 4).astype(np.float32)
+    probs = K.causal_softmax(Tensor(x)).asnumpy()
+    want = _ref_causal_softmax(x)
+    assert np.abs(probs - want).max() < 2e-6
+    assert (probs[:, np.arange(s)[None, :] > np.arange(t)[:, None] + (s - t)] == 0).all()  # masked: exactly 0
+    dp = rng.standard_normal((3, t, s)).astype(np.float32)
+    got = K.softmax_grad(Tensor(probs), Tensor(dp)).asnumpy()
+    want_g = want * (dp - (dp * want).sum(-1, keepdims=True))
+    assert np.abs(got - want_g).max() < 5e-6
+
+
+@needs_kernels
+def test_swiglu_and_its_gradient(threads):
+    rng = np.random.default_rng(0)
+    g = (rng.standard_normal((2, 7, 53)) * 6).astype(np.float32)  # |g| up to ~25: sigmoid saturates both ways
+    u, d = rng.standard_normal((2, 2, 7, 53)).astype(np.float32)
+    gd = g.astype(np.float64)
+    s = 1 / (1 + np.exp(-gd))
+    assert np.abs(K.swiglu(Tensor(g), Tensor(u)).asnumpy() - gd * s * u).max() < 1e-5
+    dg, du = (a.asnumpy() for a in K.swiglu_grad(Tensor(g), Tensor(u), Tensor(d)))
+    assert np.abs(dg - d * u * (s + gd * s * (1 - s))).max() < 1e-5
+    assert np.abs(du - d * gd * s).max() < 1e-5
+
+
+@needs_kernels
+@pytest.mark.parametrize("n,h", [(70, 64), (5, 37)])  # rows not a multiple of the 32-row dweight block; odd width
+def test_rms_norm_and_its_gradient(n, h, threads):
+    rng = np.random.default_rng(n)
+    x = (rng.standard_normal((n, h)) * 3).astype(np.float32)
+    w, eps = (1 + 0.1 * rng.standard_normal(h)).astype(np.float32), 1e-6
+    dy = rng.standard_normal((n, h)).astype(np.float32)
+    e = Tensor(np.array([eps], np.float32))
+    xd = x.astype(np.float64)
+    inv = 1 / np.sqrt((xd ** 2).mean(-1, keepdims=True) + eps)
+    assert np.abs(K.rms_norm(Tensor(x), Tensor(w), e).asnumpy() - xd * inv * w).max() < 1e-5
+    dx, dw = (a.asnumpy() for a in K.rms_norm_grad(Tensor(x), Tensor(w), e, Tensor(dy)))
+    g = dy * w
+    want_dx = inv * g - xd * inv ** 3 * (g * xd).mean(-1, keepdims=True)
+    assert np.abs(dx - want_dx).max() < 1e-5
+    assert np.abs(dw - (dy * xd * inv).sum(0)).max() < 1e-4
+
+
+def test_results_do_not_depend_on_the_thread_count(monkeypatch):
+    if K is None:
+        pytest.skip("no C++ compiler")
+    rng = np.random.default_rng(3)
+    x, dy = rng.standard_normal((2, 301, 48)).astype(np.float32)
+    w, e = Tensor(np.ones(48, np.float32)), Tensor(np.array([1e-6], np.float32))
+    outs = []
+    for t in ("1", "2", "5"):
+        monkeypatch.setenv("MSLLM_KERNEL_THREADS", t)
+        dx, dw = K.rms_norm_grad(Tensor(x), w, e, Tensor(dy))
+        outs.append((dx.asnumpy(), dw.asnumpy(), K.causal_softmax(Tensor(np.stack([x[:48], x[48:96]]))).asnumpy()))
+    for o in outs[1:]:
+        for a, b in zip(outs[0], o):
+            np.testing.assert_array_equal(a, b)
+
+
+def _loss_and_grads(net, ids, labels):
+    grad_fn = ms.value_and_grad(lambda x, y: net.loss(x, y), None, net.trainable_params())
+    loss, grads = grad_fn(Tensor(ids), Tensor(labels))
+    return float(loss), [g.asnumpy() for g in grads]
+
+
+@needs_kernels
+def test_fused_model_matches_builtin_ops_forward_and_backward():
+    cfg = ModelConfig.from_name("tiny")
+    ids = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 33)).astype(np.int32)
+    base, fused = LlamaForCausalLM(cfg, seed=0), LlamaForCausalLM(cfg, seed=0, fused_kernels=True)
+    assert fused.fused_kernels and not base.fused_kernels
+    a, b = base(Tensor(ids)).asnumpy(), fused(Tensor(ids)).asnumpy()
+    assert np.abs(a - b).max() < 1e-5 * np.abs(a).max()
+    la, ga = _loss_and_grads(base, ids[:, :-1], ids[:, 1:])
+    lb, gb = _loss_and_grads(fused, ids[:, :-1], ids[:, 1:])
+    assert abs(la - lb) < 1e-6
+    for x, y in zip(ga, gb):
+        assert np.abs(x - y).max() <= 1e-5 * max(np.abs(x).max(), 1e-6)
+
+
+def test_fallback_without_kernels_and_in_fp16(monkeypatch):
+    cfg = ModelConfig.from_name("tiny")
+    assert not LlamaForCausalLM(cfg, seed=0, compute_dtype=ms.float16, fused_kernels=True).fused_kernels
+    import model.kernels as kernels
+
+    monkeypatch.setattr(kernels, "_train_ops", [])
+    monkeypatch.setenv("MSLLM_FUSED_KERNELS", "0")  # as on a machine without g++: built-in ops, same results
+    net = LlamaForCausalLM(cfg, seed=0, fused_kernels=True)
+    assert not net.fused_kernels
+    ids = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 9)).astype(np.int32)
+    np.testing.assert_array_equal(net(Tensor(ids)).asnumpy(), LlamaForCausalLM(cfg, seed=0)(Tensor(ids)).asnumpy())
+
+
+def test_build_without_a_compiler_gives_none(monkeypatch, tmp_path):
+    import model.kernels as kernels
+
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setattr(kernels, "_built", {})
+    assert kernels.build(kernels.TRAIN_SOURCE) is None
