@@ -74,7 +74,8 @@ def train_ops() -> SimpleNamespace | None:
     causal_softmax(scores [N, T, S]) -> probs, queries at the last T of S key positions;
     softmax_grad(probs, dprobs) -> dscores; swiglu(gate, up) -> silu(gate) * up;
     swiglu_grad(gate, up, dout) -> (dgate, dup); rms_norm(x [N, H], weight [H], eps [1]) -> y;
-    rms_norm_grad(x, weight, eps, dy) -> (dx, dweight).
+    rms_norm_grad(x, weight, eps, dy) -> (dx, dweight); cross_entropy(logits [N, V], labels [N] int32) ->
+    (nll [N], logsumexp [N]); cross_entropy_grad(logits, labels, logsumexp, dnll) -> dlogits.
     """
     if _train_ops:
         return _train_ops[0]
@@ -94,6 +95,8 @@ def train_ops() -> SimpleNamespace | None:
             swiglu_grad=op("SwiGLUGrad", lambda g, u, d: (g, g), lambda g, u, d: (g, g)),
             rms_norm=op("RMSNorm", lambda x, w, e: x, lambda x, w, e: x),
             rms_norm_grad=op("RMSNormGrad", lambda x, w, e, d: (x, w), lambda x, w, e, d: (x, w)),
+            cross_entropy=op("CrossEntropy", lambda x, y: ([x[0]], [x[0]]), lambda x, y: (x, x)),
+            cross_entropy_grad=op("CrossEntropyGrad", lambda x, y, lse, d: x, lambda x, y, lse, d: x),
         )
     _train_ops.append(ns)
     return ns

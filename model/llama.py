@@ -276,6 +276,22 @@ class FusedCausalSoftmax(nn.Cell):
         return (self.backward_op(out, dout),)
 
 
+class FusedCrossEntropy(nn.Cell):
+    """Per-row cross-entropy of logits [N, V] against int32 labels [N] (negative = ignored, nll 0), returning
+    (nll [N], logsumexp [N]); forward and backward one pass each (model/train_kernels.cc): no [N, V]
+    log-probability buffer is kept, and the backward writes dlogits directly."""
+
+    def __init__(self, kernels):
+        super().__init__()
+        self.forward_op, self.backward_op = kernels.cross_entropy, kernels.cross_entropy_grad
+
+    def construct(self, logits: Tensor, labels: Tensor):
+        return self.forward_op(logits, labels)
+
+    def bprop(self, logits, labels, out, dout):
+        return self.backward_op(logits, labels, out[1], dout[0]), ops.zeros_like(labels)
+
+
 class SwiGLU(nn.Cell):
     """silu(gate) * up, with a hand-written backward: ~28% faster forward + backward on CPU than
     autodiff of ops.silu (which expands to Sigmoid, SigmoidGrad and more element-wise passes); with
@@ -392,6 +408,8 @@ class LlamaForCausalLM(nn.Cell):
 
             kernels = train_ops()
         self.fused_kernels = kernels is not None
+        if self.fused_kernels:
+            self.cross_entropy = FusedCrossEntropy(kernels)
         self.layers = nn.CellList([DecoderLayer(config, init, compute_dtype, tensor_parallel, kernels)
                                    for _ in range(config.num_layers)])
         self.norm = RMSNorm(h, config.norm_eps, compute_dtype, kernels)
@@ -474,8 +492,14 @@ class LlamaForCausalLM(nn.Cell):
         return self._logits(x), new_k, new_v                           # [B, T, V], caches
 
     def loss(self, input_ids: Tensor, labels: Tensor) -> Tensor:
-        """Mean next-token cross-entropy; labels[b, t] is the target of position t."""
-        return causal_lm_loss(self.construct(input_ids), labels)  # self(...) fails under jit
+        """Mean next-token cross-entropy; labels[b, t] is the target of position t (-100 = ignored)."""
+        logits = self.construct(input_ids)  # self(...) fails under jit
+        if self.fused_kernels:
+            labels = labels.reshape(-1).astype(ms.int32)
+            nll, _ = self.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels)
+            count = (labels != -100).astype(ms.float32).sum()
+            return nll.sum() / ops.maximum(count, 1.0)
+        return causal_lm_loss(logits, labels)
 
 
 def causal_lm_loss(logits: Tensor, labels: Tensor, ignore_index: int = -100) -> Tensor:

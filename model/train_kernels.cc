@@ -21,6 +21,10 @@
 //   RMSNorm(x [N, H], weight [H], eps [1]) -> x / sqrt(mean(x^2) + eps) * weight
 //   RMSNormGrad(x [N, H], weight [H], eps [1], dy [N, H]) -> (dx [N, H], dweight [H])
 //       dweight sums fixed blocks of rows, then the blocks in order: the same bits at any thread count.
+//   CrossEntropy(logits [N, V], labels [N] int32) -> (nll [N], lse [N])
+//       nll = logsumexp(row) - row[label]; a label < 0 (ignore_index) gives nll 0.
+//   CrossEntropyGrad(logits [N, V], labels [N], lse [N], dnll [N]) -> dlogits = (softmax - onehot) * dnll
+//       (one pass: MindSpore's LogSoftmax + gather backward write two [N, V] buffers and read three).
 //
 // Every function follows MindSpore's aot signature: int f(int nparam, void **params, int *ndims,
 // int64_t **shapes, const char **dtypes, void *stream, void *extra); inputs first, then outputs.
@@ -248,6 +252,74 @@ extern "C" int RMSNormGrad(int nparam, void **params, int *ndims, int64_t **shap
   for (int64_t j = 0; j < h; ++j) dw[j] = 0.f;
   for (int64_t b = 0; b < blocks; ++b)
     for (int64_t j = 0; j < h; ++j) dw[j] += partial[b * h + j];
+  return 0;
+}
+
+extern "C" int CrossEntropy(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                            void *stream, void *extra) {
+  if (nparam != 4 || ndims[0] != 2) return 1;
+  const float *x = static_cast<const float *>(params[0]);
+  const int32_t *label = static_cast<const int32_t *>(params[1]);
+  float *nll = static_cast<float *>(params[2]);
+  float *lse = static_cast<float *>(params[3]);
+  const int64_t n = shapes[0][0], v = shapes[0][1];
+  parallel_for(n, 8, [&](int64_t rb, int64_t re) {
+    for (int64_t r = rb; r < re; ++r) {
+      const float *row = x + r * v;
+      float m = -INFINITY;
+      int64_t j = 0;
+#if defined(__AVX512F__)
+      __m512 vm = _mm512_set1_ps(-INFINITY);
+      for (; j + 16 <= v; j += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(row + j));
+      m = _mm512_reduce_max_ps(vm);
+#endif
+      for (; j < v; ++j) m = row[j] > m ? row[j] : m;
+      float sum = 0.f;
+      j = 0;
+#if defined(__AVX512F__)
+      const __m512 vmax = _mm512_set1_ps(m);
+      __m512 vs = _mm512_setzero_ps();
+      for (; j + 16 <= v; j += 16) vs = _mm512_add_ps(vs, exp512(_mm512_sub_ps(_mm512_loadu_ps(row + j), vmax)));
+      sum = _mm512_reduce_add_ps(vs);
+#endif
+      for (; j < v; ++j) sum += exp1(row[j] - m);
+      lse[r] = m + std::log(sum);
+      const int32_t y = label[r];
+      nll[r] = (y >= 0 && y < v) ? lse[r] - row[y] : 0.f;
+    }
+  });
+  return 0;
+}
+
+extern "C" int CrossEntropyGrad(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                                void *stream, void *extra) {
+  if (nparam != 5 || ndims[0] != 2) return 1;
+  const float *x = static_cast<const float *>(params[0]);
+  const int32_t *label = static_cast<const int32_t *>(params[1]);
+  const float *lse = static_cast<const float *>(params[2]);
+  const float *dnll = static_cast<const float *>(params[3]);
+  float *dx = static_cast<float *>(params[4]);
+  const int64_t n = shapes[0][0], v = shapes[0][1];
+  parallel_for(n, 8, [&](int64_t rb, int64_t re) {
+    for (int64_t r = rb; r < re; ++r) {
+      const float *row = x + r * v;
+      float *out = dx + r * v;
+      const int32_t y = label[r];
+      const float d = (y >= 0 && y < v) ? dnll[r] : 0.f;
+      if (d == 0.f) {
+        std::memset(out, 0, sizeof(float) * v);
+        continue;
+      }
+      int64_t j = 0;
+#if defined(__AVX512F__)
+      const __m512 vl = _mm512_set1_ps(lse[r]), vd = _mm512_set1_ps(d);
+      for (; j + 16 <= v; j += 16)
+        _mm512_storeu_ps(out + j, _mm512_mul_ps(exp512(_mm512_sub_ps(_mm512_loadu_ps(row + j), vl)), vd));
+#endif
+      for (; j < v; ++j) out[j] = exp1(row[j] - lse[r]) * d;
+      out[y] -= d;
+    }
+  });
   return 0;
 }
 

@@ -554,6 +554,12 @@ def causal_lm_loss_fn(net):
     benchmarks differentiate (pretrain and finetune share it)."""
     from model.llama import causal_lm_loss
 
+    if getattr(net, "fused_kernels", False):  # the fused cross-entropy (model/llama.py LlamaForCausalLM.loss)
+        def fused_loss_fn(ids, labels):
+            return net.loss(ids, labels)
+
+        return fused_loss_fn
+
     def loss_fn(ids, labels):  # a def, not a lambda: MindSpore's jit parser needs it on its own line
         return causal_lm_loss(net(ids), labels)
 
