@@ -231,3 +231,20 @@ extern "C" int DecodeStep(int nparam, void **params, int *ndims, int64_t **shape
   }
   return 0;
 }
+
+// y = W x for W [rows, n]: the decode step's GEMV alone, over `threads` OpenMP threads. For measuring this
+// machine's read bandwidth the way decoding uses it (scripts/bench/generate.py, through ctypes).
+extern "C" int Gemv(const float *W, const float *x, float *y, int64_t rows, int64_t n, int threads) {
+#pragma omp parallel num_threads(threads > 0 ? threads : 1)
+  {
+#ifdef _OPENMP
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+#else
+    const int t = 0, nt = 1;
+#endif
+    int64_t b, e;
+    split(rows, t, nt, &b, &e);
+    gemv_rows(W, x, y, n, b, e, false);
+  }
+  return 0;
+}

@@ -21,12 +21,14 @@ thread is descheduled at a barrier: taking each side's best thread count keeps t
 `speedup_vs_hf` is best against best; `speedup_vs_hf_rounds` the same ratio within each round.
 
 Decode speed is also given as a fraction of this machine's memory-bandwidth limit: bytes of matmul
-weights read per token (every projection and the LM head, fp32) over the bytes/s of an fp32 GEMV
-measured here with numpy (the best of the same thread counts), twice: on a matrix twice the L3 size
+weights read per token (every projection and the LM head, fp32) over the bytes/s of a large fp32
+GEMV measured in the same rounds (best round, best thread count), with the fused step's own GEMV
+(`gemv`: "kernel"; numpy's BLAS figures beside it, lower here), twice: on a matrix twice the L3 size
 (`gemv_gb_per_s`: DRAM bandwidth, the limit for weights that do not stay cached) and on a matrix the
 size of one token's weights (`gemv_in_cache_gb_per_s`: on a CPU whose L3 holds the model, as here,
 the weights stay in L3 between tokens, so decode can beat the DRAM figure; `bandwidth_note` says so
-when it does). Compilation / warm-up happen before the clock starts on every path.
+when it does, and the in-cache fraction is the one that applies).
+Compilation / warm-up happen before the clock starts on every path.
 Then `MindSporeLM._loglikelihood_tokens` scores `--requests` synthetic (context, continuation) pairs
 shaped like multiple-choice requests (context 20–100 tokens, continuation 1–12) with `--batch-size`,
 after one warm-up pass. Prints one JSON line.
@@ -59,34 +61,54 @@ def l3_bytes() -> int:
     return int(text.rstrip("KMGkmg") or 0) * mult
 
 
-def gemv_bytes_per_s(nbytes: int, repeats: int = 5, threads: int | None = None) -> float:
-    """Bytes/s of an fp32 GEMV on a ~nbytes matrix: matrix bytes / best time (numpy's BLAS on `threads`
-    threads where threadpoolctl is installed, else on its default: all cores)."""
-    import contextlib
+class GemvBench:
+    """Bytes/s of an fp32 GEMV y = W x on a ~nbytes matrix W [rows, 4096]: matrix bytes / best time, with
+    numpy's BLAS (threads set through threadpoolctl where installed) or with the fused decode step's own
+    GEMV (model/decode_kernel.cc `Gemv`, through ctypes). Matrices are built once; `measure` adds one
+    more batch of timed repeats, so calls interleaved with the decode rounds see the same load."""
 
-    import numpy as np
+    def __init__(self, nbytes: int, lib: str | None):
+        import numpy as np
 
-    try:
-        from threadpoolctl import threadpool_limits
+        cols = 4096
+        self.a = np.ones((max(1, nbytes // (4 * cols)), cols), np.float32)  # every page written
+        self.v = np.ones(cols, np.float32)
+        self.y = np.zeros(self.a.shape[0], np.float32)
+        self.kernel = None
+        if lib is not None:
+            import ctypes
 
-        limit = threadpool_limits(threads) if threads else contextlib.nullcontext()
-    except ImportError:
-        limit = contextlib.nullcontext()
-    with limit:
-        return _gemv_bytes_per_s(np, nbytes, repeats)
+            fn = ctypes.CDLL(lib).Gemv
+            fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+            self.kernel = fn
+        self.best: dict[tuple[str, int], float] = {}
 
+    def _run(self, impl: str, threads: int) -> None:
+        if impl == "kernel":
+            self.kernel(self.a.ctypes.data, self.v.ctypes.data, self.y.ctypes.data, *self.a.shape, threads)
+        else:
+            self.a @ self.v
 
-def _gemv_bytes_per_s(np, nbytes: int, repeats: int) -> float:
-    cols = 4096
-    a = np.ones((max(1, nbytes // (4 * cols)), cols), np.float32)  # every page written: no lazy zero pages
-    v = np.ones(cols, np.float32)
-    a @ v  # warm up (BLAS threads started; an in-cache matrix loaded into the cache)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        a @ v
-        best = min(best, time.perf_counter() - t0)
-    return a.nbytes / best
+    def measure(self, threads: int, repeats: int) -> None:
+        import contextlib
+
+        try:
+            from threadpoolctl import threadpool_limits
+
+            limit = threadpool_limits(threads)
+        except ImportError:  # numpy's default: all cores
+            limit = contextlib.nullcontext()
+        with limit:
+            for impl in ("numpy", "kernel") if self.kernel is not None else ("numpy",):
+                self._run(impl, threads)  # warm up (threads started; an in-cache matrix loaded)
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    self._run(impl, threads)
+                    dt = time.perf_counter() - t0
+                    self.best[impl, threads] = min(self.best.get((impl, threads), float("inf")), dt)
+
+    def bytes_per_s(self, impl: str) -> float:
+        return max(self.a.nbytes / t for (i, _), t in self.best.items() if i == impl)
 
 
 def weight_bytes_per_token(cfg) -> int:
@@ -177,7 +199,7 @@ def main() -> None:
     ap.add_argument("--threads", default="1,2",
                     help="thread counts for the fused decode step, PyTorch (HF) and numpy's GEMV, comma-separated")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved timed rounds of HF, fused and decoder")
-    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--requests", type=int, default=256, help="eval requests; 0 skips the eval part")
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers / PyTorch baseline")
     ap.add_argument("--side", choices=["hf"], default=None, help=argparse.SUPPRESS)
@@ -194,7 +216,7 @@ def main() -> None:
 
     setup_mindspore()
     from model.config import ModelConfig
-    from model.generate import Generator
+    from model.generate import Generator, build_decode_kernel
     from model.llama import LlamaForCausalLM
     from tasks.stages.evaluate.lm_adapter import MindSporeLM
 
@@ -226,9 +248,16 @@ def main() -> None:
     for g in paths.values():
         g.compile(len(prompt), a.new_tokens)
     res["cached_compile_s"] = round(time.perf_counter() - t0, 2)
+    per_token = weight_bytes_per_token(cfg)
+    l3 = l3_bytes()
+    lib = build_decode_kernel()
+    gemv_dram, gemv_cache = GemvBench(max(2 * l3, 512 << 20), lib), GemvBench(per_token, lib)
     tps: dict[str, list[float]] = {}
     tokens: dict[str, list[int]] = {}
     for _ in range(a.rounds):  # interleaved, so load on a shared machine hits every path alike
+        for t in counts:
+            gemv_dram.measure(t, 2)
+            gemv_cache.measure(t, 10)
         for t in counts if hf is not None else ():
             out = hf.run(t)
             tps.setdefault(f"hf@{t}", []).append(out["tokens_per_s"])
@@ -269,13 +298,13 @@ def main() -> None:
             res["decoder_speedup_vs_hf"] = round(best["decoder"] / best["hf"], 2)
     res["tokens_per_s_by_threads"] = {name: [round(x, 1) for x in v] for name, v in tps.items()}
 
-    per_token = weight_bytes_per_token(cfg)
-    l3 = l3_bytes()
-    bw_dram = max(gemv_bytes_per_s(max(2 * l3, 512 << 20), threads=t) for t in counts)
-    bw_cache = max(gemv_bytes_per_s(per_token, repeats=20, threads=t) for t in counts)
+    impl = "kernel" if lib is not None else "numpy"  # the faster GEMV here: the limit decode is held to
+    bw_dram, bw_cache = gemv_dram.bytes_per_s(impl), gemv_cache.bytes_per_s(impl)
     res.update(decode_ms_per_token=round(1000 / best["cached"], 2), weight_mb_per_token=round(per_token / 1e6, 1),
-               l3_mb=round(l3 / 2**20), gemv_gb_per_s=round(bw_dram / 1e9, 1),
+               l3_mb=round(l3 / 2**20), gemv=impl, gemv_gb_per_s=round(bw_dram / 1e9, 1),
                gemv_in_cache_gb_per_s=round(bw_cache / 1e9, 1),
+               numpy_gemv_gb_per_s=round(gemv_dram.bytes_per_s("numpy") / 1e9, 1),
+               numpy_gemv_in_cache_gb_per_s=round(gemv_cache.bytes_per_s("numpy") / 1e9, 1),
                bandwidth_limit_tokens_per_s=round(bw_dram / per_token, 1),
                in_cache_limit_tokens_per_s=round(bw_cache / per_token, 1))
     for name, key in (("cached", ""), ("decoder", "decoder_"), ("hf", "hf_")):
@@ -285,10 +314,13 @@ def main() -> None:
     if best["cached"] * per_token > bw_dram:
         res["bandwidth_note"] = (f"decode reads {per_token / 1e6:.0f} MB of weights per token, which stay in the "
                                  f"{l3 / 2**20:.0f} MiB L3 between tokens, so it can exceed the DRAM GEMV limit "
-                                 f"(matrix of 2x L3); the in-cache figure is a GEMV on one token's weight bytes")
+                                 f"(a matrix of 2x L3); the in-cache limit is a GEMV on one token's weight bytes")
     res["kv_speedup"] = round(best["cached"] / res["uncached_tokens_per_s"], 2)  # secondary: vs our own uncached path
     res["same_tokens"] = all(v == tokens["uncached"] for k, v in tokens.items() if k != "hf")
 
+    if a.requests <= 0:  # decode only
+        print(json.dumps(res))
+        return
     lm = MindSporeLM(net=net, tokenizer=None, eot_token_id=2, batch_size=a.batch_size, progress=False)
     reqs = [(None, [int(t) for t in rng.integers(3, cfg.vocab_size, int(rng.integers(20, 101)))],
              [int(t) for t in rng.integers(3, cfg.vocab_size, int(rng.integers(1, 13)))]) for _ in range(a.requests)]
