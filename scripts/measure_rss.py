@@ -20,6 +20,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--recompute", action="store_true")
+    ap.add_argument("--no-fused", action="store_true", help="MindSpore's own ops only (pretrain.fused_kernels: false)")
     a = ap.parse_args()
     import numpy as np
 
@@ -32,7 +33,7 @@ def main() -> None:
     from tasks.training.trainer import peak_rss_bytes
 
     cfg = ModelConfig.from_name(a.preset)
-    net = LlamaForCausalLM(cfg, seed=0)
+    net = LlamaForCausalLM(cfg, seed=0, fused_kernels=not a.no_fused)  # as the trainer (pretrain.fused_kernels)
     if a.recompute:
         net.enable_recompute()
     step = causal_lm_train_step(net, net.trainable_params())

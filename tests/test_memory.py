@@ -15,13 +15,19 @@ from tasks.training.memory import GiB, Layout, estimate, plan
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-kernels", "builtin-ops"])
 @pytest.mark.parametrize("preset,batch,seq", [("tiny", 8, 64), ("small", 8, 128)])
-def test_estimate_within_30_percent_of_measured_peak_rss(preset, batch, seq):
+def test_estimate_within_30_percent_of_measured_peak_rss(preset, batch, seq, fused):
+    from model.kernels import train_ops
+
+    if fused and train_ops() is None:
+        pytest.skip("no C++ compiler: the fused kernels cannot be built here")
     out = subprocess.run([sys.executable, "scripts/measure_rss.py", "--preset", preset, "--batch", str(batch),
-                          "--seq", str(seq), "--steps", "2"], capture_output=True, text=True, cwd=REPO, timeout=600)
+                          "--seq", str(seq), "--steps", "2", *([] if fused else ["--no-fused"])],
+                         capture_output=True, text=True, cwd=REPO, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     measured = json.loads(out.stdout.strip().splitlines()[-1])["peak_rss_bytes"]
-    est = estimate(ModelConfig.from_name(preset), micro_batch=batch, seq=seq).total
+    est = estimate(ModelConfig.from_name(preset), micro_batch=batch, seq=seq, fused_kernels=fused).total
     assert abs(est - measured) / measured < 0.30, (est / GiB, measured / GiB)
 
 

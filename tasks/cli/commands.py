@@ -233,7 +233,7 @@ def cmd_plan(args) -> int:
                  micro_batch_num=par.micro_batch_num, optimizer_shard=par.optimizer_shard)
     mem = args.device_memory  # bytes (parsed and checked by argparse)
     est = estimate(mc, micro_batch=pt.micro_batch_size, seq=seq, precision=pt.precision, recompute=pt.recompute,
-                   layout=lay, backend=par.device_target)
+                   layout=lay, backend=par.device_target, fused_kernels=pt.fused_kernels)
     print(f"model {cfg.model.preset}: {mc.num_parameters / 1e9:.3f}B parameters; micro batch {pt.micro_batch_size}, "
           f"seq {seq}, {pt.precision}, recompute {'on' if pt.recompute else 'off'}, backend {par.device_target}")
     print(f"configured layout dp={lay.dp} tp={lay.tp} pp={lay.pp} (micro_batch_num={lay.micro_batch_num}, "
