@@ -230,7 +230,14 @@ extern "C" int RMSNormGrad(int nparam, void **params, int *ndims, int64_t **shap
         const float inv = inv_rms(xr, h, eps);
         // dx = inv * (g - xhat * mean(g * xhat)), g = dy * w, xhat = x * inv;  dw += dy * xhat
         float dot = 0.f;
-        for (int64_t j = 0; j < h; ++j) dot += gr[j] * w[j] * xr[j];
+        int64_t k = 0;
+#if defined(__AVX512F__)
+        __m512 vdot = _mm512_setzero_ps();
+        for (; k + 16 <= h; k += 16)
+          vdot = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_loadu_ps(gr + k), _mm512_loadu_ps(w + k)), _mm512_loadu_ps(xr + k), vdot);
+        dot = _mm512_reduce_add_ps(vdot);
+#endif
+        for (; k < h; ++k) dot += gr[k] * w[k] * xr[k];
         const float c = dot * inv * inv / static_cast<float>(h);
         int64_t j = 0;
 #if defined(__AVX512F__)
