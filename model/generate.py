@@ -5,15 +5,21 @@
     ids = gen.generate(prompt_ids, max_new_tokens=48, temperature=0.8, top_k=50, top_p=0.95, seed=1)
     ids = gen.generate(prompt_ids, stop=lambda new_ids: ...)  # e.g. decode and look for a stop string
 
-The cached path preallocates one K and one V buffer of [1, n_kv, S, head_dim] per
-layer (S = max_seq_length) and runs `LlamaForCausalLM.forward_cached` under
-`mindspore.jit`: the prompt is right-padded to a multiple of `bucket` and written in
-one prefill call, then each decode step feeds one token at a Tensor position, so the
-step compiles once and never again (the caches go in through `mindspore.mutable`;
-a plain tuple of Tensors is a jit constant and recompiles on every new value). The
-uncached path recomputes the full forward over the whole sequence each step (also
-jit-compiled, right-padded to a multiple of `bucket`, one compilation per bucket): the
-reference for tests and the baseline of `scripts/bench/generate.py`.
+The cached path, for an fp32 single-device net with plain projections (`CachedDecoder.supports`),
+writes the prompt (right-padded to a multiple of `bucket`) into per-layer K/V cache Parameters
+[n_kv, S, head_dim] (S = max_len) with `CachedDecoder` under `mindspore.jit`, then decodes each token
+with ONE MindSpore custom op, `FusedDecodeStep` (model/decode_kernel.cc, built with g++ on first use:
+every layer's RMSNorm, projections, RoPE, attention over the cache and SwiGLU MLP, plus the LM head,
+with AVX-512 GEMVs over OpenMP threads; it reads the net's own Parameters, so weights updated in place
+are seen at the next step, and writes the caches in place). Without a compiler (or with
+MSLLM_FUSED_DECODE=0) the tokens go through `CachedDecoder` on MindSpore's kernels: same tokens,
+~3x slower. fp16, LoRA, tensor-parallel nets, and sequences interleaved with one already using the
+in-place caches (the server's engine) take the functional `LlamaForCausalLM.forward_cached`, whose
+caches go in and out as values (through `mindspore.mutable`; a plain tuple of Tensors is a jit
+constant and recompiles on every new value). Each decode step compiles once: the position is a
+Tensor. The uncached path recomputes the full forward over the whole sequence each step (also
+jit-compiled, right-padded to a multiple of `bucket`, one compilation per bucket): the reference for
+tests and the `kv_speedup` baseline of `scripts/bench/generate.py`.
 
 Token ids in, token ids out: no tokenizer here (stop strings are the caller's
 `stop` callback). A sequence never grows past S tokens: the prompt keeps its last
@@ -23,11 +29,7 @@ see exactly the same context and produce the same tokens.
 
 from __future__ import annotations
 
-import hashlib
 import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -156,57 +158,18 @@ class CachedDecoder(nn.Cell):
 
 
 KERNEL_SOURCE = Path(__file__).with_name("decode_kernel.cc")
-_KERNEL_FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC"]
-_built: dict[str, str | None] = {}
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return ""
 
 
 def build_decode_kernel() -> str | None:
-    """Path of the compiled fused decode step (model/decode_kernel.cc), built once per source and CPU.
+    """Path of the compiled fused decode step (model/decode_kernel.cc, OpenMP where the compiler has it),
+    built once per source and CPU by `model.kernels.build`; None where it cannot be used: no g++, a failed
+    build, MSLLM_FUSED_DECODE=0 or MSLLM_FUSED_KERNELS=0. Callers then decode with `CachedDecoder`
+    (MindSpore kernels): the same tokens, slower."""
+    if "0" in (os.environ.get("MSLLM_FUSED_DECODE", "1"), os.environ.get("MSLLM_FUSED_KERNELS", "1")):
+        return None
+    from model.kernels import build
 
-    g++ -O3 -march=native -fopenmp into $MSLLM_KERNEL_CACHE (default ~/.cache/msllm/kernels), keyed by
-    a hash of the source, the flags and this CPU's feature flags; without OpenMP it builds single-threaded.
-    None when it cannot be used: no g++, a failed build, or MSLLM_FUSED_DECODE=0. Callers then decode
-    with `CachedDecoder` (MindSpore kernels), which gives the same tokens, slower.
-    """
-    if os.environ.get("MSLLM_FUSED_DECODE", "1") == "0":
-        return None
-    cxx = shutil.which(os.environ.get("CXX", "g++"))
-    if cxx is None or not KERNEL_SOURCE.is_file():
-        return None
-    src = KERNEL_SOURCE.read_bytes()
-    key = hashlib.sha256(src + " ".join([cxx] + _KERNEL_FLAGS).encode() + _cpu_flags().encode()).hexdigest()[:16]
-    if key in _built:
-        return _built[key]
-    cache = Path(os.environ.get("MSLLM_KERNEL_CACHE") or Path.home() / ".cache" / "msllm" / "kernels")
-    lib = cache / f"decode_kernel-{key}.so"
-    if not lib.is_file():
-        try:
-            cache.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
-            os.close(fd)
-            ok = False
-            for extra in (["-fopenmp"], []):  # OpenMP if the compiler has it, else one thread
-                r = subprocess.run([cxx, *_KERNEL_FLAGS, *extra, str(KERNEL_SOURCE), "-o", tmp],
-                                   capture_output=True, timeout=300)
-                if r.returncode == 0:
-                    ok = True
-                    break
-            if ok:
-                os.replace(tmp, lib)  # atomic: concurrent builders never load a half-written file
-            else:
-                os.unlink(tmp)
-        except (OSError, subprocess.SubprocessError):
-            pass
-    _built[key] = str(lib) if lib.is_file() else None
-    return _built[key]
+    return build(KERNEL_SOURCE, openmp=True)
 
 
 def decode_threads() -> int:
@@ -260,7 +223,12 @@ class FusedDecodeStep(nn.Cell):
 
 
 class Generator:
-    """Generation for one network; keeps its compiled prefill/decode steps across calls."""
+    """Generation for one network; keeps its compiled prefill/decode steps across calls.
+
+    `fused=False` keeps decoding on MindSpore's kernels (`CachedDecoder`); `threads` sets the fused
+    step's OpenMP threads (default `decode_threads()`: $MSLLM_DECODE_THREADS, else the usable cores, at
+    most 8). `decode_path` says which path decodes: "fused", "decoder" or "functional".
+    """
 
     def __init__(self, net, bucket: int = 32, max_len: int | None = None, fused: bool = True,
                  threads: int | None = None):
