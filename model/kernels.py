@@ -100,3 +100,44 @@ def train_ops() -> SimpleNamespace | None:
         )
     _train_ops.append(ns)
     return ns
+
+
+ZERO_SOURCE = Path(__file__).with_name("zero_kernels.cc")
+_zero_ops: list = []  # memo of zero_ops(), as _train_ops
+
+
+def zero_ops() -> SimpleNamespace | None:
+    """The ZeRO-1 in-place AdamW op of model/zero_kernels.cc, or None where it cannot be built (no compiler, or
+    MSLLM_FUSED_KERNELS=0): tasks/training/optim.py ShardedAdamW then keeps its fp32 master share and
+    MindSpore's AdamWeightDecay.
+
+    adamw(param [n], grad [n], m [k], v [k], offset [1] int32, lr, beta1, beta2, eps, decay, coef, apply) -> [1]:
+    updates m, v and param[offset:offset + k] in place (fp32; scalars 0-d fp32; apply 0 writes nothing).
+    """
+    if _zero_ops:
+        return _zero_ops[0]
+    lib = None if os.environ.get("MSLLM_FUSED_KERNELS", "1") == "0" else build(ZERO_SOURCE)
+    ns = None
+    if lib is not None:
+        from mindspore import ops
+        from mindspore.ops import signature as sig
+
+        class ZeroAdamW(ops.Custom):
+            """Declared as writing param, m and v (RW_WRITE, side_effect_mem), as MindSpore's own AdamWeightDecay:
+            without it a graph run under the PYNATIVE context (mindspore.jit) hands the kernel a copy of a
+            Parameter the step also reads elsewhere, and the update is lost; with it the update is ordered after
+            every earlier read of those Parameters in the graph (auto-monad)."""
+
+            __mindspore_signature__ = (
+                sig.make_sig("param", sig.sig_rw.RW_WRITE), sig.make_sig("grad"),
+                sig.make_sig("m", sig.sig_rw.RW_WRITE), sig.make_sig("v", sig.sig_rw.RW_WRITE),
+                *(sig.make_sig(n) for n in ("offset", "lr", "beta1", "beta2", "eps", "decay", "coef", "apply")))
+
+            def __init__(self):
+                super().__init__(f"{lib}:ZeroAdamW", out_shape=lambda *s: [1], out_dtype=lambda *t: t[0],
+                                 func_type="aot")
+                self.add_prim_attr("side_effect_mem", True)
+
+        ns = SimpleNamespace(lib=lib, adamw=ZeroAdamW())
+    _zero_ops.append(ns)
+    return ns

@@ -1,7 +1,8 @@
 """Optimizer-state sharding (ZeRO-1, `parallel.optimizer_shard: true`) under data parallel, on CPU under msrun.
 
-Each data-parallel rank keeps the AdamW moments (and the fp32 master copy it updates) of its 1/dp share
-of the flat, padded parameter buffer; the updated shares are AllGathered back into the parameters.
+Each data-parallel rank keeps the AdamW moments of its 1/dp share of the flat, padded parameter buffer and
+updates that share of the parameters in place (model/zero_kernels.cc; without a compiler: an fp32 master copy of
+the share and MindSpore's AdamWeightDecay); the updated shares are AllGathered back into the parameters.
 Checked here: the same per-step losses as dp=2 without sharding and as one process with the same global
 batch; replicas bit-identical; checkpoints hold the shares and reshard bit for bit; resume across
 layouts; the planner's per-rank estimate against the measured per-rank peak RSS.
@@ -31,14 +32,15 @@ ZERO = [*DP2, "parallel.optimizer_shard=true"]
 # ----------------------------------------------------------------------------- shares and resharding (no msrun)
 
 
-def _sharded_optimizer(dp: int, dp_index: int, chunk_elements: int = 4 * 2**20):
+def _sharded_optimizer(dp: int, dp_index: int, chunk_elements: int = 4 * 2**20, in_place: bool = True):
     from model.config import ModelConfig
     from model.llama import LlamaForCausalLM
     from tasks.training.optim import ShardedAdamW
 
     params = LlamaForCausalLM(ModelConfig.from_name("tiny"), seed=0).trainable_params()
     return ShardedAdamW(params, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, grad_clip=1.0,
-                        decay_mask=[True] * len(params), dp=dp, dp_index=dp_index, chunk_elements=chunk_elements)
+                        decay_mask=[True] * len(params), dp=dp, dp_index=dp_index, chunk_elements=chunk_elements,
+                        in_place=in_place)
 
 
 def _moments() -> dict[str, np.ndarray]:
@@ -70,25 +72,29 @@ def test_shares_cover_the_flat_buffer_once():
         assert sum(b - a for _, a, b in o.segments) + o.pad == shard
     assert (covered == 1).all()
     assert [o.pad for o in opts] == [0] * 6 + [7 * shard - numel]
-    # the master share starts as the parameters' own values
-    o = opts[1]
+    # without the in-place kernel, the master share starts as the parameters' own values
+    o = _sharded_optimizer(7, 1, in_place=False)
     i, a, b = o.segments[0]
-    assert o.master[0].asnumpy().tobytes() == o.params[i].asnumpy().reshape(-1)[a:b].tobytes()
+    assert not o.in_place and o.master[0].asnumpy().tobytes() == o.params[i].asnumpy().reshape(-1)[a:b].tobytes()
 
 
 def test_persistent_state_is_the_share_only():
-    """Per rank the optimizer keeps 3 fp32 values (two moments, the master) per owned element and nothing
-    parameter-sized: over dp ranks 12 bytes per parameter element in all, instead of AdamW's 8 on every rank."""
+    """Per rank the optimizer keeps 2 fp32 values (two moments) per owned element with the in-place kernel, 3 (and
+    the master) without, and nothing parameter-sized: over dp ranks 8 (12) bytes per parameter element in all,
+    instead of AdamW's 8 on every rank."""
     from mindspore import Parameter
 
-    for dp in (1, 2, 3):
-        opts = [_sharded_optimizer(dp, r, chunk_elements=20000) for r in range(dp)]
+    from model.kernels import zero_ops
+
+    for dp, in_place in ((1, True), (2, True), (3, True), (2, False), (3, False)):
+        opts = [_sharded_optimizer(dp, r, chunk_elements=20000, in_place=in_place) for r in range(dp)]
         numel = opts[0].numel
         for o in opts:
+            assert o.in_place == (in_place and zero_ops() is not None)
             owned = sum(b - a for _, a, b in o.segments)
             assert owned == o.shard - o.pad
             state = [p for p in o.get_parameters() if p.name.startswith(("adam_m.", "adam_v.", "zero_master."))]
-            assert sum(int(np.prod(p.shape)) for p in state) == 3 * owned
+            assert sum(int(np.prod(p.shape)) for p in state) == (2 if o.in_place else 3) * owned
             # its Parameters are the model's own plus the share state: no full-size buffer of its own
             own = {id(p) for p in o.params}
             assert all(id(p) in own or p.name.startswith(("adam_m.", "adam_v.", "zero_master."))
@@ -168,7 +174,55 @@ def test_optimizer_shard_is_a_data_parallel_layout():
     mc = ModelConfig.from_name("tiny")
     one, two = (estimate(mc, micro_batch=4, seq=64, layout=Layout(dp=2, optimizer_shard=s)) for s in (False, True))
     assert two.parts["optimizer"] * 2 == one.parts["optimizer"]
-    assert two.parts["master_share"] == one.parts["optimizer"] // 4  # 4 bytes of 8 per element, over 2 ranks
+    assert "master_share" not in two.parts  # the in-place kernel updates the parameters themselves
+    three = estimate(mc, micro_batch=4, seq=64, layout=Layout(dp=2, optimizer_shard=True), fused_kernels=False)
+    assert three.parts["master_share"] == one.parts["optimizer"] // 4  # 4 bytes of 8 per element, over 2 ranks
+
+
+def test_in_place_update_matches_adamw():
+    """One rank's in-place update inside a compiled graph (no msrun: the rebuild is not run): its owned ranges of
+    the parameters and its moments equal AdamW's (MindSpore's AdamWeightDecay on the whole tensors) to an ulp
+    (MindSpore's kernel runs the last < 16 elements of each thread's range in double precision), the rest of
+    every parameter is untouched, and a refused step (allow False) writes nothing."""
+    import mindspore as ms
+    from mindspore import Tensor
+
+    from model.kernels import zero_ops
+    from tasks.training.optim import AdamW
+
+    if zero_ops() is None:
+        pytest.skip("no compiler: the master-share path runs (checked by the msrun tests)")
+    o = _sharded_optimizer(3, 1, chunk_elements=20000)
+    assert o.in_place and len(o.master) == 0
+    before = [p.asnumpy().copy() for p in o.params]
+    ref_params = [ms.Parameter(Tensor(b.copy()), name=f"ref.{p.name}") for p, b in zip(o.params, before)]
+    ref = AdamW(ref_params, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, grad_clip=1.0,
+                decay_mask=[True] * len(ref_params))
+    rng = np.random.default_rng(0)
+
+    @ms.jit
+    def run(opt, grads, lr, step, allow):
+        return opt(grads, lr, step, Tensor(2.0, ms.float32), allow)
+
+    for step in (1, 2, 3):
+        grads = tuple(Tensor(rng.standard_normal(b.shape).astype(np.float32) * 0.01) for b in before)
+        args = (grads, Tensor(1e-2, ms.float32), Tensor(float(step), ms.float32), Tensor(True, ms.bool_))
+        g1, _ = run(o, *args)
+        g2, _ = run(ref, *args)
+        assert abs(float(g1.asnumpy()) - float(g2.asnumpy())) <= 1e-6
+    owned = [np.zeros(b.size, bool) for b in before]
+    for j, (i, a, b) in enumerate(o.segments):
+        owned[i][a:b] = True
+        want = ref_params[i].asnumpy().reshape(-1)[a:b]
+        assert np.abs(o.params[i].asnumpy().reshape(-1)[a:b] - want).max() <= 1e-6
+        for mine, full in ((o.exp_avg[j], ref.exp_avg[i]), (o.exp_avg_sq[j], ref.exp_avg_sq[i])):
+            assert np.abs(mine.asnumpy() - full.asnumpy().reshape(-1)[a:b]).max() <= 1e-6
+    for i, b in enumerate(before):  # only the owned ranges were written
+        assert o.params[i].asnumpy().reshape(-1)[~owned[i]].tobytes() == b.reshape(-1)[~owned[i]].tobytes()
+    assert any(m.any() for m in owned)
+    now = [p.asnumpy().copy() for p in o.params]
+    run(o, grads, Tensor(1e-2, ms.float32), Tensor(4.0, ms.float32), Tensor(False, ms.bool_))
+    assert all(p.asnumpy().tobytes() == b.tobytes() for p, b in zip(o.params, now))
 
 
 # ----------------------------------------------------------------------------- msrun jobs

@@ -10,9 +10,11 @@ Parts, per device:
   tensor parallel (attention/MLP matrices) and pipeline stages (layers);
 - gradients: one per trainable parameter, in the compute dtype;
 - optimizer: AdamW moments, 2 × fp32, divided by data parallel with optimizer_shard;
-- master_share: with optimizer_shard (ZeRO-1, tasks/training/optim.py ShardedAdamW), the fp32
-  copy of this rank's 1/dp share of the parameters that the fused AdamW kernel updates in
-  place before the shares are gathered back (4 bytes per parameter / dp);
+- master_share: with optimizer_shard (ZeRO-1, tasks/training/optim.py ShardedAdamW) where its
+  in-place kernel (model/zero_kernels.cc: CPU with a compiler, `fused_kernels`) does not run, the
+  fp32 copy of this rank's 1/dp share of the parameters that MindSpore's AdamW kernel updates
+  before the shares are gathered back (4 bytes per parameter / dp); the in-place kernel updates
+  the parameters themselves and needs none;
 - activations: what backward needs per layer per micro-batch, following Korthikanti
   et al. (2022, "Reducing Activation Recomputation") adapted to SwiGLU and GQA; with
   recompute only each layer's input is kept, plus one layer's working set; a pipeline
@@ -122,7 +124,7 @@ def estimate(cfg: ModelConfig, *, micro_batch: int, seq: int, precision: str = "
         "parameters": p * 4 + (p * 2 if half else 0),
         "gradients": trainable * DTYPE_BYTES[precision],
         "optimizer": opt,
-        **({"master_share": trainable * 4 // layout.dp} if zero else {}),
+        **({"master_share": trainable * 4 // layout.dp} if zero and not (fused_kernels and backend == "CPU") else {}),
         "activations": act,
         "logits": logits,
         "runtime": RUNTIME_BYTES.get(backend, GiB),

@@ -129,26 +129,32 @@ class ShardedAdamW(nn.Cell):
 
     The trainable parameters, flattened in order, form one buffer cut into chunks of whole parameters
     (~`chunk_elements` each), every chunk zero-padded to a multiple of `dp`; rank `dp_index` owns the
-    `dp_index`-th 1/dp of every chunk (`shard` elements in all, equal on every rank).
-    It keeps the AdamW moments and an fp32 master copy of only that share, as one Parameter
-    triple per parameter its share touches (a "segment"), and updates them with the same fused
-    `AdamWeightDecay` kernel and the same scalars as `AdamW`, so each element sees exactly the
-    arithmetic of the unsharded update. construct(grads, lr, step, grad_scale, allow) takes the
-    full all-reduced gradients (ZeRO-1: the gradient reduction is the unsharded one), computes the
-    global norm from all of them (clipping and the non-finite rule see what `AdamW` sees) and updates
-    its share. `rebuild()` (called by `TrainStep` after every applied update) AllGathers the updated
-    shares chunk by chunk over the world group (the data-parallel group, since tensor parallel is 1)
-    and writes the full parameters back, identical on every rank. It runs one chunk at a time, one
-    small compiled graph per chunk: compiled as one graph, or gathered in one piece, its buffers would
-    be ~12 bytes per parameter of extra peak memory (measured), more than the sharding saves.
+    `dp_index`-th 1/dp of every chunk (`shard` elements in all, equal on every rank). It keeps the AdamW
+    moments of only that share, as one Parameter pair per parameter its share touches (a "segment").
+    construct(grads, lr, step, grad_scale, allow) takes the full all-reduced gradients (ZeRO-1: the gradient
+    reduction is the unsharded one), computes the global norm from all of them (clipping and the non-finite
+    rule see what `AdamW` sees) and updates its share with the same scalars as `AdamW`:
 
-    State per rank: 12 bytes per owned element (two moments + the master share) instead of
-    8 bytes per parameter element.
+    - in place (`in_place`, CPU with a compiler: model/zero_kernels.cc, a custom op): per segment one kernel
+      reads the full gradient and the full parameter at the segment's offset, applies the clip/unscale
+      factor itself and writes the moments and the parameter's owned range in place, with the arithmetic
+      of MindSpore's fused `AdamWeightDecay`. No master copy (the parameters are fp32, under fp16 compute
+      too), no slice or scaled-gradient temporaries: 8 bytes of state per owned element.
+    - otherwise MindSpore's `AdamWeightDecay` on an fp32 master copy of the share (it cannot write into a
+      slice of a Parameter), fed `reshape(grad)[a:b] * coef`: 12 bytes per owned element, plus those
+      temporaries, which the CPU graph executor keeps for the whole step.
+
+    `rebuild()` (called by `TrainStep` after every applied update) AllGathers the updated shares chunk by
+    chunk over the world group (the data-parallel group, since tensor parallel is 1) and writes the full
+    parameters back, identical on every rank. It runs one chunk at a time, one small compiled graph per
+    chunk: compiled as one graph, or gathered in one piece, its buffers would be ~12 bytes per parameter of
+    extra peak memory (measured), more than the sharding saves.
     """
 
     def __init__(self, params: list[Parameter], *, beta1: float, beta2: float, eps: float,
                  weight_decay: float, grad_clip: float | None, decay_mask: list[bool], dp: int, dp_index: int,
-                 chunk_elements: int = 2**20):
+                 chunk_elements: int = 2**20, in_place: bool = True):
+        """`in_place=False` forces the master-share path (what runs without a compiler)."""
         super().__init__()
         import numpy as np
 
@@ -196,7 +202,17 @@ class ShardedAdamW(nn.Cell):
             return ParameterTuple([Parameter(initializer("zeros", (b - a,), ms.float32), name=f"{prefix}.{self.names[i]}",
                                              requires_grad=False) for i, a, b in segs])
 
-        self.master, self.exp_avg, self.exp_avg_sq = state("zero_master"), state("adam_m"), state("adam_v")
+        # the in-place kernel: CPU, fp32 parameters (the fp16 path keeps fp32 master Parameters too), a compiler
+        self.kernel = None
+        if in_place and ms.get_context("device_target") == "CPU" and all(p.dtype == ms.float32 for p in params):
+            from model.kernels import zero_ops
+
+            k = zero_ops()
+            self.kernel = k.adamw if k is not None else None
+        self.in_place = self.kernel is not None
+        self.master = ParameterTuple([]) if self.in_place else state("zero_master")
+        self.exp_avg, self.exp_avg_sq = state("adam_m"), state("adam_v")
+        self.seg_offset = tuple(Tensor(np.array([a], np.int32)) for _, a, _ in segs)
         self.beta1, self.beta2, self.eps = beta1, beta2, eps
         self.seg_wd = tuple((weight_decay if decay_mask[i] else 0.0) for i, _, _ in segs)
         self.seg_param = tuple(i for i, _, _ in segs)
@@ -214,6 +230,17 @@ class ShardedAdamW(nn.Cell):
         finite = ops.isfinite(gnorm)
         coef = clip_coefficient(gnorm, self.clip, grad_scale)
         bc1, sbc2, lr_f, eps_f, b1, b2 = folded_adam_scalars(lr, step, self.beta1, self.beta2, self.eps)
+        if self.in_place:
+            # no control flow: the kernel writes nothing when `apply` is 0. Its inputs hang on coef, hence on every
+            # gradient, so all reads of the old parameters in the step come first; its outputs are kept by depend.
+            apply = ops.cast(ops.logical_and(finite, allow), ms.float32)
+            for j in range(self.nseg):
+                wd_f = self.seg_wd[j] * bc1 / sbc2
+                i = self.seg_param[j]
+                done = self.kernel(self.params[i], grads[i], self.exp_avg[j], self.exp_avg_sq[j], self.seg_offset[j],
+                                   lr_f, b1, b2, eps_f, wd_f, coef, apply)
+                gnorm = ops.depend(gnorm, done)
+            return gnorm, finite
         if ops.logical_and(finite, allow):
             for j in range(self.nseg):
                 wd_f = self.seg_wd[j] * bc1 / sbc2
@@ -232,14 +259,18 @@ class ShardedAdamW(nn.Cell):
 
         gather = ops.AllGather(group=GlobalComm.WORLD_COMM_GROUP)
         master, params = self.master, self.params
-        offsets, sizes, shapes = self.offsets, self.sizes, self.shapes
+        offsets, sizes, shapes, segments, in_place = self.offsets, self.sizes, self.shapes, self.segments, self.in_place
 
         def chunk_fn(first, end, mine, pad):
             base = offsets[first]
 
+            def share(j):  # this rank's updated values of segment j: the parameter's own range, or the master share
+                i, a, b = segments[j]
+                return ops.reshape(params[i], (-1,))[a:b] if in_place else master[j]
+
             @ms.jit
             def rebuild_chunk():
-                parts = [master[j] for j in mine]
+                parts = [share(j) for j in mine]
                 if pad:
                     parts.append(ops.zeros((pad,), ms.float32))
                 flat = gather(ops.concat(parts) if len(parts) > 1 else parts[0] * 1.0)
@@ -303,7 +334,10 @@ class ShardedAdamW(nn.Cell):
     def sync_master(self) -> None:
         """Copy this rank's share of the current parameters into the master share (at construction and after
         loading weights). Host-side on purpose: a compiled graph built before `assign(params, ...)` keeps
-        reading the parameters' old values (a resumed run then diverged at its first update)."""
+        reading the parameters' old values (a resumed run then diverged at its first update). In place: nothing
+        to copy (the kernel updates the parameters themselves)."""
+        if self.in_place:
+            return
         flat = {i: self.params[i].asnumpy().reshape(-1) for i in set(self.seg_param)}
         for j, (i, a, b) in enumerate(self.segments):
             self.master[j].set_data(Tensor(flat[i][a:b].copy()))
