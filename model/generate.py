@@ -184,6 +184,27 @@ def decode_threads() -> int:
     return max(1, min(n, 8))
 
 
+def _decode_op(lib: str, vocab: int, n_layers: int):
+    """The DecodeStep custom op, declared as writing its 2 * n_layers cache inputs (RW_WRITE, side_effect_mem,
+    as model/kernels.py's in-place ops): so a graph never hands the kernel a copy of a cache Parameter, and
+    the write is ordered after any earlier read of it."""
+    from mindspore.ops import signature as sig
+
+    n_in = 8 + 11 * n_layers
+    writes = range(8 + 9 * n_layers, n_in)
+
+    class DecodeStep(ops.Custom):
+        __mindspore_signature__ = tuple(sig.make_sig(f"x{i}", sig.sig_rw.RW_WRITE if i in writes else sig.sig_rw.RW_READ)
+                                        for i in range(n_in))
+
+        def __init__(self):
+            super().__init__(f"{lib}:DecodeStep", out_shape=lambda *shapes: [1, vocab],
+                             out_dtype=lambda *dtypes: ms.float32, func_type="aot")
+            self.add_prim_attr("side_effect_mem", True)
+
+    return DecodeStep()
+
+
 class FusedDecodeStep(nn.Cell):
     """One decode token (batch 1, T = 1) of a `CachedDecoder` as ONE MindSpore custom op (model/decode_kernel.cc).
 
@@ -203,8 +224,7 @@ class FusedDecodeStep(nn.Cell):
         v = c.vocab_size
         scale = net.layers[0].self_attn.scale
         self.consts = Tensor(np.array([c.norm_eps, scale, threads], np.float32))
-        self.op = ops.Custom(f"{lib}:DecodeStep", out_shape=lambda *shapes: [1, v],
-                             out_dtype=lambda *dtypes: ms.float32, func_type="aot")
+        self.op = _decode_op(lib, v, len(net.layers))
 
     def construct(self, token: Tensor, pos: Tensor) -> Tensor:
         net, dec = self.net, self.decoder
