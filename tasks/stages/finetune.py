@@ -424,7 +424,7 @@ def _loop_config(cfg: PipelineConfig, progress: bool):
         grad_clip=pt.grad_clip, log_steps=ft.log_steps, eval_steps=ft.eval_steps, eval_batches=ft.eval_batches,
         save_steps=ft.save_steps, keep_checkpoint_max=cfg.checkpoint.keep_checkpoint_max,
         resume=cfg.checkpoint.resume, max_nonfinite_steps=pt.max_nonfinite_steps, peak_flops=pt.peak_flops,
-        progress=progress,
+        progress=progress, fused_kernels=pt.fused_kernels,
     )
 
 

@@ -86,11 +86,20 @@ class AdamW(nn.Cell):
 
     def __init__(self, params: list[Parameter], *, beta1: float, beta2: float, eps: float,
                  weight_decay: float, grad_clip: float | None, decay_mask: list[bool],
-                 sharded: list[bool] | None = None, tp_group: str | None = None):
+                 sharded: list[bool] | None = None, tp_group: str | None = None, fused: bool = True):
         """`sharded` marks tensor-parallel slices; their squared norms are summed over `tp_group`
-        so that clipping uses the global gradient norm of the unsplit model."""
+        so that clipping uses the global gradient norm of the unsplit model. `fused` (pretrain.fused_kernels):
+        on CPU with a compiler, the update is model/zero_kernels.cc's in-place AdamW op (the arithmetic of
+        AdamWeightDecay, multi-threaded, the clip factor applied inside: no `grad * coef` temporaries)."""
         super().__init__()
         self.params = ParameterTuple(params)
+        self.kernel = None
+        if fused and ms.get_context("device_target") == "CPU" and all(p.dtype == ms.float32 for p in params):
+            from model.kernels import zero_ops
+
+            k = zero_ops()
+            self.kernel = k.adamw if k is not None else None
+        self.whole = Tensor([0], ms.int32)  # the kernel's offset: whole parameters
         self.exp_avg = self.params.clone(prefix="adam_m", init="zeros")
         self.exp_avg_sq = self.params.clone(prefix="adam_v", init="zeros")
         self.beta1, self.beta2, self.eps = beta1, beta2, eps
@@ -116,6 +125,14 @@ class AdamW(nn.Cell):
         finite = ops.isfinite(gnorm)
         coef = clip_coefficient(gnorm, self.clip, grad_scale)
         bc1, sbc2, lr_f, eps_f, b1, b2 = folded_adam_scalars(lr, step, self.beta1, self.beta2, self.eps)
+        if self.kernel is not None:  # `apply` 0 (non-finite or refused) writes nothing; no control flow needed
+            apply = ops.cast(ops.logical_and(finite, allow), ms.float32)
+            for i in range(self.n):
+                wd_f = self.wd[i] * bc1 / sbc2
+                done = self.kernel(self.params[i], grads[i], self.exp_avg[i], self.exp_avg_sq[i], self.whole,
+                                   lr_f, b1, b2, eps_f, wd_f, coef, apply)
+                gnorm = ops.depend(gnorm, done)
+            return gnorm, finite
         if ops.logical_and(finite, allow):  # a non-finite or refused step leaves parameters and moments untouched
             for i in range(self.n):
                 wd_f = self.wd[i] * bc1 / sbc2

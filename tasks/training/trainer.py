@@ -68,6 +68,8 @@ class LoopConfig:
     loss_scale_window: int = 1000
     """fp16: S doubles after this many consecutive finite steps (and halves on every overflow)."""
     peak_flops: float | None = None
+    fused_kernels: bool = True
+    """pretrain.fused_kernels: the AdamW update as model/zero_kernels.cc's in-place op where it builds."""
     progress: bool = True
     fault_steps: list[int] = field(default_factory=list)
     """Test hook: steps whose gradients are made non-finite (exercises the skip path)."""
@@ -90,7 +92,7 @@ class LoopConfig:
             keep_checkpoint_max=checkpoint.keep_checkpoint_max, resume=checkpoint.resume,
             max_nonfinite_steps=pretrain.max_nonfinite_steps, peak_flops=pretrain.peak_flops, progress=progress,
             precision=pretrain.precision, loss_scale=pretrain.loss_scale, loss_scale_window=pretrain.loss_scale_window,
-            load_checkpoint=checkpoint.load_checkpoint,
+            load_checkpoint=checkpoint.load_checkpoint, fused_kernels=pretrain.fused_kernels,
         )
 
 
@@ -328,7 +330,8 @@ def _optimizer(params, loop: LoopConfig, mesh):
         return ShardedAdamW(params, beta1=loop.beta1, beta2=loop.beta2, eps=loop.eps, weight_decay=loop.weight_decay,
                             grad_clip=loop.grad_clip, decay_mask=decay_mask, dp=mesh.dp, dp_index=mesh.dp_index)
     return AdamW(params, beta1=loop.beta1, beta2=loop.beta2, eps=loop.eps, weight_decay=loop.weight_decay,
-                 grad_clip=loop.grad_clip, decay_mask=decay_mask, sharded=mesh.sharded(params), tp_group=mesh.tp_group)
+                 grad_clip=loop.grad_clip, decay_mask=decay_mask, sharded=mesh.sharded(params), tp_group=mesh.tp_group,
+                 fused=loop.fused_kernels)
 
 
 def _resume(loop: LoopConfig, mesh, ckpt_root: Path, params, optimizer, opt_params, scaler, meta: dict[str, Any],
