@@ -102,12 +102,11 @@ def train_ops() -> SimpleNamespace | None:
     return ns
 
 
-ZERO_SOURCE = Path(__file__).with_name("zero_kernels.cc")
 _zero_ops: list = []  # memo of zero_ops(), as _train_ops
 
 
 def zero_ops() -> SimpleNamespace | None:
-    """The ZeRO-1 in-place AdamW op of model/zero_kernels.cc, or None where it cannot be built (no compiler, or
+    """The in-place AdamW op (ZeroAdamW in model/train_kernels.cc), or None where it cannot be built (no compiler, or
     MSLLM_FUSED_KERNELS=0): tasks/training/optim.py ShardedAdamW then keeps its fp32 master share and
     MindSpore's AdamWeightDecay.
 
@@ -116,7 +115,7 @@ def zero_ops() -> SimpleNamespace | None:
     """
     if _zero_ops:
         return _zero_ops[0]
-    lib = None if os.environ.get("MSLLM_FUSED_KERNELS", "1") == "0" else build(ZERO_SOURCE)
+    lib = None if os.environ.get("MSLLM_FUSED_KERNELS", "1") == "0" else build(TRAIN_SOURCE)
     ns = None
     if lib is not None:
         from mindspore import ops

@@ -1,7 +1,7 @@
 """Optimizer-state sharding (ZeRO-1, `parallel.optimizer_shard: true`) under data parallel, on CPU under msrun.
 
 Each data-parallel rank keeps the AdamW moments of its 1/dp share of the flat, padded parameter buffer and
-updates that share of the parameters in place (model/zero_kernels.cc; without a compiler: an fp32 master copy of
+updates that share of the parameters in place (model/train_kernels.cc ZeroAdamW; without a compiler: an fp32 master copy of
 the share and MindSpore's AdamWeightDecay); the updated shares are AllGathered back into the parameters.
 Checked here: the same per-step losses as dp=2 without sharding and as one process with the same global
 batch; replicas bit-identical; checkpoints hold the shares and reshard bit for bit; resume across

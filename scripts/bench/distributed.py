@@ -10,7 +10,7 @@ and AdamW as `tasks.training.trainer.fit` builds for a mesh:
   gradients averaged with `nn.DistributedGradReducer`;
 - dp2zero: dp2 with `parallel.optimizer_shard: true` (tasks/training/optim.py ShardedAdamW): each rank
   keeps the AdamW moments of its half of the flat parameter buffer, updates that half of the parameters
-  in place (model/zero_kernels.cc; without a compiler an fp32 master copy of the half), and the halves
+  in place (model/train_kernels.cc ZeroAdamW; without a compiler an fp32 master copy of the half), and the halves
   are AllGathered (world group) back into the parameters after every update;
 - tp2: 2 msrun workers, each the whole global batch through its tensor-parallel half of the model.
 

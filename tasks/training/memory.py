@@ -11,7 +11,7 @@ Parts, per device:
 - gradients: one per trainable parameter, in the compute dtype;
 - optimizer: AdamW moments, 2 × fp32, divided by data parallel with optimizer_shard;
 - master_share: with optimizer_shard (ZeRO-1, tasks/training/optim.py ShardedAdamW) where its
-  in-place kernel (model/zero_kernels.cc: CPU with a compiler, `fused_kernels`) does not run, the
+  in-place kernel (model/train_kernels.cc ZeroAdamW: CPU with a compiler, `fused_kernels`) does not run, the
   fp32 copy of this rank's 1/dp share of the parameters that MindSpore's AdamW kernel updates
   before the shares are gathered back (4 bytes per parameter / dp); the in-place kernel updates
   the parameters themselves and needs none;

@@ -89,7 +89,7 @@ class AdamW(nn.Cell):
                  sharded: list[bool] | None = None, tp_group: str | None = None, fused: bool = True):
         """`sharded` marks tensor-parallel slices; their squared norms are summed over `tp_group`
         so that clipping uses the global gradient norm of the unsplit model. `fused` (pretrain.fused_kernels):
-        on CPU with a compiler, the update is model/zero_kernels.cc's in-place AdamW op (the arithmetic of
+        on CPU with a compiler, the update is the in-place AdamW op (model/train_kernels.cc ZeroAdamW) (the arithmetic of
         AdamWeightDecay, multi-threaded, the clip factor applied inside: no `grad * coef` temporaries)."""
         super().__init__()
         self.params = ParameterTuple(params)
@@ -152,7 +152,7 @@ class ShardedAdamW(nn.Cell):
     reduction is the unsharded one), computes the global norm from all of them (clipping and the non-finite
     rule see what `AdamW` sees) and updates its share with the same scalars as `AdamW`:
 
-    - in place (`in_place`, CPU with a compiler: model/zero_kernels.cc, a custom op): per segment one kernel
+    - in place (`in_place`, CPU with a compiler: model/train_kernels.cc ZeroAdamW, a custom op): per segment one kernel
       reads the full gradient and the full parameter at the segment's offset, applies the clip/unscale
       factor itself and writes the moments and the parameter's owned range in place, with the arithmetic
       of MindSpore's fused `AdamWeightDecay`. No master copy (the parameters are fp32, under fp16 compute

@@ -69,7 +69,7 @@ class LoopConfig:
     """fp16: S doubles after this many consecutive finite steps (and halves on every overflow)."""
     peak_flops: float | None = None
     fused_kernels: bool = True
-    """pretrain.fused_kernels: the AdamW update as model/zero_kernels.cc's in-place op where it builds."""
+    """pretrain.fused_kernels: the AdamW update as model/train_kernels.cc ZeroAdamW's in-place op where it builds."""
     progress: bool = True
     fault_steps: list[int] = field(default_factory=list)
     """Test hook: steps whose gradients are made non-finite (exercises the skip path)."""
