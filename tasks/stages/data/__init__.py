@@ -183,6 +183,12 @@ def run(cfg: PipelineConfig, store: ArtifactStore, tokenizer_model: Path | None 
         check_vocab(cfg, sp.get_piece_size(), str(tok_file) if tok_path else None)
         info = tokenizer_info(sp, tok_file.read_bytes(), source)
         atomic_write_json(b.dir / "tokenizer.json", info)
+        # The MindRecord writer imports MindSpore (seconds of C++ initialisation). Done here, before the worker pool
+        # starts, not as the first shard opens: a SIGTERM that stops a busy run (scripts/serve.py, a cancelled flow
+        # run) then lands in Python code and ends it cleanly; inside that import it surfaces as "ImportError:
+        # initialization failed" with a traceback.
+        import mindspore.mindrecord  # noqa: F401
+
         t_tokenize = time.perf_counter()
         specs = chunk_specs(plan, tok_file)
         kept = sum(plan.documents.values())
