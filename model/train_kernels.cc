@@ -109,8 +109,8 @@ inline __m512 exp512(__m512 x) {
 
 inline float exp1(float x) { return std::exp(x); }
 
-// softmax of row[0..k) in place into out[0..k), zeros in out[k..s)
-void softmax_row(const float *row, float *out, int64_t k, int64_t s) {
+// max of row[0..k) (the softmax and cross-entropy rows)
+inline float row_max(const float *row, int64_t k) {
   float m = -INFINITY;
   int64_t j = 0;
 #if defined(__AVX512F__)
@@ -119,8 +119,14 @@ void softmax_row(const float *row, float *out, int64_t k, int64_t s) {
   m = _mm512_reduce_max_ps(vm);
 #endif
   for (; j < k; ++j) m = row[j] > m ? row[j] : m;
+  return m;
+}
+
+// softmax of row[0..k) in place into out[0..k), zeros in out[k..s)
+void softmax_row(const float *row, float *out, int64_t k, int64_t s) {
+  const float m = row_max(row, k);
   float sum = 0.f;
-  j = 0;
+  int64_t j = 0;
 #if defined(__AVX512F__)
   const __m512 vmax = _mm512_set1_ps(m);
   __m512 vs = _mm512_setzero_ps();
@@ -276,16 +282,9 @@ extern "C" int CrossEntropy(int nparam, void **params, int *ndims, int64_t **sha
   parallel_for(n, 8, [&](int64_t rb, int64_t re) {
     for (int64_t r = rb; r < re; ++r) {
       const float *row = x + r * v;
-      float m = -INFINITY;
-      int64_t j = 0;
-#if defined(__AVX512F__)
-      __m512 vm = _mm512_set1_ps(-INFINITY);
-      for (; j + 16 <= v; j += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(row + j));
-      m = _mm512_reduce_max_ps(vm);
-#endif
-      for (; j < v; ++j) m = row[j] > m ? row[j] : m;
+      const float m = row_max(row, v);
       float sum = 0.f;
-      j = 0;
+      int64_t j = 0;
 #if defined(__AVX512F__)
       const __m512 vmax = _mm512_set1_ps(m);
       __m512 vs = _mm512_setzero_ps();
