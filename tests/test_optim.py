@@ -72,33 +72,24 @@ def _setup(k: int, seed: int = 0):
     return cfg, net, causal_lm_train_step(net, net.trainable_params(), accumulation=k)
 
 
-def test_gradient_accumulation_equals_large_batch():
+def test_gradient_accumulation_equals_large_batch_weighted_by_tokens():
+    """Two micro-batches equal one big batch, also where response-only masks leave them with different token
+    counts (the step weights tokens, not micro-batches). One pair of compiled steps serves both cases."""
     cfg, net1, step1 = _setup(1)
     _, net2, step2 = _setup(2)
-    ids = np.random.default_rng(1).integers(0, cfg.vocab_size, (4, 17)).astype(np.int32)
-    x, y = ids[:, :-1], ids[:, 1:]
-    for s in (1, 2):
+    rng = np.random.default_rng(1)
+    plain = rng.integers(0, cfg.vocab_size, (4, 17)).astype(np.int32)
+    masked = rng.integers(0, cfg.vocab_size, (4, 17)).astype(np.int32)
+    y_masked = masked[:, 1:].copy()
+    y_masked[:2, :12] = -100  # the first micro-batch counts 8 tokens, the second 32
+    batches = [(plain[:, :-1], plain[:, 1:])] * 2 + [(masked[:, :-1], y_masked)] * 2
+    for s, (x, y) in enumerate(batches, start=1):
         l1, g1, _ = step1([(x, y)], 1e-3, s)
         l2, g2, _ = step2([(x[:2], y[:2]), (x[2:], y[2:])], 1e-3, s)
-        assert abs(l1 - l2) < 1e-5 and abs(g1 - g2) < 1e-5
+        assert abs(l1 - l2) < 1e-5 and abs(g1 - g2) < 1e-5, (s, l1, l2, g1, g2)
+    assert step2.token_weights([y_masked[:2], y_masked[2:]]) == [2 * 8 / 40, 2 * 32 / 40]
     for a, b in zip(net1.trainable_params(), net2.trainable_params()):
         np.testing.assert_allclose(a.asnumpy(), b.asnumpy(), atol=1e-5)  # Adam amplifies fp32 summation order
-
-
-def test_accumulation_weights_tokens_not_micro_batches():
-    """Response-only masks leave micro-batches with different token counts: the step still equals one big batch."""
-    cfg, net1, step1 = _setup(1)
-    _, net2, step2 = _setup(2)
-    ids = np.random.default_rng(2).integers(0, cfg.vocab_size, (4, 17)).astype(np.int32)
-    x, y = ids[:, :-1], ids[:, 1:].copy()
-    y[:2, :12] = -100  # the first micro-batch counts 8 tokens, the second 32
-    for s in (1, 2):
-        l1, g1, _ = step1([(x, y)], 1e-3, s)
-        l2, g2, _ = step2([(x[:2], y[:2]), (x[2:], y[2:])], 1e-3, s)
-        assert abs(l1 - l2) < 1e-5 and abs(g1 - g2) < 1e-5, (l1, l2, g1, g2)
-    assert step2.token_weights([y[:2], y[2:]]) == [2 * 8 / 40, 2 * 32 / 40]
-    for a, b in zip(net1.trainable_params(), net2.trainable_params()):
-        np.testing.assert_allclose(a.asnumpy(), b.asnumpy(), atol=1e-5)
 
 
 def test_jit_train_step_lowers_loss_and_is_deterministic():
