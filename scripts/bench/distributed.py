@@ -3,7 +3,8 @@
 
 Same model and the same global batch for every layout (`tiny-llama-bench` by default: vocab 8192,
 hidden 256, 4 layers; global batch 8 × seq 256, random tokens, fp32), the same compiled train step
-and AdamW as `tasks.training.trainer.fit` builds for a mesh:
+and AdamW as `tasks.training.trainer.fit` builds for a mesh, with the fused CPU kernels as the trainer's
+default (`--no-fused`: MindSpore's own ops, pretrain.fused_kernels: false):
 
 - dp1: one process, no msrun, OMP_NUM_THREADS = cpu_count;
 - dp2: 2 msrun workers, each a micro batch of global/2 (different random tokens per rank),
@@ -110,10 +111,11 @@ def worker(a: argparse.Namespace) -> None:
     cfg = model_config(a.preset)
     seq = min(a.seq, cfg.max_seq_length)
     micro = a.batch // dp
-    net = LlamaForCausalLM(cfg, seed=0, tensor_parallel=mesh.tensor_parallel())
+    # as the trainer (pretrain.fused_kernels): the fused CPU kernels in the model and the in-place AdamW update
+    net = LlamaForCausalLM(cfg, seed=0, tensor_parallel=mesh.tensor_parallel(), fused_kernels=not a.no_fused)
     params = net.trainable_params()
     # the trainer's defaults (AdamW, clip 1.0), gradients averaged over dp, clipped by the norm over tp slices
-    step_fn = causal_lm_train_step(net, params, mesh=mesh)
+    step_fn = causal_lm_train_step(net, params, mesh=mesh, fused=not a.no_fused)
     # data-parallel replicas read different batches, tensor-parallel ranks the same ones
     rng = np.random.default_rng(1000 + mesh.dp_index)
     total = a.warmup + a.steps
@@ -207,7 +209,7 @@ def worker(a: argparse.Namespace) -> None:
         log(f"{n} activation all-reduces of {[micro, seq, cfg.hidden_size]}: {act * 1e3:.1f} ms, "
             f"grad-norm scalar: {scalar * 1e3:.2f} ms")
     mesh.barrier()
-    out = {"rank": mesh.rank, "step_s": step_s, "wall_s": dt, "warmup_s": warmup_s, "loss": loss,
+    out = {"rank": mesh.rank, "fused_kernels": bool(net.fused_kernels), "step_s": step_s, "wall_s": dt, "warmup_s": warmup_s, "loss": loss,
            "comm_s_per_step": comm, "param_rebuild_s": rebuild, "peak_rss_bytes": train_rss}
     (Path(a.out) / f"{a.layout}_rank{mesh.rank}.json").write_text(json.dumps(out))
 
@@ -234,6 +236,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--comm-repeats", type=int, default=10)
     ap.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated subset of " + ",".join(LAYOUTS))
+    ap.add_argument("--no-fused", action="store_true",
+                    help="MindSpore's own ops only (pretrain.fused_kernels: false; a machine without g++)")
     # a worker's own flags: none may be a prefix of one of msrun's (--worker_num, --rank_table_file, ...),
     # since msrun's argparse reads abbreviations from the script's arguments too
     ap.add_argument("--run-layout", dest="layout", choices=list(LAYOUTS), default=None, help=argparse.SUPPRESS)
@@ -257,7 +261,8 @@ def main() -> None:
     out = tmp / "out"
     out.mkdir()
     common = ["--preset", a.preset, "--batch", str(a.batch), "--seq", str(a.seq), "--steps", str(a.steps),
-              "--warmup", str(a.warmup), "--comm-repeats", str(a.comm_repeats), "--out", str(out)]
+              "--warmup", str(a.warmup), "--comm-repeats", str(a.comm_repeats), "--out", str(out),
+              *(["--no-fused"] if a.no_fused else [])]
     me = str(Path(__file__).resolve())
     cpus = os.cpu_count() or 1
     ports = dict(zip(("dp2", "dp2zero", "tp2"), _free_ports(3)))
@@ -295,6 +300,7 @@ def main() -> None:
 
     out = {"bench": "distributed", "preset": a.preset, "params": cfg_params(cfg), "global_batch": a.batch, "seq": seq,
            "steps": a.steps, "warmup": a.warmup, "cpu_count": cpus,
+           "fused_kernels": all(v["rank0"]["fused_kernels"] for v in res.values()),
            "tokens_per_s": {k: round(v, 1) for k, v in tps.items()},
            "step_s": {k: round(v["step_s"], 4) for k, v in r0.items()},
            "comm_s_per_step": {k: round(r0[k]["comm_s_per_step"], 5) for k in multi},
@@ -304,7 +310,8 @@ def main() -> None:
     for k in ("dp2", "dp2zero"):
         if k in res:
             out.setdefault("rank_peak_rss_bytes", {})[k] = res[k]["rank_peak_rss_bytes"]
-            est = estimate(cfg, micro_batch=a.batch // 2, seq=seq, layout=Layout(dp=2, optimizer_shard=k == "dp2zero"))
+            est = estimate(cfg, micro_batch=a.batch // 2, seq=seq, layout=Layout(dp=2, optimizer_shard=k == "dp2zero"),
+                           fused_kernels=not a.no_fused)
             out.setdefault("plan_estimate_bytes", {})[k] = est.total
             out.setdefault("plan_error", {})[k] = round(est.total / max(res[k]["rank_peak_rss_bytes"]) - 1, 3)
     if "dp2zero" in res:

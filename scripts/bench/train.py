@@ -50,7 +50,7 @@ def _ms(a: argparse.Namespace) -> dict:
 
     cfg = ModelConfig.from_name(a.preset)
     net = LlamaForCausalLM(cfg, seed=0, fused_kernels=not a.no_fused)  # as the trainer (pretrain.fused_kernels)
-    step = causal_lm_train_step(net, net.trainable_params())
+    step = causal_lm_train_step(net, net.trainable_params(), fused=not a.no_fused)
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (a.batch, a.seq + 1)).astype(np.int32)
     batch = [(ids[:, :-1], ids[:, 1:])]
     for s in range(a.warmup):

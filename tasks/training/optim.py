@@ -619,12 +619,14 @@ def causal_lm_loss_fn(net):
 
 def causal_lm_train_step(net, params: list[Parameter], *, weight_decay: float = 0.1, grad_clip: float | None = 1.0,
                          beta1: float = 0.9, beta2: float = 0.95, eps: float = 1e-8, accumulation: int = 1,
-                         mesh=None) -> TrainStep:
+                         mesh=None, fused: bool = True) -> TrainStep:
     """A compiled next-token train step for `net` over `params` with AdamW (norms/embeddings not decayed).
 
     What the benchmarks, the memory measurement and the optimizer tests use; the trainer builds
     the same pieces from its LoopConfig. With a `mesh` (tasks/runtime/distributed.py) the step averages
     gradients over its data-parallel group and clips by the norm over its tensor-parallel slices.
+    `fused=False` keeps the optimizer on MindSpore's own kernels, as pretrain.fused_kernels: false does
+    (the model's fused ops are the model's: LlamaForCausalLM(fused_kernels=...)).
     """
 
     sharded, tp_group, dp_group, dp = None, None, None, 1
@@ -633,9 +635,9 @@ def causal_lm_train_step(net, params: list[Parameter], *, weight_decay: float = 
     mask = [decays(p.name, decay_norms_and_biases=False, decay_embeddings=False) for p in params]
     if mesh is not None and getattr(mesh, "zero", False):
         opt = ShardedAdamW(params, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, grad_clip=grad_clip,
-                           decay_mask=mask, dp=mesh.dp, dp_index=mesh.dp_index)
+                           decay_mask=mask, dp=mesh.dp, dp_index=mesh.dp_index, in_place=fused)
     else:
         opt = AdamW(params, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, grad_clip=grad_clip,
-                    decay_mask=mask, sharded=sharded, tp_group=tp_group)
+                    decay_mask=mask, sharded=sharded, tp_group=tp_group, fused=fused)
 
     return TrainStep(causal_lm_loss_fn(net), params, opt, accumulation=accumulation, dp_group=dp_group, dp=dp)

@@ -328,7 +328,8 @@ def _optimizer(params, loop: LoopConfig, mesh):
                          decay_embeddings=loop.decay_embeddings) for p in params]
     if mesh.zero:
         return ShardedAdamW(params, beta1=loop.beta1, beta2=loop.beta2, eps=loop.eps, weight_decay=loop.weight_decay,
-                            grad_clip=loop.grad_clip, decay_mask=decay_mask, dp=mesh.dp, dp_index=mesh.dp_index)
+                            grad_clip=loop.grad_clip, decay_mask=decay_mask, dp=mesh.dp, dp_index=mesh.dp_index,
+                            in_place=loop.fused_kernels)
     return AdamW(params, beta1=loop.beta1, beta2=loop.beta2, eps=loop.eps, weight_decay=loop.weight_decay,
                  grad_clip=loop.grad_clip, decay_mask=decay_mask, sharded=mesh.sharded(params), tp_group=mesh.tp_group,
                  fused=loop.fused_kernels)
