@@ -119,13 +119,15 @@ needs_kernel = pytest.mark.skipif(build_decode_kernel() is None, reason="the fus
 ])
 def test_fused_decode_step_matches_the_decoder_and_the_full_forward(shape):
     """The one-op decode step (model/decode_kernel.cc), on one thread and on more threads than cores: logits of
-    every step equal the plain forward's, and its greedy tokens equal the MindSpore-kernel decoder's."""
+    every step equal the plain forward's, and its greedy tokens equal the MindSpore-kernel decoder's and the
+    uncached path's."""
     model = LlamaForCausalLM(ModelConfig.from_name("tiny", **shape), seed=2)
     model.set_train(False)
     plain = Generator(model, fused=False)
     assert plain.decode_path == "decoder"
     prompt = ids(13, seed=11)
     new = plain.generate(prompt, 30)
+    assert plain.generate(prompt, 30, use_cache=False) == new
     full = model(Tensor(np.asarray([prompt + new], np.int32))).asnumpy()[0]
     for threads in (1, 3):
         fused = Generator(model, threads=threads)

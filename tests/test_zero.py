@@ -43,6 +43,24 @@ def _sharded_optimizer(dp: int, dp_index: int, chunk_elements: int = 4 * 2**20, 
                         in_place=in_place)
 
 
+def test_fused_kernels_false_keeps_the_update_on_mindspores_kernel():
+    """pretrain.fused_kernels: false means no custom op at all, in ZeRO-1's update as in AdamW's (the trainer used to
+    build ShardedAdamW in place whatever the key said)."""
+    from types import SimpleNamespace
+
+    from model.kernels import zero_ops
+    from tasks.training.trainer import LoopConfig, _optimizer
+
+    params = _sharded_optimizer(1, 0).params
+    zero = SimpleNamespace(zero=True, dp=2, dp_index=1)
+    plain = SimpleNamespace(zero=False, sharded=lambda ps: None, tp_group=None)
+    built = zero_ops() is not None
+    for fused in (True, False):
+        loop = LoopConfig(max_steps=1, micro_batch_size=1, fused_kernels=fused)
+        assert _optimizer(list(params), loop, zero).in_place is (fused and built), fused
+        assert (_optimizer(list(params), loop, plain).kernel is not None) is (fused and built), fused
+
+
 def _moments() -> dict[str, np.ndarray]:
     opt = {f"adam_m.{k}": v * 0.5 for k, v in _tiny_arrays(1).items()}
     opt.update({f"adam_v.{k}": v ** 2 for k, v in _tiny_arrays(2).items()})

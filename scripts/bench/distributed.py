@@ -209,8 +209,8 @@ def worker(a: argparse.Namespace) -> None:
         log(f"{n} activation all-reduces of {[micro, seq, cfg.hidden_size]}: {act * 1e3:.1f} ms, "
             f"grad-norm scalar: {scalar * 1e3:.2f} ms")
     mesh.barrier()
-    out = {"rank": mesh.rank, "fused_kernels": bool(net.fused_kernels), "step_s": step_s, "wall_s": dt, "warmup_s": warmup_s, "loss": loss,
-           "comm_s_per_step": comm, "param_rebuild_s": rebuild, "peak_rss_bytes": train_rss}
+    out = {"rank": mesh.rank, "fused_kernels": bool(net.fused_kernels), "step_s": step_s, "wall_s": dt,
+           "warmup_s": warmup_s, "loss": loss, "comm_s_per_step": comm, "param_rebuild_s": rebuild, "peak_rss_bytes": train_rss}
     (Path(a.out) / f"{a.layout}_rank{mesh.rank}.json").write_text(json.dumps(out))
 
 

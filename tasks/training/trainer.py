@@ -69,7 +69,8 @@ class LoopConfig:
     """fp16: S doubles after this many consecutive finite steps (and halves on every overflow)."""
     peak_flops: float | None = None
     fused_kernels: bool = True
-    """pretrain.fused_kernels: the AdamW update as model/train_kernels.cc ZeroAdamW's in-place op where it builds."""
+    """pretrain.fused_kernels: the AdamW update (ZeRO-1's too) as model/train_kernels.cc ZeroAdamW's in-place op
+    where it builds; False keeps it on MindSpore's AdamWeightDecay (under ZeRO-1 with an fp32 master share)."""
     progress: bool = True
     fault_steps: list[int] = field(default_factory=list)
     """Test hook: steps whose gradients are made non-finite (exercises the skip path)."""
