@@ -55,7 +55,7 @@ def continued_pretraining(pipeline: str = "demo", config: str = "pipelines.yaml"
     srcs = [str(p) for p in fresh]
     print(f"continuing {base} on {len(srcs)} new corpus file(s): {', '.join(Path(s).name for s in srcs)}")
     common = dict(config=config, pipeline=pipeline, overrides=overrides, artifacts=artifacts)
-    out = {"data": stages.run_stage(stages.data_task, **common, tokenizer_model=str(Path(base) / "tokenizer.model"), continued_sources=srcs)}
+    out = {"data": stages.run_stage(stages.data_task, **common, tokenizer_model=str(base), continued_sources=srcs)}
     out["pretrain"] = stages.run_stage(stages.pretrain_task, **common, data_artifact=out["data"], init_from=base, continued_sources=srcs)
     print(stages.publish_lineage(store, out["pretrain"]))
     return out

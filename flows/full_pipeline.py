@@ -38,7 +38,7 @@ def full_pipeline(pipeline: str = "demo", config: str = "pipelines.yaml", overri
     out: dict[str, str] = {}
     if init_from is None and cfg.pretrain.init_from:  # the YAML key, when no parameter overrides it
         init_from = str(cfg.resolve_path(cfg.pretrain.init_from))
-    tok = str(Path(init_from) / "tokenizer.model") if init_from else None
+    tok = str(init_from) if init_from else None  # the base artifact: its tokenizer files
     if cfg.data.executor == "dask":  # chunks mapped over a Dask cluster (same bytes as the local pool)
         from flows.data_dask import run_on_dask
 
@@ -49,7 +49,7 @@ def full_pipeline(pipeline: str = "demo", config: str = "pipelines.yaml", overri
     model = out["pretrain"]
     if cfg.continued.sources:
         srcs = [str(cfg.resolve_path(s)) for s in cfg.continued.sources]
-        out["continued_data"] = stages.run_stage(stages.data_task, **common, tokenizer_model=str(Path(model) / "tokenizer.model"),
+        out["continued_data"] = stages.run_stage(stages.data_task, **common, tokenizer_model=str(model),
                                                  continued_sources=srcs)
         out["continued_pretrain"] = stages.run_stage(stages.pretrain_task, **common, data_artifact=out["continued_data"],
                                                          init_from=model, continued_sources=srcs)

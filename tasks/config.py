@@ -76,7 +76,9 @@ class ModelSection(_Section):
 
 class TokenizerSection(_Section):
     path: str | None = None
-    """An existing SentencePiece tokenizer.model to reuse (continued pretraining keeps the base's)."""
+    """An existing tokenizer to reuse instead of training one: a SentencePiece tokenizer.model, a Hugging Face
+    tokenizer.json (its tokenizer_config.json and chat template beside it are kept too), or a directory holding
+    either (a model artifact). Continued pretraining keeps the base model's."""
     model_type: Literal["bpe", "unigram"] = "bpe"
     vocab_size: int = Field(512, ge=64)
     """Vocabulary size to train; must equal the model's vocab_size."""
@@ -287,7 +289,13 @@ class EvalSection(_Section):
 
 
 class ExportSection(_Section):
-    formats: list[Literal["mindir", "onnx"]] = Field(default_factory=lambda: ["mindir", "onnx"])
+    formats: list[Literal["mindir", "onnx", "gguf"]] = Field(default_factory=lambda: ["mindir", "onnx"])
+    """mindir (MindSpore Lite), onnx (a KV-cache decoder for onnxruntime / onnxruntime-genai), gguf (llama.cpp,
+    Ollama, LM Studio and other llama.cpp-family runtimes; types in gguf_types)."""
+    gguf_types: list[Literal["F16", "Q8_0"]] = Field(default_factory=lambda: ["F16", "Q8_0"], min_length=1)
+    """GGUF files to write with `gguf` in formats: F16 (model.f16.gguf) and/or Q8_0 (model.q8_0.gguf), each read
+    back and its logits checked against MindSpore's (F16 within 1e-3 relative to the logits' scale, Q8_0 within
+    Q8_0's quantization error)."""
     batch_size: int = Field(1, gt=0)
     seq_length: int = Field(32, gt=0)
     atol: float = Field(1e-4, gt=0)

@@ -26,17 +26,16 @@ def train_tiny_tokenizer(out: Path, vocab_size: int = 512) -> Path:
 
 def tiny_model_artifact(root: Path, preset: str = "tiny", seed: int = 0, **overrides) -> Path:
     """A pretrain-type model artifact (random weights) under `root`, in the real store format."""
-    import sentencepiece as spm
-
     from model.config import ModelConfig
     from model.llama import LlamaForCausalLM
     from tasks.store.artifacts import ArtifactStore
     from tasks.store.model_artifact import tokenizer_info, write_model
+    from tasks.tokenizer import SentencePieceTokenizer
 
     store = ArtifactStore(root)
     mc = ModelConfig.from_name(preset, **overrides)
     tok = train_tiny_tokenizer(Path(root) / "tok.model", mc.vocab_size) if not (Path(root) / "tok.model").exists() else Path(root) / "tok.model"
-    sp = spm.SentencePieceProcessor(model_file=str(tok))
+    sp = SentencePieceTokenizer(tok)
     net = LlamaForCausalLM(mc, seed=seed)
     key = store.key("pretrain", {"preset": preset, "seed": seed, **overrides}, [], "test")
     hit = store.lookup("pretrain", key)

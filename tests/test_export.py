@@ -35,11 +35,10 @@ def model_from_data(store: ArtifactStore, data: Path, seed: int = 0) -> Path:
     """A pretrain-type artifact (random `tiny` weights) whose input is `data` and whose tokenizer is data's."""
     from model.config import ModelConfig
     from model.llama import LlamaForCausalLM
-    from tasks.store.model_artifact import tokenizer_info, write_model
-    import sentencepiece as spm
+    from tasks.store.model_artifact import load_tokenizer, tokenizer_info, write_model
 
     mc = ModelConfig.from_name("tiny")
-    sp = spm.SentencePieceProcessor(model_file=str(data / "tokenizer.model"))
+    sp = load_tokenizer(data)
     net = LlamaForCausalLM(mc, seed=seed)
     with store.build("pretrain", f"{seed:020d}", pipeline="test", config={"seed": seed},
                      inputs=[store.input_ref(data)], code="test") as b:

@@ -1,7 +1,7 @@
 """`msllm`: the command line (a contract, see docs/ARCHITECTURE.md). Parsing here, the commands in
 `tasks/cli/commands.py`; stage modules never import this package.
 
-    msllm validate|data|train|finetune|eval|export|predict|convert|lineage|plan [options]
+    msllm validate|data|train|finetune|eval|export|predict|convert|lineage|plan|serve [options]
 
 Common options: --config PATH (default ./pipelines.yaml), --pipeline NAME
 (default: the file's default), --set dotted.key=VALUE (repeatable, VALUE parsed
@@ -63,9 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
     _stage(p)
     p.add_argument("prompts", nargs="*")
 
-    p = sub.add_parser("convert", help="HF LLaMA ⇄ native checkpoints")
+    p = sub.add_parser("convert", help="HF LLaMA directory or GGUF file ⇄ model artifact")
     _common(p)
-    p.add_argument("--from-hf", default=None)
+    p.add_argument("--from-hf", default=None, metavar="DIR",
+                   help="a Hugging Face LlamaForCausalLM directory (tokenizer.model or tokenizer.json)")
+    p.add_argument("--from-gguf", default=None, metavar="FILE", help="a llama GGUF file (dequantized to float32)")
     p.add_argument("--to-hf", nargs=2, default=None, metavar=("ARTIFACT", "DIR"))
 
     p = sub.add_parser("lineage", help="where an artifact came from, down to raw corpus bytes")

@@ -66,7 +66,7 @@ def cmd_data(args) -> int:
     st = store(args)
     tok = None
     if cfg.pretrain.init_from:  # continued pretraining keeps the base model's tokenizer
-        tok = st.find(str(cfg.resolve_path(cfg.pretrain.init_from))) / "tokenizer.model"
+        tok = st.find(str(cfg.resolve_path(cfg.pretrain.init_from)))
     path = data.run(cfg, st, tokenizer_model=tok)
     print_metrics(path)
     print(path)
@@ -175,14 +175,15 @@ def cmd_export(args) -> int:
 
 
 def cmd_convert(args) -> int:
-    """`msllm convert --from-hf DIR` | `msllm convert --to-hf ARTIFACT DIR`; prints the written path last."""
+    """`msllm convert --from-hf DIR` | `--from-gguf FILE` | `--to-hf ARTIFACT DIR`; prints the written path last."""
     from tasks.stages import convert
 
-    if bool(args.from_hf) == bool(args.to_hf):
-        raise StageError("convert: pass exactly one of --from-hf DIR or --to-hf ARTIFACT DIR")
+    if sum(map(bool, (args.from_hf, args.from_gguf, args.to_hf))) != 1:
+        raise StageError("convert: pass exactly one of --from-hf DIR, --from-gguf FILE or --to-hf ARTIFACT DIR")
     st = store(args)
-    if args.from_hf:
-        path = convert.from_hf(args.from_hf, st, pipeline=args.pipeline)
+    if args.from_hf or args.from_gguf:
+        path = (convert.from_hf(args.from_hf, st, pipeline=args.pipeline) if args.from_hf else
+                convert.from_gguf(args.from_gguf, st, pipeline=args.pipeline))
         print_metrics(path)
     else:
         artifact, out = args.to_hf

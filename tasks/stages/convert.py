@@ -1,16 +1,21 @@
-"""The convert stage: a Hugging Face LLaMA directory <-> a model artifact.
+"""The convert stage: a Hugging Face LLaMA directory or a GGUF file <-> a model artifact.
 
     path = from_hf("hf/TinyLlama", store)          # <root>/convert/<key>/, a model artifact (like pretrain's)
-    to_hf(path, "out/hf-llama")                    # config.json + model.safetensors + tokenizer.model
+    path = from_gguf("SmolLM2-135M-Instruct.Q4_1.gguf", store)   # dequantized to float32
+    to_hf(path, "out/hf-llama")                    # config.json + model.safetensors + the tokenizer files
 
     msllm convert --from-hf DIR                    # prints the artifact path last
+    msllm convert --from-gguf FILE
     msllm convert --to-hf ARTIFACT DIR
 
 The HF directory must hold config.json, model.safetensors (or sharded
 model-*.safetensors with model.safetensors.index.json; no pickle files) and
-the SentencePiece tokenizer.model. The artifact is keyed by the sha256 of those
-raw files (recorded as its inputs, so lineage reaches them) and the stage's
-code; it can be continued-pretrained (`pretrain.init_from`), finetuned,
+the tokenizer: a SentencePiece tokenizer.model, or a tokenizer.json (with
+tokenizer_config.json for its special tokens, and the chat template in
+chat_template.jinja or tokenizer_config.json). A GGUF file carries all of it
+(llama.* metadata, tokenizer.ggml.*, tokenizer.chat_template; model/gguf.py
+reads it). The artifact is keyed by the sha256 of those raw files (recorded as
+its inputs, so lineage reaches them) and the stage's code; it can be continued-pretrained (`pretrain.init_from`), finetuned,
 evaluated and exported like any pretrain artifact. The key mapping, config
 translation and shape checks live in model/convert.py.
 """
@@ -21,6 +26,7 @@ import json
 import os
 import shutil
 import uuid
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -85,20 +91,37 @@ def _source_dtype(tensors: dict[str, np.ndarray]) -> str:
 # ----------------------------------------------------------------------------- HF -> artifact
 
 
-def from_hf(hf_dir: str | os.PathLike, store: ArtifactStore, pipeline: str | None = None) -> Path:
-    """The convert artifact of an HF LLaMA directory, converting it unless the store already has it."""
-    import sentencepiece as spm
+def _check_tokenizer(tok, vocab_size: int, where: Path) -> None:
+    """The tokenizer must fit the embedding and its chat template must render (before anything is written)."""
+    from tasks.tokenizer import check_chat_template
 
-    from tasks.store.model_artifact import tokenizer_info, write_model
+    if tok.vocab_size > vocab_size:
+        raise ConversionError(f"{where}: the tokenizer has {tok.vocab_size} tokens but the model's vocab_size is "
+                              f"{vocab_size}; this is not the model's tokenizer")
+    if tok.eos_id() < 0:
+        raise ConversionError(f"{where}: the tokenizer names no EOS token (eos_token in tokenizer_config.json); "
+                              "generation could not stop: add it")
+    check_chat_template(tok)
+
+
+def from_hf(hf_dir: str | os.PathLike, store: ArtifactStore, pipeline: str | None = None) -> Path:
+    """The convert artifact of an HF LLaMA directory, converting it unless the store already has it.
+
+    The tokenizer is the directory's tokenizer.model (SentencePiece) or, without one, its tokenizer.json with
+    tokenizer_config.json and chat_template.jinja where present; generation_config.json is kept too.
+    """
+    from tasks.store.model_artifact import write_model
+    from tasks.tokenizer import TokenizerError, load_tokenizer, tokenizer_files
 
     hf_dir = Path(hf_dir)
     if not (hf_dir / "config.json").is_file():
         raise FileNotFoundError(f"{hf_dir}: no config.json; pass a Hugging Face LlamaForCausalLM directory")
-    tok = hf_dir / "tokenizer.model"
-    if not tok.is_file():
-        raise FileNotFoundError(f"{hf_dir}: no tokenizer.model; the artifact needs the SentencePiece model the "
-                                "weights were trained with (copy it into the directory)")
-    files = [hf_dir / "config.json", *weight_files(hf_dir), tok]
+    tok_files = tokenizer_files(hf_dir)
+    if not tok_files:
+        raise FileNotFoundError(f"{hf_dir}: no tokenizer.model or tokenizer.json; the artifact needs the tokenizer "
+                                "the weights were trained with (copy it into the directory)")
+    gen_cfg = hf_dir / "generation_config.json"
+    files = [hf_dir / "config.json", *weight_files(hf_dir), *tok_files] + ([gen_cfg] if gen_cfg.is_file() else [])
     if (hf_dir / INDEX).is_file() and not (hf_dir / "model.safetensors").is_file():
         files.insert(1, hf_dir / INDEX)
     inputs = [raw_file_input(f) for f in files]
@@ -110,17 +133,63 @@ def from_hf(hf_dir: str | os.PathLike, store: ArtifactStore, pipeline: str | Non
 
     hf_config = json.loads((hf_dir / "config.json").read_text())
     cfg = config_from_hf(hf_config)
+    try:
+        tok = load_tokenizer(hf_dir)
+        _check_tokenizer(tok, cfg.vocab_size, tok_files[0])
+    except TokenizerError as exc:
+        raise ConversionError(str(exc)) from None
     hf_tensors = read_hf_tensors(hf_dir)
     weights = hf_to_native(hf_tensors, cfg)
-    sp = spm.SentencePieceProcessor(model_file=str(tok))
-    if sp.get_piece_size() > cfg.vocab_size:
-        raise ConversionError(f"{tok}: {sp.get_piece_size()} pieces but config.json vocab_size is {cfg.vocab_size}; "
-                              "this is not the model's tokenizer")
     source = {"format": "hf", "dir": str(hf_dir.resolve()), "dtype": _source_dtype(hf_tensors)}
     with store.build(STAGE, key, pipeline=pipeline, config=config, inputs=inputs, code=code_version(STAGE)) as b:
-        write_model(b.dir, name="llama", config=cfg, weights=weights, tokenizer_model=tok,
-                    tokenizer_info=tokenizer_info(sp), seq_length=cfg.max_seq_length, extra={"source": source})
+        write_model(b.dir, name="llama", config=cfg, weights=weights, tokenizer_model=hf_dir,
+                    tokenizer_info=tok.info(), seq_length=cfg.max_seq_length, extra={"source": source})
+        if gen_cfg.is_file():
+            shutil.copy2(gen_cfg, b.dir / gen_cfg.name)
         b.metrics.update(parameters=cfg.num_parameters, source_dtype=source["dtype"], tensors=len(hf_tensors))
+    return b.path
+
+
+def from_gguf(gguf_file: str | os.PathLike, store: ArtifactStore, pipeline: str | None = None) -> Path:
+    """The convert artifact of a llama GGUF file: weights dequantized to float32 (F32, F16, BF16, Q8_0, Q4_0, Q4_1,
+    ...), the config from its llama.* metadata, the tokenizer rebuilt as a tokenizer.json from tokenizer.ggml.*
+    (with the chat template). Keyed by the file's sha256 (its raw input, so lineage reaches it)."""
+    from model.gguf import GGUFError, read_gguf, read_metadata
+    from tasks.store.model_artifact import write_model
+    from tasks.tokenizer import TokenizerError, hf_files_from_gguf, load_tokenizer
+
+    src = Path(gguf_file)
+    if not src.is_file():
+        raise FileNotFoundError(f"{src}: no such GGUF file")
+    inputs = [raw_file_input(src)]
+    config = {"from": "gguf"}
+    key = store.key(STAGE, config, inputs, code_version(STAGE))
+    hit = store.lookup(STAGE, key)
+    if hit is not None:
+        return hit
+    try:
+        _, meta = read_metadata(src)
+        tok_files = hf_files_from_gguf(meta, str(src))
+        meta, cfg, weights, types = read_gguf(src)
+    except (GGUFError, TokenizerError) as exc:
+        raise ConversionError(str(exc)) from None
+    source = {"format": "gguf", "file": str(src.resolve()), "name": meta.get("general.name"),
+              "tensor_types": dict(sorted(Counter(types.values()).items())), "dtype": "float32"}
+    with store.build(STAGE, key, pipeline=pipeline, config=config, inputs=inputs, code=code_version(STAGE)) as b:
+        tok_dir = b.dir / "_tokenizer"
+        tok_dir.mkdir()
+        for name, content in tok_files.items():
+            (tok_dir / name).write_text(json.dumps(content, ensure_ascii=False), encoding="utf-8")
+        try:
+            tok = load_tokenizer(tok_dir)
+            _check_tokenizer(tok, cfg.vocab_size, src)
+        except TokenizerError as exc:
+            raise ConversionError(str(exc)) from None
+        write_model(b.dir, name="llama", config=cfg, weights=weights, tokenizer_model=tok_dir,
+                    tokenizer_info=tok.info(), seq_length=cfg.max_seq_length, extra={"source": source})
+        shutil.rmtree(tok_dir)
+        b.metrics.update(parameters=cfg.num_parameters, source_dtype="gguf", tensors=len(types),
+                         tensor_types=source["tensor_types"])
     return b.path
 
 
@@ -128,7 +197,9 @@ def from_hf(hf_dir: str | os.PathLike, store: ArtifactStore, pipeline: str | Non
 
 
 def to_hf(artifact: str | os.PathLike, out_dir: str | os.PathLike, dtype: str | None = None) -> Path:
-    """Write an HF LlamaForCausalLM directory (config.json, model.safetensors, tokenizer.model) from a model artifact.
+    """Write an HF LlamaForCausalLM directory (config.json, model.safetensors, the tokenizer files: tokenizer.model
+    or tokenizer.json + tokenizer_config.json + chat template; generation_config.json when the source had one) from
+    a model artifact, so transformers loads it (AutoModelForCausalLM / AutoTokenizer.from_pretrained).
 
     dtype: float32, bfloat16 or float16; default the dtype the artifact was converted from
     (float32 for trained artifacts). Written into a temp dir beside out_dir, then renamed;
@@ -138,6 +209,7 @@ def to_hf(artifact: str | os.PathLike, out_dir: str | os.PathLike, dtype: str | 
 
     from tasks.training.checkpoint import load_weights
     from tasks.store.model_artifact import model_config, read_info
+    from tasks.tokenizer import copy_tokenizer_files
 
     artifact, out_dir = Path(artifact), Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
@@ -159,7 +231,9 @@ def to_hf(artifact: str | os.PathLike, out_dir: str | os.PathLike, dtype: str | 
     try:
         save_file(hf, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-        shutil.copy2(artifact / "tokenizer.model", tmp / "tokenizer.model")
+        copy_tokenizer_files(artifact, tmp)
+        if (artifact / "generation_config.json").is_file():
+            shutil.copy2(artifact / "generation_config.json", tmp / "generation_config.json")
         if out_dir.exists():
             out_dir.rmdir()
         os.rename(tmp, out_dir)

@@ -10,7 +10,7 @@ caller (a Prefect flow) down. The child trains in `<root>/runs/pretrain/<key>/`
 a retry of the same key resumes from the newest checkpoint there.
 
 Artifact payload: model.safetensors (weights), model.json (architecture,
-tokenizer ids), tokenizer.model, metrics.jsonl, loss_curve.png.
+tokenizer ids), the tokenizer files, metrics.jsonl, loss_curve.png.
 """
 
 from __future__ import annotations
@@ -203,18 +203,17 @@ def _train(cfg: PipelineConfig, store: ArtifactStore, data_artifact: Path, init_
     _, inputs, section = stage_key(cfg, store, data_artifact, init_from)
     data_manifest = store.read_manifest(data_artifact)
     net, mc = build_network(cfg, init_from, mesh.tensor_parallel())
-    tok = json.loads((data_artifact / "tokenizer.json").read_text())
+    tok = json.loads((data_artifact / "tokenizer_info.json").read_text())
     if tok["vocab_size"] != mc.vocab_size:
         raise ValueError(
             f"tokenizer of {data_artifact} has {tok['vocab_size']} pieces but the model's vocab_size is "
             f"{mc.vocab_size}; set model.vocab_size / data.tokenizer.vocab_size to match"
         )
     if init_from is not None:
-        base_tok = Path(init_from) / "tokenizer.model"
-        if base_tok.read_bytes() != (data_artifact / "tokenizer.model").read_bytes():
+        if _tok_sha(init_from) != _tok_sha(data_artifact):
             raise ValueError(
                 f"continued pretraining must keep the base model's tokenizer: {data_artifact} was tokenized with "
-                f"another tokenizer.model than {init_from}; rerun the data stage with the base's tokenizer"
+                f"another tokenizer than {init_from}; rerun the data stage with the base's tokenizer"
             )
     if cfg.pretrain.recompute:
         net.enable_recompute()
@@ -259,7 +258,7 @@ def _train(cfg: PipelineConfig, store: ArtifactStore, data_artifact: Path, init_
     entropy = unigram_entropy(data_artifact)
     with store.build(STAGE, key, pipeline=cfg.name, config=section, inputs=inputs, code=code_version(STAGE)) as b:
         write_model(b.dir, name=cfg.model.name, config=mc, weights=weights,
-                    tokenizer_model=data_artifact / "tokenizer.model", tokenizer_info=tok, seq_length=seq)
+                    tokenizer_model=data_artifact, tokenizer_info=tok, seq_length=seq)
         add_run_files(b.dir, run_dir, result, f"{cfg.name}: {cfg.model.preset} ({mc.num_parameters / 1e6:.1f}M params)")
         b.metrics.update(
             steps=result.steps, consumed_samples=result.consumed_samples, tokens=result.consumed_samples * seq,
@@ -274,7 +273,8 @@ def _train(cfg: PipelineConfig, store: ArtifactStore, data_artifact: Path, init_
     return b.path
 
 
-def _tok_sha(data_artifact: Path) -> str:
-    from tasks.store.artifacts import sha256_file
+def _tok_sha(artifact: Path) -> str:
+    """The digest of the artifact's tokenizer files (tasks.tokenizer.files_sha256)."""
+    from tasks.tokenizer import files_sha256, tokenizer_files
 
-    return sha256_file(Path(data_artifact) / "tokenizer.model")
+    return files_sha256(tokenizer_files(artifact))

@@ -5,10 +5,11 @@ A model artifact directory holds:
     model.safetensors   weights by MindSpore parameter name (embed_tokens.weight, layers.0.self_attn.q_proj.weight, …)
     model.json          {"name": registry name, "model": ModelConfig.to_dict(), "tokenizer": {vocab_size, bos_id,
                          eos_id, pad_id, unk_id, ...}, "seq_length": trained sequence length}
-    tokenizer.model     the SentencePiece model the weights were trained with
+    tokenizer.model     the SentencePiece model the weights were trained with, or
+    tokenizer.json      a Hugging Face tokenizer (+ tokenizer_config.json, chat_template.jinja when the model has them)
 
     net, info = load_model(path)          # MindSpore network with the weights loaded (eval mode)
-    sp = load_tokenizer(path)             # sentencepiece.SentencePieceProcessor
+    tok = load_tokenizer(path)            # tasks.tokenizer.Tokenizer (either backend)
 """
 
 from __future__ import annotations
@@ -51,28 +52,34 @@ def load_model(path: str | Path, seed: int = 0, **kwargs):
 
 
 def load_tokenizer(path: str | Path):
-    import sentencepiece as spm
+    """The artifact's tokenizer (tasks.tokenizer.Tokenizer); FileNotFoundError naming the artifact without one."""
+    from tasks.tokenizer import TokenizerError, load_tokenizer as _load
 
-    f = Path(path) / "tokenizer.model" if Path(path).is_dir() else Path(path)
-    if not f.is_file():
-        raise FileNotFoundError(f"{path}: no tokenizer.model")
-    return spm.SentencePieceProcessor(model_file=str(f))
+    try:
+        return _load(path)
+    except TokenizerError as exc:
+        raise FileNotFoundError(str(exc)) from None
 
 
 def write_model(out_dir: Path, *, name: str, config, weights: dict[str, np.ndarray], tokenizer_model: Path,
                 tokenizer_info: dict[str, Any], seq_length: int, extra: dict[str, Any] | None = None) -> None:
-    """Write the three files of a model artifact into `out_dir` (a store build directory)."""
+    """Write a model artifact into `out_dir` (a store build directory): weights, the tokenizer files (of
+    `tokenizer_model`: a tokenizer.model file, or a directory holding the model's tokenizer files) and model.json."""
+    from tasks.tokenizer import copy_tokenizer_files
     from tasks.training.checkpoint import save_tensors
 
     save_tensors(out_dir / "model.safetensors", weights)
-    shutil.copy2(tokenizer_model, out_dir / "tokenizer.model")
+    if Path(tokenizer_model).is_dir():
+        copy_tokenizer_files(tokenizer_model, out_dir)
+    else:  # a SentencePiece model file, under whatever name it had
+        shutil.copy2(tokenizer_model, out_dir / "tokenizer.model")
     atomic_write_json(out_dir / "model.json", {"name": name, "model": config.to_dict(), "tokenizer": tokenizer_info,
                                                "seq_length": seq_length, **(extra or {})})
 
 
-def tokenizer_info(sp) -> dict[str, Any]:
-    return {"vocab_size": sp.get_piece_size(), "bos_id": sp.bos_id(), "eos_id": sp.eos_id(), "pad_id": sp.pad_id(),
-            "unk_id": sp.unk_id()}
+def tokenizer_info(tok) -> dict[str, Any]:
+    """model.json's tokenizer record: ids, size, files and digest (tasks.tokenizer.Tokenizer.info)."""
+    return tok.info()
 
 
 def newest_model(store, pipeline: str) -> Path | None:

@@ -1,7 +1,7 @@
-"""The data stage: corpora → cleaned documents → SentencePiece tokenizer → packed MindRecord shards.
+"""The data stage: corpora → cleaned documents → tokenizer (trained or reused) → packed MindRecord shards.
 
     path = run(cfg, ArtifactStore("artifacts"))                 # plain function, no Prefect inside
-    path = run(cfg, store, tokenizer_model=base / "tokenizer.model")   # continued pretraining
+    path = run(cfg, store, tokenizer_model=base)                # continued pretraining: the base's tokenizer
     msllm data --pipeline tiny                                  # the CLI prints `path` last
 
 A rerun with the same inputs and config is a cache hit (same key, nothing recomputed). The same
@@ -44,16 +44,17 @@ documents (`tokenizer.sample_documents` / `sample_chars`; one sentence per line,
 `max_sentence_length` bytes) with byte fallback, identity normalization (we normalize ourselves),
 no dummy prefix and no whitespace folding, so `decode(encode(text)) == text` for any text
 (newlines and tabs become byte pieces). Ids: unk 0, bos 1, eos 2, pad 3. `num_threads=1` keeps
-training deterministic. A reused model is copied byte for byte; its size must equal the model's
-vocab_size.
+training deterministic. A reused tokenizer (`data.tokenizer.path` or the base model's on continued
+pretraining: a tokenizer.model, or a Hugging Face tokenizer.json with its tokenizer_config.json and chat
+template) is copied byte for byte, nothing is retrained; its size must equal the model's vocab_size.
 
 Stored schema (`DATA_SCHEMA_VERSION` 1) of the artifact directory:
 
     train/train-00000-of-0000N.mindrecord (+ .db)   data.num_shards shards, blocks dealt round robin
     valid/valid-00000-of-00001.mindrecord (+ .db)   one shard
-    tokenizer.model                                 SentencePiece model
-    tokenizer.json                                  {vocab_size, unk_id, bos_id, eos_id, pad_id,
-                                                     pad_fill_id, model_type, byte_fallback, ...}
+    tokenizer.model                                 SentencePiece model (or tokenizer.json + its companions)
+    tokenizer_info.json                             {type, files, sha256, vocab_size, unk_id, bos_id, eos_id,
+                                                     pad_id, pad_fill_id, model_type, byte_fallback, ...}
     manifest.json                                   written by the store: metrics (documents seen /
         kept / skipped by reason, tokens, blocks and tail tokens per split, MB, seconds), inputs with
         sha256, resolved config, every file's sha256, and `data` (schema version, seq_length, files
@@ -63,9 +64,10 @@ Stored schema (`DATA_SCHEMA_VERSION` 1) of the artifact directory:
       input_ids  int32 [seq_length + 1]   inputs = input_ids[:-1], targets = input_ids[1:]
       loss_mask  int32 [seq_length]       1 where target input_ids[i + 1] counts, 0 at padding
 
-Each split is one stream `tokens(doc_1) + [eos] + tokens(doc_2) + [eos] + ...` (no BOS) cut into
+Each split is one stream `tokens(doc_1) + [eos] + tokens(doc_2) + [eos] + ...` cut into
 blocks of seq_length + 1 tokens; consecutive blocks do not overlap. The last partial block is
-dropped or padded with `pad_fill_id` (`data.tail`); both are counted. Read blocks with
+dropped or padded with `pad_fill_id` (`data.tail`); both are counted. `tokens(doc)` is the
+SentencePiece ids (no BOS), or a tokenizer.json's own encoding (a BOS where its post-processor adds one). Read blocks with
 `tasks.store.reader.open_blocks`.
 """
 
@@ -123,24 +125,41 @@ def _pool_map(num_workers: int, n_tasks: int):
             raise
 
 
+def _tokenizer_source(path: Path) -> list[Path]:
+    """The files of a given tokenizer: a tokenizer.model, a tokenizer.json (with its companions beside it) or a
+    directory (a model artifact, an HF directory) holding either."""
+    from tasks.tokenizer import HF_FILE, tokenizer_files
+
+    if path.is_dir():
+        files = tokenizer_files(path)
+        if not files:
+            raise DataError(f"{path}: no tokenizer.model or tokenizer.json; fix data.tokenizer.path")
+        return files
+    if path.name == HF_FILE:
+        return tokenizer_files(path.parent)
+    return [path]
+
+
 def stage_key(cfg: PipelineConfig, store: ArtifactStore, tokenizer_model: Path | None = None):
-    """(key, inputs, (sources, ignored files, tokenizer path)): the content key, before any heavy work.
+    """(key, inputs, (sources, ignored files, tokenizer files)): the content key, before any heavy work.
 
     Also checks the model's vocab size against the tokenizer (the reused one, or the one to train).
     """
     d = cfg.data
     sources, ignored = resolve_sources(cfg)
     tok_path = Path(tokenizer_model) if tokenizer_model else (cfg.resolve_path(d.tokenizer.path) if d.tokenizer.path else None)
+    tok_files = None
     if tok_path is not None:
         base = load_tokenizer(tok_path)
+        tok_files = _tokenizer_source(tok_path)
         check_vocab(cfg, base.get_piece_size(), str(tok_path))
         if base.eos_id() < 0:
-            raise DataError(f"{tok_path}: tokenizer has no EOS piece to join documents with; use another tokenizer.model")
+            raise DataError(f"{tok_path}: tokenizer has no EOS token to join documents with; use another tokenizer")
     else:
         check_vocab(cfg, d.tokenizer.vocab_size, None)
-    inputs = source_inputs(sources) + ([raw_file_input(tok_path)] if tok_path else [])
+    inputs = source_inputs(sources) + [raw_file_input(f) for f in tok_files or []]
     key = store.key("data", _key_config(cfg, tok_path is not None), inputs, code_version("data"))
-    return key, inputs, (sources, ignored, tok_path)
+    return key, inputs, (sources, ignored, tok_files)
 
 
 def run(cfg: PipelineConfig, store: ArtifactStore, tokenizer_model: Path | None = None, progress: bool = True,
@@ -154,7 +173,8 @@ def run(cfg: PipelineConfig, store: ArtifactStore, tokenizer_model: Path | None 
     t0 = time.perf_counter()
     d = cfg.data
     log = (lambda msg: print(f"data: {msg}", file=sys.stderr, flush=True)) if progress else (lambda msg: None)
-    key, inputs, (sources, ignored, tok_path) = stage_key(cfg, store, tokenizer_model)
+    key, inputs, (sources, ignored, tok_files) = stage_key(cfg, store, tokenizer_model)
+    tok_path = tok_files[0] if tok_files else None
     code = code_version("data")
     hit = store.lookup("data", key)
     if hit is not None:
@@ -171,18 +191,20 @@ def run(cfg: PipelineConfig, store: ArtifactStore, tokenizer_model: Path | None 
             f"skipped {sum(st.skipped.values())} {({k: v for k, v in st.skipped.items() if v})}")
         t_tok = time.perf_counter()
         tok_file = b.dir / "tokenizer.model"
-        if tok_path is not None:
-            shutil.copyfile(tok_path, tok_file)
+        if tok_files:
+            for f in tok_files:
+                shutil.copyfile(f, b.dir / f.name)
+            tok_file = b.dir / tok_files[0].name
             source = "reused"
         else:
             log(f"training a {d.tokenizer.model_type} tokenizer, vocab {d.tokenizer.vocab_size}, "
                 f"on {plan.sample_documents} documents")
             train_tokenizer(d.tokenizer, plan.sample_path, tok_file)
             source = "trained"
-        sp = load_tokenizer(tok_file)
-        check_vocab(cfg, sp.get_piece_size(), str(tok_file) if tok_path else None)
-        info = tokenizer_info(sp, tok_file.read_bytes(), source)
-        atomic_write_json(b.dir / "tokenizer.json", info)
+        tok = load_tokenizer(b.dir)
+        check_vocab(cfg, tok.get_piece_size(), str(tok_file) if tok_path else None)
+        info = tokenizer_info(tok, source)
+        atomic_write_json(b.dir / "tokenizer_info.json", info)
         # The MindRecord writer imports MindSpore (seconds of C++ initialisation). Done here, before the worker pool
         # starts, not as the first shard opens: a SIGTERM that stops a busy run (scripts/serve.py, a cancelled flow
         # run) then lands in Python code and ends it cleanly; inside that import it surfaces as "ImportError:
@@ -190,7 +212,7 @@ def run(cfg: PipelineConfig, store: ArtifactStore, tokenizer_model: Path | None 
         import mindspore.mindrecord  # noqa: F401
 
         t_tokenize = time.perf_counter()
-        specs = chunk_specs(plan, tok_file)
+        specs = chunk_specs(plan, b.dir)
         kept = sum(plan.documents.values())
         with _progress_bar(progress, "tokenize+write", total=kept) as bar:
             counts = {"bytes": 0, "tokens": 0}

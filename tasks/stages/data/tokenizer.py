@@ -1,8 +1,7 @@
-"""Step 4: train (or reuse) the SentencePiece tokenizer, and tokenize one chunk (the mapped task)."""
+"""Step 4: train a SentencePiece tokenizer (or reuse a tokenizer.model / tokenizer.json), and tokenize one chunk (the mapped task)."""
 
 from __future__ import annotations
 
-import hashlib
 import io
 import itertools
 import json
@@ -56,38 +55,25 @@ def train_tokenizer(tok: TokenizerSection, sample_path: Path, out: Path) -> Path
 
 
 def load_tokenizer(path: str | os.PathLike):
-    """A SentencePieceProcessor; DataError naming the file when it is missing or not a model."""
-    import sentencepiece as spm
+    """The tokenizer of a file or directory (tokenizer.model or tokenizer.json); DataError naming it when it is
+    missing or unreadable."""
+    from tasks.tokenizer import TokenizerError, load_tokenizer as _load
 
     p = Path(path)
-    if not p.is_file():
-        raise DataError(f"{p}: tokenizer model not found; fix data.tokenizer.path")
+    if not p.exists():
+        raise DataError(f"{p}: tokenizer not found; fix data.tokenizer.path (a tokenizer.model, a tokenizer.json or "
+                        "a directory holding one)")
     try:
-        return spm.SentencePieceProcessor(model_file=str(p))
-    except (RuntimeError, OSError) as exc:
-        raise DataError(f"{p}: not a SentencePiece model ({exc}); point data.tokenizer.path at a tokenizer.model") from None
+        return _load(p)
+    except TokenizerError as exc:
+        raise DataError(f"{exc} (data.tokenizer.path)") from None
 
 
-def tokenizer_info(sp, model_bytes: bytes, source: str) -> dict[str, Any]:
-    """What downstream stages need to know about the tokenizer (written as tokenizer.json)."""
-    try:
-        from sentencepiece import sentencepiece_model_pb2 as pb
-
-        proto = pb.ModelProto()
-        proto.ParseFromString(model_bytes)
-        ts, ns = proto.trainer_spec, proto.normalizer_spec
-        model_type = pb.TrainerSpec.ModelType.Name(ts.model_type).lower()
-        extra = {"byte_fallback": ts.byte_fallback, "add_dummy_prefix": ns.add_dummy_prefix,
-                 "normalization": ns.name, "character_coverage": round(ts.character_coverage, 6)}
-    except ImportError:  # protobuf missing: report what the processor knows
-        model_type, extra = "unknown", {}
-    return {
-        "type": "sentencepiece", "file": "tokenizer.model", "source": source, "model_type": model_type,
-        "vocab_size": sp.get_piece_size(), "unk_id": sp.unk_id(), "bos_id": sp.bos_id(), "eos_id": sp.eos_id(),
-        "pad_id": sp.pad_id(), "pad_fill_id": sp.pad_id() if sp.pad_id() >= 0 else sp.eos_id(), **extra,
-        "document_format": "tokens(document) + [eos_id], documents concatenated; no bos",
-        "sha256": hashlib.sha256(model_bytes).hexdigest(),
-    }
+def tokenizer_info(tok, source: str) -> dict[str, Any]:
+    """What downstream stages need to know about the tokenizer (written as tokenizer_info.json)."""
+    extra = tok.model_proto() if tok.kind == "sentencepiece" else {}
+    return {**tok.info(), "source": source, **extra,
+            "document_format": "prompt_ids(document) + [eos_id], documents concatenated"}
 
 
 def check_vocab(cfg: PipelineConfig, vocab: int, tokenizer: str | None) -> None:
@@ -110,6 +96,14 @@ def check_vocab(cfg: PipelineConfig, vocab: int, tokenizer: str | None) -> None:
 _SP_CACHE: dict[str, Any] = {}
 
 
+def document_ids(tok, docs: list[str]) -> list[list[int]]:
+    """Each document's ids before its EOS: as the tokenizer starts a document (`prompt_ids`) minus a SentencePiece
+    model's leading EOS, which the previous document's EOS already is."""
+    if tok.kind == "sentencepiece":
+        return tok.encode_batch(docs)
+    return [tok.prompt_ids(d) for d in docs]
+
+
 def chunk_specs(plan: Plan, tokenizer: Path) -> list[dict[str, Any]]:
     """The inputs of `tokenize_chunk`, in plan order (plain JSON-able dicts of paths)."""
     return [{**c, "tokenizer": str(tokenizer)} for c in plan.chunks]
@@ -122,15 +116,15 @@ def tokenize_chunk(spec: dict[str, Any]) -> str:
     on any Dask worker sharing the file system. Writes `spec["tokens_path"]` (np.save, no pickle)
     and a summary JSON beside it; returns the summary's path.
     """
-    import sentencepiece as spm
+    from tasks.tokenizer import load_tokenizer as _load
 
-    tok = spec["tokenizer"]
-    sp = _SP_CACHE.get(tok)
-    if sp is None:
-        sp = _SP_CACHE[tok] = spm.SentencePieceProcessor(model_file=tok)
+    where = spec["tokenizer"]
+    tok = _SP_CACHE.get(where)
+    if tok is None:
+        tok = _SP_CACHE[where] = _load(where)
     with open(spec["text_path"], encoding="utf-8") as f:
         docs = [json.loads(line) for line in f]
-    ids = sp.encode(docs, num_threads=1) if docs else []
+    ids = document_ids(tok, docs)
     lens = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
     n_text = int(lens.sum())
     stream = np.empty(n_text + len(ids), dtype=np.int32)
@@ -138,7 +132,7 @@ def tokenize_chunk(spec: dict[str, Any]) -> str:
     is_text = np.ones(len(stream), dtype=bool)
     is_text[eos_at] = False
     stream[is_text] = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32, count=n_text)
-    stream[eos_at] = sp.eos_id()
+    stream[eos_at] = tok.eos_id()
     np.save(spec["tokens_path"], stream, allow_pickle=False)
     summary = {k: spec[k] for k in ("split", "index", "documents", "bytes", "tokens_path")}
     summary["tokens"] = int(len(stream))

@@ -280,8 +280,10 @@ def run(cfg: PipelineConfig, store: ArtifactStore, model_artifact: Path, data_ar
     hit = store.lookup(STAGE, key)
     if hit is not None:
         return hit
-    if data_artifact is not None and (data_artifact / "tokenizer.model").read_bytes() != \
-            (model_artifact / "tokenizer.model").read_bytes():
+    from tasks.tokenizer import files_sha256, tokenizer_files
+
+    if data_artifact is not None and files_sha256(tokenizer_files(data_artifact)) != \
+            files_sha256(tokenizer_files(model_artifact)):
         raise ValueError(f"{data_artifact} was tokenized with another tokenizer than {model_artifact}; "
                          "pass the data artifact the model was trained on (or none)")
     ev = cfg.eval

@@ -85,23 +85,21 @@ class TokenScorer:
         return out
 
 
-def token_byte_lengths(sp) -> np.ndarray:
-    """UTF-8 bytes each token id stands for (control/unknown tokens 0, byte-fallback pieces 1).
+def token_byte_lengths(tok) -> np.ndarray:
+    """UTF-8 bytes each token id stands for (special/unknown tokens 0, byte pieces 1): tasks.tokenizer's token_bytes.
 
-    With the data stage's tokenizer (no dummy prefix, identity normalisation) the sum over
-    a document's tokens is exactly the document's UTF-8 length.
+    With the data stage's SentencePiece tokenizer (no dummy prefix, identity normalisation) and with byte-level
+    BPE the sum over a document's tokens is exactly the document's UTF-8 length.
     """
-    n = sp.get_piece_size()
-    out = np.zeros(n, np.int64)
-    for i in range(n):
-        if sp.is_control(i) or sp.is_unknown(i):
-            continue
-        out[i] = 1 if sp.is_byte(i) else len(sp.id_to_piece(i).replace("\u2581", " ").encode("utf-8"))
-    return out
+    return tok.token_bytes()
 
 
 class MindSporeLM(TemplateLM):
-    """lm-eval model backed by a model artifact (MindSpore network + SentencePiece tokenizer).
+    """lm-eval model backed by a model artifact (MindSpore network + its tokenizer, either backend).
+
+    Tokenization is the harness's `hf` model's for a tokenizer.json model (the tokenizer's own special tokens by
+    default, BOS as the prefix of an empty context, EOS otherwise), so loglikelihoods equal lm-eval's `hf` model on
+    the same weights; a SentencePiece model trained here is conditioned as in pretraining (EOS first).
 
     Construct from a model artifact (`pretrained=PATH`, what `model_args` passes), or
     from a loaded network and tokenizer (`net=..., tokenizer=...`; `tokenizer` may be None
@@ -147,10 +145,20 @@ class MindSporeLM(TemplateLM):
 
     @property
     def tokenizer_name(self) -> str:
-        return "sentencepiece"
+        return self.sp.kind if self.sp is not None else "none"
+
+    @property
+    def prefix_token_id(self) -> int:
+        """What precedes an empty context: BOS where a tokenizer.json model has one (as lm-eval's `hf`), else EOT."""
+        if self.sp is not None and self.sp.kind == "hf" and self.sp.bos_id() >= 0:
+            return self.sp.bos_id()
+        return self._eot
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
-        """SentencePiece ids, after the prefix token unless add_special_tokens is False."""
+        """SentencePiece: the ids after the prefix token unless add_special_tokens is False. tokenizer.json: the
+        tokenizer's own encoding (its post-processor's special tokens unless add_special_tokens is False)."""
+        if self.sp.kind == "hf":
+            return self.sp.encode(string) if add_special_tokens is False else self.sp.prompt_ids(string)
         ids = self.sp.encode(string)
         return ids if add_special_tokens is False else [self.prefix_token_id] + ids
 
