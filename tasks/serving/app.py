@@ -5,7 +5,9 @@
 
 Endpoints:
     POST /v1/completions        prompt (a string, or token ids) -> text
-    POST /v1/chat/completions   messages rendered with the finetune stage's instruction template
+    POST /v1/chat/completions   messages rendered with the model's own chat template (a tokenizer.json
+                                model's, as transformers' apply_chat_template renders it) or, for a model
+                                trained here, the finetune stage's instruction template
                                 (`tasks.stages.finetune.to_segments` / `encode_segments`), ending where the
                                 response begins
     GET  /v1/models, /v1/models/{id}, /health
@@ -17,9 +19,10 @@ response; a stream ends with a chunk that has the finish_reason and the usage, t
 `data: [DONE]`. Defaults follow OpenAI: max_tokens 16 for completions and the rest of the
 context for chat, temperature 1, top_p 1; without a seed sampling is not reproducible.
 
-Completions prompts are encoded as in pretraining and `msllm predict`: [EOS] + pieces
-(EOS is where documents start in the training stream). Chat prompts start with the
-template, like the finetune examples.
+Completions prompts are encoded as in pretraining and `msllm predict` (`Tokenizer.prompt_ids`):
+[EOS] + pieces for a SentencePiece model trained here (EOS is where documents start in the
+training stream), the tokenizer's own encoding for a tokenizer.json model (as transformers).
+Chat prompts start with the template, like the finetune examples.
 
 Errors use OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, with the
 request field in `param` and in the message: 400 for a malformed body or a bad field
@@ -163,9 +166,14 @@ def _message_text(m: Any, j: int) -> tuple[str, str]:
 
 
 def chat_prompt_ids(sp, messages: list[tuple[str, str]]) -> list[int]:
-    """Token ids of a conversation rendered with the finetune stage's instruction template, ending where the
-    assistant's answer begins (the same tokens as the training examples up to their response)."""
+    """Token ids of a conversation rendered with the model's chat template (add_generation_prompt; encoded
+    without added special tokens, as transformers' apply_chat_template) or, without one, the finetune stage's
+    instruction template, ending where the assistant's answer begins (the same tokens as the training examples
+    up to their response)."""
     from tasks.stages.finetune import encode_segments, to_segments
+
+    if sp.chat_template is not None:
+        return sp.encode(sp.render_chat([{"role": r, "content": c} for r, c in messages], add_generation_prompt=True))
 
     # to_segments wants an assistant turn to train on: add an empty one and drop it again.
     record = {"messages": [{"role": r, "content": c} for r, c in messages] + [{"role": "assistant", "content": ""}]}
@@ -174,8 +182,8 @@ def chat_prompt_ids(sp, messages: list[tuple[str, str]]) -> list[int]:
 
 
 def completion_prompt_ids(sp, prompt: str) -> list[int]:
-    """[EOS] + pieces: how pretraining, eval and `msllm predict` see the start of a document."""
-    return [sp.eos_id()] + sp.encode(prompt)
+    """How pretraining, eval and `msllm predict` see the start of a document (`Tokenizer.prompt_ids`)."""
+    return sp.prompt_ids(prompt)
 
 
 class Parsed:
@@ -217,7 +225,12 @@ def parse_request(body: Any, *, chat: bool, model_id: str, backend) -> Parsed:
             j = len(turns) - 1
             raise ApiError(400, f"messages[{j}].role is '{turns[-1][0]}'; the last message must be the user's "
                                 f"(the model answers it)", f"messages[{j}].role")
-        ids, field = chat_prompt_ids(sp, turns), "messages"
+        from tasks.tokenizer import TokenizerError
+
+        try:
+            ids, field = chat_prompt_ids(sp, turns), "messages"
+        except TokenizerError as exc:  # the model's template refused the conversation (e.g. its raise_exception)
+            raise ApiError(400, f"messages: {exc}", "messages") from None
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):

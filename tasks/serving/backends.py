@@ -97,16 +97,15 @@ class OnnxBackend:
     batched = True  # the engine may decode all active sequences in one call (see prefill / decode / release)
 
     def __init__(self, path: str | Path, threads: int | None = None):
-        import sentencepiece as spm
-
         from tasks.deploy.onnx_generate import OnnxGenerator, sample_next
+        from tasks.tokenizer import load_tokenizer, tokenizer_files
 
         self.path = Path(path)
-        for f in ("model.onnx", "tokenizer.model"):
-            if not (self.path / f).is_file():
-                raise ValueError(f"{path}: no {f}; pass an export artifact directory (the path `msllm export` prints)")
+        if not (self.path / "model.onnx").is_file() or not tokenizer_files(self.path):
+            missing = "model.onnx" if not (self.path / "model.onnx").is_file() else "tokenizer.model or tokenizer.json"
+            raise ValueError(f"{path}: no {missing}; pass an export artifact directory (the path `msllm export` prints)")
         self.generator = OnnxGenerator(self.path / "model.onnx", threads=threads)  # ValueError for a pre-KV export
-        self.tokenizer = spm.SentencePieceProcessor(model_file=str(self.path / "tokenizer.model"))
+        self.tokenizer = load_tokenizer(self.path)
         self.sample_next = sample_next
         self.context_length = int(self.generator.max_len)
         self.vocab_size = int(self.generator.vocab_size or self.tokenizer.get_piece_size())
