@@ -38,6 +38,11 @@ def full_pipeline(pipeline: str = "demo", config: str = "pipelines.yaml", overri
     out: dict[str, str] = {}
     if init_from is None and cfg.pretrain.init_from:  # the YAML key, when no parameter overrides it
         init_from = str(cfg.resolve_path(cfg.pretrain.init_from))
+    if init_from is not None:  # a GGUF file or an HF directory is converted first (cached)
+        from tasks.stages.convert import resolve_base
+        from tasks.store.artifacts import ArtifactStore
+
+        init_from = str(resolve_base(ArtifactStore(artifacts), init_from, pipeline))
     tok = str(init_from) if init_from else None  # the base artifact: its tokenizer files
     if cfg.data.executor == "dask":  # chunks mapped over a Dask cluster (same bytes as the local pool)
         from flows.data_dask import run_on_dask

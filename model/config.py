@@ -137,6 +137,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     # Shapes used for the MindSpore vs PyTorch throughput comparison.
     "tiny-llama-bench": dict(vocab_size=8192, hidden_size=256, intermediate_size=688,
                              num_layers=4, num_heads=8, num_kv_heads=4, max_seq_length=256),
+    # SmolLM2-135M (the `smollm2` pipeline's real model, converted from its GGUF; built and trained on CPU).
+    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+                         num_heads=9, num_kv_heads=3, max_seq_length=8192, rope_theta=100000.0, norm_eps=1e-5,
+                         tie_embeddings=True),
     # Real shapes, for the memory estimator (never built on CPU).
     "llama2-7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
                       num_layers=32, num_heads=32, num_kv_heads=32, max_seq_length=4096),

@@ -695,7 +695,8 @@ def _length_rules(cfg: PipelineConfig, prefix: str, mc: ModelConfig) -> list[str
 def _tokenizer_rules(cfg: PipelineConfig, prefix: str, mc: ModelConfig) -> list[str]:
     """The tokenizer's vocabulary against the model's."""
     errs: list[str] = []
-    if cfg.data.tokenizer.path is None and cfg.data.tokenizer.vocab_size != mc.vocab_size:
+    reused = cfg.data.tokenizer.path is not None or cfg.pretrain.init_from is not None  # the base's, checked later
+    if not reused and cfg.data.tokenizer.vocab_size != mc.vocab_size:
         errs.append(
             f"{prefix}.data.tokenizer.vocab_size: {cfg.data.tokenizer.vocab_size} differs from the model's "
             f"vocab_size={mc.vocab_size}; make them equal (set model.vocab_size or data.tokenizer.vocab_size)"

@@ -66,7 +66,9 @@ def cmd_data(args) -> int:
     st = store(args)
     tok = None
     if cfg.pretrain.init_from:  # continued pretraining keeps the base model's tokenizer
-        tok = st.find(str(cfg.resolve_path(cfg.pretrain.init_from)))
+        from tasks.stages.convert import resolve_base
+
+        tok = resolve_base(st, cfg.resolve_path(cfg.pretrain.init_from), cfg.name)
     path = data.run(cfg, st, tokenizer_model=tok)
     print_metrics(path)
     print(path)
@@ -79,7 +81,11 @@ def cmd_train(args) -> int:
     cfg = load(args)
     st = store(args)
     data_art = upstream(args, st, "pretrain", cfg.name)
-    init = st.find(str(cfg.resolve_path(cfg.pretrain.init_from))) if cfg.pretrain.init_from else None
+    init = None
+    if cfg.pretrain.init_from:  # a model artifact, or a GGUF file / HF directory (converted first)
+        from tasks.stages.convert import resolve_base
+
+        init = resolve_base(st, cfg.resolve_path(cfg.pretrain.init_from), cfg.name)
     path = pretrain.run(cfg, st, data_art, init_from=init, retries=1)
     print_metrics(path)
     print(path)

@@ -191,7 +191,7 @@ def verify_genai(out: Path, sp, texts: list[str], greedy: list[dict[str, Any]], 
     tok = og.Tokenizer(model)
     # onnxruntime-genai 0.18 does not add SentencePiece's dummy prefix ("▁" before the text) with this
     # tokenizer.json: for a model that has one, the equivalent of sp.encode(text) is tok.encode(" " + text)
-    prefix = " " if json.loads((out / "tokenizer_config.json").read_text())["add_prefix_space"] else ""
+    prefix = " " if json.loads((out / "tokenizer_config.json").read_text()).get("add_prefix_space") else ""
     first, tokens = None, 0
     for text in texts:
         want, got = sp.encode(text), [int(t) for t in tok.encode(prefix + text)]

@@ -3,7 +3,7 @@
     export_mindir(net, out / "model.mindir")                       # dynamic [batch, seq], full forward
     export_onnx(info, weights, out / "model.onnx", meta)            # tasks/deploy/onnx_decoder.py, checked
     export_int8(out / "model.onnx", out / "model.int8.onnx")        # onnxruntime dynamic quantization
-    write_genai_files(out, info, tokenizer_model_bytes)            # genai_config.json, tokenizer.json
+    write_genai_files(out, info, model_dir)                        # genai_config.json, tokenizer.json
     onnx_io(model_config)                                           # export.json's description of model.onnx
 """
 
@@ -68,12 +68,17 @@ def export_int8(src: Path, dst: Path) -> None:
                      extra_options={"MatMulConstBOnly": True})
 
 
-def write_genai_files(out: Path, info: dict[str, Any], tokenizer_model: bytes) -> str | None:
+def write_genai_files(out: Path, info: dict[str, Any], model_dir: Path) -> str | None:
     """genai_config.json, tokenizer.json and tokenizer_config.json next to model.onnx.
 
-    Returns None, or why the tokenizer files were not written (a SentencePiece model that is
-    not BPE): genai then still generates from token ids.
+    A model with a Hugging Face tokenizer.json gets its own files (copied byte for byte); a SentencePiece BPE
+    model gets the equivalent tokenizer.json written from its tokenizer.model. Returns None, or why the tokenizer
+    files were not written (a SentencePiece model that is not BPE): genai then still generates from token ids.
     """
+    import shutil
+
+    from tasks.tokenizer import HF_CONFIG, HF_FILE, SP_FILE
+
     from tasks.deploy.onnx_decoder import genai_config, hf_tokenizer_files
 
     tok = info.get("tokenizer", {})
@@ -81,8 +86,13 @@ def write_genai_files(out: Path, info: dict[str, Any], tokenizer_model: bytes) -
     pad = tok.get("pad_id", -1)
     atomic_write_json(out / "genai_config.json", genai_config(info["model"], eos_id=eos, bos_id=tok.get("bos_id", 1),
                                                               pad_id=pad if pad is not None and pad >= 0 else eos))
+    if not (model_dir / SP_FILE).is_file():
+        for f in (HF_FILE, HF_CONFIG):
+            if (model_dir / f).is_file():
+                shutil.copy2(model_dir / f, out / f)
+        return None
     try:
-        tok_json, tok_cfg = hf_tokenizer_files(tokenizer_model)
+        tok_json, tok_cfg = hf_tokenizer_files((model_dir / SP_FILE).read_bytes())
     except ValueError as exc:
         return str(exc)
     atomic_write_json(out / "tokenizer.json", tok_json)

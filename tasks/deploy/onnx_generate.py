@@ -1,6 +1,7 @@
 """Text generation from the exported ONNX decoder with onnxruntime alone (no MindSpore), with a KV cache.
 
-Imports only numpy and onnxruntime (sentencepiece for text in / text out), so it runs where
+Imports only numpy and onnxruntime (sentencepiece, or tokenizers for a tokenizer.json model, for text in /
+text out), so it runs where
 MindSpore is not installed; the export stage copies this file into its artifact as
 `onnx_generate.py`.
 
@@ -28,7 +29,8 @@ max_len (default: the model's max_seq_length, from the ONNX metadata); sampling 
 `sample_next` (a copy of model.generate.sample_next) on numpy's default_rng(seed).
 
 Prompts are encoded as in pretraining and evaluation: [eos_id] + sentencepiece ids (the
-data stage ends every document with EOS, so EOS marks the start of a new one).
+data stage ends every document with EOS, so EOS marks the start of a new one); a tokenizer.json
+model's prompts are its tokenizer's own encoding (special tokens included), as transformers'.
 """
 
 from __future__ import annotations
@@ -290,8 +292,50 @@ class OnnxGenerator:
 
 
 def encode_prompt(sp, text: str) -> list[int]:
-    """[eos_id] + sentencepiece ids: how pretraining and evaluation see the start of a document."""
+    """How pretraining and evaluation see the start of a document: [eos_id] + ids for a SentencePiece model, the
+    tokenizer's own encoding (with its special tokens) for a tokenizer.json model (its `prompt_ids`)."""
+    if hasattr(sp, "prompt_ids"):
+        return sp.prompt_ids(text)
     return [sp.eos_id()] + sp.encode(text)
+
+
+class JsonTokenizer:
+    """A Hugging Face tokenizer.json (+ tokenizer_config.json for the special tokens) with the few methods this
+    script uses; needs the `tokenizers` package."""
+
+    def __init__(self, directory: str | Path):
+        import json
+
+        from tokenizers import Tokenizer
+
+        d = Path(directory)
+        self.tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+        cfg = json.loads((d / "tokenizer_config.json").read_text()) if (d / "tokenizer_config.json").is_file() else {}
+        eos = cfg.get("eos_token")
+        eos = eos.get("content") if isinstance(eos, dict) else eos
+        self._eos = self.tok.token_to_id(eos) if isinstance(eos, str) else None
+
+    def eos_id(self) -> int:
+        return -1 if self._eos is None else int(self._eos)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def prompt_ids(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=True).ids
+
+    def decode(self, ids) -> str:
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def load_tokenizer(artifact: str | Path):
+    """The export's tokenizer: its tokenizer.model (sentencepiece) when it has one, else its tokenizer.json."""
+    art = Path(artifact)
+    if (art / "tokenizer.model").is_file():
+        import sentencepiece as spm
+
+        return spm.SentencePieceProcessor(model_file=str(art / "tokenizer.model"))
+    return JsonTokenizer(art)
 
 
 def decode_completion(sp, prompt_ids: Sequence[int], new_ids: Sequence[int]) -> str:
@@ -305,14 +349,11 @@ def decode_completion(sp, prompt_ids: Sequence[int], new_ids: Sequence[int]) -> 
 
 
 def generate_text(artifact: str | Path, prompt: str, max_new_tokens: int = 64, **kwargs) -> str:
-    """The completion of `prompt` by an export artifact (model.onnx + tokenizer.model); greedy by default.
-
-    Keyword arguments go to `OnnxGenerator.generate` (temperature, top_k, top_p, seed, stop).
+    """The completion of `prompt` by an export artifact (model.onnx + tokenizer.model or tokenizer.json); greedy by
+    default. Keyword arguments go to `OnnxGenerator.generate` (temperature, top_k, top_p, seed, stop).
     """
-    import sentencepiece as spm
-
     art = Path(artifact)
-    sp = spm.SentencePieceProcessor(model_file=str(art / "tokenizer.model"))
+    sp = load_tokenizer(art)
     ids = encode_prompt(sp, prompt)
     new = OnnxGenerator(art / "model.onnx").generate(ids, max_new_tokens, eos_id=sp.eos_id(), **kwargs)
     return decode_completion(sp, ids, new)
@@ -320,7 +361,7 @@ def generate_text(artifact: str | Path, prompt: str, max_new_tokens: int = 64, *
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="completions from an export artifact, with onnxruntime only (KV cache)")
-    ap.add_argument("artifact", help="export artifact directory (model.onnx + tokenizer.model)")
+    ap.add_argument("artifact", help="export artifact directory (model.onnx + tokenizer.model or tokenizer.json)")
     ap.add_argument("prompts", nargs="+")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -329,8 +370,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
     art = Path(a.artifact)
-    if not (art / "model.onnx").is_file() or not (art / "tokenizer.model").is_file():
-        print(f"error: {art}: no model.onnx and tokenizer.model; pass an export artifact directory "
+    if not (art / "model.onnx").is_file() or not ((art / "tokenizer.model").is_file() or
+                                                  (art / "tokenizer.json").is_file()):
+        print(f"error: {art}: no model.onnx and tokenizer (tokenizer.model or tokenizer.json); pass an export "
+              "artifact directory "
               "(the path `msllm export` prints)", file=sys.stderr)
         return 2
     for p in a.prompts:

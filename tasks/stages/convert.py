@@ -193,6 +193,17 @@ def from_gguf(gguf_file: str | os.PathLike, store: ArtifactStore, pipeline: str 
     return b.path
 
 
+def resolve_base(store: ArtifactStore, path: str | os.PathLike, pipeline: str | None = None) -> Path:
+    """The model artifact `pretrain.init_from` names: a GGUF file or a Hugging Face directory is converted first
+    (a cache hit after the first time), anything else is an artifact of the store (a path, stage/key or key)."""
+    p = Path(path)
+    if p.is_file() and p.suffix == ".gguf":
+        return from_gguf(p, store, pipeline=pipeline)
+    if p.is_dir() and (p / "config.json").is_file() and not (p / "manifest.json").is_file():
+        return from_hf(p, store, pipeline=pipeline)
+    return store.find(str(path))
+
+
 # ----------------------------------------------------------------------------- artifact -> HF
 
 

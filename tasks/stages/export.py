@@ -84,7 +84,8 @@ from tasks.store.artifacts import ArtifactError, ArtifactStore, atomic_write_jso
 STAGE = "export"
 MODEL_STAGES = MODEL_KINDS  # artifacts holding model.json + weights (the stage table's)
 MINDIR_INPUT, OUTPUT_NAME = "input_ids", "logits"
-PROMPT_FORMAT = "[eos_id] + sentencepiece ids (EOS starts a document, as in pretraining and eval)"
+PROMPT_FORMAT = ("[eos_id] + sentencepiece ids for a SentencePiece model (EOS starts a document, as in pretraining "
+                 "and eval); the tokenizer's own encoding (tokenizer.json with its special tokens) otherwise")
 MIN_SEQ_LENGTH = 2 + CHUNK + STEPS   # a prompt of 2 tokens, the chunk and the steps
 HELDOUT_BLOCKS = 8   # held-out blocks of the int8 perplexity comparison
 GENAI_FILES = ("genai_config.json", "tokenizer.json", "tokenizer_config.json")
@@ -222,6 +223,7 @@ def _export(cfg: PipelineConfig, store: ArtifactStore, model: Path, eval_art: Pa
     from tasks.training.checkpoint import load_weights
     from tasks.store.model_artifact import load_model, load_tokenizer, model_config, read_info
     from tasks.deploy.onnx_generate import encode_prompt
+    from tasks.tokenizer import copy_tokenizer_files
 
     ex = cfg.export
     t0 = time.perf_counter()
@@ -251,14 +253,17 @@ def _export(cfg: PipelineConfig, store: ArtifactStore, model: Path, eval_art: Pa
         if "onnx" in ex.formats:
             failures += _export_onnx_checked(b.dir, info, load_weights(model), model, store, sp, prompts, reference,
                                              ex, ver, progress)
+        if "gguf" in ex.formats:
+            failures += _export_gguf_checked(b.dir, info, load_weights(model), sp, prompts, ex, ver, progress)
         if failures:
             raise ExportCheckFailed("export verification failed: " + "; ".join(failures))
 
-        shutil.copy2(model / "tokenizer.model", b.dir / "tokenizer.model")
+        copy_tokenizer_files(model, b.dir)
         shutil.copy2(model / "model.json", b.dir / "model.json")
         shutil.copy2(_GENERATE_SCRIPT, b.dir / "onnx_generate.py")
         mc = model_config(model)
-        files = [f for f in ("model.mindir", "model.onnx", "model.int8.onnx", *GENAI_FILES) if (b.dir / f).is_file()]
+        files = [f for f in ("model.mindir", "model.onnx", "model.int8.onnx", "model.f16.gguf", "model.q8_0.gguf",
+                             *GENAI_FILES) if (b.dir / f).is_file()]
         atomic_write_json(b.dir / "export.json", {
             "mindir": {"inputs": {MINDIR_INPUT: "int32 [batch, seq] token ids"},
                        "outputs": {OUTPUT_NAME: "float32 [batch, seq, vocab]"}},
@@ -319,7 +324,7 @@ def _export_onnx_checked(out: Path, info: dict[str, Any], weights: dict[str, np.
 
     data = _heldout_data(store, model)
     heldout = _heldout_rows(data) if data is not None else None
-    no_tokenizer = write_genai_files(out, info, (model / "tokenizer.model").read_bytes())
+    no_tokenizer = write_genai_files(out, info, model)
     if no_tokenizer:
         _log(progress, f"onnxruntime-genai: no tokenizer files ({no_tokenizer}); genai generates from token ids")
     texts = [*ex.prompts, *TOKENIZER_SAMPLES, *(_decode_rows(sp, heldout[0]) if heldout else [])]
@@ -344,6 +349,25 @@ def _export_onnx_checked(out: Path, info: dict[str, Any], weights: dict[str, np.
                        f"{q['perplexity']:.4g} vs fp32 {q['fp32_perplexity']:.4g} "
                        f"({q['perplexity_change_pct']:+.2f}%, {q['perplexity_source']})")
     return failures
+
+
+def _export_gguf_checked(out: Path, info: dict[str, Any], weights: dict[str, np.ndarray], tok,
+                         prompts: list[list[int]], ex, ver: dict[str, Any], progress: bool) -> list[str]:
+    """Write and verify the GGUF files (tasks/deploy/gguf_export.py); fill ver["gguf"]; return the failures."""
+    from model.config import ModelConfig
+    from model.registry import build_model
+    from tasks.deploy.gguf_export import export_gguf, network_forward
+
+    _log(progress, f"GGUF {', '.join(ex.gguf_types)} → {out.name}/model.*.gguf (llama.cpp-family runtimes)")
+    net = build_model(info.get("name", "llama"), ModelConfig.from_dict(info["model"]))
+    net.set_train(False)
+    rep = export_gguf(out, info, weights, tok, list(ex.gguf_types), network_forward(net), prompts,
+                      [*ex.prompts, *TOKENIZER_SAMPLES])
+    ver["gguf"] = rep
+    for t, e in rep["files"].items():
+        _log(progress, f"GGUF {t}: {e['bytes'] / 1e6:.1f} MB, max |Δlogit| {e['max_abs_diff']:.3g} (bound "
+                       f"{e['bound']:.3g}), tokenizer read back == model's: {e['tokenizer_ids_match']}")
+    return rep["failures"]
 
 
 def _heldout_data(store: ArtifactStore, model: Path) -> Path | None:

@@ -139,7 +139,7 @@ def encode_segments(sp, segments: list[tuple[str, str]], eos_id: int, max_tokens
     prompt first; whatever is still too long is left for `pack_example` to cut.
     """
     encoded = [list(ids) + ([eos_id] if kind == RESPONSE else [])
-               for (_, kind), ids in zip(segments, sp.encode([text for text, _ in segments]))]
+               for (_, kind), ids in zip(segments, sp.encode_batch([text for text, _ in segments]))]
     excess = sum(map(len, encoded)) - max_tokens if max_tokens is not None else 0
     shortened = excess > 0
     for ids, (_, kind) in zip(encoded, segments):
@@ -154,6 +154,8 @@ def encode_segments(sp, segments: list[tuple[str, str]], eos_id: int, max_tokens
 
 def prompt_ids(sp, prompt: str) -> list[int]:
     """Token ids of a prompt rendered exactly as in training, ending where the response begins (for generation)."""
+    if sp.chat_template is not None:
+        return sp.encode(sp.render_chat([{"role": "user", "content": prompt}], add_generation_prompt=True))
     tokens, _, _ = encode_segments(sp, _turn(prompt), sp.eos_id())
     return tokens
 
@@ -197,12 +199,19 @@ class FinetuneData:
 
 
 def instruction_examples(files: list[Path], sp, seq_length: int, eos_id: int, pad_id: int) -> tuple[Examples, dict[str, Any]]:
+    from tasks.prompts import chat_example, record_messages
+
     ids, labels, shortened, truncated, dropped, lengths = [], [], 0, 0, 0, []
     for path in files:
         for where, rec in read_records(path):
-            segments = to_segments(rec, where)
-            lengths.append(len(encode_segments(sp, segments, eos_id)[0]))
-            tokens, trained, short = encode_segments(sp, segments, eos_id, max_tokens=seq_length + 1)
+            segments = to_segments(rec, where)  # validates the record either way
+            if sp.chat_template is not None:  # the model's own template (a tokenizer.json model's)
+                tokens, trained = chat_example(sp, record_messages(rec, where), where)
+                short = False
+                lengths.append(len(tokens))
+            else:
+                lengths.append(len(encode_segments(sp, segments, eos_id)[0]))
+                tokens, trained, short = encode_segments(sp, segments, eos_id, max_tokens=seq_length + 1)
             x, y, cut = pack_example(tokens, trained, seq_length, pad_id)
             if not (y != IGNORE).any():
                 dropped += 1  # no response token left inside seq_length
@@ -235,7 +244,7 @@ def read_documents(path: Path, text_field: str) -> list[str]:
 def text_examples(files: list[Path], sp, seq_length: int, eos_id: int, text_field: str) -> tuple[Examples, dict[str, Any]]:
     """Documents joined with EOS, cut into blocks of seq_length + 1 tokens (the tail is dropped); all trained."""
     docs = [d for f in files for d in read_documents(f, text_field)]
-    stream = np.fromiter((t for ids in sp.encode(docs) for t in (*ids, eos_id)), np.int64)
+    stream = np.fromiter((t for ids in sp.encode_batch(docs) for t in (*ids, eos_id)), np.int64)
     n = len(stream) // (seq_length + 1)
     if n == 0:
         raise ValueError(f"finetune.sources hold {len(stream)} tokens, fewer than one block of {seq_length + 1}")
@@ -497,7 +506,8 @@ def _train(cfg: PipelineConfig, store: ArtifactStore, base: Path, key: str, prog
             "method": ft.method,
             **({"rank": lc.rank, "alpha": lc.alpha, "scaling": lc.alpha / lc.rank, "dropout": lc.dropout,
                 "target_modules": lc.target_modules, "modules": modules} if ft.method == "lora" else {}),
-            "format": ft.format, "template": TEMPLATE if ft.format == "instruction" else None, "seq_length": seq,
+            "format": ft.format, "template": (("chat_template of the tokenizer" if sp.chat_template else TEMPLATE)
+                                              if ft.format == "instruction" else None), "seq_length": seq,
             "base": {k: base_ref[k] for k in ("stage", "key", "digest", "path")},
             "model": {"name": info.get("name", "llama"), "config": mc.to_dict()},
         })
@@ -577,7 +587,7 @@ def merge(store: ArtifactStore, finetune_artifact: Path) -> Path:
     with store.build(MERGED, key, pipeline=m.get("pipeline"), config={"finetune": m["key"], "method": adapter_cfg["method"]},
                      inputs=inputs, code=code_version(MERGED)) as b:
         write_model(b.dir, name=info.get("name", "llama"), config=ModelConfig.from_dict(info["model"]), weights=weights,
-                    tokenizer_model=base / "tokenizer.model", tokenizer_info=info["tokenizer"],
+                    tokenizer_model=base, tokenizer_info=info["tokenizer"],
                     seq_length=info.get("seq_length"), extra={"merged_from": {"finetune": m["key"], "base": adapter_cfg["base"]["key"]}})
         b.metrics.update(method=adapter_cfg["method"], merged_modules=len(adapter_cfg.get("modules", [])),
                          finetune_val_loss=m["metrics"].get("val_loss"))

@@ -1,0 +1,198 @@
+"""GGUF files for llama.cpp-family runtimes (llama.cpp, Ollama, LM Studio, llama-cpp-python), written and verified.
+
+    report = export_gguf(out_dir, info, weights, tokenizer, types=["F16", "Q8_0"], reference=net, prompts=ids)
+
+Each file (`model.f16.gguf`, `model.q8_0.gguf`) holds the llama.* metadata, the tokenizer (tokenizer.ggml.*:
+a SentencePiece model as llama.cpp's `llama` vocabulary with scores and token types; a byte-level BPE
+tokenizer.json as its `gpt2` vocabulary with merges and its pre-tokenizer name; the chat template) and the
+weights (model/gguf.py). The check reads each file back with the `gguf` package's reader, rebuilds the model
+from the dequantized weights and compares its logits with MindSpore's on the export prompts:
+
+- F16: max |Δlogit| within 1e-3 of the logits' scale (F16 has an 11-bit significand: each weight is off by at
+  most 2^-11 relative, and the logits move by far less than 1e-3 of their magnitude on these models);
+- Q8_0: within the quantization's own error, measured by running the same forward on weights rounded to Q8_0
+  in memory (the file must add nothing to it), and the rounding's effect is reported beside it;
+- the tokenizer read back from the file encodes the check texts to the same ids.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+FILES = {"F16": "model.f16.gguf", "Q8_0": "model.q8_0.gguf"}
+F16_RTOL = 1e-3
+RUNTIMES = "llama.cpp (llama-cli, llama-server), Ollama, LM Studio, llama-cpp-python and other GGML runtimes"
+
+
+# ----------------------------------------------------------------------------- tokenizer metadata
+
+
+def _sp_meta(tok) -> dict[str, Any]:
+    """llama.cpp's `llama` (SentencePiece) vocabulary: pieces, scores, token types (1 normal, 2 unknown,
+    3 control, 6 byte)."""
+    sp = tok.sp
+    n = sp.get_piece_size()
+    types = [2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i) else 1 for i in range(n)]
+    meta = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": [sp.id_to_piece(i) for i in range(n)],
+            "tokenizer.ggml.scores": [float(sp.get_score(i)) for i in range(n)], "tokenizer.ggml.token_type": types,
+            "tokenizer.ggml.add_bos_token": False, "tokenizer.ggml.add_eos_token": False,
+            "tokenizer.ggml.add_space_prefix": bool(tok.model_proto().get("add_dummy_prefix", False))}
+    return meta
+
+
+def _hf_meta(tok) -> dict[str, Any]:
+    """llama.cpp's `gpt2` (byte-level BPE) vocabulary from a tokenizer.json."""
+    import json
+
+    from tasks.tokenizer import TokenizerError
+
+    spec = json.loads(tok.tok.to_str())
+    model = spec.get("model", {})
+    if model.get("type") != "BPE" or not tok._byte_level():
+        raise TokenizerError(f"{tok.path}: a {model.get('type')} tokenizer.json that is not byte-level BPE; GGUF "
+                             "export writes byte-level BPE (gpt2) and SentencePiece vocabularies only")
+    pre = spec.get("pre_tokenizer") or {}
+    parts = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+    kinds = [p.get("type") for p in parts]
+    if kinds == ["Digits", "ByteLevel"] and parts[0].get("individual_digits"):
+        pre_name = "smollm"  # llama.cpp: digits one by one, then GPT-2's regex
+    elif kinds == ["ByteLevel"] and parts[0].get("use_regex", True):
+        pre_name = "gpt-2"
+    else:
+        raise TokenizerError(f"{tok.path}: pre-tokenizer {kinds} has no llama.cpp equivalent this exporter knows "
+                             "(known: ByteLevel, Digits + ByteLevel)")
+    n = tok.vocab_size
+    tokens = [tok.tok.id_to_token(i) or f"[PAD{i}]" for i in range(n)]
+    special = {t.content for t in tok.tok.get_added_tokens_decoder().values() if t.special}
+    merges = model.get("merges", [])
+    merges = [m if isinstance(m, str) else " ".join(m) for m in merges]
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre_name, "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": [3 if t in special else 1 for t in tokens],
+            "tokenizer.ggml.merges": merges,
+            "tokenizer.ggml.add_bos_token": tok.encode_own("a") != tok.encode("a")}
+    return meta
+
+
+def tokenizer_meta(tok) -> dict[str, Any]:
+    meta = _sp_meta(tok) if tok.kind == "sentencepiece" else _hf_meta(tok)
+    for name, key in (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding")):
+        i = getattr(tok, f"{name}_id")()
+        if i >= 0:
+            meta[f"tokenizer.ggml.{key}_token_id"] = int(i)
+    if tok.chat_template:
+        meta["tokenizer.chat_template"] = tok.chat_template
+    return meta
+
+
+# ----------------------------------------------------------------------------- write + verify
+
+
+def _q8_0_round(arr: np.ndarray) -> np.ndarray:
+    from gguf import GGMLQuantizationType as Q, quants
+
+    return quants.dequantize(quants.quantize(arr, Q.Q8_0), Q.Q8_0).reshape(arr.shape)
+
+
+def export_gguf(out: Path, info: dict[str, Any], weights: dict[str, np.ndarray], tok, types: list[str],
+                forward: Callable[[dict[str, np.ndarray], list[int]], np.ndarray], prompts: list[list[int]],
+                texts: list[str]) -> dict[str, Any]:
+    """Write and verify one GGUF file per type; returns the report (files, diffs, tokenizer check, pass/fail).
+
+    forward(weights, ids) -> logits [T, V] runs MindSpore's model on given weights (the caller's network).
+    """
+    from model.config import ModelConfig
+    from model.gguf import read_gguf, read_metadata, write_gguf
+
+    cfg = ModelConfig.from_dict(info["model"])
+    tmeta = tokenizer_meta(tok)
+    ref = {i: forward(weights, p) for i, p in enumerate(prompts)}
+    report: dict[str, Any] = {"runtimes": RUNTIMES, "files": {}, "failures": []}
+    q8_weights = None
+    for t in types:
+        path = out / FILES[t]
+        written = write_gguf(path, cfg, weights, tmeta, qtype=t, name=info.get("name", "llama"))
+        _, _, back, _ = read_gguf(path)
+        diffs, scale, expected = [], 0.0, []
+        if t == "Q8_0":
+            if q8_weights is None:
+                q8_weights = {k: (_q8_0_round(v) if written.get(_gguf_name(k), "F32") == "Q8_0" else
+                                  v.astype(np.float16).astype(np.float32) if written.get(_gguf_name(k)) == "F16" else v)
+                              for k, v in weights.items()}
+        for i, p in enumerate(prompts):
+            got = forward(back, p)
+            diffs.append(float(np.abs(got - ref[i]).max()))
+            scale = max(scale, float(np.abs(ref[i]).max()))
+            if t == "Q8_0":
+                expected.append(float(np.abs(forward(q8_weights, p) - ref[i]).max()))
+        entry = {"file": path.name, "bytes": path.stat().st_size, "max_abs_diff": max(diffs), "logit_scale": scale,
+                 "tensor_types": sorted(set(written.values()))}
+        if t == "F16":
+            entry["bound"] = F16_RTOL * scale
+        else:
+            # the file must reproduce in-memory Q8_0 rounding: its logits equal those of the rounded weights
+            # (same values, so only the summation order differs: fp32 epsilon × reduction length × scale)
+            rounded = [float(np.abs(forward(back, p) - forward(q8_weights, p)).max()) for p in prompts]
+            entry["quantization_error"] = max(expected)
+            entry["vs_rounded_weights"] = max(rounded)
+            entry["bound"] = max(expected) + 1e-4 * scale
+        if not entry["max_abs_diff"] <= entry["bound"]:
+            report["failures"].append(f"GGUF {t}: max |Δlogit| {entry['max_abs_diff']:.3g} > {entry['bound']:.3g}")
+        # the tokenizer read back from the file
+        _, meta = read_metadata(path)
+        entry["tokenizer_ids_match"] = _tokenizer_roundtrip(meta, tok, texts, out, t)
+        if entry["tokenizer_ids_match"] is False:
+            report["failures"].append(f"GGUF {t}: the tokenizer read back from the file encodes differently")
+        report["files"][t] = entry
+    return report
+
+
+def network_forward(net) -> Callable[[dict[str, np.ndarray], list[int]], np.ndarray]:
+    """forward(weights, ids) -> float32 logits [T, V] of `net` (a MindSpore LLaMA) with `weights` assigned."""
+    import mindspore as ms
+
+    from tasks.training.checkpoint import assign
+
+    params = net.trainable_params()
+
+    def forward(weights: dict[str, np.ndarray], ids: list[int]) -> np.ndarray:
+        assign(params, weights, "gguf check")
+        return net(ms.Tensor(np.asarray([ids], np.int32))).asnumpy()[0]
+
+    return forward
+
+
+def _gguf_name(ours: str) -> str:
+    from model.gguf import TENSORS
+
+    for g, o in TENSORS:
+        if "{i}" not in o and o == ours:
+            return g
+        if "{i}" in o:
+            head, tail = o.split("{i}")
+            if ours.startswith(head) and ours.endswith(tail):
+                return g.replace("{i}", ours[len(head):len(ours) - len(tail)])
+    return ours
+
+
+def _tokenizer_roundtrip(meta: dict[str, Any], tok, texts: list[str], out: Path, t: str) -> bool | None:
+    """Byte-level BPE: the tokenizer.json rebuilt from the file's metadata encodes `texts` as the model's own does.
+    SentencePiece vocabularies are checked by piece list (llama.cpp runs its own SentencePiece-style BPE)."""
+    import json
+    import tempfile
+
+    from tasks.tokenizer import TokenizerError, hf_files_from_gguf, load_tokenizer
+
+    if meta.get("tokenizer.ggml.model") == "llama":
+        return list(meta["tokenizer.ggml.tokens"]) == [tok.id_to_piece(i) for i in range(tok.vocab_size)]
+    try:
+        files = hf_files_from_gguf(meta, f"{out.name}/{FILES[t]}")
+    except TokenizerError:
+        return False
+    with tempfile.TemporaryDirectory(dir=out) as d:
+        for name, content in files.items():
+            (Path(d) / name).write_text(json.dumps(content, ensure_ascii=False), encoding="utf-8")
+        back = load_tokenizer(d)
+        return all(back.encode(x) == tok.encode(x) for x in texts) and back.eos_id() == tok.eos_id()
