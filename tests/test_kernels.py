@@ -153,5 +153,5 @@ def test_build_without_a_compiler_gives_none(monkeypatch, tmp_path):
     import model.kernels as kernels
 
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    monkeypatch.setattr(kernels, "_built", {})
+    monkeypatch.setattr(kernels, "_builds", {})
     assert kernels.build(kernels.TRAIN_SOURCE) is None
