@@ -84,26 +84,30 @@ def _machine(machine: str | None = None) -> str:
     return {"amd64": "x86_64", "arm64": "aarch64"}.get(m, m)
 
 
-def cpu_levels(cpuinfo: str | None = None, machine: str | None = None) -> tuple[str, ...]:
-    """The ISA levels this CPU can run, best first (("avx512", "avx2", "scalar") on an AVX-512 x86): the one
-    hardware probe. Reads the `flags` (x86) or `Features` (aarch64) line of /proc/cpuinfo, or `cpuinfo`."""
-    m = _machine(machine)
+def cpu_flags(cpuinfo: str | None = None) -> set[str]:
+    """The CPU's feature flags: the `flags` (x86) or `Features` (aarch64) line of /proc/cpuinfo (or of
+    `cpuinfo`); empty where there is none. The one hardware probe: the kernel levels and the trainer's
+    theoretical peak (tasks/training/trainer.py) both read it."""
     if cpuinfo is None:
         try:
             with open("/proc/cpuinfo") as f:
                 cpuinfo = f.read()
         except OSError:
             cpuinfo = ""
-    field = "flags" if m == "x86_64" else "features"
-    have: set[str] = set()
     for line in cpuinfo.splitlines():
         name, _, value = line.partition(":")
-        if name.strip().lower() == field:
-            have = set(value.split())
-            break
-    levels = LEVELS.get(m)
+        if name.strip().lower() in ("flags", "features"):
+            return set(value.split())
+    return set()
+
+
+def cpu_levels(cpuinfo: str | None = None, machine: str | None = None) -> tuple[str, ...]:
+    """The ISA levels this CPU can run, best first (("avx512", "avx2", "scalar") on an AVX-512 x86), from
+    cpu_flags(cpuinfo) and the machine (platform.machine(), or `machine`)."""
+    levels = LEVELS.get(_machine(machine))
     if levels is None:
         return ()  # no kernel body for this architecture
+    have = cpu_flags(cpuinfo)
     return tuple(lv.name for lv in levels if lv.cpu_flags <= have)
 
 
@@ -260,6 +264,15 @@ def build_kernel(source: Path, openmp: bool = False, isa: str | None = None) -> 
     return result
 
 
+def _cache_key(source: Path, openmp: bool, isa: str, cxx: str) -> str:
+    """16 hex digits over the source and header bytes, the level's flags, OpenMP, the compiler and its version."""
+    h = hashlib.sha256(_FORMAT.encode())
+    for part in (source.read_bytes(), *(p.read_bytes() for p in HEADERS),
+                 "\0".join([cxx, str(_compiler_version(cxx)), *FLAGS, *_level(isa).flags, f"openmp={openmp}"]).encode()):
+        h.update(len(part).to_bytes(8, "little") + part)
+    return h.hexdigest()[:16]
+
+
 def _build(source: Path, openmp: bool, isa: str | None, why: str, cxx: str | None) -> KernelBuild:
     name = source.name
     if isa is None:
@@ -277,11 +290,7 @@ def _build(source: Path, openmp: bool, isa: str | None, why: str, cxx: str | Non
         return KernelBuild(name, None, isa, bad)
     level = _level(isa)
     flags = [*FLAGS, *level.flags]
-    h = hashlib.sha256(_FORMAT.encode())
-    for part in (source.read_bytes(), *(p.read_bytes() for p in HEADERS),
-                 "\0".join([cxx, version, *flags, f"openmp={openmp}"]).encode()):
-        h.update(len(part).to_bytes(8, "little") + part)
-    lib = cache / f"{source.stem}-{isa}-{h.hexdigest()[:16]}.so"
+    lib = cache / f"{source.stem}-{isa}-{_cache_key(source, openmp, isa, cxx)}.so"
     sums = lib.with_name(lib.name + ".sha256")
     if lib.exists():
         try:
@@ -298,8 +307,8 @@ def _build(source: Path, openmp: bool, isa: str | None, why: str, cxx: str | Non
         err = ""
         for extra in ((["-fopenmp"], []) if openmp else ([],)):
             try:
-                r = subprocess.run([cxx, *flags, *extra, str(source), "-o", tmp], capture_output=True, text=True,
-                                   timeout=600)
+                r = subprocess.run([cxx, *flags, *extra, f"-I{HERE}", str(source), "-o", tmp], capture_output=True,
+                                   text=True, timeout=600)
             except (OSError, subprocess.SubprocessError) as exc:
                 return KernelBuild(name, None, isa, f"{cxx} did not run: {exc}")
             if r.returncode == 0:
