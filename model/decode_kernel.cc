@@ -1,6 +1,7 @@
 // One LLaMA decode step (batch 1, one token) as a single MindSpore "aot" custom op on CPU.
 //
-// Built and loaded by model/generate.py (FusedDecodeStep): g++ -O3 -march=native -fopenmp -shared.
+// Built and loaded by model/generate.py (FusedDecodeStep) through model/kernels.py, once per ISA level
+// (model/simd.h; -fopenmp where the compiler has it), the level chosen at load from what the CPU reports.
 // The step reads the net's own fp32 Parameters (no copies, so weights never go stale) and writes the
 // new token's K/V rows into the decoder's cache Parameters in place, then returns the logits [1, V].
 // Same math as CachedDecoder.construct with T = 1 (RMSNorm, rotate-half RoPE, scaled dot-product
@@ -17,14 +18,17 @@
 //
 // Parallel over rows of every projection (and over heads in attention) with OpenMP: one parallel
 // region per token, a barrier between dependent phases (4 per layer).
+//
+// The operands are checked before anything is read (count, dtypes, every weight's shape against the
+// embedding's [V, H] and the first layer's sizes, the caches' [nkv, S, hd]); a mismatch returns 2 (dtype)
+// or 3 (shape), a token or position out of range 4 (model/kernels.py names the codes).
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
+
+#include "simd.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -40,23 +44,16 @@ inline void split(int64_t n, int t, int nt, int64_t *b, int64_t *e) {
 inline float dot(const float *a, const float *b, int64_t n) {
   int64_t j = 0;
   float s = 0.f;
-#if defined(__AVX512F__)
-  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-  for (; j + 32 <= n; j += 32) {
-    acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + j), _mm512_loadu_ps(b + j), acc0);
-    acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + j + 16), _mm512_loadu_ps(b + j + 16), acc1);
+#if MSLLM_VW > 0
+  using simd::loadu;
+  constexpr int64_t W = simd::kVW;
+  simd::vf acc0 = simd::zero(), acc1 = simd::zero();
+  for (; j + 2 * W <= n; j += 2 * W) {
+    acc0 = simd::fma(loadu(a + j), loadu(b + j), acc0);
+    acc1 = simd::fma(loadu(a + j + W), loadu(b + j + W), acc1);
   }
-  for (; j + 16 <= n; j += 16) acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + j), _mm512_loadu_ps(b + j), acc0);
-  s = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
-#elif defined(__AVX2__) && defined(__FMA__)
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  for (; j + 16 <= n; j += 16) {
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j + 8), _mm256_loadu_ps(b + j + 8), acc1);
-  }
-  alignas(32) float t[8];
-  _mm256_store_ps(t, _mm256_add_ps(acc0, acc1));
-  for (int i = 0; i < 8; ++i) s += t[i];
+  for (; j + W <= n; j += W) acc0 = simd::fma(loadu(a + j), loadu(b + j), acc0);
+  s = simd::hsum(acc0 + acc1);
 #endif
   for (; j < n; ++j) s += a[j] * b[j];
   return s;
@@ -68,7 +65,7 @@ inline float dot(const float *a, const float *b, int64_t n) {
 // a masked load, then loads W aligned (rows of n % 16 == 0 floats share one alignment).
 inline void gemv_rows(const float *W, const float *x, float *y, int64_t n, int64_t r0, int64_t r1, bool accumulate) {
   int64_t r = r0;
-#if defined(__AVX512F__)
+#if MSLLM_VW == 16  // AVX-512: the masked loads below have no portable spelling
   if (n % 16 == 0 && n >= 16 && reinterpret_cast<uintptr_t>(W) % 4 == 0) {
     for (; r + 4 <= r1; r += 4) {
       const float *w0 = W + r * n, *w1 = w0 + n, *w2 = w1 + n, *w3 = w2 + n;
@@ -129,11 +126,56 @@ inline void rope(float *x, const float *cos, const float *sin, int64_t hd, float
 
 }  // namespace
 
+namespace {
+bool is_dt(const char **dtypes, int i, const char *dt) { return dtypes[i] && std::strcmp(dtypes[i], dt) == 0; }
+int64_t count(int *ndims, int64_t **shapes, int i) {
+  int64_t n = 1;
+  for (int d = 0; d < ndims[i]; ++d) n *= shapes[i][d];
+  return n;
+}
+bool mat(int *ndims, int64_t **shapes, int i, int64_t rows, int64_t cols) {
+  return ndims[i] == 2 && shapes[i][0] == rows && shapes[i][1] == cols;
+}
+}  // namespace
+
+// Which body this library runs ("avx512", "avx2", "neon", "scalar"); see model/kernels.py.
+extern "C" const char *MsllmKernelIsa() { return MSLLM_ISA; }
+
 extern "C" int DecodeStep(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
                           void *extra) {
-  (void)dtypes; (void)stream; (void)extra; (void)ndims;
+  (void)stream; (void)extra;
   const int n_layers = (nparam - 9) / 11;
   if (n_layers < 1 || 9 + 11 * n_layers != nparam) return 1;
+  if (!is_dt(dtypes, 0, "int32") || !is_dt(dtypes, 1, "int32")) return 2;
+  for (int i = 2; i < nparam; ++i)
+    if (!is_dt(dtypes, i, "float32")) return 2;
+  for (int i = 0; i < nparam; ++i)
+    for (int d = 0; d < ndims[i]; ++d)
+      if (shapes[i][d] < 0) return 3;
+  if (count(ndims, shapes, 0) != 1 || count(ndims, shapes, 1) != 1 || count(ndims, shapes, 2) != 3 || ndims[3] != 2 ||
+      ndims[6] != 2 || ndims[9] != 2 || ndims[10] != 2 || ndims[14] != 2)
+    return 3;
+  const int64_t V = shapes[3][0], H = shapes[3][1], hd = shapes[6][1], S_rope = shapes[6][0];
+  const int64_t qdim = shapes[9][0], kvdim = shapes[10][0], F = shapes[14][0];
+  if (V < 1 || H < 1 || hd < 2 || hd > 1024 || hd % 2 || qdim < hd || qdim % hd || kvdim < hd || kvdim % hd ||
+      (qdim / hd) % (kvdim / hd) || F < 1)
+    return 3;
+  const int64_t nh = qdim / hd, nkv = kvdim / hd, n_rep = nh / nkv;
+  const int kc0 = 8 + 9 * n_layers;
+  if (ndims[kc0] != 3) return 3;
+  const int64_t S = shapes[kc0][1];
+  if (count(ndims, shapes, 4) != H || !mat(ndims, shapes, 5, V, H) || !mat(ndims, shapes, 7, S_rope, hd) ||
+      count(ndims, shapes, nparam - 1) != V)
+    return 3;
+  for (int l = 0; l < n_layers; ++l) {
+    const int w = 8 + 9 * l;
+    if (count(ndims, shapes, w) != H || !mat(ndims, shapes, w + 1, qdim, H) || !mat(ndims, shapes, w + 2, kvdim, H) ||
+        !mat(ndims, shapes, w + 3, kvdim, H) || !mat(ndims, shapes, w + 4, H, qdim) || count(ndims, shapes, w + 5) != H ||
+        !mat(ndims, shapes, w + 6, F, H) || !mat(ndims, shapes, w + 7, F, H) || !mat(ndims, shapes, w + 8, H, F))
+      return 3;
+    for (const int c : {kc0 + l, kc0 + n_layers + l})
+      if (ndims[c] != 3 || shapes[c][0] != nkv || shapes[c][1] != S || shapes[c][2] != hd) return 3;
+  }
   const int32_t tok = *static_cast<const int32_t *>(params[0]);
   const int64_t pos = *static_cast<const int32_t *>(params[1]);
   const float *consts = static_cast<const float *>(params[2]);
@@ -144,12 +186,8 @@ extern "C" int DecodeStep(int nparam, void **params, int *ndims, int64_t **shape
   const float *head = static_cast<const float *>(params[5]);
   const float *cos_t = static_cast<const float *>(params[6]);
   const float *sin_t = static_cast<const float *>(params[7]);
-  const int64_t V = shapes[3][0], H = shapes[3][1], hd = shapes[6][1], S_rope = shapes[6][0];
-  const int64_t qdim = shapes[9][0], kvdim = shapes[10][0], F = shapes[14][0];
-  const int64_t nh = qdim / hd, nkv = kvdim / hd, n_rep = nh / nkv;
-  const int64_t S = shapes[8 + 9 * n_layers][1];
   float *logits = static_cast<float *>(params[nparam - 1]);
-  if (tok < 0 || tok >= V || pos < 0 || pos >= S || pos >= S_rope || hd > 1024 || hd % 2) return 2;
+  if (tok < 0 || tok >= V || pos < 0 || pos >= S || pos >= S_rope) return 4;
   const float *cos_p = cos_t + pos * hd, *sin_p = sin_t + pos * hd;
 
   std::vector<float> x(embed + tok * H, embed + (tok + 1) * H);

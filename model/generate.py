@@ -30,7 +30,6 @@ see exactly the same context and produce the same tokens.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
@@ -157,19 +156,32 @@ class CachedDecoder(nn.Cell):
         return net.lm_head(x)
 
 
-KERNEL_SOURCE = Path(__file__).with_name("decode_kernel.cc")
-
-
 def build_decode_kernel() -> str | None:
     """Path of the compiled fused decode step (model/decode_kernel.cc, OpenMP where the compiler has it),
-    built once per source and CPU by `model.kernels.build`; None where it cannot be used: no g++, a failed
-    build, MSLLM_FUSED_DECODE=0 or MSLLM_FUSED_KERNELS=0. Callers then decode with `CachedDecoder`
-    (MindSpore kernels): the same tokens, slower."""
-    if "0" in (os.environ.get("MSLLM_FUSED_DECODE", "1"), os.environ.get("MSLLM_FUSED_KERNELS", "1")):
+    built once per source, compiler and ISA level by `model.kernels.build`; None where it cannot be used:
+    no g++, a failed build, MSLLM_FUSED_DECODE=0 or MSLLM_FUSED_KERNELS=0. Callers then decode with
+    `CachedDecoder` (MindSpore kernels): the same tokens, slower. `decode_kernel_path()` says which."""
+    if decode_disabled_reason():
         return None
-    from model.kernels import build
+    from model.kernels import DECODE_SOURCE, build
 
-    return build(KERNEL_SOURCE, openmp=True)
+    return build(DECODE_SOURCE, openmp=True)
+
+
+def decode_disabled_reason() -> str:
+    for var in ("MSLLM_FUSED_DECODE", "MSLLM_FUSED_KERNELS"):
+        if os.environ.get(var, "1") == "0":
+            return f"{var}=0"
+    return ""
+
+
+def decode_kernel_path() -> str:
+    """Which body of the fused decode step runs: "avx512", "avx2", "neon", "scalar", or "off: <why>"."""
+    if off := decode_disabled_reason():
+        return f"off: {off}"
+    from model.kernels import DECODE_SOURCE, kernel_path
+
+    return kernel_path(DECODE_SOURCE, openmp=True)
 
 
 def decode_threads() -> int:
@@ -182,6 +194,18 @@ def decode_threads() -> int:
     except AttributeError:
         n = os.cpu_count() or 1
     return max(1, min(n, 8))
+
+
+def _decode_dtypes(*dtypes):
+    """The decode op's dtype check (the kernel checks again): token and position int32, the rest float32."""
+    from model.kernels import KernelShapeError, dtype_of
+
+    for i, t in enumerate(dtypes):
+        want = ms.int32 if i < 2 else ms.float32
+        if dtype_of(t) != want:
+            raise KernelShapeError(f"fused kernel DecodeStep: operand {i} must be {want}, got {dtype_of(t)} "
+                                   f"(an fp32 model and int32 token/position)")
+    return ms.float32
 
 
 def _decode_op(lib: str, vocab: int, n_layers: int):
@@ -199,7 +223,7 @@ def _decode_op(lib: str, vocab: int, n_layers: int):
 
         def __init__(self):
             super().__init__(f"{lib}:DecodeStep", out_shape=lambda *shapes: [1, vocab],
-                             out_dtype=lambda *dtypes: ms.float32, func_type="aot")
+                             out_dtype=_decode_dtypes, func_type="aot")
             self.add_prim_attr("side_effect_mem", True)
 
     return DecodeStep()

@@ -1,6 +1,7 @@
 // Fused element-wise kernels of the LLaMA train step, as MindSpore "aot" custom ops on CPU.
 //
-// Built and loaded by model/kernels.py (g++ -O3 -march=native -shared). Each op does in one pass over
+// Built and loaded by model/kernels.py, once per ISA level (model/simd.h: AVX-512, AVX2+FMA, NEON, and the
+// scalar reference), the level chosen at load from what the CPU reports. Each op does in one pass over
 // memory what MindSpore's CPU kernels do in several (see docs/MINDSPORE_CPU.md): the causal mask, the
 // softmax and its backward; SwiGLU and its backward. fp32, contiguous.
 //
@@ -12,7 +13,8 @@
 // Every element is computed by exactly one thread in a fixed order: results do not depend on the count.
 //
 //   CausalSoftmax(scores [N, T, S]) -> probs [N, T, S]
-//       row t of each [T, S] block attends keys j <= t + (S - T); later keys get probability exactly 0
+//       row t of each [T, S] block attends keys j <= t + (S - T) (T <= S, else an error); later keys get
+//       probability exactly 0
 //       (what adding -1e9 before a softmax gives in fp32).
 //   SoftmaxGrad(probs [N, T, S], dprobs [N, T, S]) -> dscores = probs * (dprobs - sum_j dprobs * probs)
 //       (causal: the zero probabilities give zero gradients; they are written, not computed).
@@ -27,6 +29,8 @@
 //   CrossEntropyGrad(logits [N, V], labels [N], lse [N], dnll [N]) -> dlogits = (softmax - onehot) * dnll
 //       (one pass: MindSpore's LogSoftmax + gather backward write two [N, V] buffers and read three).
 //
+// Every entry point checks its operands (count, dtypes, shapes) before touching memory and returns a
+// non-zero code when they are wrong (1 count, 2 dtype, 3 shape; model/kernels.py names them).
 // Every function follows MindSpore's aot signature: int f(int nparam, void **params, int *ndims,
 // int64_t **shapes, const char **dtypes, void *stream, void *extra); inputs first, then outputs.
 
@@ -38,11 +42,22 @@
 #include <cstring>
 #include <thread>
 #include <vector>
-#if defined(__AVX512F__)
-#include <immintrin.h>
+
+#include "simd.h"
+
+using simd::kVW;
+#if MSLLM_VW > 0
+using simd::vf;
+using simd::loadu;
+using simd::storeu;
+using simd::set1;
 #endif
 
 namespace {
+
+// Return codes (model/kernels.py KERNEL_ERRORS turns them into messages); every entry point checks its
+// operands before it touches memory: a wrong count, dtype or shape returns, never reads or writes past a buffer.
+constexpr int kOk = 0, kArity = 1, kDtype = 2, kShape = 3;
 
 int env_int(const char *name) {
   const char *v = std::getenv(name);
@@ -86,26 +101,27 @@ int64_t numel(int nd, const int64_t *shape) {
   return n;
 }
 
-#if defined(__AVX512F__)
-// e^x for x <= 88.7 (below -87.3 it returns ~0): Cody-Waite range reduction to |r| <= ln2/2, degree-6
-// Taylor polynomial (relative error ~1e-7, about 1 ulp), times 2^n by scalef.
-inline __m512 exp512(__m512 x) {
-  const __m512 hi = _mm512_set1_ps(88.7f), lo = _mm512_set1_ps(-87.3f);
-  x = _mm512_max_ps(_mm512_min_ps(x, hi), lo);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
+// operand checks
+bool is(const char **dtypes, int i, const char *dt) { return dtypes[i] && std::strcmp(dtypes[i], dt) == 0; }
+bool all_f32(const char **dtypes, int n) {
+  for (int i = 0; i < n; ++i)
+    if (!is(dtypes, i, "float32")) return false;
+  return true;
 }
-#endif
+bool same_shape(int *ndims, int64_t **shapes, int i, int j) {
+  if (ndims[i] != ndims[j]) return false;
+  for (int d = 0; d < ndims[i]; ++d)
+    if (shapes[i][d] != shapes[j][d]) return false;
+  return true;
+}
+bool nonneg(int *ndims, int64_t **shapes, int n) {
+  for (int i = 0; i < n; ++i)
+    for (int d = 0; d < ndims[i]; ++d)
+      if (shapes[i][d] < 0) return false;
+  return true;
+}
+// operand i is a vector of exactly n elements (any rank whose element count is n)
+bool has_numel(int *ndims, int64_t **shapes, int i, int64_t n) { return numel(ndims[i], shapes[i]) == n; }
 
 inline float exp1(float x) { return std::exp(x); }
 
@@ -113,29 +129,31 @@ inline float exp1(float x) { return std::exp(x); }
 inline float row_max(const float *row, int64_t k) {
   float m = -INFINITY;
   int64_t j = 0;
-#if defined(__AVX512F__)
-  __m512 vm = _mm512_set1_ps(-INFINITY);
-  for (; j + 16 <= k; j += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(row + j));
-  m = _mm512_reduce_max_ps(vm);
+#if MSLLM_VW > 0
+  if (k >= kVW) {
+    vf vm = loadu(row);
+    for (j = kVW; j + kVW <= k; j += kVW) vm = simd::vmax(vm, loadu(row + j));
+    m = simd::hmax(vm);
+  }
 #endif
   for (; j < k; ++j) m = row[j] > m ? row[j] : m;
   return m;
 }
 
-// softmax of row[0..k) in place into out[0..k), zeros in out[k..s)
+// softmax of row[0..k) into out[0..k), zeros in out[k..s)
 void softmax_row(const float *row, float *out, int64_t k, int64_t s) {
   const float m = row_max(row, k);
   float sum = 0.f;
   int64_t j = 0;
-#if defined(__AVX512F__)
-  const __m512 vmax = _mm512_set1_ps(m);
-  __m512 vs = _mm512_setzero_ps();
-  for (; j + 16 <= k; j += 16) {
-    __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(row + j), vmax));
-    _mm512_storeu_ps(out + j, e);
-    vs = _mm512_add_ps(vs, e);
+#if MSLLM_VW > 0
+  const vf vmax = set1(m);
+  vf vs = simd::zero();
+  for (; j + kVW <= k; j += kVW) {
+    const vf e = simd::exp_v(loadu(row + j) - vmax);
+    storeu(out + j, e);
+    vs = vs + e;
   }
-  sum = _mm512_reduce_add_ps(vs);
+  sum = simd::hsum(vs);
 #endif
   for (; j < k; ++j) {
     out[j] = exp1(row[j] - m);
@@ -143,9 +161,9 @@ void softmax_row(const float *row, float *out, int64_t k, int64_t s) {
   }
   const float inv = 1.0f / sum;
   j = 0;
-#if defined(__AVX512F__)
-  const __m512 vinv = _mm512_set1_ps(inv);
-  for (; j + 16 <= k; j += 16) _mm512_storeu_ps(out + j, _mm512_mul_ps(_mm512_loadu_ps(out + j), vinv));
+#if MSLLM_VW > 0
+  const vf vinv = set1(inv);
+  for (; j + kVW <= k; j += kVW) storeu(out + j, loadu(out + j) * vinv);
 #endif
   for (; j < k; ++j) out[j] *= inv;
   if (k < s) std::memset(out + k, 0, sizeof(float) * (s - k));
@@ -154,17 +172,16 @@ void softmax_row(const float *row, float *out, int64_t k, int64_t s) {
 void softmax_grad_row(const float *p, const float *dp, float *out, int64_t k, int64_t s) {
   float dot = 0.f;
   int64_t j = 0;
-#if defined(__AVX512F__)
-  __m512 vd = _mm512_setzero_ps();
-  for (; j + 16 <= k; j += 16) vd = _mm512_fmadd_ps(_mm512_loadu_ps(p + j), _mm512_loadu_ps(dp + j), vd);
-  dot = _mm512_reduce_add_ps(vd);
+#if MSLLM_VW > 0
+  vf vd = simd::zero();
+  for (; j + kVW <= k; j += kVW) vd = simd::fma(loadu(p + j), loadu(dp + j), vd);
+  dot = simd::hsum(vd);
 #endif
   for (; j < k; ++j) dot += p[j] * dp[j];
   j = 0;
-#if defined(__AVX512F__)
-  const __m512 vdot = _mm512_set1_ps(dot);
-  for (; j + 16 <= k; j += 16)
-    _mm512_storeu_ps(out + j, _mm512_mul_ps(_mm512_loadu_ps(p + j), _mm512_sub_ps(_mm512_loadu_ps(dp + j), vdot)));
+#if MSLLM_VW > 0
+  const vf vdot = set1(dot);
+  for (; j + kVW <= k; j += kVW) storeu(out + j, loadu(p + j) * (loadu(dp + j) - vdot));
 #endif
   for (; j < k; ++j) out[j] = p[j] * (dp[j] - dot);
   if (k < s) std::memset(out + k, 0, sizeof(float) * (s - k));
@@ -176,13 +193,13 @@ constexpr int64_t kRowBlock = 32;  // rows per partial sum of RMSNormGrad's dwei
 inline float inv_rms(const float *x, int64_t h, float eps) {
   float ss = 0.f;
   int64_t j = 0;
-#if defined(__AVX512F__)
-  __m512 acc = _mm512_setzero_ps();
-  for (; j + 16 <= h; j += 16) {
-    const __m512 v = _mm512_loadu_ps(x + j);
-    acc = _mm512_fmadd_ps(v, v, acc);
+#if MSLLM_VW > 0
+  vf acc = simd::zero();
+  for (; j + kVW <= h; j += kVW) {
+    const vf v = loadu(x + j);
+    acc = simd::fma(v, v, acc);
   }
-  ss = _mm512_reduce_add_ps(acc);
+  ss = simd::hsum(acc);
 #endif
   for (; j < h; ++j) ss += x[j] * x[j];
   return 1.0f / std::sqrt(ss / static_cast<float>(h) + eps);
@@ -190,43 +207,63 @@ inline float inv_rms(const float *x, int64_t h, float eps) {
 
 float scalar(void *p) { return *static_cast<const float *>(p); }
 
+// the causal softmax's operands: 3-D [N, T, S] with T <= S (the T queries are the last T of S positions)
+bool causal_shape(int *ndims, int64_t **shapes, int i) {
+  return ndims[i] == 3 && shapes[i][1] <= shapes[i][2];
+}
+
 }  // namespace
+
+// Which body this library runs ("avx512", "avx2", "neon", "scalar"): model/kernels.py checks that a built
+// library exports it (and the kernels) before caching it, and reports it.
+extern "C" const char *MsllmKernelIsa() { return MSLLM_ISA; }
 
 extern "C" int RMSNorm(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
                        void *extra) {
-  if (nparam != 4) return 1;
+  (void)stream, (void)extra;
+  if (nparam != 4) return kArity;
+  if (!all_f32(dtypes, 4)) return kDtype;
+  if (ndims[0] < 1 || !nonneg(ndims, shapes, 4) || !same_shape(ndims, shapes, 0, 3)) return kShape;
+  const int64_t h = shapes[0][ndims[0] - 1];
+  if (h == 0 || !has_numel(ndims, shapes, 1, h) || !has_numel(ndims, shapes, 2, 1)) return kShape;
   const float *x = static_cast<const float *>(params[0]);
   const float *w = static_cast<const float *>(params[1]);
   const float eps = static_cast<const float *>(params[2])[0];
   float *y = static_cast<float *>(params[3]);
-  const int64_t h = shapes[0][ndims[0] - 1], n = numel(ndims[0], shapes[0]) / h;
+  const int64_t n = numel(ndims[0], shapes[0]) / h;
   parallel_for(n, 64, [&](int64_t rb, int64_t re) {
     for (int64_t r = rb; r < re; ++r) {
       const float *xr = x + r * h;
       float *yr = y + r * h;
       const float inv = inv_rms(xr, h, eps);
       int64_t j = 0;
-#if defined(__AVX512F__)
-      const __m512 vinv = _mm512_set1_ps(inv);
-      for (; j + 16 <= h; j += 16)
-        _mm512_storeu_ps(yr + j, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(xr + j), vinv), _mm512_loadu_ps(w + j)));
+#if MSLLM_VW > 0
+      const vf vinv = set1(inv);
+      for (; j + kVW <= h; j += kVW) storeu(yr + j, loadu(xr + j) * vinv * loadu(w + j));
 #endif
       for (; j < h; ++j) yr[j] = xr[j] * inv * w[j];
     }
   });
-  return 0;
+  return kOk;
 }
 
 extern "C" int RMSNormGrad(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                            void *stream, void *extra) {
-  if (nparam != 6) return 1;
+  (void)stream, (void)extra;
+  if (nparam != 6) return kArity;
+  if (!all_f32(dtypes, 6)) return kDtype;
+  if (ndims[0] < 1 || !nonneg(ndims, shapes, 6)) return kShape;
+  const int64_t h = shapes[0][ndims[0] - 1];
+  if (h == 0 || !has_numel(ndims, shapes, 1, h) || !has_numel(ndims, shapes, 2, 1) || !same_shape(ndims, shapes, 0, 3) ||
+      !same_shape(ndims, shapes, 0, 4) || !has_numel(ndims, shapes, 5, h))
+    return kShape;
   const float *x = static_cast<const float *>(params[0]);
   const float *w = static_cast<const float *>(params[1]);
   const float eps = static_cast<const float *>(params[2])[0];
   const float *dy = static_cast<const float *>(params[3]);
   float *dx = static_cast<float *>(params[4]);
   float *dw = static_cast<float *>(params[5]);
-  const int64_t h = shapes[0][ndims[0] - 1], n = numel(ndims[0], shapes[0]) / h;
+  const int64_t n = numel(ndims[0], shapes[0]) / h;
   const int64_t blocks = (n + kRowBlock - 1) / kRowBlock;
   std::vector<float> partial(static_cast<size_t>(blocks * h), 0.f);
   parallel_for(blocks, 2, [&](int64_t bb, int64_t be) {
@@ -240,22 +277,21 @@ extern "C" int RMSNormGrad(int nparam, void **params, int *ndims, int64_t **shap
         // dx = inv * (g - xhat * mean(g * xhat)), g = dy * w, xhat = x * inv;  dw += dy * xhat
         float dot = 0.f;
         int64_t k = 0;
-#if defined(__AVX512F__)
-        __m512 vdot = _mm512_setzero_ps();
-        for (; k + 16 <= h; k += 16)
-          vdot = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_loadu_ps(gr + k), _mm512_loadu_ps(w + k)), _mm512_loadu_ps(xr + k), vdot);
-        dot = _mm512_reduce_add_ps(vdot);
+#if MSLLM_VW > 0
+        vf vdot = simd::zero();
+        for (; k + kVW <= h; k += kVW) vdot = simd::fma(loadu(gr + k) * loadu(w + k), loadu(xr + k), vdot);
+        dot = simd::hsum(vdot);
 #endif
         for (; k < h; ++k) dot += gr[k] * w[k] * xr[k];
         const float c = dot * inv * inv / static_cast<float>(h);
         int64_t j = 0;
-#if defined(__AVX512F__)
-        const __m512 vinv = _mm512_set1_ps(inv), vc = _mm512_set1_ps(c);
-        for (; j + 16 <= h; j += 16) {
-          const __m512 vx = _mm512_loadu_ps(xr + j), vg = _mm512_loadu_ps(gr + j);
-          const __m512 vgw = _mm512_mul_ps(vg, _mm512_loadu_ps(w + j));
-          _mm512_storeu_ps(dxr + j, _mm512_mul_ps(vinv, _mm512_fnmadd_ps(vx, vc, vgw)));
-          _mm512_storeu_ps(pw + j, _mm512_fmadd_ps(vg, _mm512_mul_ps(vx, vinv), _mm512_loadu_ps(pw + j)));
+#if MSLLM_VW > 0
+        const vf vinv = set1(inv), vc = set1(c);
+        for (; j + kVW <= h; j += kVW) {
+          const vf vx = loadu(xr + j), vg = loadu(gr + j);
+          const vf vgw = vg * loadu(w + j);
+          storeu(dxr + j, vinv * simd::fma(-vx, vc, vgw));
+          storeu(pw + j, simd::fma(vg, vx * vinv, loadu(pw + j)));
         }
 #endif
         for (; j < h; ++j) {
@@ -268,12 +304,27 @@ extern "C" int RMSNormGrad(int nparam, void **params, int *ndims, int64_t **shap
   for (int64_t j = 0; j < h; ++j) dw[j] = 0.f;
   for (int64_t b = 0; b < blocks; ++b)
     for (int64_t j = 0; j < h; ++j) dw[j] += partial[b * h + j];
-  return 0;
+  return kOk;
+}
+
+// logits [N, V] float32, labels [N] int32, then `nvec` more [N] float32 operands
+static int check_ce(int *ndims, int64_t **shapes, const char **dtypes, int nparam, int nvec_from) {
+  if (!is(dtypes, 0, "float32") || !is(dtypes, 1, "int32")) return kDtype;
+  for (int i = 2; i < nparam; ++i)
+    if (!is(dtypes, i, "float32")) return kDtype;
+  if (ndims[0] != 2 || !nonneg(ndims, shapes, nparam)) return kShape;
+  const int64_t n = shapes[0][0];
+  if (!has_numel(ndims, shapes, 1, n)) return kShape;
+  for (int i = nvec_from; i < nparam; ++i)
+    if (!has_numel(ndims, shapes, i, n)) return kShape;
+  return kOk;
 }
 
 extern "C" int CrossEntropy(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                             void *stream, void *extra) {
-  if (nparam != 4 || ndims[0] != 2) return 1;
+  (void)stream, (void)extra;
+  if (nparam != 4) return kArity;
+  if (const int rc = check_ce(ndims, shapes, dtypes, 4, 2)) return rc;
   const float *x = static_cast<const float *>(params[0]);
   const int32_t *label = static_cast<const int32_t *>(params[1]);
   float *nll = static_cast<float *>(params[2]);
@@ -285,11 +336,11 @@ extern "C" int CrossEntropy(int nparam, void **params, int *ndims, int64_t **sha
       const float m = row_max(row, v);
       float sum = 0.f;
       int64_t j = 0;
-#if defined(__AVX512F__)
-      const __m512 vmax = _mm512_set1_ps(m);
-      __m512 vs = _mm512_setzero_ps();
-      for (; j + 16 <= v; j += 16) vs = _mm512_add_ps(vs, exp512(_mm512_sub_ps(_mm512_loadu_ps(row + j), vmax)));
-      sum = _mm512_reduce_add_ps(vs);
+#if MSLLM_VW > 0
+      const vf vmax = set1(m);
+      vf vs = simd::zero();
+      for (; j + kVW <= v; j += kVW) vs = vs + simd::exp_v(loadu(row + j) - vmax);
+      sum = simd::hsum(vs);
 #endif
       for (; j < v; ++j) sum += exp1(row[j] - m);
       lse[r] = m + std::log(sum);
@@ -297,12 +348,16 @@ extern "C" int CrossEntropy(int nparam, void **params, int *ndims, int64_t **sha
       nll[r] = (y >= 0 && y < v) ? lse[r] - row[y] : 0.f;
     }
   });
-  return 0;
+  return kOk;
 }
 
 extern "C" int CrossEntropyGrad(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                                 void *stream, void *extra) {
-  if (nparam != 5 || ndims[0] != 2) return 1;
+  (void)stream, (void)extra;
+  if (nparam != 5) return kArity;
+  if (const int rc = check_ce(ndims, shapes, dtypes, 4, 2)) return rc;
+  if (!is(dtypes, 4, "float32")) return kDtype;
+  if (!same_shape(ndims, shapes, 0, 4)) return kShape;
   const float *x = static_cast<const float *>(params[0]);
   const int32_t *label = static_cast<const int32_t *>(params[1]);
   const float *lse = static_cast<const float *>(params[2]);
@@ -320,36 +375,43 @@ extern "C" int CrossEntropyGrad(int nparam, void **params, int *ndims, int64_t *
         continue;
       }
       int64_t j = 0;
-#if defined(__AVX512F__)
-      const __m512 vl = _mm512_set1_ps(lse[r]), vd = _mm512_set1_ps(d);
-      for (; j + 16 <= v; j += 16)
-        _mm512_storeu_ps(out + j, _mm512_mul_ps(exp512(_mm512_sub_ps(_mm512_loadu_ps(row + j), vl)), vd));
+#if MSLLM_VW > 0
+      const vf vl = set1(lse[r]), vd = set1(d);
+      for (; j + kVW <= v; j += kVW) storeu(out + j, simd::exp_v(loadu(row + j) - vl) * vd);
 #endif
       for (; j < v; ++j) out[j] = exp1(row[j] - lse[r]) * d;
       out[y] -= d;
     }
   });
-  return 0;
+  return kOk;
 }
 
 extern "C" int CausalSoftmax(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                              void *stream, void *extra) {
-  if (nparam != 2 || ndims[0] != 3) return 1;
+  (void)stream, (void)extra;
+  if (nparam != 2) return kArity;
+  if (!all_f32(dtypes, 2)) return kDtype;
+  if (!causal_shape(ndims, shapes, 0) || !nonneg(ndims, shapes, 2) || !same_shape(ndims, shapes, 0, 1)) return kShape;
   const float *x = static_cast<const float *>(params[0]);
   float *y = static_cast<float *>(params[1]);
   const int64_t n = shapes[0][0], t = shapes[0][1], s = shapes[0][2], off = s - t;
   parallel_for(n * t, 16, [&](int64_t rb, int64_t re) {
     for (int64_t r = rb; r < re; ++r) {
-      const int64_t k = (r % t) + off + 1;  // keys 0..t+off
-      softmax_row(x + r * s, y + r * s, k < s ? k : s, s);
+      const int64_t k = (r % t) + off + 1;  // keys 0..t+off: 1 <= k <= s since t <= s
+      softmax_row(x + r * s, y + r * s, k, s);
     }
   });
-  return 0;
+  return kOk;
 }
 
 extern "C" int SoftmaxGrad(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                            void *stream, void *extra) {
-  if (nparam != 3 || ndims[0] != 3) return 1;
+  (void)stream, (void)extra;
+  if (nparam != 3) return kArity;
+  if (!all_f32(dtypes, 3)) return kDtype;
+  if (!causal_shape(ndims, shapes, 0) || !nonneg(ndims, shapes, 3) || !same_shape(ndims, shapes, 0, 1) ||
+      !same_shape(ndims, shapes, 0, 2))
+    return kShape;
   const float *p = static_cast<const float *>(params[0]);
   const float *dp = static_cast<const float *>(params[1]);
   float *out = static_cast<float *>(params[2]);
@@ -357,36 +419,50 @@ extern "C" int SoftmaxGrad(int nparam, void **params, int *ndims, int64_t **shap
   parallel_for(n * t, 16, [&](int64_t rb, int64_t re) {
     for (int64_t r = rb; r < re; ++r) {
       const int64_t k = (r % t) + off + 1;
-      softmax_grad_row(p + r * s, dp + r * s, out + r * s, k < s ? k : s, s);
+      softmax_grad_row(p + r * s, dp + r * s, out + r * s, k, s);
     }
   });
-  return 0;
+  return kOk;
 }
+
+// silu(g) = g * sigmoid(g) and sigmoid(g), by lanes
+#if MSLLM_VW > 0
+inline vf sigmoid_v(vf g) {
+  const vf one = set1(1.0f);
+  return one / (one + simd::exp_v(-g));
+}
+#endif
 
 extern "C" int SwiGLU(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                       void *stream, void *extra) {
-  if (nparam != 3) return 1;
+  (void)stream, (void)extra;
+  if (nparam != 3) return kArity;
+  if (!all_f32(dtypes, 3)) return kDtype;
+  if (!nonneg(ndims, shapes, 3) || !same_shape(ndims, shapes, 0, 1) || !same_shape(ndims, shapes, 0, 2)) return kShape;
   const float *g = static_cast<const float *>(params[0]);
   const float *u = static_cast<const float *>(params[1]);
   float *out = static_cast<float *>(params[2]);
   const int64_t n = numel(ndims[0], shapes[0]);
   parallel_for(n, 16384, [&](int64_t j, int64_t e) {
-#if defined(__AVX512F__)
-    const __m512 one = _mm512_set1_ps(1.0f);
-    for (; j + 16 <= e; j += 16) {
-      const __m512 vg = _mm512_loadu_ps(g + j);
-      const __m512 sg = _mm512_div_ps(one, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), vg))));
-      _mm512_storeu_ps(out + j, _mm512_mul_ps(_mm512_mul_ps(vg, sg), _mm512_loadu_ps(u + j)));
+#if MSLLM_VW > 0
+    for (; j + kVW <= e; j += kVW) {
+      const vf vg = loadu(g + j);
+      storeu(out + j, vg * sigmoid_v(vg) * loadu(u + j));
     }
 #endif
     for (; j < e; ++j) out[j] = g[j] / (1.0f + exp1(-g[j])) * u[j];
   });
-  return 0;
+  return kOk;
 }
 
 extern "C" int SwiGLUGrad(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                           void *stream, void *extra) {
-  if (nparam != 5) return 1;
+  (void)stream, (void)extra;
+  if (nparam != 5) return kArity;
+  if (!all_f32(dtypes, 5)) return kDtype;
+  if (!nonneg(ndims, shapes, 5)) return kShape;
+  for (int i = 1; i < 5; ++i)
+    if (!same_shape(ndims, shapes, 0, i)) return kShape;
   const float *g = static_cast<const float *>(params[0]);
   const float *u = static_cast<const float *>(params[1]);
   const float *d = static_cast<const float *>(params[2]);
@@ -394,16 +470,15 @@ extern "C" int SwiGLUGrad(int nparam, void **params, int *ndims, int64_t **shape
   float *du = static_cast<float *>(params[4]);
   const int64_t n = numel(ndims[0], shapes[0]);
   parallel_for(n, 16384, [&](int64_t j, int64_t e) {
-#if defined(__AVX512F__)
-    const __m512 one = _mm512_set1_ps(1.0f);
-    for (; j + 16 <= e; j += 16) {
-      const __m512 vg = _mm512_loadu_ps(g + j), vd = _mm512_loadu_ps(d + j);
-      const __m512 s = _mm512_div_ps(one, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), vg))));
-      const __m512 a = _mm512_mul_ps(vg, s);  // silu(g)
+#if MSLLM_VW > 0
+    const vf one = set1(1.0f);
+    for (; j + kVW <= e; j += kVW) {
+      const vf vg = loadu(g + j), vd = loadu(d + j);
+      const vf s = sigmoid_v(vg);
+      const vf a = vg * s;  // silu(g)
       // d silu(g) / dg = s * (1 + g - a)
-      const __m512 ds = _mm512_mul_ps(s, _mm512_sub_ps(_mm512_add_ps(one, vg), a));
-      _mm512_storeu_ps(dg + j, _mm512_mul_ps(_mm512_mul_ps(vd, _mm512_loadu_ps(u + j)), ds));
-      _mm512_storeu_ps(du + j, _mm512_mul_ps(vd, a));
+      storeu(dg + j, vd * loadu(u + j) * (s * (one + vg - a)));
+      storeu(du + j, vd * a);
     }
 #endif
     for (; j < e; ++j) {
@@ -412,7 +487,7 @@ extern "C" int SwiGLUGrad(int nparam, void **params, int *ndims, int64_t **shape
       du[j] = d[j] * a;
     }
   });
-  return 0;
+  return kOk;
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -448,44 +523,48 @@ extern "C" int SwiGLUGrad(int nparam, void **params, int *ndims, int64_t **shape
 extern "C" int ZeroAdamW(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
                          void *extra) {
   (void)stream, (void)extra;
-  if (nparam != 13) return 1;
-  for (int i : {0, 1, 2, 3}) {
-    if (std::strcmp(dtypes[i], "float32") != 0) return 2;
-  }
+  if (nparam != 13) return kArity;
+  if (!all_f32(dtypes, 4) || !is(dtypes, 4, "int32") || !is(dtypes, 12, "float32")) return kDtype;
+  for (int i = 5; i < 12; ++i)
+    if (!is(dtypes, i, "float32")) return kDtype;
+  if (!nonneg(ndims, shapes, 13)) return kShape;
+  for (int i = 4; i < 13; ++i)
+    if (numel(ndims[i], shapes[i]) < 1) return kShape;
+  const int64_t n = numel(ndims[0], shapes[0]), k = numel(ndims[2], shapes[2]);
+  const int64_t a = *static_cast<const int32_t *>(params[4]);
+  // the segment [a, a + k) lies inside the parameter, the gradient is the parameter's size, v is m's
+  if (a < 0 || a + k > n || numel(ndims[1], shapes[1]) != n || numel(ndims[3], shapes[3]) != k) return kShape;
   float *p = static_cast<float *>(params[0]);
   const float *grad = static_cast<const float *>(params[1]);
   float *m = static_cast<float *>(params[2]);
   float *v = static_cast<float *>(params[3]);
-  const int64_t a = *static_cast<const int32_t *>(params[4]);
   const float lr = scalar(params[5]), beta1 = scalar(params[6]), beta2 = scalar(params[7]);
   const float eps = scalar(params[8]), decay = scalar(params[9]), coef = scalar(params[10]);
   const float apply = scalar(params[11]);
   static_cast<float *>(params[12])[0] = apply;
-  const int64_t n = numel(ndims[0], shapes[0]), k = numel(ndims[2], shapes[2]);
-  if (apply == 0.0f || !std::isfinite(coef) || a < 0 || a + k > n || numel(ndims[1], shapes[1]) != n) return 0;
+  if (apply == 0.0f || !std::isfinite(coef)) return kOk;  // a skipped step: nothing written
   p += a;
   grad += a;
   const float b1m = 1.0f - beta1, b2m = 1.0f - beta2, nlr = -lr;
   parallel_for(k, 1 << 16, [=](int64_t begin, int64_t end) {
     int64_t i = begin;
-#if defined(__AVX512F__)
-    const __m512 vb1 = _mm512_set1_ps(beta1), vb2 = _mm512_set1_ps(beta2), vb1m = _mm512_set1_ps(b1m),
-                 vb2m = _mm512_set1_ps(b2m), vnlr = _mm512_set1_ps(nlr), veps = _mm512_set1_ps(eps),
-                 vdecay = _mm512_set1_ps(decay), vcoef = _mm512_set1_ps(coef);
-    for (; i + 16 <= end; i += 16) {
-      const __m512 g = _mm512_mul_ps(_mm512_loadu_ps(grad + i), vcoef);
-      __m512 pr = _mm512_loadu_ps(p + i);
-      __m512 mr = _mm512_mul_ps(_mm512_loadu_ps(m + i), vb1);
-      __m512 vr = _mm512_mul_ps(_mm512_loadu_ps(v + i), vb2);
-      const __m512 g2 = _mm512_mul_ps(g, g);
-      mr = _mm512_fmadd_ps(g, vb1m, mr);
-      vr = _mm512_fmadd_ps(g2, vb2m, vr);
-      __m512 u = _mm512_div_ps(mr, _mm512_add_ps(_mm512_sqrt_ps(vr), veps));
-      u = _mm512_fmadd_ps(pr, vdecay, u);
-      pr = _mm512_fmadd_ps(u, vnlr, pr);
-      _mm512_storeu_ps(m + i, mr);
-      _mm512_storeu_ps(v + i, vr);
-      _mm512_storeu_ps(p + i, pr);
+#if MSLLM_VW > 0
+    const vf vb1 = set1(beta1), vb2 = set1(beta2), vb1m = set1(b1m), vb2m = set1(b2m), vnlr = set1(nlr),
+             veps = set1(eps), vdecay = set1(decay), vcoef = set1(coef);
+    for (; i + kVW <= end; i += kVW) {
+      const vf g = loadu(grad + i) * vcoef;
+      vf pr = loadu(p + i);
+      vf mr = loadu(m + i) * vb1;
+      vf vr = loadu(v + i) * vb2;
+      const vf g2 = g * g;
+      mr = simd::fma(g, vb1m, mr);
+      vr = simd::fma(g2, vb2m, vr);
+      vf u = mr / (simd::sqrt(vr) + veps);
+      u = simd::fma(pr, vdecay, u);
+      pr = simd::fma(u, vnlr, pr);
+      storeu(m + i, mr);
+      storeu(v + i, vr);
+      storeu(p + i, pr);
     }
 #endif
     for (; i < end; ++i) {
@@ -498,5 +577,5 @@ extern "C" int ZeroAdamW(int nparam, void **params, int *ndims, int64_t **shapes
       v[i] = vr;
     }
   });
-  return 0;
+  return kOk;
 }

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tasks.store.codeversion import (PACKAGES, CodeVersionError, code_version, dynamic_imports, import_closure,
-                               import_graph)
+                               import_graph, native_sources)
 
 REPO = Path(__file__).resolve().parent.parent
 LM_TASK_FILES = ["tasks/stages/evaluate/lm_tasks/*.yaml", "tasks/stages/evaluate/lm_tasks/utils.py"]
@@ -55,6 +55,29 @@ def test_edit_inside_the_closure_changes_the_version(repo_copy, rel):
     before = code_version("tasks.stages.pretrain", root=repo_copy)
     _edit(repo_copy / rel)
     assert code_version("tasks.stages.pretrain", root=repo_copy) != before
+
+
+@pytest.mark.parametrize("rel", ["model/train_kernels.cc", "model/decode_kernel.cc", "model/simd.h"])
+@pytest.mark.parametrize("module", ["tasks.stages.pretrain", "tasks.stages.finetune", "tasks.stages.evaluate",
+                                    "tasks.stages.export"])
+def test_edit_of_a_native_kernel_source_changes_the_version(repo_copy, rel, module):
+    # model/kernels.py compiles these at run time: every stage that can run them is keyed by them
+    assert rel in native_sources(module, repo_copy)
+    before = code_version(module, root=repo_copy)
+    _edit(repo_copy / rel, "\n// an edit\n")
+    assert code_version(module, root=repo_copy) != before
+
+
+def test_every_native_source_in_model_is_declared():
+    # a new .cc/.h beside model/kernels.py must be listed in NATIVE_SOURCES, or editing it would not change any key
+    on_disk = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "model").iterdir() if p.suffix in (".cc", ".h"))
+    assert native_sources("model.kernels", REPO) == on_disk
+
+
+def test_missing_native_source_is_an_error(repo_copy):
+    (repo_copy / "model/simd.h").unlink()
+    with pytest.raises(CodeVersionError, match="NATIVE_SOURCES names simd.h"):
+        code_version("tasks.stages.pretrain", root=repo_copy)
 
 
 @pytest.mark.parametrize("rel", ["tasks/deploy/onnx_generate.py", "flows/full_pipeline.py", "tasks/stages/evaluate/lm_tasks/utils.py"])

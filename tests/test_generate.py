@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import numpy as np
 import mindspore as ms
 import pytest
 from mindspore import Tensor
 
 from model.config import ModelConfig
-from model.generate import Generator, build_decode_kernel, sample_next
+from model.generate import Generator, build_decode_kernel, decode_disabled_reason, decode_kernel_path, sample_next
 from model.llama import LlamaForCausalLM
 
 
@@ -108,7 +111,14 @@ def test_fast_decoder_keeps_parameter_names_and_follows_weight_changes():
     assert after != before
 
 
-needs_kernel = pytest.mark.skipif(build_decode_kernel() is None, reason="the fused decode step did not build (no g++?)")
+needs_kernel = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None or bool(decode_disabled_reason()),
+                                  reason="no C++ compiler (or MSLLM_FUSED_DECODE/MSLLM_FUSED_KERNELS=0)")
+
+
+@needs_kernel
+def test_the_decode_step_builds_where_a_compiler_exists():
+    assert build_decode_kernel() is not None, f"a compiler exists but the fused decode step is {decode_kernel_path()}"
+    assert decode_kernel_path() in ("avx512", "avx2", "neon", "scalar")
 
 
 @needs_kernel

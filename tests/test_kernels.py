@@ -1,9 +1,13 @@
 """The fused train-step kernels (model/train_kernels.cc via model/kernels.py) against MindSpore's own ops.
 
-Skipped only where no C++ compiler can build them; the model then runs MindSpore's own ops, which the
-fallback test checks."""
+Skipped only where no C++ compiler exists (or MSLLM_FUSED_KERNELS=0 says so); where one exists and the
+kernels do not build, they fail. The model then runs MindSpore's own ops, which the fallback test checks.
+The ISA bodies against the scalar reference, the probe and the build cache: tests/test_kernel_isa.py."""
 
 from __future__ import annotations
+
+import os
+import shutil
 
 import numpy as np
 import mindspore as ms
@@ -11,10 +15,33 @@ import pytest
 from mindspore import Tensor
 
 from model import LlamaForCausalLM, ModelConfig
-from model.kernels import train_ops
+from model.kernels import KernelShapeError, disabled_reason, kernel_path, train_ops
 
 K = train_ops()
-needs_kernels = pytest.mark.skipif(K is None, reason="no C++ compiler: the fused kernels cannot be built here")
+CXX = shutil.which(os.environ.get("CXX", "g++"))
+needs_kernels = pytest.mark.skipif(CXX is None or bool(disabled_reason()),
+                                   reason="no C++ compiler (or MSLLM_FUSED_KERNELS=0): the fused kernels cannot run here")
+
+
+@needs_kernels
+def test_the_kernels_build_where_a_compiler_exists():
+    assert K is not None, f"a C++ compiler exists ({CXX}) but the fused kernels are {kernel_path()}"
+    assert kernel_path() in ("avx512", "avx2", "neon", "scalar")
+
+
+@needs_kernels
+def test_bad_operands_are_a_clear_error_not_a_write_out_of_bounds():
+    x = Tensor(np.zeros((2, 9, 5), np.float32))
+    with pytest.raises(KernelShapeError, match=r"CausalSoftmax: T = 9 queries exceed S = 5 keys"):
+        K.causal_softmax(x)
+    with pytest.raises(KernelShapeError, match=r"RMSNorm: weight must have H = 8 elements, got shape \[7\]"):
+        K.rms_norm(Tensor(np.ones((4, 8), np.float32)), Tensor(np.ones(7, np.float32)), Tensor(np.ones(1, np.float32)))
+    with pytest.raises(KernelShapeError, match=r"SwiGLU: operands must have one shape"):
+        K.swiglu(Tensor(np.ones((4, 8), np.float32)), Tensor(np.ones((4, 9), np.float32)))
+    with pytest.raises(KernelShapeError, match=r"CrossEntropy: labels must be int32"):
+        K.cross_entropy(Tensor(np.ones((4, 8), np.float32)), Tensor(np.ones(4, np.float32)))
+    with pytest.raises(KernelShapeError, match=r"SwiGLU: gate must be float32"):
+        K.swiglu(Tensor(np.ones(4, np.float16)), Tensor(np.ones(4, np.float16)))
 
 
 def _ref_causal_softmax(x: np.ndarray) -> np.ndarray:
@@ -97,9 +124,8 @@ def test_cross_entropy_and_its_gradient(threads):
     assert np.abs(got - want).max() < 1e-5
 
 
+@needs_kernels
 def test_results_do_not_depend_on_the_thread_count(monkeypatch):
-    if K is None:
-        pytest.skip("no C++ compiler")
     rng = np.random.default_rng(3)
     x, dy = rng.standard_normal((2, 301, 48)).astype(np.float32)
     w, e = Tensor(np.ones(48, np.float32)), Tensor(np.array([1e-6], np.float32))
@@ -153,5 +179,6 @@ def test_build_without_a_compiler_gives_none(monkeypatch, tmp_path):
     import model.kernels as kernels
 
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    monkeypatch.setattr(kernels, "_built", {})
+    monkeypatch.setattr(kernels, "_builds", {})
     assert kernels.build(kernels.TRAIN_SOURCE) is None
+    assert kernels.kernel_path().startswith("off: no C++ compiler")

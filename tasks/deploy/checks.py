@@ -265,8 +265,7 @@ def int8_report(out: Path, fp32, reference: Reference, prompts: list[list[int]],
     p32, p8 = perplexity(fp32, ids, labels), perplexity(q, ids, labels)
     n = max(2, min(SPEED_TOKENS, ex.seq_length - len(prompts[0])))
     s32, s8 = decode_speeds([fp32, q], prompts[0], n)
-    return {"file": "model.int8.onnx", "method": "onnxruntime.quantization.quantize_dynamic, QInt8 weights, "
-                                                 "MatMul with constant B only",
+    return {"file": "model.int8.onnx",  # "method" and "quantization": tasks/deploy/formats.py, added by the stage
             "bytes": q_bytes, "fp32_bytes": fp32_bytes, "size_ratio": round(q_bytes / fp32_bytes, 4),
             "max_abs_diff": diff, "greedy_tokens_match": all(a == g["mindspore"] for a, g in zip(q_greedy, greedy)),
             "greedy": q_greedy, "perplexity": p8, "fp32_perplexity": p32,

@@ -76,7 +76,8 @@ import numpy as np
 from tasks.config import ConfigError, PipelineConfig
 from tasks.deploy.checks import (CHUNK, STEPS, ExportCheckFailed, Reference, divergence, greedy_pairs, int8_report,
                                  onnx_checks, token_batches, verify_genai, verify_mindir)
-from tasks.deploy.formats import export_int8, export_mindir, export_onnx, onnx_io, write_genai_files
+from tasks.deploy.formats import (INT8_OPTIONS, export_int8, export_mindir, export_onnx, int8_method, onnx_io,
+                                  write_genai_files)
 from tasks.deploy.model_card import model_card, read_eval
 from tasks.stages import MODEL_KINDS, code_version
 from tasks.store.artifacts import ArtifactError, ArtifactStore, atomic_write_json
@@ -342,7 +343,8 @@ def _export_onnx_checked(out: Path, info: dict[str, Any], weights: dict[str, np.
     if ex.int8:
         _log(progress, f"int8 (dynamic quantization) → {out.name}/model.int8.onnx")
         export_int8(out / "model.onnx", out / "model.int8.onnx")
-        ver["int8"] = int8_report(out, gen, reference, prompts, ver["greedy"], heldout, data, ex)
+        ver["int8"] = {"method": int8_method(), "quantization": INT8_OPTIONS,
+                       **int8_report(out, gen, reference, prompts, ver["greedy"], heldout, data, ex)}
         q = ver["int8"]
         _log(progress, f"int8: {q['bytes'] / 1e6:.1f} MB ({q['size_ratio']:.2f}× fp32), decode "
                        f"{q['decode_tokens_per_s']} vs fp32 {q['fp32_decode_tokens_per_s']} tokens/s, perplexity "

@@ -445,7 +445,7 @@ def _train(cfg: PipelineConfig, store: ArtifactStore, base: Path, key: str, prog
     from tasks.training.checkpoint import save_tensors
     from tasks.store.model_artifact import load_model, load_tokenizer
     from tasks.runtime.distributed import Mesh
-    from tasks.training.trainer import add_run_files, fit, run_outcome
+    from tasks.training.trainer import add_run_files, fit, native_kernels, run_outcome
 
     mesh = mesh or Mesh()
     # ---- setup: base model, data, what trains
@@ -453,6 +453,7 @@ def _train(cfg: PipelineConfig, store: ArtifactStore, base: Path, key: str, prog
     _, inputs, section = stage_key(cfg, store, base)
     base_ref = inputs[0]
     net, info = load_model(base, seed=ft.seed, fused_kernels=cfg.pretrain.fused_kernels)
+    kernels = native_kernels(net, cfg.pretrain.fused_kernels)  # logged once; recorded in the manifest
     mc = ModelConfig.from_dict(info["model"])
     seq = seq_length_for(cfg, info)
     sp = load_tokenizer(base)
@@ -514,7 +515,7 @@ def _train(cfg: PipelineConfig, store: ArtifactStore, base: Path, key: str, prog
         add_run_files(b.dir, run_dir, result, f"{cfg.name}: {ft.method} fine-tuning ({summary.trainable / 1e6:.3g}M "
                       f"trainable{', response tokens only' if ft.format == 'instruction' else ''})")
         b.metrics.update(
-            method=ft.method, steps=result.steps, consumed_samples=result.consumed_samples,
+            method=ft.method, native_kernels=kernels, steps=result.steps, consumed_samples=result.consumed_samples,
             first_loss=train_rows[0]["loss"] if train_rows else None,
             first_loss_step=train_rows[0]["step"] if train_rows else None,
             final_loss=result.final_loss, val_loss_before=result.initial_val_loss, val_loss=result.val_loss,

@@ -197,12 +197,13 @@ def _train(cfg: PipelineConfig, store: ArtifactStore, data_artifact: Path, init_
     from tasks.training.optim import causal_lm_loss_fn
     from tasks.runtime.distributed import Mesh
     from tasks.store.model_artifact import write_model
-    from tasks.training.trainer import LoopConfig, add_run_files, fit, run_outcome
+    from tasks.training.trainer import LoopConfig, add_run_files, fit, native_kernels, run_outcome
 
     mesh = mesh or Mesh()
     _, inputs, section = stage_key(cfg, store, data_artifact, init_from)
     data_manifest = store.read_manifest(data_artifact)
     net, mc = build_network(cfg, init_from, mesh.tensor_parallel())
+    kernels = native_kernels(net, cfg.pretrain.fused_kernels)  # logged once; recorded in the manifest
     tok = json.loads((data_artifact / "tokenizer_info.json").read_text())
     if tok["vocab_size"] != mc.vocab_size:
         raise ValueError(
@@ -267,7 +268,7 @@ def _train(cfg: PipelineConfig, store: ArtifactStore, data_artifact: Path, init_
             unigram_entropy=entropy, skipped_steps=result.skipped_steps, tokens_per_s=result.tokens_per_s,
             precision=pt.precision, overflow_steps=result.overflow_steps, final_loss_scale=result.loss_scale,
             parameters=mc.num_parameters, continued_from=str(init_from) if init_from else None,
-            layout={"data_parallel": mesh.dp, "tensor_parallel": mesh.tp},
+            layout={"data_parallel": mesh.dp, "tensor_parallel": mesh.tp}, native_kernels=kernels,
         )
     print(f"[pretrain] val_loss {result.val_loss:.4f} vs unigram entropy {entropy:.4f} nats/token", file=sys.stderr)
     return b.path

@@ -3,11 +3,14 @@
 A stage's cache key must change when any code it runs changes, and only then. A
 hand-kept file list drifts, so the list is computed: parse every project module
 (packages `model`, `tasks`, `flows`) with `ast`, follow its imports transitively and
-hash the files reached, plus the data files the stage declares (the lm-eval task
-YAMLs, say):
+hash the files reached, plus the native sources those modules build (a module-level
+`NATIVE_SOURCES = ("x.cc", "x.h")` literal, file names beside the module: `model/kernels.py`
+compiles `model/*.cc` at run time, so every stage whose imports reach it is keyed by them),
+plus the data files the stage declares (the lm-eval task YAMLs, say):
 
     import_closure("tasks.stages.pretrain")            # ['model/__init__.py', ..., 'tasks/stages/pretrain.py', ...]
     code_version("tasks.stages.evaluate", data_files=["tasks/stages/evaluate/lm_tasks/*.yaml", "tasks/stages/evaluate/lm_tasks/utils.py"])
+    native_sources("tasks.stages.pretrain")             # ['model/decode_kernel.cc', 'model/simd.h', 'model/train_kernels.cc']
     import_graph()                              # {'tasks.cli': {'tasks.config', ...}, ...}
     import_cycles(import_graph())               # [['tasks.cli', 'tasks.stages.export', ...]] (one list per cycle)
 
@@ -22,8 +25,8 @@ type only to use objects of it that its callers pass in (the data stage calls
 computed are invisible (`dynamic_imports()` lists them, so a test can hold them to a
 known set).
 
-A project import that resolves to no file, a declared data file that does not exist,
-or a file that does not parse is an error (`CodeVersionError`), never a silent skip.
+A project import that resolves to no file, a declared data file or native source that
+does not exist, a `NATIVE_SOURCES` that is not a literal tuple of file names, or a file that does not parse is an error (`CodeVersionError`), never a silent skip.
 Standard library only: the CLI and the flows call this without MindSpore.
 """
 
@@ -60,6 +63,7 @@ class _Parsed:
     imports: frozenset[str]
     typing_imports: frozenset[str]  # under `if TYPE_CHECKING:`
     dynamic: tuple[DynamicImport, ...]
+    native: tuple[str, ...] = ()  # NATIVE_SOURCES: file names beside the module that it compiles at run time
 
 
 _PARSE_CACHE: dict[tuple[str, str, str, str], _Parsed] = {}  # (file, module, sha256 of bytes, module set)
@@ -256,7 +260,24 @@ def _parse(project: _Project, name: str, path: Path, data: bytes) -> _Parsed:
     v.visit(tree)
     v.imports.discard(name)
     v.typing_imports.discard(name)
-    return _Parsed(frozenset(v.imports), frozenset(v.typing_imports - v.imports), tuple(v.dynamic))
+    return _Parsed(frozenset(v.imports), frozenset(v.typing_imports - v.imports), tuple(v.dynamic),
+                   _native_sources(project, path, tree))
+
+
+def _native_sources(project: _Project, path: Path, tree: ast.Module) -> tuple[str, ...]:
+    """The module-level `NATIVE_SOURCES = ("a.cc", ...)` of a module: names of files beside it."""
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        if not any(isinstance(t, ast.Name) and t.id == "NATIVE_SOURCES" for t in targets):
+            continue
+        v = node.value
+        names = ([e.value for e in v.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+                 if isinstance(v, (ast.Tuple, ast.List)) else None)
+        if names is None or len(names) != len(v.elts) or any("/" in n or n in ("", ".", "..") for n in names):
+            raise CodeVersionError(f"{project.rel(path)}:{node.lineno}: NATIVE_SOURCES must be a literal tuple of file "
+                                   f"names beside the module (it keys every stage that imports it)")
+        return tuple(names)
+    return ()
 
 
 # ----------------------------------------------------------------------------- public API
@@ -323,10 +344,27 @@ def data_file_paths(data_files: Iterable[str], root: str | Path = REPO) -> list[
     return sorted(out)
 
 
+def native_sources(modules: str | Iterable[str], root: str | Path = REPO) -> list[str]:
+    """The native sources (relative paths, sorted) that the modules of the import closure compile at run time."""
+    project = _Project(root)
+    names = [modules] if isinstance(modules, str) else list(modules)
+    out = set()
+    for m in _closure_modules(project, names):
+        for fname in project.parsed(m).native:
+            p = project.files[m].parent / fname
+            if not p.is_file():
+                raise CodeVersionError(f"{project.rel(project.files[m])}: NATIVE_SOURCES names {fname}, which does not "
+                                       f"exist beside it; fix NATIVE_SOURCES or restore the file")
+            out.add(project.rel(p))
+    return sorted(out)
+
+
 def code_version(modules: str | Iterable[str], data_files: Iterable[str] = (), root: str | Path = REPO) -> str:
-    """sha256 (hex) over the relative path and bytes of every file in the import closure plus the data files."""
+    """sha256 (hex) over the relative path and bytes of every file in the import closure, the native sources its
+    modules build, and the data files."""
     root = Path(root).resolve()
-    files = sorted(set(import_closure(modules, root)) | set(data_file_paths(data_files, root)))
+    files = sorted(set(import_closure(modules, root)) | set(native_sources(modules, root))
+                   | set(data_file_paths(data_files, root)))
     h = hashlib.sha256(_FORMAT)
     for rel in files:
         data = (root / rel).read_bytes()

@@ -190,16 +190,6 @@ def _cpu_ghz() -> tuple[float, str]:
     return max(cands) if cands else (0.0, "unknown")
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 def _cores_for_this_process() -> int:
     """Cores this process computes on: its CPU affinity, capped by OMP_NUM_THREADS (msrun sets it per rank)."""
     import os
@@ -221,7 +211,9 @@ def theoretical_peak_flops() -> tuple[float, str]:
     reports; a turbo clock above it could in principle exceed it, so `resolve_peak_flops` also never
     lets the denominator fall below a measured sgemm.
     """
-    flags = _cpu_flags()
+    from model.kernels import cpu_flags
+
+    flags = cpu_flags()
     lanes = 16 if "avx512f" in flags else 8 if "avx2" in flags or "avx" in flags else 4
     fma = 2 if ("fma" in flags or "asimd" in flags) else 1
     units = 2 if lanes >= 8 else 1
@@ -318,6 +310,20 @@ class LoopState:
         skipped = state["skipped_steps"]
         return cls(step=state["step"], consumed=state["consumed_samples"], updates=state["updates"], skipped=skipped,
                    overflows=state.get("overflow_steps", 0), skipped_at_save=skipped)
+
+
+def native_kernels(net, fused_setting: bool) -> str:
+    """Which native kernel body the train step runs, for the manifest (metrics `native_kernels`) and the log:
+    "avx512", "avx2", "neon", "scalar", or "off: <why>". model/kernels.py logs the body (or why it could not
+    build) when the model loads it; a model that never asked for it is logged here."""
+    why = ("pretrain.fused_kernels is false" if not fused_setting else
+           "fp16 compute (the fused kernels are fp32)" if getattr(net, "half", False) else "")
+    if why:
+        print(f"[train] native kernels: off, MindSpore's own ops run: {why}", file=sys.stderr, flush=True)
+        return f"off: {why}"
+    from model.kernels import kernel_path
+
+    return kernel_path()
 
 
 def _optimizer(params, loop: LoopConfig, mesh):

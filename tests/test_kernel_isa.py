@@ -1,0 +1,306 @@
+"""The native kernels' ISA bodies, their selection, and their build cache (model/kernels.py, model/simd.h).
+
+Every body this CPU can run is called directly through ctypes (MindSpore's aot calling convention, no
+graph) and compared with the scalar body, the reference. The bounds are derived from float32's unit
+roundoff u = 2^-24 and each kernel's reduction length (both bodies err, so twice a one-sided bound), not
+tuned to this machine. Skipped only where no C++ compiler exists; a compiler that fails to build them fails.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import stat
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import model.kernels as kernels
+from model.kernels import DECODE_SOURCE, TRAIN_SOURCE, build_kernel, cpu_levels, select_isa
+
+CXX = shutil.which(os.environ.get("CXX", "g++"))
+needs_cxx = pytest.mark.skipif(CXX is None, reason="no C++ compiler: the native kernels cannot be built here")
+U = 2.0 ** -24  # float32 unit roundoff
+
+X86_AVX512 = ("processor\t: 0\nflags\t\t: fpu sse2 ssse3 cx16 sse4_1 sse4_2 movbe popcnt xsave avx f16c lahf_lm abm "
+              "fma bmi1 avx2 bmi2 avx512f avx512dq avx512cd avx512bw avx512vl avx512_vnni\n")
+X86_AVX2 = X86_AVX512.split("avx512f")[0] + "\n"  # a Zen 2 / Haswell: v3, no AVX-512
+X86_OLD = "flags\t\t: fpu sse2 ssse3 sse4_1 sse4_2 popcnt\n"
+ARM = "processor\t: 0\nFeatures\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm\n"
+
+
+def test_probe_parses_cpuinfo_into_levels():
+    assert cpu_levels(X86_AVX512, "x86_64") == ("avx512", "avx2", "scalar")
+    assert cpu_levels(X86_AVX2, "x86_64") == ("avx2", "scalar")
+    assert cpu_levels(X86_AVX2.replace(" movbe", ""), "x86_64") == ("scalar",)  # v3 needs all of its flags
+    assert cpu_levels(X86_OLD, "x86_64") == ("scalar",)
+    assert cpu_levels(ARM, "aarch64") == ("neon", "scalar")
+    assert cpu_levels(ARM.replace(" atomics", ""), "aarch64") == ("scalar",)  # ARMv8.0: no armv8.2-a body
+    assert cpu_levels("", "x86_64") == ("scalar",)
+    assert cpu_levels(X86_AVX512, "riscv64") == ()
+
+
+def test_override_forces_a_level_the_cpu_runs_and_refuses_others():
+    assert select_isa("", X86_AVX512, "x86_64") == ("avx512", "")
+    assert select_isa("avx2", X86_AVX512, "x86_64") == ("avx2", "")
+    assert select_isa("scalar", ARM, "aarch64") == ("scalar", "")
+    isa, why = select_isa("avx512", X86_AVX2, "x86_64")
+    assert isa is None and "cannot run it (it runs avx2, scalar)" in why
+    isa, why = select_isa("sse9", X86_AVX2, "x86_64")
+    assert isa is None and "MSLLM_KERNEL_ISA=sse9 is not one of" in why
+    assert select_isa("", X86_AVX2, "riscv64")[0] is None
+
+
+# ----------------------------------------------------------------------------- calling the kernels directly
+
+def _call(lib: str, name: str, *arrays: np.ndarray) -> int:
+    """Call an aot kernel as MindSpore does: int f(nparam, params, ndims, shapes, dtypes, stream, extra)."""
+    fn = getattr(ctypes.CDLL(lib), name)
+    n = len(arrays)
+    shapes = [(ctypes.c_int64 * max(a.ndim, 1))(*a.shape) for a in arrays]
+    return fn(n, (ctypes.c_void_p * n)(*[a.ctypes.data for a in arrays]), (ctypes.c_int * n)(*[a.ndim for a in arrays]),
+              (ctypes.POINTER(ctypes.c_int64) * n)(*[ctypes.cast(s, ctypes.POINTER(ctypes.c_int64)) for s in shapes]),
+              (ctypes.c_char_p * n)(*[str(a.dtype).encode() for a in arrays]), None, None)
+
+
+def _lib(isa: str, source: Path = TRAIN_SOURCE, openmp: bool = False) -> str:
+    b = build_kernel(source, openmp, isa=isa)
+    assert b.lib, f"{source.name} did not build for {isa} although a compiler exists: {b.reason}"
+    return b.lib
+
+
+def _run(isa: str, name: str, inputs, outputs) -> list[np.ndarray]:
+    outs = [np.full(shape, np.nan, dt) for shape, dt in outputs]
+    assert _call(_lib(isa), name, *inputs, *outs) == 0
+    return outs
+
+
+BODIES = [isa for isa in cpu_levels() if isa != "scalar"]
+
+
+@needs_cxx
+def test_library_reports_the_level_it_was_built_for(monkeypatch):
+    for isa in cpu_levels():
+        f = ctypes.CDLL(_lib(isa)).MsllmKernelIsa
+        f.restype = ctypes.c_char_p
+        assert f().decode() == isa
+    monkeypatch.setenv("MSLLM_KERNEL_ISA", "scalar")  # what a benchmark of the scalar body does
+    assert build_kernel(TRAIN_SOURCE).isa == "scalar" and kernels.kernel_path() == "scalar"
+
+
+@needs_cxx
+@pytest.mark.parametrize("isa", BODIES)
+def test_every_body_matches_the_scalar_reference(isa):
+    rng = np.random.default_rng(7)
+    both = lambda *a: (_run(isa, *a), _run("scalar", *a))  # noqa: E731
+
+    # causal softmax [N, T, S], S = 45 (tails at every width) with T < S; its gradient
+    x = (rng.standard_normal((3, 13, 45)) * 4).astype(np.float32)
+    (p,), (q,) = both("CausalSoftmax", [x], [(x.shape, np.float32)])
+    s = x.shape[2]
+    assert (np.abs(p - q) <= (2 * s + 8) * 2 * U * np.maximum(p, q)).all()  # exp 2u, sum s*u, divide u; both bodies
+    assert ((p == 0) == (q == 0)).all()
+    dp = rng.standard_normal(x.shape).astype(np.float32)
+    (g,), (h,) = both("SoftmaxGrad", [q, dp], [(x.shape, np.float32)])
+    dot = np.abs((q * dp).sum(-1, keepdims=True))
+    assert (np.abs(g - h) <= (2 * s + 4) * 2 * U * q * (np.abs(dp).max(-1, keepdims=True) + dot) + 1e-37).all()
+
+    # SwiGLU and its gradient, element-wise; |g| up to ~25: the sigmoid saturates both ways
+    gate, up, d = (rng.standard_normal((3, 1037)) * [[6], [1], [1]]).astype(np.float32)
+    (o,), (r,) = both("SwiGLU", [gate, up], [(gate.shape, np.float32)])
+    assert (np.abs(o - r) <= 16 * U * np.abs(r) + 1e-30).all()  # exp 2u, 1 + e, divide, 3 products
+    (dg, du), (rg, ru) = both("SwiGLUGrad", [gate, up, d], [(gate.shape, np.float32)] * 2)
+    gd = gate.astype(np.float64)
+    sg = 1 / (1 + np.exp(-gd))
+    cancel = (np.abs(1 + gd) + np.abs(gd * sg)) / np.maximum(np.abs(1 + gd - gd * sg), 1e-30)  # (1 + g) - silu(g)
+    assert (np.abs(dg - rg) <= (16 + 4 * cancel) * U * np.abs(rg) + 1e-30).all()
+    assert (np.abs(du - ru) <= 16 * U * np.abs(ru) + 1e-30).all()
+
+    # RMSNorm [N, H], H = 77, and its gradient (dweight sums N = 70 rows)
+    n, hh = 70, 77
+    xs = (rng.standard_normal((n, hh)) * 3).astype(np.float32)
+    w = (1 + 0.1 * rng.standard_normal(hh)).astype(np.float32)
+    eps = np.array([1e-6], np.float32)
+    dy = rng.standard_normal((n, hh)).astype(np.float32)
+    (y,), (ry,) = both("RMSNorm", [xs, w, eps], [(xs.shape, np.float32)])
+    assert (np.abs(y - ry) <= 2 * (hh + 6) * U * np.abs(ry)).all()
+    (dx, dw), (rdx, rdw) = both("RMSNormGrad", [xs, w, eps, dy], [(xs.shape, np.float32), ((hh,), np.float32)])
+    inv = 1 / np.sqrt((xs.astype(np.float64) ** 2).mean(-1, keepdims=True))
+    terms = inv * np.abs(dy * w) + inv * np.abs(xs) * inv ** 2 * np.abs(dy * w * xs).mean(-1, keepdims=True)
+    assert (np.abs(dx - rdx) <= 2 * (2 * hh + 10) * U * terms).all()
+    assert (np.abs(dw - rdw) <= 2 * (n + hh + 10) * U * (np.abs(dy * xs) * inv).sum(0)).all()
+
+    # cross-entropy [N, V], V = 301, with an ignored row, and its gradient
+    v = 301
+    logits = (rng.standard_normal((9, v)) * 5).astype(np.float32)
+    labels = rng.integers(0, v, 9).astype(np.int32)
+    labels[4] = -100
+    (nll, lse), (rn, rl) = both("CrossEntropy", [logits, labels], [((9,), np.float32)] * 2)
+    assert (np.abs(lse - rl) <= 2 * (v + 4) * U + 2 * U * np.abs(rl)).all()
+    assert (np.abs(nll - rn) <= 2 * (v + 4) * U + 4 * U * (np.abs(rl) + np.abs(rn))).all() and nll[4] == rn[4] == 0
+    dn = rng.standard_normal(9).astype(np.float32)
+    (gl,), (rgl,) = both("CrossEntropyGrad", [logits, labels, rl, dn], [(logits.shape, np.float32)])
+    mag = np.abs(logits) + np.abs(rl)[:, None]  # x - lse: an absolute error of u * mag in exp's argument
+    assert (np.abs(gl - rgl) <= (8 + 2 * mag) * 2 * U * (np.abs(rgl) + np.abs(dn)[:, None])).all()
+
+    # the AdamW update: the same correctly rounded operations per element in every body: the same bits
+    k = 1001
+    pw, grad = rng.standard_normal((2, k)).astype(np.float32)
+    m0, v0 = rng.standard_normal(k).astype(np.float32), np.abs(rng.standard_normal(k)).astype(np.float32)
+    scal = [np.array(a, np.float32) for a in (1e-3, 0.9, 0.95, 1e-8, 0.1, 0.5, 1.0)]
+    res = {}
+    for body in (isa, "scalar"):
+        arrs = [pw.copy(), grad, m0.copy(), v0.copy(), np.array([0], np.int32), *scal, np.zeros(1, np.float32)]
+        assert _call(_lib(body), "ZeroAdamW", *arrs) == 0
+        res[body] = arrs[:4]
+    for a, b in zip(res[isa], res["scalar"]):
+        np.testing.assert_array_equal(a, b)
+
+
+@needs_cxx
+@pytest.mark.parametrize("isa", BODIES)
+def test_decode_gemv_matches_the_scalar_reference(isa):
+    rng = np.random.default_rng(3)
+    rows, n = 37, 333
+    wm, x = rng.standard_normal((rows, n)).astype(np.float32), rng.standard_normal(n).astype(np.float32)
+    out = {}
+    for body in (isa, "scalar"):
+        f = ctypes.CDLL(_lib(body, DECODE_SOURCE, openmp=True)).Gemv
+        f.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+        y = np.zeros(rows, np.float32)
+        f(wm.ctypes.data, x.ctypes.data, y.ctypes.data, rows, n, 1)
+        out[body] = y
+    assert (np.abs(out[isa] - out["scalar"]) <= 2 * n * U * np.abs(wm * x).sum(1)).all()
+
+
+# ----------------------------------------------------------------------------- operand checks in the kernels
+
+@needs_cxx
+@pytest.mark.parametrize("isa", cpu_levels())
+def test_kernels_refuse_bad_operands_before_touching_memory(isa):
+    lib = _lib(isa)
+    f32 = lambda *s: np.zeros(s, np.float32)  # noqa: E731
+    # T > S: the queries would index keys past the row; an error, not an out-of-bounds write
+    assert _call(lib, "CausalSoftmax", f32(2, 9, 5), f32(2, 9, 5)) == 3
+    assert _call(lib, "SoftmaxGrad", f32(2, 9, 5), f32(2, 9, 5), f32(2, 9, 5)) == 3
+    assert _call(lib, "CausalSoftmax", f32(2, 5, 9), f32(2, 5, 8)) == 3       # output smaller than input
+    assert _call(lib, "CausalSoftmax", f32(2, 5, 9).astype(np.float64), f32(2, 5, 9)) == 2
+    assert _call(lib, "RMSNorm", f32(4, 8), f32(7), f32(1), f32(4, 8)) == 3  # weight of the wrong width
+    assert _call(lib, "RMSNormGrad", f32(4, 8), f32(8), f32(1), f32(4, 7), f32(4, 8), f32(8)) == 3
+    assert _call(lib, "SwiGLU", f32(4, 8), f32(4, 9), f32(4, 8)) == 3
+    assert _call(lib, "SwiGLUGrad", f32(4, 8), f32(4, 8), f32(4, 8), f32(4, 8), f32(3, 8)) == 3
+    assert _call(lib, "CrossEntropy", f32(4, 8), np.zeros(4, np.float32), f32(4), f32(4)) == 2  # labels not int32
+    assert _call(lib, "CrossEntropy", f32(4, 8), np.zeros(5, np.int32), f32(4), f32(4)) == 3
+    assert _call(lib, "SwiGLU", f32(4), f32(4)) == 1
+
+
+# ----------------------------------------------------------------------------- the build cache
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    d = tmp_path / "kcache"
+    monkeypatch.setenv("MSLLM_KERNEL_CACHE", str(d))
+    monkeypatch.setattr(kernels, "_builds", {})
+    return d
+
+
+SMALL = '#include "simd.h"\nextern "C" const char *MsllmKernelIsa() { return MSLLM_ISA; }\nextern "C" int Two() { return 2; }\n'
+
+
+@pytest.fixture
+def small_source(tmp_path):
+    p = tmp_path / "small_kernel.cc"
+    p.write_text(SMALL)
+    return p
+
+
+@needs_cxx
+@pytest.mark.parametrize("damage", ["truncated", "random bytes"])
+def test_a_corrupt_cached_library_is_rebuilt(cache, small_source, damage, capfd):
+    first = build_kernel(small_source, isa="scalar")
+    lib = Path(first.lib)
+    good = lib.read_bytes()
+    assert (lib.parent / (lib.name + ".sha256")).read_text().split()[0] == kernels._sha256(lib)
+    lib.write_bytes(good[: len(good) // 3] if damage == "truncated" else os.urandom(len(good)))
+    kernels._builds.clear()  # a new process
+    capfd.readouterr()
+    again = build_kernel(small_source, isa="scalar")
+    err = capfd.readouterr().err
+    assert again.lib == first.lib
+    assert (lib.parent / (lib.name + ".sha256")).read_text().split()[0] == kernels._sha256(lib)
+    assert ctypes.CDLL(again.lib).Two() == 2
+    lines = [ln for ln in err.splitlines() if "does not match its checksum" in ln]
+    assert len(lines) == 1 and str(lib) in lines[0]
+
+
+@needs_cxx
+def test_a_missing_checksum_is_rebuilt_too(cache, small_source):
+    lib = Path(build_kernel(small_source, isa="scalar").lib)
+    (lib.parent / (lib.name + ".sha256")).unlink()
+    kernels._builds.clear()
+    assert build_kernel(small_source, isa="scalar").lib == str(lib)
+    assert (lib.parent / (lib.name + ".sha256")).is_file()
+
+
+def _fake_cxx(tmp_path: Path, body: str) -> Path:
+    p = tmp_path / "fake-g++"
+    p.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo 'fake-g++ 0.1'; exit 0; fi\n"
+                 "for a; do out=$a; done\n" + body)  # the last argument is after -o
+    p.chmod(0o755)
+    return p
+
+
+@pytest.mark.parametrize("body,why", [
+    ('head -c 4096 /dev/urandom > "$out"; exit 0\n', "not an ELF file"),
+    ('printf "\\177ELF garbage" > "$out"; exit 0\n', "does not load"),
+])
+def test_a_compiler_that_writes_garbage_is_not_loaded(cache, small_source, tmp_path, monkeypatch, body, why):
+    monkeypatch.setenv("CXX", str(_fake_cxx(tmp_path, body)))
+    b = build_kernel(small_source, isa="scalar")
+    assert b.lib is None and why in b.reason and "exited 0" in b.reason
+    assert not list(cache.glob("*.so"))  # nothing cached
+
+
+@needs_cxx
+def test_a_library_without_the_kernels_functions_is_not_loaded(cache, small_source, tmp_path, monkeypatch):
+    # a real shared library, but not of this source: it lacks Two()
+    src = tmp_path / "other.cc"
+    src.write_text('extern "C" const char *MsllmKernelIsa() { return "scalar"; }\n')
+    monkeypatch.setenv("CXX", str(_fake_cxx(tmp_path, f'{CXX} -shared -fPIC {src} -o "$out"\n')))
+    b = build_kernel(small_source, isa="scalar")
+    assert b.lib is None and "lacks its functions" in b.reason and "Two" in b.reason
+
+
+def test_a_failed_build_says_why_with_the_compilers_stderr(cache, small_source, tmp_path, monkeypatch, capfd):
+    monkeypatch.setenv("CXX", str(_fake_cxx(tmp_path, 'echo "small_kernel.cc:3: error: boom" >&2; exit 1\n')))
+    b = build_kernel(small_source, isa="scalar")
+    assert b.lib is None and "failed to build small_kernel.cc" in b.reason and "error: boom" in b.reason
+    assert b.path.startswith("off: ") and "error: boom" in capfd.readouterr().err
+
+
+def test_no_compiler_is_off_with_a_reason(cache, small_source, tmp_path, monkeypatch):
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    b = build_kernel(small_source, isa="scalar")
+    assert b.lib is None and "no C++ compiler" in b.reason
+
+
+def test_a_cache_others_can_write_is_refused(cache, small_source):
+    cache.mkdir(mode=0o700)
+    cache.chmod(0o777)
+    b = build_kernel(small_source, isa="scalar")
+    assert b.lib is None and "writable by other users" in b.reason and str(cache) in b.reason
+    cache.chmod(0o700)
+    assert stat.S_IMODE(cache.stat().st_mode) == 0o700
+
+
+def test_the_compiler_version_is_in_the_cache_key(cache, small_source, tmp_path, monkeypatch):
+    cxx = _fake_cxx(tmp_path, 'exit 1\n')
+    monkeypatch.setenv("CXX", str(cxx))
+    key = lambda: kernels._cache_key(small_source, False, "scalar", str(cxx))  # noqa: E731
+    kernels._compiler_versions.clear()
+    k1 = key()
+    cxx.write_text(cxx.read_text().replace("fake-g++ 0.1", "fake-g++ 0.2"))
+    kernels._compiler_versions.clear()
+    assert key() != k1
