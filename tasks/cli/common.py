@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from tasks.config import PipelineConfig, resolve_pipeline
@@ -13,7 +14,10 @@ class StageError(RuntimeError):
 
 
 def load(args) -> PipelineConfig:
-    return resolve_pipeline(args.config, args.pipeline, args.overrides)
+    cfg = resolve_pipeline(args.config, args.pipeline, args.overrides)
+    for note in cfg.notes:  # e.g. which training budget a --set replaced
+        print(f"note: {note}", file=sys.stderr)
+    return cfg
 
 
 def store(args):

@@ -220,7 +220,8 @@ def _train(cfg: PipelineConfig, store: ArtifactStore, data_artifact: Path, init_
         net.enable_recompute()
     seq = cfg.pretrain.seq_length or cfg.data.seq_length
     pt = cfg.pretrain
-    max_steps = pt.max_steps or max(1, pt.max_tokens // (pt.micro_batch_size * pt.gradient_accumulation * seq))
+    max_steps = training_steps(pt, seq)
+    print(f"[pretrain] {budget_line(pt, seq)}", file=sys.stderr)
     loop = LoopConfig.from_sections(pt, cfg.checkpoint, max_steps, progress=progress)
     loop.stop_after, loop.fault_steps = stop_after, list(fault_steps or [])
 
@@ -272,6 +273,23 @@ def _train(cfg: PipelineConfig, store: ArtifactStore, data_artifact: Path, init_
         )
     print(f"[pretrain] val_loss {result.val_loss:.4f} vs unigram entropy {entropy:.4f} nats/token", file=sys.stderr)
     return b.path
+
+
+def training_steps(pt, seq: int) -> int:
+    """Optimizer steps of a run: pretrain.max_steps, or pretrain.max_tokens over the tokens of one step
+    (validation guarantees exactly one of them is set)."""
+    if pt.max_steps is not None:
+        return pt.max_steps
+    return max(1, pt.max_tokens // (pt.micro_batch_size * pt.gradient_accumulation * seq))
+
+
+def budget_line(pt, seq: int) -> str:
+    """Which budget the run uses, in words (printed at the start of every run)."""
+    steps = training_steps(pt, seq)
+    if pt.max_steps is not None:
+        return f"training budget: pretrain.max_steps = {steps} steps"
+    return (f"training budget: pretrain.max_tokens = {pt.max_tokens} tokens = {steps} steps of "
+            f"{pt.micro_batch_size * pt.gradient_accumulation} × {seq} tokens")
 
 
 def _tok_sha(data_artifact: Path) -> str:
