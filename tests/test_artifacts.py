@@ -102,3 +102,86 @@ def test_two_processes_racing_leave_one_complete_artifact(tmp_path):
     assert (path / "who.txt").read_text() in ("A", "B")
     # nothing else is left behind: one artifact, no temp dirs
     assert [p.name for p in Path(root, "data").iterdir()] == [key]
+
+
+# ----------------------------------------------------------------------------- verify on load (issue 27)
+
+
+def _published_model(root: Path) -> Path:
+    """A model-shaped artifact published through the store (weights, model.json, tokenizer bytes): no MindSpore."""
+    import numpy as np
+
+    from tasks.training.checkpoint import save_tensors
+
+    store = ArtifactStore(root)
+    key = store.key("pretrain", {"t": 1}, [], "v")
+    with store.build("pretrain", key, pipeline="tiny", config={}, inputs=[], code="v") as b:
+        save_tensors(b.dir / "model.safetensors", {"w": np.arange(64, dtype=np.float32).reshape(8, 8)})
+        (b.dir / "model.json").write_text(json.dumps({"name": "llama", "model": {}, "tokenizer": {}}))
+        (b.dir / "tokenizer.model").write_bytes(b"not really sentencepiece")
+    return b.path
+
+
+def _flip_byte(f: Path, at: int = -5) -> None:
+    raw = bytearray(f.read_bytes())
+    raw[at] ^= 0x01
+    f.write_bytes(bytes(raw))  # same size: only the checksum can tell
+
+
+def test_rebuild_commands_are_the_stage_tables():
+    from tasks.stages import STAGES
+    from tasks.store.artifacts import REBUILD_COMMANDS
+
+    assert REBUILD_COMMANDS == {s.name: s.command for s in STAGES.values()}
+
+
+def test_altered_weights_are_refused_on_load_naming_file_digests_and_command(tmp_path):
+    from tasks.store.artifacts import verify_published
+    from tasks.store.model_artifact import read_info
+    from tasks.training.checkpoint import load_weights
+
+    art = _published_model(tmp_path / "art")
+    assert load_weights(art)["w"].shape == (8, 8)  # published bytes load
+    f = art / "model.safetensors"
+    published = sha256_file(f)
+    _flip_byte(f)  # after a successful load in this process: the remembered check must not hide the change
+    with pytest.raises(ArtifactError) as ei:
+        load_weights(art)
+    msg = str(ei.value)
+    assert f"{f}: sha256 differs from the manifest" in msg and published in msg and sha256_file(f) in msg, msg
+    assert f"delete {art}" in msg and "`msllm train --pipeline tiny`" in msg, msg
+    with pytest.raises(ArtifactError, match="model.safetensors: sha256 differs"):
+        load_weights(f)  # the file itself, not only the directory
+    (art / "model.json").write_text(json.dumps({"name": "llama", "model": {"num_layers": 99}}))
+    with pytest.raises(ArtifactError, match="model.json: sha256 differs"):
+        read_info(art)
+    (art / "extra.bin").write_bytes(b"x")
+    with pytest.raises(ArtifactError, match="extra.bin: not listed in"):
+        verify_published(art / "extra.bin")
+
+
+def test_altered_onnx_is_refused_by_the_server_backend_and_the_standalone_script(tmp_path, capsys):
+    from tasks.deploy import onnx_generate
+    from tasks.serving.backends import OnnxBackend
+
+    store = ArtifactStore(tmp_path / "art")
+    key = store.key("export", {}, [], "v")
+    with store.build("export", key, pipeline="tiny", config={}, inputs=[], code="v") as b:
+        (b.dir / "model.onnx").write_bytes(b"onnx bytes " * 100)
+        (b.dir / "tokenizer.model").write_bytes(b"tok")
+        digests = {n: sha256_file(b.dir / n) for n in ("model.onnx", "tokenizer.model")}
+        (b.dir / "export.json").write_text(json.dumps({"digests": digests}))
+    onnx_generate.check_export(b.path)  # as published: fine
+    _flip_byte(b.path / "model.onnx")
+    with pytest.raises(ArtifactError, match=r"model.onnx: sha256 differs.*`msllm export --pipeline tiny`"):
+        OnnxBackend(b.path)  # before onnxruntime reads a byte of it
+    with pytest.raises(onnx_generate.ExportChanged, match=rf"model.onnx: sha256 differs.*expected {digests['model.onnx']}"):
+        onnx_generate.check_export(b.path)
+    # a copy of the export without its manifest is still checked, by export.json's digests
+    copy = tmp_path / "copied"
+    copy.mkdir()
+    for n in ("model.onnx", "tokenizer.model", "export.json"):
+        (copy / n).write_bytes((b.path / n).read_bytes())
+    assert onnx_generate.main([str(copy), "ROMEO:"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "error:" in err and "model.onnx: sha256 differs" in err and "Traceback" not in err

@@ -469,3 +469,29 @@ class TestLeftovers:
             _stop(server)
         print("stop times (s):", took)
         assert all(t < 5 for t in took.values()) and not any(orphans.values()), (took, orphans)
+
+
+# ============================================================================= issue 27: what is loaded is what was published
+
+
+@pytest.mark.integration
+def test_predict_and_serve_refuse_altered_weights(tmp_path):
+    """Weights altered inside a published model.safetensors: `predict` answered and exited 0, `serve` served."""
+    from tests.helpers import tiny_model_artifact
+
+    root = tmp_path / "art"
+    root.mkdir()
+    art = tiny_model_artifact(root)
+    f = art / "model.safetensors"
+    raw = bytearray(f.read_bytes())
+    raw[-7] ^= 0x40  # one weight's exponent bit: same size, other numbers
+    f.write_bytes(bytes(raw))
+    env = dict(os.environ, GLOG_v="3")
+    for argv in (["predict", "--config", str(PIPELINES), "--pipeline", "tiny", "--artifacts", str(root),
+                  "--from", str(art), "ROMEO:"],
+                 ["serve", "--config", str(PIPELINES), "--artifacts", str(root), str(art), "--port", "0"]):
+        out = subprocess.run([sys.executable, "-m", "tasks.cli", *argv], cwd=REPO, env=env, capture_output=True,
+                             text=True, timeout=300)
+        assert out.returncode == 1, (argv[0], out.stdout[-2000:], out.stderr[-2000:])
+        assert f"{f}: sha256 differs from the manifest" in out.stderr and "Traceback" not in out.stderr, out.stderr
+        assert "msllm train" in out.stderr and out.stdout.strip() == "", out.stdout

@@ -293,7 +293,7 @@ class TestOneMessage:
         with pytest.raises(pretrain.StageFailed) as ei:
             pretrain.run(_cfg(), store, data_copy, init_from=base, progress=False, retries=1)
         err = capfd.readouterr().err
-        assert ei.value.permanent and f"{f}: not a readable safetensors file" in str(ei.value)
+        assert ei.value.permanent and f"{f}: sha256 differs from the manifest" in str(ei.value)  # checked on load
         assert "Traceback" not in err and "retrying" not in err
 
 

@@ -100,11 +100,13 @@ class OnnxBackend:
         import sentencepiece as spm
 
         from tasks.deploy.onnx_generate import OnnxGenerator, sample_next
+        from tasks.store.artifacts import verify_published
 
         self.path = Path(path)
         for f in ("model.onnx", "tokenizer.model"):
             if not (self.path / f).is_file():
                 raise ValueError(f"{path}: no {f}; pass an export artifact directory (the path `msllm export` prints)")
+            verify_published(self.path / f)  # what is served is what the export published
         self.generator = OnnxGenerator(self.path / "model.onnx", threads=threads)  # ValueError for a pre-KV export
         self.tokenizer = spm.SentencePieceProcessor(model_file=str(self.path / "tokenizer.model"))
         self.sample_next = sample_next

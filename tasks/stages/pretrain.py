@@ -23,7 +23,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from tasks.store.artifacts import ArtifactStore
+from tasks.store.artifacts import ArtifactStore, verify_published
 from tasks.stages import code_version
 from tasks.config import PipelineConfig
 from tasks.runtime.supervise import StageFailed, supervise  # noqa: F401 (StageFailed re-exported)
@@ -203,7 +203,8 @@ def _train(cfg: PipelineConfig, store: ArtifactStore, data_artifact: Path, init_
     _, inputs, section = stage_key(cfg, store, data_artifact, init_from)
     data_manifest = store.read_manifest(data_artifact)
     net, mc = build_network(cfg, init_from, mesh.tensor_parallel())
-    tok = json.loads((data_artifact / "tokenizer.json").read_text())
+    tok = json.loads(verify_published(data_artifact / "tokenizer.json").read_text())
+    verify_published(data_artifact / "tokenizer.model")  # copied into the model artifact below
     if tok["vocab_size"] != mc.vocab_size:
         raise ValueError(
             f"tokenizer of {data_artifact} has {tok['vocab_size']} pieces but the model's vocab_size is "

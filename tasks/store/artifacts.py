@@ -132,6 +132,80 @@ def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n").encode())
 
 
+# ----------------------------------------------------------------------------- verify on load
+
+# The msllm command that builds each artifact kind, for "rebuild it" hints. It is the stage table's `command`
+# (tasks/stages/__init__.py), which the store may not import (the stage table imports the store);
+# tests/test_artifacts.py keeps the two equal.
+REBUILD_COMMANDS = {"data": "data", "pretrain": "train", "finetune": "finetune", "merged": "finetune",
+                    "eval": "eval", "export": "export", "convert": "convert --from-hf DIR"}
+_VERIFIED: dict[str, tuple] = {}  # resolved path -> stat stamp of a file whose sha256 matched its manifest
+
+
+def _file_stamp(st: os.stat_result) -> tuple:
+    # ctime too: any write changes it, and unlike mtime no user can set it back
+    return (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)
+
+
+def artifact_dir_of(path: str | os.PathLike, levels: int = 4) -> Path | None:
+    """The published artifact directory holding `path` (the nearest parent with a manifest.json), or None."""
+    p = Path(path).resolve()
+    for d in [p, *p.parents][: levels + 1]:
+        if d.is_dir() and (d / MANIFEST).is_file():
+            return d
+    return None
+
+
+def rebuild_hint(manifest: dict[str, Any], artifact: Path) -> str:
+    """What rebuilds an artifact: delete it, run the command that built it."""
+    stage = manifest.get("stage", "?")
+    cmd = REBUILD_COMMANDS.get(stage, stage)
+    pipe = f" --pipeline {manifest['pipeline']}" if manifest.get("pipeline") and stage != "convert" else ""
+    return f"rebuild it: delete {artifact} and run `msllm {cmd}{pipe}` (the {stage} stage)"
+
+
+def verify_published(path: str | os.PathLike, *, force: bool = False) -> Path:
+    """Check a file of a published artifact against the sha256 its manifest records, before anyone uses it.
+
+    Every reader of a published artifact calls this for each file it loads (model weights, model.json,
+    tokenizer, ONNX, shards), so what is loaded is what was published. Policy: a full sha256 of the file,
+    once per process for an unchanged file (the stat stamp, ctime included, is remembered after a match;
+    any write to the file changes its ctime, so it is hashed again). A mismatch, a file missing from the
+    manifest or a size change raises ArtifactError naming the file, the expected and the actual digest
+    and the command that rebuilds the artifact. A file in a directory without a manifest.json is not a
+    published artifact (a build in progress, a hand-made directory): it is returned unchecked, with one
+    warning line on stderr for a directory that looks like an artifact (the caller decides whether to accept it).
+    `force=True` hashes the file even when this process checked it before (`ArtifactStore.verify`). Returns the path.
+    """
+    fp = Path(path)
+    try:
+        st = fp.stat()
+    except FileNotFoundError:
+        raise ArtifactError(f"{fp}: missing; the artifact is incomplete: rebuild it") from None
+    key = str(fp.resolve())
+    if not force and _VERIFIED.get(key) == _file_stamp(st):
+        return fp
+    art = artifact_dir_of(fp)
+    if art is None:
+        print(f"[artifacts] warning: {fp.parent} has no {MANIFEST}: not a published artifact, {fp.name} is not "
+              "checked", file=sys.stderr)
+        return fp
+    manifest = ArtifactStore.read_manifest(art)
+    rel = Path(key).relative_to(art).as_posix()
+    entry = next((f for f in manifest.get("files", []) if f.get("path") == rel), None)
+    if entry is None:
+        raise ArtifactError(f"{fp}: not listed in {art / MANIFEST}, so it was not published with the artifact; "
+                            f"{rebuild_hint(manifest, art)}")
+    actual = sha256_file(fp)
+    if actual != entry.get("sha256"):
+        size = "" if st.st_size == entry.get("size") else f" (size {st.st_size} bytes, published {entry.get('size')})"
+        raise ArtifactError(f"{fp}: sha256 differs from the manifest: {art / MANIFEST} records {entry.get('sha256')}, "
+                            f"the file has {actual}{size}; it changed after it was published (corrupt or edited): "
+                            f"{rebuild_hint(manifest, art)}")
+    _VERIFIED[key] = _file_stamp(st)
+    return fp
+
+
 # ----------------------------------------------------------------------------- the store
 
 
@@ -243,9 +317,8 @@ class ArtifactStore:
         for f in m["files"]:
             fp = p / f["path"]
             if not fp.is_file():
-                raise ArtifactError(f"{fp}: listed in the manifest but missing; rerun the {m['stage']} stage")
-            if sha256_file(fp) != f["sha256"]:
-                raise ArtifactError(f"{fp}: sha256 differs from the manifest (corrupt or edited); rerun the {m['stage']} stage")
+                raise ArtifactError(f"{fp}: listed in the manifest but missing; {rebuild_hint(m, p)}")
+            verify_published(fp, force=True)
         return m
 
     @staticmethod

@@ -9,6 +9,8 @@ A model artifact directory holds:
 
     net, info = load_model(path)          # MindSpore network with the weights loaded (eval mode)
     sp = load_tokenizer(path)             # sentencepiece.SentencePieceProcessor
+
+Every file is checked against the artifact's manifest before use (tasks.store.artifacts.verify_published).
 """
 
 from __future__ import annotations
@@ -20,14 +22,14 @@ from typing import Any
 
 import numpy as np
 
-from tasks.store.artifacts import atomic_write_json
+from tasks.store.artifacts import atomic_write_json, verify_published
 
 
 def read_info(path: str | Path) -> dict[str, Any]:
     p = Path(path) / "model.json"
     if not p.is_file():
         raise FileNotFoundError(f"{path}: no model.json; not a model artifact (pass a pretrain, convert or merged finetune artifact)")
-    return json.loads(p.read_text())
+    return json.loads(verify_published(p).read_text())
 
 
 def model_config(path: str | Path):
@@ -56,6 +58,7 @@ def load_tokenizer(path: str | Path):
     f = Path(path) / "tokenizer.model" if Path(path).is_dir() else Path(path)
     if not f.is_file():
         raise FileNotFoundError(f"{path}: no tokenizer.model")
+    verify_published(f)
     return spm.SentencePieceProcessor(model_file=str(f))
 
 
