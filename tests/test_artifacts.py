@@ -78,13 +78,20 @@ def test_paths_stay_inside_root(tmp_path):
 
 
 def _racer(root: str, key: str, tag: str, barrier) -> None:
+    import time
+
     store = ArtifactStore(root)
+    barrier.wait(timeout=60)  # both start building at once
     with store.build("data", key, pipeline="p", config={}, inputs=[], code="v") as b:
+        t0 = time.time()
         (b.dir / "who.txt").write_text(tag)
-        barrier.wait(timeout=60)  # both builds are in flight before either renames
+        time.sleep(0.5)
+        with open(Path(root) / f"span-{tag}", "w") as f:
+            f.write(f"{t0} {time.time()}")
 
 
 def test_two_processes_racing_leave_one_complete_artifact(tmp_path):
+    """Two builds of one key never write at once (the store's per-key lock): one complete artifact remains."""
     root = str(tmp_path / "art")
     key = ArtifactStore.key("data", {}, [], "race")
     ctx = mp.get_context("spawn")
@@ -100,6 +107,8 @@ def test_two_processes_racing_leave_one_complete_artifact(tmp_path):
     assert path is not None
     store.verify(path)
     assert (path / "who.txt").read_text() in ("A", "B")
+    (a0, a1), (b0, b1) = (map(float, Path(root, f"span-{t}").read_text().split()) for t in "AB")
+    assert a1 <= b0 or b1 <= a0, "two builds of one key wrote at the same time"
     # nothing else is left behind: one artifact, no temp dirs
     assert [p.name for p in Path(root, "data").iterdir()] == [key]
 
@@ -185,3 +194,72 @@ def test_altered_onnx_is_refused_by_the_server_backend_and_the_standalone_script
     assert onnx_generate.main([str(copy), "ROMEO:"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "error:" in err and "model.onnx: sha256 differs" in err and "Traceback" not in err
+
+
+# ----------------------------------------------------------------------------- one build per key (issue 27)
+
+
+def _slow_child(spec: dict) -> Path:
+    """A stage child that records that it ran, works a while, then publishes."""
+    import time
+
+    store = ArtifactStore(spec["root"])
+    with open(Path(spec["root"]) / "ran.log", "a") as f:
+        f.write(f"{spec['tag']}\n")
+    time.sleep(1.0)
+    with store.build("pretrain", spec["key"], pipeline="p", config={}, inputs=[], code="v") as b:
+        (b.dir / "model.bin").write_text(spec["tag"])
+    return b.path
+
+
+def _identical_run(root: str, key: str, tag: str, barrier, out) -> None:
+    from tasks.runtime.supervise import supervise
+
+    barrier.wait(timeout=60)
+    path = supervise("pretrain", ArtifactStore(root), key, {"root": root, "key": key, "tag": tag}, _slow_child,
+                     isolate=False)
+    out.put((tag, str(path)))
+
+
+def test_two_identical_runs_at_once_build_once_and_both_return_the_artifact(tmp_path):
+    """Two identical `train` runs at once both trained (metrics.jsonl had every step twice): now the second
+    waits on the key's lock, then returns what the first published."""
+    root = str(tmp_path / "art")
+    key = ArtifactStore.key("pretrain", {}, [], "twice")
+    ctx = mp.get_context("spawn")
+    barrier, out = ctx.Barrier(2), ctx.Queue()
+    procs = [ctx.Process(target=_identical_run, args=(root, key, tag, barrier, out)) for tag in ("A", "B")]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    results = dict(out.get(timeout=5) for _ in procs)
+    ran = Path(root, "ran.log").read_text().split()
+    assert len(ran) == 1, f"the stage ran {len(ran)} times for one key"
+    assert results["A"] == results["B"] == str(ArtifactStore(root).lookup("pretrain", key))
+    assert Path(results["A"], "model.bin").read_text() == ran[0]
+
+
+def test_lock_is_released_when_its_holder_is_killed(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    root = tmp_path / "art"
+    key = ArtifactStore.key("pretrain", {}, [], "kill")
+    code = (f"import time; from tasks.store.artifacts import ArtifactStore as S\n"
+            f"with S({str(root)!r}).lock('pretrain', {key!r}):\n    print('held', flush=True); time.sleep(60)")
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                              cwd=Path(__file__).resolve().parent.parent)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        holder.kill()  # kill -9: no cleanup code runs
+        holder.wait()
+        t0 = time.time()
+        with ArtifactStore(root).lock("pretrain", key):
+            pass
+        assert time.time() - t0 < 5
+    finally:
+        if holder.poll() is None:
+            holder.kill()

@@ -495,3 +495,29 @@ def test_predict_and_serve_refuse_altered_weights(tmp_path):
         assert out.returncode == 1, (argv[0], out.stdout[-2000:], out.stderr[-2000:])
         assert f"{f}: sha256 differs from the manifest" in out.stderr and "Traceback" not in out.stderr, out.stderr
         assert "msllm train" in out.stderr and out.stdout.strip() == "", out.stdout
+
+
+class TestResumeAfterKill:
+    """Resume after kill -9 failed with `unsupported format string passed to NoneType.__format__`: a run killed
+    after its last checkpoint resumed with no step left, so no validation loss, and the summary formatted None."""
+
+    def test_torn_metrics_line_is_dropped(self, tmp_path, capsys):
+        from tasks.training.trainer import _read_jsonl
+
+        f = tmp_path / "metrics.jsonl"
+        f.write_text('{"step": 1, "loss": 2.5}\n{"step": 2, "loss": 2.4, "val_lo')  # killed mid-write
+        assert _read_jsonl(f) == [{"step": 1, "loss": 2.5}]
+        assert "dropped 1 partial line" in capsys.readouterr().err
+
+    @pytest.mark.parametrize("history,want", [
+        ([{"step": 4, "loss": 2.0}, {"step": 5, "loss": 1.5, "val_loss": 1.7}], (1.5, 1.7)),  # everything there
+        ([{"step": 4, "loss": 2.0}], (2.0, None)),  # the last record was torn away: val_loss measured again
+        ([], (float("nan"), None)),  # metrics.jsonl lost entirely
+    ])
+    def test_final_losses_of_a_run_resumed_at_its_end(self, history, want):
+        import math
+
+        from tasks.training.trainer import _final_from_history
+
+        loss, val = _final_from_history(history, 5, float("nan"), None)
+        assert val == want[1] and (loss == want[0] or (math.isnan(loss) and math.isnan(want[0])))

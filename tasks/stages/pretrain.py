@@ -259,6 +259,8 @@ def _train(cfg: PipelineConfig, store: ArtifactStore, data_artifact: Path, init_
 
         weights = load_checkpoint(newest_checkpoint(run_dir / "checkpoints"))[0]
     entropy = unigram_entropy(data_artifact)
+    val = "n/a (no validation split)" if result.val_loss is None else f"{result.val_loss:.4f}"
+    print(f"[pretrain] val_loss {val} vs unigram entropy {entropy:.4f} nats/token", file=sys.stderr)
     with store.build(STAGE, key, pipeline=cfg.name, config=section, inputs=inputs, code=code_version(STAGE)) as b:
         write_model(b.dir, name=cfg.model.name, config=mc, weights=weights,
                     tokenizer_model=data_artifact / "tokenizer.model", tokenizer_info=tok, seq_length=seq)
@@ -272,7 +274,6 @@ def _train(cfg: PipelineConfig, store: ArtifactStore, data_artifact: Path, init_
             parameters=mc.num_parameters, continued_from=str(init_from) if init_from else None,
             layout={"data_parallel": mesh.dp, "tensor_parallel": mesh.tp},
         )
-    print(f"[pretrain] val_loss {result.val_loss:.4f} vs unigram entropy {entropy:.4f} nats/token", file=sys.stderr)
     return b.path
 
 

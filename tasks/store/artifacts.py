@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import errno
+import fcntl
 import hashlib
 import importlib.metadata as _md
 import json
@@ -41,6 +43,7 @@ import shutil
 import socket
 import sys
 import subprocess
+import threading
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -206,6 +209,49 @@ def verify_published(path: str | os.PathLike, *, force: bool = False) -> Path:
     return fp
 
 
+# ----------------------------------------------------------------------------- storage faults
+
+STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})
+"""OSErrors of the storage itself: the same write fails again on retry until someone frees space or fixes access."""
+
+
+def _size(n: int) -> str:
+    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= div:
+            return f"{n / div:.1f} {unit}"
+    return f"{n} bytes"
+
+
+def _tree_size(path: Path) -> int:
+    """Bytes written so far under a build directory (what a retry will need at least)."""
+    total = 0
+    with contextlib.suppress(OSError):
+        for q in path.rglob("*"):
+            with contextlib.suppress(OSError):
+                if q.is_file():
+                    total += q.stat().st_size
+    return total
+
+
+def storage_error(exc: OSError, path: str | os.PathLike, need: int | None = None) -> ArtifactError:
+    """One clear line for a storage fault while writing under the artifact root: which path, what is wrong,
+    how much space is needed when known, and the fix. Permanent: retrying the same write cannot help."""
+    p = Path(path)
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        probe = next((q for q in (p, *p.parents) if q.exists()), Path("/"))
+        try:
+            free = f"{_size(shutil.disk_usage(probe).free)} free"
+        except OSError:
+            free = "free space unknown"
+        needs = f", the build had written {_size(need)} and needs more" if need else ""
+        what = "disk quota exceeded" if exc.errno == errno.EDQUOT else "no space left on the device"
+        return ArtifactError(f"{p}: {what} ({free}{needs}); nothing was published: free space there or pass "
+                             "--artifacts DIR on a disk with room")
+    what = "read-only file system" if exc.errno == errno.EROFS else "permission denied"
+    return ArtifactError(f"{p}: cannot write ({what}); nothing was published: the artifact root must be writable: "
+                         "fix its permissions or pass --artifacts DIR on a writable disk")
+
+
 # ----------------------------------------------------------------------------- the store
 
 
@@ -220,10 +266,72 @@ class Build:
     reused: bool = False  # True when another process finished the same key first
 
 
+LOCK_DIR = ".locks"
+LOCKS_ENV = "MSLLM_STORE_LOCKS"
+"""`stage/key,...`: build locks a parent process holds for this one (a stage's supervised child, msrun ranks)."""
+_INHERITED_LOCKS = frozenset(t for t in os.environ.get(LOCKS_ENV, "").split(",") if t)
+_THREAD = threading.local()  # .held: the stage/key locks this thread holds
+
+
+def _held() -> set[str]:
+    if not hasattr(_THREAD, "held"):
+        _THREAD.held = set()
+    return _THREAD.held
+
+
+def held_locks_env() -> dict[str, str]:
+    """The environment entry that hands this thread's build locks to a child process it starts and waits for."""
+    tokens = sorted(_INHERITED_LOCKS | _held())
+    return {LOCKS_ENV: ",".join(tokens)} if tokens else {}
+
+
 class ArtifactStore:
     def __init__(self, root: str | os.PathLike = "artifacts"):
         self.root = Path(root).resolve()
         self._cleaned = False  # leftovers of dead builds are removed on this store's first build
+
+    # -- one build per key
+    @contextlib.contextmanager
+    def lock(self, stage: str, key: str) -> Iterator[None]:
+        """Hold the build lock of (stage, key): one builder per key across processes, threads and hosts that
+        share a file system with working flock.
+
+        An OS file lock (fcntl.flock on `<root>/.locks/<stage>.<key>.lock`): the kernel drops it when its holder
+        dies (kill -9 included), so a crashed build never blocks the next one. A second identical run waits
+        here (saying so on stderr), then finds the artifact the first one published. Re-entrant in one
+        thread; a child process the holder starts and waits for (the supervised stage child, msrun ranks)
+        inherits it through MSLLM_STORE_LOCKS (`held_locks_env`). Lock files are left in place (removing one
+        would race with a process about to lock it).
+        """
+        token = f"{stage}/{key}"
+        if token in _INHERITED_LOCKS or token in _held():
+            yield
+            return
+        self.path_for(stage, key)  # a valid address
+        path = self.root / LOCK_DIR / f"{stage}.{key}.lock"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise storage_error(exc, path) from None
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "?"
+                print(f"[artifacts] {stage}/{key} is being built by another process ({holder}); waiting for it",
+                      file=sys.stderr, flush=True)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+            _held().add(token)
+            try:
+                yield
+            finally:
+                _held().discard(token)
+        finally:
+            os.close(fd)  # releases the lock
 
     # -- keys
     @staticmethod
@@ -340,57 +448,71 @@ class ArtifactStore:
         code: str,
     ) -> Iterator[Build]:
         final = self.path_for(stage, key)
-        final.parent.mkdir(parents=True, exist_ok=True)
-        if not self._cleaned:
-            self._cleaned = True
-            if n := self.clean_stale():
-                print(f"[artifacts] removed {n} build dir(s) left under {self.root} by killed builds", file=sys.stderr)
-        tmp = final.parent / f".tmp-{key}-{os.getpid()}-{uuid.uuid4().hex[:8]}@{_HOST}"
-        tmp.mkdir()
-        b = Build(dir=tmp, path=final)
-        try:
-            yield b
-            files = []
-            for fp in sorted(q for q in tmp.rglob("*") if q.is_file()):
-                with open(fp, "rb") as f:
-                    os.fsync(f.fileno())
-                rel = fp.relative_to(tmp).as_posix()
-                if rel == MANIFEST:
-                    raise ArtifactError(f"stage {stage} wrote its own {MANIFEST}; the store writes it")
-                files.append({"path": rel, "size": fp.stat().st_size, "sha256": sha256_file(fp)})
-            digest = hashlib.sha256(canonical_json([(f["path"], f["sha256"]) for f in files]).encode()).hexdigest()
-            manifest = {
-                "schema_version": SCHEMA_VERSION,
-                "stage": stage,
-                "key": key,
-                "pipeline": pipeline,
-                "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="microseconds"),
-                "config": config,
-                "inputs": inputs,
-                "code": {"stage_version": code, "git_commit": git_commit()},
-                "environment": environment(),
-                "metrics": b.metrics,
-                **b.extra,
-                "files": files,
-                "digest": digest,
-                "complete": True,
-            }
-            atomic_write_json(tmp / MANIFEST, manifest)
-            _fsync_dir(tmp)
+        with self.lock(stage, key):  # one writer per key; re-entrant for a stage that already holds it
+            if not self._cleaned:
+                self._cleaned = True
+                if n := self.clean_stale():
+                    print(f"[artifacts] removed {n} build dir(s) left under {self.root} by killed builds", file=sys.stderr)
+            tmp = final.parent / f".tmp-{key}-{os.getpid()}-{uuid.uuid4().hex[:8]}@{_HOST}"
+            b = Build(dir=tmp, path=final)
             try:
+                try:
+                    final.parent.mkdir(parents=True, exist_ok=True)
+                    tmp.mkdir()
+                    yield b
+                    self._publish(b, stage, key, pipeline=pipeline, config=config, inputs=inputs, code=code)
+                except OSError as exc:
+                    if exc.errno in STORAGE_ERRNOS:  # one line naming the path, never a half-published artifact
+                        raise storage_error(exc, exc.filename or tmp, need=_tree_size(tmp)) from None
+                    raise
+            finally:
+                if tmp.exists():
+                    shutil.rmtree(tmp, ignore_errors=True)
+
+    def _publish(self, b: Build, stage: str, key: str, *, pipeline: str | None, config: Any,
+                 inputs: list[dict[str, Any]], code: str) -> None:
+        """fsync the payload, write the manifest last, rename the build directory into place (the last step)."""
+        tmp, final = b.dir, b.path
+        files = []
+        for fp in sorted(q for q in tmp.rglob("*") if q.is_file()):
+            with open(fp, "rb") as f:
+                os.fsync(f.fileno())
+            rel = fp.relative_to(tmp).as_posix()
+            if rel == MANIFEST:
+                raise ArtifactError(f"stage {stage} wrote its own {MANIFEST}; the store writes it")
+            files.append({"path": rel, "size": fp.stat().st_size, "sha256": sha256_file(fp)})
+        digest = hashlib.sha256(canonical_json([(f["path"], f["sha256"]) for f in files]).encode()).hexdigest()
+        manifest = {
+            "schema_version": SCHEMA_VERSION,
+            "stage": stage,
+            "key": key,
+            "pipeline": pipeline,
+            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="microseconds"),
+            "config": config,
+            "inputs": inputs,
+            "code": {"stage_version": code, "git_commit": git_commit()},
+            "environment": environment(),
+            "metrics": b.metrics,
+            **b.extra,
+            "files": files,
+            "digest": digest,
+            "complete": True,
+        }
+        atomic_write_json(tmp / MANIFEST, manifest)
+        _fsync_dir(tmp)
+        try:
+            os.rename(tmp, final)
+        except OSError as exc:
+            if exc.errno in STORAGE_ERRNOS:
+                raise
+            # Another process completed the same key first: keep theirs when it is complete.
+            if not self.is_complete(final):
+                if final.exists():
+                    shutil.rmtree(final, ignore_errors=True)
                 os.rename(tmp, final)
-            except OSError:
-                # Another process completed the same key first: keep theirs when it is complete.
-                if not self.is_complete(final):
-                    if final.exists():
-                        shutil.rmtree(final, ignore_errors=True)
-                    os.rename(tmp, final)
-                else:
-                    b.reused = True
-            _fsync_dir(final.parent)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                b.reused = True
+        _fsync_dir(final.parent)
 
     def clean_stale(self) -> int:
         """Remove `.tmp-*` build directories of dead builds (see the module doc); returns how many."""
