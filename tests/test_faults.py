@@ -521,3 +521,42 @@ class TestResumeAfterKill:
 
         loss, val = _final_from_history(history, 5, float("nan"), None)
         assert val == want[1] and (loss == want[0] or (math.isnan(loss) and math.isnan(want[0])))
+
+
+class TestMachineLimits:
+    """`plan --devices 1000000000000` hung (a loop over the device count); `--set pretrain.micro_batch_size=
+    1000000000000` validated and its child grew to 18 GB."""
+
+    def test_plan_for_a_trillion_devices_answers_at_once(self):
+        out = subprocess.run([sys.executable, "-m", "tasks.cli", "plan", "--config", str(PIPELINES), "--pipeline",
+                              "tiny", "--devices", "1000000000000"], cwd=REPO, capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 0 and "layouts for 1000000000000 device(s)" in out.stdout, out.stderr[-2000:]
+
+    def test_candidate_layouts_do_not_grow_with_the_device_count(self):
+        from model.config import ModelConfig
+        from tasks.training.memory import candidate_layouts
+
+        mc = ModelConfig.from_name("tiny")
+        t0 = time.perf_counter()
+        lays = candidate_layouts(mc, 2**40)
+        assert time.perf_counter() - t0 < 0.5 and len(lays) <= 2 * 8 * mc.num_layers
+        assert {(x.dp, x.tp, x.pp) for x in candidate_layouts(mc, 8)} >= {(8, 1, 1), (4, 2, 1), (2, 2, 2), (4, 1, 2)}
+
+    @pytest.mark.parametrize("overrides,key,fix", [
+        (["pretrain.micro_batch_size=1000000000000"], "pretrain.micro_batch_size", "lower pretrain.micro_batch_size"),
+        (["finetune.micro_batch_size=1000000000000"], "finetune.micro_batch_size", "lower finetune.micro_batch_size"),
+        (["parallel.data_parallel=100000", "parallel.device_num=100000"], "parallel.device_num", "fewer ranks"),
+    ])
+    def test_validation_refuses_what_no_machine_here_can_hold(self, overrides, key, fix):
+        from tasks.config import resolve_pipeline
+        from tasks.training.memory import GiB, machine_fit_errors
+
+        cfg = resolve_pipeline(PIPELINES, "tiny", overrides)
+        errs = machine_fit_errors(cfg, "pipelines.tiny", machine_bytes=16 * GiB)
+        assert len(errs) == 1 and errs[0].startswith(f"pipelines.tiny.{key}:") and "GiB by the memory plan" in errs[0]
+        assert "this machine has 16.0 GiB" in errs[0] and fix in errs[0], errs
+        assert machine_fit_errors(resolve_pipeline(PIPELINES, "tiny"), "p", machine_bytes=16 * GiB) == []
+        rc, out, err = _main(["validate", "--config", str(PIPELINES), "--pipeline", "tiny",
+                              *[a for o in overrides for a in ("--set", o)]])
+        assert rc == 2 and f"pipelines.tiny.{key}" in err and "Traceback" not in err, err

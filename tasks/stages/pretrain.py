@@ -66,6 +66,11 @@ def run(cfg: PipelineConfig, store: ArtifactStore, data_artifact: Path, init_fro
     `inject` (tests only) adds fault settings to the first attempt: {"stop_after": k} stops it
     after k steps as if killed, {"fault_steps": [...]} makes those steps non-finite.
     """
+    from tasks.config import ConfigError
+    from tasks.training.memory import machine_fit_errors
+
+    if errs := machine_fit_errors(cfg, f"pipelines.{cfg.name}"):  # before a child can grow past the machine
+        raise ConfigError(errs)
     data_artifact = store.inside(data_artifact)
     init_from = store.inside(init_from) if init_from else None
     key, _, _ = stage_key(cfg, store, data_artifact, init_from)
