@@ -560,3 +560,37 @@ class TestMachineLimits:
         rc, out, err = _main(["validate", "--config", str(PIPELINES), "--pipeline", "tiny",
                               *[a for o in overrides for a in ("--set", o)]])
         assert rc == 2 and f"pipelines.tiny.{key}" in err and "Traceback" not in err, err
+
+
+@pytest.mark.integration
+def test_eval_publishes_last_so_a_failed_side_output_is_written_by_the_rerun(tmp_path, monkeypatch):
+    """eval with a read-only run dir failed after its artifact was published: the rerun was a cache hit and
+    the TensorBoard scores were never written. (As root chmod stops nothing: the write fails at the OS call.)"""
+    import errno
+
+    from tasks.config import resolve_pipeline
+    from tasks.stages import evaluate
+    from tasks.store.artifacts import ArtifactError
+    from tasks.training import tensorboard
+    from tests.helpers import tiny_model_artifact
+
+    root = tmp_path / "art"
+    root.mkdir()
+    model = tiny_model_artifact(root)
+    cfg = resolve_pipeline(PIPELINES, "tiny", ["eval.tasks=[]", "eval.prompts=[]", "eval.perplexity_files=[]"],
+                           check_files=False)
+    store = ArtifactStore(root)
+    real = tensorboard.write_eval
+
+    def read_only(run_dir, *a, **kw):
+        raise PermissionError(errno.EROFS, "Read-only file system", str(run_dir))
+
+    monkeypatch.setattr(tensorboard, "write_eval", read_only)
+    with pytest.raises(ArtifactError, match=r"runs/eval/\w+: cannot write \(read-only file system\); nothing was published"):
+        evaluate.run(cfg, store, model, None, progress=False)
+    assert store.list("eval") == []  # nothing published, so the rerun is not a cache hit
+    assert not (root / "eval").exists() or not [p for p in (root / "eval").iterdir() if p.name.startswith(".tmp-")]
+    monkeypatch.setattr(tensorboard, "write_eval", real)
+    path = evaluate.run(cfg, store, model, None, progress=False)
+    key = store.read_manifest(path)["key"]
+    assert tensorboard.event_files(root / "runs" / "eval" / key), "the rerun wrote no TensorBoard event file"
