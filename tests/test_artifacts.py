@@ -263,3 +263,52 @@ def test_lock_is_released_when_its_holder_is_killed(tmp_path):
     finally:
         if holder.poll() is None:
             holder.kill()
+
+
+# ----------------------------------------------------------------------------- storage faults (issue 27)
+
+
+def test_out_of_space_mid_build_is_one_line_and_leaves_nothing(tmp_path):
+    import errno
+
+    store = ArtifactStore(tmp_path / "art")
+    key = store.key("data", {}, [], "enospc")
+    with pytest.raises(ArtifactError) as ei:
+        with store.build("data", key, pipeline="p", config={}, inputs=[], code="v") as b:
+            (b.dir / "shard-0.bin").write_bytes(b"x" * 3 * 2**20)
+            raise OSError(errno.ENOSPC, "No space left on device", str(b.dir / "shard-1.bin"))
+    msg = str(ei.value)
+    assert "\n" not in msg and "shard-1.bin: no space left on the device" in msg, msg
+    assert " free" in msg and "had written 3.0 MiB" in msg and "nothing was published" in msg, msg
+    assert ei.value.permanent
+    assert store.lookup("data", key) is None and list((tmp_path / "art" / "data").iterdir()) == []
+
+
+@pytest.mark.parametrize("where", ["lock", "mkdir", "rename"])
+def test_read_only_root_is_one_line_and_leaves_nothing(tmp_path, monkeypatch, where):
+    """Tests run as root, where chmod stops no write: the read-only file system is simulated at the OS call."""
+    import errno
+    import os as _os
+
+    store = ArtifactStore(tmp_path / "art")
+    key = store.key("data", {}, [], "erofs-" + where)
+    (tmp_path / "art" / "data").mkdir(parents=True)
+
+    def refuse(*args, **kw):
+        raise OSError(errno.EROFS, "Read-only file system", str(args[0]))
+
+    real_open, real_mkdir = _os.open, Path.mkdir
+    if where == "lock":
+        monkeypatch.setattr(_os, "open", lambda p, *a, **k: refuse(p) if str(p).endswith(".lock") else real_open(p, *a, **k))
+    elif where == "mkdir":
+        monkeypatch.setattr(Path, "mkdir", lambda self, *a, **k: refuse(self) if self.name.startswith(".tmp-")
+                            else real_mkdir(self, *a, **k))
+    else:
+        monkeypatch.setattr(_os, "rename", refuse)
+    with pytest.raises(ArtifactError) as ei:
+        with store.build("data", key, pipeline="p", config={}, inputs=[], code="v") as b:
+            (b.dir / "x.bin").write_bytes(b"x")
+    msg = str(ei.value)
+    assert "\n" not in msg and "cannot write (read-only file system)" in msg and "--artifacts" in msg, msg
+    monkeypatch.undo()
+    assert store.lookup("data", key) is None and list((tmp_path / "art" / "data").iterdir()) == []
