@@ -325,6 +325,8 @@ class PipelineConfig(_Section):
     # set by resolve_pipeline; not YAML keys
     name: str = ""
     base_dir: str = "."
+    notes: list[str] = Field(default_factory=list)
+    """What resolving chose that the user should see (e.g. which training budget a `--set` replaced)."""
 
     def section(self, name: str) -> dict[str, Any]:
         """A section as plain data (what a stage's cache key hashes)."""
@@ -355,7 +357,7 @@ class PipelineConfig(_Section):
         return q if q.is_absolute() else Path(self.base_dir) / q
 
 
-_YAML_KEYS_EXCLUDED = {"name", "base_dir"}
+_YAML_KEYS_EXCLUDED = {"name", "base_dir", "notes"}
 
 
 # ----------------------------------------------------------------------------- loading
@@ -393,8 +395,24 @@ def _format_pydantic(prefix: str, exc: ValidationError) -> list[str]:
         elif e["type"] in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
             out.append(f"{path}: {e['input']!r} is out of range; value must be {e['msg'].split('be ', 1)[-1]}")
         else:
-            out.append(f"{path}: {e['msg']} (got {e['input']!r}); fix the type of this value")
+            out.append(f"{path}: {e['msg']} (got {e['input']!r}); fix the type of this value{_yaml11_hint(e['input'])}")
     return out
+
+
+_SEXAGESIMAL = re.compile(r"^[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?$")
+_YAML11_BOOLS = {"yes", "no", "on", "off", "y", "n"}
+
+
+def _yaml11_hint(value: Any) -> str:
+    """Why a value YAML 1.1 would have read as a number or a boolean is text here (see `Loader`)."""
+    if not isinstance(value, str):
+        return ""
+    if _SEXAGESIMAL.match(value):
+        return (f" ('{value}' is text: pipelines files are read as YAML 1.2, which has no base-60 numbers; "
+                "write the number itself)")
+    if value.lower() in _YAML11_BOOLS:
+        return f" ('{value}' is text: pipelines files are read as YAML 1.2, where booleans are true and false)"
+    return ""
 
 
 def _deep_merge(base: dict, over: dict) -> dict:
@@ -414,11 +432,16 @@ class DuplicateKeyError(yaml.YAMLError):
 
 
 class Loader(yaml.SafeLoader):
-    """yaml.SafeLoader for YAML as people write it (pipelines files and `--set` values):
+    """yaml.SafeLoader with the YAML 1.2 core schema's scalars (pipelines files and `--set` values):
 
-    - `1e-3`, `1.0e6`, `2E5` are floats. PyYAML follows YAML 1.1, where a float needs a dot and a
-      signed exponent (`1.0e+6`), so it reads those as strings; this loader uses the YAML 1.2 core
-      schema's float pattern instead (integers such as `10` stay integers, `1.2.3` stays a string).
+    - Numbers as YAML 1.2 reads them. PyYAML follows YAML 1.1, where `1:20` is the base-60 integer 80,
+      `010` is octal 8, a float needs a dot and a signed exponent (`1.0e+6`, so `1e-3` is a string) and
+      `2024-01-01` is a date. Here `1e-3`, `1.0e6`, `2E5` are floats, `10` and `010` are ten, `0x10` and
+      `0o17` are hex and octal, and `1:20`, `0b101` and dates stay strings (so `max_steps: 1:20` fails
+      validation instead of running 80 steps). `_` between digits is still allowed (`1_000`).
+    - Booleans are only `true`/`false` (any case style of YAML 1.2): `yes`, `no`, `on`, `off`, `y`, `n`
+      are strings, so a value such as `normalize: no` or a name `on` is never turned into a boolean.
+    - Null is `~`, `null` or empty, as before; merge keys (`<<: *anchor`) work as before.
     - A key repeated in one mapping is an error naming the key and both lines (PyYAML keeps the
       last value silently). Keys brought in by a merge (`<<: *anchor`) may be overridden as usual.
     """
@@ -438,17 +461,37 @@ class Loader(yaml.SafeLoader):
                     raise DuplicateKeyError(key, key_node.start_mark.line + 1, seen.start_mark.line + 1)
         return super().construct_mapping(node, deep=deep)
 
+    def construct_yaml_int(self, node):
+        """YAML 1.2 integers: decimal (a leading 0 is still decimal), 0x hex, 0o octal; no base 60."""
+        text = str(self.construct_scalar(node)).replace("_", "")
+        sign, digits = (-1, text[1:]) if text[:1] == "-" else (1, text.lstrip("+"))
+        if digits[:2] in ("0x", "0X"):
+            return sign * int(digits[2:], 16)
+        if digits[:2] in ("0o", "0O"):
+            return sign * int(digits[2:], 8)
+        return sign * int(digits, 10)
 
-_FLOAT_TAG = "tag:yaml.org,2002:float"
+
+Loader.add_constructor("tag:yaml.org,2002:int", Loader.construct_yaml_int)
+
+# The implicit resolvers of the YAML 1.2 core schema (https://yaml.org/spec/1.2.2/#1032-tag-resolution), plus
+# `_` digit separators and the merge key; SafeLoader's YAML 1.1 ones (base 60, yes/no/on/off, timestamps, `=`)
+# are dropped. A fresh dict, so yaml.SafeLoader itself is untouched.
+_KEEP = {"tag:yaml.org,2002:null", "tag:yaml.org,2002:merge"}
 Loader.yaml_implicit_resolvers = {
-    ch: [(tag, rx) for tag, rx in resolvers if tag != _FLOAT_TAG]
+    ch: [(tag, rx) for tag, rx in resolvers if tag in _KEEP]
     for ch, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
-Loader.add_implicit_resolver(_FLOAT_TAG, re.compile(r"""^(?:
+Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                             list("tTfF"))
+Loader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(r"""^(?:
+      [-+]?[0-9][0-9_]*
+    | [-+]?0[xX][0-9a-fA-F][0-9a-fA-F_]*
+    | [-+]?0[oO][0-7][0-7_]*)$""", re.X), list("-+0123456789"))
+Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"""^(?:
       [-+]?[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?
     | [-+]?[0-9][0-9_]*[eE][-+]?[0-9]+
     | [-+]?\.[0-9][0-9_]*(?:[eE][-+]?[0-9]+)?
-    | [-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+\.[0-9_]*
     | [-+]?\.(?:inf|Inf|INF)
     | \.(?:nan|NaN|NAN))$""", re.X), list("-+0123456789."))
 
@@ -505,7 +548,29 @@ def _raw_pipeline(raw: dict, name: str, seen: tuple[str, ...] = ()) -> dict:
         return body
     if not isinstance(base, str):
         raise ConfigError([f"pipelines.{name}.base: must be the name of another pipeline, got {base!r}"])
-    return _deep_merge(_raw_pipeline(raw, base, (*seen, name)), body)
+    inherited = _raw_pipeline(raw, base, (*seen, name))
+    _replace_budget(inherited, body.get("pretrain"))
+    return _deep_merge(inherited, body)
+
+
+BUDGET_KEYS = ("max_steps", "max_tokens")
+"""pretrain's two ways to say how long to train; exactly one is set."""
+
+
+def _replace_budget(below: dict, above: Any) -> str | None:
+    """A layer (`above`: a pipeline's own pretrain section over its base's, or the `--set` values over the
+    pipeline) that sets one budget key replaces the other key of the layer below: the run uses the one
+    the user named last. Returns the key it cleared, or None. Both keys in one layer stay (an error)."""
+    if not isinstance(above, dict) or not isinstance(below.get("pretrain"), dict):
+        return None
+    named = [k for k in BUDGET_KEYS if above.get(k) is not None]
+    if len(named) != 1:
+        return None
+    other = BUDGET_KEYS[1 - BUDGET_KEYS.index(named[0])]
+    if below["pretrain"].get(other) is None or other in above:
+        return None
+    below["pretrain"] = {k: v for k, v in below["pretrain"].items() if k != other}
+    return other
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
@@ -559,8 +624,16 @@ def resolve_pipeline(
     """Load, inherit (`base:`), override (`--set`) and validate one pipeline. Raises ConfigError."""
     raw = read_pipelines_file(path)
     name = name or default_pipeline_name(raw, path)
-    body = apply_overrides(_raw_pipeline(raw, name), overrides)
+    body = _raw_pipeline(raw, name)
+    set_pretrain = apply_overrides({}, overrides).get("pretrain")
+    cleared = _replace_budget(body, set_pretrain)
+    body = apply_overrides(body, overrides)
     prefix = f"pipelines.{name}"
+    notes = []
+    if cleared:
+        used = next(k for k in BUDGET_KEYS if k != cleared)
+        notes.append(f"--set pretrain.{used}={set_pretrain[used]} replaces {prefix}.pretrain.{cleared} of {path}: "
+                     f"training stops after {set_pretrain[used]} {'steps' if used == 'max_steps' else 'tokens'}")
     bad_top = [k for k in body if k in _YAML_KEYS_EXCLUDED]
     if bad_top:
         raise ConfigError([f"{prefix}.{bad_top[0]}: '{bad_top[0]}' is set by the loader, not in YAML; remove it"])
@@ -570,6 +643,7 @@ def resolve_pipeline(
         raise ConfigError(_format_pydantic(prefix, exc)) from None
     cfg.name = name
     cfg.base_dir = str(Path(path).resolve().parent)
+    cfg.notes = notes
     errors = check_pipeline(cfg, prefix, check_files=check_files)
     if errors:
         raise ConfigError(errors)
@@ -711,6 +785,10 @@ def _schedule_rules(cfg: PipelineConfig, prefix: str, mc: ModelConfig) -> list[s
     pt = cfg.pretrain
     if pt.max_steps is None and pt.max_tokens is None:
         errs.append(f"{prefix}.pretrain.max_steps: set max_steps or max_tokens")
+    if pt.max_steps is not None and pt.max_tokens is not None:
+        errs.append(f"{prefix}.pretrain.max_tokens: both pretrain.max_steps ({pt.max_steps}) and pretrain.max_tokens "
+                    f"({pt.max_tokens}) are set; keep one of them (max_steps counts optimizer steps, max_tokens "
+                    "training tokens)")
     if pt.max_steps is not None and pt.schedule.warmup_steps > pt.max_steps:
         errs.append(
             f"{prefix}.pretrain.schedule.warmup_steps: {pt.schedule.warmup_steps} > max_steps={pt.max_steps}; "

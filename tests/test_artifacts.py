@@ -78,13 +78,20 @@ def test_paths_stay_inside_root(tmp_path):
 
 
 def _racer(root: str, key: str, tag: str, barrier) -> None:
+    import time
+
     store = ArtifactStore(root)
+    barrier.wait(timeout=60)  # both start building at once
     with store.build("data", key, pipeline="p", config={}, inputs=[], code="v") as b:
+        t0 = time.time()
         (b.dir / "who.txt").write_text(tag)
-        barrier.wait(timeout=60)  # both builds are in flight before either renames
+        time.sleep(0.5)
+        with open(Path(root) / f"span-{tag}", "w") as f:
+            f.write(f"{t0} {time.time()}")
 
 
 def test_two_processes_racing_leave_one_complete_artifact(tmp_path):
+    """Two builds of one key never write at once (the store's per-key lock): one complete artifact remains."""
     root = str(tmp_path / "art")
     key = ArtifactStore.key("data", {}, [], "race")
     ctx = mp.get_context("spawn")
@@ -100,5 +107,208 @@ def test_two_processes_racing_leave_one_complete_artifact(tmp_path):
     assert path is not None
     store.verify(path)
     assert (path / "who.txt").read_text() in ("A", "B")
+    (a0, a1), (b0, b1) = (map(float, Path(root, f"span-{t}").read_text().split()) for t in "AB")
+    assert a1 <= b0 or b1 <= a0, "two builds of one key wrote at the same time"
     # nothing else is left behind: one artifact, no temp dirs
     assert [p.name for p in Path(root, "data").iterdir()] == [key]
+
+
+# ----------------------------------------------------------------------------- verify on load (issue 27)
+
+
+def _published_model(root: Path) -> Path:
+    """A model-shaped artifact published through the store (weights, model.json, tokenizer bytes): no MindSpore."""
+    import numpy as np
+
+    from tasks.training.checkpoint import save_tensors
+
+    store = ArtifactStore(root)
+    key = store.key("pretrain", {"t": 1}, [], "v")
+    with store.build("pretrain", key, pipeline="tiny", config={}, inputs=[], code="v") as b:
+        save_tensors(b.dir / "model.safetensors", {"w": np.arange(64, dtype=np.float32).reshape(8, 8)})
+        (b.dir / "model.json").write_text(json.dumps({"name": "llama", "model": {}, "tokenizer": {}}))
+        (b.dir / "tokenizer.model").write_bytes(b"not really sentencepiece")
+    return b.path
+
+
+def _flip_byte(f: Path, at: int = -5) -> None:
+    raw = bytearray(f.read_bytes())
+    raw[at] ^= 0x01
+    f.write_bytes(bytes(raw))  # same size: only the checksum can tell
+
+
+def test_rebuild_commands_are_the_stage_tables():
+    from tasks.stages import STAGES
+    from tasks.store.artifacts import REBUILD_COMMANDS
+
+    assert REBUILD_COMMANDS == {s.name: s.command for s in STAGES.values()}
+
+
+def test_altered_weights_are_refused_on_load_naming_file_digests_and_command(tmp_path):
+    from tasks.store.artifacts import verify_published
+    from tasks.store.model_artifact import read_info
+    from tasks.training.checkpoint import load_weights
+
+    art = _published_model(tmp_path / "art")
+    assert load_weights(art)["w"].shape == (8, 8)  # published bytes load
+    f = art / "model.safetensors"
+    published = sha256_file(f)
+    _flip_byte(f)  # after a successful load in this process: the remembered check must not hide the change
+    with pytest.raises(ArtifactError) as ei:
+        load_weights(art)
+    msg = str(ei.value)
+    assert f"{f}: sha256 differs from the manifest" in msg and published in msg and sha256_file(f) in msg, msg
+    assert f"delete {art}" in msg and "`msllm train --pipeline tiny`" in msg, msg
+    with pytest.raises(ArtifactError, match="model.safetensors: sha256 differs"):
+        load_weights(f)  # the file itself, not only the directory
+    (art / "model.json").write_text(json.dumps({"name": "llama", "model": {"num_layers": 99}}))
+    with pytest.raises(ArtifactError, match="model.json: sha256 differs"):
+        read_info(art)
+    (art / "extra.bin").write_bytes(b"x")
+    with pytest.raises(ArtifactError, match="extra.bin: not listed in"):
+        verify_published(art / "extra.bin")
+
+
+def test_altered_onnx_is_refused_by_the_server_backend_and_the_standalone_script(tmp_path, capsys):
+    from tasks.deploy import onnx_generate
+    from tasks.serving.backends import OnnxBackend
+
+    store = ArtifactStore(tmp_path / "art")
+    key = store.key("export", {}, [], "v")
+    with store.build("export", key, pipeline="tiny", config={}, inputs=[], code="v") as b:
+        (b.dir / "model.onnx").write_bytes(b"onnx bytes " * 100)
+        (b.dir / "tokenizer.model").write_bytes(b"tok")
+        digests = {n: sha256_file(b.dir / n) for n in ("model.onnx", "tokenizer.model")}
+        (b.dir / "export.json").write_text(json.dumps({"digests": digests}))
+    onnx_generate.check_export(b.path)  # as published: fine
+    _flip_byte(b.path / "model.onnx")
+    with pytest.raises(ArtifactError, match=r"model.onnx: sha256 differs.*`msllm export --pipeline tiny`"):
+        OnnxBackend(b.path)  # before onnxruntime reads a byte of it
+    with pytest.raises(onnx_generate.ExportChanged, match=rf"model.onnx: sha256 differs.*expected {digests['model.onnx']}"):
+        onnx_generate.check_export(b.path)
+    # a copy of the export without its manifest is still checked, by export.json's digests
+    copy = tmp_path / "copied"
+    copy.mkdir()
+    for n in ("model.onnx", "tokenizer.model", "export.json"):
+        (copy / n).write_bytes((b.path / n).read_bytes())
+    assert onnx_generate.main([str(copy), "ROMEO:"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "error:" in err and "model.onnx: sha256 differs" in err and "Traceback" not in err
+
+
+# ----------------------------------------------------------------------------- one build per key (issue 27)
+
+
+def _slow_child(spec: dict) -> Path:
+    """A stage child that records that it ran, works a while, then publishes."""
+    import time
+
+    store = ArtifactStore(spec["root"])
+    with open(Path(spec["root"]) / "ran.log", "a") as f:
+        f.write(f"{spec['tag']}\n")
+    time.sleep(1.0)
+    with store.build("pretrain", spec["key"], pipeline="p", config={}, inputs=[], code="v") as b:
+        (b.dir / "model.bin").write_text(spec["tag"])
+    return b.path
+
+
+def _identical_run(root: str, key: str, tag: str, barrier, out) -> None:
+    from tasks.runtime.supervise import supervise
+
+    barrier.wait(timeout=60)
+    path = supervise("pretrain", ArtifactStore(root), key, {"root": root, "key": key, "tag": tag}, _slow_child,
+                     isolate=False)
+    out.put((tag, str(path)))
+
+
+def test_two_identical_runs_at_once_build_once_and_both_return_the_artifact(tmp_path):
+    """Two identical `train` runs at once both trained (metrics.jsonl had every step twice): now the second
+    waits on the key's lock, then returns what the first published."""
+    root = str(tmp_path / "art")
+    key = ArtifactStore.key("pretrain", {}, [], "twice")
+    ctx = mp.get_context("spawn")
+    barrier, out = ctx.Barrier(2), ctx.Queue()
+    procs = [ctx.Process(target=_identical_run, args=(root, key, tag, barrier, out)) for tag in ("A", "B")]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    results = dict(out.get(timeout=5) for _ in procs)
+    ran = Path(root, "ran.log").read_text().split()
+    assert len(ran) == 1, f"the stage ran {len(ran)} times for one key"
+    assert results["A"] == results["B"] == str(ArtifactStore(root).lookup("pretrain", key))
+    assert Path(results["A"], "model.bin").read_text() == ran[0]
+
+
+def test_lock_is_released_when_its_holder_is_killed(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    root = tmp_path / "art"
+    key = ArtifactStore.key("pretrain", {}, [], "kill")
+    code = (f"import time; from tasks.store.artifacts import ArtifactStore as S\n"
+            f"with S({str(root)!r}).lock('pretrain', {key!r}):\n    print('held', flush=True); time.sleep(60)")
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                              cwd=Path(__file__).resolve().parent.parent)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        holder.kill()  # kill -9: no cleanup code runs
+        holder.wait()
+        t0 = time.time()
+        with ArtifactStore(root).lock("pretrain", key):
+            pass
+        assert time.time() - t0 < 5
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+
+
+# ----------------------------------------------------------------------------- storage faults (issue 27)
+
+
+def test_out_of_space_mid_build_is_one_line_and_leaves_nothing(tmp_path):
+    import errno
+
+    store = ArtifactStore(tmp_path / "art")
+    key = store.key("data", {}, [], "enospc")
+    with pytest.raises(ArtifactError) as ei:
+        with store.build("data", key, pipeline="p", config={}, inputs=[], code="v") as b:
+            (b.dir / "shard-0.bin").write_bytes(b"x" * 3 * 2**20)
+            raise OSError(errno.ENOSPC, "No space left on device", str(b.dir / "shard-1.bin"))
+    msg = str(ei.value)
+    assert "\n" not in msg and "shard-1.bin: no space left on the device" in msg, msg
+    assert " free" in msg and "had written 3.0 MiB" in msg and "nothing was published" in msg, msg
+    assert ei.value.permanent
+    assert store.lookup("data", key) is None and list((tmp_path / "art" / "data").iterdir()) == []
+
+
+@pytest.mark.parametrize("where", ["lock", "mkdir", "rename"])
+def test_read_only_root_is_one_line_and_leaves_nothing(tmp_path, monkeypatch, where):
+    """Tests run as root, where chmod stops no write: the read-only file system is simulated at the OS call."""
+    import errno
+    import os as _os
+
+    store = ArtifactStore(tmp_path / "art")
+    key = store.key("data", {}, [], "erofs-" + where)
+    (tmp_path / "art" / "data").mkdir(parents=True)
+
+    def refuse(*args, **kw):
+        raise OSError(errno.EROFS, "Read-only file system", str(args[0]))
+
+    real_open, real_mkdir = _os.open, Path.mkdir
+    if where == "lock":
+        monkeypatch.setattr(_os, "open", lambda p, *a, **k: refuse(p) if str(p).endswith(".lock") else real_open(p, *a, **k))
+    elif where == "mkdir":
+        monkeypatch.setattr(Path, "mkdir", lambda self, *a, **k: refuse(self) if self.name.startswith(".tmp-")
+                            else real_mkdir(self, *a, **k))
+    else:
+        monkeypatch.setattr(_os, "rename", refuse)
+    with pytest.raises(ArtifactError) as ei:
+        with store.build("data", key, pipeline="p", config={}, inputs=[], code="v") as b:
+            (b.dir / "x.bin").write_bytes(b"x")
+    msg = str(ei.value)
+    assert "\n" not in msg and "cannot write (read-only file system)" in msg and "--artifacts" in msg, msg
+    monkeypatch.undo()
+    assert store.lookup("data", key) is None and list((tmp_path / "art" / "data").iterdir()) == []

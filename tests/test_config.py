@@ -140,3 +140,80 @@ def test_cli_validate_exit_codes(tmp_path):
     )
     assert ok.returncode == 0, ok.stderr
     assert "pipeline 'tiny' is valid" in ok.stdout
+
+
+# ----------------------------------------------------------------------------- issue 27: YAML 1.2 scalars, one budget
+
+
+def _write_text(tmp_path: Path, pretrain_lines: str, extra: str = "") -> Path:
+    f = tmp_path / "pipelines.yaml"
+    f.write_text(f"default: p\npipelines:\n  p:\n{extra}    model: {{name: llama, preset: tiny}}\n"
+                 f"    data: {{sources: ['{CORPUS}'], seq_length: 64, tokenizer: {{vocab_size: 512}}}}\n"
+                 f"    pretrain:\n{pretrain_lines}")
+    return f
+
+
+def test_base_60_is_not_a_number_in_the_file_or_in_set(tmp_path):
+    """YAML 1.1 read `1:20` as 80 (base 60): the run trained 80 steps. YAML 1.2 reads text, which fails."""
+    f = _write_text(tmp_path, "      max_steps: 1:20\n")
+    with pytest.raises(ConfigError) as ei:
+        resolve_pipeline(f)
+    assert "pipelines.p.pretrain.max_steps" in str(ei.value) and "base-60" in str(ei.value), str(ei.value)
+    f = _write_text(tmp_path, "      max_steps: 20\n")
+    with pytest.raises(ConfigError, match=r"pipelines.p.pretrain.max_steps.*'1:20'.*base-60"):
+        resolve_pipeline(f, overrides=["pretrain.max_steps=1:20"])
+
+
+def test_yaml_1_2_scalars(tmp_path):
+    from tasks.config import load_yaml
+
+    assert load_yaml("[010, 0x10, 0o17, 1_000, 1e-3, true, False, ~]") == [10, 16, 15, 1000, 1e-3, True, False, None]
+    # YAML 1.1 booleans, base-60 numbers, binary and dates are text
+    assert load_yaml("[yes, no, on, off, y, n, 1:20, 0b101, 2024-01-01]") == [
+        "yes", "no", "on", "off", "y", "n", "1:20", "0b101", "2024-01-01"]
+    f = _write_text(tmp_path, "      max_steps: 010\n", extra="    description: 2024-01-01\n")
+    cfg = resolve_pipeline(f, overrides=["eval.prompts=[on, off, yes]", "eval.stop=[no]"])
+    assert cfg.pretrain.max_steps == 10 and cfg.description == "2024-01-01"
+    assert cfg.eval.prompts == ["on", "off", "yes"] and cfg.eval.stop == ["no"]
+    with pytest.raises(ConfigError, match=r"pipelines.p.pretrain.recompute.*'yes' is text.*true and false"):
+        resolve_pipeline(f, overrides=["pretrain.recompute=yes"])
+
+
+def test_max_steps_and_max_tokens_both_in_the_file_is_an_error(tmp_path):
+    f = _write_text(tmp_path, "      max_steps: 20\n      max_tokens: 1024\n")
+    with pytest.raises(ConfigError) as ei:
+        resolve_pipeline(f)
+    msg = str(ei.value)
+    assert "pipelines.p.pretrain.max_tokens" in msg and "pretrain.max_steps (20)" in msg and "keep one" in msg, msg
+    with pytest.raises(ConfigError, match="both pretrain.max_steps"):  # both in --set: the same error
+        resolve_pipeline(_write_text(tmp_path, "      max_steps: 20\n"),
+                         overrides=["pretrain.max_steps=5", "pretrain.max_tokens=1024"])
+
+
+def test_set_budget_replaces_the_files_other_budget(tmp_path):
+    from tasks.stages.pretrain import budget_line, training_steps
+
+    f = _write_text(tmp_path, "      max_steps: 20\n      micro_batch_size: 8\n")
+    cfg = resolve_pipeline(f, overrides=["pretrain.max_tokens=1024"])
+    assert (cfg.pretrain.max_steps, cfg.pretrain.max_tokens) == (None, 1024)
+    assert training_steps(cfg.pretrain, 64) == 2  # 1024 tokens / (8 × 64), not the file's 20 steps
+    assert "max_tokens = 1024 tokens = 2 steps" in budget_line(cfg.pretrain, 64)
+    assert len(cfg.notes) == 1 and "--set pretrain.max_tokens=1024 replaces pipelines.p.pretrain.max_steps" in cfg.notes[0]
+    f = _write_text(tmp_path, "      max_tokens: 4096\n")
+    cfg = resolve_pipeline(f, overrides=["pretrain.max_steps=30"])
+    assert (cfg.pretrain.max_steps, cfg.pretrain.max_tokens) == (30, None) and training_steps(cfg.pretrain, 64) == 30
+    assert "replaces pipelines.p.pretrain.max_tokens" in cfg.notes[0]
+    assert resolve_pipeline(f).notes == []
+    # a pipeline's own budget replaces its base's other one, in the same way
+    f = _write(tmp_path, _base(), extra={"child": {"base": "p", "pretrain": {"max_tokens": 640}}})
+    cfg = resolve_pipeline(f, "child")
+    assert (cfg.pretrain.max_steps, cfg.pretrain.max_tokens) == (None, 640)
+
+
+def test_cli_says_which_budget_is_used(tmp_path):
+    f = _write_text(tmp_path, "      max_steps: 20\n")
+    out = subprocess.run([sys.executable, "-m", "tasks.cli", "validate", "--config", str(f), "--set",
+                          "pretrain.max_tokens=1024"], capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert "note: --set pretrain.max_tokens=1024 replaces pipelines.p.pretrain.max_steps" in out.stderr
+    assert "max_tokens: 1024" in out.stdout and "max_steps: null" in out.stdout

@@ -469,3 +469,128 @@ class TestLeftovers:
             _stop(server)
         print("stop times (s):", took)
         assert all(t < 5 for t in took.values()) and not any(orphans.values()), (took, orphans)
+
+
+# ============================================================================= issue 27: what is loaded is what was published
+
+
+@pytest.mark.integration
+def test_predict_and_serve_refuse_altered_weights(tmp_path):
+    """Weights altered inside a published model.safetensors: `predict` answered and exited 0, `serve` served."""
+    from tests.helpers import tiny_model_artifact
+
+    root = tmp_path / "art"
+    root.mkdir()
+    art = tiny_model_artifact(root)
+    f = art / "model.safetensors"
+    raw = bytearray(f.read_bytes())
+    raw[-7] ^= 0x40  # one weight's exponent bit: same size, other numbers
+    f.write_bytes(bytes(raw))
+    env = dict(os.environ, GLOG_v="3")
+    for argv in (["predict", "--config", str(PIPELINES), "--pipeline", "tiny", "--artifacts", str(root),
+                  "--from", str(art), "ROMEO:"],
+                 ["serve", "--config", str(PIPELINES), "--artifacts", str(root), str(art), "--port", "0"]):
+        out = subprocess.run([sys.executable, "-m", "tasks.cli", *argv], cwd=REPO, env=env, capture_output=True,
+                             text=True, timeout=300)
+        assert out.returncode == 1, (argv[0], out.stdout[-2000:], out.stderr[-2000:])
+        assert f"{f}: sha256 differs from the manifest" in out.stderr and "Traceback" not in out.stderr, out.stderr
+        assert "msllm train" in out.stderr and out.stdout.strip() == "", out.stdout
+
+
+class TestResumeAfterKill:
+    """Resume after kill -9 failed with `unsupported format string passed to NoneType.__format__`: a run killed
+    after its last checkpoint resumed with no step left, so no validation loss, and the summary formatted None."""
+
+    def test_torn_metrics_line_is_dropped(self, tmp_path, capsys):
+        from tasks.training.trainer import _read_jsonl
+
+        f = tmp_path / "metrics.jsonl"
+        f.write_text('{"step": 1, "loss": 2.5}\n{"step": 2, "loss": 2.4, "val_lo')  # killed mid-write
+        assert _read_jsonl(f) == [{"step": 1, "loss": 2.5}]
+        assert "dropped 1 partial line" in capsys.readouterr().err
+
+    @pytest.mark.parametrize("history,want", [
+        ([{"step": 4, "loss": 2.0}, {"step": 5, "loss": 1.5, "val_loss": 1.7}], (1.5, 1.7)),  # everything there
+        ([{"step": 4, "loss": 2.0}], (2.0, None)),  # the last record was torn away: val_loss measured again
+        ([], (float("nan"), None)),  # metrics.jsonl lost entirely
+    ])
+    def test_final_losses_of_a_run_resumed_at_its_end(self, history, want):
+        import math
+
+        from tasks.training.trainer import _final_from_history
+
+        loss, val = _final_from_history(history, 5, float("nan"), None)
+        assert val == want[1] and (loss == want[0] or (math.isnan(loss) and math.isnan(want[0])))
+
+
+class TestMachineLimits:
+    """`plan --devices 1000000000000` hung (a loop over the device count); `--set pretrain.micro_batch_size=
+    1000000000000` validated and its child grew to 18 GB."""
+
+    def test_plan_for_a_trillion_devices_answers_at_once(self):
+        out = subprocess.run([sys.executable, "-m", "tasks.cli", "plan", "--config", str(PIPELINES), "--pipeline",
+                              "tiny", "--devices", "1000000000000"], cwd=REPO, capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 0 and "layouts for 1000000000000 device(s)" in out.stdout, out.stderr[-2000:]
+
+    def test_candidate_layouts_do_not_grow_with_the_device_count(self):
+        from model.config import ModelConfig
+        from tasks.training.memory import candidate_layouts
+
+        mc = ModelConfig.from_name("tiny")
+        t0 = time.perf_counter()
+        lays = candidate_layouts(mc, 2**40)
+        assert time.perf_counter() - t0 < 0.5 and len(lays) <= 2 * 8 * mc.num_layers
+        assert {(x.dp, x.tp, x.pp) for x in candidate_layouts(mc, 8)} >= {(8, 1, 1), (4, 2, 1), (2, 2, 2), (4, 1, 2)}
+
+    @pytest.mark.parametrize("overrides,key,fix", [
+        (["pretrain.micro_batch_size=1000000000000"], "pretrain.micro_batch_size", "lower pretrain.micro_batch_size"),
+        (["finetune.micro_batch_size=1000000000000"], "finetune.micro_batch_size", "lower finetune.micro_batch_size"),
+        (["parallel.data_parallel=100000", "parallel.device_num=100000"], "parallel.device_num", "fewer ranks"),
+    ])
+    def test_validation_refuses_what_no_machine_here_can_hold(self, overrides, key, fix):
+        from tasks.config import resolve_pipeline
+        from tasks.training.memory import GiB, machine_fit_errors
+
+        cfg = resolve_pipeline(PIPELINES, "tiny", overrides)
+        errs = machine_fit_errors(cfg, "pipelines.tiny", machine_bytes=16 * GiB)
+        assert len(errs) == 1 and errs[0].startswith(f"pipelines.tiny.{key}:") and "GiB by the memory plan" in errs[0]
+        assert "this machine has 16.0 GiB" in errs[0] and fix in errs[0], errs
+        assert machine_fit_errors(resolve_pipeline(PIPELINES, "tiny"), "p", machine_bytes=16 * GiB) == []
+        rc, out, err = _main(["validate", "--config", str(PIPELINES), "--pipeline", "tiny",
+                              *[a for o in overrides for a in ("--set", o)]])
+        assert rc == 2 and f"pipelines.tiny.{key}" in err and "Traceback" not in err, err
+
+
+@pytest.mark.integration
+def test_eval_publishes_last_so_a_failed_side_output_is_written_by_the_rerun(tmp_path, monkeypatch):
+    """eval with a read-only run dir failed after its artifact was published: the rerun was a cache hit and
+    the TensorBoard scores were never written. (As root chmod stops nothing: the write fails at the OS call.)"""
+    import errno
+
+    from tasks.config import resolve_pipeline
+    from tasks.stages import evaluate
+    from tasks.store.artifacts import ArtifactError
+    from tasks.training import tensorboard
+    from tests.helpers import tiny_model_artifact
+
+    root = tmp_path / "art"
+    root.mkdir()
+    model = tiny_model_artifact(root)
+    cfg = resolve_pipeline(PIPELINES, "tiny", ["eval.tasks=[]", "eval.prompts=[]", "eval.perplexity_files=[]"],
+                           check_files=False)
+    store = ArtifactStore(root)
+    real = tensorboard.write_eval
+
+    def read_only(run_dir, *a, **kw):
+        raise PermissionError(errno.EROFS, "Read-only file system", str(run_dir))
+
+    monkeypatch.setattr(tensorboard, "write_eval", read_only)
+    with pytest.raises(ArtifactError, match=r"runs/eval/\w+: cannot write \(read-only file system\); nothing was published"):
+        evaluate.run(cfg, store, model, None, progress=False)
+    assert store.list("eval") == []  # nothing published, so the rerun is not a cache hit
+    assert not (root / "eval").exists() or not [p for p in (root / "eval").iterdir() if p.name.startswith(".tmp-")]
+    monkeypatch.setattr(tensorboard, "write_eval", real)
+    path = evaluate.run(cfg, store, model, None, progress=False)
+    key = store.read_manifest(path)["key"]
+    assert tensorboard.event_files(root / "runs" / "eval" / key), "the rerun wrote no TensorBoard event file"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from tasks.cli.common import StageError, load, print_metrics, store, upstream
+from tasks.cli.common import StageError, check_machine, load, print_metrics, store, upstream
 from tasks.config import to_yaml, validate_file
 
 def cmd_validate(args) -> int:
@@ -23,6 +23,7 @@ def cmd_validate(args) -> int:
             bad += bool(errs)
         return 2 if bad else 0
     cfg = load(args)
+    check_machine(cfg)
     print(to_yaml(cfg), end="")
     mc = cfg.model.resolve()
     print(f"# model: {cfg.model.name}/{cfg.model.preset}, {mc.num_parameters / 1e6:.2f}M parameters", flush=True)
@@ -79,6 +80,7 @@ def cmd_train(args) -> int:
     from tasks.stages import pretrain
 
     cfg = load(args)
+    check_machine(cfg)
     st = store(args)
     data_art = upstream(args, st, "pretrain", cfg.name)
     init = None
@@ -97,6 +99,7 @@ def cmd_finetune(args) -> int:
     from tasks.stages import finetune
 
     cfg = load(args)
+    check_machine(cfg)
     st = store(args)
     base = upstream(args, st, "finetune", cfg.name)
     path = finetune.run(cfg, st, base, retries=1)

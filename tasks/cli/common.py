@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from tasks.config import PipelineConfig, resolve_pipeline
@@ -13,7 +14,19 @@ class StageError(RuntimeError):
 
 
 def load(args) -> PipelineConfig:
-    return resolve_pipeline(args.config, args.pipeline, args.overrides)
+    cfg = resolve_pipeline(args.config, args.pipeline, args.overrides)
+    for note in cfg.notes:  # e.g. which training budget a --set replaced
+        print(f"note: {note}", file=sys.stderr)
+    return cfg
+
+
+def check_machine(cfg: PipelineConfig) -> None:
+    """Refuse settings this machine cannot serve (memory plan), before any compute; ConfigError naming the key."""
+    from tasks.config import ConfigError
+    from tasks.training.memory import machine_fit_errors
+
+    if errs := machine_fit_errors(cfg, f"pipelines.{cfg.name}"):
+        raise ConfigError(errs)
 
 
 def store(args):

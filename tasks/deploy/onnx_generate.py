@@ -36,6 +36,7 @@ model's prompts are its tokenizer's own encoding (special tokens included), as t
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 from dataclasses import dataclass
@@ -348,11 +349,43 @@ def decode_completion(sp, prompt_ids: Sequence[int], new_ids: Sequence[int]) -> 
     return full[len(prefix):] if full.startswith(prefix) else sp.decode(new)
 
 
+class ExportChanged(ValueError):
+    """A file of an export artifact differs from the digest the export recorded for it."""
+
+
+def check_export(artifact: str | Path, names: Sequence[str] = ("model.onnx", "tokenizer.model")) -> None:
+    """Check the files about to be used against the sha256 the export recorded (export.json's `digests`, or
+    the artifact's manifest.json): standalone, so a copied export directory is checked without msllm.
+    ExportChanged names the file, the expected and the actual digest; a directory with neither record
+    (a hand-built one) is not checked."""
+    art = Path(artifact)
+    recorded: dict[str, str] = {}
+    for meta, read in (("manifest.json", lambda d: {f["path"]: f["sha256"] for f in d.get("files", [])}),
+                       ("export.json", lambda d: dict(d.get("digests") or {}))):
+        try:
+            recorded.update(read(json.loads((art / meta).read_text(encoding="utf-8"))))
+        except (OSError, ValueError, TypeError, KeyError, AttributeError):
+            continue
+    for name in names:
+        want = recorded.get(name)
+        if want is None:
+            continue
+        h = hashlib.sha256()
+        with open(art / name, "rb") as f:
+            while block := f.read(1 << 20):
+                h.update(block)
+        if h.hexdigest() != want:
+            raise ExportChanged(f"{art / name}: sha256 differs from the export's record: expected {want}, the file has "
+                                f"{h.hexdigest()}; it changed after it was exported (corrupt or edited): copy the export "
+                                "again, or rebuild it with `msllm export`")
+
+
 def generate_text(artifact: str | Path, prompt: str, max_new_tokens: int = 64, **kwargs) -> str:
     """The completion of `prompt` by an export artifact (model.onnx + tokenizer.model or tokenizer.json); greedy by
     default. Keyword arguments go to `OnnxGenerator.generate` (temperature, top_k, top_p, seed, stop).
     """
     art = Path(artifact)
+    check_export(art)
     sp = load_tokenizer(art)
     ids = encode_prompt(sp, prompt)
     new = OnnxGenerator(art / "model.onnx").generate(ids, max_new_tokens, eos_id=sp.eos_id(), **kwargs)
@@ -376,6 +409,11 @@ def main(argv: list[str] | None = None) -> int:
               "artifact directory "
               "(the path `msllm export` prints)", file=sys.stderr)
         return 2
+    try:
+        check_export(art)
+    except ExportChanged as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     for p in a.prompts:
         print(p + generate_text(art, p, a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
                                 seed=a.seed))

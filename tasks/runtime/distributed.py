@@ -35,6 +35,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tasks.store.artifacts import held_locks_env
+
 from tasks.store.artifacts import _pid_alive
 
 REPO = Path(__file__).resolve().parents[2]
@@ -242,7 +244,7 @@ def run_msrun(script: list[str], parallel, log_dir: Path, *, label: str = "msrun
     threads = max(1, (os.cpu_count() or 1) // max(1, parallel.device_num // parallel.node_num))
     env = {**os.environ, "PATH": _path_env(), "PYTHONUNBUFFERED": "1", "GLOG_v": os.environ.get("GLOG_v", "3"),
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-           "OMP_NUM_THREADS": str(threads)}
+           "OMP_NUM_THREADS": str(threads), **held_locks_env()}  # rank 0 publishes under the parent's build lock
     cmd = msrun_command(parallel, log_dir, script)
     print(f"[{label}] msrun: {parallel.device_num} workers ({parallel.device_num // parallel.node_num} on this node), "
           f"logs in {log_dir}", file=sys.stderr, flush=True)

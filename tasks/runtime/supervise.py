@@ -12,6 +12,7 @@ retry reruns the child, which resumes from its newest checkpoint.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -19,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from tasks.store.artifacts import ArtifactStore, atomic_write_json
+from tasks.store.artifacts import ArtifactStore, atomic_write_json, held_locks_env
 
 STOPPED_EARLY = 75  # child exit code: stopped on request before max_steps, checkpoints kept
 PERMANENT = 3  # child exit code: a failure that a retry cannot fix (bad config, corrupt artifact, non-finite run)
@@ -57,7 +58,7 @@ def run_child(stage: str, spec_path: Path) -> str | None:
 
     Returns None on success, else the child's own error line on top of its last log lines.
     """
-    env = {**CHILD_ENV, **os.environ, "GLOG_v": os.environ.get("GLOG_v", "3")}
+    env = {**CHILD_ENV, **os.environ, "GLOG_v": os.environ.get("GLOG_v", "3"), **held_locks_env()}
     module = f"the {stage} child"
     proc = subprocess.Popen([sys.executable, "-m", "tasks.runtime.child", "--stage", stage, "--child", str(spec_path)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
@@ -113,6 +114,22 @@ def supervise(stage: str, store: ArtifactStore, key: str, spec: dict[str, Any],
     if distributed and not isolate:
         raise ValueError(f"{stage}: parallel.device_num={parallel.device_num} runs ranks under msrun; "
                          "it cannot run in-process (isolate=False)")
+    # One build per key: a second identical run waits here for the first, then returns what it published
+    # (never two children training in one run directory). The child inherits the lock (held_locks_env).
+    # Nodes other than 0 of a multi-node run take no lock: their ranks are part of node 0's build.
+    follower = distributed and parallel.node_rank > 0
+    with (contextlib.nullcontext() if follower else store.lock(stage, key)):
+        hit = store.lookup(stage, key)
+        if hit is not None:
+            print(f"[{stage}] {hit} is published (built by another process meanwhile); using it", file=sys.stderr)
+            return hit
+        return _supervise(stage, store, key, spec, child_fn, retries=retries, isolate=isolate, inject=inject,
+                          parallel=parallel, distributed=distributed)
+
+
+def _supervise(stage: str, store: ArtifactStore, key: str, spec: dict[str, Any],
+               child_fn: Callable[[dict[str, Any]], Path | None], *, retries: int, isolate: bool,
+               inject: dict | None, parallel, distributed: bool) -> Path:
     if not isolate:
         out = child_fn({**spec, **(inject or {})})
         if out is None:

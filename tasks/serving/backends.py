@@ -98,12 +98,15 @@ class OnnxBackend:
 
     def __init__(self, path: str | Path, threads: int | None = None):
         from tasks.deploy.onnx_generate import OnnxGenerator, sample_next
+        from tasks.store.artifacts import verify_published
         from tasks.tokenizer import load_tokenizer, tokenizer_files
 
         self.path = Path(path)
         if not (self.path / "model.onnx").is_file() or not tokenizer_files(self.path):
             missing = "model.onnx" if not (self.path / "model.onnx").is_file() else "tokenizer.model or tokenizer.json"
             raise ValueError(f"{path}: no {missing}; pass an export artifact directory (the path `msllm export` prints)")
+        for f in (self.path / "model.onnx", *tokenizer_files(self.path)):
+            verify_published(f)  # what is served is what the export published
         self.generator = OnnxGenerator(self.path / "model.onnx", threads=threads)  # ValueError for a pre-KV export
         self.tokenizer = load_tokenizer(self.path)
         self.sample_next = sample_next

@@ -55,7 +55,8 @@ Artifact payload:
     tokenizer_config.json its class and special tokens
     tokenizer.model       the SentencePiece model (onnx_generate.py, MindSpore)
     model.json            the source model's architecture and tokenizer ids
-    export.json           input/output names and shapes, prompt format, verification
+    export.json           input/output names and shapes, prompt format, verification, and `digests`: the sha256 of
+                          every model file (the standalone onnx_generate.py checks them before use)
     MODEL_CARD.md         config, lineage summary, eval results (when given), verification, usage
     onnx_generate.py      a copy of tasks/deploy/onnx_generate.py: KV-cache generation with onnxruntime only
 manifest: `verification` (as in export.json) and metrics mindir_max_abs_diff, onnx_max_abs_diff,
@@ -80,7 +81,7 @@ from tasks.deploy.formats import (INT8_OPTIONS, export_int8, export_mindir, expo
                                   write_genai_files)
 from tasks.deploy.model_card import model_card, read_eval
 from tasks.stages import MODEL_KINDS, code_version
-from tasks.store.artifacts import ArtifactError, ArtifactStore, atomic_write_json
+from tasks.store.artifacts import ArtifactError, ArtifactStore, atomic_write_json, sha256_file
 
 STAGE = "export"
 MODEL_STAGES = MODEL_KINDS  # artifacts holding model.json + weights (the stage table's)
@@ -224,7 +225,7 @@ def _export(cfg: PipelineConfig, store: ArtifactStore, model: Path, eval_art: Pa
     from tasks.training.checkpoint import load_weights
     from tasks.store.model_artifact import load_model, load_tokenizer, model_config, read_info
     from tasks.deploy.onnx_generate import encode_prompt
-    from tasks.tokenizer import copy_tokenizer_files
+    from tasks.tokenizer import copy_tokenizer_files, tokenizer_files
 
     ex = cfg.export
     t0 = time.perf_counter()
@@ -265,11 +266,14 @@ def _export(cfg: PipelineConfig, store: ArtifactStore, model: Path, eval_art: Pa
         mc = model_config(model)
         files = [f for f in ("model.mindir", "model.onnx", "model.int8.onnx", "model.f16.gguf", "model.q8_0.gguf",
                              *GENAI_FILES) if (b.dir / f).is_file()]
+        # the export carries its own digests, so the standalone onnx_generate.py checks a copied export too
+        digests = {f: sha256_file(b.dir / f) for f in sorted({*files, *(t.name for t in tokenizer_files(b.dir)),
+                                                               "model.json"})}
         atomic_write_json(b.dir / "export.json", {
             "mindir": {"inputs": {MINDIR_INPUT: "int32 [batch, seq] token ids"},
                        "outputs": {OUTPUT_NAME: "float32 [batch, seq, vocab]"}},
             "onnx": onnx_io(mc.to_dict()) if "onnx" in ex.formats else None,
-            "files": files, "tokenizer": info.get("tokenizer", {}), "prompt_format": PROMPT_FORMAT,
+            "files": files, "digests": digests, "tokenizer": info.get("tokenizer", {}), "prompt_format": PROMPT_FORMAT,
             "verification": ver})
         evaluation = read_eval(eval_art) if eval_art is not None else None
         card = model_card(info=info, parameters=mc.num_parameters, model_ref=inputs[0], pipeline=cfg.name,

@@ -558,6 +558,7 @@ def merge(store: ArtifactStore, finetune_artifact: Path) -> Path:
     `tasks.store.model_artifact.load_model` loads it like any pretrain artifact.
     """
     from tasks.training.checkpoint import read_tensors
+    from tasks.store.artifacts import verify_published
 
     from model.config import ModelConfig
     from tasks.training.checkpoint import load_weights
@@ -567,7 +568,7 @@ def merge(store: ArtifactStore, finetune_artifact: Path) -> Path:
     m = store.read_manifest(ft)
     if m["stage"] != STAGE:
         raise ArtifactError(f"{ft}: a {m['stage']} artifact; merge takes a finetune artifact")
-    adapter_cfg = json.loads((ft / "adapter.json").read_text())
+    adapter_cfg = json.loads(verify_published(ft / "adapter.json").read_text())
     base = base_of(store, ft)
     inputs = [store.input_ref(ft), store.input_ref(base)]
     key = store.key(MERGED, {}, inputs, code_version(MERGED))
@@ -576,7 +577,7 @@ def merge(store: ArtifactStore, finetune_artifact: Path) -> Path:
         return hit
     info = read_info(base)
     base_w = load_weights(base)
-    trained = read_tensors(ft / "adapter.safetensors", f"rerun the finetune stage ({ft} is damaged)")
+    trained = read_tensors(verify_published(ft / "adapter.safetensors"), f"rerun the finetune stage ({ft} is damaged)")
     if adapter_cfg["method"] == "lora":
         from model.lora import merge_adapter
 

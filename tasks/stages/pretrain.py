@@ -23,7 +23,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from tasks.store.artifacts import ArtifactStore
+from tasks.store.artifacts import ArtifactStore, verify_published
 from tasks.stages import code_version
 from tasks.config import PipelineConfig
 from tasks.runtime.supervise import StageFailed, supervise  # noqa: F401 (StageFailed re-exported)
@@ -66,6 +66,11 @@ def run(cfg: PipelineConfig, store: ArtifactStore, data_artifact: Path, init_fro
     `inject` (tests only) adds fault settings to the first attempt: {"stop_after": k} stops it
     after k steps as if killed, {"fault_steps": [...]} makes those steps non-finite.
     """
+    from tasks.config import ConfigError
+    from tasks.training.memory import machine_fit_errors
+
+    if errs := machine_fit_errors(cfg, f"pipelines.{cfg.name}"):  # before a child can grow past the machine
+        raise ConfigError(errs)
     data_artifact = store.inside(data_artifact)
     init_from = store.inside(init_from) if init_from else None
     key, _, _ = stage_key(cfg, store, data_artifact, init_from)
@@ -204,7 +209,11 @@ def _train(cfg: PipelineConfig, store: ArtifactStore, data_artifact: Path, init_
     data_manifest = store.read_manifest(data_artifact)
     net, mc = build_network(cfg, init_from, mesh.tensor_parallel())
     kernels = native_kernels(net, cfg.pretrain.fused_kernels)  # logged once; recorded in the manifest
-    tok = json.loads((data_artifact / "tokenizer_info.json").read_text())
+    tok = json.loads(verify_published(data_artifact / "tokenizer_info.json").read_text())
+    from tasks.tokenizer import tokenizer_files
+
+    for f in tokenizer_files(data_artifact):  # copied into the model artifact below
+        verify_published(f)
     if tok["vocab_size"] != mc.vocab_size:
         raise ValueError(
             f"tokenizer of {data_artifact} has {tok['vocab_size']} pieces but the model's vocab_size is "
@@ -220,7 +229,8 @@ def _train(cfg: PipelineConfig, store: ArtifactStore, data_artifact: Path, init_
         net.enable_recompute()
     seq = cfg.pretrain.seq_length or cfg.data.seq_length
     pt = cfg.pretrain
-    max_steps = pt.max_steps or max(1, pt.max_tokens // (pt.micro_batch_size * pt.gradient_accumulation * seq))
+    max_steps = training_steps(pt, seq)
+    print(f"[pretrain] {budget_line(pt, seq)}", file=sys.stderr)
     loop = LoopConfig.from_sections(pt, cfg.checkpoint, max_steps, progress=progress)
     loop.stop_after, loop.fault_steps = stop_after, list(fault_steps or [])
 
@@ -257,6 +267,8 @@ def _train(cfg: PipelineConfig, store: ArtifactStore, data_artifact: Path, init_
 
         weights = load_checkpoint(newest_checkpoint(run_dir / "checkpoints"))[0]
     entropy = unigram_entropy(data_artifact)
+    val = "n/a (no validation split)" if result.val_loss is None else f"{result.val_loss:.4f}"
+    print(f"[pretrain] val_loss {val} vs unigram entropy {entropy:.4f} nats/token", file=sys.stderr)
     with store.build(STAGE, key, pipeline=cfg.name, config=section, inputs=inputs, code=code_version(STAGE)) as b:
         write_model(b.dir, name=cfg.model.name, config=mc, weights=weights,
                     tokenizer_model=data_artifact, tokenizer_info=tok, seq_length=seq)
@@ -270,8 +282,24 @@ def _train(cfg: PipelineConfig, store: ArtifactStore, data_artifact: Path, init_
             parameters=mc.num_parameters, continued_from=str(init_from) if init_from else None,
             layout={"data_parallel": mesh.dp, "tensor_parallel": mesh.tp}, native_kernels=kernels,
         )
-    print(f"[pretrain] val_loss {result.val_loss:.4f} vs unigram entropy {entropy:.4f} nats/token", file=sys.stderr)
     return b.path
+
+
+def training_steps(pt, seq: int) -> int:
+    """Optimizer steps of a run: pretrain.max_steps, or pretrain.max_tokens over the tokens of one step
+    (validation guarantees exactly one of them is set)."""
+    if pt.max_steps is not None:
+        return pt.max_steps
+    return max(1, pt.max_tokens // (pt.micro_batch_size * pt.gradient_accumulation * seq))
+
+
+def budget_line(pt, seq: int) -> str:
+    """Which budget the run uses, in words (printed at the start of every run)."""
+    steps = training_steps(pt, seq)
+    if pt.max_steps is not None:
+        return f"training budget: pretrain.max_steps = {steps} steps"
+    return (f"training budget: pretrain.max_tokens = {pt.max_tokens} tokens = {steps} steps of "
+            f"{pt.micro_batch_size * pt.gradient_accumulation} × {seq} tokens")
 
 
 def _tok_sha(artifact: Path) -> str:

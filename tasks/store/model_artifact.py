@@ -10,6 +10,8 @@ A model artifact directory holds:
 
     net, info = load_model(path)          # MindSpore network with the weights loaded (eval mode)
     tok = load_tokenizer(path)            # tasks.tokenizer.Tokenizer (either backend)
+
+Every file is checked against the artifact's manifest before use (tasks.store.artifacts.verify_published).
 """
 
 from __future__ import annotations
@@ -21,14 +23,14 @@ from typing import Any
 
 import numpy as np
 
-from tasks.store.artifacts import atomic_write_json
+from tasks.store.artifacts import atomic_write_json, verify_published
 
 
 def read_info(path: str | Path) -> dict[str, Any]:
     p = Path(path) / "model.json"
     if not p.is_file():
         raise FileNotFoundError(f"{path}: no model.json; not a model artifact (pass a pretrain, convert or merged finetune artifact)")
-    return json.loads(p.read_text())
+    return json.loads(verify_published(p).read_text())
 
 
 def model_config(path: str | Path):
@@ -55,6 +57,10 @@ def load_tokenizer(path: str | Path):
     """The artifact's tokenizer (tasks.tokenizer.Tokenizer); FileNotFoundError naming the artifact without one."""
     from tasks.tokenizer import TokenizerError, load_tokenizer as _load
 
+    from tasks.tokenizer import tokenizer_files
+
+    for f in (tokenizer_files(path) if Path(path).is_dir() else [Path(path)]):
+        verify_published(f)
     try:
         return _load(path)
     except TokenizerError as exc:

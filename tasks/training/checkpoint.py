@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
-from tasks.store.artifacts import _fsync_dir, atomic_write_json, sha256_file
+from tasks.store.artifacts import _fsync_dir, atomic_write_json, sha256_file, verify_published
 
 STATE = "state.json"
 
@@ -304,6 +304,7 @@ def load_weights(path: Path) -> dict[str, np.ndarray]:
         p = p / "model.safetensors"
     if not p.is_file():
         raise CheckpointError(f"{path}: no model.safetensors found")
+    verify_published(p)  # an artifact's weights are what its manifest published
     return read_tensors(p, "rebuild the artifact that wrote it")
 
 

@@ -30,6 +30,7 @@ activation term carries a backend factor measured against peak RSS of real runs
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from model.config import ModelConfig
@@ -131,13 +132,18 @@ def estimate(cfg: ModelConfig, *, micro_batch: int, seq: int, precision: str = "
     })
 
 
+MAX_TP = 8  # tensor parallel stays inside one node's fast links
+
+
 def candidate_layouts(cfg: ModelConfig, devices: int, global_batch: int | None = None) -> list[Layout]:
+    """Every (dp, tp, pp, optimizer_shard) of `devices`: O(MAX_TP × num_layers), whatever the device count
+    (tp and pp are bounded; dp is what is left), so `plan --devices 1000000000000` answers at once."""
     out = []
-    for tp in range(1, devices + 1):
-        if devices % tp or cfg.num_heads % tp or cfg.num_kv_heads % tp or tp > 8:
+    for tp in range(1, min(devices, MAX_TP) + 1):
+        if devices % tp or cfg.num_heads % tp or cfg.num_kv_heads % tp:
             continue
-        for pp in range(1, devices // tp + 1):
-            if (devices // tp) % pp or pp > cfg.num_layers:
+        for pp in range(1, min(devices // tp, cfg.num_layers) + 1):
+            if (devices // tp) % pp:
                 continue
             dp = devices // (tp * pp)
             for shard in (False, True) if dp > 1 else (False,):
@@ -176,6 +182,58 @@ def plan(cfg: ModelConfig, *, devices: int, device_memory: int, micro_batch: int
 
     rows.sort(key=rank)
     return rows
+
+
+def machine_memory() -> int:
+    """Physical memory of this machine in bytes (what CPU training ranks on it share)."""
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().total)
+    except ImportError:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def machine_fit_errors(cfg, prefix: str, machine_bytes: int | None = None) -> list[str]:
+    """Settings no machine here can serve, by the memory plan, before any compute (a config error each).
+
+    On CPU the ranks of this node (parallel.device_num / node_num processes) share this machine's memory:
+    pretrain's micro batch × sequence length, the model and the device count must fit, and so must
+    finetune's micro batch. GPU/Ascend device memory is not known here (`msllm plan --device-memory`).
+    `cfg` is a tasks.config.PipelineConfig.
+    """
+    par = cfg.parallel
+    if par.device_target != "CPU":
+        return []
+    have = machine_bytes or machine_memory()
+    mc = cfg.model.resolve()
+    local = max(1, par.device_num // max(par.node_num, 1))
+    lay = Layout(dp=par.data_parallel, tp=par.tensor_parallel, pp=par.pipeline_parallel,
+                 micro_batch_num=par.micro_batch_num, optimizer_shard=par.optimizer_shard)
+    pt, ft = cfg.pretrain, cfg.finetune
+    seq = pt.seq_length or cfg.data.seq_length
+    errs = []
+    for key, micro, s, kw in (
+        ("pretrain.micro_batch_size", pt.micro_batch_size, seq,
+         {"precision": pt.precision, "recompute": pt.recompute, "layout": lay, "fused_kernels": pt.fused_kernels}),
+        ("finetune.micro_batch_size", ft.micro_batch_size, ft.seq_length or seq,
+         {"trainable_fraction": 0.05 if ft.method == "lora" else 1.0, "fused_kernels": pt.fused_kernels}),
+    ):
+        est = estimate(mc, micro_batch=micro, seq=s, backend="CPU", **kw)
+        need = est.total * (local if key.startswith("pretrain") else 1)
+        if need > have:
+            ranks = f" × {local} ranks on this node" if local > 1 and key.startswith("pretrain") else ""
+            big = max(est.parts, key=est.parts.get)
+            if est.total <= have:  # one process fits: the device count is what does not
+                errs.append(f"{prefix}.parallel.device_num: {par.device_num} ranks, {local} on this node, need about "
+                            f"{need / GiB:,.1f} GiB by the memory plan ({est.total / GiB:,.1f} GiB each) but this "
+                            f"machine has {have / GiB:.1f} GiB; use fewer ranks per node (device_num, node_num)")
+                continue
+            errs.append(f"{prefix}.{key}: {micro} × seq_length {s} with model {cfg.model.preset} needs about "
+                        f"{need / GiB:,.1f} GiB by the memory plan ({est.total / GiB:,.1f} GiB per process{ranks}, "
+                        f"mostly {big}) but this machine has {have / GiB:.1f} GiB; lower {key}, the sequence "
+                        "length or parallel.device_num (see `msllm plan`)")
+    return errs
 
 
 def parse_bytes(text: str) -> int:

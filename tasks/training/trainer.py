@@ -514,6 +514,10 @@ def fit(net, params, loss_fn, loop: LoopConfig, *, batches: Batches, valid: Call
               file=sys.stderr, flush=True)
         print(f"[train] rank {mesh.rank}: peak RSS {peak_rss_bytes()} bytes"
               f"{' (optimizer state sharded)' if mesh.zero else ''}", file=sys.stderr, flush=True)
+    if not stopped and steps_here == 0:  # resumed at max_steps (killed after the last checkpoint, before publishing)
+        last_loss, val_loss = _final_from_history(history, st.step, last_loss, val_loss)
+        if val_loss is None and do_eval:  # its validation record was lost with the kill: measure it again
+            val_loss = evaluate_loss(eval_fn, valid(), loop.eval_batches)
     if not stopped:
         _check_trustworthy(st, val_loss, ckpt_root, fp16)
     elapsed = time.perf_counter() - t_start
@@ -523,6 +527,18 @@ def fit(net, params, loss_fn, loop: LoopConfig, *, batches: Batches, valid: Call
                      tokens_per_s=steps_here * per_step * tokens_per_sample / max(elapsed, 1e-9),
                      history=history, stopped_early=stopped, overflow_steps=st.overflows, loss_scale=scaler.scale,
                      updates=st.updates)
+
+
+def _final_from_history(history: list[dict[str, Any]], step: int, loss: float,
+                        val_loss: float | None) -> tuple[float, float | None]:
+    """The final train loss and validation loss of a run that resumed with nothing left to train: the
+    metrics records of its last step (a kill may have torn or lost them: then what was passed in)."""
+    for r in reversed(history):
+        if r.get("step") == step and isinstance(r.get("val_loss"), (int, float)) and val_loss is None:
+            val_loss = float(r["val_loss"])
+        if not math.isfinite(loss) and isinstance(r.get("loss"), (int, float)) and math.isfinite(r["loss"]):
+            loss = float(r["loss"])
+    return loss, val_loss
 
 
 def _save(ckpt_root: Path, st: LoopState, params, opt_params, scaler, loop: LoopConfig, meta: dict[str, Any],
@@ -610,9 +626,23 @@ def _progress(loop: LoopConfig, initial: int):
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The records of a metrics file; a line torn by a kill (-9, power loss) mid-write is dropped, not fatal."""
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows, torn = [], 0
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            torn += 1
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    if torn:
+        print(f"[train] {path}: dropped {torn} partial line(s) left by an interrupted run", file=sys.stderr)
+    return rows
 
 
 def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import numpy as np
 
-from tasks.store.artifacts import ArtifactStore, sha256_file
+from tasks.store.artifacts import ArtifactError, ArtifactStore, sha256_file, verify_published
 
 from tasks.stages.data.schema import _MR_HEADER_SIZE, _MR_PAGE_SIZE, _WRITE_BATCH, SPLITS, DataError
 
@@ -192,7 +192,8 @@ def verify_files(artifact: Path, rel_paths: Iterable[str]) -> dict[str, Any]:
             raise DataError(f"{fp}: not listed in {artifact}/manifest.json; rerun the data stage")
         if not fp.is_file():
             raise DataError(f"{fp}: missing (listed in the manifest); rerun the data stage")
-        if fp.stat().st_size != entry["size"] or sha256_file(fp) != entry["sha256"]:
-            raise DataError(f"{fp}: sha256 differs from the manifest (truncated or corrupt); rerun the data stage "
-                            "(`msllm data`) or restore the file")
+        try:
+            verify_published(fp)  # the store's one check of published bytes
+        except ArtifactError as exc:
+            raise DataError(f"{exc} (or restore the file)") from None
     return manifest

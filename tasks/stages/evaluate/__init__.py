@@ -280,6 +280,16 @@ def run(cfg: PipelineConfig, store: ArtifactStore, model_artifact: Path, data_ar
     hit = store.lookup(STAGE, key)
     if hit is not None:
         return hit
+    with store.lock(STAGE, key):  # one build per key: an identical run waits, then finds the artifact
+        hit = store.lookup(STAGE, key)
+        if hit is not None:
+            print(f"[eval] {hit} is published (built by another process meanwhile); using it", file=sys.stderr)
+            return hit
+        return _evaluate(cfg, store, model_artifact, data_artifact, key, inputs, progress)
+
+
+def _evaluate(cfg: PipelineConfig, store: ArtifactStore, model_artifact: Path, data_artifact: Path | None, key: str,
+              inputs: list[dict[str, Any]], progress: bool) -> Path:
     from tasks.tokenizer import files_sha256, tokenizer_files
 
     if data_artifact is not None and files_sha256(tokenizer_files(data_artifact)) != \
@@ -317,6 +327,9 @@ def run(cfg: PipelineConfig, store: ArtifactStore, model_artifact: Path, data_ar
 
     samples = results.pop("samples", {})
     results["perplexity"] = ppl
+    # side outputs first: publishing is the last step, so a failure here (a read-only run dir) leaves no
+    # artifact whose rerun would be a cache hit that never writes them
+    _write_events(cfg, store, key, model_artifact, metrics)
     with store.build(STAGE, key, pipeline=cfg.name, config=cfg.section("eval"), inputs=inputs,
                      code=code_version(STAGE)) as b:
         (b.dir / "results.json").write_text(_dump(results), encoding="utf-8")
@@ -331,7 +344,6 @@ def run(cfg: PipelineConfig, store: ArtifactStore, model_artifact: Path, data_ar
         (b.dir / "report.md").write_text(render_report(model_artifact, data_artifact, results, generations, ev.limit),
                                          encoding="utf-8")
         b.metrics.update({k: v for k, v in metrics.items() if v is not None})
-    _write_events(cfg, store, key, model_artifact, metrics)
     return b.path
 
 
@@ -339,10 +351,18 @@ def _write_events(cfg: PipelineConfig, store: ArtifactStore, key: str, model_art
     """The scores as TensorBoard scalars in runs/eval/<key>/ (beside the training runs), at the model's step."""
     from tasks.training.tensorboard import write_eval
 
+    from tasks.store.artifacts import STORAGE_ERRNOS, storage_error
+
     m = store.read_manifest(model_artifact)
     scores = {k: v for k, v in metrics.items() if k != "eval_seconds"}
-    write_eval(store.root / "runs" / STAGE / key, scores, step=int(m.get("metrics", {}).get("steps") or 0),
-               hparams={"pipeline": cfg.name, "model": f"{m['stage']}/{m['key']}", "eval": cfg.section("eval")})
+    run_dir = store.root / "runs" / STAGE / key
+    try:
+        write_eval(run_dir, scores, step=int(m.get("metrics", {}).get("steps") or 0),
+                   hparams={"pipeline": cfg.name, "model": f"{m['stage']}/{m['key']}", "eval": cfg.section("eval")})
+    except OSError as exc:
+        if exc.errno in STORAGE_ERRNOS:
+            raise storage_error(exc, exc.filename or run_dir) from None
+        raise
 
 
 # ----------------------------------------------------------------------------- reports
