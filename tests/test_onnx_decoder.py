@@ -250,6 +250,8 @@ def test_a_unigram_tokenizer_gets_no_tokenizer_files(tmp_path):
     with pytest.raises(ValueError, match="UNIGRAM SentencePiece model; .* BPE models only"):
         hf_tokenizer_files(buf.getvalue())
     info = {"model": _net().config.to_dict(), "tokenizer": {"eos_id": 2, "bos_id": 1, "pad_id": -1}}
-    assert "BPE models only" in write_genai_files(tmp_path, info, buf.getvalue())
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "tokenizer.model").write_bytes(buf.getvalue())
+    assert "BPE models only" in write_genai_files(tmp_path, info, tmp_path / "model")
     cfg = json.loads((tmp_path / "genai_config.json").read_text())
     assert cfg["model"]["pad_token_id"] == 2 and not (tmp_path / "tokenizer.json").exists()

@@ -192,9 +192,10 @@ def run(cfg: PipelineConfig, store: ArtifactStore, tokenizer_model: Path | None 
         t_tok = time.perf_counter()
         tok_file = b.dir / "tokenizer.model"
         if tok_files:
+            sp_file = tok_files[0].suffix != ".json"  # a SentencePiece model, under whatever name it had
             for f in tok_files:
-                shutil.copyfile(f, b.dir / f.name)
-            tok_file = b.dir / tok_files[0].name
+                shutil.copyfile(f, b.dir / ("tokenizer.model" if sp_file else f.name))
+            tok_file = b.dir / ("tokenizer.model" if sp_file else tok_files[0].name)
             source = "reused"
         else:
             log(f"training a {d.tokenizer.model_type} tokenizer, vocab {d.tokenizer.vocab_size}, "
