@@ -707,3 +707,59 @@ def test_metrics_during_load(server):
     assert after["msllm_num_requests_running"][m] == 0 and after["msllm_num_requests_waiting"][m] == 0
     _post(server.url + "/v1/completions", json.dumps({"model": "nope", "prompt": "x"}).encode())
     assert _scrape(server.url)["msllm_requests_total"][(("endpoint", "/v1/completions"), ("status", "404"))] >= 1
+
+
+# ----------------------------------------------------------------------------- lm-eval's own client against the server
+
+LM_TASKS = ["local_arc_easy", "local_winogrande", "local_lambada_greedy"]
+LM_LIMIT = 6
+# A request's loglikelihood sums at most ~60 continuation tokens here, each within TOKEN_TOL: 1e-4 (the brief's bound)
+# holds with room.
+LL_TOL = 1e-4
+
+
+@pytest.mark.slow
+def test_lm_eval_local_completions_equals_msllm_eval(server, model_art, tmp_path):
+    """`lm_eval --model local-completions` (tokenizer_backend=remote: the server's /tokenize) from a copy of the task
+    files outside the repository gives the per-request loglikelihoods and generations of `msllm eval`'s model."""
+    import shutil
+
+    from tasks.stages.evaluate import LOCAL_TASKS, run_tasks, task_manager
+    from tasks.stages.evaluate.lm_adapter import MindSporeLM
+
+    tasks_copy = tmp_path / "my_tasks"
+    shutil.copytree(LOCAL_TASKS, tasks_copy)
+    env = {**os.environ, "MSLLM_BENCHMARKS": str(REPO / "data/benchmarks"), "HF_DATASETS_OFFLINE": "1",
+           "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "PYTHONPATH": ""}
+    args = (f"base_url={server.url}/v1/completions,model={server.model},tokenizer_backend=remote,"
+            f"max_length=127")  # 126 tokens + the server's document prefix + 1 generated = the model's 128
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args", args,
+                           "--tasks", ",".join(LM_TASKS), "--include_path", str(tasks_copy), "--limit", str(LM_LIMIT),
+                           "--log_samples", "--output_path", str(out), "--seed", "0"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    theirs = {}
+    for f in out.rglob("samples_*.jsonl"):
+        task = f.name.removeprefix("samples_").rsplit("_", 1)[0]
+        theirs[task] = {r["doc_id"]: r for r in map(json.loads, f.read_text().splitlines())}
+    results = json.loads(next(out.rglob("results_*.json")).read_text())["results"]
+
+    ours = run_tasks(MindSporeLM(pretrained=model_art, progress=False), LM_TASKS, LM_LIMIT, tm=task_manager(LM_TASKS))
+    assert sorted(theirs) == sorted(LM_TASKS)
+    n_ll = 0
+    for task in LM_TASKS:
+        mine = {r["doc_id"]: r for r in ours["samples"][task]}
+        assert sorted(mine) == sorted(theirs[task]) == list(range(LM_LIMIT))
+        for doc_id, r in mine.items():
+            t = theirs[task][doc_id]
+            if task == "local_lambada_greedy":  # generate_until: the same greedy text
+                assert t["resps"] == r["resps"] and t["filtered_resps"] == r["filtered_resps"], (doc_id, t["resps"])
+                continue
+            for (a, ga), (b, gb) in zip((x[0] for x in r["resps"]), (x[0] for x in t["resps"])):
+                assert abs(float(a) - float(b)) < LL_TOL and ga == gb, (task, doc_id, a, b)
+                n_ll += 1
+        for metric, value in ours["results"][task].items():
+            if "," in metric and "stderr" not in metric:
+                assert results[task][metric] == pytest.approx(value, abs=1e-12), (task, metric)
+    assert n_ll >= 2 * 2 * LM_LIMIT  # every choice of every document compared

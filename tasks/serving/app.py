@@ -11,18 +11,23 @@ Endpoints:
                                 (`tasks.stages.finetune.to_segments` / `encode_segments`), ending where the
                                 response begins
     GET  /v1/models, /v1/models/{id}, /health
+    GET  /metrics               Prometheus text format (tasks/serving/metrics.py, a registry per app)
+    POST /tokenize, /detokenize, GET /tokenizer_info   vLLM's tokenizer endpoints (lm-eval's remote tokenizer)
 
 Parameters: model, max_tokens (chat: also max_completion_tokens), temperature (0 = greedy,
-0..2), top_p, top_k, stop (a string or up to 4), seed, n (1 only), stream,
-stream_options.include_usage. `usage` (prompt/completion/total tokens) is in every
+0..2), top_p, top_k, stop (a string or up to 4), seed, n (1..16; choice j samples with seed + j),
+stream, stream_options.include_usage; completions: echo, logprobs (0..20); chat: logprobs,
+top_logprobs (0..20). A completions prompt may be an array (strings or token-id arrays): one choice
+per prompt and per n, `index` in that order. `usage` (prompt/completion/total tokens) is in every
 response; a stream ends with a chunk that has the finish_reason and the usage, then
 `data: [DONE]`. Defaults follow OpenAI: max_tokens 16 for completions and the rest of the
 context for chat, temperature 1, top_p 1; without a seed sampling is not reproducible.
 
-Completions prompts are encoded as in pretraining and `msllm predict` (`Tokenizer.prompt_ids`):
-[EOS] + pieces for a SentencePiece model trained here (EOS is where documents start in the
-training stream), the tokenizer's own encoding for a tokenizer.json model (as transformers).
-Chat prompts start with the template, like the finetune examples.
+Completions prompts, strings and token ids alike, are conditioned on the document prefix first
+(`completion_prompt`: [EOS] for a SentencePiece model trained here, EOS being where documents start in the
+training stream; a tokenizer.json model's BOS where its tokenizer adds one), as pretraining, eval and
+`msllm predict` see a document; echo and prompt logprobs cover the client's part. Chat prompts start
+with the template, like the finetune examples.
 
 Errors use OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, with the
 request field in `param` and in the message: 400 for a malformed body or a bad field
