@@ -753,11 +753,16 @@ def test_lm_eval_local_completions_equals_msllm_eval(server, model_art, tmp_path
         assert sorted(mine) == sorted(theirs[task]) == list(range(LM_LIMIT))
         for doc_id, r in mine.items():
             t = theirs[task][doc_id]
-            if task == "local_lambada_greedy":  # generate_until: the same greedy text
-                assert t["resps"] == r["resps"] and t["filtered_resps"] == r["filtered_resps"], (doc_id, t["resps"])
+            if task == "local_lambada_greedy":  # generate_until: the same greedy text, the same first word
+                # (the eval adapter decodes the new tokens alone, which drops the leading space this test
+                # tokenizer's dummy prefix strips; the server decodes them after the prompt and keeps it)
+                assert [x[0].lstrip() for x in t["resps"]] == [x[0].lstrip() for x in r["resps"]], (doc_id, t["resps"])
+                assert t["filtered_resps"] == r["filtered_resps"]
                 continue
+            assert len(r["resps"]) == len(t["resps"])
             for (a, ga), (b, gb) in zip((x[0] for x in r["resps"]), (x[0] for x in t["resps"])):
-                assert abs(float(a) - float(b)) < LL_TOL and ga == gb, (task, doc_id, a, b)
+                # lm-eval's sample log writes its values as strings ('-206.87...', 'False')
+                assert abs(float(a) - float(b)) < LL_TOL and str(ga) == str(gb), (task, doc_id, a, b)
                 n_ll += 1
         for metric, value in ours["results"][task].items():
             if "," in metric and "stderr" not in metric:
