@@ -768,3 +768,25 @@ def test_lm_eval_local_completions_equals_msllm_eval(server, model_art, tmp_path
             if "," in metric and "stderr" not in metric:
                 assert results[task][metric] == pytest.approx(value, abs=1e-12), (task, metric)
     assert n_ll >= 2 * 2 * LM_LIMIT  # every choice of every document compared
+
+
+def test_task_utils_import_from_a_shallow_directory():
+    """The harness imports utils.py by path; a copy at /tmp/<dir>/ (3 parents: the repo layout's parents[4] does not
+    exist) imports, and without MSLLM_BENCHMARKS `load` says what to set."""
+    import shutil
+    import tempfile
+
+    from tasks.stages.evaluate import LOCAL_TASKS
+
+    d = Path(tempfile.mkdtemp(dir="/tmp"))
+    try:
+        shutil.copy2(LOCAL_TASKS / "utils.py", d / "utils.py")
+        code = ("import utils\ntry:\n    utils.benchmarks_dir()\nexcept FileNotFoundError as e:\n    print('ERR', e)\n"
+                "print(len(utils.READERS['arc_easy'](utils.benchmarks_dir(__import__('sys').argv[1]))))")
+        env = {k: v for k, v in os.environ.items() if k != "MSLLM_BENCHMARKS"}
+        proc = subprocess.run([sys.executable, "-c", code, str(REPO / "data/benchmarks")], cwd=d, env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        assert "ERR" in proc.stdout and "MSLLM_BENCHMARKS" in proc.stdout and int(proc.stdout.split()[-1]) > 0
+    finally:
+        shutil.rmtree(d)
