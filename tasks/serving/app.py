@@ -11,18 +11,23 @@ Endpoints:
                                 (`tasks.stages.finetune.to_segments` / `encode_segments`), ending where the
                                 response begins
     GET  /v1/models, /v1/models/{id}, /health
+    GET  /metrics               Prometheus text format (tasks/serving/metrics.py, a registry per app)
+    POST /tokenize, /detokenize, GET /tokenizer_info   vLLM's tokenizer endpoints (lm-eval's remote tokenizer)
 
 Parameters: model, max_tokens (chat: also max_completion_tokens), temperature (0 = greedy,
-0..2), top_p, top_k, stop (a string or up to 4), seed, n (1 only), stream,
-stream_options.include_usage. `usage` (prompt/completion/total tokens) is in every
+0..2), top_p, top_k, stop (a string or up to 4), seed, n (1..16; choice j samples with seed + j),
+stream, stream_options.include_usage; completions: echo, logprobs (0..20); chat: logprobs,
+top_logprobs (0..20). A completions prompt may be an array (strings or token-id arrays): one choice
+per prompt and per n, `index` in that order. `usage` (prompt/completion/total tokens) is in every
 response; a stream ends with a chunk that has the finish_reason and the usage, then
 `data: [DONE]`. Defaults follow OpenAI: max_tokens 16 for completions and the rest of the
 context for chat, temperature 1, top_p 1; without a seed sampling is not reproducible.
 
-Completions prompts are encoded as in pretraining and `msllm predict` (`Tokenizer.prompt_ids`):
-[EOS] + pieces for a SentencePiece model trained here (EOS is where documents start in the
-training stream), the tokenizer's own encoding for a tokenizer.json model (as transformers).
-Chat prompts start with the template, like the finetune examples.
+Completions prompts, strings and token ids alike, are conditioned on the document prefix first
+(`completion_prompt`: [EOS] for a SentencePiece model trained here, EOS being where documents start in the
+training stream; a tokenizer.json model's BOS where its tokenizer adds one), as pretraining, eval and
+`msllm predict` see a document; echo and prompt logprobs cover the client's part. Chat prompts start
+with the template, like the finetune examples.
 
 Errors use OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, with the
 request field in `param` and in the message: 400 for a malformed body or a bad field
@@ -47,13 +52,14 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any, AsyncIterator
+from dataclasses import replace
+from typing import Any, AsyncIterator, Collection, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tasks.serving.engine import Busy, Engine, Sampling
+from tasks.serving.engine import Busy, Engine, LogProb, Sampling
 
 log = logging.getLogger("msllm.serve")
 
@@ -117,9 +123,9 @@ def _bool(body: dict, name: str, default: bool = False) -> bool:
 
 def _unsupported(body: dict) -> None:
     """Fields whose non-default values this server cannot honour: refused, never silently ignored."""
-    neutral = {"presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": ({},), "echo": (False,),
-               "best_of": (1,), "suffix": ("",), "top_logprobs": (0,), "tools": ([],), "functions": ([],),
-               "tool_choice": ("none", "auto"), "function_call": ("none", "auto"), "logprobs": (False, 0)}
+    neutral = {"presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": ({},),
+               "best_of": (1,), "suffix": ("",), "tools": ([],), "functions": ([],),
+               "tool_choice": ("none", "auto"), "function_call": ("none", "auto")}
     for name, ok in neutral.items():
         v = body.get(name)
         if v is not None and not any(v == o and type(v) is type(o) for o in ok):
@@ -181,30 +187,143 @@ def chat_prompt_ids(sp, messages: list[tuple[str, str]]) -> list[int]:
     return encode_segments(sp, segments, sp.eos_id())[0]
 
 
+def document_prefix(tok) -> list[int] | None:
+    """The ids a document starts with before its text: what `Tokenizer.prompt_ids` puts before `encode` ([EOS] for a
+    SentencePiece model trained here, BOS for a tokenizer.json whose post-processor adds one, [] for SmolLM2).
+    None when prompt_ids is not `prefix + encode(text)` (then string prompts use prompt_ids as they are)."""
+    probe = "The document starts"
+    p, e = tok.prompt_ids(probe), tok.encode(probe)
+    k = len(p) - len(e)
+    return list(p[:k]) if k >= 0 and list(p[k:]) == list(e) else None
+
+
+def completion_prompt(tok, prefix: list[int] | None, prompt: str | list[int]) -> tuple[list[int], int]:
+    """(the ids the model is conditioned on, the index where the client's own prompt starts there).
+
+    One rule for strings and token ids: the model sees the document prefix, then the prompt. A string is
+    `prefix + encode(text)` (= `prompt_ids`, how pretraining, eval and `msllm predict` see a document start); token
+    ids get the same prefix unless they already start with it. The prefix is conditioning, not prompt: echo and
+    prompt logprobs cover the client's part only, so the first echoed token is scored after the prefix, and
+    lm-eval's `local-completions` (which tokenizes without special tokens and sends ids) reads its context length
+    from the tokens it sent."""
+    if isinstance(prompt, str):
+        if prefix is None:
+            return list(tok.prompt_ids(prompt)), 0
+        return prefix + list(tok.encode(prompt)), len(prefix)
+    ids = [int(t) for t in prompt]
+    if prefix and ids[:len(prefix)] != prefix:
+        return prefix + ids, len(prefix)
+    return ids, 0
+
+
 def completion_prompt_ids(sp, prompt: str) -> list[int]:
     """How pretraining, eval and `msllm predict` see the start of a document (`Tokenizer.prompt_ids`)."""
     return sp.prompt_ids(prompt)
 
 
+MAX_LOGPROBS = 20  # alternatives per position (OpenAI's top_logprobs limit)
+MAX_N = 16  # choices per prompt
+
+
+class Prompt:
+    """One prompt of a request: conditioning ids, where the client's part starts, and its text (for echo)."""
+
+    def __init__(self, ids: list[int], start: int, text: str | None):
+        self.ids, self.start, self.text = ids, start, text
+
+
 class Parsed:
-    """A validated request: prompt token ids, sampling, streaming options."""
+    """A validated request: prompts, choices per prompt, sampling, streaming and logprobs options."""
 
-    def __init__(self, prompt_ids: list[int], sampling: Sampling, stream: bool, include_usage: bool):
-        self.prompt_ids, self.sampling, self.stream, self.include_usage = prompt_ids, sampling, stream, include_usage
+    def __init__(self, prompts: list[Prompt], sampling: Sampling, stream: bool, include_usage: bool, *, n: int = 1,
+                 echo: bool = False, logprobs: int | None = None, model: str = ""):
+        self.prompts, self.sampling, self.stream, self.include_usage = prompts, sampling, stream, include_usage
+        self.n, self.echo, self.logprobs, self.model = n, echo, logprobs, model
+
+    @property
+    def prompt_ids(self) -> list[int]:  # the first prompt's ids (one-prompt callers)
+        return self.prompts[0].ids
+
+    def jobs(self) -> list[tuple[Prompt, Sampling]]:
+        """(prompt, sampling) of each choice in OpenAI's order (prompt by prompt, n each). Choice j of a prompt
+        samples with seed + j, so n seeded choices differ from each other and each is reproducible."""
+        out = []
+        for p in self.prompts:
+            for j in range(self.n):
+                seed = None if self.sampling.seed is None else (self.sampling.seed + j) % 2**63
+                out.append((p, replace(self.sampling, seed=seed, echo_from=p.start if self.echo else None)))
+        return out
 
 
-def parse_request(body: Any, *, chat: bool, model_id: str, backend) -> Parsed:
-    """Validate an OpenAI request body; ApiError naming the field on the first problem."""
+def requested_model(body: Any, served: Collection[str]) -> str:
+    """The `model` field, checked against the served ids (404 naming them)."""
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {_type_name(body)}")
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise ApiError(400, "model is required: the served model's id (GET /v1/models lists it)", "model")
-    if model != model_id:
-        raise ApiError(404, f"model '{model}' does not exist; this server serves '{model_id}'", "model",
+    if model not in served:
+        names = ", ".join(f"'{m}'" for m in served)
+        raise ApiError(404, f"model '{model}' does not exist; this server serves {names}", "model",
                        code="model_not_found")
+    return model
+
+
+def _logprob_fields(body: dict, chat: bool) -> tuple[bool, int | None]:
+    """(echo, alternatives per position or None for no logprobs)."""
+    if chat:
+        if body.get("echo") is not None:
+            raise ApiError(400, "echo is not supported with chat completions (it is a /v1/completions field); "
+                                "remove it", "echo")
+        want = _bool(body, "logprobs")
+        top = _int(body, "top_logprobs", None, lo=0, hi=MAX_LOGPROBS)
+        if top is not None and not want:
+            raise ApiError(400, "top_logprobs requires logprobs: true", "top_logprobs")
+        return False, (top or 0) if want else None
+    echo = _bool(body, "echo")
+    lp = _int(body, "logprobs", None, lo=0, hi=MAX_LOGPROBS)
+    top = _int(body, "top_logprobs", None, lo=0, hi=MAX_LOGPROBS)  # vLLM's spelling; logprobs wins when both given
+    return echo, lp if lp is not None else top
+
+
+def _prompts(body: dict, backend, prefix: list[int] | None) -> list[Prompt]:
+    sp, vocab = backend.tokenizer, backend.vocab_size
+
+    def is_ids(v: Any) -> bool:
+        return isinstance(v, list) and bool(v) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+
+    def one(v: Any, where: str) -> Prompt:
+        if isinstance(v, str):
+            ids, start = completion_prompt(sp, prefix, v)
+            text = v
+        elif is_ids(v):
+            bad = [t for t in v if not 0 <= t < vocab]
+            if bad:
+                raise ApiError(400, f"{where}: token id {bad[0]} is outside the vocabulary [0, {vocab})", where)
+            ids, start = completion_prompt(sp, prefix, v)
+            text = None  # decoded when echoed
+        else:
+            raise ApiError(400, f"{where} must be a string or an array of token ids, got {_type_name(v)}", where)
+        if not ids:
+            raise ApiError(400, f"{where} is empty and this model has no document prefix to start from", where)
+        return Prompt(ids, start, text)
+
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) or is_ids(prompt):
+        return [one(prompt, "prompt")]
+    if isinstance(prompt, list) and prompt:
+        return [one(v, f"prompt[{i}]") for i, v in enumerate(prompt)]
+    raise ApiError(400, f"prompt must be a string, an array of token ids, or a non-empty array of either, got "
+                        f"{_type_name(prompt) if prompt != [] else 'an empty array'}", "prompt")
+
+
+def parse_request(body: Any, *, chat: bool, model_id: str | Collection[str], backend,
+                  prefix: list[int] | None = None) -> Parsed:
+    """Validate an OpenAI request body; ApiError naming the field on the first problem."""
+    model = requested_model(body, [model_id] if isinstance(model_id, str) else model_id)
     _unsupported(body)
-    _int(body, "n", 1, lo=1, hi=1, fix=" (one choice per request)")
+    n = _int(body, "n", 1, lo=1, hi=MAX_N)
+    echo, logprobs = _logprob_fields(body, chat)
     stream = _bool(body, "stream")
     so = body.get("stream_options")
     include_usage = False
@@ -228,57 +347,138 @@ def parse_request(body: Any, *, chat: bool, model_id: str, backend) -> Parsed:
         from tasks.tokenizer import TokenizerError
 
         try:
-            ids, field = chat_prompt_ids(sp, turns), "messages"
+            prompts, field = [Prompt(chat_prompt_ids(sp, turns), 0, None)], "messages"
         except TokenizerError as exc:  # the model's template refused the conversation (e.g. its raise_exception)
             raise ApiError(400, f"messages: {exc}", "messages") from None
     else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one
-        if isinstance(prompt, str):
-            ids = completion_prompt_ids(sp, prompt)
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            bad = [t for t in prompt if not 0 <= t < backend.vocab_size]
-            if bad:
-                raise ApiError(400, f"prompt: token id {bad[0]} is outside the vocabulary [0, {backend.vocab_size})",
-                               "prompt")
-            ids = list(prompt)
-        elif isinstance(prompt, list) and len(prompt) > 1:
-            raise ApiError(400, f"prompt: {len(prompt)} prompts in one request; send one prompt per request", "prompt")
-        else:
-            raise ApiError(400, f"prompt must be a string or an array of token ids, got {_type_name(prompt)}", "prompt")
+        prompts = _prompts(body, backend, prefix)
         field = "prompt"
-    if len(ids) >= ctx:
-        raise ApiError(400, f"{field}: the prompt is {len(ids)} tokens but the model's context is {ctx} tokens, "
-                            f"and at least one must be left for the completion; shorten the {field}", field,
+    longest = max(prompts, key=lambda p: len(p.ids))
+    where = field if len(prompts) == 1 else f"{field}[{prompts.index(longest)}]"
+    n_ids = len(longest.ids)
+    if n_ids > ctx or (n_ids == ctx and not echo):
+        raise ApiError(400, f"{where}: the prompt is {n_ids} tokens but the model's context is {ctx} tokens, "
+                            f"and at least one must be left for the completion; shorten the {field}", where,
                        code="context_length_exceeded")
-    room = ctx - len(ids)
+    room = ctx - n_ids
     mt_name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _int(body, mt_name, room if chat else min(16, room), lo=1)
+    max_tokens = _int(body, mt_name, room if chat else min(16, room), lo=0 if echo else 1,
+                      fix="" if chat or echo else " (0 only with echo: true)")
     if max_tokens > room:
         raise ApiError(400, f"{mt_name} is {max_tokens} but the model's context is {ctx} tokens and the prompt "
-                            f"uses {len(ids)}; set {mt_name} to at most {room}", mt_name,
+                            f"uses {n_ids}; set {mt_name} to at most {room}", mt_name,
                        code="context_length_exceeded")
     top_k = _int(body, "top_k", None, lo=-1)
     seed = _int(body, "seed", None, lo=0, hi=2**63 - 1)
     sampling = Sampling(max_tokens=max_tokens, temperature=_float(body, "temperature", 1.0, 0.0, 2.0),
                         top_p=_float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True), top_k=top_k if top_k and top_k > 0
-                        else None, seed=seed, stop=_stop(body))
-    return Parsed(ids, sampling, stream, include_usage)
+                        else None, seed=seed, stop=_stop(body), logprobs=logprobs)
+    return Parsed(prompts, sampling, stream, include_usage, n=n, echo=echo, logprobs=logprobs, model=model)
+
+
+# ----------------------------------------------------------------------------- logprobs in OpenAI's shapes
+
+_WINDOW = 8  # tokens of context decoded with a token to find its text (a leading space survives)
+
+
+class TokenText:
+    """The text each token adds after the tokens before it (decoded with a few of them), and the special
+    tokens' own pieces (they decode to nothing)."""
+
+    def __init__(self, tok):
+        self.tok = tok
+        self.special = {i for i in (tok.eos_id(), tok.bos_id(), tok.pad_id()) if i is not None and i >= 0}
+
+    def after(self, head: Sequence[int], t: int) -> str:
+        if t in self.special:
+            return self.tok.id_to_piece(t)
+        head = [h for h in head[-_WINDOW:] if h not in self.special]
+        if not head:
+            return self.tok.decode([t])
+        a, b = self.tok.decode(head), self.tok.decode(head + [t])
+        return b[len(a):] if b.startswith(a) else self.tok.decode([t])
+
+    def run(self, context: Sequence[int], ids: Sequence[int]) -> list[str]:
+        full = list(context) + list(ids)
+        c = len(context)
+        return [self.after(full[max(0, c + i - _WINDOW):c + i], t) for i, t in enumerate(ids)]
+
+
+def completion_logprobs(tt: TokenText, context: Sequence[int], entries: Sequence[LogProb], offset: int,
+                        k: int) -> dict[str, Any]:
+    """OpenAI's completions `logprobs` for `entries` (tokens after `context`): tokens, token_logprobs,
+    top_logprobs (the k most likely plus the chosen token, as OpenAI: up to k + 1; None where the logprob is None),
+    text_offset (from `offset`)."""
+    ids = [e.token for e in entries]
+    texts = tt.run(context, ids)
+    full = list(context) + ids
+    tops, offsets = [], []
+    for i, (e, text) in enumerate(zip(entries, texts)):
+        offsets.append(offset)
+        offset += len(text)
+        if e.logprob is None:
+            tops.append(None)
+            continue
+        head = full[max(0, len(context) + i - _WINDOW):len(context) + i]
+        top: dict[str, float] = {}
+        for t, lp in e.top[:k]:
+            top.setdefault(tt.after(head, t), lp)
+        top.setdefault(text, e.logprob)
+        tops.append(top)
+    return {"tokens": texts, "token_logprobs": [e.logprob for e in entries], "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+def chat_logprobs(tt: TokenText, context: Sequence[int], entries: Sequence[LogProb], k: int) -> list[dict[str, Any]]:
+    """OpenAI's chat `logprobs.content`: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]."""
+    ids = [e.token for e in entries]
+    texts = tt.run(context, ids)
+    full = list(context) + ids
+    out = []
+    for i, (e, text) in enumerate(zip(entries, texts)):
+        head = full[max(0, len(context) + i - _WINDOW):len(context) + i]
+        alts = [(tt.after(head, t), lp) for t, lp in e.top[:k]]
+        out.append({"token": text, "logprob": e.logprob, "bytes": list(text.encode("utf-8")),
+                    "top_logprobs": [{"token": a, "logprob": lp, "bytes": list(a.encode("utf-8"))} for a, lp in alts]})
+    return out
 
 
 # ----------------------------------------------------------------------------- the app
 
 
-def build_app(engine: Engine, model_id: str, artifact: Path | str) -> FastAPI:
+class Served:
+    """One model id of the server: its engine (and backend), the artifact it came from, extra /v1/models fields."""
+
+    def __init__(self, engine: Engine, artifact: Path | str, **card: Any):
+        self.engine, self.artifact, self.card = engine, artifact, card
+        self.backend = engine.backend
+        self.prefix = document_prefix(self.backend.tokenizer)
+        self.text = TokenText(self.backend.tokenizer)
+
+
+def build_app(engine: Engine, model_id: str, artifact: Path | str, *, adapters: dict[str, Served] | None = None) -> FastAPI:
+    """The app serving `engine` as `model_id`, and each of `adapters` (id -> Served) as its own model id."""
+    from fastapi.responses import Response
+
+    from tasks.serving.metrics import ServerMetrics
+
+    served: dict[str, Served] = {model_id: Served(engine, artifact), **(adapters or {})}
     backend = engine.backend
     created = int(time.time())
     app = FastAPI(title="msllm", version="1", docs_url=None, redoc_url=None, openapi_url=None)
+    metrics = ServerMetrics(backend.kind, {m: sv.engine for m, sv in served.items()})
+    app.state.metrics = metrics
 
     def error(exc: ApiError, endpoint: str = "") -> JSONResponse:
         if endpoint:
             log.info("%s %d %s", endpoint, exc.status, exc.message)
         return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.middleware("http")
+    async def _count(request: Request, call_next):
+        response = await call_next(request)
+        metrics.request(request.url.path, response.status_code)
+        return response
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
@@ -291,80 +491,143 @@ def build_app(engine: Engine, model_id: str, artifact: Path | str) -> FastAPI:
         log.exception("%s %s failed", request.method, request.url.path)
         return error(ApiError(500, f"internal error: {type(exc).__name__}: {exc}"))
 
-    def model_card() -> dict[str, Any]:
-        return {"id": model_id, "object": "model", "created": created, "owned_by": "msllm",
-                "backend": backend.kind, "context_length": backend.context_length, "artifact": str(artifact)}
+    def model_card(name: str) -> dict[str, Any]:
+        sv = served[name]
+        return {"id": name, "object": "model", "created": created, "owned_by": "msllm", "backend": sv.backend.kind,
+                "context_length": sv.backend.context_length, "artifact": str(sv.artifact), **sv.card}
 
     @app.get("/health")
     async def health():
-        ok = engine.alive()
+        ok = all(sv.engine.alive() for sv in served.values())
         return JSONResponse({"status": "ok" if ok else "stopping", "model": model_id, "backend": backend.kind,
                              "batched": engine.batched, "active": engine.active, "peak_active": engine.peak_active,
                              "queued": engine.queued()}, status_code=200 if ok else 503)
 
+    @app.get("/metrics")
+    async def prometheus():
+        body, ctype = metrics.render()
+        return Response(body, media_type=ctype)
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(m) for m in served]}
 
     @app.get("/v1/models/{name:path}")
     async def model(name: str):
-        if name != model_id:
-            return error(ApiError(404, f"model '{name}' does not exist; this server serves '{model_id}'", "model",
-                                  code="model_not_found"), f"GET /v1/models/{name}")
-        return model_card()
+        if name not in served:
+            return error(ApiError(404, f"model '{name}' does not exist; this server serves "
+                                       f"{', '.join(repr(m) for m in served)}", "model", code="model_not_found"),
+                         f"GET /v1/models/{name}")
+        return model_card(name)
+
+    # ---- vLLM's tokenizer endpoints: lm-eval's `local-completions` finds them (tokenizer_backend=auto or
+    # remote) and tokenizes with the server's own tokenizer, so its token ids are the server's.
+
+    tok = backend.tokenizer
+    doc_start = served[model_id].prefix
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        def piece(i: int) -> str | None:
+            return tok.id_to_piece(i) if i is not None and i >= 0 else None
+
+        # bos_token: the token a document starts with, which lm-eval puts before an empty context (its
+        # prefix_token_id): the document prefix where there is one ([EOS] for a SentencePiece model trained here,
+        # whose training stream never holds BOS), else the tokenizer's BOS.
+        bos = doc_start[0] if doc_start else tok.bos_id()
+        return {"tokenizer_class": tok.kind, "eos_token": piece(tok.eos_id()), "bos_token": piece(bos),
+                "pad_token": piece(tok.pad_id()), "unk_token": piece(tok.unk_id()), "chat_template": tok.chat_template,
+                "model_max_length": backend.context_length, "document_prefix": doc_start}
+
+    def encode_text(text: str, add_special_tokens: bool) -> list[int]:
+        specials = {tok.id_to_piece(i): i for i in (tok.eos_id(), tok.bos_id(), tok.pad_id(), tok.unk_id()) if i >= 0}
+        if text in specials:  # a special token's own text is that token (as HF tokenizers parse it)
+            return [specials[text]]
+        return completion_prompt(tok, doc_start, text)[0] if add_special_tokens else list(tok.encode(text))
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        try:
+            body = await _json_body(request)
+            text = body.get("prompt")
+            if not isinstance(text, str):
+                raise ApiError(400, f"prompt must be a string, got {_type_name(text)}", "prompt")
+            ids = encode_text(text, _bool(body, "add_special_tokens", True))
+        except ApiError as exc:
+            return error(exc, "POST /tokenize")
+        return {"count": len(ids), "max_model_len": backend.context_length, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        try:
+            body = await _json_body(request)
+            ids = body.get("tokens")
+            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                    and 0 <= t < backend.vocab_size for t in ids):
+                raise ApiError(400, f"tokens must be an array of token ids in [0, {backend.vocab_size})", "tokens")
+        except ApiError as exc:
+            return error(exc, "POST /detokenize")
+        return {"prompt": tok.decode(ids)}
+
+    # ---- completions and chat
 
     async def handle(request: Request, chat: bool):
         endpoint = f"POST {request.url.path}"
-        raw = await request.body()
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        reqs: list = []
         try:
-            try:
-                body = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise ApiError(400, f"the request body is not valid JSON ({exc}); send a JSON object with "
-                                    f"Content-Type: application/json") from None
-            p = parse_request(body, chat=chat, model_id=model_id, backend=backend)
-            events: asyncio.Queue = asyncio.Queue()
-            loop = asyncio.get_running_loop()
+            body = await _json_body(request)
+            name = requested_model(body, served)
+            sv = served[name]
+            p = parse_request(body, chat=chat, model_id=name, backend=sv.backend, prefix=sv.prefix)
+            jobs = p.jobs()
 
-            def emit(ev: dict[str, Any]) -> None:  # called from the engine's thread
-                try:
-                    loop.call_soon_threadsafe(events.put_nowait, ev)
-                except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
-                    pass
+            def emitter(i: int):
+                def emit(ev: dict[str, Any]) -> None:  # called from the engine's thread
+                    try:
+                        loop.call_soon_threadsafe(events.put_nowait, (i, ev))
+                    except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
+                        pass
+                return emit
 
             try:
-                req = engine.submit(p.prompt_ids, p.sampling, emit)
+                for i, (prompt, sampling) in enumerate(jobs):
+                    reqs.append(sv.engine.submit(prompt.ids, sampling, emitter(i)))
             except Busy as exc:
+                for r in reqs:
+                    r.cancel()
                 raise ApiError(503, str(exc), code="server_busy") from None
         except ApiError as exc:
             return error(exc, endpoint)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         meta = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                "model": model_id}
+                "model": name}
+        fmt = _Choices(sv, p, jobs, chat)
         if p.stream:
-            return StreamingResponse(_stream(req, events, meta, chat, p.include_usage, rid, endpoint),
+            return StreamingResponse(_stream(reqs, events, meta, fmt, p.include_usage, rid, endpoint, metrics, name),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        text, done = [], None
+        texts: list[list[str]] = [[] for _ in jobs]
+        done: list[dict[str, Any] | None] = [None] * len(jobs)
         try:
-            while done is None:
-                ev = await events.get()
+            while any(d is None for d in done):
+                i, ev = await events.get()
                 if ev["type"] == "token":
-                    text.append(ev["text"])
+                    texts[i].append(ev["text"])
                 elif ev["type"] == "done":
-                    done = ev
+                    done[i] = ev
+                    metrics.finished(name, ev)
+                    _log_done(rid if len(jobs) == 1 else f"{rid}[{i}]", endpoint, ev)
                 else:
                     raise ApiError(500, ev["message"])
         except ApiError as exc:
             return error(exc, f"{endpoint} {rid}")
         finally:
-            req.cancel()  # no-op when finished; stops the work when this handler was cancelled
-        _log_done(rid, endpoint, done)
-        text = "".join(text)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                   "finish_reason": done["finish_reason"]} if chat else
-                  {"index": 0, "text": text, "logprobs": None, "finish_reason": done["finish_reason"]})
-        return {**meta, "choices": [choice], "usage": _usage(done)}
+            for r in reqs:
+                r.cancel()  # no-op when finished; stops the work when this handler was cancelled
+        choices = [fmt.final(i, "".join(texts[i]), done[i]) for i in range(len(jobs))]
+        return {**meta, "choices": choices, "usage": fmt.usage(done)}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -375,6 +638,107 @@ def build_app(engine: Engine, model_id: str, artifact: Path | str) -> FastAPI:
         return await handle(request, chat=True)
 
     return app
+
+
+async def _json_body(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"the request body is not valid JSON ({exc}); send a JSON object with "
+                            f"Content-Type: application/json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, f"the request body must be a JSON object, got {_type_name(body)}")
+    return body
+
+
+class _Choices:
+    """The choices of one response in OpenAI's shapes (completions or chat; whole or streamed)."""
+
+    def __init__(self, sv: Served, p: Parsed, jobs: list[tuple[Prompt, Sampling]], chat: bool):
+        self.sv, self.p, self.jobs, self.chat = sv, p, jobs, chat
+        self.sent = [0] * len(jobs)  # streamed: generated tokens whose logprobs went out
+        self.offset = [0] * len(jobs)  # streamed: text offset of the next token
+
+    def echo_text(self, i: int) -> str:
+        prompt = self.jobs[i][0]
+        if prompt.text is not None:
+            return prompt.text
+        return self.sv.backend.tokenizer.decode(prompt.ids[prompt.start:])
+
+    def _completion_lp(self, i: int, prompt_lp: list[LogProb], gen_lp: list[LogProb], offset: int) -> dict[str, Any]:
+        """Completions `logprobs` of echoed prompt tokens then generated ones, text offsets from `offset`."""
+        prompt = self.jobs[i][0]
+        k, tt = self.p.logprobs or 0, self.sv.text
+        parts = []
+        if prompt_lp:
+            parts.append(completion_logprobs(tt, prompt.ids[:prompt.start], prompt_lp, offset, k))
+            offset += sum(len(t) for t in parts[-1]["tokens"])
+        if gen_lp:
+            parts.append(completion_logprobs(tt, prompt.ids + [e.token for e in self.sent_before(i)], gen_lp, offset, k))
+        return {key: [x for part in parts for x in part[key]]
+                for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+
+    def sent_before(self, i: int) -> list[LogProb]:
+        return getattr(self, "_history", {}).get(i, [])
+
+    def final(self, i: int, text: str, done: dict[str, Any]) -> dict[str, Any]:
+        finish = done["finish_reason"]
+        k = self.p.logprobs
+        if self.chat:
+            lp = None
+            if k is not None:
+                lp = {"content": chat_logprobs(self.sv.text, self.jobs[i][0].ids, done["logprobs"], k), "refusal": None}
+            return {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp,
+                    "finish_reason": finish}
+        if self.p.echo:
+            echo = self.echo_text(i)
+            text = echo + text
+        lp = None
+        if k is not None:
+            lp = self._completion_lp(i, done["prompt_logprobs"] if self.p.echo else [], done["logprobs"], 0)
+        return {"index": i, "text": text, "logprobs": lp, "finish_reason": finish}
+
+    def usage(self, done: list[dict[str, Any] | None]) -> dict[str, int]:
+        """Prompt tokens once per prompt (not per choice), completion tokens of every choice."""
+        prompt = sum(len(p.ids) for p in self.p.prompts)
+        completion = sum(d["completion_tokens"] for d in done if d is not None)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    # ---- streamed
+
+    def start_chunks(self) -> list[dict[str, Any]]:
+        """What goes first: the assistant role (chat), the echoed prompt (completions with echo)."""
+        out = []
+        for i, (prompt, _) in enumerate(self.jobs):
+            if self.chat:
+                out.append({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                            "finish_reason": None})
+        return out
+
+    def chunk(self, i: int, text: str | None, entries: list[LogProb] | None, finish: str | None = None,
+              prompt_lp: list[LogProb] | None = None, echo: str | None = None) -> dict[str, Any]:
+        k = self.p.logprobs
+        prompt = self.jobs[i][0]
+        if self.chat:
+            lp = None
+            if k is not None and entries:
+                ctx = prompt.ids + [e.token for e in self.sent_before(i)]
+                lp = {"content": chat_logprobs(self.sv.text, ctx, entries, k), "refusal": None}
+            if entries:
+                self._history = getattr(self, "_history", {})
+                self._history.setdefault(i, []).extend(entries)
+            delta = {} if text is None else {"content": text}
+            return {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}
+        lp = None
+        if k is not None and (entries or prompt_lp):
+            lp = self._completion_lp(i, prompt_lp or [], entries or [], self.offset[i])
+            if lp["tokens"]:
+                self.offset[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+        if entries:
+            self._history = getattr(self, "_history", {})
+            self._history.setdefault(i, []).extend(entries)
+        return {"index": i, "text": (echo or "") + (text or ""), "logprobs": lp, "finish_reason": finish}
 
 
 def _usage(done: dict[str, Any]) -> dict[str, int]:
@@ -393,46 +757,51 @@ def _sse(obj: Any) -> bytes:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
 
 
-async def _stream(req, events: asyncio.Queue, meta: dict[str, Any], chat: bool, include_usage: bool, rid: str,
-                  endpoint: str) -> AsyncIterator[bytes]:
-    meta = {**meta, "object": "chat.completion.chunk" if chat else "text_completion"}
-
-    def chunk(text: str | None, finish: str | None = None, **extra: Any) -> bytes:
-        if chat:
-            delta = {} if text is None else {"content": text}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-        return _sse({**meta, "choices": [choice], **extra})
-
-    finished = False
+async def _stream(reqs: list, events: asyncio.Queue, meta: dict[str, Any], fmt: _Choices, include_usage: bool,
+                  rid: str, endpoint: str, metrics, model: str) -> AsyncIterator[bytes]:
+    meta = {**meta, "object": "chat.completion.chunk" if fmt.chat else "text_completion"}
+    n = len(reqs)
+    done: list[dict[str, Any] | None] = [None] * n
+    echoed = [not (fmt.p.echo and not fmt.chat)] * n  # completions with echo: the prompt goes out first
     tokens = 0
+    failed = False
     try:
-        if chat:
-            yield _sse({**meta, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                             "logprobs": None, "finish_reason": None}]})
-        while True:
-            ev = await events.get()
-            if ev["type"] == "token":
-                tokens += ev["tokens"]
-                yield chunk(ev["text"])
-            elif ev["type"] == "done":
-                finished = True
-                _log_done(rid, endpoint, ev)
-                yield chunk(None, ev["finish_reason"], usage=_usage(ev))
-                if include_usage:
-                    yield _sse({**meta, "choices": [], "usage": _usage(ev)})
-                break
-            else:
-                finished = True
+        for c in fmt.start_chunks():
+            yield _sse({**meta, "choices": [c]})
+        while any(d is None for d in done):
+            i, ev = await events.get()
+            if ev["type"] == "error":
+                failed = True
                 log.info("%s %s 500 %s", endpoint, rid, ev["message"])
                 yield _sse(ApiError(500, ev["message"]).body())
                 break
+            extra: dict[str, Any] = {}
+            if not echoed[i] and ev["type"] in ("token", "done"):
+                echoed[i] = True
+                if ev["type"] == "token":  # the echoed prompt (and its logprobs) before the first token
+                    yield _sse({**meta, "choices": [fmt.chunk(i, None, None, prompt_lp=ev.get("prompt_logprobs"),
+                                                              echo=fmt.echo_text(i))]})
+                else:
+                    extra = {"echo": fmt.echo_text(i), "prompt_lp": ev.get("prompt_logprobs")}
+            if ev["type"] == "token":
+                tokens += ev["tokens"]
+                yield _sse({**meta, "choices": [fmt.chunk(i, ev["text"], ev.get("logprobs"))]})
+            else:
+                done[i] = ev
+                metrics.finished(model, ev)
+                _log_done(rid if n == 1 else f"{rid}[{i}]", endpoint, ev)
+                last = fmt.chunk(i, None, ev.get("unsent_logprobs"), ev["finish_reason"], **extra)
+                yield _sse({**meta, "choices": [last], **({"usage": _usage(ev)} if n == 1 else {})})
+        if not failed:
+            if include_usage:
+                yield _sse({**meta, "choices": [], "usage": fmt.usage(done)})
         yield b"data: [DONE]\n\n"
     finally:
-        if not finished:
-            req.cancel()
-            log.info("%s %s client went away after out=%d tokens", endpoint, rid, tokens)
+        if failed or any(d is None for d in done):
+            for r in reqs:
+                r.cancel()
+            if not failed:
+                log.info("%s %s client went away after out=%d tokens", endpoint, rid, tokens)
 
 
 # ----------------------------------------------------------------------------- running it

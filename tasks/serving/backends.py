@@ -7,6 +7,7 @@
     logits = next(steps)               # prefill (the whole prompt in one call)
     logits = steps.send(token)         # one decode step through the KV cache
     steps.close()
+    logits = backend.prompt_logits(ids)  # [T, V] fp32: every position of the prompt (echo / prompt logprobs)
 
 Each `steps` coroutine owns its KV cache, so any number of them can be interleaved (the
 engine does, one token each per round) and each yields what it would yield alone.
@@ -68,6 +69,17 @@ class MindSporeBackend:
         # Generator.generate's own coroutine (prompt right-padded to a 32-token bucket, one compiled
         # prefill per bucket, one compiled decode step): the same arithmetic as `msllm predict`.
         return self.generator._cached_steps([int(t) for t in prompt_ids])
+
+    def prompt_logits(self, ids: list[int]) -> np.ndarray:
+        """The logits [T, V] at every position of `ids`: the full forward, right-padded to a 32-token bucket
+        (causal: padding never reaches the real positions), as the eval stage's scorer runs it."""
+        from mindspore import Tensor
+
+        n = len(ids)
+        g = self.generator
+        x = np.zeros((1, min(-(-n // g.bucket) * g.bucket, g.max_len)), np.int32)
+        x[0, :n] = ids
+        return g._forward(Tensor(x)).asnumpy()[0, :n]
 
     def warmup(self) -> None:
         """Compile the decode step and the first prefill bucket (prompts up to 32 tokens)."""
@@ -169,6 +181,10 @@ class OnnxBackend:
         st.past = {k: np.ascontiguousarray(v[keep][:, :, first:]) for k, v in st.past.items()}
         st.attention_mask = mask[:, first:]
         st.positions = st.positions[keep]
+
+    def prompt_logits(self, ids: list[int]) -> np.ndarray:
+        """The logits [T, V] at every position of `ids` (one forward, no cache kept)."""
+        return self.generator.logits([[int(t) for t in ids]])[0]
 
     # ---- one sequence alone
 

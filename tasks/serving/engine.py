@@ -4,8 +4,10 @@
     engine.start()                                  # loads the backend in the worker thread; raises its error
     req = engine.submit(prompt_ids, Sampling(max_tokens=32, temperature=0.0), emit)
     # emit(event) is called from the worker thread with, in order:
-    #   {"type": "token", "text": "...", "tokens": n}     zero or more: text safe to show (stop strings held back)
-    #   {"type": "done", "finish_reason": "stop"|"length", "prompt_tokens", "completion_tokens", timings}
+    #   {"type": "token", "text": "...", "tokens": n, "logprobs": [...]}  zero or more: text safe to show (stop
+    #                                                     strings held back); logprobs of those n tokens if asked
+    #   {"type": "done", "finish_reason": "stop"|"length", "prompt_tokens", "completion_tokens", timings,
+    #    "prompt_logprobs": [...] (echo), "logprobs": [...] (every generated token), "token_gaps": [s, ...]}
     #   or {"type": "error", "message": ...}
     req.cancel()                                    # a client went away: dropped at the next round
     engine.stop()
@@ -31,6 +33,14 @@ prompt tokens, so a leading space survives); the first occurrence of any stop st
 the request and the text is cut before it (OpenAI's semantics). A streamed delta never
 contains a tail that could still become a stop string, nor an incomplete UTF-8 character
 (byte-fallback pieces decode to U+FFFD until the character is complete).
+
+Logprobs (`Sampling.logprobs` = how many alternatives per position, 0..20; None: none): the
+log-softmax of the backend's fp32 logits, in float64, before temperature, top-k or top-p (as vLLM
+reports them by default), as `LogProb(token, logprob, top)` entries: one per generated token, and
+with `Sampling.echo_from` set, one per prompt token from that index on (a prompt position needs the
+logits of the whole prompt: one extra full forward, `backend.prompt_logits`). The first token of a
+sequence has nothing before it: its logprob is None. `max_tokens` 0 is allowed with echo only:
+the prompt is scored and nothing is generated.
 """
 
 from __future__ import annotations
@@ -40,7 +50,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -57,6 +67,49 @@ class Sampling:
     top_k: int | None = None
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    logprobs: int | None = None  # alternatives per position (0..20) with each token's logprob; None: no logprobs
+    echo_from: int | None = None  # score the prompt's tokens from this index on (echo); None: not at all
+
+
+class LogProb(NamedTuple):
+    """One position: the token there, its logprob (None: nothing precedes it) and the `top` most likely
+    alternatives [(id, logprob), ...], most likely first."""
+
+    token: int
+    logprob: float | None
+    top: list[tuple[int, float]]
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """log p over the last axis, in float64, of fp32 logits (no temperature: the model's own distribution)."""
+    z = np.asarray(logits, np.float64)
+    z = z - z.max(axis=-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+
+
+def _top(lp: np.ndarray, k: int) -> list[tuple[int, float]]:
+    if k <= 0:
+        return []
+    k = min(k, lp.size)
+    idx = np.argpartition(-lp, k - 1)[:k]
+    idx = idx[np.lexsort((idx, -lp[idx]))]  # most likely first; ties by id
+    return [(int(i), float(lp[i])) for i in idx]
+
+
+def logprob_entry(logits: np.ndarray, token: int, k: int) -> LogProb:
+    lp = log_softmax(logits)
+    return LogProb(int(token), float(lp[token]), _top(lp, k))
+
+
+def prompt_logprobs(backend, ids: Sequence[int], start: int, k: int) -> list[LogProb]:
+    """Entries for ids[start:], each scored by the logits of the position before it (one full forward)."""
+    out = [LogProb(int(ids[0]), None, [])] if start == 0 else []
+    if len(ids) > 1 and len(ids) > max(start, 1):
+        lp = log_softmax(backend.prompt_logits(list(ids)))  # [T, V]
+        for p in range(max(start, 1), len(ids)):
+            row = lp[p - 1]
+            out.append(LogProb(int(ids[p]), float(row[ids[p]]), _top(row, k)))
+    return out
 
 
 class Busy(RuntimeError):
@@ -138,6 +191,10 @@ class _Seq:
         self.budget = budget
         self.new: list[int] = []
         self.emitted = 0  # tokens already reported in token events
+        self.logprobs: list[LogProb] = []  # of the generated tokens, when asked
+        self.prompt_logprobs: list[LogProb] = []
+        self.gaps: list[float] = []  # seconds between consecutive tokens
+        self.t_last: float | None = None
 
     def close(self) -> None:
         if self.batched:
@@ -257,12 +314,25 @@ class Engine:
 
     def _admit(self, req: Request) -> _Seq | None:
         req.t_start = time.perf_counter()
-        budget = min(req.sampling.max_tokens, self.backend.context_length - len(req.prompt_ids))
+        s = req.sampling
+        budget = min(s.max_tokens, self.backend.context_length - len(req.prompt_ids))
         try:
-            if budget < 1:
+            if budget < 1 and not (s.max_tokens == 0 and s.echo_from is not None):
                 raise ValueError(f"no room for new tokens: the prompt has {len(req.prompt_ids)} tokens and the "
                                  f"context {self.backend.context_length}")
-            return _Seq(req, self.backend, budget, self.batched)
+            prompt_lp = ([] if s.echo_from is None else
+                         prompt_logprobs(self.backend, req.prompt_ids, s.echo_from, s.logprobs or 0))
+            if s.max_tokens == 0:  # echo alone: the prompt scored, nothing generated
+                now = time.perf_counter()
+                req.t_first = now
+                req.emit({"type": "done", "finish_reason": "length", "text": "", "prompt_tokens": len(req.prompt_ids),
+                          "completion_tokens": 0, "queue_s": req.t_start - req.t_arrival, "ttft_s": now - req.t_arrival,
+                          "total_s": now - req.t_arrival, "decode_s": now - req.t_start, "prompt_logprobs": prompt_lp,
+                          "logprobs": [], "token_gaps": []})
+                return None
+            seq = _Seq(req, self.backend, budget, self.batched)
+            seq.prompt_logprobs = prompt_lp
+            return seq
         except Exception as exc:  # noqa: BLE001 - one request fails, the server goes on
             log.exception("request %d failed to start", req.number)
             req.emit({"type": "error", "message": f"{type(exc).__name__}: {exc}"})
@@ -309,14 +379,22 @@ class Engine:
             tok = self.backend.sample_next(np.asarray(logits), s.temperature, s.top_k, s.top_p, seq.rng)
         except Exception as exc:  # noqa: BLE001
             return self._fail([seq], exc)
+        now = time.perf_counter()
         if req.t_first is None:
-            req.t_first = time.perf_counter()
+            req.t_first = now
+        else:
+            seq.gaps.append(now - seq.t_last)
+        seq.t_last = now
+        if s.logprobs is not None:
+            seq.logprobs.append(logprob_entry(logits, tok, s.logprobs))
         seq.new.append(tok)
         eos = tok == self.backend.eos_id
         full = len(seq.new) >= seq.budget
         delta, hit = seq.text.update(seq.new, final=eos or full)
         if delta:
-            req.emit({"type": "token", "text": delta, "tokens": len(seq.new) - seq.emitted})
+            req.emit({"type": "token", "text": delta, "tokens": len(seq.new) - seq.emitted,
+                      "logprobs": seq.logprobs[seq.emitted:len(seq.new)],
+                      "prompt_logprobs": seq.prompt_logprobs if seq.emitted == 0 else None})
             seq.emitted = len(seq.new)
         if not (eos or hit or full):
             return True
@@ -324,5 +402,7 @@ class Engine:
         req.emit({"type": "done", "finish_reason": "stop" if eos or hit else "length", "text": seq.text.text,
                   "prompt_tokens": len(req.prompt_ids), "completion_tokens": len(seq.new),
                   "queue_s": req.t_start - req.t_arrival, "ttft_s": req.t_first - req.t_arrival,
-                  "total_s": now - req.t_arrival, "decode_s": now - req.t_start})
+                  "total_s": now - req.t_arrival, "decode_s": now - req.t_start,
+                  "prompt_logprobs": seq.prompt_logprobs, "logprobs": seq.logprobs,
+                  "unsent_logprobs": seq.logprobs[seq.emitted:], "token_gaps": seq.gaps})
         return False

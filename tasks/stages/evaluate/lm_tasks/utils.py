@@ -12,7 +12,9 @@ harness's own templates, character for character. WinoGrande keeps MosaicML's fo
 harness's `preprocess_winogrande` builds from the original records.
 
 Paths resolve from this file (`<repo>/data/benchmarks`), so the tasks work from any
-clone location; `MSLLM_BENCHMARKS` or a `data_dir` metadata key points elsewhere.
+clone location; `MSLLM_BENCHMARKS` or a `data_dir` metadata key points elsewhere. Nothing is resolved
+at import: a copy of this directory outside the repository (an installed wheel, a user's own task
+folder) imports fine and needs only MSLLM_BENCHMARKS or data_dir.
 The harness imports this file by path (not as `tasks.stages.evaluate.lm_tasks.utils`): keep it free of
 project imports.
 """
@@ -26,11 +28,18 @@ from typing import Any, Callable
 
 import numpy as np
 
-BENCHMARKS = Path(__file__).resolve().parents[4] / "data" / "benchmarks"
+def repo_benchmarks() -> Path | None:
+    """`<repo>/data/benchmarks` when this file sits at <repo>/tasks/stages/evaluate/lm_tasks/ (None elsewhere)."""
+    parents = Path(__file__).resolve().parents
+    return parents[4] / "data" / "benchmarks" if len(parents) > 4 else None
 
 
 def benchmarks_dir(data_dir: str | os.PathLike | None = None) -> Path:
-    return Path(data_dir or os.environ.get("MSLLM_BENCHMARKS") or BENCHMARKS)
+    found = data_dir or os.environ.get("MSLLM_BENCHMARKS") or repo_benchmarks()
+    if found is None:
+        raise FileNotFoundError(f"{Path(__file__).parent}: no data/benchmarks beside these task files; set "
+                                f"MSLLM_BENCHMARKS to the data/benchmarks directory (or a data_dir metadata key)")
+    return Path(found)
 
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:
