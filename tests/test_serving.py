@@ -8,6 +8,7 @@ the tests read for the per-request log lines.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -790,3 +791,146 @@ def test_task_utils_import_from_a_shallow_directory():
         assert "ERR" in proc.stdout and "MSLLM_BENCHMARKS" in proc.stdout and int(proc.stdout.split()[-1]) > 0
     finally:
         shutil.rmtree(d)
+
+
+# ----------------------------------------------------------------------------- LoRA adapters on one base
+
+
+def tiny_lora_finetune(base: Path, seed: int, scale: float = 2.0, rank: int = 4) -> Path:
+    """A finetune artifact of `base` in the real format (adapter.safetensors + adapter.json, published through the
+    store beside it), with random A and B large enough that greedy outputs leave the base's and each other's."""
+    import numpy as np
+
+    from model.lora import LORA_A, LORA_B
+    from tasks.store.artifacts import ArtifactStore, atomic_write_json
+    from tasks.store.model_artifact import read_info
+    from tasks.training.checkpoint import load_weights, save_tensors
+
+    store = ArtifactStore(base.parent.parent)
+    ref = store.input_ref(base)
+    key = store.key("finetune", {"test_adapter_seed": seed, "scale": scale}, [ref], "test")
+    if (hit := store.lookup("finetune", key)) is not None:
+        return hit
+    rng = np.random.default_rng(seed)
+    targets = ("q_proj", "v_proj", "o_proj", "down_proj")
+    modules = sorted(k[: -len(".weight")] for k in load_weights(base) if k.split(".")[-2] in targets)
+    weights = {}
+    for m, w in ((m, load_weights(base)[m + ".weight"]) for m in modules):
+        weights[f"{m}.{LORA_A}"] = rng.normal(0, 1 / np.sqrt(w.shape[1]), (rank, w.shape[1])).astype(np.float32)
+        weights[f"{m}.{LORA_B}"] = rng.normal(0, scale, (w.shape[0], rank)).astype(np.float32)
+    info = read_info(base)
+    with store.build("finetune", key, pipeline="test", config={"seed": seed}, inputs=[ref], code="test") as b:
+        save_tensors(b.dir / "adapter.safetensors", weights)
+        atomic_write_json(b.dir / "adapter.json", {
+            "method": "lora", "rank": rank, "alpha": float(rank), "scaling": 1.0, "dropout": 0.0,
+            "target_modules": list(targets), "modules": modules, "format": "text", "template": None,
+            "seq_length": info["model"]["max_seq_length"], "base": {k: ref[k] for k in ("stage", "key", "digest", "path")},
+            "model": {"name": info.get("name", "llama"), "config": info["model"]}})
+    return b.path
+
+
+@pytest.fixture(scope="module")
+def lora_pair(model_art):
+    """Two finetune artifacts of the tiny base and their merged model artifacts (the finetune stage's merge)."""
+    from tasks.stages.finetune import merge
+    from tasks.store.artifacts import ArtifactStore
+
+    store = ArtifactStore(model_art.parent.parent)
+    fts = {"lora-a": tiny_lora_finetune(model_art, 1), "lora-b": tiny_lora_finetune(model_art, 2)}
+    return {name: (ft, merge(store, ft)) for name, ft in fts.items()}
+
+
+def _greedy_reference(artifact: Path, prompts: list[str], max_tokens: int) -> list[str]:
+    """`msllm predict`'s arithmetic on one model artifact: Generator (KV cache), greedy, the completion's text."""
+    from model.generate import Generator
+    from tasks.store.model_artifact import load_model, load_tokenizer
+
+    net, _ = load_model(artifact)
+    sp = load_tokenizer(artifact)
+    gen = Generator(net)
+    out = []
+    for p in prompts:
+        ids = [sp.eos_id()] + sp.encode(p)
+        new = gen.generate(ids, max_tokens, eos_id=sp.eos_id(), temperature=0.0)
+        head = [t for t in ids if t != sp.eos_id()]
+        out.append(sp.decode(head + [t for t in new if t != sp.eos_id()])[len(sp.decode(head)):])
+    return out
+
+
+def test_adapters_are_served_as_their_own_models_each_equal_to_its_merged_model(model_art, lora_pair, tmp_path):
+    """`msllm serve BASE --adapter lora-a=FT --adapter lora-b=FT`: three model ids; requests to all three in flight at
+    once (threads) each give the greedy tokens of that model served alone (the Generator on the merged artifact)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts, max_tokens = ["ROMEO: speak", "JULIET:", "To be"], 20
+    want = {"base": _greedy_reference(model_art, prompts, max_tokens),
+            **{name: _greedy_reference(merged, prompts, max_tokens) for name, (_, merged) in lora_pair.items()}}
+    assert want["lora-a"] != want["base"] and want["lora-b"] != want["base"] and want["lora-a"] != want["lora-b"]
+    srv = Server(model_art, tmp_path, *[f"--adapter={n}={ft}" for n, (ft, _) in lora_pair.items()])
+    try:
+        base_id = srv.model
+        cards = {m.id: m.model_dump() for m in srv.client().models.list().data}
+        assert list(cards) == [base_id, "lora-a", "lora-b"]
+        assert "adapter_mode" not in cards[base_id]
+        for name, (ft, merged) in lora_pair.items():
+            c = cards[name]
+            assert (c["parent"], c["base"], c["adapter_mode"]) == (base_id, base_id, "merged")
+            assert c["finetune"] == f"finetune/{ft.name}" and c["artifact"] == str(merged)
+        ids = {"base": base_id, "lora-a": "lora-a", "lora-b": "lora-b"}
+        jobs = [(who, i) for i in range(len(prompts)) for who in ids] * 2  # every model, twice, all at once
+        client = srv.client()
+
+        def one(job):
+            who, i = job
+            r = client.completions.create(model=ids[who], prompt=prompts[i], max_tokens=max_tokens, temperature=0)
+            assert r.model == ids[who]
+            return r.choices[0].text
+
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            got = list(pool.map(one, jobs))
+        assert got == [want[who][i] for who, i in jobs]
+        health = json.loads(urllib.request.urlopen(srv.url + "/health", timeout=5).read())
+        assert health["models"] == [base_id, "lora-a", "lora-b"] and health["peak_active"] > 1  # really concurrent
+
+        # an unknown model id: OpenAI's 404 naming `model` and every served id
+        with pytest.raises(openai.NotFoundError) as exc:
+            client.completions.create(model="lora-c", prompt="x", max_tokens=2)
+        err = exc.value.body
+        assert err["param"] == "model" and err["code"] == "model_not_found"
+        assert all(f"'{m}'" in err["message"] for m in ("lora-c", base_id, "lora-a", "lora-b"))
+
+        # /metrics: every per-request series by model id
+        m = _scrape(srv.url)
+        for who, name in ids.items():
+            assert m["msllm_requests_total"][(("endpoint", "/v1/completions"), ("model", name), ("status", "200"))] == 6
+            assert m["msllm_time_to_first_token_seconds_count"][(("model", name),)] == 6
+            assert m["msllm_num_requests_running"][(("model", name),)] == 0
+        assert m["msllm_requests_total"][(("endpoint", "/v1/completions"), ("model", ""), ("status", "404"))] == 1
+    finally:
+        srv.stop()
+
+
+def test_cli_serve_refuses_bad_adapters_before_loading(model_art, lora_pair, tmp_path, capsys):
+    """Each --adapter problem is one error naming the flag and the fix, exit 1, before any model loads."""
+    from tasks.cli import main
+
+    (ft_a, merged_a), (ft_b, _) = lora_pair["lora-a"], lora_pair["lora-b"]
+    other = tiny_model_artifact(model_art.parent.parent, seed=5)  # another base in the same store
+
+    def err(*argv: str, rc: int = 1) -> str:
+        with pytest.raises(SystemExit) if rc == 2 else contextlib.nullcontext():
+            assert main(["serve", *argv, "--port", "1"]) == rc
+        return capsys.readouterr().err
+
+    e = err(str(other), f"--adapter=a={ft_a}")
+    assert f"--adapter a={ft_a}" in e and f"trained on pretrain/{model_art.name}" in e and f"pretrain/{other.name}" in e
+    e = err(str(model_art), f"--adapter=a={tmp_path / 'nope'}")
+    assert f"--adapter a={tmp_path / 'nope'}" in e and "the finetune artifact directory `msllm finetune` printed" in e
+    e = err(str(model_art), f"--adapter=a={merged_a}")
+    assert "not a finetune artifact (no adapter.json)" in e
+    e = err(str(model_art), f"--adapter=a={ft_a}", f"--adapter=a={ft_b}")
+    assert "the name 'a' is already another adapter's name" in e
+    e = err(str(model_art), "--model-name", "a", f"--adapter=a={ft_a}")
+    assert "the name 'a' is already the base model's id" in e and "--model-name" in e
+    e = err(str(model_art), f"--adapter={ft_a}", rc=2)
+    assert "expected NAME=FINETUNE_ARTIFACT" in e

@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drain-timeout", type=float, default=8.0, help="seconds SIGTERM waits for requests in flight")
     p.add_argument("--no-batching", dest="batching", action="store_false",
                    help="onnxruntime: decode the active sequences one call each instead of one batched call")
+    p.add_argument("--adapter", dest="adapters", action="append", default=[], type=_adapter, metavar="NAME=FINETUNE",
+                   help="also serve a LoRA finetune of ARTIFACT as model NAME (repeatable; FINETUNE: the finetune "
+                        "artifact's directory or stage/key); merged into the base weights")
 
     p = sub.add_parser("plan", help="memory estimate and parallel layout")
     _common(p)
@@ -94,6 +97,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", type=_device_count, default=None,
                    help="devices to plan for (default: parallel.device_num)")
     return ap
+
+
+def _adapter(text: str):
+    """argparse type of `serve --adapter`: NAME=FINETUNE (bad values exit 2 naming the flag)."""
+    from tasks.serving.adapters import parse_adapter_flag
+
+    try:
+        return parse_adapter_flag(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _device_count(text: str) -> int:

@@ -206,8 +206,8 @@ def cmd_convert(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    """`msllm serve [ARTIFACT]`: ARTIFACT as given (a directory, `stage/key` or a key prefix), else the
-    pipeline's newest export."""
+    """`msllm serve [ARTIFACT] [--adapter NAME=FINETUNE ...]`: ARTIFACT as given (a directory, `stage/key` or a key
+    prefix), else the pipeline's newest export; each FINETUNE likewise (checked against ARTIFACT before loading)."""
     from tasks.serving.app import serve
 
     if args.artifact:
@@ -221,7 +221,8 @@ def cmd_serve(args) -> int:
             raise StageError(f"no export artifact for pipeline '{cfg.name}' under {st.root}; run `msllm export "
                              f"--pipeline {cfg.name}` first, or pass an artifact: msllm serve artifacts/merged/<key>")
     return serve(artifact, args.host, args.port, model_name=args.model_name, max_active=args.max_active,
-                 max_queue=args.max_queue, drain_timeout=args.drain_timeout, batching=args.batching)
+                 max_queue=args.max_queue, drain_timeout=args.drain_timeout, batching=args.batching,
+                 adapters=args.adapters, store=store(args))
 
 
 def cmd_lineage(args) -> int:

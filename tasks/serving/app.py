@@ -1,7 +1,10 @@
 """The OpenAI-compatible HTTP API on FastAPI + uvicorn, and `msllm serve`.
 
     msllm serve [ARTIFACT] [--host 127.0.0.1] [--port 8000] [--model-name NAME]
-                [--max-active 32] [--max-queue 256] [--drain-timeout 8]
+                [--max-active 32] [--max-queue 256] [--drain-timeout 8] [--adapter NAME=FINETUNE ...]
+
+Each --adapter serves a LoRA finetune of ARTIFACT as its own `model` id (tasks/serving/adapters.py:
+merged into the base, listed in /v1/models with `parent`/`base` and `adapter_mode: "merged"`).
 
 Endpoints:
     POST /v1/completions        prompt (a string, or token ids) -> text
@@ -59,6 +62,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tasks.serving.adapters import AdapterSpec
 from tasks.serving.engine import Busy, Engine, LogProb, Sampling
 
 log = logging.getLogger("msllm.serve")
@@ -447,17 +451,29 @@ def chat_logprobs(tt: TokenText, context: Sequence[int], entries: Sequence[LogPr
 
 
 class Served:
-    """One model id of the server: its engine (and backend), the artifact it came from, extra /v1/models fields."""
+    """One model id of the server: its engine, the engine's name for its backend (None: the engine's default
+    model), the artifact it came from, extra /v1/models fields (an adapter's `base`, `adapter_mode`, ...)."""
 
-    def __init__(self, engine: Engine, artifact: Path | str, **card: Any):
+    def __init__(self, engine: Engine, artifact: Path | str, model: str | None = None, **card: Any):
         self.engine, self.artifact, self.card = engine, artifact, card
-        self.backend = engine.backend
+        self.model = engine.default_model if model is None else model
+        self.backend = engine.backends[self.model]
         self.prefix = document_prefix(self.backend.tokenizer)
         self.text = TokenText(self.backend.tokenizer)
 
+    def submit(self, prompt_ids: list[int], sampling: Sampling, emit):
+        return self.engine.submit(prompt_ids, sampling, emit, model=self.model)
+
+    def queued(self) -> int:
+        return self.engine.queued(self.model)
+
+    def running(self) -> int:
+        return self.engine.running(self.model)
+
 
 def build_app(engine: Engine, model_id: str, artifact: Path | str, *, adapters: dict[str, Served] | None = None) -> FastAPI:
-    """The app serving `engine` as `model_id`, and each of `adapters` (id -> Served) as its own model id."""
+    """The app serving `engine`'s default model as `model_id`, and each of `adapters` (id -> Served, e.g.
+    `Served(engine, merged, model="a", base=model_id, adapter_mode="merged")`) as its own model id."""
     from fastapi.responses import Response
 
     from tasks.serving.metrics import ServerMetrics
@@ -466,7 +482,7 @@ def build_app(engine: Engine, model_id: str, artifact: Path | str, *, adapters: 
     backend = engine.backend
     created = int(time.time())
     app = FastAPI(title="msllm", version="1", docs_url=None, redoc_url=None, openapi_url=None)
-    metrics = ServerMetrics(backend.kind, {m: sv.engine for m, sv in served.items()})
+    metrics = ServerMetrics(backend.kind, served)
     app.state.metrics = metrics
 
     def error(exc: ApiError, endpoint: str = "") -> JSONResponse:
@@ -477,7 +493,8 @@ def build_app(engine: Engine, model_id: str, artifact: Path | str, *, adapters: 
     @app.middleware("http")
     async def _count(request: Request, call_next):
         response = await call_next(request)
-        metrics.request(request.url.path, response.status_code)
+        # the served model a completions/chat request named (set by `handle`); "" elsewhere and for unknown ids
+        metrics.request(request.url.path, response.status_code, getattr(request.state, "model", ""))
         return response
 
     @app.exception_handler(StarletteHTTPException)
@@ -499,7 +516,8 @@ def build_app(engine: Engine, model_id: str, artifact: Path | str, *, adapters: 
     @app.get("/health")
     async def health():
         ok = all(sv.engine.alive() for sv in served.values())
-        return JSONResponse({"status": "ok" if ok else "stopping", "model": model_id, "backend": backend.kind,
+        return JSONResponse({"status": "ok" if ok else "stopping", "model": model_id, "models": list(served),
+                             "backend": backend.kind,
                              "batched": engine.batched, "active": engine.active, "peak_active": engine.peak_active,
                              "queued": engine.queued()}, status_code=200 if ok else 503)
 
@@ -579,6 +597,7 @@ def build_app(engine: Engine, model_id: str, artifact: Path | str, *, adapters: 
         try:
             body = await _json_body(request)
             name = requested_model(body, served)
+            request.state.model = name
             sv = served[name]
             p = parse_request(body, chat=chat, model_id=name, backend=sv.backend, prefix=sv.prefix)
             jobs = p.jobs()
@@ -593,7 +612,7 @@ def build_app(engine: Engine, model_id: str, artifact: Path | str, *, adapters: 
 
             try:
                 for i, (prompt, sampling) in enumerate(jobs):
-                    reqs.append(sv.engine.submit(prompt.ids, sampling, emitter(i)))
+                    reqs.append(sv.submit(prompt.ids, sampling, emitter(i)))
             except Busy as exc:
                 for r in reqs:
                     r.cancel()
@@ -820,24 +839,46 @@ def configure_logging() -> None:
 
 
 def serve(artifact: str | Path, host: str = "127.0.0.1", port: int = 8000, *, model_name: str | None = None,
-          max_active: int = 32, max_queue: int = 256, drain_timeout: float = 8.0, batching: bool = True) -> int:
-    """Load the artifact, serve it until SIGTERM/SIGINT, drain, return 0."""
-    import uvicorn
+          max_active: int = 32, max_queue: int = 256, drain_timeout: float = 8.0, batching: bool = True,
+          adapters: Sequence[AdapterSpec] = (), store=None) -> int:
+    """Load the artifact (and each adapter, merged: tasks/serving/adapters.py), serve until SIGTERM/SIGINT, drain,
+    return 0. `store` resolves adapter references that are not directories."""
+    import tempfile
 
+    from tasks.serving.adapters import check_adapters
     from tasks.serving.backends import artifact_kind, load_backend
 
     artifact = Path(artifact).resolve()
-    artifact_kind(artifact)  # a bad path fails here, before the model is loaded
-    configure_logging()
-    t0 = time.perf_counter()
-    engine = Engine(lambda: load_backend(artifact), max_active=max_active, max_queue=max_queue, batching=batching)
-    engine.start()
-    b = engine.backend
+    kind = artifact_kind(artifact)  # a bad path fails here, before the model is loaded
     model_id = model_name or default_model_id(artifact)
-    log.info("loaded %s on %s in %.1fs: model '%s', context %d tokens, vocabulary %d, %s of up to %d sequences",
-             artifact, b.kind, time.perf_counter() - t0, model_id, b.context_length, b.vocab_size,
-             "batched decoding" if engine.batched else "interleaved decoding", max_active)
-    app = build_app(engine, model_id, artifact)
+    checked = check_adapters(artifact, list(adapters), model_id, store)  # every --adapter error before any loading
+    configure_logging()
+    tmp = tempfile.TemporaryDirectory(prefix="msllm-serve-")  # adapters' ONNX files on an export base
+    try:
+        t0 = time.perf_counter()
+        dirs = {a.name: a.model_dir(kind, artifact, Path(tmp.name)) for a in checked}
+        loaders = {model_id: lambda: load_backend(artifact),
+                   **{name: (lambda d=d: load_backend(d)) for name, d in dirs.items()}}
+        engine = Engine(loaders, max_active=max_active, max_queue=max_queue, batching=batching)
+        engine.start()
+        b = engine.backend
+        log.info("loaded %s on %s in %.1fs: model '%s', context %d tokens, vocabulary %d, %s of up to %d sequences",
+                 artifact, b.kind, time.perf_counter() - t0, model_id, b.context_length, b.vocab_size,
+                 "batched decoding" if engine.batched else "interleaved decoding", max_active)
+        for a in checked:
+            log.info("adapter '%s': %s (%s) merged into the base, served from %s", a.name, a.finetune_id, a.method,
+                     dirs[a.name])
+        served = {a.name: Served(engine, dirs[a.name], model=a.name, parent=model_id, base=model_id,
+                                 adapter_mode="merged", finetune=a.finetune_id, method=a.method) for a in checked}
+        return _run(build_app(engine, model_id, artifact, adapters=served), engine, host, port, drain_timeout)
+    finally:
+        tmp.cleanup()
+
+
+def _run(app: FastAPI, engine: Engine, host: str, port: int, drain_timeout: float) -> int:
+    """uvicorn until SIGTERM/SIGINT, then the drain; 0, or 1 when the server never started."""
+    import uvicorn
+
     config = uvicorn.Config(app, host=host, port=port, access_log=False, log_config=None, lifespan="off",
                             timeout_graceful_shutdown=drain_timeout, timeout_keep_alive=5)
     server = uvicorn.Server(config)

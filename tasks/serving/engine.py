@@ -1,8 +1,10 @@
 """The generation engine: one worker thread, a request queue, sequences decoded in turn.
 
     engine = Engine(lambda: load_backend(path), max_active=32, max_queue=256)
-    engine.start()                                  # loads the backend in the worker thread; raises its error
-    req = engine.submit(prompt_ids, Sampling(max_tokens=32, temperature=0.0), emit)
+    engine = Engine({"base": lambda: load_backend(base), "a": lambda: load_backend(merged_a)})  # several models
+    engine.start()                                  # loads the backend(s) in the worker thread; raises the error
+    req = engine.submit(prompt_ids, Sampling(max_tokens=32, temperature=0.0), emit)   # model=None: the first
+    req = engine.submit(prompt_ids, sampling, emit, model="a")
     # emit(event) is called from the worker thread with, in order:
     #   {"type": "token", "text": "...", "tokens": n, "logprobs": [...]}  zero or more: text safe to show (stop
     #                                                     strings held back); logprobs of those n tokens if asked
@@ -12,8 +14,10 @@
     req.cancel()                                    # a client went away: dropped at the next round
     engine.stop()
 
-Everything that touches the model (loading, compiling, every step) runs in the one
-worker thread: MindSpore is not thread-safe in general. Up to `max_active` sequences run
+Everything that touches a model (loading, compiling, every step) runs in the one
+worker thread: MindSpore is not thread-safe in general. Several models (a base and its merged
+LoRA adapters, `msllm serve --adapter`) share that thread, the queue and `max_active`: each
+sequence runs on its request's backend, and a batched round makes one call per backend. Up to `max_active` sequences run
 at once (the rest wait in the queue, FIFO); each round gives every one of them a token, so
 a new request gets its first token after at most one round instead of waiting for every
 earlier request to finish. A newly admitted sequence is prefilled alone. Then either:
@@ -50,7 +54,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -122,13 +126,15 @@ class Request:
     _ids = 0
     _lock = threading.Lock()
 
-    def __init__(self, prompt_ids: Sequence[int], sampling: Sampling, emit: Callable[[dict[str, Any]], None]):
+    def __init__(self, prompt_ids: Sequence[int], sampling: Sampling, emit: Callable[[dict[str, Any]], None],
+                 model: str | None = None):
         with Request._lock:
             Request._ids += 1
             self.number = Request._ids
         self.prompt_ids = [int(t) for t in prompt_ids]
         self.sampling = sampling
         self.emit = emit
+        self.model = model  # the engine's name of the backend that runs it
         self.cancelled = False
         self.t_arrival = time.perf_counter()
         self.t_start: float | None = None
@@ -204,16 +210,22 @@ class _Seq:
 
 
 class Engine:
-    def __init__(self, load_backend: Callable[[], Any], max_active: int = 32, max_queue: int = 256,
-                 batching: bool = True):
+    def __init__(self, load_backend: Callable[[], Any] | Mapping[str, Callable[[], Any]], max_active: int = 32,
+                 max_queue: int = 256, batching: bool = True):
         if max_active < 1 or max_queue < 1:
             raise ValueError("max_active and max_queue must be at least 1")
-        self._load_backend = load_backend
-        self.batching = batching  # decode the active sequences in one batched call when the backend can
+        # name -> loader; the first is the default model (a bare loader is the one model, named "")
+        self._loaders = dict(load_backend) if isinstance(load_backend, Mapping) else {"": load_backend}
+        if not self._loaders:
+            raise ValueError("the engine needs at least one model")
+        self.default_model = next(iter(self._loaders))
+        self.batching = batching  # decode the active sequences in one batched call when every backend can
         self.batched = False
         self.max_active = max_active
         self.max_queue = max_queue
-        self.backend = None
+        self.backend = None  # the default model's backend
+        self.backends: dict[str, Any] = {}  # name -> backend, once loaded
+        self.running_by: dict[str, int] = {}  # name -> sequences being decoded
         self._queue: queue.Queue = queue.Queue()
         self._ready = threading.Event()
         self._load_error: BaseException | None = None
@@ -245,30 +257,45 @@ class Engine:
 
     # ---- requests
 
-    def submit(self, prompt_ids: Sequence[int], sampling: Sampling, emit: Callable[[dict[str, Any]], None]) -> Request:
+    def submit(self, prompt_ids: Sequence[int], sampling: Sampling, emit: Callable[[dict[str, Any]], None],
+               model: str | None = None) -> Request:
+        model = self.default_model if model is None else model
+        if model not in self._loaders:
+            raise ValueError(f"this engine runs {sorted(self._loaders)}, not {model!r}")
         if self._stopping:
             raise Busy("the server is shutting down")
         if self._queue.qsize() >= self.max_queue:
             raise Busy(f"{self._queue.qsize()} requests are already waiting (--max-queue {self.max_queue}); retry later")
-        req = Request(prompt_ids, sampling, emit)
+        req = Request(prompt_ids, sampling, emit, model)
         self._queue.put(req)
         return req
 
-    def queued(self) -> int:
-        return self._queue.qsize()
+    def queued(self, model: str | None = None) -> int:
+        """Requests waiting (for `model` only when given)."""
+        if model is None:
+            return self._queue.qsize()
+        with self._queue.mutex:
+            return sum(1 for r in self._queue.queue if r is not None and r.model == model)
+
+    def running(self, model: str | None = None) -> int:
+        """Sequences being decoded (of `model` only when given)."""
+        return self.active if model is None else self.running_by.get(model, 0)
 
     # ---- the worker thread
 
     def _run(self) -> None:
         try:
-            self.backend = self._load_backend()
-            self.backend.warmup()
+            for name, load in self._loaders.items():
+                backend = load()
+                backend.warmup()
+                self.backends[name] = backend
+            self.backend = self.backends[self.default_model]
         except BaseException as exc:  # noqa: BLE001 - handed to start(), which raises it in the main thread
             self.backend = None
             self._load_error = exc
             self._ready.set()
             return
-        self.batched = self.batching and getattr(self.backend, "batched", False)
+        self.batched = self.batching and all(getattr(b, "batched", False) for b in self.backends.values())
         self._ready.set()
         active: list[_Seq] = []
         stop = False
@@ -290,6 +317,7 @@ class Engine:
                     new.append(seq)
             self.active = len(active) + len(new)
             self.peak_active = max(self.peak_active, self.active)
+            self._count_running(active + new)
             # one model call per sequence per round: the prefill of a new one, a decode step for the others
             if self.batched:
                 running = self._batched_step(active)
@@ -301,6 +329,7 @@ class Engine:
                     seq.close()
             active = running
             self.active = len(active)
+            self._count_running(active)
         for seq in active:
             seq.close()
             seq.req.emit({"type": "error", "message": "the server shut down before the request finished"})
@@ -312,16 +341,23 @@ class Engine:
             if req is not None:
                 req.emit({"type": "error", "message": "the server shut down before the request started"})
 
+    def _count_running(self, seqs: list[_Seq]) -> None:
+        counts = dict.fromkeys(self._loaders, 0)
+        for seq in seqs:
+            counts[seq.req.model] += 1
+        self.running_by = counts  # replaced whole: readers in other threads see one round or the next
+
     def _admit(self, req: Request) -> _Seq | None:
         req.t_start = time.perf_counter()
         s = req.sampling
-        budget = min(s.max_tokens, self.backend.context_length - len(req.prompt_ids))
+        backend = self.backends[req.model]
+        budget = min(s.max_tokens, backend.context_length - len(req.prompt_ids))
         try:
             if budget < 1 and not (s.max_tokens == 0 and s.echo_from is not None):
                 raise ValueError(f"no room for new tokens: the prompt has {len(req.prompt_ids)} tokens and the "
-                                 f"context {self.backend.context_length}")
+                                 f"context {backend.context_length}")
             prompt_lp = ([] if s.echo_from is None else
-                         prompt_logprobs(self.backend, req.prompt_ids, s.echo_from, s.logprobs or 0))
+                         prompt_logprobs(backend, req.prompt_ids, s.echo_from, s.logprobs or 0))
             if s.max_tokens == 0:  # echo alone: the prompt scored, nothing generated
                 now = time.perf_counter()
                 req.t_first = now
@@ -330,7 +366,7 @@ class Engine:
                           "total_s": now - req.t_arrival, "decode_s": now - req.t_start, "prompt_logprobs": prompt_lp,
                           "logprobs": [], "token_gaps": []})
                 return None
-            seq = _Seq(req, self.backend, budget, self.batched)
+            seq = _Seq(req, backend, budget, self.batched)
             seq.prompt_logprobs = prompt_lp
             return seq
         except Exception as exc:  # noqa: BLE001 - one request fails, the server goes on
@@ -344,7 +380,7 @@ class Engine:
             return False
         try:
             if seq.batched:  # only prefills come here when batched
-                logits = self.backend.prefill(seq, seq.req.prompt_ids)
+                logits = seq.backend.prefill(seq, seq.req.prompt_ids)
             else:
                 logits = next(seq.steps) if not seq.new else seq.steps.send(seq.new[-1])
         except Exception as exc:  # noqa: BLE001 - one request fails, the server goes on
@@ -352,19 +388,23 @@ class Engine:
         return self._take(seq, logits)
 
     def _batched_step(self, active: list[_Seq]) -> list[_Seq]:
-        """One batched decode call for every active sequence; those still running."""
-        gone = [seq for seq in active if seq.req.cancelled]
-        live = [seq for seq in active if not seq.req.cancelled]
-        for seq in gone:
-            self.backend.release(seq)
-        if not live:
-            return []
-        try:
-            rows = self.backend.decode({seq: seq.new[-1] for seq in live})
-        except Exception as exc:  # noqa: BLE001 - these requests fail, the server goes on
-            self._fail(live, exc)
-            return []
-        return [seq for seq in live if self._take(seq, rows[seq])]
+        """One batched decode call per backend for its active sequences; those still running."""
+        running = []
+        for backend in self.backends.values():
+            mine = [seq for seq in active if seq.backend is backend]
+            for seq in mine:
+                if seq.req.cancelled:
+                    backend.release(seq)
+            live = [seq for seq in mine if not seq.req.cancelled]
+            if not live:
+                continue
+            try:
+                rows = backend.decode({seq: seq.new[-1] for seq in live})
+            except Exception as exc:  # noqa: BLE001 - these requests fail, the server goes on
+                self._fail(live, exc)
+                continue
+            running += [seq for seq in live if self._take(seq, rows[seq])]
+        return running
 
     def _fail(self, seqs: list[_Seq], exc: Exception) -> bool:
         log.exception("generation failed for request(s) %s", [s.req.number for s in seqs])
@@ -376,7 +416,7 @@ class Engine:
         """Sample the next token of `seq` from `logits` [V] and hand out its text; False once the request is done."""
         req, s = seq.req, seq.req.sampling
         try:
-            tok = self.backend.sample_next(np.asarray(logits), s.temperature, s.top_k, s.top_p, seq.rng)
+            tok = seq.backend.sample_next(np.asarray(logits), s.temperature, s.top_k, s.top_p, seq.rng)
         except Exception as exc:  # noqa: BLE001
             return self._fail([seq], exc)
         now = time.perf_counter()
@@ -388,7 +428,7 @@ class Engine:
         if s.logprobs is not None:
             seq.logprobs.append(logprob_entry(logits, tok, s.logprobs))
         seq.new.append(tok)
-        eos = tok == self.backend.eos_id
+        eos = tok == seq.backend.eos_id
         full = len(seq.new) >= seq.budget
         delta, hit = seq.text.update(seq.new, final=eos or full)
         if delta:

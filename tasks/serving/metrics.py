@@ -1,14 +1,16 @@
 """Prometheus metrics of one app (`GET /metrics`, the text exposition format), on its own registry.
 
-    m = ServerMetrics(backend="onnxruntime", models={"base": engine, ...})
-    m.request("/v1/completions", 200)      # every response, by route and status
-    m.finished(done_event)                 # tokens, TTFT, inter-token gaps of a finished sequence
+    m = ServerMetrics(backend="onnxruntime", models={"base": served, "lora-a": served_a})  # .queued(), .running()
+    m.request("/v1/completions", 200, "base")  # every response, by route, status and model ("" without one)
+    m.finished("base", done_event)             # tokens, TTFT, inter-token gaps of a finished sequence
     body, content_type = m.render()
 
 A registry per app (not prometheus_client's global one): several apps in one process (the tests)
 each count their own requests, and nothing else in the process leaks into the page. Names follow
 vLLM's where there is one (`vllm:` -> `msllm_`): time_to_first_token_seconds, inter_token_latency_seconds,
-prompt_tokens_total, generation_tokens_total, num_requests_waiting / running.
+prompt_tokens_total, generation_tokens_total, num_requests_waiting / running. Every per-request series
+carries the served model id as `model` (a base and each of its adapters apart); the label is "" on routes
+that name no model and for requests naming an unknown one (a bounded label set).
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/
 class ServerMetrics:
     def __init__(self, backend: str, models: Mapping[str, Any]):
         self.registry = r = CollectorRegistry(auto_describe=True)
-        self.requests = Counter("msllm_requests", "HTTP responses by route and status code", ["endpoint", "status"],
-                                registry=r)
+        self.requests = Counter("msllm_requests", "HTTP responses by route, status code and served model",
+                                ["endpoint", "status", "model"], registry=r)
         self.prompt_tokens = Counter("msllm_prompt_tokens", "prompt tokens of finished sequences", ["model"],
                                      registry=r)
         self.generation_tokens = Counter("msllm_generation_tokens", "tokens generated", ["model"], registry=r)
@@ -39,16 +41,16 @@ class ServerMetrics:
                              ["model"], buckets=ITL_BUCKETS, registry=r)
         waiting = Gauge("msllm_num_requests_waiting", "requests queued, not yet decoding", ["model"], registry=r)
         running = Gauge("msllm_num_requests_running", "sequences being decoded (active)", ["model"], registry=r)
-        for name, engine in models.items():
-            waiting.labels(name).set_function(engine.queued)
-            running.labels(name).set_function(lambda e=engine: e.active)
+        for name, model in models.items():
+            waiting.labels(name).set_function(model.queued)
+            running.labels(name).set_function(model.running)
         Info("msllm_backend", "what serves the models", registry=r).info(
             {"backend": backend, "models": ",".join(models)})
 
-    def request(self, path: str, status: int) -> None:
-        # a bounded label set: unknown paths (404s) share one label
+    def request(self, path: str, status: int, model: str = "") -> None:
+        # a bounded label set: unknown paths (404s) share one label; `model` is a served id or ""
         route = path if path in ROUTES else "/v1/models/{id}" if path.startswith("/v1/models/") else "other"
-        self.requests.labels(route, str(status)).inc()
+        self.requests.labels(route, str(status), model).inc()
 
     def finished(self, model: str, done: dict[str, Any]) -> None:
         self.prompt_tokens.labels(model).inc(done["prompt_tokens"])

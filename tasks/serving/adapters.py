@@ -1,0 +1,165 @@
+"""LoRA adapters beside their base: `msllm serve BASE --adapter name=FINETUNE ...` (vLLM's multi-LoRA shape).
+
+    specs = [parse_adapter_flag("sonnets=artifacts/finetune/ab12"), ...]     # argparse type of --adapter
+    adapters = check_adapters(base, specs, base_id="pretrain/9f3c")         # every check, nothing loaded
+    dirs = {a.name: a.model_dir(base, tmp) for a in adapters}               # merged model (or ONNX) directories
+
+Each adapter is served merged (`adapter_mode: "merged"` in /v1/models): the finetune stage's own
+`merge` folds its finetune artifact into the base weights (a `merged` artifact in the finetune
+artifact's store, cached by content, the same one `msllm finetune` prints), and the engine runs it as
+one more backend beside the base, in the same worker thread and queue. Per-request unmerged LoRA
+(one base, the adapter's B·A added per sequence) is not done: every adapter costs a full copy of the
+weights.
+
+BASE may be a model artifact (MindSpore) or an export (onnxruntime). On an export, the merged weights
+are written as the same KV-cache ONNX decoder the export stage writes (`tasks.deploy.formats.export_onnx`,
+with the base export's ONNX metadata and tokenizer) into a temporary directory that lives as long as the
+server; it is not a published artifact, so the export stage's parity checks have not run on it (run
+`msllm export` on the merged artifact for that), and merging imports MindSpore's LoRA module once.
+
+Checks, all before anything is loaded (ValueError naming `--adapter` and the fix): the flag's
+`name=PATH` shape, names unique and not the base's id, PATH a finetune artifact (adapter.json and a
+manifest), and its base (adapter.json `base`: stage, key, digest) the model artifact BASE is, or,
+for an export, the model artifact the export was made from (its manifest's first input).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+FLAG = "--adapter"
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """One `--adapter name=PATH` as given: PATH is a directory or a store reference (`finetune/<key>`, a key prefix)."""
+
+    name: str
+    ref: str
+
+
+def parse_adapter_flag(text: str) -> AdapterSpec:
+    """`name=PATH` -> AdapterSpec; ValueError saying the shape (argparse turns it into a usage error)."""
+    name, sep, ref = text.partition("=")
+    name, ref = name.strip(), ref.strip()
+    if not sep or not name or not ref:
+        raise ValueError(f"{FLAG} {text!r}: expected NAME=FINETUNE_ARTIFACT, e.g. {FLAG} sonnets=artifacts/finetune/<key>")
+    if any(c.isspace() for c in name):
+        raise ValueError(f"{FLAG} {text!r}: the name {name!r} has whitespace; clients send it as `model`, pick one without")
+    return AdapterSpec(name, ref)
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """A checked adapter: its served name, finetune artifact, and what adapter.json says about it."""
+
+    name: str
+    finetune: Path
+    method: str  # "lora" or "full"
+    base_key: str  # stage/key of the model artifact it was trained on
+
+    @property
+    def finetune_id(self) -> str:
+        return f"{self.finetune.parent.name}/{self.finetune.name}"
+
+    def merged(self) -> Path:
+        """The merged model artifact (the finetune stage's `merge`, cached in the finetune artifact's store)."""
+        from tasks.stages.finetune import merge
+        from tasks.store.artifacts import ArtifactStore
+
+        return merge(ArtifactStore(self.finetune.parent.parent), self.finetune)
+
+    def model_dir(self, base_kind: str, base: Path, tmp: Path) -> Path:
+        """What a backend of `base_kind` loads for this adapter: the merged artifact (MindSpore), or an ONNX
+        export of it under `tmp` (onnxruntime; see the module docstring)."""
+        merged = self.merged()
+        if base_kind == "model":
+            return merged
+        return export_onnx_like(merged, base, tmp / self.name)
+
+
+def model_ref_of(base: Path) -> dict[str, Any]:
+    """{stage, key, digest} of the model artifact that BASE runs: itself, or the one an export was made from."""
+    from tasks.serving.backends import artifact_kind
+    from tasks.store.artifacts import ArtifactError, ArtifactStore
+
+    kind = artifact_kind(base)
+    try:
+        m = ArtifactStore.read_manifest(base)
+    except ArtifactError:
+        raise ValueError(f"{FLAG} needs a published BASE to check adapters against, but {base} has no manifest.json; "
+                         f"pass the artifact directory `msllm train`, `msllm export` or `msllm convert` printed") from None
+    if kind == "model":
+        return {"stage": m["stage"], "key": m["key"], "digest": m["digest"]}
+    models = [i for i in m.get("inputs", []) if i.get("kind") == "artifact" and i.get("stage") != "eval"]
+    if not models:
+        raise ValueError(f"{base}: its manifest names no model artifact it was exported from, so {FLAG} cannot check "
+                         f"which base the adapters need; pass that model artifact as BASE instead")
+    return {k: models[0][k] for k in ("stage", "key", "digest")}
+
+
+def check_adapters(base: Path, specs: list[AdapterSpec], base_id: str, store=None) -> list[Adapter]:
+    """Every check of the module docstring, in flag order; `store` resolves references that are not directories."""
+    from tasks.serving.backends import artifact_kind
+    from tasks.store.artifacts import ArtifactError, ArtifactStore
+
+    if not specs:
+        return []
+    names = [base_id]
+    for s in specs:
+        if s.name in names:
+            what = "the base model's id" if s.name == base_id else "another adapter's name"
+            raise ValueError(f"{FLAG} {s.name}={s.ref}: the name '{s.name}' is already {what}; every served model "
+                             f"needs its own id (rename the adapter{', or the base with --model-name' if s.name == base_id else ''})")
+        names.append(s.name)
+    want = model_ref_of(base)
+    out = []
+    for s in specs:
+        where = f"{FLAG} {s.name}={s.ref}"
+        p = Path(s.ref)
+        try:
+            ft = p.resolve() if p.is_dir() else (store.find(s.ref) if store is not None else None)
+        except ArtifactError as exc:
+            raise ValueError(f"{where}: {exc}; pass the finetune artifact directory `msllm finetune` printed") from None
+        if ft is None or not ft.is_dir():
+            raise ValueError(f"{where}: no such directory; pass the finetune artifact directory `msllm finetune` printed")
+        if not (ft / "adapter.json").is_file():
+            raise ValueError(f"{where}: not a finetune artifact (no adapter.json); pass the finetune artifact "
+                             f"(artifacts/finetune/<key>), not a model or an export")
+        try:
+            m = ArtifactStore.read_manifest(ft)
+        except ArtifactError as exc:
+            raise ValueError(f"{where}: {exc}") from None
+        if m.get("stage") != "finetune":
+            raise ValueError(f"{where}: a {m.get('stage')} artifact, not a finetune artifact")
+        cfg = json.loads((ft / "adapter.json").read_text())
+        got = cfg["base"]
+        if (got["key"], got["digest"]) != (want["key"], want["digest"]):
+            raise ValueError(f"{where}: this adapter was trained on {got['stage']}/{got['key']}, but BASE {base} "
+                             f"{'is' if artifact_kind(base) == 'model' else 'was exported from'} "
+                             f"{want['stage']}/{want['key']}; serve it over its own base (msllm serve "
+                             f"artifacts/{got['stage']}/{got['key']} {FLAG} {s.name}=...) or drop it")
+        out.append(Adapter(s.name, ft, cfg.get("method", "lora"), f"{got['stage']}/{got['key']}"))
+    return out
+
+
+def export_onnx_like(merged: Path, export: Path, out: Path) -> Path:
+    """The merged weights as `export`'s KV-cache ONNX decoder (same metadata), with its tokenizer, in `out`."""
+    import onnx
+
+    from tasks.deploy.formats import export_onnx
+    from tasks.store.model_artifact import read_info
+    from tasks.tokenizer import tokenizer_files
+    from tasks.training.checkpoint import load_weights
+
+    out.mkdir(parents=True)
+    meta = {p.key: p.value for p in onnx.load(str(export / "model.onnx"), load_external_data=False).metadata_props
+            if p.key != "model_config"}  # the architecture comes from the merged model itself
+    export_onnx(read_info(merged), load_weights(merged), out / "model.onnx", meta)
+    for f in [*tokenizer_files(export), merged / "model.json"]:
+        shutil.copy2(f, out / f.name)
+    return out
