@@ -700,14 +700,14 @@ def test_metrics_during_load(server):
     def delta(name, labels=m):
         return after[name].get(labels, 0.0) - before.get(name, {}).get(labels, 0.0)
 
-    assert delta("msllm_requests_total", (("endpoint", "/v1/completions"), ("status", "200"))) == n_req
+    assert delta("msllm_requests_total", (("endpoint", "/v1/completions"), ("model", server.model), ("status", "200"))) == n_req
     assert delta("msllm_time_to_first_token_seconds_count") == n_req
     gen = delta("msllm_generation_tokens_total")
     assert n_req <= gen <= n_req * max_tokens
     assert delta("msllm_inter_token_latency_seconds_count") == gen - n_req  # one gap between consecutive tokens
     assert after["msllm_num_requests_running"][m] == 0 and after["msllm_num_requests_waiting"][m] == 0
     _post(server.url + "/v1/completions", json.dumps({"model": "nope", "prompt": "x"}).encode())
-    assert _scrape(server.url)["msllm_requests_total"][(("endpoint", "/v1/completions"), ("status", "404"))] >= 1
+    assert _scrape(server.url)["msllm_requests_total"][(("endpoint", "/v1/completions"), ("model", ""), ("status", "404"))] >= 1
 
 
 # ----------------------------------------------------------------------------- lm-eval's own client against the server
