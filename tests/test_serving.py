@@ -934,3 +934,56 @@ def test_cli_serve_refuses_bad_adapters_before_loading(model_art, lora_pair, tmp
     assert "the name 'a' is already the base model's id" in e and "--model-name" in e
     e = err(str(model_art), f"--adapter={ft_a}", rc=2)
     assert "expected NAME=FINETUNE_ARTIFACT" in e
+
+
+@pytest.fixture(scope="module")
+def published_export(onnx_art, model_art):
+    """onnx_art's files as a published export artifact of model_art (its manifest names the model it came from)."""
+    import shutil
+
+    from tasks.store.artifacts import ArtifactStore
+
+    store = ArtifactStore(model_art.parent.parent)
+    ref = store.input_ref(model_art)
+    key = store.key("export", {"test": "kv"}, [ref], "test")
+    if (hit := store.lookup("export", key)) is not None:
+        return hit
+    with store.build("export", key, pipeline="test", config={}, inputs=[ref], code="test") as b:
+        for f in ("model.onnx", "tokenizer.model", "model.json"):
+            shutil.copy2(onnx_art / f, b.dir / f)
+    return b.path
+
+
+def test_adapters_on_an_export_base_run_on_onnxruntime_alone(published_export, lora_pair, tmp_path):
+    """An export as BASE: each adapter is merged and written as the same ONNX decoder by a child process; the server
+    stays MindSpore-free, and an adapter's greedy tokens equal OnnxGenerator's on that merged model's own decoder."""
+    import sentencepiece as spm
+
+    from tasks.deploy.onnx_decoder import build_decoder, save_model
+    from tasks.deploy.onnx_generate import OnnxGenerator, decode_completion
+    from tasks.store.model_artifact import read_info
+    from tasks.training.checkpoint import load_weights
+
+    ft_a, merged_a = lora_pair["lora-a"]
+    info = read_info(merged_a)
+    save_model(build_decoder(info["model"], load_weights(merged_a), metadata={"eos_id": info["tokenizer"]["eos_id"]}),
+               tmp_path / "merged.onnx")
+    gens = {"lora-a": OnnxGenerator(tmp_path / "merged.onnx"), "base": OnnxGenerator(published_export / "model.onnx")}
+    sp = spm.SentencePieceProcessor(model_file=str(published_export / "tokenizer.model"))
+    srv = Server(published_export, tmp_path, f"--adapter=lora-a={ft_a}")
+    try:
+        assert "mindspore" not in Path(f"/proc/{srv.proc.pid}/maps").read_text()
+        cards = {m.id: m.model_dump() for m in srv.client().models.list().data}
+        assert list(cards) == [srv.model, "lora-a"] and cards["lora-a"]["backend"] == "onnxruntime"
+        assert cards["lora-a"]["adapter_mode"] == "merged" and cards["lora-a"]["parent"] == srv.model
+        texts = {}
+        for who, model in (("base", srv.model), ("lora-a", "lora-a")):
+            for prompt in ("ROMEO: speak", "To be"):
+                ids = [sp.eos_id()] + sp.encode(prompt)
+                new = gens[who].generate(ids, 20, eos_id=sp.eos_id(), temperature=0)
+                r = srv.client().completions.create(model=model, prompt=prompt, max_tokens=20, temperature=0)
+                assert r.choices[0].text == decode_completion(sp, ids, new)
+                texts[who, prompt] = r.choices[0].text
+        assert texts["base", "To be"] != texts["lora-a", "To be"]
+    finally:
+        srv.stop()

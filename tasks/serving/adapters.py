@@ -14,8 +14,9 @@ weights.
 BASE may be a model artifact (MindSpore) or an export (onnxruntime). On an export, the merged weights
 are written as the same KV-cache ONNX decoder the export stage writes (`tasks.deploy.formats.export_onnx`,
 with the base export's ONNX metadata and tokenizer) into a temporary directory that lives as long as the
-server; it is not a published artifact, so the export stage's parity checks have not run on it (run
-`msllm export` on the merged artifact for that), and merging imports MindSpore's LoRA module once.
+server, by a child process (merging imports MindSpore; the server itself stays on onnxruntime alone). That
+directory is not a published artifact: the export stage's parity checks have not run on it (run `msllm
+export` on the merged artifact for those, and serve that export as a BASE of its own).
 
 Checks, all before anything is loaded (ValueError naming `--adapter` and the fix): the flag's
 `name=PATH` shape, names unique and not the base's id, PATH a finetune artifact (adapter.json and a
@@ -26,12 +27,16 @@ for an export, the model artifact the export was made from (its manifest's first
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 FLAG = "--adapter"
+REPO = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)
@@ -76,10 +81,19 @@ class Adapter:
     def model_dir(self, base_kind: str, base: Path, tmp: Path) -> Path:
         """What a backend of `base_kind` loads for this adapter: the merged artifact (MindSpore), or an ONNX
         export of it under `tmp` (onnxruntime; see the module docstring)."""
-        merged = self.merged()
         if base_kind == "model":
-            return merged
-        return export_onnx_like(merged, base, tmp / self.name)
+            return self.merged()
+        # An onnxruntime server never loads MindSpore, and merging imports it (model.lora): a child process
+        # merges and writes the ONNX decoder.
+        out = tmp / self.name
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+        proc = subprocess.run([sys.executable, "-m", "tasks.serving.adapters", str(self.finetune), str(base), str(out)],
+                              capture_output=True, text=True, env=env)
+        if proc.returncode != 0:
+            tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+            raise RuntimeError(f"{FLAG} {self.name}: merging {self.finetune_id} and writing it as an ONNX decoder like "
+                               f"{base.name} failed: {tail}")
+        return out
 
 
 def model_ref_of(base: Path) -> dict[str, Any]:
@@ -163,3 +177,8 @@ def export_onnx_like(merged: Path, export: Path, out: Path) -> Path:
     for f in [*tokenizer_files(export), merged / "model.json"]:
         shutil.copy2(f, out / f.name)
     return out
+
+
+if __name__ == "__main__":  # python -m tasks.serving.adapters FINETUNE EXPORT OUT (Adapter.model_dir's child)
+    ft, export, out = map(Path, sys.argv[1:4])
+    export_onnx_like(Adapter("", ft, "", "").merged(), export, out)
