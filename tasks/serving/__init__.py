@@ -1,6 +1,6 @@
 """`msllm serve`: a trained model behind the OpenAI HTTP API (completions, chat, streaming).
 
-    msllm serve [ARTIFACT] [--host 127.0.0.1] [--port 8000]
+    msllm serve [ARTIFACT] [--host 127.0.0.1] [--port 8000] [--adapter NAME=FINETUNE ...]
 
 Modules:
     backends.py  what runs the model: an export artifact through onnxruntime with its KV
@@ -10,6 +10,8 @@ Modules:
                  sequences at once, one token each per round (onnxruntime: one batched call
                  for all of them; MindSpore: one call each, in turn), each with its own KV
                  cache and seeded sampler; stop strings, incremental detokenisation
+    adapters.py  `--adapter`: LoRA finetunes of the base served as their own model ids (merged; checked
+                 against the base before anything loads)
     app.py       the FastAPI app (request validation with OpenAI's error shape, SSE
                  streaming), `serve()` under uvicorn with a graceful SIGTERM drain,
                  and `cli_serve` for the command line
