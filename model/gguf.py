@@ -89,6 +89,11 @@ def read_metadata(path: str | Path):
     return reader, meta
 
 
+def _f32(v) -> float:
+    """A float32 metadata value as the decimal it was written from (1e-05, not 9.999999747378752e-06)."""
+    return float(repr(np.float32(v)))
+
+
 def config_from_meta(meta: dict[str, Any], where: str) -> ModelConfig:
     arch = meta.get("general.architecture")
     if arch != ARCH:
@@ -118,8 +123,8 @@ def config_from_meta(meta: dict[str, Any], where: str) -> ModelConfig:
         vocab_size=int(vocab), hidden_size=hidden, intermediate_size=int(need("feed_forward_length")),
         num_layers=int(need("block_count")), num_heads=heads, num_kv_heads=int(kv) if kv is not None else heads,
         max_seq_length=int(meta.get(f"{ARCH}.context_length", 2048)),
-        rope_theta=float(meta.get(f"{ARCH}.rope.freq_base", 10000.0)),
-        norm_eps=float(meta.get(f"{ARCH}.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=_f32(meta.get(f"{ARCH}.rope.freq_base", 10000.0)),
+        norm_eps=_f32(meta.get(f"{ARCH}.attention.layer_norm_rms_epsilon", 1e-5)),
         tie_embeddings=False,  # decided from the tensors by read_gguf
     )
 

@@ -45,3 +45,36 @@ def tiny_model_artifact(root: Path, preset: str = "tiny", seed: int = 0, **overr
         write_model(b.dir, name="llama", config=mc, weights={p.name: p.asnumpy() for p in net.trainable_params()},
                     tokenizer_model=tok, tokenizer_info=tokenizer_info(sp), seq_length=mc.max_seq_length)
     return b.path
+
+
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+          "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def train_tiny_hf_tokenizer(out_dir: Path, vocab_size: int = 512, chat_template: str | None = CHATML,
+                            digits: bool = True) -> Path:
+    """A byte-level BPE tokenizer.json (SmolLM2's layout: digits split one by one, then GPT-2's byte-level
+    regex; <|endoftext|> 0, <|im_start|> 1 (BOS), <|im_end|> 2 (EOS, pad)) trained on ~200 KB of Shakespeare,
+    with tokenizer_config.json and, unless None, a ChatML chat template. Returns the directory."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+                         if digits else byte_level)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    text = SHAKESPEARE.read_text(encoding="utf-8")[:200_000]
+    tok.train_from_iterator([p for p in text.split("\n\n") if p.strip()], trainer=trainer)
+    tok.save(str(out_dir / "tokenizer.json"))
+    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
+           "pad_token": "<|im_end|>", "unk_token": "<|endoftext|>", "clean_up_tokenization_spaces": False}
+    if chat_template is not None:
+        cfg["chat_template"] = chat_template
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(cfg), encoding="utf-8")
+    return out_dir
