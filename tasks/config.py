@@ -277,6 +277,8 @@ class EvalSection(_Section):
     limit: int | None = Field(None, gt=0)
     """At most this many examples per task."""
     batch_size: int = Field(8, gt=0)
+    heldout_blocks: int | None = Field(None, gt=0)
+    """At most this many held-out blocks (the first, in shard order) for the held-out perplexity; all when unset."""
     perplexity_files: list[str] = Field(default_factory=list)
     prompts: list[str] = Field(default_factory=list)
     max_new_tokens: int = Field(64, gt=0)

@@ -150,8 +150,10 @@ def documents_perplexity(lm, docs: Iterable[str], progress: bool = False) -> dic
     return _ppl_row(total, tokens, nbytes)
 
 
-def heldout_perplexity(lm, data_artifact: Path, batch_size: int, progress: bool = False) -> dict[str, Any]:
-    """Perplexity and bits per byte on a data artifact's `valid` blocks (masked targets skipped)."""
+def heldout_perplexity(lm, data_artifact: Path, batch_size: int, progress: bool = False,
+                       max_blocks: int | None = None) -> dict[str, Any]:
+    """Perplexity and bits per byte on a data artifact's `valid` blocks (masked targets skipped); the first
+    `max_blocks` of them (in shard order) when set."""
     from tasks.stages.evaluate.lm_adapter import token_byte_lengths
     from tasks.stages.pretrain import block_batches
 
@@ -162,6 +164,9 @@ def heldout_perplexity(lm, data_artifact: Path, batch_size: int, progress: bool 
             keep = labels[r] != -100
             rows.append((ids[r], np.where(keep, labels[r], 0)))
             masks.append(keep)
+        if max_blocks is not None and len(rows) >= max_blocks:
+            rows, masks = rows[:max_blocks], masks[:max_blocks]
+            break
     if not rows:
         raise ValueError(f"{data_artifact}: the valid split has no blocks; raise data.validation_fraction")
     scored = lm.scorer.score(rows, progress=progress, desc="held-out perplexity")
@@ -250,7 +255,7 @@ def perplexities(cfg: PipelineConfig, lm, data_artifact: Path | None, progress: 
     """{"held-out": …, "<file name>": …} rows of tokens, bytes, perplexity, bits_per_byte."""
     out = {}
     if data_artifact is not None:
-        out["held-out"] = heldout_perplexity(lm, data_artifact, cfg.eval.batch_size, progress)
+        out["held-out"] = heldout_perplexity(lm, data_artifact, cfg.eval.batch_size, progress, cfg.eval.heldout_blocks)
     for f in cfg.eval.perplexity_files:
         p = cfg.resolve_path(f)
         out[p.name] = documents_perplexity(lm, _read_documents(p), progress)
