@@ -126,7 +126,7 @@ def _torch(a: argparse.Namespace) -> dict:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        return float(loss)
+        return float(loss.detach())
 
     res = {"attn": attn, "compiled": a.compile, "cpu_capability": torch.backends.cpu.get_cpu_capability()}
     t0 = time.perf_counter()
