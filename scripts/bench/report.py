@@ -20,7 +20,7 @@ RESULTS = REPO / "docs" / "bench" / "results.jsonl"
 OUT = REPO / "docs" / "BENCHMARKS.md"
 
 LABELS = [("date", "date"), ("tag", "tag"), ("cpu", "CPU"), ("cpu_isa", "ISA"), ("emulated_isa", "emulated"),
-          ("threads", "threads")]
+          ("kernel_isa_setting", "MSLLM_KERNEL_ISA"), ("threads", "threads")]
 # Per bench: (dotted key in the JSON line, column title). A bench not listed gets its scalar fields.
 COLUMNS: dict[str, list[tuple[str, str]]] = {
     "train": [("preset", "preset"), ("batch", "batch"), ("seq", "seq"), ("kernel_body", "kernel body"),
@@ -71,8 +71,8 @@ def _get(row: dict, key: str):
 def _cell(v) -> str:
     if v is None:
         return ""
-    if isinstance(v, float):
-        return f"{v:.4g}" if abs(v) < 1 else f"{v:,.1f}".rstrip("0").rstrip(".")
+    if isinstance(v, float):  # 3 significant digits for ratios and fractions, one decimal from 100 up
+        return f"{v:.3g}" if abs(v) < 100 else f"{v:,.1f}".removesuffix(".0")
     return str(v).replace("|", "\\|").replace("\n", " ")
 
 
