@@ -84,21 +84,40 @@ def _machine(machine: str | None = None) -> str:
     return {"amd64": "x86_64", "arm64": "aarch64"}.get(m, m)
 
 
+def _read_cpuinfo() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
 def cpu_flags(cpuinfo: str | None = None) -> set[str]:
     """The CPU's feature flags: the `flags` (x86) or `Features` (aarch64) line of /proc/cpuinfo (or of
-    `cpuinfo`); empty where there is none. The one hardware probe: the kernel levels and the trainer's
-    theoretical peak (tasks/training/trainer.py) both read it."""
+    `cpuinfo`); empty where there is none. The one hardware probe: the kernel levels, the trainer's
+    theoretical peak (tasks/training/trainer.py) and the benchmarks' labels (scripts/bench/host.py) read it."""
     if cpuinfo is None:
-        try:
-            with open("/proc/cpuinfo") as f:
-                cpuinfo = f.read()
-        except OSError:
-            cpuinfo = ""
+        cpuinfo = _read_cpuinfo()
     for line in cpuinfo.splitlines():
         name, _, value = line.partition(":")
         if name.strip().lower() in ("flags", "features"):
             return set(value.split())
     return set()
+
+
+def cpu_model(cpuinfo: str | None = None) -> str:
+    """The CPU's name from the same /proc/cpuinfo: `model name` (x86), else `Hardware` / `CPU part`
+    (aarch64), else platform.processor() or the machine; for labelling measurements."""
+    if cpuinfo is None:
+        cpuinfo = _read_cpuinfo()
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        name, _, value = line.partition(":")
+        fields.setdefault(name.strip().lower(), value.strip())
+    for key in ("model name", "hardware", "cpu part"):
+        if fields.get(key):
+            return fields[key]
+    return platform.processor() or _machine()
 
 
 def cpu_levels(cpuinfo: str | None = None, machine: str | None = None) -> tuple[str, ...]:

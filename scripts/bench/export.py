@@ -16,7 +16,8 @@ prefill); each figure is the median of `--repeats` runs, after a warm-up. onnxru
 use `--threads` intra-op threads (default: onnxruntime's choice, one per physical core). Also
 reported: whether the greedy tokens agree (fp32 and genai must equal MindSpore's; int8 may drift),
 the file sizes, and the ratios the README quotes (onnxruntime fp32 / MindSpore, int8 / fp32,
-genai / MindSpore). Prints one JSON line.
+genai / MindSpore). Prints one JSON line, labelled with the CPU and ISA (scripts/bench/host.py), and
+appends it to docs/bench/results.jsonl (`--results`, `--tag`; scripts/bench/report.py).
 
     python scripts/bench/export.py [--preset small] [--prompt-tokens 16] [--new-tokens 256] [--repeats 3]
     python scripts/bench/export.py --preset tiny --prompt-tokens 4 --new-tokens 8 --repeats 1   # smoke
@@ -25,7 +26,6 @@ genai / MindSpore). Prints one JSON line.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -34,6 +34,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from host import add_isa_arg, apply_isa, describe  # noqa: E402  (scripts/bench/)
+from report import add_record_args, record  # noqa: E402
 
 
 def _median_s(fn, repeats: int) -> float:
@@ -62,7 +65,10 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None, help="onnxruntime / genai intra-op threads")
+    add_isa_arg(ap)
+    add_record_args(ap)
     a = ap.parse_args()
+    apply_isa(a.isa)  # onnxruntime has no ISA cap of its own: under --isa avx2 only MindSpore's side is capped
 
     import numpy as np
 
@@ -70,7 +76,7 @@ def main() -> None:
 
     setup_mindspore()
     from model.config import ModelConfig
-    from model.generate import Generator
+    from model.generate import Generator, decode_kernel_path
     from model.llama import LlamaForCausalLM
     from tasks.deploy.checks import genai_generate
     from tasks.deploy.formats import export_int8
@@ -86,7 +92,7 @@ def main() -> None:
     net = LlamaForCausalLM(cfg, seed=0)
     net.set_train(False)
     prompt = [int(x) for x in np.random.default_rng(0).integers(3, cfg.vocab_size, p)]
-    res: dict = {"bench": "export", "preset": a.preset, "parameters": cfg.num_parameters, "prompt_tokens": p,
+    res: dict = {"bench": "export", **describe(a.threads), "kernel_body": decode_kernel_path(), "preset": a.preset, "parameters": cfg.num_parameters, "prompt_tokens": p,
                  "new_tokens": n, "batch": 1, "repeats": a.repeats, "threads": a.threads, "cpus": os.cpu_count()}
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
@@ -132,7 +138,7 @@ def main() -> None:
         same_tokens={k: tokens[k] == tokens["mindspore"] for k in ("onnx_fp32", "onnx_int8", "genai")},
         int8_tokens_agree=sum(x == y for x, y in zip(tokens["onnx_int8"], tokens["mindspore"])),
     )
-    print(json.dumps(res))
+    record(res, a)
 
 
 def _write_genai_config(d: Path, model_config: dict, threads: int | None) -> None:

@@ -1,22 +1,39 @@
-"""Train-step throughput: this trainer (MindSpore, jit) vs HF transformers LlamaForCausalLM on PyTorch eager.
+"""Train-step throughput: this trainer (MindSpore, jit) vs HF transformers LlamaForCausalLM on PyTorch, one run.
 
-Identical shapes (`tiny-llama-bench`: vocab 8192, hidden 256, ffn 688, 4 layers, 8 heads, 4 KV heads),
-fp32, micro batch 8, seq 256, AdamW, global-norm clip 1.0. Each side runs in its own process
-(so peak RSS is its own), one after the other, with 2 threads. Prints one JSON line.
+Identical shapes (default `tiny-llama-bench`: vocab 8192, hidden 256, ffn 688, 4 layers, 8 heads, 4 KV
+heads, micro batch 8 × seq 256; `smollm2-135m`: micro batch 2 × seq 128), fp32, AdamW, global-norm clip
+1.0, the same step on every side: forward, loss, backward, clip, AdamW. Each side runs in its own process
+(so peak RSS is its own), one after the other, with `--threads` (2) threads:
 
-MFU of both sides divides by the same theoretical fp32 peak of this machine
-(`tasks.training.trainer.resolve_peak_flops`: cores × clock × FLOPs/cycle); a measured 2048³ MatMul
-through MindSpore's kernel is printed beside it (`sgemm_gflops`, the achievable peak; a busy machine
-under-measures it, so it is a denominator only if it exceeds the theoretical peak).
+- `ms`: this trainer's step (`causal_lm_train_step`; fused kernels as `pretrain.fused_kernels`, the body
+  `kernel_body` names: avx512 / avx2 / neon / scalar, forced with MSLLM_KERNEL_ISA or `--isa`);
+- `hf.sdpa`: HF LLaMA with its default attention (`sdpa`): the baseline `ratio` divides by;
+- `hf.eager`: the same with `attn_implementation="eager"` (`ratio_vs_eager`);
+- `hf.compile`: the sdpa model under `torch.compile` (inductor, CPU): forward, loss and backward compiled
+  (AOTAutograd), clip and AdamW (foreach) eager; its first step, compilation included, is `compile_s`
+  (`ratio_vs_compile`). Where compilation fails the line carries `hf.compile.error` instead.
+`--hf sdpa,eager` picks the baselines (sdpa is always run).
+
+MFU divides by the best of independent figures, never by the measured code alone: the theoretical fp32
+peak of the cores used (`tasks.training.trainer.theoretical_peak_flops`, of the emulated CPU under
+`--isa avx2`) and a measured 2048³ sgemm through MindSpore's MatMul (oneDNN), numpy's BLAS and PyTorch's
+`mm` (MKL); `peak_how` names the one that won, `sgemm_gflops` has all three. So MFU cannot pass 100%.
+
+Every line carries the date, CPU model, ISA levels, emulated ISA, kernel setting and threads
+(scripts/bench/host.py; `--isa avx2` emulates an AVX2-only CPU for both sides, and host.py says what is
+and is not emulated), prints to stdout and is appended to docs/bench/results.jsonl
+(`--results`, `--tag`), from which scripts/bench/report.py writes docs/BENCHMARKS.md.
 
     python scripts/bench/train.py [--steps 10] [--warmup 3]
-    python scripts/bench/train.py --preset small --batch 8 --seq 256      # the demo's model
+    python scripts/bench/train.py --isa avx2                              # both sides as on an AVX2-only CPU
+    python scripts/bench/train.py --preset smollm2-135m --steps 5          # continued-pretraining shapes, 2 × 128
     python scripts/bench/train.py --profile /tmp/prof [--steps 3]         # MindSpore side only:
         MindSpore's Profiler over `--steps` steps; one JSON line with the time by op category
         (MatMul, BatchMatMul, reductions, element-wise, softmax kernels, data movement,
         optimizer, fused kernels, host gaps) and the top ops with their shapes.
     python scripts/bench/train.py --no-fused                             # MindSpore's own ops only
-Needs the `reference` extra (torch==2.13.0 CPU, transformers) for the baseline.
+    python scripts/bench/train.py --steps 1 --warmup 1 --seq 32 --batch 2 --tag smoke   # smoke run
+Needs the `reference` extra (torch==2.13.0 CPU, transformers) for the baselines.
 """
 
 from __future__ import annotations
@@ -33,9 +50,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from host import add_isa_arg, apply_isa, describe, effective_flags  # noqa: E402  (scripts/bench/)
+from report import add_record_args, record  # noqa: E402
 from tasks.training.trainer import peak_rss_bytes  # noqa: E402  (after the sys.path insert)
 
-PRESET, BATCH, SEQ = "tiny-llama-bench", 8, 256
+PRESET = "tiny-llama-bench"
+SHAPES = {"tiny-llama-bench": (8, 256), "smollm2-135m": (2, 128)}  # (micro batch, seq) per preset; else 8 × 256
+SGEMM_N = 2048
 
 
 def _ms(a: argparse.Namespace) -> dict:
@@ -45,6 +66,7 @@ def _ms(a: argparse.Namespace) -> dict:
 
     setup_mindspore()
     from model.config import ModelConfig
+    from model.kernels import kernel_path
     from model.llama import LlamaForCausalLM
     from tasks.training.optim import causal_lm_train_step
 
@@ -66,6 +88,7 @@ def _ms(a: argparse.Namespace) -> dict:
     dt = time.perf_counter() - t0
     res = {"tokens_per_s": a.steps * a.batch * a.seq / dt, "peak_rss_bytes": peak_rss_bytes(),
            "fused_kernels": net.fused_kernels,
+           "kernel_body": kernel_path() if net.fused_kernels else "off: --no-fused",
            "flops_per_token": cfg.flops_per_token(a.seq), "loss": loss, "step_s": dt / a.steps}
     if prof is not None:
         prof.analyse()
@@ -74,40 +97,83 @@ def _ms(a: argparse.Namespace) -> dict:
 
 
 def _torch(a: argparse.Namespace) -> dict:
+    """One HF baseline (`--attn`, `--compile`); on a compile failure, {"error": ...} instead of a crash."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.set_num_threads(2)
-    torch.manual_seed(0)
     from model.config import ModelConfig
+    from model.convert import config_to_hf
 
+    torch.set_num_threads(a.threads)
+    torch.manual_seed(0)
     c = ModelConfig.from_name(a.preset)
-    hf = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-                     num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
-                     max_position_embeddings=c.max_seq_length, rope_theta=c.rope_theta, rms_norm_eps=c.norm_eps,
-                     tie_word_embeddings=c.tie_embeddings, attn_implementation="eager")
-    model = LlamaForCausalLM(hf)
+    hf = {k: v for k, v in config_to_hf(c).items() if k not in ("architectures", "model_type", "dtype")}
+    model = LlamaForCausalLM(LlamaConfig(**hf, attn_implementation=a.attn))
+    attn = model.config._attn_implementation  # what HF actually runs (it may fall back)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     ids = torch.randint(0, c.vocab_size, (a.batch, a.seq + 1))
     x, y = ids[:, :-1], ids[:, 1:]
 
-    def one():
+    def forward_loss(x, y):
         logits = model(input_ids=x).logits
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+    fwd = torch.compile(forward_loss, backend="inductor") if a.compile else forward_loss
+
+    def one():
+        loss = fwd(x, y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        return float(loss)
+        return float(loss.detach())
 
-    for _ in range(a.warmup):
+    res = {"attn": attn, "compiled": a.compile, "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    t0 = time.perf_counter()
+    try:
+        one()
+    except Exception as exc:  # noqa: BLE001  (only a compiled step gets here: reported, not fatal)
+        if not a.compile:
+            raise
+        return {**res, "error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}"}
+    if a.compile:
+        res["compile_s"] = time.perf_counter() - t0  # the first step: tracing, inductor codegen, g++
+    for _ in range(a.warmup - 1):
         one()
     t0 = time.perf_counter()
     for _ in range(a.steps):
         loss = one()
     dt = time.perf_counter() - t0
-    return {"tokens_per_s": a.steps * a.batch * a.seq / dt, "peak_rss_bytes": peak_rss_bytes(),
-            "loss": loss, "step_s": dt / a.steps}
+    res.update(tokens_per_s=a.steps * a.batch * a.seq / dt, peak_rss_bytes=peak_rss_bytes(), loss=loss,
+               step_s=dt / a.steps)
+    if a.sgemm:
+        m = torch.randn(SGEMM_N, SGEMM_N)
+        res["sgemm_flops"] = 2 * SGEMM_N**3 / _best_time(lambda: torch.mm(m, m))
+    return res
+
+
+def _best_time(fn, repeats: int = 3) -> float:
+    fn()  # warm up the kernel and its threads
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _peak(a: argparse.Namespace) -> dict:
+    """The theoretical peak of the cores used and the sgemm of MindSpore's MatMul and numpy's BLAS, here."""
+    import numpy as np
+
+    from model.runtime import setup_mindspore
+    from tasks.training.trainer import measure_peak_flops, theoretical_peak_flops
+
+    setup_mindspore()  # the MindSpore sgemm runs through its MatMul (oneDNN), as the train step
+    theo, how = theoretical_peak_flops(effective_flags())
+    m = np.random.default_rng(0).standard_normal((SGEMM_N, SGEMM_N)).astype(np.float32)
+    return {"theoretical": theo, "theoretical_how": how, "mindspore": measure_peak_flops(n=SGEMM_N, repeats=3),
+            "numpy": 2 * SGEMM_N**3 / _best_time(lambda: m @ m)}
 
 
 # ---- profile breakdown ------------------------------------------------------------------------
@@ -185,26 +251,41 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--preset", default=PRESET)
-    ap.add_argument("--batch", type=int, default=BATCH)
-    ap.add_argument("--seq", type=int, default=SEQ)
+    ap.add_argument("--batch", type=int, default=None, help="micro batch (default: per preset, SHAPES)")
+    ap.add_argument("--seq", type=int, default=None, help="sequence length (default: per preset, SHAPES)")
+    ap.add_argument("--threads", type=int, default=2, help="threads of every side (OMP_NUM_THREADS, torch)")
+    ap.add_argument("--hf", default="sdpa,eager,compile",
+                    help="HF baselines, comma-separated, of sdpa (always run), eager, compile")
     ap.add_argument("--profile", metavar="DIR", default=None,
                     help="profile the MindSpore side into DIR and print its breakdown (no baseline)")
     ap.add_argument("--no-fused", action="store_true",
                     help="MindSpore's own ops only (pretrain.fused_kernels: false; a machine without g++)")
-    ap.add_argument("--side", choices=["ms", "torch"], default=None, help=argparse.SUPPRESS)
+    add_isa_arg(ap)
+    add_record_args(ap)
+    ap.add_argument("--side", choices=["ms", "torch", "peak"], default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--attn", default="sdpa", help=argparse.SUPPRESS)
+    ap.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--sgemm", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    batch, seq = SHAPES.get(a.preset, (8, 256))
+    a.batch, a.seq = a.batch or batch, a.seq or seq
     if a.side:
-        print(json.dumps((_ms if a.side == "ms" else _torch)(a)))
+        print(json.dumps({"ms": _ms, "torch": _torch, "peak": _peak}[a.side](a)))
         return
-    env = dict(os.environ, GLOG_v="3", OMP_NUM_THREADS="2")
+    apply_isa(a.isa)  # re-execs under the emulated CPU's environment; the children inherit it
+    baselines = ["sdpa", *(b for b in ("eager", "compile") if b in a.hf.split(","))]
+    env = dict(os.environ, GLOG_v="3", OMP_NUM_THREADS=str(a.threads))
     common = ["--steps", str(a.steps), "--warmup", str(a.warmup), "--preset", a.preset, "--batch", str(a.batch),
-              "--seq", str(a.seq), *(["--no-fused"] if a.no_fused else [])]
+              "--seq", str(a.seq), "--threads", str(a.threads), *(["--no-fused"] if a.no_fused else [])]
 
-    def side(name: str, extra: list[str] = ()) -> dict:
+    def side(name: str, extra: list[str] = (), fatal: bool = True) -> dict:
         out = subprocess.run([sys.executable, __file__, "--side", name, *common, *extra],
                              capture_output=True, text=True, env=env)
         if out.returncode:
-            raise SystemExit(f"the {name} side failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
+            if fatal:
+                raise SystemExit(f"the {name} {' '.join(extra)} side failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
+            tail = [ln for ln in out.stderr.strip().splitlines() if ln.strip()][-1:] or [""]
+            return {"error": f"exit {out.returncode}: {tail[0][:300]}"}
         return json.loads(out.stdout.strip().splitlines()[-1])
 
     if a.profile:
@@ -212,32 +293,42 @@ def main() -> None:
         print(json.dumps({"bench": "train_profile", "preset": a.preset, "batch": a.batch, "seq": a.seq,
                           "steps": a.steps, "tokens_per_s": round(ms_["tokens_per_s"], 1), **ms_["profile"]}))
         return
-    res = {name: side(name) for name in ("ms", "torch")}
-    os.environ["OMP_NUM_THREADS"] = "2"  # the theoretical peak counts the cores both sides use
-    from tasks.training.trainer import resolve_peak_flops
-
-    from model.runtime import setup_mindspore
-
-    setup_mindspore()  # the measured sgemm runs through MindSpore's MatMul
-    peak = resolve_peak_flops()
-    ms_, pt = res["ms"], res["torch"]
+    ms_ = side("ms")
+    hf = {"sdpa": side("torch", ["--attn", "sdpa", "--sgemm"])}
+    if "eager" in baselines:
+        hf["eager"] = side("torch", ["--attn", "eager"])
+    if "compile" in baselines:
+        hf["compile"] = side("torch", ["--attn", "sdpa", "--compile"], fatal=False)  # a failure is a result
+    peak = side("peak")
     fpt = ms_["flops_per_token"]
-    achievable = peak.achievable or peak.flops
-    print(json.dumps({
-        "bench": "train", "preset": a.preset, "batch": a.batch, "seq": a.seq, "steps": a.steps,
-        "fused_kernels": ms_["fused_kernels"],
-        "tokens_per_s": round(ms_["tokens_per_s"], 1), "baseline_tokens_per_s": round(pt["tokens_per_s"], 1),
-        "ratio": round(ms_["tokens_per_s"] / pt["tokens_per_s"], 3),
-        "mfu": round(ms_["tokens_per_s"] * fpt / peak.flops, 4),
-        "baseline_mfu": round(pt["tokens_per_s"] * fpt / peak.flops, 4),
-        "peak_gflops": round(peak.flops / 1e9, 1), "peak_how": peak.how,
-        "sgemm_gflops": round(achievable / 1e9, 1),
-        "peak_rss_gb": round(ms_["peak_rss_bytes"] / 1e9, 2),
-        "baseline_peak_rss_gb": round(pt["peak_rss_bytes"] / 1e9, 2),
-        "rss_ratio": round(ms_["peak_rss_bytes"] / pt["peak_rss_bytes"], 2),
-        "step_s": round(ms_["step_s"], 3), "baseline_step_s": round(pt["step_s"], 3),
-        "loss": round(ms_["loss"], 4), "baseline_loss": round(pt["loss"], 4),
-    }))
+    measured = {"mindspore": peak["mindspore"], "numpy": peak["numpy"], "torch": hf["sdpa"]["sgemm_flops"]}
+    denominator, peak_how = max((peak["theoretical"], f"theoretical: {peak['theoretical_how']}"),
+                                *((v, f"measured {k} sgemm {SGEMM_N}³ (above the theoretical "
+                                      f"{peak['theoretical'] / 1e9:.1f} GFLOP/s)") for k, v in measured.items()))
+
+    def figures(r: dict) -> dict:
+        if "error" in r:
+            return {"error": r["error"]}
+        out = {"tokens_per_s": round(r["tokens_per_s"], 1), "step_s": round(r["step_s"], 3),
+               "mfu": round(r["tokens_per_s"] * fpt / denominator, 4), "peak_rss_gb": round(r["peak_rss_bytes"] / 1e9, 2),
+               "loss": round(r["loss"], 4)}
+        for k in ("attn", "cpu_capability", "compile_s"):
+            if k in r:
+                out[k] = round(r[k], 1) if isinstance(r[k], float) else r[k]
+        return out
+
+    res = {"bench": "train", **describe(a.threads), "preset": a.preset, "batch": a.batch, "seq": a.seq,
+           "steps": a.steps, "fused_kernels": ms_["fused_kernels"], "kernel_body": ms_["kernel_body"],
+           **figures(ms_), "hf": {k: figures(v) for k, v in hf.items()}}
+    for k, v in hf.items():
+        if "tokens_per_s" in v:
+            suffix = "" if k == "sdpa" else f"_vs_{k}"
+            res[f"ratio{suffix}"] = round(ms_["tokens_per_s"] / v["tokens_per_s"], 3)
+            res[f"rss_ratio{suffix}"] = round(ms_["peak_rss_bytes"] / v["peak_rss_bytes"], 2)
+    res.update(peak_gflops=round(denominator / 1e9, 1), peak_how=peak_how,
+               theoretical_gflops=round(peak["theoretical"] / 1e9, 1),
+               sgemm_gflops={k: round(v / 1e9, 1) for k, v in measured.items()})
+    record(res, a)
 
 
 if __name__ == "__main__":

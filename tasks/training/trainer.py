@@ -202,18 +202,19 @@ def _cores_for_this_process() -> int:
     return max(1, min(n, int(omp))) if omp.isdigit() and int(omp) > 0 else n
 
 
-def theoretical_peak_flops() -> tuple[float, str]:
+def theoretical_peak_flops(flags: set[str] | None = None) -> tuple[float, str]:
     """fp32 peak of the cores this process uses: cores × clock × FLOPs per cycle per core, and how it was derived.
 
     FLOPs per cycle = SIMD fp32 lanes (16 with AVX-512, 8 with AVX2, 4 with SSE/NEON) × 2 with FMA
     × 2 FMA units (every AVX2/AVX-512 server core since Haswell/Skylake-SP has two; with one, the true
     peak is half and MFU is understated, never overstated). The clock is the highest one the machine
     reports; a turbo clock above it could in principle exceed it, so `resolve_peak_flops` also never
-    lets the denominator fall below a measured sgemm.
+    lets the denominator fall below a measured sgemm. `flags` (default: cpu_flags()) lets a benchmark that
+    emulates a lesser CPU (scripts/bench/host.py, AVX-512 flags removed) count that CPU's lanes.
     """
     from model.kernels import cpu_flags
 
-    flags = cpu_flags()
+    flags = cpu_flags() if flags is None else flags
     lanes = 16 if "avx512f" in flags else 8 if "avx2" in flags or "avx" in flags else 4
     fma = 2 if ("fma" in flags or "asimd" in flags) else 1
     units = 2 if lanes >= 8 else 1

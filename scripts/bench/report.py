@@ -1,0 +1,115 @@
+"""Benchmark results: where the benches store their JSON lines, and docs/BENCHMARKS.md written from them.
+
+Each bench in scripts/bench/ prints one JSON line and appends it, with `tag` (`--tag smoke` for a smoke
+run), to docs/bench/results.jsonl (`--results PATH`; `--results ''` appends nowhere). This script turns
+that file into docs/BENCHMARKS.md: one table per bench, one row per line, each row with its date, tag,
+CPU model, ISA level (emulated level, kernel body) and threads beside the figures, newest first. So no
+benchmark figure in the docs is typed by hand: rerun the bench, then this.
+
+    python scripts/bench/report.py [--results docs/bench/results.jsonl] [--out docs/BENCHMARKS.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+RESULTS = REPO / "docs" / "bench" / "results.jsonl"
+OUT = REPO / "docs" / "BENCHMARKS.md"
+
+LABELS = [("date", "date"), ("tag", "tag"), ("cpu", "CPU"), ("cpu_isa", "ISA"), ("emulated_isa", "emulated"),
+          ("kernel_isa_setting", "MSLLM_KERNEL_ISA"), ("threads", "threads")]
+# Per bench: (dotted key in the JSON line, column title). A bench not listed gets its scalar fields.
+COLUMNS: dict[str, list[tuple[str, str]]] = {
+    "train": [("preset", "preset"), ("batch", "batch"), ("seq", "seq"), ("kernel_body", "kernel body"),
+              ("tokens_per_s", "tokens/s"), ("hf.sdpa.tokens_per_s", "HF sdpa"), ("ratio", "× sdpa"),
+              ("hf.eager.tokens_per_s", "HF eager"), ("ratio_vs_eager", "× eager"),
+              ("hf.compile.tokens_per_s", "HF compile"), ("ratio_vs_compile", "× compile"),
+              ("hf.compile.error", "compile error"), ("mfu", "MFU"), ("hf.sdpa.mfu", "HF sdpa MFU"),
+              ("peak_gflops", "MFU denominator GFLOP/s"), ("peak_rss_gb", "peak RSS GB"),
+              ("hf.sdpa.peak_rss_gb", "HF sdpa RSS GB"), ("rss_ratio", "RSS ×")],
+    "generate": [("preset", "preset"), ("new_tokens", "new tokens"), ("decode_path", "decode"),
+                 ("kernel_body", "kernel body"), ("tokens_per_s", "tokens/s"), ("hf_tokens_per_s", "HF tokens/s"),
+                 ("speedup_vs_hf", "× HF"), ("bandwidth_limit_tokens_per_s", "limit tokens/s"),
+                 ("bandwidth_limit_by", "limit from"), ("fraction_of_bandwidth_limit", "of limit"),
+                 ("hf_fraction_of_bandwidth_limit", "HF of limit"), ("decoder_tokens_per_s", "decoder tokens/s"),
+                 ("eval_requests_per_s", "eval req/s")],
+    "export": [("preset", "preset"), ("mindspore.decode_tokens_per_s", "MindSpore"),
+               ("onnx_fp32.decode_tokens_per_s", "onnxruntime fp32"), ("onnx_int8.decode_tokens_per_s", "int8"),
+               ("genai.decode_tokens_per_s", "genai"), ("onnx_vs_mindspore_decode", "fp32 × MS"),
+               ("int8_vs_fp32_decode", "int8 × fp32"), ("genai_vs_mindspore_decode", "genai × MS")],
+}
+
+
+def add_record_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--results", default=str(RESULTS),
+                    help="append the JSON line to this file ('' appends nowhere); docs/BENCHMARKS.md is made from it")
+    ap.add_argument("--tag", default="", help="a label stored with the line, e.g. 'smoke' for a smoke run")
+
+
+def record(res: dict, a: argparse.Namespace) -> None:
+    """Print the bench's JSON line and append it (with `tag`) to `a.results`."""
+    line = json.dumps({**res, "tag": a.tag} if a.tag else res)
+    print(line, flush=True)
+    if a.results:
+        path = Path(a.results)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            f.write(line + "\n")
+
+
+def _get(row: dict, key: str):
+    for part in key.split("."):
+        if not isinstance(row, dict) or part not in row:
+            return None
+        row = row[part]
+    return row
+
+
+def _cell(v) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, float):  # 3 significant digits for ratios and fractions, one decimal from 100 up
+        return f"{v:.3g}" if abs(v) < 100 else f"{v:,.1f}".removesuffix(".0")
+    return str(v).replace("|", "\\|").replace("\n", " ")
+
+
+def render(rows: list[dict], source: str) -> str:
+    out = ["# Benchmarks", "",
+           f"Written by `scripts/bench/report.py` from `{source}` (one JSON line per run, appended by the scripts",
+           "in `scripts/bench/`); do not edit by hand. Rows tagged `smoke` are tiny smoke runs that only show the",
+           "scripts work: their figures are not measurements. `emulated`: the ISA a run emulated with `--isa`",
+           "(scripts/bench/host.py says what that covers). Newest first.", ""]
+    if not rows:
+        out += ["No results yet: run a bench (e.g. `python scripts/bench/train.py`), then "
+                "`python scripts/bench/report.py`.", ""]
+    for bench in sorted({r.get("bench", "?") for r in rows}):
+        mine = [r for r in rows if r.get("bench") == bench][::-1]
+        cols = COLUMNS.get(bench) or [(k, k) for k in mine[0]
+                                      if k not in {"bench", *dict(LABELS)} and not isinstance(mine[0][k], (dict, list))]
+        cols = LABELS + [c for c in cols if any(_get(r, c[0]) is not None for r in mine)]
+        out += [f"## {bench}", "", "| " + " | ".join(t for _, t in cols) + " |", "|" + "---|" * len(cols)]
+        out += ["| " + " | ".join(_cell(_get(r, k)) for k, _ in cols) + " |" for r in mine]
+        out.append("")
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--results", default=str(RESULTS))
+    ap.add_argument("--out", default=str(OUT))
+    a = ap.parse_args()
+    path = Path(a.results)
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    try:
+        source = str(path.resolve().relative_to(REPO))
+    except ValueError:
+        source = str(path)
+    Path(a.out).write_text(render(rows, source))
+    print(f"{a.out}: {len(rows)} results")
+
+
+if __name__ == "__main__":
+    main()
