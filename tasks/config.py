@@ -296,8 +296,8 @@ class ExportSection(_Section):
     Ollama, LM Studio and other llama.cpp-family runtimes; types in gguf_types)."""
     gguf_types: list[Literal["F16", "Q8_0"]] = Field(default_factory=lambda: ["F16", "Q8_0"], min_length=1)
     """GGUF files to write with `gguf` in formats: F16 (model.f16.gguf) and/or Q8_0 (model.q8_0.gguf), each read
-    back and its logits checked against MindSpore's (F16 within 1e-3 relative to the logits' scale, Q8_0 within
-    Q8_0's quantization error)."""
+    back: its weights must equal the type's rounding bit for bit and its logits stay within a bound derived from
+    that rounding (tasks/deploy/gguf_export.py)."""
     batch_size: int = Field(1, gt=0)
     seq_length: int = Field(32, gt=0)
     atol: float = Field(1e-4, gt=0)

@@ -62,8 +62,10 @@ def model_card(*, info: dict[str, Any], parameters: int, model_ref: dict[str, An
              f"| parameters | {parameters / 1e6:.2f}M ({parameters:,}) |",
              f"| trained sequence length | {_num(info.get('seq_length'))} |"]
     lines += [f"| {k} | {_num(val)} |" for k, val in mc.items()]
-    lines += [f"| tokenizer | SentencePiece, {_num(tok.get('vocab_size'))} pieces; bos {_num(tok.get('bos_id'))}, "
-              f"eos {_num(tok.get('eos_id'))}, pad {_num(tok.get('pad_id'))} |", ""]
+    kind = "Hugging Face tokenizer.json" if tok.get("type") == "hf" else "SentencePiece"
+    lines += [f"| tokenizer | {kind}, {_num(tok.get('vocab_size'))} tokens; bos {_num(tok.get('bos_id'))}, "
+              f"eos {_num(tok.get('eos_id'))}, pad {_num(tok.get('pad_id'))}"
+              f"{'; chat template' if tok.get('chat_template') else ''} |", ""]
 
     shapes = v.get("shapes", {})
     onnx, int8, genai = "onnx" in shapes, v.get("int8"), v.get("genai") or {}
@@ -78,10 +80,18 @@ def model_card(*, info: dict[str, Any], parameters: int, model_ref: dict[str, An
         if int8:
             lines.append(f"| model.int8.onnx | the same decoder with int8 weights (dynamic quantization): "
                          f"{int8['size_ratio']:.2f}× the size |")
-        lines += ["| genai_config.json | onnxruntime-genai's description of model.onnx (decoder type llama) |",
-                  "| tokenizer.json, tokenizer_config.json | tokenizer.model as a Hugging Face BPE tokenizer, for "
-                  "onnxruntime-genai (which does not read SentencePiece models) |"]
-    lines += ["| tokenizer.model | the SentencePiece model |", "| model.json | architecture and tokenizer ids |",
+        lines.append("| genai_config.json | onnxruntime-genai's description of model.onnx (decoder type llama) |")
+        if tok.get("type") != "hf":
+            lines.append("| tokenizer.json, tokenizer_config.json | tokenizer.model as a Hugging Face BPE tokenizer, "
+                         "for onnxruntime-genai (which does not read SentencePiece models) |")
+    for t, e in ((v.get("gguf") or {}).get("files") or {}).items():
+        lines.append(f"| {e['file']} | GGUF ({t}) for {v['gguf']['runtimes']}: weights, llama.* metadata, tokenizer "
+                     f"and chat template in one file; read back and checked (max \u0394logit {e['max_abs_diff']:.3g}"
+                     f" vs fp32) |")
+    lines += (["| tokenizer.json, tokenizer_config.json | the model's own Hugging Face tokenizer (MindSpore, "
+               "onnxruntime-genai, transformers) |"] if tok.get("type") == "hf" else
+              ["| tokenizer.model | the SentencePiece model |"])
+    lines += ["| model.json | architecture and tokenizer ids |",
               "| export.json | names, shapes, prompt format, verification |"]
     if onnx:
         lines.append("| onnx_generate.py | KV-cache generation with onnxruntime only: "
