@@ -397,8 +397,10 @@ def hf_files_from_gguf(meta: dict[str, Any], where: str) -> dict[str, Any]:
     """
     model = meta.get("tokenizer.ggml.model")
     if model != "gpt2":
-        raise TokenizerError(f"{where}: tokenizer.ggml.model={model!r}; only byte-level BPE ('gpt2') tokenizers "
-                             "convert from GGUF (convert the Hugging Face directory with --from-hf instead)")
+        what = " (a SentencePiece vocabulary)" if model == "llama" else ""
+        raise TokenizerError(f"{where}: tokenizer.ggml.model={model!r}{what}; GGUF import rebuilds byte-level BPE "
+                             "('gpt2') tokenizers only: convert the model's Hugging Face directory (with its "
+                             "tokenizer.model or tokenizer.json) with --from-hf instead")
     pre = meta.get("tokenizer.ggml.pre", "default")
     if pre not in _PRE_DIGITS | _PRE_GPT2:
         raise TokenizerError(f"{where}: tokenizer.ggml.pre={pre!r} is not a pre-tokenizer this converts "

@@ -262,3 +262,155 @@ def test_converted_model_runs_through_continued_pretraining_eval_and_export(case
     assert m["metrics"]["continued_from"] == str(case["artifact"]) and m["metrics"]["steps"] == 4
     assert run("eval", "--from", str(trained)).parent.name == "eval"
     assert run("export", "--from", str(trained)).parent.name == "export"
+
+
+# ----------------------------------------------------------------------------- tokenizer.json models and GGUF files
+
+
+def _hf_tokenizer_dir(case, tmp_path: Path, **tok_kwargs) -> Path:
+    """The case's HF directory with a byte-level BPE tokenizer.json (+ tokenizer_config.json, chat template)
+    instead of tokenizer.model: the layout of SmolLM2, Llama 3, Qwen."""
+    from tests.helpers import train_tiny_hf_tokenizer
+
+    d = tmp_path / "hf-json"
+    shutil.copytree(case["hf_dir"], d)
+    (d / "tokenizer.model").unlink()
+    train_tiny_hf_tokenizer(d, **{"vocab_size": VOCAB, **tok_kwargs})
+    return d
+
+
+def _left_behind(store: ArtifactStore) -> list[str]:
+    """Everything under the store's convert/ directory (a failed conversion must leave nothing, temp dirs included)."""
+    d = store.root / "convert"
+    return sorted(p.name for p in d.iterdir()) if d.is_dir() else []
+
+
+def test_a_tokenizer_json_directory_converts_and_round_trips(case, tmp_path):
+    if case["name"] != "gqa-tied-sharded":
+        pytest.skip("one case is enough")
+    from tasks.store.model_artifact import load_tokenizer, read_info
+
+    d = _hf_tokenizer_dir(case, tmp_path)
+    store = ArtifactStore(tmp_path / "a")
+    art = from_hf(d, store)
+    tok = read_info(art)["tokenizer"]
+    assert tok["type"] == "hf" and tok["chat_template"] and (tok["bos_id"], tok["eos_id"]) == (1, 2)
+    assert not (art / "tokenizer.model").exists()
+    assert (art / "tokenizer.json").read_bytes() == (d / "tokenizer.json").read_bytes()
+    # the key covers the tokenizer's bytes: another chat template is another artifact
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = cfg["chat_template"].replace("<|im_start|>", "<|im_start|> ")
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    assert from_hf(d, store) != art
+    out = to_hf(art, tmp_path / "back")  # transformers loads weights and tokenizer
+    ref = transformers.AutoTokenizer.from_pretrained(out)
+    text = "Hello, world: 12 CJK 你好 😀"
+    assert ref(text)["input_ids"] == load_tokenizer(art).encode(text)
+    assert transformers.LlamaForCausalLM.from_pretrained(out).config.vocab_size == VOCAB
+
+
+@pytest.mark.parametrize("bad", ["vocab", "template"])
+def test_a_bad_tokenizer_json_is_one_clear_error_and_leaves_nothing(case, tmp_path, bad):
+    if case["name"] != "gqa-tied-sharded":
+        pytest.skip("one case is enough")
+    if bad == "vocab":
+        d = _hf_tokenizer_dir(case, tmp_path, vocab_size=VOCAB + 88)
+        msg = f"the tokenizer has {VOCAB + 88} tokens but the model's vocab_size is {VOCAB}"
+    else:
+        d = _hf_tokenizer_dir(case, tmp_path, chat_template="{% for m in messages %}{{ m.content | nope }}{% endfor %}")
+        msg = "the chat template fails to render"
+    store = ArtifactStore(tmp_path / "a")
+    with pytest.raises(ConversionError, match=re.escape(msg)):
+        from_hf(d, store)
+    assert _left_behind(store) == []
+
+
+def test_gguf_of_another_architecture_or_truncated_via_the_cli(case, tmp_path, capsys):
+    """One line naming the file and what is wrong, exit 1, nothing written."""
+    if case["name"] != "gqa-tied-sharded":
+        pytest.skip("one case is enough")
+    import gguf
+
+    from model.gguf import write_gguf
+    from tasks import cli
+    from tasks.deploy.gguf_export import tokenizer_meta
+    from tasks.store.model_artifact import load_tokenizer, model_config
+    from tasks.training.checkpoint import load_weights
+
+    store = ArtifactStore(tmp_path / "a")
+    art = from_hf(_hf_tokenizer_dir(case, tmp_path), ArtifactStore(tmp_path / "src"))  # a tokenizer.json model
+    w = gguf.GGUFWriter(str(tmp_path / "qwen.gguf"), "qwen2")
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    good = tmp_path / "good.gguf"
+    write_gguf(good, model_config(art), load_weights(art), tokenizer_meta(load_tokenizer(art)), qtype="F16")
+    (tmp_path / "cut.gguf").write_bytes(good.read_bytes()[:-4096])
+    sp_vocab = tmp_path / "sp.gguf"  # a SentencePiece vocabulary (Llama 2's kind): not rebuilt, said so
+    write_gguf(sp_vocab, model_config(case["artifact"]), load_weights(case["artifact"]),
+               tokenizer_meta(load_tokenizer(case["artifact"])), qtype="F32")
+    for f, words in (("qwen.gguf", "general.architecture='qwen2'; only 'llama'"), ("cut.gguf", "truncated"),
+                     ("sp.gguf", "tokenizer.ggml.model='llama' (a SentencePiece vocabulary)")):
+        assert cli.main(["convert", "--artifacts", str(store.root), "--from-gguf", str(tmp_path / f)]) == 1
+        err = capsys.readouterr().err
+        assert words in err and f in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+        assert _left_behind(store) == []
+    # the complete file converts, and its weights are the artifact's F16-rounded ones
+    assert cli.main(["convert", "--artifacts", str(store.root), "--from-gguf", str(good)]) == 0
+    back = Path(capsys.readouterr().out.strip().splitlines()[-1])
+    src = load_weights(art)
+    assert all(np.array_equal(v, src[k].astype(np.float16).astype(np.float32)) if v.ndim == 2 else
+               np.array_equal(v, src[k]) for k, v in load_weights(back).items())
+    assert ArtifactStore.read_manifest(back)["inputs"][0]["sha256"] == __import__("hashlib").sha256(
+        good.read_bytes()).hexdigest()  # keyed by the file's bytes: lineage reaches it
+
+
+@pytest.mark.slow
+def test_a_tokenizer_json_model_runs_through_every_stage_and_serves_chat(case, tmp_path, capsys):
+    """A tokenizer.json-only LLaMA directory, as pretrain.init_from: converted, continued (the data stage tokenizes
+    with its tokenizer.json, nothing retrained), LoRA-finetuned through its chat template, evaluated, exported
+    (ONNX + genai files with its own tokenizer, GGUF) and served: chat completions through the chat template."""
+    if case["name"] != "gqa-tied-sharded":
+        pytest.skip("one case is enough")
+    from tasks import cli
+    from tasks.prompts import chat_example
+    from tasks.store.model_artifact import load_tokenizer
+    from tests.test_serving import Server
+
+    d = _hf_tokenizer_dir(case, tmp_path)
+    root = tmp_path / "art"
+    common = ["--config", str(REPO / "pipelines.yaml"), "--pipeline", "tiny", "--artifacts", str(root),
+              "--set", f"pretrain.init_from={d}", "--set", "pretrain.max_steps=4", "--set", "pretrain.eval_steps=2",
+              "--set", "checkpoint.save_steps=2", "--set", "eval.limit=4", "--set", "finetune.max_steps=4",
+              "--set", "finetune.eval_steps=2", "--set", "finetune.save_steps=2",
+              "--set", "export.formats=[onnx, gguf]", "--set", "export.gguf_types=[F16]"]
+
+    def run(*argv: str) -> Path:
+        assert cli.main([*argv, *common]) == 0, capsys.readouterr().err
+        return Path(capsys.readouterr().out.strip().splitlines()[-1])
+
+    data = run("data")
+    assert (data / "tokenizer.json").read_bytes() == (d / "tokenizer.json").read_bytes()
+    assert not (data / "tokenizer.model").exists()
+    trained = run("train", "--from", str(data))
+    assert ArtifactStore.read_manifest(trained)["metrics"]["steps"] == 4
+    tok = load_tokenizer(trained)
+    assert tok.kind == "hf" and tok.chat_template is not None
+    ft = run("finetune", "--from", str(trained))
+    assert json.loads((ft / "adapter.json").read_text())["template"] == "chat_template of the tokenizer"
+    ids, trained_mask = chat_example(tok, [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}])
+    assert any(trained_mask) and not all(trained_mask)
+    ev = run("eval", "--from", str(ft))
+    assert ev.parent.name == "eval"
+    ex = run("export", "--from", str(ft))
+    files = {p.name for p in ex.iterdir()}
+    assert {"model.onnx", "genai_config.json", "tokenizer.json", "tokenizer_config.json", "model.f16.gguf"} <= files
+    assert (ex / "tokenizer.json").read_bytes() == (d / "tokenizer.json").read_bytes()
+    v = ArtifactStore.read_manifest(ex)["verification"]
+    assert v["greedy_tokens_match"] and v["gguf"]["files"]["F16"]["weights_equal_rounding"]
+    srv = Server(ex, tmp_path)
+    try:
+        msgs = [{"role": "user", "content": "Who art thou?"}]
+        r = srv.client().chat.completions.create(model=srv.model, messages=msgs, temperature=0, max_tokens=8)
+        assert r.usage.prompt_tokens == len(tok.encode(tok.render_chat(msgs)))  # rendered by the chat template
+    finally:
+        srv.stop()

@@ -123,7 +123,9 @@ def cmd_eval(args) -> int:
         return 0
     cfg = load(args)
     st = store(args)
-    model = upstream(args, st, "eval", cfg.name)
+    from tasks.stages.export import resolve_model
+
+    model = resolve_model(st, upstream(args, st, "eval", cfg.name))  # a finetune artifact: its merged model
     data = evaluate.lineage_data_artifact(st, model)
     if data is None:
         print(f"[eval] no data artifact in the lineage of {model}: held-out perplexity skipped", file=sys.stderr)

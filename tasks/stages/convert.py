@@ -154,7 +154,7 @@ def from_gguf(gguf_file: str | os.PathLike, store: ArtifactStore, pipeline: str 
     """The convert artifact of a llama GGUF file: weights dequantized to float32 (F32, F16, BF16, Q8_0, Q4_0, Q4_1,
     ...), the config from its llama.* metadata, the tokenizer rebuilt as a tokenizer.json from tokenizer.ggml.*
     (with the chat template). Keyed by the file's sha256 (its raw input, so lineage reaches it)."""
-    from model.gguf import GGUFError, read_gguf, read_metadata
+    from model.gguf import GGUFError, config_from_meta, read_gguf, read_metadata
     from tasks.store.model_artifact import write_model
     from tasks.tokenizer import TokenizerError, hf_files_from_gguf, load_tokenizer
 
@@ -169,6 +169,7 @@ def from_gguf(gguf_file: str | os.PathLike, store: ArtifactStore, pipeline: str 
         return hit
     try:
         _, meta = read_metadata(src)
+        config_from_meta(meta, str(src))  # the architecture first: a qwen2 file is named as such
         tok_files = hf_files_from_gguf(meta, str(src))
         meta, cfg, weights, types = read_gguf(src)
     except (GGUFError, TokenizerError) as exc:
