@@ -842,7 +842,9 @@ def _file_rules(cfg: PipelineConfig, prefix: str) -> list[str]:
         ("pretrain.init_from", cfg.pretrain.init_from),
     ):
         if val and not cfg.resolve_path(val).exists():
-            errs.append(f"{prefix}.{key}: '{val}' does not exist (looked in {cfg.resolve_path(val)}); fix the path")
+            fix = ("fetch the model first (bash scripts/fetch_smollm2.sh fetches SmolLM2 for the smollm2 pipeline) or "
+                   "fix the path" if str(val).endswith(".gguf") else "fix the path")
+            errs.append(f"{prefix}.{key}: '{val}' does not exist (looked in {cfg.resolve_path(val)}); {fix}")
     for i, src in enumerate(cfg.continued.sources):
         if not _expand_source(cfg, src):
             errs.append(f"{prefix}.continued.sources[{i}]: '{src}' matches no file (looked in {cfg.resolve_path(src)}); fix the path")
