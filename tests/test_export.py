@@ -262,7 +262,7 @@ def test_finetune_artifact_is_merged_before_export(env):
     """A (full) finetune artifact resolves to its merged model; stage_key refuses the unmerged one."""
     from safetensors.numpy import save_file
 
-    from tasks.training.checkpoint import load_weights
+    from tasks.store.tensors import load_weights
 
     store, base = env["store"], env["model"]
     with store.build("finetune", "f" * 20, pipeline="test", config={}, inputs=[store.input_ref(base)], code="test") as b:

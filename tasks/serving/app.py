@@ -11,7 +11,7 @@ Endpoints:
     POST /v1/chat/completions   messages rendered with the model's own chat template (a tokenizer.json
                                 model's, as transformers' apply_chat_template renders it) or, for a model
                                 trained here, the finetune stage's instruction template
-                                (`tasks.stages.finetune.to_segments` / `encode_segments`), ending where the
+                                (`tasks.prompts.chat_prompt_ids`), ending where the
                                 response begins
     GET  /v1/models, /v1/models/{id}, /health
     GET  /metrics               Prometheus text format (tasks/serving/metrics.py, a registry per app)
@@ -175,22 +175,6 @@ def _message_text(m: Any, j: int) -> tuple[str, str]:
     return role, content
 
 
-def chat_prompt_ids(sp, messages: list[tuple[str, str]]) -> list[int]:
-    """Token ids of a conversation rendered with the model's chat template (add_generation_prompt; encoded
-    without added special tokens, as transformers' apply_chat_template) or, without one, the finetune stage's
-    instruction template, ending where the assistant's answer begins (the same tokens as the training examples
-    up to their response)."""
-    from tasks.stages.finetune import encode_segments, to_segments
-
-    if sp.chat_template is not None:
-        return sp.encode(sp.render_chat([{"role": r, "content": c} for r, c in messages], add_generation_prompt=True))
-
-    # to_segments wants an assistant turn to train on: add an empty one and drop it again.
-    record = {"messages": [{"role": r, "content": c} for r, c in messages] + [{"role": "assistant", "content": ""}]}
-    segments = to_segments(record, "messages")[:-1]
-    return encode_segments(sp, segments, sp.eos_id())[0]
-
-
 def document_prefix(tok) -> list[int] | None:
     """The ids a document starts with before its text: what `Tokenizer.prompt_ids` puts before `encode` ([EOS] for a
     SentencePiece model trained here, BOS for a tokenizer.json whose post-processor adds one, [] for SmolLM2).
@@ -351,6 +335,8 @@ def parse_request(body: Any, *, chat: bool, model_id: str | Collection[str], bac
         from tasks.tokenizer import TokenizerError
 
         try:
+            from tasks.prompts import chat_prompt_ids
+
             prompts, field = [Prompt(chat_prompt_ids(sp, turns), 0, None)], "messages"
         except TokenizerError as exc:  # the model's template refused the conversation (e.g. its raise_exception)
             raise ApiError(400, f"messages: {exc}", "messages") from None

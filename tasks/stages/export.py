@@ -105,7 +105,7 @@ def resolve_model(store: ArtifactStore, path: str | Path) -> Path:
     p = store.inside(path)
     stage = store.read_manifest(p)["stage"]
     if stage == "finetune":
-        from tasks.stages.finetune import merge
+        from tasks.store.merge import merge
 
         return merge(store, p)
     if stage not in MODEL_STAGES or not (p / "model.json").is_file():
@@ -222,7 +222,7 @@ def _log(progress: bool, msg: str) -> None:
 
 def _export(cfg: PipelineConfig, store: ArtifactStore, model: Path, eval_art: Path | None, key: str,
             inputs: list[dict[str, Any]], section: dict[str, Any], progress: bool) -> Path:
-    from tasks.training.checkpoint import load_weights
+    from tasks.store.tensors import load_weights
     from tasks.store.model_artifact import load_model, load_tokenizer, model_config, read_info
     from tasks.deploy.onnx_generate import encode_prompt
     from tasks.tokenizer import copy_tokenizer_files, tokenizer_files
@@ -377,7 +377,7 @@ def _export_gguf_checked(out: Path, info: dict[str, Any], weights: dict[str, np.
 
 
 def _heldout_data(store: ArtifactStore, model: Path) -> Path | None:
-    from tasks.stages.evaluate import lineage_data_artifact
+    from tasks.store.lineage import lineage_data_artifact
 
     try:
         return lineage_data_artifact(store, model)
@@ -387,9 +387,8 @@ def _heldout_data(store: ArtifactStore, model: Path) -> Path | None:
 
 def _heldout_rows(data: Path) -> tuple[np.ndarray, np.ndarray] | None:
     """(input_ids [B, T], labels [B, T], -100 = not counted) of the first HELDOUT_BLOCKS valid blocks, or None."""
-    from tasks.stages.pretrain import block_batches
-
-    from tasks.stages.data import DataError
+    from tasks.store.data_schema import DataError
+    from tasks.store.reader import block_batches
 
     try:
         for ids, labels in block_batches(data, "valid", HELDOUT_BLOCKS, 10**9, seed=0, repeat=False):
