@@ -59,6 +59,7 @@ Artifact payload:
                           every model file (the standalone onnx_generate.py checks them before use)
     MODEL_CARD.md         config, lineage summary, eval results (when given), verification, usage
     onnx_generate.py      a copy of tasks/deploy/onnx_generate.py: KV-cache generation with onnxruntime only
+    sampling.py           a copy of model/sampling.py (numpy only), which onnx_generate.py imports
 manifest: `verification` (as in export.json) and metrics mindir_max_abs_diff, onnx_max_abs_diff,
 greedy_tokens_match, genai_greedy_tokens_match, genai_tokenizer_ids_match, onnx_bytes, int8_* (when on),
 parameters, export_seconds.
@@ -94,7 +95,10 @@ GENAI_FILES = ("genai_config.json", "tokenizer.json", "tokenizer_config.json")
 # fixed lines for the tokenizer check: contractions, punctuation, digits, newlines, non-ASCII
 TOKENIZER_SAMPLES = ["'That I can't, 'tis so; they'll've done it.", "KING HENRY VI:\nWhat, 12 or 345 men?",
                      "Ay, me!  Two  spaces,\ttabs\tand\n\nblank lines.", "naïve café — “quotes” ✓ 日本語"]
-_GENERATE_SCRIPT = Path(__file__).resolve().parents[1] / "deploy" / "onnx_generate.py"  # copied into the artifact
+_REPO = Path(__file__).resolve().parents[2]
+# copied into the artifact (name there: source): the standalone generator and the one sampling rule it imports
+_GENERATE_SCRIPTS = {"onnx_generate.py": _REPO / "tasks" / "deploy" / "onnx_generate.py",
+                     "sampling.py": _REPO / "model" / "sampling.py"}
 
 
 # ----------------------------------------------------------------------------- keys and inputs
@@ -262,7 +266,8 @@ def _export(cfg: PipelineConfig, store: ArtifactStore, model: Path, eval_art: Pa
 
         copy_tokenizer_files(model, b.dir)
         shutil.copy2(model / "model.json", b.dir / "model.json")
-        shutil.copy2(_GENERATE_SCRIPT, b.dir / "onnx_generate.py")
+        for name, src in _GENERATE_SCRIPTS.items():
+            shutil.copy2(src, b.dir / name)
         mc = model_config(model)
         files = [f for f in ("model.mindir", "model.onnx", "model.int8.onnx", "model.f16.gguf", "model.q8_0.gguf",
                              *GENAI_FILES) if (b.dir / f).is_file()]
