@@ -13,7 +13,7 @@ every layer's RMSNorm, projections, RoPE, attention over the cache and SwiGLU ML
 with AVX-512 GEMVs over OpenMP threads; it reads the net's own Parameters, so weights updated in place
 are seen at the next step, and writes the caches in place). Without a compiler (or with
 MSLLM_FUSED_DECODE=0) the tokens go through `CachedDecoder` on MindSpore's kernels: same tokens,
-~3x slower. fp16, LoRA, tensor-parallel nets, and sequences interleaved with one already using the
+slower. fp16, LoRA, tensor-parallel nets, and sequences interleaved with one already using the
 in-place caches (the server's engine) take the functional `LlamaForCausalLM.forward_cached`, whose
 caches go in and out as values (through `mindspore.mutable`; a plain tuple of Tensors is a jit
 constant and recompiles on every new value). Each decode step compiles once: the position is a

@@ -55,7 +55,7 @@ else:  # the copy in an export artifact (run as a script, or by path): sampling.
     _spec.loader.exec_module(_sampling)
     sample_next = _sampling.sample_next
 
-# The README's few-line example (the export stage also writes it into MODEL_CARD.md, and a
+# The few-line example of docs/PIPELINE.md (the export stage also writes it into MODEL_CARD.md, and a
 # test runs it in a fresh interpreter). ART is the export artifact directory.
 SNIPPET = '''\
 import numpy as np, onnxruntime as ort, sentencepiece as spm

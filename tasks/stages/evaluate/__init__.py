@@ -64,8 +64,8 @@ def check_finite_logits(lm, model_artifact: Path) -> None:
     logits = lm.net(ms.Tensor(ids)).asnumpy()
     if not np.isfinite(logits).all():
         raise EvalError(f"{model_artifact}: the model's logits are non-finite (NaN/Inf weights?); no eval artifact "
-                        "is written: retrain it (a stage that published it should have refused; see README "
-                        "Reliability) or evaluate another model artifact")
+                        "is written: retrain it (a stage that published it should have refused; see "
+                        "docs/RELIABILITY.md) or evaluate another model artifact")
 
 
 def stage_key(cfg: PipelineConfig, store: ArtifactStore, model_artifact: Path,
@@ -166,7 +166,7 @@ class _QuietCustomDatasetNote(logging.Filter):
 
 
 def task_manager(tasks: list[str]):
-    """A TaskManager over the local tasks, plus lm-eval's own index only when a task needs it (~17 s)."""
+    """A TaskManager over the local tasks, plus lm-eval's own index only when a task needs it (building it takes seconds)."""
     from lm_eval.tasks import TaskManager
 
     local = TaskManager(include_path=str(LOCAL_TASKS), include_defaults=False)
