@@ -53,7 +53,7 @@ def finetune_flow(pipeline: str = "demo", config: str = "pipelines.yaml", overri
 def eval_flow(pipeline: str = "demo", config: str = "pipelines.yaml", overrides: list[str] | None = None,
               artifacts: str = "artifacts", model_artifact: str | None = None, data_artifact: str | None = None) -> str:
     """Evaluate a model artifact (default: the pipeline's newest merged or pretrain model)."""
-    from tasks.stages.evaluate import lineage_data_artifact
+    from tasks.store.lineage import lineage_data_artifact
 
     c = _common(pipeline, config, overrides, artifacts)
     model_artifact = _upstream(c["artifacts"], "eval", pipeline, model_artifact)

@@ -127,12 +127,13 @@ def _finetune_key(store, params):
 def finetune_task(config: str, pipeline: str, overrides: list[str], artifacts: str, base_artifact: str) -> dict[str, str]:
     """LoRA/full fine-tuning in a supervised child, then the merge eval and export consume."""
     from tasks.stages import finetune
+    from tasks.store.merge import merge
 
     cfg = load_cfg(config, pipeline, overrides)
     store = ArtifactStore(artifacts)
     path = finetune.run(cfg, store, Path(base_artifact))
     publish_metrics("finetune", path)
-    return {"finetune": str(path), "merged": str(finetune.merge(store, path))}
+    return {"finetune": str(path), "merged": str(merge(store, path))}
 
 
 # ----------------------------------------------------------------------------- eval

@@ -16,7 +16,7 @@ __all__ = ["PRESETS", "ModelConfig", "ModelRegistry", "build_model", "default_re
 
 
 def __getattr__(name: str):
-    if name in _LAZY:  # importing model.llama pulls in MindSpore (~2 s), so only on demand
+    if name in _LAZY:  # importing model.llama pulls in MindSpore (seconds), so only on demand
         import importlib
 
         return getattr(importlib.import_module(_LAZY[name]), name)

@@ -13,7 +13,7 @@ every layer's RMSNorm, projections, RoPE, attention over the cache and SwiGLU ML
 with AVX-512 GEMVs over OpenMP threads; it reads the net's own Parameters, so weights updated in place
 are seen at the next step, and writes the caches in place). Without a compiler (or with
 MSLLM_FUSED_DECODE=0) the tokens go through `CachedDecoder` on MindSpore's kernels: same tokens,
-~3x slower. fp16, LoRA, tensor-parallel nets, and sequences interleaved with one already using the
+slower. fp16, LoRA, tensor-parallel nets, and sequences interleaved with one already using the
 in-place caches (the server's engine) take the functional `LlamaForCausalLM.forward_cached`, whose
 caches go in and out as values (through `mindspore.mutable`; a plain tuple of Tensors is a jit
 constant and recompiles on every new value). Each decode step compiles once: the position is a
@@ -36,33 +36,7 @@ import numpy as np
 import mindspore as ms
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
-
-def sample_next(logits: np.ndarray, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-                rng: np.random.Generator | None = None) -> int:
-    """The next token id from one row of logits [V].
-
-    temperature 0 (or below) is greedy argmax. Otherwise logits / temperature, keep
-    the top_k largest, then the smallest set of most likely tokens whose probability
-    reaches top_p (the most likely token is always kept), renormalise and sample.
-    """
-    if temperature <= 0:
-        return int(np.argmax(logits))
-    z = logits.astype(np.float64) / temperature
-    if top_k is not None and top_k < z.size:
-        kth = np.partition(z, -top_k)[-top_k]
-        z = np.where(z < kth, -np.inf, z)
-    p = np.exp(z - z.max())
-    p /= p.sum()
-    if top_p is not None and top_p < 1.0:
-        order = np.argsort(-p, kind="stable")
-        cum = np.cumsum(p[order])
-        keep = order[: int(np.searchsorted(cum, top_p)) + 1]  # first index where cum >= top_p, inclusive
-        mask = np.zeros_like(p, dtype=bool)
-        mask[keep] = True
-        p = np.where(mask, p, 0.0)
-        p /= p.sum()
-    rng = rng if rng is not None else np.random.default_rng()
-    return int(rng.choice(p.size, p=p))
+from model.sampling import sample_next
 
 
 class CachedDecoder(nn.Cell):

@@ -655,7 +655,7 @@ def resolve_pipeline(
 # ----------------------------------------------------------------------------- cross-field rules
 
 
-def _expand_source(cfg: PipelineConfig, src: str) -> list[Path]:
+def expand_source(cfg: PipelineConfig, src: str) -> list[Path]:
     if src.startswith("hf:"):
         return []
     p = cfg.resolve_path(src)
@@ -834,7 +834,7 @@ def _file_rules(cfg: PipelineConfig, prefix: str) -> list[str]:
     if not cfg.data.sources:
         errs.append(f"{prefix}.data.sources: empty; list at least one corpus file, directory or glob")
     for i, src in enumerate(cfg.data.sources):
-        if not src.startswith("hf:") and not _expand_source(cfg, src):
+        if not src.startswith("hf:") and not expand_source(cfg, src):
             errs.append(f"{prefix}.data.sources[{i}]: '{src}' matches no file (looked in {cfg.resolve_path(src)}); fix the path")
     for key, val in (
         ("data.tokenizer.path", cfg.data.tokenizer.path),
@@ -846,10 +846,10 @@ def _file_rules(cfg: PipelineConfig, prefix: str) -> list[str]:
                    "fix the path" if str(val).endswith(".gguf") else "fix the path")
             errs.append(f"{prefix}.{key}: '{val}' does not exist (looked in {cfg.resolve_path(val)}); {fix}")
     for i, src in enumerate(cfg.continued.sources):
-        if not _expand_source(cfg, src):
+        if not expand_source(cfg, src):
             errs.append(f"{prefix}.continued.sources[{i}]: '{src}' matches no file (looked in {cfg.resolve_path(src)}); fix the path")
     for i, src in enumerate(cfg.finetune.sources):
-        if not _expand_source(cfg, src):
+        if not expand_source(cfg, src):
             errs.append(f"{prefix}.finetune.sources[{i}]: '{src}' matches no file; fix the path")
     for i, src in enumerate(cfg.eval.perplexity_files):
         if not cfg.resolve_path(src).is_file():

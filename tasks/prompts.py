@@ -1,17 +1,24 @@
-"""Conversations as a model's own chat template renders them, with the assistant's tokens marked for the loss.
+"""Prompt formats: how a model is asked, in training and in serving alike (LitGPT keeps these in `prompts.py`).
+
+Two formats, chosen by the model's tokenizer:
+
+- a chat template (a tokenizer.json model such as SmolLM2-Instruct): `chat_example` renders a conversation
+  with the model's own template and marks the assistant's tokens for the loss; the server renders its chat
+  prompts with the same template (`chat_prompt_ids`), so a finetuned model is asked exactly as it was trained.
+- without one (models trained here), the instruction template TEMPLATE: a record becomes (text, kind)
+  segments (`to_segments`), each tokenized on its own (`encode_segments`), so the prompt/response boundary
+  is exact; `prompt_ids` / `chat_prompt_ids` give generation the same prompt tokens:
+
+      ### Instruction:\n{prompt}\n\n### Response:\n{response}</s>
 
     tokens, trained = chat_example(tok, [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}])
+    ids = chat_prompt_ids(tok, [("user", "Hi")])     # the prompt, ending where the assistant's answer begins
 
-Used by the finetune stage for a model whose tokenizer has a chat template (a tokenizer.json model such as
-SmolLM2-Instruct); the server renders its chat prompts with the same template (`Tokenizer.render_chat`), so a
-finetuned model is asked exactly as it was trained. Models trained here without a template keep the finetune
-stage's instruction template (tasks/stages/finetune.py).
-
-The whole conversation is rendered once and tokenized once (as transformers' `apply_chat_template` does, with
-no added special tokens); each assistant turn's span is where the rendering of the conversation up to it
-(`add_generation_prompt=True`) ends and the rendering through it ends, so the template's own end-of-turn
-tokens after the answer (`<|im_end|>` for ChatML) are trained too: the model learns to stop. A token is trained
-when its first character lies inside such a span.
+Chat templates: the whole conversation is rendered once and tokenized once (as transformers'
+`apply_chat_template` does, with no added special tokens); each assistant turn's span is where the rendering of
+the conversation up to it (`add_generation_prompt=True`) ends and the rendering through it ends, so the
+template's own end-of-turn tokens after the answer (`<|im_end|>` for ChatML) are trained too: the model learns
+to stop. A token is trained when its first character lies inside such a span.
 """
 
 from __future__ import annotations
@@ -51,3 +58,96 @@ def record_messages(record: Any, where: str) -> list[dict[str, str]]:
     if isinstance(record, dict) and "messages" in record:
         return [{"role": m["role"], "content": m["content"]} for m in record["messages"]]
     return [{"role": "user", "content": record["prompt"]}, {"role": "assistant", "content": record["response"]}]
+
+
+# ----------------------------------------------------------------------------- the instruction template
+
+PROMPT_TEMPLATE = "### Instruction:\n{prompt}\n\n### Response:\n"
+SYSTEM_TEMPLATE = "### System:\n{content}\n\n"
+TEMPLATE = PROMPT_TEMPLATE + "{response}</s>"
+
+
+# A segment is (text, kind): FIXED template text and PROMPT text carry no loss, RESPONSE text does.
+# Only PROMPT segments shrink when an example is too long, so the response survives.
+FIXED, PROMPT, RESPONSE = "fixed", "prompt", "response"
+
+
+def _turn(prompt: str) -> list[tuple[str, str]]:
+    head, tail = PROMPT_TEMPLATE.split("{prompt}")
+    return [(head, FIXED), (prompt, PROMPT), (tail, FIXED)]
+
+
+def to_segments(record: Any, where: str) -> list[tuple[str, str]]:
+    """An instruction record as (text, kind) segments in order (see FIXED / PROMPT / RESPONSE)."""
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    if "messages" in record:
+        msgs = record["messages"]
+        if not isinstance(msgs, list) or not msgs:
+            raise ValueError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
+        segments: list[tuple[str, str]] = []
+        for j, m in enumerate(msgs):
+            role, content = (m.get("role"), m.get("content")) if isinstance(m, dict) else (None, None)
+            if not isinstance(content, str):
+                raise ValueError(f"{where}: messages[{j}] needs a string 'content'")
+            if role == "system":
+                head, tail = SYSTEM_TEMPLATE.split("{content}")
+                segments += [(head, FIXED), (content, PROMPT), (tail, FIXED)]
+            elif role == "user":
+                segments += _turn(content)
+            elif role == "assistant":
+                segments.append((content, RESPONSE))
+            else:
+                raise ValueError(f"{where}: messages[{j}].role is {role!r}; expected system, user or assistant")
+        if not any(kind == RESPONSE for _, kind in segments):
+            raise ValueError(f"{where}: no assistant message, so nothing to train on")
+        return segments
+    prompt, response = record.get("prompt"), record.get("response")
+    if not isinstance(prompt, str) or not isinstance(response, str):
+        raise ValueError(f"{where}: expected string fields 'prompt' and 'response' (or chat 'messages'); "
+                         f"got keys {sorted(record)}")
+    return [*_turn(prompt), (response, RESPONSE)]
+
+
+def encode_segments(sp, segments: list[tuple[str, str]], eos_id: int, max_tokens: int | None = None
+                    ) -> tuple[list[int], list[bool], bool]:
+    """(token ids, per token whether it is trained, whether a prompt was shortened).
+
+    Each segment is encoded on its own (so the prompt/response boundary is exact) and
+    each response is closed by EOS (trained too: the model learns to stop). When the
+    total exceeds `max_tokens`, prompt segments lose tokens from their end, first
+    prompt first; whatever is still too long is left for `pack_example` to cut.
+    """
+    encoded = [list(ids) + ([eos_id] if kind == RESPONSE else [])
+               for (_, kind), ids in zip(segments, sp.encode_batch([text for text, _ in segments]))]
+    excess = sum(map(len, encoded)) - max_tokens if max_tokens is not None else 0
+    shortened = excess > 0
+    for ids, (_, kind) in zip(encoded, segments):
+        if excess > 0 and kind == PROMPT:
+            cut = min(excess, len(ids))
+            del ids[len(ids) - cut:]
+            excess -= cut
+    tokens = [t for ids in encoded for t in ids]
+    trained = [kind == RESPONSE for ids, (_, kind) in zip(encoded, segments) for _ in ids]
+    return tokens, trained, shortened
+
+
+def prompt_ids(sp, prompt: str) -> list[int]:
+    """Token ids of a prompt rendered exactly as in training, ending where the response begins (for generation)."""
+    if sp.chat_template is not None:
+        return sp.encode(sp.render_chat([{"role": "user", "content": prompt}], add_generation_prompt=True))
+    tokens, _, _ = encode_segments(sp, _turn(prompt), sp.eos_id())
+    return tokens
+
+
+def chat_prompt_ids(tok, messages: list[tuple[str, str]]) -> list[int]:
+    """Token ids of a conversation rendered with the model's chat template (add_generation_prompt; encoded
+    without added special tokens, as transformers' apply_chat_template) or, without one, the instruction
+    template, ending where the assistant's answer begins (the same tokens as the training examples up to
+    their response)."""
+    if tok.chat_template is not None:
+        return tok.encode(tok.render_chat([{"role": r, "content": c} for r, c in messages], add_generation_prompt=True))
+    # to_segments wants an assistant turn to train on: add an empty one and drop it again.
+    record = {"messages": [{"role": r, "content": c} for r, c in messages] + [{"role": "assistant", "content": ""}]}
+    segments = to_segments(record, "messages")[:-1]
+    return encode_segments(tok, segments, tok.eos_id())[0]

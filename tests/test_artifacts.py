@@ -120,7 +120,7 @@ def _published_model(root: Path) -> Path:
     """A model-shaped artifact published through the store (weights, model.json, tokenizer bytes): no MindSpore."""
     import numpy as np
 
-    from tasks.training.checkpoint import save_tensors
+    from tasks.store.tensors import save_tensors
 
     store = ArtifactStore(root)
     key = store.key("pretrain", {"t": 1}, [], "v")
@@ -147,7 +147,7 @@ def test_rebuild_commands_are_the_stage_tables():
 def test_altered_weights_are_refused_on_load_naming_file_digests_and_command(tmp_path):
     from tasks.store.artifacts import verify_published
     from tasks.store.model_artifact import read_info
-    from tasks.training.checkpoint import load_weights
+    from tasks.store.tensors import load_weights
 
     art = _published_model(tmp_path / "art")
     assert load_weights(art)["w"].shape == (8, 8)  # published bytes load

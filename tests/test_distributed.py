@@ -18,8 +18,8 @@ from model.parallel import shard, split_axis, unshard
 from tasks.stages import finetune
 from tasks.stages import pretrain
 from tasks.store.artifacts import ArtifactStore
-from tasks.training.checkpoint import (_publish, complete_checkpoints, load_checkpoint, save_checkpoint, save_tensors,
-                              shard_files)
+from tasks.training.checkpoint import _publish, complete_checkpoints, load_checkpoint, save_checkpoint, shard_files
+from tasks.store.tensors import save_tensors
 from tasks.config import ParallelSection, resolve_pipeline
 from tasks.runtime.distributed import rank_logs, run_msrun
 from tasks.runtime.supervise import StageFailed
@@ -210,7 +210,7 @@ def test_data_parallel_matches_single_process(tmp_path, data_artifact):
     assert len(vs) == len(vd) == 3 and max(abs(a - b) for a, b in zip(vs, vd)) <= 1e-5
     m = store.verify(path)["metrics"]
     assert m["consumed_samples"] == 48 and m["layout"] == {"data_parallel": 2, "tensor_parallel": 1}
-    from tasks.training.checkpoint import load_weights
+    from tasks.store.tensors import load_weights
 
     a, b = load_weights(single), load_weights(path)
     assert max(float(np.abs(a[k] - b[k]).max()) for k in a) <= 1e-5
@@ -325,7 +325,7 @@ def test_more_layouts_match_single_process(tmp_path, data_artifact, overrides, d
 @pytest.mark.slow
 def test_finetune_data_parallel_matches_single_process(tmp_path):
     """LoRA on response-only instruction data (unequal token counts per rank): 2 × 4 == 1 × 8."""
-    from tasks.training.checkpoint import load_weights
+    from tasks.store.tensors import load_weights
     from tests.helpers import tiny_model_artifact
 
     (tmp_path / "base").mkdir()

@@ -80,7 +80,7 @@ def test_verified_export_recorded_in_manifest(env):
     assert json.loads((path / "export.json").read_text())["verification"] == v
     names = {f["path"] for f in m["files"]}
     assert {"model.mindir", "model.onnx", "model.int8.onnx", "genai_config.json", "tokenizer.json",
-            "tokenizer_config.json", "tokenizer.model", "model.json", "MODEL_CARD.md", "onnx_generate.py"} <= names
+            "tokenizer_config.json", "tokenizer.model", "model.json", "MODEL_CARD.md", "onnx_generate.py", "sampling.py"} <= names
     assert (path / "tokenizer.model").read_bytes() == (env["model"] / "tokenizer.model").read_bytes()
     assert m["inputs"][0]["key"] == ArtifactStore.read_manifest(env["model"])["key"]
     env["store"].verify(path)  # every file matches its recorded sha256
@@ -262,7 +262,7 @@ def test_finetune_artifact_is_merged_before_export(env):
     """A (full) finetune artifact resolves to its merged model; stage_key refuses the unmerged one."""
     from safetensors.numpy import save_file
 
-    from tasks.training.checkpoint import load_weights
+    from tasks.store.tensors import load_weights
 
     store, base = env["store"], env["model"]
     with store.build("finetune", "f" * 20, pipeline="test", config={}, inputs=[store.input_ref(base)], code="test") as b:

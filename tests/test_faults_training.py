@@ -171,7 +171,7 @@ class TestCheckpointLoading:
     def test_unexpected_tensors_are_an_error(self):
         from model.config import ModelConfig
         from model.llama import LlamaForCausalLM
-        from tasks.training.checkpoint import assign
+        from tasks.store.tensors import assign
 
         params = LlamaForCausalLM(ModelConfig.from_name("tiny"), seed=0).trainable_params()
         arrays = {p.name: p.asnumpy() for p in params}
@@ -245,7 +245,7 @@ class TestManifestPaths:
 
     def test_finetune_base_outside_the_root_is_not_followed(self, tmp_path):
         from tasks.store.artifacts import ArtifactError
-        from tasks.stages.finetune import base_of
+        from tasks.store.merge import base_of
         from tests.helpers import tiny_model_artifact
 
         (tmp_path / "elsewhere").mkdir()

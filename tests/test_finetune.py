@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 
 from tasks.stages import finetune
+from tasks.store.merge import base_of, merge
 from tasks.store.artifacts import ArtifactError, ArtifactStore
 from tasks.config import ConfigError, resolve_pipeline
 from tasks.stages.pretrain import StageFailed
-from tasks.stages.finetune import (IGNORE, Examples, encode_segments, example_batches, instruction_examples, pack_example,
-                            prompt_ids, text_examples, to_segments)
+from tasks.prompts import encode_segments, prompt_ids, to_segments
+from tasks.stages.finetune import IGNORE, Examples, example_batches, instruction_examples, pack_example, text_examples
 from tests.helpers import tiny_model_artifact
 
 REPO = Path(__file__).resolve().parent.parent
@@ -161,7 +162,7 @@ def test_config_errors_name_the_yaml_path(env):
 def test_stage_trains_a_small_adapter_that_names_its_base_and_merges_exactly(env):
     from model.lora import inject_lora
     from tasks.store.model_artifact import load_model
-    from tasks.training.checkpoint import assign as _assign
+    from tasks.store.tensors import assign as _assign
 
     root, base, data = env
     store = ArtifactStore(root)
@@ -190,8 +191,8 @@ def test_stage_trains_a_small_adapter_that_names_its_base_and_merges_exactly(env
 
     assert finetune.run(cfg, store, base, isolate=False) == path  # cache hit, no training
 
-    merged = finetune.merge(store, path)
-    assert finetune.merge(store, path) == merged  # cached; merging twice gives the same artifact
+    merged = merge(store, path)
+    assert merge(store, path) == merged  # cached; merging twice gives the same artifact
     assert store.read_manifest(merged)["stage"] == "merged"
     assert (merged / "tokenizer.model").read_bytes() == (base / "tokenizer.model").read_bytes()
     net_m, info = load_model(merged)
@@ -216,7 +217,7 @@ def test_merge_refuses_a_base_that_changed(env, tmp_path):
     moved = store.root / "pretrain" / (base.name + "0")
     shutil.copytree(base, moved)
     ad = json.loads((path / "adapter.json").read_text())
-    assert finetune.base_of(store, path) == base
+    assert base_of(store, path) == base
     m = json.loads((moved / "manifest.json").read_text())
     m["digest"] = "0" * 64
     (moved / "manifest.json").write_text(json.dumps(m))
@@ -225,10 +226,10 @@ def test_merge_refuses_a_base_that_changed(env, tmp_path):
     fake.mkdir()
     (fake / "adapter.json").write_text(json.dumps({**ad, "base": {**ad["base"], "key": moved.name, "path": str(moved)}}))
     with pytest.raises(ArtifactError, match="has changed"):
-        finetune.base_of(store, fake)
+        base_of(store, fake)
     shutil.rmtree(moved)
     with pytest.raises(ArtifactError, match="is gone"):
-        finetune.base_of(store, fake)
+        base_of(store, fake)
 
 
 @pytest.mark.slow
@@ -260,7 +261,7 @@ def test_resume_gives_identical_losses(env, tmp_path):
 def test_full_finetuning_on_plain_text_stores_and_merges_every_weight(env):
     from safetensors.numpy import load_file
 
-    from tasks.training.checkpoint import load_weights
+    from tasks.store.tensors import load_weights
 
     root, base, _ = env
     store = ArtifactStore(root)
@@ -273,7 +274,7 @@ def test_full_finetuning_on_plain_text_stores_and_merges_every_weight(env):
     assert met["documents"] == 1 and met["val_loss"] < met["val_loss_before"]
     trained, base_w = load_file(str(path / "adapter.safetensors")), load_weights(base)
     assert set(trained) == set(base_w) and any((trained[k] != base_w[k]).any() for k in trained)
-    merged = load_weights(finetune.merge(store, path))
+    merged = load_weights(merge(store, path))
     for k in trained:
         np.testing.assert_array_equal(merged[k], trained[k])
 

@@ -1,9 +1,12 @@
 """The project's import graph (AST, imports inside functions and by literal name included) has no cycles,
-and its layers point down only: model/ imports neither tasks/ nor flows/, tasks/ never imports flows/."""
+and its layers point down only: model/ imports neither tasks/ nor flows/, tasks/ never imports flows/, and the
+rooms of tasks/ import only rooms below them (ROOMS), never a private name of another room."""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+import ast
 
 import pytest
 
@@ -16,7 +19,32 @@ REPO = Path(__file__).resolve().parent.parent
 KNOWN_DYNAMIC = {
     ("model", "importlib.import_module(_LAZY[name])"),  # MindSpore names on first access; targets are model.llama
     ("tasks.stages", "importlib.import_module(stage(name).module)"),  # the stage table: each module is a literal there
+    ("tasks.runtime.supervise", "importlib.import_module(module)"),  # a stage's child entry, by the table's Stage.entry
 }
+
+
+# The rooms, lowest first; a room imports only rooms of lower tiers (never a sibling of its own tier).
+# Each room is a top-level module or package: model/, flows/, or tasks/<room>.
+ROOMS: tuple[tuple[str, ...], ...] = (
+    ("model",),      # MindSpore only: the decoder, LoRA, generation, weight conversion
+    ("config",),     # the pipelines.yaml schema
+    ("tokenizer",),  # one tokenizer interface (SentencePiece or tokenizer.json)
+    ("prompts",),    # prompt formats: the instruction template, chat examples
+    ("store",),      # artifacts, lineage, model artifacts, tensor files, the data schema and shard reader
+    ("runtime",),    # child-process supervisor, msrun launch, rank layout
+    ("training", "deploy"),  # the training loop / export formats (ONNX, GGUF) and their checks
+    ("stages",),     # the stage table and one module per stage
+    ("serving",),    # the HTTP server
+    ("cli",),        # the command line
+    ("flows",),      # Prefect flows
+)
+TIER = {room: i for i, tier in enumerate(ROOMS) for room in tier}
+
+
+def room_of(module: str) -> str:
+    """`tasks.stages.export` → stages, `model.llama` → model, `tasks` (the package's docstring) → tasks."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "tasks" and len(parts) > 1 else parts[0]
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +88,59 @@ def test_nothing_imports_the_cli(graph):
     assert users == []
 
 
+def test_rooms_are_all_ranked(graph):
+    assert sorted({room_of(m) for m in graph} - set(TIER) - {"tasks"}) == []
+
+
+def test_rooms_import_only_lower_rooms(graph):
+    """Zero upward (or sideways) arrows: each edge between rooms goes to a lower tier."""
+    bad = sorted(f"{m} ({room_of(m)}) imports {t} ({room_of(t)})" for m, ts in graph.items() for t in ts
+                 if room_of(m) != room_of(t) and "tasks" not in (room_of(m), room_of(t))
+                 and TIER[room_of(t)] >= TIER[room_of(m)])
+    assert bad == [], "move the helper down to the lower room both use:\n  " + "\n  ".join(bad)
+
+
+def _private_uses(path: Path, module: str) -> list[str]:
+    """`from other_room import _name` and `other_room_module._name` in one file."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    here, out, aliases = room_of(module), [], {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level and room_of(node.module) != here \
+                and node.module.split(".")[0] in ("model", "tasks", "flows"):
+            out += [f"{module}: from {node.module} import {a.name}" for a in node.names
+                    if a.name.startswith("_") and not a.name.startswith("__")]
+            aliases.update({a.asname or a.name: f"{node.module}.{a.name}" for a in node.names})
+        elif isinstance(node, ast.Import):
+            aliases.update({a.asname: a.name for a in node.names if a.asname})
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases \
+                and node.attr.startswith("_") and not node.attr.startswith("__"):
+            target = aliases[node.value.id]
+            if target.split(".")[0] in ("model", "tasks", "flows") and room_of(target) != here:
+                out.append(f"{module}: {target}.{node.attr}")
+    return out
+
+
+def test_no_private_name_crosses_rooms(graph):
+    bad = []
+    for module in graph:
+        rel = module.replace(".", "/")
+        path = REPO / (rel + ".py") if (REPO / (rel + ".py")).is_file() else REPO / rel / "__init__.py"
+        bad += _private_uses(path, module)
+    assert sorted(bad) == [], "make the name public (it is part of the lower room's API) or move the code"
+
+
+def test_no_stage_imports_another_stage(graph):
+    """Helpers two stages share live below both (store/, training/, ...), not in one of them."""
+    def stage_of(m):
+        parts = m.split(".")
+        return parts[2] if len(parts) > 2 and parts[:2] == ["tasks", "stages"] else None
+
+    bad = sorted(f"{m} imports {t}" for m, ts in graph.items() for t in ts
+                 if stage_of(m) and stage_of(t) and stage_of(m) != stage_of(t))
+    assert bad == []
+
+
 def test_stage_table_modules_exist_and_expose_the_stage_api():
     from tasks.stages import STAGES
 
@@ -72,6 +153,22 @@ def test_stage_table_modules_exist_and_expose_the_stage_api():
             assert fn in src, (s.module, fn)
         if s.child:
             assert f"def {s.child}(" in src, (s.module, s.child)
+
+
+def test_child_entry_points_round_trip_by_dotted_name():
+    """The supervisor names a child's entry by the function it was handed; the child resolves the name back."""
+    from tasks.runtime.supervise import entry_name, entry_point
+    from tasks.stages import STAGES, stage_module
+    from tasks.store.merge import code_version as merged_code_version
+    from tasks.stages import code_version
+
+    for s in STAGES.values():
+        if s.child:
+            fn = getattr(stage_module(s.name), s.child)
+            assert entry_name(fn) == s.entry and entry_point(s.entry) is fn
+    with pytest.raises(ValueError, match="expected tasks"):
+        entry_point("os:system")
+    assert merged_code_version() == code_version("merged")  # the merge module keys itself as the table does
 
 
 def test_no_unlisted_dynamic_imports():

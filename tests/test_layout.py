@@ -1,4 +1,4 @@
-"""The README's layout table is the tree as it is: every folder of tracked source files is in it
+"""The layout table (docs/ARCHITECTURE.md, "## Layout") is the tree as it is: every folder of tracked source files is in it
 (directly or under a listed parent that names it), and every path it lists exists."""
 
 from __future__ import annotations
@@ -8,10 +8,11 @@ import subprocess
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+TABLE = REPO / "docs" / "ARCHITECTURE.md"
 
 
 def _table() -> list[str]:
-    text = (REPO / "README.md").read_text(encoding="utf-8")
+    text = TABLE.read_text(encoding="utf-8")
     section = text.split("## Layout", 1)[1].split("\n## ", 1)[0]
     return re.findall(r"^\| `([^`]+)` \|", section, flags=re.M)
 
@@ -23,7 +24,7 @@ def _tracked() -> list[str]:
 
 def test_every_listed_path_exists():
     listed = _table()
-    assert listed, "no layout table in README.md"
+    assert listed, "no layout table in docs/ARCHITECTURE.md"
     missing = [p for p in listed if not (REPO / p.rstrip("/")).exists()]
     assert missing == []
 
@@ -42,6 +43,6 @@ def test_every_source_folder_and_top_level_entry_is_listed():
 
 
 def _row(path: str) -> str:
-    text = (REPO / "README.md").read_text(encoding="utf-8")
+    text = TABLE.read_text(encoding="utf-8")
     m = re.search(rf"^\| `{re.escape(path)}/?` \|(.*)$", text, flags=re.M)
     return m.group(1) if m else ""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -148,15 +149,40 @@ def test_generation_matches_mindspore_greedy_and_sampled(tiny):
     assert batch == [gen.generate(p, 10, eos_id=2) for p in prompts[:2] + [[9, 8, 7, 6, 5, 4]]]
 
 
-def test_sample_next_is_model_generate_sample_next():
-    from model.generate import sample_next as ms_sample_next
+def test_both_generators_sample_with_the_one_rule():
+    import model.generate
+    import model.sampling
 
-    logits = np.random.default_rng(0).normal(size=512).astype(np.float32)
-    for kw in [{}, {"temperature": 0.7}, {"temperature": 1.2, "top_k": 5}, {"temperature": 1.0, "top_p": 0.5},
-               {"temperature": 0.8, "top_k": 40, "top_p": 0.95}]:
-        a, b = np.random.default_rng(1), np.random.default_rng(1)
-        assert [sample_next(logits, rng=a, **kw) for _ in range(20)] == [ms_sample_next(logits, rng=b, **kw)
-                                                                          for _ in range(20)]
+    assert sample_next is model.sampling.sample_next is model.generate.sample_next
+
+
+def test_standalone_copy_runs_with_numpy_and_onnxruntime_only(tmp_path):
+    """The export artifact's copies (onnx_generate.py + sampling.py) run outside the project, and sample as it does."""
+    import shutil
+    import subprocess
+    import sys
+
+    for src in (REPO / "tasks" / "deploy" / "onnx_generate.py", REPO / "model" / "sampling.py"):
+        shutil.copy2(src, tmp_path / src.name)
+    code = """
+import json, runpy, sys
+import numpy as np
+g = runpy.run_path("onnx_generate.py")
+logits = np.random.default_rng(0).normal(size=64)
+rng = np.random.default_rng(3)
+draws = [g["sample_next"](logits, 0.9, 8, 0.9, rng) for _ in range(5)]
+print(json.dumps({"draws": draws, "loaded": sorted(m for m in ("model", "tasks", "mindspore") if m in sys.modules)}))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    logits = np.random.default_rng(0).normal(size=64)
+    rng = np.random.default_rng(3)
+    assert out == {"draws": [sample_next(logits, 0.9, 8, 0.9, rng) for _ in range(5)], "loaded": []}
+    res = subprocess.run([sys.executable, "onnx_generate.py", "--help"], cwd=tmp_path, capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert res.returncode == 0 and "onnxruntime only" in res.stdout, res.stderr[-2000:]
 
 
 def test_not_a_cache_decoder_is_a_clear_error(tmp_path):

@@ -99,7 +99,7 @@ def onnx_art(model_art, tmp_path_factory):
     model.json), written by tasks.deploy.onnx_decoder as the export stage writes it."""
     import shutil
 
-    from tasks.training.checkpoint import load_weights
+    from tasks.store.tensors import load_weights
     from tasks.store.model_artifact import read_info
     from tasks.deploy.onnx_decoder import build_decoder, save_model
 
@@ -184,7 +184,7 @@ def test_seeded_sampling_equals_generator(server, reference):
 
 
 def test_chat_uses_the_finetune_instruction_template(server, reference):
-    from tasks.stages.finetune import prompt_ids
+    from tasks.prompts import prompt_ids
 
     sp, complete = reference
     r = server.client().chat.completions.create(model=server.model, messages=[{"role": "user", "content": "Who loves Juliet?"}],
@@ -198,7 +198,7 @@ def test_chat_uses_the_finetune_instruction_template(server, reference):
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
             {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Bye"}]
     r2 = server.client().chat.completions.create(model=server.model, messages=msgs, max_tokens=4, temperature=0)
-    from tasks.serving.app import chat_prompt_ids
+    from tasks.prompts import chat_prompt_ids
 
     ids2 = chat_prompt_ids(sp, [(m["role"], m["content"]) for m in msgs])
     assert r2.usage.prompt_tokens == len(ids2) and ids2.count(sp.eos_id()) == 1  # the earlier answer closed by EOS
@@ -804,7 +804,7 @@ def tiny_lora_finetune(base: Path, seed: int, scale: float = 2.0, rank: int = 4)
     from model.lora import LORA_A, LORA_B
     from tasks.store.artifacts import ArtifactStore, atomic_write_json
     from tasks.store.model_artifact import read_info
-    from tasks.training.checkpoint import load_weights, save_tensors
+    from tasks.store.tensors import load_weights, save_tensors
 
     store = ArtifactStore(base.parent.parent)
     ref = store.input_ref(base)
@@ -832,7 +832,7 @@ def tiny_lora_finetune(base: Path, seed: int, scale: float = 2.0, rank: int = 4)
 @pytest.fixture(scope="module")
 def lora_pair(model_art):
     """Two finetune artifacts of the tiny base and their merged model artifacts (the finetune stage's merge)."""
-    from tasks.stages.finetune import merge
+    from tasks.store.merge import merge
     from tasks.store.artifacts import ArtifactStore
 
     store = ArtifactStore(model_art.parent.parent)
@@ -962,7 +962,7 @@ def test_adapters_on_an_export_base_run_on_onnxruntime_alone(published_export, l
     from tasks.deploy.onnx_decoder import build_decoder, save_model
     from tasks.deploy.onnx_generate import OnnxGenerator, decode_completion
     from tasks.store.model_artifact import read_info
-    from tasks.training.checkpoint import load_weights
+    from tasks.store.tensors import load_weights
 
     ft_a, merged_a = lora_pair["lora-a"]
     info = read_info(merged_a)

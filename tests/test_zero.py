@@ -19,8 +19,9 @@ import pytest
 
 from tasks.stages import pretrain
 from tasks.store.artifacts import ArtifactStore
-from tasks.training.checkpoint import (_publish, complete_checkpoints, flatten_moments, load_checkpoint,
-                                       save_checkpoint, save_tensors, unflatten_moments, zero_files)
+from tasks.training.checkpoint import (_publish, complete_checkpoints, flatten_moments, load_checkpoint, save_checkpoint,
+                                      unflatten_moments, zero_files)
+from tasks.store.tensors import save_tensors
 from tasks.runtime.distributed import rank_logs
 from tests.test_distributed import (DP2, _copy_data, _metrics, _single, _stopped_after_3, _tiny_arrays,  # noqa: F401
                                     _train_losses, _cfg, data_artifact)
@@ -255,7 +256,7 @@ def test_zero_matches_unsharded_and_one_process(tmp_path, data_artifact):
     """dp=2 sharded == dp=2 unsharded == 1 process with global batch 8, per step to ≤1e-5; replicas bit-identical;
     every rank wrote its optimizer share; plan's per-rank estimate within 30% of each rank's peak RSS."""
     from model.config import ModelConfig
-    from tasks.training.checkpoint import load_weights
+    from tasks.store.tensors import load_weights
     from tasks.training.memory import Layout, estimate
 
     single, _ = _single(_cfg(), tmp_path / "single", data_artifact)

@@ -15,7 +15,7 @@ For each: prefill = generating 1 token, total = generating N; decode tokens/s = 
 prefill); each figure is the median of `--repeats` runs, after a warm-up. onnxruntime and genai
 use `--threads` intra-op threads (default: onnxruntime's choice, one per physical core). Also
 reported: whether the greedy tokens agree (fp32 and genai must equal MindSpore's; int8 may drift),
-the file sizes, and the ratios the README quotes (onnxruntime fp32 / MindSpore, int8 / fp32,
+the file sizes, and the ratios docs/BENCHMARKS.md tabulates (onnxruntime fp32 / MindSpore, int8 / fp32,
 genai / MindSpore). Prints one JSON line, labelled with the CPU and ISA (scripts/bench/host.py), and
 appends it to docs/bench/results.jsonl (`--results`, `--tag`; scripts/bench/report.py).
 

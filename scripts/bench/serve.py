@@ -58,7 +58,7 @@ def _free_port() -> int:
 
 def make_artifacts(preset: str, root: Path, backends: list[str]) -> dict[str, Path]:
     """{backend: artifact dir} for a random-init model of `preset`."""
-    from tasks.training.checkpoint import load_weights
+    from tasks.store.tensors import load_weights
     from tasks.store.model_artifact import read_info
     from tests.helpers import tiny_model_artifact  # the store-format model artifact the tests use
 

@@ -97,13 +97,14 @@ def cmd_train(args) -> int:
 def cmd_finetune(args) -> int:
     """`msllm finetune`: train (or find) the adapter, merge it; last stdout line = the finetune artifact."""
     from tasks.stages import finetune
+    from tasks.store.merge import merge
 
     cfg = load(args)
     check_machine(cfg)
     st = store(args)
     base = upstream(args, st, "finetune", cfg.name)
     path = finetune.run(cfg, st, base, retries=1)
-    merged = finetune.merge(st, path)
+    merged = merge(st, path)
     print_metrics(path)
     print(merged)
     print(path)
@@ -114,6 +115,7 @@ def cmd_eval(args) -> int:
     """`msllm eval [--from MODEL]` runs the stage (default model: the pipeline's newest merged finetune or
     pretrain artifact); `msllm eval compare A B` compares two eval artifacts."""
     from tasks.stages import evaluate
+    from tasks.store.lineage import lineage_data_artifact
 
     if args.compare:
         if args.compare[0] != "compare" or len(args.compare) != 3:
@@ -126,7 +128,7 @@ def cmd_eval(args) -> int:
     from tasks.stages.export import resolve_model
 
     model = resolve_model(st, upstream(args, st, "eval", cfg.name))  # a finetune artifact: its merged model
-    data = evaluate.lineage_data_artifact(st, model)
+    data = lineage_data_artifact(st, model)
     if data is None:
         print(f"[eval] no data artifact in the lineage of {model}: held-out perplexity skipped", file=sys.stderr)
     path = evaluate.run(cfg, st, model, data)

@@ -155,7 +155,7 @@ def network_forward(net) -> Callable[[dict[str, np.ndarray], list[int]], np.ndar
     """forward(weights, ids) -> float32 logits [T, V] of `net` (a MindSpore LLaMA) with `weights` assigned."""
     import mindspore as ms
 
-    from tasks.training.checkpoint import assign
+    from tasks.store.tensors import assign
 
     params = net.trainable_params()
 

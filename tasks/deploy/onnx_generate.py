@@ -1,9 +1,8 @@
 """Text generation from the exported ONNX decoder with onnxruntime alone (no MindSpore), with a KV cache.
 
 Imports only numpy and onnxruntime (sentencepiece, or tokenizers for a tokenizer.json model, for text in /
-text out), so it runs where
-MindSpore is not installed; the export stage copies this file into its artifact as
-`onnx_generate.py`.
+text out), so it runs where MindSpore is not installed; the export stage copies this file into its artifact as
+`onnx_generate.py`, with model/sampling.py beside it as `sampling.py` (the one sampling rule, numpy only).
 
     gen = OnnxGenerator("artifacts/export/<key>/model.onnx")
     new_ids = gen.generate(prompt_ids, max_new_tokens=32, eos_id=sp.eos_id())           # greedy
@@ -26,7 +25,7 @@ Semantics match `model.generate.Generator` (MindSpore) token for token: the prom
 last max_len - 1 tokens, generation stops after max_new_tokens, at eos_id (included), when
 `stop(new_ids)` is true (the token that triggered it included), or when the sequence fills
 max_len (default: the model's max_seq_length, from the ONNX metadata); sampling is
-`sample_next` (a copy of model.generate.sample_next) on numpy's default_rng(seed).
+`model.sampling.sample_next` (the MindSpore generator's too) on numpy's default_rng(seed).
 
 Prompts are encoded as in pretraining and evaluation: [eos_id] + sentencepiece ids (the
 data stage ends every document with EOS, so EOS marks the start of a new one); a tokenizer.json
@@ -46,7 +45,17 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import onnxruntime as ort
 
-# The README's few-line example (the export stage also writes it into MODEL_CARD.md, and a
+if __package__:  # tasks.deploy.onnx_generate, inside the project
+    from model.sampling import sample_next
+else:  # the copy in an export artifact (run as a script, or by path): sampling.py was copied beside it
+    import importlib.util as _util
+
+    _spec = _util.spec_from_file_location("_msllm_sampling", Path(__file__).resolve().parent / "sampling.py")
+    _sampling = _util.module_from_spec(_spec)
+    _spec.loader.exec_module(_sampling)
+    sample_next = _sampling.sample_next
+
+# The few-line example of docs/PIPELINE.md (the export stage also writes it into MODEL_CARD.md, and a
 # test runs it in a fresh interpreter). ART is the export artifact directory.
 SNIPPET = '''\
 import numpy as np, onnxruntime as ort, sentencepiece as spm
@@ -85,34 +94,6 @@ while not gen.is_done():
     gen.generate_next_token()
 print(tok.decode(gen.get_sequence(0)[1:]))
 '''
-
-
-def sample_next(logits: np.ndarray, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-                rng: np.random.Generator | None = None) -> int:
-    """The next token id from one row of logits [V] (a copy of model.generate.sample_next, no MindSpore).
-
-    temperature 0 (or below) is greedy argmax. Otherwise logits / temperature, keep
-    the top_k largest, then the smallest set of most likely tokens whose probability
-    reaches top_p (the most likely token is always kept), renormalise and sample.
-    """
-    if temperature <= 0:
-        return int(np.argmax(logits))
-    z = logits.astype(np.float64) / temperature
-    if top_k is not None and top_k < z.size:
-        kth = np.partition(z, -top_k)[-top_k]
-        z = np.where(z < kth, -np.inf, z)
-    p = np.exp(z - z.max())
-    p /= p.sum()
-    if top_p is not None and top_p < 1.0:
-        order = np.argsort(-p, kind="stable")
-        cum = np.cumsum(p[order])
-        keep = order[: int(np.searchsorted(cum, top_p)) + 1]  # first index where cum >= top_p, inclusive
-        mask = np.zeros_like(p, dtype=bool)
-        mask[keep] = True
-        p = np.where(mask, p, 0.0)
-        p /= p.sum()
-    rng = rng if rng is not None else np.random.default_rng()
-    return int(rng.choice(p.size, p=p))
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 Parent side (the pretrain/finetune stage's supervisor, when `parallel.device_num > 1`):
 
-    err = launch("pretrain", spec_path, cfg.parallel, log_dir)   # None on success
+    err = launch("pretrain", "tasks.stages.pretrain:train", spec_path, cfg.parallel, log_dir)   # None on success
 
 runs MindSpore's own launcher,
 
@@ -35,9 +35,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tasks.store.artifacts import held_locks_env
-
-from tasks.store.artifacts import _pid_alive
+from tasks.store.artifacts import held_locks_env, pid_alive
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().parent / "launch" / "worker.py"
@@ -200,13 +198,14 @@ def check_port(parallel) -> None:
                 "(another msrun job?); set parallel.master_port to a free port") from None
 
 
-def launch(stage: str, spec_path: Path, parallel, log_dir: Path, relay: bool = True) -> str | None:
-    """Run the stage's workers under msrun; None on success, else the failing rank's error on top.
+def launch(stage: str, entry: str, spec_path: Path, parallel, log_dir: Path, relay: bool = True) -> str | None:
+    """Run the stage's workers (`entry`: module:function) under msrun; None on success, else the failing rank's
+    error on top.
 
     On a node other than 0 (`parallel.node_rank > 0`) success also waits for rank 0 (on node 0) to
     publish the artifact into the shared root, so that every node's command returns its path.
     """
-    err = run_msrun([str(WORKER), "--stage", stage, "--child", str(spec_path)], parallel, log_dir,
+    err = run_msrun([str(WORKER), "--stage", stage, "--entry", entry, "--child", str(spec_path)], parallel, log_dir,
                     label=stage, relay=relay)
     if err is None and parallel.node_rank > 0:
         err = wait_published(stage, spec_path, timeout=parallel.cluster_timeout, node=parallel.node_rank)
@@ -329,7 +328,7 @@ def _stop_group(proc: subprocess.Popen) -> None:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             continue
-        if not any(_pid_alive(p) for p in _descendants(proc.pid)):
+        if not any(pid_alive(p) for p in _descendants(proc.pid)):
             return
 
 

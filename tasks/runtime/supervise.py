@@ -1,4 +1,4 @@
-"""Running a heavy stage in a supervised child process (`python -m tasks.runtime.child --stage S --child spec.json`).
+"""Running a heavy stage in a supervised child process (`python -m tasks.runtime.child --stage S --entry M:F --child spec.json`).
 
 MindSpore's context is process-global and a crash or OOM must not take the caller (a
 Prefect flow) down. The parent writes a JSON spec, streams the child's output as it
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import os
 import subprocess
@@ -53,14 +54,28 @@ def is_permanent(exc: BaseException) -> bool:
     return isinstance(exc, (ValueError, LookupError, TypeError, AttributeError, NotImplementedError))
 
 
-def run_child(stage: str, spec_path: Path) -> str | None:
-    """Run `python -m tasks.runtime.child --stage STAGE --child spec`, relaying its output as it comes (progress bars included).
+def entry_point(entry: str):
+    """`package.module:function` → the function (ValueError for any other shape)."""
+    module, sep, name = entry.partition(":")
+    if not sep or not module.startswith("tasks.") or not name.isidentifier():
+        raise ValueError(f"--entry {entry!r}: expected tasks.<module>:<function>")
+    return getattr(importlib.import_module(module), name)
+
+
+def entry_name(fn) -> str:
+    """The dotted name `entry_point` resolves back to `fn` (a module-level function)."""
+    return f"{fn.__module__}:{fn.__qualname__}"
+
+
+def run_child(stage: str, entry: str, spec_path: Path) -> str | None:
+    """Run `python -m tasks.runtime.child --stage STAGE --entry ENTRY --child spec`, relaying its output as it comes (progress bars included).
 
     Returns None on success, else the child's own error line on top of its last log lines.
     """
     env = {**CHILD_ENV, **os.environ, "GLOG_v": os.environ.get("GLOG_v", "3"), **held_locks_env()}
     module = f"the {stage} child"
-    proc = subprocess.Popen([sys.executable, "-m", "tasks.runtime.child", "--stage", stage, "--child", str(spec_path)],
+    proc = subprocess.Popen([sys.executable, "-m", "tasks.runtime.child", "--stage", stage, "--entry", entry,
+                             "--child", str(spec_path)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     assert proc.stdout is not None
     tail, pending = b"", b""
@@ -105,6 +120,9 @@ def supervise(stage: str, store: ArtifactStore, key: str, spec: dict[str, Any],
               inject: dict | None = None, parallel=None) -> Path:
     """Run `child_fn(spec)` in `python -m tasks.runtime.child --stage STAGE` (or in-process), retrying failures.
 
+    The child finds `child_fn` again by its dotted name (`entry_name`), so `child_fn` must be a
+    module-level function (the stage table's `Stage.entry`).
+
     With `parallel` (a config ParallelSection) of device_num > 1 the child is `device_num`
     ranks started by msrun (tasks/runtime/distributed.py); its logs go to runs/<stage>/<key>/msrun_logs.
     `inject` (tests only) is merged into the first attempt's spec: {"stop_after": k} stops it
@@ -144,9 +162,9 @@ def _supervise(stage: str, store: ArtifactStore, key: str, spec: dict[str, Any],
         if distributed:
             from tasks.runtime.distributed import launch
 
-            err = launch(stage, run_dir / "spec.json", parallel, run_dir / "msrun_logs")
+            err = launch(stage, entry_name(child_fn), run_dir / "spec.json", parallel, run_dir / "msrun_logs")
         else:
-            err = run_child(stage, run_dir / "spec.json")
+            err = run_child(stage, entry_name(child_fn), run_dir / "spec.json")
         hit = store.lookup(stage, key)
         if err is None and hit is not None:
             return hit

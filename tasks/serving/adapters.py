@@ -72,8 +72,8 @@ class Adapter:
         return f"{self.finetune.parent.name}/{self.finetune.name}"
 
     def merged(self) -> Path:
-        """The merged model artifact (the finetune stage's `merge`, cached in the finetune artifact's store)."""
-        from tasks.stages.finetune import merge
+        """The merged model artifact (tasks.store.merge, cached in the finetune artifact's store)."""
+        from tasks.store.merge import merge
         from tasks.store.artifacts import ArtifactStore
 
         return merge(ArtifactStore(self.finetune.parent.parent), self.finetune)
@@ -168,7 +168,7 @@ def export_onnx_like(merged: Path, export: Path, out: Path) -> Path:
     from tasks.deploy.formats import export_onnx
     from tasks.store.model_artifact import read_info
     from tasks.tokenizer import tokenizer_files
-    from tasks.training.checkpoint import load_weights
+    from tasks.store.tensors import load_weights
 
     out.mkdir(parents=True)
     meta = {p.key: p.value for p in onnx.load(str(export / "model.onnx"), load_external_data=False).metadata_props

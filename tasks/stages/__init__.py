@@ -11,7 +11,8 @@ The CLI (`tasks/cli`), the child-process supervisor and the msrun worker (`tasks
 the Prefect flows (`flows/`) and the cache keys read this table; no stage module is found by
 building its name from a string anywhere else. A stage module exposes `stage_key(...)` and
 `run(...)` and knows nothing about the command line; one that trains in a child process
-exposes the child entry point named by `child` (`python -m tasks.runtime.child --stage NAME`).
+exposes the child entry point named by `child` (`python -m tasks.runtime.child --stage NAME --entry MODULE:FUNC`;
+the runtime finds it by that dotted name, `Stage.entry`, and never imports this table).
 
 Code versions come from the code (`tasks.store.codeversion`): the sha256 of every project source
 file that the stage's module imports, transitively (function-level imports included), plus the
@@ -48,12 +49,17 @@ class Stage:
     command: str | None = None
     """The `msllm` command that builds it (for "run X first" hints)."""
 
+    @property
+    def entry(self) -> str | None:
+        """The child entry point's dotted name (`tasks.stages.pretrain:train`), as the child process resolves it."""
+        return f"{self.module}:{self.child}" if self.child else None
+
 
 STAGES: dict[str, Stage] = {s.name: s for s in (
     Stage("data", "tasks.stages.data", command="data"),
     Stage("pretrain", "tasks.stages.pretrain", ("data",), child="train", distributed=True, command="train"),
     Stage("finetune", "tasks.stages.finetune", ("pretrain",), child="train", distributed=True, command="finetune"),
-    Stage("merged", "tasks.stages.finetune", ("finetune",), command="finetune"),
+    Stage("merged", "tasks.store.merge", ("finetune",), command="finetune"),  # merge(): below export and serving
     Stage("eval", "tasks.stages.evaluate", MODEL_KINDS,
           data_files=("tasks/stages/evaluate/lm_tasks/*.yaml", "tasks/stages/evaluate/lm_tasks/utils.py"),
           command="eval"),
@@ -78,25 +84,14 @@ def stage_module(name: str) -> ModuleType:
     return importlib.import_module(stage(name).module)
 
 
-def child_entry(name: str):
-    """The function a stage's child process (or msrun rank) runs with its spec."""
-    s = stage(name)
-    if s.child is None:
-        raise UnknownStage(f"stage {name!r} does not run in a child process")
-    return getattr(stage_module(name), s.child)
-
-
 @functools.lru_cache(maxsize=None)
 def code_version(name: str) -> str:
     """16 hex digits: the stage name + every source file its module imports + its declared data files."""
-    import hashlib
-
-    from tasks.store.codeversion import code_version as closure_version
+    from tasks.store.codeversion import stage_code_version
 
     s = stage(name)
-    closure = closure_version(s.module, data_files=list(s.data_files), root=REPO)
-    return hashlib.sha256(f"{name}:{closure}".encode()).hexdigest()[:16]
+    return stage_code_version(name, s.module, s.data_files, root=REPO)
 
 
-__all__ = ["STAGES", "Stage", "stage", "stage_module", "child_entry", "code_version",
+__all__ = ["STAGES", "Stage", "stage", "stage_module", "code_version",
            "MODEL_KINDS"]

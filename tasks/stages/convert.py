@@ -65,7 +65,7 @@ def weight_files(hf_dir: Path) -> list[Path]:
 
 def read_hf_tensors(hf_dir: Path) -> dict[str, np.ndarray]:
     """Every tensor of the directory's safetensors file(s), by HF key; a key in two shards raises."""
-    from tasks.training.checkpoint import read_tensors
+    from tasks.store.tensors import read_tensors
 
     files = weight_files(hf_dir)
     sharded = not (hf_dir / "model.safetensors").is_file()
@@ -219,7 +219,7 @@ def to_hf(artifact: str | os.PathLike, out_dir: str | os.PathLike, dtype: str | 
     """
     from safetensors.numpy import save_file
 
-    from tasks.training.checkpoint import load_weights
+    from tasks.store.tensors import load_weights
     from tasks.store.model_artifact import model_config, read_info
     from tasks.tokenizer import copy_tokenizer_files
 

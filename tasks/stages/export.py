@@ -59,6 +59,7 @@ Artifact payload:
                           every model file (the standalone onnx_generate.py checks them before use)
     MODEL_CARD.md         config, lineage summary, eval results (when given), verification, usage
     onnx_generate.py      a copy of tasks/deploy/onnx_generate.py: KV-cache generation with onnxruntime only
+    sampling.py           a copy of model/sampling.py (numpy only), which onnx_generate.py imports
 manifest: `verification` (as in export.json) and metrics mindir_max_abs_diff, onnx_max_abs_diff,
 greedy_tokens_match, genai_greedy_tokens_match, genai_tokenizer_ids_match, onnx_bytes, int8_* (when on),
 parameters, export_seconds.
@@ -94,7 +95,10 @@ GENAI_FILES = ("genai_config.json", "tokenizer.json", "tokenizer_config.json")
 # fixed lines for the tokenizer check: contractions, punctuation, digits, newlines, non-ASCII
 TOKENIZER_SAMPLES = ["'That I can't, 'tis so; they'll've done it.", "KING HENRY VI:\nWhat, 12 or 345 men?",
                      "Ay, me!  Two  spaces,\ttabs\tand\n\nblank lines.", "naïve café — “quotes” ✓ 日本語"]
-_GENERATE_SCRIPT = Path(__file__).resolve().parents[1] / "deploy" / "onnx_generate.py"  # copied into the artifact
+_REPO = Path(__file__).resolve().parents[2]
+# copied into the artifact (name there: source): the standalone generator and the one sampling rule it imports
+_GENERATE_SCRIPTS = {"onnx_generate.py": _REPO / "tasks" / "deploy" / "onnx_generate.py",
+                     "sampling.py": _REPO / "model" / "sampling.py"}
 
 
 # ----------------------------------------------------------------------------- keys and inputs
@@ -105,7 +109,7 @@ def resolve_model(store: ArtifactStore, path: str | Path) -> Path:
     p = store.inside(path)
     stage = store.read_manifest(p)["stage"]
     if stage == "finetune":
-        from tasks.stages.finetune import merge
+        from tasks.store.merge import merge
 
         return merge(store, p)
     if stage not in MODEL_STAGES or not (p / "model.json").is_file():
@@ -222,7 +226,7 @@ def _log(progress: bool, msg: str) -> None:
 
 def _export(cfg: PipelineConfig, store: ArtifactStore, model: Path, eval_art: Path | None, key: str,
             inputs: list[dict[str, Any]], section: dict[str, Any], progress: bool) -> Path:
-    from tasks.training.checkpoint import load_weights
+    from tasks.store.tensors import load_weights
     from tasks.store.model_artifact import load_model, load_tokenizer, model_config, read_info
     from tasks.deploy.onnx_generate import encode_prompt
     from tasks.tokenizer import copy_tokenizer_files, tokenizer_files
@@ -262,7 +266,8 @@ def _export(cfg: PipelineConfig, store: ArtifactStore, model: Path, eval_art: Pa
 
         copy_tokenizer_files(model, b.dir)
         shutil.copy2(model / "model.json", b.dir / "model.json")
-        shutil.copy2(_GENERATE_SCRIPT, b.dir / "onnx_generate.py")
+        for name, src in _GENERATE_SCRIPTS.items():
+            shutil.copy2(src, b.dir / name)
         mc = model_config(model)
         files = [f for f in ("model.mindir", "model.onnx", "model.int8.onnx", "model.f16.gguf", "model.q8_0.gguf",
                              *GENAI_FILES) if (b.dir / f).is_file()]
@@ -377,7 +382,7 @@ def _export_gguf_checked(out: Path, info: dict[str, Any], weights: dict[str, np.
 
 
 def _heldout_data(store: ArtifactStore, model: Path) -> Path | None:
-    from tasks.stages.evaluate import lineage_data_artifact
+    from tasks.store.lineage import lineage_data_artifact
 
     try:
         return lineage_data_artifact(store, model)
@@ -387,9 +392,8 @@ def _heldout_data(store: ArtifactStore, model: Path) -> Path | None:
 
 def _heldout_rows(data: Path) -> tuple[np.ndarray, np.ndarray] | None:
     """(input_ids [B, T], labels [B, T], -100 = not counted) of the first HELDOUT_BLOCKS valid blocks, or None."""
-    from tasks.stages.pretrain import block_batches
-
-    from tasks.stages.data import DataError
+    from tasks.store.data_schema import DataError
+    from tasks.store.reader import block_batches
 
     try:
         for ids, labels in block_batches(data, "valid", HELDOUT_BLOCKS, 10**9, seed=0, repeat=False):

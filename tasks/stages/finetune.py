@@ -1,7 +1,7 @@
-"""The finetune stage: LoRA or full fine-tuning of a model artifact, and merging the result.
+"""The finetune stage: LoRA or full fine-tuning of a model artifact (merging the result: tasks/store/merge.py).
 
     path = run(cfg, store, base_artifact)     # supervised child process, cached by content
-    merged = merge(store, path)               # a model artifact (stage `merged`) that eval/export load
+    merged = merge(store, path)               # tasks.store.merge: a model artifact (stage `merged`) for eval/export
 
 Data (`finetune.sources`, tokenised with the base artifact's tokenizer.model):
 
@@ -47,16 +47,13 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from tasks.store.artifacts import ArtifactError, ArtifactStore, atomic_write_json, raw_file_input
+from tasks.store.artifacts import ArtifactStore, atomic_write_json, raw_file_input
 from tasks.stages import code_version
 from tasks.config import ConfigError, PipelineConfig
+from tasks.prompts import TEMPLATE, encode_segments, to_segments
 
 STAGE = "finetune"
-MERGED = "merged"
 IGNORE = -100
-PROMPT_TEMPLATE = "### Instruction:\n{prompt}\n\n### Response:\n"
-SYSTEM_TEMPLATE = "### System:\n{content}\n\n"
-TEMPLATE = PROMPT_TEMPLATE + "{response}</s>"
 _DATA_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".txt")
 
 
@@ -85,79 +82,6 @@ def read_records(path: Path) -> list[tuple[str, dict[str, Any]]]:
             raise ValueError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
     data = data if isinstance(data, list) else [data]
     return [(f"{path}[{i}]", r) for i, r in enumerate(data)]
-
-
-# A segment is (text, kind): FIXED template text and PROMPT text carry no loss, RESPONSE text does.
-# Only PROMPT segments shrink when an example is too long, so the response survives.
-FIXED, PROMPT, RESPONSE = "fixed", "prompt", "response"
-
-
-def _turn(prompt: str) -> list[tuple[str, str]]:
-    head, tail = PROMPT_TEMPLATE.split("{prompt}")
-    return [(head, FIXED), (prompt, PROMPT), (tail, FIXED)]
-
-
-def to_segments(record: Any, where: str) -> list[tuple[str, str]]:
-    """An instruction record as (text, kind) segments in order (see FIXED / PROMPT / RESPONSE)."""
-    if not isinstance(record, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
-    if "messages" in record:
-        msgs = record["messages"]
-        if not isinstance(msgs, list) or not msgs:
-            raise ValueError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
-        segments: list[tuple[str, str]] = []
-        for j, m in enumerate(msgs):
-            role, content = (m.get("role"), m.get("content")) if isinstance(m, dict) else (None, None)
-            if not isinstance(content, str):
-                raise ValueError(f"{where}: messages[{j}] needs a string 'content'")
-            if role == "system":
-                head, tail = SYSTEM_TEMPLATE.split("{content}")
-                segments += [(head, FIXED), (content, PROMPT), (tail, FIXED)]
-            elif role == "user":
-                segments += _turn(content)
-            elif role == "assistant":
-                segments.append((content, RESPONSE))
-            else:
-                raise ValueError(f"{where}: messages[{j}].role is {role!r}; expected system, user or assistant")
-        if not any(kind == RESPONSE for _, kind in segments):
-            raise ValueError(f"{where}: no assistant message, so nothing to train on")
-        return segments
-    prompt, response = record.get("prompt"), record.get("response")
-    if not isinstance(prompt, str) or not isinstance(response, str):
-        raise ValueError(f"{where}: expected string fields 'prompt' and 'response' (or chat 'messages'); "
-                         f"got keys {sorted(record)}")
-    return [*_turn(prompt), (response, RESPONSE)]
-
-
-def encode_segments(sp, segments: list[tuple[str, str]], eos_id: int, max_tokens: int | None = None
-                    ) -> tuple[list[int], list[bool], bool]:
-    """(token ids, per token whether it is trained, whether a prompt was shortened).
-
-    Each segment is encoded on its own (so the prompt/response boundary is exact) and
-    each response is closed by EOS (trained too: the model learns to stop). When the
-    total exceeds `max_tokens`, prompt segments lose tokens from their end, first
-    prompt first; whatever is still too long is left for `pack_example` to cut.
-    """
-    encoded = [list(ids) + ([eos_id] if kind == RESPONSE else [])
-               for (_, kind), ids in zip(segments, sp.encode_batch([text for text, _ in segments]))]
-    excess = sum(map(len, encoded)) - max_tokens if max_tokens is not None else 0
-    shortened = excess > 0
-    for ids, (_, kind) in zip(encoded, segments):
-        if excess > 0 and kind == PROMPT:
-            cut = min(excess, len(ids))
-            del ids[len(ids) - cut:]
-            excess -= cut
-    tokens = [t for ids in encoded for t in ids]
-    trained = [kind == RESPONSE for ids, (_, kind) in zip(encoded, segments) for _ in ids]
-    return tokens, trained, shortened
-
-
-def prompt_ids(sp, prompt: str) -> list[int]:
-    """Token ids of a prompt rendered exactly as in training, ending where the response begins (for generation)."""
-    if sp.chat_template is not None:
-        return sp.encode(sp.render_chat([{"role": "user", "content": prompt}], add_generation_prompt=True))
-    tokens, _, _ = encode_segments(sp, _turn(prompt), sp.eos_id())
-    return tokens
 
 
 def pack_example(tokens: list[int], trained: list[bool], seq_length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray, bool]:
@@ -311,14 +235,14 @@ def load_data(cfg: PipelineConfig, sp, seq_length: int) -> FinetuneData:
 
 def source_files(cfg: PipelineConfig) -> list[Path]:
     """finetune.sources expanded (files, directories, globs) to a sorted, de-duplicated file list."""
-    from tasks.config import _expand_source
+    from tasks.config import expand_source
 
     if not cfg.finetune.sources:
         raise ConfigError([f"pipelines.{cfg.name}.finetune.sources: empty; list the instruction (.jsonl) or text files"])
     files: list[Path] = []
     for i, src in enumerate(cfg.finetune.sources):
         found = []
-        for p in _expand_source(cfg, src):
+        for p in expand_source(cfg, src):
             if p.is_dir():
                 found += sorted(q for q in p.rglob("*") if q.is_file() and q.name.endswith(_DATA_SUFFIXES))
             elif p.is_file():
@@ -442,7 +366,7 @@ def _train(cfg: PipelineConfig, store: ArtifactStore, base: Path, key: str, prog
     from model.config import ModelConfig
     from tasks.training.optim import causal_lm_loss_fn
     from model.lora import inject_lora, lora_state_dict, mark_only_lora_trainable, trainable_summary
-    from tasks.training.checkpoint import save_tensors
+    from tasks.store.tensors import save_tensors
     from tasks.store.model_artifact import load_model, load_tokenizer
     from tasks.runtime.distributed import Mesh
     from tasks.training.trainer import add_run_files, fit, native_kernels, run_outcome
@@ -526,71 +450,4 @@ def _train(cfg: PipelineConfig, store: ArtifactStore, base: Path, key: str, prog
         )
     print(f"[finetune] validation loss {result.initial_val_loss} -> {result.val_loss} "
           f"({b.metrics['loss_on']}); adapter {b.metrics['adapter_bytes'] / 1e6:.2f} MB", file=sys.stderr)
-    return b.path
-
-
-# ----------------------------------------------------------------------------- merge
-
-
-def base_of(store: ArtifactStore, finetune_artifact: Path) -> Path:
-    """The base artifact a finetune artifact names, checked against the digest it recorded."""
-    ref = json.loads((Path(finetune_artifact) / "adapter.json").read_text())["base"]
-    candidates = [store.root / ref["stage"] / ref["key"], Path(ref["path"])]  # the root may have moved
-    for c in candidates:
-        try:
-            c = store.inside(c)  # a recorded path is data, not trust: never followed outside the root
-        except ArtifactError:
-            continue
-        if c.is_dir() and store.is_complete(c):
-            if store.read_manifest(c)["digest"] != ref["digest"]:
-                raise ArtifactError(f"{c}: the base of {finetune_artifact} has changed (digest differs from "
-                                    f"adapter.json); rerun the finetune stage on it")
-            return store.inside(c)
-    raise ArtifactError(f"base artifact {ref['stage']}/{ref['key']} of {finetune_artifact} is gone "
-                        f"(looked in {candidates[0]} and {ref['path']}); rebuild it, then rerun merge")
-
-
-def merge(store: ArtifactStore, finetune_artifact: Path) -> Path:
-    """A model artifact (stage `merged`) with the adapter folded into the base weights; cached by content.
-
-    LoRA: W + (alpha / rank) · B A per adapted module (`model.lora.merge_adapter`); full
-    fine-tuning: the trained weights. Tokenizer and model.json come from the base, so
-    `tasks.store.model_artifact.load_model` loads it like any pretrain artifact.
-    """
-    from tasks.training.checkpoint import read_tensors
-    from tasks.store.artifacts import verify_published
-
-    from model.config import ModelConfig
-    from tasks.training.checkpoint import load_weights
-    from tasks.store.model_artifact import read_info, write_model
-
-    ft = store.inside(finetune_artifact)
-    m = store.read_manifest(ft)
-    if m["stage"] != STAGE:
-        raise ArtifactError(f"{ft}: a {m['stage']} artifact; merge takes a finetune artifact")
-    adapter_cfg = json.loads(verify_published(ft / "adapter.json").read_text())
-    base = base_of(store, ft)
-    inputs = [store.input_ref(ft), store.input_ref(base)]
-    key = store.key(MERGED, {}, inputs, code_version(MERGED))
-    hit = store.lookup(MERGED, key)
-    if hit is not None:
-        return hit
-    info = read_info(base)
-    base_w = load_weights(base)
-    trained = read_tensors(verify_published(ft / "adapter.safetensors"), f"rerun the finetune stage ({ft} is damaged)")
-    if adapter_cfg["method"] == "lora":
-        from model.lora import merge_adapter
-
-        weights = merge_adapter(base_w, trained, adapter_cfg["scaling"])
-    else:
-        if set(trained) != set(base_w) or any(trained[k].shape != base_w[k].shape for k in base_w):
-            raise ArtifactError(f"{ft}: its weights do not match the base model's names and shapes")
-        weights = trained
-    with store.build(MERGED, key, pipeline=m.get("pipeline"), config={"finetune": m["key"], "method": adapter_cfg["method"]},
-                     inputs=inputs, code=code_version(MERGED)) as b:
-        write_model(b.dir, name=info.get("name", "llama"), config=ModelConfig.from_dict(info["model"]), weights=weights,
-                    tokenizer_model=base, tokenizer_info=info["tokenizer"],
-                    seq_length=info.get("seq_length"), extra={"merged_from": {"finetune": m["key"], "base": adapter_cfg["base"]["key"]}})
-        b.metrics.update(method=adapter_cfg["method"], merged_modules=len(adapter_cfg.get("modules", [])),
-                         finetune_val_loss=m["metrics"].get("val_loss"))
     return b.path

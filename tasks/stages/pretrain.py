@@ -27,6 +27,7 @@ from tasks.store.artifacts import ArtifactStore, verify_published
 from tasks.stages import code_version
 from tasks.config import PipelineConfig
 from tasks.runtime.supervise import StageFailed, supervise  # noqa: F401 (StageFailed re-exported)
+from tasks.store.reader import block_batches
 
 STAGE = "pretrain"
 
@@ -85,19 +86,6 @@ def run(cfg: PipelineConfig, store: ArtifactStore, data_artifact: Path, init_fro
 
 
 # ----------------------------------------------------------------------------- data
-
-
-def block_batches(data_artifact: Path, split: str, batch_size: int, seq_length: int, seed: int,
-                  start_sample: int = 0, repeat: bool = True, num_shards: int = 1, shard_id: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """(input_ids [B, T], labels [B, T]) from a data artifact's packed blocks; labels -100 where masked."""
-    from tasks.store.reader import open_blocks
-
-    for b in open_blocks(data_artifact, split, batch_size=batch_size, num_shards=num_shards, shard_id=shard_id,
-                         seed=seed, start_sample=start_sample, repeat=repeat, shuffle=(split == "train")):
-        ids = b["input_ids"][:, : seq_length + 1].astype(np.int32)
-        mask = b["loss_mask"][:, :seq_length]
-        labels = np.where(mask > 0, ids[:, 1:], -100).astype(np.int32)
-        yield np.ascontiguousarray(ids[:, :-1]), labels
 
 
 def mixed_batches(main: Iterator, replay: Iterator | None, ratio: float, batch_size: int) -> Iterator:
@@ -168,9 +156,9 @@ def build_network(cfg: PipelineConfig, init_from: Path | None, tensor_parallel=N
     """The model: architecture from the init artifact when continuing, else from the config (seeded init)."""
     from model.config import ModelConfig
     from model.registry import build_model
-    from tasks.training.checkpoint import load_weights
+    from tasks.store.tensors import load_weights
     from tasks.store.model_artifact import read_info
-    from tasks.training.checkpoint import assign
+    from tasks.store.tensors import assign
 
     dtype = {}
     if cfg.pretrain.precision == "fp16":  # fp32 master weights, fp16 matmuls (model/llama.py)

@@ -105,7 +105,8 @@ def raw_file_input(path: str | os.PathLike) -> dict[str, Any]:
     return {"kind": "file", "path": str(p.resolve()), "size": p.stat().st_size, "sha256": sha256_file(p)}
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """fsync a directory (its entries: a rename into it is durable); a no-op where the OS refuses."""
     with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -128,7 +129,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     finally:
         if tmp.exists():
             tmp.unlink()
-    _fsync_dir(p.parent)
+    fsync_dir(p.parent)
 
 
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
@@ -499,7 +500,7 @@ class ArtifactStore:
             "complete": True,
         }
         atomic_write_json(tmp / MANIFEST, manifest)
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         try:
             os.rename(tmp, final)
         except OSError as exc:
@@ -512,7 +513,7 @@ class ArtifactStore:
                 os.rename(tmp, final)
             else:
                 b.reused = True
-        _fsync_dir(final.parent)
+        fsync_dir(final.parent)
 
     def clean_stale(self) -> int:
         """Remove `.tmp-*` build directories of dead builds (see the module doc); returns how many."""
@@ -530,7 +531,7 @@ class ArtifactStore:
                     written = t.stat().st_mtime
                 except OSError:
                     continue
-                if _pid_alive(int(m["pid"])) and not _started_after(int(m["pid"]), written):
+                if pid_alive(int(m["pid"])) and not _started_after(int(m["pid"]), written):
                     continue
                 shutil.rmtree(t, ignore_errors=True)
                 n += not t.exists()
@@ -552,7 +553,8 @@ def _started_after(pid: int, t: float, slack: float = 2.0) -> bool:
         return False
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this id exists (one we may not signal counts as alive)."""
     try:
         os.kill(pid, 0)
         return True

@@ -373,6 +373,13 @@ def code_version(modules: str | Iterable[str], data_files: Iterable[str] = (), r
     return h.hexdigest()
 
 
+def stage_code_version(name: str, module: str, data_files: Iterable[str] = (), root: str | Path = REPO) -> str:
+    """16 hex digits: a stage's name + every source file its module imports + its declared data files (what the
+    stage table's `code_version(name)` returns, and what a stage module below the table computes for itself)."""
+    closure = code_version(module, data_files=list(data_files), root=root)
+    return hashlib.sha256(f"{name}:{closure}".encode()).hexdigest()[:16]
+
+
 def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """The graph's cycles: each strongly connected component of more than one module (or a self-import)."""
     index: dict[str, int] = {}

@@ -3,6 +3,7 @@
     tree = lineage_tree(store, path)             # nested dicts, from the manifests alone
     print(render(tree, "text" | "json" | "mermaid" | "dot"))
     raw_inputs(tree)                             # every raw file (path, sha256) at the leaves
+    lineage_data_artifact(store, model)          # the data artifact a model was trained on, if still stored
 
 Each node is an artifact (stage, key, pipeline, code version, config digest,
 metrics) whose children are its inputs: other artifacts (followed through their
@@ -39,6 +40,7 @@ from tasks.store.artifacts import ArtifactError, ArtifactStore, canonical_json
 
 DIGEST_WARNING = "digest differs from the one recorded when this artifact was built"
 MAX_DEPTH = 200  # artifacts deep; a real pipeline is under 10 (keeps rendering within Python's recursion limit)
+MODEL_STAGES = ("merged", "finetune", "pretrain", "convert")  # stages whose artifacts are (or lead to) models
 
 
 def lineage_tree(store: ArtifactStore, path: str | Path) -> dict[str, Any]:
@@ -171,3 +173,23 @@ def render(tree: dict[str, Any], fmt: str = "text") -> str:
     out += [f'  "{k}" [label="{esc(v)}"];' for k, v in nodes.items()]
     out += [f'  "{a}" -> "{b}" [label="{esc(w)}", color=red];' if w else f'  "{a}" -> "{b}";' for (a, b), w in edges.items()]
     return "\n".join([*out, "}"])
+
+
+def lineage_data_artifact(store: ArtifactStore, model_artifact: Path, depth: int = 4) -> Path | None:
+    """The data artifact a model was trained on (through finetune → pretrain …), if it is still in the store."""
+    m = store.read_manifest(model_artifact)
+    refs = [i for i in m.get("inputs", []) if i.get("kind") == "artifact"]
+    for ref in sorted(refs, key=lambda r: r.get("stage") != "data"):  # a direct data input first
+        try:
+            p = store.lookup(ref["stage"], ref["key"])
+        except ArtifactError:
+            continue
+        if p is None:
+            continue
+        if ref["stage"] == "data":
+            return p
+        if ref["stage"] in MODEL_STAGES and depth > 0:
+            found = lineage_data_artifact(store, p, depth - 1)
+            if found is not None:
+                return found
+    return None

@@ -43,8 +43,7 @@ def load_model(path: str | Path, seed: int = 0, **kwargs):
     """(network with the artifact's weights, model.json contents); kwargs go to the model's constructor
     (e.g. fused_kernels=True for training)."""
     from model.registry import build_model
-    from tasks.training.checkpoint import load_weights
-    from tasks.training.checkpoint import assign
+    from tasks.store.tensors import assign, load_weights
 
     info = read_info(path)
     net = build_model(info.get("name", "llama"), model_config(path), seed=seed, **kwargs)
@@ -72,7 +71,7 @@ def write_model(out_dir: Path, *, name: str, config, weights: dict[str, np.ndarr
     """Write a model artifact into `out_dir` (a store build directory): weights, the tokenizer files (of
     `tokenizer_model`: a tokenizer.model file, or a directory holding the model's tokenizer files) and model.json."""
     from tasks.tokenizer import copy_tokenizer_files
-    from tasks.training.checkpoint import save_tensors
+    from tasks.store.tensors import save_tensors
 
     save_tensors(out_dir / "model.safetensors", weights)
     if Path(tokenizer_model).is_dir():

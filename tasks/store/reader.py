@@ -18,19 +18,22 @@ read every block of an epoch at most once, exactly once when `num_shards` divide
 be a multiple of `num_shards`; the stream resumed there equals the rest of the uninterrupted one.
 The indices go to `MindDataset` through a `SubsetSampler` (MindSpore returns rows in sampler
 order), a window of batches at a time. Files are checked against the manifest's sha256 on open
-(`verify=True`); a bad file raises `tasks.stages.data.DataError` naming it.
+(`verify=True`); a bad file raises `DataError` (tasks/store/data_schema.py) naming it.
+
+`block_batches` turns those blocks into the (input_ids, labels) batches that training, evaluation and export's
+held-out check read.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from tasks.store.artifacts import ArtifactError, ArtifactStore
-from tasks.stages.data import DATA_SCHEMA_VERSION, SPLITS, DataError, verify_files
+from tasks.store.artifacts import ArtifactError, ArtifactStore, verify_published
+from tasks.store.data_schema import DATA_SCHEMA_VERSION, SPLITS, DataError
 
 _WINDOW = 16384  # samples per MindDataset pipeline (a new one per window; cheap)
 _VERIFIED: set[tuple] = set()  # (path, size, mtime_ns) of files already checked in this process
@@ -205,3 +208,33 @@ def _small_split(files: list[str], n: int, pos: int, end: int | None, *, batch_s
 def _first_line(exc: BaseException) -> str:
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip() and not set(ln.strip()) <= set("-=")]
     return "; ".join(lines[:3])[:300]
+
+
+def verify_files(artifact: Path, rel_paths: Iterable[str]) -> dict[str, Any]:
+    """sha256 of the named payload files against the manifest; DataError naming the first bad file."""
+    artifact = Path(artifact)
+    manifest = ArtifactStore.read_manifest(artifact)
+    listed = {f["path"]: f for f in manifest["files"]}
+    for rel in rel_paths:
+        fp = artifact / rel
+        entry = listed.get(rel)
+        if entry is None:
+            raise DataError(f"{fp}: not listed in {artifact}/manifest.json; rerun the data stage")
+        if not fp.is_file():
+            raise DataError(f"{fp}: missing (listed in the manifest); rerun the data stage")
+        try:
+            verify_published(fp)  # the store's one check of published bytes
+        except ArtifactError as exc:
+            raise DataError(f"{exc} (or restore the file)") from None
+    return manifest
+
+
+def block_batches(data_artifact: Path, split: str, batch_size: int, seq_length: int, seed: int,
+                  start_sample: int = 0, repeat: bool = True, num_shards: int = 1, shard_id: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """(input_ids [B, T], labels [B, T]) from a data artifact's packed blocks; labels -100 where masked."""
+    for b in open_blocks(data_artifact, split, batch_size=batch_size, num_shards=num_shards, shard_id=shard_id,
+                         seed=seed, start_sample=start_sample, repeat=repeat, shuffle=(split == "train")):
+        ids = b["input_ids"][:, : seq_length + 1].astype(np.int32)
+        mask = b["loss_mask"][:, :seq_length]
+        labels = np.where(mask > 0, ids[:, 1:], -100).astype(np.int32)
+        yield np.ascontiguousarray(ids[:, :-1]), labels

@@ -21,7 +21,7 @@ reshards to any layout: it concatenates the slices along each parameter's split 
 position (`consumed_samples`) is global, so a resume under another data-parallel size
 continues where the run stopped.
 
-Tensors are stored with safetensors (no pickle anywhere); metadata in JSON.
+Tensors are stored with safetensors (no pickle anywhere; tasks/store/tensors.py); metadata in JSON.
 A checkpoint is written into `.tmp-step_*`, fsynced and renamed, so a crash
 leaves either the previous set or a complete new one. Rotation keeps the
 `keep` newest complete checkpoints and never deletes the newest.
@@ -37,31 +37,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from safetensors.numpy import load_file, save_file
 
-from tasks.store.artifacts import _fsync_dir, atomic_write_json, sha256_file, verify_published
+from tasks.store.artifacts import atomic_write_json, fsync_dir, sha256_file
+from tasks.store.tensors import CheckpointError, read_tensors, save_tensors
 
 STATE = "state.json"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is incomplete, corrupt, or belongs to another model or tokenizer."""
-
-    permanent = True
-
-
-def _fsync_file(p: Path) -> None:
-    with open(p, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def save_tensors(path: Path, tensors: dict[str, np.ndarray]) -> str:
-    """Write a safetensors file atomically; returns its sha256."""
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp))
-    _fsync_file(tmp)
-    os.replace(tmp, path)
-    return sha256_file(path)
 
 
 def shard_files(tp: int, tp_index: int) -> tuple[str, str]:
@@ -102,11 +82,11 @@ def save_checkpoint(ckpt_root: Path, step: int, weights: dict[str, np.ndarray], 
 def _publish(ckpt_root: Path, tmp: Path, step: int, state: dict[str, Any], files: dict[str, str], keep: int) -> Path:
     final = ckpt_root / f"step_{step:08d}"
     atomic_write_json(tmp / STATE, {**state, "step": step, "files": files, "complete": True})
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
     if final.exists():  # a re-run of the same step (after resume): replace it
         shutil.rmtree(final)
     os.rename(tmp, final)
-    _fsync_dir(ckpt_root)
+    fsync_dir(ckpt_root)
     rotate(ckpt_root, keep)
     return final
 
@@ -293,49 +273,3 @@ def flatten_moments(opt: dict, layout: dict) -> list[dict]:
         for r in range(dp):
             out[r][key] = np.concatenate(pieces[r])
     return out
-
-
-def load_weights(path: Path) -> dict[str, np.ndarray]:
-    """Weights from a `model.safetensors` file, a checkpoint dir (any layout, merged) or an artifact dir."""
-    p = Path(path)
-    if p.is_dir() and (p / STATE).is_file():
-        return load_checkpoint(p)[0]
-    if p.is_dir():
-        p = p / "model.safetensors"
-    if not p.is_file():
-        raise CheckpointError(f"{path}: no model.safetensors found")
-    verify_published(p)  # an artifact's weights are what its manifest published
-    return read_tensors(p, "rebuild the artifact that wrote it")
-
-
-def read_tensors(path: Path, fix: str) -> dict[str, np.ndarray]:
-    """A safetensors file's tensors; CheckpointError naming the file when it is truncated or not safetensors."""
-    try:
-        return load_file(str(path))
-    except Exception as exc:  # safetensors raises SafetensorError (not an OSError/ValueError) on bad bytes
-        if type(exc).__name__ != "SafetensorError" and not isinstance(exc, (OSError, ValueError)):
-            raise
-        raise CheckpointError(f"{path}: not a readable safetensors file ({exc}); it is truncated or corrupt: "
-                              f"{fix}") from None
-
-
-def assign(params, arrays: dict[str, np.ndarray], what: str, *, strict: bool = True) -> None:
-    """Set `params` from `arrays` by name; every parameter must be there with its shape, and (strict)
-    nothing else may be: a tensor the model lacks means the file belongs to another model."""
-    import mindspore as ms
-
-    missing = [p.name for p in params if p.name not in arrays]
-    if missing:
-        raise CheckpointError(f"{what} lacks {missing[:3]}{'…' if len(missing) > 3 else ''}; it belongs to another "
-                              "model (compare its model.json / state.json with this pipeline's model section)")
-    if strict:
-        names = {p.name for p in params}
-        extra = sorted(k for k in arrays if k not in names)
-        if extra:
-            raise CheckpointError(f"{what} holds {len(extra)} tensor(s) this model does not have ({', '.join(extra[:3])}"
-                                  f"{'…' if len(extra) > 3 else ''}); it belongs to another model (e.g. more layers); "
-                                  "point at a checkpoint of this architecture")
-    for p in params:
-        if tuple(arrays[p.name].shape) != tuple(p.shape):
-            raise CheckpointError(f"{what}: {p.name} has shape {arrays[p.name].shape}, model wants {tuple(p.shape)}")
-        p.set_data(ms.Tensor(arrays[p.name]))

@@ -152,7 +152,7 @@ def candidate_layouts(cfg: ModelConfig, devices: int, global_batch: int | None =
 
 
 def unsupported(layout: Layout, backend: str) -> str | None:
-    """Why this pipeline cannot run `layout` on `backend` (None when it can): see the README's support matrix."""
+    """Why this pipeline cannot run `layout` on `backend` (None when it can): see the README's support matrix (docs/DISTRIBUTED.md in detail)."""
     if layout.pp > 1:
         return "pipeline stages: Ascend/GPU only, not built" if backend == "CPU" else "pipeline stages: not built"
     if layout.optimizer_shard and layout.dp > 1 and layout.tp > 1:

@@ -27,7 +27,8 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from tasks.training.checkpoint import CheckpointError, assign, load_checkpoint, newest_checkpoint, save_checkpoint
+from tasks.training.checkpoint import CheckpointError, load_checkpoint, newest_checkpoint, save_checkpoint
+from tasks.store.tensors import assign
 
 Batches = Callable[[int], Iterator[tuple[np.ndarray, np.ndarray]]]
 

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import numpy as np
 
-from tasks.store.artifacts import ArtifactError, ArtifactStore, sha256_file, verify_published
 
+from tasks.store.reader import verify_files  # noqa: F401 (the stage's API)
 from tasks.stages.data.schema import _MR_HEADER_SIZE, _MR_PAGE_SIZE, _WRITE_BATCH, SPLITS, DataError
 
 if TYPE_CHECKING:
@@ -178,22 +178,3 @@ def finalize(results: Iterable[str | os.PathLike], out_dir: Path, *, seq_length:
     if missing:
         raise DataError(f"finalize: no chunks for split(s) {missing}; the plan must hold train and valid documents")
     return done
-
-
-def verify_files(artifact: Path, rel_paths: Iterable[str]) -> dict[str, Any]:
-    """sha256 of the named payload files against the manifest; DataError naming the first bad file."""
-    artifact = Path(artifact)
-    manifest = ArtifactStore.read_manifest(artifact)
-    listed = {f["path"]: f for f in manifest["files"]}
-    for rel in rel_paths:
-        fp = artifact / rel
-        entry = listed.get(rel)
-        if entry is None:
-            raise DataError(f"{fp}: not listed in {artifact}/manifest.json; rerun the data stage")
-        if not fp.is_file():
-            raise DataError(f"{fp}: missing (listed in the manifest); rerun the data stage")
-        try:
-            verify_published(fp)  # the store's one check of published bytes
-        except ArtifactError as exc:
-            raise DataError(f"{exc} (or restore the file)") from None
-    return manifest

@@ -44,7 +44,6 @@ from tasks.config import PipelineConfig
 
 STAGE = "eval"
 LOCAL_TASKS = Path(__file__).resolve().parent / "lm_tasks"
-MODEL_STAGES = ("merged", "finetune", "pretrain", "convert")  # stages whose artifacts are (or lead to) models
 _BOOTSTRAP_ITERS = 1000  # stderr of non-mean aggregates (lambada perplexity); lm-eval's 100000 takes minutes
 
 
@@ -65,8 +64,8 @@ def check_finite_logits(lm, model_artifact: Path) -> None:
     logits = lm.net(ms.Tensor(ids)).asnumpy()
     if not np.isfinite(logits).all():
         raise EvalError(f"{model_artifact}: the model's logits are non-finite (NaN/Inf weights?); no eval artifact "
-                        "is written: retrain it (a stage that published it should have refused; see README "
-                        "Reliability) or evaluate another model artifact")
+                        "is written: retrain it (a stage that published it should have refused; see "
+                        "docs/RELIABILITY.md) or evaluate another model artifact")
 
 
 def stage_key(cfg: PipelineConfig, store: ArtifactStore, model_artifact: Path,
@@ -78,26 +77,6 @@ def stage_key(cfg: PipelineConfig, store: ArtifactStore, model_artifact: Path,
             raise FileNotFoundError(f"eval.perplexity_files: {f} not found (resolved to {p})")
         inputs.append(raw_file_input(p))
     return store.key(STAGE, cfg.section("eval"), inputs, code_version(STAGE)), inputs
-
-
-def lineage_data_artifact(store: ArtifactStore, model_artifact: Path, depth: int = 4) -> Path | None:
-    """The data artifact a model was trained on (through finetune → pretrain …), if it is still in the store."""
-    m = store.read_manifest(model_artifact)
-    refs = [i for i in m.get("inputs", []) if i.get("kind") == "artifact"]
-    for ref in sorted(refs, key=lambda r: r.get("stage") != "data"):  # a direct data input first
-        try:
-            p = store.lookup(ref["stage"], ref["key"])
-        except ArtifactError:
-            continue
-        if p is None:
-            continue
-        if ref["stage"] == "data":
-            return p
-        if ref["stage"] in MODEL_STAGES and depth > 0:
-            found = lineage_data_artifact(store, p, depth - 1)
-            if found is not None:
-                return found
-    return None
 
 
 # ----------------------------------------------------------------------------- perplexity
@@ -155,7 +134,7 @@ def heldout_perplexity(lm, data_artifact: Path, batch_size: int, progress: bool 
     """Perplexity and bits per byte on a data artifact's `valid` blocks (masked targets skipped); the first
     `max_blocks` of them (in shard order) when set."""
     from tasks.stages.evaluate.lm_adapter import token_byte_lengths
-    from tasks.stages.pretrain import block_batches
+    from tasks.store.reader import block_batches
 
     token_bytes = token_byte_lengths(lm.sp)
     rows, masks = [], []
@@ -187,7 +166,7 @@ class _QuietCustomDatasetNote(logging.Filter):
 
 
 def task_manager(tasks: list[str]):
-    """A TaskManager over the local tasks, plus lm-eval's own index only when a task needs it (~17 s)."""
+    """A TaskManager over the local tasks, plus lm-eval's own index only when a task needs it (building it takes seconds)."""
     from lm_eval.tasks import TaskManager
 
     local = TaskManager(include_path=str(LOCAL_TASKS), include_defaults=False)

@@ -1,0 +1,85 @@
+"""Tensor files: safetensors read and written atomically, weights loaded by name (no pickle anywhere).
+
+    sha = save_tensors(path, {"w": array})          # temp file beside it, fsync, rename; returns its sha256
+    arrays = read_tensors(path, fix="rerun X")      # CheckpointError naming the file when it is not safetensors
+    weights = load_weights(artifact_dir)            # model.safetensors of a model artifact, checked vs its manifest
+    assign(net.trainable_params(), weights, what)   # every parameter by name and shape (MindSpore imported here)
+
+The store's model artifacts, the training checkpoints (tasks/training/checkpoint.py), the convert and finetune
+stages and the server's adapters all read and write weights through these functions. A training checkpoint
+directory (state.json, any parallel layout) is read with `tasks.training.checkpoint.load_checkpoint`.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import load_file, save_file
+
+from tasks.store.artifacts import sha256_file, verify_published
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint or weights file is incomplete, corrupt, or belongs to another model or tokenizer."""
+
+    permanent = True
+
+
+def save_tensors(path: Path, tensors: dict[str, np.ndarray]) -> str:
+    """Write a safetensors file atomically; returns its sha256."""
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp))
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return sha256_file(path)
+
+
+def read_tensors(path: Path, fix: str) -> dict[str, np.ndarray]:
+    """A safetensors file's tensors; CheckpointError naming the file when it is truncated or not safetensors."""
+    try:
+        return load_file(str(path))
+    except Exception as exc:  # safetensors raises SafetensorError (not an OSError/ValueError) on bad bytes
+        if type(exc).__name__ != "SafetensorError" and not isinstance(exc, (OSError, ValueError)):
+            raise
+        raise CheckpointError(f"{path}: not a readable safetensors file ({exc}); it is truncated or corrupt: "
+                              f"{fix}") from None
+
+
+def load_weights(path: Path) -> dict[str, np.ndarray]:
+    """Weights from a `model.safetensors` file or an artifact directory holding one, checked against its manifest."""
+    p = Path(path)
+    if p.is_dir() and (p / "state.json").is_file():
+        raise CheckpointError(f"{path}: a training checkpoint, not a model artifact; read it with "
+                              "tasks.training.checkpoint.load_checkpoint")
+    if p.is_dir():
+        p = p / "model.safetensors"
+    if not p.is_file():
+        raise CheckpointError(f"{path}: no model.safetensors found")
+    verify_published(p)  # an artifact's weights are what its manifest published
+    return read_tensors(p, "rebuild the artifact that wrote it")
+
+
+def assign(params, arrays: dict[str, np.ndarray], what: str, *, strict: bool = True) -> None:
+    """Set `params` from `arrays` by name; every parameter must be there with its shape, and (strict)
+    nothing else may be: a tensor the model lacks means the file belongs to another model."""
+    import mindspore as ms
+
+    missing = [p.name for p in params if p.name not in arrays]
+    if missing:
+        raise CheckpointError(f"{what} lacks {missing[:3]}{'…' if len(missing) > 3 else ''}; it belongs to another "
+                              "model (compare its model.json / state.json with this pipeline's model section)")
+    if strict:
+        names = {p.name for p in params}
+        extra = sorted(k for k in arrays if k not in names)
+        if extra:
+            raise CheckpointError(f"{what} holds {len(extra)} tensor(s) this model does not have ({', '.join(extra[:3])}"
+                                  f"{'…' if len(extra) > 3 else ''}); it belongs to another model (e.g. more layers); "
+                                  "point at a checkpoint of this architecture")
+    for p in params:
+        if tuple(arrays[p.name].shape) != tuple(p.shape):
+            raise CheckpointError(f"{what}: {p.name} has shape {arrays[p.name].shape}, model wants {tuple(p.shape)}")
+        p.set_data(ms.Tensor(arrays[p.name]))
