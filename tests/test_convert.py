@@ -335,7 +335,7 @@ def test_gguf_of_another_architecture_or_truncated_via_the_cli(case, tmp_path, c
     from tasks import cli
     from tasks.deploy.gguf_export import tokenizer_meta
     from tasks.store.model_artifact import load_tokenizer, model_config
-    from tasks.training.checkpoint import load_weights
+    from tasks.store.tensors import load_weights
 
     store = ArtifactStore(tmp_path / "a")
     art = from_hf(_hf_tokenizer_dir(case, tmp_path), ArtifactStore(tmp_path / "src"))  # a tokenizer.json model
