@@ -94,12 +94,12 @@ def test_end_to_end_tiny_shakespeare(shakespeare):
     for split in ("train", "valid"):  # every token of a split lands in a block or in the counted tail
         assert met["tokens"][split] == met["blocks"][split] * 65 + met["tail_tokens_dropped"][split]
     assert {f["path"] for f in m["files"]} >= {
-        "tokenizer.model", "tokenizer.json", "train/train-00000-of-00002.mindrecord",
+        "tokenizer.model", "tokenizer_info.json", "train/train-00000-of-00002.mindrecord",
         "train/train-00001-of-00002.mindrecord.db", "valid/valid-00000-of-00001.mindrecord",
     }
     assert m["inputs"][0]["sha256"] == hashlib.sha256(SHAKESPEARE.read_bytes()).hexdigest()
     info = data_info(shakespeare)
-    tok = json.loads((shakespeare / "tokenizer.json").read_text())
+    tok = json.loads((shakespeare / "tokenizer_info.json").read_text())
     assert tok["vocab_size"] == 512 and (tok["bos_id"], tok["eos_id"], tok["pad_id"]) == (1, 2, 3)
     assert info["tokenizer"] == tok and info["seq_length"] == 64
     assert num_blocks(shakespeare, "train") == met["blocks"]["train"] == sum(info["splits"]["train"]["shard_blocks"])
@@ -290,7 +290,7 @@ def test_reused_tokenizer_is_copied_and_checked(tmp_path, tok512):
     src = write_txt(tmp_path / "c.txt", paragraphs(60))
     art = run_small(make_cfg([src]), tmp_path, tok512)
     assert (art / "tokenizer.model").read_bytes() == tok512.read_bytes()
-    assert json.loads((art / "tokenizer.json").read_text())["source"] == "reused"
+    assert json.loads((art / "tokenizer_info.json").read_text())["source"] == "reused"
     cfg = make_cfg([src], "model.vocab_size=1024", "data.tokenizer.vocab_size=1024")
     with pytest.raises(DataError, match=r"tokenizer has 512 pieces but model.vocab_size is 1024") as e:
         run_small(cfg, tmp_path / "x", tok512)
