@@ -248,8 +248,8 @@ def test_converted_model_runs_through_continued_pretraining_eval_and_export(case
     from tasks import cli
 
     common = ["--config", str(REPO / "pipelines.yaml"), "--pipeline", "tiny", "--artifacts", str(case["store"].root),
-              "--set", f"pretrain.init_from={case['artifact']}", "--set", "pretrain.max_steps=4",
-              "--set", "pretrain.eval_steps=2", "--set", "checkpoint.save_steps=2", "--set", "eval.limit=4"]
+              "--set", f"pretrain.init_from={case['artifact']}", "--set", "pretrain.train.loop.max_steps=4",
+              "--set", "pretrain.train.loop.eval_steps=2", "--set", "checkpoint.save_steps=2", "--set", "eval.limit=4"]
 
     def run(*argv: str) -> Path:
         assert cli.main([*argv, *common]) == 0, capsys.readouterr().err
