@@ -211,8 +211,9 @@ pipelines:
     model: {{name: llama, preset: tiny}}
     data: {{sources: [{src}], seq_length: 64, tokenizer: {{vocab_size: 512}}}}
     pretrain:
-      max_steps: 20
-      optimizer: {{lr: {lr}, min_lr: {min_lr}, weight_decay: {wd}}}
+      train:
+        loop: {{max_steps: 20}}
+        optimizer: {{lr: {lr}, min_lr: {min_lr}, weight_decay: {wd}}}
 """
 
 
@@ -241,7 +242,7 @@ class TestYaml:
         from tasks.config import resolve_pipeline
 
         cfg = resolve_pipeline(_write_yaml(tmp_path, _TINY.format(src=self.SRC, lr=lr, min_lr=min_lr, wd=wd)), "t")
-        o = cfg.pretrain.optimizer
+        o = cfg.pretrain.train.optimizer
         assert (o.lr, o.min_lr, o.weight_decay) == pytest.approx(want)
         assert all(isinstance(v, float) for v in (o.lr, o.min_lr, o.weight_decay))
 

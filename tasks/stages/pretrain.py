@@ -201,6 +201,8 @@ def _train(cfg: PipelineConfig, store: ArtifactStore, data_artifact: Path, init_
            mesh=None) -> Path | None:
     from tasks.runtime.distributed import Mesh
     from tasks.store.model_artifact import write_model
+    from tasks.training.schedule import budget_line
+    from tasks.training.step import causal_lm_loss_fn
     from tasks.training.trainer import LoopConfig, add_run_files, fit, native_kernels, run_outcome
 
     mesh = mesh or Mesh()
