@@ -163,8 +163,8 @@ def test_unsupported_layouts_are_config_errors():
     from tasks.config import ConfigError
 
     for overrides, needle in (
-        (["plan.pipeline_parallel=2", "plan.micro_batch_num=2", "parallel.device_num=2"],
-         "pipeline_parallel: 2 > 1 is not supported: MindSpore runs pipeline stages only on Ascend/GPU"),
+        (["parallel.pipeline_parallel=2", "parallel.device_num=2"],  # pipeline stages are not built: plan-only
+         "parallel.pipeline_parallel: moved to plan.pipeline_parallel (pipeline stages are not built"),
         (["parallel.data_parallel=2", "parallel.tensor_parallel=2", "parallel.device_num=4",
           "parallel.optimizer_shard=true"], "optimizer_shard: optimizer sharding (ZeRO-1) is built for data parallel only"),
         (["parallel.data_parallel=3", "parallel.device_num=3", "parallel.node_num=2"],

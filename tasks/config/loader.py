@@ -215,7 +215,7 @@ def moved_key_errors(body: dict, prefix: str) -> list[str]:
         if isinstance(sec, dict) and key in sec:
             why = " (pipeline stages are not built; only `msllm plan` estimates them)" if section == "parallel" else ""
             errs.append(f"{prefix}.{old}: moved to {new}{why}; write `{new}` instead "
-                        f"(one `train` section per stage, docs/ARCHITECTURE.md)")
+                        f"(one `train` section per stage; pipelines.yaml says what inherits)")
     return errs
 
 
