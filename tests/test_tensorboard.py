@@ -50,7 +50,8 @@ def test_records_resume_and_hparams_round_trip(tmp_path):
     run = tmp_path / "runs" / "pretrain" / "k123"
     run.mkdir(parents=True)
     (run / "spec.json").write_text(json.dumps({"config": {"name": "tiny", "model": {"preset": "tiny"},
-                                                          "pretrain": {"max_steps": 6, "sources": ["a.txt"], "seed": None},
+                                                          "pretrain": {"train": {"loop": {"max_steps": 6}}, "sources": ["a.txt"],
+                                                                       "seed": None},
                                                           "eval": {"limit": 8}}, "data": "/d"}))
     rows = [{"step": 0, "val_loss": 6.2, "val_ppl": math.exp(6.2)}]
     rows += [{"step": s, "loss": 6.0 - s / 10, "lr": 1e-3 * s, "grad_norm": 0.5, "peak_rss_bytes": 3 * 2**30,
