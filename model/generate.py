@@ -130,28 +130,29 @@ class CachedDecoder(nn.Cell):
         return net.lm_head(x)
 
 
-def build_decode_kernel() -> str | None:
+def build_decode_kernel(fused: bool = True) -> str | None:
     """Path of the compiled fused decode step (model/decode_kernel.cc, OpenMP where the compiler has it),
     built once per source, compiler and ISA level by `model.kernels.build`; None where it cannot be used:
-    no g++, a failed build, MSLLM_FUSED_DECODE=0 or MSLLM_FUSED_KERNELS=0. Callers then decode with
+    the decision `model.kernels.enabled(fused, kind="decode")` says no (eval.fused_kernels false,
+    MSLLM_FUSED_DECODE=0 or MSLLM_FUSED_KERNELS=0), no g++, or a failed build. Callers then decode with
     `CachedDecoder` (MindSpore kernels): the same tokens, slower. `decode_kernel_path()` says which."""
-    if decode_disabled_reason():
+    if decode_disabled_reason(fused):
         return None
     from model.kernels import DECODE_SOURCE, build
 
     return build(DECODE_SOURCE, openmp=True)
 
 
-def decode_disabled_reason() -> str:
-    for var in ("MSLLM_FUSED_DECODE", "MSLLM_FUSED_KERNELS"):
-        if os.environ.get(var, "1") == "0":
-            return f"{var}=0"
-    return ""
+def decode_disabled_reason(fused: bool = True) -> str:
+    """Why the fused decode step is off ('' when asked for): `model.kernels.off_reason(..., kind="decode")`."""
+    from model.kernels import off_reason
+
+    return off_reason(fused, kind="decode")
 
 
-def decode_kernel_path() -> str:
+def decode_kernel_path(fused: bool = True) -> str:
     """Which body of the fused decode step runs: "avx512", "avx2", "neon", "scalar", or "off: <why>"."""
-    if off := decode_disabled_reason():
+    if off := decode_disabled_reason(fused):
         return f"off: {off}"
     from model.kernels import DECODE_SOURCE, kernel_path
 
@@ -279,7 +280,7 @@ class Generator:
         # Decode tokens (T = 1) as one fused custom op when it builds here (see FusedDecodeStep); else, or
         # with fused=False, on the decoder's MindSpore kernels. Both write the same caches.
         self._fused = None
-        lib = build_decode_kernel() if fused and self._decoder is not None else None
+        lib = build_decode_kernel(fused) if self._decoder is not None else None
         if lib is not None:
             fused_step = FusedDecodeStep(self._decoder, lib, threads or decode_threads())
 

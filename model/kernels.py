@@ -3,6 +3,7 @@
     lib = build(Path("model/train_kernels.cc"))   # path of the .so, or None (no compiler, a failed build, disabled)
     build_kernel(TRAIN_SOURCE)                    # KernelBuild: lib, isa ("avx512", ...), reason when off
     kernel_path()                                 # "avx512" / "avx2" / "neon" / "scalar", or "off: <why>"
+    enabled(setting, Capabilities("CPU", "fp32"))  # THE decision: asked by the model, optimizer, memory plan, decoder
     k = train_ops()                               # the fused train-step ops, or None: callers keep MindSpore's own ops
     probs = k.causal_softmax(scores)              # [N, T, S] -> [N, T, S]
 
@@ -95,7 +96,7 @@ def _read_cpuinfo() -> str:
 def cpu_flags(cpuinfo: str | None = None) -> set[str]:
     """The CPU's feature flags: the `flags` (x86) or `Features` (aarch64) line of /proc/cpuinfo (or of
     `cpuinfo`); empty where there is none. The one hardware probe: the kernel levels, the trainer's
-    theoretical peak (tasks/training/trainer.py) and the benchmarks' labels (scripts/bench/host.py) read it."""
+    theoretical peak (tasks/training/hardware.py) and the benchmarks' labels (scripts/bench/host.py) read it."""
     if cpuinfo is None:
         cpuinfo = _read_cpuinfo()
     for line in cpuinfo.splitlines():
@@ -361,6 +362,38 @@ def disabled_reason() -> str:
     return "MSLLM_FUSED_KERNELS=0" if os.environ.get("MSLLM_FUSED_KERNELS", "1") == "0" else ""
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What the place that would run a kernel offers: the device and the compute dtype."""
+
+    device_target: str = "CPU"
+    compute: str = "fp32"
+    """"fp32", or "fp16"/"bf16" (half-precision compute: the fused kernels are fp32 only)."""
+
+
+def off_reason(config: bool, capabilities: Capabilities = Capabilities(), kind: str = "train") -> str:
+    """Why the native kernels of `kind` ("train": the model's fused ops and the in-place AdamW; "decode": the
+    fused decode step) do not run, or '' when they do (subject only to building: no compiler or a failed build
+    then falls back to MindSpore's own ops, same math). `config` is the setting: train.fused_kernels for
+    training, eval.fused_kernels for decoding. The one place this decision is made."""
+    if not config:
+        return f"{'train' if kind == 'train' else 'eval'}.fused_kernels is false"
+    for var in (("MSLLM_FUSED_DECODE",) if kind == "decode" else ()) + ("MSLLM_FUSED_KERNELS",):
+        if os.environ.get(var, "1") == "0":
+            return f"{var}=0"
+    if capabilities.device_target != "CPU":
+        return f"device_target {capabilities.device_target} (the kernels are CPU custom ops)"
+    if capabilities.compute != "fp32":
+        return f"{capabilities.compute} compute (the fused kernels are fp32)"
+    return ""
+
+
+def enabled(config: bool, capabilities: Capabilities = Capabilities(), kind: str = "train") -> bool:
+    """Whether the native kernels of `kind` are asked for: the model, the optimizer, the memory plan, the
+    decoder and the server all ask this (see `off_reason`)."""
+    return not off_reason(config, capabilities, kind)
+
+
 def kernel_path(source: Path = TRAIN_SOURCE, openmp: bool = False) -> str:
     """Which body of `source` runs in this process: "avx512", "avx2", "neon", "scalar", or "off: <why>" (for
     logs and manifests). Builds on first call, as the ops do."""
@@ -507,7 +540,7 @@ _zero_ops: list = []  # memo of zero_ops(), as _train_ops
 
 def zero_ops() -> SimpleNamespace | None:
     """The in-place AdamW op (ZeroAdamW in model/train_kernels.cc), or None where it cannot be built (no compiler, or
-    MSLLM_FUSED_KERNELS=0): tasks/training/optim.py ShardedAdamW then keeps its fp32 master share and
+    MSLLM_FUSED_KERNELS=0): tasks/training/zero.py ShardedAdamW then keeps its fp32 master share and
     MindSpore's AdamWeightDecay.
 
     adamw(param [n], grad [n], m [k], v [k], offset [1] int32, lr, beta1, beta2, eps, decay, coef, apply) -> [1]:

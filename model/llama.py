@@ -402,8 +402,10 @@ class LlamaForCausalLM(nn.Cell):
                                             or config.intermediate_size % tensor_parallel.size):
             raise ValueError(f"tensor_parallel={tensor_parallel.size} must divide num_kv_heads={config.num_kv_heads} "
                              f"and intermediate_size={config.intermediate_size}")
+        from model.kernels import Capabilities, enabled
+
         kernels = None
-        if fused_kernels and not self.half:
+        if enabled(fused_kernels, Capabilities(ms.get_context("device_target"), "fp16" if self.half else "fp32")):
             from model.kernels import train_ops
 
             kernels = train_ops()

@@ -44,8 +44,8 @@ def main() -> int:
     print(f"== pipeline '{cfg.name}': {cfg.description}")
     print(f"   model {cfg.model.preset}: {mc.num_parameters / 1e6:.1f}M parameters, vocab {mc.vocab_size}, "
           f"{mc.num_layers} layers; data {cfg.data.sources} → seq {cfg.data.seq_length}; "
-          f"pretrain {cfg.pretrain.max_steps} steps; continued on {cfg.continued.sources or '-'} "
-          f"({cfg.continued.max_steps} steps)")
+          f"pretrain {cfg.pretrain.train.loop.max_steps} steps; continued on {cfg.continued.sources or '-'} "
+          f"({cfg.continued.train.loop.max_steps} steps)")
 
     from flows.full_pipeline import full_pipeline
 

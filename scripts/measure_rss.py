@@ -20,7 +20,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--recompute", action="store_true")
-    ap.add_argument("--no-fused", action="store_true", help="MindSpore's own ops only (pretrain.fused_kernels: false)")
+    ap.add_argument("--no-fused", action="store_true", help="MindSpore's own ops only (pretrain.train.fused_kernels: false)")
     a = ap.parse_args()
     import numpy as np
 
@@ -29,11 +29,11 @@ def main() -> None:
     setup_mindspore()
     from model.config import ModelConfig
     from model.llama import LlamaForCausalLM
-    from tasks.training.optim import causal_lm_train_step
-    from tasks.training.trainer import peak_rss_bytes
+    from tasks.training.step import causal_lm_train_step
+    from tasks.training.hardware import peak_rss_bytes
 
     cfg = ModelConfig.from_name(a.preset)
-    net = LlamaForCausalLM(cfg, seed=0, fused_kernels=not a.no_fused)  # as the trainer (pretrain.fused_kernels)
+    net = LlamaForCausalLM(cfg, seed=0, fused_kernels=not a.no_fused)  # as the trainer (pretrain.train.fused_kernels)
     if a.recompute:
         net.enable_recompute()
     step = causal_lm_train_step(net, net.trainable_params())

@@ -18,7 +18,7 @@ if __name__ == "__main__":
     from model.llama import LlamaForCausalLM, causal_lm_loss
     from model.parallel import shard
     from tasks.runtime.distributed import Mesh
-    from tasks.training.optim import causal_lm_train_step
+    from tasks.training.step import causal_lm_train_step
 
     out = Path(sys.argv[1])
     ms.set_device("CPU")

@@ -33,16 +33,16 @@ def _edit(path: Path, text: str = "\n# an edit\n") -> None:
 
 def test_data_closure_holds_the_config_it_is_passed(repo_copy):
     # tasks/stages/data/ imports tasks.config only for type checking, but runs PipelineConfig's methods
-    assert "tasks/config.py" in import_closure("tasks.stages.data", repo_copy)
+    assert "tasks/config/schema.py" in import_closure("tasks.stages.data", repo_copy)
     before = code_version("tasks.stages.data", root=repo_copy)
-    _edit(repo_copy / "tasks/config.py")
+    _edit(repo_copy / "tasks/config/schema.py")
     assert code_version("tasks.stages.data", root=repo_copy) != before
 
 
 def test_pretrain_closure_follows_function_level_imports(repo_copy):
     closure = import_closure("tasks.stages.pretrain", repo_copy)
     # the MindRecord reader, the loop and the model are reached (some only through imports inside functions)
-    for rel in ("tasks/stages/pretrain.py", "tasks/store/reader.py", "tasks/training/trainer.py", "tasks/training/optim.py", "tasks/training/checkpoint.py",
+    for rel in ("tasks/stages/pretrain.py", "tasks/store/reader.py", "tasks/training/trainer.py", "tasks/training/step.py", "tasks/training/adamw.py", "tasks/training/checkpoint.py",
                 "model/__init__.py", "model/llama.py", "model/config.py"):
         assert rel in closure
     assert "tasks/deploy/onnx_generate.py" not in closure
@@ -123,8 +123,8 @@ def test_import_of_a_missing_module_is_an_error(repo_copy):
 
 def test_deleting_an_imported_module_is_an_error(repo_copy):
     code_version("tasks.stages.pretrain", root=repo_copy)  # parses (and caches) every file of the closure
-    (repo_copy / "tasks/training/optim.py").unlink()          # the importers' bytes are unchanged
-    with pytest.raises(CodeVersionError, match=r"no module tasks\.training\.optim"):
+    (repo_copy / "tasks/training/step.py").unlink()           # the importers' bytes are unchanged
+    with pytest.raises(CodeVersionError, match=r"no module tasks\.training\.step"):
         code_version("tasks.stages.pretrain", root=repo_copy)
 
 

@@ -19,7 +19,7 @@ def _base() -> dict:
     return {
         "model": {"name": "llama", "preset": "tiny"},
         "data": {"sources": [CORPUS], "seq_length": 64, "tokenizer": {"vocab_size": 512}},
-        "pretrain": {"max_steps": 10},
+        "pretrain": {"train": {"loop": {"max_steps": 10}}},
     }
 
 
@@ -47,10 +47,10 @@ def test_shipped_pipelines_validate():
 
 
 def test_base_inheritance_and_set_overrides(tmp_path):
-    f = _write(tmp_path, _base(), extra={"child": {"base": "p", "pretrain": {"micro_batch_size": 4}}})
-    cfg = resolve_pipeline(f, "child", ["pretrain.max_steps=17", "eval.tasks=[arc_easy, piqa]"])
-    assert cfg.pretrain.micro_batch_size == 4  # from the child
-    assert cfg.pretrain.max_steps == 17  # from --set
+    f = _write(tmp_path, _base(), extra={"child": {"base": "p", "pretrain": {"train": {"loop": {"micro_batch_size": 4}}}}})
+    cfg = resolve_pipeline(f, "child", ["pretrain.train.loop.max_steps=17", "eval.tasks=[arc_easy, piqa]"])
+    assert cfg.pretrain.train.loop.micro_batch_size == 4  # from the child
+    assert cfg.pretrain.train.loop.max_steps == 17  # from --set
     assert cfg.data.seq_length == 64  # inherited from the base
     assert cfg.eval.tasks == ["arc_easy", "piqa"]  # YAML-parsed list
     assert cfg.name == "child"
@@ -58,19 +58,19 @@ def test_base_inheritance_and_set_overrides(tmp_path):
 
 BAD = [
     # (override, expected substrings)
-    ({"pretrain": {"max_stpes": 5}}, ["pipelines.p.pretrain.max_stpes", "unknown key", "did you mean 'max_steps'"]),
+    ({"pretrain": {"train": {"loop": {"max_stpes": 5}}}}, ["pipelines.p.pretrain.train.loop.max_stpes", "unknown key", "did you mean 'max_steps'"]),
     ({"modle": {}}, ["pipelines.p.modle", "did you mean 'model'"]),
-    ({"pretrain": {"max_steps": "many"}}, ["pipelines.p.pretrain.max_steps", "valid integer"]),
-    ({"pretrain": {"micro_batch_size": 0}}, ["pipelines.p.pretrain.micro_batch_size", "out of range", "greater than 0"]),
-    ({"pretrain": {"optimizer": {"lr": -1.0}}}, ["pipelines.p.pretrain.optimizer.lr", "out of range"]),
-    ({"pretrain": {"precision": "fp8"}}, ["pipelines.p.pretrain.precision", "'fp8' is not allowed", "'fp32'"]),
+    ({"pretrain": {"train": {"loop": {"max_steps": "many"}}}}, ["pipelines.p.pretrain.train.loop.max_steps", "valid integer"]),
+    ({"pretrain": {"train": {"loop": {"micro_batch_size": 0}}}}, ["pipelines.p.pretrain.train.loop.micro_batch_size", "out of range", "greater than 0"]),
+    ({"pretrain": {"train": {"optimizer": {"lr": -1.0}}}}, ["pipelines.p.pretrain.train.optimizer.lr", "out of range"]),
+    ({"pretrain": {"train": {"precision": {"dtype": "fp8"}}}}, ["pipelines.p.pretrain.train.precision.dtype", "'fp8' is not allowed", "'fp32'"]),
     (
         {"parallel": {"data_parallel": 2, "tensor_parallel": 2, "device_num": 2}},
-        ["pipelines.p.parallel.device_num", "2×2×1 = 4", "set device_num: 4"],
+        ["pipelines.p.parallel.device_num", "2×2 = 4", "set device_num: 4"],
     ),
     (
-        {"parallel": {"pipeline_parallel": 2, "micro_batch_num": 1, "device_num": 2}},
-        ["pipelines.p.parallel.micro_batch_num", "set micro_batch_num >= 2"],
+        {"plan": {"pipeline_parallel": 2, "micro_batch_num": 1}},
+        ["pipelines.p.plan.micro_batch_num", "set micro_batch_num >= 2"],
     ),
     ({"data": {"seq_length": 4096}}, ["pipelines.p.data.seq_length", "max_seq_length=128"]),
     ({"model": {"num_kv_heads": 3}}, ["num_heads", "num_kv_heads"]),
@@ -82,9 +82,9 @@ BAD = [
     ({"data": {"tokenizer": {"path": "missing/tokenizer.model"}}}, ["pipelines.p.data.tokenizer.path", "does not exist"]),
     ({"model": {"preset": "huge"}}, ["pipelines.p.model.preset", "unknown preset 'huge'"]),
     ({"data": {"tokenizer": {"vocab_size": 1024}}}, ["pipelines.p.data.tokenizer.vocab_size", "vocab_size=512"]),
-    ({"pretrain": {"max_steps": 10, "schedule": {"warmup_steps": 20}}}, ["pipelines.p.pretrain.schedule.warmup_steps", "> max_steps=10"]),
-    ({"pretrain": {"optimizer": {"lr": 1e-4, "min_lr": 1e-3}}}, ["pipelines.p.pretrain.optimizer.min_lr", "must be <= lr"]),
-    ({"pretrain": {"precision": "bf16"}}, ["pipelines.p.pretrain.precision", "no MindSpore CPU kernels", "use fp32 on CPU"]),
+    ({"pretrain": {"train": {"loop": {"max_steps": 10}, "schedule": {"warmup_steps": 20}}}}, ["pipelines.p.pretrain.train.schedule.warmup_steps", "> max_steps=10"]),
+    ({"pretrain": {"train": {"optimizer": {"lr": 1e-4, "min_lr": 1e-3}}}}, ["pipelines.p.pretrain.train.optimizer.min_lr", "must be <= lr"]),
+    ({"pretrain": {"train": {"precision": {"dtype": "bf16"}}}}, ["pipelines.p.pretrain.train.precision.dtype", "no MindSpore CPU kernels", "use fp32 on CPU"]),
     ({"finetune": {"lora": {"target_modules": ["q_prj"]}}}, ["target_modules[0]", "did you mean 'q_proj'"]),
     ({"checkpoint": {"keep_checkpoint_max": 0}}, ["pipelines.p.checkpoint.keep_checkpoint_max", "out of range"]),
     ({"data": {"validation_fraction": 0.0}}, ["pipelines.p.data.validation_fraction", "no held-out split"]),
@@ -105,7 +105,7 @@ def test_bad_config_names_path_and_fix(tmp_path, override, expected):
 
 
 def test_all_errors_reported_together(tmp_path):
-    f = _write(tmp_path, _merge(_base(), {"pretrain": {"max_steps": 0, "micro_batch_size": -1}}))
+    f = _write(tmp_path, _merge(_base(), {"pretrain": {"train": {"loop": {"max_steps": 0, "micro_batch_size": -1}}}}))
     with pytest.raises(ConfigError) as ei:
         resolve_pipeline(f)
     assert len(ei.value.errors) == 2
@@ -122,9 +122,9 @@ def test_unknown_pipeline_and_cycle(tmp_path):
 def test_bad_set_override(tmp_path):
     f = _write(tmp_path, _base())
     with pytest.raises(ConfigError, match="expected dotted.key=VALUE"):
-        resolve_pipeline(f, overrides=["pretrain.max_steps"])
-    with pytest.raises(ConfigError, match=r"pipelines.p.pretrain.max_steps.*valid integer"):
-        resolve_pipeline(f, overrides=["pretrain.max_steps=abc"])
+        resolve_pipeline(f, overrides=["pretrain.train.loop.max_steps"])
+    with pytest.raises(ConfigError, match=r"pipelines.p.pretrain.train.loop.max_steps.*valid integer"):
+        resolve_pipeline(f, overrides=["pretrain.train.loop.max_steps=abc"])
 
 
 def test_config_module_imports_without_mindspore():
@@ -133,10 +133,10 @@ def test_config_module_imports_without_mindspore():
 
 
 def test_cli_validate_exit_codes(tmp_path):
-    f = _write(tmp_path, _merge(_base(), {"pretrain": {"max_stpes": 1}}))
+    f = _write(tmp_path, _merge(_base(), {"pretrain": {"train": {"loop": {"max_stpes": 1}}}}))
     bad = subprocess.run([sys.executable, "-m", "tasks.cli", "validate", "--config", str(f)], capture_output=True, text=True, cwd=REPO)
     assert bad.returncode == 2
-    assert "pipelines.p.pretrain.max_stpes" in bad.stderr and "Traceback" not in bad.stderr
+    assert "pipelines.p.pretrain.train.loop.max_stpes" in bad.stderr and "Traceback" not in bad.stderr
     ok = subprocess.run(
         [sys.executable, "-m", "tasks.cli", "validate", "--config", str(REPO / "pipelines.yaml"), "--pipeline", "tiny"],
         capture_output=True, text=True, cwd=REPO,
@@ -152,7 +152,7 @@ def _write_text(tmp_path: Path, pretrain_lines: str, extra: str = "") -> Path:
     f = tmp_path / "pipelines.yaml"
     f.write_text(f"default: p\npipelines:\n  p:\n{extra}    model: {{name: llama, preset: tiny}}\n"
                  f"    data: {{sources: ['{CORPUS}'], seq_length: 64, tokenizer: {{vocab_size: 512}}}}\n"
-                 f"    pretrain:\n{pretrain_lines}")
+                 "    pretrain:\n      train:\n        loop:\n" + "".join("    " + ln + "\n" for ln in pretrain_lines.splitlines()))
     return f
 
 
@@ -161,10 +161,10 @@ def test_base_60_is_not_a_number_in_the_file_or_in_set(tmp_path):
     f = _write_text(tmp_path, "      max_steps: 1:20\n")
     with pytest.raises(ConfigError) as ei:
         resolve_pipeline(f)
-    assert "pipelines.p.pretrain.max_steps" in str(ei.value) and "base-60" in str(ei.value), str(ei.value)
+    assert "pipelines.p.pretrain.train.loop.max_steps" in str(ei.value) and "base-60" in str(ei.value), str(ei.value)
     f = _write_text(tmp_path, "      max_steps: 20\n")
-    with pytest.raises(ConfigError, match=r"pipelines.p.pretrain.max_steps.*'1:20'.*base-60"):
-        resolve_pipeline(f, overrides=["pretrain.max_steps=1:20"])
+    with pytest.raises(ConfigError, match=r"pipelines.p.pretrain.train.loop.max_steps.*'1:20'.*base-60"):
+        resolve_pipeline(f, overrides=["pretrain.train.loop.max_steps=1:20"])
 
 
 def test_yaml_1_2_scalars(tmp_path):
@@ -176,7 +176,7 @@ def test_yaml_1_2_scalars(tmp_path):
         "yes", "no", "on", "off", "y", "n", "1:20", "0b101", "2024-01-01"]
     f = _write_text(tmp_path, "      max_steps: 010\n", extra="    description: 2024-01-01\n")
     cfg = resolve_pipeline(f, overrides=["eval.prompts=[on, off, yes]", "eval.stop=[no]"])
-    assert cfg.pretrain.max_steps == 10 and cfg.description == "2024-01-01"
+    assert cfg.pretrain.train.loop.max_steps == 10 and cfg.description == "2024-01-01"
     assert cfg.eval.prompts == ["on", "off", "yes"] and cfg.eval.stop == ["no"]
     with pytest.raises(ConfigError, match=r"pipelines.p.pretrain.recompute.*'yes' is text.*true and false"):
         resolve_pipeline(f, overrides=["pretrain.recompute=yes"])
@@ -187,36 +187,111 @@ def test_max_steps_and_max_tokens_both_in_the_file_is_an_error(tmp_path):
     with pytest.raises(ConfigError) as ei:
         resolve_pipeline(f)
     msg = str(ei.value)
-    assert "pipelines.p.pretrain.max_tokens" in msg and "pretrain.max_steps (20)" in msg and "keep one" in msg, msg
-    with pytest.raises(ConfigError, match="both pretrain.max_steps"):  # both in --set: the same error
+    assert "pipelines.p.pretrain.train.loop.max_tokens" in msg and "pretrain.train.loop.max_steps (20)" in msg and "keep one" in msg, msg
+    with pytest.raises(ConfigError, match="both pretrain.train.loop.max_steps"):  # both in --set: the same error
         resolve_pipeline(_write_text(tmp_path, "      max_steps: 20\n"),
-                         overrides=["pretrain.max_steps=5", "pretrain.max_tokens=1024"])
+                         overrides=["pretrain.train.loop.max_steps=5", "pretrain.train.loop.max_tokens=1024"])
 
 
 def test_set_budget_replaces_the_files_other_budget(tmp_path):
-    from tasks.stages.pretrain import budget_line, training_steps
+    from tasks.training.schedule import budget_line, training_steps
 
     f = _write_text(tmp_path, "      max_steps: 20\n      micro_batch_size: 8\n")
-    cfg = resolve_pipeline(f, overrides=["pretrain.max_tokens=1024"])
-    assert (cfg.pretrain.max_steps, cfg.pretrain.max_tokens) == (None, 1024)
-    assert training_steps(cfg.pretrain, 64) == 2  # 1024 tokens / (8 × 64), not the file's 20 steps
-    assert "max_tokens = 1024 tokens = 2 steps" in budget_line(cfg.pretrain, 64)
-    assert len(cfg.notes) == 1 and "--set pretrain.max_tokens=1024 replaces pipelines.p.pretrain.max_steps" in cfg.notes[0]
+    cfg = resolve_pipeline(f, overrides=["pretrain.train.loop.max_tokens=1024"])
+    assert (cfg.pretrain.train.loop.max_steps, cfg.pretrain.train.loop.max_tokens) == (None, 1024)
+    assert training_steps(cfg.pretrain.train.loop, 64) == 2  # 1024 tokens / (8 × 64), not the file's 20 steps
+    assert "max_tokens = 1024 tokens = 2 steps" in budget_line(cfg.pretrain.train.loop, 64)
+    assert len(cfg.notes) == 1 and "--set pretrain.train.loop.max_tokens=1024 replaces pipelines.p.pretrain.train.loop.max_steps" in cfg.notes[0]
     f = _write_text(tmp_path, "      max_tokens: 4096\n")
-    cfg = resolve_pipeline(f, overrides=["pretrain.max_steps=30"])
-    assert (cfg.pretrain.max_steps, cfg.pretrain.max_tokens) == (30, None) and training_steps(cfg.pretrain, 64) == 30
-    assert "replaces pipelines.p.pretrain.max_tokens" in cfg.notes[0]
+    cfg = resolve_pipeline(f, overrides=["pretrain.train.loop.max_steps=30"])
+    assert (cfg.pretrain.train.loop.max_steps, cfg.pretrain.train.loop.max_tokens) == (30, None) and training_steps(cfg.pretrain.train.loop, 64) == 30
+    assert "replaces pipelines.p.pretrain.train.loop.max_tokens" in cfg.notes[0]
     assert resolve_pipeline(f).notes == []
     # a pipeline's own budget replaces its base's other one, in the same way
-    f = _write(tmp_path, _base(), extra={"child": {"base": "p", "pretrain": {"max_tokens": 640}}})
+    f = _write(tmp_path, _base(), extra={"child": {"base": "p", "pretrain": {"train": {"loop": {"max_tokens": 640}}}}})
     cfg = resolve_pipeline(f, "child")
-    assert (cfg.pretrain.max_steps, cfg.pretrain.max_tokens) == (None, 640)
+    assert (cfg.pretrain.train.loop.max_steps, cfg.pretrain.train.loop.max_tokens) == (None, 640)
 
 
 def test_cli_says_which_budget_is_used(tmp_path):
     f = _write_text(tmp_path, "      max_steps: 20\n")
     out = subprocess.run([sys.executable, "-m", "tasks.cli", "validate", "--config", str(f), "--set",
-                          "pretrain.max_tokens=1024"], capture_output=True, text=True, cwd=REPO)
+                          "pretrain.train.loop.max_tokens=1024"], capture_output=True, text=True, cwd=REPO)
     assert out.returncode == 0, out.stderr
-    assert "note: --set pretrain.max_tokens=1024 replaces pipelines.p.pretrain.max_steps" in out.stderr
+    assert "note: --set pretrain.train.loop.max_tokens=1024 replaces pipelines.p.pretrain.train.loop.max_steps" in out.stderr
     assert "max_tokens: 1024" in out.stdout and "max_steps: null" in out.stdout
+
+
+# ----------------------------------------------------------------------------- issue 26: one train section
+
+
+def test_old_keys_are_errors_naming_the_new_key(tmp_path):
+    """The shape before issue 26 is refused with a one-line migration, never reinterpreted."""
+    body = _merge(_base(), {"pretrain": {"max_steps": 5, "optimizer": {"lr": 1e-3}},
+                            "finetune": {"lr": 1e-2, "warmup_steps": 1},
+                            "continued": {"max_steps": 4}, "parallel": {"pipeline_parallel": 2}})
+    with pytest.raises(ConfigError) as ei:
+        resolve_pipeline(_write(tmp_path, body))
+    msg = str(ei.value)
+    for old, new in (("pretrain.max_steps", "pretrain.train.loop.max_steps"),
+                     ("pretrain.optimizer", "pretrain.train.optimizer"),
+                     ("finetune.lr", "finetune.train.optimizer.lr"),
+                     ("finetune.warmup_steps", "finetune.train.schedule.warmup_steps"),
+                     ("continued.max_steps", "continued.train.loop.max_steps"),
+                     ("parallel.pipeline_parallel", "plan.pipeline_parallel")):
+        assert f"pipelines.p.{old}: moved to {new}" in msg, msg
+    with pytest.raises(ConfigError, match=r"pipelines.p.pretrain.precision: moved to pretrain.train.precision.dtype"):
+        resolve_pipeline(_write(tmp_path, _base()), overrides=["pretrain.precision=fp16"])  # --set too
+
+
+def test_finetune_inherits_only_the_listed_pretrain_keys(tmp_path):
+    """A pretrain-only setting (lr, warmup, budget, accumulation, precision, weight decay) never leaks into
+    finetune; the keys of FINETUNE_INHERITS do, unless finetune sets them."""
+    from tasks.config import FINETUNE_INHERITS
+
+    assert "optimizer.lr" not in FINETUNE_INHERITS and "loop.max_steps" not in FINETUNE_INHERITS
+    pre = {"optimizer": {"lr": 5e-2, "min_lr": 1e-3, "beta2": 0.99, "eps": 1e-6, "weight_decay": 0.3},
+           "schedule": {"warmup_steps": 7}, "loop": {"max_steps": 10, "gradient_accumulation": 3, "grad_clip": 0.5,
+                                                     "peak_flops": 1e11}, "fused_kernels": False}
+    f = _write(tmp_path, _merge(_base(), {"pretrain": {"train": pre}}))
+    ft = resolve_pipeline(f).finetune.train
+    assert (ft.optimizer.lr, ft.optimizer.min_lr, ft.optimizer.weight_decay) == (1e-3, None, 0.0)  # finetune's own
+    assert ft.optimizer.final_lr == 1e-4 and ft.schedule.warmup_steps == 5
+    assert (ft.loop.max_steps, ft.loop.gradient_accumulation, ft.loop.save_steps) == (50, 1, 50)
+    assert (ft.optimizer.beta2, ft.optimizer.eps, ft.loop.grad_clip, ft.loop.peak_flops) == (0.99, 1e-6, 0.5, 1e11)
+    assert ft.fused_kernels is False  # inherited on purpose (FINETUNE_INHERITS)
+    ft = resolve_pipeline(f, overrides=["finetune.train.optimizer.beta2=0.9", "finetune.train.loop.max_tokens=512"]).finetune.train
+    assert ft.optimizer.beta2 == 0.9 and (ft.loop.max_steps, ft.loop.max_tokens) == (None, 512)  # its own budget wins
+
+
+def test_continued_inherits_all_of_pretrain_train(tmp_path):
+    f = _write(tmp_path, _merge(_base(), {
+        "pretrain": {"train": {"optimizer": {"lr": 2e-3, "min_lr": 2e-4}, "loop": {"max_tokens": 4096,
+                                                                                    "max_steps": None}}},
+        "continued": {"train": {"loop": {"max_steps": 6}, "schedule": {"warmup_steps": 1}}}}))
+    cfg = resolve_pipeline(f)
+    ct = cfg.continued.train
+    assert (ct.optimizer.lr, ct.optimizer.min_lr, ct.schedule.warmup_steps) == (2e-3, 2e-4, 1)
+    assert (ct.loop.max_steps, ct.loop.max_tokens) == (6, None)  # continued's budget replaces pretrain's other one
+    run = cfg.for_continued(["x.txt"])
+    assert run.pretrain.train == ct and run.data.sources == ["x.txt"]
+    with pytest.raises(ConfigError, match=r"pipelines.p.continued.train.optimizer.min_lr: 0.0002 > lr=0.0001"):
+        resolve_pipeline(f, overrides=["continued.train.optimizer.lr=1e-4"])
+
+
+def test_an_inherited_error_is_reported_once(tmp_path):
+    f = _write(tmp_path, _merge(_base(), {"pretrain": {"train": {"optimizer": {"eps": -1.0},
+                                                                 "schedule": {"warmup_steps": 20}}}}))
+    with pytest.raises(ConfigError) as ei:
+        resolve_pipeline(f)
+    assert len(ei.value.errors) == 1 and "pipelines.p.pretrain.train.optimizer.eps" in ei.value.errors[0]
+    with pytest.raises(ConfigError) as ei:
+        resolve_pipeline(_write(tmp_path, _merge(_base(), {"pretrain": {"train": {"schedule": {"warmup_steps": 20}}}})))
+    assert ei.value.errors == ["pipelines.p.pretrain.train.schedule.warmup_steps: 20 > max_steps=10; "
+                               "warmup must fit in the run"]
+
+
+def test_finetune_trains_in_fp32(tmp_path):
+    f = _write(tmp_path, _base())
+    with pytest.raises(ConfigError, match="pipelines.p.finetune.train.precision.dtype: fine-tuning trains in fp32"):
+        resolve_pipeline(f, overrides=["finetune.train.precision.dtype=fp16"])

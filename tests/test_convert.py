@@ -248,8 +248,8 @@ def test_converted_model_runs_through_continued_pretraining_eval_and_export(case
     from tasks import cli
 
     common = ["--config", str(REPO / "pipelines.yaml"), "--pipeline", "tiny", "--artifacts", str(case["store"].root),
-              "--set", f"pretrain.init_from={case['artifact']}", "--set", "pretrain.max_steps=4",
-              "--set", "pretrain.eval_steps=2", "--set", "checkpoint.save_steps=2", "--set", "eval.limit=4"]
+              "--set", f"pretrain.init_from={case['artifact']}", "--set", "pretrain.train.loop.max_steps=4",
+              "--set", "pretrain.train.loop.eval_steps=2", "--set", "checkpoint.save_steps=2", "--set", "eval.limit=4"]
 
     def run(*argv: str) -> Path:
         assert cli.main([*argv, *common]) == 0, capsys.readouterr().err
@@ -379,9 +379,9 @@ def test_a_tokenizer_json_model_runs_through_every_stage_and_serves_chat(case, t
     d = _hf_tokenizer_dir(case, tmp_path)
     root = tmp_path / "art"
     common = ["--config", str(REPO / "pipelines.yaml"), "--pipeline", "tiny", "--artifacts", str(root),
-              "--set", f"pretrain.init_from={d}", "--set", "pretrain.max_steps=4", "--set", "pretrain.eval_steps=2",
-              "--set", "checkpoint.save_steps=2", "--set", "eval.limit=4", "--set", "finetune.max_steps=4",
-              "--set", "finetune.eval_steps=2", "--set", "finetune.save_steps=2",
+              "--set", f"pretrain.init_from={d}", "--set", "pretrain.train.loop.max_steps=4", "--set", "pretrain.train.loop.eval_steps=2",
+              "--set", "checkpoint.save_steps=2", "--set", "eval.limit=4", "--set", "finetune.train.loop.max_steps=4",
+              "--set", "finetune.train.loop.eval_steps=2", "--set", "finetune.train.loop.save_steps=2",
               "--set", "export.formats=[onnx, gguf]", "--set", "export.gguf_types=[F16]"]
 
     def run(*argv: str) -> Path:

@@ -34,13 +34,13 @@ def free_port() -> int:
 
 
 def _cfg(*overrides: str):
-    base = ["pretrain.max_steps=6", "pretrain.log_steps=1", "pretrain.eval_steps=3", "pretrain.eval_batches=2",
-            "pretrain.schedule.warmup_steps=2", "pretrain.micro_batch_size=8", "checkpoint.save_steps=3",
+    base = ["pretrain.train.loop.max_steps=6", "pretrain.train.loop.log_steps=1", "pretrain.train.loop.eval_steps=3", "pretrain.train.loop.eval_batches=2",
+            "pretrain.train.schedule.warmup_steps=2", "pretrain.train.loop.micro_batch_size=8", "checkpoint.save_steps=3",
             "checkpoint.keep_checkpoint_max=3", f"parallel.master_port={free_port()}"]
     return resolve_pipeline(REPO / "pipelines.yaml", "tiny", [*base, *overrides])
 
 
-DP2 = ["parallel.data_parallel=2", "parallel.device_num=2", "pretrain.micro_batch_size=4"]  # same global batch 8
+DP2 = ["parallel.data_parallel=2", "parallel.device_num=2", "pretrain.train.loop.micro_batch_size=4"]  # same global batch 8
 TP2 = ["parallel.tensor_parallel=2", "parallel.device_num=2"]
 
 
@@ -163,8 +163,8 @@ def test_unsupported_layouts_are_config_errors():
     from tasks.config import ConfigError
 
     for overrides, needle in (
-        (["parallel.pipeline_parallel=2", "parallel.micro_batch_num=2", "parallel.device_num=2"],
-         "pipeline_parallel: 2 > 1 is not supported: MindSpore runs pipeline stages only on Ascend/GPU"),
+        (["parallel.pipeline_parallel=2", "parallel.device_num=2"],  # pipeline stages are not built: plan-only
+         "parallel.pipeline_parallel: moved to plan.pipeline_parallel (pipeline stages are not built"),
         (["parallel.data_parallel=2", "parallel.tensor_parallel=2", "parallel.device_num=4",
           "parallel.optimizer_shard=true"], "optimizer_shard: optimizer sharding (ZeRO-1) is built for data parallel only"),
         (["parallel.data_parallel=3", "parallel.device_num=3", "parallel.node_num=2"],
@@ -304,9 +304,9 @@ def test_cache_key_follows_the_layout_not_the_rendezvous(tmp_path, data_artifact
 @pytest.mark.slow
 @pytest.mark.parametrize("overrides, dp, tp", [
     # 4 ranks: groups dp_0/dp_1 and tp_0/tp_1
-    (["parallel.data_parallel=2", "parallel.tensor_parallel=2", "parallel.device_num=4", "pretrain.micro_batch_size=4"], 2, 2),
+    (["parallel.data_parallel=2", "parallel.tensor_parallel=2", "parallel.device_num=4", "pretrain.train.loop.micro_batch_size=4"], 2, 2),
     # gradients reduced once per step, after accumulating 2 micro batches of 2
-    (["parallel.data_parallel=2", "parallel.device_num=2", "pretrain.micro_batch_size=2", "pretrain.gradient_accumulation=2"], 2, 1),
+    (["parallel.data_parallel=2", "parallel.device_num=2", "pretrain.train.loop.micro_batch_size=2", "pretrain.train.loop.gradient_accumulation=2"], 2, 1),
 ], ids=["dp2xtp2", "dp2-accumulation2"])
 def test_more_layouts_match_single_process(tmp_path, data_artifact, overrides, dp, tp):
     """Global batch 8 either way: the same per-step losses and data position as one process."""
@@ -330,14 +330,14 @@ def test_finetune_data_parallel_matches_single_process(tmp_path):
 
     (tmp_path / "base").mkdir()
     base = tiny_model_artifact(tmp_path / "base")
-    common = ["finetune.max_steps=4", "finetune.log_steps=1", "finetune.eval_steps=2", "finetune.warmup_steps=1"]
+    common = ["finetune.train.loop.max_steps=4", "finetune.train.loop.log_steps=1", "finetune.train.loop.eval_steps=2", "finetune.train.schedule.warmup_steps=1"]
     one = finetune.run(_cfg(*common), ArtifactStore(tmp_path / "base"), base, progress=False, isolate=False)
     root = tmp_path / "dp2"
     store = ArtifactStore(root)
     import shutil
 
     shutil.copytree(base, root / "pretrain" / base.name)
-    two = finetune.run(_cfg(*common, "parallel.data_parallel=2", "parallel.device_num=2", "finetune.micro_batch_size=4"),
+    two = finetune.run(_cfg(*common, "parallel.data_parallel=2", "parallel.device_num=2", "finetune.train.loop.micro_batch_size=4"),
                        store, root / "pretrain" / base.name, progress=False)
     l1, l2 = _train_losses(one), _train_losses(two)
     assert sorted(l2) == [1, 2, 3, 4] and max(abs(l1[s] - l2[s]) for s in l1) <= 1e-5, (l1, l2)

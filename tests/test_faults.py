@@ -211,8 +211,9 @@ pipelines:
     model: {{name: llama, preset: tiny}}
     data: {{sources: [{src}], seq_length: 64, tokenizer: {{vocab_size: 512}}}}
     pretrain:
-      max_steps: 20
-      optimizer: {{lr: {lr}, min_lr: {min_lr}, weight_decay: {wd}}}
+      train:
+        loop: {{max_steps: 20}}
+        optimizer: {{lr: {lr}, min_lr: {min_lr}, weight_decay: {wd}}}
 """
 
 
@@ -241,7 +242,7 @@ class TestYaml:
         from tasks.config import resolve_pipeline
 
         cfg = resolve_pipeline(_write_yaml(tmp_path, _TINY.format(src=self.SRC, lr=lr, min_lr=min_lr, wd=wd)), "t")
-        o = cfg.pretrain.optimizer
+        o = cfg.pretrain.train.optimizer
         assert (o.lr, o.min_lr, o.weight_decay) == pytest.approx(want)
         assert all(isinstance(v, float) for v in (o.lr, o.min_lr, o.weight_decay))
 
@@ -249,8 +250,8 @@ class TestYaml:
         from tasks.config import parse_override, resolve_pipeline
 
         path = _write_yaml(tmp_path, _TINY.format(src=self.SRC, lr="1e-3", min_lr="0.0", wd="0.0"))
-        cfg = resolve_pipeline(path, "t", ["pretrain.optimizer.lr=1.0e6", "pretrain.optimizer.min_lr=2e-5"])
-        assert cfg.pretrain.optimizer.lr == 1.0e6 and cfg.pretrain.optimizer.min_lr == 2e-5
+        cfg = resolve_pipeline(path, "t", ["pretrain.train.optimizer.lr=1.0e6", "pretrain.train.optimizer.min_lr=2e-5"])
+        assert cfg.pretrain.train.optimizer.lr == 1.0e6 and cfg.pretrain.train.optimizer.min_lr == 2e-5
         assert parse_override("a={x: 1e-3, y: [2E5, 7]}")[1] == {"x": 1e-3, "y": [2e5, 7]}
         for text, value in (("10", 10), ("0x10", 16), ("1e", "1e"), ("e5", "e5"), ("1.2.3", "1.2.3"),
                             ("v1e3", "v1e3"), ("1e-3x", "1e-3x"), (".inf", float("inf"))):
@@ -502,7 +503,7 @@ class TestResumeAfterKill:
     after its last checkpoint resumed with no step left, so no validation loss, and the summary formatted None."""
 
     def test_torn_metrics_line_is_dropped(self, tmp_path, capsys):
-        from tasks.training.trainer import _read_jsonl
+        from tasks.training.metrics import read_jsonl as _read_jsonl
 
         f = tmp_path / "metrics.jsonl"
         f.write_text('{"step": 1, "loss": 2.5}\n{"step": 2, "loss": 2.4, "val_lo')  # killed mid-write
@@ -524,7 +525,7 @@ class TestResumeAfterKill:
 
 
 class TestMachineLimits:
-    """`plan --devices 1000000000000` hung (a loop over the device count); `--set pretrain.micro_batch_size=
+    """`plan --devices 1000000000000` hung (a loop over the device count); `--set pretrain.train.loop.micro_batch_size=
     1000000000000` validated and its child grew to 18 GB."""
 
     def test_plan_for_a_trillion_devices_answers_at_once(self):
@@ -544,8 +545,8 @@ class TestMachineLimits:
         assert {(x.dp, x.tp, x.pp) for x in candidate_layouts(mc, 8)} >= {(8, 1, 1), (4, 2, 1), (2, 2, 2), (4, 1, 2)}
 
     @pytest.mark.parametrize("overrides,key,fix", [
-        (["pretrain.micro_batch_size=1000000000000"], "pretrain.micro_batch_size", "lower pretrain.micro_batch_size"),
-        (["finetune.micro_batch_size=1000000000000"], "finetune.micro_batch_size", "lower finetune.micro_batch_size"),
+        (["pretrain.train.loop.micro_batch_size=1000000000000"], "pretrain.train.loop.micro_batch_size", "lower pretrain.train.loop.micro_batch_size"),
+        (["finetune.train.loop.micro_batch_size=1000000000000"], "finetune.train.loop.micro_batch_size", "lower finetune.train.loop.micro_batch_size"),
         (["parallel.data_parallel=100000", "parallel.device_num=100000"], "parallel.device_num", "fewer ranks"),
     ])
     def test_validation_refuses_what_no_machine_here_can_hold(self, overrides, key, fix):

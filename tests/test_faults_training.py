@@ -20,8 +20,8 @@ from tasks.config import ConfigError, resolve_pipeline
 from tasks.training.trainer import NonFiniteError
 
 REPO = Path(__file__).resolve().parent.parent
-BASE = ["pretrain.max_steps=6", "pretrain.log_steps=1", "pretrain.eval_steps=3", "pretrain.eval_batches=2",
-        "pretrain.schedule.warmup_steps=0", "pretrain.micro_batch_size=4", "checkpoint.save_steps=1",
+BASE = ["pretrain.train.loop.max_steps=6", "pretrain.train.loop.log_steps=1", "pretrain.train.loop.eval_steps=3", "pretrain.train.loop.eval_batches=2",
+        "pretrain.train.schedule.warmup_steps=0", "pretrain.train.loop.micro_batch_size=4", "checkpoint.save_steps=1",
         "checkpoint.keep_checkpoint_max=2"]
 
 
@@ -58,8 +58,8 @@ def _copy_data(data_artifact: Path, root: Path) -> Path:
 
 
 class TestNonFiniteTraining:
-    @pytest.mark.parametrize("override", ["pretrain.optimizer.lr=.inf", "pretrain.loss_scale=.inf",
-                                          "pretrain.optimizer.lr=.nan", "eval.temperature=.inf"])
+    @pytest.mark.parametrize("override", ["pretrain.train.optimizer.lr=.inf", "pretrain.train.precision.loss_scale=.inf",
+                                          "pretrain.train.optimizer.lr=.nan", "eval.temperature=.inf"])
     def test_every_float_must_be_finite(self, override):
         with pytest.raises(ConfigError, match=r"is not a finite number"):
             _cfg(override)
@@ -71,7 +71,8 @@ class TestNonFiniteTraining:
 
         from model.config import ModelConfig
         from model.llama import LlamaForCausalLM
-        from tasks.training.optim import UpdateGuard, causal_lm_train_step
+        from tasks.training.adamw import UpdateGuard
+        from tasks.training.step import causal_lm_train_step
 
         net = LlamaForCausalLM(ModelConfig.from_name("tiny"), seed=0)
         params = net.trainable_params()
@@ -93,8 +94,8 @@ class TestNonFiniteTraining:
         del ms
 
     def test_huge_lr_run_stops_without_a_nonfinite_checkpoint(self, tmp_path, data_artifact):
-        fn, run_dir = _train(_cfg("pretrain.optimizer.lr=1e38", "pretrain.optimizer.min_lr=0",
-                                  "pretrain.max_nonfinite_steps=3"), tmp_path, data_artifact)
+        fn, run_dir = _train(_cfg("pretrain.train.optimizer.lr=1e38", "pretrain.train.optimizer.min_lr=0",
+                                  "pretrain.train.loop.max_nonfinite_steps=3"), tmp_path, data_artifact)
         with pytest.raises(NonFiniteError, match=r"3 consecutive non-finite steps.*last good checkpoint is none"):
             fn()
         ckpts = complete_checkpoints(run_dir / "checkpoints")
@@ -104,7 +105,7 @@ class TestNonFiniteTraining:
     def test_streak_names_the_last_good_checkpoint_and_resume_uses_it(self, tmp_path, data_artifact):
         """Checkpoints are still written during a streak (the data position moves on), but the one the
         error names and the retry resumes from is the newest with no non-finite step since the previous."""
-        cfg = _cfg("pretrain.max_nonfinite_steps=3")
+        cfg = _cfg("pretrain.train.loop.max_nonfinite_steps=3")
         fn, run_dir = _train(cfg, tmp_path, data_artifact, fault_steps=[3, 4, 5])
         with pytest.raises(NonFiniteError, match=r"last good checkpoint is \S*step_00000002"):
             fn()
@@ -119,7 +120,7 @@ class TestNonFiniteTraining:
         assert json.loads((out / "manifest.json").read_text())["metrics"]["skipped_steps"] == 0
 
     def test_fp16_run_that_never_updates_is_not_published(self, tmp_path, data_artifact):
-        fn, _ = _train(_cfg("pretrain.precision=fp16", "pretrain.max_steps=3", "pretrain.eval_steps=3"), tmp_path,
+        fn, _ = _train(_cfg("pretrain.train.precision.dtype=fp16", "pretrain.train.loop.max_steps=3", "pretrain.train.loop.eval_steps=3"), tmp_path,
                        data_artifact, fault_steps=[1, 2, 3])
         with pytest.raises(NonFiniteError, match=r"no update was applied in 3 steps: every step overflowed in fp16"):
             fn()
@@ -127,8 +128,8 @@ class TestNonFiniteTraining:
 
     def test_nonfinite_final_validation_loss_is_not_published(self, tmp_path, data_artifact):
         """lr 1e30 passes the update guard (weights ~1e30 are finite) but the model then computes NaN."""
-        fn, _ = _train(_cfg("pretrain.optimizer.lr=1e30", "pretrain.optimizer.min_lr=0", "pretrain.max_steps=2",
-                            "pretrain.eval_steps=2"), tmp_path, data_artifact)
+        fn, _ = _train(_cfg("pretrain.train.optimizer.lr=1e30", "pretrain.train.optimizer.min_lr=0", "pretrain.train.loop.max_steps=2",
+                            "pretrain.train.loop.eval_steps=2"), tmp_path, data_artifact)
         with pytest.raises(NonFiniteError, match=r"final validation loss is nan"):
             fn()
         assert ArtifactStore(tmp_path).list("pretrain") == []
@@ -161,7 +162,7 @@ class TestNonFiniteTraining:
 
 class TestCheckpointLoading:
     def test_checkpoint_of_another_architecture_is_refused(self, tmp_path, data_artifact):
-        fn, run3 = _train(_cfg("model.num_layers=3", "pretrain.max_steps=1"), tmp_path / "a", data_artifact)
+        fn, run3 = _train(_cfg("model.num_layers=3", "pretrain.train.loop.max_steps=1"), tmp_path / "a", data_artifact)
         fn()
         ck = complete_checkpoints(run3 / "checkpoints")[-1]
         fn2, _ = _train(_cfg(f"checkpoint.load_checkpoint={ck}"), tmp_path / "b", data_artifact)
@@ -182,7 +183,7 @@ class TestCheckpointLoading:
     def test_checkpoint_trained_with_another_tokenizer_is_refused(self, tmp_path, data_artifact):
         from tasks.stages import data
 
-        fn, run_a = _train(_cfg("pretrain.max_steps=1"), tmp_path / "a", data_artifact)
+        fn, run_a = _train(_cfg("pretrain.train.loop.max_steps=1"), tmp_path / "a", data_artifact)
         fn()
         other_cfg = _cfg("data.tokenizer.model_type=unigram")
         other = data.run(other_cfg, ArtifactStore(tmp_path / "b"), progress=False)
@@ -194,7 +195,7 @@ class TestCheckpointLoading:
         assert not (run_b / "metrics.jsonl").exists() or not (run_b / "metrics.jsonl").read_text().strip()
 
     def test_truncated_safetensors_with_matching_sha_names_the_file(self, tmp_path, data_artifact):
-        fn, run_dir = _train(_cfg("pretrain.max_steps=1"), tmp_path, data_artifact)
+        fn, run_dir = _train(_cfg("pretrain.train.loop.max_steps=1"), tmp_path, data_artifact)
         fn()
         ck = complete_checkpoints(run_dir / "checkpoints")[-1]
         f = ck / "model.safetensors"
@@ -232,7 +233,7 @@ class TestManifestPaths:
         """A pretrain manifest whose data input path points outside the root (at a real data artifact)
         is not followed: the replay data must be the artifact with that key in this store."""
         root = tmp_path / "root"
-        fn, _ = _train(_cfg("pretrain.max_steps=1"), root, _copy_data(data_artifact, root))
+        fn, _ = _train(_cfg("pretrain.train.loop.max_steps=1"), root, _copy_data(data_artifact, root))
         base = fn()
         m = json.loads((base / "manifest.json").read_text())
         ref = next(i for i in m["inputs"] if i.get("stage") == "data")
@@ -286,7 +287,7 @@ class TestOneMessage:
         root = tmp_path / "art"
         store = ArtifactStore(root)
         data_copy = _copy_data(data_artifact, root)
-        fn, _ = _train(_cfg("pretrain.max_steps=1"), root, data_copy)
+        fn, _ = _train(_cfg("pretrain.train.loop.max_steps=1"), root, data_copy)
         base = fn()
         f = base / "model.safetensors"
         f.write_bytes(f.read_bytes()[:500])
@@ -303,18 +304,18 @@ class TestOneMessage:
 class TestNoImpossibleFigure:
     def test_mfu_denominator_is_the_theoretical_peak_not_a_busy_sgemm(self, tmp_path, data_artifact, monkeypatch):
         """A busy machine under-measures the sgemm; MFU divided by it once printed 211%."""
-        from tasks.training import trainer
+        from tasks.training import hardware
 
-        monkeypatch.setattr(trainer, "measure_peak_flops", lambda *a, **k: 1e6)  # what a busy machine measures
-        theo, how = trainer.theoretical_peak_flops()
-        peak = trainer.resolve_peak_flops()
+        monkeypatch.setattr(hardware, "measure_peak_flops", lambda *a, **k: 1e6)  # what a busy machine measures
+        theo, how = hardware.theoretical_peak_flops()
+        peak = hardware.resolve_peak_flops()
         assert theo > 1e9 and "cores ×" in how and peak.flops == theo and peak.achievable == 1e6
-        fn, run_dir = _train(_cfg("pretrain.max_steps=3", "pretrain.eval_steps=3"), tmp_path, data_artifact)
+        fn, run_dir = _train(_cfg("pretrain.train.loop.max_steps=3", "pretrain.train.loop.eval_steps=3"), tmp_path, data_artifact)
         fn()
         rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
         mfus = [r["mfu"] for r in rows if "mfu" in r]
         assert mfus and all(0 < m < 1 for m in mfus)
-        assert trainer.resolve_peak_flops(5e9).flops == 5e9  # pretrain.peak_flops, when set, is used as is
+        assert hardware.resolve_peak_flops(5e9).flops == 5e9  # pretrain.train.loop.peak_flops, when set, is used as is
 
 
 # ----------------------------------------------------------------------------- issue 27: resume after kill -9
@@ -327,7 +328,7 @@ class TestResumeAtTheEnd:
         `unsupported format string passed to NoneType.__format__` (val_loss None) instead of publishing."""
         root = tmp_path / "art"
         data_copy = _copy_data(data_artifact, root)
-        fn, run_dir = _train(_cfg("pretrain.max_steps=3", "pretrain.eval_steps=2"), root, data_copy)
+        fn, run_dir = _train(_cfg("pretrain.train.loop.max_steps=3", "pretrain.train.loop.eval_steps=2"), root, data_copy)
         first = fn()
         val = ArtifactStore.read_manifest(first)["metrics"]["val_loss"]
         shutil.rmtree(first)  # as if the kill came just before the rename into place

@@ -42,12 +42,12 @@ def sp(env):
 
 
 def _cfg(data: Path, *overrides: str):
-    base = [f"finetune.sources=[{data}]", "finetune.max_steps=12", "finetune.micro_batch_size=4",
-            "finetune.seq_length=64", "finetune.lr=1.0e-2", "finetune.warmup_steps=2", "finetune.log_steps=1",
-            "finetune.eval_steps=6", "finetune.eval_batches=2", "finetune.save_steps=6",
+    base = [f"finetune.sources=[{data}]", "finetune.train.loop.max_steps=12", "finetune.train.loop.micro_batch_size=4",
+            "finetune.seq_length=64", "finetune.train.optimizer.lr=1.0e-2", "finetune.train.schedule.warmup_steps=2", "finetune.train.loop.log_steps=1",
+            "finetune.train.loop.eval_steps=6", "finetune.train.loop.eval_batches=2", "finetune.train.loop.save_steps=6",
             "finetune.validation_fraction=0.2", "finetune.lora.rank=4",
             # a random tiny model's lm_head caps its logits, so the toy task adapts it too (a regex)
-            "finetune.lora.target_modules=q_proj|v_proj|lm_head", "pretrain.peak_flops=1.0e+11"]
+            "finetune.lora.target_modules=q_proj|v_proj|lm_head", "pretrain.train.loop.peak_flops=1.0e+11"]
     return resolve_pipeline(REPO / "pipelines.yaml", "tiny", [*base, *overrides])
 
 
@@ -152,8 +152,8 @@ def test_config_errors_name_the_yaml_path(env):
     with pytest.raises(ConfigError, match=r"finetune\.sources\[0\]: .*plain text"):
         finetune.run(_cfg(data, f"finetune.sources=[{REPO / 'data/corpora/tinyshakespeare.txt'}]"), store, base,
                      isolate=False)
-    with pytest.raises(ConfigError, match=r"finetune\.warmup_steps: 20 > max_steps=12"):
-        finetune.run(_cfg(data, "finetune.warmup_steps=20"), store, base, isolate=False)
+    with pytest.raises(ConfigError, match=r"finetune\.train\.schedule\.warmup_steps: 20 > max_steps=12"):
+        _cfg(data, "finetune.train.schedule.warmup_steps=20")  # now at load, like every train section's rules
 
 
 # ----------------------------------------------------------------------------- the stage
@@ -236,7 +236,7 @@ def test_merge_refuses_a_base_that_changed(env, tmp_path):
 def test_resume_gives_identical_losses(env, tmp_path):
     root, base, data = env
     # with LoRA dropout on: its masks are a function of the input, so a resumed run replays them
-    cfg = _cfg(data, "finetune.max_steps=8", "finetune.save_steps=4", "finetune.eval_steps=4", "finetune.lora.dropout=0.1")
+    cfg = _cfg(data, "finetune.train.loop.max_steps=8", "finetune.train.loop.save_steps=4", "finetune.train.loop.eval_steps=4", "finetune.lora.dropout=0.1")
 
     def losses(store_root: Path) -> list:
         rows = [json.loads(x) for x in next((store_root / "runs" / "finetune").iterdir()).joinpath("metrics.jsonl")
@@ -266,7 +266,7 @@ def test_full_finetuning_on_plain_text_stores_and_merges_every_weight(env):
     root, base, _ = env
     store = ArtifactStore(root)
     text = REPO / "data/corpora/tinyshakespeare.txt"
-    cfg = _cfg(text, "finetune.method=full", "finetune.format=text", "finetune.max_steps=3", "finetune.lr=1.0e-3",
+    cfg = _cfg(text, "finetune.method=full", "finetune.format=text", "finetune.train.loop.max_steps=3", "finetune.train.optimizer.lr=1.0e-3",
                "finetune.validation_fraction=0.01")
     path = finetune.run(cfg, store, base, isolate=False, progress=False)
     met = store.read_manifest(path)["metrics"]
@@ -283,9 +283,9 @@ def test_cli_runs_the_stage_in_a_child_and_prints_merged_then_finetune_path(env,
     from tasks.cli import main
 
     root, base, data = env
-    overrides = [f"finetune.sources=[{data}]", "finetune.max_steps=4", "finetune.micro_batch_size=4",
-                 "finetune.seq_length=64", "finetune.warmup_steps=1", "finetune.log_steps=2", "finetune.eval_steps=4",
-                 "finetune.eval_batches=1", "pretrain.peak_flops=1.0e+11", "finetune.seed=3"]
+    overrides = [f"finetune.sources=[{data}]", "finetune.train.loop.max_steps=4", "finetune.train.loop.micro_batch_size=4",
+                 "finetune.seq_length=64", "finetune.train.schedule.warmup_steps=1", "finetune.train.loop.log_steps=2", "finetune.train.loop.eval_steps=4",
+                 "finetune.train.loop.eval_batches=1", "pretrain.train.loop.peak_flops=1.0e+11", "finetune.seed=3"]
     argv = ["finetune", "--config", str(REPO / "pipelines.yaml"), "--pipeline", "tiny", "--artifacts", str(root),
             "--from", str(base)] + [a for o in overrides for a in ("--set", o)]
     assert main(argv) == 0

@@ -141,7 +141,7 @@ def test_full_pipeline_runs_data_parallel_through_msrun(tmp_path):
         port = s.getsockname()[1]
     config = _tiny_config(tmp_path)
     dp2 = ["parallel.data_parallel=2", "parallel.device_num=2", f"parallel.master_port={port}",
-           "pretrain.micro_batch_size=4", "finetune.micro_batch_size=4"]
+           "pretrain.train.loop.micro_batch_size=4", "finetune.train.loop.micro_batch_size=4"]
     (run,) = _drive(tmp_path, config, [dp2])
     assert run["flow"] == "Completed", run
     assert all(states == ["Completed"] for states in run["tasks"].values()), run["tasks"]

@@ -12,6 +12,7 @@ from model.config import ModelConfig
 from model.llama import LlamaForCausalLM, causal_lm_loss
 from model.lora import (LoRALinear, inject_lora, lora_layers, lora_state_dict, mark_only_lora_trainable, match_targets,
                         merge_adapter, merge_lora, trainable_summary, unmerge_lora)
+from tasks.config import CheckpointSection, TrainSection
 from tasks.training.trainer import LoopConfig, fit
 
 CFG = ModelConfig.from_name("tiny")
@@ -161,10 +162,13 @@ def test_lora_training_keeps_base_bit_identical_and_lowers_the_loss(tmp_path):
     def loss_fn(a, b):
         return causal_lm_loss(net(a), b)
 
-    loop = LoopConfig(max_steps=25, micro_batch_size=8, lr=1e-2, min_lr=1e-3, warmup_steps=2, weight_decay=0.0,
-                      log_steps=1, eval_steps=1000, save_steps=25, progress=False, peak_flops=1e11)
-    result = fit(net, params, loss_fn, loop, batches=batches, valid=None, run_dir=tmp_path, meta={"seed": 0},
-                 flops_per_token=1.0, tokens_per_sample=32)
+    train = TrainSection.model_validate({
+        "optimizer": {"lr": 1e-2, "min_lr": 1e-3, "weight_decay": 0.0}, "schedule": {"warmup_steps": 2},
+        "loop": {"max_steps": 25, "micro_batch_size": 8, "log_steps": 1, "eval_steps": 1000, "save_steps": 25,
+                 "peak_flops": 1e11}})
+    result = fit(net, params, loss_fn, train, checkpoint=CheckpointSection(), hooks=LoopConfig(progress=False),
+                 batches=batches, valid=None, run_dir=tmp_path, meta={"seed": 0}, flops_per_token=1.0,
+                 tokens_per_sample=32)
     losses = [r["loss"] for r in result.history if "grad_norm" in r]
     assert losses[-1] < losses[0] - 3.0, losses  # 6.25 -> 1.11 when written
     for p in net.get_parameters():

@@ -53,7 +53,7 @@ def test_plan_recommends_a_fitting_layout_for_7b_on_8x32gib():
     cli = subprocess.run(
         [sys.executable, "-m", "tasks.cli", "plan", "--pipeline", "demo", "--set", "model.preset=llama2-7b",
          "--set", "model.vocab_size=32000", "--set", "data.tokenizer.vocab_size=32000", "--set", "data.seq_length=4096",
-         "--set", "pretrain.micro_batch_size=1", "--set", "parallel.device_target=Ascend", "--set", "pretrain.precision=bf16",
+         "--set", "pretrain.train.loop.micro_batch_size=1", "--set", "parallel.device_target=Ascend", "--set", "pretrain.train.precision.dtype=bf16",
          "--devices", "8", "--device-memory", "32GiB"], capture_output=True, text=True, cwd=REPO)
     assert cli.returncode == 0, cli.stderr
     assert "DOES NOT FIT" in cli.stdout and "recommendation: parallel:" in cli.stdout

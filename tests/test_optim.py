@@ -10,7 +10,9 @@ from mindspore import Parameter, Tensor, ops
 
 from model.config import ModelConfig
 from model.llama import LlamaForCausalLM
-from tasks.training.optim import AdamW, causal_lm_train_step, decays, lr_at
+from tasks.training.adamw import AdamW, decays
+from tasks.training.schedule import lr_at
+from tasks.training.step import causal_lm_train_step
 
 
 def test_lr_schedule_shapes():

@@ -16,7 +16,8 @@ from tasks.stages import pretrain
 from tasks.store.artifacts import ArtifactStore
 from tasks.training.checkpoint import load_checkpoint
 from tasks.config import resolve_pipeline
-from tasks.training.optim import AdamW, DynamicLossScale, TrainStep, decays
+from tasks.training.adamw import AdamW, decays
+from tasks.training.step import DynamicLossScale, TrainStep
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -119,9 +120,9 @@ def test_dynamic_scale_doubles_after_window_finite_steps():
 
 
 def _cfg(*overrides: str):
-    base = ["pretrain.max_steps=6", "pretrain.log_steps=1", "pretrain.eval_steps=3", "pretrain.eval_batches=2",
-            "pretrain.schedule.warmup_steps=2", "pretrain.micro_batch_size=4", "checkpoint.save_steps=3",
-            "checkpoint.keep_checkpoint_max=2", "pretrain.precision=fp16"]
+    base = ["pretrain.train.loop.max_steps=6", "pretrain.train.loop.log_steps=1", "pretrain.train.loop.eval_steps=3", "pretrain.train.loop.eval_batches=2",
+            "pretrain.train.schedule.warmup_steps=2", "pretrain.train.loop.micro_batch_size=4", "checkpoint.save_steps=3",
+            "checkpoint.keep_checkpoint_max=2", "pretrain.train.precision.dtype=fp16"]
     return resolve_pipeline(REPO / "pipelines.yaml", "tiny", [*base, *overrides])
 
 
@@ -147,8 +148,8 @@ def _rows(run_dir: Path) -> list[dict]:
 def test_fp16_pretrain_overflows_are_not_faults_and_scale_grows(tmp_path, data_artifact):
     # S starts absurdly high: the first steps overflow (halving S each time) without tripping
     # max_nonfinite_steps=2; then S doubles after every 2 finite steps
-    cfg = _cfg("pretrain.max_steps=30", "pretrain.loss_scale=1099511627776", "pretrain.loss_scale_window=2",
-               "pretrain.max_nonfinite_steps=2", "checkpoint.save_steps=30", "pretrain.eval_steps=30")
+    cfg = _cfg("pretrain.train.loop.max_steps=30", "pretrain.train.precision.loss_scale=1099511627776", "pretrain.train.precision.loss_scale_window=2",
+               "pretrain.train.loop.max_nonfinite_steps=2", "checkpoint.save_steps=30", "pretrain.train.loop.eval_steps=30")
     out, run_dir = _train(cfg, tmp_path / "ovf", data_artifact)
     m = json.loads((out / "manifest.json").read_text())["metrics"]
     rows = [r for r in _rows(run_dir) if "grad_norm" in r]
@@ -171,7 +172,7 @@ def test_fp16_pretrain_overflows_are_not_faults_and_scale_grows(tmp_path, data_a
 
 
 def test_fp16_resume_restores_the_loss_scale(tmp_path, data_artifact):
-    cfg = _cfg("pretrain.loss_scale_window=2")
+    cfg = _cfg("pretrain.train.precision.loss_scale_window=2")
     _, run_a = _train(cfg, tmp_path / "a", data_artifact)
     stopped, run_b = _train(cfg, tmp_path / "b", data_artifact, stop_after=3)
     assert stopped is None

@@ -18,8 +18,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def _cfg(*overrides: str):
-    base = ["pretrain.max_steps=6", "pretrain.log_steps=1", "pretrain.eval_steps=3", "pretrain.eval_batches=2",
-            "pretrain.schedule.warmup_steps=2", "pretrain.micro_batch_size=4", "checkpoint.save_steps=3",
+    base = ["pretrain.train.loop.max_steps=6", "pretrain.train.loop.log_steps=1", "pretrain.train.loop.eval_steps=3", "pretrain.train.loop.eval_batches=2",
+            "pretrain.train.schedule.warmup_steps=2", "pretrain.train.loop.micro_batch_size=4", "checkpoint.save_steps=3",
             "checkpoint.keep_checkpoint_max=2"]
     return resolve_pipeline(REPO / "pipelines.yaml", "tiny", [*base, *overrides])
 
@@ -75,7 +75,7 @@ def test_resume_gives_identical_losses(tmp_path, data_artifact):
 
 
 def test_nonfinite_steps_are_skipped_then_stop_the_run(tmp_path, data_artifact):
-    cfg = _cfg("pretrain.max_nonfinite_steps=2", "checkpoint.save_steps=2")
+    cfg = _cfg("pretrain.train.loop.max_nonfinite_steps=2", "checkpoint.save_steps=2")
     out, run_dir = _train(cfg, tmp_path / "skip", data_artifact, fault_steps=[2])
     m = json.loads((out / "manifest.json").read_text())
     assert m["metrics"]["skipped_steps"] == 1 and m["metrics"]["steps"] == 6

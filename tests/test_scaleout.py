@@ -33,9 +33,9 @@ from tests.test_distributed import free_port
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 DATA = ["data.chunk_documents=1500", "data.num_workers=2", "data.executor=dask"]  # as tests/test_dask.py
-TRAIN = ["pretrain.max_steps=6", "pretrain.log_steps=1", "pretrain.eval_steps=3", "pretrain.eval_batches=2",
-         "pretrain.schedule.warmup_steps=2", "pretrain.micro_batch_size=8", "checkpoint.save_steps=3"]
-DP2 = ["parallel.data_parallel=2", "parallel.device_num=2", "pretrain.micro_batch_size=4"]  # same global batch 8
+TRAIN = ["pretrain.train.loop.max_steps=6", "pretrain.train.loop.log_steps=1", "pretrain.train.loop.eval_steps=3", "pretrain.train.loop.eval_batches=2",
+         "pretrain.train.schedule.warmup_steps=2", "pretrain.train.loop.micro_batch_size=8", "checkpoint.save_steps=3"]
+DP2 = ["parallel.data_parallel=2", "parallel.device_num=2", "pretrain.train.loop.micro_batch_size=4"]  # same global batch 8
 
 
 @pytest.fixture(scope="module")

@@ -50,7 +50,8 @@ def test_records_resume_and_hparams_round_trip(tmp_path):
     run = tmp_path / "runs" / "pretrain" / "k123"
     run.mkdir(parents=True)
     (run / "spec.json").write_text(json.dumps({"config": {"name": "tiny", "model": {"preset": "tiny"},
-                                                          "pretrain": {"max_steps": 6, "sources": ["a.txt"], "seed": None},
+                                                          "pretrain": {"train": {"loop": {"max_steps": 6}}, "sources": ["a.txt"],
+                                                                       "seed": None},
                                                           "eval": {"limit": 8}}, "data": "/d"}))
     rows = [{"step": 0, "val_loss": 6.2, "val_ppl": math.exp(6.2)}]
     rows += [{"step": s, "loss": 6.0 - s / 10, "lr": 1e-3 * s, "grad_norm": 0.5, "peak_rss_bytes": 3 * 2**30,
@@ -64,7 +65,7 @@ def test_records_resume_and_hparams_round_trip(tmp_path):
     assert got["train/loss"] == [(1, pytest.approx(5.9)), (2, pytest.approx(5.8)), (3, pytest.approx(5.7))]
     assert got["perf/peak_rss_gib"][0][1] == 3.0 and "train/fused" not in got  # bools are not scalars
     hp = _hparams(run)
-    assert hp["run"] == "pretrain/k123" and hp["pipeline"] == "tiny" and hp["pretrain.max_steps"] == 6
+    assert hp["run"] == "pretrain/k123" and hp["pipeline"] == "tiny" and hp["pretrain.train.loop.max_steps"] == 6
     assert hp["pretrain.sources"] == '["a.txt"]' and hp["arch.hidden_size"] == 64 and hp["input.data"] == "/d"
     assert "pretrain.seed" not in hp and not any(k.startswith("eval.") for k in hp)  # None dropped; other stages' sections too
     # resume from step 2: the trainer kept records <= 2; the event file is replaced by one holding exactly those
@@ -101,8 +102,8 @@ def test_pretrain_run_events_match_metrics_across_a_resume(tmp_path):
     from tasks.runtime.supervise import StageFailed
 
     cfg = resolve_pipeline(REPO / "pipelines.yaml", "tiny", [
-        "pretrain.max_steps=6", "pretrain.log_steps=1", "pretrain.eval_steps=3", "pretrain.eval_batches=2",
-        "pretrain.schedule.warmup_steps=2", "pretrain.micro_batch_size=4", "checkpoint.save_steps=2"])
+        "pretrain.train.loop.max_steps=6", "pretrain.train.loop.log_steps=1", "pretrain.train.loop.eval_steps=3", "pretrain.train.loop.eval_batches=2",
+        "pretrain.train.schedule.warmup_steps=2", "pretrain.train.loop.micro_batch_size=4", "checkpoint.save_steps=2"])
     store = ArtifactStore(tmp_path / "artifacts")
     data_art = data.run(cfg, store, progress=False)
     with pytest.raises(StageFailed, match="stopped before the end"):
@@ -124,5 +125,5 @@ def test_pretrain_run_events_match_metrics_across_a_resume(tmp_path):
     assert math.isclose(got["val/loss"][-1][1], store.read_manifest(path)["metrics"]["val_loss"], rel_tol=1e-6)
     hp = _hparams(run_dir)
     assert hp["run"] == f"pretrain/{key}" and hp["pipeline"] == "tiny"
-    assert hp["pretrain.max_steps"] == 6 and hp["checkpoint.save_steps"] == 2 and hp["model.preset"] == "tiny"
+    assert hp["pretrain.train.loop.max_steps"] == 6 and hp["checkpoint.save_steps"] == 2 and hp["model.preset"] == "tiny"
     print("TB", json.dumps({t: len(v) for t, v in sorted(got.items())}))

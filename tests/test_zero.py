@@ -36,7 +36,7 @@ ZERO = [*DP2, "parallel.optimizer_shard=true"]
 def _sharded_optimizer(dp: int, dp_index: int, chunk_elements: int = 4 * 2**20, in_place: bool = True):
     from model.config import ModelConfig
     from model.llama import LlamaForCausalLM
-    from tasks.training.optim import ShardedAdamW
+    from tasks.training.zero import ShardedAdamW
 
     params = LlamaForCausalLM(ModelConfig.from_name("tiny"), seed=0).trainable_params()
     return ShardedAdamW(params, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, grad_clip=1.0,
@@ -45,21 +45,22 @@ def _sharded_optimizer(dp: int, dp_index: int, chunk_elements: int = 4 * 2**20, 
 
 
 def test_fused_kernels_false_keeps_the_update_on_mindspores_kernel():
-    """pretrain.fused_kernels: false means no custom op at all, in ZeRO-1's update as in AdamW's (the trainer used to
+    """pretrain.train.fused_kernels: false means no custom op at all, in ZeRO-1's update as in AdamW's (the trainer used to
     build ShardedAdamW in place whatever the key said)."""
     from types import SimpleNamespace
 
     from model.kernels import zero_ops
-    from tasks.training.trainer import LoopConfig, _optimizer
+    from tasks.config import TrainSection
+    from tasks.training.parallelize import parallelize_optimizer
 
     params = _sharded_optimizer(1, 0).params
     zero = SimpleNamespace(zero=True, dp=2, dp_index=1)
     plain = SimpleNamespace(zero=False, sharded=lambda ps: None, tp_group=None)
     built = zero_ops() is not None
     for fused in (True, False):
-        loop = LoopConfig(max_steps=1, micro_batch_size=1, fused_kernels=fused)
-        assert _optimizer(list(params), loop, zero).in_place is (fused and built), fused
-        assert (_optimizer(list(params), loop, plain).kernel is not None) is (fused and built), fused
+        train = TrainSection.model_validate({"fused_kernels": fused})
+        assert parallelize_optimizer(list(params), train, zero).in_place is (fused and built), fused
+        assert (parallelize_optimizer(list(params), train, plain).kernel is not None) is (fused and built), fused
 
 
 def _moments() -> dict[str, np.ndarray]:
@@ -207,7 +208,7 @@ def test_in_place_update_matches_adamw():
     from mindspore import Tensor
 
     from model.kernels import zero_ops
-    from tasks.training.optim import AdamW
+    from tasks.training.adamw import AdamW
 
     if zero_ops() is None:
         pytest.skip("no compiler: the master-share path runs (checked by the msrun tests)")
@@ -303,7 +304,7 @@ def test_zero_accumulation_and_nonfinite_step_match_one_process(tmp_path, data_a
     the same skipped step, losses and data position as one process with micro batch 8."""
     single, _ = _single(_cfg(), tmp_path / "single", data_artifact, fault_steps=[2])
     root = tmp_path / "zero"
-    cfg = _cfg(*ZERO, "pretrain.micro_batch_size=2", "pretrain.gradient_accumulation=2")
+    cfg = _cfg(*ZERO, "pretrain.train.loop.micro_batch_size=2", "pretrain.train.loop.gradient_accumulation=2")
     path = pretrain.run(cfg, ArtifactStore(root), _copy_data(root, data_artifact), progress=False,
                         inject={"fault_steps": [2]})
     ls, lz = _train_losses(single), _train_losses(path)

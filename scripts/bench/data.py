@@ -129,7 +129,7 @@ def main() -> int:
                 "blocks": met["blocks"]["train"] + met["blocks"]["valid"], "mb_per_s": round(met["raw_text_mb"] / ours_s, 3),
                 "tokens_per_s": round(tokens / ours_s), "phases_s": met["seconds"]}
 
-        read = reader(art, cfg.pretrain.micro_batch_size, seq, args.reader_blocks)
+        read = reader(art, cfg.pretrain.train.loop.micro_batch_size, seq, args.reader_blocks)
     print(json.dumps({
         "bench": "data", "loadavg": load, "corpora": args.corpora, "workers": args.workers, "vocab_size": cfg.data.tokenizer.vocab_size,
         "seq_length": seq, "ours": ours, "baseline_hf_map": base,

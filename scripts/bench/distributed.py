@@ -4,12 +4,12 @@
 Same model and the same global batch for every layout (`tiny-llama-bench` by default: vocab 8192,
 hidden 256, 4 layers; global batch 8 × seq 256, random tokens, fp32), the same compiled train step
 and AdamW as `tasks.training.trainer.fit` builds for a mesh, with the fused CPU kernels as the trainer's
-default (`--no-fused`: MindSpore's own ops, pretrain.fused_kernels: false):
+default (`--no-fused`: MindSpore's own ops, pretrain.train.fused_kernels: false):
 
 - dp1: one process, no msrun, OMP_NUM_THREADS = cpu_count;
 - dp2: 2 msrun workers, each a micro batch of global/2 (different random tokens per rank),
   gradients averaged with `nn.DistributedGradReducer`;
-- dp2zero: dp2 with `parallel.optimizer_shard: true` (tasks/training/optim.py ShardedAdamW): each rank
+- dp2zero: dp2 with `parallel.optimizer_shard: true` (tasks/training/zero.py ShardedAdamW): each rank
   keeps the AdamW moments of its half of the flat parameter buffer, updates that half of the parameters
   in place (model/train_kernels.cc ZeroAdamW; without a compiler an fp32 master copy of the half), and the halves
   are AllGathered (world group) back into the parameters after every update;
@@ -51,7 +51,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path[0] = str(REPO)  # the repo, not scripts/bench (msrun starts this file as a worker script)
 
-from tasks.training.trainer import peak_rss_bytes  # noqa: E402  (after the sys.path change)
+from tasks.training.hardware import peak_rss_bytes  # noqa: E402  (after the sys.path change)
 
 LAYOUTS = {"dp1": (1, 1), "dp2": (2, 1), "dp2zero": (2, 1), "tp2": (1, 2)}
 ZERO = {"dp2zero"}  # parallel.optimizer_shard: true
@@ -104,14 +104,14 @@ def worker(a: argparse.Namespace) -> None:
 
     from model.llama import LlamaForCausalLM
     from tasks.runtime.distributed import Mesh
-    from tasks.training.optim import causal_lm_train_step
+    from tasks.training.step import causal_lm_train_step
 
     dp, tp = LAYOUTS[a.layout]
     mesh = Mesh.init(dp, tp, a.layout in ZERO) if dp * tp > 1 else Mesh()
     cfg = model_config(a.preset)
     seq = min(a.seq, cfg.max_seq_length)
     micro = a.batch // dp
-    # as the trainer (pretrain.fused_kernels): the fused CPU kernels in the model and the in-place AdamW update
+    # as the trainer (pretrain.train.fused_kernels): the fused CPU kernels in the model and the in-place AdamW update
     net = LlamaForCausalLM(cfg, seed=0, tensor_parallel=mesh.tensor_parallel(), fused_kernels=not a.no_fused)
     params = net.trainable_params()
     # the trainer's defaults (AdamW, clip 1.0), gradients averaged over dp, clipped by the norm over tp slices
@@ -237,7 +237,7 @@ def main() -> None:
     ap.add_argument("--comm-repeats", type=int, default=10)
     ap.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated subset of " + ",".join(LAYOUTS))
     ap.add_argument("--no-fused", action="store_true",
-                    help="MindSpore's own ops only (pretrain.fused_kernels: false; a machine without g++)")
+                    help="MindSpore's own ops only (pretrain.train.fused_kernels: false; a machine without g++)")
     # a worker's own flags: none may be a prefix of one of msrun's (--worker_num, --rank_table_file, ...),
     # since msrun's argparse reads abbreviations from the script's arguments too
     ap.add_argument("--run-layout", dest="layout", choices=list(LAYOUTS), default=None, help=argparse.SUPPRESS)

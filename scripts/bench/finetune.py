@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def _rss() -> int:
-    from tasks.training.trainer import peak_rss_bytes
+    from tasks.training.hardware import peak_rss_bytes
 
     return peak_rss_bytes()
 
@@ -44,7 +44,7 @@ def run_variant(variant: str, preset: str, steps: int, warmup: int, batch: int, 
     from model.config import ModelConfig
     from model.llama import LlamaForCausalLM
     from model.lora import inject_lora, mark_only_lora_trainable, trainable_summary
-    from tasks.training.optim import causal_lm_train_step
+    from tasks.training.step import causal_lm_train_step
 
     cfg = ModelConfig.from_name(preset)
     seq = min(seq, cfg.max_seq_length)

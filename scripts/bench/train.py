@@ -5,7 +5,7 @@ heads, micro batch 8 × seq 256; `smollm2-135m`: micro batch 2 × seq 128), fp32
 1.0, the same step on every side: forward, loss, backward, clip, AdamW. Each side runs in its own process
 (so peak RSS is its own), one after the other, with `--threads` (2) threads:
 
-- `ms`: this trainer's step (`causal_lm_train_step`; fused kernels as `pretrain.fused_kernels`, the body
+- `ms`: this trainer's step (`causal_lm_train_step`; fused kernels as `pretrain.train.fused_kernels`, the body
   `kernel_body` names: avx512 / avx2 / neon / scalar, forced with MSLLM_KERNEL_ISA or `--isa`);
 - `hf.sdpa`: HF LLaMA with its default attention (`sdpa`): the baseline `ratio` divides by;
 - `hf.eager`: the same with `attn_implementation="eager"` (`ratio_vs_eager`);
@@ -15,7 +15,7 @@ heads, micro batch 8 × seq 256; `smollm2-135m`: micro batch 2 × seq 128), fp32
 `--hf sdpa,eager` picks the baselines (sdpa is always run).
 
 MFU divides by the best of independent figures, never by the measured code alone: the theoretical fp32
-peak of the cores used (`tasks.training.trainer.theoretical_peak_flops`, of the emulated CPU under
+peak of the cores used (`tasks.training.hardware.theoretical_peak_flops`, of the emulated CPU under
 `--isa avx2`) and a measured 2048³ sgemm through MindSpore's MatMul (oneDNN), numpy's BLAS and PyTorch's
 `mm` (MKL); `peak_how` names the one that won, `sgemm_gflops` has all three. So MFU cannot pass 100%.
 
@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from host import add_isa_arg, apply_isa, describe, effective_flags  # noqa: E402  (scripts/bench/)
 from report import add_record_args, record  # noqa: E402
-from tasks.training.trainer import peak_rss_bytes  # noqa: E402  (after the sys.path insert)
+from tasks.training.hardware import peak_rss_bytes  # noqa: E402  (after the sys.path insert)
 
 PRESET = "tiny-llama-bench"
 SHAPES = {"tiny-llama-bench": (8, 256), "smollm2-135m": (2, 128)}  # (micro batch, seq) per preset; else 8 × 256
@@ -68,10 +68,10 @@ def _ms(a: argparse.Namespace) -> dict:
     from model.config import ModelConfig
     from model.kernels import kernel_path
     from model.llama import LlamaForCausalLM
-    from tasks.training.optim import causal_lm_train_step
+    from tasks.training.step import causal_lm_train_step
 
     cfg = ModelConfig.from_name(a.preset)
-    net = LlamaForCausalLM(cfg, seed=0, fused_kernels=not a.no_fused)  # as the trainer (pretrain.fused_kernels)
+    net = LlamaForCausalLM(cfg, seed=0, fused_kernels=not a.no_fused)  # as the trainer (pretrain.train.fused_kernels)
     step = causal_lm_train_step(net, net.trainable_params(), fused=not a.no_fused)
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (a.batch, a.seq + 1)).astype(np.int32)
     batch = [(ids[:, :-1], ids[:, 1:])]
@@ -167,7 +167,7 @@ def _peak(a: argparse.Namespace) -> dict:
     import numpy as np
 
     from model.runtime import setup_mindspore
-    from tasks.training.trainer import measure_peak_flops, theoretical_peak_flops
+    from tasks.training.hardware import measure_peak_flops, theoretical_peak_flops
 
     setup_mindspore()  # the MindSpore sgemm runs through its MatMul (oneDNN), as the train step
     theo, how = theoretical_peak_flops(effective_flags())
@@ -259,7 +259,7 @@ def main() -> None:
     ap.add_argument("--profile", metavar="DIR", default=None,
                     help="profile the MindSpore side into DIR and print its breakdown (no baseline)")
     ap.add_argument("--no-fused", action="store_true",
-                    help="MindSpore's own ops only (pretrain.fused_kernels: false; a machine without g++)")
+                    help="MindSpore's own ops only (pretrain.train.fused_kernels: false; a machine without g++)")
     add_isa_arg(ap)
     add_record_args(ap)
     ap.add_argument("--side", choices=["ms", "torch", "peak"], default=None, help=argparse.SUPPRESS)

@@ -158,7 +158,7 @@ def cmd_predict(args) -> int:
         raise StageError("no prompts: pass them as arguments, as @FILE (one per line), or set eval.prompts")
     model = upstream(args, st, "eval", cfg.name)
     ev = cfg.eval
-    lm = MindSporeLM(pretrained=model, max_gen_toks=ev.max_new_tokens, progress=False)
+    lm = MindSporeLM(pretrained=model, max_gen_toks=ev.max_new_tokens, progress=False, fused_kernels=ev.fused_kernels)
     for i, prompt in enumerate(prompts):
         completion = lm.generate_text(prompt, until=ev.stop, max_gen_toks=ev.max_new_tokens, temperature=ev.temperature,
                                       top_k=ev.top_k, top_p=ev.top_p, seed=ev.seed)
@@ -242,15 +242,15 @@ def cmd_plan(args) -> int:
 
     cfg = load(args)
     mc = cfg.model.resolve()
-    par, pt = cfg.parallel, cfg.pretrain
+    par, pt, tr = cfg.parallel, cfg.pretrain, cfg.pretrain.train
     seq = pt.seq_length or cfg.data.seq_length
-    lay = Layout(dp=par.data_parallel, tp=par.tensor_parallel, pp=par.pipeline_parallel,
-                 micro_batch_num=par.micro_batch_num, optimizer_shard=par.optimizer_shard)
+    lay = Layout(dp=par.data_parallel, tp=par.tensor_parallel, pp=cfg.plan.pipeline_parallel,
+                 micro_batch_num=cfg.plan.micro_batch_num, optimizer_shard=par.optimizer_shard)
     mem = args.device_memory  # bytes (parsed and checked by argparse)
-    est = estimate(mc, micro_batch=pt.micro_batch_size, seq=seq, precision=pt.precision, recompute=pt.recompute,
-                   layout=lay, backend=par.device_target, fused_kernels=pt.fused_kernels)
-    print(f"model {cfg.model.preset}: {mc.num_parameters / 1e9:.3f}B parameters; micro batch {pt.micro_batch_size}, "
-          f"seq {seq}, {pt.precision}, recompute {'on' if pt.recompute else 'off'}, backend {par.device_target}")
+    est = estimate(mc, micro_batch=tr.loop.micro_batch_size, seq=seq, precision=tr.precision.dtype,
+                   recompute=pt.recompute, layout=lay, backend=par.device_target, fused_kernels=tr.fused_kernels)
+    print(f"model {cfg.model.preset}: {mc.num_parameters / 1e9:.3f}B parameters; micro batch {tr.loop.micro_batch_size}, "
+          f"seq {seq}, {tr.precision.dtype}, recompute {'on' if pt.recompute else 'off'}, backend {par.device_target}")
     print(f"configured layout dp={lay.dp} tp={lay.tp} pp={lay.pp} (micro_batch_num={lay.micro_batch_num}, "
           f"optimizer_shard={lay.optimizer_shard}): estimate per rank (each of {lay.devices} process(es))")
     print(est.table())
@@ -260,8 +260,8 @@ def cmd_plan(args) -> int:
     if why:
         print(f"  -> this layout does not run here ({why})")
     devices = args.devices or par.device_num
-    rows = plan(mc, devices=devices, device_memory=mem, micro_batch=pt.micro_batch_size, seq=seq,
-                precision=pt.precision, backend=par.device_target)
+    rows = plan(mc, devices=devices, device_memory=mem, micro_batch=tr.loop.micro_batch_size, seq=seq,
+                precision=tr.precision.dtype, backend=par.device_target)
     print(f"\nlayouts for {devices} device(s) × {mem / GiB:.1f} GiB (best first):")
     for lay2, rc, e2, ok in rows[:8]:
         why = unsupported(lay2, par.device_target)
@@ -273,10 +273,11 @@ def cmd_plan(args) -> int:
         other = next((r for r in rows if r[3]), None)
         hint = (f" (dp={other[0].dp} tp={other[0].tp} pp={other[0].pp} would fit but: "
                 f"{unsupported(other[0], par.device_target)})" if other else "")
-        print(f"recommendation: no runnable layout fits{hint}; add devices, lower micro_batch_size or seq_length")
+        print(f"recommendation: no runnable layout fits{hint}; add devices, lower pretrain.train.loop.micro_batch_size or seq_length")
         return 1
     lay2, rc, e2, _ = best
-    print(f"recommendation: parallel: {{data_parallel: {lay2.dp}, tensor_parallel: {lay2.tp}, pipeline_parallel: {lay2.pp}, "
-          f"micro_batch_num: {lay2.micro_batch_num}, optimizer_shard: {str(lay2.optimizer_shard).lower()}, "
-          f"device_num: {lay2.devices}}}, pretrain.recompute: {str(rc).lower()}  ({e2.total / GiB:.2f} GiB per device)")
+    print(f"recommendation: parallel: {{data_parallel: {lay2.dp}, tensor_parallel: {lay2.tp}, "
+          f"optimizer_shard: {str(lay2.optimizer_shard).lower()}, device_num: {lay2.devices}}}"
+          + (f", plan: {{pipeline_parallel: {lay2.pp}, micro_batch_num: {lay2.micro_batch_num}}}" if lay2.pp > 1 else "")
+          + f", pretrain.recompute: {str(rc).lower()}  ({e2.total / GiB:.2f} GiB per device)")
     return 0

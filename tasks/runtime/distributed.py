@@ -58,7 +58,7 @@ class Mesh:
     tp_group: str | None = None
     """Group of the ranks sharing one replica's tensor-parallel slices; None when tp == 1."""
     optimizer_shard: bool = False
-    """parallel.optimizer_shard: ZeRO-1 (tasks/training/optim.py ShardedAdamW) when dp > 1 and tp == 1."""
+    """parallel.optimizer_shard: ZeRO-1 (tasks/training/zero.py ShardedAdamW) when dp > 1 and tp == 1."""
 
     @property
     def zero(self) -> bool:

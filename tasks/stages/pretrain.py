@@ -161,13 +161,13 @@ def build_network(cfg: PipelineConfig, init_from: Path | None, tensor_parallel=N
     from tasks.store.tensors import assign
 
     dtype = {}
-    if cfg.pretrain.precision == "fp16":  # fp32 master weights, fp16 matmuls (model/llama.py)
+    if cfg.pretrain.train.precision.dtype == "fp16":  # fp32 master weights, fp16 matmuls (model/llama.py)
         import mindspore as ms
 
         dtype = {"compute_dtype": ms.float16}
     if tensor_parallel is not None:
         dtype["tensor_parallel"] = tensor_parallel
-    dtype["fused_kernels"] = cfg.pretrain.fused_kernels
+    dtype["fused_kernels"] = cfg.pretrain.train.fused_kernels
     if init_from is None:
         mc = cfg.model.resolve()
         net = build_model(cfg.model.name, mc, seed=cfg.pretrain.seed, **dtype)
@@ -187,16 +187,17 @@ def build_network(cfg: PipelineConfig, init_from: Path | None, tensor_parallel=N
 def _train(cfg: PipelineConfig, store: ArtifactStore, data_artifact: Path, init_from: Path | None, key: str,
            progress: bool, stop_after: int | None = None, fault_steps: list[int] | None = None,
            mesh=None) -> Path | None:
-    from tasks.training.optim import causal_lm_loss_fn
     from tasks.runtime.distributed import Mesh
     from tasks.store.model_artifact import write_model
+    from tasks.training.schedule import budget_line
+    from tasks.training.step import causal_lm_loss_fn
     from tasks.training.trainer import LoopConfig, add_run_files, fit, native_kernels, run_outcome
 
     mesh = mesh or Mesh()
     _, inputs, section = stage_key(cfg, store, data_artifact, init_from)
     data_manifest = store.read_manifest(data_artifact)
     net, mc = build_network(cfg, init_from, mesh.tensor_parallel())
-    kernels = native_kernels(net, cfg.pretrain.fused_kernels)  # logged once; recorded in the manifest
+    kernels = native_kernels(net, cfg.pretrain.train.fused_kernels)  # logged once; recorded in the manifest
     tok = json.loads(verify_published(data_artifact / "tokenizer_info.json").read_text())
     from tasks.tokenizer import tokenizer_files
 
@@ -217,10 +218,9 @@ def _train(cfg: PipelineConfig, store: ArtifactStore, data_artifact: Path, init_
         net.enable_recompute()
     seq = cfg.pretrain.seq_length or cfg.data.seq_length
     pt = cfg.pretrain
-    max_steps = training_steps(pt, seq)
-    print(f"[pretrain] {budget_line(pt, seq)}", file=sys.stderr)
-    loop = LoopConfig.from_sections(pt, cfg.checkpoint, max_steps, progress=progress)
-    loop.stop_after, loop.fault_steps = stop_after, list(fault_steps or [])
+    mb = pt.train.loop.micro_batch_size
+    print(f"[pretrain] {budget_line(pt.train.loop, seq)}", file=sys.stderr)
+    hooks = LoopConfig(progress=progress, stop_after=stop_after, fault_steps=list(fault_steps or []))
 
     replay_data = None
     if init_from is not None and pt.replay_ratio > 0:
@@ -229,14 +229,14 @@ def _train(cfg: PipelineConfig, store: ArtifactStore, data_artifact: Path, init_
     shards = {"num_shards": mesh.dp, "shard_id": mesh.dp_index}  # data-parallel replicas read disjoint slices
 
     def batches(start: int) -> Iterator:
-        main = block_batches(data_artifact, "train", pt.micro_batch_size, seq, pt.seed, start_sample=start, **shards)
-        replay = (block_batches(replay_data, "train", pt.micro_batch_size, seq, pt.seed + 1, start_sample=start, **shards)
+        main = block_batches(data_artifact, "train", mb, seq, pt.seed, start_sample=start, **shards)
+        replay = (block_batches(replay_data, "train", mb, seq, pt.seed + 1, start_sample=start, **shards)
                   if replay_data else None)
-        return mixed_batches(main, replay, pt.replay_ratio, pt.micro_batch_size)
+        return mixed_batches(main, replay, pt.replay_ratio, mb)
 
     def valid() -> Iterator:
         # one global batch per validation batch: the same held-out samples whatever the layout
-        return block_batches(data_artifact, "valid", pt.micro_batch_size * mesh.dp, seq, 0, repeat=False)
+        return block_batches(data_artifact, "valid", mb * mesh.dp, seq, 0, repeat=False)
 
     params = net.trainable_params()
     run_dir = store.root / "runs" / STAGE / key
@@ -244,7 +244,7 @@ def _train(cfg: PipelineConfig, store: ArtifactStore, data_artifact: Path, init_
             "seed": pt.seed, "data_artifact": data_manifest["key"]}
     loss_fn = causal_lm_loss_fn(net)
 
-    result = fit(net, params, loss_fn, loop,
+    result = fit(net, params, loss_fn, pt.train, checkpoint=cfg.checkpoint, hooks=hooks,
                  batches=batches, valid=valid, run_dir=run_dir, meta=meta,
                  flops_per_token=mc.flops_per_token(seq), tokens_per_sample=seq, mesh=mesh)
     if (outcome := run_outcome(result, mesh, run_dir)) is not True:
@@ -266,28 +266,11 @@ def _train(cfg: PipelineConfig, store: ArtifactStore, data_artifact: Path, init_
             final_train_loss=result.final_loss, initial_val_loss=result.initial_val_loss, val_loss=result.val_loss,
             val_ppl=math.exp(result.val_loss) if result.val_loss is not None else None,
             unigram_entropy=entropy, skipped_steps=result.skipped_steps, tokens_per_s=result.tokens_per_s,
-            precision=pt.precision, overflow_steps=result.overflow_steps, final_loss_scale=result.loss_scale,
+            precision=pt.train.precision.dtype, overflow_steps=result.overflow_steps, final_loss_scale=result.loss_scale,
             parameters=mc.num_parameters, continued_from=str(init_from) if init_from else None,
             layout={"data_parallel": mesh.dp, "tensor_parallel": mesh.tp}, native_kernels=kernels,
         )
     return b.path
-
-
-def training_steps(pt, seq: int) -> int:
-    """Optimizer steps of a run: pretrain.max_steps, or pretrain.max_tokens over the tokens of one step
-    (validation guarantees exactly one of them is set)."""
-    if pt.max_steps is not None:
-        return pt.max_steps
-    return max(1, pt.max_tokens // (pt.micro_batch_size * pt.gradient_accumulation * seq))
-
-
-def budget_line(pt, seq: int) -> str:
-    """Which budget the run uses, in words (printed at the start of every run)."""
-    steps = training_steps(pt, seq)
-    if pt.max_steps is not None:
-        return f"training budget: pretrain.max_steps = {steps} steps"
-    return (f"training budget: pretrain.max_tokens = {pt.max_tokens} tokens = {steps} steps of "
-            f"{pt.micro_batch_size * pt.gradient_accumulation} × {seq} tokens")
 
 
 def _tok_sha(artifact: Path) -> str:

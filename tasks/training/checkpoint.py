@@ -238,7 +238,7 @@ def _chunks(layout: dict) -> list[tuple[int, int]]:
 
 def unflatten_moments(shards: list[dict], layout: dict) -> dict:
     """Full per-parameter moments (`adam_m.<name>`, `adam_v.<name>`) from the dp flat shares of a ZeRO-1 checkpoint:
-    each chunk is the ranks' pieces of it in rank order, less its padding (tasks/training/optim.py ShardedAdamW)."""
+    each chunk is the ranks' pieces of it in rank order, less its padding (tasks/training/zero.py ShardedAdamW)."""
     dp = len(shards)
     out = {}
     for key in ("adam_m", "adam_v"):

@@ -10,7 +10,7 @@ Parts, per device:
   tensor parallel (attention/MLP matrices) and pipeline stages (layers);
 - gradients: one per trainable parameter, in the compute dtype;
 - optimizer: AdamW moments, 2 × fp32, divided by data parallel with optimizer_shard;
-- master_share: with optimizer_shard (ZeRO-1, tasks/training/optim.py ShardedAdamW) where its
+- master_share: with optimizer_shard (ZeRO-1, tasks/training/zero.py ShardedAdamW) where its
   in-place kernel (model/train_kernels.cc ZeroAdamW: CPU with a compiler, `fused_kernels`) does not run, the
   fp32 copy of this rank's 1/dp share of the parameters that MindSpore's AdamW kernel updates
   before the shares are gathered back (4 bytes per parameter / dp); the in-place kernel updates
@@ -20,7 +20,7 @@ Parts, per device:
   recompute only each layer's input is kept, plus one layer's working set; a pipeline
   stage holds up to `pp` micro-batches in flight (1F1B);
 - logits: the [B, T, V] logits, their softmax and gradient (fp32); with the fused cross-entropy
-  (pretrain.fused_kernels) only the logits and their gradient;
+  (train.fused_kernels) only the logits and their gradient;
 - runtime: the framework's own resident memory (CPU: the MindSpore process after
   import and graph compilation, measured on this machine; GPU/Ascend: workspace).
 The graph executor on CPU keeps intermediates alive for the whole step; the
@@ -34,6 +34,7 @@ import os
 from dataclasses import dataclass, field
 
 from model.config import ModelConfig
+from model.kernels import Capabilities, enabled
 
 GiB = 2**30
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -44,7 +45,7 @@ RUNTIME_BYTES = {"CPU": int(0.615 * GiB), "GPU": int(1.0 * GiB), "Ascend": int(2
 # here: peak RSS (VmHWM) of tiny / small / tiny-llama-bench steps, scripts/measure_rss.py).
 # GPU/Ascend reuse memory across the graph; their factor is the textbook 1 (untested here).
 ACTIVATION_FACTOR = {"CPU": 4.8, "GPU": 1.0, "Ascend": 1.0}
-# With the fused CPU kernels (pretrain.fused_kernels, model/train_kernels.cc) softmax, SwiGLU, RMSNorm and the
+# With the fused CPU kernels (train.fused_kernels, model/train_kernels.cc) softmax, SwiGLU, RMSNorm and the
 # loss keep one buffer each instead of one per element-wise op: measured 1.44 GB (small, 8 × 128) and 1.22 GB
 # (tiny-llama-bench, 8 × 256) against 2.13 and 1.96 GB with MindSpore's own ops.
 ACTIVATION_FACTOR_FUSED = {"CPU": 1.1}
@@ -111,10 +112,10 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq: int, precision: st
 def estimate(cfg: ModelConfig, *, micro_batch: int, seq: int, precision: str = "fp32", recompute: bool = False,
              layout: Layout = Layout(), backend: str = "CPU", trainable_fraction: float = 1.0,
              fused_kernels: bool = True) -> Estimate:
-    """Bytes per device. `fused_kernels`: pretrain.fused_kernels (they run on CPU, fp32, with a compiler)."""
+    """Bytes per device. `fused_kernels`: train.fused_kernels (they run on CPU, fp32, with a compiler)."""
     p = param_split(cfg, layout)
     half = precision != "fp32"
-    fused = fused_kernels and backend == "CPU" and not half
+    fused = enabled(fused_kernels, Capabilities(backend, precision))
     trainable = int(p * trainable_fraction)
     zero = layout.optimizer_shard and layout.dp > 1
     opt = trainable * 8 // (layout.dp if layout.optimizer_shard else 1)
@@ -125,7 +126,8 @@ def estimate(cfg: ModelConfig, *, micro_batch: int, seq: int, precision: str = "
         "parameters": p * 4 + (p * 2 if half else 0),
         "gradients": trainable * DTYPE_BYTES[precision],
         "optimizer": opt,
-        **({"master_share": trainable * 4 // layout.dp} if zero and not (fused_kernels and backend == "CPU") else {}),
+        **({"master_share": trainable * 4 // layout.dp} if zero and not enabled(fused_kernels, Capabilities(backend))
+           else {}),
         "activations": act,
         "logits": logits,
         "runtime": RUNTIME_BYTES.get(backend, GiB),
@@ -208,16 +210,17 @@ def machine_fit_errors(cfg, prefix: str, machine_bytes: int | None = None) -> li
     have = machine_bytes or machine_memory()
     mc = cfg.model.resolve()
     local = max(1, par.device_num // max(par.node_num, 1))
-    lay = Layout(dp=par.data_parallel, tp=par.tensor_parallel, pp=par.pipeline_parallel,
-                 micro_batch_num=par.micro_batch_num, optimizer_shard=par.optimizer_shard)
+    lay = Layout(dp=par.data_parallel, tp=par.tensor_parallel, optimizer_shard=par.optimizer_shard)
     pt, ft = cfg.pretrain, cfg.finetune
+    ptr, ftr = pt.train, ft.train
     seq = pt.seq_length or cfg.data.seq_length
     errs = []
     for key, micro, s, kw in (
-        ("pretrain.micro_batch_size", pt.micro_batch_size, seq,
-         {"precision": pt.precision, "recompute": pt.recompute, "layout": lay, "fused_kernels": pt.fused_kernels}),
-        ("finetune.micro_batch_size", ft.micro_batch_size, ft.seq_length or seq,
-         {"trainable_fraction": 0.05 if ft.method == "lora" else 1.0, "fused_kernels": pt.fused_kernels}),
+        ("pretrain.train.loop.micro_batch_size", ptr.loop.micro_batch_size, seq,
+         {"precision": ptr.precision.dtype, "recompute": pt.recompute, "layout": lay,
+          "fused_kernels": ptr.fused_kernels}),
+        ("finetune.train.loop.micro_batch_size", ftr.loop.micro_batch_size, ft.seq_length or seq,
+         {"trainable_fraction": 0.05 if ft.method == "lora" else 1.0, "fused_kernels": ftr.fused_kernels}),
     ):
         est = estimate(mc, micro_batch=micro, seq=s, backend="CPU", **kw)
         need = est.total * (local if key.startswith("pretrain") else 1)

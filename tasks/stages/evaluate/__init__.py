@@ -76,7 +76,9 @@ def stage_key(cfg: PipelineConfig, store: ArtifactStore, model_artifact: Path,
         if not p.is_file():
             raise FileNotFoundError(f"eval.perplexity_files: {f} not found (resolved to {p})")
         inputs.append(raw_file_input(p))
-    return store.key(STAGE, cfg.section("eval"), inputs, code_version(STAGE)), inputs
+    section = cfg.section("eval")
+    section.pop("fused_kernels")  # which kernels decode changes the speed, not the tokens
+    return store.key(STAGE, section, inputs, code_version(STAGE)), inputs
 
 
 # ----------------------------------------------------------------------------- perplexity
@@ -286,7 +288,7 @@ def _evaluate(cfg: PipelineConfig, store: ArtifactStore, model_artifact: Path, d
 
     t0 = time.perf_counter()
     lm = MindSporeLM(pretrained=model_artifact, batch_size=ev.batch_size, max_gen_toks=ev.max_new_tokens,
-                     progress=progress)
+                     progress=progress, fused_kernels=ev.fused_kernels)
     check_finite_logits(lm, model_artifact)  # before any score: NaN logits give NaN ppl but "accuracy 1.0"
     ppl = perplexities(cfg, lm, data_artifact, progress)
     metrics: dict[str, Any] = {}

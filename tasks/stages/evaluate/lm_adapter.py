@@ -108,8 +108,12 @@ class MindSporeLM(TemplateLM):
 
     def __init__(self, pretrained: str | Path | None = None, *, net=None, tokenizer=None, batch_size: int | str | None = 8,
                  max_length: int | None = None, max_gen_toks: int = 256, bucket: int = 32,
-                 eot_token_id: int | None = None, progress: bool = True, **_harness_kwargs: Any):
+                 eot_token_id: int | None = None, progress: bool = True, fused_kernels: bool = True,
+                 **_harness_kwargs: Any):
+        """`fused_kernels` (eval.fused_kernels): whether generation may decode with the fused decode kernel
+        (model.kernels.enabled(..., kind="decode")); the tokens are the same either way."""
         super().__init__()
+        self.fused_kernels = fused_kernels
         if pretrained is not None:
             from model.runtime import setup_mindspore
             from tasks.store.model_artifact import load_model, load_tokenizer
@@ -215,7 +219,7 @@ class MindSporeLM(TemplateLM):
         if self._generator is None:
             from model.generate import Generator
 
-            self._generator = Generator(self.net)
+            self._generator = Generator(self.net, fused=self.fused_kernels)
         return self._generator
 
     def generate_text(self, context: str, *, until: Sequence[str] = (), max_gen_toks: int | None = None,
