@@ -3,7 +3,7 @@
     path = run(cfg, store, base_artifact)     # supervised child process, cached by content
     merged = merge(store, path)               # tasks.store.merge: a model artifact (stage `merged`) for eval/export
 
-Data: tasks/stages/finetune_data.py (formats, template, packing, the batch stream). Settings:
+Data: tasks/stages/finetune/data.py (formats, template, packing, the batch stream). Settings:
 `finetune.train`, the `train` shape of every stage, handed whole to `fit`; it takes from pretrain.train
 only tasks.config.FINETUNE_INHERITS (AdamW's betas/eps, grad_clip, max_nonfinite_steps, peak_flops,
 fused_kernels), the rest from FINETUNE_DEFAULTS and what finetune.train sets.
@@ -30,7 +30,7 @@ from typing import Any, Iterator
 from tasks.store.artifacts import ArtifactError, ArtifactStore, atomic_write_json, raw_file_input
 from tasks.stages import code_version
 from tasks.config import ConfigError, PipelineConfig
-from tasks.stages.finetune_data import (IGNORE, PROMPT_TEMPLATE, TEMPLATE, Examples, FinetuneData,  # noqa: F401
+from tasks.stages.finetune.data import (IGNORE, PROMPT_TEMPLATE, TEMPLATE, Examples, FinetuneData,  # noqa: F401
                                         encode_segments, example_batches, instruction_examples, load_data,
                                         pack_example, prompt_ids, read_records, source_files, split, text_examples,
                                         to_segments)
