@@ -183,6 +183,14 @@ class PretrainSection(_Section):
     """Share of each batch drawn from the init model's own training data."""
 
 
+class ScheduleSection(_Section):
+    """When the scheduled continued-pretraining deployment of this pipeline runs (scripts/serve.py, prefect.yaml)."""
+
+    cron: str
+    """A cron expression, e.g. "0 3 * * 1" (Mondays 03:00)."""
+    timezone: str = "UTC"
+
+
 class ContinuedSection(_Section):
     """Continued pretraining on new-domain corpora, starting from this pipeline's pretrained model.
 
@@ -194,7 +202,10 @@ class ContinuedSection(_Section):
     sources: list[str] = Field(default_factory=list)
     """New-domain corpora (files, directories, globs); empty = no continued pretraining in full-pipeline."""
     inbox: str | None = None
-    """Directory the scheduled flow scans for new corpora (each consumed once, by sha256)."""
+    """Directory the scheduled flow scans for new corpora (each consumed once, by sha256); default
+    <artifacts>/inbox/<pipeline>/."""
+    schedule: ScheduleSection | None = None
+    """Give this pipeline a `continued-pretraining/scheduled-<pipeline>` deployment on this schedule."""
     max_steps: int = Field(100, gt=0)
     lr: float | None = Field(None, gt=0)
     """Peak learning rate (default: pretrain.optimizer.lr)."""

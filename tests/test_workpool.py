@@ -37,7 +37,7 @@ def test_prefect_yaml_declares_the_served_deployments():
     spec = importlib.util.spec_from_file_location("serve_script", REPO / "scripts" / "serve.py")
     serve = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(serve)
-    served = serve.deployments("demo", "pipelines.yaml", "artifacts", "0 3 * * 1", None)
+    served = serve.deployments("demo", "pipelines.yaml", "artifacts")
     doc = _prefect_yaml()
     declared = {}
     for d in doc["deployments"]:
@@ -51,8 +51,11 @@ def test_prefect_yaml_declares_the_served_deployments():
         assert {k: v for k, v in y["parameters"].items() if k not in ("config", "artifacts")} == \
             {k: v for k, v in d.parameters.items() if k not in ("config", "artifacts")}
         assert set(y["parameters"]) == set(d.parameters)
-        crons = [s.schedule.cron for s in d.schedules or []]
-        assert [s["cron"] for s in y.get("schedules", [])] == crons, d.name
+        crons = [(s.schedule.cron, s.schedule.timezone) for s in d.schedules or []]
+        assert [(s["cron"], s.get("timezone")) for s in y.get("schedules", [])] == crons, d.name
+    # one scheduled deployment per pipeline that asks for it in pipelines.yaml, and only those
+    assert sorted(n for _, n in declared if n.startswith("scheduled-")) == \
+        sorted(f"scheduled-{p}" for p in serve.schedules(str(REPO / "pipelines.yaml")))
     assert doc["definitions"]["work_pool"]["job_variables"]["env"]["HF_HUB_OFFLINE"] == "1"
 
 
@@ -123,7 +126,7 @@ def test_two_workers_run_eval_only_from_prefect_yaml(tmp_path):
         deployed = {d["name"]: d for d in _api(f"{api}/deployments/filter", {})}
         assert sorted(deployed) == sorted(d["name"] for d in _prefect_yaml()["deployments"])
         assert {d["work_pool_name"] for d in deployed.values()} == {POOL}
-        assert deployed["scheduled"]["schedules"][0]["schedule"]["cron"] == "0 3 * * 1"
+        assert deployed["scheduled-demo"]["schedules"][0]["schedule"]["cron"] == "0 3 * * 1"
         step = deployed["eval-only"]["pull_steps"][0]["prefect.deployments.steps.set_working_directory"]
         assert Path(step["directory"]) == REPO  # no pull section: the directory `prefect deploy` ran in
         for w in ("worker-a", "worker-b"):

@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("lineage", help="where an artifact came from, down to raw corpus bytes")
     _common(p)
     p.add_argument("artifact")
-    p.add_argument("--format", choices=["text", "json", "mermaid", "dot"], default="text")
+    p.add_argument("--format", choices=["text", "markdown", "json", "mermaid", "dot"], default="text")
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming)")
     _common(p)
