@@ -40,7 +40,6 @@ def full_pipeline(pipeline: str = "demo", config: str = "pipelines.yaml", overri
         init_from = str(cfg.resolve_path(cfg.pretrain.init_from))
     if init_from is not None:  # a GGUF file or an HF directory is converted first (cached)
         from tasks.stages.convert import resolve_base
-        from tasks.store.artifacts import ArtifactStore
 
         init_from = str(resolve_base(ArtifactStore(artifacts), init_from, pipeline))
     tok = str(init_from) if init_from else None  # the base artifact: its tokenizer files

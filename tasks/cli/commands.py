@@ -13,6 +13,32 @@ from tasks.cli.common import StageError, check_machine, load, print_metrics, sto
 from tasks.stages.upstream import choose_model, model_change_note
 from tasks.config import to_yaml, validate_file
 
+STARTER = Path(__file__).resolve().parent / "starter"  # package data: ships in the wheel
+
+
+def cmd_init(args) -> int:
+    """`msllm init [DIR] [--force]`: copy the starter project (tasks/cli/starter/) into DIR; never overwrites
+    without --force. Prints the files written, then DIR as the last line."""
+    import shutil
+
+    dest = Path(args.directory).resolve()
+    files = sorted(p for p in STARTER.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+    if not files:
+        raise StageError(f"{STARTER}: the starter files are missing from this installation; reinstall msllm")
+    clash = [dest / f.relative_to(STARTER) for f in files if (dest / f.relative_to(STARTER)).exists()]
+    if clash and not args.force:
+        raise StageError(f"{clash[0]} exists (and {len(clash) - 1} more); pass --force to overwrite, or choose "
+                         "another directory")
+    for f in files:
+        out = dest / f.relative_to(STARTER)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(f, out)
+        print(f"wrote {out}", file=sys.stderr)
+    print(f"next: cd {dest} && msllm validate && msllm data && msllm train && msllm eval", file=sys.stderr)
+    print(dest)
+    return 0
+
+
 def cmd_validate(args) -> int:
     if args.all:
         results = validate_file(args.config)

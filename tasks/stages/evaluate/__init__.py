@@ -10,7 +10,7 @@ What it measures (`eval` section of pipelines.yaml):
     each document scored in the harness's rolling windows);
   - `eval.tasks` through lm-evaluation-harness with `tasks.stages.evaluate.lm_adapter.MindSporeLM`:
     local task names (`local_arc_easy` …, or the tag `local` for all eight; see
-    tasks/stages/evaluate/lm_tasks/) run offline from data/benchmarks/; any other name is passed to the
+    tasks/stages/evaluate/lm_tasks/) run offline from tasks/stages/evaluate/benchmarks/ (package data); any other name is passed to the
     harness's own task index (its dataset must be in the HF cache);
   - completions of `eval.prompts` (greedy or sampled, KV cache).
 
