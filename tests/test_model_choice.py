@@ -86,6 +86,7 @@ from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRun
 from flows.full_pipeline import full_pipeline
 from flows.continued import continued_pretraining
 from flows.stage_flows import eval_flow
+from prefect.logging.handlers import APILogWorker
 
 a = json.loads(sys.argv[1])
 common = dict(pipeline="tiny", config=a["config"], artifacts=a["artifacts"], overrides=a["overrides"])
@@ -93,6 +94,7 @@ common = dict(pipeline="tiny", config=a["config"], artifacts=a["artifacts"], ove
 def run(fl, **kw):
     state = fl(**common, **kw, return_state=True)
     fid = state.state_details.flow_run_id
+    APILogWorker.drain_all(timeout=20)  # the run's logs are sent in the background
     with get_client(sync_client=True) as c:
         arts = c.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[fid])))
         logs = c.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[fid])))
