@@ -19,14 +19,14 @@ from tasks.store.artifacts import ArtifactStore
 from tasks.config import PipelineConfig
 
 
-@task(name="tokenize-chunk", cache_policy=NO_CACHE, persist_result=False)
+@task(name="tokenize-chunk", cache_policy=NO_CACHE, persist_result=False, result_serializer="json")
 def tokenize_chunk_task(spec: dict) -> str:
     from tasks.stages.data import tokenize_chunk
 
     return tokenize_chunk(spec)
 
 
-@flow(name="data-dask", log_prints=True)
+@flow(name="data-dask", log_prints=True, result_serializer="json")
 def data_dask_flow(cfg_json: dict, artifacts: str, tokenizer_model: str | None = None) -> str:
     from tasks.stages import data
 

@@ -23,7 +23,7 @@ from tasks.store.artifacts import ArtifactStore
 from tasks.config import ConfigError, resolve_pipeline
 
 
-@flow(name="full-pipeline", log_prints=True)
+@flow(name="full-pipeline", log_prints=True, result_serializer="json")
 def full_pipeline(pipeline: str = "demo", config: str = "pipelines.yaml", overrides: list[str] | None = None,
                   artifacts: str = "artifacts", init_from: str | None = None) -> dict[str, str]:
     """Run every stage of a named pipeline; returns {stage: artifact path}.
@@ -40,7 +40,6 @@ def full_pipeline(pipeline: str = "demo", config: str = "pipelines.yaml", overri
         init_from = str(cfg.resolve_path(cfg.pretrain.init_from))
     if init_from is not None:  # a GGUF file or an HF directory is converted first (cached)
         from tasks.stages.convert import resolve_base
-        from tasks.store.artifacts import ArtifactStore
 
         init_from = str(resolve_base(ArtifactStore(artifacts), init_from, pipeline))
     tok = str(init_from) if init_from else None  # the base artifact: its tokenizer files
@@ -63,8 +62,11 @@ def full_pipeline(pipeline: str = "demo", config: str = "pipelines.yaml", overri
         ft = stages.run_stage(stages.finetune_task, **common, base_artifact=model)
         out["finetune"], out["merged"] = ft["finetune"], ft["merged"]
         model = ft["merged"]
-    out["eval"] = stages.run_stage(stages.eval_task, **common, model_artifact=model,
-                                   data_artifact=out.get("continued_data", out["data"]))
+    from tasks.stages.upstream import ModelChoice
+
+    choice = ModelChoice.of(ArtifactStore(artifacts), model, "this-run",
+                            "the model this full-pipeline run built (the end of its chain)")
+    out["eval"] = stages.run_eval(common, choice, out.get("continued_data", out["data"]))
     # export does not take the eval artifact as an input, so editing only `eval:` reruns only eval
     # (`msllm export` / the export-stage flow put the newest matching eval into the model card)
     out["export"] = stages.run_stage(stages.export_task, **common, model_artifact=model)

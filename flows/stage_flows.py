@@ -1,7 +1,11 @@
 """One flow per stage, each running that stage alone on given input artifacts.
 
-Inputs default to the newest artifact of the upstream stage for the pipeline, so
-`prefect deployment run 'eval-stage/eval-only'` re-evaluates the newest model.
+Inputs default to the stage table's resolver (tasks/stages/upstream.py): data for pretrain is
+the pipeline's newest data artifact; the model of eval and export is the one the rule in
+`tasks.stages.upstream.choose_model` names (the newest finetune of the pipeline's newest
+pretrain, else that pretrain), printed with its reason and recorded in the eval manifest and
+the `eval-report-<pipeline>` artifact. `model_artifact=` (a path, stage/key or key prefix)
+overrides it.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from prefect import flow
 
 from flows import stages
 from tasks.config import resolve_pipeline
-from tasks.stages.upstream import upstream
+from tasks.stages.upstream import choose_model, upstream
 from tasks.store.artifacts import ArtifactStore
 
 
@@ -27,13 +31,13 @@ def _common(pipeline: str, config: str, overrides: list[str] | None, artifacts: 
     return dict(config=config, pipeline=pipeline, overrides=list(overrides or []), artifacts=str(Path(artifacts).resolve()))
 
 
-@flow(name="data-stage", log_prints=True)
+@flow(name="data-stage", log_prints=True, result_serializer="json")
 def data_flow(pipeline: str = "demo", config: str = "pipelines.yaml", overrides: list[str] | None = None,
               artifacts: str = "artifacts", tokenizer_model: str | None = None) -> str:
     return stages.run_stage(stages.data_task, **_common(pipeline, config, overrides, artifacts), tokenizer_model=tokenizer_model)
 
 
-@flow(name="pretrain-stage", log_prints=True)
+@flow(name="pretrain-stage", log_prints=True, result_serializer="json")
 def pretrain_flow(pipeline: str = "demo", config: str = "pipelines.yaml", overrides: list[str] | None = None,
                   artifacts: str = "artifacts", data_artifact: str | None = None, init_from: str | None = None) -> str:
     c = _common(pipeline, config, overrides, artifacts)
@@ -41,7 +45,7 @@ def pretrain_flow(pipeline: str = "demo", config: str = "pipelines.yaml", overri
     return stages.run_stage(stages.pretrain_task, **c, data_artifact=data_artifact, init_from=init_from)
 
 
-@flow(name="finetune-stage", log_prints=True)
+@flow(name="finetune-stage", log_prints=True, result_serializer="json")
 def finetune_flow(pipeline: str = "demo", config: str = "pipelines.yaml", overrides: list[str] | None = None,
                   artifacts: str = "artifacts", base_artifact: str | None = None) -> dict[str, str]:
     c = _common(pipeline, config, overrides, artifacts)
@@ -49,28 +53,31 @@ def finetune_flow(pipeline: str = "demo", config: str = "pipelines.yaml", overri
     return stages.run_stage(stages.finetune_task, **c, base_artifact=base_artifact)
 
 
-@flow(name="eval-stage", log_prints=True)
+@flow(name="eval-stage", log_prints=True, result_serializer="json")
 def eval_flow(pipeline: str = "demo", config: str = "pipelines.yaml", overrides: list[str] | None = None,
               artifacts: str = "artifacts", model_artifact: str | None = None, data_artifact: str | None = None) -> str:
-    """Evaluate a model artifact (default: the pipeline's newest merged or pretrain model)."""
+    """Evaluate a model artifact (default: the model tasks.stages.upstream.choose_model names, with its reason)."""
     from tasks.store.lineage import lineage_data_artifact
 
     c = _common(pipeline, config, overrides, artifacts)
-    model_artifact = _upstream(c["artifacts"], "eval", pipeline, model_artifact)
+    store = ArtifactStore(c["artifacts"])
+    choice = choose_model(store, pipeline, model_artifact)
     if data_artifact is None:
-        found = lineage_data_artifact(ArtifactStore(c["artifacts"]), Path(model_artifact))
+        found = lineage_data_artifact(store, choice.path)
         data_artifact = str(found) if found else None
-    return stages.run_stage(stages.eval_task, **c, model_artifact=model_artifact, data_artifact=data_artifact)
+    return stages.run_eval(c, choice, data_artifact)
 
 
-@flow(name="export-stage", log_prints=True)
+@flow(name="export-stage", log_prints=True, result_serializer="json")
 def export_flow(pipeline: str = "demo", config: str = "pipelines.yaml", overrides: list[str] | None = None,
                 artifacts: str = "artifacts", model_artifact: str | None = None, eval_artifact: str | None = None) -> str:
-    """Export a model artifact (default: the pipeline's newest merged or pretrain model) to MindIR + ONNX."""
+    """Export a model artifact (default: the model tasks.stages.upstream.choose_model names) to MindIR + ONNX."""
     from tasks.stages.export import matching_eval
 
     c = _common(pipeline, config, overrides, artifacts)
-    model_artifact = _upstream(c["artifacts"], "export", pipeline, model_artifact)
+    choice = choose_model(ArtifactStore(c["artifacts"]), pipeline, model_artifact)
+    print(f"export: {choice.line()}")
+    model_artifact = str(choice.path)
     if eval_artifact is None:
         found = matching_eval(ArtifactStore(c["artifacts"]), Path(model_artifact), pipeline)
         eval_artifact = str(found) if found else None

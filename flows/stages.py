@@ -9,10 +9,25 @@ persisted as JSON (never pickle).
 Tasks take (config path, pipeline name, overrides) rather than config objects, so
 their parameters stay small and readable in the UI; each resolves and validates the
 config itself, which costs milliseconds.
+
+What the UI shows: every stage publishes its manifest metrics as a table artifact, also when
+Prefect reports it Cached (then with a short `<stage>-cached` markdown artifact naming the
+cached artifact: stage, key, path, metrics); eval publishes `eval-report-<pipeline>` with the
+model it evaluated and why; flows publish the lineage as a markdown tree and table.
+
+Prints inside a task go to the Prefect log (the flows use log_prints), except prints into a
+redirected stdout: those stay where the redirect sends them. dill (under datasets and lm-eval)
+finds a function's globals by capturing `dis.dis` output through a swapped sys.stdout;
+Prefect's print patch logs every print whose file is None, so the disassembly (88 lines per
+function) landed in the log and dill saw no globals (`redirected_prints_stay`).
 """
 
 from __future__ import annotations
 
+import builtins
+import contextlib
+import functools
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -41,16 +56,52 @@ def _store_key_fn(stage: str, key_of):
     return fn
 
 
+_BUILTIN_PRINT = builtins.print  # the interpreter's own print (this module is imported outside any run)
+
+
+@contextlib.contextmanager
+def redirected_prints_stay():
+    """Inside a task: a print into a redirected sys.stdout (dill's `capture`, contextlib.redirect_stdout)
+    goes to that redirect, not to Prefect's log; every other print is logged as before."""
+    logged, stdout = builtins.print, sys.stdout
+
+    def print_(*args, **kwargs):
+        if kwargs.get("file") is None and sys.stdout is not stdout:
+            return _BUILTIN_PRINT(*args, **kwargs)
+        return logged(*args, **kwargs)
+
+    builtins.print = print_
+    try:
+        yield
+    finally:
+        builtins.print = logged
+
+
+def _prints_stay(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with redirected_prints_stay():
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
 def run_stage(task_obj, **params):
-    """Call a stage task so that Prefect's cache agrees with the artifact store.
+    """Call a stage task so that Prefect's cache agrees with the artifact store; returns its result.
 
     When the store lacks the artifact (never built, or deleted), Prefect's cache record for
-    the key is refreshed (the task runs); when the store has it, Prefect reports Cached.
+    the key is refreshed (the task runs); when the store has it, Prefect reports Cached, and
+    the cached artifact's metrics are published all the same (publish_cached).
     """
     stage = task_obj.name
     store = ArtifactStore(params["artifacts"])
     missing = store.lookup(stage, _KEY_FNS[stage](store, params)) is None
-    return task_obj.with_options(refresh_cache=missing)(**params)
+    state = task_obj.with_options(refresh_cache=missing)(**params, return_state=True)
+    result = state.result()  # raises the task's own error when it failed
+    if state.name == "Cached":
+        for path in (result.values() if isinstance(result, dict) else [result]):
+            publish_cached(path)
+    return result
 
 
 def _p(x: str | None) -> Path | None:
@@ -68,6 +119,7 @@ def _data_key(store, params):
 
 
 @task(name="data", cache_key_fn=_store_key_fn("data", _data_key), persist_result=True, result_serializer="json")
+@_prints_stay
 def data_task(config: str, pipeline: str, overrides: list[str], artifacts: str,
               tokenizer_model: str | None = None, continued_sources: list[str] | None = None) -> str:
     from tasks.stages import data
@@ -100,6 +152,7 @@ def _pretrain_key(store, params):
 @task(name="pretrain", cache_key_fn=_store_key_fn("pretrain", _pretrain_key), persist_result=True,
       result_serializer="json", retries=1, retry_delay_seconds=2,
       retry_condition_fn=_retry_helps)
+@_prints_stay
 def pretrain_task(config: str, pipeline: str, overrides: list[str], artifacts: str, data_artifact: str,
                   init_from: str | None = None, continued_sources: list[str] | None = None) -> str:
     """Trains in a supervised child process; a Prefect retry resumes from the newest checkpoint."""
@@ -124,6 +177,7 @@ def _finetune_key(store, params):
 @task(name="finetune", cache_key_fn=_store_key_fn("finetune", _finetune_key), persist_result=True,
       result_serializer="json", retries=1, retry_delay_seconds=2,
       retry_condition_fn=_retry_helps)
+@_prints_stay
 def finetune_task(config: str, pipeline: str, overrides: list[str], artifacts: str, base_artifact: str) -> dict[str, str]:
     """LoRA/full fine-tuning in a supervised child, then the merge eval and export consume."""
     from tasks.stages import finetune
@@ -147,19 +201,36 @@ def _eval_key(store, params):
 
 
 @task(name="eval", cache_key_fn=_store_key_fn("eval", _eval_key), persist_result=True, result_serializer="json")
+@_prints_stay
 def eval_task(config: str, pipeline: str, overrides: list[str], artifacts: str, model_artifact: str,
-              data_artifact: str | None = None) -> str:
-    """Perplexity on the held-out split, lm-eval tasks, sample generations."""
+              data_artifact: str | None = None, selection: dict[str, str] | None = None) -> str:
+    """Perplexity on the held-out split, lm-eval tasks, sample generations.
+
+    selection: which model and why (recorded in the manifest; not part of the cache key)."""
     from tasks.stages import evaluate
 
     cfg = load_cfg(config, pipeline, overrides)
-    path = evaluate.run(cfg, ArtifactStore(artifacts), Path(model_artifact), _p(data_artifact))
+    path = evaluate.run(cfg, ArtifactStore(artifacts), Path(model_artifact), _p(data_artifact), selection=selection)
     publish_metrics("eval", path)
-    report = Path(path) / "report.md"
-    if report.is_file():
-        create_markdown_artifact(key=_slug(f"eval-report-{pipeline}"), markdown=report.read_text(),
-                                 description=f"eval of {model_artifact}")
     return str(path)
+
+
+def run_eval(common: dict, choice, data_artifact: str | None) -> str:
+    """The eval task on the model `choice` names (tasks.stages.upstream.ModelChoice): prints which model and why,
+    notes when it is not the model of the pipeline's previous eval report, and publishes `eval-report-<pipeline>`
+    (also when the eval was cached)."""
+    from tasks.stages.upstream import model_change_note
+
+    store = ArtifactStore(common["artifacts"])
+    note = model_change_note(store, common["pipeline"], choice)
+    print(f"eval: {choice.line()}")
+    if note:
+        print(f"eval: note: {note}")
+    selection = dict(choice.record(), **({"note": note} if note else {}))
+    path = run_stage(eval_task, **common, model_artifact=str(choice.path), data_artifact=data_artifact,
+                     selection=selection)
+    publish_eval_report(path, common["pipeline"], selection)
+    return path
 
 
 # ----------------------------------------------------------------------------- export
@@ -173,6 +244,7 @@ def _export_key(store, params):
 
 
 @task(name="export", cache_key_fn=_store_key_fn("export", _export_key), persist_result=True, result_serializer="json")
+@_prints_stay
 def export_task(config: str, pipeline: str, overrides: list[str], artifacts: str, model_artifact: str,
                 eval_artifact: str | None = None) -> str:
     """MindIR + ONNX, each verified by reloading and comparing logits (in a child process)."""
@@ -194,20 +266,47 @@ def _slug(s: str) -> str:
 def publish_metrics(stage: str, path: str | Path) -> None:
     """The stage's manifest metrics as a Prefect table artifact."""
     m = ArtifactStore.read_manifest(path)
-    rows = [{"metric": k, "value": (f"{v:.6g}" if isinstance(v, float) else str(v))}
-            for k, v in m.get("metrics", {}).items() if not isinstance(v, (dict, list))]
+    rows = _metrics_table(m)
     create_table_artifact(key=_slug(f"{stage}-metrics"), table=rows,
                           description=f"{stage} artifact {m['key']} ({path})")
 
 
+def _metrics_table(m: dict[str, Any]) -> list[dict[str, str]]:
+    return [{"metric": k, "value": (f"{v:.6g}" if isinstance(v, float) else str(v))}
+            for k, v in m.get("metrics", {}).items() if not isinstance(v, (dict, list))]
+
+
+def publish_cached(path: str | Path) -> None:
+    """A Cached stage: its metrics table, and a short markdown artifact naming the cached artifact."""
+    m = ArtifactStore.read_manifest(path)
+    publish_metrics(m["stage"], path)
+    rows = "\n".join(f"| {r['metric']} | {r['value']} |" for r in _metrics_table(m))
+    md = (f"# {m['stage']}: cached\n\nNothing ran: the artifact for this stage's inputs already exists.\n\n"
+          f"- stage: `{m['stage']}`\n- key: `{m['key']}`\n- artifact: [{path}]({Path(path).resolve().as_uri()})\n"
+          f"- created: {m.get('created')}\n\n| metric | value |\n|---|---|\n{rows}\n")
+    create_markdown_artifact(key=_slug(f"{m['stage']}-cached"), markdown=md,
+                             description=f"cached {m['stage']} artifact {m['key']}")
+
+
+def publish_eval_report(path: str | Path, pipeline: str, selection: dict[str, str] | None) -> None:
+    """`eval-report-<pipeline>`: which model and why (this run's choice), then the artifact's report.md."""
+    from tasks.stages.evaluate import selection_lines
+
+    report = Path(path) / "report.md"
+    body = report.read_text(encoding="utf-8") if report.is_file() else f"# Evaluation {Path(path).name}\n"
+    head, _, rest = body.partition("\n")
+    rest = "\n".join(ln for ln in rest.splitlines() if not ln.startswith(("Model: `", "**Note: the model changed")))
+    md = "\n".join([head, "", *selection_lines(selection), f"Eval artifact: `{path}`", "", rest.lstrip("\n")])
+    model = (selection or {}).get("artifact", "?")
+    create_markdown_artifact(key=_slug(f"eval-report-{pipeline}"), markdown=md, description=f"eval of {model}")
+
+
 def publish_lineage(store: ArtifactStore, path: str | Path) -> str:
-    """The lineage tree of an artifact as a Prefect markdown artifact (mermaid + text); returns the text."""
-    from tasks.store.lineage import lineage_tree, raw_inputs, render
+    """The lineage of an artifact as a Prefect markdown artifact (a nested list and tables; Prefect's markdown
+    renders no mermaid); returns the text tree."""
+    from tasks.store.lineage import lineage_tree, render
 
     tree = lineage_tree(store, path)
-    text = render(tree, "text")
-    raws = "\n".join(f"| {Path(r['path']).name} | {r['size']} | `{r['sha256']}` |" for r in raw_inputs(tree))
-    md = (f"# Lineage of {tree['stage']}/{tree['key']}\n\n```mermaid\n{render(tree, 'mermaid')}\n```\n\n"
-          f"```\n{text}\n```\n\n| raw input | bytes | sha256 |\n|---|---|---|\n{raws}\n")
-    create_markdown_artifact(key=_slug(f"lineage-{tree['stage']}"), markdown=md, description=f"lineage of {path}")
-    return text
+    create_markdown_artifact(key=_slug(f"lineage-{tree['stage']}"), markdown=render(tree, "markdown"),
+                             description=f"lineage of {path}")
+    return render(tree, "text")

@@ -1,12 +1,15 @@
 """Register and serve the deployments on a Prefect server (PREFECT_API_URL), until interrupted.
 
     prefect server start                     # in another terminal (or any reachable server)
-    python scripts/serve.py [--pipeline demo] [--cron "0 3 * * 1"] [--artifacts DIR]
+    python scripts/serve.py [--pipeline demo] [--artifacts DIR] [--cron "0 3 * * 1"]
     prefect deployment run 'full-pipeline/full-pipeline'
 
 Deployments: full-pipeline/full-pipeline, one per stage (data-stage/data-only,
-pretrain-stage/pretrain-only, …, eval-stage/eval-only), and
-continued-pretraining/scheduled on a cron schedule.
+pretrain-stage/pretrain-only, …, eval-stage/eval-only) and continued-pretraining/continued
+(on demand) for --pipeline; and continued-pretraining/scheduled-<name> for every pipeline of
+the file whose `continued.schedule` sets a cron (`--cron` gives --pipeline one, or replaces its
+cron). Parameters of every deployment: pipeline, config, artifacts (and, for the continued
+ones, inbox and base_model: see flows/continued.py).
 
 Stopping: SIGTERM or SIGINT (Ctrl-C) stops it within `--stop-timeout` seconds (default 4).
 In-flight flow runs and everything they started get SIGTERM at once; when they are gone the
@@ -30,18 +33,43 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
-def deployments(pipeline: str, config: str, artifacts: str, cron: str | None, inbox: str | None):
+def schedules(config: str) -> dict[str, tuple[str, str]]:
+    """{pipeline: (cron, timezone)} for every pipeline of the file whose continued.schedule is set."""
+    from tasks.config import ConfigError, read_pipelines_file, resolve_pipeline
+
+    out = {}
+    for name in read_pipelines_file(config)["pipelines"]:
+        try:
+            cfg = resolve_pipeline(config, name, check_files=False)
+        except ConfigError as exc:
+            print(f"serve: pipeline {name!r} skipped ({exc.errors[0]})", file=sys.stderr)
+            continue
+        if cfg.continued.schedule is not None:
+            out[name] = (cfg.continued.schedule.cron, cfg.continued.schedule.timezone)
+    return out
+
+
+def deployments(pipeline: str, config: str, artifacts: str, cron: str | None = None, inbox: str | None = None):
+    from prefect.schedules import Cron
+
     from flows import stage_flows
     from flows.continued import continued_pretraining
     from flows.full_pipeline import full_pipeline
 
-    params = {"pipeline": pipeline, "config": str(Path(config).resolve()), "artifacts": str(Path(artifacts).resolve())}
+    config, artifacts = str(Path(config).resolve()), str(Path(artifacts).resolve())
+    params = {"pipeline": pipeline, "config": config, "artifacts": artifacts}
     out = [full_pipeline.to_deployment(name="full-pipeline", parameters=params)]
     for name, fl in stage_flows.STAGE_FLOWS.items():
         out.append(fl.to_deployment(name=f"{name}-only", parameters=params))
-    cont = dict(params, **({"inbox": inbox} if inbox else {}))
-    out.append(continued_pretraining.to_deployment(name="scheduled", parameters=cont, cron=cron) if cron
-               else continued_pretraining.to_deployment(name="scheduled", parameters=cont))
+    extra = {"inbox": inbox} if inbox else {}
+    out.append(continued_pretraining.to_deployment(name="continued", parameters=dict(params, **extra)))
+    crons = schedules(config)
+    if cron:
+        crons[pipeline] = (cron, "UTC")
+    for name, (expr, tz) in crons.items():
+        p = {"pipeline": name, "config": config, "artifacts": artifacts, **(extra if name == pipeline else {})}
+        out.append(continued_pretraining.to_deployment(name=f"scheduled-{name}", parameters=p,
+                                                       schedule=Cron(expr, timezone=tz)))
     return out
 
 
@@ -140,8 +168,9 @@ def main() -> int:
     ap.add_argument("--pipeline", default="demo")
     ap.add_argument("--config", default=str(REPO / "pipelines.yaml"))
     ap.add_argument("--artifacts", default=str(REPO / "artifacts"))
-    ap.add_argument("--cron", default=os.environ.get("MSLLM_CONTINUED_CRON", "0 3 * * 1"),
-                    help="schedule of continued-pretraining/scheduled ('' for none); default Mondays 03:00")
+    ap.add_argument("--cron", default=os.environ.get("MSLLM_CONTINUED_CRON") or None,
+                    help="a schedule for --pipeline's continued-pretraining/scheduled-<pipeline> (default: each "
+                         "pipeline's continued.schedule in the config)")
     ap.add_argument("--inbox", default=None, help="inbox directory (default: the pipeline's continued.inbox)")
     ap.add_argument("--stop-timeout", type=float, default=4.0,
                     help="seconds from SIGTERM/SIGINT to exit; flow runs still running then are killed (default 4)")

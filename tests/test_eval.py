@@ -214,7 +214,7 @@ def test_local_task_prompts_mirror_the_harness(local, harness):
 def test_local_loaders_reproduce_the_source_records():
     from tasks.stages.evaluate.lm_tasks import utils
 
-    root = REPO / "data" / "benchmarks"
+    root = REPO / "tasks" / "stages" / "evaluate" / "benchmarks"
     raw = [json.loads(ln) for ln in (root / "boolq" / "boolq.jsonl").read_text().splitlines()]
     rows = utils.read_boolq(root)
     assert [f"Passage: {r['passage']}\nQuestion: {r['question']}?" for r in rows] == [r["query"] for r in raw]

@@ -730,7 +730,7 @@ def test_lm_eval_local_completions_equals_msllm_eval(server, model_art, tmp_path
 
     tasks_copy = tmp_path / "my_tasks"
     shutil.copytree(LOCAL_TASKS, tasks_copy)
-    env = {**os.environ, "MSLLM_BENCHMARKS": str(REPO / "data/benchmarks"), "HF_DATASETS_OFFLINE": "1",
+    env = {**os.environ, "MSLLM_BENCHMARKS": str(REPO / "tasks/stages/evaluate/benchmarks"), "HF_DATASETS_OFFLINE": "1",
            "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "PYTHONPATH": ""}
     args = (f"base_url={server.url}/v1/completions,model={server.model},tokenizer_backend=remote,"
             f"max_length=127")  # 126 tokens + the server's document prefix + 1 generated = the model's 128
@@ -785,7 +785,7 @@ def test_task_utils_import_from_a_shallow_directory():
         code = ("import utils\ntry:\n    utils.benchmarks_dir()\nexcept FileNotFoundError as e:\n    print('ERR', e)\n"
                 "print(len(utils.READERS['arc_easy'](utils.benchmarks_dir(__import__('sys').argv[1]))))")
         env = {k: v for k, v in os.environ.items() if k != "MSLLM_BENCHMARKS"}
-        proc = subprocess.run([sys.executable, "-c", code, str(REPO / "data/benchmarks")], cwd=d, env=env,
+        proc = subprocess.run([sys.executable, "-c", code, str(REPO / "tasks/stages/evaluate/benchmarks")], cwd=d, env=env,
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr
         assert "ERR" in proc.stdout and "MSLLM_BENCHMARKS" in proc.stdout and int(proc.stdout.split()[-1]) > 0

@@ -37,7 +37,7 @@ def test_prefect_yaml_declares_the_served_deployments():
     spec = importlib.util.spec_from_file_location("serve_script", REPO / "scripts" / "serve.py")
     serve = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(serve)
-    served = serve.deployments("demo", "pipelines.yaml", "artifacts", "0 3 * * 1", None)
+    served = serve.deployments("demo", "pipelines.yaml", "artifacts")
     doc = _prefect_yaml()
     declared = {}
     for d in doc["deployments"]:
@@ -51,8 +51,11 @@ def test_prefect_yaml_declares_the_served_deployments():
         assert {k: v for k, v in y["parameters"].items() if k not in ("config", "artifacts")} == \
             {k: v for k, v in d.parameters.items() if k not in ("config", "artifacts")}
         assert set(y["parameters"]) == set(d.parameters)
-        crons = [s.schedule.cron for s in d.schedules or []]
-        assert [s["cron"] for s in y.get("schedules", [])] == crons, d.name
+        crons = [(s.schedule.cron, s.schedule.timezone) for s in d.schedules or []]
+        assert [(s["cron"], s.get("timezone")) for s in y.get("schedules", [])] == crons, d.name
+    # one scheduled deployment per pipeline that asks for it in pipelines.yaml, and only those
+    assert sorted(n for _, n in declared if n.startswith("scheduled-")) == \
+        sorted(f"scheduled-{p}" for p in serve.schedules(str(REPO / "pipelines.yaml")))
     assert doc["definitions"]["work_pool"]["job_variables"]["env"]["HF_HUB_OFFLINE"] == "1"
 
 
@@ -123,7 +126,7 @@ def test_two_workers_run_eval_only_from_prefect_yaml(tmp_path):
         deployed = {d["name"]: d for d in _api(f"{api}/deployments/filter", {})}
         assert sorted(deployed) == sorted(d["name"] for d in _prefect_yaml()["deployments"])
         assert {d["work_pool_name"] for d in deployed.values()} == {POOL}
-        assert deployed["scheduled"]["schedules"][0]["schedule"]["cron"] == "0 3 * * 1"
+        assert deployed["scheduled-demo"]["schedules"][0]["schedule"]["cron"] == "0 3 * * 1"
         step = deployed["eval-only"]["pull_steps"][0]["prefect.deployments.steps.set_working_directory"]
         assert Path(step["directory"]) == REPO  # no pull section: the directory `prefect deploy` ran in
         for w in ("worker-a", "worker-b"):
@@ -161,3 +164,41 @@ def test_two_workers_run_eval_only_from_prefect_yaml(tmp_path):
         assert scores["eval/local_arc_easy.acc"] == [(0, pytest.approx(m["metrics"]["local_arc_easy.acc"]))]
     assert all(p.poll() is not None for p in procs)
     print("WORKPOOL", json.dumps({"states": states, "taken": taken, "wall_s": round(time.time() - t0, 1)}))
+
+
+@pytest.mark.slow
+def test_prefect_yaml_deploys_on_another_port_and_the_ui_finds_its_api(tmp_path):
+    """The README's recipe for a port other than 4200 (PREFECT_SERVER_API_PORT + PREFECT_API_URL, no --port):
+    `prefect deploy --all` puts prefect.yaml's deployments, the per-pipeline schedules among them, on the pool,
+    and the UI's settings endpoint hands the browser that port's API URL (with `--port` alone it says 4200,
+    and the UI shows "Can't connect to Server API")."""
+    port = _free_port()
+    assert port != 4200
+    api = f"http://127.0.0.1:{port}/api"
+    env = dict(os.environ, PREFECT_HOME=str(tmp_path / "home"), PREFECT_SERVER_API_PORT=str(port), PREFECT_API_URL=api,
+               PREFECT_SERVER_ANALYTICS_ENABLED="false", PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    env.pop("PREFECT_UI_API_URL", None)
+    log = tmp_path / "server.log"
+    server = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1"], cwd=REPO, env=env,
+                              stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        _wait_health(api, 120)
+
+        def cli(*args: str, timeout: int = 300) -> str:
+            out = subprocess.run([PREFECT, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
+                                 stdin=subprocess.DEVNULL)
+            assert out.returncode == 0, (args, out.stdout[-3000:], out.stderr[-3000:])
+            return out.stdout
+
+        cli("work-pool", "create", POOL, "--type", "process")
+        cli("deploy", "--all")
+        deployed = {d["name"]: d for d in _api(f"{api}/deployments/filter", {})}
+        assert sorted(deployed) == sorted(d["name"] for d in _prefect_yaml()["deployments"])
+        assert {d["work_pool_name"] for d in deployed.values()} == {POOL}
+        assert deployed["scheduled-demo"]["schedules"][0]["schedule"]["cron"] == "0 3 * * 1"
+        assert not deployed["continued"]["schedules"]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/ui-settings", timeout=10) as r:
+            ui = json.loads(r.read())
+        assert ui["api_url"] == api, (ui, log.read_text()[-2000:])
+    finally:
+        _stop(server)

@@ -1,14 +1,17 @@
 """`msllm`: the command line (a contract, see docs/ARCHITECTURE.md). Parsing here, the commands in
 `tasks/cli/commands.py`; stage modules never import this package.
 
-    msllm validate|data|train|finetune|eval|export|predict|convert|lineage|plan|serve [options]
+    msllm init|validate|data|train|finetune|eval|export|predict|convert|lineage|plan|serve [options]
 
+`msllm init DIR` writes a starter project (pipelines.yaml with a `tiny` pipeline, small corpora)
+from the package, so the commands run from any directory after `pip install`.
 Common options: --config PATH (default ./pipelines.yaml), --pipeline NAME
 (default: the file's default), --set dotted.key=VALUE (repeatable, VALUE parsed
 as YAML), --artifacts DIR (default ./artifacts). A stage subcommand takes its
 upstream artifact with --from PATH and prints the path of the artifact it wrote
 (or found cached) as the last line of stdout. Exit 0 on success, 2 on a config
-error (every error listed), 1 on any other failure, with a short message.
+error (every error listed), 1 on any other failure, with a short message; 141, silently, when
+the reader of stdout has gone (`msllm lineage … | head`).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default="pipelines.yaml", help="pipelines file (default: ./pipelines.yaml)")
     p.add_argument("--pipeline", default=None, help="pipeline name (default: the file's `default:`)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a key, e.g. --set pretrain.max_steps=100 (repeatable; VALUE is YAML)")
+                   help="override a key, e.g. --set pretrain.train.loop.max_steps=100 (repeatable; VALUE is YAML)")
     p.add_argument("--artifacts", default=os.environ.get("MSLLM_ARTIFACTS", "artifacts"),
                    help="artifact root (default: ./artifacts)")
 
@@ -41,6 +44,10 @@ def _stage(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="msllm", description="LLaMA-style LLM pipeline on MindSpore + Prefect")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("init", help="write a starter project: pipelines.yaml (a tiny pipeline) and small corpora")
+    p.add_argument("directory", nargs="?", default=".", help="where to write it (default: here)")
+    p.add_argument("--force", action="store_true", help="overwrite files that exist")
 
     p = sub.add_parser("validate", help="validate pipelines.yaml and print the resolved pipeline")
     _common(p)
@@ -73,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("lineage", help="where an artifact came from, down to raw corpus bytes")
     _common(p)
     p.add_argument("artifact")
-    p.add_argument("--format", choices=["text", "json", "mermaid", "dot"], default="text")
+    p.add_argument("--format", choices=["text", "markdown", "json", "mermaid", "dot"], default="text")
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming)")
     _common(p)
@@ -135,6 +142,7 @@ def _device_memory(text: str) -> int:
 
 
 COMMANDS: dict[str, Callable] = {
+    "init": commands.cmd_init,
     "validate": commands.cmd_validate,
     "data": commands.cmd_data,
     "train": commands.cmd_train,
@@ -149,10 +157,25 @@ COMMANDS: dict[str, Callable] = {
 }
 
 
+def _stdout_closed() -> int:
+    """The reader of our stdout went away (`msllm lineage … | head`): stop quietly, as Unix tools do on SIGPIPE.
+    stdout is pointed at /dev/null so the interpreter's final flush cannot raise again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+    return 141  # 128 + SIGPIPE, what a shell reports for `head`'s writer
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return COMMANDS[args.command](args) or 0
+        rc = COMMANDS[args.command](args) or 0
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
+        return rc
+    except BrokenPipeError:
+        return _stdout_closed()
     except ConfigError as exc:
         print(f"error: {len(exc.errors)} problem(s) in {args.config}:", file=sys.stderr)
         for e in exc.errors:

@@ -10,7 +10,34 @@ import sys
 from pathlib import Path
 
 from tasks.cli.common import StageError, check_machine, load, print_metrics, store, upstream
+from tasks.stages.upstream import choose_model, model_change_note
 from tasks.config import to_yaml, validate_file
+
+STARTER = Path(__file__).resolve().parent / "starter"  # package data: ships in the wheel
+
+
+def cmd_init(args) -> int:
+    """`msllm init [DIR] [--force]`: copy the starter project (tasks/cli/starter/) into DIR; never overwrites
+    without --force. Prints the files written, then DIR as the last line."""
+    import shutil
+
+    dest = Path(args.directory).resolve()
+    files = sorted(p for p in STARTER.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+    if not files:
+        raise StageError(f"{STARTER}: the starter files are missing from this installation; reinstall msllm")
+    clash = [dest / f.relative_to(STARTER) for f in files if (dest / f.relative_to(STARTER)).exists()]
+    if clash and not args.force:
+        raise StageError(f"{clash[0]} exists (and {len(clash) - 1} more); pass --force to overwrite, or choose "
+                         "another directory")
+    for f in files:
+        out = dest / f.relative_to(STARTER)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(f, out)
+        print(f"wrote {out}", file=sys.stderr)
+    print(f"next: cd {dest} && msllm validate && msllm data && msllm train && msllm eval", file=sys.stderr)
+    print(dest)
+    return 0
+
 
 def cmd_validate(args) -> int:
     if args.all:
@@ -125,13 +152,16 @@ def cmd_eval(args) -> int:
         return 0
     cfg = load(args)
     st = store(args)
-    from tasks.stages.export import resolve_model
-
-    model = resolve_model(st, upstream(args, st, "eval", cfg.name))  # a finetune artifact: its merged model
+    choice = choose_model(st, cfg.name, args.from_)  # the rule: tasks/stages/upstream.py
+    model = choice.path
+    print(f"[eval] {choice.line()}", file=sys.stderr)
+    note = model_change_note(st, cfg.name, choice)
+    if note:
+        print(f"[eval] note: {note}", file=sys.stderr)
     data = lineage_data_artifact(st, model)
     if data is None:
         print(f"[eval] no data artifact in the lineage of {model}: held-out perplexity skipped", file=sys.stderr)
-    path = evaluate.run(cfg, st, model, data)
+    path = evaluate.run(cfg, st, model, data, selection=dict(choice.record(), **({"note": note} if note else {})))
     print_metrics(path)
     print(path)
     return 0
@@ -156,7 +186,9 @@ def cmd_predict(args) -> int:
     prompts = _prompts(args) or list(cfg.eval.prompts)
     if not prompts:
         raise StageError("no prompts: pass them as arguments, as @FILE (one per line), or set eval.prompts")
-    model = upstream(args, st, "eval", cfg.name)
+    choice = choose_model(st, cfg.name, args.from_)
+    print(f"[predict] {choice.line()}", file=sys.stderr)
+    model = choice.path
     ev = cfg.eval
     lm = MindSporeLM(pretrained=model, max_gen_toks=ev.max_new_tokens, progress=False, fused_kernels=ev.fused_kernels)
     for i, prompt in enumerate(prompts):
@@ -177,9 +209,10 @@ def cmd_export(args) -> int:
 
     cfg = load(args)
     st = store(args)
-    model = export.resolve_model(st, upstream(args, st, "export", cfg.name))
+    choice = choose_model(st, cfg.name, args.from_)  # the rule: tasks/stages/upstream.py
+    model = choice.path
     ev = export.matching_eval(st, model, cfg.name)
-    print(f"[export] model {model}" + (f", eval {ev}" if ev else " (no eval artifact: card without results)"),
+    print(f"[export] {choice.line()}" + (f"; eval {ev}" if ev else " (no eval artifact: card without results)"),
           file=sys.stderr)
     path = export.run(cfg, st, model, eval_artifact=ev)
     print_metrics(path)
@@ -220,13 +253,40 @@ def cmd_serve(args) -> int:
     else:
         cfg = load(args)
         st = store(args)
-        artifact = st.newest("export", cfg.name)
+        artifact = export_of_choice(st, cfg.name)
         if artifact is None:
             raise StageError(f"no export artifact for pipeline '{cfg.name}' under {st.root}; run `msllm export "
                              f"--pipeline {cfg.name}` first, or pass an artifact: msllm serve artifacts/merged/<key>")
     return serve(artifact, args.host, args.port, model_name=args.model_name, max_active=args.max_active,
                  max_queue=args.max_queue, drain_timeout=args.drain_timeout, batching=args.batching,
                  adapters=args.adapters, store=store(args))
+
+
+def export_of_choice(st, pipeline: str) -> Path | None:
+    """The export `msllm serve` runs by default: the newest export of the model the rule names (choose_model);
+    without one, the pipeline's newest export, saying that it is of another model. Prints which and why."""
+    from tasks.stages.upstream import NoUpstream
+
+    exports = st.list("export", pipeline)
+    try:
+        choice = choose_model(st, pipeline)
+    except NoUpstream:
+        choice = None
+    if choice is not None:
+        mine = [p for p, m in exports if any(i.get("key") == choice.key for i in m.get("inputs", []))]
+        if mine:
+            print(f"[serve] export/{mine[-1].name} of {choice.line()}", file=sys.stderr)
+            return mine[-1]
+    if not exports:
+        return None
+    p, m = exports[-1]
+    from tasks.stages.upstream import model_of_eval
+
+    what = f"{choice.ref} ({choice.reason})" if choice else "the pipeline's model"
+    print(f"[serve] note: no export of {what}; serving the pipeline's newest export export/{p.name} "
+          f"(of {model_of_eval(m)}); run `msllm export --pipeline {pipeline}` to export the chosen model",
+          file=sys.stderr)
+    return p
 
 
 def cmd_lineage(args) -> int:

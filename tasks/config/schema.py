@@ -225,6 +225,14 @@ class PretrainSection(_Section):
     """Share of each batch drawn from the init model's own training data."""
 
 
+class CronSection(_Section):
+    """When the scheduled continued-pretraining deployment of this pipeline runs (scripts/serve.py, prefect.yaml)."""
+
+    cron: str
+    """A cron expression, e.g. "0 3 * * 1" (Mondays 03:00)."""
+    timezone: str = "UTC"
+
+
 class ContinuedSection(_Section):
     """Continued pretraining on new-domain corpora, starting from this pipeline's pretrained model.
 
@@ -236,7 +244,10 @@ class ContinuedSection(_Section):
     sources: list[str] = Field(default_factory=list)
     """New-domain corpora (files, directories, globs); empty = no continued pretraining in full-pipeline."""
     inbox: str | None = None
-    """Directory the scheduled flow scans for new corpora (each consumed once, by sha256)."""
+    """Directory the scheduled flow scans for new corpora (each consumed once, by sha256); default
+    <artifacts>/inbox/<pipeline>/."""
+    schedule: CronSection | None = None
+    """Give this pipeline a `continued-pretraining/scheduled-<pipeline>` deployment on this schedule."""
     train: TrainSection = Field(default_factory=TrainSection)
     """pretrain.train, overridden by what this pipeline sets under continued.train (resolved at load)."""
     replay_ratio: float = Field(0.0, ge=0, lt=1)

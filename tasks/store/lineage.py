@@ -1,7 +1,7 @@
 """Lineage review: where an artifact came from, down to the raw corpus bytes.
 
     tree = lineage_tree(store, path)             # nested dicts, from the manifests alone
-    print(render(tree, "text" | "json" | "mermaid" | "dot"))
+    print(render(tree, "text" | "markdown" | "json" | "mermaid" | "dot"))
     raw_inputs(tree)                             # every raw file (path, sha256) at the leaves
     lineage_data_artifact(store, model)          # the data artifact a model was trained on, if still stored
 
@@ -16,7 +16,9 @@ input order is the full subtree and every later one is a reference,
 `{"kind": "artifact-ref", "ref": "shown above", stage, key, digest, path}`;
 an artifact that is its own ancestor (only a crafted manifest) is
 `{"kind": "artifact-ref", "ref": "cycle", ...}`. The text format prints a
-reference as `stage/key [shown above]`; mermaid and dot draw the DAG itself
+reference as `stage/key [shown above]`; markdown (what the flows publish to the Prefect UI,
+whose markdown renders no mermaid) is the same tree as a nested list, then a table per
+artifact and per raw file; mermaid and dot draw the DAG itself
 (one node per artifact, one edge per input). raw_inputs() is unaffected.
 
 A manifest is data, not trust: an input is followed only when its recorded path
@@ -144,7 +146,46 @@ def _walk(n: dict[str, Any], parent: str | None, edges: dict, nodes: dict) -> No
             _walk(c, nid, edges, nodes)
 
 
+def _markdown(tree: dict[str, Any]) -> str:
+    """A nested list (wraps in any width, unlike a code block), an artifacts table and a raw-inputs table."""
+    lines = [f"# Lineage of {tree['stage']}/{tree['key']}", ""]
+    arts: list[dict[str, Any]] = []
+
+    def rec(n: dict[str, Any], depth: int) -> None:
+        pad = "  " * depth + "- "
+        if n["kind"] == "file":
+            lines.append(f"{pad}raw file `{Path(str(n['path'])).name}` ({n['size']} B, sha256 `{str(n['sha256'])[:16]}…`)")
+            return
+        warn = f" ⚠ {n['warning']}" if n.get("warning") else ""
+        if n["kind"] == "artifact-ref":
+            lines.append(f"{pad}**{n['stage']}/{str(n['key'])[:12]}** ({n['ref']}){warn}")
+            return
+        if n["kind"] != "artifact":
+            lines.append(f"{pad}**{n['stage']}/{str(n['key'])[:12]}** {n['kind']}: {n.get('error', '')}{warn}")
+            return
+        arts.append(n)
+        metrics = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in list(n["metrics"].items())[:4])
+        lines.append(f"{pad}**{n['stage']}/{str(n['key'])[:12]}** (pipeline {n['pipeline']})" + (f": {metrics}" if metrics else "")
+                     + warn)
+        for c in n["inputs"]:
+            rec(c, depth + 1)
+
+    rec(tree, 0)
+    lines += ["", "| artifact | pipeline | created | code | git | config |", "|---|---|---|---|---|---|"]
+    for n in arts:
+        lines.append(f"| {n['stage']}/`{n['key']}` | {n['pipeline']} | {n['created']} | "
+                     f"`{n['code'].get('stage_version', '?')}` | `{str(n['code'].get('git_commit') or '-')[:8]}` | "
+                     f"`{n['config_sha256']}` |")
+    raws = raw_inputs(tree)
+    if raws:
+        lines += ["", "| raw input | bytes | sha256 |", "|---|---:|---|"]
+        lines += [f"| {Path(str(r['path'])).name} | {r['size']} | `{r['sha256']}` |" for r in raws]
+    return "\n".join(lines) + "\n"
+
+
 def render(tree: dict[str, Any], fmt: str = "text") -> str:
+    if fmt == "markdown":
+        return _markdown(tree)
     if fmt == "json":
         return json.dumps(tree, indent=2, default=str)
     if fmt == "text":
@@ -159,7 +200,7 @@ def render(tree: dict[str, Any], fmt: str = "text") -> str:
         rec(tree, "", True, True)
         return "\n".join(lines)
     if fmt not in ("mermaid", "dot"):
-        raise ValueError(f"unknown lineage format {fmt!r}; use text, json, mermaid or dot")
+        raise ValueError(f"unknown lineage format {fmt!r}; use text, markdown, json, mermaid or dot")
     edges: dict = {}
     nodes: dict = {}
     _walk(tree, None, edges, nodes)

@@ -10,7 +10,7 @@ What it measures (`eval` section of pipelines.yaml):
     each document scored in the harness's rolling windows);
   - `eval.tasks` through lm-evaluation-harness with `tasks.stages.evaluate.lm_adapter.MindSporeLM`:
     local task names (`local_arc_easy` …, or the tag `local` for all eight; see
-    tasks/stages/evaluate/lm_tasks/) run offline from data/benchmarks/; any other name is passed to the
+    tasks/stages/evaluate/lm_tasks/) run offline from tasks/stages/evaluate/benchmarks/ (package data); any other name is passed to the
     harness's own task index (its dataset must be in the HF cache);
   - completions of `eval.prompts` (greedy or sampled, KV cache).
 
@@ -258,8 +258,12 @@ def sample_generations(lm, ev, progress: bool = False) -> list[dict[str, Any]]:
 
 
 def run(cfg: PipelineConfig, store: ArtifactStore, model_artifact: Path, data_artifact: Path | None = None,
-        progress: bool = True) -> Path:
-    """Return the eval artifact of this model (and data artifact), computing it when not cached."""
+        progress: bool = True, selection: dict[str, str] | None = None) -> Path:
+    """Return the eval artifact of this model (and data artifact), computing it when not cached.
+
+    selection: why this model was evaluated (tasks.stages.upstream.ModelChoice.record(), plus a "note"
+    when it differs from the previous report's); kept in the manifest as `model_choice` and at the top of
+    report.md. Not part of the key: the same model and settings are the same eval, however chosen."""
     model_artifact = store.inside(model_artifact)
     data_artifact = store.inside(data_artifact) if data_artifact else None
     key, inputs = stage_key(cfg, store, model_artifact, data_artifact)
@@ -271,11 +275,11 @@ def run(cfg: PipelineConfig, store: ArtifactStore, model_artifact: Path, data_ar
         if hit is not None:
             print(f"[eval] {hit} is published (built by another process meanwhile); using it", file=sys.stderr)
             return hit
-        return _evaluate(cfg, store, model_artifact, data_artifact, key, inputs, progress)
+        return _evaluate(cfg, store, model_artifact, data_artifact, key, inputs, progress, selection)
 
 
 def _evaluate(cfg: PipelineConfig, store: ArtifactStore, model_artifact: Path, data_artifact: Path | None, key: str,
-              inputs: list[dict[str, Any]], progress: bool) -> Path:
+              inputs: list[dict[str, Any]], progress: bool, selection: dict[str, str] | None = None) -> Path:
     from tasks.tokenizer import files_sha256, tokenizer_files
 
     if data_artifact is not None and files_sha256(tokenizer_files(data_artifact)) != \
@@ -327,8 +331,10 @@ def _evaluate(cfg: PipelineConfig, store: ArtifactStore, model_artifact: Path, d
         with open(b.dir / "generations.jsonl", "w", encoding="utf-8") as f:
             for g in generations:
                 f.write(json.dumps(g, ensure_ascii=False) + "\n")
-        (b.dir / "report.md").write_text(render_report(model_artifact, data_artifact, results, generations, ev.limit),
-                                         encoding="utf-8")
+        (b.dir / "report.md").write_text(render_report(model_artifact, data_artifact, results, generations, ev.limit,
+                                                       selection), encoding="utf-8")
+        if selection:
+            b.extra["model_choice"] = dict(selection)
         b.metrics.update({k: v for k, v in metrics.items() if v is not None})
     return b.path
 
@@ -363,10 +369,11 @@ def _fmt(v: Any) -> str:
 
 
 def render_report(model_artifact: Path, data_artifact: Path | None, results: dict[str, Any],
-                  generations: list[dict[str, Any]], limit: int | None) -> str:
+                  generations: list[dict[str, Any]], limit: int | None, selection: dict[str, str] | None = None) -> str:
     from lm_eval.utils import make_table
 
     lines = [f"# Evaluation of `{model_artifact.parent.name}/{model_artifact.name}`", ""]
+    lines += selection_lines(selection)
     if data_artifact is not None:
         lines += [f"Held-out split: `{data_artifact.parent.name}/{data_artifact.name}`", ""]
     if results.get("perplexity"):
@@ -383,6 +390,16 @@ def render_report(model_artifact: Path, data_artifact: Path | None, results: dic
             settings = "greedy" if not g["temperature"] else f"temperature {g['temperature']}, top_k {g['top_k']}, top_p {g['top_p']}, seed {g['seed']}"
             lines += [f"**{g['prompt']}** ({settings})", "", "```", g["prompt"] + g["completion"], "```", ""]
     return "\n".join(lines)
+
+
+def selection_lines(selection: dict[str, str] | None) -> list[str]:
+    """Markdown: which model, why, and (when so) that it is not the model of the previous report."""
+    if not selection:
+        return []
+    out = [f"Model: `{selection['artifact']}`, chosen because: {selection['reason']}.", ""]
+    if selection.get("note"):
+        out += [f"**Note: {selection['note']}.**", ""]
+    return out
 
 
 def _eval_metrics(path: Path) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """Loaders and prompt helpers of the local lm-eval tasks (the YAMLs beside this file).
 
-The benchmark files ship unmodified in `data/benchmarks/` (see its SOURCES.md). Every
+The benchmark files ship unmodified in `../benchmarks/` (tasks/stages/evaluate/benchmarks/, package data
+of the wheel; see its SOURCES.md). Every
 local task YAML names `custom_dataset: !function utils.load` with
 `dataset_kwargs: {benchmark: NAME, split: SPLIT}`; `load` reads the files, turns them
 into the records the harness's own task of that name reads (ARC's `question` /
@@ -11,10 +12,10 @@ harness's own templates, character for character. WinoGrande keeps MosaicML's fo
 (the two sentence starts as choices, the shared ending as target), which is what the
 harness's `preprocess_winogrande` builds from the original records.
 
-Paths resolve from this file (`<repo>/data/benchmarks`), so the tasks work from any
-clone location; `MSLLM_BENCHMARKS` or a `data_dir` metadata key points elsewhere. Nothing is resolved
-at import: a copy of this directory outside the repository (an installed wheel, a user's own task
-folder) imports fine and needs only MSLLM_BENCHMARKS or data_dir.
+Paths resolve from this file (`../benchmarks`, in a clone and in an installed wheel alike);
+`MSLLM_BENCHMARKS` or a `data_dir` metadata key points elsewhere. Nothing is resolved at import: a
+copy of this file elsewhere (a user's own task folder) imports fine and needs only MSLLM_BENCHMARKS
+or data_dir.
 The harness imports this file by path (not as `tasks.stages.evaluate.lm_tasks.utils`): keep it free of
 project imports.
 """
@@ -28,17 +29,17 @@ from typing import Any, Callable
 
 import numpy as np
 
-def repo_benchmarks() -> Path | None:
-    """`<repo>/data/benchmarks` when this file sits at <repo>/tasks/stages/evaluate/lm_tasks/ (None elsewhere)."""
-    parents = Path(__file__).resolve().parents
-    return parents[4] / "data" / "benchmarks" if len(parents) > 4 else None
+def shipped_benchmarks() -> Path | None:
+    """`tasks/stages/evaluate/benchmarks` beside this file's folder (a clone or an installed wheel), else None."""
+    d = Path(__file__).resolve().parent.parent / "benchmarks"
+    return d if (d / "SOURCES.md").is_file() else None
 
 
 def benchmarks_dir(data_dir: str | os.PathLike | None = None) -> Path:
-    found = data_dir or os.environ.get("MSLLM_BENCHMARKS") or repo_benchmarks()
+    found = data_dir or os.environ.get("MSLLM_BENCHMARKS") or shipped_benchmarks()
     if found is None:
-        raise FileNotFoundError(f"{Path(__file__).parent}: no data/benchmarks beside these task files; set "
-                                f"MSLLM_BENCHMARKS to the data/benchmarks directory (or a data_dir metadata key)")
+        raise FileNotFoundError(f"{Path(__file__).parent}: no benchmarks directory beside these task files; set "
+                                f"MSLLM_BENCHMARKS to msllm's tasks/stages/evaluate/benchmarks (or a data_dir metadata key)")
     return Path(found)
 
 
@@ -103,7 +104,7 @@ def load(benchmark: str, split: str, data_dir: str | None = None, **_metadata: A
         raise ValueError(f"unknown local benchmark {benchmark!r}; known: {sorted(READERS)}")
     root = benchmarks_dir(data_dir)
     if not root.is_dir():
-        raise FileNotFoundError(f"{root}: benchmark files not found (set MSLLM_BENCHMARKS to the data/benchmarks directory)")
+        raise FileNotFoundError(f"{root}: benchmark files not found (set MSLLM_BENCHMARKS to msllm's tasks/stages/evaluate/benchmarks)")
     return datasets.DatasetDict({split: datasets.Dataset.from_list(READERS[benchmark](root))})
 
 
