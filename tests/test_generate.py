@@ -203,7 +203,7 @@ def test_generate_benchmark_smoke():
     from pathlib import Path
 
     script = Path(__file__).resolve().parent.parent / "scripts" / "bench" / "generate.py"
-    out = subprocess.run([sys.executable, str(script), "--preset", "tiny", "--new-tokens", "8", "--requests", "8"],
+    out = subprocess.run([sys.executable, str(script), "--preset", "tiny", "--new-tokens", "8", "--requests", "8", "--results", ""],
                          capture_output=True, text=True, check=True, timeout=300)
     res = json.loads(out.stdout.strip().splitlines()[-1])
     for k in ("tokens_per_s", "uncached_tokens_per_s", "kv_speedup", "eval_requests_per_s"):
