@@ -153,13 +153,9 @@ def _torch(a: argparse.Namespace) -> dict:
 
 
 def _best_time(fn, repeats: int = 3) -> float:
-    fn()  # warm up the kernel and its threads
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+    from tasks.training.hardware import best_time
+
+    return best_time(fn, repeats)
 
 
 def _peak(a: argparse.Namespace) -> dict:

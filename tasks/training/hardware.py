@@ -59,13 +59,18 @@ def measure_peak_flops(n: int = 2048, repeats: int = 3) -> float:
     except Exception:  # noqa: BLE001  (no usable MindSpore in this process: numpy's BLAS)
         def once():
             return a_np @ a_np
-    once()  # warm up the kernel and its threads
+    return 2 * n**3 / best_time(once, repeats)
+
+
+def best_time(fn, repeats: int = 3) -> float:
+    """The fastest of `repeats` calls of fn, in seconds, after one warm-up call (the kernel and its threads)."""
+    fn()
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
-        once()
+        fn()
         best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best
+    return best
 
 
 def _cpu_ghz() -> tuple[float, str]:
