@@ -13,7 +13,11 @@ every layer's RMSNorm, projections, RoPE, attention over the cache and SwiGLU ML
 with AVX-512 GEMVs over OpenMP threads; it reads the net's own Parameters, so weights updated in place
 are seen at the next step, and writes the caches in place). Without a compiler (or with
 MSLLM_FUSED_DECODE=0) the tokens go through `CachedDecoder` on MindSpore's kernels: same tokens,
-slower. fp16, LoRA, tensor-parallel nets, and sequences interleaved with one already using the
+slower. A net with unmerged LoRA layers (`model.lora.LoRALinear`, e.g. the server's `LoRASlots`) runs on
+`CachedDecoder`, which calls the projection Cells and so adds each B·A; the fused step reads only each
+projection's base weight, so it decodes such a net's sequence only when the caller says every LoRA update is
+zero throughout (`_cached_steps(ids, base_only=True)`: the server's base requests). fp16, tensor-parallel
+nets, and sequences interleaved with one already using the
 in-place caches (the server's engine) take the functional `LlamaForCausalLM.forward_cached`, whose
 caches go in and out as values (through `mindspore.mutable`; a plain tuple of Tensors is a jit
 constant and recompiles on every new value). Each decode step compiles once: the position is a
@@ -73,15 +77,17 @@ class CachedDecoder(nn.Cell):
 
     @staticmethod
     def supports(net) -> bool:
-        """fp32, one device, plain `Linear` projections (no LoRA adapters, no tensor-parallel slices)."""
+        """fp32, one device, `Linear` or `LoRALinear` projections (the decoder calls them, so a LoRA update is
+        applied; no tensor-parallel slices), a plain LM head."""
         from model.llama import Linear
+        from model.lora import LoRALinear
 
         if getattr(net, "half", False) or getattr(net, "tensor_parallel", None) is not None:
             return False
         for layer in net.layers:
             a, m = layer.self_attn, layer.mlp
             projs = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
-            if any(type(p) is not Linear for p in projs) or a.tp or m.tp:
+            if any(type(p) not in (Linear, LoRALinear) for p in projs) or a.tp or m.tp:
                 return False
         return net.tie_embeddings or type(net.lm_head) is Linear
 
@@ -280,6 +286,9 @@ class Generator:
         # Decode tokens (T = 1) as one fused custom op when it builds here (see FusedDecodeStep); else, or
         # with fused=False, on the decoder's MindSpore kernels. Both write the same caches.
         self._fused = None
+        from model.lora import lora_layers
+
+        self._lora = [layer for _, layer in lora_layers(net)]  # the fused step ignores their updates (see _cached_steps)
         lib = build_decode_kernel(fused) if self._decoder is not None else None
         if lib is not None:
             fused_step = FusedDecodeStep(self._decoder, lib, threads or decode_threads())
@@ -291,8 +300,14 @@ class Generator:
 
     @property
     def decode_path(self) -> str:
-        """Which kernels decode a sequence that gets the in-place caches: "fused", "decoder" or "functional"."""
-        return "fused" if self._fused is not None else "decoder" if self._decoder is not None else "functional"
+        """Which kernels decode a sequence that gets the in-place caches: "fused", "decoder" or "functional"
+        (a net with unmerged LoRA layers: "decoder", unless `_cached_steps(..., base_only=True)`)."""
+        if self._decoder is None:
+            return "functional"
+        return "fused" if self._fused is not None and not self._lora_on() else "decoder"
+
+    def _lora_on(self) -> bool:
+        return any(not layer.merged for layer in self._lora)
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int = 64, *, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = 0,
@@ -335,8 +350,13 @@ class Generator:
     # Each path is a coroutine: it yields the logits [V] for the next position, and is sent the
     # token chosen there.
 
-    def _cached_steps(self, ids: list[int]):
+    def _cached_steps(self, ids: list[int], base_only: bool = False):
+        """`base_only`: the caller promises that the net's LoRA layers add exactly zero at every step of this
+        sequence (the server's base requests on a `LoRASlots` net), so the fused step, which reads only each
+        projection's base weight, may decode it; otherwise a net with unmerged LoRA layers decodes on the
+        decoder's MindSpore kernels, which apply them."""
         n = len(ids)
+        fused = self._fused is not None and (base_only or not self._lora_on())
         padded = min(-(-n // self.bucket) * self.bucket, self.max_len)
         x = np.zeros((1, padded), np.int32)
         x[0, :n] = ids
@@ -350,7 +370,7 @@ class Generator:
                 while True:
                     token, at = Tensor([[tok]], ms.int32), Tensor(pos, ms.int32)
                     logits = None
-                    if self._fused is not None:
+                    if fused and self._fused is not None:
                         try:
                             logits = self._fused(token, at)
                         except RuntimeError:  # the op failed to load or run (it checks its inputs before writing)

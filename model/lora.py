@@ -7,6 +7,8 @@
     adapter = lora_state_dict(net)               # {"layers.0.self_attn.q_proj.lora_A": [r, in], ...lora_B: [out, r]}
     merged = merge_adapter(base_weights, adapter, scaling=alpha / rank)   # numpy, no network needed
     merge_lora(net); unmerge_lora(net)           # in place on a network (idempotent)
+    slots = LoRASlots(net, {"a": (adapter_a, scaling_a), ...})   # many adapters on one base, unmerged
+    slots.use("a"); ...; slots.use(None)         # the net computes with adapter a's update; the base again
 
 A `LoRALinear` replaces a `model.llama.Linear` and keeps its `weight` Parameter
 (same object, same name `...q_proj.weight`), so the frozen base weights keep
@@ -18,6 +20,10 @@ It computes, on the flattened tokens,
 so an adapter starts as an exact no-op. Merging writes W + scaling * B A into
 `weight`; both the in-place merge and the state-dict merge call `lora_delta`,
 the one place that formula lives.
+
+`LoRASlots` serves many adapters on one network without merging (vLLM's multi-LoRA shape): the base
+weights once, one `LoRALinear` per module any adapter targets, and per adapter only its A and
+scaling·B on the host, written into those layers' Parameters before a call (`use`).
 """
 
 from __future__ import annotations
@@ -250,3 +256,97 @@ def merge_adapter(base: dict[str, np.ndarray], adapter: dict[str, np.ndarray], s
     if extra:
         raise ValueError(f"adapter keys not of the form <module>.{LORA_A}/{LORA_B}: {extra[:3]}")
     return out
+
+
+# ----------------------------------------------------------------------------- many adapters, one base
+
+
+class LoRASlots:
+    """Many LoRA adapters over ONE network, unmerged: `use(name)` makes the net compute, on every module,
+
+        y = x W^T + (x A^T)(scaling B)^T          (the adapter's A, B, scaling; W the base, shared)
+
+    and `use(None)` makes every update exactly zero (x A^T times a zero B adds +0.0 to each output).
+
+    The net gets one `LoRALinear` (scaling 1) per module that any adapter targets, of the largest rank among
+    them; `use` copies the adapter's A and its B times its scaling into those layers' lora_A / lora_B
+    (zero-padded to that rank, zeros on modules it does not target), in place: a compiled graph reads its
+    Parameters' storage at each call, so one compilation serves every adapter. Why `copy_` and not
+    `set_data`: set_data swaps the Parameter's tensor, and a graph compiled before keeps reading the old one
+    (tests/test_lora.py shows both). Memory: the base weights once, one
+    set of LoRA Parameters, and per adapter its (padded) A and scaling·B as host Tensors. A network runs one
+    adapter at a time: a caller interleaving sequences of several adapters calls `use` before each call
+    (a no-op when that adapter is already in place).
+
+    `adapters`: name -> ({"<module>.lora_A": [r, in], "<module>.lora_B": [out, r]}, scaling), the finetune
+    stage's adapter.safetensors and adapter.json `scaling`; every key used once and every shape checked
+    against the net, as `merge_adapter` does.
+    """
+
+    def __init__(self, net: nn.Cell, adapters: dict[str, tuple[dict[str, np.ndarray], float]]):
+        if not adapters:
+            raise ValueError("LoRASlots needs at least one adapter")
+        if any(n is None for n in adapters):
+            raise ValueError("an adapter cannot be named None (None selects the base)")
+        weights = {p.name: p for p in net.get_parameters()}
+        modules: set[str] = set()
+        for name, (ad, _) in adapters.items():
+            for key in ad:
+                m, _, half = key.rpartition(".")
+                if half not in (LORA_A, LORA_B):
+                    raise ValueError(f"adapter {name}: key {key!r} is not of the form <module>.{LORA_A}/{LORA_B}")
+                if f"{m}.{LORA_A}" not in ad or f"{m}.{LORA_B}" not in ad:
+                    raise ValueError(f"adapter {name} has only one half of {m} (needs {LORA_A} and {LORA_B})")
+                if f"{m}.weight" not in weights:
+                    raise ValueError(f"adapter {name}: module {m} has no base weight {m}.weight; the adapter belongs "
+                                     f"to another model")
+                modules.add(m)
+        rank = max(a.shape[0] for ad, _ in adapters.values() for k, a in ad.items() if k.endswith("." + LORA_A))
+        pattern = "^(" + "|".join(re.escape(m) for m in sorted(modules)) + ")$"
+        inject_lora(net, pattern, rank=rank, alpha=float(rank))  # scaling 1: each adapter's scaling is in its B
+        self.net = net
+        self.rank = rank
+        self.layers = lora_layers(net)
+        zeros = [(Tensor(np.zeros((rank, layer.in_features), np.float32)),
+                  Tensor(np.zeros((layer.out_features, rank), np.float32))) for _, layer in self.layers]
+        self._values: dict[str | None, list[tuple[Tensor, Tensor]]] = {None: zeros}
+        for name, (ad, scaling) in adapters.items():
+            vals = []
+            for (m, layer), zero in zip(self.layers, zeros):
+                if f"{m}.{LORA_A}" not in ad:
+                    vals.append(zero)
+                    continue
+                a, b = ad[f"{m}.{LORA_A}"], ad[f"{m}.{LORA_B}"]
+                if a.ndim != 2 or b.ndim != 2 or b.shape[1] != a.shape[0] or (b.shape[0], a.shape[1]) != (
+                        layer.out_features, layer.in_features):
+                    raise ValueError(f"adapter {name} {m}: A {a.shape} and B {b.shape} do not fit base weight "
+                                     f"{(layer.out_features, layer.in_features)}")
+                pa = np.zeros((rank, layer.in_features), np.float32)
+                pb = np.zeros((layer.out_features, rank), np.float32)
+                pa[: a.shape[0]] = a
+                pb[:, : b.shape[1]] = np.float32(scaling) * b.astype(np.float32)
+                vals.append((Tensor(pa), Tensor(pb)))
+            self._values[name] = vals
+        self.active: str | None = "(unset)"
+        self.use(None)
+
+    @property
+    def names(self) -> list[str]:
+        return [n for n in self._values if n is not None]
+
+    def use(self, name: str | None) -> None:
+        """Put adapter `name` (None: the base, every update zero) into the net's LoRA layers."""
+        if name == self.active:
+            return
+        if name not in self._values:
+            raise KeyError(f"no adapter {name!r}; this net holds {self.names}")
+        for (_, layer), (a, b) in zip(self.layers, self._values[name]):
+            layer.lora_A.copy_(a)  # in place (see the class docstring)
+            layer.lora_B.copy_(b)
+        self.active = name
+
+    def adapter_nbytes(self) -> int:
+        """Bytes of the adapters' A and scaling·B held beside the net (padded to the slots' rank)."""
+        zeros = self._values[None]
+        return sum(4 * (int(np.prod(a.shape)) + int(np.prod(b.shape))) for n, vals in self._values.items()
+                   if n is not None for ab, zero in zip(vals, zeros) if ab is not zero for a, b in [ab])

@@ -2,16 +2,24 @@
 
     specs = [parse_adapter_flag("sonnets=artifacts/finetune/ab12"), ...]     # argparse type of --adapter
     adapters = check_adapters(base, specs, base_id="pretrain/9f3c")         # every check, nothing loaded
-    dirs = {a.name: a.model_dir(base, tmp) for a in adapters}               # merged model (or ONNX) directories
+    a.mode(kind)                                                            # "unmerged" or "merged"
+    dirs = {a.name: a.model_dir(kind, base, tmp) for a in adapters if a.mode(kind) == "merged"}
 
-Each adapter is served merged (`adapter_mode: "merged"` in /v1/models): the finetune stage's own
-`merge` folds its finetune artifact into the base weights (a `merged` artifact in the finetune
-artifact's store, cached by content, the same one `msllm finetune` prints), and the engine runs it as
-one more backend beside the base, in the same worker thread and queue. Per-request unmerged LoRA
-(one base, the adapter's B·A added per sequence) is not done: every adapter costs a full copy of the
-weights.
+How an adapter is served (`adapter_mode` in /v1/models), decided in one place, `Adapter.mode`:
+  - "unmerged": a LoRA adapter over a model artifact BASE (MindSpore). One network holds the base
+    weights once; per adapter only its A and scaling·B (adapter.safetensors, adapter.json `scaling`),
+    put into the network's LoRA layers before each call of one of its sequences
+    (`tasks.serving.backends.MindSporeBackend(base, adapters=...)`, `model.lora.LoRASlots`): many
+    adapters cost their A/B alone. The engine decodes MindSpore sequences one call at a time, so one
+    adapter in place per call is exact per sequence.
+  - "merged": an export BASE (onnxruntime, whose exported graph has no LoRA inputs), or a full
+    finetune (no A/B to apply) over a model artifact. The finetune stage's own `merge` folds the
+    finetune artifact into the base weights (a `merged` artifact in the finetune artifact's store,
+    cached by content, the same one `msllm finetune` prints), and the engine runs it as one more backend
+    beside the base, in the same worker thread and queue: every such adapter costs a full copy of the
+    weights.
 
-BASE may be a model artifact (MindSpore) or an export (onnxruntime). On an export, the merged weights
+On an export BASE, the merged weights
 are written as the same KV-cache ONNX decoder the export stage writes (`tasks.deploy.formats.export_onnx`,
 with the base export's ONNX metadata and tokenizer) into a temporary directory that lives as long as the
 server, by a child process (merging imports MindSpore; the server itself stays on onnxruntime alone). That
@@ -70,6 +78,11 @@ class Adapter:
     @property
     def finetune_id(self) -> str:
         return f"{self.finetune.parent.name}/{self.finetune.name}"
+
+    def mode(self, base_kind: str) -> str:
+        """"unmerged" (a LoRA adapter over a model artifact: applied per sequence on the one base network) or
+        "merged" (an export base, or a full finetune: a full copy of the weights); see the module docstring."""
+        return "unmerged" if base_kind == "model" and self.method == "lora" else "merged"
 
     def merged(self) -> Path:
         """The merged model artifact (tasks.store.merge, cached in the finetune artifact's store)."""

@@ -6,8 +6,9 @@ logprobs and the event stream are tasks/serving/streaming.py; the batching engin
     msllm serve [ARTIFACT] [--host 127.0.0.1] [--port 8000] [--model-name NAME]
                 [--max-active 32] [--max-queue 256] [--drain-timeout 8] [--adapter NAME=FINETUNE ...]
 
-Each --adapter serves a LoRA finetune of ARTIFACT as its own `model` id (tasks/serving/adapters.py:
-merged into the base, listed in /v1/models with `parent`/`base` and `adapter_mode: "merged"`).
+Each --adapter serves a LoRA finetune of ARTIFACT as its own `model` id (tasks/serving/adapters.py), listed
+in /v1/models with `parent`/`base` and `adapter_mode`: "unmerged" over a model artifact (one base network,
+the adapter's A/B applied per sequence), "merged" over an export (a merged copy as its own ONNX decoder).
 
 Endpoints:
     POST /v1/completions        prompt (a string, or token ids) -> text
@@ -306,12 +307,12 @@ def configure_logging() -> None:
 def serve(artifact: str | Path, host: str = "127.0.0.1", port: int = 8000, *, model_name: str | None = None,
           max_active: int = 32, max_queue: int = 256, drain_timeout: float = 8.0, batching: bool = True,
           adapters: Sequence[AdapterSpec] = (), store=None) -> int:
-    """Load the artifact (and each adapter, merged: tasks/serving/adapters.py), serve until SIGTERM/SIGINT, drain,
-    return 0. `store` resolves adapter references that are not directories."""
+    """Load the artifact (and each adapter, unmerged or merged: tasks/serving/adapters.py), serve until
+    SIGTERM/SIGINT, drain, return 0. `store` resolves adapter references that are not directories."""
     import tempfile
 
     from tasks.serving.adapters import check_adapters
-    from tasks.serving.backends import artifact_kind, load_backend
+    from tasks.serving.backends import MindSporeBackend, artifact_kind, load_backend
 
     artifact = Path(artifact).resolve()
     kind = artifact_kind(artifact)  # a bad path fails here, before the model is loaded
@@ -321,9 +322,15 @@ def serve(artifact: str | Path, host: str = "127.0.0.1", port: int = 8000, *, mo
     tmp = tempfile.TemporaryDirectory(prefix="msllm-serve-")  # adapters' ONNX files on an export base
     try:
         t0 = time.perf_counter()
-        dirs = {a.name: a.model_dir(kind, artifact, Path(tmp.name)) for a in checked}
-        loaders = {model_id: lambda: load_backend(artifact),
-                   **{name: (lambda d=d: load_backend(d)) for name, d in dirs.items()}}
+        unmerged = {a.name: a.finetune for a in checked if a.mode(kind) == "unmerged"}
+        dirs = {a.name: a.model_dir(kind, artifact, Path(tmp.name)) for a in checked if a.name not in unmerged}
+        engine: Engine
+        # The engine loads in this order, in its thread: the base first, so an unmerged adapter's loader
+        # finds the base's backend (the one network holding every adapter's A/B).
+        loaders = {model_id: (lambda: MindSporeBackend(artifact, adapters=unmerged)) if unmerged else
+                   (lambda: load_backend(artifact)),
+                   **{a.name: (lambda n=a.name: engine.backends[model_id].adapter(n)) if a.name in unmerged else
+                      (lambda d=dirs[a.name]: load_backend(d)) for a in checked}}
         engine = Engine(loaders, max_active=max_active, max_queue=max_queue, batching=batching)
         engine.start()
         b = engine.backend
@@ -331,10 +338,15 @@ def serve(artifact: str | Path, host: str = "127.0.0.1", port: int = 8000, *, mo
                  artifact, b.kind, time.perf_counter() - t0, model_id, b.context_length, b.vocab_size,
                  "batched decoding" if engine.batched else "interleaved decoding", max_active)
         for a in checked:
-            log.info("adapter '%s': %s (%s) merged into the base, served from %s", a.name, a.finetune_id, a.method,
-                     dirs[a.name])
-        served = {a.name: Served(engine, dirs[a.name], model=a.name, parent=model_id, base=model_id,
-                                 adapter_mode="merged", finetune=a.finetune_id, method=a.method) for a in checked}
+            if a.name in unmerged:
+                log.info("adapter '%s': %s (lora) unmerged on the base network (rank %d slots, %d modules), "
+                         "decoded on the MindSpore decoder", a.name, a.finetune_id, b.slots.rank, len(b.slots.layers))
+            else:
+                log.info("adapter '%s': %s (%s) merged into the base, served from %s", a.name, a.finetune_id,
+                         a.method, dirs[a.name])
+        served = {a.name: Served(engine, a.finetune if a.name in unmerged else dirs[a.name], model=a.name,
+                                 parent=model_id, base=model_id, adapter_mode=a.mode(kind), finetune=a.finetune_id,
+                                 method=a.method) for a in checked}
         return _run(build_app(engine, model_id, artifact, adapters=served), engine, host, port, drain_timeout)
     finally:
         tmp.cleanup()

@@ -18,6 +18,11 @@ A backend with `batched = True` (onnxruntime) also keeps a running batch for the
     backend.release(key)                         # done; its row leaves before the next call
 
 Every backend also names its sampler, `backend.sample_next` (the same arithmetic on both).
+
+LoRA adapters unmerged (MindSpore only): `MindSporeBackend(path, adapters={"a": finetune_dir, ...})` holds the
+base weights once and each adapter's A and B (`model.lora.LoRASlots`); `backend.adapter("a")` is a backend of
+its own (the same interface, the same network) whose every call runs with adapter a's update, and the base
+backend's calls with none.
 """
 
 from __future__ import annotations
@@ -45,11 +50,15 @@ def artifact_kind(path: str | Path) -> str:
 
 
 class MindSporeBackend:
-    """A model artifact on MindSpore: `model.generate.Generator`'s jit-compiled prefill and KV-cache decode step."""
+    """A model artifact on MindSpore: `model.generate.Generator`'s jit-compiled prefill and KV-cache decode step.
+
+    `adapters` (name -> finetune artifact directory of a LoRA adapter trained on this model): served unmerged,
+    one network for all (see the module docstring); `adapter(name)` is that adapter's backend.
+    """
 
     kind = "mindspore"
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, adapters: dict[str, Path] | None = None):
         from model.runtime import setup_mindspore
 
         setup_mindspore()
@@ -58,35 +67,106 @@ class MindSporeBackend:
 
         self.path = Path(path)
         net, self.info = load_model(path)
+        self.net = net
         self.tokenizer = load_tokenizer(path)
+        # before the Generator: its compiled graphs then hold the LoRA layers, and serve every adapter
+        self.slots = _lora_slots(net, adapters) if adapters else None
         self.generator = Generator(net)
         self.sample_next = sample_next
         self.context_length = int(self.generator.max_len)
         self.vocab_size = int(net.config.vocab_size)
         self.eos_id = int(self.tokenizer.eos_id())
 
-    def steps(self, prompt_ids: list[int]) -> Generator[np.ndarray, int, None]:
+    def steps(self, prompt_ids: list[int], adapter: str | None = None) -> Generator[np.ndarray, int, None]:
         # Generator.generate's own coroutine (prompt right-padded to a 32-token bucket, one compiled
         # prefill per bucket, one compiled decode step): the same arithmetic as `msllm predict`.
-        return self.generator._cached_steps([int(t) for t in prompt_ids])
+        ids = [int(t) for t in prompt_ids]
+        if self.slots is None:
+            return self.generator._cached_steps(ids)
+        return self._adapter_steps(ids, adapter)
 
-    def prompt_logits(self, ids: list[int]) -> np.ndarray:
+    def _adapter_steps(self, ids: list[int], adapter: str | None):
+        """The Generator's coroutine with `adapter` (None: the base) put in place before each of its calls: the
+        engine interleaves sequences of every adapter on the one network. The base's sequences may take the
+        fused decode step (their LoRA updates are zero); an adapter's take the decoder's MindSpore kernels,
+        which apply its update (the fused step reads the base weights alone)."""
+        use = self.slots.use
+        inner = self.generator._cached_steps(ids, base_only=adapter is None)
+        try:
+            use(adapter)
+            logits = next(inner)
+            while True:
+                tok = yield logits
+                use(adapter)
+                logits = inner.send(tok)
+        finally:
+            inner.close()
+
+    def prompt_logits(self, ids: list[int], adapter: str | None = None) -> np.ndarray:
         """The logits [T, V] at every position of `ids`: the full forward, right-padded to a 32-token bucket
         (causal: padding never reaches the real positions), as the eval stage's scorer runs it."""
         from mindspore import Tensor
 
+        if self.slots is not None:
+            self.slots.use(adapter)
         n = len(ids)
         g = self.generator
         x = np.zeros((1, min(-(-n // g.bucket) * g.bucket, g.max_len)), np.int32)
         x[0, :n] = ids
         return g._forward(Tensor(x)).asnumpy()[0, :n]
 
-    def warmup(self) -> None:
+    def warmup(self, adapter: str | None = None) -> None:
         """Compile the decode step and the first prefill bucket (prompts up to 32 tokens)."""
-        s = self.steps([self.eos_id])
+        s = self.steps([self.eos_id], adapter)
         next(s)
         s.send(self.eos_id)
         s.close()
+
+    def adapter(self, name: str) -> "AdapterBackend":
+        """Adapter `name`'s backend: this network, with its update on every call."""
+        if self.slots is None or name not in self.slots.names:
+            raise KeyError(f"no unmerged adapter {name!r} on {self.path}")
+        return AdapterBackend(self, name)
+
+
+class AdapterBackend:
+    """One unmerged LoRA adapter of a `MindSporeBackend`, as a backend of its own for the engine: the base's
+    network, tokenizer and sampler; every call with the adapter's update in place."""
+
+    def __init__(self, base: MindSporeBackend, name: str):
+        self.base, self.name = base, name
+        self.kind, self.path, self.net = base.kind, base.path, base.net
+        self.tokenizer, self.sample_next, self.eos_id = base.tokenizer, base.sample_next, base.eos_id
+        self.context_length, self.vocab_size = base.context_length, base.vocab_size
+
+    def steps(self, prompt_ids: list[int]) -> Generator[np.ndarray, int, None]:
+        return self.base.steps(prompt_ids, self.name)
+
+    def prompt_logits(self, ids: list[int]) -> np.ndarray:
+        return self.base.prompt_logits(ids, self.name)
+
+    def warmup(self) -> None:
+        """Compile the decoder's decode step (the path an adapter's tokens take; the base may have taken the fused one)."""
+        self.base.warmup(self.name)
+
+
+def _lora_slots(net, adapters: dict[str, Path]):
+    """`model.lora.LoRASlots` over `net` with each finetune artifact's adapter.safetensors and adapter.json scaling."""
+    import json
+
+    from model.lora import LoRASlots
+    from tasks.store.artifacts import verify_published
+    from tasks.store.tensors import read_tensors
+
+    loaded = {}
+    for name, ft in adapters.items():
+        cfg = json.loads(verify_published(Path(ft) / "adapter.json").read_text())
+        if cfg.get("method", "lora") != "lora":
+            raise ValueError(f"adapter {name}: {ft} is a {cfg.get('method')} finetune (full weights), not LoRA; "
+                             f"serve its merged artifact")
+        weights = read_tensors(verify_published(Path(ft) / "adapter.safetensors"), f"rerun the finetune stage ({ft} is damaged)")
+        loaded[name] = (weights, float(cfg["scaling"]))
+    return LoRASlots(net, loaded)
 
 
 def load_backend(path: str | Path):
