@@ -10,7 +10,7 @@ from mindspore import Tensor
 
 from model.config import ModelConfig
 from model.llama import LlamaForCausalLM, causal_lm_loss
-from model.lora import (LoRALinear, inject_lora, lora_layers, lora_state_dict, mark_only_lora_trainable, match_targets,
+from model.lora import (LoRALinear, LoRASlots, inject_lora, lora_layers, lora_state_dict, mark_only_lora_trainable, match_targets,
                         merge_adapter, merge_lora, trainable_summary, unmerge_lora)
 from tasks.config import CheckpointSection, TrainSection
 from tasks.training.trainer import LoopConfig, fit
@@ -180,3 +180,93 @@ def test_lora_training_keeps_base_bit_identical_and_lowers_the_loss(tmp_path):
 
     weights, _, _ = load_checkpoint(newest_checkpoint(tmp_path / "checkpoints"))
     assert set(weights) == {p.name for p in params}  # checkpoints hold the adapter only
+
+
+def _random_adapter(base_w: dict, targets: tuple[str, ...], rank: int, seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    out = {}
+    for k, w in base_w.items():
+        if k.endswith(".weight") and k.split(".")[-2] in targets:
+            m = k[: -len(".weight")]
+            out[m + ".lora_A"] = rng.normal(0, 1 / np.sqrt(w.shape[1]), (rank, w.shape[1])).astype(np.float32)
+            out[m + ".lora_B"] = rng.normal(0, 0.5, (w.shape[0], rank)).astype(np.float32)
+    return out
+
+
+def test_lora_slots_serve_several_adapters_on_one_compiled_network():
+    """Two adapters of different ranks and targets on ONE network: after `use(name)` a forward compiled once equals a
+    plain model holding that adapter merged (merge_adapter); `use(None)` is the base; the network holds the base
+    weights once, and each adapter costs only its A and scaling·B."""
+    base = LlamaForCausalLM(CFG, seed=3)
+    base.set_train(False)
+    base_w = {p.name: p.asnumpy() for p in base.get_parameters()}
+    ads = {"a": (_random_adapter(base_w, ("q_proj", "v_proj"), 4, 1), 2.0),
+           "b": (_random_adapter(base_w, ("q_proj", "o_proj", "down_proj"), 2, 2), 0.5)}
+
+    def compiled(model):
+        def forward(ids):
+            return model(ids)
+        return ms.jit(forward)
+
+    def merged_net(name):
+        plain = LlamaForCausalLM(CFG, seed=3)
+        plain.set_train(False)
+        full = base_w if name is None else merge_adapter(base_w, *ads[name])
+        for p in plain.get_parameters():
+            p.set_data(Tensor(full[p.name]))
+        return compiled(plain)(IDS).asnumpy()
+
+    want = {name: merged_net(name) for name in (None, "a", "b")}
+    assert np.abs(want["a"] - want[None]).max() > 1e-2 and np.abs(want["b"] - want[None]).max() > 1e-2
+
+    net = LlamaForCausalLM(CFG, seed=3)
+    net.set_train(False)
+    slots = LoRASlots(net, ads)
+    assert slots.rank == 4 and sorted(slots.names) == ["a", "b"]
+    assert {m.rsplit(".", 1)[-1] for m, _ in slots.layers} == {"q_proj", "v_proj", "o_proj", "down_proj"}
+    forward = compiled(net)
+    for name in ("a", None, "b", "a", "b", None):  # every switch after the one compilation
+        slots.use(name)
+        got = forward(IDS).asnumpy()
+        # merged W + s·B·A vs W x + s·B(A x): the same sums in another fp32 order
+        np.testing.assert_allclose(got, want[name], rtol=0, atol=1e-5 * np.abs(want[name]).max(), err_msg=str(name))
+    assert all(not layer.lora_B.asnumpy().any() for _, layer in slots.layers)  # the base: every update zero
+
+    params = list(net.get_parameters())
+    base_params = [p for p in params if p.name in base_w]
+    assert len(base_params) == len(base_w) == len(params) - 2 * len(slots.layers)  # the base weights once
+    for p in base_params:
+        np.testing.assert_array_equal(p.asnumpy(), base_w[p.name])
+    padded = sum(4 * (4 * layer.in_features + layer.out_features * 4) for m, layer in slots.layers
+                 if m + ".lora_A" in ads["a"][0]) + sum(4 * (4 * layer.in_features + layer.out_features * 4)
+                                                         for m, layer in slots.layers if m + ".lora_A" in ads["b"][0])
+    assert slots.adapter_nbytes() == padded
+
+
+def test_set_data_does_not_reach_a_compiled_graph_but_copy_does():
+    """Why `LoRASlots.use` copies in place: `copy_` writes the storage a compiled graph reads; after a graph is
+    compiled, `Parameter.set_data` swaps the Parameter's tensor and the graph keeps reading the old one (MindSpore
+    2.x on CPU), so never set_data a served network's LoRA Parameters."""
+    class Net(ms.nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.p = ms.Parameter(Tensor(np.zeros((2, 2), np.float32)), name="p")
+            self.matmul = ms.ops.MatMul()
+
+        def construct(self, x):
+            return self.matmul(x, self.p)
+
+    n = Net()
+
+    def f(x):
+        return n(x)
+
+    f = ms.jit(f)
+    x = Tensor(np.eye(2, dtype=np.float32))
+    assert not f(x).asnumpy().any()
+    n.p.copy_(Tensor(np.full((2, 2), 5.0, np.float32)))
+    assert (f(x).asnumpy() == 5.0).all()
+    n.p.set_data(Tensor(np.full((2, 2), 3.0, np.float32)))
+    assert (f(x).asnumpy() == 5.0).all()  # still the old values: if this fails, set_data would do (the docstring is stale)
+    n.p.copy_(Tensor(np.full((2, 2), 7.0, np.float32)))
+    assert (f(x).asnumpy() == 5.0).all()  # and the Parameter is cut off from the graph for good: copy_ lands elsewhere

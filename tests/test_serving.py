@@ -857,9 +857,107 @@ def _greedy_reference(artifact: Path, prompts: list[str], max_tokens: int) -> li
     return out
 
 
+def _merged_prompt_logprobs(ft: Path, merged: Path, ids: list[int]) -> tuple[list[float], float]:
+    """log p(ids[t] | ids[:t]) for t >= 1 from the merged model artifact in fp32 (its full forward, as the server
+    scores a prompt), and the bound an unmerged server's must meet: 4x the merged model's own fp32 error against
+    the same merged function in float64 (tests/test_model.py's numpy reference on W + s·B·A computed in float64),
+    and at least 4 ulp of the largest |logprob|.
+
+    Why: the merged (x (W + s·B·A)^T) and the unmerged (x W^T + (x A^T)(s·B)^T) fp32 evaluations approximate one
+    real function with roundings of the same order (the same operations and inner dimensions, the unmerged one
+    with rank-many more terms per sum): each is within about err of it, so they are within 2·err of each other,
+    and another factor 2 covers the LoRA branch's extra roundings. The bound scales with the model and the CPU."""
+    import numpy as np
+
+    from model.config import ModelConfig
+    from tasks.serving.backends import MindSporeBackend
+    from tasks.serving.engine import log_softmax
+    from tasks.store.model_artifact import read_info
+    from tasks.store.tensors import load_weights, read_tensors
+    from tests.test_model import np_forward
+
+    rows = np.arange(1, len(ids))
+    lp32 = log_softmax(MindSporeBackend(merged).prompt_logits(ids))[rows - 1, np.asarray(ids)[rows]]
+    cfg = json.loads((ft / "adapter.json").read_text())
+    w64 = {k: v.astype(np.float64) for k, v in load_weights(_base_of(ft)).items()}
+    ad = read_tensors(ft / "adapter.safetensors", "")
+    for k in ad:
+        if k.endswith(".lora_A"):
+            m = k[: -len(".lora_A")]
+            w64[m + ".weight"] = w64[m + ".weight"] + cfg["scaling"] * (ad[m + ".lora_B"].astype(np.float64)
+                                                                      @ ad[k].astype(np.float64))
+    mc = ModelConfig.from_dict(read_info(merged)["model"])
+    lp64 = log_softmax(np_forward(np.asarray([ids]), w64, mc)[0])[rows - 1, np.asarray(ids)[rows]]
+    err = float(np.abs(lp32 - lp64).max())
+    return [float(v) for v in lp32], 4 * max(err, float(np.spacing(np.float32(np.abs(lp64).max()))))
+
+
+def _base_of(ft: Path) -> Path:
+    """The base model artifact a finetune artifact names (adapter.json `base`)."""
+    from tasks.store.artifacts import ArtifactStore
+    from tasks.store.merge import base_of
+
+    return base_of(ArtifactStore(ft.parent.parent), ft)
+
+
+def test_unmerged_adapters_hold_one_base_and_decode_as_their_merged_models(model_art, lora_pair):
+    """In process: `MindSporeBackend(base, adapters=...)` holds ONE network (the base weights once, one set of LoRA
+    slots) and per adapter only its A and scaling·B; sequences of the base and both adapters interleaved on it each
+    give the greedy tokens of the Generator on their own model (the base, the merged artifacts), and their logits at
+    every step within fp32 rounding of those."""
+    import numpy as np
+
+    from model.generate import Generator
+    from model.lora import is_lora_param
+    from tasks.serving.backends import MindSporeBackend
+    from tasks.store.model_artifact import load_model
+    from tasks.store.tensors import load_weights, read_tensors
+
+    be = MindSporeBackend(model_art, adapters={n: ft for n, (ft, _) in lora_pair.items()})
+    served = {None: be, **{n: be.adapter(n) for n in lora_pair}}
+
+    # memory: one network for the three models; the base weights once; each adapter its A/B alone
+    assert {id(b.net) for b in served.values()} == {id(be.net)}
+    base_bytes = sum(w.nbytes for w in load_weights(model_art).values())
+    params = list(be.net.get_parameters())
+    held = sum(p.asnumpy().nbytes for p in params if not is_lora_param(p.name))
+    slots = sum(p.asnumpy().nbytes for p in params if is_lora_param(p.name))
+    adapters = sum(a.nbytes for ft, _ in lora_pair.values() for a in read_tensors(ft / "adapter.safetensors", "").values())
+    assert held == base_bytes  # not 3 * base_bytes, as merged serving holds
+    assert be.slots.adapter_nbytes() == adapters  # same rank and targets here: nothing padded
+    assert slots == adapters // 2 and held + slots + adapters < 1.2 * base_bytes
+
+    refs = {None: model_art, **{n: merged for n, (_, merged) in lora_pair.items()}}
+    prompt = [be.eos_id] + be.tokenizer.encode("ROMEO: speak")
+    want, want_logits = {}, {}
+    for n, art in refs.items():
+        gen = Generator(load_model(art)[0])
+        want[n] = gen.generate(prompt, 16, temperature=0.0)
+        s = gen._cached_steps(prompt)
+        want_logits[n] = np.stack([next(s)] + [s.send(t) for t in want[n][:-1]])
+        s.close()
+    assert want[None] != want["lora-a"] and want[None] != want["lora-b"] and want["lora-a"] != want["lora-b"]
+    coros = {n: b.steps(prompt) for n, b in served.items()}  # base first: it gets the in-place caches (fused)
+    got = {n: [] for n in served}
+    logits = {n: [next(c)] for n, c in coros.items()}
+    for i in range(16):
+        for n, c in coros.items():  # one call each per round, as the engine interleaves them
+            got[n].append(int(np.argmax(logits[n][-1])))
+            if i < 15:
+                logits[n].append(c.send(got[n][-1]))
+    for c in coros.values():
+        c.close()
+    assert got == want
+    for n in served:
+        ref = want_logits[n]
+        np.testing.assert_allclose(np.stack(logits[n]), ref, rtol=0, atol=1e-4 * np.abs(ref).max(), err_msg=str(n))
+
+
 def test_adapters_are_served_as_their_own_models_each_equal_to_its_merged_model(model_art, lora_pair, tmp_path):
-    """`msllm serve BASE --adapter lora-a=FT --adapter lora-b=FT`: three model ids; requests to all three in flight at
-    once (threads) each give the greedy tokens of that model served alone (the Generator on the merged artifact)."""
+    """`msllm serve BASE --adapter lora-a=FT --adapter lora-b=FT` on a model artifact: three model ids, the adapters
+    unmerged on the base's one network; requests to all three in flight at once (threads) each give the greedy
+    tokens of that model served alone (the Generator on the merged artifact), and an adapter's echoed prompt
+    logprobs equal its merged model's within a bound derived from fp32 rounding (_merged_prompt_logprobs)."""
     from concurrent.futures import ThreadPoolExecutor
 
     prompts, max_tokens = ["ROMEO: speak", "JULIET:", "To be"], 20
@@ -874,8 +972,9 @@ def test_adapters_are_served_as_their_own_models_each_equal_to_its_merged_model(
         assert "adapter_mode" not in cards[base_id]
         for name, (ft, merged) in lora_pair.items():
             c = cards[name]
-            assert (c["parent"], c["base"], c["adapter_mode"]) == (base_id, base_id, "merged")
-            assert c["finetune"] == f"finetune/{ft.name}" and c["artifact"] == str(merged)
+            assert (c["parent"], c["base"], c["adapter_mode"]) == (base_id, base_id, "unmerged")
+            assert c["finetune"] == f"finetune/{ft.name}" and c["artifact"] == str(ft) and c["backend"] == "mindspore"
+        assert "unmerged on the base network" in srv.log()
         ids = {"base": base_id, "lora-a": "lora-a", "lora-b": "lora-b"}
         jobs = [(who, i) for i in range(len(prompts)) for who in ids] * 2  # every model, twice, all at once
         client = srv.client()
@@ -906,6 +1005,20 @@ def test_adapters_are_served_as_their_own_models_each_equal_to_its_merged_model(
             assert m["msllm_time_to_first_token_seconds_count"][(("model", name),)] == 6
             assert m["msllm_num_requests_running"][(("model", name),)] == 0
         assert m["msllm_requests_total"][(("endpoint", "/v1/completions"), ("model", ""), ("status", "404"))] == 1
+
+        # echo: an adapter's prompt logprobs equal its merged model's within the derived fp32 bound (and are not the base's)
+        from tasks.store.model_artifact import load_tokenizer
+
+        sp, text = load_tokenizer(model_art), "ROMEO: speak to me of love"
+        prompt_ids = [sp.eos_id()] + sp.encode(text)
+        echo = {who: client.completions.create(model=ids[who], prompt=text, max_tokens=0, echo=True, logprobs=0,
+                                               temperature=0).choices[0].logprobs.token_logprobs for who in ids}
+        for who in ("lora-a", "lora-b"):
+            ref, tol = _merged_prompt_logprobs(*lora_pair[who], prompt_ids)
+            assert len(echo[who]) == len(ref) == len(prompt_ids) - 1  # the prefix is conditioning, not echoed
+            diff = max(abs(a - b) for a, b in zip(echo[who], ref))
+            assert diff <= tol, (who, diff, tol)
+            assert max(abs(a - b) for a, b in zip(echo[who], echo["base"])) > 100 * tol
     finally:
         srv.stop()
 
