@@ -162,6 +162,45 @@ def test_without_a_compiler_generation_falls_back_to_the_decoder(net, monkeypatc
     assert Generator(net).decode_path == "decoder"
 
 
+def test_a_lora_net_decodes_on_the_decoder_and_takes_the_fused_step_only_for_base_only_sequences():
+    """Unmerged LoRA layers: the decoder (it calls the projection Cells) applies B·A, so tokens equal the uncached
+    forward's; the fused step reads only the base weights, so it runs a sequence only with `base_only=True` (the
+    server's base requests, whose LoRA updates are zero), where it gives the plain base model's tokens."""
+    from model.lora import LoRASlots
+
+    model = LlamaForCausalLM(ModelConfig.from_name("tiny", init_std=0.3), seed=4)
+    model.set_train(False)
+    plain = Generator(model)
+    prompt = ids(9, seed=13)
+    base_tokens = plain.generate(prompt, 12)
+    rng = np.random.default_rng(0)
+    adapter = {}
+    for p in model.get_parameters():
+        if p.name.endswith(("q_proj.weight", "v_proj.weight")):
+            out_f, in_f = p.shape
+            adapter[p.name[:-6] + "lora_A"] = rng.normal(0, in_f ** -0.5, (4, in_f)).astype(np.float32)
+            adapter[p.name[:-6] + "lora_B"] = rng.normal(0, 1.0, (out_f, 4)).astype(np.float32)
+    slots = LoRASlots(model, {"a": (adapter, 2.0)})
+    g = Generator(model)
+    slots.use("a")
+    assert g._decoder is not None and g.decode_path == "decoder"
+    new = g.generate(prompt, 12)
+    assert new == g.generate(prompt, 12, use_cache=False) and new != base_tokens
+    if g._fused is not None:
+        calls = []
+        fused = g._fused
+        g._fused = lambda *a: calls.append(1) or fused(*a)
+        slots.use(None)
+        steps = g._cached_steps(prompt, base_only=True)
+        got = [int(np.argmax(next(steps)))]
+        while len(got) < 12:
+            got.append(int(np.argmax(steps.send(got[-1]))))
+        steps.close()
+        assert got == base_tokens and len(calls) == 11
+        slots.use("a")
+        assert g.generate(prompt, 12) == new and len(calls) == 11  # not base_only: never the fused step
+
+
 def test_interleaved_sequences_keep_their_own_caches(gen):
     """The server decodes several sequences in turn on one Generator: each must see only its own cache."""
     prompts = [ids(5, seed=8), ids(11, seed=9), ids(3, seed=10)]
