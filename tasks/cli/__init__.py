@@ -95,7 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="onnxruntime: decode the active sequences one call each instead of one batched call")
     p.add_argument("--adapter", dest="adapters", action="append", default=[], type=_adapter, metavar="NAME=FINETUNE",
                    help="also serve a LoRA finetune of ARTIFACT as model NAME (repeatable; FINETUNE: the finetune "
-                        "artifact's directory or stage/key); merged into the base weights")
+                        "artifact's directory or stage/key). On a model artifact (MindSpore) unmerged: one copy of "
+                        "the base weights, each adapter's A/B applied per request; on an export (onnxruntime), and "
+                        "for a full finetune, merged into a copy of the base weights")
 
     p = sub.add_parser("plan", help="memory estimate and parallel layout")
     _common(p)

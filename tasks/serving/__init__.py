@@ -10,8 +10,9 @@ Modules:
                  sequences at once, one token each per round (onnxruntime: one batched call
                  for all of them; MindSpore: one call each, in turn), each with its own KV
                  cache and seeded sampler; stop strings, incremental detokenisation
-    adapters.py  `--adapter`: LoRA finetunes of the base served as their own model ids (merged; checked
-                 against the base before anything loads)
+    adapters.py  `--adapter`: LoRA finetunes of the base served as their own model ids (unmerged on a
+                 MindSpore base: one network, per-sequence A/B; merged on an export; checked against the
+                 base before anything loads)
     app.py       the FastAPI app (request validation with OpenAI's error shape, SSE
                  streaming), `serve()` under uvicorn with a graceful SIGTERM drain,
                  and `cli_serve` for the command line

@@ -15,9 +15,11 @@
     engine.stop()
 
 Everything that touches a model (loading, compiling, every step) runs in the one
-worker thread: MindSpore is not thread-safe in general. Several models (a base and its merged
-LoRA adapters, `msllm serve --adapter`) share that thread, the queue and `max_active`: each
-sequence runs on its request's backend, and a batched round makes one call per backend. Up to `max_active` sequences run
+worker thread: MindSpore is not thread-safe in general. Several models (a base and its LoRA
+adapters, `msllm serve --adapter`) share that thread, the queue and `max_active`: each
+sequence runs on its request's backend, and a batched round makes one call per backend. Unmerged
+adapters are backends over the base's one network (tasks/serving/backends.py `AdapterBackend`): each of
+their calls puts its adapter in place first, which is exact because MindSpore sequences take one call each. Up to `max_active` sequences run
 at once (the rest wait in the queue, FIFO); each round gives every one of them a token, so
 a new request gets its first token after at most one round instead of waiting for every
 earlier request to finish. A newly admitted sequence is prefilled alone. Then either:
