@@ -62,8 +62,8 @@ def _tiny_config(tmp_path: Path) -> Path:
     corpus.write_text((REPO / "data/corpora/tinyshakespeare.txt").read_text()[:150_000])
     tiny = doc["pipelines"]["tiny"]
     tiny["data"]["sources"] = [str(corpus)]
-    tiny["pretrain"].update(max_steps=4, eval_steps=4, log_steps=2)
-    tiny["pretrain"]["schedule"]["warmup_steps"] = 1
+    tiny["pretrain"]["train"]["loop"].update(max_steps=4, eval_steps=4, log_steps=2)
+    tiny["pretrain"]["train"]["schedule"]["warmup_steps"] = 1
     tiny["checkpoint"]["save_steps"] = 4
     f = tmp_path / "pipelines.yaml"
     f.write_text(yaml.safe_dump(doc))
