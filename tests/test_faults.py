@@ -371,7 +371,7 @@ def _dead_pid() -> int:
 
 class TestLeftovers:
     def test_temp_dirs_of_dead_builds_are_removed_when_the_store_builds(self, tmp_path):
-        from tasks.store.artifacts import _HOST
+        from tasks.store.locks import HOST as _HOST  # the host tag of build directories
 
         root = tmp_path / "art"
         key = _key("k")
