@@ -59,7 +59,7 @@ class MindSporeBackend:
         self.path = Path(path)
         net, self.info = load_model(path)
         self.tokenizer = load_tokenizer(path)
-        self.generator = Generator(net)
+        self.generator = Generator(net, fused=True)  # eval.fused_kernels' default; model.kernels.off_reason decides
         self.sample_next = sample_next
         self.context_length = int(self.generator.max_len)
         self.vocab_size = int(net.config.vocab_size)
