@@ -414,14 +414,10 @@ class TestLeftovers:
         import psutil
 
         from tests.test_flows import _tiny_config
-        from tests.test_server import PREFECT, _free_port, _stop, _wait_health
+        from tests.test_server import PREFECT, _stop, _wait_health, server_env
 
         cfg = _tiny_config(tmp_path)
-        port = _free_port()
-        api = f"http://127.0.0.1:{port}/api"
-        env = dict(os.environ, PREFECT_HOME=str(tmp_path / "home"), PREFECT_API_URL=api,
-                   PREFECT_SERVER_ANALYTICS_ENABLED="false", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", GLOG_v="3",
-                   PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+        port, api, env = server_env(tmp_path)
         server = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
                                   env=env, stdout=open(tmp_path / "server.log", "w"), stderr=subprocess.STDOUT,
                                   start_new_session=True)
