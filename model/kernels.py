@@ -10,7 +10,7 @@ path every caller uses; each concern has its own module:
 
 | module | concern |
 |---|---|
-| `model/cpu.py` | /proc/cpuinfo, the ISA levels (flags per level), which level this CPU runs (MSLLM_KERNEL_ISA forces one) |
+| `model/cpu.py` | /proc/cpuinfo, the ISA levels (flags per level), which level this CPU runs (MSLLM_KERNEL_ISA) |
 | `model/kernel_build.py` | compile per level, verify in a subprocess, the private checksummed cache, NATIVE_SOURCES |
 | `model/kernel_ops.py` | the `ops.Custom` wrappers and their graph-time operand checks |
 | here | whether the kernels run (`off_reason` / `enabled`), and the names above re-exported |
