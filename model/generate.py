@@ -191,7 +191,7 @@ def _decode_dtypes(*dtypes):
 
 def _decode_op(lib: str, vocab: int, n_layers: int):
     """The DecodeStep custom op, declared as writing its 2 * n_layers cache inputs (RW_WRITE, side_effect_mem,
-    as model/kernels.py's in-place ops): so a graph never hands the kernel a copy of a cache Parameter, and
+    as model/kernel_ops.py's in-place ops): so a graph never hands the kernel a copy of a cache Parameter, and
     the write is ordered after any earlier read of it."""
     from mindspore.ops import signature as sig
 

@@ -17,143 +17,26 @@ weight cast per call, so gradients reach the fp32 weights through the Cast); the
 residual stream is fp16, RMSNorm, softmax and the loss run in fp32 and logits are
 returned as fp32. The default float32 adds no casts at all.
 
-CPU-driven choices (see docs/MINDSPORE_CPU.md): projections are one 2-D MatMul
-on the flattened tokens, attention scores use BatchMatMul(transpose_b=True); last-axis
-reductions run on 2-D tensors or as a MatMul by a ones column (RMSNorm, softmax rows),
-broadcasting element-wise ops are avoided where one broadcast can be shared (the causal
-mask, RoPE's cos/sin), the loss is the fused LogSoftmax kernel plus a gather, SwiGLU has
-a hand-written backward; RMSNorm / embedding avoid Rsqrt and nn.Embedding so the model
-exports to ONNX.
+CPU-driven choices (see docs/MINDSPORE_CPU.md): attention scores use BatchMatMul(transpose_b=True),
+softmax runs on 2-D rows, broadcasting element-wise ops are avoided where one broadcast can be shared (the
+causal mask, RoPE's cos/sin), the loss is the fused LogSoftmax kernel plus a gather. The building blocks
+(projection, embedding, RMSNorm, SwiGLU, RoPE tables, the fused-kernel cells) are in model/layers.py.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import mindspore as ms
-from mindspore import Parameter, Tensor, nn, ops
+from mindspore import Tensor, nn, ops
 
 from model.config import ModelConfig
+# the building blocks (model/layers.py), re-exported: callers import them from here
+from model.layers import (Embedding, FusedCausalSoftmax, FusedCrossEntropy, FusedRMSNorm, Linear, RMSNorm, SwiGLU,
+                          apply_rope, causal_mask, rope_tables, rotate_half_matrix)
 
-_MASKED = -1e9  # additive score for disallowed keys; exp() of it underflows to exactly 0
-
-
-def rope_tables(head_dim: int, max_seq_length: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin tables [max_seq_length, head_dim] for rotate-half RoPE (HF layout)."""
-    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    freqs = np.outer(np.arange(max_seq_length, dtype=np.float64), inv_freq)  # [S, hd/2]
-    angles = np.concatenate([freqs, freqs], axis=-1)                         # [S, hd]
-    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate x [B, heads, T, hd] by the angles of its positions; cos/sin are [T, hd]."""
-    x1, x2 = ops.chunk(x, 2, axis=-1)
-    return x * cos + ops.cat((-x2, x1), axis=-1) * sin
-
-
-def rotate_half_matrix(head_dim: int) -> np.ndarray:
-    """R [hd, hd] with x @ R == cat(-x2, x1) exactly (entries 0 and ±1: every output is one input)."""
-    half = head_dim // 2
-    r = np.zeros((head_dim, head_dim), np.float32)
-    r[np.arange(half) + half, np.arange(half)] = -1.0   # out[:half] = -x2
-    r[np.arange(half), np.arange(half) + half] = 1.0    # out[half:] = x1
-    return r
-
-
-def causal_mask(q_positions: Tensor, k_positions: Tensor) -> Tensor:
-    """Additive mask [Tq, Tk]: 0 where the key is at or before the query, else -1e9.
-
-    Built from positions (not from T alone) so a KV-cache decode step, whose
-    queries sit at the end of a longer key sequence, can reuse it.
-    """
-    future = k_positions.reshape(1, -1) > q_positions.reshape(-1, 1)
-    return future.astype(ms.float32) * _MASKED
-
-
-class Linear(nn.Cell):
-    """Bias-free projection with an [out, in] weight, as ONE 2-D matmul on flattened tokens."""
-
-    def __init__(self, weight: np.ndarray, compute_dtype=ms.float32):
-        super().__init__()
-        self.out_features = weight.shape[0]
-        self.weight = Parameter(Tensor(weight), name="weight")
-        self.matmul = ops.MatMul(transpose_b=True)
-        self.half = compute_dtype != ms.float32
-        self.compute_dtype = compute_dtype
-
-    def construct(self, x: Tensor) -> Tensor:
-        # x: [..., in] -> [N, in] @ [out, in]^T -> [..., out]
-        if self.half:  # fp32 master weight, low-precision matmul; output stays in compute_dtype
-            y = self.matmul(x.reshape(-1, x.shape[-1]).astype(self.compute_dtype), self.weight.astype(self.compute_dtype))
-        else:
-            y = self.matmul(x.reshape(-1, x.shape[-1]), self.weight)
-        return y.reshape(x.shape[:-1] + (self.out_features,))
-
-
-class Embedding(nn.Cell):
-    """Token embedding as a gather on a [vocab, hidden] Parameter (ONNX-exportable)."""
-
-    def __init__(self, weight: np.ndarray, compute_dtype=ms.float32):
-        super().__init__()
-        self.weight = Parameter(Tensor(weight), name="weight")
-        self.half = compute_dtype != ms.float32
-        self.compute_dtype = compute_dtype
-
-    def construct(self, input_ids: Tensor) -> Tensor:
-        x = ops.gather(self.weight, input_ids, 0)  # [B, T] -> [B, T, H]
-        if self.half:
-            x = x.astype(self.compute_dtype)
-        return x
-
-
-class FusedRMSNorm(nn.Cell):
-    """RMSNorm forward and backward as one fused kernel each (model/train_kernels.cc); the backward
-    recomputes 1/rms from x (one pass) rather than keeping it."""
-
-    def __init__(self, kernels, eps: float):
-        super().__init__()
-        self.forward_op, self.backward_op = kernels.rms_norm, kernels.rms_norm_grad
-        self.eps = Tensor(np.array([eps], np.float32))
-
-    def construct(self, x: Tensor, weight: Tensor) -> Tensor:
-        return self.forward_op(x, weight, self.eps)
-
-    def bprop(self, x, weight, out, dout):
-        return self.backward_op(x, weight, self.eps, dout)
-
-
-class RMSNorm(nn.Cell):
-    """x * (1 / sqrt(mean(x^2) + eps)) * weight, over the last axis (no Rsqrt: ONNX has no mapping).
-
-    On the flattened tokens [N, H], with the sum of squares as a MatMul by a ones column: a
-    last-axis ReduceMean of a 3-D tensor and Div's gradient are slow on CPU (docs/MINDSPORE_CPU.md).
-    """
-
-    def __init__(self, hidden_size: int, eps: float, compute_dtype=ms.float32, kernels=None):
-        super().__init__()
-        self.eps = eps
-        self.hidden_size = hidden_size
-        self.weight = Parameter(Tensor(np.ones(hidden_size, np.float32)), name="weight")
-        self.ones = Tensor(np.ones((hidden_size, 1), np.float32))  # a constant, not a Parameter
-        self.sum_matmul = ops.MatMul()
-        self.half = compute_dtype != ms.float32
-        self.compute_dtype = compute_dtype
-        self.fused = kernels is not None and not self.half
-        if self.fused:  # forward and backward one fused kernel each (model/kernels.py)
-            self.fused_norm = FusedRMSNorm(kernels, eps)
-
-    def construct(self, x: Tensor) -> Tensor:
-        if self.fused:
-            return self.fused_norm(x, self.weight)
-        shape = x.shape
-        x2 = x.reshape(-1, self.hidden_size)                                   # [N, H]
-        if self.half:  # normalise in fp32, hand back the compute dtype
-            x2 = x2.astype(ms.float32)
-        mean_sq = self.sum_matmul(x2 * x2, self.ones) / self.hidden_size       # [N, 1]
-        y = x2 * (1.0 / ops.sqrt(mean_sq + self.eps)) * self.weight            # [N, H]
-        if self.half:
-            y = y.astype(self.compute_dtype)
-        return y.reshape(shape)
+__all__ = ["Attention", "MLP", "DecoderLayer", "LlamaForCausalLM", "causal_lm_loss", "Embedding", "FusedCausalSoftmax",
+           "FusedCrossEntropy", "FusedRMSNorm", "Linear", "RMSNorm", "SwiGLU", "apply_rope", "causal_mask",
+           "rope_tables", "rotate_half_matrix"]
 
 
 class Attention(nn.Cell):
@@ -258,63 +141,6 @@ class Attention(nn.Cell):
         out = self.values_matmul(probs.reshape(b, nkv, self.n_rep * t, s), v).reshape(b, nh, t, hd)  # [B, nh, T, hd]
         out = ops.transpose(out, (0, 2, 1, 3)).reshape(b, t, nh * hd)             # [B, T, nh*hd]
         return self.o_proj(out)                                                   # [B, T, H]
-
-
-class FusedCausalSoftmax(nn.Cell):
-    """softmax(scores + causal mask) over the last axis of [N, T, S] (queries at the last T of S keys), forward
-    and backward each one fused kernel (model/train_kernels.cc): 2-3x MindSpore's mask add + Softmax and
-    its expanded backward (Mul, ReduceSum, Sub, Mul) on CPU. Masked keys get probability exactly 0."""
-
-    def __init__(self, kernels):
-        super().__init__()
-        self.forward_op, self.backward_op = kernels.causal_softmax, kernels.softmax_grad
-
-    def construct(self, scores: Tensor) -> Tensor:
-        return self.forward_op(scores)
-
-    def bprop(self, scores, out, dout):
-        return (self.backward_op(out, dout),)
-
-
-class FusedCrossEntropy(nn.Cell):
-    """Per-row cross-entropy of logits [N, V] against int32 labels [N] (negative = ignored, nll 0), returning
-    (nll [N], logsumexp [N]); forward and backward one pass each (model/train_kernels.cc): no [N, V]
-    log-probability buffer is kept, and the backward writes dlogits directly."""
-
-    def __init__(self, kernels):
-        super().__init__()
-        self.forward_op, self.backward_op = kernels.cross_entropy, kernels.cross_entropy_grad
-
-    def construct(self, logits: Tensor, labels: Tensor):
-        return self.forward_op(logits, labels)
-
-    def bprop(self, logits, labels, out, dout):
-        return self.backward_op(logits, labels, out[1], dout[0]), ops.zeros_like(labels)
-
-
-class SwiGLU(nn.Cell):
-    """silu(gate) * up, with a hand-written backward: ~28% faster forward + backward on CPU than
-    autodiff of ops.silu (which expands to Sigmoid, SigmoidGrad and more element-wise passes); with
-    `kernels` (model/kernels.py) forward and backward are one fused kernel each (~2x and ~3.5x faster)."""
-
-    def __init__(self, kernels=None):
-        super().__init__()
-        self.fused = kernels is not None
-        if self.fused:
-            self.forward_op, self.backward_op = kernels.swiglu, kernels.swiglu_grad
-
-    def construct(self, gate: Tensor, up: Tensor) -> Tensor:
-        if self.fused:
-            return self.forward_op(gate, up)
-        return ops.silu(gate) * up
-
-    def bprop(self, gate, up, out, dout):
-        if self.fused:
-            return self.backward_op(gate, up, dout)
-        s = ops.sigmoid(gate)
-        a = gate * s                                       # silu(gate)
-        # d silu(g) / dg = s + g * s * (1 - s) = s * (1 + g - a)
-        return dout * up * (s * (1.0 + gate - a)), dout * a
 
 
 class MLP(nn.Cell):

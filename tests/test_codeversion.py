@@ -61,7 +61,7 @@ def test_edit_inside_the_closure_changes_the_version(repo_copy, rel):
 @pytest.mark.parametrize("module", ["tasks.stages.pretrain", "tasks.stages.finetune", "tasks.stages.evaluate",
                                     "tasks.stages.export"])
 def test_edit_of_a_native_kernel_source_changes_the_version(repo_copy, rel, module):
-    # model/kernels.py compiles these at run time: every stage that can run them is keyed by them
+    # model/kernel_build.py compiles these at run time: every stage that can run them is keyed by them
     assert rel in native_sources(module, repo_copy)
     before = code_version(module, root=repo_copy)
     _edit(repo_copy / rel, "\n// an edit\n")
@@ -69,7 +69,7 @@ def test_edit_of_a_native_kernel_source_changes_the_version(repo_copy, rel, modu
 
 
 def test_every_native_source_in_model_is_declared():
-    # a new .cc/.h beside model/kernels.py must be listed in NATIVE_SOURCES, or editing it would not change any key
+    # a new .cc/.h beside model/kernel_build.py must be listed in NATIVE_SOURCES, or editing it would not change any key
     on_disk = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "model").iterdir() if p.suffix in (".cc", ".h"))
     assert native_sources("model.kernels", REPO) == on_disk
 

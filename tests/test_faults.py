@@ -371,7 +371,7 @@ def _dead_pid() -> int:
 
 class TestLeftovers:
     def test_temp_dirs_of_dead_builds_are_removed_when_the_store_builds(self, tmp_path):
-        from tasks.store.artifacts import _HOST
+        from tasks.store.locks import HOST as _HOST  # the host tag of build directories
 
         root = tmp_path / "art"
         key = _key("k")
@@ -414,14 +414,10 @@ class TestLeftovers:
         import psutil
 
         from tests.test_flows import _tiny_config
-        from tests.test_server import PREFECT, _free_port, _stop, _wait_health
+        from tests.test_server import PREFECT, _stop, _wait_health, server_env
 
         cfg = _tiny_config(tmp_path)
-        port = _free_port()
-        api = f"http://127.0.0.1:{port}/api"
-        env = dict(os.environ, PREFECT_HOME=str(tmp_path / "home"), PREFECT_API_URL=api,
-                   PREFECT_SERVER_ANALYTICS_ENABLED="false", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", GLOG_v="3",
-                   PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+        port, api, env = server_env(tmp_path)
         server = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
                                   env=env, stdout=open(tmp_path / "server.log", "w"), stderr=subprocess.STDOUT,
                                   start_new_session=True)

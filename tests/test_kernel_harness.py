@@ -1,6 +1,6 @@
 """tests/native/kernel_harness.cc: each ISA body of model/train_kernels.cc against the scalar body, in C++.
 
-The aarch64 NEON body is cross-compiled (aarch64-linux-gnu-g++) with model/kernels.py's own level flags
+The aarch64 NEON body is cross-compiled (aarch64-linux-gnu-g++) with model/cpu.py's own level flags
 and run under qemu-aarch64: numerical agreement only, no speed (an emulator says nothing about that).
 Skipped, with the reason, where those tools are not installed (Debian: g++-aarch64-linux-gnu qemu-user).
 The same harness runs natively for the x86 bodies this CPU can run. Compiling takes seconds: integration.

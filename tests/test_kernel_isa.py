@@ -1,4 +1,4 @@
-"""The native kernels' ISA bodies, their selection, and their build cache (model/kernels.py, model/simd.h).
+"""The native kernels' ISA bodies, their selection, and their build cache (model/cpu.py, model/kernel_build.py, simd.h).
 
 Every body this CPU can run is called directly through ctypes (MindSpore's aot calling convention, no
 graph) and compared with the scalar body, the reference. The bounds are derived from float32's unit
@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import model.kernel_build as kernel_build  # the build cache's private memo and helpers
 import model.kernels as kernels
 from model.kernels import DECODE_SOURCE, TRAIN_SOURCE, build_kernel, cpu_levels, select_isa
 
@@ -202,7 +203,7 @@ def test_kernels_refuse_bad_operands_before_touching_memory(isa):
 def cache(tmp_path, monkeypatch):
     d = tmp_path / "kcache"
     monkeypatch.setenv("MSLLM_KERNEL_CACHE", str(d))
-    monkeypatch.setattr(kernels, "_builds", {})
+    monkeypatch.setattr(kernel_build, "_builds", {})
     return d
 
 
@@ -222,14 +223,14 @@ def test_a_corrupt_cached_library_is_rebuilt(cache, small_source, damage, capfd)
     first = build_kernel(small_source, isa="scalar")
     lib = Path(first.lib)
     good = lib.read_bytes()
-    assert (lib.parent / (lib.name + ".sha256")).read_text().split()[0] == kernels._sha256(lib)
+    assert (lib.parent / (lib.name + ".sha256")).read_text().split()[0] == kernel_build._sha256(lib)
     lib.write_bytes(good[: len(good) // 3] if damage == "truncated" else os.urandom(len(good)))
-    kernels._builds.clear()  # a new process
+    kernel_build._builds.clear()  # a new process
     capfd.readouterr()
     again = build_kernel(small_source, isa="scalar")
     err = capfd.readouterr().err
     assert again.lib == first.lib
-    assert (lib.parent / (lib.name + ".sha256")).read_text().split()[0] == kernels._sha256(lib)
+    assert (lib.parent / (lib.name + ".sha256")).read_text().split()[0] == kernel_build._sha256(lib)
     assert ctypes.CDLL(again.lib).Two() == 2
     lines = [ln for ln in err.splitlines() if "does not match its checksum" in ln]
     assert len(lines) == 1 and str(lib) in lines[0]
@@ -239,7 +240,7 @@ def test_a_corrupt_cached_library_is_rebuilt(cache, small_source, damage, capfd)
 def test_a_missing_checksum_is_rebuilt_too(cache, small_source):
     lib = Path(build_kernel(small_source, isa="scalar").lib)
     (lib.parent / (lib.name + ".sha256")).unlink()
-    kernels._builds.clear()
+    kernel_build._builds.clear()
     assert build_kernel(small_source, isa="scalar").lib == str(lib)
     assert (lib.parent / (lib.name + ".sha256")).is_file()
 
@@ -298,9 +299,9 @@ def test_a_cache_others_can_write_is_refused(cache, small_source):
 def test_the_compiler_version_is_in_the_cache_key(cache, small_source, tmp_path, monkeypatch):
     cxx = _fake_cxx(tmp_path, 'exit 1\n')
     monkeypatch.setenv("CXX", str(cxx))
-    key = lambda: kernels._cache_key(small_source, False, "scalar", str(cxx))  # noqa: E731
-    kernels._compiler_versions.clear()
+    key = lambda: kernel_build._cache_key(small_source, False, "scalar", str(cxx))  # noqa: E731
+    kernel_build._compiler_versions.clear()
     k1 = key()
     cxx.write_text(cxx.read_text().replace("fake-g++ 0.1", "fake-g++ 0.2"))
-    kernels._compiler_versions.clear()
+    kernel_build._compiler_versions.clear()
     assert key() != k1

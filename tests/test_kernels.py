@@ -165,9 +165,9 @@ def test_fused_model_matches_builtin_ops_forward_and_backward():
 def test_fallback_without_kernels_and_in_fp16(monkeypatch):
     cfg = ModelConfig.from_name("tiny")
     assert not LlamaForCausalLM(cfg, seed=0, compute_dtype=ms.float16, fused_kernels=True).fused_kernels
-    import model.kernels as kernels
+    import model.kernel_ops as kernel_ops
 
-    monkeypatch.setattr(kernels, "_train_ops", [])
+    monkeypatch.setattr(kernel_ops, "_train_ops", [])
     monkeypatch.setenv("MSLLM_FUSED_KERNELS", "0")  # as on a machine without g++: built-in ops, same results
     net = LlamaForCausalLM(cfg, seed=0, fused_kernels=True)
     assert not net.fused_kernels
@@ -176,9 +176,10 @@ def test_fallback_without_kernels_and_in_fp16(monkeypatch):
 
 
 def test_build_without_a_compiler_gives_none(monkeypatch, tmp_path):
+    import model.kernel_build as kernel_build
     import model.kernels as kernels
 
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    monkeypatch.setattr(kernels, "_builds", {})
+    monkeypatch.setattr(kernel_build, "_builds", {})
     assert kernels.build(kernels.TRAIN_SOURCE) is None
     assert kernels.kernel_path().startswith("off: no C++ compiler")

@@ -43,6 +43,17 @@ def _wait_health(url: str, timeout: float) -> None:
     raise TimeoutError(f"prefect server at {url} not healthy after {timeout}s")
 
 
+def server_env(tmp_path: Path) -> tuple[int, str, dict[str, str]]:
+    """A free port, the API URL of a Prefect server started on it, and the environment for the server and its
+    clients (a private PREFECT_HOME under tmp_path, offline, this virtualenv's scripts first on PATH)."""
+    port = _free_port()
+    api = f"http://127.0.0.1:{port}/api"
+    env = dict(os.environ, PREFECT_HOME=str(tmp_path / "home"), PREFECT_API_URL=api,
+               PREFECT_SERVER_ANALYTICS_ENABLED="false", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", GLOG_v="3",
+               PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    return port, api, env
+
+
 def _stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)
@@ -71,11 +82,7 @@ def _run_deployment(env: dict, name: str, timeout: int = 900) -> str:
 @pytest.mark.slow
 def test_deployments_on_a_real_server(tmp_path):
     cfg = _tiny_config(tmp_path)
-    port = _free_port()
-    api = f"http://127.0.0.1:{port}/api"
-    env = dict(os.environ, PREFECT_HOME=str(tmp_path / "home"), PREFECT_API_URL=api,
-               PREFECT_SERVER_ANALYTICS_ENABLED="false", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", GLOG_v="3",
-               PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    port, api, env = server_env(tmp_path)
     procs = []
     try:
         server = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],

@@ -58,7 +58,7 @@ _EXTERNAL_ABOVE = 1_800_000_000  # bytes of weights: above this, save_model writ
 
 
 def rope_tables(head_dim: int, max_seq_length: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin [max_seq_length, head_dim], rotate-half layout: model.llama.rope_tables, without MindSpore."""
+    """cos, sin [max_seq_length, head_dim], rotate-half layout: model.layers.rope_tables, without MindSpore."""
     inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     freqs = np.outer(np.arange(max_seq_length, dtype=np.float64), inv_freq)
     angles = np.concatenate([freqs, freqs], axis=-1)

@@ -71,7 +71,7 @@ class MindSporeBackend:
         self.tokenizer = load_tokenizer(path)
         # before the Generator: its compiled graphs then hold the LoRA layers, and serve every adapter
         self.slots = _lora_slots(net, adapters) if adapters else None
-        self.generator = Generator(net)
+        self.generator = Generator(net, fused=True)  # eval.fused_kernels' default; model.kernels.off_reason decides
         self.sample_next = sample_next
         self.context_length = int(self.generator.max_len)
         self.vocab_size = int(net.config.vocab_size)

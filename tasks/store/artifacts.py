@@ -21,58 +21,53 @@ rename wins and the loser's copy is discarded. Nothing is read back with pickle.
 
 A build directory is named `.tmp-<key>-<pid>-<random>@<host>`. A process killed
 mid-build (kill -9, OOM, power loss) leaves it behind; the first build of each
-store object removes those whose process is gone (`clean_stale`): same host,
-and the pid no longer running or now a different process (started after the
-directory was last written). Live builds, other hosts' builds and anything
-not named like a build directory are left alone.
+store object removes those whose process is gone (`clean_stale`).
+
+The store's parts, each in its own module (and re-exported here, the import path callers use):
+
+| module | concern |
+|---|---|
+| `tasks/store/disk.py` | sha256 of a file, canonical JSON, fsync, atomic writes |
+| `tasks/store/errors.py` | ArtifactError, and one clear line for a storage fault (no space, read-only, ...) |
+| `tasks/store/published.py` | reading a manifest, verify-on-load (`verify_published`), rebuild hints |
+| `tasks/store/locks.py` | one builder per key (file locks inherited by children), dead builds' directories |
+| here | keys, lookups, and the atomic build that writes the manifest |
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime as _dt
-import errno
-import fcntl
 import hashlib
 import importlib.metadata as _md
-import json
 import os
 import platform
-import re
 import shutil
-import socket
-import sys
 import subprocess
-import threading
-import uuid
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-MANIFEST = "manifest.json"
+# The names below are part of this module's API (callers import them from here); each lives in its own module.
+from tasks.store.disk import atomic_write_bytes, atomic_write_json, canonical_json, fsync_dir, sha256_file
+from tasks.store.errors import STORAGE_ERRNOS, ArtifactError, storage_error, tree_size
+from tasks.store.locks import (KEY_LEN, LOCK_DIR, LOCKS_ENV, build_dir_name, build_lock, clean_stale, held_locks_env,
+                               pid_alive)
+from tasks.store.published import (MANIFEST, REBUILD_COMMANDS, artifact_dir_of, read_manifest, rebuild_hint,
+                                   verify_published)
+
+__all__ = ["ArtifactStore", "Build", "SCHEMA_VERSION", "git_commit", "environment", "raw_file_input",
+           "atomic_write_bytes", "atomic_write_json", "canonical_json", "fsync_dir", "sha256_file",
+           "STORAGE_ERRNOS", "ArtifactError", "storage_error", "KEY_LEN", "LOCK_DIR", "LOCKS_ENV", "held_locks_env",
+           "pid_alive", "MANIFEST", "REBUILD_COMMANDS", "artifact_dir_of", "read_manifest", "rebuild_hint",
+           "verify_published"]
+
 SCHEMA_VERSION = 1
-KEY_LEN = 20
 _REPO = Path(__file__).resolve().parents[2]
 
-class ArtifactError(RuntimeError):
-    """An artifact is missing, incomplete, corrupt or outside the artifact root."""
 
-    permanent = True  # rerunning the stage that reads it cannot repair it (tasks/runtime/supervise.is_permanent)
-
-
-# ----------------------------------------------------------------------------- hashing
-
-
-def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
-def canonical_json(obj: Any) -> str:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+# ----------------------------------------------------------------------------- what goes into a manifest
 
 
 def git_commit() -> str | None:
@@ -105,154 +100,6 @@ def raw_file_input(path: str | os.PathLike) -> dict[str, Any]:
     return {"kind": "file", "path": str(p.resolve()), "size": p.stat().st_size, "sha256": sha256_file(p)}
 
 
-def fsync_dir(path: Path) -> None:
-    """fsync a directory (its entries: a rename into it is durable); a no-op where the OS refuses."""
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write to a temp file beside `path`, fsync, rename: readers see the old file or the new one."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(f".{p.name}.tmp-{uuid.uuid4().hex[:8]}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, p)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    fsync_dir(p.parent)
-
-
-def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n").encode())
-
-
-# ----------------------------------------------------------------------------- verify on load
-
-# The msllm command that builds each artifact kind, for "rebuild it" hints. It is the stage table's `command`
-# (tasks/stages/__init__.py), which the store may not import (the stage table imports the store);
-# tests/test_artifacts.py keeps the two equal.
-REBUILD_COMMANDS = {"data": "data", "pretrain": "train", "finetune": "finetune", "merged": "finetune",
-                    "eval": "eval", "export": "export", "convert": "convert --from-hf DIR"}
-_VERIFIED: dict[str, tuple] = {}  # resolved path -> stat stamp of a file whose sha256 matched its manifest
-
-
-def _file_stamp(st: os.stat_result) -> tuple:
-    # ctime too: any write changes it, and unlike mtime no user can set it back
-    return (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)
-
-
-def artifact_dir_of(path: str | os.PathLike, levels: int = 4) -> Path | None:
-    """The published artifact directory holding `path` (the nearest parent with a manifest.json), or None."""
-    p = Path(path).resolve()
-    for d in [p, *p.parents][: levels + 1]:
-        if d.is_dir() and (d / MANIFEST).is_file():
-            return d
-    return None
-
-
-def rebuild_hint(manifest: dict[str, Any], artifact: Path) -> str:
-    """What rebuilds an artifact: delete it, run the command that built it."""
-    stage = manifest.get("stage", "?")
-    cmd = REBUILD_COMMANDS.get(stage, stage)
-    pipe = f" --pipeline {manifest['pipeline']}" if manifest.get("pipeline") and stage != "convert" else ""
-    return f"rebuild it: delete {artifact} and run `msllm {cmd}{pipe}` (the {stage} stage)"
-
-
-def verify_published(path: str | os.PathLike, *, force: bool = False) -> Path:
-    """Check a file of a published artifact against the sha256 its manifest records, before anyone uses it.
-
-    Every reader of a published artifact calls this for each file it loads (model weights, model.json,
-    tokenizer, ONNX, shards), so what is loaded is what was published. Policy: a full sha256 of the file,
-    once per process for an unchanged file (the stat stamp, ctime included, is remembered after a match;
-    any write to the file changes its ctime, so it is hashed again). A mismatch, a file missing from the
-    manifest or a size change raises ArtifactError naming the file, the expected and the actual digest
-    and the command that rebuilds the artifact. A file in a directory without a manifest.json is not a
-    published artifact (a build in progress, a hand-made directory): it is returned unchecked, with one
-    warning line on stderr for a directory that looks like an artifact (the caller decides whether to accept it).
-    `force=True` hashes the file even when this process checked it before (`ArtifactStore.verify`). Returns the path.
-    """
-    fp = Path(path)
-    try:
-        st = fp.stat()
-    except FileNotFoundError:
-        raise ArtifactError(f"{fp}: missing; the artifact is incomplete: rebuild it") from None
-    key = str(fp.resolve())
-    if not force and _VERIFIED.get(key) == _file_stamp(st):
-        return fp
-    art = artifact_dir_of(fp)
-    if art is None:
-        print(f"[artifacts] warning: {fp.parent} has no {MANIFEST}: not a published artifact, {fp.name} is not "
-              "checked", file=sys.stderr)
-        return fp
-    manifest = ArtifactStore.read_manifest(art)
-    rel = Path(key).relative_to(art).as_posix()
-    entry = next((f for f in manifest.get("files", []) if f.get("path") == rel), None)
-    if entry is None:
-        raise ArtifactError(f"{fp}: not listed in {art / MANIFEST}, so it was not published with the artifact; "
-                            f"{rebuild_hint(manifest, art)}")
-    actual = sha256_file(fp)
-    if actual != entry.get("sha256"):
-        size = "" if st.st_size == entry.get("size") else f" (size {st.st_size} bytes, published {entry.get('size')})"
-        raise ArtifactError(f"{fp}: sha256 differs from the manifest: {art / MANIFEST} records {entry.get('sha256')}, "
-                            f"the file has {actual}{size}; it changed after it was published (corrupt or edited): "
-                            f"{rebuild_hint(manifest, art)}")
-    _VERIFIED[key] = _file_stamp(st)
-    return fp
-
-
-# ----------------------------------------------------------------------------- storage faults
-
-STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})
-"""OSErrors of the storage itself: the same write fails again on retry until someone frees space or fixes access."""
-
-
-def _size(n: int) -> str:
-    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= div:
-            return f"{n / div:.1f} {unit}"
-    return f"{n} bytes"
-
-
-def _tree_size(path: Path) -> int:
-    """Bytes written so far under a build directory (what a retry will need at least)."""
-    total = 0
-    with contextlib.suppress(OSError):
-        for q in path.rglob("*"):
-            with contextlib.suppress(OSError):
-                if q.is_file():
-                    total += q.stat().st_size
-    return total
-
-
-def storage_error(exc: OSError, path: str | os.PathLike, need: int | None = None) -> ArtifactError:
-    """One clear line for a storage fault while writing under the artifact root: which path, what is wrong,
-    how much space is needed when known, and the fix. Permanent: retrying the same write cannot help."""
-    p = Path(path)
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        probe = next((q for q in (p, *p.parents) if q.exists()), Path("/"))
-        try:
-            free = f"{_size(shutil.disk_usage(probe).free)} free"
-        except OSError:
-            free = "free space unknown"
-        needs = f", the build had written {_size(need)} and needs more" if need else ""
-        what = "disk quota exceeded" if exc.errno == errno.EDQUOT else "no space left on the device"
-        return ArtifactError(f"{p}: {what} ({free}{needs}); nothing was published: free space there or pass "
-                             "--artifacts DIR on a disk with room")
-    what = "read-only file system" if exc.errno == errno.EROFS else "permission denied"
-    return ArtifactError(f"{p}: cannot write ({what}); nothing was published: the artifact root must be writable: "
-                         "fix its permissions or pass --artifacts DIR on a writable disk")
-
-
 # ----------------------------------------------------------------------------- the store
 
 
@@ -267,72 +114,16 @@ class Build:
     reused: bool = False  # True when another process finished the same key first
 
 
-LOCK_DIR = ".locks"
-LOCKS_ENV = "MSLLM_STORE_LOCKS"
-"""`stage/key,...`: build locks a parent process holds for this one (a stage's supervised child, msrun ranks)."""
-_INHERITED_LOCKS = frozenset(t for t in os.environ.get(LOCKS_ENV, "").split(",") if t)
-_THREAD = threading.local()  # .held: the stage/key locks this thread holds
-
-
-def _held() -> set[str]:
-    if not hasattr(_THREAD, "held"):
-        _THREAD.held = set()
-    return _THREAD.held
-
-
-def held_locks_env() -> dict[str, str]:
-    """The environment entry that hands this thread's build locks to a child process it starts and waits for."""
-    tokens = sorted(_INHERITED_LOCKS | _held())
-    return {LOCKS_ENV: ",".join(tokens)} if tokens else {}
-
-
 class ArtifactStore:
     def __init__(self, root: str | os.PathLike = "artifacts"):
         self.root = Path(root).resolve()
         self._cleaned = False  # leftovers of dead builds are removed on this store's first build
 
     # -- one build per key
-    @contextlib.contextmanager
-    def lock(self, stage: str, key: str) -> Iterator[None]:
-        """Hold the build lock of (stage, key): one builder per key across processes, threads and hosts that
-        share a file system with working flock.
-
-        An OS file lock (fcntl.flock on `<root>/.locks/<stage>.<key>.lock`): the kernel drops it when its holder
-        dies (kill -9 included), so a crashed build never blocks the next one. A second identical run waits
-        here (saying so on stderr), then finds the artifact the first one published. Re-entrant in one
-        thread; a child process the holder starts and waits for (the supervised stage child, msrun ranks)
-        inherits it through MSLLM_STORE_LOCKS (`held_locks_env`). Lock files are left in place (removing one
-        would race with a process about to lock it).
-        """
-        token = f"{stage}/{key}"
-        if token in _INHERITED_LOCKS or token in _held():
-            yield
-            return
+    def lock(self, stage: str, key: str):
+        """Hold the build lock of (stage, key) (tasks/store/locks.py `build_lock`): one builder per key."""
         self.path_for(stage, key)  # a valid address
-        path = self.root / LOCK_DIR / f"{stage}.{key}.lock"
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as exc:
-            raise storage_error(exc, path) from None
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "?"
-                print(f"[artifacts] {stage}/{key} is being built by another process ({holder}); waiting for it",
-                      file=sys.stderr, flush=True)
-                fcntl.flock(fd, fcntl.LOCK_EX)
-            with contextlib.suppress(OSError):
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
-            _held().add(token)
-            try:
-                yield
-            finally:
-                _held().discard(token)
-        finally:
-            os.close(fd)  # releases the lock
+        return build_lock(self.root, stage, key)
 
     # -- keys
     @staticmethod
@@ -359,18 +150,7 @@ class ArtifactStore:
         return self.inside(self.root / stage / key)
 
     # -- reading
-    @staticmethod
-    def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
-        m = Path(path) / MANIFEST
-        try:
-            data = json.loads(m.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise ArtifactError(f"{path}: no {MANIFEST}; not a complete artifact (rerun the stage)") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ArtifactError(f"{m}: corrupt manifest ({exc}); delete the directory and rerun the stage") from None
-        if not isinstance(data, dict) or data.get("complete") is not True or "digest" not in data:
-            raise ArtifactError(f"{m}: incomplete manifest; delete the directory and rerun the stage")
-        return data
+    read_manifest = staticmethod(read_manifest)
 
     def is_complete(self, path: Path) -> bool:
         try:
@@ -452,9 +232,9 @@ class ArtifactStore:
         with self.lock(stage, key):  # one writer per key; re-entrant for a stage that already holds it
             if not self._cleaned:
                 self._cleaned = True
-                if n := self.clean_stale():
+                if n := clean_stale(self.root):
                     print(f"[artifacts] removed {n} build dir(s) left under {self.root} by killed builds", file=sys.stderr)
-            tmp = final.parent / f".tmp-{key}-{os.getpid()}-{uuid.uuid4().hex[:8]}@{_HOST}"
+            tmp = final.parent / build_dir_name(key)
             b = Build(dir=tmp, path=final)
             try:
                 try:
@@ -464,7 +244,7 @@ class ArtifactStore:
                     self._publish(b, stage, key, pipeline=pipeline, config=config, inputs=inputs, code=code)
                 except OSError as exc:
                     if exc.errno in STORAGE_ERRNOS:  # one line naming the path, never a half-published artifact
-                        raise storage_error(exc, exc.filename or tmp, need=_tree_size(tmp)) from None
+                        raise storage_error(exc, exc.filename or tmp, need=tree_size(tmp)) from None
                     raise
             finally:
                 if tmp.exists():
@@ -516,49 +296,5 @@ class ArtifactStore:
         fsync_dir(final.parent)
 
     def clean_stale(self) -> int:
-        """Remove `.tmp-*` build directories of dead builds (see the module doc); returns how many."""
-        n = 0
-        if not self.root.is_dir():
-            return 0
-        for stage_dir in self.root.iterdir():
-            if not stage_dir.is_dir():
-                continue
-            for t in stage_dir.glob(".tmp-*"):
-                m = _TMP_BUILD.match(t.name)
-                if m is None or (m["host"] or _HOST) != _HOST:
-                    continue  # not a store build dir (e.g. `.tmp-step_*` checkpoints), or another host's
-                try:
-                    written = t.stat().st_mtime
-                except OSError:
-                    continue
-                if pid_alive(int(m["pid"])) and not _started_after(int(m["pid"]), written):
-                    continue
-                shutil.rmtree(t, ignore_errors=True)
-                n += not t.exists()
-        return n
-
-
-# Build dirs: `.tmp-<key>-<pid>-<8 hex>@<host tag>` (without the tag: written before the tag existed).
-_TMP_BUILD = re.compile(rf"^\.tmp-[0-9a-f]{{{KEY_LEN}}}-(?P<pid>[0-9]+)-[0-9a-f]{{8}}(?:@(?P<host>[0-9a-f]{{8}}))?$")
-_HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
-
-
-def _started_after(pid: int, t: float, slack: float = 2.0) -> bool:
-    """True when process `pid` started after time `t` (so it cannot be what wrote something at `t`)."""
-    import psutil
-
-    try:
-        return psutil.Process(pid).create_time() > t + slack
-    except (psutil.Error, OSError):
-        return False
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process with this id exists (one we may not signal counts as alive)."""
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
+        """Remove the build directories of dead builds under the root (tasks/store/locks.py); returns how many."""
+        return clean_stale(self.root)

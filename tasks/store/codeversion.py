@@ -4,7 +4,7 @@ A stage's cache key must change when any code it runs changes, and only then. A
 hand-kept file list drifts, so the list is computed: parse every project module
 (packages `model`, `tasks`, `flows`) with `ast`, follow its imports transitively and
 hash the files reached, plus the native sources those modules build (a module-level
-`NATIVE_SOURCES = ("x.cc", "x.h")` literal, file names beside the module: `model/kernels.py`
+`NATIVE_SOURCES = ("x.cc", "x.h")` literal, file names beside the module: `model/kernel_build.py`
 compiles `model/*.cc` at run time, so every stage whose imports reach it is keyed by them),
 plus the data files the stage declares (the lm-eval task YAMLs, say):
 

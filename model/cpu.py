@@ -1,0 +1,111 @@
+"""The one hardware probe (/proc/cpuinfo) and the ISA levels the native kernels are built for.
+
+    cpu_flags()                       # {"avx2", "fma", ...}: the `flags` / `Features` line
+    cpu_model()                       # "Intel(R) Xeon(R) ...", for labelling measurements
+    cpu_levels()                      # ("avx512", "avx2", "scalar"): the levels this CPU runs, best first
+    select_isa()                      # ("avx2", "") to build, or (None, why not); MSLLM_KERNEL_ISA forces one
+
+A level is a fixed set of compiler flags (-march=x86-64-v4 for the AVX-512 body, x86-64-v3 for AVX2+FMA,
+armv8.2-a for NEON, -DMSLLM_SCALAR for the scalar reference) and the CPU flags code built with them needs,
+so one cached build (model/kernel_build.py) serves every machine of a level. The kernels' decision and
+their ops are in model/kernels.py; the trainer's theoretical peak (tasks/training/hardware.py) and the
+benchmarks' labels (scripts/bench/host.py) read the same probe.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import dataclass
+
+@dataclass(frozen=True)
+class Level:
+    name: str
+    machine: str           # platform.machine() family: "x86_64" or "aarch64"
+    flags: tuple[str, ...]
+    cpu_flags: frozenset[str]  # what /proc/cpuinfo must list for code built with `flags` to run
+
+
+_X86_V2 = {"cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3"}
+_X86_V3 = _X86_V2 | {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"}  # abm: LZCNT
+_X86_V4 = _X86_V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+LEVELS = {  # best first per machine
+    "x86_64": (Level("avx512", "x86_64", ("-march=x86-64-v4",), frozenset(_X86_V4)),
+               Level("avx2", "x86_64", ("-march=x86-64-v3",), frozenset(_X86_V3)),
+               Level("scalar", "x86_64", ("-march=x86-64", "-DMSLLM_SCALAR"), frozenset())),
+    "aarch64": (Level("neon", "aarch64", ("-march=armv8.2-a",), frozenset({"asimd", "fp", "atomics", "asimdrdm"})),
+                Level("scalar", "aarch64", ("-march=armv8-a", "-DMSLLM_SCALAR"), frozenset())),
+}
+ISA_NAMES = ("avx512", "avx2", "neon", "scalar")
+
+
+def _machine(machine: str | None = None) -> str:
+    m = (machine or platform.machine()).lower()
+    return {"amd64": "x86_64", "arm64": "aarch64"}.get(m, m)
+
+
+def _read_cpuinfo() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def cpu_flags(cpuinfo: str | None = None) -> set[str]:
+    """The CPU's feature flags: the `flags` (x86) or `Features` (aarch64) line of /proc/cpuinfo (or of
+    `cpuinfo`); empty where there is none. The one hardware probe: the kernel levels, the trainer's
+    theoretical peak (tasks/training/hardware.py) and the benchmarks' labels (scripts/bench/host.py) read it."""
+    if cpuinfo is None:
+        cpuinfo = _read_cpuinfo()
+    for line in cpuinfo.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip().lower() in ("flags", "features"):
+            return set(value.split())
+    return set()
+
+
+def cpu_model(cpuinfo: str | None = None) -> str:
+    """The CPU's name from the same /proc/cpuinfo: `model name` (x86), else `Hardware` / `CPU part`
+    (aarch64), else platform.processor() or the machine; for labelling measurements."""
+    if cpuinfo is None:
+        cpuinfo = _read_cpuinfo()
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        name, _, value = line.partition(":")
+        fields.setdefault(name.strip().lower(), value.strip())
+    for key in ("model name", "hardware", "cpu part"):
+        if fields.get(key):
+            return fields[key]
+    return platform.processor() or _machine()
+
+
+def cpu_levels(cpuinfo: str | None = None, machine: str | None = None) -> tuple[str, ...]:
+    """The ISA levels this CPU can run, best first (("avx512", "avx2", "scalar") on an AVX-512 x86), from
+    cpu_flags(cpuinfo) and the machine (platform.machine(), or `machine`)."""
+    levels = LEVELS.get(_machine(machine))
+    if levels is None:
+        return ()  # no kernel body for this architecture
+    have = cpu_flags(cpuinfo)
+    return tuple(lv.name for lv in levels if lv.cpu_flags <= have)
+
+
+def select_isa(override: str | None = None, cpuinfo: str | None = None, machine: str | None = None) -> tuple[str | None, str]:
+    """(level, "") to build, or (None, why not). `override` (default $MSLLM_KERNEL_ISA) forces a level."""
+    override = os.environ.get("MSLLM_KERNEL_ISA", "") if override is None else override
+    m = _machine(machine)
+    runs = cpu_levels(cpuinfo, m)
+    if not runs:
+        return None, f"no kernel body for this architecture ({m}; bodies: x86_64, aarch64)"
+    if override:
+        if override not in ISA_NAMES:
+            return None, f"MSLLM_KERNEL_ISA={override} is not one of {', '.join(ISA_NAMES)}"
+        if override not in runs:
+            return None, f"MSLLM_KERNEL_ISA={override}: this CPU ({m}) cannot run it (it runs {', '.join(runs)})"
+        return override, ""
+    return runs[0], ""
+
+
+def level(isa: str, machine: str | None = None) -> Level:
+    """The Level named `isa` of this machine's family (or of `machine`)."""
+    return next(lv for lv in LEVELS[_machine(machine)] if lv.name == isa)

@@ -1,0 +1,194 @@
+"""The native kernels as MindSpore custom ops (`ops.Custom(..., func_type="aot")`: a C++ function run inside the
+compiled graph like any kernel), with their operands checked when MindSpore infers the graph.
+
+    k = train_ops()                   # the fused train-step ops, or None: callers keep MindSpore's own ops
+    probs = k.causal_softmax(scores)  # [N, T, S] -> [N, T, S]
+    z = zero_ops()                    # the in-place AdamW op, or None
+
+Every kernel checks its operands and returns a code on a mismatch (KERNEL_ERRORS); the ops below also check
+shapes and dtypes at graph inference, so a wrong call fails there with a message naming the op and the
+operand (KernelShapeError), before any kernel runs. Whether to ask for them at all is model/kernels.py's
+`enabled`; the library comes from model/kernel_build.py.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from model.kernel_build import TRAIN_SOURCE, build, disabled_reason
+
+KERNEL_ERRORS = {1: "wrong number of operands", 2: "wrong dtype (float32 tensors, int32 labels/offsets/tokens)",
+                 3: "operand shapes do not match", 4: "a token or position out of range"}
+
+
+class KernelShapeError(ValueError):
+    """A fused op called with operands its kernel does not accept (raised when MindSpore infers the graph)."""
+
+
+def _need(ok: bool, op: str, what: str) -> None:
+    if not ok:
+        raise KernelShapeError(f"fused kernel {op}: {what}")
+
+
+def dtype_of(t):
+    """The element dtype of what MindSpore hands a dtype function (`Tensor[Float32]` or `Float32`)."""
+    return t.element_type() if hasattr(t, "element_type") else t
+
+
+def _f32(op: str, names: str, dtypes) -> None:
+    import mindspore as ms
+
+    for n, t in zip(names.split(), dtypes):
+        _need(dtype_of(t) == ms.float32, op, f"{n} must be float32, got {dtype_of(t)}")
+
+
+def _check_causal(op, *shapes):
+    _need(len(shapes[0]) == 3, op, f"scores must be [N, T, S], got shape {list(shapes[0])}")
+    _need(shapes[0][1] <= shapes[0][2], op, f"T = {shapes[0][1]} queries exceed S = {shapes[0][2]} keys "
+                                            f"(the queries are the last T of the S positions: T <= S)")
+    for s in shapes[1:]:
+        _need(list(s) == list(shapes[0]), op, f"operands must have one shape, got {list(shapes[0])} and {list(s)}")
+    return shapes[0]
+
+
+def _check_same(op, *shapes):
+    for s in shapes[1:]:
+        _need(list(s) == list(shapes[0]), op, f"operands must have one shape, got {list(shapes[0])} and {list(s)}")
+    return shapes[0]
+
+
+def _check_rms(op, x, w, eps, dy=None):
+    _need(len(x) >= 1 and x[-1] > 0, op, f"x must be [..., H] with H > 0, got {list(x)}")
+    _need(_numel(w) == x[-1], op, f"weight must have H = {x[-1]} elements, got shape {list(w)}")
+    _need(_numel(eps) == 1, op, f"eps must have one element, got shape {list(eps)}")
+    if dy is not None:
+        _need(list(dy) == list(x), op, f"dy must have x's shape {list(x)}, got {list(dy)}")
+
+
+def _check_ce(op, x, y, *vecs):
+    _need(len(x) == 2, op, f"logits must be [N, V], got {list(x)}")
+    for name, s in (("labels", y), *(("row vector", v) for v in vecs)):
+        _need(_numel(s) == x[0], op, f"{name} must have N = {x[0]} elements, got shape {list(s)}")
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _dt_ce(op, x, y, *vecs):
+    import mindspore as ms
+
+    _need(dtype_of(y) == ms.int32, op, f"labels must be int32, got {dtype_of(y)}")
+    _f32(op, "logits " + " ".join("vector" for _ in vecs), (x, *vecs))
+
+
+def _known(*shapes) -> bool:
+    """All dimensions known (a dynamic-shape graph infers -1 / -2 first: its checks wait for the real shapes)."""
+    return all(isinstance(d, int) and d >= 0 for s in shapes for d in s)
+
+
+def _shape_fn(op: str, check, out):
+    def infer(*shapes):
+        if _known(*shapes):
+            check(op, *shapes)
+        return out(*shapes)
+
+    return infer
+
+
+def _dtype_fn(op: str, check, out):
+    def infer(*dtypes):
+        check(op, *dtypes)
+        return out(*dtypes)
+
+    return infer
+
+
+_train_ops: list = []  # memo of train_ops(): [] not yet asked, [None] unavailable, [ns]
+
+
+def train_ops() -> SimpleNamespace | None:
+    """The fused train-step ops of model/train_kernels.cc (fp32), or None where they cannot be built.
+
+    causal_softmax(scores [N, T, S]) -> probs, queries at the last T of S key positions (T <= S);
+    softmax_grad(probs, dprobs) -> dscores; swiglu(gate, up) -> silu(gate) * up;
+    swiglu_grad(gate, up, dout) -> (dgate, dup); rms_norm(x [N, H], weight [H], eps [1]) -> y;
+    rms_norm_grad(x, weight, eps, dy) -> (dx, dweight); cross_entropy(logits [N, V], labels [N] int32) ->
+    (nll [N], logsumexp [N]); cross_entropy_grad(logits, labels, logsumexp, dnll) -> dlogits.
+    Operands are checked when the graph is inferred (KernelShapeError) and again by the kernel.
+    """
+    if _train_ops:
+        return _train_ops[0]
+    lib = None if disabled_reason() else build(TRAIN_SOURCE)
+    ns = None
+    if lib is not None:
+        from mindspore import ops
+
+        def op(name, shape_check, shape_out, dtype_names, dtype_out):
+            def dt_check(op_name, *dts):
+                _f32(op_name, dtype_names, dts)
+
+            return ops.Custom(f"{lib}:{name}", out_shape=_shape_fn(name, shape_check, shape_out),
+                              out_dtype=_dtype_fn(name, dt_check, dtype_out), func_type="aot")
+
+        ns = SimpleNamespace(
+            lib=lib,
+            causal_softmax=op("CausalSoftmax", _check_causal, lambda x: x, "scores", lambda x: x),
+            softmax_grad=op("SoftmaxGrad", _check_causal, lambda p, d: p, "probs dprobs", lambda p, d: p),
+            swiglu=op("SwiGLU", _check_same, lambda g, u: g, "gate up", lambda g, u: g),
+            swiglu_grad=op("SwiGLUGrad", _check_same, lambda g, u, d: (g, g), "gate up dout", lambda g, u, d: (g, g)),
+            rms_norm=op("RMSNorm", _check_rms, lambda x, w, e: x, "x weight eps", lambda x, w, e: x),
+            rms_norm_grad=op("RMSNormGrad", _check_rms, lambda x, w, e, d: (x, w), "x weight eps dy",
+                             lambda x, w, e, d: (x, w)),
+            cross_entropy=ops.Custom(
+                f"{lib}:CrossEntropy", out_shape=_shape_fn("CrossEntropy", _check_ce, lambda x, y: ([x[0]], [x[0]])),
+                out_dtype=_dtype_fn("CrossEntropy", _dt_ce, lambda x, y: (x, x)), func_type="aot"),
+            cross_entropy_grad=ops.Custom(
+                f"{lib}:CrossEntropyGrad", out_shape=_shape_fn("CrossEntropyGrad", _check_ce, lambda x, y, lse, d: x),
+                out_dtype=_dtype_fn("CrossEntropyGrad", _dt_ce, lambda x, y, lse, d: x), func_type="aot"),
+        )
+    _train_ops.append(ns)
+    return ns
+
+
+_zero_ops: list = []  # memo of zero_ops(), as _train_ops
+
+
+def zero_ops() -> SimpleNamespace | None:
+    """The in-place AdamW op (ZeroAdamW in model/train_kernels.cc), or None where it cannot be built (no compiler, or
+    MSLLM_FUSED_KERNELS=0): tasks/training/zero.py ShardedAdamW then keeps its fp32 master share and
+    MindSpore's AdamWeightDecay.
+
+    adamw(param [n], grad [n], m [k], v [k], offset [1] int32, lr, beta1, beta2, eps, decay, coef, apply) -> [1]:
+    updates m, v and param[offset:offset + k] in place (fp32; scalars 0-d fp32; apply 0 writes nothing).
+    """
+    if _zero_ops:
+        return _zero_ops[0]
+    lib = None if disabled_reason() else build(TRAIN_SOURCE)
+    ns = None
+    if lib is not None:
+        from mindspore import ops
+        from mindspore.ops import signature as sig
+
+        class ZeroAdamW(ops.Custom):
+            """Declared as writing param, m and v (RW_WRITE, side_effect_mem), as MindSpore's own AdamWeightDecay:
+            without it a graph run under the PYNATIVE context (mindspore.jit) hands the kernel a copy of a
+            Parameter the step also reads elsewhere, and the update is lost; with it the update is ordered after
+            every earlier read of those Parameters in the graph (auto-monad)."""
+
+            __mindspore_signature__ = (
+                sig.make_sig("param", sig.sig_rw.RW_WRITE), sig.make_sig("grad"),
+                sig.make_sig("m", sig.sig_rw.RW_WRITE), sig.make_sig("v", sig.sig_rw.RW_WRITE),
+                *(sig.make_sig(n) for n in ("offset", "lr", "beta1", "beta2", "eps", "decay", "coef", "apply")))
+
+            def __init__(self):
+                super().__init__(f"{lib}:ZeroAdamW", out_shape=lambda *s: [1], out_dtype=lambda *t: t[0],
+                                 func_type="aot")
+                self.add_prim_attr("side_effect_mem", True)
+
+        ns = SimpleNamespace(lib=lib, adamw=ZeroAdamW())
+    _zero_ops.append(ns)
+    return ns

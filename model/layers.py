@@ -1,0 +1,197 @@
+"""The LLaMA decoder's building blocks, each with its forward and (where autodiff is slow on CPU) its backward:
+RoPE tables and the causal mask, the bias-free projection, the embedding, RMSNorm, SwiGLU, and the fused-kernel
+cells (softmax, cross-entropy, RMSNorm) that model/llama.py puts together.
+
+    cos, sin = rope_tables(head_dim, max_seq_length, theta)   # [S, hd] each, HF's rotate-half layout
+    proj = Linear(weight)                                     # weight [out, in]: one 2-D MatMul on the tokens
+    norm = RMSNorm(hidden, eps, kernels=train_ops())          # fused forward/backward where the kernels run
+
+CPU-driven choices (see docs/MINDSPORE_CPU.md): projections are one 2-D MatMul on the flattened tokens;
+last-axis reductions run on 2-D tensors or as a MatMul by a ones column (RMSNorm); SwiGLU has a hand-written
+backward; RMSNorm / embedding avoid Rsqrt and nn.Embedding so the model exports to ONNX. A cell's Parameter
+is named `weight`: the model's attribute path makes the full name (layers.0.self_attn.q_proj.weight).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import mindspore as ms
+from mindspore import Parameter, Tensor, nn, ops
+
+_MASKED = -1e9  # additive score for disallowed keys; exp() of it underflows to exactly 0
+
+
+def rope_tables(head_dim: int, max_seq_length: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin tables [max_seq_length, head_dim] for rotate-half RoPE (HF layout)."""
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    freqs = np.outer(np.arange(max_seq_length, dtype=np.float64), inv_freq)  # [S, hd/2]
+    angles = np.concatenate([freqs, freqs], axis=-1)                         # [S, hd]
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate x [B, heads, T, hd] by the angles of its positions; cos/sin are [T, hd]."""
+    x1, x2 = ops.chunk(x, 2, axis=-1)
+    return x * cos + ops.cat((-x2, x1), axis=-1) * sin
+
+
+def rotate_half_matrix(head_dim: int) -> np.ndarray:
+    """R [hd, hd] with x @ R == cat(-x2, x1) exactly (entries 0 and ±1: every output is one input)."""
+    half = head_dim // 2
+    r = np.zeros((head_dim, head_dim), np.float32)
+    r[np.arange(half) + half, np.arange(half)] = -1.0   # out[:half] = -x2
+    r[np.arange(half), np.arange(half) + half] = 1.0    # out[half:] = x1
+    return r
+
+
+def causal_mask(q_positions: Tensor, k_positions: Tensor) -> Tensor:
+    """Additive mask [Tq, Tk]: 0 where the key is at or before the query, else -1e9.
+
+    Built from positions (not from T alone) so a KV-cache decode step, whose
+    queries sit at the end of a longer key sequence, can reuse it.
+    """
+    future = k_positions.reshape(1, -1) > q_positions.reshape(-1, 1)
+    return future.astype(ms.float32) * _MASKED
+
+
+class Linear(nn.Cell):
+    """Bias-free projection with an [out, in] weight, as ONE 2-D matmul on flattened tokens."""
+
+    def __init__(self, weight: np.ndarray, compute_dtype=ms.float32):
+        super().__init__()
+        self.out_features = weight.shape[0]
+        self.weight = Parameter(Tensor(weight), name="weight")
+        self.matmul = ops.MatMul(transpose_b=True)
+        self.half = compute_dtype != ms.float32
+        self.compute_dtype = compute_dtype
+
+    def construct(self, x: Tensor) -> Tensor:
+        # x: [..., in] -> [N, in] @ [out, in]^T -> [..., out]
+        if self.half:  # fp32 master weight, low-precision matmul; output stays in compute_dtype
+            y = self.matmul(x.reshape(-1, x.shape[-1]).astype(self.compute_dtype), self.weight.astype(self.compute_dtype))
+        else:
+            y = self.matmul(x.reshape(-1, x.shape[-1]), self.weight)
+        return y.reshape(x.shape[:-1] + (self.out_features,))
+
+
+class Embedding(nn.Cell):
+    """Token embedding as a gather on a [vocab, hidden] Parameter (ONNX-exportable)."""
+
+    def __init__(self, weight: np.ndarray, compute_dtype=ms.float32):
+        super().__init__()
+        self.weight = Parameter(Tensor(weight), name="weight")
+        self.half = compute_dtype != ms.float32
+        self.compute_dtype = compute_dtype
+
+    def construct(self, input_ids: Tensor) -> Tensor:
+        x = ops.gather(self.weight, input_ids, 0)  # [B, T] -> [B, T, H]
+        if self.half:
+            x = x.astype(self.compute_dtype)
+        return x
+
+
+class FusedRMSNorm(nn.Cell):
+    """RMSNorm forward and backward as one fused kernel each (model/train_kernels.cc); the backward
+    recomputes 1/rms from x (one pass) rather than keeping it."""
+
+    def __init__(self, kernels, eps: float):
+        super().__init__()
+        self.forward_op, self.backward_op = kernels.rms_norm, kernels.rms_norm_grad
+        self.eps = Tensor(np.array([eps], np.float32))
+
+    def construct(self, x: Tensor, weight: Tensor) -> Tensor:
+        return self.forward_op(x, weight, self.eps)
+
+    def bprop(self, x, weight, out, dout):
+        return self.backward_op(x, weight, self.eps, dout)
+
+
+class RMSNorm(nn.Cell):
+    """x * (1 / sqrt(mean(x^2) + eps)) * weight, over the last axis (no Rsqrt: ONNX has no mapping).
+
+    On the flattened tokens [N, H], with the sum of squares as a MatMul by a ones column: a
+    last-axis ReduceMean of a 3-D tensor and Div's gradient are slow on CPU (docs/MINDSPORE_CPU.md).
+    """
+
+    def __init__(self, hidden_size: int, eps: float, compute_dtype=ms.float32, kernels=None):
+        super().__init__()
+        self.eps = eps
+        self.hidden_size = hidden_size
+        self.weight = Parameter(Tensor(np.ones(hidden_size, np.float32)), name="weight")
+        self.ones = Tensor(np.ones((hidden_size, 1), np.float32))  # a constant, not a Parameter
+        self.sum_matmul = ops.MatMul()
+        self.half = compute_dtype != ms.float32
+        self.compute_dtype = compute_dtype
+        self.fused = kernels is not None and not self.half
+        if self.fused:  # forward and backward one fused kernel each (model/kernels.py)
+            self.fused_norm = FusedRMSNorm(kernels, eps)
+
+    def construct(self, x: Tensor) -> Tensor:
+        if self.fused:
+            return self.fused_norm(x, self.weight)
+        shape = x.shape
+        x2 = x.reshape(-1, self.hidden_size)                                   # [N, H]
+        if self.half:  # normalise in fp32, hand back the compute dtype
+            x2 = x2.astype(ms.float32)
+        mean_sq = self.sum_matmul(x2 * x2, self.ones) / self.hidden_size       # [N, 1]
+        y = x2 * (1.0 / ops.sqrt(mean_sq + self.eps)) * self.weight            # [N, H]
+        if self.half:
+            y = y.astype(self.compute_dtype)
+        return y.reshape(shape)
+
+
+class FusedCausalSoftmax(nn.Cell):
+    """softmax(scores + causal mask) over the last axis of [N, T, S] (queries at the last T of S keys), forward
+    and backward each one fused kernel (model/train_kernels.cc): 2-3x MindSpore's mask add + Softmax and
+    its expanded backward (Mul, ReduceSum, Sub, Mul) on CPU. Masked keys get probability exactly 0."""
+
+    def __init__(self, kernels):
+        super().__init__()
+        self.forward_op, self.backward_op = kernels.causal_softmax, kernels.softmax_grad
+
+    def construct(self, scores: Tensor) -> Tensor:
+        return self.forward_op(scores)
+
+    def bprop(self, scores, out, dout):
+        return (self.backward_op(out, dout),)
+
+
+class FusedCrossEntropy(nn.Cell):
+    """Per-row cross-entropy of logits [N, V] against int32 labels [N] (negative = ignored, nll 0), returning
+    (nll [N], logsumexp [N]); forward and backward one pass each (model/train_kernels.cc): no [N, V]
+    log-probability buffer is kept, and the backward writes dlogits directly."""
+
+    def __init__(self, kernels):
+        super().__init__()
+        self.forward_op, self.backward_op = kernels.cross_entropy, kernels.cross_entropy_grad
+
+    def construct(self, logits: Tensor, labels: Tensor):
+        return self.forward_op(logits, labels)
+
+    def bprop(self, logits, labels, out, dout):
+        return self.backward_op(logits, labels, out[1], dout[0]), ops.zeros_like(labels)
+
+
+class SwiGLU(nn.Cell):
+    """silu(gate) * up, with a hand-written backward: ~28% faster forward + backward on CPU than
+    autodiff of ops.silu (which expands to Sigmoid, SigmoidGrad and more element-wise passes); with
+    `kernels` (model/kernels.py) forward and backward are one fused kernel each (~2x and ~3.5x faster)."""
+
+    def __init__(self, kernels=None):
+        super().__init__()
+        self.fused = kernels is not None
+        if self.fused:
+            self.forward_op, self.backward_op = kernels.swiglu, kernels.swiglu_grad
+
+    def construct(self, gate: Tensor, up: Tensor) -> Tensor:
+        if self.fused:
+            return self.forward_op(gate, up)
+        return ops.silu(gate) * up
+
+    def bprop(self, gate, up, out, dout):
+        if self.fused:
+            return self.backward_op(gate, up, dout)
+        s = ops.sigmoid(gate)
+        a = gate * s                                       # silu(gate)
+        # d silu(g) / dg = s + g * s * (1 - s) = s * (1 + g - a)
+        return dout * up * (s * (1.0 + gate - a)), dout * a
