@@ -21,4 +21,7 @@ echo "[test] unit tier"
 echo "[test] integration tests"
 .venv/bin/python -m pytest -m "integration and not slow"
 echo "[test] slow integration tests"
-.venv/bin/python -m pytest -m slow
+.venv/bin/python -m pytest -m slow --ignore=tests/test_smollm2.py
+# the real model in a process of its own: a MindSpore network, a transformers one and lm-eval's, ~2 GB each
+echo "[test] slow: SmolLM2-135M against transformers"
+.venv/bin/python -m pytest -m slow tests/test_smollm2.py
