@@ -45,14 +45,7 @@ def local_data(tmp_path_factory) -> Path:
     return data.run(cfg, ArtifactStore(tmp_path_factory.mktemp("local")), progress=False)
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+from tasks.serving.health import stop_group as _stop  # noqa: E402
 
 
 @pytest.mark.slow

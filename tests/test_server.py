@@ -54,13 +54,8 @@ def server_env(tmp_path: Path) -> tuple[int, str, dict[str, str]]:
     return port, api, env
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+from tasks.serving.health import stop_group  # noqa: E402
+_stop = stop_group
 
 
 def _task_names(api: str, flow_run_id: str) -> list[str]:

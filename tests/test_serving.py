@@ -48,20 +48,15 @@ class Server:
             [sys.executable, "-m", "tasks.cli", "serve", *([str(artifact)] if artifact else []), "--host", "127.0.0.1",
              "--port", str(self.port), *extra], cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
             start_new_session=True)
-        t0 = time.time()
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.time() - t0 > timeout:
-                self.stop()
-                raise TimeoutError(f"server not healthy after {timeout}s:\n{self.log()}")
-            time.sleep(0.5)
+        from tasks.serving.health import ServerDied, wait_healthy
+
+        try:
+            wait_healthy(self.proc, self.url, timeout)
+        except ServerDied as exc:
+            raise RuntimeError(f"{exc}:\n{self.log()}") from None
+        except TimeoutError as exc:
+            self.stop()
+            raise TimeoutError(f"{exc}:\n{self.log()}") from None
         self.model = json.loads(urllib.request.urlopen(self.url + "/v1/models", timeout=5).read())["data"][0]["id"]
 
     def client(self, cls=None):
@@ -71,13 +66,9 @@ class Server:
         return self.log_path.read_text(errors="replace")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        from tasks.serving.health import stop_group
+
+        stop_group(self.proc)
         self._log.close()
 
 

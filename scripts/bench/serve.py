@@ -90,25 +90,19 @@ class ServerProcess:
         self.proc = subprocess.Popen([sys.executable, "-m", "tasks.cli", "serve", str(artifact), "--port", str(self.port),
                                       "--max-active", str(max_active), *extra], cwd=REPO, stdout=self.log,
                                      stderr=subprocess.STDOUT, start_new_session=True)
-        while True:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"server exited with {self.proc.returncode}; see {log_path}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.5)
+        from tasks.serving.health import ServerDied, wait_healthy
+
+        try:
+            wait_healthy(self.proc, self.url)
+        except ServerDied as exc:
+            raise SystemExit(f"{exc}; see {log_path}") from None
         self.startup_s = time.perf_counter() - t0
         self.model = json.loads(urllib.request.urlopen(self.url + "/v1/models").read())["data"][0]["id"]
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
+        from tasks.serving.health import stop_group
+
+        stop_group(self.proc)
         self.log.close()
 
 
