@@ -129,12 +129,15 @@ def config_from_meta(meta: dict[str, Any], where: str) -> ModelConfig:
     )
 
 
-def read_gguf(path: str | Path) -> tuple[dict[str, Any], ModelConfig, dict[str, np.ndarray], dict[str, str]]:
-    """(metadata, config, our float32 weights by parameter name, {tensor: source type}) of a llama GGUF file."""
+def read_gguf(path: str | Path, opened: tuple[Any, dict[str, Any]] | None = None
+              ) -> tuple[dict[str, Any], ModelConfig, dict[str, np.ndarray], dict[str, str]]:
+    """(metadata, config, our float32 weights by parameter name, {tensor: source type}) of a llama GGUF file.
+
+    opened: what `read_metadata(path)` returned, when the caller already read it (the file is parsed once)."""
     from gguf import GGMLQuantizationType as Q, quants
 
     p = Path(path)
-    reader, meta = read_metadata(p)
+    reader, meta = opened or read_metadata(p)
     cfg = config_from_meta(meta, str(p))
     by_name = {t.name: t for t in reader.tensors}
     cfg.tie_embeddings = "output.weight" not in by_name

@@ -120,7 +120,7 @@ def export_gguf(out: Path, info: dict[str, Any], weights: dict[str, np.ndarray],
     check texts to the same ids. forward(weights, ids) -> logits [T, V] runs MindSpore's model on given weights.
     """
     from model.config import ModelConfig
-    from model.gguf import read_gguf, read_metadata, write_gguf
+    from model.gguf import read_gguf, write_gguf
 
     cfg = ModelConfig.from_dict(info["model"])
     tmeta = tokenizer_meta(tok)
@@ -130,7 +130,7 @@ def export_gguf(out: Path, info: dict[str, Any], weights: dict[str, np.ndarray],
     for t in types:
         path = out / FILES[t]
         written = write_gguf(path, cfg, weights, tmeta, qtype=t, name=info.get("name", "llama"))
-        _, _, back, _ = read_gguf(path)
+        meta, _, back, _ = read_gguf(path)
         expect = rounded_weights(weights, written)
         differ = sorted(k for k in weights if not np.array_equal(back[k], expect[k]))
         diff = max(float(np.abs(forward(back, p) - r).max()) for p, r in zip(prompts, ref))
@@ -143,7 +143,6 @@ def export_gguf(out: Path, info: dict[str, Any], weights: dict[str, np.ndarray],
                                       f"(first: {differ[0]})")
         if not diff <= entry["bound"]:
             report["failures"].append(f"GGUF {t}: max |Δlogit| {diff:.3g} > {entry['bound']:.3g}")
-        _, meta = read_metadata(path)
         entry["tokenizer_ids_match"] = _tokenizer_roundtrip(meta, tok, texts, out, t)
         if entry["tokenizer_ids_match"] is False:
             report["failures"].append(f"GGUF {t}: the tokenizer read back from the file encodes differently")

@@ -168,10 +168,10 @@ def from_gguf(gguf_file: str | os.PathLike, store: ArtifactStore, pipeline: str 
     if hit is not None:
         return hit
     try:
-        _, meta = read_metadata(src)
-        config_from_meta(meta, str(src))  # the architecture first: a qwen2 file is named as such
-        tok_files = hf_files_from_gguf(meta, str(src))
-        meta, cfg, weights, types = read_gguf(src)
+        opened = read_metadata(src)
+        config_from_meta(opened[1], str(src))  # the architecture first: a qwen2 file is named as such
+        tok_files = hf_files_from_gguf(opened[1], str(src))  # then the tokenizer, before any tensor is dequantized
+        meta, cfg, weights, types = read_gguf(src, opened)
     except (GGUFError, TokenizerError) as exc:
         raise ConversionError(str(exc)) from None
     source = {"format": "gguf", "file": str(src.resolve()), "name": meta.get("general.name"),

@@ -125,21 +125,6 @@ def _pool_map(num_workers: int, n_tasks: int):
             raise
 
 
-def _tokenizer_source(path: Path) -> list[Path]:
-    """The files of a given tokenizer: a tokenizer.model, a tokenizer.json (with its companions beside it) or a
-    directory (a model artifact, an HF directory) holding either."""
-    from tasks.tokenizer import HF_FILE, tokenizer_files
-
-    if path.is_dir():
-        files = tokenizer_files(path)
-        if not files:
-            raise DataError(f"{path}: no tokenizer.model or tokenizer.json; fix data.tokenizer.path")
-        return files
-    if path.name == HF_FILE:
-        return tokenizer_files(path.parent)
-    return [path]
-
-
 def stage_key(cfg: PipelineConfig, store: ArtifactStore, tokenizer_model: Path | None = None):
     """(key, inputs, (sources, ignored files, tokenizer files)): the content key, before any heavy work.
 
@@ -151,7 +136,7 @@ def stage_key(cfg: PipelineConfig, store: ArtifactStore, tokenizer_model: Path |
     tok_files = None
     if tok_path is not None:
         base = load_tokenizer(tok_path)
-        tok_files = _tokenizer_source(tok_path)
+        tok_files = base.files  # a tokenizer.model, or a tokenizer.json with its companions
         check_vocab(cfg, base.get_piece_size(), str(tok_path))
         if base.eos_id() < 0:
             raise DataError(f"{tok_path}: tokenizer has no EOS token to join documents with; use another tokenizer")

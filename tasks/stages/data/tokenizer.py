@@ -93,7 +93,7 @@ def check_vocab(cfg: PipelineConfig, vocab: int, tokenizer: str | None) -> None:
 
 # ----------------------------------------------------------------------------- tokenize one chunk (a mapped task)
 
-_SP_CACHE: dict[str, Any] = {}
+_TOKENIZERS: dict[str, Any] = {}  # per worker process, by path
 
 
 def document_ids(tok, docs: list[str]) -> list[list[int]]:
@@ -119,9 +119,9 @@ def tokenize_chunk(spec: dict[str, Any]) -> str:
     from tasks.tokenizer import load_tokenizer as _load
 
     where = spec["tokenizer"]
-    tok = _SP_CACHE.get(where)
+    tok = _TOKENIZERS.get(where)
     if tok is None:
-        tok = _SP_CACHE[where] = _load(where)
+        tok = _TOKENIZERS[where] = _load(where)
     with open(spec["text_path"], encoding="utf-8") as f:
         docs = [json.loads(line) for line in f]
     ids = document_ids(tok, docs)
