@@ -1,4 +1,4 @@
-"""The one hardware probe (/proc/cpuinfo) and the ISA levels the native kernels are built for.
+"""The one hardware probe (/proc/cpuinfo, checked against CPUID) and the ISA levels the native kernels are built for.
 
     cpu_flags()                       # {"avx2", "fma", ...}: the `flags` / `Features` line
     cpu_model()                       # "Intel(R) Xeon(R) ...", for labelling measurements
@@ -52,16 +52,39 @@ def _read_cpuinfo() -> str:
         return ""
 
 
+# /proc/cpuinfo's x86 vector flags by the name NumPy's runtime dispatch gives the same CPUID (+ XGETBV) bit
+_CPUID_NAMES = {"avx": "AVX", "f16c": "F16C", "fma": "FMA3", "avx2": "AVX2", "avx512f": "AVX512F",
+                "avx512cd": "AVX512CD", "avx512bw": "AVX512BW", "avx512dq": "AVX512DQ", "avx512vl": "AVX512VL",
+                "avx512_vnni": "AVX512VNNI", "avx512ifma": "AVX512IFMA", "avx512vbmi": "AVX512VBMI",
+                "avx512_vbmi2": "AVX512VBMI2", "avx512_bitalg": "AVX512BITALG",
+                "avx512_vpopcntdq": "AVX512VPOPCNTDQ"}
+
+
+def _cpuid_lacks() -> set[str]:
+    """The vector flags /proc/cpuinfo may list that this process's CPUID (read by NumPy's runtime dispatch,
+    which also checks the OS saves the registers) says it cannot execute. Empty on real hardware, where the
+    kernel builds /proc/cpuinfo from the same CPUID; not under qemu-user, whose /proc/cpuinfo is the host's
+    while its CPUID is the emulated CPU's (scripts/test_emulated_cpu.sh). Empty when NumPy cannot say."""
+    try:
+        from numpy.core._multiarray_umath import __cpu_features__ as runtime
+    except ImportError:
+        return set()
+    return {flag for flag, name in _CPUID_NAMES.items() if runtime.get(name) is False}
+
+
 def cpu_flags(cpuinfo: str | None = None) -> set[str]:
     """The CPU's feature flags: the `flags` (x86) or `Features` (aarch64) line of /proc/cpuinfo (or of
-    `cpuinfo`); empty where there is none. The one hardware probe: the kernel levels, the trainer's
+    `cpuinfo`), less the x86 vector flags CPUID says this process cannot execute (_cpuid_lacks; only when
+    reading this machine); empty where there is none. The one hardware probe: the kernel levels, the trainer's
     theoretical peak (tasks/training/hardware.py) and the benchmarks' labels (scripts/bench/host.py) read it."""
-    if cpuinfo is None:
+    probe = cpuinfo is None
+    if probe:
         cpuinfo = _read_cpuinfo()
     for line in cpuinfo.splitlines():
         name, _, value = line.partition(":")
         if name.strip().lower() in ("flags", "features"):
-            return set(value.split())
+            flags = set(value.split())
+            return flags - _cpuid_lacks() if probe and _machine() == "x86_64" else flags
     return set()
 
 

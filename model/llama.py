@@ -255,6 +255,11 @@ class LlamaForCausalLM(nn.Cell):
             layer.recompute()
 
     def construct(self, input_ids: Tensor) -> Tensor:
+        return self.head_logits(self.hidden_states(input_ids))        # [B, T, V]
+
+    def hidden_states(self, input_ids: Tensor) -> Tensor:
+        """The last decoder layer's output [B, T, H] (before the final norm): `head_logits` of it is `construct`.
+        Callers that need only some positions' logits (the eval scorer) run the head on those rows alone."""
         b, t = input_ids.shape
         positions = ops.arange(t, dtype=ms.int32)                      # [T]
         cos = ops.gather(self.rope_cos, positions, 0)                  # [T, hd]
@@ -267,9 +272,10 @@ class LlamaForCausalLM(nn.Cell):
         x = self.embed_tokens(input_ids)                               # [B, T, H]
         for layer in self.layers:
             x = layer(x, cos, sin, mask)                               # [B, T, H]
-        return self._logits(x)                                         # [B, T, V]
+        return x
 
-    def _logits(self, x: Tensor) -> Tensor:
+    def head_logits(self, x: Tensor) -> Tensor:
+        """Logits [B, T, V] of decoder outputs x [B, T, H]: the final norm, then the LM head (tied or not)."""
         b, t, _ = x.shape
         x = self.norm(x)                                               # [B, T, H]
         if self.half:
@@ -317,7 +323,7 @@ class LlamaForCausalLM(nn.Cell):
             x, k, v = layer.construct_cached(x, cos, sin, mask, src, written, k_caches[i], v_caches[i])
             new_k = new_k + (k,)
             new_v = new_v + (v,)
-        return self._logits(x), new_k, new_v                           # [B, T, V], caches
+        return self.head_logits(x), new_k, new_v                           # [B, T, V], caches
 
     def loss(self, input_ids: Tensor, labels: Tensor) -> Tensor:
         """Mean next-token cross-entropy; labels[b, t] is the target of position t (-100 = ignored)."""

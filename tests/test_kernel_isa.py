@@ -72,6 +72,38 @@ def _lib(isa: str, source: Path = TRAIN_SOURCE, openmp: bool = False) -> str:
     return b.lib
 
 
+QEMU = shutil.which("qemu-x86_64")
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(os.uname().machine != "x86_64" or QEMU is None,
+                    reason="needs an x86_64 host with qemu-x86_64 (Debian's qemu-user)")
+def test_probe_follows_cpuid_where_cpuinfo_is_the_hosts():
+    """Under qemu-user /proc/cpuinfo is the host's (AVX-512 here, perhaps) but CPUID is the emulated AVX2 core's:
+    the probe must not pick a body that would fault (the run below would die of SIGILL in the kernel call)."""
+    import subprocess
+    import sys
+
+    code = ("import ctypes, numpy as np, sys; sys.path.insert(0, sys.argv[1])\n"
+            "from model.kernels import cpu_levels, build_kernel, TRAIN_SOURCE\n"
+            "b = build_kernel(TRAIN_SOURCE)\n"
+            "x = np.zeros((1, 4, 40), np.float32); y = np.full_like(x, np.nan); arrays = (x, y)\n"
+            "shapes = [(ctypes.c_int64 * 3)(*a.shape) for a in arrays]\n"
+            "rc = ctypes.CDLL(b.lib).CausalSoftmax(2, (ctypes.c_void_p * 2)(*[a.ctypes.data for a in arrays]), "
+            "(ctypes.c_int * 2)(3, 3), (ctypes.POINTER(ctypes.c_int64) * 2)(*[ctypes.cast(s, "
+            "ctypes.POINTER(ctypes.c_int64)) for s in shapes]), (ctypes.c_char_p * 2)(b'float32', b'float32'), "
+            "None, None)\n"
+            "assert rc == 0 and np.allclose(y[0, 3], 1 / 40) and (y[0, 0, 37:] == 0).all(), (rc, y[0])\n"  # keys end-aligned
+            "print(','.join(cpu_levels()), b.isa, flush=True)\n")
+    python = os.path.realpath(getattr(sys, "_base_executable", sys.executable))  # the ELF, not a venv shim
+    r = subprocess.run([QEMU, "-cpu", "EPYC-Milan", "-0", sys.executable, python, "-c",
+                        code, str(Path(__file__).resolve().parents[1])], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "MSLLM_KERNEL_ISA": ""})
+    assert r.returncode == 0, r.stderr[-2000:]
+    levels, isa = r.stdout.split()
+    assert levels == "avx2,scalar" and isa == "avx2"
+
+
 def _run(isa: str, name: str, inputs, outputs) -> list[np.ndarray]:
     outs = [np.full(shape, np.nan, dt) for shape, dt in outputs]
     assert _call(_lib(isa), name, *inputs, *outs) == 0

@@ -114,8 +114,8 @@ def test_eval_loglikelihoods_equal_lm_eval_hf_on_the_same_weights(converted, tmp
     tm = task_manager(TASKS)
     import gc
 
-    # batch 2: each compiled length bucket keeps its [batch, T, 49152] logit buffers (~GBs at batch 8)
-    lm = MindSporeLM(pretrained=converted, progress=False, max_length=512, batch_size=2)
+    # the eval stage's default batch: one dynamic-shape graph, its peak that of the largest call (TokenScorer)
+    lm = MindSporeLM(pretrained=converted, progress=False, max_length=512, batch_size=8)
     ours = run_tasks(lm, TASKS, LIMIT, tm=tm)
     del lm
     ref_lm = HFLM(pretrained=str(hf_dir), dtype="float32", device="cpu", batch_size=8, max_length=512)

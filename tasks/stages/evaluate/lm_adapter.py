@@ -15,11 +15,15 @@ is `(context + continuation)[-(max_length + 1):][:-1]`, scored on its last
 len(continuation) positions, as HF's LM does; `max_length` is the trained sequence
 length from model.json.
 
-`TokenScorer` does the arithmetic: rows sorted by length (longest first), cut into
-batches of `batch_size`, right-padded to a multiple of `bucket` tokens (the batch axis
-is padded too), and one `mindspore.jit` function per padded shape returns the log-softmax
-of each target and whether it was the argmax, so a run compiles once per length bucket
-instead of once per distinct length. Right padding is invisible to a causal model.
+`TokenScorer` does the arithmetic in two graphs compiled once each with dynamic shapes
+(`Cell.set_inputs` with None dimensions): the decoder to its outputs [B, T, H], then the
+final norm, LM head and log-softmax only on the positions asked for (no padding; for a
+loglikelihood request only its continuation). Rows are sorted by length (longest first),
+cut into batches of `batch_size` and right-padded to the batch's longest row, which is
+invisible to a causal model. A MindSpore graph on CPU keeps every intermediate of its
+largest run alive for the life of the process, so the peak is that of the largest batch:
+one static graph per length bucket held them all at once, and a [B, T, V] logit buffer in
+each was GBs with a 49k vocabulary (docs/MINDSPORE_CPU.md "Eval memory").
 """
 
 from __future__ import annotations
@@ -36,53 +40,105 @@ MODEL_NAME = "msllm"
 
 
 class TokenScorer:
-    """Log-probabilities of target tokens under a network, batched and length-bucketed."""
+    """Log-probabilities of target tokens under a network, batched, with one dynamic-shape graph per part."""
 
-    def __init__(self, net, batch_size: int = 8, bucket: int = 32):
+    MAX_BYTES = 4 << 30  # the activations one call may hold (estimate below); fewer rows per call beyond it
+
+    def __init__(self, net, batch_size: int = 8, max_bytes: int | None = None):
         import mindspore as ms
-        from mindspore import ops
+        from mindspore import nn, ops
 
-        self.net, self.batch_size, self.bucket = net, batch_size, bucket
+        self.net, self.batch_size = net, batch_size
+        self.max_bytes = int(max_bytes or self.MAX_BYTES)
         self.max_seq_length = net.config.max_seq_length
-        self.shapes_compiled: set[tuple[int, int]] = set()
+        self.shapes_run: set[tuple[int, int]] = set()
 
-        def score(ids, targets):
-            logp = ops.log_softmax(net(ids), -1)                                      # [B, T, V]
-            target_logp = ops.gather_elements(logp, 2, targets.expand_dims(-1)).squeeze(-1)  # [B, T]
-            return target_logp, ops.argmax(logp, -1) == targets                       # [B, T], [B, T]
+        class Body(nn.Cell):  # [B, T] token ids -> [B, T, H] fp32 decoder outputs
+            def __init__(self):
+                super().__init__(auto_prefix=False)
+                self.net = net
 
-        self._score = ms.jit(score)
+            def construct(self, ids):
+                return self.net.hidden_states(ids).astype(ms.float32)
+
+        class Head(nn.Cell):  # [N, H], [N] -> log p(target) [N], target is the argmax [N]
+            def __init__(self):
+                super().__init__(auto_prefix=False)
+                self.net = net
+
+            def construct(self, x, targets):
+                x = x.astype(self.net.compute_dtype).expand_dims(0)               # as the decoder left it
+                logp = ops.log_softmax(self.net.head_logits(x).squeeze(0), -1)    # [N, V]
+                target_logp = ops.gather_elements(logp, 1, targets.expand_dims(-1)).squeeze(-1)
+                return target_logp, ops.argmax(logp, -1) == targets
+
+        body, head = Body(), Head()
+        body.set_inputs(ms.Tensor(shape=[None, None], dtype=ms.int32))
+        head.set_inputs(ms.Tensor(shape=[None, net.config.hidden_size], dtype=ms.float32),
+                        ms.Tensor(shape=[None], dtype=ms.int32))
+        self._body, self._head = ms.jit(body), ms.jit(head)
 
     def score(self, rows: Sequence[tuple[Sequence[int], Sequence[int]]], progress: bool = False,
-              desc: str = "scoring") -> list[tuple[np.ndarray, np.ndarray]]:
-        """For each (input_ids, target_ids) pair of equal length: (log p(target_t | input_≤t) [T], is_argmax [T])."""
+              desc: str = "scoring", tails: Sequence[int] | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
+        """For each (input_ids, target_ids) pair of equal length: (log p(target_t | input_≤t) [T], is_argmax [T]);
+        with `tails`, only each row's last tails[i] positions (a loglikelihood request's continuation)."""
         import mindspore as ms
 
         order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
         out: list[Any] = [None] * len(rows)
         bar = progress_bar(total=len(rows), desc=desc, enabled=progress)
-        for start in range(0, len(order), self.batch_size):
-            chunk = order[start:start + self.batch_size]
-            longest = len(rows[chunk[0]][0])
-            if longest == 0 or longest > self.max_seq_length:
-                raise ValueError(f"cannot score a sequence of {longest} tokens (model max_seq_length {self.max_seq_length})")
-            t = min(-(-longest // self.bucket) * self.bucket, self.max_seq_length)
-            ids = np.zeros((self.batch_size, t), np.int32)
-            tgt = np.zeros((self.batch_size, t), np.int32)
+        start = 0
+        while start < len(order):
+            t = len(rows[order[start]][0])  # the longest row left
+            if t == 0 or t > self.max_seq_length:
+                raise ValueError(f"cannot score a sequence of {t} tokens (model max_seq_length {self.max_seq_length})")
+            chunk = order[start:start + self.rows_per_call(t)]
+            start += len(chunk)
+            ids = np.zeros((len(chunk), t), np.int32)
+            picks, targets, spans = [], [], []
             for r, i in enumerate(chunk):
                 inp, target = rows[i]
-                if len(inp) != len(target):
-                    raise ValueError(f"row {i}: {len(inp)} input ids but {len(target)} targets")
-                ids[r, :len(inp)], tgt[r, :len(inp)] = inp, target
-            logp, greedy = self._score(ms.Tensor(ids), ms.Tensor(tgt))
-            logp, greedy = logp.asnumpy(), greedy.asnumpy()
-            self.shapes_compiled.add((self.batch_size, t))
-            for r, i in enumerate(chunk):
-                n = len(rows[i][0])
-                out[i] = (logp[r, :n].astype(np.float64), greedy[r, :n])
+                n = len(inp)
+                if n != len(target):
+                    raise ValueError(f"row {i}: {n} input ids but {len(target)} targets")
+                first = n - min(n, int(tails[i])) if tails is not None else 0
+                ids[r, :n] = inp
+                picks.append(r * t + np.arange(first, n))
+                targets.append(np.asarray(target[first:], np.int32))
+                spans.append(n - first)
+            hidden = self._body(ms.Tensor(ids)).asnumpy()                         # [B, T, H]
+            self.shapes_run.add(ids.shape)
+            x = hidden.reshape(len(chunk) * t, -1)[np.concatenate(picks)]         # [N, H]: the positions asked for
+            logp, greedy = self._run_head(x, np.concatenate(targets))
+            at = 0
+            for i, n in zip(chunk, spans):
+                out[i] = (logp[at:at + n].astype(np.float64), greedy[at:at + n])
+                at += n
             bar.update(len(chunk))
         bar.close()
         return out
+
+    def bytes_per_token(self, t: int) -> int:
+        """Activation bytes one token of a length-`t` row holds in the decoder graph (every intermediate stays
+        alive on CPU): per layer the attention scores and probabilities over t keys per head, ~10 hidden-sized
+        and 3 intermediate-sized fp32 tensors. Measured on SmolLM2-135M at t = 500: 1.8 MB; this gives 2.4 MB."""
+        c = self.net.config
+        return 4 * c.num_layers * (2 * c.num_heads * t + 10 * c.hidden_size + 3 * c.intermediate_size)
+
+    def rows_per_call(self, t: int) -> int:
+        """Rows of length `t` one decoder call takes: batch_size, fewer where they would exceed max_bytes."""
+        return max(1, min(self.batch_size, self.max_bytes // (t * self.bytes_per_token(t))))
+
+    def _run_head(self, x: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(log p(target) [N], is_argmax [N]) of decoder outputs x [N, H]: the head in chunks whose [rows, V]
+        logits and log-softmax stay within max_bytes / 8."""
+        import mindspore as ms
+
+        if not len(x):
+            return np.zeros(0, np.float32), np.zeros(0, bool)
+        step = max(1, self.max_bytes // (8 * 2 * 4 * self.net.config.vocab_size))
+        parts = [self._head(ms.Tensor(x[a:a + step]), ms.Tensor(targets[a:a + step])) for a in range(0, len(x), step)]
+        return (np.concatenate([p[0].asnumpy() for p in parts]), np.concatenate([p[1].asnumpy() for p in parts]))
 
 
 def token_byte_lengths(tok) -> np.ndarray:
@@ -107,7 +163,7 @@ class MindSporeLM(TemplateLM):
     """
 
     def __init__(self, pretrained: str | Path | None = None, *, net=None, tokenizer=None, batch_size: int | str | None = 8,
-                 max_length: int | None = None, max_gen_toks: int = 256, bucket: int = 32,
+                 max_length: int | None = None, max_gen_toks: int = 256,
                  eot_token_id: int | None = None, progress: bool = True, fused_kernels: bool = True,
                  **_harness_kwargs: Any):
         """`fused_kernels` (eval.fused_kernels): whether generation may decode with the fused decode kernel
@@ -126,7 +182,7 @@ class MindSporeLM(TemplateLM):
             raise ValueError("MindSporeLM needs `pretrained` (a model artifact path) or `net`")
         self.net, self.sp = net, tokenizer
         bs = int(batch_size) if str(batch_size or "").isdigit() else 8  # "auto" and None: our default
-        self.scorer = TokenScorer(net, batch_size=max(1, bs), bucket=bucket)
+        self.scorer = TokenScorer(net, batch_size=max(1, bs))
         self._max_length = min(int(max_length or net.config.max_seq_length), net.config.max_seq_length)
         self.max_gen_toks = int(max_gen_toks)
         self.progress = progress
@@ -185,7 +241,7 @@ class MindSporeLM(TemplateLM):
             whole = (list(ctx) + cont)[-(self.max_length + 1):]
             rows.append((whole[:-1], whole[1:]))
             spans.append(len(cont))
-        scored = self.scorer.score(rows, progress=self.progress and not disable_tqdm, desc="loglikelihood")
+        scored = self.scorer.score(rows, progress=self.progress and not disable_tqdm, desc="loglikelihood", tails=spans)
         out = []
         for (key, _, _), (logp, greedy), n in zip(requests, scored, spans):
             answer = (float(logp[-n:].sum()), bool(greedy[-n:].all()))

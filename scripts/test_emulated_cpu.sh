@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Run tests on an emulated CPU without AVX-512: qemu-user's TCG models an AVX2+FMA x86-64 (no AVX-512, no
+# VNNI), so every library that picks its code by CPUID (onnxruntime's MLAS, MindSpore's oneDNN and nnacl,
+# OpenBLAS, our kernels) takes the path it takes on such a machine, and an AVX-512 instruction would fault.
+# Numerics only: TCG is ~10x slower than the host and says nothing about speed on that CPU.
+#   bash scripts/test_emulated_cpu.sh                        # the CPU-sensitive tests (below) on EPYC-Milan (Zen 3)
+#   QEMU_CPU=Haswell-v4 bash scripts/test_emulated_cpu.sh    # an Intel AVX2 client core instead
+#   bash scripts/test_emulated_cpu.sh -m "not slow and not integration"   # any pytest arguments instead
+# Needs Debian's qemu-user (`apt-get install qemu-user`); exits 0 with a line saying so where it is missing.
+# Python child processes (sys.executable) run under the same emulator: the shim below is the venv's python.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+QEMU=$(command -v qemu-x86_64 || true)
+if [ "$(uname -m)" != "x86_64" ] || [ -z "$QEMU" ]; then
+  echo "[emulated-cpu] skipped: needs an x86_64 host with qemu-x86_64 (Debian: apt-get install qemu-user)"
+  exit 0
+fi
+bash scripts/setup.sh >/dev/null
+CPU=${QEMU_CPU:-EPYC-Milan}
+REAL=$(readlink -f .venv/bin/python)
+SHIM=$(mktemp -d "${TMPDIR:-/tmp}/msllm-qemu-venv.XXXXXX")
+trap 'rm -rf "$SHIM"' EXIT
+# a venv whose python is the real interpreter under qemu: pyvenv.cfg beside argv[0] makes it this venv
+mkdir -p "$SHIM/bin"
+cp .venv/pyvenv.cfg "$SHIM/pyvenv.cfg"
+ln -s "$PWD/.venv/lib" "$SHIM/lib"
+[ -e .venv/lib64 ] && ln -s "$PWD/.venv/lib64" "$SHIM/lib64"
+cat > "$SHIM/bin/python" <<EOF
+#!/bin/sh
+exec "$QEMU" -cpu "$CPU" -0 "\$0" "$REAL" "\$@" 2> >(grep -v "TCG doesn't support requested feature" >&2)
+EOF
+# /bin/sh has no process substitution: the filter runs in bash
+sed -i '1s|.*|#!/usr/bin/env bash|' "$SHIM/bin/python"
+chmod +x "$SHIM/bin/python"
+ln -s python "$SHIM/bin/python3"
+export PREFECT_SERVER_ANALYTICS_ENABLED=false HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 GLOG_v=3 PATH="$SHIM/bin:$PATH"
+unset PREFECT_API_URL
+# qemu-user passes the host's /proc/cpuinfo through; model/cpu.py drops what the emulated CPUID lacks
+"$SHIM/bin/python" - <<'EOF'
+import onnxruntime, os
+from model.kernels import cpu_levels, kernel_path
+print(f"[emulated-cpu] qemu -cpu {os.environ.get('QEMU_CPU', 'EPYC-Milan')}: kernel levels {', '.join(cpu_levels())}; "
+      f"kernels {kernel_path()}; onnxruntime {onnxruntime.__version__}", flush=True)
+EOF
+if [ "${1:-}" = "--python" ]; then shift; exec "$SHIM/bin/python" "$@"; fi
+if [ $# -eq 0 ]; then
+  # the tests whose bounds depend on the CPU's kernels: int8 MatMul without VNNI, re-scored log-likelihoods,
+  # the fused kernels against MindSpore's ops, the ISA bodies, the ONNX/MindSpore parity, the precision bounds
+  set -- tests/test_onnx_decoder.py tests/test_kernels.py tests/test_kernel_isa.py tests/test_model.py \
+    tests/test_precision.py tests/test_eval.py::test_task_run_returns_the_harness_result_structure -m ""
+fi
+exec "$SHIM/bin/python" -m pytest -p no:cacheprovider "$@"
