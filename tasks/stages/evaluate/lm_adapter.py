@@ -23,7 +23,7 @@ cut into batches of `batch_size` and right-padded to the batch's longest row, wh
 invisible to a causal model. A MindSpore graph on CPU keeps every intermediate of its
 largest run alive for the life of the process, so the peak is that of the largest batch:
 one static graph per length bucket held them all at once, and a [B, T, V] logit buffer in
-each was GBs with a 49k vocabulary (docs/MINDSPORE_CPU.md "Eval memory").
+each was GBs with a 49k vocabulary (docs/MINDSPORE_CPU.md, "Memory").
 """
 
 from __future__ import annotations
