@@ -272,6 +272,7 @@ class Generator:
 
         self._step = ms.jit(step)
         self._forward = ms.jit(forward)
+        self._all_logits = None  # built on first prompt_logits call
         self._decoder = CachedDecoder(net, self.max_len) if CachedDecoder.supports(net) else None
         # The decoder's caches are one set of Parameters: one sequence at a time may use them. Sequences
         # interleaved with it (the server's engine runs several coroutines in turn) take the functional path.
@@ -346,6 +347,29 @@ class Generator:
         fed = range(n, min(n + max_new_tokens, self.max_len))  # sequence lengths the forward sees
         for length in sorted({min(-(-m // self.bucket) * self.bucket, self.max_len) for m in fed}):
             self._forward(Tensor(np.zeros((1, length), np.int32))).asnumpy()
+
+    def prompt_logits(self, ids: Sequence[int]) -> np.ndarray:
+        """The logits [T, V] at every position of `ids` (a server's echo / prompt logprobs): the full forward as
+        ONE dynamic-shape graph (`Cell.set_inputs` with a None length), compiled once. A static graph per
+        32-token bucket compiled again for every new bucket (~10 s each on SmolLM2) and kept each one's
+        buffers for the life of the process (docs/MINDSPORE_CPU.md, "Memory")."""
+        if not 0 < len(ids) <= self.max_len:
+            raise ValueError(f"prompt of {len(ids)} tokens: 1..{self.max_len} (max_len)")
+        if self._all_logits is None:
+            net = self.net
+
+            class AllLogits(nn.Cell):
+                def __init__(self):
+                    super().__init__(auto_prefix=False)
+                    self.net = net
+
+                def construct(self, input_ids):
+                    return self.net.head_logits(self.net.hidden_states(input_ids)).astype(ms.float32)
+
+            cell = AllLogits()
+            cell.set_inputs(Tensor(shape=[1, None], dtype=ms.int32))
+            self._all_logits = ms.jit(cell)
+        return self._all_logits(Tensor(np.asarray([ids], np.int32))).asnumpy()[0]
 
     # Each path is a coroutine: it yields the logits [V] for the next position, and is sent the
     # token chosen there.

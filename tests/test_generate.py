@@ -46,6 +46,22 @@ def test_forward_cached_matches_full_forward(net):
     np.testing.assert_allclose(got, full, rtol=0, atol=1e-4 * np.abs(full).max())
 
 
+def test_prompt_logits_equal_the_full_forward_at_any_length(net, gen):
+    """The server's echo logits: one dynamic-shape graph serves every prompt length (no bucket padding), each
+    equal to the plain forward on that prompt; out-of-range prompts are refused before any compute."""
+    for n in (1, 7, 33, 70):  # inside one 32-token bucket, across two, and past the tiny model's 64
+        if n > gen.max_len:
+            with pytest.raises(ValueError, match="max_len"):
+                gen.prompt_logits(ids(n, seed=n))
+            continue
+        full = net(Tensor(np.asarray([ids(n, seed=n)], np.int32))).asnumpy()[0]
+        got = gen.prompt_logits(ids(n, seed=n))
+        assert got.shape == full.shape == (n, net.config.vocab_size)
+        np.testing.assert_allclose(got, full, rtol=0, atol=1e-4 * np.abs(full).max())
+    with pytest.raises(ValueError, match="max_len"):
+        gen.prompt_logits([])
+
+
 def test_cached_and_uncached_greedy_decoding_produce_the_same_tokens(gen):
     for prompt in (ids(7), ids(45, seed=2)):  # one prefill bucket, and a prompt longer than one bucket (32)
         cached = gen.generate(prompt, 40)

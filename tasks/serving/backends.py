@@ -103,17 +103,11 @@ class MindSporeBackend:
             inner.close()
 
     def prompt_logits(self, ids: list[int], adapter: str | None = None) -> np.ndarray:
-        """The logits [T, V] at every position of `ids`: the full forward, right-padded to a 32-token bucket
-        (causal: padding never reaches the real positions), as the eval stage's scorer runs it."""
-        from mindspore import Tensor
-
+        """The logits [T, V] at every position of `ids`: the full forward in one dynamic-shape graph
+        (Generator.prompt_logits: compiled once, not once per prompt length)."""
         if self.slots is not None:
             self.slots.use(adapter)
-        n = len(ids)
-        g = self.generator
-        x = np.zeros((1, min(-(-n // g.bucket) * g.bucket, g.max_len)), np.int32)
-        x[0, :n] = ids
-        return g._forward(Tensor(x)).asnumpy()[0, :n]
+        return self.generator.prompt_logits(ids)
 
     def warmup(self, adapter: str | None = None) -> None:
         """Compile the decode step and the first prefill bucket (prompts up to 32 tokens)."""
