@@ -356,19 +356,12 @@ class Generator:
         if not 0 < len(ids) <= self.max_len:
             raise ValueError(f"prompt of {len(ids)} tokens: 1..{self.max_len} (max_len)")
         if self._all_logits is None:
-            net = self.net
+            from model.runtime import dynamic_graph
 
-            class AllLogits(nn.Cell):
-                def __init__(self):
-                    super().__init__(auto_prefix=False)
-                    self.net = net
+            def all_logits(net, input_ids):
+                return net.head_logits(net.hidden_states(input_ids)).astype(ms.float32)
 
-                def construct(self, input_ids):
-                    return self.net.head_logits(self.net.hidden_states(input_ids)).astype(ms.float32)
-
-            cell = AllLogits()
-            cell.set_inputs(Tensor(shape=[1, None], dtype=ms.int32))
-            self._all_logits = ms.jit(cell)
+            self._all_logits = dynamic_graph(self.net, all_logits, Tensor(shape=[1, None], dtype=ms.int32))
         return self._all_logits(Tensor(np.asarray([ids], np.int32))).asnumpy()[0]
 
     # Each path is a coroutine: it yields the logits [V] for the next position, and is sent the

@@ -23,3 +23,24 @@ def setup_mindspore(device: str = "CPU", graph_mode: bool = False, seed: int | N
     ms.set_context(mode=ms.GRAPH_MODE if graph_mode else ms.PYNATIVE_MODE)
     if seed is not None:
         ms.set_seed(seed)
+
+
+def dynamic_graph(net, fn, *inputs):
+    """`fn(net, *args)` as ONE compiled graph for every shape of `inputs` (Tensors whose `None` dimensions
+    vary): a Cell holding `net` (parameter names unchanged) with `set_inputs(*inputs)`, under `mindspore.jit`.
+    A static graph compiles again per shape and keeps each shape's buffers for the life of the process
+    (docs/MINDSPORE_CPU.md, "Memory"); the eval scorer and the server's echo logits use this instead."""
+    import mindspore as ms
+    from mindspore import nn
+
+    class Graph(nn.Cell):
+        def __init__(self):
+            super().__init__(auto_prefix=False)
+            self.net = net
+
+        def construct(self, *args):
+            return fn(self.net, *args)
+
+    graph = Graph()
+    graph.set_inputs(*inputs)
+    return ms.jit(graph)

@@ -46,37 +46,27 @@ class TokenScorer:
 
     def __init__(self, net, batch_size: int = 8, max_bytes: int | None = None):
         import mindspore as ms
-        from mindspore import nn, ops
+        from mindspore import ops
+
+        from model.runtime import dynamic_graph
 
         self.net, self.batch_size = net, batch_size
         self.max_bytes = int(max_bytes or self.MAX_BYTES)
         self.max_seq_length = net.config.max_seq_length
         self.shapes_run: set[tuple[int, int]] = set()
 
-        class Body(nn.Cell):  # [B, T] token ids -> [B, T, H] fp32 decoder outputs
-            def __init__(self):
-                super().__init__(auto_prefix=False)
-                self.net = net
+        def body(net, ids):  # [B, T] token ids -> [B, T, H] fp32 decoder outputs
+            return net.hidden_states(ids).astype(ms.float32)
 
-            def construct(self, ids):
-                return self.net.hidden_states(ids).astype(ms.float32)
+        def head(net, x, targets):  # [N, H], [N] -> log p(target) [N], target is the argmax [N]
+            x = x.astype(net.compute_dtype).expand_dims(0)                        # as the decoder left it
+            logp = ops.log_softmax(net.head_logits(x).squeeze(0), -1)             # [N, V]
+            target_logp = ops.gather_elements(logp, 1, targets.expand_dims(-1)).squeeze(-1)
+            return target_logp, ops.argmax(logp, -1) == targets
 
-        class Head(nn.Cell):  # [N, H], [N] -> log p(target) [N], target is the argmax [N]
-            def __init__(self):
-                super().__init__(auto_prefix=False)
-                self.net = net
-
-            def construct(self, x, targets):
-                x = x.astype(self.net.compute_dtype).expand_dims(0)               # as the decoder left it
-                logp = ops.log_softmax(self.net.head_logits(x).squeeze(0), -1)    # [N, V]
-                target_logp = ops.gather_elements(logp, 1, targets.expand_dims(-1)).squeeze(-1)
-                return target_logp, ops.argmax(logp, -1) == targets
-
-        body, head = Body(), Head()
-        body.set_inputs(ms.Tensor(shape=[None, None], dtype=ms.int32))
-        head.set_inputs(ms.Tensor(shape=[None, net.config.hidden_size], dtype=ms.float32),
-                        ms.Tensor(shape=[None], dtype=ms.int32))
-        self._body, self._head = ms.jit(body), ms.jit(head)
+        self._body = dynamic_graph(net, body, ms.Tensor(shape=[None, None], dtype=ms.int32))
+        self._head = dynamic_graph(net, head, ms.Tensor(shape=[None, net.config.hidden_size], dtype=ms.float32),
+                                   ms.Tensor(shape=[None], dtype=ms.int32))
 
     def score(self, rows: Sequence[tuple[Sequence[int], Sequence[int]]], progress: bool = False,
               desc: str = "scoring", tails: Sequence[int] | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
