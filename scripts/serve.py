@@ -50,6 +50,7 @@ def schedules(config: str) -> dict[str, tuple[str, str]]:
 
 
 def deployments(pipeline: str, config: str, artifacts: str, cron: str | None = None, inbox: str | None = None):
+    import flows  # noqa: F401  (its Prefect defaults must be set before Prefect is imported)
     from prefect.schedules import Cron
 
     from flows import stage_flows

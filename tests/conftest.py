@@ -9,6 +9,8 @@ elsewhere can carry `@pytest.mark.integration`. CI runs every tier.
 import mindspore as ms
 import pytest
 
+import flows  # noqa: F401  (Prefect's embedded-server startup timeout, set before any test imports Prefect; children inherit it)
+
 ms.set_device("CPU")  # must run once, before the first MindSpore op
 
 INTEGRATION_MODULES = {

@@ -26,3 +26,23 @@ def test_mindspore_tensor_ops_without_numpy2_warning():
     assert "compiled using NumPy 1.x cannot be run in NumPy 2" not in out
     assert "SystemError" not in out
     assert "numpy 1." in r.stdout
+
+
+def test_importing_flows_gives_prefects_embedded_server_time_to_start():
+    """Prefect's embedded server gets 20 s to answer by default; its first start (a fresh SQLite database, migrated)
+    took 16 s on an idle 2-core machine and over 20 s in CI, failing the flow before it ran. Importing `flows`
+    raises the default before Prefect reads its settings, and leaves a value the environment sets alone."""
+    import os
+
+    code = ("from flows.full_pipeline import full_pipeline\n"
+            "from prefect.settings import get_current_settings\n"
+            "print(get_current_settings().server.ephemeral.startup_timeout_seconds)")
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"}
+    from pathlib import Path
+
+    repo = str(Path(__file__).resolve().parent.parent)
+    for given, expected in ((None, "120"), ("7", "7")):
+        e = dict(env, **({"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": given} if given else {}))
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=repo, env=e)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert r.stdout.split()[-1] == expected, (given, r.stdout)

@@ -93,12 +93,14 @@ common = dict(pipeline="tiny", config=a["config"], artifacts=a["artifacts"], ove
 
 def run(fl, **kw):
     state = fl(**common, **kw, return_state=True)
+    if not state.is_completed():  # every later run reads this one's artifacts: stop here, saying why
+        sys.exit(f"{fl.name} ended {state.name}: {state.result(raise_on_failure=False)!r}")
     fid = state.state_details.flow_run_id
     APILogWorker.drain_all(timeout=20)  # the run's logs are sent in the background
     with get_client(sync_client=True) as c:
         arts = c.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[fid])))
         logs = c.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[fid])))
-    return {"state": state.name, "result": state.result() if state.is_completed() else str(state.result(raise_on_failure=False)),
+    return {"state": state.name, "result": state.result(),
             "artifacts": {x.key: x.data for x in arts if x.key}, "logs": [l.message for l in logs]}
 
 out = {"full": run(full_pipeline)}
@@ -130,7 +132,7 @@ def scheduled_then_eval_only(tmp_path_factory):
     r = subprocess.run([sys.executable, "-c", DRIVER, arg], capture_output=True, text=True, cwd=REPO, env=env,
                        timeout=1800)
     line = next((ln for ln in r.stdout.splitlines() if ln.startswith("REPORT ")), None)
-    assert r.returncode == 0 and line, (r.stdout[-3000:], r.stderr[-5000:])
+    assert r.returncode == 0 and line, f"driver exited {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
     return json.loads(line[len("REPORT "):]), ArtifactStore(tmp / "artifacts")
 
 

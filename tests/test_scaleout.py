@@ -58,7 +58,6 @@ def test_data_stage_on_a_dask_cluster_started_by_address(tmp_path, local_data):
     port = free_port()
     address = f"tcp://127.0.0.1:{port}"
     env = dict(os.environ, PREFECT_HOME=str(tmp_path / "ph"), PREFECT_SERVER_ANALYTICS_ENABLED="false", GLOG_v="3",
-               PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="120",  # the default 20 s is short on a busy machine
                PYTHONPATH=str(REPO), PATH=f"{BIN}:{os.environ['PATH']}")
     env.pop("PREFECT_API_URL", None)
     procs = []
