@@ -34,7 +34,7 @@ def test_importing_flows_gives_prefects_embedded_server_time_to_start():
     raises the default before Prefect reads its settings, and leaves a value the environment sets alone."""
     import os
 
-    code = ("from flows.full_pipeline import full_pipeline\n"
+    code = ("import flows\n"  # what every flow module imports first
             "from prefect.settings import get_current_settings\n"
             "print(get_current_settings().server.ephemeral.startup_timeout_seconds)")
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"}

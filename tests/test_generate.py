@@ -62,6 +62,7 @@ def test_prompt_logits_equal_the_full_forward_at_any_length(net, gen):
         gen.prompt_logits([])
 
 
+@pytest.mark.integration  # ~11 s: a prefill and a forward graph per bucket
 def test_cached_and_uncached_greedy_decoding_produce_the_same_tokens(gen):
     for prompt in (ids(7), ids(45, seed=2)):  # one prefill bucket, and a prompt longer than one bucket (32)
         cached = gen.generate(prompt, 40)
@@ -140,8 +141,10 @@ def test_the_decode_step_builds_where_a_compiler_exists():
 @needs_kernel
 @pytest.mark.parametrize("shape", [
     dict(init_std=0.3),                                                          # tiny: untied head, hd 16
-    dict(init_std=0.3, tie_embeddings=True),                                     # tied head
-    dict(init_std=0.3, hidden_size=48, num_heads=4, num_kv_heads=1, intermediate_size=100),  # hd 12: scalar tails
+    # the other shapes compile the same graphs again (~11 s each): integration tier
+    pytest.param(dict(init_std=0.3, tie_embeddings=True), marks=pytest.mark.integration),              # tied head
+    pytest.param(dict(init_std=0.3, hidden_size=48, num_heads=4, num_kv_heads=1, intermediate_size=100),
+                 marks=pytest.mark.integration),                                                     # hd 12: scalar tails
 ])
 def test_fused_decode_step_matches_the_decoder_and_the_full_forward(shape):
     """The one-op decode step (model/decode_kernel.cc), on one thread and on more threads than cores: logits of
@@ -178,6 +181,7 @@ def test_without_a_compiler_generation_falls_back_to_the_decoder(net, monkeypatc
     assert Generator(net).decode_path == "decoder"
 
 
+@pytest.mark.integration  # ~9 s: a LoRA net's decoder and fused step compiled
 def test_a_lora_net_decodes_on_the_decoder_and_takes_the_fused_step_only_for_base_only_sequences():
     """Unmerged LoRA layers: the decoder (it calls the projection Cells) applies B·A, so tokens equal the uncached
     forward's; the fused step reads only the base weights, so it runs a sequence only with `base_only=True` (the

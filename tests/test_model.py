@@ -184,6 +184,7 @@ def jit_train_losses(recompute: bool, steps: int = 5, fused_kernels: bool = Fals
     return [float(train_step(ids, labels).asnumpy()) for _ in range(steps)]
 
 
+@pytest.mark.integration  # ~14 s: two GRAPH-mode train steps compiled
 def test_jit_train_step_lowers_loss_and_recompute_matches():
     losses = jit_train_losses(recompute=False)
     assert all(np.isfinite(losses))

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from tasks.cli import main
@@ -104,6 +105,7 @@ print("REPORT " + json.dumps(fl()))
 """
 
 
+@pytest.mark.integration  # starts Prefect's embedded server (a fresh database: 16-30 s)
 def test_dill_globals_detection_stays_out_of_the_log(tmp_path):
     """Prefect's log_prints logs dill's `dis.dis` capture (and dill then sees no globals); inside our tasks the
     redirect wins. `bare` shows the Prefect behaviour the wrapper exists for."""

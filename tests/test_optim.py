@@ -74,6 +74,7 @@ def _setup(k: int, seed: int = 0):
     return cfg, net, causal_lm_train_step(net, net.trainable_params(), accumulation=k)
 
 
+@pytest.mark.integration  # ~11 s: two GRAPH-mode train steps compiled
 def test_gradient_accumulation_equals_large_batch_weighted_by_tokens():
     """Two micro-batches equal one big batch, also where response-only masks leave them with different token
     counts (the step weights tokens, not micro-batches). One pair of compiled steps serves both cases."""
