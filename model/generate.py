@@ -6,8 +6,10 @@
     ids = gen.generate(prompt_ids, stop=lambda new_ids: ...)  # e.g. decode and look for a stop string
 
 The cached path, for an fp32 single-device net with plain projections (`CachedDecoder.supports`),
-writes the prompt (right-padded to a multiple of `bucket`) into per-layer K/V cache Parameters
-[n_kv, S, head_dim] (S = max_len) with `CachedDecoder` under `mindspore.jit`, then decodes each token
+writes the prompt into per-layer K/V cache Parameters [n_kv, S, head_dim] (S = max_len) with
+`CachedDecoder.prefill`, ONE graph compiled with a dynamic prompt length for every prompt (a static graph
+per 32-token bucket compiled for ~10 s at each new bucket on SmolLM2 and kept every one's buffers; see
+docs/MINDSPORE_CPU.md, "Memory"), then decodes each token
 with ONE MindSpore custom op, `FusedDecodeStep` (model/decode_kernel.cc, built with g++ on first use:
 every layer's RMSNorm, projections, RoPE, attention over the cache and SwiGLU MLP, plus the LM head,
 with AVX-512 GEMVs over OpenMP threads; it reads the net's own Parameters, so weights updated in place
@@ -20,8 +22,8 @@ zero throughout (`_cached_steps(ids, base_only=True)`: the server's base request
 nets, and sequences interleaved with one already using the
 in-place caches (the server's engine) take the functional `LlamaForCausalLM.forward_cached`, whose
 caches go in and out as values (through `mindspore.mutable`; a plain tuple of Tensors is a jit
-constant and recompiles on every new value). Each decode step compiles once: the position is a
-Tensor. The uncached path recomputes the full forward over the whole sequence each step (also
+constant and recompiles on every new value); its prompt pass is one dynamic-length graph as well. Each
+decode step compiles once: the position is a Tensor. The uncached path recomputes the full forward over the whole sequence each step (also
 jit-compiled, right-padded to a multiple of `bucket`, one compilation per bucket): the reference for
 tests and the `kv_speedup` baseline of `scripts/bench/generate.py`.
 
@@ -91,13 +93,21 @@ class CachedDecoder(nn.Cell):
                 return False
         return net.tie_embeddings or type(net.lm_head) is Linear
 
-    def _heads_first(self, x: Tensor, t: int, heads: int) -> Tensor:
+    def _heads_first(self, x: Tensor, t: int, heads: int, single: bool) -> Tensor:
         """[T, heads * hd] -> [heads, T, hd]."""
-        if t == 1:
+        if single:
             return x.reshape(heads, 1, self.head_dim)
         return ops.transpose(x.reshape(t, heads, self.head_dim), (1, 0, 2))
 
     def construct(self, input_ids: Tensor, start_pos: Tensor, last: Tensor) -> Tensor:
+        return self._run(input_ids, start_pos, last, input_ids.shape[1] == 1)  # static shapes: T is a constant
+
+    def prefill(self, input_ids: Tensor, start_pos: Tensor, last: Tensor) -> Tensor:
+        """`construct` for a length T known only at run time: the graph `Generator` compiles once, with a dynamic
+        T, for every prompt (no T = 1 reshapes)."""
+        return self._run(input_ids, start_pos, last, False)
+
+    def _run(self, input_ids: Tensor, start_pos: Tensor, last: Tensor, single: bool) -> Tensor:
         net = self.net
         t = input_ids.shape[1]
         nh, nkv, hd, s = self.num_heads, self.num_kv_heads, self.head_dim, self.max_len
@@ -118,13 +128,13 @@ class CachedDecoder(nn.Cell):
             v = attn.v_proj(h)
             q = (q.reshape(t, nh, hd) * cos + attn.rotate_matmul(q, attn.rotate).reshape(t, nh, hd) * sin) * attn.scale
             k = k.reshape(t, nkv, hd) * cos + attn.rotate_matmul(k, attn.rotate).reshape(t, nkv, hd) * sin
-            kc = self.scatter(self.k_cache[i], rows, self._heads_first(k.reshape(t, nkv * hd), t, nkv).reshape(nkv * t, hd))
-            vc = self.scatter(self.v_cache[i], rows, self._heads_first(v, t, nkv).reshape(nkv * t, hd))
-            qh = self._heads_first(q.reshape(t, nh * hd), t, nh).reshape(nkv, self.n_rep * t, hd)
+            kc = self.scatter(self.k_cache[i], rows, self._heads_first(k.reshape(t, nkv * hd), t, nkv, single).reshape(nkv * t, hd))
+            vc = self.scatter(self.v_cache[i], rows, self._heads_first(v, t, nkv, single).reshape(nkv * t, hd))
+            qh = self._heads_first(q.reshape(t, nh * hd), t, nh, single).reshape(nkv, self.n_rep * t, hd)
             scores = self.scores_matmul(qh, kc).reshape(nh, t, s) + mask               # [nh, T, S]
             probs = ops.softmax(scores.reshape(nh * t, s), -1).reshape(nkv, self.n_rep * t, s)
             out = self.values_matmul(probs, vc).reshape(nh, t, hd)                    # [nh, T, hd]
-            if t == 1:
+            if single:
                 out = out.reshape(1, nh * hd)
             else:
                 out = ops.transpose(out, (1, 0, 2)).reshape(t, nh * hd)
@@ -273,6 +283,7 @@ class Generator:
         self._step = ms.jit(step)
         self._forward = ms.jit(forward)
         self._all_logits = None  # built on first prompt_logits call
+        self._functional_prefill = None  # built on the first prompt that takes the functional path
         self._decoder = CachedDecoder(net, self.max_len) if CachedDecoder.supports(net) else None
         # The decoder's caches are one set of Parameters: one sequence at a time may use them. Sequences
         # interleaved with it (the server's engine runs several coroutines in turn) take the functional path.
@@ -283,7 +294,8 @@ class Generator:
             def decode(input_ids, start_pos, last):
                 return decoder(input_ids, start_pos, last)
 
-            self._decode = ms.jit(decode)
+            self._decode = ms.jit(decode)  # T = 1 steps: static shapes
+            self._prefill = None  # the dynamic-length prompt graph, built on the first prompt
         # Decode tokens (T = 1) as one fused custom op when it builds here (see FusedDecodeStep); else, or
         # with fused=False, on the decoder's MindSpore kernels. Both write the same caches.
         self._fused = None
@@ -364,6 +376,35 @@ class Generator:
             self._all_logits = dynamic_graph(self.net, all_logits, Tensor(shape=[1, None], dtype=ms.int32))
         return self._all_logits(Tensor(np.asarray([ids], np.int32))).asnumpy()[0]
 
+    def _prefill_graph(self):
+        """`CachedDecoder.prefill` as one graph for any prompt length (`input_ids` [1, T], `start_pos`, `last`)."""
+        if self._prefill is None:
+            from model.runtime import dynamic_graph
+
+            def prefill(decoder, input_ids, start_pos, last):
+                return decoder.prefill(input_ids, start_pos, last)
+
+            self._prefill = dynamic_graph(self._decoder, prefill, Tensor(shape=[1, None], dtype=ms.int32),
+                                          Tensor(shape=[], dtype=ms.int32), Tensor(shape=[], dtype=ms.int32))
+        return self._prefill
+
+    def _functional_prefill_graph(self):
+        """The functional path's prompt pass as one graph for any prompt length: fresh caches, `forward_cached` over
+        `input_ids` [1, T] from position 0; returns (logits [1, V] at position `last`, k caches, v caches)."""
+        if self._functional_prefill is None:
+            from model.runtime import dynamic_graph
+
+            max_len = self.max_len
+
+            def prefill(net, input_ids, last):
+                k, v = net.init_cache(1, max_len)
+                logits, k, v = net.forward_cached(input_ids, ops.zeros((), ms.int32), k, v)
+                return ops.gather(logits[0], last.reshape(1), 0), k, v
+
+            self._functional_prefill = dynamic_graph(self.net, prefill, Tensor(shape=[1, None], dtype=ms.int32),
+                                                     Tensor(shape=[], dtype=ms.int32))
+        return self._functional_prefill
+
     # Each path is a coroutine: it yields the logits [V] for the next position, and is sent the
     # token chosen there.
 
@@ -374,15 +415,12 @@ class Generator:
         decoder's MindSpore kernels, which apply them."""
         n = len(ids)
         fused = self._fused is not None and (base_only or not self._lora_on())
-        padded = min(-(-n // self.bucket) * self.bucket, self.max_len)
-        x = np.zeros((1, padded), np.int32)
-        x[0, :n] = ids
         if self._decoder is not None and not self._decoder_busy:
             # in-place caches; slots past the prompt are masked until written
             self._decoder_busy = True
             try:
                 zero = Tensor(0, ms.int32)
-                tok = yield self._decode(Tensor(x), zero, Tensor(n - 1, ms.int32)).asnumpy()[0]
+                tok = yield self._prefill_graph()(Tensor([ids], ms.int32), zero, Tensor(n - 1, ms.int32)).asnumpy()[0]
                 pos = n
                 while True:
                     token, at = Tensor([[tok]], ms.int32), Tensor(pos, ms.int32)
@@ -398,10 +436,9 @@ class Generator:
                     pos += 1
             finally:  # close(), or the coroutine garbage-collected
                 self._decoder_busy = False
-        k, v = self.net.init_cache(1, self.max_len)
-        logits, k, v = self._step(Tensor(x), Tensor(0, ms.int32), ms.mutable(k), ms.mutable(v))
+        logits, k, v = self._functional_prefill_graph()(Tensor([ids], ms.int32), Tensor(n - 1, ms.int32))
         pos = n
-        tok = yield logits.asnumpy()[0, n - 1]
+        tok = yield logits.asnumpy()[0]
         while True:
             logits, k, v = self._step(Tensor([[tok]], ms.int32), Tensor(pos, ms.int32), ms.mutable(k), ms.mutable(v))
             pos += 1

@@ -62,7 +62,26 @@ def test_prompt_logits_equal_the_full_forward_at_any_length(net, gen):
         gen.prompt_logits([])
 
 
-@pytest.mark.integration  # ~11 s: a prefill and a forward graph per bucket
+def test_prefill_is_one_graph_for_any_prompt_length(net, gen):
+    """The in-place cache's prompt pass is ONE dynamic-length graph (no bucket padding, no compilation per new
+    length): at prompt lengths inside a 32-token bucket, on its edge, across it and up to the cache's end, the
+    logits it yields, and those of the decode step after it, equal the plain forward's."""
+    graph = None
+    for n in (1, 9, 32, 33, gen.max_len - 1):
+        prompt = ids(n, seed=100 + n)
+        steps = gen._cached_steps(prompt)
+        first = next(steps)
+        tok = int(np.argmax(first))
+        second = steps.send(tok)
+        steps.close()
+        full = net(Tensor(np.asarray([prompt + [tok]], np.int32))).asnumpy()[0]
+        np.testing.assert_allclose(first, full[n - 1], rtol=0, atol=1e-4 * np.abs(full[n - 1]).max())
+        np.testing.assert_allclose(second, full[n], rtol=0, atol=1e-4 * np.abs(full[n]).max())
+        graph = graph or gen._prefill
+        assert gen._prefill is graph  # the same compiled graph served every length
+
+
+@pytest.mark.integration  # ~11 s: a forward graph per bucket
 def test_cached_and_uncached_greedy_decoding_produce_the_same_tokens(gen):
     for prompt in (ids(7), ids(45, seed=2)):  # one prefill bucket, and a prompt longer than one bucket (32)
         cached = gen.generate(prompt, 40)

@@ -78,8 +78,8 @@ class MindSporeBackend:
         self.eos_id = int(self.tokenizer.eos_id())
 
     def steps(self, prompt_ids: list[int], adapter: str | None = None) -> Generator[np.ndarray, int, None]:
-        # Generator.generate's own coroutine (prompt right-padded to a 32-token bucket, one compiled
-        # prefill per bucket, one compiled decode step): the same arithmetic as `msllm predict`.
+        # Generator.generate's own coroutine (one dynamic-length prefill graph for every prompt, one compiled
+        # decode step): the same arithmetic as `msllm predict`.
         ids = [int(t) for t in prompt_ids]
         if self.slots is None:
             return self.generator._cached_steps(ids)
@@ -110,7 +110,7 @@ class MindSporeBackend:
         return self.generator.prompt_logits(ids)
 
     def warmup(self, adapter: str | None = None) -> None:
-        """Compile the decode step and the first prefill bucket (prompts up to 32 tokens)."""
+        """Compile the prefill (one graph for every prompt length) and the decode step."""
         s = self.steps([self.eos_id], adapter)
         next(s)
         s.send(self.eos_id)
