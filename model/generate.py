@@ -23,8 +23,8 @@ nets, and sequences interleaved with one already using the
 in-place caches (the server's engine) take the functional `LlamaForCausalLM.forward_cached`, whose
 caches go in and out as values (through `mindspore.mutable`; a plain tuple of Tensors is a jit
 constant and recompiles on every new value); its prompt pass is one dynamic-length graph as well. Each
-decode step compiles once: the position is a Tensor. The uncached path recomputes the full forward over the whole sequence each step (also
-jit-compiled, right-padded to a multiple of `bucket`, one compilation per bucket): the reference for
+decode step compiles once: the position is a Tensor. The uncached path recomputes the full forward over
+the whole sequence each step (also jit-compiled, right-padded to a multiple of `bucket`, one compilation per bucket): the reference for
 tests and the `kv_speedup` baseline of `scripts/bench/generate.py`.
 
 Token ids in, token ids out: no tokenizer here (stop strings are the caller's
@@ -257,6 +257,9 @@ class FusedDecodeStep(nn.Cell):
         return self.op(*args)
 
 
+_IDS, _SCALAR = [1, None], []  # input shapes: a batch-1 row of token ids of any length; a 0-d position
+
+
 class Generator:
     """Generation for one network; keeps its compiled prefill/decode steps across calls.
 
@@ -282,8 +285,7 @@ class Generator:
 
         self._step = ms.jit(step)
         self._forward = ms.jit(forward)
-        self._all_logits = None  # built on first prompt_logits call
-        self._functional_prefill = None  # built on the first prompt that takes the functional path
+        self._graphs: dict[str, object] = {}  # dynamic-shape graphs, each built on its first use (_dynamic)
         self._decoder = CachedDecoder(net, self.max_len) if CachedDecoder.supports(net) else None
         # The decoder's caches are one set of Parameters: one sequence at a time may use them. Sequences
         # interleaved with it (the server's engine runs several coroutines in turn) take the functional path.
@@ -295,7 +297,6 @@ class Generator:
                 return decoder(input_ids, start_pos, last)
 
             self._decode = ms.jit(decode)  # T = 1 steps: static shapes
-            self._prefill = None  # the dynamic-length prompt graph, built on the first prompt
         # Decode tokens (T = 1) as one fused custom op when it builds here (see FusedDecodeStep); else, or
         # with fused=False, on the decoder's MindSpore kernels. Both write the same caches.
         self._fused = None
@@ -367,43 +368,42 @@ class Generator:
         buffers for the life of the process (docs/MINDSPORE_CPU.md, "Memory")."""
         if not 0 < len(ids) <= self.max_len:
             raise ValueError(f"prompt of {len(ids)} tokens: 1..{self.max_len} (max_len)")
-        if self._all_logits is None:
+
+        def all_logits(net, input_ids):
+            return net.head_logits(net.hidden_states(input_ids)).astype(ms.float32)
+
+        graph = self._dynamic("prompt_logits", self.net, all_logits, _IDS)
+        return graph(Tensor(np.asarray([ids], np.int32))).asnumpy()[0]
+
+    def _dynamic(self, name: str, target, fn, *shapes):
+        """The graph `name`: `model.runtime.dynamic_graph(target, fn, ...)` over int32 inputs of `shapes` (None: any
+        size), built on its first use and kept."""
+        if name not in self._graphs:
             from model.runtime import dynamic_graph
 
-            def all_logits(net, input_ids):
-                return net.head_logits(net.hidden_states(input_ids)).astype(ms.float32)
-
-            self._all_logits = dynamic_graph(self.net, all_logits, Tensor(shape=[1, None], dtype=ms.int32))
-        return self._all_logits(Tensor(np.asarray([ids], np.int32))).asnumpy()[0]
+            inputs = [Tensor(shape=shape, dtype=ms.int32) for shape in shapes]
+            self._graphs[name] = dynamic_graph(target, fn, *inputs)
+        return self._graphs[name]
 
     def _prefill_graph(self):
         """`CachedDecoder.prefill` as one graph for any prompt length (`input_ids` [1, T], `start_pos`, `last`)."""
-        if self._prefill is None:
-            from model.runtime import dynamic_graph
 
-            def prefill(decoder, input_ids, start_pos, last):
-                return decoder.prefill(input_ids, start_pos, last)
+        def prefill(decoder, input_ids, start_pos, last):
+            return decoder.prefill(input_ids, start_pos, last)
 
-            self._prefill = dynamic_graph(self._decoder, prefill, Tensor(shape=[1, None], dtype=ms.int32),
-                                          Tensor(shape=[], dtype=ms.int32), Tensor(shape=[], dtype=ms.int32))
-        return self._prefill
+        return self._dynamic("prefill", self._decoder, prefill, _IDS, _SCALAR, _SCALAR)
 
     def _functional_prefill_graph(self):
         """The functional path's prompt pass as one graph for any prompt length: fresh caches, `forward_cached` over
         `input_ids` [1, T] from position 0; returns (logits [1, V] at position `last`, k caches, v caches)."""
-        if self._functional_prefill is None:
-            from model.runtime import dynamic_graph
+        max_len = self.max_len
 
-            max_len = self.max_len
+        def prefill(net, input_ids, last):
+            k, v = net.init_cache(1, max_len)
+            logits, k, v = net.forward_cached(input_ids, ops.zeros((), ms.int32), k, v)
+            return ops.gather(logits[0], last.reshape(1), 0), k, v
 
-            def prefill(net, input_ids, last):
-                k, v = net.init_cache(1, max_len)
-                logits, k, v = net.forward_cached(input_ids, ops.zeros((), ms.int32), k, v)
-                return ops.gather(logits[0], last.reshape(1), 0), k, v
-
-            self._functional_prefill = dynamic_graph(self.net, prefill, Tensor(shape=[1, None], dtype=ms.int32),
-                                                     Tensor(shape=[], dtype=ms.int32))
-        return self._functional_prefill
+        return self._dynamic("functional_prefill", self.net, prefill, _IDS, _SCALAR)
 
     # Each path is a coroutine: it yields the logits [V] for the next position, and is sent the
     # token chosen there.

@@ -77,8 +77,8 @@ def test_prefill_is_one_graph_for_any_prompt_length(net, gen):
         full = net(Tensor(np.asarray([prompt + [tok]], np.int32))).asnumpy()[0]
         np.testing.assert_allclose(first, full[n - 1], rtol=0, atol=1e-4 * np.abs(full[n - 1]).max())
         np.testing.assert_allclose(second, full[n], rtol=0, atol=1e-4 * np.abs(full[n]).max())
-        graph = graph or gen._prefill
-        assert gen._prefill is graph  # the same compiled graph served every length
+        graph = graph or gen._graphs["prefill"]
+        assert gen._graphs["prefill"] is graph  # the same compiled graph served every length
 
 
 @pytest.mark.integration  # ~11 s: a forward graph per bucket
