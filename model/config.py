@@ -141,6 +141,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
                          num_heads=9, num_kv_heads=3, max_seq_length=8192, rope_theta=100000.0, norm_eps=1e-5,
                          tie_embeddings=True),
+    # SmolLM2-360M's shape (random weights here: the memory and speed benches, the slow tier's 360M run).
+    "smollm2-360m": dict(vocab_size=49152, hidden_size=960, intermediate_size=2560, num_layers=32,
+                         num_heads=15, num_kv_heads=5, max_seq_length=8192, rope_theta=100000.0, norm_eps=1e-5,
+                         tie_embeddings=True),
     # Real shapes, for the memory estimator (never built on CPU).
     "llama2-7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
                       num_layers=32, num_heads=32, num_kv_heads=32, max_seq_length=4096),

@@ -1,4 +1,5 @@
-// One LLaMA decode step (batch 1, one token) as a single MindSpore "aot" custom op on CPU.
+// One LLaMA decode step (batch 1, one token) as a single MindSpore "aot" custom op on CPU; and the prefill's
+// causal attention of a prompt chunk over the same caches (ChunkAttention, at the end of this file).
 //
 // Built and loaded by model/generate.py (FusedDecodeStep) through model/kernels.py, once per ISA level
 // (model/simd.h; -fopenmp where the compiler has it), the level chosen at load from what the CPU reports.
@@ -124,6 +125,85 @@ inline void rope(float *x, const float *cos, const float *sin, int64_t hd, float
   std::memcpy(x, tmp, hd * sizeof(float));
 }
 
+// sc[r * P + j] = q_r . K[:, j] for four queries and slots j < len; Kt is one kv head's keys transposed [hd][P]
+inline void scores4(const float *const *q, const float *Kt, int64_t P, int64_t len, int64_t hd, float *sc) {
+  int64_t j = 0;
+#if MSLLM_VW > 0
+  constexpr int64_t W = simd::kVW;
+  for (; j + W <= len; j += W) {
+    simd::vf a0 = simd::zero(), a1 = simd::zero(), a2 = simd::zero(), a3 = simd::zero();
+    for (int64_t d = 0; d < hd; ++d) {
+      const simd::vf k = simd::loadu(Kt + d * P + j);
+      a0 = simd::fma(simd::set1(q[0][d]), k, a0);
+      a1 = simd::fma(simd::set1(q[1][d]), k, a1);
+      a2 = simd::fma(simd::set1(q[2][d]), k, a2);
+      a3 = simd::fma(simd::set1(q[3][d]), k, a3);
+    }
+    simd::storeu(sc + j, a0);
+    simd::storeu(sc + P + j, a1);
+    simd::storeu(sc + 2 * P + j, a2);
+    simd::storeu(sc + 3 * P + j, a3);
+  }
+#endif
+  for (; j < len; ++j)
+    for (int r = 0; r < 4; ++r) {
+      float s = 0.f;
+      for (int64_t d = 0; d < hd; ++d) s += q[r][d] * Kt[d * P + j];
+      sc[r * P + j] = s;
+    }
+}
+
+// out = softmax(sc[0..p]) V[0..p] (sc: one query's scores, overwritten), V one kv head's cache rows [S, hd]
+inline void softmax_values(float *sc, const float *V, int64_t p, int64_t hd, float *out) {
+  float mx = -INFINITY;
+  for (int64_t j = 0; j <= p; ++j) mx = sc[j] > mx ? sc[j] : mx;
+  float sum = 0.f;
+  int64_t j = 0;
+#if MSLLM_VW > 0
+  const simd::vf m = simd::set1(mx);
+  simd::vf acc = simd::zero();
+  for (; j + simd::kVW <= p + 1; j += simd::kVW) {
+    const simd::vf e = simd::exp_v(simd::loadu(sc + j) - m);
+    simd::storeu(sc + j, e);
+    acc = acc + e;
+  }
+  sum = simd::hsum(acc);
+#endif
+  for (; j <= p; ++j) {
+    sc[j] = std::exp(sc[j] - mx);
+    sum += sc[j];
+  }
+  const float inv = 1.0f / sum;
+  for (int64_t i = 0; i < hd; ++i) out[i] = 0.f;
+  for (int64_t k = 0; k <= p; ++k) {
+    const float w = sc[k] * inv;
+    const float *vr = V + k * hd;
+    for (int64_t i = 0; i < hd; ++i) out[i] += w * vr[i];
+  }
+}
+
+// out = softmax(q . K[0..p]) V[0..p] for one head: q [hd] (RoPE'd and scaled), K and V one kv head's cache
+// rows [S, hd], sc scratch of at least p + 1 floats.
+inline void attend(const float *q, const float *K, const float *V, int64_t p, int64_t hd, float *sc, float *out) {
+  float mx = -INFINITY;
+  for (int64_t j = 0; j <= p; ++j) {
+    sc[j] = dot(q, K + j * hd, hd);
+    mx = sc[j] > mx ? sc[j] : mx;
+  }
+  float sum = 0.f;
+  for (int64_t j = 0; j <= p; ++j) {
+    sc[j] = std::exp(sc[j] - mx);
+    sum += sc[j];
+  }
+  const float inv = 1.0f / sum;
+  for (int64_t i = 0; i < hd; ++i) out[i] = 0.f;
+  for (int64_t j = 0; j <= p; ++j) {
+    const float w = sc[j] * inv;
+    const float *vr = V + j * hd;
+    for (int64_t i = 0; i < hd; ++i) out[i] += w * vr[i];
+  }
+}
+
 }  // namespace
 
 namespace {
@@ -229,25 +309,7 @@ extern "C" int DecodeStep(int nparam, void **params, int *ndims, int64_t **shape
         float *qh = q.data() + hh * hd;
         rope(qh, cos_p, sin_p, hd, scale);
         const int64_t g = hh / n_rep;
-        const float *K = kc + g * S * hd, *Vc = vc + g * S * hd;
-        float mx = -INFINITY;
-        for (int64_t j = 0; j <= pos; ++j) {
-          sc[j] = dot(qh, K + j * hd, hd);
-          mx = sc[j] > mx ? sc[j] : mx;
-        }
-        float sum = 0.f;
-        for (int64_t j = 0; j <= pos; ++j) {
-          sc[j] = std::exp(sc[j] - mx);
-          sum += sc[j];
-        }
-        const float inv = 1.0f / sum;
-        float *out = attn.data() + hh * hd;
-        for (int64_t i = 0; i < hd; ++i) out[i] = 0.f;
-        for (int64_t j = 0; j <= pos; ++j) {
-          const float p = sc[j] * inv;
-          const float *vr = Vc + j * hd;
-          for (int64_t i = 0; i < hd; ++i) out[i] += p * vr[i];
-        }
+        attend(qh, kc + g * S * hd, vc + g * S * hd, pos, hd, sc, attn.data() + hh * hd);
       }
 #pragma omp barrier
       split(H, t, nt, &b, &e);
@@ -266,6 +328,64 @@ extern "C" int DecodeStep(int nparam, void **params, int *ndims, int64_t **shape
     rms_norm(x.data(), final_norm, h, H, eps);
     split(V, t, nt, &b, &e);
     gemv_rows(head, h, logits, H, b, e, false);
+  }
+  return 0;
+}
+
+// Causal attention of a prompt chunk over the in-place cache (CachedDecoder's prefill, one op per layer):
+//   0 q float32 [T, nh*hd] (RoPE'd and scaled) of positions start..start+T-1   1 start int32 []
+//   2 k cache [nkv, S, hd]   3 v cache [nkv, S, hd] (already holding the chunk's rows)   4 consts float32 [1]: threads
+// Output [T, nh*hd]: query i attends slots 0..start+i, so neither the work nor any buffer grows with S (a
+// [heads, T, S] score tensor per layer did, and a static graph keeps every one of them).
+extern "C" int ChunkAttention(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
+                              void *extra) {
+  (void)stream; (void)extra;
+  if (nparam != 6) return 1;
+  if (!is_dt(dtypes, 1, "int32")) return 2;
+  for (const int i : {0, 2, 3, 4, 5})
+    if (!is_dt(dtypes, i, "float32")) return 2;
+  if (ndims[0] != 2 || ndims[2] != 3 || ndims[3] != 3 || ndims[5] != 2 || count(ndims, shapes, 1) != 1 ||
+      count(ndims, shapes, 4) != 1)
+    return 3;
+  const int64_t T = shapes[0][0], qdim = shapes[0][1], nkv = shapes[2][0], S = shapes[2][1], hd = shapes[2][2];
+  if (T < 1 || nkv < 1 || S < 1 || hd < 1 || qdim < hd || qdim % hd || (qdim / hd) % nkv || shapes[3][0] != nkv ||
+      shapes[3][1] != S || shapes[3][2] != hd || shapes[5][0] != T || shapes[5][1] != qdim)
+    return 3;
+  const int64_t start = *static_cast<const int32_t *>(params[1]);
+  if (start < 0 || start + T > S) return 4;
+  const int64_t nh = qdim / hd, n_rep = nh / nkv;
+  const float *q = static_cast<const float *>(params[0]);
+  const float *kc = static_cast<const float *>(params[2]), *vc = static_cast<const float *>(params[3]);
+  const float t_f = *static_cast<const float *>(params[4]);
+  const int threads = t_f >= 1.f ? static_cast<int>(t_f) : 1;
+  float *out = static_cast<float *>(params[5]);
+  const int64_t P = start + T;  // slots any query of the chunk may see
+  // each kv head's keys transposed, [nkv][hd][P]: a query's scores over 16 slots are then hd broadcast FMAs,
+  // with no horizontal sum per slot; four queries share every load
+  std::vector<float> kt(nkv * hd * P);
+#pragma omp parallel num_threads(threads)
+  {
+#pragma omp for schedule(static)
+    for (int64_t gj = 0; gj < nkv * P; ++gj) {
+      const int64_t g = gj / P, j = gj % P;
+      const float *kr = kc + (g * S + j) * hd;
+      float *dst = kt.data() + g * hd * P + j;
+      for (int64_t d = 0; d < hd; ++d) dst[d * P] = kr[d];
+    }
+    std::vector<float> sc(4 * P);
+    const int64_t blocks = (T + 3) / 4;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t w = 0; w < nh * blocks; ++w) {  // (head, block of 4 queries); later queries attend more slots
+      const int64_t hh = w / blocks, i0 = (w % blocks) * 4, g = hh / n_rep;
+      const int64_t nq = T - i0 < 4 ? T - i0 : 4;
+      const float *qs[4];
+      for (int64_t r = 0; r < 4; ++r) qs[r] = q + (i0 + (r < nq ? r : 0)) * qdim + hh * hd;
+      const float *K = kt.data() + g * hd * P;
+      const int64_t len = start + i0 + nq;  // slots the block's last query sees
+      scores4(qs, K, P, len, hd, sc.data());
+      for (int64_t r = 0; r < nq; ++r)
+        softmax_values(sc.data() + r * P, vc + g * S * hd, start + i0 + r, hd, out + (i0 + r) * qdim + hh * hd);
+    }
   }
   return 0;
 }

@@ -6,10 +6,12 @@
     ids = gen.generate(prompt_ids, stop=lambda new_ids: ...)  # e.g. decode and look for a stop string
 
 The cached path, for an fp32 single-device net with plain projections (`CachedDecoder.supports`),
-writes the prompt into per-layer K/V cache Parameters [n_kv, S, head_dim] (S = max_len) with
-`CachedDecoder.prefill`, ONE graph compiled with a dynamic prompt length for every prompt (a static graph
-per 32-token bucket compiled for ~10 s at each new bucket on SmolLM2 and kept every one's buffers; see
-docs/MINDSPORE_CPU.md, "Memory"), then decodes each token
+writes the prompt into per-layer K/V cache Parameters [n_kv, S, head_dim] (S = max_len) in fixed-size
+chunks of `prefill_chunk` (64) tokens through ONE static graph (`CachedDecoder` at T = C; `_chunks`), whose
+attention is one custom op per layer over slots 0..position (`ChunkAttention`, model/decode_kernel.cc) where
+the kernel builds: neither its buffers nor its work grow with the prompt or with S, and no prompt length
+compiles anything new. (A dynamic-length graph held 24 GB at a 2000-token SmolLM2 prompt and a static graph
+per 32-token bucket kept every bucket's buffers; see docs/MINDSPORE_CPU.md, "Memory".) It then decodes each token
 with ONE MindSpore custom op, `FusedDecodeStep` (model/decode_kernel.cc, built with g++ on first use:
 every layer's RMSNorm, projections, RoPE, attention over the cache and SwiGLU MLP, plus the LM head,
 with AVX-512 GEMVs over OpenMP threads; it reads the net's own Parameters, so weights updated in place
@@ -22,7 +24,8 @@ zero throughout (`_cached_steps(ids, base_only=True)`: the server's base request
 nets, and sequences interleaved with one already using the
 in-place caches (the server's engine) take the functional `LlamaForCausalLM.forward_cached`, whose
 caches go in and out as values (through `mindspore.mutable`; a plain tuple of Tensors is a jit
-constant and recompiles on every new value); its prompt pass is one dynamic-length graph as well. Each
+constant and recompiles on every new value); its prompt pass takes the same fixed-size chunks (one static
+graph, the LM head on the last row only). Each
 decode step compiles once: the position is a Tensor. The uncached path recomputes the full forward over
 the whole sequence each step (also jit-compiled, right-padded to a multiple of `bucket`, one compilation per bucket): the reference for
 tests and the `kv_speedup` baseline of `scripts/bench/generate.py`.
@@ -58,7 +61,7 @@ class CachedDecoder(nn.Cell):
     logits [1, V] of position start_pos + last.
     """
 
-    def __init__(self, net, max_len: int):
+    def __init__(self, net, max_len: int, lib: str | None = None, threads: int = 1):
         super().__init__()
         c = net.config
         # not a child Cell: registering it would prefix every one of the net's parameter names with "net."
@@ -76,6 +79,10 @@ class CachedDecoder(nn.Cell):
         self.values_matmul = ops.BatchMatMul()
         self.head_matmul = ops.MatMul(transpose_b=True)
         self.scatter = ops.ScatterNdUpdate()
+        # With the decode kernel's library: a prompt chunk's attention as one op per layer over slots 0..position
+        # (ChunkAttention), instead of [heads, T, S] scores, mask and probabilities over every slot
+        self.chunk_attention = _chunk_attention_op(lib) if lib else None
+        self.attention_consts = Tensor(np.array([threads], np.float32))
 
     @staticmethod
     def supports(net) -> bool:
@@ -102,11 +109,6 @@ class CachedDecoder(nn.Cell):
     def construct(self, input_ids: Tensor, start_pos: Tensor, last: Tensor) -> Tensor:
         return self._run(input_ids, start_pos, last, input_ids.shape[1] == 1)  # static shapes: T is a constant
 
-    def prefill(self, input_ids: Tensor, start_pos: Tensor, last: Tensor) -> Tensor:
-        """`construct` for a length T known only at run time: the graph `Generator` compiles once, with a dynamic
-        T, for every prompt (no T = 1 reshapes)."""
-        return self._run(input_ids, start_pos, last, False)
-
     def _run(self, input_ids: Tensor, start_pos: Tensor, last: Tensor, single: bool) -> Tensor:
         net = self.net
         t = input_ids.shape[1]
@@ -114,7 +116,8 @@ class CachedDecoder(nn.Cell):
         positions = start_pos + ops.arange(t, dtype=ms.int32)                         # [T]
         cos = ops.gather(net.rope_cos, positions, 0).reshape(t, 1, hd)                # [T, 1, hd]
         sin = ops.gather(net.rope_sin, positions, 0).reshape(t, 1, hd)
-        mask = (ops.arange(s, dtype=ms.int32).reshape(1, -1) > positions.reshape(-1, 1)).astype(ms.float32) * -1e9
+        native = self.chunk_attention is not None and not single
+        mask = None if native else (ops.arange(s, dtype=ms.int32).reshape(1, -1) > positions.reshape(-1, 1)).astype(ms.float32) * -1e9
         # cache rows written: (kv head h, slot start_pos + i) for h, i -> [nkv * T, 2]
         heads = ops.arange(nkv, dtype=ms.int32).reshape(-1, 1, 1).broadcast_to((nkv, t, 1))
         slots = positions.reshape(1, -1, 1).broadcast_to((nkv, t, 1))
@@ -130,14 +133,17 @@ class CachedDecoder(nn.Cell):
             k = k.reshape(t, nkv, hd) * cos + attn.rotate_matmul(k, attn.rotate).reshape(t, nkv, hd) * sin
             kc = self.scatter(self.k_cache[i], rows, self._heads_first(k.reshape(t, nkv * hd), t, nkv, single).reshape(nkv * t, hd))
             vc = self.scatter(self.v_cache[i], rows, self._heads_first(v, t, nkv, single).reshape(nkv * t, hd))
-            qh = self._heads_first(q.reshape(t, nh * hd), t, nh, single).reshape(nkv, self.n_rep * t, hd)
-            scores = self.scores_matmul(qh, kc).reshape(nh, t, s) + mask               # [nh, T, S]
-            probs = ops.softmax(scores.reshape(nh * t, s), -1).reshape(nkv, self.n_rep * t, s)
-            out = self.values_matmul(probs, vc).reshape(nh, t, hd)                    # [nh, T, hd]
-            if single:
-                out = out.reshape(1, nh * hd)
+            if native:
+                out = self.chunk_attention(q.reshape(t, nh * hd), start_pos, kc, vc, self.attention_consts)  # [T, nh*hd]
             else:
-                out = ops.transpose(out, (1, 0, 2)).reshape(t, nh * hd)
+                qh = self._heads_first(q.reshape(t, nh * hd), t, nh, single).reshape(nkv, self.n_rep * t, hd)
+                scores = self.scores_matmul(qh, kc).reshape(nh, t, s) + mask           # [nh, T, S]
+                probs = ops.softmax(scores.reshape(nh * t, s), -1).reshape(nkv, self.n_rep * t, s)
+                out = self.values_matmul(probs, vc).reshape(nh, t, hd)                # [nh, T, hd]
+                if single:
+                    out = out.reshape(1, nh * hd)
+                else:
+                    out = ops.transpose(out, (1, 0, 2)).reshape(t, nh * hd)
             x = x + attn.o_proj(out)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         x = net.norm(ops.gather(x, last.reshape(1), 0))                               # [1, H]
@@ -220,6 +226,28 @@ def _decode_op(lib: str, vocab: int, n_layers: int):
     return DecodeStep()
 
 
+def _chunk_attention_op(lib: str):
+    """The ChunkAttention custom op (model/decode_kernel.cc): (q [T, nh*hd], start int32, k cache, v cache
+    [n_kv, S, hd], consts [1]) -> [T, nh*hd], query i attending slots 0..start+i. Shapes and dtypes are checked
+    when the graph is inferred (the kernel checks again)."""
+    from model.kernels import KernelShapeError, dtype_of
+
+    def shape(q, start, k, v, consts):
+        if len(q) != 2 or len(k) != 3 or list(k) != list(v) or q[1] % k[2] or (q[1] // k[2]) % k[0]:
+            raise KernelShapeError(f"fused kernel ChunkAttention: q [T, heads * head_dim] and caches [n_kv, S, head_dim]"
+                                   f" with heads a multiple of n_kv expected, got {list(q)}, {list(k)}, {list(v)}")
+        return list(q)
+
+    def dtype(q, start, k, v, consts):
+        for i, t in enumerate((q, start, k, v, consts)):
+            want = ms.int32 if i == 1 else ms.float32
+            if dtype_of(t) != want:
+                raise KernelShapeError(f"fused kernel ChunkAttention: operand {i} must be {want}, got {dtype_of(t)}")
+        return ms.float32
+
+    return ops.Custom(f"{lib}:ChunkAttention", out_shape=shape, out_dtype=dtype, func_type="aot")
+
+
 class FusedDecodeStep(nn.Cell):
     """One decode token (batch 1, T = 1) of a `CachedDecoder` as ONE MindSpore custom op (model/decode_kernel.cc).
 
@@ -257,7 +285,8 @@ class FusedDecodeStep(nn.Cell):
         return self.op(*args)
 
 
-_IDS, _SCALAR = [1, None], []  # input shapes: a batch-1 row of token ids of any length; a 0-d position
+_IDS = [1, None]  # input shape of the echo logits' dynamic graph: a batch-1 row of token ids of any length
+PREFILL_CHUNK = 64  # prompt tokens per prefill call: one static graph whose buffers do not grow with the prompt
 
 
 class Generator:
@@ -269,10 +298,11 @@ class Generator:
     """
 
     def __init__(self, net, bucket: int = 32, max_len: int | None = None, fused: bool = True,
-                 threads: int | None = None):
+                 threads: int | None = None, prefill_chunk: int = PREFILL_CHUNK):
         self.net = net
         self.bucket = bucket
         self.max_len = max_len or net.config.max_seq_length  # cache slots S
+        self.prefill_chunk = max(1, min(prefill_chunk, self.max_len))  # prompt tokens per prefill call (_chunks)
         if self.max_len > net.config.max_seq_length:
             raise ValueError(f"max_len {self.max_len} exceeds the model's max_seq_length {net.config.max_seq_length}")
         # Plain closures, not `ms.jit(net.forward_cached)`: jit on a bound method of a Cell binds that
@@ -280,13 +310,20 @@ class Generator:
         def step(input_ids, start_pos, k_caches, v_caches):
             return net.forward_cached(input_ids, start_pos, k_caches, v_caches)
 
+        def chunk_step(input_ids, start_pos, last, k_caches, v_caches):  # a prompt chunk: the head on row `last` only
+            return net.forward_cached(input_ids, start_pos, k_caches, v_caches, last)
+
         def forward(input_ids):
             return net(input_ids)
 
         self._step = ms.jit(step)
+        self._chunk_step = ms.jit(chunk_step)
         self._forward = ms.jit(forward)
         self._graphs: dict[str, object] = {}  # dynamic-shape graphs, each built on its first use (_dynamic)
-        self._decoder = CachedDecoder(net, self.max_len) if CachedDecoder.supports(net) else None
+        supported = CachedDecoder.supports(net)
+        lib = build_decode_kernel(fused) if supported else None
+        threads = threads or decode_threads()
+        self._decoder = CachedDecoder(net, self.max_len, lib, threads) if supported else None
         # The decoder's caches are one set of Parameters: one sequence at a time may use them. Sequences
         # interleaved with it (the server's engine runs several coroutines in turn) take the functional path.
         self._decoder_busy = False
@@ -303,9 +340,8 @@ class Generator:
         from model.lora import lora_layers
 
         self._lora = [layer for _, layer in lora_layers(net)]  # the fused step ignores their updates (see _cached_steps)
-        lib = build_decode_kernel(fused) if self._decoder is not None else None
         if lib is not None:
-            fused_step = FusedDecodeStep(self._decoder, lib, threads or decode_threads())
+            fused_step = FusedDecodeStep(self._decoder, lib, threads)
 
             def fused_decode(token, pos):
                 return fused_step(token, pos)
@@ -385,25 +421,19 @@ class Generator:
             self._graphs[name] = dynamic_graph(target, fn, *inputs)
         return self._graphs[name]
 
-    def _prefill_graph(self):
-        """`CachedDecoder.prefill` as one graph for any prompt length (`input_ids` [1, T], `start_pos`, `last`)."""
-
-        def prefill(decoder, input_ids, start_pos, last):
-            return decoder.prefill(input_ids, start_pos, last)
-
-        return self._dynamic("prefill", self._decoder, prefill, _IDS, _SCALAR, _SCALAR)
-
-    def _functional_prefill_graph(self):
-        """The functional path's prompt pass as one graph for any prompt length: fresh caches, `forward_cached` over
-        `input_ids` [1, T] from position 0; returns (logits [1, V] at position `last`, k caches, v caches)."""
-        max_len = self.max_len
-
-        def prefill(net, input_ids, last):
-            k, v = net.init_cache(1, max_len)
-            logits, k, v = net.forward_cached(input_ids, ops.zeros((), ms.int32), k, v)
-            return ops.gather(logits[0], last.reshape(1), 0), k, v
-
-        return self._dynamic("functional_prefill", self.net, prefill, _IDS, _SCALAR)
+    def _chunks(self, ids: list[int]):
+        """The prompt as fixed-size chunks [1, C] (C = `prefill_chunk`): (ids, start, index of the last real token).
+        A prompt shorter than C is right-padded (the padding's K/V land in slots past the prompt: masked, then
+        overwritten by decoding); a longer one is cut at multiples of C and its last chunk ends exactly at the
+        prompt's end, overlapping the one before (those positions are computed again from the same tokens), so no
+        slot past the prompt is written and no position goes past the cache."""
+        n, c = len(ids), self.prefill_chunk
+        if n <= c:
+            x = np.zeros((1, c), np.int32)
+            x[0, :n] = ids
+            return [(x, 0, n - 1)]
+        starts = list(range(0, n - c, c)) + [n - c]
+        return [(np.asarray([ids[s:s + c]], np.int32), s, c - 1) for s in starts]
 
     # Each path is a coroutine: it yields the logits [V] for the next position, and is sent the
     # token chosen there.
@@ -420,7 +450,9 @@ class Generator:
             self._decoder_busy = True
             try:
                 zero = Tensor(0, ms.int32)
-                tok = yield self._prefill_graph()(Tensor([ids], ms.int32), zero, Tensor(n - 1, ms.int32)).asnumpy()[0]
+                for x, start, last in self._chunks(ids):  # one static [1, C] graph for every prompt
+                    logits = self._decode(Tensor(x), Tensor(start, ms.int32), Tensor(last, ms.int32))
+                tok = yield logits.asnumpy()[0]
                 pos = n
                 while True:
                     token, at = Tensor([[tok]], ms.int32), Tensor(pos, ms.int32)
@@ -436,9 +468,12 @@ class Generator:
                     pos += 1
             finally:  # close(), or the coroutine garbage-collected
                 self._decoder_busy = False
-        logits, k, v = self._functional_prefill_graph()(Tensor([ids], ms.int32), Tensor(n - 1, ms.int32))
+        k, v = self.net.init_cache(1, self.max_len)
+        for x, start, last in self._chunks(ids):
+            logits, k, v = self._chunk_step(Tensor(x), Tensor(start, ms.int32), Tensor(last, ms.int32),
+                                            ms.mutable(k), ms.mutable(v))
         pos = n
-        tok = yield logits.asnumpy()[0]
+        tok = yield logits.asnumpy()[0, 0]
         while True:
             logits, k, v = self._step(Tensor([[tok]], ms.int32), Tensor(pos, ms.int32), ms.mutable(k), ms.mutable(v))
             pos += 1

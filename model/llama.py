@@ -296,8 +296,8 @@ class LlamaForCausalLM(nn.Cell):
         v = tuple(ops.zeros(shape, self.compute_dtype) for _ in range(c.num_layers))
         return k, v
 
-    def forward_cached(self, input_ids: Tensor, start_pos: Tensor, k_caches: tuple, v_caches: tuple
-                       ) -> tuple[Tensor, tuple, tuple]:
+    def forward_cached(self, input_ids: Tensor, start_pos: Tensor, k_caches: tuple, v_caches: tuple,
+                       last: Tensor | None = None) -> tuple[Tensor, tuple, tuple]:
         """Logits of input_ids [B, T] at positions start_pos.. (a 0-d int32 Tensor), attending to the cache.
 
         Writes the tokens' K/V into cache slots start_pos..start_pos+T-1 and returns
@@ -323,7 +323,9 @@ class LlamaForCausalLM(nn.Cell):
             x, k, v = layer.construct_cached(x, cos, sin, mask, src, written, k_caches[i], v_caches[i])
             new_k = new_k + (k,)
             new_v = new_v + (v,)
-        return self.head_logits(x), new_k, new_v                           # [B, T, V], caches
+        if last is not None:  # a prompt chunk: only the row whose logits are wanted goes through the head
+            x = ops.gather(x, last.reshape(1), 1)                      # [B, 1, H]
+        return self.head_logits(x), new_k, new_v                       # [B, T or 1, V], caches
 
     def loss(self, input_ids: Tensor, labels: Tensor) -> Tensor:
         """Mean next-token cross-entropy; labels[b, t] is the target of position t (-100 = ignored)."""

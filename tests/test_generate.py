@@ -62,23 +62,62 @@ def test_prompt_logits_equal_the_full_forward_at_any_length(net, gen):
         gen.prompt_logits([])
 
 
-def test_prefill_is_one_graph_for_any_prompt_length(net, gen):
-    """The in-place cache's prompt pass is ONE dynamic-length graph (no bucket padding, no compilation per new
-    length): at prompt lengths inside a 32-token bucket, on its edge, across it and up to the cache's end, the
-    logits it yields, and those of the decode step after it, equal the plain forward's."""
-    graph = None
-    for n in (1, 9, 32, 33, gen.max_len - 1):
+@pytest.mark.parametrize("chunk", [64, 8])
+def test_prefill_runs_in_fixed_chunks_for_any_prompt_length(net, chunk):
+    """The prompt pass is fixed-size chunks through one static graph (no graph, and no buffer, per prompt length):
+    at lengths below one chunk, on its edge, across it, over several chunks (the last one overlapping the one
+    before) and up to the cache's end, the logits it yields, and those of the decode step after it, equal the
+    plain forward's, on the in-place caches (the native chunk attention where the kernel builds) and on the
+    functional path (the server's interleaved sequences)."""
+    gen = Generator(net, prefill_chunk=chunk)
+    assert gen.prefill_chunk == chunk
+    for n in sorted({1, 7, chunk, chunk + 1, min(2 * chunk + 3, gen.max_len - 1), gen.max_len - 1}):
         prompt = ids(n, seed=100 + n)
-        steps = gen._cached_steps(prompt)
-        first = next(steps)
-        tok = int(np.argmax(first))
-        second = steps.send(tok)
-        steps.close()
-        full = net(Tensor(np.asarray([prompt + [tok]], np.int32))).asnumpy()[0]
-        np.testing.assert_allclose(first, full[n - 1], rtol=0, atol=1e-4 * np.abs(full[n - 1]).max())
-        np.testing.assert_allclose(second, full[n], rtol=0, atol=1e-4 * np.abs(full[n]).max())
-        graph = graph or gen._graphs["prefill"]
-        assert gen._graphs["prefill"] is graph  # the same compiled graph served every length
+        starts = [s for _, s, _ in gen._chunks(prompt)]
+        assert starts[-1] + chunk == max(n, chunk) and starts[-1] >= 0  # the last chunk ends at the prompt's end
+        for busy in (False, True):  # busy: the in-place caches are taken, so the functional path runs
+            gen._decoder_busy = busy
+            steps = gen._cached_steps(prompt)
+            first = next(steps)
+            tok = int(np.argmax(first))
+            second = steps.send(tok)
+            steps.close()
+            full = net(Tensor(np.asarray([prompt + [tok]], np.int32))).asnumpy()[0]
+            # fp32 sums over H = 64 and up to S = 128 terms, reordered: a few ulps of the logits' magnitude
+            np.testing.assert_allclose(first, full[n - 1], rtol=0, atol=1e-4 * np.abs(full[n - 1]).max())
+            np.testing.assert_allclose(second, full[n], rtol=0, atol=1e-4 * np.abs(full[n]).max())
+    gen._decoder_busy = False
+
+
+def test_chunk_attention_op_matches_masked_softmax_attention():
+    """model/decode_kernel.cc ChunkAttention: query i of a chunk at `start` attends cache slots 0..start+i, as
+    softmax((q K^T) + causal mask) V in NumPy (fp64), over kv-head groups, at chunk sizes that do and do not fill
+    the kernel's 4-query and SIMD blocks; a chunk past the cache's end is refused."""
+    from model.generate import _chunk_attention_op
+
+    lib = build_decode_kernel()
+    if lib is None:
+        pytest.skip(f"decode kernel off: {decode_disabled_reason()}")
+    op = _chunk_attention_op(lib)
+    rng = np.random.default_rng(0)
+    nkv, n_rep, hd, s = 2, 3, 16, 64
+    k = rng.standard_normal((nkv, s, hd)).astype(np.float32)
+    v = rng.standard_normal((nkv, s, hd)).astype(np.float32)
+    for t, start in ((1, 0), (5, 0), (7, 20), (16, 48)):
+        q = rng.standard_normal((t, nkv * n_rep * hd)).astype(np.float32)
+        got = op(Tensor(q), Tensor(start, ms.int32), Tensor(k), Tensor(v), Tensor(np.array([2], np.float32))).asnumpy()
+        want = np.zeros((t, nkv * n_rep, hd))
+        for i in range(t):
+            for h in range(nkv * n_rep):
+                g = h // n_rep
+                sc = k[g, :start + i + 1].astype(np.float64) @ q[i, h * hd:(h + 1) * hd]
+                p = np.exp(sc - sc.max())
+                want[i, h] = (p / p.sum()) @ v[g, :start + i + 1]
+        # fp32 dot products of hd terms and sums of up to s terms, with |v| ~ 1: ~s * eps of the output scale
+        np.testing.assert_allclose(got.reshape(t, -1, hd), want, rtol=0, atol=s * np.finfo(np.float32).eps * 4)
+    with pytest.raises(RuntimeError):
+        op(Tensor(np.zeros((8, nkv * n_rep * hd), np.float32)), Tensor(s - 4, ms.int32), Tensor(k), Tensor(v),
+           Tensor(np.array([1], np.float32))).asnumpy()
 
 
 @pytest.mark.integration  # ~11 s: a forward graph per bucket
@@ -288,3 +327,28 @@ def test_generate_benchmark_smoke():
         assert res[k] > 0, k
     assert res["same_tokens"] is True
     assert res["decode_path"] == ("fused" if build_decode_kernel() else "decoder")
+
+
+@pytest.mark.integration
+def test_memory_benchmark_smoke():
+    """scripts/bench/memory.py runs both sides (ours and HF generate) over a prompt ladder and random-length
+    requests, and reports each side's peaks against the weights + KV + 1 GiB budget it derives."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "bench" / "memory.py"
+    out = subprocess.run([sys.executable, str(script), "--preset", "tiny", "--context", "128", "--requests", "10",
+                          "--results", ""], capture_output=True, text=True, check=True, timeout=600)
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    cfg = ModelConfig.from_name("tiny")
+    kv = 2 * cfg.num_layers * cfg.num_kv_heads * 128 * (cfg.hidden_size // cfg.num_heads) * 4 / 1e9
+    assert res["kv_cache_gb"] == round(kv, 3)
+    for side in ("ours", "hf"):
+        r = res[side]
+        assert "error" not in r, r
+        assert [x["prompt_tokens"] for x in r["ladder"]] == [16, 64, 128 - 8]
+        assert r["requests"] == 10 and 0 < r["loaded_rss_gb"] <= r["peak_rss_gb"]
+    assert res["ours"]["decode_path"] == ("fused" if build_decode_kernel() else "decoder")
+    assert res["within_budget"] == (res["peak_rss_gb"] <= res["budget_gb"])

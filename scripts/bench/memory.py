@@ -1,0 +1,187 @@
+"""Decode / serve memory: peak RSS over prompt lengths and many requests, beside HF `generate`, in one run.
+
+The memory model a served or decoding model should meet (docs/SERVING.md, "Memory"):
+
+    peak RSS <= runtime + weights + KV cache + activations of one prefill chunk
+    budget    = weights (fp32) + KV cache (2 * layers * kv_heads * context * head_dim * 4 bytes) + 1 GiB
+
+and it must stay flat: no growth per new prompt length or per request. This bench measures it for
+`--preset` (random weights: memory does not depend on the values) with a `--context`-slot KV cache:
+
+1. `ladder`: prompts of 16, 64, 256, 1024 and up to context - `--new-tokens` tokens, one after another,
+   `--new-tokens` greedy tokens each (the RSS after each, and its time);
+2. `requests`: `--requests` prompts of random lengths in 1..context - new tokens (seeded), one after another:
+   RSS after the first tenth and at the end (`growth_gb`: what the last nine tenths added).
+
+Each side runs in a process of its own (so each peak is its own, VmHWM), one after the other (never
+side by side: the machine has two cores): this project's `Generator` (the decode path the server's
+MindSpore backend uses: chunked prefill on one static graph, then the fused decode op) and HF transformers
+`LlamaForCausalLM.generate` (PyTorch, sdpa, its dynamic cache) on the same prompts (`--no-hf` skips it).
+Prints one JSON line labelled with the CPU and ISA (scripts/bench/host.py) and appends it to
+docs/bench/results.jsonl (scripts/bench/report.py writes docs/BENCHMARKS.md from it).
+
+    python scripts/bench/memory.py --preset smollm2-135m --context 2048 --requests 200
+    python scripts/bench/memory.py --preset smollm2-360m --context 2048 --requests 50
+    python scripts/bench/memory.py --preset tiny --context 128 --requests 20 --tag smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+GIB = 1024 ** 3
+
+
+def _status(field: str) -> float:
+    """VmRSS / VmHWM of this process in GB (10^9 bytes)."""
+    for line in open("/proc/self/status"):
+        if line.startswith(field):
+            return int(line.split()[1]) * 1024 / 1e9
+    return float("nan")
+
+
+def prompts(a, vocab: int) -> tuple[list[list[int]], list[list[int]]]:
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    top = a.context - a.new_tokens
+    ladder = [n for n in (16, 64, 256, 1024) if n < top] + [top]
+    lengths = rng.integers(1, top + 1, a.requests)
+    draw = lambda n: [int(t) for t in rng.integers(3, vocab, int(n))]  # noqa: E731
+    return [draw(n) for n in ladder], [draw(n) for n in lengths]
+
+
+def run_side(a) -> dict:
+    """One side in this process: load, then the ladder and the requests; RSS after each phase."""
+    import numpy as np
+
+    from model.config import ModelConfig
+
+    cfg = ModelConfig.from_name(a.preset)
+    ladder, requests = prompts(a, cfg.vocab_size)
+    if a.side == "ours":
+        from model.runtime import setup_mindspore
+
+        setup_mindspore()
+        from model.generate import Generator
+        from model.llama import LlamaForCausalLM
+
+        net = LlamaForCausalLM(cfg, seed=0)
+        net.set_train(False)
+        gen = Generator(net, max_len=a.context)
+        path = gen.decode_path
+
+        def generate(p):
+            return gen.generate(p, a.new_tokens)
+    else:
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.set_num_threads(a.threads)
+        hf = LlamaForCausalLM(LlamaConfig(
+            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+            num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+            max_position_embeddings=cfg.max_seq_length, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.norm_eps,
+            tie_word_embeddings=cfg.tie_embeddings, attn_implementation="sdpa")).eval()
+        path = "hf sdpa"
+
+        def generate(p):
+            with torch.no_grad():
+                out = hf.generate(torch.tensor([p]), max_new_tokens=a.new_tokens, min_new_tokens=a.new_tokens,
+                                  do_sample=False, pad_token_id=0)
+            return out[0, len(p):].tolist()
+    res = {"side": a.side, "decode_path": path, "loaded_rss_gb": round(_status("VmRSS"), 3), "ladder": []}
+    for p in ladder:
+        t0 = time.perf_counter()
+        generate(p)
+        res["ladder"].append({"prompt_tokens": len(p), "s": round(time.perf_counter() - t0, 2),
+                              "rss_gb": round(_status("VmRSS"), 3)})
+    first = max(1, len(requests) // 10)
+    t0 = time.perf_counter()
+    for i, p in enumerate(requests):
+        generate(p)
+        if i + 1 == first:
+            res["rss_after_first_tenth_gb"] = round(_status("VmRSS"), 3)
+    res["requests"] = len(requests)
+    res["requests_s"] = round(time.perf_counter() - t0, 1)
+    res["rss_end_gb"] = round(_status("VmRSS"), 3)
+    res["growth_gb"] = round(res["rss_end_gb"] - res.get("rss_after_first_tenth_gb", res["rss_end_gb"]), 3)
+    res["peak_rss_gb"] = round(_status("VmHWM"), 3)
+    del np
+    return res
+
+
+def main() -> None:
+    from host import add_isa_arg, apply_isa, describe
+    from report import add_record_args, record
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="smollm2-135m")
+    ap.add_argument("--context", type=int, default=2048, help="KV cache slots (the server's context)")
+    ap.add_argument("--new-tokens", type=int, default=8)
+    ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument("--threads", type=int, default=2, help="PyTorch threads on the HF side")
+    ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--side", choices=["ours", "hf"], help=argparse.SUPPRESS)  # a child's one side
+    add_isa_arg(ap)
+    add_record_args(ap)
+    a = ap.parse_args()
+    if a.side:
+        print(json.dumps(run_side(a)))
+        return
+    apply_isa(a.isa)
+    from model.config import ModelConfig
+
+    cfg = ModelConfig.from_name(a.preset)
+    if a.context > cfg.max_seq_length:
+        ap.error(f"--context {a.context} exceeds {a.preset}'s max_seq_length {cfg.max_seq_length}")
+    hd = cfg.hidden_size // cfg.num_heads
+    n_params = sum(p for p in _param_counts(cfg))
+    weights_gb = n_params * 4 / 1e9
+    kv_gb = 2 * cfg.num_layers * cfg.num_kv_heads * a.context * hd * 4 / 1e9
+    budget_gb = weights_gb + kv_gb + GIB / 1e9
+    res = {"bench": "memory", **describe(threads=a.threads), "preset": a.preset, "context": a.context,
+           "new_tokens": a.new_tokens, "requests": a.requests, "weights_gb": round(weights_gb, 3),
+           "kv_cache_gb": round(kv_gb, 3), "budget_gb": round(budget_gb, 3)}
+    sides = ["ours"] + ([] if a.no_hf else ["hf"])
+    for side in sides:
+        args = [sys.executable, __file__, "--side", side, "--preset", a.preset, "--context", str(a.context),
+                "--new-tokens", str(a.new_tokens), "--requests", str(a.requests), "--threads", str(a.threads)]
+        out = subprocess.run(args, capture_output=True, text=True, env=os.environ)
+        if out.returncode:
+            res[side] = {"error": out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"exit {out.returncode}"}
+            print(out.stderr[-3000:], file=sys.stderr)
+            continue
+        res[side] = json.loads(out.stdout.strip().splitlines()[-1])
+    ours = res.get("ours", {})
+    if "peak_rss_gb" in ours:
+        res["peak_rss_gb"] = ours["peak_rss_gb"]
+        res["within_budget"] = ours["peak_rss_gb"] <= budget_gb
+        res["growth_gb"] = ours["growth_gb"]
+    if "peak_rss_gb" in res.get("hf", {}) and "peak_rss_gb" in ours:
+        res["rss_vs_hf"] = round(ours["peak_rss_gb"] / res["hf"]["peak_rss_gb"], 2)
+    record(res, a)
+
+
+def _param_counts(cfg):
+    """Parameters of the decoder, by piece (embedding, layers, final norm, untied head)."""
+    h, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.hidden_size // cfg.num_heads
+    per_layer = h * (cfg.num_heads * hd) * 2 + h * (cfg.num_kv_heads * hd) * 2 + 3 * h * f + 2 * h
+    yield cfg.vocab_size * h
+    yield cfg.num_layers * per_layer
+    yield h
+    if not cfg.tie_embeddings:
+        yield cfg.vocab_size * h
+
+
+if __name__ == "__main__":
+    main()
