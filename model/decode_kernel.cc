@@ -27,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <thread>
 #include <vector>
 
 #include "simd.h"
@@ -40,6 +41,15 @@ inline void split(int64_t n, int t, int nt, int64_t *b, int64_t *e) {
   int64_t chunk = n / nt, rem = n % nt;
   *b = t * chunk + (t < rem ? t : rem);
   *e = *b + chunk + (t < rem ? 1 : 0);
+}
+
+// fn(t, nt) on nt = threads std::threads (the caller is thread 0), joined before returning
+template <typename F>
+void on_threads(int threads, F fn) {
+  std::vector<std::thread> workers;
+  for (int t = 1; t < threads; ++t) workers.emplace_back(fn, t, threads);
+  fn(0, threads > 1 ? threads : 1);
+  for (auto &w : workers) w.join();
 }
 
 inline float dot(const float *a, const float *b, int64_t n) {
@@ -153,8 +163,9 @@ inline void scores4(const float *const *q, const float *Kt, int64_t P, int64_t l
     }
 }
 
-// out = softmax(sc[0..p]) V[0..p] (sc: one query's scores, overwritten), V one kv head's cache rows [S, hd]
-inline void softmax_values(float *sc, const float *V, int64_t p, int64_t hd, float *out) {
+// One query's scores sc[0..len) -> unnormalised softmax weights: exp(sc[j] - max) for j <= p, 0 for p < j < len
+// (slots a later query of the block sees); returns 1 / their sum.
+inline float softmax_weights(float *sc, int64_t p, int64_t len) {
   float mx = -INFINITY;
   for (int64_t j = 0; j <= p; ++j) mx = sc[j] > mx ? sc[j] : mx;
   float sum = 0.f;
@@ -173,13 +184,67 @@ inline void softmax_values(float *sc, const float *V, int64_t p, int64_t hd, flo
     sc[j] = std::exp(sc[j] - mx);
     sum += sc[j];
   }
-  const float inv = 1.0f / sum;
-  for (int64_t i = 0; i < hd; ++i) out[i] = 0.f;
-  for (int64_t k = 0; k <= p; ++k) {
-    const float w = sc[k] * inv;
-    const float *vr = V + k * hd;
-    for (int64_t i = 0; i < hd; ++i) out[i] += w * vr[i];
+  for (j = p + 1; j < len; ++j) sc[j] = 0.f;
+  return 1.0f / sum;
+}
+
+// out[r] = inv[r] * sum_{j < len} w[r * P + j] V[j] for four queries (rows r >= nq are computed and dropped):
+// every V row is loaded once for the four; with NV vectors per head the accumulators stay in registers.
+template <int NV>
+inline void values4(const float *w, int64_t P, int64_t len, const float *V, int64_t hd, const float *inv, int nq,
+                    float *const *out) {
+#if MSLLM_VW > 0
+  constexpr int64_t W = simd::kVW;
+  simd::vf acc[4][NV];
+  for (int r = 0; r < 4; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = simd::zero();
+  for (int64_t j = 0; j < len; ++j) {
+    const float *vr = V + j * hd;
+    const simd::vf w0 = simd::set1(w[j]), w1 = simd::set1(w[P + j]), w2 = simd::set1(w[2 * P + j]),
+                   w3 = simd::set1(w[3 * P + j]);
+    for (int v = 0; v < NV; ++v) {
+      const simd::vf x = simd::loadu(vr + v * W);
+      acc[0][v] = simd::fma(w0, x, acc[0][v]);
+      acc[1][v] = simd::fma(w1, x, acc[1][v]);
+      acc[2][v] = simd::fma(w2, x, acc[2][v]);
+      acc[3][v] = simd::fma(w3, x, acc[3][v]);
+    }
   }
+  for (int r = 0; r < nq; ++r)
+    for (int v = 0; v < NV; ++v) simd::storeu(out[r] + v * W, acc[r][v] * simd::set1(inv[r]));
+#else
+  (void)w; (void)P; (void)len; (void)V; (void)hd; (void)inv; (void)nq; (void)out;
+#endif
+}
+
+// the same for any hd (the scalar body, and head sizes that are not 1..8 whole vectors)
+inline void values4_any(const float *w, int64_t P, int64_t len, const float *V, int64_t hd, const float *inv, int nq,
+                        float *const *out) {
+  for (int r = 0; r < nq; ++r) {
+    for (int64_t i = 0; i < hd; ++i) out[r][i] = 0.f;
+    for (int64_t j = 0; j < len; ++j) {
+      const float x = w[r * P + j];
+      const float *vr = V + j * hd;
+      for (int64_t i = 0; i < hd; ++i) out[r][i] += x * vr[i];
+    }
+    for (int64_t i = 0; i < hd; ++i) out[r][i] *= inv[r];
+  }
+}
+
+inline void values4_dispatch(const float *w, int64_t P, int64_t len, const float *V, int64_t hd, const float *inv,
+                             int nq, float *const *out) {
+#if MSLLM_VW > 0
+  if (hd % simd::kVW == 0) {
+    switch (hd / simd::kVW) {
+      case 1: return values4<1>(w, P, len, V, hd, inv, nq, out);
+      case 2: return values4<2>(w, P, len, V, hd, inv, nq, out);
+      case 4: return values4<4>(w, P, len, V, hd, inv, nq, out);
+      case 8: return values4<8>(w, P, len, V, hd, inv, nq, out);
+      default: break;
+    }
+  }
+#endif
+  values4_any(w, P, len, V, hd, inv, nq, out);
 }
 
 // out = softmax(q . K[0..p]) V[0..p] for one head: q [hd] (RoPE'd and scaled), K and V one kv head's cache
@@ -332,61 +397,96 @@ extern "C" int DecodeStep(int nparam, void **params, int *ndims, int64_t **shape
   return 0;
 }
 
-// Causal attention of a prompt chunk over the in-place cache (CachedDecoder's prefill, one op per layer):
-//   0 q float32 [T, nh*hd] (RoPE'd and scaled) of positions start..start+T-1   1 start int32 []
-//   2 k cache [nkv, S, hd]   3 v cache [nkv, S, hd] (already holding the chunk's rows)   4 consts float32 [1]: threads
-// Output [T, nh*hd]: query i attends slots 0..start+i, so neither the work nor any buffer grows with S (a
-// [heads, T, S] score tensor per layer did, and a static graph keeps every one of them).
+// A prompt chunk's attention over the in-place cache (CachedDecoder's prefill, one op per layer): RoPE on the
+// chunk's q and k, its k and v rows written into the caches at slots start..start+T-1, then query i attends
+// slots 0..start+i. Inputs:
+//   0 q [T, nh*hd]   1 k [T, nkv*hd]   2 v [T, nkv*hd] (the projections, before RoPE)   3 start int32 []
+//   4 cos [S_rope, hd]   5 sin [S_rope, hd]   6 k cache [nkv, S, hd]   7 v cache [nkv, S, hd] (both written)
+//   8 consts float32 [2]: attention scale, threads
+// Output [T, nh*hd]. Neither the work nor any buffer grows with S: MindSpore's [heads, T, S] scores, mask and
+// softmax did, per layer, and a static graph keeps every one of them (with the RoPE and cache-write kernels).
 extern "C" int ChunkAttention(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
                               void *extra) {
   (void)stream; (void)extra;
-  if (nparam != 6) return 1;
-  if (!is_dt(dtypes, 1, "int32")) return 2;
-  for (const int i : {0, 2, 3, 4, 5})
+  if (nparam != 10) return 1;
+  if (!is_dt(dtypes, 3, "int32")) return 2;
+  for (const int i : {0, 1, 2, 4, 5, 6, 7, 8, 9})
     if (!is_dt(dtypes, i, "float32")) return 2;
-  if (ndims[0] != 2 || ndims[2] != 3 || ndims[3] != 3 || ndims[5] != 2 || count(ndims, shapes, 1) != 1 ||
-      count(ndims, shapes, 4) != 1)
+  for (const int i : {0, 1, 2, 4, 5, 9})
+    if (ndims[i] != 2) return 3;
+  if (ndims[6] != 3 || ndims[7] != 3 || count(ndims, shapes, 3) != 1 || count(ndims, shapes, 8) != 2) return 3;
+  const int64_t T = shapes[0][0], qdim = shapes[0][1], kvdim = shapes[1][1];
+  const int64_t nkv = shapes[6][0], S = shapes[6][1], hd = shapes[6][2], S_rope = shapes[4][0];
+  if (T < 1 || nkv < 1 || S < 1 || hd < 2 || hd > 1024 || hd % 2 || kvdim != nkv * hd || qdim < hd || qdim % hd ||
+      (qdim / hd) % nkv || shapes[1][0] != T || !mat(ndims, shapes, 2, T, kvdim) || !mat(ndims, shapes, 4, S_rope, hd) ||
+      !mat(ndims, shapes, 5, S_rope, hd) || shapes[7][0] != nkv || shapes[7][1] != S || shapes[7][2] != hd ||
+      !mat(ndims, shapes, 9, T, qdim))
     return 3;
-  const int64_t T = shapes[0][0], qdim = shapes[0][1], nkv = shapes[2][0], S = shapes[2][1], hd = shapes[2][2];
-  if (T < 1 || nkv < 1 || S < 1 || hd < 1 || qdim < hd || qdim % hd || (qdim / hd) % nkv || shapes[3][0] != nkv ||
-      shapes[3][1] != S || shapes[3][2] != hd || shapes[5][0] != T || shapes[5][1] != qdim)
-    return 3;
-  const int64_t start = *static_cast<const int32_t *>(params[1]);
-  if (start < 0 || start + T > S) return 4;
+  const int64_t start = *static_cast<const int32_t *>(params[3]);
+  if (start < 0 || start + T > S || start + T > S_rope) return 4;
   const int64_t nh = qdim / hd, n_rep = nh / nkv;
-  const float *q = static_cast<const float *>(params[0]);
-  const float *kc = static_cast<const float *>(params[2]), *vc = static_cast<const float *>(params[3]);
-  const float t_f = *static_cast<const float *>(params[4]);
-  const int threads = t_f >= 1.f ? static_cast<int>(t_f) : 1;
-  float *out = static_cast<float *>(params[5]);
+  const float *q = static_cast<const float *>(params[0]), *k = static_cast<const float *>(params[1]);
+  const float *v = static_cast<const float *>(params[2]);
+  const float *cos_t = static_cast<const float *>(params[4]), *sin_t = static_cast<const float *>(params[5]);
+  float *kc = static_cast<float *>(params[6]), *vc = static_cast<float *>(params[7]);
+  const float *consts = static_cast<const float *>(params[8]);
+  const float scale = consts[0];
+  const int threads = consts[1] >= 1.f ? static_cast<int>(consts[1]) : 1;
+  float *out = static_cast<float *>(params[9]);
   const int64_t P = start + T;  // slots any query of the chunk may see
-  // each kv head's keys transposed, [nkv][hd][P]: a query's scores over 16 slots are then hd broadcast FMAs,
-  // with no horizontal sum per slot; four queries share every load
-  std::vector<float> kt(nkv * hd * P);
-#pragma omp parallel num_threads(threads)
-  {
-#pragma omp for schedule(static)
-    for (int64_t gj = 0; gj < nkv * P; ++gj) {
+  // q after RoPE and scale; each kv head's keys transposed, [nkv][hd][P]: a query's scores over 16 slots are
+  // then hd broadcast FMAs with no horizontal sum per slot, and four queries share every load
+  std::vector<float> qr(T * qdim), kt(nkv * hd * P);
+  // std::threads, not OpenMP: this op runs between MindSpore's kernels, and OpenMP's idle workers spin after a
+  // parallel region, taking a core from the next MatMul (the chunk graph ran 1.5x slower with 2 OpenMP threads
+  // than with 1)
+  on_threads(threads, [&](int t, int nt) {
+    for (int64_t w = t; w < T * nkv; w += nt) {  // the chunk's cache rows
+      const int64_t i = w / nkv, g = w % nkv, slot = start + i;
+      float *kr = kc + (g * S + slot) * hd;
+      std::memcpy(kr, k + i * kvdim + g * hd, hd * sizeof(float));
+      rope(kr, cos_t + slot * hd, sin_t + slot * hd, hd, 1.0f);
+      std::memcpy(vc + (g * S + slot) * hd, v + i * kvdim + g * hd, hd * sizeof(float));
+    }
+    for (int64_t w = t; w < T * nh; w += nt) {  // q after RoPE and scale
+      const int64_t slot = start + w / nh;
+      float *qh = qr.data() + w * hd;
+      std::memcpy(qh, q + w * hd, hd * sizeof(float));
+      rope(qh, cos_t + slot * hd, sin_t + slot * hd, hd, scale);
+    }
+  });
+  on_threads(threads, [&](int t, int nt) {  // keys transposed, after every row is written
+    for (int64_t gj = t; gj < nkv * P; gj += nt) {
       const int64_t g = gj / P, j = gj % P;
       const float *kr = kc + (g * S + j) * hd;
       float *dst = kt.data() + g * hd * P + j;
       for (int64_t d = 0; d < hd; ++d) dst[d * P] = kr[d];
     }
+  });
+  const int64_t blocks = (T + 3) / 4;
+  on_threads(threads, [&](int t, int nt) {
     std::vector<float> sc(4 * P);
-    const int64_t blocks = (T + 3) / 4;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t w = 0; w < nh * blocks; ++w) {  // (head, block of 4 queries); later queries attend more slots
+    // (head, block of 4 queries), dealt round-robin: later queries attend more slots
+    for (int64_t w = t; w < nh * blocks; w += nt) {
       const int64_t hh = w / blocks, i0 = (w % blocks) * 4, g = hh / n_rep;
       const int64_t nq = T - i0 < 4 ? T - i0 : 4;
       const float *qs[4];
-      for (int64_t r = 0; r < 4; ++r) qs[r] = q + (i0 + (r < nq ? r : 0)) * qdim + hh * hd;
-      const float *K = kt.data() + g * hd * P;
+      for (int64_t r = 0; r < 4; ++r) qs[r] = qr.data() + (i0 + (r < nq ? r : 0)) * qdim + hh * hd;
       const int64_t len = start + i0 + nq;  // slots the block's last query sees
-      scores4(qs, K, P, len, hd, sc.data());
-      for (int64_t r = 0; r < nq; ++r)
-        softmax_values(sc.data() + r * P, vc + g * S * hd, start + i0 + r, hd, out + (i0 + r) * qdim + hh * hd);
+      scores4(qs, kt.data() + g * hd * P, P, len, hd, sc.data());
+      float inv[4] = {0.f, 0.f, 0.f, 0.f};
+      float *outs[4];
+      for (int64_t r = 0; r < 4; ++r) {
+        if (r < nq) {
+          inv[r] = softmax_weights(sc.data() + r * P, start + i0 + r, len);
+        } else {
+          for (int64_t j = 0; j < len; ++j) sc[r * P + j] = 0.f;
+        }
+        outs[r] = out + (i0 + (r < nq ? r : 0)) * qdim + hh * hd;
+      }
+      values4_dispatch(sc.data(), P, len, vc + g * S * hd, hd, inv, static_cast<int>(nq), outs);
     }
-  }
+  });
   return 0;
 }
 

@@ -8,8 +8,8 @@
 The cached path, for an fp32 single-device net with plain projections (`CachedDecoder.supports`),
 writes the prompt into per-layer K/V cache Parameters [n_kv, S, head_dim] (S = max_len) in fixed-size
 chunks of `prefill_chunk` (64) tokens through ONE static graph (`CachedDecoder` at T = C; `_chunks`), whose
-attention is one custom op per layer over slots 0..position (`ChunkAttention`, model/decode_kernel.cc) where
-the kernel builds: neither its buffers nor its work grow with the prompt or with S, and no prompt length
+RoPE, cache write and attention are one custom op per layer over slots 0..position (`ChunkAttention`,
+model/decode_kernel.cc) where the kernel builds: neither its buffers nor its work grow with the prompt or with S, and no prompt length
 compiles anything new. (A dynamic-length graph held 24 GB at a 2000-token SmolLM2 prompt and a static graph
 per 32-token bucket kept every bucket's buffers; see docs/MINDSPORE_CPU.md, "Memory".) It then decodes each token
 with ONE MindSpore custom op, `FusedDecodeStep` (model/decode_kernel.cc, built with g++ on first use:
@@ -79,10 +79,11 @@ class CachedDecoder(nn.Cell):
         self.values_matmul = ops.BatchMatMul()
         self.head_matmul = ops.MatMul(transpose_b=True)
         self.scatter = ops.ScatterNdUpdate()
-        # With the decode kernel's library: a prompt chunk's attention as one op per layer over slots 0..position
-        # (ChunkAttention), instead of [heads, T, S] scores, mask and probabilities over every slot
+        # With the decode kernel's library: a prompt chunk's RoPE, cache write and attention as one op per layer over
+        # slots 0..position (ChunkAttention), instead of ~20 kernels with [heads, T, S] scores over every slot
         self.chunk_attention = _chunk_attention_op(lib) if lib else None
-        self.attention_consts = Tensor(np.array([threads], np.float32))
+        self.attention_consts = Tensor(np.array([net.layers[0].self_attn.scale if len(net.layers) else 1.0, threads],
+                                                np.float32))
 
     @staticmethod
     def supports(net) -> bool:
@@ -111,18 +112,36 @@ class CachedDecoder(nn.Cell):
 
     def _run(self, input_ids: Tensor, start_pos: Tensor, last: Tensor, single: bool) -> Tensor:
         net = self.net
-        t = input_ids.shape[1]
+        x = ops.gather(net.embed_tokens.weight, input_ids.reshape(-1), 0)              # [T, H]
+        if self.chunk_attention is not None and not single:  # RoPE, cache write and attention: one op per layer
+            for i, layer in enumerate(net.layers):
+                attn = layer.self_attn
+                h = layer.input_layernorm(x)
+                out = self.chunk_attention(attn.q_proj(h), attn.k_proj(h), attn.v_proj(h), start_pos, net.rope_cos,
+                                           net.rope_sin, self.k_cache[i], self.v_cache[i], self.attention_consts)
+                x = x + attn.o_proj(out)
+                x = x + layer.mlp(layer.post_attention_layernorm(x))
+        else:
+            x = self._layers(x, start_pos, single)
+        x = net.norm(ops.gather(x, last.reshape(1), 0))                               # [1, H]
+        if net.tie_embeddings:
+            return self.head_matmul(x, net.embed_tokens.weight)                       # [1, V]
+        return net.lm_head(x)
+
+    def _layers(self, x: Tensor, start_pos: Tensor, single: bool) -> Tensor:
+        """The decoder layers on MindSpore's kernels: scores over all S slots under a mask, the cache rows written
+        with ScatterNdUpdate (T = 1 decode on the decoder path; prompt chunks where the native op is missing)."""
+        net = self.net
+        t = x.shape[0]
         nh, nkv, hd, s = self.num_heads, self.num_kv_heads, self.head_dim, self.max_len
         positions = start_pos + ops.arange(t, dtype=ms.int32)                         # [T]
         cos = ops.gather(net.rope_cos, positions, 0).reshape(t, 1, hd)                # [T, 1, hd]
         sin = ops.gather(net.rope_sin, positions, 0).reshape(t, 1, hd)
-        native = self.chunk_attention is not None and not single
-        mask = None if native else (ops.arange(s, dtype=ms.int32).reshape(1, -1) > positions.reshape(-1, 1)).astype(ms.float32) * -1e9
+        mask = (ops.arange(s, dtype=ms.int32).reshape(1, -1) > positions.reshape(-1, 1)).astype(ms.float32) * -1e9
         # cache rows written: (kv head h, slot start_pos + i) for h, i -> [nkv * T, 2]
         heads = ops.arange(nkv, dtype=ms.int32).reshape(-1, 1, 1).broadcast_to((nkv, t, 1))
         slots = positions.reshape(1, -1, 1).broadcast_to((nkv, t, 1))
         rows = ops.cat((heads, slots), -1).reshape(nkv * t, 2)
-        x = ops.gather(net.embed_tokens.weight, input_ids.reshape(-1), 0)              # [T, H]
         for i, layer in enumerate(net.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
@@ -133,23 +152,17 @@ class CachedDecoder(nn.Cell):
             k = k.reshape(t, nkv, hd) * cos + attn.rotate_matmul(k, attn.rotate).reshape(t, nkv, hd) * sin
             kc = self.scatter(self.k_cache[i], rows, self._heads_first(k.reshape(t, nkv * hd), t, nkv, single).reshape(nkv * t, hd))
             vc = self.scatter(self.v_cache[i], rows, self._heads_first(v, t, nkv, single).reshape(nkv * t, hd))
-            if native:
-                out = self.chunk_attention(q.reshape(t, nh * hd), start_pos, kc, vc, self.attention_consts)  # [T, nh*hd]
+            qh = self._heads_first(q.reshape(t, nh * hd), t, nh, single).reshape(nkv, self.n_rep * t, hd)
+            scores = self.scores_matmul(qh, kc).reshape(nh, t, s) + mask               # [nh, T, S]
+            probs = ops.softmax(scores.reshape(nh * t, s), -1).reshape(nkv, self.n_rep * t, s)
+            out = self.values_matmul(probs, vc).reshape(nh, t, hd)                    # [nh, T, hd]
+            if single:
+                out = out.reshape(1, nh * hd)
             else:
-                qh = self._heads_first(q.reshape(t, nh * hd), t, nh, single).reshape(nkv, self.n_rep * t, hd)
-                scores = self.scores_matmul(qh, kc).reshape(nh, t, s) + mask           # [nh, T, S]
-                probs = ops.softmax(scores.reshape(nh * t, s), -1).reshape(nkv, self.n_rep * t, s)
-                out = self.values_matmul(probs, vc).reshape(nh, t, hd)                # [nh, T, hd]
-                if single:
-                    out = out.reshape(1, nh * hd)
-                else:
-                    out = ops.transpose(out, (1, 0, 2)).reshape(t, nh * hd)
+                out = ops.transpose(out, (1, 0, 2)).reshape(t, nh * hd)
             x = x + attn.o_proj(out)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        x = net.norm(ops.gather(x, last.reshape(1), 0))                               # [1, H]
-        if net.tie_embeddings:
-            return self.head_matmul(x, net.embed_tokens.weight)                       # [1, V]
-        return net.lm_head(x)
+        return x
 
 
 def build_decode_kernel(fused: bool = True) -> str | None:
@@ -227,25 +240,39 @@ def _decode_op(lib: str, vocab: int, n_layers: int):
 
 
 def _chunk_attention_op(lib: str):
-    """The ChunkAttention custom op (model/decode_kernel.cc): (q [T, nh*hd], start int32, k cache, v cache
-    [n_kv, S, hd], consts [1]) -> [T, nh*hd], query i attending slots 0..start+i. Shapes and dtypes are checked
-    when the graph is inferred (the kernel checks again)."""
+    """The ChunkAttention custom op (model/decode_kernel.cc): (q [T, nh*hd], k, v [T, n_kv*hd] before RoPE, start
+    int32, cos, sin [S_rope, hd], k cache, v cache [n_kv, S, hd], consts [scale, threads]) -> [T, nh*hd]. It writes
+    the chunk's RoPE'd k and its v into the caches at slots start.. (declared RW_WRITE + side_effect_mem on them,
+    as `_decode_op`), then query i attends slots 0..start+i. Shapes and dtypes are checked when the graph is
+    inferred (the kernel checks again)."""
+    from mindspore.ops import signature as sig
+
     from model.kernels import KernelShapeError, dtype_of
 
-    def shape(q, start, k, v, consts):
-        if len(q) != 2 or len(k) != 3 or list(k) != list(v) or q[1] % k[2] or (q[1] // k[2]) % k[0]:
-            raise KernelShapeError(f"fused kernel ChunkAttention: q [T, heads * head_dim] and caches [n_kv, S, head_dim]"
-                                   f" with heads a multiple of n_kv expected, got {list(q)}, {list(k)}, {list(v)}")
+    def shape(q, k, v, start, cos, sin, kc, vc, consts):
+        if (len(q) != 2 or len(kc) != 3 or list(kc) != list(vc) or q[1] % kc[2] or (q[1] // kc[2]) % kc[0]
+                or list(k) != [q[0], kc[0] * kc[2]] or list(v) != list(k)):
+            raise KernelShapeError(f"fused kernel ChunkAttention: q [T, heads * head_dim], k and v [T, n_kv * head_dim]"
+                                   f" and caches [n_kv, S, head_dim] expected, got {list(q)}, {list(k)}, {list(v)},"
+                                   f" {list(kc)}, {list(vc)}")
         return list(q)
 
-    def dtype(q, start, k, v, consts):
-        for i, t in enumerate((q, start, k, v, consts)):
-            want = ms.int32 if i == 1 else ms.float32
+    def dtype(*dtypes):
+        for i, t in enumerate(dtypes):
+            want = ms.int32 if i == 3 else ms.float32
             if dtype_of(t) != want:
                 raise KernelShapeError(f"fused kernel ChunkAttention: operand {i} must be {want}, got {dtype_of(t)}")
         return ms.float32
 
-    return ops.Custom(f"{lib}:ChunkAttention", out_shape=shape, out_dtype=dtype, func_type="aot")
+    class ChunkAttention(ops.Custom):
+        __mindspore_signature__ = tuple(sig.make_sig(f"x{i}", sig.sig_rw.RW_WRITE if i in (6, 7) else sig.sig_rw.RW_READ)
+                                        for i in range(9))
+
+        def __init__(self):
+            super().__init__(f"{lib}:ChunkAttention", out_shape=shape, out_dtype=dtype, func_type="aot")
+            self.add_prim_attr("side_effect_mem", True)
+
+    return ChunkAttention()
 
 
 class FusedDecodeStep(nn.Cell):
@@ -320,6 +347,7 @@ class Generator:
         self._chunk_step = ms.jit(chunk_step)
         self._forward = ms.jit(forward)
         self._graphs: dict[str, object] = {}  # dynamic-shape graphs, each built on its first use (_dynamic)
+        self._trimmed: set[str] = set()  # graphs whose first run has been followed by trim_heap (_compiled)
         supported = CachedDecoder.supports(net)
         lib = build_decode_kernel(fused) if supported else None
         threads = threads or decode_threads()
@@ -411,6 +439,14 @@ class Generator:
         graph = self._dynamic("prompt_logits", self.net, all_logits, _IDS)
         return graph(Tensor(np.asarray([ids], np.int32))).asnumpy()[0]
 
+    def _compiled(self, name: str) -> None:
+        """After a graph's first run: hand the heap its compilation freed back to the OS (`trim_heap`), once."""
+        if name not in self._trimmed:
+            from model.runtime import trim_heap
+
+            self._trimmed.add(name)
+            trim_heap()
+
     def _dynamic(self, name: str, target, fn, *shapes):
         """The graph `name`: `model.runtime.dynamic_graph(target, fn, ...)` over int32 inputs of `shapes` (None: any
         size), built on its first use and kept."""
@@ -452,7 +488,9 @@ class Generator:
                 zero = Tensor(0, ms.int32)
                 for x, start, last in self._chunks(ids):  # one static [1, C] graph for every prompt
                     logits = self._decode(Tensor(x), Tensor(start, ms.int32), Tensor(last, ms.int32))
-                tok = yield logits.asnumpy()[0]
+                logits = logits.asnumpy()[0]
+                self._compiled("prefill")
+                tok = yield logits
                 pos = n
                 while True:
                     token, at = Tensor([[tok]], ms.int32), Tensor(pos, ms.int32)
@@ -464,7 +502,9 @@ class Generator:
                             self._fused = None
                     if logits is None:
                         logits = self._decode(token, at, zero)
-                    tok = yield logits.asnumpy()[0]
+                    logits = logits.asnumpy()[0]
+                    self._compiled("decode")
+                    tok = yield logits
                     pos += 1
             finally:  # close(), or the coroutine garbage-collected
                 self._decoder_busy = False

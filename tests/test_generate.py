@@ -89,10 +89,11 @@ def test_prefill_runs_in_fixed_chunks_for_any_prompt_length(net, chunk):
     gen._decoder_busy = False
 
 
-def test_chunk_attention_op_matches_masked_softmax_attention():
-    """model/decode_kernel.cc ChunkAttention: query i of a chunk at `start` attends cache slots 0..start+i, as
-    softmax((q K^T) + causal mask) V in NumPy (fp64), over kv-head groups, at chunk sizes that do and do not fill
-    the kernel's 4-query and SIMD blocks; a chunk past the cache's end is refused."""
+def test_chunk_attention_op_matches_rope_cache_write_and_masked_attention():
+    """model/decode_kernel.cc ChunkAttention: RoPE on the chunk's q (scaled) and k, its k and v written into the
+    caches at slots start.., and query i attending slots 0..start+i, as NumPy computes it in fp64, over kv-head
+    groups, at chunk sizes that do and do not fill the kernel's 4-query and SIMD blocks; slots outside the
+    chunk keep their values; a chunk past the cache's end is refused."""
     from model.generate import _chunk_attention_op
 
     lib = build_decode_kernel()
@@ -100,24 +101,45 @@ def test_chunk_attention_op_matches_masked_softmax_attention():
         pytest.skip(f"decode kernel off: {decode_disabled_reason()}")
     op = _chunk_attention_op(lib)
     rng = np.random.default_rng(0)
-    nkv, n_rep, hd, s = 2, 3, 16, 64
-    k = rng.standard_normal((nkv, s, hd)).astype(np.float32)
-    v = rng.standard_normal((nkv, s, hd)).astype(np.float32)
+    nkv, n_rep, hd, s, scale = 2, 3, 16, 64, 0.25
+    ang = np.arange(s)[:, None] * (1e-2 ** (np.arange(hd // 2) / (hd // 2)))[None, :]
+    cos, sin = np.cos(np.concatenate([ang, ang], 1)), np.sin(np.concatenate([ang, ang], 1))
+
+    def rope(x, p):  # rotate-half, as model/layers.py
+        rot = np.concatenate([-x[hd // 2:], x[:hd // 2]])
+        return x * cos[p] + rot * sin[p]
+
     for t, start in ((1, 0), (5, 0), (7, 20), (16, 48)):
         q = rng.standard_normal((t, nkv * n_rep * hd)).astype(np.float32)
-        got = op(Tensor(q), Tensor(start, ms.int32), Tensor(k), Tensor(v), Tensor(np.array([2], np.float32))).asnumpy()
+        k = rng.standard_normal((t, nkv * hd)).astype(np.float32)
+        v = rng.standard_normal((t, nkv * hd)).astype(np.float32)
+        kc0 = rng.standard_normal((nkv, s, hd)).astype(np.float32)
+        vc0 = rng.standard_normal((nkv, s, hd)).astype(np.float32)
+        kc, vc = ms.Parameter(Tensor(kc0.copy()), name="kc"), ms.Parameter(Tensor(vc0.copy()), name="vc")
+        got = op(Tensor(q), Tensor(k), Tensor(v), Tensor(start, ms.int32), Tensor(cos.astype(np.float32)),
+                 Tensor(sin.astype(np.float32)), kc, vc, Tensor(np.array([scale, 2], np.float32))).asnumpy()
+        want_k, want_v = kc0.astype(np.float64), vc0.astype(np.float64)
+        for i in range(t):
+            for g in range(nkv):
+                want_k[g, start + i] = rope(k[i, g * hd:(g + 1) * hd].astype(np.float64), start + i)
+                want_v[g, start + i] = v[i, g * hd:(g + 1) * hd]
+        # one rounding per RoPE term: a few ulps of |k| ~ 1; untouched slots stay exactly as they were
+        np.testing.assert_allclose(kc.asnumpy(), want_k, rtol=0, atol=8 * np.finfo(np.float32).eps * np.abs(k).max())
+        np.testing.assert_array_equal(vc.asnumpy(), want_v.astype(np.float32))
         want = np.zeros((t, nkv * n_rep, hd))
         for i in range(t):
             for h in range(nkv * n_rep):
                 g = h // n_rep
-                sc = k[g, :start + i + 1].astype(np.float64) @ q[i, h * hd:(h + 1) * hd]
+                qh = rope(q[i, h * hd:(h + 1) * hd].astype(np.float64), start + i) * scale
+                sc = want_k[g, :start + i + 1] @ qh
                 p = np.exp(sc - sc.max())
-                want[i, h] = (p / p.sum()) @ v[g, :start + i + 1]
+                want[i, h] = (p / p.sum()) @ want_v[g, :start + i + 1]
         # fp32 dot products of hd terms and sums of up to s terms, with |v| ~ 1: ~s * eps of the output scale
         np.testing.assert_allclose(got.reshape(t, -1, hd), want, rtol=0, atol=s * np.finfo(np.float32).eps * 4)
     with pytest.raises(RuntimeError):
-        op(Tensor(np.zeros((8, nkv * n_rep * hd), np.float32)), Tensor(s - 4, ms.int32), Tensor(k), Tensor(v),
-           Tensor(np.array([1], np.float32))).asnumpy()
+        op(Tensor(np.zeros((8, nkv * n_rep * hd), np.float32)), Tensor(np.zeros((8, nkv * hd), np.float32)),
+           Tensor(np.zeros((8, nkv * hd), np.float32)), Tensor(s - 4, ms.int32), Tensor(cos.astype(np.float32)),
+           Tensor(sin.astype(np.float32)), kc, vc, Tensor(np.array([scale, 1], np.float32))).asnumpy()
 
 
 @pytest.mark.integration  # ~11 s: a forward graph per bucket

@@ -208,6 +208,35 @@ def test_decode_gemv_matches_the_scalar_reference(isa):
     assert (np.abs(out[isa] - out["scalar"]) <= 2 * n * U * np.abs(wm * x).sum(1)).all()
 
 
+@needs_cxx
+@pytest.mark.parametrize("isa", BODIES)
+def test_chunk_attention_matches_the_scalar_reference(isa):
+    """decode_kernel.cc ChunkAttention (the prefill's RoPE + cache write + attention) in each SIMD body against the
+    scalar one: the same cache rows, and outputs within the reordered sums' rounding (scores over hd terms, the
+    softmax and the weighted values over up to P slots, the polynomial exp: ~1 ulp each)."""
+    rng = np.random.default_rng(5)
+    nkv, n_rep, hd, s, t, start = 3, 3, 64, 96, 13, 37  # 13: a partial 4-query block; P = 50 slots: a partial vector
+    ang = np.arange(s)[:, None] * (1e-2 ** (np.arange(hd // 2) / (hd // 2)))[None, :]
+    cos = np.cos(np.concatenate([ang, ang], 1)).astype(np.float32)
+    sin = np.sin(np.concatenate([ang, ang], 1)).astype(np.float32)
+    q = rng.standard_normal((t, nkv * n_rep * hd)).astype(np.float32)
+    k = rng.standard_normal((t, nkv * hd)).astype(np.float32)
+    v = rng.standard_normal((t, nkv * hd)).astype(np.float32)
+    caches = rng.standard_normal((2, nkv, s, hd)).astype(np.float32)
+    res = {}
+    for body in (isa, "scalar"):
+        kc, vc = caches[0].copy(), caches[1].copy()
+        out = np.full((t, nkv * n_rep * hd), np.nan, np.float32)
+        lib = _lib(body, DECODE_SOURCE, openmp=True)
+        assert _call(lib, "ChunkAttention", q, k, v, np.array(start, np.int32), cos, sin, kc, vc,
+                     np.array([0.125, 2], np.float32), out) == 0
+        res[body] = (kc, vc, out)
+    np.testing.assert_array_equal(res[isa][1], res["scalar"][1])  # v rows are copied
+    np.testing.assert_allclose(res[isa][0], res["scalar"][0], rtol=0, atol=4 * U * np.abs(k).max())
+    bound = 4 * (hd + start + t) * U * np.abs(v).max()
+    assert np.isfinite(res[isa][2]).all() and np.abs(res[isa][2] - res["scalar"][2]).max() <= bound
+
+
 # ----------------------------------------------------------------------------- operand checks in the kernels
 
 @needs_cxx

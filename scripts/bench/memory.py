@@ -20,7 +20,12 @@ MindSpore backend uses: chunked prefill on one static graph, then the fused deco
 Prints one JSON line labelled with the CPU and ISA (scripts/bench/host.py) and appends it to
 docs/bench/results.jsonl (scripts/bench/report.py writes docs/BENCHMARKS.md from it).
 
+`--stage eval`: the eval stage's loglikelihood scorer (`TokenScorer`, batch 8) over `--requests` synthetic
+multiple-choice requests (context 20..`--eval-max-len` tokens, continuation 1..12), beside the computation
+lm-eval's `hf` model runs for them (right-padded batch, full forward, log_softmax over [B, T, V]).
+
     python scripts/bench/memory.py --preset smollm2-135m --context 2048 --requests 200
+    python scripts/bench/memory.py --stage eval --preset smollm2-135m --requests 64
     python scripts/bench/memory.py --preset smollm2-360m --context 2048 --requests 50
     python scripts/bench/memory.py --preset tiny --context 128 --requests 20 --tag smoke
 """
@@ -60,6 +65,74 @@ def prompts(a, vocab: int) -> tuple[list[list[int]], list[list[int]]]:
     return [draw(n) for n in ladder], [draw(n) for n in lengths]
 
 
+def eval_rows(a, vocab: int) -> list[tuple[list[int], int]]:
+    """Loglikelihood requests shaped like multiple-choice ones: (context + continuation ids, continuation length)."""
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    out = []
+    for _ in range(a.requests):
+        n, tail = int(rng.integers(20, a.eval_max_len)), int(rng.integers(1, 13))
+        out.append(([int(t) for t in rng.integers(3, vocab, n + tail)], tail))
+    return out
+
+
+def run_eval_side(a, cfg) -> dict:
+    """The eval stage's scorer (ours: `TokenScorer`, batch `--batch-size`; hf: the computation of lm-eval's `hf`
+    model's `_loglikelihood_tokens`: the batch right-padded, the full forward, log_softmax over [B, T, V], the
+    continuation's log-probabilities gathered) over the same requests, longest first as both order them."""
+    import numpy as np
+
+    rows = sorted(eval_rows(a, cfg.vocab_size), key=lambda r: -len(r[0]))
+    t0 = time.perf_counter()
+    if a.side == "ours":
+        from model.runtime import setup_mindspore
+
+        setup_mindspore()
+        from model.llama import LlamaForCausalLM
+        from tasks.stages.evaluate.lm_adapter import TokenScorer
+
+        net = LlamaForCausalLM(cfg, seed=0)
+        net.set_train(False)
+        loaded = _status("VmRSS")
+        scorer = TokenScorer(net, batch_size=a.batch_size)
+        scorer.score([(ids[:-1], ids[1:]) for ids, _ in rows], tails=[tail for _, tail in rows])
+        path = "TokenScorer"
+    else:
+        import torch
+        import torch.nn.functional as F
+
+        hf = _hf_model(a, cfg)
+        loaded = _status("VmRSS")
+        with torch.no_grad():
+            for b in range(0, len(rows), a.batch_size):
+                batch = rows[b:b + a.batch_size]
+                t = max(len(ids) - 1 for ids, _ in batch)
+                inp = torch.zeros((len(batch), t), dtype=torch.long)
+                for r, (ids, _) in enumerate(batch):
+                    inp[r, :len(ids) - 1] = torch.tensor(ids[:-1])
+                logp = F.log_softmax(hf(inp).logits, dim=-1)
+                for r, (ids, tail) in enumerate(batch):
+                    n = len(ids) - 1
+                    logp[r, n - tail:n].gather(-1, torch.tensor(ids[n - tail + 1:]).unsqueeze(-1)).sum()
+        path = "hf forward + log_softmax"
+    del np
+    return {"side": a.side, "path": path, "loaded_rss_gb": round(loaded, 3), "requests": len(rows),
+            "batch_size": a.batch_size, "s": round(time.perf_counter() - t0, 1), "peak_rss_gb": round(_status("VmHWM"), 3)}
+
+
+def _hf_model(a, cfg):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.set_num_threads(a.threads)
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+        max_position_embeddings=cfg.max_seq_length, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.norm_eps,
+        tie_word_embeddings=cfg.tie_embeddings, attn_implementation="sdpa")).eval()
+
+
 def run_side(a) -> dict:
     """One side in this process: load, then the ladder and the requests; RSS after each phase."""
     import numpy as np
@@ -67,6 +140,8 @@ def run_side(a) -> dict:
     from model.config import ModelConfig
 
     cfg = ModelConfig.from_name(a.preset)
+    if a.stage == "eval":
+        return run_eval_side(a, cfg)
     ladder, requests = prompts(a, cfg.vocab_size)
     if a.side == "ours":
         from model.runtime import setup_mindspore
@@ -84,14 +159,8 @@ def run_side(a) -> dict:
             return gen.generate(p, a.new_tokens)
     else:
         import torch
-        from transformers import LlamaConfig, LlamaForCausalLM
 
-        torch.set_num_threads(a.threads)
-        hf = LlamaForCausalLM(LlamaConfig(
-            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-            num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-            max_position_embeddings=cfg.max_seq_length, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.norm_eps,
-            tie_word_embeddings=cfg.tie_embeddings, attn_implementation="sdpa")).eval()
+        hf = _hf_model(a, cfg)
         path = "hf sdpa"
 
         def generate(p):
@@ -125,8 +194,12 @@ def main() -> None:
     from report import add_record_args, record
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--stage", choices=["decode", "eval"], default="decode",
+                    help="decode: the server's decode path; eval: the loglikelihood scorer")
     ap.add_argument("--preset", default="smollm2-135m")
-    ap.add_argument("--context", type=int, default=2048, help="KV cache slots (the server's context)")
+    ap.add_argument("--batch-size", type=int, default=8, help="eval: rows per call (eval.batch_size)")
+    ap.add_argument("--eval-max-len", type=int, default=500, help="eval: longest context, tokens")
+    ap.add_argument("--context", type=int, default=2048, help="decode: KV cache slots (the server's context)")
     ap.add_argument("--new-tokens", type=int, default=8)
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--threads", type=int, default=2, help="PyTorch threads on the HF side")
@@ -142,20 +215,24 @@ def main() -> None:
     from model.config import ModelConfig
 
     cfg = ModelConfig.from_name(a.preset)
-    if a.context > cfg.max_seq_length:
+    if a.stage == "decode" and a.context > cfg.max_seq_length:
         ap.error(f"--context {a.context} exceeds {a.preset}'s max_seq_length {cfg.max_seq_length}")
     hd = cfg.hidden_size // cfg.num_heads
     n_params = sum(p for p in _param_counts(cfg))
     weights_gb = n_params * 4 / 1e9
     kv_gb = 2 * cfg.num_layers * cfg.num_kv_heads * a.context * hd * 4 / 1e9
     budget_gb = weights_gb + kv_gb + GIB / 1e9
-    res = {"bench": "memory", **describe(threads=a.threads), "preset": a.preset, "context": a.context,
-           "new_tokens": a.new_tokens, "requests": a.requests, "weights_gb": round(weights_gb, 3),
-           "kv_cache_gb": round(kv_gb, 3), "budget_gb": round(budget_gb, 3)}
+    res = {"bench": "memory", **describe(threads=a.threads), "stage": a.stage, "preset": a.preset,
+           "requests": a.requests, "weights_gb": round(weights_gb, 3)}
+    if a.stage == "decode":
+        res.update(context=a.context, new_tokens=a.new_tokens, kv_cache_gb=round(kv_gb, 3), budget_gb=round(budget_gb, 3))
+    else:
+        res.update(batch_size=a.batch_size, eval_max_len=a.eval_max_len)
     sides = ["ours"] + ([] if a.no_hf else ["hf"])
     for side in sides:
-        args = [sys.executable, __file__, "--side", side, "--preset", a.preset, "--context", str(a.context),
-                "--new-tokens", str(a.new_tokens), "--requests", str(a.requests), "--threads", str(a.threads)]
+        args = [sys.executable, __file__, "--side", side, "--stage", a.stage, "--preset", a.preset,
+                "--context", str(a.context), "--new-tokens", str(a.new_tokens), "--requests", str(a.requests),
+                "--threads", str(a.threads), "--batch-size", str(a.batch_size), "--eval-max-len", str(a.eval_max_len)]
         out = subprocess.run(args, capture_output=True, text=True, env=os.environ)
         if out.returncode:
             res[side] = {"error": out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"exit {out.returncode}"}
@@ -165,8 +242,9 @@ def main() -> None:
     ours = res.get("ours", {})
     if "peak_rss_gb" in ours:
         res["peak_rss_gb"] = ours["peak_rss_gb"]
-        res["within_budget"] = ours["peak_rss_gb"] <= budget_gb
-        res["growth_gb"] = ours["growth_gb"]
+        if a.stage == "decode":
+            res["within_budget"] = ours["peak_rss_gb"] <= budget_gb
+            res["growth_gb"] = ours["growth_gb"]
     if "peak_rss_gb" in res.get("hf", {}) and "peak_rss_gb" in ours:
         res["rss_vs_hf"] = round(ours["peak_rss_gb"] / res["hf"]["peak_rss_gb"], 2)
     record(res, a)

@@ -55,7 +55,7 @@ from report import add_record_args, record  # noqa: E402
 from tasks.training.hardware import peak_rss_bytes  # noqa: E402  (after the sys.path insert)
 
 PRESET = "tiny-llama-bench"
-SHAPES = {"tiny-llama-bench": (8, 256), "smollm2-135m": (2, 128)}  # (micro batch, seq) per preset; else 8 × 256
+SHAPES = {"tiny-llama-bench": (8, 256), "smollm2-135m": (2, 128), "smollm2-360m": (2, 128)}  # (micro batch, seq) per preset; else 8 × 256
 SGEMM_N = 2048
 
 
