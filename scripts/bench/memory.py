@@ -95,7 +95,7 @@ def run_eval_side(a, cfg) -> dict:
         net = LlamaForCausalLM(cfg, seed=0)
         net.set_train(False)
         loaded = _status("VmRSS")
-        scorer = TokenScorer(net, batch_size=a.batch_size)
+        scorer = TokenScorer(net, batch_size=a.batch_size, max_bytes=a.max_bytes)
         scorer.score([(ids[:-1], ids[1:]) for ids, _ in rows], tails=[tail for _, tail in rows])
         path = "TokenScorer"
     else:
@@ -199,6 +199,7 @@ def main() -> None:
     ap.add_argument("--preset", default="smollm2-135m")
     ap.add_argument("--batch-size", type=int, default=8, help="eval: rows per call (eval.batch_size)")
     ap.add_argument("--eval-max-len", type=int, default=500, help="eval: longest context, tokens")
+    ap.add_argument("--max-bytes", type=int, default=None, help="eval: TokenScorer's activation cap per call (default: its own)")
     ap.add_argument("--context", type=int, default=2048, help="decode: KV cache slots (the server's context)")
     ap.add_argument("--new-tokens", type=int, default=8)
     ap.add_argument("--requests", type=int, default=200)
@@ -227,12 +228,15 @@ def main() -> None:
     if a.stage == "decode":
         res.update(context=a.context, new_tokens=a.new_tokens, kv_cache_gb=round(kv_gb, 3), budget_gb=round(budget_gb, 3))
     else:
-        res.update(batch_size=a.batch_size, eval_max_len=a.eval_max_len)
+        from tasks.stages.evaluate.lm_adapter import TokenScorer
+
+        res.update(batch_size=a.batch_size, eval_max_len=a.eval_max_len, max_bytes=a.max_bytes or TokenScorer.MAX_BYTES)
     sides = ["ours"] + ([] if a.no_hf else ["hf"])
     for side in sides:
         args = [sys.executable, __file__, "--side", side, "--stage", a.stage, "--preset", a.preset,
                 "--context", str(a.context), "--new-tokens", str(a.new_tokens), "--requests", str(a.requests),
-                "--threads", str(a.threads), "--batch-size", str(a.batch_size), "--eval-max-len", str(a.eval_max_len)]
+                "--threads", str(a.threads), "--batch-size", str(a.batch_size), "--eval-max-len", str(a.eval_max_len),
+                *(["--max-bytes", str(a.max_bytes)] if a.max_bytes else [])]
         out = subprocess.run(args, capture_output=True, text=True, env=os.environ)
         if out.returncode:
             res[side] = {"error": out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"exit {out.returncode}"}
