@@ -42,7 +42,10 @@ MODEL_NAME = "msllm"
 class TokenScorer:
     """Log-probabilities of target tokens under a network, batched, with one dynamic-shape graph per part."""
 
-    MAX_BYTES = 4 << 30  # the activations one call may hold (estimate below); fewer rows per call beyond it
+    # The activations one call may hold (estimate below); fewer rows per call beyond it. The dynamic-shape graph's
+    # pool grows to its largest call: with 4 GiB, SmolLM2-135M scoring (batch 8, contexts up to 500) peaked at
+    # 6.0 GB and 360M at 7.3 GB, against 3.3 and 3.8 GB for lm-eval hf's forward + log_softmax (docs/MEMORY.md).
+    MAX_BYTES = 1 << 30
 
     def __init__(self, net, batch_size: int = 8, max_bytes: int | None = None):
         import mindspore as ms
