@@ -9,7 +9,8 @@ its peak RSS is its own (MindSpore keeps graph memory for the life of a process)
     python scripts/bench/finetune.py [--preset small] [--steps 10] [--warmup 2] [--batch 8] [--seq 128]
     python scripts/bench/finetune.py --preset tiny --steps 2 --warmup 1     # a smoke run (seconds)
 
-Output fields per variant: trainable_params, trainable_share, step_s (mean over
+The line is labelled with the CPU and ISA (scripts/bench/host.py) and appended to docs/bench/results.jsonl
+(`--results`, `--tag`; scripts/bench/report.py writes docs/BENCHMARKS.md). Output fields per variant: trainable_params, trainable_share, step_s (mean over
 `steps` after `warmup` steps, compile excluded), tokens_per_s, first_step_s
 (compile + one step), peak_rss_bytes (whole process) and rss_before_train_bytes
 (model built, nothing compiled); `lora_vs_full` holds the ratios.
@@ -26,6 +27,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from host import describe  # noqa: E402
+from report import add_record_args, record  # noqa: E402
 
 
 def _rss() -> int:
@@ -86,13 +91,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--targets", default="q_proj,v_proj")
     ap.add_argument("--variant", choices=["lora", "full"], help=argparse.SUPPRESS)  # the per-variant child
+    add_record_args(ap)
     a = ap.parse_args(argv)
     knobs = dict(preset=a.preset, steps=a.steps, warmup=max(1, a.warmup), batch=a.batch, seq=a.seq, rank=a.rank,
                  targets=a.targets)
     if a.variant:
         print(json.dumps(run_variant(a.variant, **knobs)))
         return 0
-    out = {"bench": "finetune", **knobs}
+    out = {"bench": "finetune", **describe(threads=int(os.environ.get("OMP_NUM_THREADS", "0")) or None), **knobs}
     env = dict(os.environ, GLOG_v=os.environ.get("GLOG_v", "3"))
     for variant in ("lora", "full"):
         cmd = [sys.executable, __file__, "--variant", variant] + [f"--{k}={v}" for k, v in knobs.items()]
@@ -102,10 +108,12 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"{variant} run failed with exit code {proc.returncode}")
         out[variant] = json.loads(proc.stdout.strip().splitlines()[-1])
     lo, fu = out["lora"], out["full"]
+    for v in (lo, fu):
+        v["peak_rss_gb"] = round(v["peak_rss_bytes"] / 1e9, 3)
     out["lora_vs_full"] = {"step_time": round(lo["step_s"] / fu["step_s"], 3),
                            "peak_rss": round(lo["peak_rss_bytes"] / fu["peak_rss_bytes"], 3),
                            "trainable_params": round(lo["trainable_params"] / fu["trainable_params"], 6)}
-    print(json.dumps(out))
+    record(out, a)
     return 0
 
 
