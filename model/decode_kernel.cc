@@ -188,12 +188,12 @@ inline float softmax_weights(float *sc, int64_t p, int64_t len) {
   return 1.0f / sum;
 }
 
+#if MSLLM_VW > 0
 // out[r] = inv[r] * sum_{j < len} w[r * P + j] V[j] for four queries (rows r >= nq are computed and dropped):
 // every V row is loaded once for the four; with NV vectors per head the accumulators stay in registers.
 template <int NV>
 inline void values4(const float *w, int64_t P, int64_t len, const float *V, int64_t hd, const float *inv, int nq,
                     float *const *out) {
-#if MSLLM_VW > 0
   constexpr int64_t W = simd::kVW;
   simd::vf acc[4][NV];
   for (int r = 0; r < 4; ++r)
@@ -212,10 +212,8 @@ inline void values4(const float *w, int64_t P, int64_t len, const float *V, int6
   }
   for (int r = 0; r < nq; ++r)
     for (int v = 0; v < NV; ++v) simd::storeu(out[r] + v * W, acc[r][v] * simd::set1(inv[r]));
-#else
-  (void)w; (void)P; (void)len; (void)V; (void)hd; (void)inv; (void)nq; (void)out;
-#endif
 }
+#endif
 
 // the same for any hd (the scalar body, and head sizes that are not 1..8 whole vectors)
 inline void values4_any(const float *w, int64_t P, int64_t len, const float *V, int64_t hd, const float *inv, int nq,

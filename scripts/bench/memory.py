@@ -46,12 +46,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 GIB = 1024 ** 3
 
 
-def _status(field: str) -> float:
-    """VmRSS / VmHWM of this process in GB (10^9 bytes)."""
+def _rss_gb() -> float:
+    """This process's resident memory now (VmRSS), in GB (10^9 bytes)."""
     for line in open("/proc/self/status"):
-        if line.startswith(field):
+        if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024 / 1e9
     return float("nan")
+
+
+def _peak_gb() -> float:
+    """This process's peak resident memory (VmHWM: `tasks.training.hardware.peak_rss_bytes`), in GB."""
+    from tasks.training.hardware import peak_rss_bytes
+
+    return peak_rss_bytes() / 1e9
 
 
 def prompts(a, vocab: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -81,8 +88,6 @@ def run_eval_side(a, cfg) -> dict:
     """The eval stage's scorer (ours: `TokenScorer`, batch `--batch-size`; hf: the computation of lm-eval's `hf`
     model's `_loglikelihood_tokens`: the batch right-padded, the full forward, log_softmax over [B, T, V], the
     continuation's log-probabilities gathered) over the same requests, longest first as both order them."""
-    import numpy as np
-
     rows = sorted(eval_rows(a, cfg.vocab_size), key=lambda r: -len(r[0]))
     t0 = time.perf_counter()
     if a.side == "ours":
@@ -94,7 +99,7 @@ def run_eval_side(a, cfg) -> dict:
 
         net = LlamaForCausalLM(cfg, seed=0)
         net.set_train(False)
-        loaded = _status("VmRSS")
+        loaded = _rss_gb()
         scorer = TokenScorer(net, batch_size=a.batch_size, max_bytes=a.max_bytes)
         scorer.score([(ids[:-1], ids[1:]) for ids, _ in rows], tails=[tail for _, tail in rows])
         path = "TokenScorer"
@@ -103,7 +108,7 @@ def run_eval_side(a, cfg) -> dict:
         import torch.nn.functional as F
 
         hf = _hf_model(a, cfg)
-        loaded = _status("VmRSS")
+        loaded = _rss_gb()
         with torch.no_grad():
             for b in range(0, len(rows), a.batch_size):
                 batch = rows[b:b + a.batch_size]
@@ -114,29 +119,27 @@ def run_eval_side(a, cfg) -> dict:
                 logp = F.log_softmax(hf(inp).logits, dim=-1)
                 for r, (ids, tail) in enumerate(batch):
                     n = len(ids) - 1
+                    # the continuation's log-likelihood, as lm-eval computes it (the value itself is not kept)
                     logp[r, n - tail:n].gather(-1, torch.tensor(ids[n - tail + 1:]).unsqueeze(-1)).sum()
         path = "hf forward + log_softmax"
-    del np
     return {"side": a.side, "path": path, "loaded_rss_gb": round(loaded, 3), "requests": len(rows),
-            "batch_size": a.batch_size, "s": round(time.perf_counter() - t0, 1), "peak_rss_gb": round(_status("VmHWM"), 3)}
+            "batch_size": a.batch_size, "s": round(time.perf_counter() - t0, 1), "peak_rss_gb": round(_peak_gb(), 3)}
 
 
 def _hf_model(a, cfg):
+    """HF LlamaForCausalLM (sdpa) of `cfg`'s shape, random weights, from `model.convert.config_to_hf` (as train.py)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from model.convert import config_to_hf
+
     torch.set_num_threads(a.threads)
-    return LlamaForCausalLM(LlamaConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-        max_position_embeddings=cfg.max_seq_length, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.norm_eps,
-        tie_word_embeddings=cfg.tie_embeddings, attn_implementation="sdpa")).eval()
+    hf = {k: v for k, v in config_to_hf(cfg).items() if k not in ("architectures", "model_type", "dtype")}
+    return LlamaForCausalLM(LlamaConfig(**hf, attn_implementation="sdpa")).eval()
 
 
 def run_side(a) -> dict:
     """One side in this process: load, then the ladder and the requests; RSS after each phase."""
-    import numpy as np
-
     from model.config import ModelConfig
 
     cfg = ModelConfig.from_name(a.preset)
@@ -168,24 +171,23 @@ def run_side(a) -> dict:
                 out = hf.generate(torch.tensor([p]), max_new_tokens=a.new_tokens, min_new_tokens=a.new_tokens,
                                   do_sample=False, pad_token_id=0)
             return out[0, len(p):].tolist()
-    res = {"side": a.side, "decode_path": path, "loaded_rss_gb": round(_status("VmRSS"), 3), "ladder": []}
+    res = {"side": a.side, "decode_path": path, "loaded_rss_gb": round(_rss_gb(), 3), "ladder": []}
     for p in ladder:
         t0 = time.perf_counter()
         generate(p)
         res["ladder"].append({"prompt_tokens": len(p), "s": round(time.perf_counter() - t0, 2),
-                              "rss_gb": round(_status("VmRSS"), 3)})
+                              "rss_gb": round(_rss_gb(), 3)})
     first = max(1, len(requests) // 10)
     t0 = time.perf_counter()
     for i, p in enumerate(requests):
         generate(p)
         if i + 1 == first:
-            res["rss_after_first_tenth_gb"] = round(_status("VmRSS"), 3)
+            res["rss_after_first_tenth_gb"] = round(_rss_gb(), 3)
     res["requests"] = len(requests)
     res["requests_s"] = round(time.perf_counter() - t0, 1)
-    res["rss_end_gb"] = round(_status("VmRSS"), 3)
+    res["rss_end_gb"] = round(_rss_gb(), 3)
     res["growth_gb"] = round(res["rss_end_gb"] - res.get("rss_after_first_tenth_gb", res["rss_end_gb"]), 3)
-    res["peak_rss_gb"] = round(_status("VmHWM"), 3)
-    del np
+    res["peak_rss_gb"] = round(_peak_gb(), 3)
     return res
 
 
@@ -218,10 +220,8 @@ def main() -> None:
     cfg = ModelConfig.from_name(a.preset)
     if a.stage == "decode" and a.context > cfg.max_seq_length:
         ap.error(f"--context {a.context} exceeds {a.preset}'s max_seq_length {cfg.max_seq_length}")
-    hd = cfg.hidden_size // cfg.num_heads
-    n_params = sum(p for p in _param_counts(cfg))
-    weights_gb = n_params * 4 / 1e9
-    kv_gb = 2 * cfg.num_layers * cfg.num_kv_heads * a.context * hd * 4 / 1e9
+    weights_gb = cfg.num_parameters * 4 / 1e9
+    kv_gb = 2 * cfg.num_layers * cfg.num_kv_heads * a.context * cfg.head_dim * 4 / 1e9
     budget_gb = weights_gb + kv_gb + GIB / 1e9
     res = {"bench": "memory", **describe(threads=a.threads), "stage": a.stage, "preset": a.preset,
            "requests": a.requests, "weights_gb": round(weights_gb, 3)}
@@ -252,17 +252,6 @@ def main() -> None:
     if "peak_rss_gb" in res.get("hf", {}) and "peak_rss_gb" in ours:
         res["rss_vs_hf"] = round(ours["peak_rss_gb"] / res["hf"]["peak_rss_gb"], 2)
     record(res, a)
-
-
-def _param_counts(cfg):
-    """Parameters of the decoder, by piece (embedding, layers, final norm, untied head)."""
-    h, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.hidden_size // cfg.num_heads
-    per_layer = h * (cfg.num_heads * hd) * 2 + h * (cfg.num_kv_heads * hd) * 2 + 3 * h * f + 2 * h
-    yield cfg.vocab_size * h
-    yield cfg.num_layers * per_layer
-    yield h
-    if not cfg.tie_embeddings:
-        yield cfg.vocab_size * h
 
 
 if __name__ == "__main__":
