@@ -136,6 +136,14 @@ def test_chunk_attention_op_matches_rope_cache_write_and_masked_attention():
                 want[i, h] = (p / p.sum()) @ want_v[g, :start + i + 1]
         # fp32 dot products of hd terms and sums of up to s terms, with |v| ~ 1: ~s * eps of the output scale
         np.testing.assert_allclose(got.reshape(t, -1, hd), want, rtol=0, atol=s * np.finfo(np.float32).eps * 4)
+    from model.kernels import KernelShapeError
+
+    with pytest.raises(KernelShapeError, match=r"ChunkAttention: q \[T, heads \* head_dim\], k and v"):  # k of one head
+        op(Tensor(q), Tensor(k[:, :hd]), Tensor(v), Tensor(0, ms.int32), Tensor(cos.astype(np.float32)),
+           Tensor(sin.astype(np.float32)), kc, vc, Tensor(np.array([scale, 1], np.float32))).asnumpy()
+    with pytest.raises(KernelShapeError, match=r"ChunkAttention: operand 3 must be Int32"):  # a float start
+        op(Tensor(q), Tensor(k), Tensor(v), Tensor(0.0, ms.float32), Tensor(cos.astype(np.float32)),
+           Tensor(sin.astype(np.float32)), kc, vc, Tensor(np.array([scale, 1], np.float32))).asnumpy()
     with pytest.raises(RuntimeError):
         op(Tensor(np.zeros((8, nkv * n_rep * hd), np.float32)), Tensor(np.zeros((8, nkv * hd), np.float32)),
            Tensor(np.zeros((8, nkv * hd), np.float32)), Tensor(s - 4, ms.int32), Tensor(cos.astype(np.float32)),
