@@ -298,6 +298,38 @@ class TestOneMessage:
         assert "Traceback" not in err and "retrying" not in err
 
 
+    def test_full_disk_is_one_line_and_not_retried(self, tmp_path, data_artifact, capfd):
+        """Training onto a full disk (a real tmpfs with room for the data and not for a checkpoint): the
+        child's traceback printed twice (the supervisor retried ENOSPC), then "SafetensorError … os error 28".
+        Now: one line naming the file and "no space left on the device", permanent, no retry."""
+        import os
+
+        if os.geteuid() != 0:
+            pytest.skip("needs root to mount a small tmpfs (the full disk)")
+        mnt = tmp_path / "small"
+        mnt.mkdir()
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)], capture_output=True).returncode:
+            pytest.skip("cannot mount a tmpfs here (no CAP_SYS_ADMIN)")
+        try:
+            root = mnt / "art"
+            data_copy = _copy_data(data_artifact, root)
+            st = os.statvfs(mnt)
+            used = (st.f_blocks - st.f_bfree) * st.f_frsize
+            # room for the spec, logs and the weights (0.6 MB), not for the AdamW moments (1.25 MB) beside them
+            subprocess.run(["mount", "-o", f"remount,size={used + (1 << 20)}", str(mnt)], check=True)
+            with pytest.raises(pretrain.StageFailed) as ei:
+                pretrain.run(_cfg("pretrain.train.loop.max_steps=2", "checkpoint.save_steps=1"), ArtifactStore(root),
+                             data_copy, progress=False, retries=2)
+            err = capfd.readouterr().err
+            msg = str(ei.value)
+            assert ei.value.permanent and "\n" not in msg, msg
+            assert ".safetensors: no space left on the device" in msg and str(root) in msg, msg
+            assert "Traceback" not in err and "retrying" not in err and "SafetensorError" not in msg + err, err
+            assert not list((root / "pretrain").glob("*")) if (root / "pretrain").exists() else True
+        finally:
+            subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
 # ----------------------------------------------------------------------------- 8. no impossible figure
 
 

@@ -31,8 +31,23 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pipeline", default=None, help="pipeline name (default: the file's `default:`)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a key, e.g. --set pretrain.train.loop.max_steps=100 (repeatable; VALUE is YAML)")
-    p.add_argument("--artifacts", default=os.environ.get("MSLLM_ARTIFACTS", "artifacts"),
+    p.add_argument("--artifacts", default=os.environ.get("MSLLM_ARTIFACTS", "artifacts"), type=_artifact_root,
                    help="artifact root (default: ./artifacts)")
+
+
+def _artifact_root(text: str) -> str:
+    """argparse type of `--artifacts`: a directory, or a path whose nearest existing part is one (created on the
+    first build). A file there is refused naming it, before any compute (the store would only fail at its first
+    write, or find nothing "under" it)."""
+    from pathlib import Path
+
+    p = Path(text).expanduser()
+    probe = next((q for q in (p, *p.parents) if q.exists()), None)
+    if probe is not None and not probe.is_dir():
+        what = "is a file" if probe == p else f"lies under {probe}, a file"
+        raise argparse.ArgumentTypeError(f"{text}: not a directory ({what}); pass --artifacts DIR naming a "
+                                         "directory (created if missing), e.g. --artifacts artifacts")
+    return text
 
 
 def _stage(p: argparse.ArgumentParser) -> None:

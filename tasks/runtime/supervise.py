@@ -21,7 +21,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from tasks.store.artifacts import ArtifactStore, atomic_write_json, held_locks_env
+from tasks.store.artifacts import STORAGE_ERRNOS, ArtifactError, ArtifactStore, atomic_write_json, held_locks_env, storage_error
+from tasks.store.errors import as_os_error
 
 STOPPED_EARLY = 75  # child exit code: stopped on request before max_steps, checkpoints kept
 PERMANENT = 3  # child exit code: a failure that a retry cannot fix (bad config, corrupt artifact, non-finite run)
@@ -45,13 +46,27 @@ def is_permanent(exc: BaseException) -> bool:
 
     Errors of bad input, configuration, corrupt or foreign artifacts and checkpoints, and runs that
     went non-finite say so with a `permanent = True` class attribute; built-in ValueError, LookupError
-    (an unknown key or name), TypeError and AttributeError are bugs or bad input too. An OSError,
-    MemoryError, a kill, or a framework RuntimeError may be transient and is retried.
+    (an unknown key or name), TypeError and AttributeError are bugs or bad input too, and so is a storage
+    fault (`storage_fault`: no space, quota, read-only, permission, not a directory), which the same write
+    hits again. Any other OSError, MemoryError, a kill, or a framework RuntimeError may be transient and
+    is retried.
     """
     flag = getattr(exc, "permanent", None)
     if flag is not None:
         return bool(flag)
+    if storage_fault(exc) is not None:
+        return True
     return isinstance(exc, (ValueError, LookupError, TypeError, AttributeError, NotImplementedError))
+
+
+def storage_fault(exc: BaseException, where: str | os.PathLike | None = None) -> ArtifactError | None:
+    """The one-line storage error (tasks/store/errors.py `storage_error`) of an OSError whose errno is a
+    storage fault (STORAGE_ERRNOS), or of a library's error that wraps one as Rust does ("… (os error 28)");
+    named by the error's own file name, else `where`. None for anything else."""
+    os_exc = as_os_error(exc)
+    if os_exc is None or os_exc.errno not in STORAGE_ERRNOS:
+        return None
+    return storage_error(os_exc, os_exc.filename or where or Path.cwd())
 
 
 def entry_point(entry: str):
@@ -188,6 +203,7 @@ def child_main(child_fn: Callable[[dict[str, Any]], Path | None], argv: list[str
         print("error: interrupted", file=sys.stderr, flush=True)
         return 130
     except Exception as exc:  # one line for the user, whatever it is; a traceback only for unexpected kinds
+        exc = storage_fault(exc, spec.get("root") if isinstance(spec, dict) else None) or exc
         permanent = is_permanent(exc)
         known = permanent or isinstance(exc, (RuntimeError, OSError))
         if not known:

@@ -20,6 +20,7 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 
 from tasks.store.artifacts import sha256_file, verify_published
+from tasks.store.errors import STORAGE_ERRNOS, as_os_error, storage_error
 
 
 class CheckpointError(RuntimeError):
@@ -29,12 +30,29 @@ class CheckpointError(RuntimeError):
 
 
 def save_tensors(path: Path, tensors: dict[str, np.ndarray]) -> str:
-    """Write a safetensors file atomically; returns its sha256."""
+    """Write a safetensors file atomically; returns its sha256.
+
+    A storage fault (no space, quota, read-only, ...) is one ArtifactError line naming `path` (permanent: the
+    supervisor does not retry it): safetensors raises its own SafetensorError carrying Rust's "(os error 28)",
+    which is neither an OSError nor names the file."""
     tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp))
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        try:
+            save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp))
+        except Exception as exc:
+            if type(exc).__name__ != "SafetensorError" or (os_exc := as_os_error(exc, path)) is None:
+                raise
+            raise os_exc from None
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        if exc.errno in STORAGE_ERRNOS:
+            raise storage_error(exc, path) from None
+        raise
+    finally:
+        if tmp.exists():
+            tmp.unlink()
     return sha256_file(path)
 
 
