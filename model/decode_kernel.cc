@@ -118,6 +118,55 @@ inline void gemv_rows(const float *W, const float *x, float *y, int64_t n, int64
   }
 }
 
+#if MSLLM_VW > 0
+// Y[b, a] (+)= X[b, :] . W[a, :] for RB weight rows and TB token rows (X row stride ldx, Y row stride ldy): every
+// weight vector loaded once serves TB tokens and every token vector RB rows, RB * TB accumulators in registers.
+template <int RB, int TB>
+inline void gemm_block(const float *X, int64_t ldx, const float *W, int64_t n, float *Y, int64_t ldy, bool accumulate) {
+  constexpr int64_t VW = simd::kVW;
+  simd::vf acc[RB][TB];
+  for (int a = 0; a < RB; ++a)
+    for (int b = 0; b < TB; ++b) acc[a][b] = simd::zero();
+  int64_t j = 0;
+  for (; j + VW <= n; j += VW) {
+    simd::vf w[RB];
+    for (int a = 0; a < RB; ++a) w[a] = simd::loadu(W + a * n + j);
+    for (int b = 0; b < TB; ++b) {
+      const simd::vf xv = simd::loadu(X + b * ldx + j);
+      for (int a = 0; a < RB; ++a) acc[a][b] = simd::fma(w[a], xv, acc[a][b]);
+    }
+  }
+  for (int a = 0; a < RB; ++a)
+    for (int b = 0; b < TB; ++b) {
+      float s = simd::hsum(acc[a][b]);
+      for (int64_t k = j; k < n; ++k) s += W[a * n + k] * X[b * ldx + k];
+      float &y = Y[b * ldy + a];
+      y = accumulate ? y + s : s;
+    }
+}
+#endif
+
+// Y[i, r] (+)= X[i, :] . W[r, :] for tokens i < T and weight rows r in [r0, r1) (W row-major [rows, n], X [T, ldx],
+// Y [T, ldy]): a prompt chunk's projection. The RB rows of W a block reads stay in L1 across the chunk's tokens.
+inline void gemm_rows(const float *X, int64_t ldx, int64_t T, const float *W, int64_t n, int64_t r0, int64_t r1,
+                      float *Y, int64_t ldy, bool accumulate) {
+  int64_t r = r0;
+#if MSLLM_VW > 0
+  constexpr int RB = MSLLM_VW == 8 ? 2 : 4, TB = 4;  // AVX2 has 16 vector registers, AVX-512 and NEON 32
+  for (; r + RB <= r1; r += RB) {
+    int64_t i = 0;
+    for (; i + TB <= T; i += TB) gemm_block<RB, TB>(X + i * ldx, ldx, W + r * n, n, Y + i * ldy + r, ldy, accumulate);
+    for (; i < T; ++i) gemm_block<RB, 1>(X + i * ldx, ldx, W + r * n, n, Y + i * ldy + r, ldy, accumulate);
+  }
+#endif
+  for (; r < r1; ++r)
+    for (int64_t i = 0; i < T; ++i) {
+      const float s = dot(W + r * n, X + i * ldx, n);
+      float &y = Y[i * ldy + r];
+      y = accumulate ? y + s : s;
+    }
+}
+
 inline void rms_norm(const float *x, const float *w, float *out, int64_t n, float eps) {
   float ss = dot(x, x, n);
   float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
@@ -270,6 +319,75 @@ inline void attend(const float *q, const float *K, const float *V, int64_t p, in
 }  // namespace
 
 namespace {
+// A chunk of T queries' causal attention over the in-place caches, in three phases that each split over (t, nt)
+// threads and must run in order (a barrier or a join between them): write (RoPE on the chunk's k rows, written
+// with its v rows into the caches at slots start..start+T-1; RoPE and the scale on its q rows, into qr), transpose
+// (each kv head's keys for slots 0..P-1 into kt [nkv][hd][P]: a query's scores over a vector of slots are then hd
+// broadcast FMAs with no horizontal sum per slot, and four queries share every load) and attend (query i over
+// slots 0..start+i, into out [T, nh*hd]). q [T, nh*hd], k and v [T, nkv*hd]: the projections before RoPE.
+struct ChunkAttn {
+  const float *q, *k, *v;
+  int64_t T, nh, nkv, hd, n_rep, S, start;
+  const float *cos_t, *sin_t;
+  float scale;
+  float *kc, *vc, *qr, *kt, *out;
+  int64_t P = start + T;  // slots any query of the chunk may see
+
+  void write(int t, int nt) const {
+    const int64_t qdim = nh * hd, kvdim = nkv * hd;
+    for (int64_t w = t; w < T * nkv; w += nt) {
+      const int64_t i = w / nkv, g = w % nkv, slot = start + i;
+      float *kr = kc + (g * S + slot) * hd;
+      std::memcpy(kr, k + i * kvdim + g * hd, hd * sizeof(float));
+      rope(kr, cos_t + slot * hd, sin_t + slot * hd, hd, 1.0f);
+      std::memcpy(vc + (g * S + slot) * hd, v + i * kvdim + g * hd, hd * sizeof(float));
+    }
+    for (int64_t w = t; w < T * nh; w += nt) {
+      const int64_t slot = start + w / nh;
+      float *qh = qr + w * hd;
+      std::memcpy(qh, q + w * hd, hd * sizeof(float));
+      rope(qh, cos_t + slot * hd, sin_t + slot * hd, hd, scale);
+    }
+    (void)qdim;
+  }
+
+  void transpose(int t, int nt) const {
+    for (int64_t gj = t; gj < nkv * P; gj += nt) {
+      const int64_t g = gj / P, j = gj % P;
+      const float *kr = kc + (g * S + j) * hd;
+      float *dst = kt + g * hd * P + j;
+      for (int64_t d = 0; d < hd; ++d) dst[d * P] = kr[d];
+    }
+  }
+
+  // sc: this thread's scratch of 4 * P floats
+  void attend(int t, int nt, float *sc) const {
+    const int64_t qdim = nh * hd, blocks = (T + 3) / 4;
+    // (head, block of 4 queries), dealt round-robin: later queries attend more slots
+    for (int64_t w = t; w < nh * blocks; w += nt) {
+      const int64_t hh = w / blocks, i0 = (w % blocks) * 4, g = hh / n_rep;
+      const int64_t nq = T - i0 < 4 ? T - i0 : 4;
+      const float *qs[4];
+      for (int64_t r = 0; r < 4; ++r) qs[r] = qr + (i0 + (r < nq ? r : 0)) * qdim + hh * hd;
+      const int64_t len = start + i0 + nq;  // slots the block's last query sees
+      scores4(qs, kt + g * hd * P, P, len, hd, sc);
+      float inv[4] = {0.f, 0.f, 0.f, 0.f};
+      float *outs[4];
+      for (int64_t r = 0; r < 4; ++r) {
+        if (r < nq) {
+          inv[r] = softmax_weights(sc + r * P, start + i0 + r, len);
+        } else {
+          for (int64_t j = 0; j < len; ++j) sc[r * P + j] = 0.f;
+        }
+        outs[r] = out + (i0 + (r < nq ? r : 0)) * qdim + hh * hd;
+      }
+      values4_dispatch(sc, P, len, vc + g * S * hd, hd, inv, static_cast<int>(nq), outs);
+    }
+  }
+};
+}  // namespace
+
+namespace {
 bool is_dt(const char **dtypes, int i, const char *dt) { return dtypes[i] && std::strcmp(dtypes[i], dt) == 0; }
 int64_t count(int *ndims, int64_t **shapes, int i) {
   int64_t n = 1;
@@ -284,9 +402,17 @@ bool mat(int *ndims, int64_t **shapes, int i, int64_t rows, int64_t cols) {
 // Which body this library runs ("avx512", "avx2", "neon", "scalar"); see model/kernels.py.
 extern "C" const char *MsllmKernelIsa() { return MSLLM_ISA; }
 
-extern "C" int DecodeStep(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
-                          void *extra) {
-  (void)stream; (void)extra;
+namespace {
+// The sizes of a whole-model op's operands (DecodeStep, PrefillStep: the layout in this file's header).
+struct Model {
+  int n_layers;
+  int64_t V, H, hd, S_rope, qdim, kvdim, F, nh, nkv, n_rep, S;
+};
+
+// Checks every operand of a whole-model op but the first two (token(s), position(s)): the count, dtypes, every
+// weight's shape against the embedding's [V, H] and the first layer's sizes, the caches' [nkv, S, hd] and the
+// output [1, V]. 0 when they hold; else 1 (count), 2 (dtype) or 3 (shape).
+int check_model(int nparam, int *ndims, int64_t **shapes, const char **dtypes, Model *m) {
   const int n_layers = (nparam - 9) / 11;
   if (n_layers < 1 || 9 + 11 * n_layers != nparam) return 1;
   if (!is_dt(dtypes, 0, "int32") || !is_dt(dtypes, 1, "int32")) return 2;
@@ -295,18 +421,17 @@ extern "C" int DecodeStep(int nparam, void **params, int *ndims, int64_t **shape
   for (int i = 0; i < nparam; ++i)
     for (int d = 0; d < ndims[i]; ++d)
       if (shapes[i][d] < 0) return 3;
-  if (count(ndims, shapes, 0) != 1 || count(ndims, shapes, 1) != 1 || count(ndims, shapes, 2) != 3 || ndims[3] != 2 ||
-      ndims[6] != 2 || ndims[9] != 2 || ndims[10] != 2 || ndims[14] != 2)
+  if (count(ndims, shapes, 2) != 3 || ndims[3] != 2 || ndims[6] != 2 || ndims[9] != 2 || ndims[10] != 2 ||
+      ndims[14] != 2)
     return 3;
   const int64_t V = shapes[3][0], H = shapes[3][1], hd = shapes[6][1], S_rope = shapes[6][0];
   const int64_t qdim = shapes[9][0], kvdim = shapes[10][0], F = shapes[14][0];
   if (V < 1 || H < 1 || hd < 2 || hd > 1024 || hd % 2 || qdim < hd || qdim % hd || kvdim < hd || kvdim % hd ||
       (qdim / hd) % (kvdim / hd) || F < 1)
     return 3;
-  const int64_t nh = qdim / hd, nkv = kvdim / hd, n_rep = nh / nkv;
   const int kc0 = 8 + 9 * n_layers;
   if (ndims[kc0] != 3) return 3;
-  const int64_t S = shapes[kc0][1];
+  const int64_t S = shapes[kc0][1], nkv = kvdim / hd;
   if (count(ndims, shapes, 4) != H || !mat(ndims, shapes, 5, V, H) || !mat(ndims, shapes, 7, S_rope, hd) ||
       count(ndims, shapes, nparam - 1) != V)
     return 3;
@@ -319,6 +444,20 @@ extern "C" int DecodeStep(int nparam, void **params, int *ndims, int64_t **shape
     for (const int c : {kc0 + l, kc0 + n_layers + l})
       if (ndims[c] != 3 || shapes[c][0] != nkv || shapes[c][1] != S || shapes[c][2] != hd) return 3;
   }
+  *m = Model{n_layers, V, H, hd, S_rope, qdim, kvdim, F, qdim / hd, nkv, (qdim / hd) / nkv, S};
+  return 0;
+}
+}  // namespace
+
+extern "C" int DecodeStep(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
+                          void *extra) {
+  (void)stream; (void)extra;
+  Model m;
+  if (const int rc = check_model(nparam, ndims, shapes, dtypes, &m)) return rc;
+  if (count(ndims, shapes, 0) != 1 || count(ndims, shapes, 1) != 1) return 3;
+  const int n_layers = m.n_layers;
+  const int64_t V = m.V, H = m.H, hd = m.hd, S_rope = m.S_rope, qdim = m.qdim, kvdim = m.kvdim, F = m.F;
+  const int64_t nh = m.nh, nkv = m.nkv, n_rep = m.n_rep, S = m.S;
   const int32_t tok = *static_cast<const int32_t *>(params[0]);
   const int64_t pos = *static_cast<const int32_t *>(params[1]);
   const float *consts = static_cast<const float *>(params[2]);
@@ -395,6 +534,108 @@ extern "C" int DecodeStep(int nparam, void **params, int *ndims, int64_t **shape
   return 0;
 }
 
+// A prompt chunk (batch 1, T tokens at slots start..start+T-1) through the whole model, as DecodeStep does one
+// token: the operands are DecodeStep's but 0 tokens int32 [1, T] and 1 int32 [2]: start, last (the row whose
+// logits are returned, 0 <= last < T). Writes the chunk's K/V rows into the caches and returns the logits [1, V]
+// of row `last`. Every buffer is the chunk's own ([T, widths] and the keys of slots 0..start+T-1, transposed):
+// nothing a static MindSpore graph would keep per kernel (~0.5 GB of the 64-token chunk graph at SmolLM2-135M).
+// The projections are GEMMs over the chunk (gemm_rows: every weight row read once per chunk), split by rows over
+// the threads; attention as ChunkAttention.
+extern "C" int PrefillStep(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
+                           void *extra) {
+  (void)stream; (void)extra;
+  Model m;
+  if (const int rc = check_model(nparam, ndims, shapes, dtypes, &m)) return rc;
+  const int64_t T = count(ndims, shapes, 0);
+  if (T < 1 || count(ndims, shapes, 1) != 2) return 3;
+  const int n_layers = m.n_layers;
+  const int64_t V = m.V, H = m.H, hd = m.hd, qdim = m.qdim, kvdim = m.kvdim, F = m.F;
+  const int32_t *tokens = static_cast<const int32_t *>(params[0]);
+  const int64_t start = static_cast<const int32_t *>(params[1])[0], last = static_cast<const int32_t *>(params[1])[1];
+  if (start < 0 || start + T > m.S || start + T > m.S_rope || last < 0 || last >= T) return 4;
+  for (int64_t i = 0; i < T; ++i)
+    if (tokens[i] < 0 || tokens[i] >= V) return 4;
+  const float *consts = static_cast<const float *>(params[2]);
+  const float eps = consts[0], scale = consts[1];
+  const int threads = consts[2] >= 1.f ? static_cast<int>(consts[2]) : 1;
+  const float *embed = static_cast<const float *>(params[3]);
+  const float *final_norm = static_cast<const float *>(params[4]);
+  const float *head = static_cast<const float *>(params[5]);
+  const float *cos_t = static_cast<const float *>(params[6]);
+  const float *sin_t = static_cast<const float *>(params[7]);
+  float *logits = static_cast<float *>(params[nparam - 1]);
+
+  std::vector<float> x(T * H), h(T * H), q(T * qdim), k(T * kvdim), v(T * kvdim), attn(T * qdim), act(T * F),
+      up(T * F), qr(T * qdim), kt(m.nkv * hd * (start + T)), scores(4 * (start + T) * threads), hl(H);
+  for (int64_t i = 0; i < T; ++i) std::memcpy(x.data() + i * H, embed + tokens[i] * H, H * sizeof(float));
+  ChunkAttn c{q.data(), k.data(), v.data(), T, m.nh, m.nkv, hd, m.n_rep, m.S, start, cos_t, sin_t, scale,
+              nullptr, nullptr, qr.data(), kt.data(), attn.data()};
+
+#pragma omp parallel num_threads(threads)
+  {
+#ifdef _OPENMP
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+#else
+    const int t = 0, nt = 1;
+#endif
+    float *sc = scores.data() + 4 * (start + T) * t;
+    int64_t b, e;
+    // rows [b, e) of a projection with `rows` rows, split over the threads in blocks of 4 (gemm_rows' tiles)
+    auto rows_of = [&](int64_t rows) {
+      split((rows + 3) / 4, t, nt, &b, &e);
+      b *= 4;
+      e = e * 4 < rows ? e * 4 : rows;
+    };
+    for (int l = 0; l < n_layers; ++l) {
+      const float *const *w = reinterpret_cast<const float *const *>(params + 8 + 9 * l);
+      ChunkAttn cl = c;
+      cl.kc = static_cast<float *>(params[8 + 9 * n_layers + l]);
+      cl.vc = static_cast<float *>(params[8 + 10 * n_layers + l]);
+      split(T, t, nt, &b, &e);
+      for (int64_t i = b; i < e; ++i) rms_norm(x.data() + i * H, w[0], h.data() + i * H, H, eps);
+#pragma omp barrier
+      rows_of(qdim + 2 * kvdim);  // q | k | v rows, one range per thread over the three matrices
+      if (b < qdim) gemm_rows(h.data(), H, T, w[1], H, b, e < qdim ? e : qdim, q.data(), qdim, false);
+      if (e > qdim && b < qdim + kvdim)
+        gemm_rows(h.data(), H, T, w[2], H, (b > qdim ? b : qdim) - qdim, (e < qdim + kvdim ? e : qdim + kvdim) - qdim,
+                  k.data(), kvdim, false);
+      if (e > qdim + kvdim)
+        gemm_rows(h.data(), H, T, w[3], H, (b > qdim + kvdim ? b : qdim + kvdim) - qdim - kvdim, e - qdim - kvdim,
+                  v.data(), kvdim, false);
+#pragma omp barrier
+      cl.write(t, nt);
+#pragma omp barrier
+      cl.transpose(t, nt);
+#pragma omp barrier
+      cl.attend(t, nt, sc);
+#pragma omp barrier
+      rows_of(H);
+      gemm_rows(attn.data(), qdim, T, w[4], qdim, b, e, x.data(), H, true);  // x += o(attn), columns of x split
+#pragma omp barrier
+      split(T, t, nt, &b, &e);
+      for (int64_t i = b; i < e; ++i) rms_norm(x.data() + i * H, w[5], h.data() + i * H, H, eps);
+#pragma omp barrier
+      rows_of(F);
+      gemm_rows(h.data(), H, T, w[6], H, b, e, act.data(), F, false);  // gate
+      gemm_rows(h.data(), H, T, w[7], H, b, e, up.data(), F, false);   // up
+      for (int64_t i = 0; i < T; ++i)
+        for (int64_t r = b; r < e; ++r) {
+          float &a = act[i * F + r];
+          a = a / (1.0f + std::exp(-a)) * up[i * F + r];  // silu(gate) * up
+        }
+#pragma omp barrier
+      rows_of(H);
+      gemm_rows(act.data(), F, T, w[8], F, b, e, x.data(), H, true);  // x += down(act)
+#pragma omp barrier
+    }
+    if (t == 0) rms_norm(x.data() + last * H, final_norm, hl.data(), H, eps);
+#pragma omp barrier
+    split(V, t, nt, &b, &e);
+    gemv_rows(head, hl.data(), logits, H, b, e, false);
+  }
+  return 0;
+}
+
 // A prompt chunk's attention over the in-place cache (CachedDecoder's prefill, one op per layer): RoPE on the
 // chunk's q and k, its k and v rows written into the caches at slots start..start+T-1, then query i attends
 // slots 0..start+i. Inputs:
@@ -431,59 +672,16 @@ extern "C" int ChunkAttention(int nparam, void **params, int *ndims, int64_t **s
   const float scale = consts[0];
   const int threads = consts[1] >= 1.f ? static_cast<int>(consts[1]) : 1;
   float *out = static_cast<float *>(params[9]);
-  const int64_t P = start + T;  // slots any query of the chunk may see
-  // q after RoPE and scale; each kv head's keys transposed, [nkv][hd][P]: a query's scores over 16 slots are
-  // then hd broadcast FMAs with no horizontal sum per slot, and four queries share every load
-  std::vector<float> qr(T * qdim), kt(nkv * hd * P);
+  std::vector<float> qr(T * qdim), kt(nkv * hd * (start + T));
+  ChunkAttn c{q, k, v, T, nh, nkv, hd, n_rep, S, start, cos_t, sin_t, scale, kc, vc, qr.data(), kt.data(), out};
   // std::threads, not OpenMP: this op runs between MindSpore's kernels, and OpenMP's idle workers spin after a
   // parallel region, taking a core from the next MatMul (the chunk graph ran 1.5x slower with 2 OpenMP threads
   // than with 1)
+  on_threads(threads, [&](int t, int nt) { c.write(t, nt); });
+  on_threads(threads, [&](int t, int nt) { c.transpose(t, nt); });  // after every row is written
   on_threads(threads, [&](int t, int nt) {
-    for (int64_t w = t; w < T * nkv; w += nt) {  // the chunk's cache rows
-      const int64_t i = w / nkv, g = w % nkv, slot = start + i;
-      float *kr = kc + (g * S + slot) * hd;
-      std::memcpy(kr, k + i * kvdim + g * hd, hd * sizeof(float));
-      rope(kr, cos_t + slot * hd, sin_t + slot * hd, hd, 1.0f);
-      std::memcpy(vc + (g * S + slot) * hd, v + i * kvdim + g * hd, hd * sizeof(float));
-    }
-    for (int64_t w = t; w < T * nh; w += nt) {  // q after RoPE and scale
-      const int64_t slot = start + w / nh;
-      float *qh = qr.data() + w * hd;
-      std::memcpy(qh, q + w * hd, hd * sizeof(float));
-      rope(qh, cos_t + slot * hd, sin_t + slot * hd, hd, scale);
-    }
-  });
-  on_threads(threads, [&](int t, int nt) {  // keys transposed, after every row is written
-    for (int64_t gj = t; gj < nkv * P; gj += nt) {
-      const int64_t g = gj / P, j = gj % P;
-      const float *kr = kc + (g * S + j) * hd;
-      float *dst = kt.data() + g * hd * P + j;
-      for (int64_t d = 0; d < hd; ++d) dst[d * P] = kr[d];
-    }
-  });
-  const int64_t blocks = (T + 3) / 4;
-  on_threads(threads, [&](int t, int nt) {
-    std::vector<float> sc(4 * P);
-    // (head, block of 4 queries), dealt round-robin: later queries attend more slots
-    for (int64_t w = t; w < nh * blocks; w += nt) {
-      const int64_t hh = w / blocks, i0 = (w % blocks) * 4, g = hh / n_rep;
-      const int64_t nq = T - i0 < 4 ? T - i0 : 4;
-      const float *qs[4];
-      for (int64_t r = 0; r < 4; ++r) qs[r] = qr.data() + (i0 + (r < nq ? r : 0)) * qdim + hh * hd;
-      const int64_t len = start + i0 + nq;  // slots the block's last query sees
-      scores4(qs, kt.data() + g * hd * P, P, len, hd, sc.data());
-      float inv[4] = {0.f, 0.f, 0.f, 0.f};
-      float *outs[4];
-      for (int64_t r = 0; r < 4; ++r) {
-        if (r < nq) {
-          inv[r] = softmax_weights(sc.data() + r * P, start + i0 + r, len);
-        } else {
-          for (int64_t j = 0; j < len; ++j) sc[r * P + j] = 0.f;
-        }
-        outs[r] = out + (i0 + (r < nq ? r : 0)) * qdim + hh * hd;
-      }
-      values4_dispatch(sc.data(), P, len, vc + g * S * hd, hd, inv, static_cast<int>(nq), outs);
-    }
+    std::vector<float> sc(4 * c.P);
+    c.attend(t, nt, sc.data());
   });
   return 0;
 }

@@ -218,25 +218,26 @@ def _decode_dtypes(*dtypes):
     return ms.float32
 
 
-def _decode_op(lib: str, vocab: int, n_layers: int):
-    """The DecodeStep custom op, declared as writing its 2 * n_layers cache inputs (RW_WRITE, side_effect_mem,
-    as model/kernel_ops.py's in-place ops): so a graph never hands the kernel a copy of a cache Parameter, and
-    the write is ordered after any earlier read of it."""
+def _decode_op(lib: str, vocab: int, n_layers: int, name: str = "DecodeStep"):
+    """A whole-model custom op of model/decode_kernel.cc: `DecodeStep` (one token) or `PrefillStep` (a prompt chunk),
+    declared as writing its 2 * n_layers cache inputs (RW_WRITE, side_effect_mem, as model/kernel_ops.py's in-place
+    ops): so a graph never hands the kernel a copy of a cache Parameter, and the write is ordered after any earlier
+    read of it. Both return the logits [1, V] (PrefillStep: of the chunk's row `last`)."""
     from mindspore.ops import signature as sig
 
     n_in = 8 + 11 * n_layers
     writes = range(8 + 9 * n_layers, n_in)
 
-    class DecodeStep(ops.Custom):
+    class WholeModelStep(ops.Custom):
         __mindspore_signature__ = tuple(sig.make_sig(f"x{i}", sig.sig_rw.RW_WRITE if i in writes else sig.sig_rw.RW_READ)
                                         for i in range(n_in))
 
         def __init__(self):
-            super().__init__(f"{lib}:DecodeStep", out_shape=lambda *shapes: [1, vocab],
+            super().__init__(f"{lib}:{name}", out_shape=lambda *shapes: [1, vocab],
                              out_dtype=_decode_dtypes, func_type="aot")
             self.add_prim_attr("side_effect_mem", True)
 
-    return DecodeStep()
+    return WholeModelStep()
 
 
 def _chunk_attention_op(lib: str):
@@ -276,16 +277,19 @@ def _chunk_attention_op(lib: str):
 
 
 class FusedDecodeStep(nn.Cell):
-    """One decode token (batch 1, T = 1) of a `CachedDecoder` as ONE MindSpore custom op (model/decode_kernel.cc).
+    """One decode token (batch 1, T = 1) of a `CachedDecoder` as ONE MindSpore custom op (model/decode_kernel.cc);
+    with `prefill=True`, a prompt chunk (batch 1, T tokens) the same way (`PrefillStep`).
 
     The op reads the net's own Parameters (nothing is copied, so weights updated in place reach the
-    next step, as on every jit path) and writes the token's K/V into the decoder's cache Parameters in
-    place; the prefill (T > 1) stays on `CachedDecoder`, which fills the same caches. `construct(token
-    [1, 1] int32, pos int32)` returns the logits [1, V] of position pos. One kernel per token instead
-    of ~280 MindSpore kernels, with AVX-512/AVX2 GEMVs over OpenMP threads.
+    next step, as on every jit path) and writes the tokens' K/V into the decoder's cache Parameters in
+    place. `construct(token [1, 1] int32, pos int32)` returns the logits [1, V] of position pos;
+    prefill: `construct(tokens [1, T] int32, [start, last] int32)` writes slots start..start+T-1 and returns the
+    logits of row `last`. One kernel per token (or chunk) instead of ~280 MindSpore kernels, with AVX-512/AVX2
+    GEMVs (GEMMs for a chunk) over OpenMP threads, and no graph whose buffers live as long as the process: the
+    64-token chunk graph of `CachedDecoder` keeps ~0.5 GB at SmolLM2-135M (docs/MEMORY.md).
     """
 
-    def __init__(self, decoder: CachedDecoder, lib: str, threads: int):
+    def __init__(self, decoder: CachedDecoder, lib: str, threads: int, prefill: bool = False):
         super().__init__()
         net = decoder.net
         c = net.config
@@ -294,7 +298,7 @@ class FusedDecodeStep(nn.Cell):
         v = c.vocab_size
         scale = net.layers[0].self_attn.scale
         self.consts = Tensor(np.array([c.norm_eps, scale, threads], np.float32))
-        self.op = _decode_op(lib, v, len(net.layers))
+        self.op = _decode_op(lib, v, len(net.layers), "PrefillStep" if prefill else "DecodeStep")
 
     def construct(self, token: Tensor, pos: Tensor) -> Tensor:
         net, dec = self.net, self.decoder
@@ -365,6 +369,7 @@ class Generator:
         # Decode tokens (T = 1) as one fused custom op when it builds here (see FusedDecodeStep); else, or
         # with fused=False, on the decoder's MindSpore kernels. Both write the same caches.
         self._fused = None
+        self._fused_prefill = None  # prompt chunks as one op (FusedDecodeStep with prefill=True), where _fused is
         from model.lora import lora_layers
 
         self._lora = [layer for _, layer in lora_layers(net)]  # the fused step ignores their updates (see _cached_steps)
@@ -375,6 +380,12 @@ class Generator:
                 return fused_step(token, pos)
 
             self._fused = ms.jit(fused_decode)
+            fused_chunk = FusedDecodeStep(self._decoder, lib, threads, prefill=True)
+
+            def fused_prefill(tokens, where):
+                return fused_chunk(tokens, where)
+
+            self._fused_prefill = ms.jit(fused_prefill)
 
     @property
     def decode_path(self) -> str:
@@ -486,8 +497,15 @@ class Generator:
             self._decoder_busy = True
             try:
                 zero = Tensor(0, ms.int32)
-                for x, start, last in self._chunks(ids):  # one static [1, C] graph for every prompt
-                    logits = self._decode(Tensor(x), Tensor(start, ms.int32), Tensor(last, ms.int32))
+                for x, start, last in self._chunks(ids):  # fixed [1, C] chunks: the same shapes for every prompt
+                    logits = None
+                    if fused and self._fused_prefill is not None:
+                        try:
+                            logits = self._fused_prefill(Tensor(x), Tensor([start, last], ms.int32))
+                        except RuntimeError:  # as the fused step below; the caches it wrote are the decoder's
+                            self._fused_prefill = None
+                    if logits is None:
+                        logits = self._decode(Tensor(x), Tensor(start, ms.int32), Tensor(last, ms.int32))
                 logits = logits.asnumpy()[0]
                 self._compiled("prefill")
                 tok = yield logits

@@ -62,15 +62,16 @@ def test_prompt_logits_equal_the_full_forward_at_any_length(net, gen):
         gen.prompt_logits([])
 
 
-@pytest.mark.parametrize("chunk", [64, 8])
-def test_prefill_runs_in_fixed_chunks_for_any_prompt_length(net, chunk):
-    """The prompt pass is fixed-size chunks through one static graph (no graph, and no buffer, per prompt length):
-    at lengths below one chunk, on its edge, across it, over several chunks (the last one overlapping the one
-    before) and up to the cache's end, the logits it yields, and those of the decode step after it, equal the
-    plain forward's, on the in-place caches (the native chunk attention where the kernel builds) and on the
-    functional path (the server's interleaved sequences)."""
-    gen = Generator(net, prefill_chunk=chunk)
+@pytest.mark.parametrize("chunk,fused", [(64, True), (8, True), (8, False)])
+def test_prefill_runs_in_fixed_chunks_for_any_prompt_length(net, chunk, fused):
+    """The prompt pass is fixed-size chunks (no graph, and no buffer, per prompt length): at lengths below one
+    chunk, on its edge, across it, over several chunks (the last one overlapping the one before) and up to the
+    cache's end, the logits it yields, and those of the decode step after it, equal the plain forward's, on the
+    in-place caches (fused: the whole-model PrefillStep op where the kernel builds; else the decoder's static chunk
+    graph with the native chunk attention) and on the functional path (the server's interleaved sequences)."""
+    gen = Generator(net, prefill_chunk=chunk, fused=fused)
     assert gen.prefill_chunk == chunk
+    assert (gen._fused_prefill is not None) == (fused and build_decode_kernel() is not None)
     for n in sorted({1, 7, chunk, chunk + 1, min(2 * chunk + 3, gen.max_len - 1), gen.max_len - 1}):
         prompt = ids(n, seed=100 + n)
         starts = [s for _, s, _ in gen._chunks(prompt)]
@@ -235,9 +236,9 @@ def test_the_decode_step_builds_where_a_compiler_exists():
                  marks=pytest.mark.integration),                                                     # hd 12: scalar tails
 ])
 def test_fused_decode_step_matches_the_decoder_and_the_full_forward(shape):
-    """The one-op decode step (model/decode_kernel.cc), on one thread and on more threads than cores: logits of
-    every step equal the plain forward's, and its greedy tokens equal the MindSpore-kernel decoder's and the
-    uncached path's."""
+    """The one-op decode step and prompt chunk (model/decode_kernel.cc), on one thread and on more threads than
+    cores: logits of every step equal the plain forward's, and its greedy tokens equal the MindSpore-kernel
+    decoder's and the uncached path's."""
     model = LlamaForCausalLM(ModelConfig.from_name("tiny", **shape), seed=2)
     model.set_train(False)
     plain = Generator(model, fused=False)
@@ -246,15 +247,15 @@ def test_fused_decode_step_matches_the_decoder_and_the_full_forward(shape):
     new = plain.generate(prompt, 30)
     assert plain.generate(prompt, 30, use_cache=False) == new
     full = model(Tensor(np.asarray([prompt + new], np.int32))).asnumpy()[0]
-    for threads in (1, 3):
-        fused = Generator(model, threads=threads)
-        assert fused.decode_path == "fused"
+    for threads, chunk in ((1, 64), (3, 64), (3, 5)):  # chunk 5: PrefillStep on partial 4-token blocks, overlapping
+        fused = Generator(model, threads=threads, prefill_chunk=chunk)
+        assert fused.decode_path == "fused" and fused._fused_prefill is not None
         assert fused.generate(prompt, 30) == new, threads
         steps = fused._cached_steps(prompt)
         got = [next(steps)] + [steps.send(t) for t in new[:-1]]
         steps.close()
         np.testing.assert_allclose(np.stack(got), full[len(prompt) - 1:-1], rtol=0, atol=1e-4 * np.abs(full).max(),
-                                   err_msg=f"threads={threads}")
+                                   err_msg=f"threads={threads}, chunk={chunk}")
 
 
 def test_without_a_compiler_generation_falls_back_to_the_decoder(net, monkeypatch):

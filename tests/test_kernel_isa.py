@@ -237,6 +237,69 @@ def test_chunk_attention_matches_the_scalar_reference(isa):
     assert np.isfinite(res[isa][2]).all() and np.abs(res[isa][2] - res["scalar"][2]).max() <= bound
 
 
+def _whole_model(rng, L=2, V=37, H=40, nh=4, nkv=2, hd=10, F=52, S=24):
+    """A random LLaMA for decode_kernel.cc's whole-model ops (widths that are not whole vectors or 4-row blocks):
+    (weights in the ops' operand order after `consts`, caches [2, L, nkv, S, hd])."""
+    ang = np.arange(S)[:, None] * (1e-2 ** (np.arange(hd // 2) / (hd // 2)))[None, :]
+    cos = np.cos(np.concatenate([ang, ang], 1)).astype(np.float32)
+    sin = np.sin(np.concatenate([ang, ang], 1)).astype(np.float32)
+    w = lambda *shape: (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)  # noqa: E731
+    ones = lambda n: (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)  # noqa: E731
+    weights = [w(V, H) * np.sqrt(H), ones(H), w(V, H), cos, sin]
+    for _ in range(L):
+        weights += [ones(H), w(nh * hd, H), w(nkv * hd, H), w(nkv * hd, H), w(H, nh * hd), ones(H), w(F, H), w(F, H),
+                    w(H, F)]
+    return weights, rng.standard_normal((2, L, nkv, S, hd)).astype(np.float32)
+
+
+@needs_cxx
+@pytest.mark.parametrize("isa", BODIES)
+def test_prefill_step_matches_decode_steps_and_the_scalar_body(isa):
+    """decode_kernel.cc PrefillStep (a prompt chunk through the whole model, GEMMs over the chunk) against DecodeStep
+    run token by token from the same caches, and against its own scalar body: the same cache rows and logits of the
+    chosen row, within the rounding of reordered fp32 sums (per layer: reductions over H, F and the P visible
+    slots, ~1 ulp of the magnitude each, relative; 8x for the two sides' errors and the exp / rsqrt); the cache
+    slots outside the chunk untouched; a chunk past the cache, a `last` outside it and a token outside the
+    vocabulary refused (4) before anything is written."""
+    rng = np.random.default_rng(7)
+    weights, caches = _whole_model(rng)
+    L, S, V, H, F = 2, caches.shape[3], weights[0].shape[0], weights[0].shape[1], 52
+    consts = np.array([1e-5, 10 ** -0.5, 3], np.float32)
+    start, T = 3, 7  # a chunk after three cached slots; T = 7: a partial 4-token block
+    tokens = rng.integers(0, V, (1, T)).astype(np.int32)
+
+    def prefill(lib, last, toks=tokens, at=start):
+        kv = caches.copy()
+        logits = np.full((1, V), np.nan, np.float32)
+        rc = _call(lib, "PrefillStep", toks, np.array([at, last], np.int32), consts, *weights, *kv[0], *kv[1], logits)
+        return rc, kv, logits
+
+    def decode(lib):
+        kv, out = caches.copy(), []
+        for i in range(T):
+            logits = np.full((1, V), np.nan, np.float32)
+            assert _call(lib, "DecodeStep", tokens[:, i:i + 1].copy(), np.array(start + i, np.int32), consts, *weights,
+                         *kv[0], *kv[1], logits) == 0
+            out.append(logits[0])
+        return kv, np.stack(out)
+
+    lib = _lib(isa, DECODE_SOURCE, openmp=True)
+    kv_dec, logits_dec = decode(lib)
+    bound = lambda ref: 8 * L * (H + F + start + T) * U * np.abs(ref).max()  # noqa: E731
+    for last in (0, T - 1):
+        rc, kv, logits = prefill(lib, last)
+        assert rc == 0 and np.isfinite(logits).all()
+        np.testing.assert_array_equal(kv[:, :, :, :start], caches[:, :, :, :start])  # slots before the chunk
+        np.testing.assert_array_equal(kv[:, :, :, start + T:], caches[:, :, :, start + T:])  # and after it
+        assert np.abs(kv - kv_dec).max() <= bound(kv_dec)
+        assert np.abs(logits[0] - logits_dec[last]).max() <= bound(logits_dec[last])
+        rc, kv_s, logits_s = prefill(_lib("scalar", DECODE_SOURCE, openmp=True), last)
+        assert rc == 0 and np.abs(logits - logits_s).max() <= bound(logits_s) and np.abs(kv - kv_s).max() <= bound(kv_s)
+    for rc, kv, logits in (prefill(lib, T), prefill(lib, -1), prefill(lib, 0, at=S - T + 1),
+                           prefill(lib, 0, toks=np.where(np.arange(T) == 2, V, tokens).astype(np.int32))):
+        assert rc == 4 and np.array_equal(kv, caches) and np.isnan(logits).all()
+
+
 # ----------------------------------------------------------------------------- operand checks in the kernels
 
 @needs_cxx
