@@ -57,6 +57,19 @@ class ConversionError(ValueError):
     """The checkpoint does not match the table or the config; the message names the key."""
 
 
+def nonfinite(name: str, arr: Any) -> str | None:
+    """None when every value of a float array is finite, else "tensor NAME holds N NaN/Inf values (of M)"
+    (what convert and every loader refuse: such a model answers garbage, or NaN, to every prompt)."""
+    try:
+        ok = np.isfinite(arr)
+    except TypeError:  # not a float array
+        return None
+    if ok.all():
+        return None
+    n = int(ok.size - np.count_nonzero(ok))
+    return f"tensor {name} holds {n} NaN/Inf value{'' if n == 1 else 's'} (of {ok.size})"
+
+
 def key_pairs(cfg: ModelConfig) -> list[tuple[str, str, tuple[int, ...]]]:
     """The table expanded for cfg: (HF key, our key, shape), lm_head left out when embeddings are tied."""
     out = []

@@ -7,6 +7,9 @@ Tensor names are llama.cpp's (`token_embd`, `blk.{i}.attn_q`, ..., `output_norm`
 converter permutes the rows of attn_q / attn_k from the rotate-half RoPE layout (ours and Hugging Face's) into
 interleaved pairs; reading undoes it and writing applies it, so the logits are the same as the source model's.
 Quantized tensors (Q4_0, Q4_1, Q8_0, ...; whatever `gguf.quants` dequantizes) come back as float32.
+A file is read only when its tensors are aligned, inside the data section and apart, its llama.* numbers make
+a model and every weight is finite; otherwise GGUFError, one line naming the file and the tensor or key
+(`tokenizer_problem` does the same for the tokenizer.ggml.* vocabulary).
 Needs numpy and the `gguf` package only (no MindSpore, no tasks/).
 """
 
@@ -18,11 +21,14 @@ from typing import Any
 import numpy as np
 
 from model.config import ModelConfig
+from model.convert import nonfinite
 
 ARCH = "llama"
 # Weight types this reads (the dequantizer knows more; these are what llama-architecture files use and are tested).
 READ_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 WRITE_TYPES = ("F32", "F16", "Q8_0")
+# Metadata this reads: a value of these that gguf cannot decode (say, a token that is not UTF-8) is an error naming it.
+USED_KEYS = ("general.architecture", "general.alignment", "general.name", f"{ARCH}.", "tokenizer.")
 
 # (GGUF name, our name); {i} is the layer index.
 TENSORS = [
@@ -78,15 +84,56 @@ def read_metadata(path: str | Path):
     for k, f in reader.fields.items():
         try:
             meta[k] = f.contents()
-        except Exception:  # a value type gguf cannot decode: keep going, it is metadata we do not need
-            continue
-    # a truncated file can still parse its header: every tensor's bytes must lie inside the file
-    size = p.stat().st_size
-    for t in reader.tensors:
-        if t.data_offset + t.n_bytes > size:
-            raise GGUFError(f"{p}: tensor {t.name} ends at byte {t.data_offset + t.n_bytes} but the file has "
-                            f"{size} bytes; the file is truncated: download it again")
+        except Exception:  # a value gguf cannot decode: an error for a key we read, else metadata we do not need
+            if k.startswith(USED_KEYS):
+                raise GGUFError(_undecodable(p, k, f)) from None
+    _check_layout(p, reader)
     return reader, meta
+
+
+def _undecodable(p: Path, key: str, field) -> str:
+    """The message for a metadata value gguf cannot decode: which element is not UTF-8, where it is a string."""
+    from gguf import GGUFValueType
+
+    array = bool(field.types) and field.types[0] == GGUFValueType.ARRAY
+    for n, i in enumerate(field.data):
+        try:
+            str(field.parts[i].tobytes(), encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            where = f"{key}[{n}]" if array else key
+            return (f"{p}: metadata {where} is not valid UTF-8 (byte {exc.start}: "
+                    f"{field.parts[i].tobytes()[:40]!r}); the file is corrupt or was written by a broken "
+                    "converter: download or convert it again")
+        except (AttributeError, TypeError):
+            break
+    return f"{p}: metadata {key} cannot be decoded; the file is corrupt: download it again"
+
+
+def _check_layout(p: Path, reader) -> None:
+    """Every tensor's bytes lie in the data section, at an offset that is a multiple of general.alignment
+    (default 32), and no two tensors share bytes (llama.cpp refuses such files too). A truncated file can
+    still parse its header; a crafted one can point a tensor anywhere (an unaligned F32 tensor reads values
+    across element boundaries: NaN, Inf, 3.4e38)."""
+    size = p.stat().st_size
+    start, align = int(reader.data_offset), int(reader.alignment)
+    spans = []
+    for t in reader.tensors:
+        rel = int(t.data_offset) - start
+        if rel < 0 or rel % align:
+            raise GGUFError(f"{p}: tensor {t.name} has data offset {rel} (relative to the data section), not a "
+                            f"multiple of the alignment {align} (general.alignment); the file is corrupt or "
+                            "crafted: download or convert it again")
+        end = int(t.data_offset) + int(t.n_bytes)
+        if end > size:
+            raise GGUFError(f"{p}: tensor {t.name} ends at byte {end} but the file has "
+                            f"{size} bytes; the file is truncated: download it again")
+        spans.append((int(t.data_offset), end, len(spans), t.name))
+    spans.sort()
+    for a, b in zip(spans, spans[1:]):
+        if b[0] < a[1]:
+            (s1, e1, _, n1), (s0, e0, _, n0) = sorted((a, b), key=lambda x: -x[2])  # the one listed later first
+            raise GGUFError(f"{p}: tensor {n1} (bytes {s1}-{e1}) overlaps tensor {n0} (bytes {s0}-{e0}); the file "
+                            "is corrupt or crafted: download or convert it again")
 
 
 def _f32(v) -> float:
@@ -98,35 +145,116 @@ def config_from_meta(meta: dict[str, Any], where: str) -> ModelConfig:
     arch = meta.get("general.architecture")
     if arch != ARCH:
         raise GGUFError(f"{where}: general.architecture={arch!r}; only {ARCH!r} (LLaMA-style) models convert")
+    fix = "the file's metadata is corrupt: download or convert it again"
 
-    def need(key):
-        v = meta.get(f"{ARCH}.{key}")
+    def value(key, default=None):
+        v = meta.get(f"{ARCH}.{key}", default)
         if v is None:
             raise GGUFError(f"{where}: metadata {ARCH}.{key} is missing")
         return v
 
-    heads = int(need("attention.head_count"))
-    hidden = int(need("embedding_length"))
-    kv = meta.get(f"{ARCH}.attention.head_count_kv")
+    def whole(key, default=None) -> int:
+        v = value(key, default)
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
+            raise GGUFError(f"{where}: {ARCH}.{key}={_short(v)} must be a positive whole number; {fix}")
+        return int(v)
+
+    def positive(key, default) -> float:
+        v = value(key, default)
+        if isinstance(v, bool) or not isinstance(v, (int, float, np.number)) or not np.isfinite(v) or v <= 0:
+            raise GGUFError(f"{where}: {ARCH}.{key}={_short(v)} must be a positive finite number; {fix}")
+        return _f32(v)
+
+    heads = whole("attention.head_count")
+    hidden = whole("embedding_length")
+    kv = whole("attention.head_count_kv", heads)
+    if hidden % heads or (hidden // heads) % 2:
+        raise GGUFError(f"{where}: {ARCH}.embedding_length={hidden} is not an even multiple of "
+                        f"{ARCH}.attention.head_count={heads} (the head size must be a whole, even number); {fix}")
+    if heads % kv:
+        raise GGUFError(f"{where}: {ARCH}.attention.head_count={heads} is not a multiple of "
+                        f"{ARCH}.attention.head_count_kv={kv}; {fix}")
     rot = meta.get(f"{ARCH}.rope.dimension_count")
-    if rot is not None and int(rot) != hidden // heads:
-        raise GGUFError(f"{where}: {ARCH}.rope.dimension_count={rot} differs from the head size {hidden // heads} "
-                        "(partial RoPE is not supported)")
+    if rot is not None and rot != hidden // heads:
+        raise GGUFError(f"{where}: {ARCH}.rope.dimension_count={_short(rot)} differs from the head size "
+                        f"{hidden // heads} (partial RoPE is not supported)")
     if meta.get(f"{ARCH}.rope.scaling.type") not in (None, "none"):
         raise GGUFError(f"{where}: {ARCH}.rope.scaling.type={meta[f'{ARCH}.rope.scaling.type']!r} is not supported "
                         "(only plain RoPE)")
     tokens = meta.get("tokenizer.ggml.tokens")
-    vocab = meta.get(f"{ARCH}.vocab_size", len(tokens) if tokens is not None else None)
-    if vocab is None:
+    if f"{ARCH}.vocab_size" not in meta and not isinstance(tokens, list):
         raise GGUFError(f"{where}: neither {ARCH}.vocab_size nor tokenizer.ggml.tokens is present")
-    return ModelConfig(
-        vocab_size=int(vocab), hidden_size=hidden, intermediate_size=int(need("feed_forward_length")),
-        num_layers=int(need("block_count")), num_heads=heads, num_kv_heads=int(kv) if kv is not None else heads,
-        max_seq_length=int(meta.get(f"{ARCH}.context_length", 2048)),
-        rope_theta=_f32(meta.get(f"{ARCH}.rope.freq_base", 10000.0)),
-        norm_eps=_f32(meta.get(f"{ARCH}.attention.layer_norm_rms_epsilon", 1e-5)),
-        tie_embeddings=False,  # decided from the tensors by read_gguf
-    )
+    fields = dict(vocab_size=whole("vocab_size", len(tokens) if isinstance(tokens, list) else None),
+                  hidden_size=hidden, intermediate_size=whole("feed_forward_length"),
+                  num_layers=whole("block_count"), num_heads=heads, num_kv_heads=kv,
+                  max_seq_length=whole("context_length", 2048), rope_theta=positive("rope.freq_base", 10000.0),
+                  norm_eps=positive("attention.layer_norm_rms_epsilon", 1e-5),
+                  tie_embeddings=False)  # decided from the tensors by read_gguf
+    try:
+        return ModelConfig(**fields)
+    except ValueError as exc:  # what the checks above missed, still one line naming the file
+        raise GGUFError(f"{where}: the llama.* metadata makes no valid model ({exc}); {fix}") from None
+
+
+def _short(v: Any) -> str:
+    r = repr(v)
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
+SPECIAL_ID_KEYS = ("bos", "eos", "unknown", "padding")
+
+
+def tokenizer_problem(meta: dict[str, Any], where: str) -> str | None:
+    """What is wrong with a file's tokenizer.ggml.* vocabulary (one line naming the key and element), or None.
+
+    The tokens must be distinct strings, token_type one entry per token, each merge "a b" with a, b and ab
+    among the tokens (what a BPE tokenizer.json needs to load), and every special token id inside the vocabulary."""
+    fix = "the file's vocabulary is corrupt: download it again, or convert the model's Hugging Face directory " \
+          "with --from-hf"
+    key = "tokenizer.ggml.tokens"
+    tokens = meta.get(key)
+    if tokens is None:
+        return f"{where}: metadata {key} is missing (the file carries no vocabulary); {fix}"
+    if not isinstance(tokens, list):
+        return f"{where}: metadata {key} is {_short(tokens)}, not an array of strings; {fix}"
+    seen: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        if not isinstance(t, str):
+            return f"{where}: {key}[{i}] is {_short(t)}, not a string; {fix}"
+        if t in seen:
+            return f"{where}: {key}[{i}] {_short(t)} repeats {key}[{seen[t]}]; {fix}"
+        seen[t] = i
+    types = meta.get("tokenizer.ggml.token_type")
+    if types is not None:
+        if not isinstance(types, list) or len(types) != len(tokens):
+            n = f"{len(types)} entries" if isinstance(types, list) else f"the value {_short(types)}"
+            return f"{where}: tokenizer.ggml.token_type has {n}, {key} {len(tokens)}; {fix}"
+        bad = next((i for i, k in enumerate(types) if isinstance(k, bool) or not isinstance(k, int)), None)
+        if bad is not None:
+            return f"{where}: tokenizer.ggml.token_type[{bad}] is {_short(types[bad])}, not a whole number; {fix}"
+    merges = meta.get("tokenizer.ggml.merges")
+    if merges is not None:
+        if not isinstance(merges, list):
+            return f"{where}: metadata tokenizer.ggml.merges is {_short(merges)}, not an array of strings; {fix}"
+        for i, m in enumerate(merges):
+            if not isinstance(m, str):
+                return f"{where}: tokenizer.ggml.merges[{i}] is {_short(m)}, not a string; {fix}"
+            parts = m.split(" ", 1)  # as llama.cpp and hf_files_from_gguf split it
+            if len(parts) != 2 or not all(parts):
+                return f"{where}: tokenizer.ggml.merges[{i}] {_short(m)} is not two tokens joined by one space; {fix}"
+            for t in (*parts, parts[0] + parts[1]):
+                if t not in seen:
+                    what = f"{_short(t)}" if t in parts else f"its result {_short(t)}"
+                    return f"{where}: tokenizer.ggml.merges[{i}] {_short(m)}: {what} is not in {key}; {fix}"
+    for name in SPECIAL_ID_KEYS:
+        k = f"tokenizer.ggml.{name}_token_id"
+        i = meta.get(k)
+        if i is not None and (isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(tokens)):
+            return f"{where}: {k}={_short(i)} is outside the vocabulary ({len(tokens)} tokens); {fix}"
+    tmpl = meta.get("tokenizer.chat_template")
+    if tmpl is not None and not isinstance(tmpl, str):
+        return f"{where}: metadata tokenizer.chat_template is {_short(tmpl)}, not a string; {fix}"
+    return None
 
 
 def read_gguf(path: str | Path, opened: tuple[Any, dict[str, Any]] | None = None
@@ -166,6 +294,8 @@ def read_gguf(path: str | Path, opened: tuple[Any, dict[str, Any]] | None = None
         if arr.size != int(np.prod(want)):
             raise GGUFError(f"{p}: tensor {g}: {arr.size} values, expected shape {want} from the metadata")
         arr = arr.reshape(want)
+        if bad := nonfinite(g, arr):
+            raise GGUFError(f"{p}: {bad}; the file is corrupt or crafted: download or convert it again")
         if g.endswith("attn_q.weight"):
             arr = _unpermute(arr, cfg.num_heads)
         elif g.endswith("attn_k.weight"):

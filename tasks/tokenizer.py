@@ -234,6 +234,10 @@ class SentencePieceTokenizer(Tokenizer):
 # ----------------------------------------------------------------------------- tokenizer.json
 
 
+def _json_kind(value: Any) -> str:
+    return {list: "array", str: "string", int: "number", float: "number", bool: "boolean"}.get(type(value), "null")
+
+
 def _token_text(value: Any) -> str | None:
     """tokenizer_config.json writes a special token as a string or as an AddedToken dict."""
     if isinstance(value, dict):
@@ -278,6 +282,9 @@ class HFTokenizer(Tokenizer):
             self.config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
         except json.JSONDecodeError as exc:
             raise TokenizerError(f"{cfg_path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+        if not isinstance(self.config, dict):
+            raise TokenizerError(f"{cfg_path}: holds a JSON {_json_kind(self.config)}, not an object; it should map "
+                                 "bos_token, eos_token, chat_template, ... to values: re-save the tokenizer")
         self._special = {}
         for name in ("bos", "eos", "pad", "unk"):
             text = _token_text(self.config.get(f"{name}_token"))
@@ -406,6 +413,10 @@ def hf_files_from_gguf(meta: dict[str, Any], where: str) -> dict[str, Any]:
         raise TokenizerError(f"{where}: tokenizer.ggml.pre={pre!r} is not a pre-tokenizer this converts "
                              f"(known: {', '.join(sorted(_PRE_DIGITS | _PRE_GPT2))}); convert the Hugging Face "
                              "directory with --from-hf instead")
+    from model.gguf import tokenizer_problem
+
+    if problem := tokenizer_problem(meta, where):  # one line naming the key, not a KeyError / IndexError
+        raise TokenizerError(problem)
     tokens = list(meta["tokenizer.ggml.tokens"])
     types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
     merges = list(meta.get("tokenizer.ggml.merges") or [])

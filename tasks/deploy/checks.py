@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -43,8 +43,30 @@ class Reference:
         x = np.asarray(x, np.int32)
         k = (x.shape, x.tobytes())
         if k not in self._memo:
-            self._memo[k] = self.net(ms.Tensor(x)).asnumpy()
+            logits = self.net(ms.Tensor(x)).asnumpy()
+            check_finite_logits(logits, ((p.name, p.asnumpy()) for p in self.net.trainable_params()), "MindSpore")
+            self._memo[k] = logits
         return self._memo[k]
+
+
+def check_finite_logits(logits: np.ndarray, weights: Iterable[tuple[str, np.ndarray]], what: str) -> None:
+    """ExportCheckFailed naming the tensor to blame when a reference's logits hold NaN/Inf (instead of a
+    "max |Δlogit| nan" that compares NaN with NaN): the first non-finite weight, else the largest one (finite
+    weights whose products overflow float32)."""
+    if np.isfinite(logits).all():
+        return
+    from model.convert import nonfinite
+
+    largest = (0.0, "?")
+    for name, w in weights:
+        if bad := nonfinite(name, w):
+            raise ExportCheckFailed(f"export verification failed: {what}'s logits are NaN/Inf: {bad}; this model "
+                                    "cannot be exported: rebuild it, or convert it again from a good source")
+        if w.size:
+            largest = max(largest, (float(np.abs(w).max()), name))
+    raise ExportCheckFailed(f"export verification failed: {what}'s logits are NaN/Inf though every weight is finite: "
+                            f"the largest, |{largest[0]:.2g}| in {largest[1]}, overflows float32 arithmetic; this "
+                            "model cannot be exported: rebuild it, or convert it again from a good source")
 
 
 def verify_mindir(path: Path, reference: Reference, batches: list[np.ndarray]) -> float:

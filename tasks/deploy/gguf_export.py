@@ -121,10 +121,13 @@ def export_gguf(out: Path, info: dict[str, Any], weights: dict[str, np.ndarray],
     """
     from model.config import ModelConfig
     from model.gguf import read_gguf, write_gguf
+    from tasks.deploy.checks import check_finite_logits
 
     cfg = ModelConfig.from_dict(info["model"])
     tmeta = tokenizer_meta(tok)
     ref = [forward(weights, p) for p in prompts]
+    for r in ref:
+        check_finite_logits(r, weights.items(), "MindSpore")  # names the tensor, not "max |Δlogit| nan > nan"
     scale = max(float(np.abs(r).max()) for r in ref)
     report: dict[str, Any] = {"runtimes": RUNTIMES, "files": {}, "failures": []}
     for t in types:

@@ -25,13 +25,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 import uuid
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 
-from model.convert import ConversionError, config_from_hf, config_to_hf, hf_to_native, native_to_hf
+from model.convert import ConversionError, config_from_hf, config_to_hf, hf_to_native, native_to_hf, nonfinite
 from tasks.store.artifacts import ArtifactStore, raw_file_input
 from tasks.stages import code_version
 
@@ -73,6 +74,8 @@ def read_hf_tensors(hf_dir: Path) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
     for f in files:
         for k, v in read_tensors(f, "re-download or re-save the HF checkpoint").items():
+            if bad := nonfinite(k, v):
+                raise ConversionError(f"{f}: {bad}; the checkpoint is corrupt: re-download or re-save it")
             if k in out:
                 raise ConversionError(f"{k}: found in more than one shard ({f.name} and another)")
             if sharded and weight_map.get(k) != f.name:
@@ -81,6 +84,19 @@ def read_hf_tensors(hf_dir: Path) -> dict[str, np.ndarray]:
     if sharded and set(weight_map) - set(out):
         raise ConversionError(f"{INDEX} lists keys no shard holds: {', '.join(sorted(set(weight_map) - set(out)))}")
     return out
+
+
+def _json_object(path: Path) -> dict:
+    """A JSON file that must hold an object (config.json); ConversionError naming the file otherwise."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConversionError(f"{path}: not valid JSON ({exc}); re-download or re-save it") from None
+    if not isinstance(value, dict):
+        kind = {list: "array", str: "string", bool: "boolean", int: "number", float: "number"}.get(type(value), "null")
+        raise ConversionError(f"{path}: holds a JSON {kind}, not an object; a Hugging Face config.json maps "
+                              "model_type, hidden_size, ... to values: re-download or re-save it")
+    return value
 
 
 def _source_dtype(tensors: dict[str, np.ndarray]) -> str:
@@ -131,7 +147,7 @@ def from_hf(hf_dir: str | os.PathLike, store: ArtifactStore, pipeline: str | Non
     if hit is not None:
         return hit
 
-    hf_config = json.loads((hf_dir / "config.json").read_text())
+    hf_config = _json_object(hf_dir / "config.json")
     cfg = config_from_hf(hf_config)
     try:
         tok = load_tokenizer(hf_dir)
@@ -168,30 +184,42 @@ def from_gguf(gguf_file: str | os.PathLike, store: ArtifactStore, pipeline: str 
     if hit is not None:
         return hit
     try:
-        opened = read_metadata(src)
-        config_from_meta(opened[1], str(src))  # the architecture first: a qwen2 file is named as such
+        opened = read_metadata(src)  # layout checked: every tensor aligned, inside the data section, apart
+        cfg = config_from_meta(opened[1], str(src))  # the architecture first: a qwen2 file is named as such
         tok_files = hf_files_from_gguf(opened[1], str(src))  # then the tokenizer, before any tensor is dequantized
-        meta, cfg, weights, types = read_gguf(src, opened)
     except (GGUFError, TokenizerError) as exc:
         raise ConversionError(str(exc)) from None
-    source = {"format": "gguf", "file": str(src.resolve()), "name": meta.get("general.name"),
-              "tensor_types": dict(sorted(Counter(types.values()).items())), "dtype": "float32"}
-    with store.build(STAGE, key, pipeline=pipeline, config=config, inputs=inputs, code=code_version(STAGE)) as b:
-        tok_dir = b.dir / "_tokenizer"
-        tok_dir.mkdir()
+    with tempfile.TemporaryDirectory(prefix="msllm-gguf-tokenizer-") as td:
+        tok_dir = Path(td)
         for name, content in tok_files.items():
             (tok_dir / name).write_text(json.dumps(content, ensure_ascii=False), encoding="utf-8")
         try:
             tok = load_tokenizer(tok_dir)
             _check_tokenizer(tok, cfg.vocab_size, src)
-        except TokenizerError as exc:
+        except TokenizerError as exc:  # named by the GGUF file, not by this temp directory
+            raise ConversionError(_from_gguf_metadata(str(exc), tok_dir, src)) from None
+        try:
+            meta, cfg, weights, types = read_gguf(src, opened)  # dequantized, every value finite
+        except GGUFError as exc:
             raise ConversionError(str(exc)) from None
-        write_model(b.dir, name="llama", config=cfg, weights=weights, tokenizer_model=tok_dir,
-                    tokenizer_info=tok.info(), seq_length=cfg.max_seq_length, extra={"source": source})
-        shutil.rmtree(tok_dir)
-        b.metrics.update(parameters=cfg.num_parameters, source_dtype="gguf", tensors=len(types),
-                         tensor_types=source["tensor_types"])
+        source = {"format": "gguf", "file": str(src.resolve()), "name": meta.get("general.name"),
+                  "tensor_types": dict(sorted(Counter(types.values()).items())), "dtype": "float32"}
+        with store.build(STAGE, key, pipeline=pipeline, config=config, inputs=inputs,
+                         code=code_version(STAGE)) as b:
+            write_model(b.dir, name="llama", config=cfg, weights=weights, tokenizer_model=tok_dir,
+                        tokenizer_info=tok.info(), seq_length=cfg.max_seq_length, extra={"source": source})
+            b.metrics.update(parameters=cfg.num_parameters, source_dtype="gguf", tensors=len(types),
+                             tensor_types=source["tensor_types"])
     return b.path
+
+
+def _from_gguf_metadata(message: str, tok_dir: Path, src: Path) -> str:
+    """A tokenizer error about the tokenizer.json rebuilt in `tok_dir`, said of the GGUF file and its keys."""
+    text = message.replace(f"{tok_dir}{os.sep}", "").replace(str(tok_dir), "").lstrip(": ")
+    text = text.replace("chat_template.jinja or tokenizer_config.json's chat_template", "tokenizer.chat_template")
+    if text.startswith(f"{src}:"):
+        return text
+    return f"{src}: the tokenizer rebuilt from its tokenizer.ggml.* metadata: {text}"
 
 
 def resolve_base(store: ArtifactStore, path: str | os.PathLike, pipeline: str | None = None) -> Path:

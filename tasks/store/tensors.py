@@ -3,6 +3,7 @@
     sha = save_tensors(path, {"w": array})          # temp file beside it, fsync, rename; returns its sha256
     arrays = read_tensors(path, fix="rerun X")      # CheckpointError naming the file when it is not safetensors
     weights = load_weights(artifact_dir)            # model.safetensors of a model artifact, checked vs its manifest
+                                                    # and finite (CheckpointError naming a NaN/Inf tensor)
     assign(net.trainable_params(), weights, what)   # every parameter by name and shape (MindSpore imported here)
 
 The store's model artifacts, the training checkpoints (tasks/training/checkpoint.py), the convert and finetune
@@ -78,7 +79,19 @@ def load_weights(path: Path) -> dict[str, np.ndarray]:
     if not p.is_file():
         raise CheckpointError(f"{path}: no model.safetensors found")
     verify_published(p)  # an artifact's weights are what its manifest published
-    return read_tensors(p, "rebuild the artifact that wrote it")
+    weights = read_tensors(p, "rebuild the artifact that wrote it")
+    check_finite(weights, p)
+    return weights
+
+
+def check_finite(arrays: dict[str, np.ndarray], where: str | Path) -> None:
+    """CheckpointError naming the first tensor holding NaN/Inf (such a model answers garbage to every prompt)."""
+    from model.convert import nonfinite
+
+    for k, v in arrays.items():
+        if bad := nonfinite(k, v):
+            raise CheckpointError(f"{where}: {bad}; this model cannot run: rebuild it, or convert it again from a "
+                                  "good source")
 
 
 def assign(params, arrays: dict[str, np.ndarray], what: str, *, strict: bool = True) -> None:
