@@ -160,14 +160,14 @@ class Tokenizer:
                 "sha256": self.sha256}
 
     # ---- chat
-    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True, **limits: Any) -> str:
         """The conversation rendered with the tokenizer's chat template (TokenizerError when it has none or
-        the template fails to render)."""
+        the template fails to render or passes a limit; `limits`: `tasks.prompts.render_chat_template`'s)."""
         if self.chat_template is None:
             raise TokenizerError(f"{self.files[0]}: the tokenizer has no chat template")
         return render_template(self.chat_template, messages, add_generation_prompt,
                                bos_token=self._piece_or_empty(self.bos_id()),
-                               eos_token=self._piece_or_empty(self.eos_id()), where=str(self.files[0].parent))
+                               eos_token=self._piece_or_empty(self.eos_id()), where=str(self.files[0].parent), **limits)
 
     def _piece_or_empty(self, i: int) -> str:
         return self.id_to_piece(i) if i >= 0 else ""
@@ -298,19 +298,25 @@ class HFTokenizer(Tokenizer):
             tmpl = next((t.get("template") for t in tmpl if isinstance(t, dict) and t.get("name") == "default"), None)
         self._chat_template = tmpl if isinstance(tmpl, str) and tmpl.strip() else None
 
+    def _encode(self, text: str, add_special_tokens: bool = False):
+        # One text through `encode_batch`: the same Encoding as `encode`, but tokenizers' binding releases the GIL
+        # in encode_batch and holds it for all of `encode`, so other threads (the server's event loop while a
+        # worker thread tokenizes a 2 MB prompt: 3 s) would stop. ~8 µs more a call.
+        return self.tok.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+
     def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False).ids
+        return self._encode(text).ids
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [e.ids for e in self.tok.encode_batch(list(texts), add_special_tokens=False)] if texts else []
 
     def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
-        e = self.tok.encode(text, add_special_tokens=False)
+        e = self._encode(text)
         return e.ids, e.offsets
 
     def encode_own(self, text: str) -> list[int]:
         """The ids with the tokenizer's own special tokens (its post-processor), as transformers encodes."""
-        return self.tok.encode(text, add_special_tokens=True).ids
+        return self._encode(text, add_special_tokens=True).ids
 
     def prompt_ids(self, text: str) -> list[int]:
         return self.encode_own(text)
@@ -357,30 +363,16 @@ class HFTokenizer(Tokenizer):
 
 def render_template(template: str, messages: list[dict[str, str]], add_generation_prompt: bool = True,
                     where: str = "chat template", **extra: Any) -> str:
-    """Render a Hugging Face chat template (Jinja, sandboxed, as transformers renders it)."""
-    import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    """Render a Hugging Face chat template (Jinja, sandboxed, as transformers renders it), within a time and a size
+    limit (`tasks.prompts.render_chat_template`, which takes `max_chars`, `max_chars_why` and `seconds` too)."""
+    from tasks.prompts import render_chat_template
 
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(x, indent=indent,
-                                                                                  ensure_ascii=ensure_ascii)
-    env.globals["raise_exception"] = raise_exception
-    try:
-        return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                **extra)
-    except jinja2.exceptions.TemplateError as exc:
-        raise TokenizerError(f"{where}: the chat template fails to render ({type(exc).__name__}: {exc}); "
-                             "fix chat_template.jinja or tokenizer_config.json's chat_template") from None
-    except Exception as exc:  # a template is code: any error inside it is the template's
-        raise TokenizerError(f"{where}: the chat template fails to render ({type(exc).__name__}: {exc}); "
-                             "fix chat_template.jinja or tokenizer_config.json's chat_template") from None
+    return render_chat_template(template, messages, add_generation_prompt, where, **extra)
 
 
 def check_chat_template(tok: Tokenizer) -> None:
-    """Render a two-turn conversation once: a template that cannot render fails here, not at serve time."""
+    """Render a two-turn conversation once: a template that cannot render, or passes the time or size limit of a
+    rendering (tasks.prompts), fails here, not at serve time."""
     if tok.chat_template is None:
         return
     msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},

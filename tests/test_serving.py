@@ -1091,3 +1091,7 @@ def test_adapters_on_an_export_base_run_on_onnxruntime_alone(published_export, l
         assert texts["base", "To be"] != texts["lora-a", "To be"]
     finally:
         srv.stop()
+    # the merged decoder was written directly under the server's temporary directory, which is gone after shutdown
+    served = Path(re.search(r"adapter 'lora-a': .* served from (\S+)", srv.log()).group(1))
+    assert served.name == "lora-a" and served.parent.name.startswith("msllm-serve-")
+    assert not served.parent.exists()

@@ -104,7 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--model-name", default=None, help="model id clients send (default: <stage>/<key>)")
     p.add_argument("--max-active", type=int, default=32, help="sequences decoded in turn; the rest queue")
-    p.add_argument("--max-queue", type=int, default=256, help="queued requests before 503")
+    p.add_argument("--max-queue", type=int, default=256,
+                   help="sequences waiting before 503 (a request of more prompts × n than this is a 400)")
+    p.add_argument("--max-body-size", type=_body_size, default=None, metavar="SIZE",
+                   help="largest request body read, e.g. 8MiB, 512MB or bytes; larger is a 413 (default: 8MiB)")
     p.add_argument("--drain-timeout", type=float, default=8.0, help="seconds SIGTERM waits for requests in flight")
     p.add_argument("--no-batching", dest="batching", action="store_false",
                    help="onnxruntime: decode the active sequences one call each instead of one batched call")
@@ -131,6 +134,20 @@ def _adapter(text: str):
         return parse_adapter_flag(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _body_size(text: str) -> int:
+    """argparse type of `serve --max-body-size`: a positive size in bytes (bad values exit 2 naming the flag)."""
+    from tasks.training.memory import parse_bytes
+
+    try:
+        n = parse_bytes(text)
+    except (ValueError, OverflowError):
+        n = 0
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; give a positive size in bytes or with a unit, "
+                                         "e.g. --max-body-size 8MiB")
+    return n
 
 
 def _device_count(text: str) -> int:

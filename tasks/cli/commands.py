@@ -245,7 +245,7 @@ def cmd_convert(args) -> int:
 def cmd_serve(args) -> int:
     """`msllm serve [ARTIFACT] [--adapter NAME=FINETUNE ...]`: ARTIFACT as given (a directory, `stage/key` or a key
     prefix), else the pipeline's newest export; each FINETUNE likewise (checked against ARTIFACT before loading)."""
-    from tasks.serving.app import serve
+    from tasks.serving.app import MAX_BODY, serve
 
     if args.artifact:
         p = Path(args.artifact)
@@ -259,7 +259,7 @@ def cmd_serve(args) -> int:
                              f"--pipeline {cfg.name}` first, or pass an artifact: msllm serve artifacts/merged/<key>")
     return serve(artifact, args.host, args.port, model_name=args.model_name, max_active=args.max_active,
                  max_queue=args.max_queue, drain_timeout=args.drain_timeout, batching=args.batching,
-                 adapters=args.adapters, store=store(args))
+                 adapters=args.adapters, store=store(args), max_body=args.max_body_size or MAX_BODY)
 
 
 def export_of_choice(st, pipeline: str) -> Path | None:

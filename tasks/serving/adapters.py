@@ -27,7 +27,9 @@ directory is not a published artifact: the export stage's parity checks have not
 export` on the merged artifact for those, and serve that export as a BASE of its own).
 
 Checks, all before anything is loaded (ValueError naming `--adapter` and the fix): the flag's
-`name=PATH` shape, names unique and not the base's id, PATH a finetune artifact (adapter.json and a
+`name=PATH` shape, a name that is a safe model id and directory name (`check_name`: letters, digits, '-', '_'
+and '.', not starting with '.', at most 255 characters; no '/', '..' or absolute path, so `tmp / name` is a
+directory the server owns), names unique and not the base's id, PATH a finetune artifact (adapter.json and a
 manifest), and its base (adapter.json `base`: stage, key, digest) the model artifact BASE is, or,
 for an export, the model artifact the export was made from (its manifest's first input).
 """
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -45,6 +48,10 @@ from typing import Any
 
 FLAG = "--adapter"
 REPO = Path(__file__).resolve().parents[2]
+# An adapter's name is the `model` clients send and, on an export base, the name of its directory in the server's
+# temporary directory: the characters of vLLM/OpenAI model names that are safe as one path component anywhere,
+# not starting with '.' (no '.', '..' or hidden file), at most NAME_MAX (255) bytes.
+NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,254}")
 
 
 @dataclass(frozen=True)
@@ -63,7 +70,20 @@ def parse_adapter_flag(text: str) -> AdapterSpec:
         raise ValueError(f"{FLAG} {text!r}: expected NAME=FINETUNE_ARTIFACT, e.g. {FLAG} sonnets=artifacts/finetune/<key>")
     if any(c.isspace() for c in name):
         raise ValueError(f"{FLAG} {text!r}: the name {name!r} has whitespace; clients send it as `model`, pick one without")
+    check_name(name, f"{FLAG} {text!r}")
     return AdapterSpec(name, ref)
+
+
+def check_name(name: str, where: str) -> None:
+    """ValueError naming the flag unless `name` is a safe model id and a single directory name (NAME)."""
+    if NAME.fullmatch(name):
+        return
+    why = ("is a path (it has '/'); the name is a model id, not where the adapter is" if "/" in name or "\\" in name
+           else "starts with '.'" if name.startswith(".")
+           else f"is {len(name)} characters long, more than 255" if len(name) > 255 and NAME.fullmatch(name[:255])
+           else "has characters other than letters, digits, '-', '_' and '.'")
+    raise ValueError(f"{where}: the adapter name {name!r} {why}; name it with letters, digits, '-', '_' and '.' "
+                     f"(not starting with '.', at most 255 characters), e.g. {FLAG} sonnets=artifacts/finetune/<key>")
 
 
 @dataclass(frozen=True)
@@ -97,8 +117,13 @@ class Adapter:
         if base_kind == "model":
             return self.merged()
         # An onnxruntime server never loads MindSpore, and merging imports it (model.lora): a child process
-        # merges and writes the ONNX decoder.
+        # merges and writes the ONNX decoder, into a directory of `tmp` and nowhere else (the name was checked
+        # when the flag was parsed; checked again here against the resolved path).
+        check_name(self.name, f"{FLAG} {self.name}")
         out = tmp / self.name
+        if out.resolve().parent != Path(tmp).resolve():
+            raise ValueError(f"{FLAG} {self.name}: the adapter's directory {out} is not directly under the server's "
+                             f"temporary directory {tmp}; name the adapter with letters, digits, '-', '_' and '.'")
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
         proc = subprocess.run([sys.executable, "-m", "tasks.serving.adapters", str(self.finetune), str(base), str(out)],
                               capture_output=True, text=True, env=env)
@@ -138,6 +163,7 @@ def check_adapters(base: Path, specs: list[AdapterSpec], base_id: str, store=Non
         return []
     names = [base_id]
     for s in specs:
+        check_name(s.name, f"{FLAG} {s.name}={s.ref}")
         if s.name in names:
             what = "the base model's id" if s.name == base_id else "another adapter's name"
             raise ValueError(f"{FLAG} {s.name}={s.ref}: the name '{s.name}' is already {what}; every served model "
@@ -183,7 +209,7 @@ def export_onnx_like(merged: Path, export: Path, out: Path) -> Path:
     from tasks.tokenizer import tokenizer_files
     from tasks.store.tensors import load_weights
 
-    out.mkdir(parents=True)
+    out.mkdir()  # in the server's temporary directory, which exists: never a directory chain of its own
     meta = {p.key: p.value for p in onnx.load(str(export / "model.onnx"), load_external_data=False).metadata_props
             if p.key != "model_config"}  # the architecture comes from the merged model itself
     export_onnx(read_info(merged), load_weights(merged), out / "model.onnx", meta)

@@ -4,7 +4,8 @@ Request bodies are pydantic models (tasks/serving/requests.py: their fields, ran
 logprobs and the event stream are tasks/serving/streaming.py; the batching engine is tasks/serving/engine.py.
 
     msllm serve [ARTIFACT] [--host 127.0.0.1] [--port 8000] [--model-name NAME]
-                [--max-active 32] [--max-queue 256] [--drain-timeout 8] [--adapter NAME=FINETUNE ...]
+                [--max-active 32] [--max-queue 256] [--max-body-size 8MiB] [--drain-timeout 8]
+                [--adapter NAME=FINETUNE ...]
 
 Each --adapter serves a LoRA finetune of ARTIFACT as its own `model` id (tasks/serving/adapters.py), listed
 in /v1/models with `parent`/`base` and `adapter_mode`: "unmerged" over a model artifact (one base network,
@@ -38,10 +39,16 @@ with the template, like the finetune examples.
 
 Errors use OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, with the
 request field in `param` and in the message: 400 for a malformed body or a bad field
-(also a prompt longer than the context, or max_tokens past it), 404 for an unknown
-model or route, 503 when the queue is full or the server is draining, 500 if the model
-fails on a request (the server goes on). One log line per request (stderr): tokens in and
-out, queue wait, time to first token, tokens/s.
+(also a prompt longer than the context, or max_tokens past it, more prompts × n than
+--max-queue, a chat template past its time or size limit), 404 for an unknown model or
+route, 413 for a body over --max-body-size (from Content-Length before reading it, or while
+reading it), 503 when the queue is full or the server is draining (worth a retry), 500 if
+the model fails on a request (the server goes on). One log line per request (stderr):
+tokens in and out, queue wait, time to first token, tokens/s.
+
+The event loop only moves bytes: decoding a body's JSON, tokenizing and rendering chat templates run in
+worker threads (Starlette's thread pool; both tokenizer libraries release the GIL), so /health and
+streams answer while a large request is tokenized.
 
 SIGTERM (or Ctrl-C): uvicorn stops accepting connections, the requests in flight (and
 those queued behind them) finish, then the process exits 0; whatever is still running
@@ -62,6 +69,7 @@ from typing import Any, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tasks.serving.adapters import AdapterSpec
@@ -71,6 +79,11 @@ from tasks.serving.requests import (ApiError, DetokenizeRequest, TokenizeRequest
 from tasks.serving.streaming import Choices, TokenText, log_done, stream_choices
 
 log = logging.getLogger("msllm.serve")
+
+# --max-body-size's default: the largest request body read. A prompt that fills SmolLM2's 8192-token context is
+# ~35 KB as text and ~50 KB as token ids, so 8 MiB holds a prompt array of 160 of them, and the whole documents
+# lm-eval sends to /tokenize for rolling loglikelihoods (wikitext's are under 100 KB).
+MAX_BODY = 8 * 2**20
 
 class Served:
     """One model id of the server: its engine, the engine's name for its backend (None: the engine's default
@@ -93,9 +106,11 @@ class Served:
         return self.engine.running(self.model)
 
 
-def build_app(engine: Engine, model_id: str, artifact: Path | str, *, adapters: dict[str, Served] | None = None) -> FastAPI:
+def build_app(engine: Engine, model_id: str, artifact: Path | str, *, adapters: dict[str, Served] | None = None,
+              max_body: int = MAX_BODY) -> FastAPI:
     """The app serving `engine`'s default model as `model_id`, and each of `adapters` (id -> Served, e.g.
-    `Served(engine, merged, model="a", base=model_id, adapter_mode="merged")`) as its own model id."""
+    `Served(engine, merged, model="a", base=model_id, adapter_mode="merged")`) as its own model id; request bodies
+    of more than `max_body` bytes are a 413."""
     from fastapi.responses import Response
 
     from tasks.serving.metrics import ServerMetrics
@@ -188,16 +203,16 @@ def build_app(engine: Engine, model_id: str, artifact: Path | str, *, adapters: 
     @app.post("/tokenize")
     async def tokenize(request: Request):
         try:
-            req = validate(TokenizeRequest, await _json_body(request))
-            ids = encode_text(req.prompt, req.add_special_tokens)
+            req = validate(TokenizeRequest, await _json_body(request, max_body))
+            ids = await run_in_threadpool(encode_text, req.prompt, req.add_special_tokens)
         except ApiError as exc:
             return error(exc, "POST /tokenize")
-        return {"count": len(ids), "max_model_len": backend.context_length, "tokens": ids}
+        return await _respond({"count": len(ids), "max_model_len": backend.context_length, "tokens": ids})
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
         try:
-            body = await _json_body(request)
+            body = await _json_body(request, max_body)
             try:
                 ids = validate(DetokenizeRequest, body).tokens
             except ApiError:
@@ -206,7 +221,7 @@ def build_app(engine: Engine, model_id: str, artifact: Path | str, *, adapters: 
                 raise ApiError(400, f"tokens must be an array of token ids in [0, {backend.vocab_size})", "tokens")
         except ApiError as exc:
             return error(exc, "POST /detokenize")
-        return {"prompt": tok.decode(ids)}
+        return await _respond({"prompt": await run_in_threadpool(tok.decode, ids)})
 
     # ---- completions and chat
 
@@ -216,11 +231,14 @@ def build_app(engine: Engine, model_id: str, artifact: Path | str, *, adapters: 
         events: asyncio.Queue = asyncio.Queue()
         reqs: list = []
         try:
-            body = await _json_body(request)
+            body = await _json_body(request, max_body)
             name = requested_model(body, served)
             request.state.model = name
             sv = served[name]
-            p = parse_request(body, chat=chat, model_id=name, backend=sv.backend, prefix=sv.prefix)
+            # tokenizing (and rendering a chat template) off the event loop; more sequences than the queue ever
+            # holds is a 400 before any of it
+            p = await run_in_threadpool(lambda: parse_request(body, chat=chat, model_id=name, backend=sv.backend,
+                                                              prefix=sv.prefix, max_jobs=sv.engine.max_queue))
             jobs = p.jobs()
 
             def emitter(i: int):
@@ -267,7 +285,7 @@ def build_app(engine: Engine, model_id: str, artifact: Path | str, *, adapters: 
             for r in reqs:
                 r.cancel()  # no-op when finished; stops the work when this handler was cancelled
         choices = [fmt.final(i, "".join(texts[i]), done[i]) for i in range(len(jobs))]
-        return {**meta, "choices": choices, "usage": fmt.usage(done)}
+        return await _respond({**meta, "choices": choices, "usage": fmt.usage(done)})
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -280,8 +298,34 @@ def build_app(engine: Engine, model_id: str, artifact: Path | str, *, adapters: 
     return app
 
 
-async def _json_body(request: Request) -> Any:
-    raw = await request.body()
+def _too_large(size: str, limit: int) -> ApiError:
+    return ApiError(413, f"the request body is {size} bytes, more than this server reads ({limit:,} bytes, "
+                         f"--max-body-size); send a smaller request (split a prompt array over several requests), "
+                         f"or start the server with a larger --max-body-size", code="request_too_large")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, at most `limit` bytes: a larger Content-Length is refused before reading, and a body that runs
+    past the limit (chunked, or longer than it said) while it is read."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(f"{int(declared):,}", limit)
+    chunks, n = [], 0
+    async for chunk in request.stream():
+        n += len(chunk)
+        if n > limit:
+            raise _too_large(f"over {limit:,}", limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _respond(content: Any) -> JSONResponse:
+    """A JSON response encoded in a worker thread (a dict returned by a route is walked by FastAPI's
+    jsonable_encoder on the event loop: seconds for /tokenize's million ids)."""
+    return await run_in_threadpool(JSONResponse, content)
+
+
+def _decode(raw: bytes) -> Any:
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -290,6 +334,11 @@ async def _json_body(request: Request) -> Any:
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type_name(body)}")
     return body
+
+
+async def _json_body(request: Request, limit: int = MAX_BODY) -> Any:
+    """The body as a JSON object (decoded in a worker thread), at most `limit` bytes (413 past it)."""
+    return await run_in_threadpool(_decode, await read_body(request, limit))
 
 
 def default_model_id(artifact: Path) -> str:
@@ -306,7 +355,7 @@ def configure_logging() -> None:
 
 def serve(artifact: str | Path, host: str = "127.0.0.1", port: int = 8000, *, model_name: str | None = None,
           max_active: int = 32, max_queue: int = 256, drain_timeout: float = 8.0, batching: bool = True,
-          adapters: Sequence[AdapterSpec] = (), store=None) -> int:
+          adapters: Sequence[AdapterSpec] = (), store=None, max_body: int = MAX_BODY) -> int:
     """Load the artifact (and each adapter, unmerged or merged: tasks/serving/adapters.py), serve until
     SIGTERM/SIGINT, drain, return 0. `store` resolves adapter references that are not directories."""
     import tempfile
@@ -347,7 +396,8 @@ def serve(artifact: str | Path, host: str = "127.0.0.1", port: int = 8000, *, mo
         served = {a.name: Served(engine, a.finetune if a.name in unmerged else dirs[a.name], model=a.name,
                                  parent=model_id, base=model_id, adapter_mode=a.mode(kind), finetune=a.finetune_id,
                                  method=a.method) for a in checked}
-        return _run(build_app(engine, model_id, artifact, adapters=served), engine, host, port, drain_timeout)
+        return _run(build_app(engine, model_id, artifact, adapters=served, max_body=max_body), engine, host, port,
+                    drain_timeout)
     finally:
         tmp.cleanup()
 

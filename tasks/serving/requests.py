@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from functools import lru_cache
 from typing import Any, Collection, Literal, Union
 
 from annotated_types import Ge, Gt, Le
@@ -370,8 +371,7 @@ def prompts(prompt: Any, backend, prefix: list[int] | None) -> list[Prompt]:
     """A completions `prompt` (a string, token ids, or a non-empty array of either) as Prompts."""
     sp, vocab = backend.tokenizer, backend.vocab_size
 
-    def is_ids(v: Any) -> bool:
-        return isinstance(v, list) and bool(v) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+    is_ids = _is_ids
 
     def one(v: Any, where: str) -> Prompt:
         if isinstance(v, str):
@@ -397,11 +397,41 @@ def prompts(prompt: Any, backend, prefix: list[int] | None) -> list[Prompt]:
                         f"{type_name(prompt) if prompt != [] else 'an empty array'}", "prompt")
 
 
+def _is_ids(v: Any) -> bool:
+    return isinstance(v, list) and bool(v) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+
+
+def check_sequences(req: CompletionRequest | ChatRequest, max_jobs: int) -> None:
+    """A request whose prompts × n exceed what the engine ever holds waiting (--max-queue) can never be queued
+    whole: a 400 naming the limit (a full queue is the engine's 503, worth a retry; this is not)."""
+    prompts_ = (len(req.prompt) if isinstance(req, CompletionRequest) and isinstance(req.prompt, list) and req.prompt
+                and not _is_ids(req.prompt) else 1)
+    count = prompts_ * req.n
+    if count > max_jobs:
+        param = "prompt" if prompts_ > 1 else "n"
+        raise ApiError(400, f"{param}: this request asks for {count} sequences ({prompts_} prompt"
+                            f"{'s' if prompts_ > 1 else ''} × n={req.n}), more than this server ever queues at once "
+                            f"(--max-queue {max_jobs}), so it could never be accepted whole; send at most {max_jobs} "
+                            f"per request (split the prompts over several requests), or start the server with a "
+                            f"larger --max-queue", param, code="too_many_sequences")
+
+
+@lru_cache(maxsize=16)
+def longest_piece(tok) -> int:
+    """The most characters of text one token stands for (its piece's length: a byte-level or byte-fallback piece
+    has at least as many symbols as the text it decodes to has characters). Counted once per tokenizer."""
+    return max((len(tok.id_to_piece(i)) for i in range(tok.vocab_size)), default=1)
+
+
 def parse_request(body: Any, *, chat: bool, model_id: str | Collection[str], backend,
-                  prefix: list[int] | None = None) -> Parsed:
-    """Validate an OpenAI request body against the served model; ApiError naming the field on the first problem."""
+                  prefix: list[int] | None = None, max_jobs: int | None = None) -> Parsed:
+    """Validate an OpenAI request body against the served model; ApiError naming the field on the first problem.
+    `max_jobs`: the engine's --max-queue (more sequences than that in one request is a 400, before any
+    tokenization)."""
     model = requested_model(body, [model_id] if isinstance(model_id, str) else model_id)
     req = parse_body(body, chat=chat)
+    if max_jobs is not None:
+        check_sequences(req, max_jobs)
     sp, ctx = backend.tokenizer, backend.context_length
     if isinstance(req, ChatRequest):
         echo, logprobs = False, ((req.top_logprobs or 0) if req.logprobs else None)
@@ -409,7 +439,11 @@ def parse_request(body: Any, *, chat: bool, model_id: str | Collection[str], bac
         from tasks.tokenizer import TokenizerError
 
         try:
-            ps, field = [Prompt(chat_prompt_ids(sp, [m.turn for m in req.messages]), 0, None)], "messages"
+            # a rendering longer than the context can hold is refused as it grows (tasks.prompts' size limit)
+            piece = longest_piece(sp) if sp.chat_template is not None else 1
+            cap = dict(max_chars=ctx * piece, max_chars_why=f"more than the model's context of {ctx} tokens can hold, "
+                                                            f"at most {piece} characters a token; shorten the messages")
+            ps, field = [Prompt(chat_prompt_ids(sp, [m.turn for m in req.messages], **cap), 0, None)], "messages"
         except TokenizerError as exc:  # the model's template refused the conversation (e.g. its raise_exception)
             raise ApiError(400, f"messages: {exc}", "messages") from None
     else:
