@@ -299,6 +299,18 @@ def test_malformed_bodies_and_routes_and_the_server_survives(server):
     assert server.client().completions.create(model=server.model, prompt="Still here", max_tokens=2).usage.completion_tokens == 2
 
 
+def test_a_body_over_the_default_limit_is_a_413_at_once(server):
+    """Without --max-body-size a server reads at most 8 MiB: the issue's 10 MB prompt (tokenized for 7.8 s on the
+    event loop before) is refused from its Content-Length, in well under a second."""
+    from tasks.serving.app import MAX_BODY
+
+    big = json.dumps({"model": server.model, "prompt": "x" * (10 * 10**6), "max_tokens": 1}).encode()
+    t0 = time.perf_counter()
+    status, body = _post(server.url + "/v1/completions", big)
+    assert status == 413 and f"{MAX_BODY:,} bytes, --max-body-size" in body["error"]["message"], body
+    assert time.perf_counter() - t0 < 5 and MAX_BODY == 8 * 2**20
+
+
 def test_a_client_that_goes_away_mid_stream_frees_its_slot(server):
     import httpx
 

@@ -41,8 +41,8 @@ Errors use OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, wi
 request field in `param` and in the message: 400 for a malformed body or a bad field
 (also a prompt longer than the context, or max_tokens past it, more prompts × n than
 --max-queue, a chat template past its time or size limit), 404 for an unknown model or
-route, 413 for a body over --max-body-size (from Content-Length before reading it, or while
-reading it), 503 when the queue is full or the server is draining (worth a retry), 500 if
+route, 413 for a body over --max-body-size (from Content-Length before keeping any of it, or
+once a chunked body passes it), 503 when the queue is full or the server is draining (worth a retry), 500 if
 the model fails on a request (the server goes on). One log line per request (stderr):
 tokens in and out, queue wait, time to first token, tokens/s.
 
@@ -200,28 +200,33 @@ def build_app(engine: Engine, model_id: str, artifact: Path | str, *, adapters: 
             return [specials[text]]
         return completion_prompt(tok, doc_start, text)[0] if add_special_tokens else list(tok.encode(text))
 
+    def tokenized(body: Any) -> dict[str, Any]:
+        req = validate(TokenizeRequest, body)
+        ids = encode_text(req.prompt, req.add_special_tokens)
+        return {"count": len(ids), "max_model_len": backend.context_length, "tokens": ids}
+
+    def detokenized(body: Any) -> dict[str, Any]:
+        try:
+            ids = validate(DetokenizeRequest, body).tokens
+        except ApiError:
+            ids = None
+        if ids is None or not all(0 <= t < backend.vocab_size for t in ids):
+            raise ApiError(400, f"tokens must be an array of token ids in [0, {backend.vocab_size})", "tokens")
+        return {"prompt": tok.decode(ids)}
+
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        try:
-            req = validate(TokenizeRequest, await _json_body(request, max_body))
-            ids = await run_in_threadpool(encode_text, req.prompt, req.add_special_tokens)
+        try:  # checked and tokenized in a worker thread
+            return await _respond(await run_in_threadpool(tokenized, await _json_body(request, max_body)))
         except ApiError as exc:
             return error(exc, "POST /tokenize")
-        return await _respond({"count": len(ids), "max_model_len": backend.context_length, "tokens": ids})
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
         try:
-            body = await _json_body(request, max_body)
-            try:
-                ids = validate(DetokenizeRequest, body).tokens
-            except ApiError:
-                ids = None
-            if ids is None or not all(0 <= t < backend.vocab_size for t in ids):
-                raise ApiError(400, f"tokens must be an array of token ids in [0, {backend.vocab_size})", "tokens")
+            return await _respond(await run_in_threadpool(detokenized, await _json_body(request, max_body)))
         except ApiError as exc:
             return error(exc, "POST /detokenize")
-        return await _respond({"prompt": await run_in_threadpool(tok.decode, ids)})
 
     # ---- completions and chat
 
@@ -305,17 +310,24 @@ def _too_large(size: str, limit: int) -> ApiError:
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    """The body, at most `limit` bytes: a larger Content-Length is refused before reading, and a body that runs
-    past the limit (chunked, or longer than it said) while it is read."""
+    """The body, at most `limit` bytes (413 past it): a larger Content-Length is refused before anything is kept,
+    and a chunked body (or one longer than it said) once it passes the limit. What a refused body still sends is read
+    and dropped (nothing kept) before the answer, so that a client that sends its whole body before reading the
+    response (urllib, requests) gets the 413 rather than a connection reset; a client that asked `Expect:
+    100-continue` (curl) gets the 413 at once and sends nothing."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
+        if request.headers.get("expect", "").lower() != "100-continue":
+            async for _ in request.stream():
+                pass
         raise _too_large(f"{int(declared):,}", limit)
     chunks, n = [], 0
     async for chunk in request.stream():
         n += len(chunk)
-        if n > limit:
-            raise _too_large(f"over {limit:,}", limit)
-        chunks.append(chunk)
+        if n <= limit:
+            chunks.append(chunk)
+    if n > limit:
+        raise _too_large(f"{n:,}", limit)
     return b"".join(chunks)
 
 
