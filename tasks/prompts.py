@@ -550,7 +550,7 @@ def render_chat_template(template: str, messages: list[dict[str, Any]], add_gene
     naming `where` and the `chat_template` key."""
     import jinja2
 
-    fix = "fix the `chat_template` key of tokenizer_config.json (or chat_template.jinja where the model has one)"
+    fix = "fix chat_template.jinja or tokenizer_config.json's chat_template"  # the phrase convert rewrites for a GGUF
     limit = template_char_limit(template, messages, extra)
     why = (f"({len(template)} characters of template + the messages' text + 1) × ({len(messages)} messages + 1): a "
            f"chat template renders each message once")
@@ -584,11 +584,9 @@ def render_chat_template(template: str, messages: list[dict[str, Any]], add_gene
             f"{where}: the chat template passed its size limit of {limit:,} characters for these {len(messages)} "
             f"message(s): {made} {hit.size:,} characters (the limit: {why}); {fix}") from None
     except jinja2.exceptions.TemplateError as exc:
-        raise TokenizerError(f"{where}: the chat template fails to render ({type(exc).__name__}: {exc}); "
-                             "fix chat_template.jinja or tokenizer_config.json's chat_template") from None
+        raise TokenizerError(f"{where}: the chat template fails to render ({type(exc).__name__}: {exc}); {fix}") from None
     except Exception as exc:  # a template is code: any error inside it is the template's
-        raise TokenizerError(f"{where}: the chat template fails to render ({type(exc).__name__}: {exc}); "
-                             "fix chat_template.jinja or tokenizer_config.json's chat_template") from None
+        raise TokenizerError(f"{where}: the chat template fails to render ({type(exc).__name__}: {exc}); {fix}") from None
     finally:
         _STATE.budget = previous
 

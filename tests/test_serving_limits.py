@@ -137,7 +137,7 @@ def test_a_runaway_template_stops_at_its_limit_with_one_error(name):
     took = time.perf_counter() - t0
     msg = str(err.value)
     assert msg.startswith("/models/m: the chat template ") and "\n" not in msg
-    assert "`chat_template` key of tokenizer_config.json" in msg
+    assert "tokenizer_config.json's chat_template" in msg
     if kind == "time":
         assert f"time limit of {TEMPLATE_SECONDS:g} s" in msg and TEMPLATE_SECONDS <= took < TEMPLATE_SECONDS + 2
     else:
@@ -219,7 +219,7 @@ def test_the_convert_time_check_refuses_the_issues_templates(name, tmp_path, hf_
 
     tok = load_tokenizer(_with_template(hf_tok, tmp_path / "t", RUNAWAY[name][0]))
     t0 = time.perf_counter()
-    with pytest.raises(TemplateLimitError, match="`chat_template` key of tokenizer_config.json"):
+    with pytest.raises(TemplateLimitError, match="tokenizer_config.json's chat_template"):
         check_chat_template(tok)
     assert time.perf_counter() - t0 < TEMPLATE_SECONDS + 2
 
@@ -249,9 +249,34 @@ def test_convert_from_hf_refuses_a_runaway_template_in_one_line(name, tmp_path, 
     took = time.perf_counter() - t0
     err = capsys.readouterr().err.strip()
     assert rc == 1 and took < TEMPLATE_SECONDS + 30, (rc, took, err)
-    assert len(err.splitlines()) == 1 and "`chat_template` key of tokenizer_config.json" in err, err
+    assert len(err.splitlines()) == 1 and "tokenizer_config.json's chat_template" in err, err
     assert ("time limit" if RUNAWAY[name][1] == "time" else "size limit") in err
     assert not (tmp_path / "artifacts" / "convert").exists() or not any((tmp_path / "artifacts" / "convert").iterdir())
+
+
+@pytest.mark.integration
+def test_convert_from_gguf_refuses_a_runaway_template_naming_its_key(tmp_path, hf_tok, capsys):
+    """The same check on a GGUF's tokenizer.chat_template: one line naming the file and that key."""
+    import numpy as np
+
+    from model.config import ModelConfig
+    from model.convert import key_pairs
+    from model.gguf import write_gguf
+    from tasks.cli import main
+    from tasks.deploy.gguf_export import tokenizer_meta
+    from tasks.tokenizer import load_tokenizer
+
+    tmeta = tokenizer_meta(load_tokenizer(_with_template(hf_tok, tmp_path / "tok", RUNAWAY["string * n"][0])))
+    cfg = ModelConfig(vocab_size=len(tmeta["tokenizer.ggml.tokens"]), hidden_size=16, intermediate_size=32,
+                      num_layers=1, num_heads=2, num_kv_heads=1, max_seq_length=32, tie_embeddings=False)
+    rng = np.random.default_rng(0)
+    write_gguf(tmp_path / "m.gguf", cfg, {ours: (0.1 * rng.standard_normal(shape)).astype(np.float32)
+                                          for _, ours, shape in key_pairs(cfg)}, tmeta, qtype="F32")
+    capsys.readouterr()
+    assert main(["convert", "--from-gguf", str(tmp_path / "m.gguf"), "--artifacts", str(tmp_path / "a")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(tmp_path / "m.gguf") in err and "size limit" in err, err
+    assert "fix tokenizer.chat_template" in err and "tokenizer_config.json" not in err, err
 
 
 # ----------------------------------------------------------------------------- the server (integration)
