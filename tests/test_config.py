@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -295,3 +296,89 @@ def test_finetune_trains_in_fp32(tmp_path):
     f = _write(tmp_path, _base())
     with pytest.raises(ConfigError, match="pipelines.p.finetune.train.precision.dtype: fine-tuning trains in fp32"):
         resolve_pipeline(f, overrides=["finetune.train.precision.dtype=fp16"])
+
+
+# ----------------------------------------------------------------------------- issue 35: YAML alias bombs, size caps
+
+
+def _laughs(levels: int) -> str:
+    """A "billion laughs": each anchor a list of ten aliases of the one before (10**levels strings)."""
+    parts = ["&a0 [x, x, x, x, x, x, x, x, x, x]"]
+    for i in range(1, levels):
+        parts.append(f"&a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]")
+    return "[" + ", ".join(parts) + "]"
+
+
+def _bomb_file(tmp_path: Path, levels: int) -> Path:
+    f = tmp_path / "pipelines.yaml"
+    f.write_text(f"default: p\npipelines:\n  p:\n    model: {{name: llama, preset: tiny}}\n"
+                 f"    data:\n      seq_length: 64\n      tokenizer: {{vocab_size: 512}}\n"
+                 f"      sources: {_laughs(levels)}\n    pretrain: {{train: {{loop: {{max_steps: 10}}}}}}\n")
+    return f
+
+
+def _validate(*args: str, timeout: float = 60) -> tuple[subprocess.CompletedProcess, float]:
+    import time
+
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "tasks.cli", "validate", *args], capture_output=True, text=True,
+                         cwd=REPO, timeout=timeout)
+    return out, time.monotonic() - t0
+
+
+def test_alias_bomb_in_the_file_is_refused_before_it_expands(tmp_path):
+    """A billion laughs in data.sources ran validation for more than 60 s; now composing stops at the alias that
+    passes the limit, naming the file, its line and the limit."""
+    from tasks.config.yaml12 import MAX_ALIAS_NODES
+
+    f = _bomb_file(tmp_path, 5)  # 10**5 strings: few enough to finish (wrongly: a type error) before the limit existed
+    with pytest.raises(ConfigError) as ei:
+        resolve_pipeline(f)
+    msg = str(ei.value)
+    assert f"{f}:8: alias *a" in msg and f"past {MAX_ALIAS_NODES:,} nodes" in msg and "fewer levels" in msg, msg
+    out, took = _validate("--config", str(_bomb_file(tmp_path, 10)))  # 10**10: hours of validation before
+    assert out.returncode == 2 and "Traceback" not in out.stderr and f"past {MAX_ALIAS_NODES:,} nodes" in out.stderr
+    assert took < 20, took
+
+
+def test_alias_bomb_in_set_and_a_recursive_alias_are_refused(tmp_path):
+    f = _write(tmp_path, _base())
+    with pytest.raises(ConfigError, match=r"^--set data.sources: alias \*a\d in VALUE expands the document past"):
+        resolve_pipeline(f, overrides=[f"data.sources={_laughs(5)}"])
+    with pytest.raises(ConfigError, match=r"--set data.sources: alias \*r in VALUE refers to a node that contains it"):
+        resolve_pipeline(f, overrides=["data.sources=&r [a, *r]"])
+    f.write_text(f.read_text() + "  q: &loop {base: p, eval: *loop}\n")
+    with pytest.raises(ConfigError, match=r"pipelines.yaml:\d+: alias \*loop refers to a node that contains it"):
+        resolve_pipeline(f)
+
+
+def test_aliases_within_the_limit_still_work(tmp_path):
+    src = yaml.safe_dump([CORPUS], default_flow_style=True).strip()
+    f = tmp_path / "pipelines.yaml"
+    f.write_text("default: p\npipelines:\n  p:\n    model: &m {name: llama, preset: tiny}\n"
+                 f"    data: {{sources: &s {src}, seq_length: 64, tokenizer: {{vocab_size: 512}}}}\n"
+                 "    pretrain: {train: {loop: {max_steps: 10}}}\n    continued: {sources: *s}\n"
+                 "  q: {base: p, model: {<<: *m, preset: tiny}}\n")
+    assert resolve_pipeline(f, "q").continued.sources == [CORPUS]
+
+
+def test_a_huge_file_or_set_value_is_refused_before_parsing(tmp_path):
+    """A 50 MB description gave no answer in 120 s (PyYAML's pure-Python scanner). Now the size is checked
+    first: one line naming the file (or --set key) and the limit."""
+    from tasks.config.yaml12 import MAX_FILE_BYTES, MAX_SET_BYTES
+
+    f = _write(tmp_path, _base())
+    with f.open("a") as fh:
+        fh.write("# " + "c" * MAX_FILE_BYTES + "\n")  # comments count: 50 MB of them took 54 s
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(f))}: [\d,]+ bytes, over the {MAX_FILE_BYTES // 1024} KiB limit"):
+        resolve_pipeline(f)
+    huge = tmp_path / "huge.yaml"
+    with huge.open("w") as fh:
+        fh.write("default: p\npipelines:\n  p:\n    description: ")
+        for _ in range(50):
+            fh.write("a" * (1 << 20))
+    out, took = _validate("--config", str(huge))
+    assert out.returncode == 2 and f"{huge}: 52,428,8" in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert took < 20, took
+    with pytest.raises(ConfigError, match=rf"^--set description: [\d,]+ characters, over the {MAX_SET_BYTES // 1024} KiB"):
+        resolve_pipeline(_write(tmp_path, _base()), overrides=["description=" + "a" * MAX_SET_BYTES])

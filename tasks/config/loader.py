@@ -22,7 +22,8 @@ from pydantic import BaseModel, ValidationError
 from tasks.config.rules import check_pipeline
 from tasks.config.schema import (FINETUNE_DEFAULTS, FINETUNE_INHERITS, _YAML_KEYS_EXCLUDED, ConfigError,
                                  PipelineConfig, _suggest)
-from tasks.config.yaml12 import DuplicateKeyError, _deep_merge, _yaml11_hint, load_yaml
+from tasks.config.yaml12 import (MAX_ALIAS_NODES, MAX_FILE_BYTES, MAX_SET_BYTES, AliasBombError, DuplicateKeyError,
+                                 _deep_merge, _yaml11_hint, load_yaml)
 
 
 def _model_at(loc: tuple, root: type[BaseModel] = PipelineConfig) -> type[BaseModel] | None:
@@ -60,7 +61,12 @@ def read_pipelines_file(path: str | os.PathLike) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
         raise ConfigError([f"{p}: pipelines file not found; pass --config PATH or create pipelines.yaml"])
-    data = p.read_bytes()
+    with p.open("rb") as fh:  # read one byte past the cap, never the whole of a huge file
+        data = fh.read(MAX_FILE_BYTES + 1)
+    if len(data) > MAX_FILE_BYTES:
+        raise ConfigError([f"{p}: {p.stat().st_size:,} bytes, over the {MAX_FILE_BYTES // 1024} KiB limit for a "
+                           "pipelines file; keep long text (descriptions, source lists) in files the pipeline "
+                           "names, such as data.sources globs"])
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -70,6 +76,8 @@ def read_pipelines_file(path: str | os.PathLike) -> dict[str, Any]:
         raw = load_yaml(text)
     except DuplicateKeyError as exc:
         raise ConfigError([f"{p}:{exc.line}: duplicate key '{exc.key}' (first at line {exc.first}); keep one of them"]) from None
+    except AliasBombError as exc:
+        raise ConfigError([f"{p}:{exc.line}: alias *{exc.anchor} {exc.why}; {_ALIAS_FIX}"]) from None
     except yaml.YAMLError as exc:
         hint = "; --config must name a YAML pipelines file such as pipelines.yaml" if "\x00" in text else ""
         raise ConfigError([f"{p}: not valid YAML: {exc}{hint}"]) from None
@@ -219,8 +227,15 @@ def moved_key_errors(body: dict, prefix: str) -> list[str]:
     return errs
 
 
+_ALIAS_FIX = (f"aliases may add at most {MAX_ALIAS_NODES:,} nodes (a 'billion laughs' of nested aliases is refused); "
+              "write the values out or use fewer levels of aliases")
+
+
 def parse_override(item: str) -> tuple[list[str], Any]:
     """`a.b.c=VALUE` -> (['a','b','c'], yaml-parsed VALUE)."""
+    if len(item.encode("utf-8", "surrogatepass")) > MAX_SET_BYTES:
+        raise ConfigError([f"--set {item.partition('=')[0][:80]}: {len(item):,} characters, over the {MAX_SET_BYTES // 1024} KiB "
+                           "limit for one --set value; put long values in the pipelines file"])
     if "=" not in item:
         raise ConfigError([f"--set {item}: expected dotted.key=VALUE, e.g. --set pretrain.train.loop.max_steps=100"])
     key, _, value = item.partition("=")
@@ -231,6 +246,8 @@ def parse_override(item: str) -> tuple[list[str], Any]:
         parsed = load_yaml(value) if value.strip() else None
     except DuplicateKeyError as exc:
         raise ConfigError([f"--set {item}: duplicate key '{exc.key}' in VALUE; keep one of them"]) from None
+    except AliasBombError as exc:
+        raise ConfigError([f"--set {key}: alias *{exc.anchor} in VALUE {exc.why}; {_ALIAS_FIX}"]) from None
     except yaml.YAMLError as exc:
         raise ConfigError([f"--set {item}: VALUE is not valid YAML ({exc})"]) from None
     return parts, parsed

@@ -41,6 +41,26 @@ class DuplicateKeyError(yaml.YAMLError):
         super().__init__(f"duplicate key '{key}' (first at line {first})")
 
 
+MAX_FILE_BYTES = 256 * 1024
+"""The largest pipelines file read (the shipped one is ~7 KB). PyYAML's pure-Python scanner reads ~1 MB/s of
+comments and far less of dense flow lists (~90 KB/s), so a bound on the size is a bound on the time: ~3 s at
+worst here, where a 50 MB file ran for minutes."""
+MAX_SET_BYTES = 64 * 1024
+"""The largest `--set` VALUE read (a command line holds at most 128 KiB per argument anyway)."""
+MAX_ALIAS_NODES = 100_000
+"""The most nodes that aliases (`*name`, merge keys `<<: *name`) may add to a document once expanded. A
+"billion laughs" file nests aliases of aliases: ten lines expand to 10^10 nodes, which validation would walk
+for hours. Real anchors (a shared `train` section reused by a few pipelines) add hundreds."""
+
+
+class AliasBombError(yaml.YAMLError):
+    """Aliases expand past MAX_ALIAS_NODES, or an alias refers to a node that contains it."""
+
+    def __init__(self, line: int, anchor: str, why: str):
+        self.line, self.anchor, self.why = line, anchor, why
+        super().__init__(f"line {line}: alias *{anchor} {why}")
+
+
 class Loader(yaml.SafeLoader):
     """yaml.SafeLoader with the YAML 1.2 core schema's scalars (pipelines files and `--set` values):
 
@@ -54,7 +74,39 @@ class Loader(yaml.SafeLoader):
     - Null is `~`, `null` or empty, as before; merge keys (`<<: *anchor`) work as before.
     - A key repeated in one mapping is an error naming the key and both lines (PyYAML keeps the
       last value silently). Keys brought in by a merge (`<<: *anchor`) may be overridden as usual.
+    - Aliases are counted while the document is composed: once the nodes they add (each alias adds the
+      expanded size of its anchor) pass MAX_ALIAS_NODES, or an alias names a node that contains it (a
+      recursive structure), composing stops with AliasBombError, before anything is constructed.
     """
+
+    _alias_nodes = 0
+    _sizes: dict[int, int] | None = None
+
+    def compose_node(self, parent, index):
+        if self._sizes is None:
+            self._sizes = {}
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            target = self.anchors.get(event.anchor)
+            if target is not None:  # an undefined alias: the base class says so
+                size = self._sizes.get(id(target))
+                if size is None:  # the anchored node is still open: the alias is inside it
+                    raise AliasBombError(event.start_mark.line + 1, event.anchor,
+                                         "refers to a node that contains it (a recursive structure)")
+                self._alias_nodes += size
+                if self._alias_nodes > MAX_ALIAS_NODES:
+                    raise AliasBombError(event.start_mark.line + 1, event.anchor,
+                                         f"expands the document past {MAX_ALIAS_NODES:,} nodes")
+            return super().compose_node(parent, index)
+        node = super().compose_node(parent, index)
+        if isinstance(node, yaml.SequenceNode):
+            size = 1 + sum(self._sizes[id(n)] for n in node.value)
+        elif isinstance(node, yaml.MappingNode):
+            size = 1 + sum(self._sizes[id(k)] + self._sizes[id(v)] for k, v in node.value)
+        else:
+            size = 1
+        self._sizes[id(node)] = size
+        return node
 
     def construct_mapping(self, node, deep=False):
         if isinstance(node, yaml.MappingNode):
