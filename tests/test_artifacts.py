@@ -383,3 +383,41 @@ def test_artifact_root_that_is_a_file_says_not_a_directory(tmp_path):
                              capture_output=True, text=True, cwd=repo)
         assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
         assert f"--artifacts: {arg}: not a directory ({what})" in out.stderr, out.stderr
+
+
+@pytest.mark.integration
+def test_two_identical_data_runs_compute_once(tmp_path, capfd):
+    """Two identical data runs at once: the second waited for the build lock the store's build took, then
+    tokenized everything again (its copy discarded at publish). Now the stage lock spans the computation: the
+    waiter returns what the first published and computes nothing."""
+    import threading
+    import time
+
+    from tasks.config import resolve_pipeline
+    from tasks.stages import data
+
+    repo = Path(__file__).resolve().parent.parent
+    cfg = resolve_pipeline(repo / "pipelines.yaml", "tiny", ["data.num_workers=1"])
+    store = ArtifactStore(tmp_path / "art")
+    key = data.stage_key(cfg, store)[0]
+    lock = store.root / ".locks" / f"data.{key}.lock"
+    out: dict[str, Path] = {}
+
+    def run(name: str) -> None:
+        out[name] = data.run(cfg, ArtifactStore(store.root), progress=True)
+
+    first = threading.Thread(target=run, args=("first",))
+    first.start()
+    deadline = time.monotonic() + 60
+    while not (lock.is_file() and lock.read_text().startswith("pid ")):  # the first holds the lock: it computes
+        assert time.monotonic() < deadline and first.is_alive(), "the first run never took the lock"
+        time.sleep(0.01)
+    second = threading.Thread(target=run, args=("second",))
+    second.start()
+    first.join()
+    second.join()
+    err = capfd.readouterr().err
+    assert out["first"] == out["second"] == store.lookup("data", key), out
+    assert err.count("data: training a bpe tokenizer") == 1, err  # one computation
+    assert f"data/{key} is being built by another process" in err and "[data] " in err, err
+    assert f"{out['first']} is published (built by another process meanwhile); using it" in err, err

@@ -125,6 +125,25 @@ class ArtifactStore:
         self.path_for(stage, key)  # a valid address
         return build_lock(self.root, stage, key)
 
+    @contextlib.contextmanager
+    def claim(self, stage: str, key: str) -> Iterator[Path | None]:
+        """Hold the build lock of (stage, key) around a stage's whole computation, after its lookup missed:
+        yields the artifact when another process published it while this one waited (saying so on stderr:
+        use it, compute nothing), else None (compute and `build` inside the block, under the lock).
+
+            hit = store.lookup(stage, key)
+            if hit is None:
+                with store.claim(stage, key) as hit:
+                    if hit is None:
+                        hit = compute_and_build(...)
+        """
+        with self.lock(stage, key):
+            hit = self.lookup(stage, key)
+            if hit is not None:
+                print(f"[{stage}] {hit} is published (built by another process meanwhile); using it",
+                      file=sys.stderr, flush=True)
+            yield hit
+
     # -- keys
     @staticmethod
     def key(stage: str, config: Any, inputs: list[dict[str, Any]], code: str) -> str:

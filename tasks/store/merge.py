@@ -52,8 +52,6 @@ def merge(store: ArtifactStore, finetune_artifact: Path) -> Path:
     fine-tuning: the trained weights. Tokenizer and model.json come from the base, so
     `tasks.store.model_artifact.load_model` loads it like any pretrain artifact.
     """
-    from model.config import ModelConfig
-
     ft = store.inside(finetune_artifact)
     m = store.read_manifest(ft)
     if m["stage"] != "finetune":
@@ -65,6 +63,16 @@ def merge(store: ArtifactStore, finetune_artifact: Path) -> Path:
     hit = store.lookup(MERGED, key)
     if hit is not None:
         return hit
+    with store.claim(MERGED, key) as hit:  # one merge per key: an identical run waits, then uses what it published
+        if hit is not None:
+            return hit
+        return _merge(store, key, m, adapter_cfg, ft, base, inputs)
+
+
+def _merge(store: ArtifactStore, key: str, m: dict, adapter_cfg: dict, ft: Path, base: Path, inputs: list) -> Path:
+    """Fold the adapter of `ft` into `base` and publish the merged artifact `key` (under its build lock: `merge`)."""
+    from model.config import ModelConfig
+
     info = read_info(base)
     base_w = load_weights(base)
     trained = read_tensors(verify_published(ft / "adapter.safetensors"), f"rerun the finetune stage ({ft} is damaged)")

@@ -156,15 +156,24 @@ def run(cfg: PipelineConfig, store: ArtifactStore, tokenizer_model: Path | None 
     must yield the results in the order of `specs`.
     """
     t0 = time.perf_counter()
-    d = cfg.data
     log = (lambda msg: print(f"data: {msg}", file=sys.stderr, flush=True)) if progress else (lambda msg: None)
     key, inputs, (sources, ignored, tok_files) = stage_key(cfg, store, tokenizer_model)
-    tok_path = tok_files[0] if tok_files else None
-    code = code_version("data")
     hit = store.lookup("data", key)
     if hit is not None:
         log(f"cache hit {hit}")
         return hit
+    with store.claim("data", key) as hit:  # one build per key: an identical run waits, then uses what it published
+        if hit is not None:
+            return hit
+        return _build(cfg, store, key, inputs, sources, ignored, tok_files, progress, map_fn, log, t0)
+
+
+def _build(cfg: PipelineConfig, store: ArtifactStore, key: str, inputs: list, sources, ignored, tok_files,
+           progress: bool, map_fn, log: Callable[[str], None], t0: float) -> Path:
+    """Compute and publish the data artifact `key` (under its build lock: `run`)."""
+    d = cfg.data
+    tok_path = tok_files[0] if tok_files else None
+    code = code_version("data")
     config = cfg.section("data")
     if tok_path is not None:
         config["tokenizer"]["path"] = str(tok_path)
