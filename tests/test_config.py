@@ -382,3 +382,18 @@ def test_a_huge_file_or_set_value_is_refused_before_parsing(tmp_path):
     assert took < 20, took
     with pytest.raises(ConfigError, match=rf"^--set description: [\d,]+ characters, over the {MAX_SET_BYTES // 1024} KiB"):
         resolve_pipeline(_write(tmp_path, _base()), overrides=["description=" + "a" * MAX_SET_BYTES])
+
+
+def test_eval_batch_size_past_what_a_scoring_call_holds_is_refused(tmp_path):
+    """eval.batch_size 10**6 validated; the scorer silently clamped it to what 1 GiB of activations holds."""
+    from model.config import ModelConfig
+
+    cap = ModelConfig.from_name("tiny").scoring_rows(1, 10**9)  # rows of one token: the most one call takes
+    assert 8 < cap < 10**6
+    f = _write(tmp_path, _base())
+    with pytest.raises(ConfigError) as ei:
+        resolve_pipeline(f, overrides=["eval.batch_size=1000000"])
+    msg = str(ei.value)
+    assert msg.startswith(f"pipelines.p.eval.batch_size: 1000000 rows per scoring call") and f"at most {cap} rows" in msg
+    assert msg.endswith(f"set eval.batch_size at most {cap}"), msg
+    assert resolve_pipeline(f, overrides=[f"eval.batch_size={cap}"]).eval.batch_size == cap

@@ -6,7 +6,7 @@ from __future__ import annotations
 import glob
 from pathlib import Path
 
-from model.config import PRESETS, ModelConfig
+from model.config import PRESETS, SCORING_MAX_BYTES, ModelConfig
 from model.registry import BUILTIN_MODELS
 from tasks.config.schema import PipelineConfig, _suggest
 
@@ -26,7 +26,7 @@ def check_pipeline(cfg: PipelineConfig, prefix: str, check_files: bool = True) -
     errs, mc = _model_rules(cfg, prefix)
     if mc is None:
         return errs
-    for rule in (_layout_rules, _length_rules, _tokenizer_rules, _schedule_rules, _lora_rules):
+    for rule in (_layout_rules, _length_rules, _tokenizer_rules, _schedule_rules, _lora_rules, _eval_rules):
         errs += rule(cfg, prefix, mc)
     if check_files:
         errs += _file_rules(cfg, prefix)
@@ -187,6 +187,19 @@ def _lora_rules(cfg: PipelineConfig, prefix: str, mc: ModelConfig) -> list[str]:
     if cfg.data.validation_fraction == 0 and cfg.data.validation_documents is None:
         errs.append(f"{prefix}.data.validation_fraction: 0 leaves no held-out split; set a fraction > 0 or validation_documents")
     return errs
+
+
+def _eval_rules(cfg: PipelineConfig, prefix: str, mc: ModelConfig) -> list[str]:
+    """eval.batch_size against what one scoring call of this model can hold (the scorer takes fewer rows where
+    they would pass SCORING_MAX_BYTES of activations: a larger value would be clamped, silently)."""
+    cap = mc.scoring_rows(1, cfg.eval.batch_size)  # rows of one token: the most any call takes
+    if cfg.eval.batch_size <= cap:
+        return []
+    t = min(cfg.data.seq_length, mc.max_seq_length)
+    return [f"{prefix}.eval.batch_size: {cfg.eval.batch_size} rows per scoring call, but this model's scorer holds "
+            f"at most {cap} rows in its {SCORING_MAX_BYTES >> 30} GiB of activations (even of one token; "
+            f"{mc.scoring_rows(t, cfg.eval.batch_size)} of data.seq_length={t}) and would clamp it to that; "
+            f"set eval.batch_size at most {cap}"]
 
 
 def _file_rules(cfg: PipelineConfig, prefix: str) -> list[str]:

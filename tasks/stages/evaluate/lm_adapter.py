@@ -34,6 +34,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 from lm_eval.api.model import TemplateLM
 
+from model.config import SCORING_MAX_BYTES
 from tasks.runtime.progress import progress_bar
 
 MODEL_NAME = "msllm"
@@ -42,10 +43,8 @@ MODEL_NAME = "msllm"
 class TokenScorer:
     """Log-probabilities of target tokens under a network, batched, with one dynamic-shape graph per part."""
 
-    # The activations one call may hold (estimate below); fewer rows per call beyond it. The dynamic-shape graph's
-    # pool grows to its largest call: with 4 GiB, SmolLM2-135M scoring (batch 8, contexts up to 500) peaked at
-    # 6.0 GB and 360M at 7.3 GB, against 3.3 and 3.8 GB for lm-eval hf's forward + log_softmax (docs/MEMORY.md).
-    MAX_BYTES = 1 << 30
+    # The activations one call may hold (model.config.SCORING_MAX_BYTES, which says why); fewer rows per call beyond it.
+    MAX_BYTES = SCORING_MAX_BYTES
 
     def __init__(self, net, batch_size: int = 8, max_bytes: int | None = None):
         import mindspore as ms
@@ -112,15 +111,12 @@ class TokenScorer:
         return out
 
     def bytes_per_token(self, t: int) -> int:
-        """Activation bytes one token of a length-`t` row holds in the decoder graph (every intermediate stays
-        alive on CPU): per layer the attention scores and probabilities over t keys per head, ~10 hidden-sized
-        and 3 intermediate-sized fp32 tensors. Measured on SmolLM2-135M at t = 500: 1.8 MB; this gives 2.4 MB."""
-        c = self.net.config
-        return 4 * c.num_layers * (2 * c.num_heads * t + 10 * c.hidden_size + 3 * c.intermediate_size)
+        """Activation bytes one token of a length-`t` row holds in the decoder graph (ModelConfig.scoring_bytes_per_token)."""
+        return self.net.config.scoring_bytes_per_token(t)
 
     def rows_per_call(self, t: int) -> int:
         """Rows of length `t` one decoder call takes: batch_size, fewer where they would exceed max_bytes."""
-        return max(1, min(self.batch_size, self.max_bytes // (t * self.bytes_per_token(t))))
+        return self.net.config.scoring_rows(t, self.batch_size, self.max_bytes)
 
     def _run_head(self, x: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(log p(target) [N], is_argmax [N]) of decoder outputs x [N, H]: the head in chunks whose [rows, V]
