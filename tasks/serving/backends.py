@@ -78,8 +78,8 @@ class MindSporeBackend:
         self.eos_id = int(self.tokenizer.eos_id())
 
     def steps(self, prompt_ids: list[int], adapter: str | None = None) -> Generator[np.ndarray, int, None]:
-        # Generator.generate's own coroutine (the prompt in fixed chunks through one static graph, one compiled
-        # decode step): the same arithmetic as `msllm predict`.
+        # Generator.generate's own coroutine (the prompt in fixed chunks, each one fused op or one static graph;
+        # one fused or compiled decode step): the same arithmetic as `msllm predict`.
         ids = [int(t) for t in prompt_ids]
         if self.slots is None:
             return self.generator._cached_steps(ids)
