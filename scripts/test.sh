@@ -2,8 +2,8 @@
 # README command (b): set up .venv if needed, then run the tests in tiers: the unit tier (under
 # 2 minutes on 2 cores: no msrun, no training children, no servers), the integration tests
 # (stages, msrun, servers; with the unit tier under 10 minutes), then the slow ones (Prefect server
-# and work pools, Dask, end-to-end flows), then the CPU-sensitive tests on an emulated AVX2-only CPU
-# (scripts/test_emulated_cpu.sh). This is what CI runs.
+# and work pools, Dask, end-to-end flows), then the CPU-sensitive tests again as an AVX2-only CPU: natively with
+# every library capped at AVX2, and on an emulated one (scripts/test_emulated_cpu.sh). This is what CI runs.
 #   bash scripts/test.sh unit      # the unit tier alone
 #   bash scripts/test.sh -k data   # any other arguments go to pytest instead
 set -euo pipefail
@@ -26,6 +26,9 @@ echo "[test] slow integration tests"
 # the real model in a process of its own: a MindSpore network, a transformers one and lm-eval's, ~2 GB each
 echo "[test] slow: SmolLM2-135M against transformers"
 .venv/bin/python -m pytest -m slow tests/test_smollm2.py
-# the CPU-sensitive tests again on an emulated AVX2 + FMA core without AVX-512 or VNNI (skipped without qemu-user)
+# the CPU-sensitive tests again as an AVX2-only CPU sums: natively with every library capped at AVX2 (any x86_64
+# with AVX2, ~2 minutes), then on an emulated AVX2 + FMA core without AVX-512 or VNNI (skipped without qemu-user)
+echo "[test] CPU-sensitive tests capped at AVX2"
+bash scripts/test_emulated_cpu.sh --capped
 echo "[test] emulated AVX2-only CPU"
 bash scripts/test_emulated_cpu.sh

@@ -1,12 +1,46 @@
-"""Shared test helpers: a real (randomly initialised) tiny model artifact, built through the store."""
+"""Shared test helpers: a real (randomly initialised) tiny model artifact, built through the store; the float32
+bound (`fp32_tol`, `decoder_reduction`) that comparisons of two computations of the same math use."""
 
 from __future__ import annotations
 
 import io
+import math
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 SHAKESPEARE = REPO / "data/corpora/tinyshakespeare.txt"
+
+EPS32 = 2.0 ** -23
+"""float32 machine epsilon (np.finfo(np.float32).eps): the spacing of float32 numbers at 1."""
+
+
+def fp32_tol(scale, n: int = 0, k: float = 4.0):
+    """How far apart two float32 results of the same math may be when they were computed another way: another
+    kernel body (AVX2 or AVX-512), oneDNN's blocking for another batch shape or ISA cap, another thread split,
+    onnxruntime's MLAS instead of MindSpore, or a float64 reference.
+
+    A float32 sum of n terms rounds n - 1 times, each by at most eps32/2 of the running sum (<= the sum of the
+    |terms|, `scale`). Another order rounds elsewhere. Roundings to nearest have random sign, so the difference
+    grows as sqrt(n): a sum of n independent errors uniform in +-eps32/2 * scale has a standard deviation of
+    eps32 * scale * sqrt(n / 12); k = 4 times eps32 * sqrt(n + 1) * scale is ~14 of those, which no CPU's
+    order reaches by chance, while the worst case (all n roundings of one sign, n * eps32 * scale) never
+    happens. The + 1 and k also cover the elementwise steps around the sums (exp, rsqrt, a division: an ulp
+    or two each). Reductions chained along a value's path add their lengths (`n`: a matmul of width h, then
+    a log-softmax over V, then a sum over T tokens: h + V + T; `decoder_reduction` for a whole decoder).
+    `scale` bounds the |terms|: the largest |value| compared is the usual stand-in (an array: elementwise).
+    The bound stays far below what a real defect moves (a token scored at the wrong position changes a
+    log-likelihood by O(1))."""
+    return k * EPS32 * math.sqrt(n + 1) * scale
+
+
+def decoder_reduction(cfg, t: int) -> int:
+    """The reduction lengths a logit of LlamaForCausalLM(cfg) passes through at t keys, added along its path:
+    per layer the RMSNorms (hidden, twice), the q/k/v projections (hidden), the scores (head_dim), the
+    softmax and the weighted values (t keys, twice), the output projection (hidden), gate/up (hidden) and
+    down (intermediate); then the final norm and the head (hidden). For `fp32_tol`'s n."""
+    h = cfg.hidden_size
+    per_layer = 2 * h + h + cfg.head_dim + 2 * t + h + h + cfg.intermediate_size
+    return cfg.num_layers * per_layer + 2 * h
 
 
 def train_tiny_tokenizer(out: Path, vocab_size: int = 512) -> Path:
