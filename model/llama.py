@@ -203,7 +203,7 @@ class LlamaForCausalLM(nn.Cell):
     for Megatron-style tensor parallelism (training only: the KV-cache path is single-device).
     `fused_kernels=True` runs the training forward's causal softmax, SwiGLU and RMSNorm (and their backward) as fused
     custom ops (model/kernels.py, built with g++ on first use; fp32 only). Without a compiler, in fp16, or by
-    default, MindSpore's own ops run: the same math to ~1e-6. The trainer turns it on (pretrain.fused_kernels);
+    default, MindSpore's own ops run: the same math to ~1e-6. The trainer turns it on (pretrain.train.fused_kernels, finetune.train.fused_kernels);
     inference and export keep the built-in ops (a MindIR with a custom op would need its library).
     """
 

@@ -491,7 +491,7 @@ extern "C" int SwiGLUGrad(int nparam, void **params, int *ndims, int64_t **shape
 }
 
 // ---------------------------------------------------------------------------------------------------
-// The AdamW update in place (tasks/training/optim.py AdamW with fused_kernels, and ZeRO-1's ShardedAdamW).
+// The AdamW update in place (tasks/training/adamw.py AdamW with fused_kernels, and ZeRO-1's ShardedAdamW in tasks/training/zero.py).
 //
 // Loaded by model/kernels.py zero_ops(). One call updates one "segment": the range [a, a + k) of one
 // flattened parameter (under ZeRO-1 the range this data-parallel rank owns; for AdamW the whole parameter).
@@ -503,7 +503,7 @@ extern "C" int SwiGLUGrad(int nparam, void **params, int *ndims, int64_t **shape
 // `grad * coef` temporary), updates the moment shares m, v and the parameter's [a, a + k) IN PLACE, and
 // returns a one-element dummy the graph keeps (ops.depend) so the op is not pruned. `apply` == 0 (a
 // non-finite or refused step) writes nothing. The scalars are those the repo's AdamW feeds MindSpore's
-// AdamWeightDecay (torch's bias correction folded in: tasks/training/optim.py folded_adam_scalars), and
+// AdamWeightDecay (torch's bias correction folded in: tasks/training/adamw.py folded_adam_scalars), and
 // per element the arithmetic is that kernel's AVX-512 block (nnacl AdamWeightDecayFp32):
 //
 //   g = grad * coef

@@ -1,6 +1,6 @@
 """The pipeline's work, in rooms (MindSpore is imported only where a room computes):
 
-    tasks/config.py   the pipelines.yaml schema, validated before any compute
+    tasks/config/     the pipelines.yaml schema, validated before any compute
     tasks/stages/     the stage table, and one module (or package) per stage: data, pretrain, finetune,
                       evaluate, export, convert; each exposes stage_key(...) and run(...)
     tasks/store/      the artifact store, lineage, model artifacts, the MindRecord reader, code versions

@@ -1,4 +1,4 @@
-"""Finetune stage (tasks/stages/finetune.py): response-only labels, resumable batches, the stage, merge, the CLI."""
+"""Finetune stage (tasks/stages/finetune/): response-only labels, resumable batches, the stage, merge, the CLI."""
 
 from __future__ import annotations
 

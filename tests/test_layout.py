@@ -46,3 +46,62 @@ def _row(path: str) -> str:
     text = TABLE.read_text(encoding="utf-8")
     m = re.search(rf"^\| `{re.escape(path)}/?` \|(.*)$", text, flags=re.M)
     return m.group(1) if m else ""
+
+
+# ----------------------------------------------------------------------------- paths and keys the prose names
+
+_PROSE = ("README.md", "pipelines.yaml", "prefect.yaml")
+_PROSE_DIRS = ("docs/", "tasks/", "model/", "flows/", "scripts/", "data/")
+_PATH = re.compile(r"(?<![\w./-])((?:tasks|model|flows|scripts|docs|tests)/[\w./-]*?(?:\.(?:py|md|yaml|yml|cc|h|sh|json|jsonl"
+                   r"|txt|toml)|/))(?![\w/*<{-])")
+_KEY_SECTIONS = ("pretrain", "finetune", "continued", "checkpoint", "parallel", "eval")
+_KEY = re.compile(r"(?<![\w./-])(" + "|".join(_KEY_SECTIONS) + r")((?:\.[a-z_][a-z0-9_]*)+)(?![\w(/-])")
+
+
+def _prose_files() -> list[str]:
+    """The docs, the configs and every source file outside tests/ (docstrings and comments are prose too)."""
+    return [f for f in _tracked() if f in _PROSE or (f.startswith(_PROSE_DIRS) and
+                                                      f.endswith((".md", ".py", ".yaml", ".sh", ".cc", ".h")))]
+
+
+def test_docs_and_docstrings_name_files_that_exist():
+    """A path the prose names (`tasks/config.py`, `tasks/training/optim.py`, ...) is a file or folder of the tree."""
+    stale = []
+    for f in _prose_files():
+        for n, line in enumerate((REPO / f).read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+            stale += [f"{f}:{n}: {m.group(1)}" for m in _PATH.finditer(line) if not (REPO / m.group(1)).exists()]
+    assert stale == []
+
+
+def _config_key_exists(parts: list[str]) -> bool:
+    import typing
+
+    from pydantic import BaseModel
+
+    from tasks.config import PipelineConfig
+
+    model = PipelineConfig
+    for p in parts:
+        if model is None:  # below a field that is no section (a dict, a list, a value): not checked
+            return True
+        field = model.model_fields.get(p)
+        if field is None:
+            return False
+        model = next((a for a in (field.annotation, *typing.get_args(field.annotation))
+                      if isinstance(a, type) and issubclass(a, BaseModel)), None)
+    return True
+
+
+def test_docs_and_docstrings_name_config_keys_that_exist():
+    """`pretrain.fused_kernels`, `pretrain.resume`, ...: a key the prose names is a key of the schema (the table of
+    moved keys in tasks/config/loader.py names the old ones on purpose)."""
+    stale = []
+    for f in _prose_files():
+        if f == "tasks/config/loader.py":
+            continue
+        for n, line in enumerate((REPO / f).read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+            for m in _KEY.finditer(line):
+                parts = [m.group(1), *m.group(2)[1:].split(".")]
+                if not _config_key_exists(parts):
+                    stale.append(f"{f}:{n}: {'.'.join(parts)}")
+    assert stale == []

@@ -76,7 +76,7 @@ class AdamW(nn.Cell):
                  weight_decay: float, grad_clip: float | None, decay_mask: list[bool],
                  sharded: list[bool] | None = None, tp_group: str | None = None, fused: bool = True):
         """`sharded` marks tensor-parallel slices; their squared norms are summed over `tp_group`
-        so that clipping uses the global gradient norm of the unsplit model. `fused` (pretrain.fused_kernels):
+        so that clipping uses the global gradient norm of the unsplit model. `fused` (the train section's fused_kernels):
         on CPU with a compiler, the update is the in-place AdamW op (model/train_kernels.cc ZeroAdamW) (the arithmetic of
         AdamWeightDecay, multi-threaded, the clip factor applied inside: no `grad * coef` temporaries)."""
         super().__init__()

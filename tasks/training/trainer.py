@@ -147,7 +147,7 @@ def native_kernels(net, fused_setting: bool) -> str:
 
 def _resume(checkpoint, fp16: bool, mesh, ckpt_root: Path, params, optimizer, opt_params, scaler,
             meta: dict[str, Any], metrics_path: Path) -> tuple[LoopState, list[dict[str, Any]]]:
-    """Where training starts: the newest good checkpoint of this run (pretrain.resume), else
+    """Where training starts: the newest good checkpoint of this run (checkpoint.resume), else
     checkpoint.load_checkpoint, else step 0. Loads weights, moments (this rank's share under ZeRO-1), the
     loss scale and the counters into place, and returns the counters with the metrics history up to them."""
     st, history = LoopState(), []
