@@ -1,15 +1,18 @@
 """Register and serve the deployments on a Prefect server (PREFECT_API_URL), until interrupted.
 
     prefect server start                     # in another terminal (or any reachable server)
-    python scripts/serve.py [--pipeline demo] [--artifacts DIR] [--cron "0 3 * * 1"]
+    python scripts/serve.py [--pipeline demo] [--artifacts DIR] [--cron "0 3 * * 1"] [--all-pipelines]
     prefect deployment run 'full-pipeline/full-pipeline'
 
-Deployments: full-pipeline/full-pipeline, one per stage (data-stage/data-only,
-pretrain-stage/pretrain-only, …, eval-stage/eval-only) and continued-pretraining/continued
-(on demand) for --pipeline; and continued-pretraining/scheduled-<name> for every pipeline of
-the file whose `continued.schedule` sets a cron (`--cron` gives --pipeline one, or replaces its
-cron). Parameters of every deployment: pipeline, config, artifacts (and, for the continued
-ones, inbox and base_model: see flows/continued.py).
+Deployments of --pipeline only: full-pipeline/full-pipeline, one per stage (data-stage/data-only,
+pretrain-stage/pretrain-only, …, eval-stage/eval-only) and continued-pretraining/continued (on
+demand), their `pipeline` parameter defaulting to it; and continued-pretraining/scheduled-<pipeline>
+when its `continued.schedule` sets a cron (`--cron` gives it one, or replaces its cron). Serving
+all: the on-demand deployments run any pipeline of the file (`prefect deployment run
+'full-pipeline/full-pipeline' --param pipeline=tiny`), and `--all-pipelines` also schedules every
+pipeline whose `continued.schedule` is set (continued-pretraining/scheduled-<name> for each, what
+prefect.yaml declares). Parameters of every deployment: pipeline, config, artifacts (and, for the
+continued ones, inbox and base_model: see flows/continued.py).
 
 Stopping: SIGTERM or SIGINT (Ctrl-C) stops it within `--stop-timeout` seconds (default 4).
 In-flight flow runs and everything they started get SIGTERM at once; when they are gone the
@@ -33,12 +36,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
-def schedules(config: str) -> dict[str, tuple[str, str]]:
-    """{pipeline: (cron, timezone)} for every pipeline of the file whose continued.schedule is set."""
+def schedules(config: str, only: str | None = None) -> dict[str, tuple[str, str]]:
+    """{pipeline: (cron, timezone)} for every pipeline of the file (or the one `only` names) whose
+    continued.schedule is set."""
     from tasks.config import ConfigError, read_pipelines_file, resolve_pipeline
 
     out = {}
-    for name in read_pipelines_file(config)["pipelines"]:
+    for name in [only] if only else read_pipelines_file(config)["pipelines"]:
         try:
             cfg = resolve_pipeline(config, name, check_files=False)
         except ConfigError as exc:
@@ -49,7 +53,9 @@ def schedules(config: str) -> dict[str, tuple[str, str]]:
     return out
 
 
-def deployments(pipeline: str, config: str, artifacts: str, cron: str | None = None, inbox: str | None = None):
+def deployments(pipeline: str, config: str, artifacts: str, cron: str | None = None, inbox: str | None = None,
+                all_pipelines: bool = False):
+    """The deployments of `pipeline` (its schedule's among them); with all_pipelines, every pipeline's schedule."""
     import flows  # noqa: F401  (its Prefect defaults must be set before Prefect is imported)
     from prefect.schedules import Cron
 
@@ -64,7 +70,7 @@ def deployments(pipeline: str, config: str, artifacts: str, cron: str | None = N
         out.append(fl.to_deployment(name=f"{name}-only", parameters=params))
     extra = {"inbox": inbox} if inbox else {}
     out.append(continued_pretraining.to_deployment(name="continued", parameters=dict(params, **extra)))
-    crons = schedules(config)
+    crons = schedules(config, None if all_pipelines else pipeline)
     if cron:
         crons[pipeline] = (cron, "UTC")
     for name, (expr, tz) in crons.items():
@@ -166,18 +172,23 @@ def serve(deps: list, stop_timeout: float) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--pipeline", default="demo")
+    ap.add_argument("--pipeline", default="demo",
+                    help="the pipeline whose deployments to register (default demo); the on-demand ones run any "
+                         "pipeline with `prefect deployment run ... --param pipeline=NAME`")
+    ap.add_argument("--all-pipelines", action="store_true",
+                    help="also register continued-pretraining/scheduled-<name> for every pipeline of --config whose "
+                         "continued.schedule is set (as prefect.yaml does), not only --pipeline's")
     ap.add_argument("--config", default=str(REPO / "pipelines.yaml"))
     ap.add_argument("--artifacts", default=str(REPO / "artifacts"))
     ap.add_argument("--cron", default=os.environ.get("MSLLM_CONTINUED_CRON") or None,
-                    help="a schedule for --pipeline's continued-pretraining/scheduled-<pipeline> (default: each "
-                         "pipeline's continued.schedule in the config)")
+                    help="a schedule for --pipeline's continued-pretraining/scheduled-<pipeline> (default: its "
+                         "continued.schedule in the config)")
     ap.add_argument("--inbox", default=None, help="inbox directory (default: the pipeline's continued.inbox)")
     ap.add_argument("--stop-timeout", type=float, default=4.0,
                     help="seconds from SIGTERM/SIGINT to exit; flow runs still running then are killed (default 4)")
     a = ap.parse_args()
     _Stopper(a.stop_timeout).install()  # quiet, prompt exit while importing and registering
-    serve(deployments(a.pipeline, a.config, a.artifacts, a.cron or None, a.inbox), a.stop_timeout)
+    serve(deployments(a.pipeline, a.config, a.artifacts, a.cron or None, a.inbox, a.all_pipelines), a.stop_timeout)
     return 0
 
 

@@ -33,11 +33,16 @@ def _prefect_yaml() -> dict:
     return yaml.safe_load((REPO / "prefect.yaml").read_text())
 
 
-def test_prefect_yaml_declares_the_served_deployments():
+def _serve_script():
     spec = importlib.util.spec_from_file_location("serve_script", REPO / "scripts" / "serve.py")
     serve = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(serve)
-    served = serve.deployments("demo", "pipelines.yaml", "artifacts")
+    return serve
+
+
+def test_prefect_yaml_declares_the_served_deployments():
+    serve = _serve_script()
+    served = serve.deployments("demo", "pipelines.yaml", "artifacts", all_pipelines=True)
     doc = _prefect_yaml()
     declared = {}
     for d in doc["deployments"]:
@@ -57,6 +62,39 @@ def test_prefect_yaml_declares_the_served_deployments():
     assert sorted(n for _, n in declared if n.startswith("scheduled-")) == \
         sorted(f"scheduled-{p}" for p in serve.schedules(str(REPO / "pipelines.yaml")))
     assert doc["definitions"]["work_pool"]["job_variables"]["env"]["HF_HUB_OFFLINE"] == "1"
+
+
+def test_serve_registers_the_deployments_of_its_pipeline_only(tmp_path):
+    """`serve.py --pipeline X`: X's deployments (and X's schedule only); --all-pipelines adds every pipeline's."""
+    serve = _serve_script()
+    doc = yaml.safe_load((REPO / "pipelines.yaml").read_text())
+    doc["pipelines"]["tiny"]["continued"] = {"schedule": {"cron": "0 5 * * 2", "timezone": "UTC"}}
+    config = tmp_path / "pipelines.yaml"
+    config.write_text(yaml.safe_dump(doc))
+    assert sorted(serve.schedules(str(config))) == ["demo", "tiny"]
+
+    def names(deps):
+        return sorted(f"{d.flow_name}/{d.name}" for d in deps)
+
+    on_demand = ["continued-pretraining/continued", "data-stage/data-only", "eval-stage/eval-only",
+                 "export-stage/export-only", "finetune-stage/finetune-only", "full-pipeline/full-pipeline",
+                 "pretrain-stage/pretrain-only"]
+    smol = serve.deployments("smollm2", str(config), "artifacts")
+    assert names(smol) == on_demand and all(d.parameters["pipeline"] == "smollm2" and not d.schedules for d in smol)
+    tiny = serve.deployments("tiny", str(config), "artifacts")
+    assert names(tiny) == sorted([*on_demand, "continued-pretraining/scheduled-tiny"])
+    (sched,) = [d for d in tiny if d.schedules]
+    assert sched.parameters["pipeline"] == "tiny" and sched.schedules[0].schedule.cron == "0 5 * * 2"
+    cron = serve.deployments("smollm2", str(config), "artifacts", cron="0 4 * * *")
+    assert [(d.name, d.schedules[0].schedule.cron) for d in cron if d.schedules] == [("scheduled-smollm2", "0 4 * * *")]
+    every = serve.deployments("smollm2", str(config), "artifacts", all_pipelines=True)
+    assert names(every) == sorted([*on_demand, "continued-pretraining/scheduled-demo",
+                                   "continued-pretraining/scheduled-tiny"])
+    assert {d.name: d.parameters["pipeline"] for d in every if d.schedules} == {"scheduled-demo": "demo",
+                                                                                "scheduled-tiny": "tiny"}
+    out = subprocess.run([sys.executable, "scripts/serve.py", "--help"], cwd=REPO, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and "--all-pipelines" in out.stdout and "--param pipeline=NAME" in out.stdout
 
 
 def _api(url: str, body: dict | None = None):
