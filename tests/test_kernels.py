@@ -14,6 +14,7 @@ import mindspore as ms
 import pytest
 from mindspore import Tensor
 
+from helpers import decoder_reduction, fp32_tol
 from model import LlamaForCausalLM, ModelConfig
 from model.kernels import KernelShapeError, disabled_reason, kernel_path, train_ops
 
@@ -65,12 +66,14 @@ def test_causal_softmax_and_its_gradient(t, s, threads):
     x = (rng.standard_normal((3, t, s)) * 4).astype(np.float32)
     probs = K.causal_softmax(Tensor(x)).asnumpy()
     want = _ref_causal_softmax(x)
-    assert np.abs(probs - want).max() < 2e-6
+    # float32 kernels against float64 references (here and below): fp32_tol of the reduction each output sums
+    # (the S keys of a row; the hidden width; the rows of a weight gradient; the vocabulary) at its terms' scale
+    assert np.abs(probs - want).max() <= fp32_tol(1.0, s)
     assert (probs[:, np.arange(s)[None, :] > np.arange(t)[:, None] + (s - t)] == 0).all()  # masked: exactly 0
     dp = rng.standard_normal((3, t, s)).astype(np.float32)
     got = K.softmax_grad(Tensor(probs), Tensor(dp)).asnumpy()
     want_g = want * (dp - (dp * want).sum(-1, keepdims=True))
-    assert np.abs(got - want_g).max() < 5e-6
+    assert np.abs(got - want_g).max() <= fp32_tol(np.abs(dp).max(), s)
 
 
 @needs_kernels
@@ -80,10 +83,13 @@ def test_swiglu_and_its_gradient(threads):
     u, d = rng.standard_normal((2, 2, 7, 53)).astype(np.float32)
     gd = g.astype(np.float64)
     s = 1 / (1 + np.exp(-gd))
-    assert np.abs(K.swiglu(Tensor(g), Tensor(u)).asnumpy() - gd * s * u).max() < 1e-5
+    want, want_dg, want_du = gd * s * u, d * u * (s + gd * s * (1 - s)), d * gd * s
+    # elementwise (no sum): a few ulps of exp, the division and the products, at each output's scale
+    assert np.abs(K.swiglu(Tensor(g), Tensor(u)).asnumpy() - want).max() <= fp32_tol(np.abs(want).max())
     dg, du = (a.asnumpy() for a in K.swiglu_grad(Tensor(g), Tensor(u), Tensor(d)))
-    assert np.abs(dg - d * u * (s + gd * s * (1 - s))).max() < 1e-5
-    assert np.abs(du - d * gd * s).max() < 1e-5
+    scale_dg = np.abs(d * u * (1 + np.abs(gd) * s)).max()  # s + g s - g s^2: its terms before they cancel
+    assert np.abs(dg - want_dg).max() <= fp32_tol(scale_dg)
+    assert np.abs(du - want_du).max() <= fp32_tol(np.abs(want_du).max())
 
 
 @needs_kernels
@@ -96,12 +102,14 @@ def test_rms_norm_and_its_gradient(n, h, threads):
     e = Tensor(np.array([eps], np.float32))
     xd = x.astype(np.float64)
     inv = 1 / np.sqrt((xd ** 2).mean(-1, keepdims=True) + eps)
-    assert np.abs(K.rms_norm(Tensor(x), Tensor(w), e).asnumpy() - xd * inv * w).max() < 1e-5
+    y = xd * inv * w
+    assert np.abs(K.rms_norm(Tensor(x), Tensor(w), e).asnumpy() - y).max() <= fp32_tol(np.abs(y).max(), h)
     dx, dw = (a.asnumpy() for a in K.rms_norm_grad(Tensor(x), Tensor(w), e, Tensor(dy)))
     g = dy * w
     want_dx = inv * g - xd * inv ** 3 * (g * xd).mean(-1, keepdims=True)
-    assert np.abs(dx - want_dx).max() < 1e-5
-    assert np.abs(dw - (dy * xd * inv).sum(0)).max() < 1e-4
+    scale_dx = np.abs(inv * g).max() + np.abs(xd * inv ** 3 * (g * xd).mean(-1, keepdims=True)).max()
+    assert np.abs(dx - want_dx).max() <= fp32_tol(scale_dx, h)
+    assert (np.abs(dw - (dy * xd * inv).sum(0)) <= fp32_tol(np.abs(dy * xd * inv).sum(0), n + h)).all()
 
 
 @needs_kernels
@@ -115,13 +123,13 @@ def test_cross_entropy_and_its_gradient(threads):
     xd = x.astype(np.float64)
     want_lse = np.log(np.exp(xd - xd.max(-1, keepdims=True)).sum(-1)) + xd.max(-1)
     keep = y >= 0
-    assert np.abs(lse - want_lse).max() < 1e-5
-    assert np.abs(nll - np.where(keep, want_lse - xd[np.arange(9), np.maximum(y, 0)], 0)).max() < 1e-5
+    assert np.abs(lse - want_lse).max() <= fp32_tol(np.abs(xd).max(), 37)
+    assert np.abs(nll - np.where(keep, want_lse - xd[np.arange(9), np.maximum(y, 0)], 0)).max() <= fp32_tol(np.abs(xd).max(), 37)
     got = K.cross_entropy_grad(Tensor(x), Tensor(y), Tensor(lse), Tensor(d)).asnumpy()
     want = np.exp(xd - want_lse[:, None])
     want[np.arange(9), np.maximum(y, 0)] -= 1
     want = np.where(keep[:, None], want * d[:, None], 0)
-    assert np.abs(got - want).max() < 1e-5
+    assert np.abs(got - want).max() <= fp32_tol(np.abs(d).max(), 37)
 
 
 @needs_kernels
@@ -152,14 +160,17 @@ def test_fused_model_matches_builtin_ops_forward_and_backward():
     base, fused = LlamaForCausalLM(cfg, seed=0), LlamaForCausalLM(cfg, seed=0, fused_kernels=True)
     assert fused.fused_kernels and not base.fused_kernels
     a, b = base(Tensor(ids)).asnumpy(), fused(Tensor(ids)).asnumpy()
-    assert np.abs(a - b).max() < 1e-5 * np.abs(a).max()
+    n = decoder_reduction(cfg, 33)  # the fused kernels sum the same terms as MindSpore's ops, in their own order
+    assert np.abs(a - b).max() <= fp32_tol(np.abs(a).max(), n)
     labels = ids[:, 1:].copy()
     labels[0, :5] = -100  # ignored positions (a finetune prompt): the fused cross-entropy skips them too
     la, ga = _loss_and_grads(base, ids[:, :-1], labels)
     lb, gb = _loss_and_grads(fused, ids[:, :-1], labels)
-    assert abs(la - lb) < 1e-6 * abs(la)  # ~6.27: float32 sums in another order
+    # the loss (~6.27) adds the log-sum-exp over the vocabulary and the mean over 2 x 32 positions; a gradient
+    # passes the decoder's reductions again backward and sums a weight's over those positions
+    assert abs(la - lb) <= fp32_tol(abs(la) + np.abs(a).max(), n + cfg.vocab_size + 64)
     for x, y in zip(ga, gb):
-        assert np.abs(x - y).max() <= 1e-5 * max(np.abs(x).max(), 1e-6)
+        assert np.abs(x - y).max() <= fp32_tol(max(np.abs(x).max(), 1e-6), 2 * n + cfg.vocab_size + 64)
 
 
 def test_fallback_without_kernels_and_in_fp16(monkeypatch):

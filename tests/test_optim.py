@@ -8,6 +8,7 @@ import pytest
 import mindspore as ms
 from mindspore import Parameter, Tensor, ops
 
+from helpers import decoder_reduction, fp32_tol
 from model.config import ModelConfig
 from model.llama import LlamaForCausalLM
 from tasks.training.adamw import AdamW, decays
@@ -55,7 +56,9 @@ def test_adamw_matches_numpy_reference():
     for t, g in enumerate(grads, start=1):
         opt((Tensor(g),), Tensor(0.01, ms.float32), Tensor(float(t), ms.float32), Tensor(1.0, ms.float32), Tensor(True, ms.bool_))
     ref = _numpy_adamw(p0.astype(np.float64), grads, 0.01, 0.9, 0.95, 1e-8, 0.1, 1.0)
-    np.testing.assert_allclose(p.asnumpy(), ref, atol=1e-6)
+    # float32 against float64 over 3 steps: each sums the 15 squares of the clip norm, the rest is elementwise
+    # (a few ulps of the weights and of lr x the moment ratio)
+    np.testing.assert_allclose(p.asnumpy(), ref, rtol=0, atol=fp32_tol(np.abs(ref).max() + 0.01, 3 * 15))
 
 
 def test_nonfinite_gradient_skips_the_update():
@@ -89,10 +92,17 @@ def test_gradient_accumulation_equals_large_batch_weighted_by_tokens():
     for s, (x, y) in enumerate(batches, start=1):
         l1, g1, _ = step1([(x, y)], 1e-3, s)
         l2, g2, _ = step2([(x[:2], y[:2]), (x[2:], y[2:])], 1e-3, s)
-        assert abs(l1 - l2) < 1e-5 and abs(g1 - g2) < 1e-5, (s, l1, l2, g1, g2)
+        # another batch shape: float32 sums in another order. The loss passes the decoder's reductions, the
+        # vocabulary's log-sum-exp and the mean over 64 positions; the gradient norm those backward and its sum
+        # of squares over every parameter
+        n = decoder_reduction(cfg, 16) + cfg.vocab_size + 64
+        assert abs(l1 - l2) <= fp32_tol(abs(l1) + 1.0, n), (s, l1, l2)
+        assert abs(g1 - g2) <= fp32_tol(abs(g1), 2 * n + cfg.num_parameters), (s, g1, g2)
     assert step2.token_weights([y_masked[:2], y_masked[2:]]) == [2 * 8 / 40, 2 * 32 / 40]
     for a, b in zip(net1.trainable_params(), net2.trainable_params()):
-        np.testing.assert_allclose(a.asnumpy(), b.asnumpy(), atol=1e-5)  # Adam amplifies fp32 summation order
+        # Not fp32_tol: Adam divides by sqrt(v), so a gradient element near 0 turns its float32 noise into an
+        # update of up to lr per step; 1e-5 is what 4 steps at lr 1e-3 keep here (measured, not derived)
+        np.testing.assert_allclose(a.asnumpy(), b.asnumpy(), atol=1e-5)
 
 
 def test_jit_train_step_lowers_loss_and_is_deterministic():
