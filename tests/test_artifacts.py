@@ -421,3 +421,41 @@ def test_two_identical_data_runs_compute_once(tmp_path, capfd):
     assert err.count("data: training a bpe tokenizer") == 1, err  # one computation
     assert f"data/{key} is being built by another process" in err and "[data] " in err, err
     assert f"{out['first']} is published (built by another process meanwhile); using it" in err, err
+
+
+@pytest.mark.integration
+def test_a_conversion_waiting_for_an_identical_one_uses_what_it_published(tmp_path, capfd, monkeypatch):
+    """convert ran under the store's build lock only: a second identical `convert --from-hf` read and converted
+    every tensor, then waited at the build, then threw its copy away. Now it waits at the stage lock, before any
+    work, and returns the artifact the first one published. The first run is this thread, holding the lock
+    while the second (a thread) waits; the tensors are read once."""
+    import threading
+    import time
+
+    from helpers import tiny_model_artifact
+    from tasks.stages import convert
+
+    (tmp_path / "src").mkdir()
+    hf_dir = convert.to_hf(tiny_model_artifact(tmp_path / "src"), tmp_path / "hf")
+    key = convert.from_hf(hf_dir, ArtifactStore(tmp_path / "probe")).name  # a content key: the same in any store
+    store = ArtifactStore(tmp_path / "art")
+    reads = []
+    real_read = convert.read_hf_tensors
+    monkeypatch.setattr(convert, "read_hf_tensors", lambda d: reads.append(threading.current_thread().name) or real_read(d))
+    out: dict[str, Path] = {}
+    second = threading.Thread(target=lambda: out.update(second=convert.from_hf(hf_dir, ArtifactStore(store.root))),
+                              name="second")
+    err = ""
+    with store.lock("convert", key):  # the first run has started converting
+        second.start()
+        deadline = time.monotonic() + 60
+        while f"convert/{key} is being built by another process" not in err:  # the second one waits for it
+            assert time.monotonic() < deadline and second.is_alive(), err
+            time.sleep(0.02)
+            err += capfd.readouterr().err
+        out["first"] = convert.from_hf(hf_dir, store)
+    second.join()
+    err += capfd.readouterr().err
+    assert out["first"] == out["second"] == store.lookup("convert", key)
+    assert reads == ["MainThread"], reads  # converted once, by the run holding the lock
+    assert f"[convert] {out['first']} is published (built by another process meanwhile); using it" in err, err

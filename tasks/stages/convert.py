@@ -126,8 +126,7 @@ def from_hf(hf_dir: str | os.PathLike, store: ArtifactStore, pipeline: str | Non
     The tokenizer is the directory's tokenizer.model (SentencePiece) or, without one, its tokenizer.json with
     tokenizer_config.json and chat_template.jinja where present; generation_config.json is kept too.
     """
-    from tasks.store.model_artifact import write_model
-    from tasks.tokenizer import TokenizerError, load_tokenizer, tokenizer_files
+    from tasks.tokenizer import tokenizer_files
 
     hf_dir = Path(hf_dir)
     if not (hf_dir / "config.json").is_file():
@@ -146,6 +145,15 @@ def from_hf(hf_dir: str | os.PathLike, store: ArtifactStore, pipeline: str | Non
     hit = store.lookup(STAGE, key)
     if hit is not None:
         return hit
+    with store.claim(STAGE, key) as hit:  # one conversion per key: an identical run waits, then uses what it published
+        return hit or _convert_hf(hf_dir, store, pipeline, key, inputs, config, tok_files, gen_cfg)
+
+
+def _convert_hf(hf_dir: Path, store: ArtifactStore, pipeline: str | None, key: str, inputs: list, config: dict,
+                tok_files: list, gen_cfg: Path) -> Path:
+    """Convert the HF directory and publish its artifact `key` (under the stage lock: `from_hf`)."""
+    from tasks.store.model_artifact import write_model
+    from tasks.tokenizer import TokenizerError, load_tokenizer
 
     hf_config = _json_object(hf_dir / "config.json")
     cfg = config_from_hf(hf_config)
@@ -170,10 +178,6 @@ def from_gguf(gguf_file: str | os.PathLike, store: ArtifactStore, pipeline: str 
     """The convert artifact of a llama GGUF file: weights dequantized to float32 (F32, F16, BF16, Q8_0, Q4_0, Q4_1,
     ...), the config from its llama.* metadata, the tokenizer rebuilt as a tokenizer.json from tokenizer.ggml.*
     (with the chat template). Keyed by the file's sha256 (its raw input, so lineage reaches it)."""
-    from model.gguf import GGUFError, config_from_meta, read_gguf, read_metadata
-    from tasks.store.model_artifact import write_model
-    from tasks.tokenizer import TokenizerError, hf_files_from_gguf, load_tokenizer
-
     src = Path(gguf_file)
     if not src.is_file():
         raise FileNotFoundError(f"{src}: no such GGUF file")
@@ -183,6 +187,16 @@ def from_gguf(gguf_file: str | os.PathLike, store: ArtifactStore, pipeline: str 
     hit = store.lookup(STAGE, key)
     if hit is not None:
         return hit
+    with store.claim(STAGE, key) as hit:  # one conversion per key: an identical run waits, then uses what it published
+        return hit or _convert_gguf(src, store, pipeline, key, inputs, config)
+
+
+def _convert_gguf(src: Path, store: ArtifactStore, pipeline: str | None, key: str, inputs: list, config: dict) -> Path:
+    """Convert the GGUF file and publish its artifact `key` (under the stage lock: `from_gguf`)."""
+    from model.gguf import GGUFError, config_from_meta, read_gguf, read_metadata
+    from tasks.store.model_artifact import write_model
+    from tasks.tokenizer import TokenizerError, hf_files_from_gguf, load_tokenizer
+
     try:
         opened = read_metadata(src)  # layout checked: every tensor aligned, inside the data section, apart
         cfg = config_from_meta(opened[1], str(src))  # the architecture first: a qwen2 file is named as such
