@@ -16,7 +16,7 @@ from tasks.config import ConfigError, resolve_pipeline
 from tasks.stages.pretrain import StageFailed
 from tasks.prompts import encode_segments, prompt_ids, to_segments
 from tasks.stages.finetune import IGNORE, Examples, example_batches, instruction_examples, pack_example, text_examples
-from tests.helpers import tiny_model_artifact
+from tests.helpers import decoder_reduction, fp32_tol, tiny_model_artifact
 
 REPO = Path(__file__).resolve().parent.parent
 COLOURS = ["red", "green", "blue", "white"]
@@ -79,7 +79,8 @@ def test_loss_is_masked_to_the_response_on_a_crafted_example(sp):
     lp = logits[0] - logits[0].max(-1, keepdims=True)
     lp = lp - np.log(np.exp(lp).sum(-1, keepdims=True))
     pos = np.arange(len(p) - 1, len(p) - 1 + len(r))
-    assert got == pytest.approx(float(-lp[pos, r].mean()), rel=1e-5)
+    want = float(-lp[pos, r].mean())  # numpy's float32 sums against MindSpore's: the vocabulary, then the mean
+    assert abs(got - want) <= fp32_tol(abs(want) + np.abs(logits).max(), logits.shape[-1] + len(r))
 
 
 def test_chat_messages_train_on_every_assistant_turn_only(sp):
@@ -205,7 +206,9 @@ def test_stage_trains_a_small_adapter_that_names_its_base_and_merges_exactly(env
     inject_lora(net_b, ad["target_modules"], ad["rank"], ad["alpha"])
     _assign([p for p in net_b.get_parameters() if "lora_" in p.name], load_file(str(path / "adapter.safetensors")), "adapter")
     ids = ms.Tensor(np.random.default_rng(0).integers(0, 512, (2, 20)).astype(np.int32))
-    np.testing.assert_allclose(net_m(ids).asnumpy(), net_b(ids).asnumpy(), atol=1e-5, rtol=0)
+    want = net_b(ids).asnumpy()  # merged W + s·B·A against W x + s·B(A x): float32 sums in another order
+    tol = fp32_tol(np.abs(want).max(), decoder_reduction(net_b.config, 20) + ad["rank"])
+    np.testing.assert_allclose(net_m(ids).asnumpy(), want, atol=tol, rtol=0)
 
 
 def test_merge_refuses_a_base_that_changed(env, tmp_path):
