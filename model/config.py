@@ -58,8 +58,9 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
         for name in ("rope_theta", "norm_eps", "init_std"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"ModelConfig.{name} must be a positive number, got {value!r}")
+            # `not value > 0` (not `value <= 0`): NaN compares false both ways; inf is no usable size either
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < float("inf"):
+                raise ValueError(f"ModelConfig.{name} must be a positive finite number, got {value!r}")
         if not isinstance(self.tie_embeddings, bool):
             raise ValueError(f"ModelConfig.tie_embeddings must be a bool, got {self.tie_embeddings!r}")
         if self.hidden_size % self.num_heads != 0:

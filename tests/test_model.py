@@ -239,7 +239,9 @@ def test_config_rejects_unknown_key():
     ({"hidden_size": 64.0}, "hidden_size must be a positive int"),
     ({"num_kv_heads": 3}, "num_heads \\(4\\) must be divisible by num_kv_heads \\(3\\)"),
     ({"num_heads": 5, "num_kv_heads": 5}, "hidden_size \\(64\\) must be divisible by num_heads"),
-    ({"norm_eps": 0.0}, "norm_eps must be a positive number"),
+    ({"norm_eps": 0.0}, "norm_eps must be a positive finite number"),
+    ({"rope_theta": float("nan")}, "rope_theta must be a positive finite number"),  # NaN passed `value <= 0`
+    ({"norm_eps": float("inf")}, "norm_eps must be a positive finite number"),
 ])
 def test_config_validation(overrides, message):
     with pytest.raises(ValueError, match=message):
