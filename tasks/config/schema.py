@@ -320,6 +320,8 @@ class EvalSection(_Section):
     limit: int | None = Field(None, gt=0)
     """At most this many examples per task."""
     batch_size: int = Field(8, gt=0)
+    """Rows per scoring call; fewer where they would pass 1 GiB of activations. A value no call can hold (more rows
+    than fit even of one token: ModelConfig.scoring_rows) is a validation error naming the cap."""
     heldout_blocks: int | None = Field(None, gt=0)
     """At most this many held-out blocks (the first, in shard order) for the held-out perplexity; all when unset."""
     perplexity_files: list[str] = Field(default_factory=list)
