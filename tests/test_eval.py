@@ -310,6 +310,48 @@ def test_eval_stage_writes_the_artifact_and_caches(root, artifact, tmp_path):
     assert "| local_piqa.acc |" in table and "+0.0000" in table
 
 
+def test_eval_report_shows_the_base_models_perplexity_on_the_same_blocks(tmp_path):
+    """A model continued from another (its manifest's model input): the report puts the base's held-out perplexity,
+    on the same blocks, beside the evaluated model's, each row saying which model it is; the base's own eval (it
+    has no base) shows no such row and gives the same figure."""
+    from model.config import ModelConfig
+    from model.llama import LlamaForCausalLM
+    from tasks.stages import data
+    from tasks.store.model_artifact import load_tokenizer, write_model
+
+    cfg = resolve_pipeline(REPO / "pipelines.yaml", "tiny", ["eval.tasks=[]", "eval.prompts=[]", "eval.heldout_blocks=6"])
+    store = ArtifactStore(tmp_path)
+    held_out = data.run(cfg, store, progress=False)
+    mc, tok = ModelConfig.from_name("tiny", init_std=0.3), load_tokenizer(held_out)
+
+    def model(seed: int, *inputs: Path) -> Path:
+        with store.build("pretrain", f"{seed:020d}", pipeline="tiny", config={"seed": seed},
+                         inputs=[store.input_ref(i) for i in inputs], code="test") as b:
+            write_model(b.dir, name="llama", config=mc, tokenizer_model=held_out, tokenizer_info=tok.info(),
+                        weights={p.name: p.asnumpy() for p in LlamaForCausalLM(mc, seed=seed).trainable_params()},
+                        seq_length=mc.max_seq_length)
+        return b.path
+
+    base = model(0, held_out)
+    continued = model(1, held_out, base)  # as pretrain with init_from records it: data, then the model
+    assert evaluate.base_chain(store, continued) == [(base, "continued from")] and evaluate.base_chain(store, base) == []
+    path = evaluate.run(cfg, store, continued, held_out, progress=False)
+    own = evaluate.run(cfg, store, base, held_out, progress=False)
+    res, base_res = (json.loads((p / "results.json").read_text()) for p in (path, own))
+    b = res["base_perplexity"]
+    assert b["model"] == f"pretrain/{base.name}" and b["chain"] == f"pretrain/{continued.name} ← continued from pretrain/{base.name}"
+    assert b["held-out"]["tokens"] == res["perplexity"]["held-out"]["tokens"]  # the same blocks
+    assert b["held-out"]["perplexity"] == pytest.approx(base_res["perplexity"]["held-out"]["perplexity"], rel=1e-9)
+    assert b["held-out"]["perplexity"] != pytest.approx(res["perplexity"]["held-out"]["perplexity"], rel=1e-3)
+    assert ArtifactStore.read_manifest(path)["metrics"]["base_perplexity"] == b["held-out"]["perplexity"]
+    report = (path / "report.md").read_text()
+    rows = [ln for ln in report.splitlines() if ln.startswith("| held-out |")]
+    assert [r.split(" | ")[1] for r in rows] == [f"evaluated: `pretrain/{continued.name}`", f"base: `pretrain/{base.name}`"]
+    assert rows[1].split(" | ")[4] == evaluate._fmt(b["held-out"]["perplexity"])
+    assert "chain started from" in report and "base:" not in (own / "report.md").read_text()
+    assert "base_perplexity" not in base_res
+
+
 def test_cli_eval_compare_and_predict(root, artifact, tmp_path, capsys):
     common = ["--config", str(REPO / "pipelines.yaml"), "--pipeline", "tiny", "--artifacts", str(root)]
     paths = []

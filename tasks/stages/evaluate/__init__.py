@@ -17,11 +17,17 @@ What it measures (`eval` section of pipelines.yaml):
 Artifact payload:
     results.json         lm-eval's result dict (results, configs, versions, n-shot, n-samples, …) without the
                          per-request records, plus "perplexity": {set: {tokens, bytes, perplexity, bits_per_byte}}
+                         and "base_perplexity": {model, path, chain, "held-out": row} (a model with a base)
     samples/<task>.jsonl the harness's per-document records (arguments, responses, metrics)
     generations.jsonl    {"prompt", "completion", "new_tokens", generation settings}
     report.md            markdown: perplexity table, lm-eval's task table, the generations
-manifest metrics: perplexity, bits_per_byte (held-out split), "<file>.perplexity" / "<file>.bits_per_byte",
-"<task>.<metric>" for each task's main metric (acc where it has one).
+manifest metrics: perplexity, bits_per_byte (held-out split), base_perplexity / base_bits_per_byte (the base
+model's, on the same held-out blocks; below), "<file>.perplexity" / "<file>.bits_per_byte", "<task>.<metric>" for
+each task's main metric (acc where it has one).
+
+The base model: for a model with one (a merged finetune, a continued pretrain: `base_chain` follows the model
+inputs of the manifests back to a model converted or trained from scratch), that first model's held-out
+perplexity on the same blocks, in results.json ("base_perplexity") and beside the evaluated one in report.md.
 """
 
 from __future__ import annotations
@@ -155,6 +161,60 @@ def heldout_perplexity(lm, data_artifact: Path, batch_size: int, progress: bool 
     tokens = int(sum(k.sum() for k in masks))
     nbytes = int(sum(token_bytes[t[k]].sum() for (_, t), k in zip(rows, masks)))
     return _ppl_row(total, tokens, nbytes)
+
+
+def base_chain(store: ArtifactStore, model_artifact: Path) -> list[tuple[Path, str]]:
+    """The models `model_artifact` descends from, nearest first, each with how its child came from it ("finetuned
+    from", "continued from"): a merged finetune's base (its manifest's model input), a continued pretrain's
+    init_from, and theirs, up to a model converted or trained from scratch. Stops where an input is no longer in
+    the store; [] for a model with no base."""
+    from tasks.stages import MODEL_KINDS
+
+    chain: list[tuple[Path, str]] = []
+    seen, current = {store.inside(model_artifact)}, store.inside(model_artifact)
+    while len(chain) < 64:
+        m = store.read_manifest(current)
+        ref = next((i for i in m.get("inputs", []) if isinstance(i, dict) and i.get("kind") == "artifact"
+                    and i.get("stage") in MODEL_KINDS), None)
+        if ref is None:
+            break
+        try:
+            parent = store.lookup(ref["stage"], ref["key"])
+        except ArtifactError:
+            parent = None
+        if parent is None or parent in seen:
+            break
+        chain.append((parent, "finetuned from" if m.get("stage") == "merged" else "continued from"))
+        seen.add(parent)
+        current = parent
+    return chain
+
+
+def base_perplexity(store: ArtifactStore, model_artifact: Path, data_artifact: Path, ev,
+                    progress: bool = False) -> dict[str, Any] | None:
+    """The held-out perplexity of the model `model_artifact`'s chain started from (base_chain's last) on the same
+    blocks of `data_artifact`: {"model", "path", "chain", "held-out": row}, or {"model", "path", "chain",
+    "skipped": why} when its tokenizer is not the data's; None for a model with no base."""
+    import gc
+
+    from tasks.stages.evaluate.lm_adapter import MindSporeLM
+    from tasks.tokenizer import files_sha256, tokenizer_files
+
+    chain = base_chain(store, model_artifact)
+    if not chain:
+        return None
+    base = chain[-1][0]
+    names = [f"{model_artifact.parent.name}/{model_artifact.name}"]
+    names += [f"{how} {p.parent.name}/{p.name}" for p, how in chain]
+    out = {"model": f"{base.parent.name}/{base.name}", "path": str(base), "chain": " ← ".join(names)}
+    if files_sha256(tokenizer_files(base)) != files_sha256(tokenizer_files(data_artifact)):
+        return {**out, "skipped": f"its tokenizer is not the one {data_artifact.name} was tokenized with"}
+    gc.collect()  # the evaluated model's graphs and weights, let go by the caller, before the base's load
+    lm = MindSporeLM(pretrained=base, batch_size=ev.batch_size, progress=progress, fused_kernels=ev.fused_kernels)
+    row = heldout_perplexity(lm, data_artifact, ev.batch_size, progress, ev.heldout_blocks)
+    _log(progress, f"held-out, base model {out['model']}: perplexity {_fmt(row['perplexity'])}, "
+                   f"{_fmt(row['bits_per_byte'])} bits/byte ({row['tokens']} tokens)")
+    return {**out, "held-out": row}
 
 
 # ----------------------------------------------------------------------------- lm-eval tasks
@@ -313,10 +373,16 @@ def _evaluate(cfg: PipelineConfig, store: ArtifactStore, model_artifact: Path, d
                         "the model is broken (NaN/Inf weights or logits) and no eval artifact is written; "
                         "evaluate another model artifact")
     generations = sample_generations(lm, ev, progress)
+    del lm
+    base = base_perplexity(store, model_artifact, data_artifact, ev, progress) if data_artifact is not None else None
+    if base and "held-out" in base:
+        metrics.update(base_perplexity=base["held-out"]["perplexity"], base_bits_per_byte=base["held-out"]["bits_per_byte"])
     metrics["eval_seconds"] = round(time.perf_counter() - t0, 1)
 
     samples = results.pop("samples", {})
     results["perplexity"] = ppl
+    if base:
+        results["base_perplexity"] = base
     # side outputs first: publishing is the last step, so a failure here (a read-only run dir) leaves no
     # artifact whose rerun would be a cache hit that never writes them
     _write_events(cfg, store, key, model_artifact, metrics)
@@ -377,10 +443,21 @@ def render_report(model_artifact: Path, data_artifact: Path | None, results: dic
     if data_artifact is not None:
         lines += [f"Held-out split: `{data_artifact.parent.name}/{data_artifact.name}`", ""]
     if results.get("perplexity"):
-        lines += ["## Perplexity", "", "| set | tokens | bytes | perplexity | bits/byte |", "|---|---:|---:|---:|---:|"]
+        evaluated, base = f"`{model_artifact.parent.name}/{model_artifact.name}`", results.get("base_perplexity")
+        lines += ["## Perplexity", "", "| set | model | tokens | bytes | perplexity | bits/byte |",
+                  "|---|---|---:|---:|---:|---:|"]
         for name, r in results["perplexity"].items():
-            lines.append(f"| {name} | {r['tokens']} | {r['bytes']} | {_fmt(r['perplexity'])} | {_fmt(r['bits_per_byte'])} |")
+            lines.append(f"| {name} | evaluated: {evaluated} | {r['tokens']} | {r['bytes']} | {_fmt(r['perplexity'])} "
+                         f"| {_fmt(r['bits_per_byte'])} |")
+            if name == "held-out" and base and "held-out" in base:
+                b = base["held-out"]
+                lines.append(f"| held-out | base: `{base['model']}` | {b['tokens']} | {b['bytes']} | "
+                             f"{_fmt(b['perplexity'])} | {_fmt(b['bits_per_byte'])} |")
         lines.append("")
+        if base:
+            lines += [f"The base model is the one the evaluated model's chain started from ({base['chain']}), "
+                      + ("scored on the same held-out blocks; lower is better." if "held-out" in base
+                         else f"not scored: {base['skipped']}."), ""]
     if results.get("results"):
         lines += [f"## lm-eval tasks ({f'{limit} examples each' if limit else 'all examples'})", "",
                   make_table(results).strip(), ""]
