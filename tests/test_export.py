@@ -103,6 +103,41 @@ def test_genai_check_and_tokenizer_ids_in_manifest(env):
     assert cfg["model"]["eos_token_id"] == 2 and cfg["search"]["past_present_share_buffer"] is False
 
 
+def test_genai_tokenizer_warning_names_the_tokenizer_json_the_model_has(tmp_path, capsys):
+    """A tokenizer.json model (no SentencePiece anywhere) whose tokenizer onnxruntime-genai reads otherwise: genai
+    skips tokenizer.json's normalizer (here a Lowercase one, as uncased models have). The export records the first
+    mismatch and warns naming the model's tokenizer.json; the log and the card name it too."""
+    from model.config import ModelConfig
+    from model.llama import LlamaForCausalLM
+    from tasks.store.model_artifact import write_model
+    from tasks.tokenizer import load_tokenizer
+    from tests.helpers import train_tiny_hf_tokenizer
+
+    tok_dir = train_tiny_hf_tokenizer(tmp_path / "tok")
+    spec = json.loads((tok_dir / "tokenizer.json").read_text())
+    spec["normalizer"] = {"type": "Lowercase"}
+    (tok_dir / "tokenizer.json").write_text(json.dumps(spec))
+    tok, mc = load_tokenizer(tok_dir), ModelConfig.from_name("tiny")
+    store = ArtifactStore(tmp_path / "art")
+    with store.build("pretrain", "0" * 20, pipeline="test", config={}, inputs=[], code="test") as b:
+        write_model(b.dir, name="llama", config=mc, tokenizer_model=tok_dir, tokenizer_info=tok.info(),
+                    weights={p.name: p.asnumpy() for p in LlamaForCausalLM(mc, seed=0).trainable_params()},
+                    seq_length=mc.max_seq_length)
+    path = export.run(_cfg("export.formats=[onnx]", "export.int8=false", "export.prompts=['ROMEO: Hello']"), store,
+                      b.path, isolate=False, progress=True)
+    err = capsys.readouterr().err
+    g = ArtifactStore.read_manifest(path)["verification"]["genai"]
+    first = g["tokenizer_first_mismatch"]
+    assert g["tokenizer_ids_match"] is False and first["model"] != first["genai"], g
+    assert first["model"] == tok.encode(first["text"])[:8]  # the model's own ids, where genai's differ
+    (warning,) = [ln for ln in err.splitlines() if "warning:" in ln]
+    assert "differs from the model's tokenizer.json (Hugging Face tokenizers)" in warning, warning
+    assert str(first["model"]) in warning and str(first["genai"]) in warning, warning
+    assert "SentencePiece" not in err, err
+    card = (path / "MODEL_CARD.md").read_text()
+    assert "| onnxruntime-genai's tokenizer ids == the model's tokenizer.json (Hugging Face tokenizers) | False" in card
+
+
 def test_int8_variant_in_manifest(env):
     m = env["manifest"]
     q = m["verification"]["int8"]

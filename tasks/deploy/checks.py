@@ -220,7 +220,7 @@ def verify_genai(out: Path, sp, texts: list[str], greedy: list[dict[str, Any]], 
         tokens += len(want)
         if want != got and first is None:
             at = next((i for i, (a, c) in enumerate(zip(want, got)) if a != c), min(len(want), len(got)))
-            first = {"text": text[max(0, at - 40):at + 80], "sentencepiece": want[at:at + 8], "genai": got[at:at + 8]}
+            first = {"text": text[max(0, at - 40):at + 80], "model": want[at:at + 8], "genai": got[at:at + 8]}
     decoded = all(tok.decode(g["mindspore"]) in (sp.decode(g["mindspore"]), prefix + sp.decode(g["mindspore"]))
                   for g in greedy)
     return {**res, "tokenizer_ids_match": first is None, "tokenizer_texts": len(texts), "tokenizer_tokens": tokens,

@@ -47,6 +47,14 @@ def _num(v: Any) -> str:
     return str(v)
 
 
+def tokenizer_name(info: dict[str, Any]) -> str:
+    """The model's tokenizer as the export's messages name it: its Hugging Face tokenizer.json, or its SentencePiece
+    tokenizer.model (which the export turns into the tokenizer.json onnxruntime-genai reads)."""
+    if info.get("tokenizer", {}).get("type") == "hf":
+        return "the model's tokenizer.json (Hugging Face tokenizers)"
+    return "the model's SentencePiece tokenizer.model"
+
+
 def model_card(*, info: dict[str, Any], parameters: int, model_ref: dict[str, Any], pipeline: str,
                verification: dict[str, Any], lineage: dict[str, Any], evaluation: dict[str, Any] | None,
                artifact_path: Path) -> str:
@@ -115,7 +123,7 @@ def model_card(*, info: dict[str, Any], parameters: int, model_ref: dict[str, An
             n_ok = sum(g["mindspore"] == g.get("onnxruntime_genai") for g in v.get("greedy", []))
             lines += [f"| greedy tokens, onnxruntime-genai {genai.get('version')} == MindSpore | "
                       f"{n_ok}/{len(v.get('greedy', []))} prompts |",
-                      "| tokenizer.json ids == SentencePiece (onnxruntime-genai's tokenizer) | "
+                      f"| onnxruntime-genai's tokenizer ids == {tokenizer_name(info)} | "
                       + (f"{genai['tokenizer_ids_match']} on {genai['tokenizer_texts']} texts, "
                          f"{genai['tokenizer_tokens']} tokens |" if genai.get("tokenizer_ids_match") is not None
                          else f"{genai.get('tokenizer_files')} |")]

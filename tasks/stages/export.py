@@ -80,7 +80,7 @@ from tasks.deploy.checks import (CHUNK, STEPS, ExportCheckFailed, Reference, div
                                  onnx_checks, token_batches, verify_genai, verify_mindir)
 from tasks.deploy.formats import (INT8_OPTIONS, export_int8, export_mindir, export_onnx, int8_method, onnx_io,
                                   write_genai_files)
-from tasks.deploy.model_card import model_card, read_eval
+from tasks.deploy.model_card import model_card, read_eval, tokenizer_name
 from tasks.stages import MODEL_KINDS, code_version
 from tasks.store.artifacts import ArtifactError, ArtifactStore, atomic_write_json, sha256_file
 
@@ -341,13 +341,15 @@ def _export_onnx_checked(out: Path, info: dict[str, Any], weights: dict[str, np.
     ver["genai"] = verify_genai(out, sp, texts, ver["greedy"], ex.max_new_tokens, ex.seq_length)
     g = ver["genai"]
     g["tokenizer_files"] = "not written: " + no_tokenizer if no_tokenizer else "tokenizer.json, tokenizer_config.json"
+    name = tokenizer_name(info)
     _log(progress, f"onnxruntime-genai: greedy tokens == MindSpore: {g['greedy_tokens_match']}; tokenizer ids == "
-                   f"SentencePiece on {g['tokenizer_texts']} texts ({g['tokenizer_tokens']} tokens): "
+                   f"{name} on {g['tokenizer_texts']} texts ({g['tokenizer_tokens']} tokens): "
                    f"{g['tokenizer_ids_match']}")
     failures += [divergence(x, "onnxruntime_genai") for x in ver["greedy"] if x["mindspore"] != x["onnxruntime_genai"]]
     if g["tokenizer_ids_match"] is False:
-        _log(progress, f"warning: onnxruntime-genai's tokenizer differs from SentencePiece: "
-                       f"{g['tokenizer_first_mismatch']}")
+        first = g["tokenizer_first_mismatch"]
+        _log(progress, f"warning: onnxruntime-genai's tokenizer differs from {name} on {first['text']!r}: ids "
+                       f"{first['model']} there, {first['genai']} in genai (its greedy tokens from ids are unaffected)")
 
     if ex.int8:
         _log(progress, f"int8 (dynamic quantization) → {out.name}/model.int8.onnx")
