@@ -57,6 +57,7 @@ def inbox_of(cfg, pipeline: str, artifacts: str, inbox: str | None) -> Path:
 
 
 @flow(name="continued-pretraining", log_prints=True, result_serializer="json")
+@stages.cancellable
 def continued_pretraining(pipeline: str = "demo", config: str = "pipelines.yaml", overrides: list[str] | None = None,
                           artifacts: str = "artifacts", inbox: str | None = None, base_model: str | None = None) -> dict[str, str]:
     """Continue pretraining on the inbox's new corpora, then finetune, eval and export; returns {stage: artifact path}

@@ -1,4 +1,4 @@
-"""The `full-pipeline` flow: data → pretrain (→ continued pretraining) → finetune → eval → export.
+"""The `full-pipeline` flow: (convert →) data → pretrain (→ continued pretraining) → finetune → eval → export.
 
     python -m flows.full_pipeline --pipeline demo [--set key=VALUE ...] [--artifacts DIR]
 
@@ -24,11 +24,13 @@ from tasks.config import ConfigError, resolve_pipeline
 
 
 @flow(name="full-pipeline", log_prints=True, result_serializer="json")
+@stages.cancellable
 def full_pipeline(pipeline: str = "demo", config: str = "pipelines.yaml", overrides: list[str] | None = None,
                   artifacts: str = "artifacts", init_from: str | None = None) -> dict[str, str]:
     """Run every stage of a named pipeline; returns {stage: artifact path}.
 
-    init_from: a model artifact (pretrain, or `msllm convert --from-hf`) to start pretraining from.
+    init_from: the model to start pretraining from (default: the pipeline's pretrain.init_from): a model artifact,
+    or a GGUF file or Hugging Face directory, which the `convert` task turns into one first (cached).
     """
     overrides = list(overrides or [])
     config = str(Path(config).resolve())
@@ -38,10 +40,7 @@ def full_pipeline(pipeline: str = "demo", config: str = "pipelines.yaml", overri
     out: dict[str, str] = {}
     if init_from is None and cfg.pretrain.init_from:  # the YAML key, when no parameter overrides it
         init_from = str(cfg.resolve_path(cfg.pretrain.init_from))
-    if init_from is not None:  # a GGUF file or an HF directory is converted first (cached)
-        from tasks.stages.convert import resolve_base
-
-        init_from = str(resolve_base(ArtifactStore(artifacts), init_from, pipeline))
+    init_from = stages.resolve_init(artifacts, pipeline, init_from)  # a GGUF file / HF directory: the convert task
     tok = str(init_from) if init_from else None  # the base artifact: its tokenizer files
     if cfg.data.executor == "dask":  # chunks mapped over a Dask cluster (same bytes as the local pool)
         from flows.data_dask import run_on_dask

@@ -32,20 +32,24 @@ def _common(pipeline: str, config: str, overrides: list[str] | None, artifacts: 
 
 
 @flow(name="data-stage", log_prints=True, result_serializer="json")
+@stages.cancellable
 def data_flow(pipeline: str = "demo", config: str = "pipelines.yaml", overrides: list[str] | None = None,
               artifacts: str = "artifacts", tokenizer_model: str | None = None) -> str:
     return stages.run_stage(stages.data_task, **_common(pipeline, config, overrides, artifacts), tokenizer_model=tokenizer_model)
 
 
 @flow(name="pretrain-stage", log_prints=True, result_serializer="json")
+@stages.cancellable
 def pretrain_flow(pipeline: str = "demo", config: str = "pipelines.yaml", overrides: list[str] | None = None,
                   artifacts: str = "artifacts", data_artifact: str | None = None, init_from: str | None = None) -> str:
     c = _common(pipeline, config, overrides, artifacts)
     data_artifact = _upstream(c["artifacts"], "pretrain", pipeline, data_artifact)
+    init_from = stages.resolve_init(c["artifacts"], pipeline, init_from)  # a GGUF file / HF directory: converted
     return stages.run_stage(stages.pretrain_task, **c, data_artifact=data_artifact, init_from=init_from)
 
 
 @flow(name="finetune-stage", log_prints=True, result_serializer="json")
+@stages.cancellable
 def finetune_flow(pipeline: str = "demo", config: str = "pipelines.yaml", overrides: list[str] | None = None,
                   artifacts: str = "artifacts", base_artifact: str | None = None) -> dict[str, str]:
     c = _common(pipeline, config, overrides, artifacts)
@@ -54,6 +58,7 @@ def finetune_flow(pipeline: str = "demo", config: str = "pipelines.yaml", overri
 
 
 @flow(name="eval-stage", log_prints=True, result_serializer="json")
+@stages.cancellable
 def eval_flow(pipeline: str = "demo", config: str = "pipelines.yaml", overrides: list[str] | None = None,
               artifacts: str = "artifacts", model_artifact: str | None = None, data_artifact: str | None = None) -> str:
     """Evaluate a model artifact (default: the model tasks.stages.upstream.choose_model names, with its reason)."""
@@ -69,6 +74,7 @@ def eval_flow(pipeline: str = "demo", config: str = "pipelines.yaml", overrides:
 
 
 @flow(name="export-stage", log_prints=True, result_serializer="json")
+@stages.cancellable
 def export_flow(pipeline: str = "demo", config: str = "pipelines.yaml", overrides: list[str] | None = None,
                 artifacts: str = "artifacts", model_artifact: str | None = None, eval_artifact: str | None = None) -> str:
     """Export a model artifact (default: the model tasks.stages.upstream.choose_model names) to MindIR + ONNX."""

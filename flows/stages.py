@@ -10,6 +10,13 @@ Tasks take (config path, pipeline name, overrides) rather than config objects, s
 their parameters stay small and readable in the UI; each resolves and validates the
 config itself, which costs milliseconds.
 
+The stages: convert (a GGUF file or HF directory that `init_from` names, as a model artifact: `resolve_init`),
+data, pretrain, finetune (+ merge), eval, export.
+
+Cancelling a flow run (the UI, `prefect flow-run cancel`) ends the running task Cancelled, its child processes
+stopped, and the flow run Cancelled, in its states and in its log lines (`_stage_body`, `cancellable`); a
+SIGTERM that is no cancellation (serve.py stopping, a worker killed) stays Prefect's Crashed.
+
 What the UI shows: every stage publishes its manifest metrics as a table artifact, also when
 Prefect reports it Cached (then with a short `<stage>-cached` markdown artifact naming the
 cached artifact: stage, key, path, metrics); eval publishes `eval-report-<pipeline>` with the
@@ -27,12 +34,15 @@ from __future__ import annotations
 import builtins
 import contextlib
 import functools
+import signal
 import sys
 from pathlib import Path
 from typing import Any
 
 from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.exceptions import TerminationSignal
+from prefect.states import Cancelled
 
 from tasks.store.artifacts import ArtifactStore
 from tasks.config import PipelineConfig, resolve_pipeline
@@ -77,11 +87,102 @@ def redirected_prints_stay():
         builtins.print = logged
 
 
-def _prints_stay(fn):
+def _stage_body(fn):
+    """A stage task's body: prints stay where a redirect sends them (redirected_prints_stay), and a flow-run
+    cancellation ends the task Cancelled, its child processes stopped (see `cancelled_run`)."""
+
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        import psutil
+
+        before = {c.pid for c in psutil.Process().children()}
         with redirected_prints_stay():
+            try:
+                return fn(*args, **kwargs)
+            except TerminationSignal:
+                why = cancelled_run()
+                if why is None:  # not a cancellation (serve.py stopping, a worker's SIGTERM): Prefect's Crashed
+                    raise
+                stopped = stop_children(before)
+                stage = fn.__name__.removesuffix("_task")
+                print(f"{stage}: stopped, {why}" + (f" ({stopped} child process(es) stopped)" if stopped else ""))
+                return Cancelled(message=f"{stage} stopped: {why}")
+
+    return wrapper
+
+
+class RunCancelled(Exception):
+    """A stage task ended Cancelled: its flow run is being cancelled (flows end Cancelled on it, `cancellable`)."""
+
+
+def cancelled_run() -> str | None:
+    """Why this process got SIGTERM, when it is its flow run's cancellation: the server holds the run in
+    Cancelling (a runner or worker sets that, then signals the process); None otherwise (or when unknown)."""
+    from prefect.client.orchestration import get_client
+    from prefect.context import FlowRunContext
+
+    ctx = FlowRunContext.get()
+    if ctx is None or ctx.flow_run is None:
+        return None
+    try:
+        with get_client(sync_client=True) as client:
+            state = client.read_flow_run(ctx.flow_run.id).state
+    except Exception:  # noqa: BLE001  (the server unreachable: not known to be a cancellation)
+        return None
+    if state is None or not (state.is_cancelling() or state.is_cancelled()):
+        return None
+    return "the flow run was cancelled"
+
+
+def stop_children(before: set[int], grace: float = 10.0) -> int:
+    """SIGTERM to the processes this one started since `before` (its children's pids then) and theirs: a stage's
+    training or export child, msrun and its ranks, the data stage's pool; SIGKILL to those left after `grace` s.
+    Returns how many there were. (A runner's cancellation signals only the flow process where it does not
+    isolate a process group; a child left running would go on training, holding the stage's lock.)"""
+    import psutil
+
+    kids = []
+    for c in psutil.Process().children():
+        if c.pid not in before:
+            with contextlib.suppress(psutil.Error):
+                kids += [c, *c.children(recursive=True)]
+    for k in kids:
+        with contextlib.suppress(psutil.Error):
+            k.terminate()
+    _, alive = psutil.wait_procs(kids, timeout=grace)
+    for k in alive:
+        with contextlib.suppress(psutil.Error):
+            k.kill()
+    return len(kids)
+
+
+def cancellable(fn):
+    """A flow body whose cancelled run ends Cancelled in its logs as in its states.
+
+    A runner (scripts/serve.py, a worker) cancels a flow run by putting it in Cancelling and sending SIGTERM;
+    the task running then ends Cancelled (`_stage_body`; Prefect would say Crashed) and the flow goes down
+    Prefect's cancellation path (a TerminationSignal): "Flow run was cancelled.", then the runner records
+    Cancelled once the process is gone. Prefect's engine leaves that state to the runner and so logged
+    "Finished in state Running()"; it logs the Cancelled state this sets on the run it holds instead.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        from prefect.context import FlowRunContext
+
+        try:
             return fn(*args, **kwargs)
+        except (RunCancelled, TerminationSignal) as exc:
+            why = str(exc) if isinstance(exc, RunCancelled) else cancelled_run()
+            if why is None:  # a SIGTERM that is no cancellation: Prefect's crash path
+                raise
+            print(f"cancelled: {why}")
+            ctx = FlowRunContext.get()
+            if ctx is not None and ctx.flow_run is not None:
+                ctx.flow_run.state = Cancelled(message=why)
+            if isinstance(exc, TerminationSignal):
+                raise
+            raise TerminationSignal(signal.SIGTERM) from None
 
     return wrapper
 
@@ -97,6 +198,8 @@ def run_stage(task_obj, **params):
     store = ArtifactStore(params["artifacts"])
     missing = store.lookup(stage, _KEY_FNS[stage](store, params)) is None
     state = task_obj.with_options(refresh_cache=missing)(**params, return_state=True)
+    if state.is_cancelled():  # the flow run is being cancelled (_stage_body): end the flow Cancelled too
+        raise RunCancelled(state.message or f"{stage} was cancelled")
     result = state.result()  # raises the task's own error when it failed
     if state.name == "Cached":
         for path in (result.values() if isinstance(result, dict) else [result]):
@@ -106,6 +209,38 @@ def run_stage(task_obj, **params):
 
 def _p(x: str | None) -> Path | None:
     return Path(x) if x else None
+
+
+# ----------------------------------------------------------------------------- convert
+
+
+def _convert_key(store, params):
+    from tasks.stages import convert
+
+    return convert.stage_key(store, params["source"])[0]
+
+
+@task(name="convert", cache_key_fn=_store_key_fn("convert", _convert_key), persist_result=True, result_serializer="json")
+@_stage_body
+def convert_task(artifacts: str, source: str, pipeline: str | None = None) -> str:
+    """A GGUF file or a Hugging Face directory as a model artifact (dequantized to float32)."""
+    from tasks.stages import convert
+
+    path = convert.run(ArtifactStore(artifacts), source, pipeline=pipeline)
+    publish_metrics("convert", path)
+    return str(path)
+
+
+def resolve_init(artifacts: str, pipeline: str, init_from: str | None) -> str | None:
+    """The model artifact pretraining starts from: a GGUF file or an HF directory through the convert task
+    (cached like every stage), anything else looked up in the store (a path, stage/key or key)."""
+    from tasks.stages.convert import source_kind
+
+    if init_from is None:
+        return None
+    if source_kind(init_from) is not None:
+        return run_stage(convert_task, artifacts=artifacts, source=str(Path(init_from).resolve()), pipeline=pipeline)
+    return str(ArtifactStore(artifacts).find(str(init_from)))
 
 
 # ----------------------------------------------------------------------------- data
@@ -119,7 +254,7 @@ def _data_key(store, params):
 
 
 @task(name="data", cache_key_fn=_store_key_fn("data", _data_key), persist_result=True, result_serializer="json")
-@_prints_stay
+@_stage_body
 def data_task(config: str, pipeline: str, overrides: list[str], artifacts: str,
               tokenizer_model: str | None = None, continued_sources: list[str] | None = None) -> str:
     from tasks.stages import data
@@ -152,7 +287,7 @@ def _pretrain_key(store, params):
 @task(name="pretrain", cache_key_fn=_store_key_fn("pretrain", _pretrain_key), persist_result=True,
       result_serializer="json", retries=1, retry_delay_seconds=2,
       retry_condition_fn=_retry_helps)
-@_prints_stay
+@_stage_body
 def pretrain_task(config: str, pipeline: str, overrides: list[str], artifacts: str, data_artifact: str,
                   init_from: str | None = None, continued_sources: list[str] | None = None) -> str:
     """Trains in a supervised child process; a Prefect retry resumes from the newest checkpoint."""
@@ -177,7 +312,7 @@ def _finetune_key(store, params):
 @task(name="finetune", cache_key_fn=_store_key_fn("finetune", _finetune_key), persist_result=True,
       result_serializer="json", retries=1, retry_delay_seconds=2,
       retry_condition_fn=_retry_helps)
-@_prints_stay
+@_stage_body
 def finetune_task(config: str, pipeline: str, overrides: list[str], artifacts: str, base_artifact: str) -> dict[str, str]:
     """LoRA/full fine-tuning in a supervised child, then the merge eval and export consume."""
     from tasks.stages import finetune
@@ -201,7 +336,7 @@ def _eval_key(store, params):
 
 
 @task(name="eval", cache_key_fn=_store_key_fn("eval", _eval_key), persist_result=True, result_serializer="json")
-@_prints_stay
+@_stage_body
 def eval_task(config: str, pipeline: str, overrides: list[str], artifacts: str, model_artifact: str,
               data_artifact: str | None = None, selection: dict[str, str] | None = None) -> str:
     """Perplexity on the held-out split, lm-eval tasks, sample generations.
@@ -244,7 +379,7 @@ def _export_key(store, params):
 
 
 @task(name="export", cache_key_fn=_store_key_fn("export", _export_key), persist_result=True, result_serializer="json")
-@_prints_stay
+@_stage_body
 def export_task(config: str, pipeline: str, overrides: list[str], artifacts: str, model_artifact: str,
                 eval_artifact: str | None = None) -> str:
     """MindIR + ONNX, each verified by reloading and comparing logits (in a child process)."""

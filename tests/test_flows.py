@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parent.parent
 DRIVER = r"""
 import json, sys, time
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter, FlowRunFilterId
 from flows.full_pipeline import full_pipeline
 
 args = json.loads(sys.argv[1])
@@ -30,24 +30,31 @@ report = []
 for overrides in args["runs"]:
     t0 = time.perf_counter()
     state = full_pipeline(pipeline="tiny", config=args["config"], overrides=overrides, artifacts=args["artifacts"],
-                          return_state=True)
+                          init_from=args.get("init_from"), return_state=True)
     wall = time.perf_counter() - t0
+    run_id = state.state_details.flow_run_id
     with get_client(sync_client=True) as c:
-        trs = c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
+        trs = c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id])))
+        arts = c.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run_id])))
     tasks = {}
     for tr in sorted(trs, key=lambda t: t.expected_start_time or t.start_time):
         tasks.setdefault(tr.name.rsplit("-", 1)[0], []).append(tr.state.name)
-    report.append({"flow": state.name, "wall": wall, "tasks": tasks, "result": state.result() if state.is_completed() else None})
+    by_task = {tr.id: tr.name.rsplit("-", 1)[0] for tr in trs}
+    artifacts = sorted([by_task.get(a.task_run_id, "flow"), a.key or "", a.type or ""] for a in arts)
+    report.append({"flow": state.name, "wall": wall, "tasks": tasks, "artifacts": artifacts,
+                   "result": state.result() if state.is_completed() else None,
+                   "error": None if state.is_completed() else str(state.result(raise_on_failure=False))})
 print("REPORT " + json.dumps(report))
 """
 
 
-def _drive(tmp_path: Path, config: Path, runs: list[list[str]]) -> list[dict]:
+def _drive(tmp_path: Path, config: Path, runs: list[list[str]], init_from: Path | None = None) -> list[dict]:
     env = dict(os.environ, PREFECT_HOME=str(tmp_path / "prefect_home"), PREFECT_SERVER_ANALYTICS_ENABLED="false",
                PREFECT_API_URL="", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", GLOG_v="3",
                PREFECT_LOGGING_LEVEL="WARNING")
     env.pop("PREFECT_API_URL")
-    arg = json.dumps({"config": str(config), "artifacts": str(tmp_path / "artifacts"), "runs": runs})
+    arg = json.dumps({"config": str(config), "artifacts": str(tmp_path / "artifacts"), "runs": runs,
+                      "init_from": str(init_from) if init_from else None})
     out = subprocess.run([sys.executable, "-c", DRIVER, arg], capture_output=True, text=True, cwd=REPO, env=env,
                          timeout=1200)
     line = next((ln for ln in out.stdout.splitlines() if ln.startswith("REPORT ")), None)
@@ -92,6 +99,32 @@ def test_rerun_is_cached_and_edits_rerun_only_what_changed(tmp_path):
     assert all(v == ["Completed"] for v in changed["tasks"].values()), changed
     assert set(changed["tasks"]) == {"data", "pretrain", "finetune", "eval", "export"}
     assert changed["result"]["data"] != first["result"]["data"]
+
+
+@pytest.mark.slow
+def test_convert_is_a_cached_task_with_its_metrics_artifact(tmp_path):
+    """init_from naming a Hugging Face directory: the flow converts it in a `convert` task run (its log lines and
+    `convert-metrics` artifact, like every stage), and a rerun finds it Cached with the same artifact."""
+    from tasks.stages.convert import to_hf
+    from tests.helpers import tiny_model_artifact
+
+    (tmp_path / "src").mkdir()
+    hf_dir = to_hf(tiny_model_artifact(tmp_path / "src"), tmp_path / "hf-llama")  # config.json, safetensors, tokenizer
+    cfg = _tiny_config(tmp_path)
+    quick = ["finetune.train.loop.max_steps=2", "finetune.train.loop.eval_steps=2", "finetune.train.loop.save_steps=2",
+             "eval.tasks=[local_piqa]", "eval.limit=2", "export.formats=[onnx]", "export.int8=false"]
+    first, again = _drive(tmp_path, cfg, [quick, quick], init_from=hf_dir)
+    assert first["flow"] == "Completed" and all(s == ["Completed"] for s in first["tasks"].values()), first
+    assert list(first["tasks"])[:3] == ["convert", "data", "pretrain"], first["tasks"]
+    assert ["convert", "convert-metrics", "table"] in first["artifacts"], first["artifacts"]
+    from tasks.store.artifacts import ArtifactStore
+
+    store = ArtifactStore(tmp_path / "artifacts")
+    (conv,) = store.list("convert")
+    pre = ArtifactStore.read_manifest(first["result"]["pretrain"])
+    assert any(i.get("stage") == "convert" and i["key"] == conv[0].name for i in pre["inputs"]), pre["inputs"]
+    assert again["tasks"]["convert"] == ["Cached"] and again["result"] == first["result"], again
+    assert ["flow", "convert-cached", "markdown"] in again["artifacts"], again["artifacts"]  # run_stage publishes it
 
 
 FAIL_DRIVER = r"""

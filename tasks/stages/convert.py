@@ -29,6 +29,7 @@ import tempfile
 import uuid
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -129,19 +130,8 @@ def from_hf(hf_dir: str | os.PathLike, store: ArtifactStore, pipeline: str | Non
     from tasks.tokenizer import tokenizer_files
 
     hf_dir = Path(hf_dir)
-    if not (hf_dir / "config.json").is_file():
-        raise FileNotFoundError(f"{hf_dir}: no config.json; pass a Hugging Face LlamaForCausalLM directory")
-    tok_files = tokenizer_files(hf_dir)
-    if not tok_files:
-        raise FileNotFoundError(f"{hf_dir}: no tokenizer.model or tokenizer.json; the artifact needs the tokenizer "
-                                "the weights were trained with (copy it into the directory)")
-    gen_cfg = hf_dir / "generation_config.json"
-    files = [hf_dir / "config.json", *weight_files(hf_dir), *tok_files] + ([gen_cfg] if gen_cfg.is_file() else [])
-    if (hf_dir / INDEX).is_file() and not (hf_dir / "model.safetensors").is_file():
-        files.insert(1, hf_dir / INDEX)
-    inputs = [raw_file_input(f) for f in files]
-    config = {"from": "hf"}
-    key = store.key(STAGE, config, inputs, code_version(STAGE))
+    key, inputs, config = stage_key(store, hf_dir, "hf")
+    tok_files, gen_cfg = tokenizer_files(hf_dir), hf_dir / "generation_config.json"
     hit = store.lookup(STAGE, key)
     if hit is not None:
         return hit
@@ -179,11 +169,7 @@ def from_gguf(gguf_file: str | os.PathLike, store: ArtifactStore, pipeline: str 
     ...), the config from its llama.* metadata, the tokenizer rebuilt as a tokenizer.json from tokenizer.ggml.*
     (with the chat template). Keyed by the file's sha256 (its raw input, so lineage reaches it)."""
     src = Path(gguf_file)
-    if not src.is_file():
-        raise FileNotFoundError(f"{src}: no such GGUF file")
-    inputs = [raw_file_input(src)]
-    config = {"from": "gguf"}
-    key = store.key(STAGE, config, inputs, code_version(STAGE))
+    key, inputs, config = stage_key(store, src, "gguf")
     hit = store.lookup(STAGE, key)
     if hit is not None:
         return hit
@@ -236,14 +222,82 @@ def _from_gguf_metadata(message: str, tok_dir: Path, src: Path) -> str:
     return f"{src}: the tokenizer rebuilt from its tokenizer.ggml.* metadata: {text}"
 
 
+def source_kind(path: str | os.PathLike) -> str | None:
+    """What `path` is to convert: "gguf" (a .gguf file), "hf" (a directory with config.json that is not an
+    artifact), or None (anything else: an artifact of the store, by path, stage/key or key)."""
+    p = Path(path)
+    if p.is_file() and p.suffix == ".gguf":
+        return "gguf"
+    if p.is_dir() and (p / "config.json").is_file() and not (p / "manifest.json").is_file():
+        return "hf"
+    return None
+
+
+def source_files(source: Path, kind: str) -> list[Path]:
+    """The raw files a conversion reads (its inputs, hashed into the key): the GGUF file; or the HF directory's
+    config.json, [the shard index,] safetensors, tokenizer files and generation_config.json."""
+    from tasks.tokenizer import tokenizer_files
+
+    if kind == "gguf":
+        if not source.is_file():
+            raise FileNotFoundError(f"{source}: no such GGUF file")
+        return [source]
+    if not (source / "config.json").is_file():
+        raise FileNotFoundError(f"{source}: no config.json; pass a Hugging Face LlamaForCausalLM directory")
+    tok_files = tokenizer_files(source)
+    if not tok_files:
+        raise FileNotFoundError(f"{source}: no tokenizer.model or tokenizer.json; the artifact needs the tokenizer "
+                                "the weights were trained with (copy it into the directory)")
+    gen_cfg = source / "generation_config.json"
+    files = [source / "config.json", *weight_files(source), *tok_files] + ([gen_cfg] if gen_cfg.is_file() else [])
+    if (source / INDEX).is_file() and not (source / "model.safetensors").is_file():
+        files.insert(1, source / INDEX)
+    return files
+
+
+def stage_key(store: ArtifactStore, source: str | os.PathLike,
+              kind: str | None = None) -> tuple[str, list[dict[str, Any]], dict[str, Any]]:
+    """(key, inputs, config) of the convert artifact of a GGUF file or an HF directory (`kind`: "gguf" or "hf",
+    default source_kind's): keyed by the sha256 of the raw files it reads and the stage's code."""
+    source = Path(source)
+    kind = kind or source_kind(source)
+    if kind not in ("gguf", "hf"):
+        raise FileNotFoundError(f"{source}: neither a .gguf file nor a Hugging Face directory (config.json); "
+                                "nothing to convert")
+    inputs = [raw_file_input(f) for f in source_files(source, kind)]
+    config = {"from": kind}
+    return store.key(STAGE, config, inputs, code_version(STAGE)), inputs, config
+
+
+def run(store: ArtifactStore, source: str | os.PathLike, pipeline: str | None = None, progress: bool = True) -> Path:
+    """The convert artifact of a GGUF file or an HF directory (converted unless the store has it), with a log
+    line on stderr saying what it read and what it wrote."""
+    import sys
+    import time
+
+    log = (lambda msg: print(f"convert: {msg}", file=sys.stderr, flush=True)) if progress else (lambda msg: None)
+    source = Path(source)
+    kind = source_kind(source)
+    key = stage_key(store, source, kind)[0]
+    hit = store.lookup(STAGE, key)
+    if hit is not None:
+        log(f"cache hit {hit}")
+        return hit
+    what = f"GGUF file ({source.stat().st_size / 1e6:.1f} MB)" if kind == "gguf" else "Hugging Face directory"
+    log(f"{source}: a {what}; converting to a model artifact")
+    t0 = time.perf_counter()
+    path = (from_gguf if kind == "gguf" else from_hf)(source, store, pipeline=pipeline)
+    m = ArtifactStore.read_manifest(path)["metrics"]
+    log(f"wrote {path}: {m.get('parameters', 0) / 1e6:.1f}M parameters from {m.get('source_dtype')} "
+        f"({m.get('tensors')} tensors) in {time.perf_counter() - t0:.1f}s")
+    return path
+
+
 def resolve_base(store: ArtifactStore, path: str | os.PathLike, pipeline: str | None = None) -> Path:
     """The model artifact `pretrain.init_from` names: a GGUF file or a Hugging Face directory is converted first
     (a cache hit after the first time), anything else is an artifact of the store (a path, stage/key or key)."""
-    p = Path(path)
-    if p.is_file() and p.suffix == ".gguf":
-        return from_gguf(p, store, pipeline=pipeline)
-    if p.is_dir() and (p / "config.json").is_file() and not (p / "manifest.json").is_file():
-        return from_hf(p, store, pipeline=pipeline)
+    if source_kind(path) is not None:
+        return run(store, path, pipeline=pipeline)
     return store.find(str(path))
 
 
