@@ -138,23 +138,28 @@ class TestNonFiniteTraining:
         from tasks.stages import evaluate
         from tests.helpers import tiny_model_artifact
 
-        good = tiny_model_artifact(tmp_path)  # then the final norm's weights made NaN: every logit is NaN
+        from tasks.store.tensors import CheckpointError
+
+        good = tiny_model_artifact(tmp_path)
         store = ArtifactStore(tmp_path)
         from safetensors.numpy import load_file, save_file
 
-        w = load_file(str(good / "model.safetensors"))
-        w["norm.weight"][:] = np.nan
-        key = "f" * 20
-        with store.build("pretrain", key, pipeline="test", config={}, inputs=[], code="test") as b:
-            for f in good.iterdir():
-                if f.name != "manifest.json" and f.is_file():
-                    shutil.copy2(f, b.dir / f.name)
-            save_file(w, str(b.dir / "model.safetensors"))
         cfg = resolve_pipeline(REPO / "pipelines.yaml", "tiny",
                                ["eval.tasks=[local_boolq]", "eval.limit=4", f"eval.perplexity_files=[{REPO}/README.md]"])
-        with pytest.raises(evaluate.EvalError, match=r"non-finite"):
-            evaluate.run(cfg, store, b.path, progress=False)
-        assert store.list("eval") == []
+        # the final norm's weights finite but at float32's edge: every weight loads, the logits overflow to inf and
+        # the eval's own check refuses them; NaN weights are refused earlier, when the model loads, naming the tensor
+        for value, key, error, match in ((3e38, "f" * 20, evaluate.EvalError, r"non-finite"),
+                                         (np.nan, "e" * 20, CheckpointError, r"norm\.weight.*NaN/Inf")):
+            w = load_file(str(good / "model.safetensors"))
+            w["norm.weight"][:] = value
+            with store.build("pretrain", key, pipeline="test", config={}, inputs=[], code="test") as b:
+                for f in good.iterdir():
+                    if f.name != "manifest.json" and f.is_file():
+                        shutil.copy2(f, b.dir / f.name)
+                save_file(w, str(b.dir / "model.safetensors"))
+            with pytest.raises(error, match=match):
+                evaluate.run(cfg, store, b.path, progress=False)
+            assert store.list("eval") == []
 
 
 # ----------------------------------------------------------------------------- 2. loading checks what it loads
