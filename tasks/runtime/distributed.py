@@ -12,7 +12,9 @@ runs MindSpore's own launcher,
 relays rank 0's log while the job runs, and on failure returns the failing rank's own
 error on top of the last lines of its log (`LOG/worker_<rank>.log`; the scheduler's
 log is `LOG/scheduler.log`). Collectives go over HCCL on Ascend, NCCL on GPU and
-MindSpore's TCP backend on CPU.
+MindSpore's TCP backend on CPU. A job of several nodes that loses one (its host or the network to
+it) fails with a `NodeLost` line naming the lost ranks, node and host (`lost_node_report`), which
+the supervisor does not retry.
 
 Rank side (inside a worker):
 
@@ -207,6 +209,9 @@ def launch(stage: str, entry: str, spec_path: Path, parallel, log_dir: Path, rel
     """
     err = run_msrun([str(WORKER), "--stage", stage, "--entry", entry, "--child", str(spec_path)], parallel, log_dir,
                     label=stage, relay=relay)
+    if isinstance(err, NodeLost):
+        return NodeLost(f"{err}; nothing was published: once every node is up, rerun the same command on each and "
+                        f"{stage} resumes from its newest checkpoint ({Path(spec_path).parent / 'checkpoints'})")
     if err is None and parallel.node_rank > 0:
         err = wait_published(stage, spec_path, timeout=parallel.cluster_timeout, node=parallel.node_rank)
     return err
@@ -240,6 +245,8 @@ def run_msrun(script: list[str], parallel, log_dir: Path, *, label: str = "msrun
     if log_dir.exists():
         shutil.rmtree(log_dir)  # this attempt's logs only
     log_dir.mkdir(parents=True)
+    if parallel.node_num > 1:  # who this node is, for the other nodes' reports should it be lost
+        _write_node_file(log_dir, parallel)
     threads = max(1, (os.cpu_count() or 1) // max(1, parallel.device_num // parallel.node_num))
     env = {**os.environ, "PATH": _path_env(), "PYTHONUNBUFFERED": "1", "GLOG_v": os.environ.get("GLOG_v", "3"),
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
@@ -259,7 +266,7 @@ def run_msrun(script: list[str], parallel, log_dir: Path, *, label: str = "msrun
         rc = proc.poll()
         if rc is None and failed_at is None and _some_rank_failed(log_dir):
             failed_at = time.monotonic()
-        if rc is None and failed_at is not None and time.monotonic() - failed_at > FAIL_GRACE_S:
+        if rc is None and failed_at is not None and time.monotonic() - failed_at > _grace(log_dir, parallel):
             # a rank died; the others would wait in a collective until the cluster times out
             _stop_group(proc)
             rc = proc.wait()
@@ -280,13 +287,28 @@ def run_msrun(script: list[str], parallel, log_dir: Path, *, label: str = "msrun
         time.sleep(0.5)
     if rc == 0:
         return None
-    return failure_report(log_dir, rc, msrun_out.decode("utf-8", "replace"))
+    return lost_node_report(log_dir, parallel) or failure_report(log_dir, rc, msrun_out.decode("utf-8", "replace"))
 
 
 FAIL_GRACE_S = 5.0  # after one rank logged its error, how long msrun gets to stop the job itself
 
 
+def _grace(log_dir: Path, parallel) -> float:
+    """How long after the first failure the job gets to end by itself before it is stopped.
+
+    On node 0 of several, when a rank here failed in a collective (a peer went silent) and the
+    scheduler has not yet named a lost node, long enough for its heartbeat verdict (MS_NODE_TIMEOUT):
+    that verdict is what names the lost rank.
+    """
+    if (parallel.node_num > 1 and parallel.node_rank == 0 and not _timed_out_ranks(log_dir)
+            and any(_collective_failed(_tail(p, 60)) for p in rank_logs(log_dir).values())):
+        return FAIL_GRACE_S + node_timeout()
+    return FAIL_GRACE_S
+
+
 def _some_rank_failed(log_dir: Path) -> bool:
+    if _timed_out_ranks(log_dir):  # the scheduler lost a node: the ranks here may hang in a collective
+        return True
     for path in rank_logs(log_dir).values():
         try:
             tail = path.read_bytes()[-4000:]
@@ -332,6 +354,136 @@ def _stop_group(proc: subprocess.Popen) -> None:
             return
 
 
+# ----------------------------------------------------------------------------- a lost node
+
+
+class NodeLost(str):
+    """A job's error saying another node stopped answering (its host died, or the network to it).
+
+    The supervisor does not retry it on the nodes left: the lost node's command is gone, so a
+    rerun here would only wait `cluster_timeout` for it. Rerunning on every node resumes.
+    """
+
+
+NODE_FILE = "node.json"
+"""In each node's log dir (runs/<stage>/<key>/msrun_logs/node_<k>/, on the shared root): its host and ranks."""
+SCHEDULER_LOG = "scheduler.log"
+
+
+def _write_node_file(log_dir: Path, parallel) -> None:
+    from tasks.store.artifacts import atomic_write_json
+
+    local = parallel.device_num // parallel.node_num
+    atomic_write_json(log_dir / NODE_FILE, {
+        "node_rank": parallel.node_rank, "hostname": socket.gethostname(),
+        "address": _address_towards(parallel.master_addr),
+        "ranks": list(range(parallel.node_rank * local, (parallel.node_rank + 1) * local))})
+
+
+def _address_towards(host: str) -> str | None:
+    """This machine's address on the route to `host` (a UDP connect sends nothing)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            return s.getsockname()[0]
+    except OSError:
+        return None
+
+
+def node_timeout() -> float:
+    """MindSpore's heartbeat timeout (MS_NODE_TIMEOUT, seconds; 30 unless set): when the scheduler declares a node lost."""
+    try:
+        return max(1.0, float(os.environ.get("MS_NODE_TIMEOUT", "30")))
+    except ValueError:
+        return 30.0
+
+
+COLLECTIVE_FAILURE = re.compile(r"wait receiving .* failed|Launch kernel failed: \S*(AllReduce|AllGather|ReduceScatter|"
+                                r"Broadcast|Barrier|Send|Receive)")
+"""What a rank logs when a collective's peer stopped answering (MindSpore's CPU backend)."""
+
+
+def _collective_failed(lines: list[str]) -> bool:
+    return any(COLLECTIVE_FAILURE.search(ln) for ln in lines)
+
+
+def _timed_out_ranks(log_dir: Path) -> list[int]:
+    """The ranks MindSpore's scheduler (node 0) declared lost: no heartbeat for MS_NODE_TIMEOUT (30 s default).
+
+    msrun gives worker i of node k the cluster node id k × local_worker_num + i, which is its rank.
+    """
+    try:
+        text = (log_dir / SCHEDULER_LOG).read_bytes()[-200000:].decode("utf-8", "replace")
+    except OSError:
+        return []
+    ranks = {int(m) for m in re.findall(r"The node: (\d+) is timed out", text)}
+    for group in re.findall(r"Timed out node list is: [^{\n]*\{([\d,\s]*)\}", text):
+        ranks.update(int(x) for x in re.findall(r"\d+", group))
+    return sorted(ranks)
+
+
+def _node_desc(log_dir: Path, node: int, fallback_host: str | None = None) -> str:
+    """"node 1, host NAME ADDRESS" from that node's node.json (on the shared root), else what is known."""
+    import json
+
+    try:
+        info = json.loads((log_dir.parent / f"node_{node}" / NODE_FILE).read_text())
+        host = " ".join(dict.fromkeys(x for x in (info.get("hostname"), info.get("address")) if x))
+    except (OSError, ValueError, AttributeError):
+        host = fallback_host or "unknown (no node.json from it on the shared root)"
+    return f"node {node}, host {host}"
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def _failed_on_its_own(log_dir: Path, node: int, rank: int) -> bool:
+    """Whether `rank`'s log (node `node`'s, on the shared root) ends in an error of its own, not a collective's:
+    then its node stopped it (msrun stops a node's job when one of its ranks fails) and it was not lost."""
+    lines = _tail(log_dir.parent / f"node_{node}" / f"worker_{rank}.log", 60)
+    return _error_line(lines) is not None and not _collective_failed(lines)
+
+
+def _scheduler_answers(host: str, port: int, timeout: float = 5.0) -> bool | None:
+    """True: something listens at host:port; False: the host answers but nothing listens (refused);
+    None: no answer at all (the host is down or unreachable)."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except ConnectionRefusedError:
+        return False
+    except OSError:
+        return None
+
+
+def lost_node_report(log_dir: Path, parallel) -> NodeLost | None:
+    """When the failed multi-node job lost a node, one line naming its ranks, node and host; else None.
+
+    Node 0 reads its scheduler's log (MindSpore's heartbeat timeout names the lost ranks); any other
+    node, whose ranks failed with node 0 gone, finds the scheduler's address no longer answering.
+    """
+    if parallel.node_num <= 1:
+        return None
+    local = parallel.device_num // parallel.node_num
+    timeout = node_timeout()
+    if parallel.node_rank == 0:
+        lost = [r for r in _timed_out_ranks(log_dir) if not _failed_on_its_own(log_dir, r // local, r)]
+        if not lost:
+            return None
+        by_node: dict[int, list[int]] = {}
+        for r in lost:
+            by_node.setdefault(r // local, []).append(r)
+        parts = [f"{_ranks_text(rs)} ({_node_desc(log_dir, n)}) lost" for n, rs in sorted(by_node.items())]
+        return NodeLost(f"{'; '.join(parts)}: no heartbeat from it for MS_NODE_TIMEOUT={timeout:g}s (its host died or "
+                        "the network to it is down); the job on this node was stopped")
+    if _scheduler_answers(parallel.master_addr, parallel.master_port) is not None:
+        return None  # node 0 is up (its job may have failed on its own: that is its ranks' error to report)
+    return NodeLost(f"{_ranks_text(list(range(local)))} ({_node_desc(log_dir, 0, parallel.master_addr)}) lost: "
+                    f"the scheduler at {parallel.master_addr}:{parallel.master_port} no longer answers (node 0's host "
+                    "died, or the network between it and this node is down); the job on this node was stopped")
+
+
 def rank_logs(log_dir: Path) -> dict[int, Path]:
     out = {}
     for p in log_dir.glob("worker_*.log"):
@@ -351,8 +503,15 @@ def _tail(path: Path, n: int = 30) -> list[str]:
 
 
 def _error_line(lines: list[str]) -> str | None:
-    errs = [ln for ln in lines if ln.startswith("error:") or re.match(r"^\w*(Error|Exception)\b", ln)]
-    return errs[-1].removeprefix("error: ") if errs else None
+    errs = [i for i, ln in enumerate(lines) if ln.startswith("error:") or re.match(r"^\w*(Error|Exception)\b", ln)]
+    if not errs:
+        return None
+    err = lines[errs[-1]].removeprefix("error:").strip()
+    if not err:  # MindSpore's message starts on the next line, after a banner ("- Kernel error:")
+        err = next((ln.strip() for ln in lines[errs[-1] + 1:]
+                    if ln.strip() and not ln.lstrip().startswith(("-", "[")) and not ln.rstrip().endswith(":")),
+                   "(an empty error message)")
+    return err
 
 
 def failure_report(log_dir: Path, rc: int, msrun_out: str) -> str:

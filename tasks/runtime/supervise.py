@@ -175,9 +175,11 @@ def _supervise(stage: str, store: ArtifactStore, key: str, spec: dict[str, Any],
         (run_dir / FAILURE_FILE).unlink(missing_ok=True)
         atomic_write_json(run_dir / "spec.json", {**spec, **((inject or {}) if attempt == 0 else {})})
         if distributed:
-            from tasks.runtime.distributed import launch
+            from tasks.runtime.distributed import NodeLost, launch
 
             err = launch(stage, entry_name(child_fn), run_dir / "spec.json", parallel, run_dir / "msrun_logs")
+            if isinstance(err, NodeLost):  # the lost node's command is gone: a retry here would only wait for it
+                raise StageFailed(err)
         else:
             err = run_child(stage, entry_name(child_fn), run_dir / "spec.json")
         hit = store.lookup(stage, key)
