@@ -121,6 +121,8 @@ def build_app(engine: Engine, model_id: str, artifact: Path | str, *, adapters: 
     app = FastAPI(title="msllm", version="1", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = ServerMetrics(backend.kind, served)
     app.state.metrics = metrics
+    # each sequence is recorded by the engine's worker thread as it ends (an abort too, which no handler sees)
+    engine.listeners.append(metrics.listener({sv.model: name for name, sv in served.items()}))
 
     def error(exc: ApiError, endpoint: str = "") -> JSONResponse:
         if endpoint:
@@ -268,7 +270,7 @@ def build_app(engine: Engine, model_id: str, artifact: Path | str, *, adapters: 
                 "model": name}
         fmt = Choices(sv, p, jobs, chat)
         if p.stream:
-            return StreamingResponse(stream_choices(reqs, events, meta, fmt, p.include_usage, rid, endpoint, metrics, name),
+            return StreamingResponse(stream_choices(reqs, events, meta, fmt, p.include_usage, rid, endpoint),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         texts: list[list[str]] = [[] for _ in jobs]
@@ -280,7 +282,6 @@ def build_app(engine: Engine, model_id: str, artifact: Path | str, *, adapters: 
                     texts[i].append(ev["text"])
                 elif ev["type"] == "done":
                     done[i] = ev
-                    metrics.finished(name, ev)
                     log_done(rid if len(jobs) == 1 else f"{rid}[{i}]", endpoint, ev)
                 else:
                     raise ApiError(500, ev["message"])

@@ -12,6 +12,8 @@
     #    "prompt_logprobs": [...] (echo), "logprobs": [...] (every generated token), "token_gaps": [s, ...]}
     #   or {"type": "error", "message": ...}
     req.cancel()                                    # a client went away: dropped at the next round
+    engine.listeners.append(fn)                     # fn(model, finished) from the worker thread as each sequence
+                                                    # ends (stop, length, abort), before its done event: metrics
     engine.stop()
 
 Everything that touches a model (loading, compiling, every step) runs in the one
@@ -138,9 +140,10 @@ class Request:
         self.emit = emit
         self.model = model  # the engine's name of the backend that runs it
         self.cancelled = False
+        self.outcome: str | None = None  # how it ended: "stop", "length", "abort", "error"; None: not yet
         self.t_arrival = time.perf_counter()
-        self.t_start: float | None = None
-        self.t_first: float | None = None
+        self.t_start: float | None = None  # first scheduled (admitted)
+        self.t_first: float | None = None  # first token (echo alone: the prompt scored)
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -235,6 +238,8 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name="msllm-serve-engine", daemon=True)
         self.active = 0
         self.peak_active = 0  # the most sequences decoded in one round so far
+        # fn(model, finished) called in the worker thread as each sequence ends (`_finished`): the app's metrics
+        self.listeners: list[Callable[[str, dict[str, Any]], None]] = []
 
     # ---- lifecycle
 
@@ -313,6 +318,7 @@ class Engine:
                     stop = True
                     break
                 if req.cancelled:
+                    self._finished(req, "abort", 0, [])
                     continue
                 seq = self._admit(req)
                 if seq is not None:
@@ -329,6 +335,8 @@ class Engine:
             for seq in active + new:
                 if seq not in running:
                     seq.close()
+                    if seq.req.outcome is None and seq.req.cancelled:  # dropped before it finished
+                        self._finished(seq.req, "abort", len(seq.new), seq.gaps)
             active = running
             self.active = len(active)
             self._count_running(active)
@@ -363,6 +371,7 @@ class Engine:
             if s.max_tokens == 0:  # echo alone: the prompt scored, nothing generated
                 now = time.perf_counter()
                 req.t_first = now
+                self._finished(req, "length", 0, [], now)
                 req.emit({"type": "done", "finish_reason": "length", "text": "", "prompt_tokens": len(req.prompt_ids),
                           "completion_tokens": 0, "queue_s": req.t_start - req.t_arrival, "ttft_s": now - req.t_arrival,
                           "total_s": now - req.t_arrival, "decode_s": now - req.t_start, "prompt_logprobs": prompt_lp,
@@ -373,8 +382,26 @@ class Engine:
             return seq
         except Exception as exc:  # noqa: BLE001 - one request fails, the server goes on
             log.exception("request %d failed to start", req.number)
+            req.outcome = "error"
             req.emit({"type": "error", "message": f"{type(exc).__name__}: {exc}"})
             return None
+
+    def _finished(self, req: Request, reason: str, generated: int, gaps: list[float], now: float | None = None) -> None:
+        """`req` ended (stop, length, abort): tell the listeners, before its done event goes out (so a client that
+        has its response finds the request in /metrics)."""
+        req.outcome = reason
+        if not self.listeners:
+            return
+        stats = {"finish_reason": reason, "generation_tokens": generated, "max_tokens": req.sampling.max_tokens,
+                 # prompt tokens count once prefilled (the first token came), as vLLM counts them
+                 "prompt_tokens": len(req.prompt_ids) if req.t_first is not None else 0,
+                 "t_arrival": req.t_arrival, "t_start": req.t_start, "t_first": req.t_first,
+                 "t_finish": time.perf_counter() if now is None else now, "gaps": list(gaps)}
+        for fn in self.listeners:
+            try:
+                fn(req.model, stats)
+            except Exception:  # noqa: BLE001 - a metrics failure must not fail the request
+                log.exception("a listener failed on request %d", req.number)
 
     def _advance(self, seq: _Seq) -> bool:
         """One model call for `seq` alone (a prefill, or an interleaved decode step) and its token; False once done."""
@@ -411,6 +438,7 @@ class Engine:
     def _fail(self, seqs: list[_Seq], exc: Exception) -> bool:
         log.exception("generation failed for request(s) %s", [s.req.number for s in seqs])
         for seq in seqs:
+            seq.req.outcome = "error"
             seq.req.emit({"type": "error", "message": f"{type(exc).__name__}: {exc}"})
         return False
 
@@ -441,7 +469,8 @@ class Engine:
         if not (eos or hit or full):
             return True
         now = time.perf_counter()
-        req.emit({"type": "done", "finish_reason": "stop" if eos or hit else "length", "text": seq.text.text,
+        self._finished(req, "stop" if eos or hit else "length", len(seq.new), seq.gaps, now)
+        req.emit({"type": "done", "finish_reason": req.outcome, "text": seq.text.text,
                   "prompt_tokens": len(req.prompt_ids), "completion_tokens": len(seq.new),
                   "queue_s": req.t_start - req.t_arrival, "ttft_s": req.t_first - req.t_arrival,
                   "total_s": now - req.t_arrival, "decode_s": now - req.t_start,

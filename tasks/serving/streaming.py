@@ -202,7 +202,7 @@ def _sse(obj: Any) -> bytes:
 
 
 async def stream_choices(reqs: list, events: asyncio.Queue, meta: dict[str, Any], fmt: Choices, include_usage: bool,
-                  rid: str, endpoint: str, metrics, model: str) -> AsyncIterator[bytes]:
+                  rid: str, endpoint: str) -> AsyncIterator[bytes]:
     meta = {**meta, "object": "chat.completion.chunk" if fmt.chat else "text_completion"}
     n = len(reqs)
     done: list[dict[str, Any] | None] = [None] * n
@@ -232,7 +232,6 @@ async def stream_choices(reqs: list, events: asyncio.Queue, meta: dict[str, Any]
                 yield _sse({**meta, "choices": [fmt.chunk(i, ev["text"], ev.get("logprobs"))]})
             else:
                 done[i] = ev
-                metrics.finished(model, ev)
                 log_done(rid if n == 1 else f"{rid}[{i}]", endpoint, ev)
                 last = fmt.chunk(i, None, ev.get("unsent_logprobs"), ev["finish_reason"], **extra)
                 yield _sse({**meta, "choices": [last], **({"usage": _usage(ev)} if n == 1 else {})})
