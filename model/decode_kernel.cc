@@ -445,12 +445,16 @@ namespace {
 struct Model {
   int n_layers;
   int64_t V, H, hd, S_rope, qdim, kvdim, F, nh, nkv, n_rep, S;
+  float eps, scale;  // consts[0], consts[1]
+  int threads;       // consts[2], at least 1
+  const float *embed, *final_norm, *head, *cos_t, *sin_t;
+  float *logits;     // the output [1, V]
 };
 
 // Checks every operand of a whole-model op but the first two (token(s), position(s)): the count, dtypes, every
 // weight's shape against the embedding's [V, H] and the first layer's sizes, the caches' [nkv, S, hd] and the
 // output [1, V]. 0 when they hold; else 1 (count), 2 (dtype) or 3 (shape).
-int check_model(int nparam, int *ndims, int64_t **shapes, const char **dtypes, Model *m) {
+int check_model(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, Model *m) {
   const int n_layers = (nparam - 9) / 11;
   if (n_layers < 1 || 9 + 11 * n_layers != nparam) return 1;
   if (!is_dt(dtypes, 0, "int32") || !is_dt(dtypes, 1, "int32")) return 2;
@@ -482,7 +486,11 @@ int check_model(int nparam, int *ndims, int64_t **shapes, const char **dtypes, M
     for (const int c : {kc0 + l, kc0 + n_layers + l})
       if (ndims[c] != 3 || shapes[c][0] != nkv || shapes[c][1] != S || shapes[c][2] != hd) return 3;
   }
-  *m = Model{n_layers, V, H, hd, S_rope, qdim, kvdim, F, qdim / hd, nkv, (qdim / hd) / nkv, S};
+  const float *consts = static_cast<const float *>(params[2]);
+  const auto f = [&](int i) { return static_cast<const float *>(params[i]); };
+  *m = Model{n_layers, V, H, hd, S_rope, qdim, kvdim, F, qdim / hd, nkv, (qdim / hd) / nkv, S, consts[0], consts[1],
+             consts[2] >= 1.f ? static_cast<int>(consts[2]) : 1, f(3), f(4), f(5), f(6), f(7),
+             static_cast<float *>(params[nparam - 1])};
   return 0;
 }
 }  // namespace
@@ -491,22 +499,17 @@ extern "C" int DecodeStep(int nparam, void **params, int *ndims, int64_t **shape
                           void *extra) {
   (void)stream; (void)extra;
   Model m;
-  if (const int rc = check_model(nparam, ndims, shapes, dtypes, &m)) return rc;
+  if (const int rc = check_model(nparam, params, ndims, shapes, dtypes, &m)) return rc;
   if (count(ndims, shapes, 0) != 1 || count(ndims, shapes, 1) != 1) return 3;
   const int n_layers = m.n_layers;
   const int64_t V = m.V, H = m.H, hd = m.hd, S_rope = m.S_rope, qdim = m.qdim, kvdim = m.kvdim, F = m.F;
   const int64_t nh = m.nh, nkv = m.nkv, n_rep = m.n_rep, S = m.S;
   const int32_t tok = *static_cast<const int32_t *>(params[0]);
   const int64_t pos = *static_cast<const int32_t *>(params[1]);
-  const float *consts = static_cast<const float *>(params[2]);
-  const float eps = consts[0], scale = consts[1];
-  const int threads = consts[2] >= 1.f ? static_cast<int>(consts[2]) : 1;
-  const float *embed = static_cast<const float *>(params[3]);
-  const float *final_norm = static_cast<const float *>(params[4]);
-  const float *head = static_cast<const float *>(params[5]);
-  const float *cos_t = static_cast<const float *>(params[6]);
-  const float *sin_t = static_cast<const float *>(params[7]);
-  float *logits = static_cast<float *>(params[nparam - 1]);
+  const float eps = m.eps, scale = m.scale, *embed = m.embed, *final_norm = m.final_norm, *head = m.head;
+  const float *cos_t = m.cos_t, *sin_t = m.sin_t;
+  const int threads = m.threads;
+  float *logits = m.logits;
   if (tok < 0 || tok >= V || pos < 0 || pos >= S || pos >= S_rope) return 4;
   const float *cos_p = cos_t + pos * hd, *sin_p = sin_t + pos * hd;
 
@@ -583,7 +586,7 @@ extern "C" int PrefillStep(int nparam, void **params, int *ndims, int64_t **shap
                            void *extra) {
   (void)stream; (void)extra;
   Model m;
-  if (const int rc = check_model(nparam, ndims, shapes, dtypes, &m)) return rc;
+  if (const int rc = check_model(nparam, params, ndims, shapes, dtypes, &m)) return rc;
   const int64_t T = count(ndims, shapes, 0);
   if (T < 1 || count(ndims, shapes, 1) != 2) return 3;
   const int n_layers = m.n_layers;
@@ -593,20 +596,14 @@ extern "C" int PrefillStep(int nparam, void **params, int *ndims, int64_t **shap
   if (start < 0 || start + T > m.S || start + T > m.S_rope || last < 0 || last >= T) return 4;
   for (int64_t i = 0; i < T; ++i)
     if (tokens[i] < 0 || tokens[i] >= V) return 4;
-  const float *consts = static_cast<const float *>(params[2]);
-  const float eps = consts[0], scale = consts[1];
-  const int threads = consts[2] >= 1.f ? static_cast<int>(consts[2]) : 1;
-  const float *embed = static_cast<const float *>(params[3]);
-  const float *final_norm = static_cast<const float *>(params[4]);
-  const float *head = static_cast<const float *>(params[5]);
-  const float *cos_t = static_cast<const float *>(params[6]);
-  const float *sin_t = static_cast<const float *>(params[7]);
-  float *logits = static_cast<float *>(params[nparam - 1]);
+  const float eps = m.eps, scale = m.scale, *embed = m.embed, *final_norm = m.final_norm, *head = m.head;
+  const int threads = m.threads;
+  float *logits = m.logits;
 
   std::vector<float> x(T * H), h(T * H), q(T * qdim), k(T * kvdim), v(T * kvdim), attn(T * qdim), act(T * F),
       up(T * F), qr(T * qdim), kt(m.nkv * hd * (start + T)), scores(4 * (start + T) * threads), hl(H);
   for (int64_t i = 0; i < T; ++i) std::memcpy(x.data() + i * H, embed + tokens[i] * H, H * sizeof(float));
-  ChunkAttn c{q.data(), k.data(), v.data(), T, m.nh, m.nkv, hd, m.n_rep, m.S, start, cos_t, sin_t, scale,
+  ChunkAttn c{q.data(), k.data(), v.data(), T, m.nh, m.nkv, hd, m.n_rep, m.S, start, m.cos_t, m.sin_t, scale,
               nullptr, nullptr, qr.data(), kt.data(), attn.data()};
 
 #pragma omp parallel num_threads(threads)
