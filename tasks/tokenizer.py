@@ -30,16 +30,14 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from tasks.tokenizer_error import TokenizerError
+
 SP_FILE = "tokenizer.model"
 HF_FILE = "tokenizer.json"
 HF_CONFIG = "tokenizer_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 # Every file a tokenizer may consist of, in the order they are hashed; a model artifact keeps those present.
 TOKENIZER_FILES = (SP_FILE, HF_FILE, HF_CONFIG, CHAT_TEMPLATE_FILE, "special_tokens_map.json")
-
-
-class TokenizerError(ValueError):
-    """A tokenizer file is missing, unreadable or inconsistent; the message names the file and the fix."""
 
 
 def tokenizer_files(directory: str | Path) -> list[Path]:
@@ -162,7 +160,7 @@ class Tokenizer:
     # ---- chat
     def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True, **limits: Any) -> str:
         """The conversation rendered with the tokenizer's chat template (TokenizerError when it has none or
-        the template fails to render or passes a limit; `limits`: `tasks.prompts.render_chat_template`'s)."""
+        the template fails to render or passes a limit; `limits`: `tasks.chat_template.render_chat_template`'s)."""
         if self.chat_template is None:
             raise TokenizerError(f"{self.files[0]}: the tokenizer has no chat template")
         return render_template(self.chat_template, messages, add_generation_prompt,
@@ -364,15 +362,15 @@ class HFTokenizer(Tokenizer):
 def render_template(template: str, messages: list[dict[str, str]], add_generation_prompt: bool = True,
                     where: str = "chat template", **extra: Any) -> str:
     """Render a Hugging Face chat template (Jinja, sandboxed, as transformers renders it), within a time and a size
-    limit (`tasks.prompts.render_chat_template`, which takes `max_chars`, `max_chars_why` and `seconds` too)."""
-    from tasks.prompts import render_chat_template
+    limit (`tasks.chat_template.render_chat_template`, which takes `max_chars`, `max_chars_why` and `seconds` too)."""
+    from tasks.chat_template import render_chat_template
 
     return render_chat_template(template, messages, add_generation_prompt, where, **extra)
 
 
 def check_chat_template(tok: Tokenizer) -> None:
     """Render a two-turn conversation once: a template that cannot render, or passes the time or size limit of a
-    rendering (tasks.prompts), fails here, not at serve time."""
+    rendering (tasks.chat_template), fails here, not at serve time."""
     if tok.chat_template is None:
         return
     msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},

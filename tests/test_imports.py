@@ -28,6 +28,8 @@ KNOWN_DYNAMIC = {
 ROOMS: tuple[tuple[str, ...], ...] = (
     ("model",),      # MindSpore only: the decoder, LoRA, generation, weight conversion
     ("config",),     # the pipelines.yaml schema
+    ("tokenizer_error",),  # the tokenizer's error class, raised by the two rooms above it
+    ("chat_template",),    # a model's Jinja chat template rendered in a sandbox, within time and size limits
     ("tokenizer",),  # one tokenizer interface (SentencePiece or tokenizer.json)
     ("prompts",),    # prompt formats: the instruction template, chat examples
     ("store",),      # artifacts, lineage, model artifacts, tensor files, the data schema and shard reader

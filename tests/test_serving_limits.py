@@ -1,5 +1,5 @@
 """Limits on what a server or a conversion takes in (issue 35): adapter names confined to the server's temporary
-directory; chat templates rendered within a time and a size limit (tasks/prompts.py) at convert and at serve;
+directory; chat templates rendered within a time and a size limit (tasks/chat_template.py) at convert and at serve;
 request bodies capped (--max-body-size, a 413) and tokenized off the event loop; a request of more sequences
 than --max-queue a 400, not a 503.
 
@@ -128,7 +128,7 @@ RUNAWAY = {
 
 @pytest.mark.parametrize("name", list(RUNAWAY))
 def test_a_runaway_template_stops_at_its_limit_with_one_error(name):
-    from tasks.prompts import TEMPLATE_SECONDS, TemplateLimitError, render_chat_template
+    from tasks.chat_template import TEMPLATE_SECONDS, TemplateLimitError, render_chat_template
 
     template, kind = RUNAWAY[name]
     t0 = time.perf_counter()
@@ -179,7 +179,7 @@ REAL_SHAPES = {
 def test_templates_of_real_shapes_render_as_transformers_renders_them(shape, hf_tok):
     from transformers import PreTrainedTokenizerFast
 
-    from tasks.prompts import render_chat_template
+    from tasks.chat_template import render_chat_template
 
     ref = PreTrainedTokenizerFast(tokenizer_file=str(hf_tok / "tokenizer.json"), bos_token="<|im_start|>",
                                   eos_token="<|im_end|>")
@@ -214,7 +214,7 @@ def _with_template(base: Path, dst: Path, template: str) -> Path:
 def test_the_convert_time_check_refuses_the_issues_templates(name, tmp_path, hf_tok):
     """check_chat_template (what convert runs before writing anything) on the issue's two templates: the first spun
     for more than 120 s, the second passed and built 6 GB at serve time."""
-    from tasks.prompts import TEMPLATE_SECONDS, TemplateLimitError
+    from tasks.chat_template import TEMPLATE_SECONDS, TemplateLimitError
     from tasks.tokenizer import check_chat_template, load_tokenizer
 
     tok = load_tokenizer(_with_template(hf_tok, tmp_path / "t", RUNAWAY[name][0]))
@@ -233,7 +233,7 @@ def test_convert_from_hf_refuses_a_runaway_template_in_one_line(name, tmp_path, 
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from tasks.cli import main
-    from tasks.prompts import TEMPLATE_SECONDS
+    from tasks.chat_template import TEMPLATE_SECONDS
 
     hf = tmp_path / "hf"
     cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
@@ -413,7 +413,7 @@ def test_a_runaway_chat_template_is_a_400_for_that_request_and_the_server_goes_o
     assert status == 400 and out["error"]["param"] == "messages", out
     assert "size limit of" in out["error"]["message"] and "chat_template" in out["error"]["message"]
     assert took < 5
-    from tasks.prompts import TEMPLATE_SECONDS
+    from tasks.chat_template import TEMPLATE_SECONDS
 
     status, out, took = chat("spin")
     assert status == 400 and f"time limit of {TEMPLATE_SECONDS:g} s" in out["error"]["message"], out

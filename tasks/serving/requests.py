@@ -439,7 +439,7 @@ def parse_request(body: Any, *, chat: bool, model_id: str | Collection[str], bac
         from tasks.tokenizer import TokenizerError
 
         try:
-            # a rendering longer than the context can hold is refused as it grows (tasks.prompts' size limit)
+            # a rendering longer than the context can hold is refused as it grows (tasks.chat_template's size limit)
             piece = longest_piece(sp) if sp.chat_template is not None else 1
             cap = dict(max_chars=ctx * piece, max_chars_why=f"more than the model's context of {ctx} tokens can hold, "
                                                             f"at most {piece} characters a token; shorten the messages")
