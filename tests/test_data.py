@@ -199,9 +199,8 @@ def test_corrupt_or_truncated_shard_is_named(shakespeare, tmp_path):
     shard.write_bytes(bytes(raw[: len(raw) // 3]))  # truncated: named even without the checksum pass
     with pytest.raises(DataError, match="train-00001-of-00002.mindrecord"):
         open_blocks(art, "train", batch_size=8)
-    with pytest.raises(DataError, match="train-00001-of-00002.mindrecord"):
-        for _ in open_blocks(art, "train", batch_size=8, verify=False, repeat=False):
-            pass
+    with pytest.raises(DataError, match="train-00001-of-00002.mindrecord: .* bytes, the manifest records"):
+        open_blocks(art, "train", batch_size=8, verify=False, repeat=False)  # a stat, before MindSpore reads it
 
 
 def test_schema_version_mismatch_says_what_to_run(shakespeare, tmp_path):
