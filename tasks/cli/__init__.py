@@ -136,8 +136,8 @@ def _adapter(text: str):
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _body_size(text: str) -> int:
-    """argparse type of `serve --max-body-size`: a positive size in bytes (bad values exit 2 naming the flag)."""
+def _positive_bytes(text: str, what: str) -> int:
+    """A positive, finite size in bytes (`parse_bytes`), else an argparse error: `text` is not <what>."""
     from tasks.training.memory import parse_bytes
 
     try:
@@ -145,9 +145,13 @@ def _body_size(text: str) -> int:
     except (ValueError, OverflowError):
         n = 0
     if n <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size; give a positive size in bytes or with a unit, "
-                                         "e.g. --max-body-size 8MiB")
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
     return n
+
+
+def _body_size(text: str) -> int:
+    """argparse type of `serve --max-body-size`: a positive size in bytes (bad values exit 2 naming the flag)."""
+    return _positive_bytes(text, "a size; give a positive size in bytes or with a unit, e.g. --max-body-size 8MiB")
 
 
 def _device_count(text: str) -> int:
@@ -163,16 +167,7 @@ def _device_count(text: str) -> int:
 
 def _device_memory(text: str) -> int:
     """argparse type of `plan --device-memory`: a positive, finite size in bytes."""
-    from tasks.training.memory import parse_bytes
-
-    try:
-        n = parse_bytes(text)
-    except (ValueError, OverflowError):
-        n = 0
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a memory size; give a positive size with a unit, "
-                                         "e.g. 32GiB, 80GB or 512MiB")
-    return n
+    return _positive_bytes(text, "a memory size; give a positive size with a unit, e.g. 32GiB, 80GB or 512MiB")
 
 
 COMMANDS: dict[str, Callable] = {
