@@ -82,14 +82,14 @@ def test_lineage_markdown_is_a_list_and_tables_not_mermaid(tmp_path):
 DILL_FLOW = r"""
 import json, dill.detect
 from prefect import flow, task
-from flows.stages import _prints_stay
+from flows.stages import _stage_body
 
 G = 3
 def f():
     return G + len([])
 
 @task
-@_prints_stay
+@_stage_body
 def wrapped():
     return sorted(dill.detect.nestedglobals(f))
 
