@@ -26,7 +26,8 @@ from pathlib import Path
 from prefect import flow
 
 from flows import stages
-from tasks.store.artifacts import ArtifactStore, sha256_file
+from tasks.store.artifacts import ArtifactStore
+from tasks.store.disk import sha256_file
 from tasks.config import resolve_pipeline
 from tasks.store.lineage import lineage_tree, raw_inputs
 

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from tasks.store.artifacts import ArtifactError, ArtifactStore, raw_file_input, sha256_file
+from tasks.store.artifacts import ArtifactStore, raw_file_input
+from tasks.store.errors import ArtifactError
+from tasks.store.disk import sha256_file
 
 
 def test_key_depends_on_content_not_path(tmp_path):
@@ -139,13 +141,13 @@ def _flip_byte(f: Path, at: int = -5) -> None:
 
 def test_rebuild_commands_are_the_stage_tables():
     from tasks.stages import STAGES
-    from tasks.store.artifacts import REBUILD_COMMANDS
+    from tasks.store.published import REBUILD_COMMANDS
 
     assert REBUILD_COMMANDS == {s.name: s.command for s in STAGES.values()}
 
 
 def test_altered_weights_are_refused_on_load_naming_file_digests_and_command(tmp_path):
-    from tasks.store.artifacts import verify_published
+    from tasks.store.published import verify_published
     from tasks.store.model_artifact import read_info
     from tasks.store.tensors import load_weights
 

@@ -94,7 +94,7 @@ def test_logits_match_transformers(case):
 
 
 def test_artifact_is_self_describing_with_tokenizer_lineage(case):
-    from tasks.store.artifacts import sha256_file
+    from tasks.store.disk import sha256_file
 
     info = json.loads((case["artifact"] / "model.json").read_text())
     hf_cfg = case["model"].config

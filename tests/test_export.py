@@ -18,7 +18,8 @@ import pytest
 
 from tasks.deploy.model_card import model_card, read_eval
 from tasks.stages import export
-from tasks.store.artifacts import ArtifactError, ArtifactStore
+from tasks.store.artifacts import ArtifactStore
+from tasks.store.errors import ArtifactError
 from tasks.config import ConfigError, resolve_pipeline
 from tasks.stages.pretrain import StageFailed
 from tests.helpers import tiny_model_artifact

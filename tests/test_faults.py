@@ -23,7 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from tasks.store.artifacts import MANIFEST, ArtifactStore, atomic_write_json
+from tasks.store.artifacts import ArtifactStore
+from tasks.store.published import MANIFEST
+from tasks.store.disk import atomic_write_json
 
 REPO = Path(__file__).resolve().parent.parent
 PIPELINES = REPO / "pipelines.yaml"
@@ -567,7 +569,7 @@ def test_eval_publishes_last_so_a_failed_side_output_is_written_by_the_rerun(tmp
 
     from tasks.config import resolve_pipeline
     from tasks.stages import evaluate
-    from tasks.store.artifacts import ArtifactError
+    from tasks.store.errors import ArtifactError
     from tasks.training import tensorboard
     from tests.helpers import tiny_model_artifact
 

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from tasks.stages import pretrain
-from tasks.store.artifacts import ArtifactStore, atomic_write_json, sha256_file
+from tasks.store.artifacts import ArtifactStore
+from tasks.store.disk import atomic_write_json, sha256_file
 from tasks.training.checkpoint import CheckpointError, complete_checkpoints, is_good, load_checkpoint
 from tasks.config import ConfigError, resolve_pipeline
 from tasks.training.trainer import NonFiniteError
@@ -250,7 +251,7 @@ class TestManifestPaths:
             pretrain.replay_data_artifact(ArtifactStore(root), base)
 
     def test_finetune_base_outside_the_root_is_not_followed(self, tmp_path):
-        from tasks.store.artifacts import ArtifactError
+        from tasks.store.errors import ArtifactError
         from tasks.store.merge import base_of
         from tests.helpers import tiny_model_artifact
 

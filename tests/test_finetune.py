@@ -11,7 +11,8 @@ import pytest
 
 from tasks.stages import finetune
 from tasks.store.merge import base_of, merge
-from tasks.store.artifacts import ArtifactError, ArtifactStore
+from tasks.store.artifacts import ArtifactStore
+from tasks.store.errors import ArtifactError
 from tasks.config import ConfigError, resolve_pipeline
 from tasks.stages.pretrain import StageFailed
 from tasks.prompts import encode_segments, prompt_ids, to_segments

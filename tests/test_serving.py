@@ -827,7 +827,8 @@ def tiny_lora_finetune(base: Path, seed: int, scale: float = 2.0, rank: int = 4)
     import numpy as np
 
     from model.lora import LORA_A, LORA_B
-    from tasks.store.artifacts import ArtifactStore, atomic_write_json
+    from tasks.store.artifacts import ArtifactStore
+    from tasks.store.disk import atomic_write_json
     from tasks.store.model_artifact import read_info
     from tasks.store.tensors import load_weights, save_tensors
 

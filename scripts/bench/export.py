@@ -142,7 +142,7 @@ def main() -> None:
 
 
 def _write_genai_config(d: Path, model_config: dict, threads: int | None) -> None:
-    from tasks.store.artifacts import atomic_write_json
+    from tasks.store.disk import atomic_write_json
     from tasks.deploy.onnx_decoder import genai_config
 
     cfg = genai_config(model_config, eos_id=2, bos_id=1, pad_id=0)

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from tasks.deploy.checks import ExportCheckFailed
-from tasks.store.artifacts import atomic_write_json
+from tasks.store.disk import atomic_write_json
 
 
 def export_mindir(net, path: Path) -> None:

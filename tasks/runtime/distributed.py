@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tasks.store.artifacts import held_locks_env, pid_alive
+from tasks.store.locks import held_locks_env, pid_alive
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().parent / "launch" / "worker.py"
@@ -371,7 +371,7 @@ SCHEDULER_LOG = "scheduler.log"
 
 
 def _write_node_file(log_dir: Path, parallel) -> None:
-    from tasks.store.artifacts import atomic_write_json
+    from tasks.store.disk import atomic_write_json
 
     local = parallel.device_num // parallel.node_num
     atomic_write_json(log_dir / NODE_FILE, {

@@ -21,8 +21,10 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from tasks.store.artifacts import STORAGE_ERRNOS, ArtifactError, ArtifactStore, atomic_write_json, held_locks_env, storage_error
-from tasks.store.errors import as_os_error
+from tasks.store.artifacts import ArtifactStore
+from tasks.store.errors import STORAGE_ERRNOS, ArtifactError, as_os_error, storage_error
+from tasks.store.disk import atomic_write_json
+from tasks.store.locks import held_locks_env
 
 STOPPED_EARLY = 75  # child exit code: stopped on request before max_steps, checkpoints kept
 PERMANENT = 3  # child exit code: a failure that a retry cannot fix (bad config, corrupt artifact, non-finite run)

@@ -137,7 +137,8 @@ class Adapter:
 def model_ref_of(base: Path) -> dict[str, Any]:
     """{stage, key, digest} of the model artifact that BASE runs: itself, or the one an export was made from."""
     from tasks.serving.backends import artifact_kind
-    from tasks.store.artifacts import ArtifactError, ArtifactStore
+    from tasks.store.artifacts import ArtifactStore
+    from tasks.store.errors import ArtifactError
 
     kind = artifact_kind(base)
     try:
@@ -157,7 +158,8 @@ def model_ref_of(base: Path) -> dict[str, Any]:
 def check_adapters(base: Path, specs: list[AdapterSpec], base_id: str, store=None) -> list[Adapter]:
     """Every check of the module docstring, in flag order; `store` resolves references that are not directories."""
     from tasks.serving.backends import artifact_kind
-    from tasks.store.artifacts import ArtifactError, ArtifactStore
+    from tasks.store.artifacts import ArtifactStore
+    from tasks.store.errors import ArtifactError
 
     if not specs:
         return []

@@ -149,7 +149,7 @@ def _lora_slots(net, adapters: dict[str, Path]):
     import json
 
     from model.lora import LoRASlots
-    from tasks.store.artifacts import verify_published
+    from tasks.store.published import verify_published
     from tasks.store.tensors import read_tensors
 
     loaded = {}
@@ -184,7 +184,7 @@ class OnnxBackend:
 
     def __init__(self, path: str | Path, threads: int | None = None):
         from tasks.deploy.onnx_generate import OnnxGenerator, sample_next
-        from tasks.store.artifacts import verify_published
+        from tasks.store.published import verify_published
         from tasks.tokenizer import load_tokenizer, tokenizer_files
 
         self.path = Path(path)

@@ -82,7 +82,9 @@ from tasks.deploy.formats import (INT8_OPTIONS, export_int8, export_mindir, expo
                                   write_genai_files)
 from tasks.deploy.model_card import model_card, read_eval, tokenizer_name
 from tasks.stages import MODEL_KINDS, code_version
-from tasks.store.artifacts import ArtifactError, ArtifactStore, atomic_write_json, sha256_file
+from tasks.store.artifacts import ArtifactStore
+from tasks.store.errors import ArtifactError
+from tasks.store.disk import atomic_write_json, sha256_file
 
 STAGE = "export"
 MODEL_STAGES = MODEL_KINDS  # artifacts holding model.json + weights (the stage table's)

@@ -23,7 +23,8 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from tasks.store.artifacts import ArtifactStore, verify_published
+from tasks.store.artifacts import ArtifactStore
+from tasks.store.published import verify_published
 from tasks.stages import code_version
 from tasks.config import PipelineConfig
 from tasks.runtime.supervise import StageFailed, supervise  # noqa: F401 (StageFailed re-exported)
@@ -49,7 +50,7 @@ def stage_key(cfg: PipelineConfig, store: ArtifactStore, data_artifact: Path, in
 
 def checkpoint_ref(path: Path) -> dict[str, Any]:
     """Identity of a training checkpoint for cache keys: its path and the digest of its state.json."""
-    from tasks.store.artifacts import sha256_file
+    from tasks.store.disk import sha256_file
     from tasks.training.trainer import resolve_checkpoint
 
     ckpt = resolve_checkpoint(path)
@@ -115,7 +116,7 @@ def unigram_entropy(data_artifact: Path, split: str = "train") -> float:
 def replay_data_artifact(store: ArtifactStore, init_from: Path) -> Path:
     """The data artifact `init_from` was trained on, found by its key in this store (a manifest's
     recorded path is never followed outside the artifact root) and checked against its recorded digest."""
-    from tasks.store.artifacts import ArtifactError
+    from tasks.store.errors import ArtifactError
 
     prev = store.read_manifest(init_from)
     ref = next((i for i in prev.get("inputs", []) if i.get("kind") == "artifact" and i.get("stage") == "data"), None)

@@ -23,7 +23,7 @@ A build directory is named `.tmp-<key>-<pid>-<random>@<host>`. A process killed
 mid-build (kill -9, OOM, power loss) leaves it behind; the first build of each
 store object removes those whose process is gone (`clean_stale`).
 
-The store's parts, each in its own module (and re-exported here, the import path callers use):
+The store's parts, each in its own module (import a name from the module that defines it):
 
 | module | concern |
 |---|---|
@@ -49,19 +49,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-# The names below are part of this module's API (callers import them from here); each lives in its own module.
-from tasks.store.disk import atomic_write_bytes, atomic_write_json, canonical_json, fsync_dir, sha256_file
+from tasks.store.disk import atomic_write_json, canonical_json, fsync_dir, sha256_file
 from tasks.store.errors import STORAGE_ERRNOS, ArtifactError, storage_error, tree_size
-from tasks.store.locks import (KEY_LEN, LOCK_DIR, LOCKS_ENV, build_dir_name, build_lock, clean_stale, held_locks_env,
-                               pid_alive)
-from tasks.store.published import (MANIFEST, REBUILD_COMMANDS, artifact_dir_of, read_manifest, rebuild_hint,
-                                   verify_published)
+from tasks.store.locks import KEY_LEN, build_dir_name, build_lock, clean_stale
+from tasks.store.published import MANIFEST, read_manifest, rebuild_hint, verify_published
 
-__all__ = ["ArtifactStore", "Build", "SCHEMA_VERSION", "git_commit", "environment", "raw_file_input",
-           "atomic_write_bytes", "atomic_write_json", "canonical_json", "fsync_dir", "sha256_file",
-           "STORAGE_ERRNOS", "ArtifactError", "storage_error", "KEY_LEN", "LOCK_DIR", "LOCKS_ENV", "held_locks_env",
-           "pid_alive", "MANIFEST", "REBUILD_COMMANDS", "artifact_dir_of", "read_manifest", "rebuild_hint",
-           "verify_published"]
+__all__ = ["ArtifactStore", "Build", "SCHEMA_VERSION", "git_commit", "environment", "raw_file_input"]
 
 SCHEMA_VERSION = 1
 _REPO = Path(__file__).resolve().parents[2]

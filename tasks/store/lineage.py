@@ -38,7 +38,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-from tasks.store.artifacts import ArtifactError, ArtifactStore, canonical_json
+from tasks.store.artifacts import ArtifactStore
+from tasks.store.errors import ArtifactError
+from tasks.store.disk import canonical_json
 
 DIGEST_WARNING = "digest differs from the one recorded when this artifact was built"
 MAX_DEPTH = 200  # artifacts deep; a real pipeline is under 10 (keeps rendering within Python's recursion limit)

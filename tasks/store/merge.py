@@ -14,7 +14,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tasks.store.artifacts import ArtifactError, ArtifactStore, verify_published
+from tasks.store.artifacts import ArtifactStore
+from tasks.store.errors import ArtifactError
+from tasks.store.published import verify_published
 from tasks.store.codeversion import stage_code_version
 from tasks.store.model_artifact import read_info, write_model
 from tasks.store.tensors import load_weights, read_tensors

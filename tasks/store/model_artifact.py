@@ -11,7 +11,7 @@ A model artifact directory holds:
     net, info = load_model(path)          # MindSpore network with the weights loaded (eval mode)
     tok = load_tokenizer(path)            # tasks.tokenizer.Tokenizer (either backend)
 
-Every file is checked against the artifact's manifest before use (tasks.store.artifacts.verify_published).
+Every file is checked against the artifact's manifest before use (tasks.store.published.verify_published).
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from tasks.store.artifacts import atomic_write_json, verify_published
+from tasks.store.disk import atomic_write_json
+from tasks.store.published import verify_published
 
 
 def read_info(path: str | Path) -> dict[str, Any]:

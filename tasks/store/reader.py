@@ -32,7 +32,9 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from tasks.store.artifacts import ArtifactError, ArtifactStore, verify_published
+from tasks.store.artifacts import ArtifactStore
+from tasks.store.errors import ArtifactError
+from tasks.store.published import verify_published
 from tasks.store.data_schema import DATA_SCHEMA_VERSION, SPLITS, DataError
 
 _WINDOW = 16384  # samples per MindDataset pipeline (a new one per window; cheap)

@@ -20,7 +20,8 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
-from tasks.store.artifacts import sha256_file, verify_published
+from tasks.store.disk import sha256_file
+from tasks.store.published import verify_published
 from tasks.store.errors import STORAGE_ERRNOS, as_os_error, storage_error
 
 

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from tasks.store.artifacts import atomic_write_json, fsync_dir, sha256_file
+from tasks.store.disk import atomic_write_json, fsync_dir, sha256_file
 from tasks.store.tensors import CheckpointError, read_tensors, save_tensors
 
 STATE = "state.json"

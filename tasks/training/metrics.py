@@ -65,7 +65,7 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
-    from tasks.store.artifacts import atomic_write_bytes
+    from tasks.store.disk import atomic_write_bytes
 
     atomic_write_bytes(path, "".join(json.dumps(r) + "\n" for r in rows).encode())
 

@@ -82,7 +82,8 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
-from tasks.store.artifacts import ArtifactStore, atomic_write_json, raw_file_input
+from tasks.store.artifacts import ArtifactStore, raw_file_input
+from tasks.store.disk import atomic_write_json
 from tasks.stages import code_version
 from tasks.stages.data.cleaning import Cleaner, CleanStats  # noqa: F401 (the stage's public API)
 from tasks.stages.data.plan import Plan, _postfix, _progress_bar, plan_chunks  # noqa: F401

@@ -44,7 +44,8 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from tasks.store.artifacts import ArtifactError, ArtifactStore, raw_file_input
+from tasks.store.artifacts import ArtifactStore, raw_file_input
+from tasks.store.errors import ArtifactError
 from tasks.stages import code_version
 from tasks.config import PipelineConfig
 
@@ -409,7 +410,7 @@ def _write_events(cfg: PipelineConfig, store: ArtifactStore, key: str, model_art
     """The scores as TensorBoard scalars in runs/eval/<key>/ (beside the training runs), at the model's step."""
     from tasks.training.tensorboard import write_eval
 
-    from tasks.store.artifacts import STORAGE_ERRNOS, storage_error
+    from tasks.store.errors import STORAGE_ERRNOS, storage_error
 
     m = store.read_manifest(model_artifact)
     scores = {k: v for k, v in metrics.items() if k != "eval_seconds"}

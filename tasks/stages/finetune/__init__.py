@@ -27,7 +27,9 @@ import sys
 from pathlib import Path
 from typing import Any, Iterator
 
-from tasks.store.artifacts import ArtifactError, ArtifactStore, atomic_write_json, raw_file_input
+from tasks.store.artifacts import ArtifactStore, raw_file_input
+from tasks.store.errors import ArtifactError
+from tasks.store.disk import atomic_write_json
 from tasks.stages import code_version
 from tasks.config import ConfigError, PipelineConfig
 from tasks.stages.finetune.data import (IGNORE, PROMPT_TEMPLATE, TEMPLATE, Examples, FinetuneData,  # noqa: F401
