@@ -21,7 +21,7 @@ from tasks.config import PipelineConfig
 
 @task(name="tokenize-chunk", cache_policy=NO_CACHE, persist_result=False, result_serializer="json")
 def tokenize_chunk_task(spec: dict) -> str:
-    from tasks.stages.data import tokenize_chunk
+    from tasks.stages.data.tokenizer import tokenize_chunk
 
     return tokenize_chunk(spec)
 

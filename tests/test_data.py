@@ -19,9 +19,14 @@ import numpy as np
 import pytest
 
 from tasks.stages import data
+from tasks.stages.data.cleaning import Cleaner
+from tasks.stages.data.plan import plan_chunks
+from tasks.stages.data.schema import SKIP_REASONS
+from tasks.stages.data.sources import read_documents, resolve_sources
+from tasks.stages.data.tokenizer import tokenize_chunk, train_tokenizer
 from tasks.store.artifacts import ArtifactStore
 from tasks.config import resolve_pipeline
-from tasks.stages.data import DataError
+from tasks.store.data_schema import DataError
 from tasks.store.reader import data_info, num_blocks, open_blocks, rank_order
 
 REPO = Path(__file__).resolve().parent.parent
@@ -89,7 +94,7 @@ def test_end_to_end_tiny_shakespeare(shakespeare):
     m = ArtifactStore(shakespeare.parent.parent).verify(shakespeare)
     met = m["metrics"]
     assert met["documents_seen"] == met["documents_kept"] + met["documents_skipped_total"] > 7000
-    assert met["documents_skipped"]["duplicate"] > 0 and set(met["documents_skipped"]) >= set(data.SKIP_REASONS)
+    assert met["documents_skipped"]["duplicate"] > 0 and set(met["documents_skipped"]) >= set(SKIP_REASONS)
     assert met["documents"]["train"] + met["documents"]["valid"] == met["documents_kept"]
     for split in ("train", "valid"):  # every token of a split lands in a block or in the counted tail
         assert met["tokens"][split] == met["blocks"][split] * 65 + met["tail_tokens_dropped"][split]
@@ -231,19 +236,19 @@ def test_formats_directories_and_globs(tmp_path):
     (d / "README.md").write_text("not a corpus")
     (tmp_path / "e.txt").write_text(docs[10] + "\n\n" + docs[11], encoding="utf-8")
     cfg = make_cfg([d, tmp_path / "*.txt"], "data.text_field=body", "data.validation_documents=2")
-    sources, ignored = data.resolve_sources(cfg)
+    sources, ignored = resolve_sources(cfg)
     assert [s.kind for s in sources] == ["text", "json", "parquet", "jsonl", "text"]
     assert ignored == [str(d / "README.md")]
-    plan = data.plan_chunks(cfg, tmp_path / "work", sources=sources)
+    plan = plan_chunks(cfg, tmp_path / "work", sources=sources)
     assert plan.stats.seen == plan.stats.kept == 12 and plan.documents == {"train": 10, "valid": 2}
     file_mode = make_cfg([tmp_path / "e.txt"], "data.txt_split=file")
-    assert list(data.read_documents(data.resolve_sources(file_mode)[0][0], file_mode.data)) == [docs[10] + "\n\n" + docs[11]]
+    assert list(read_documents(resolve_sources(file_mode)[0][0], file_mode.data)) == [docs[10] + "\n\n" + docs[11]]
 
 
 def test_cleaning_counts_every_drop():
     from tasks.config import CleanSection
 
-    c = data.Cleaner(CleanSection(normalize="NFKC", min_chars=3, max_chars=40, invalid_utf8="skip"))
+    c = Cleaner(CleanSection(normalize="NFKC", min_chars=3, max_chars=40, invalid_utf8="skip"))
     bad = b"caf\xe9 au lait".decode("utf-8", "surrogateescape")
     for t in ["hello world", "", "  \n\t ", "hello world", "hi", "x" * 41, "bin\x00ary", bad, "\ufb01ne print"]:
         c.add(t)
@@ -252,7 +257,7 @@ def test_cleaning_counts_every_drop():
     assert s.skipped == {"binary": 1, "invalid_utf8": 1, "mostly_invalid": 0, "empty": 1, "whitespace": 1,
                          "too_short": 1, "too_long": 1, "duplicate": 1}
     assert s.seen == s.kept + sum(s.skipped.values()) == 9
-    r = data.Cleaner(CleanSection(invalid_utf8="replace"))
+    r = Cleaner(CleanSection(invalid_utf8="replace"))
     r.add(bad)
     r.add(json.loads('"lone \\ud800 surrogate"'))
     assert r.kept == ["caf\ufffd au lait", "lone \ufffd\ufffd\ufffd surrogate"] and r.stats.repaired["invalid_utf8"] == 2
@@ -260,7 +265,7 @@ def test_cleaning_counts_every_drop():
 
 def test_validation_split_is_by_document(tmp_path):
     src = write_txt(tmp_path / "c.txt", paragraphs(200))
-    plan = data.plan_chunks(make_cfg([src], "data.validation_documents=17", "data.chunk_documents=50"), tmp_path / "w")
+    plan = plan_chunks(make_cfg([src], "data.validation_documents=17", "data.chunk_documents=50"), tmp_path / "w")
     texts = {s: [json.loads(ln) for c in plan.chunks if c["split"] == s for ln in open(c["text_path"], encoding="utf-8")]
              for s in ("train", "valid")}
     assert len(texts["valid"]) == 17 and len(texts["train"]) == 183
@@ -307,9 +312,9 @@ def test_cjk_tokenizer_round_trips(tmp_path):
     lines = ["".join(rng.choice(chars, size=40, p=weights / weights.sum())) + "。" for _ in range(3000)]
     (tmp_path / "s.txt").write_text("\n".join(lines), encoding="utf-8")
     with pytest.raises(DataError, match="character_coverage"):  # 512 pieces cannot hold ~1600 characters
-        data.train_tokenizer(TokenizerSection(vocab_size=512), tmp_path / "s.txt", tmp_path / "full.model")
+        train_tokenizer(TokenizerSection(vocab_size=512), tmp_path / "s.txt", tmp_path / "full.model")
     tok = TokenizerSection(vocab_size=2048, character_coverage=0.9995, model_type="unigram")
-    sp = spm.SentencePieceProcessor(model_file=str(data.train_tokenizer(tok, tmp_path / "s.txt", tmp_path / "t.model")))
+    sp = spm.SentencePieceProcessor(model_file=str(train_tokenizer(tok, tmp_path / "s.txt", tmp_path / "t.model")))
     text = "".join(chars[-60:]) + " 日本語のテキスト\n\tです"  # unseen characters go through byte fallback
     assert sp.get_piece_size() == 2048 and sp.decode(sp.encode(text)) == text
     assert len(sp.encode(lines[0])) < len(lines[0])  # frequent characters and pairs are pieces
@@ -322,7 +327,7 @@ def test_tokenize_chunk_is_a_pure_path_function(tmp_path, tok512):
     (tmp_path / "c.jsonl").write_text("\n".join(json.dumps(d) for d in docs) + "\n", encoding="utf-8")
     spec = {"split": "train", "index": 0, "documents": 2, "bytes": 40, "text_path": str(tmp_path / "c.jsonl"),
             "tokens_path": str(tmp_path / "c.tokens.npy"), "tokenizer": str(tok512)}
-    summary = json.loads(Path(data.tokenize_chunk(spec)).read_text())
+    summary = json.loads(Path(tokenize_chunk(spec)).read_text())
     stream = np.load(summary["tokens_path"], allow_pickle=False)
     sp = spm.SentencePieceProcessor(model_file=str(tok512))
     want = sp.encode(docs[0]) + [sp.eos_id()] + sp.encode(docs[1]) + [sp.eos_id()]
@@ -337,7 +342,7 @@ def test_missing_path_is_named(tmp_path):
         run_small(make_cfg([tmp_path / "nope.txt"]), tmp_path, None)
     (tmp_path / "notes.md").write_text("x")
     with pytest.raises(DataError, match="not a supported corpus file"):
-        data.resolve_sources(make_cfg([tmp_path / "notes.md"]))
+        resolve_sources(make_cfg([tmp_path / "notes.md"]))
 
 
 def test_empty_corpus_is_an_error(tmp_path, tok512):
@@ -371,7 +376,7 @@ def test_ten_megabyte_single_line(tmp_path, tok512):
     big = ("All the world's a stage, and all the men and women merely players. " * 150_000)[:10_000_000]
     (tmp_path / "big.jsonl").write_text(json.dumps({"text": big}) + "\n", encoding="utf-8")
     (tmp_path / "big.txt").write_text(big, encoding="utf-8")
-    docs = list(data.read_documents(data.resolve_sources(make_cfg([tmp_path / "big.jsonl"]))[0][0], make_cfg([]).data))
+    docs = list(read_documents(resolve_sources(make_cfg([tmp_path / "big.jsonl"]))[0][0], make_cfg([]).data))
     assert len(docs) == 1 and len(docs[0]) == 10_000_000
     write_txt(tmp_path / "good.txt", paragraphs(60))
     cfg = make_cfg([tmp_path / "big.txt", tmp_path / "good.txt"], "data.clean.max_chars=1000000", "data.num_shards=1")
@@ -418,7 +423,7 @@ def test_fast_mindrecord_writer_matches_public_api(tmp_path, monkeypatch):
     digests = []
     for fast in (True, False):
         monkeypatch.setattr(data.shards, "_FAST_WRITE", fast)
-        w = data._SplitWriter(tmp_path / str(fast), "train", 2, 64)
+        w = data.shards._SplitWriter(tmp_path / str(fast), "train", 2, 64)
         w._put(ids, mask)
         w.close("drop", 3, tmp_path / str(fast))
         digests.append([hashlib.sha256((tmp_path / str(fast) / f).read_bytes()).hexdigest()

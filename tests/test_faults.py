@@ -324,7 +324,8 @@ class TestYaml:
 
     def test_mostly_invalid_documents_are_dropped(self):
         from tasks.config import CleanSection
-        from tasks.stages.data import SKIP_REASONS, Cleaner
+        from tasks.stages.data.schema import SKIP_REASONS
+        from tasks.stages.data.cleaning import Cleaner
 
         rng = random.Random(0)
         garbage = bytes(rng.randrange(0x80, 0x100) if rng.random() > 0.05 else rng.randrange(0x61, 0x7b)

@@ -218,7 +218,7 @@ class TestCheckpointLoading:
 
 class TestManifestPaths:
     def test_shard_paths_outside_the_artifact_are_refused(self, tmp_path, data_artifact):
-        from tasks.stages.data import DataError
+        from tasks.store.data_schema import DataError
         from tasks.store.reader import open_blocks
 
         art = _copy_data(data_artifact, tmp_path / "root")

@@ -97,6 +97,8 @@ def main() -> int:
     import mindspore.dataset  # noqa: F401  (steady state: imported before timing)
 
     from tasks.stages import data
+    from tasks.stages.data.plan import plan_chunks
+    from tasks.stages.data.tokenizer import train_tokenizer
     from tasks.store.artifacts import ArtifactStore
     from tasks.config import resolve_pipeline
 
@@ -112,8 +114,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench-data-") as tmp:
         tmp = Path(tmp)
         # one tokenizer for both sides (not timed)
-        plan = data.plan_chunks(cfg, tmp / "plan")
-        model = data.train_tokenizer(cfg.data.tokenizer, plan.sample_path, tmp / "tokenizer.model")
+        plan = plan_chunks(cfg, tmp / "plan")
+        model = train_tokenizer(cfg.data.tokenizer, plan.sample_path, tmp / "tokenizer.model")
 
         ours_s, base, art = float("inf"), None, None
         for r in range(args.repeat):  # alternate the sides so that load from elsewhere hits both alike

@@ -7,7 +7,8 @@
 A rerun with the same inputs and config is a cache hit (same key, nothing recomputed). The same
 inputs and config give byte-identical payload files for any `num_workers` and chunk size.
 
-Steps (each a public function, so an orchestrator can map the middle one over a Dask cluster):
+Steps (each a public function of this package's modules: plan, tokenizer, shards; so an orchestrator can map
+the middle one over a Dask cluster):
 
     plan = plan_chunks(cfg, work_dir)          # read, clean, dedup, split, write chunk files + tokenizer sample
     train_tokenizer(cfg.data.tokenizer, plan.sample_path, out)   # or reuse a given tokenizer.model
@@ -85,14 +86,12 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 from tasks.store.artifacts import ArtifactStore, raw_file_input
 from tasks.store.disk import atomic_write_json
 from tasks.stages import code_version
-from tasks.stages.data.cleaning import Cleaner, CleanStats  # noqa: F401 (the stage's public API)
-from tasks.stages.data.plan import Plan, _postfix, _progress_bar, plan_chunks  # noqa: F401
-from tasks.stages.data.schema import (COLUMNS, DATA_SCHEMA_VERSION, SKIP_REASONS, SPLITS,  # noqa: F401
-                                      DataError)
-from tasks.stages.data.shards import _SplitWriter, finalize, verify_files  # noqa: F401
-from tasks.stages.data.sources import Source, read_documents, resolve_sources, source_inputs  # noqa: F401
-from tasks.stages.data.tokenizer import (check_vocab, chunk_specs, load_tokenizer, tokenize_chunk,  # noqa: F401
-                                         tokenizer_info, train_tokenizer)
+from tasks.stages.data.plan import _postfix, _progress_bar, plan_chunks
+from tasks.stages.data.shards import finalize
+from tasks.stages.data.sources import resolve_sources, source_inputs
+from tasks.stages.data.tokenizer import (check_vocab, chunk_specs, load_tokenizer, tokenize_chunk, tokenizer_info,
+                                         train_tokenizer)
+from tasks.store.data_schema import COLUMNS, DATA_SCHEMA_VERSION, SPLITS, DataError
 
 if TYPE_CHECKING:
     from tasks.config import PipelineConfig

@@ -13,7 +13,7 @@ import numpy as np
 
 
 from tasks.stages.data.cleaning import Cleaner, CleanStats
-from tasks.stages.data.schema import DataError
+from tasks.store.data_schema import DataError
 from tasks.stages.data.sources import Source, _is_binary, read_documents, resolve_sources
 
 if TYPE_CHECKING:

@@ -1,9 +1,7 @@
-"""The data stage's constants: the schema it shares with the reader (tasks/store/data_schema.py), the skip
-reasons every step counts, and the writer's MindRecord sizes."""
+"""The data stage's constants: the skip reasons every step counts, and the writer's MindRecord sizes. The
+schema it shares with the reader (COLUMNS, SPLITS, DataError, ...) is tasks/store/data_schema.py's."""
 
 from __future__ import annotations
-
-from tasks.store.data_schema import COLUMNS, DATA_SCHEMA_VERSION, SPLITS, DataError  # noqa: F401 (the stage's API)
 
 SKIP_REASONS = ("binary", "invalid_utf8", "mostly_invalid", "empty", "whitespace", "too_short", "too_long", "duplicate")
 MAX_REPLACEMENT_FRACTION = 0.5  # a document with more U+FFFD than this (after repair) is `mostly_invalid`

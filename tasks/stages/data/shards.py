@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 import numpy as np
 
 
-from tasks.store.reader import verify_files  # noqa: F401 (the stage's API)
-from tasks.stages.data.schema import _MR_HEADER_SIZE, _MR_PAGE_SIZE, _WRITE_BATCH, SPLITS, DataError
+from tasks.stages.data.schema import _MR_HEADER_SIZE, _MR_PAGE_SIZE, _WRITE_BATCH
+from tasks.store.data_schema import SPLITS, DataError
 
 if TYPE_CHECKING:
     pass

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 from tasks.store.artifacts import raw_file_input
 
-from tasks.stages.data.schema import _SNIFF_BYTES, DataError
+from tasks.stages.data.schema import _SNIFF_BYTES
+from tasks.store.data_schema import DataError
 
 if TYPE_CHECKING:
     from tasks.config import DataSection, PipelineConfig

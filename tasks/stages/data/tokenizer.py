@@ -13,7 +13,7 @@ import numpy as np
 
 
 from tasks.stages.data.plan import Plan
-from tasks.stages.data.schema import DataError
+from tasks.store.data_schema import DataError
 
 if TYPE_CHECKING:
     from tasks.config import PipelineConfig, TokenizerSection
