@@ -153,7 +153,7 @@ def test_corrupt_slice_is_named(tmp_path):
     ck = _write_tp_checkpoint(tmp_path, 3, weights, opt, {"consumed_samples": 24}, tp=2)
     f = ck / "model.tp1-of-2.safetensors"
     f.write_bytes(f.read_bytes()[:-8] + b"\0" * 8)
-    from tasks.training.checkpoint import CheckpointError
+    from tasks.store.tensors import CheckpointError
 
     with pytest.raises(CheckpointError, match="model.tp1-of-2.safetensors: sha256 mismatch"):
         load_checkpoint(ck, tp=1)

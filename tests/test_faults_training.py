@@ -16,7 +16,8 @@ import pytest
 from tasks.stages import pretrain
 from tasks.store.artifacts import ArtifactStore
 from tasks.store.disk import atomic_write_json, sha256_file
-from tasks.training.checkpoint import CheckpointError, complete_checkpoints, is_good, load_checkpoint
+from tasks.training.checkpoint import complete_checkpoints, is_good, load_checkpoint
+from tasks.store.tensors import CheckpointError
 from tasks.config import ConfigError, resolve_pipeline
 from tasks.training.trainer import NonFiniteError
 

@@ -192,7 +192,8 @@ def _train(cfg: PipelineConfig, store: ArtifactStore, data_artifact: Path, init_
     from tasks.store.model_artifact import write_model
     from tasks.training.schedule import budget_line
     from tasks.training.step import causal_lm_loss_fn
-    from tasks.training.trainer import LoopConfig, add_run_files, fit, native_kernels, run_outcome
+    from tasks.training.metrics import add_run_files
+    from tasks.training.trainer import LoopConfig, fit, native_kernels, run_outcome
 
     mesh = mesh or Mesh()
     _, inputs, section = stage_key(cfg, store, data_artifact, init_from)

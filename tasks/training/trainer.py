@@ -23,17 +23,16 @@ from __future__ import annotations
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from tasks.training.checkpoint import CheckpointError, load_checkpoint, newest_checkpoint, save_checkpoint
-from tasks.store.tensors import assign
+from tasks.training.checkpoint import load_checkpoint, newest_checkpoint, save_checkpoint
+from tasks.store.tensors import CheckpointError, assign
 from tasks.training.hardware import peak_rss_bytes, resolve_peak_flops
-from tasks.training.metrics import (NoBar, add_run_files, append_jsonl, format_record, plot_loss_curve, progress,
-                                    read_jsonl, write_jsonl)
+from tasks.training.metrics import NoBar, append_jsonl, format_record, progress, read_jsonl, write_jsonl
 
 Batches = Callable[[int], Iterator[tuple[np.ndarray, np.ndarray]]]
 
@@ -192,87 +191,117 @@ def fit(net, params, loss_fn, train, *, checkpoint, batches: Batches, valid: Cal
     steps in a row (the message names the newest *good* checkpoint), no update applied at all, or a
     non-finite final validation loss. Nothing is published in those cases (the caller publishes after fit).
     """
-    import mindspore as ms
-
     from tasks.runtime.distributed import Mesh
-    from tasks.training.adamw import UpdateGuard
-    from tasks.training.parallelize import parallelize_optimizer
-    from tasks.training.schedule import lr_schedule, training_steps
-    from tasks.training.step import DynamicLossScale, TrainStep
 
-    mesh = mesh or Mesh()
-    hooks = hooks or LoopConfig()
-    lp, o, pr = train.loop, train.optimizer, train.precision
-    max_steps = training_steps(lp, tokens_per_sample)
-    save_steps = lp.save_steps or checkpoint.save_steps
-    lr_of = lr_schedule(train, max_steps)
-    lead = mesh.rank == 0
-    # ---- setup
-    run_dir.mkdir(parents=True, exist_ok=True)
-    ckpt_root = run_dir / "checkpoints"
-    optimizer = parallelize_optimizer(params, train, mesh)  # AdamW, or ZeRO-1's ShardedAdamW, from the mesh
-    step_fn = TrainStep(loss_fn, params, optimizer, accumulation=lp.gradient_accumulation,
-                        dp_group=mesh.dp_group, dp=mesh.dp)
-    fp16 = pr.dtype == "fp16"
-    scaler = DynamicLossScale(pr.loss_scale if fp16 else 1.0, window=pr.loss_scale_window, dynamic=fp16)
-    eval_fn = ms.jit(loss_fn)
-    opt_params = list(optimizer.exp_avg) + list(optimizer.exp_avg_sq)
-    metrics_path = run_dir / "metrics.jsonl"
+    run = _Run(params, loss_fn, train, checkpoint, run_dir, meta, flops_per_token, tokens_per_sample,
+               mesh or Mesh(), hooks or LoopConfig(), valid)
+    run.start()
+    return run.finish(stopped=run.loop(batches))
 
-    # ---- resume (the mirror image of the save at the bottom of the loop)
-    st, history = _resume(checkpoint, fp16, mesh, ckpt_root, params, optimizer, opt_params, scaler, meta, metrics_path)
-    if mesh.zero:
-        optimizer.sync_master()  # the master share follows the (possibly loaded) weights
-    if lead:
-        write_jsonl(metrics_path, history)
-    from tasks.training.tensorboard import open_run
 
-    events = open_run(run_dir, history, meta, enabled=lead)  # TensorBoard: the same records, rewritten on resume
-    guard = UpdateGuard(UpdateGuard.max_abs(p.asnumpy() for p in params), beta1=o.beta1, beta2=o.beta2,
-                        weight_decay=o.weight_decay)
-    peak = resolve_peak_flops(lp.peak_flops)  # per rank: MFU divides by world × peak
-    if lead:
-        print(f"[train] MFU denominator: {peak.describe()}", file=sys.stderr, flush=True)
+class _Run:
+    """One `fit` call: setup (optimizer, compiled step, loss scale), then its loop's state and parts."""
 
-    # under pure data parallel only rank 0 validates (the replicas are equal); tensor-parallel ranks all take part
-    do_eval = valid is not None and (lead or mesh.tp > 1)
-    if do_eval and st.step == 0:  # the starting point: shows what training (or continuing) changed
-        v0 = evaluate_loss(eval_fn, valid(), lp.eval_batches)
-        r0 = {"step": 0, "val_loss": v0, "val_ppl": _ppl(v0)}
-        history.append(r0)
-        if lead:
-            append_jsonl(metrics_path, r0)
-            events.write(r0)
-        print(f"[train] step 0: val_loss {v0:.4f} (ppl {r0['val_ppl']:.1f})", file=sys.stderr, flush=True)
+    def __init__(self, params, loss_fn, train, checkpoint, run_dir: Path, meta: dict[str, Any], flops_per_token: float,
+                 tokens_per_sample: int, mesh, hooks: LoopConfig, valid: Callable[[], Iterator] | None):
+        import mindspore as ms
 
-    # ---- the loop: step → log → validate → save
-    per_step = lp.micro_batch_size * lp.gradient_accumulation * mesh.dp  # global samples per step
-    it = batches(st.consumed)
-    bar = progress(hooks.progress, max_steps, st.step) if lead else NoBar()
-    t_start, steps_here, last_loss, val_loss = time.perf_counter(), 0, float("nan"), None
-    t_log, tok_log = time.perf_counter(), 0
-    stopped = False
-    while st.step < max_steps:
-        micro = [next(it) for _ in range(lp.gradient_accumulation)]
-        lr = lr_of(st.step)
+        from tasks.training.parallelize import parallelize_optimizer
+        from tasks.training.schedule import lr_schedule, training_steps
+        from tasks.training.step import DynamicLossScale, TrainStep
+
+        self.params, self.checkpoint, self.run_dir, self.meta, self.mesh, self.hooks, self.valid = \
+            params, checkpoint, run_dir, meta, mesh, hooks, valid
+        self.flops_per_token, self.tokens_per_sample = flops_per_token, tokens_per_sample
+        lp, pr = train.loop, train.precision
+        self.lp, self.o, self.pr = lp, train.optimizer, pr
+        self.max_steps = training_steps(lp, tokens_per_sample)
+        self.save_steps = lp.save_steps or checkpoint.save_steps
+        self.lr_of = lr_schedule(train, self.max_steps)
+        self.lead = mesh.rank == 0
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.ckpt_root = run_dir / "checkpoints"
+        self.optimizer = parallelize_optimizer(params, train, mesh)  # AdamW, or ZeRO-1's ShardedAdamW, from the mesh
+        self.step_fn = TrainStep(loss_fn, params, self.optimizer, accumulation=lp.gradient_accumulation,
+                                 dp_group=mesh.dp_group, dp=mesh.dp)
+        self.fp16 = fp16 = pr.dtype == "fp16"
+        self.scaler = DynamicLossScale(pr.loss_scale if fp16 else 1.0, window=pr.loss_scale_window, dynamic=fp16)
+        self.eval_fn = ms.jit(loss_fn)
+        self.opt_params = list(self.optimizer.exp_avg) + list(self.optimizer.exp_avg_sq)
+        self.metrics_path = run_dir / "metrics.jsonl"
+        self.per_step = lp.micro_batch_size * lp.gradient_accumulation * mesh.dp  # global samples per step
+
+    def start(self) -> None:
+        """Resume (the mirror image of the save in `loop`), open the metrics sinks, validate the starting point."""
+        from tasks.training.adamw import UpdateGuard
+        from tasks.training.tensorboard import open_run
+
+        mesh, o = self.mesh, self.o
+        self.st, self.history = _resume(self.checkpoint, self.fp16, mesh, self.ckpt_root, self.params, self.optimizer,
+                                        self.opt_params, self.scaler, self.meta, self.metrics_path)
+        if mesh.zero:
+            self.optimizer.sync_master()  # the master share follows the (possibly loaded) weights
+        if self.lead:
+            write_jsonl(self.metrics_path, self.history)
+        self.events = open_run(self.run_dir, self.history, self.meta, enabled=self.lead)  # TensorBoard, as history
+        self.guard = UpdateGuard(UpdateGuard.max_abs(p.asnumpy() for p in self.params), beta1=o.beta1, beta2=o.beta2,
+                                 weight_decay=o.weight_decay)
+        self.peak = resolve_peak_flops(self.lp.peak_flops)  # per rank: MFU divides by world × peak
+        if self.lead:
+            print(f"[train] MFU denominator: {self.peak.describe()}", file=sys.stderr, flush=True)
+        # under pure data parallel only rank 0 validates (the replicas are equal); tensor-parallel ranks all take part
+        self.do_eval = self.valid is not None and (self.lead or mesh.tp > 1)
+        if self.do_eval and self.st.step == 0:  # the starting point: shows what training (or continuing) changed
+            v0 = evaluate_loss(self.eval_fn, self.valid(), self.lp.eval_batches)
+            r0 = {"step": 0, "val_loss": v0, "val_ppl": _ppl(v0)}
+            self.history.append(r0)
+            if self.lead:
+                append_jsonl(self.metrics_path, r0)
+                self.events.write(r0)
+            print(f"[train] step 0: val_loss {v0:.4f} (ppl {r0['val_ppl']:.1f})", file=sys.stderr, flush=True)
+
+    def loop(self, batches: Batches) -> bool:
+        """The loop: step → log → validate → save, to max_steps; True when stopped early (hooks.stop_after)."""
+        st, lp = self.st, self.lp
+        it = batches(st.consumed)
+        self.bar = progress(self.hooks.progress, self.max_steps, st.step) if self.lead else NoBar()
+        self.t_start, self.steps_here, self.last_loss, self.val_loss = time.perf_counter(), 0, float("nan"), None
+        self.t_log, self.tok_log = time.perf_counter(), 0
+        while st.step < self.max_steps:
+            loss, gnorm, lr, scale = self._step([next(it) for _ in range(lp.gradient_accumulation)])
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}")
+            self._record(loss, gnorm, lr, scale)
+            if st.step % self.save_steps == 0 or st.step == self.max_steps:
+                _save(self.ckpt_root, st, self.params, self.optimizer if self.mesh.zero else self.opt_params,
+                      self.scaler, self.pr.dtype, self.checkpoint.keep_checkpoint_max, self.meta, self.mesh)
+            stop_after = self.hooks.stop_after
+            if stop_after is not None and self.steps_here >= stop_after and st.step < self.max_steps:
+                return True
+        return False
+
+    def _step(self, micro: list) -> tuple[float, float, float, float]:
+        """One train step and its counters (applied, overflowed, or skipped); (loss, grad norm, lr, loss scale)."""
+        st, scaler, guard = self.st, self.scaler, self.guard
+        lr = self.lr_of(st.step)
         scale = scaler.scale
         allow = guard.allows(lr, st.updates + 1)
         # fault hook: scale 0 -> grads / 0 -> non-finite
-        loss, gnorm, finite = step_fn(micro, lr, st.updates + 1, 0.0 if st.step + 1 in hooks.fault_steps else scale,
-                                      allow=allow)
+        loss, gnorm, finite = self.step_fn(micro, lr, st.updates + 1,
+                                           0.0 if st.step + 1 in self.hooks.fault_steps else scale, allow=allow)
         if math.isfinite(loss):
             overflow = scaler.update(finite)  # fp16: a non-finite gradient while S > 1 halves S
         else:  # a non-finite forward is never a loss-scale overflow (S only scales the backward)
             finite, overflow, scaler.good_steps = False, False, 0
         st.step += 1
-        steps_here += 1
-        st.consumed += per_step
-        tok_log += per_step * tokens_per_sample
+        self.steps_here += 1
+        st.consumed += self.per_step
+        self.tok_log += self.per_step * self.tokens_per_sample
         if finite and allow:
             guard.applied(lr, st.updates + 1)
             st.updates += 1
             st.consecutive = 0
-            last_loss = loss
+            self.last_loss = loss
         elif overflow:
             st.overflows += 1
             print(f"[train] step {st.step}: gradient overflow at loss scale {scale:g}; update skipped, "
@@ -283,63 +312,65 @@ def fit(net, params, loss_fn, train, *, checkpoint, batches: Batches, valid: Cal
             why = (f"non-finite loss/grad norm ({loss}, {gnorm})" if not finite else
                    f"the update at lr {lr:.3g} could make weights non-finite (|w| bound {guard._next_bound(lr, st.updates + 1):.3g})")
             print(f"[train] step {st.step}: {why}; update skipped ({st.consecutive} in a row)", file=sys.stderr)
-            if st.consecutive >= lp.max_nonfinite_steps:
-                bar.close()
+            if st.consecutive >= self.lp.max_nonfinite_steps:
+                self.bar.close()
                 raise NonFiniteError(
                     f"{st.consecutive} consecutive non-finite steps (limit train.loop.max_nonfinite_steps="
-                    f"{lp.max_nonfinite_steps}) at step {st.step}; the last good checkpoint is "
-                    f"{newest_checkpoint(ckpt_root, good_only=True) or 'none (no good checkpoint yet)'}; "
+                    f"{self.lp.max_nonfinite_steps}) at step {st.step}; the last good checkpoint is "
+                    f"{newest_checkpoint(self.ckpt_root, good_only=True) or 'none (no good checkpoint yet)'}; "
                     "lower the learning rate or check the data")
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}")
+        return loss, gnorm, lr, scale
+
+    def _record(self, loss: float, gnorm: float, lr: float, scale: float) -> None:
+        """The step's metrics record (every log_steps), with a validation loss (every eval_steps), written out."""
+        st, lp, max_steps = self.st, self.lp, self.max_steps
         record: dict[str, Any] | None = None
         if st.step % lp.log_steps == 0 or st.step == max_steps:
             now = time.perf_counter()
-            tps = tok_log / max(now - t_log, 1e-9)
-            eta = (max_steps - st.step) * (now - t_start) / max(steps_here, 1)
+            tps = self.tok_log / max(now - self.t_log, 1e-9)
+            eta = (max_steps - st.step) * (now - self.t_start) / max(self.steps_here, 1)
             record = {"step": st.step, "loss": loss, "lr": lr, "grad_norm": gnorm, "tokens_per_s": tps,
-                      "mfu": tps * flops_per_token / (peak.flops * mesh.world), "peak_rss_bytes": peak_rss_bytes(),
-                      "eta_s": eta, "consumed_samples": st.consumed, "skipped_steps": st.skipped}
-            if fp16:
+                      "mfu": tps * self.flops_per_token / (self.peak.flops * self.mesh.world),
+                      "peak_rss_bytes": peak_rss_bytes(), "eta_s": eta, "consumed_samples": st.consumed,
+                      "skipped_steps": st.skipped}
+            if self.fp16:
                 record.update(loss_scale=scale, overflow_steps=st.overflows)
-            t_log, tok_log = now, 0
-        if do_eval and (st.step % lp.eval_steps == 0 or st.step == max_steps):
-            val_loss = evaluate_loss(eval_fn, valid(), lp.eval_batches)
+            self.t_log, self.tok_log = now, 0
+        if self.do_eval and (st.step % lp.eval_steps == 0 or st.step == max_steps):
+            self.val_loss = evaluate_loss(self.eval_fn, self.valid(), lp.eval_batches)
             record = record or {"step": st.step, "loss": loss, "lr": lr}
-            record.update(val_loss=val_loss, val_ppl=_ppl(val_loss))
+            record.update(val_loss=self.val_loss, val_ppl=_ppl(self.val_loss))
         if record is not None:
-            history.append(record)
-            if lead:
-                append_jsonl(metrics_path, record)
-                events.write(record)
-                bar.write(format_record(record, max_steps))
-        if st.step % save_steps == 0 or st.step == max_steps:
-            _save(ckpt_root, st, params, optimizer if mesh.zero else opt_params, scaler, pr.dtype,
-                  checkpoint.keep_checkpoint_max, meta, mesh)
-        if hooks.stop_after is not None and steps_here >= hooks.stop_after and st.step < max_steps:
-            stopped = True
-            break
-    bar.close()
-    events.close()
-    if mesh.dp > 1:
-        digest = mesh.check_replicas(_named_arrays(params))
-        print(f"[train] rank {mesh.rank}: parameters sha256 {digest} (equal on all {mesh.dp} data-parallel replicas)",
-              file=sys.stderr, flush=True)
-        print(f"[train] rank {mesh.rank}: peak RSS {peak_rss_bytes()} bytes"
-              f"{' (optimizer state sharded)' if mesh.zero else ''}", file=sys.stderr, flush=True)
-    if not stopped and steps_here == 0:  # resumed at max_steps (killed after the last checkpoint, before publishing)
-        last_loss, val_loss = _final_from_history(history, st.step, last_loss, val_loss)
-        if val_loss is None and do_eval:  # its validation record was lost with the kill: measure it again
-            val_loss = evaluate_loss(eval_fn, valid(), lp.eval_batches)
-    if not stopped:
-        _check_trustworthy(st, val_loss, ckpt_root, fp16)
-    elapsed = time.perf_counter() - t_start
-    initial_val = next((r["val_loss"] for r in history if r.get("step") == 0 and "val_loss" in r), None)
-    return FitResult(steps=st.step, consumed_samples=st.consumed, final_loss=last_loss, val_loss=val_loss,
-                     initial_val_loss=initial_val, skipped_steps=st.skipped,
-                     tokens_per_s=steps_here * per_step * tokens_per_sample / max(elapsed, 1e-9),
-                     history=history, stopped_early=stopped, overflow_steps=st.overflows, loss_scale=scaler.scale,
-                     updates=st.updates)
+            self.history.append(record)
+            if self.lead:
+                append_jsonl(self.metrics_path, record)
+                self.events.write(record)
+                self.bar.write(format_record(record, max_steps))
+
+    def finish(self, stopped: bool) -> FitResult:
+        """Close the sinks, check the replicas agree; the FitResult, or NonFiniteError for an untrustworthy run."""
+        mesh, st = self.mesh, self.st
+        self.bar.close()
+        self.events.close()
+        if mesh.dp > 1:
+            digest = mesh.check_replicas(_named_arrays(self.params))
+            print(f"[train] rank {mesh.rank}: parameters sha256 {digest} (equal on all {mesh.dp} data-parallel replicas)",
+                  file=sys.stderr, flush=True)
+            print(f"[train] rank {mesh.rank}: peak RSS {peak_rss_bytes()} bytes"
+                  f"{' (optimizer state sharded)' if mesh.zero else ''}", file=sys.stderr, flush=True)
+        if not stopped and self.steps_here == 0:  # resumed at max_steps (killed after the last checkpoint, before publishing)
+            self.last_loss, self.val_loss = _final_from_history(self.history, st.step, self.last_loss, self.val_loss)
+            if self.val_loss is None and self.do_eval:  # its validation record was lost with the kill: measure it again
+                self.val_loss = evaluate_loss(self.eval_fn, self.valid(), self.lp.eval_batches)
+        if not stopped:
+            _check_trustworthy(st, self.val_loss, self.ckpt_root, self.fp16)
+        elapsed = time.perf_counter() - self.t_start
+        initial_val = next((r["val_loss"] for r in self.history if r.get("step") == 0 and "val_loss" in r), None)
+        return FitResult(steps=st.step, consumed_samples=st.consumed, final_loss=self.last_loss, val_loss=self.val_loss,
+                         initial_val_loss=initial_val, skipped_steps=st.skipped,
+                         tokens_per_s=self.steps_here * self.per_step * self.tokens_per_sample / max(elapsed, 1e-9),
+                         history=self.history, stopped_early=stopped, overflow_steps=st.overflows,
+                         loss_scale=self.scaler.scale, updates=st.updates)
 
 
 def _final_from_history(history: list[dict[str, Any]], step: int, loss: float,
@@ -414,4 +445,4 @@ def run_outcome(result: FitResult, mesh, run_dir: Path) -> Path | None | bool:
     return True
 
 
-__all__ = ["LoopConfig", "FitResult", "fit", "run_outcome", "add_run_files", "NonFiniteError", "plot_loss_curve", "evaluate_loss", "asdict"]
+__all__ = ["LoopConfig", "FitResult", "fit", "run_outcome", "NonFiniteError", "evaluate_loss"]

@@ -208,7 +208,7 @@ class ShardedAdamW(nn.Cell):
 
     def load_full(self, opt: dict, what: str) -> None:
         """Cut this rank's share out of full per-parameter moments (`adam_m.<name>`, `adam_v.<name>`)."""
-        from tasks.training.checkpoint import CheckpointError
+        from tasks.store.tensors import CheckpointError
 
         want = [f"{k}.{n}" for k in ("adam_m", "adam_v") for n in self.names]
         missing = [k for k in want if k not in opt]

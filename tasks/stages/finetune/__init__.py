@@ -130,7 +130,8 @@ def _train(cfg: PipelineConfig, store: ArtifactStore, base: Path, key: str, prog
     from tasks.store.tensors import save_tensors
     from tasks.store.model_artifact import load_model, load_tokenizer
     from tasks.runtime.distributed import Mesh
-    from tasks.training.trainer import LoopConfig, add_run_files, fit, native_kernels, run_outcome
+    from tasks.training.metrics import add_run_files
+    from tasks.training.trainer import LoopConfig, fit, native_kernels, run_outcome
 
     mesh = mesh or Mesh()
     # ---- setup: base model, data, what trains
