@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tasks.tokenizer import TokenizerError
+from tasks.tokenizer_error import TokenizerError
 
 
 def chat_spans(tok, messages: list[dict[str, str]], where: str) -> tuple[str, list[tuple[int, int]]]:

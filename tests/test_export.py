@@ -17,11 +17,13 @@ import numpy as np
 import pytest
 
 from tasks.deploy.model_card import model_card, read_eval
+from tasks.deploy.checks import ExportCheckFailed
+from tasks.deploy.formats import export_onnx
 from tasks.stages import export
 from tasks.store.artifacts import ArtifactStore
 from tasks.store.errors import ArtifactError
 from tasks.config import ConfigError, resolve_pipeline
-from tasks.stages.pretrain import StageFailed
+from tasks.runtime.supervise import StageFailed
 from tests.helpers import tiny_model_artifact
 
 REPO = Path(__file__).resolve().parent.parent
@@ -255,7 +257,7 @@ def test_cli_without_a_model_artifact_says_what_to_run(tmp_path, capsys):
 
 def test_mismatching_onnx_fails_the_stage_and_leaves_no_artifact(env, monkeypatch):
     """The ONNX file is written from different weights: logits and greedy tokens must both be caught."""
-    orig = export.export_onnx
+    orig = export_onnx
 
     def other_weights(info, weights, path, *a, **k):
         return orig(info, {n: w + np.float32(0.05) for n, w in weights.items()}, path, *a, **k)
@@ -263,7 +265,7 @@ def test_mismatching_onnx_fails_the_stage_and_leaves_no_artifact(env, monkeypatc
     monkeypatch.setattr(export, "export_onnx", other_weights)
     cfg = _cfg("export.max_new_tokens=4", "export.int8=false", "export.formats=[onnx]")  # another key
     key = export.stage_key(cfg, env["store"], env["model"])[0]
-    with pytest.raises(export.ExportCheckFailed, match=r"ONNX max \|logit diff\| .* > export.atol 0.0001") as e:
+    with pytest.raises(ExportCheckFailed, match=r"ONNX max \|logit diff\| .* > export.atol 0.0001") as e:
         export.run(cfg, env["store"], env["model"], isolate=False, progress=False)
     assert "greedy tokens differ" in str(e.value) and "onnxruntime_genai" in str(e.value)
     assert env["store"].lookup("export", key) is None

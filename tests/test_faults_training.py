@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tasks.runtime.supervise import StageFailed
 from tasks.stages import pretrain
 from tasks.store.artifacts import ArtifactStore
 from tasks.store.disk import atomic_write_json, sha256_file
@@ -283,7 +284,7 @@ class TestOneMessage:
         data_copy = _copy_data(data_artifact, root)
         cfg = _cfg()
         cfg.model.name = "lama"  # bypasses validation: the registry raises KeyError in the child
-        with pytest.raises(pretrain.StageFailed) as ei:
+        with pytest.raises(StageFailed) as ei:
             pretrain.run(cfg, store, data_copy, progress=False, retries=2)
         err = capfd.readouterr().err
         assert ei.value.permanent and str(ei.value).startswith("unknown model 'lama'; registered models")
@@ -298,7 +299,7 @@ class TestOneMessage:
         base = fn()
         f = base / "model.safetensors"
         f.write_bytes(f.read_bytes()[:500])
-        with pytest.raises(pretrain.StageFailed) as ei:
+        with pytest.raises(StageFailed) as ei:
             pretrain.run(_cfg(), store, data_copy, init_from=base, progress=False, retries=1)
         err = capfd.readouterr().err
         assert ei.value.permanent and f"{f}: sha256 differs from the manifest" in str(ei.value)  # checked on load
@@ -324,7 +325,7 @@ class TestOneMessage:
             used = (st.f_blocks - st.f_bfree) * st.f_frsize
             # room for the spec, logs and the weights (0.6 MB), not for the AdamW moments (1.25 MB) beside them
             subprocess.run(["mount", "-o", f"remount,size={used + (1 << 20)}", str(mnt)], check=True)
-            with pytest.raises(pretrain.StageFailed) as ei:
+            with pytest.raises(StageFailed) as ei:
                 pretrain.run(_cfg("pretrain.train.loop.max_steps=2", "checkpoint.save_steps=1"), ArtifactStore(root),
                              data_copy, progress=False, retries=2)
             err = capfd.readouterr().err

@@ -14,9 +14,10 @@ from tasks.store.merge import base_of, merge
 from tasks.store.artifacts import ArtifactStore
 from tasks.store.errors import ArtifactError
 from tasks.config import ConfigError, resolve_pipeline
-from tasks.stages.pretrain import StageFailed
+from tasks.runtime.supervise import StageFailed
 from tasks.prompts import encode_segments, prompt_ids, to_segments
-from tasks.stages.finetune import IGNORE, Examples, example_batches, instruction_examples, pack_example, text_examples
+from tasks.stages.finetune.data import (IGNORE, Examples, example_batches, instruction_examples, pack_example,
+                                        text_examples)
 from tests.helpers import decoder_reduction, fp32_tol, tiny_model_artifact
 
 REPO = Path(__file__).resolve().parent.parent

@@ -11,7 +11,8 @@ import pytest
 from mindspore import Tensor
 
 from model.config import ModelConfig
-from model.generate import Generator, build_decode_kernel, decode_disabled_reason, decode_kernel_path, sample_next
+from model.generate import Generator, build_decode_kernel, decode_disabled_reason, decode_kernel_path
+from model.sampling import sample_next
 from model.llama import LlamaForCausalLM
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tasks.runtime.supervise import StageFailed
 from tasks.stages import pretrain
 from tasks.store.artifacts import ArtifactStore
 from tasks.training.checkpoint import complete_checkpoints, load_checkpoint
@@ -117,7 +118,7 @@ def test_child_error_is_reported_on_top(tmp_path, data_artifact):
     shutil.copytree(data_artifact, data_copy)
     cfg = _cfg()
     cfg.model.vocab_size = 1024  # bypasses validation: the tokenizer has 512 pieces
-    with pytest.raises(pretrain.StageFailed) as ei:
+    with pytest.raises(StageFailed) as ei:
         pretrain.run(cfg, store, data_copy, progress=False)
     first = str(ei.value).splitlines()[0]
     assert first.startswith("tokenizer of") and "vocab_size is 1024" in first

@@ -85,7 +85,8 @@ def test_chat_template_renders_like_transformers(hf_dir):
 
 
 def test_a_template_that_fails_to_render_is_one_clear_error(tmp_path):
-    from tasks.tokenizer import TokenizerError, check_chat_template, load_tokenizer
+    from tasks.tokenizer import check_chat_template, load_tokenizer
+    from tasks.tokenizer_error import TokenizerError
 
     d = train_tiny_hf_tokenizer(tmp_path / "bad", chat_template="{{ messages[0]['content'] | no_such_filter }}")
     with pytest.raises(TokenizerError, match="chat template fails to render"):
@@ -98,7 +99,8 @@ def test_a_template_that_fails_to_render_is_one_clear_error(tmp_path):
 def test_a_special_token_missing_from_the_vocabulary_names_the_file(hf_dir, tmp_path):
     import shutil
 
-    from tasks.tokenizer import TokenizerError, load_tokenizer
+    from tasks.tokenizer import load_tokenizer
+    from tasks.tokenizer_error import TokenizerError
 
     d = tmp_path / "t"
     shutil.copytree(hf_dir, d)
@@ -222,7 +224,8 @@ def test_gguf_of_another_architecture_and_truncated_files_are_clear_errors(tmp_p
 
 
 def test_unknown_tokenizer_kinds_in_gguf_name_the_kind():
-    from tasks.tokenizer import TokenizerError, hf_files_from_gguf
+    from tasks.tokenizer import hf_files_from_gguf
+    from tasks.tokenizer_error import TokenizerError
 
     with pytest.raises(TokenizerError, match="tokenizer.ggml.model='bert'"):
         hf_files_from_gguf({"tokenizer.ggml.model": "bert"}, "x.gguf")

@@ -42,7 +42,7 @@ def _hf_meta(tok) -> dict[str, Any]:
     """llama.cpp's `gpt2` (byte-level BPE) vocabulary from a tokenizer.json."""
     import json
 
-    from tasks.tokenizer import TokenizerError
+    from tasks.tokenizer_error import TokenizerError
 
     spec = json.loads(tok.tok.to_str())
     model = spec.get("model", {})
@@ -187,7 +187,8 @@ def _tokenizer_roundtrip(meta: dict[str, Any], tok, texts: list[str], out: Path,
     import json
     import tempfile
 
-    from tasks.tokenizer import TokenizerError, hf_files_from_gguf, load_tokenizer
+    from tasks.tokenizer import hf_files_from_gguf, load_tokenizer
+    from tasks.tokenizer_error import TokenizerError
 
     if meta.get("tokenizer.ggml.model") == "llama":
         return list(meta["tokenizer.ggml.tokens"]) == [tok.id_to_piece(i) for i in range(tok.vocab_size)]

@@ -62,7 +62,8 @@ class MindSporeBackend:
         from model.runtime import setup_mindspore
 
         setup_mindspore()
-        from model.generate import Generator, sample_next
+        from model.generate import Generator
+        from model.sampling import sample_next
         from tasks.store.model_artifact import load_model, load_tokenizer
 
         self.path = Path(path)

@@ -436,7 +436,7 @@ def parse_request(body: Any, *, chat: bool, model_id: str | Collection[str], bac
     if isinstance(req, ChatRequest):
         echo, logprobs = False, ((req.top_logprobs or 0) if req.logprobs else None)
         from tasks.prompts import chat_prompt_ids
-        from tasks.tokenizer import TokenizerError
+        from tasks.tokenizer_error import TokenizerError
 
         try:
             # a rendering longer than the context can hold is refused as it grows (tasks.chat_template's size limit)

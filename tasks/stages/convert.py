@@ -143,7 +143,8 @@ def _convert_hf(hf_dir: Path, store: ArtifactStore, pipeline: str | None, key: s
                 tok_files: list, gen_cfg: Path) -> Path:
     """Convert the HF directory and publish its artifact `key` (under the stage lock: `from_hf`)."""
     from tasks.store.model_artifact import write_model
-    from tasks.tokenizer import TokenizerError, load_tokenizer
+    from tasks.tokenizer import load_tokenizer
+    from tasks.tokenizer_error import TokenizerError
 
     hf_config = _json_object(hf_dir / "config.json")
     cfg = config_from_hf(hf_config)
@@ -181,7 +182,8 @@ def _convert_gguf(src: Path, store: ArtifactStore, pipeline: str | None, key: st
     """Convert the GGUF file and publish its artifact `key` (under the stage lock: `from_gguf`)."""
     from model.gguf import GGUFError, config_from_meta, read_gguf, read_metadata
     from tasks.store.model_artifact import write_model
-    from tasks.tokenizer import TokenizerError, hf_files_from_gguf, load_tokenizer
+    from tasks.tokenizer import hf_files_from_gguf, load_tokenizer
+    from tasks.tokenizer_error import TokenizerError
 
     try:
         opened = read_metadata(src)  # layout checked: every tensor aligned, inside the data section, apart

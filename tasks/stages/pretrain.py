@@ -27,7 +27,7 @@ from tasks.store.artifacts import ArtifactStore
 from tasks.store.published import verify_published
 from tasks.stages import code_version
 from tasks.config import PipelineConfig
-from tasks.runtime.supervise import StageFailed, supervise  # noqa: F401 (StageFailed re-exported)
+from tasks.runtime.supervise import supervise
 from tasks.store.reader import block_batches
 
 STAGE = "pretrain"

@@ -55,7 +55,8 @@ def load_model(path: str | Path, seed: int = 0, **kwargs):
 
 def load_tokenizer(path: str | Path):
     """The artifact's tokenizer (tasks.tokenizer.Tokenizer); FileNotFoundError naming the artifact without one."""
-    from tasks.tokenizer import TokenizerError, load_tokenizer as _load, tokenizer_files
+    from tasks.tokenizer import load_tokenizer as _load, tokenizer_files
+    from tasks.tokenizer_error import TokenizerError
 
     for f in (tokenizer_files(path) if Path(path).is_dir() else [Path(path)]):
         verify_published(f)

@@ -57,7 +57,8 @@ def train_tokenizer(tok: TokenizerSection, sample_path: Path, out: Path) -> Path
 def load_tokenizer(path: str | os.PathLike):
     """The tokenizer of a file or directory (tokenizer.model or tokenizer.json); DataError naming it when it is
     missing or unreadable."""
-    from tasks.tokenizer import TokenizerError, load_tokenizer as _load
+    from tasks.tokenizer import load_tokenizer as _load
+    from tasks.tokenizer_error import TokenizerError
 
     p = Path(path)
     if not p.exists():

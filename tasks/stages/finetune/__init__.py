@@ -28,14 +28,11 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from tasks.store.artifacts import ArtifactStore, raw_file_input
-from tasks.store.errors import ArtifactError
 from tasks.store.disk import atomic_write_json
 from tasks.stages import code_version
 from tasks.config import ConfigError, PipelineConfig
-from tasks.stages.finetune.data import (IGNORE, PROMPT_TEMPLATE, TEMPLATE, Examples, FinetuneData,  # noqa: F401
-                                        encode_segments, example_batches, instruction_examples, load_data,
-                                        pack_example, prompt_ids, read_records, source_files, split, text_examples,
-                                        to_segments)
+from tasks.prompts import TEMPLATE
+from tasks.stages.finetune.data import example_batches, load_data, source_files
 
 STAGE = "finetune"
 MERGED = "merged"

@@ -5,7 +5,7 @@ Data (`finetune.sources`, tokenised with the base artifact's tokenizer.model):
 
 - `format: instruction`: JSON Lines (or .jsonl.gz, or a .json list) of
   `{"prompt": ..., "response": ...}` or chat `{"messages": [{"role": "system"|"user"|"assistant",
-  "content": ...}, ...]}`. Each example is rendered with TEMPLATE below and the loss
+  "content": ...}, ...]}`. Each example is rendered with tasks.prompts.TEMPLATE and the loss
   covers the response tokens only (prompt, template and padding labels are -100):
 
       ### Instruction:\\n{prompt}\\n\\n### Response:\\n{response}</s>
@@ -14,7 +14,7 @@ Data (`finetune.sources`, tokenised with the base artifact's tokenizer.model):
   instruction part, each assistant turn as a response (trained, closed by EOS).
   No BOS: examples start like a document after EOS in the pretraining stream.
   Each segment is tokenised on its own, so the prompt/response boundary is exact;
-  `prompt_ids(sp, prompt)` gives generation the same prompt tokens. An example
+  `tasks.prompts.prompt_ids(sp, prompt)` gives generation the same prompt tokens. An example
   longer than `finetune.seq_length` + 1 tokens loses prompt tokens first (from the
   end of the prompt), then is cut on the right; one left without response tokens is
   dropped. Shorter ones are padded (labels -100). The manifest counts each case.
@@ -34,8 +34,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from tasks.config import ConfigError, PipelineConfig
-from tasks.prompts import (PROMPT_TEMPLATE, SYSTEM_TEMPLATE, TEMPLATE, encode_segments, prompt_ids,  # noqa: F401
-                          to_segments)
+from tasks.prompts import encode_segments, to_segments
 
 IGNORE = -100
 _DATA_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".txt")
