@@ -19,7 +19,8 @@ import pytest
 
 from helpers import decoder_reduction, fp32_tol
 from tasks.deploy.onnx_decoder import build_decoder, check_model, genai_config, hf_tokenizer_files, io_names, save_model
-from tasks.deploy.onnx_generate import OnnxGenerator, sample_next
+from model.sampling import sample_next
+from tasks.deploy.onnx_generate import OnnxGenerator
 
 REPO = Path(__file__).resolve().parent.parent
 SHAKESPEARE = REPO / "data/corpora/tinyshakespeare.txt"
@@ -161,8 +162,9 @@ def test_generation_matches_mindspore_greedy_and_sampled(tiny):
 def test_both_generators_sample_with_the_one_rule():
     import model.generate
     import model.sampling
+    from tasks.deploy import onnx_generate
 
-    assert sample_next is model.sampling.sample_next is model.generate.sample_next
+    assert onnx_generate.sample_next is model.sampling.sample_next is model.generate.sample_next
 
 
 def test_standalone_copy_runs_with_numpy_and_onnxruntime_only(tmp_path):

@@ -64,10 +64,11 @@ class MindSporeBackend:
         setup_mindspore()
         from model.generate import Generator
         from model.sampling import sample_next
-        from tasks.store.model_artifact import load_model, load_tokenizer
+        from tasks.training.build import load_network
+        from tasks.store.model_artifact import load_tokenizer
 
         self.path = Path(path)
-        net, self.info = load_model(path)
+        net, self.info = load_network(path)
         self.net = net
         self.tokenizer = load_tokenizer(path)
         # before the Generator: its compiled graphs then hold the LoRA layers, and serve every adapter
@@ -184,7 +185,8 @@ class OnnxBackend:
     batched = True  # the engine may decode all active sequences in one call (see prefill / decode / release)
 
     def __init__(self, path: str | Path, threads: int | None = None):
-        from tasks.deploy.onnx_generate import OnnxGenerator, sample_next
+        from model.sampling import sample_next
+        from tasks.deploy.onnx_generate import OnnxGenerator
         from tasks.store.published import verify_published
         from tasks.tokenizer import load_tokenizer, tokenizer_files
 
