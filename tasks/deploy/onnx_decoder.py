@@ -128,13 +128,27 @@ def build_decoder(config: Mapping[str, Any] | Any, weights: Mapping[str, np.ndar
     (with the architecture as JSON under "model_config").
     """
     c = _cfg(config)
-    V, H, F, L = c["vocab_size"], c["hidden_size"], c["intermediate_size"], c["num_layers"]
+    g = _Graph()
+    embed = _shared_constants(g, c, weights)
+    d = _Decoder(g, c, weights)
+    x = g.op("Gather", ["embed_tokens.weight", INPUT_IDS], "embeddings", axis=0)           # [B, T, H]
+    for i in range(c["num_layers"]):
+        x = d.layer(i, x)
+    h = d.rms_norm(x, "norm.weight", "final_norm")
+    head = "embed_tokens.weight" if c["tie_embeddings"] else "lm_head.weight"
+    if c["tie_embeddings"]:
+        g.const("lm_head.weight.T", embed.T)  # its own [H, V] copy: a plain MatMul that int8 can quantize
+        g.op("MatMul", [h, "lm_head.weight.T"], LOGITS)
+    else:
+        d.linear(h, head, (c["vocab_size"], c["hidden_size"]), LOGITS)
+    return _model(g, c, metadata)
+
+
+def _shared_constants(g: _Graph, c: dict[str, Any], weights: Mapping[str, np.ndarray]) -> np.ndarray:
+    """The constants and shapes every layer shares (the embedding among them, returned for a tied head)."""
+    V, H = c["vocab_size"], c["hidden_size"]
     nh, nkv = c["num_heads"], c["num_kv_heads"]
     hd = H // nh
-    rep = nh // nkv
-    g = _Graph()
-
-    # shared constants and shapes
     embed = _weight(weights, "embed_tokens.weight", (V, H))
     g.const("embed_tokens.weight", embed)
     cos, sin = rope_tables(hd, c["max_seq_length"], float(c["rope_theta"]))
@@ -158,41 +172,58 @@ def build_decoder(config: Mapping[str, Any] | Any, weights: Mapping[str, np.ndar
     g.i64("shape_fold", [0, nkv, -1, 0])      # [B, nh, T, X] -> [B, nkv, rep*T, X]: a KV head's query heads
     g.i64("shape_unfold", [0, nh, -1, 0])     # [B, nkv, rep*T, X] -> [B, nh, T, X]
     g.i64("shape_merge", [0, 0, nh * hd])
+    return embed
 
-    # additive mask [B, 1, T, S], shared by every layer: causal in cache-slot order, padding from attention_mask
-    t_len = g.op("Squeeze", [g.op("Shape", [INPUT_IDS], start=1, end=2), "zero_i"], "seq_len")
-    s_len = g.op("Squeeze", [g.op("Shape", [ATTENTION_MASK], start=1, end=2), "zero_i"], "total_len")
-    p_len = g.op("Sub", [s_len, t_len], "past_len")
-    q_slots = g.op("Range", [p_len, s_len, "one_s"], "query_slots")                    # [T]
-    k_slots = g.op("Range", ["zero_s", s_len, "one_s"], "key_slots")                   # [S]
-    causal = g.op("LessOrEqual", [g.op("Unsqueeze", [k_slots, "axes_0"]),
-                                  g.op("Unsqueeze", [q_slots, "axes_last"])], "causal")  # [T, S]
-    real = g.op("Unsqueeze", [g.op("Cast", [ATTENTION_MASK], to=TensorProto.BOOL), "axes_12"], "real_keys")  # [B,1,1,S]
-    mask = g.op("Where", [g.op("And", [causal, real]), "zero_f", "masked_f"], "attn_mask")     # [B, 1, T, S]
 
-    # RoPE angles of each token [B, 1, T, hd]
-    cos_t = g.op("Unsqueeze", [g.op("Gather", ["rope.cos", POSITION_IDS], axis=0), "axes_1"], "cos")
-    sin_t = g.op("Unsqueeze", [g.op("Gather", ["rope.sin", POSITION_IDS], axis=0), "axes_1"], "sin")
+class _Decoder:
+    """The per-layer pieces of the graph (RMSNorm, a linear layer, RoPE, one decoder layer) over the shared
+    attention mask and RoPE angles, which the constructor adds to the graph."""
 
-    def rms_norm(x: str, w_name: str, out: str) -> str:
-        g.const(w_name, _weight(weights, w_name, (H,)))
+    def __init__(self, g: _Graph, c: dict[str, Any], weights: Mapping[str, np.ndarray]):
+        self.g, self.c, self.weights = g, c, weights
+        # additive mask [B, 1, T, S], shared by every layer: causal in cache-slot order, padding from attention_mask
+        t_len = g.op("Squeeze", [g.op("Shape", [INPUT_IDS], start=1, end=2), "zero_i"], "seq_len")
+        s_len = g.op("Squeeze", [g.op("Shape", [ATTENTION_MASK], start=1, end=2), "zero_i"], "total_len")
+        p_len = g.op("Sub", [s_len, t_len], "past_len")
+        q_slots = g.op("Range", [p_len, s_len, "one_s"], "query_slots")                    # [T]
+        k_slots = g.op("Range", ["zero_s", s_len, "one_s"], "key_slots")                   # [S]
+        causal = g.op("LessOrEqual", [g.op("Unsqueeze", [k_slots, "axes_0"]),
+                                      g.op("Unsqueeze", [q_slots, "axes_last"])], "causal")  # [T, S]
+        real = g.op("Unsqueeze", [g.op("Cast", [ATTENTION_MASK], to=TensorProto.BOOL), "axes_12"],
+                    "real_keys")                                                            # [B, 1, 1, S]
+        self.mask = g.op("Where", [g.op("And", [causal, real]), "zero_f", "masked_f"], "attn_mask")  # [B, 1, T, S]
+        # RoPE angles of each token [B, 1, T, hd]
+        self.cos_t = g.op("Unsqueeze", [g.op("Gather", ["rope.cos", POSITION_IDS], axis=0), "axes_1"], "cos")
+        self.sin_t = g.op("Unsqueeze", [g.op("Gather", ["rope.sin", POSITION_IDS], axis=0), "axes_1"], "sin")
+
+    def rms_norm(self, x: str, w_name: str, out: str) -> str:
+        """x / sqrt(mean(x²) + eps) * w, as the pattern onnxruntime fuses."""
+        g = self.g
+        g.const(w_name, _weight(self.weights, w_name, (self.c["hidden_size"],)))
         ms = g.op("ReduceMean", [g.op("Pow", [x, "two"]), "axes_last"], keepdims=1)
         return g.op("Mul", [g.op("Div", [x, g.op("Sqrt", [g.op("Add", [ms, "eps"])])]), w_name], out)
 
-    def linear(x: str, w_name: str, shape: tuple[int, int], out: str | None = None) -> str:
+    def linear(self, x: str, w_name: str, shape: tuple[int, int], out: str | None = None) -> str:
+        """x @ W.T of a [out, in] weight."""
         t_name = w_name + ".T"  # stored [in, out]: one MatMul (and dynamic int8 quantizes it to MatMulInteger)
-        g.const(t_name, _weight(weights, w_name, shape).T)
-        return g.op("MatMul", [x, t_name], out)
+        self.g.const(t_name, _weight(self.weights, w_name, shape).T)
+        return self.g.op("MatMul", [x, t_name], out)
 
-    def rope(x: str) -> str:
+    def rope(self, x: str) -> str:
+        """Rotate-half RoPE of [B, heads, T, hd] by each token's angles."""
+        g = self.g
         x1, x2 = g.op("Split", [x, "half_split"], n_out=2, axis=-1)
         rotated = g.op("Concat", [g.op("Neg", [x2]), x1], axis=-1)
-        return g.op("Add", [g.op("Mul", [x, cos_t]), g.op("Mul", [rotated, sin_t])])
+        return g.op("Add", [g.op("Mul", [x, self.cos_t]), g.op("Mul", [rotated, self.sin_t])])
 
-    x = g.op("Gather", ["embed_tokens.weight", INPUT_IDS], "embeddings", axis=0)           # [B, T, H]
-    for i in range(L):
+    def layer(self, i: int, x: str) -> str:
+        """Decoder layer `i` on the residual stream `x` [B, T, H]: attention with the KV cache, then SwiGLU."""
+        g, linear, c = self.g, self.linear, self.c
+        H, F = c["hidden_size"], c["intermediate_size"]
+        nh, nkv = c["num_heads"], c["num_kv_heads"]
+        hd = H // nh
         p = f"layers.{i}."
-        h = rms_norm(x, p + "input_layernorm.weight", f"l{i}.attn_in")
+        h = self.rms_norm(x, p + "input_layernorm.weight", f"l{i}.attn_in")
         q = linear(h, p + "self_attn.q_proj.weight", (nh * hd, H))
         k = linear(h, p + "self_attn.k_proj.weight", (nkv * hd, H))
         v = linear(h, p + "self_attn.v_proj.weight", (nkv * hd, H))
@@ -200,30 +231,28 @@ def build_decoder(config: Mapping[str, Any] | Any, weights: Mapping[str, np.ndar
         q = g.op("Transpose", [g.op("Reshape", [q, "shape_q"])], perm=perm)                # [B, nh, T, hd]
         k = g.op("Transpose", [g.op("Reshape", [k, "shape_kv"])], perm=perm)               # [B, nkv, T, hd]
         v = g.op("Transpose", [g.op("Reshape", [v, "shape_kv"])], perm=perm)               # [B, nkv, T, hd]
-        q = g.op("Mul", [rope(q), "scale"], f"l{i}.q")
-        k = rope(k)
+        q = g.op("Mul", [self.rope(q), "scale"], f"l{i}.q")
+        k = self.rope(k)
         k_all = g.op("Concat", [PAST_KEY.format(i), k], PRESENT_KEY.format(i), axis=2)     # [B, nkv, S, hd]
         v_all = g.op("Concat", [PAST_VALUE.format(i), v], PRESENT_VALUE.format(i), axis=2)
         qf = g.op("Reshape", [q, "shape_fold"])                                            # [B, nkv, rep*T, hd]
         scores = g.op("MatMul", [qf, g.op("Transpose", [k_all], perm=[0, 1, 3, 2])])       # [B, nkv, rep*T, S]
-        scores = g.op("Add", [g.op("Reshape", [scores, "shape_unfold"]), mask])            # [B, nh, T, S]
+        scores = g.op("Add", [g.op("Reshape", [scores, "shape_unfold"]), self.mask])       # [B, nh, T, S]
         probs = g.op("Reshape", [g.op("Softmax", [scores], axis=-1), "shape_fold"])        # [B, nkv, rep*T, S]
         ctx = g.op("Reshape", [g.op("MatMul", [probs, v_all]), "shape_unfold"])            # [B, nh, T, hd]
         ctx = g.op("Reshape", [g.op("Transpose", [ctx], perm=perm), "shape_merge"])        # [B, T, H]
         x = g.op("Add", [x, linear(ctx, p + "self_attn.o_proj.weight", (H, nh * hd))], f"l{i}.resid_attn")
-        h = rms_norm(x, p + "post_attention_layernorm.weight", f"l{i}.mlp_in")
+        h = self.rms_norm(x, p + "post_attention_layernorm.weight", f"l{i}.mlp_in")
         gate = linear(h, p + "mlp.gate_proj.weight", (F, H))
         up = linear(h, p + "mlp.up_proj.weight", (F, H))
         act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])              # silu(gate) * up
         x = g.op("Add", [x, linear(act, p + "mlp.down_proj.weight", (H, F))], f"l{i}.out")
-    h = rms_norm(x, "norm.weight", "final_norm")
-    head = "embed_tokens.weight" if c["tie_embeddings"] else "lm_head.weight"
-    if c["tie_embeddings"]:
-        g.const("lm_head.weight.T", embed.T)  # its own [H, V] copy: a plain MatMul that int8 can quantize
-        g.op("MatMul", [h, "lm_head.weight.T"], LOGITS)
-    else:
-        linear(h, head, (V, H), LOGITS)
+        return x
 
+
+def _model(g: _Graph, c: dict[str, Any], metadata: Mapping[str, str] | None) -> onnx.ModelProto:
+    """The graph's inputs and outputs (dynamic axes named), the model around it, and its metadata."""
+    V, L, nkv, hd = c["vocab_size"], c["num_layers"], c["num_kv_heads"], c["hidden_size"] // c["num_heads"]
     f32, i64 = TensorProto.FLOAT, TensorProto.INT64
     inputs = [helper.make_tensor_value_info(INPUT_IDS, i64, [_B, _T]),
               helper.make_tensor_value_info(ATTENTION_MASK, i64, [_B, _S]),
