@@ -17,7 +17,6 @@ REPO = Path(__file__).resolve().parent.parent
 # Imports whose module name is computed at run time: the graph cannot see them, so each one is listed here
 # on purpose. (module, code) as `dynamic_imports()` reports it.
 KNOWN_DYNAMIC = {
-    ("model", "importlib.import_module(_LAZY[name])"),  # MindSpore names on first access; targets are model.llama
     ("tasks.stages", "importlib.import_module(stage(name).module)"),  # the stage table: each module is a literal there
     ("tasks.runtime.supervise", "importlib.import_module(module)"),  # a stage's child entry, by the table's Stage.entry
 }

@@ -15,7 +15,8 @@ import pytest
 from mindspore import Tensor
 
 from helpers import decoder_reduction, fp32_tol
-from model import LlamaForCausalLM, ModelConfig
+from model.config import ModelConfig
+from model.llama import LlamaForCausalLM
 from model.kernels import KernelShapeError, disabled_reason, kernel_path, train_ops
 
 K = train_ops()

@@ -11,8 +11,9 @@ import pytest
 from mindspore import Tensor, nn
 
 from helpers import decoder_reduction, fp32_tol
-from model import (LlamaForCausalLM, ModelConfig, ModelRegistry, build_model, causal_lm_loss,
-                   default_registry)
+from model.config import ModelConfig
+from model.llama import LlamaForCausalLM, causal_lm_loss
+from model.registry import ModelRegistry, build_model, default_registry
 
 
 def tiny(**overrides) -> ModelConfig:
