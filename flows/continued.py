@@ -28,7 +28,7 @@ from prefect import flow
 from flows import stages
 from tasks.store.artifacts import ArtifactStore
 from tasks.store.disk import sha256_file
-from tasks.config import resolve_pipeline
+from tasks.config.loader import resolve_pipeline
 from tasks.store.lineage import lineage_tree, raw_inputs
 
 CORPUS_SUFFIXES = (".txt", ".jsonl", ".json", ".jsonl.gz", ".parquet")

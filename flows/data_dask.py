@@ -16,7 +16,7 @@ from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
 from tasks.store.artifacts import ArtifactStore
-from tasks.config import PipelineConfig
+from tasks.config.schema import PipelineConfig
 
 
 @task(name="tokenize-chunk", cache_policy=NO_CACHE, persist_result=False, result_serializer="json")

@@ -20,7 +20,8 @@ from prefect import flow
 
 from flows import stages
 from tasks.store.artifacts import ArtifactStore
-from tasks.config import ConfigError, resolve_pipeline
+from tasks.config.loader import resolve_pipeline
+from tasks.config.schema import ConfigError
 
 
 @flow(name="full-pipeline", log_prints=True, result_serializer="json")

@@ -15,7 +15,7 @@ from pathlib import Path
 from prefect import flow
 
 from flows import stages
-from tasks.config import resolve_pipeline
+from tasks.config.loader import resolve_pipeline
 from tasks.stages.upstream import choose_model, upstream
 from tasks.store.artifacts import ArtifactStore
 

@@ -45,7 +45,8 @@ from prefect.exceptions import TerminationSignal
 from prefect.states import Cancelled
 
 from tasks.store.artifacts import ArtifactStore
-from tasks.config import PipelineConfig, resolve_pipeline
+from tasks.config.loader import resolve_pipeline
+from tasks.config.schema import PipelineConfig
 
 
 def load_cfg(config: str, pipeline: str, overrides: list[str] | None, continued_sources: list[str] | None = None) -> PipelineConfig:

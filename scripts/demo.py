@@ -33,7 +33,8 @@ def main() -> int:
     ap.add_argument("--set", dest="overrides", action="append", default=[])
     a = ap.parse_args()
 
-    from tasks.config import ConfigError, resolve_pipeline
+    from tasks.config.loader import resolve_pipeline
+    from tasks.config.schema import ConfigError
 
     try:
         cfg = resolve_pipeline("pipelines.yaml", a.pipeline, a.overrides)

@@ -39,7 +39,8 @@ sys.path.insert(0, str(REPO))
 def schedules(config: str, only: str | None = None) -> dict[str, tuple[str, str]]:
     """{pipeline: (cron, timezone)} for every pipeline of the file (or the one `only` names) whose
     continued.schedule is set."""
-    from tasks.config import ConfigError, read_pipelines_file, resolve_pipeline
+    from tasks.config.loader import read_pipelines_file, resolve_pipeline
+    from tasks.config.schema import ConfigError
 
     out = {}
     for name in [only] if only else read_pipelines_file(config)["pipelines"]:

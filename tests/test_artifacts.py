@@ -395,7 +395,7 @@ def test_two_identical_data_runs_compute_once(tmp_path, capfd):
     import threading
     import time
 
-    from tasks.config import resolve_pipeline
+    from tasks.config.loader import resolve_pipeline
     from tasks.stages import data
 
     repo = Path(__file__).resolve().parent.parent

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tasks.config import ConfigError, resolve_pipeline, validate_file
+from tasks.config.loader import resolve_pipeline, validate_file
+from tasks.config.schema import ConfigError
 
 REPO = Path(__file__).resolve().parent.parent
 CORPUS = str(REPO / "data/corpora/tinyshakespeare.txt")
@@ -169,7 +170,7 @@ def test_base_60_is_not_a_number_in_the_file_or_in_set(tmp_path):
 
 
 def test_yaml_1_2_scalars(tmp_path):
-    from tasks.config import load_yaml
+    from tasks.config.yaml12 import load_yaml
 
     assert load_yaml("[010, 0x10, 0o17, 1_000, 1e-3, true, False, ~]") == [10, 16, 15, 1000, 1e-3, True, False, None]
     # YAML 1.1 booleans, base-60 numbers, binary and dates are text
@@ -248,7 +249,7 @@ def test_old_keys_are_errors_naming_the_new_key(tmp_path):
 def test_finetune_inherits_only_the_listed_pretrain_keys(tmp_path):
     """A pretrain-only setting (lr, warmup, budget, accumulation, precision, weight decay) never leaks into
     finetune; the keys of FINETUNE_INHERITS do, unless finetune sets them."""
-    from tasks.config import FINETUNE_INHERITS
+    from tasks.config.schema import FINETUNE_INHERITS
 
     assert "optimizer.lr" not in FINETUNE_INHERITS and "loop.max_steps" not in FINETUNE_INHERITS
     pre = {"optimizer": {"lr": 5e-2, "min_lr": 1e-3, "beta2": 0.99, "eps": 1e-6, "weight_decay": 0.3},

@@ -78,14 +78,14 @@ def case(request, tmp_path_factory, tokenizer):
 def test_logits_match_transformers(case):
     import mindspore as ms
 
-    from tasks.store.model_artifact import load_model
+    from tasks.training.build import load_network
 
     if case["name"] == "gqa-tied-sharded":
         assert (case["hf_dir"] / "model.safetensors.index.json").is_file()  # really sharded
     ids = np.random.default_rng(0).integers(0, VOCAB, size=(2, 48))
     with torch.no_grad():
         ref = case["model"](torch.tensor(ids)).logits.numpy()
-    net, info = load_model(case["artifact"])
+    net, info = load_network(case["artifact"])
     ours = net(ms.Tensor(ids.astype(np.int32))).asnumpy()
     diff = float(np.abs(ours - ref).max())
     print(f"{case['name']}: max |logit diff| = {diff:.3g} (logit std {ref.std():.3g})")
@@ -222,7 +222,7 @@ def test_cli_and_continued_pretraining_start_from_the_converted_model(case, tmp_
     if case["name"] != "gqa-tied-sharded":
         pytest.skip("one case is enough")
     from tasks import cli
-    from tasks.config import resolve_pipeline
+    from tasks.config.loader import resolve_pipeline
     from tasks.stages.pretrain import build_network
 
     root = str(case["store"].root)

@@ -12,7 +12,7 @@ import pytest
 
 from tasks.stages import data
 from tasks.store.artifacts import ArtifactStore
-from tasks.config import resolve_pipeline
+from tasks.config.loader import resolve_pipeline
 
 REPO = Path(__file__).resolve().parent.parent
 OVERRIDES = ["data.chunk_documents=1500", "data.num_workers=2", "data.executor=dask"]
@@ -20,7 +20,7 @@ OVERRIDES = ["data.chunk_documents=1500", "data.num_workers=2", "data.executor=d
 DRIVER = r"""
 import json, sys
 from flows.data_dask import run_on_dask
-from tasks.config import resolve_pipeline
+from tasks.config.loader import resolve_pipeline
 args = json.loads(sys.argv[1])
 cfg = resolve_pipeline(args["config"], "tiny", args["overrides"])
 print("PATH " + run_on_dask(cfg, args["artifacts"]))

@@ -25,7 +25,7 @@ from tasks.stages.data.schema import SKIP_REASONS
 from tasks.stages.data.sources import read_documents, resolve_sources
 from tasks.stages.data.tokenizer import tokenize_chunk, train_tokenizer
 from tasks.store.artifacts import ArtifactStore
-from tasks.config import resolve_pipeline
+from tasks.config.loader import resolve_pipeline
 from tasks.store.data_schema import DataError
 from tasks.store.reader import data_info, num_blocks, open_blocks, rank_order
 
@@ -246,7 +246,7 @@ def test_formats_directories_and_globs(tmp_path):
 
 
 def test_cleaning_counts_every_drop():
-    from tasks.config import CleanSection
+    from tasks.config.schema import CleanSection
 
     c = Cleaner(CleanSection(normalize="NFKC", min_chars=3, max_chars=40, invalid_utf8="skip"))
     bad = b"caf\xe9 au lait".decode("utf-8", "surrogateescape")
@@ -304,7 +304,7 @@ def test_reused_tokenizer_is_copied_and_checked(tmp_path, tok512):
 def test_cjk_tokenizer_round_trips(tmp_path):
     import sentencepiece as spm
 
-    from tasks.config import TokenizerSection
+    from tasks.config.schema import TokenizerSection
 
     rng = np.random.default_rng(0)
     chars = [chr(c) for c in range(0x4E00, 0x4E00 + 1500)] + [chr(c) for c in range(0x3041, 0x3097)]

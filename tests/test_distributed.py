@@ -20,7 +20,8 @@ from tasks.stages import pretrain
 from tasks.store.artifacts import ArtifactStore
 from tasks.training.checkpoint import _publish, complete_checkpoints, load_checkpoint, save_checkpoint, shard_files
 from tasks.store.tensors import save_tensors
-from tasks.config import ParallelSection, resolve_pipeline
+from tasks.config.loader import resolve_pipeline
+from tasks.config.schema import ParallelSection
 from tasks.runtime.distributed import rank_logs, run_msrun
 from tasks.runtime.supervise import StageFailed
 
@@ -160,7 +161,7 @@ def test_corrupt_slice_is_named(tmp_path):
 
 
 def test_unsupported_layouts_are_config_errors():
-    from tasks.config import ConfigError
+    from tasks.config.schema import ConfigError
 
     for overrides, needle in (
         (["parallel.pipeline_parallel=2", "parallel.device_num=2"],  # pipeline stages are not built: plan-only

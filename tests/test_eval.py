@@ -21,7 +21,7 @@ from tasks.stages import evaluate  # noqa: E402
 from tasks.stages.evaluate import lm_adapter  # noqa: E402
 from tasks.store.artifacts import ArtifactStore  # noqa: E402
 from tasks.cli import main  # noqa: E402
-from tasks.config import resolve_pipeline  # noqa: E402
+from tasks.config.loader import resolve_pipeline  # noqa: E402
 
 TEXT = ("ROMEO: But soft, what light through yonder window breaks? It is the east, and Juliet is the sun. "
         "Arise, fair sun, and kill the envious moon, who is already sick and pale with grief.")

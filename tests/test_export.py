@@ -22,7 +22,8 @@ from tasks.deploy.formats import export_onnx
 from tasks.stages import export
 from tasks.store.artifacts import ArtifactStore
 from tasks.store.errors import ArtifactError
-from tasks.config import ConfigError, resolve_pipeline
+from tasks.config.loader import resolve_pipeline
+from tasks.config.schema import ConfigError
 from tasks.runtime.supervise import StageFailed
 from tests.helpers import tiny_model_artifact
 
@@ -171,9 +172,9 @@ def test_onnx_io_names_and_dynamic_axes(env):
 def test_mindir_reloads_with_dynamic_shape(env):
     import mindspore as ms
 
-    from tasks.store.model_artifact import load_model
+    from tasks.training.build import load_network
 
-    net, _ = load_model(env["model"])
+    net, _ = load_network(env["model"])
     graph = ms.nn.GraphCell(ms.load(str(env["path"] / "model.mindir")))
     for shape in [(3, 11), (1, 40)]:  # neither was checked by the stage
         x = np.random.default_rng(1).integers(0, 512, size=shape, dtype=np.int32)
@@ -183,10 +184,11 @@ def test_mindir_reloads_with_dynamic_shape(env):
 
 def test_onnxruntime_kv_generation_matches_mindspore(env):
     from model.generate import Generator
-    from tasks.store.model_artifact import load_model, load_tokenizer
+    from tasks.training.build import load_network
+    from tasks.store.model_artifact import load_tokenizer
     from tasks.deploy.onnx_generate import OnnxGenerator, encode_prompt
 
-    net, _ = load_model(env["model"])
+    net, _ = load_network(env["model"])
     sp = load_tokenizer(env["model"])
     ms_gen, ort_gen = Generator(net), OnnxGenerator(env["path"] / "model.onnx")
     assert ort_gen.max_len == 128 and ort_gen.eos_id == sp.eos_id()
@@ -346,10 +348,11 @@ def test_onnxruntime_genai_greedy_matches_mindspore(env):
     """onnxruntime-genai on the export directory, in a fresh interpreter without MindSpore: the README example,
     and greedy tokens of longer runs on new prompts equal MindSpore's KV-cache generation."""
     from model.generate import Generator
-    from tasks.store.model_artifact import load_model, load_tokenizer
+    from tasks.training.build import load_network
+    from tasks.store.model_artifact import load_tokenizer
     from tasks.deploy.onnx_generate import GENAI_SNIPPET, encode_prompt
 
-    net, _ = load_model(env["model"])
+    net, _ = load_network(env["model"])
     sp = load_tokenizer(env["model"])
     prompts = ["First Citizen:", "KING HENRY", "a", "To be, or not to be, that is the question:"]
     code = f"""

@@ -241,7 +241,7 @@ class TestYaml:
         ("3.0E-3", ".5e-5", "1_0e-2", (3e-3, 5e-6, 0.1)),
     ])
     def test_exponent_floats_in_the_file(self, tmp_path, lr, min_lr, wd, want):
-        from tasks.config import resolve_pipeline
+        from tasks.config.loader import resolve_pipeline
 
         cfg = resolve_pipeline(_write_yaml(tmp_path, _TINY.format(src=self.SRC, lr=lr, min_lr=min_lr, wd=wd)), "t")
         o = cfg.pretrain.train.optimizer
@@ -249,7 +249,7 @@ class TestYaml:
         assert all(isinstance(v, float) for v in (o.lr, o.min_lr, o.weight_decay))
 
     def test_exponent_floats_in_set_and_what_stays_a_string(self, tmp_path):
-        from tasks.config import parse_override, resolve_pipeline
+        from tasks.config.loader import parse_override, resolve_pipeline
 
         path = _write_yaml(tmp_path, _TINY.format(src=self.SRC, lr="1e-3", min_lr="0.0", wd="0.0"))
         cfg = resolve_pipeline(path, "t", ["pretrain.train.optimizer.lr=1.0e6", "pretrain.train.optimizer.min_lr=2e-5"])
@@ -266,7 +266,8 @@ class TestYaml:
         ("pipelines:\n  t:\n    data: {seq_length: 64, seq_length: 128}\n", "seq_length", 3),
     ])
     def test_duplicate_key_names_key_and_line(self, tmp_path, text, key, line):
-        from tasks.config import ConfigError, read_pipelines_file
+        from tasks.config.loader import read_pipelines_file
+        from tasks.config.schema import ConfigError
 
         path = _write_yaml(tmp_path, text)
         with pytest.raises(ConfigError) as exc:
@@ -277,7 +278,8 @@ class TestYaml:
         assert rc == 2 and f"duplicate key '{key}'" in err and "Traceback" not in err
 
     def test_duplicate_key_in_set_and_merge_keys_still_work(self, tmp_path):
-        from tasks.config import ConfigError, parse_override, read_pipelines_file
+        from tasks.config.loader import parse_override, read_pipelines_file
+        from tasks.config.schema import ConfigError
 
         with pytest.raises(ConfigError, match=r"--set a=\{x: 1, x: 2\}: duplicate key 'x'"):
             parse_override("a={x: 1, x: 2}")
@@ -323,7 +325,7 @@ class TestYaml:
         assert rc == 0 and "layouts for 2 device(s) × 1.5 GiB" in out, err
 
     def test_mostly_invalid_documents_are_dropped(self):
-        from tasks.config import CleanSection
+        from tasks.config.schema import CleanSection
         from tasks.stages.data.schema import SKIP_REASONS
         from tasks.stages.data.cleaning import Cleaner
 
@@ -346,7 +348,7 @@ class TestYaml:
 
     def test_mostly_invalid_file_is_counted_in_the_manifest(self, tmp_path):
         from tasks.stages import data
-        from tasks.config import resolve_pipeline
+        from tasks.config.loader import resolve_pipeline
         from tests.helpers import SHAKESPEARE, train_tiny_tokenizer
 
         paras = [p for p in SHAKESPEARE.read_text(encoding="utf-8").split("\n\n") if len(p) >= 200][:60]
@@ -549,7 +551,7 @@ class TestMachineLimits:
         (["parallel.data_parallel=100000", "parallel.device_num=100000"], "parallel.device_num", "fewer ranks"),
     ])
     def test_validation_refuses_what_no_machine_here_can_hold(self, overrides, key, fix):
-        from tasks.config import resolve_pipeline
+        from tasks.config.loader import resolve_pipeline
         from tasks.training.memory import GiB, machine_fit_errors
 
         cfg = resolve_pipeline(PIPELINES, "tiny", overrides)
@@ -568,7 +570,7 @@ def test_eval_publishes_last_so_a_failed_side_output_is_written_by_the_rerun(tmp
     the TensorBoard scores were never written. (As root chmod stops nothing: the write fails at the OS call.)"""
     import errno
 
-    from tasks.config import resolve_pipeline
+    from tasks.config.loader import resolve_pipeline
     from tasks.stages import evaluate
     from tasks.store.errors import ArtifactError
     from tasks.training import tensorboard

@@ -19,7 +19,8 @@ from tasks.store.artifacts import ArtifactStore
 from tasks.store.disk import atomic_write_json, sha256_file
 from tasks.training.checkpoint import complete_checkpoints, is_good, load_checkpoint
 from tasks.store.tensors import CheckpointError
-from tasks.config import ConfigError, resolve_pipeline
+from tasks.config.loader import resolve_pipeline
+from tasks.config.schema import ConfigError
 from tasks.training.trainer import NonFiniteError
 
 REPO = Path(__file__).resolve().parent.parent

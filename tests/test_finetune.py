@@ -13,7 +13,8 @@ from tasks.stages import finetune
 from tasks.store.merge import base_of, merge
 from tasks.store.artifacts import ArtifactStore
 from tasks.store.errors import ArtifactError
-from tasks.config import ConfigError, resolve_pipeline
+from tasks.config.loader import resolve_pipeline
+from tasks.config.schema import ConfigError
 from tasks.runtime.supervise import StageFailed
 from tasks.prompts import encode_segments, prompt_ids, to_segments
 from tasks.stages.finetune.data import (IGNORE, Examples, example_batches, instruction_examples, pack_example,
@@ -164,7 +165,7 @@ def test_config_errors_name_the_yaml_path(env):
 
 def test_stage_trains_a_small_adapter_that_names_its_base_and_merges_exactly(env):
     from model.lora import inject_lora
-    from tasks.store.model_artifact import load_model
+    from tasks.training.build import load_network
     from tasks.store.tensors import assign as _assign
 
     root, base, data = env
@@ -198,13 +199,13 @@ def test_stage_trains_a_small_adapter_that_names_its_base_and_merges_exactly(env
     assert merge(store, path) == merged  # cached; merging twice gives the same artifact
     assert store.read_manifest(merged)["stage"] == "merged"
     assert (merged / "tokenizer.model").read_bytes() == (base / "tokenizer.model").read_bytes()
-    net_m, info = load_model(merged)
+    net_m, info = load_network(merged)
     assert info["merged_from"]["base"] == base_manifest["key"]
 
     import mindspore as ms
     from safetensors.numpy import load_file
 
-    net_b, _ = load_model(base)  # base + the adapter, unmerged, as the stage trained it
+    net_b, _ = load_network(base)  # base + the adapter, unmerged, as the stage trained it
     inject_lora(net_b, ad["target_modules"], ad["rank"], ad["alpha"])
     _assign([p for p in net_b.get_parameters() if "lora_" in p.name], load_file(str(path / "adapter.safetensors")), "adapter")
     ids = ms.Tensor(np.random.default_rng(0).integers(0, 512, (2, 20)).astype(np.int32))

@@ -218,10 +218,10 @@ NAN_LINE = "tensor embed_tokens.weight holds 2 NaN/Inf values"
 
 
 def test_loading_a_non_finite_model_is_refused_naming_the_tensor_and_file(nan_model):
-    from tasks.store.model_artifact import load_model
+    from tasks.training.build import load_network
     from tasks.store.tensors import CheckpointError, load_weights
 
-    for load in (load_weights, load_model):
+    for load in (load_weights, load_network):
         with pytest.raises(CheckpointError, match=re.escape(f"{nan_model / 'model.safetensors'}: {NAN_LINE}")):
             load(nan_model)
 
@@ -253,7 +253,7 @@ def test_serve_refuses_a_non_finite_model_in_one_line(nan_model):
 
 def test_export_refuses_a_non_finite_model_naming_the_tensor(nan_model):
     """Before: "max |Δlogit| nan > nan"."""
-    from tasks.config import resolve_pipeline
+    from tasks.config.loader import resolve_pipeline
     from tasks.stages import export
     from tasks.store.artifacts import ArtifactStore
     from tasks.store.tensors import CheckpointError

@@ -78,7 +78,7 @@ def _config_key_exists(parts: list[str]) -> bool:
 
     from pydantic import BaseModel
 
-    from tasks.config import PipelineConfig
+    from tasks.config.schema import PipelineConfig
 
     model = PipelineConfig
     for p in parts:

@@ -13,7 +13,7 @@ from model.config import ModelConfig
 from model.llama import LlamaForCausalLM, causal_lm_loss
 from model.lora import (LoRALinear, LoRASlots, inject_lora, lora_layers, lora_state_dict, mark_only_lora_trainable, match_targets,
                         merge_adapter, merge_lora, trainable_summary, unmerge_lora)
-from tasks.config import CheckpointSection, TrainSection
+from tasks.config.schema import CheckpointSection, TrainSection
 from tasks.training.trainer import LoopConfig, fit
 
 CFG = ModelConfig.from_name("tiny")

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tasks.config import resolve_pipeline
+from tasks.config.loader import resolve_pipeline
 from tasks.stages import pretrain
 from tasks.store.artifacts import ArtifactStore
 
@@ -277,7 +277,7 @@ def _two_node_logs(tmp_path: Path, rank1_log: str) -> Path:
 
 
 def test_scheduler_heartbeat_verdict_names_the_lost_rank_node_and_host(tmp_path, monkeypatch):
-    from tasks.config import ParallelSection
+    from tasks.config.schema import ParallelSection
     from tasks.runtime.distributed import NodeLost, _grace, _some_rank_failed, failure_report, lost_node_report
 
     monkeypatch.delenv("MS_NODE_TIMEOUT", raising=False)

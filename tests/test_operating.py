@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def test_init_writes_a_starter_whose_tiny_is_the_repos_tiny(tmp_path, capsys):
-    from tasks.config import resolve_pipeline
+    from tasks.config.loader import resolve_pipeline
 
     assert main(["init", str(tmp_path / "proj")]) == 0
     assert capsys.readouterr().out.strip().splitlines()[-1] == str(tmp_path / "proj")

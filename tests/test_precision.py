@@ -15,7 +15,7 @@ from model.llama import LlamaForCausalLM, causal_lm_loss
 from tasks.stages import pretrain
 from tasks.store.artifacts import ArtifactStore
 from tasks.training.checkpoint import load_checkpoint
-from tasks.config import resolve_pipeline
+from tasks.config.loader import resolve_pipeline
 from tasks.training.adamw import AdamW, decays
 from tasks.training.step import DynamicLossScale, TrainStep
 

@@ -12,7 +12,7 @@ from tasks.runtime.supervise import StageFailed
 from tasks.stages import pretrain
 from tasks.store.artifacts import ArtifactStore
 from tasks.training.checkpoint import complete_checkpoints, load_checkpoint
-from tasks.config import resolve_pipeline
+from tasks.config.loader import resolve_pipeline
 from tasks.training.trainer import NonFiniteError
 
 REPO = Path(__file__).resolve().parent.parent

@@ -27,7 +27,7 @@ import pytest
 from tasks.stages import data
 from tasks.stages import pretrain
 from tasks.store.artifacts import ArtifactStore
-from tasks.config import resolve_pipeline
+from tasks.config.loader import resolve_pipeline
 from tests.test_distributed import free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -94,7 +94,7 @@ def test_data_stage_on_a_dask_cluster_started_by_address(tmp_path, local_data):
 
 
 def test_nodes_other_than_0_run_msrun_without_a_scheduler(tmp_path):
-    from tasks.config import ParallelSection
+    from tasks.config.schema import ParallelSection
     from tasks.runtime.distributed import MSRUN_NODE, msrun_command
 
     two = dict(data_parallel=2, device_num=2, node_num=2)

@@ -115,9 +115,10 @@ def onnx_server(onnx_art, tmp_path_factory):
 def reference(model_art):
     """The same artifact in this process: Generator (KV cache) with the tokenizer, as `msllm predict` runs it."""
     from model.generate import Generator
-    from tasks.store.model_artifact import load_model, load_tokenizer
+    from tasks.training.build import load_network
+    from tasks.store.model_artifact import load_tokenizer
 
-    net, _ = load_model(model_art)
+    net, _ = load_network(model_art)
     sp = load_tokenizer(model_art)
     gen = Generator(net)
 
@@ -383,7 +384,7 @@ def test_default_artifact_is_the_pipelines_newest_export(model_art, tmp_path):
 
     from tasks.stages import export
     from tasks.store.artifacts import ArtifactStore
-    from tasks.config import resolve_pipeline
+    from tasks.config.loader import resolve_pipeline
     from tasks.deploy.onnx_generate import OnnxGenerator, decode_completion
 
     root = model_art.parent.parent  # the store model_art lives in
@@ -544,9 +545,9 @@ TOKEN_TOL = 1e-5
 def scorer(model_art):
     """log p(ids[t] | ids[:t]) from the eval stage's own scorer (lm_adapter.TokenScorer), the reference."""
     from tasks.stages.evaluate.lm_adapter import TokenScorer
-    from tasks.store.model_artifact import load_model
+    from tasks.training.build import load_network
 
-    net, _ = load_model(model_art)
+    net, _ = load_network(model_art)
     ts = TokenScorer(net, batch_size=2)
 
     def score(ids: list[int]) -> list[float]:
@@ -869,9 +870,10 @@ def lora_pair(model_art):
 def _greedy_reference(artifact: Path, prompts: list[str], max_tokens: int) -> list[str]:
     """`msllm predict`'s arithmetic on one model artifact: Generator (KV cache), greedy, the completion's text."""
     from model.generate import Generator
-    from tasks.store.model_artifact import load_model, load_tokenizer
+    from tasks.training.build import load_network
+    from tasks.store.model_artifact import load_tokenizer
 
-    net, _ = load_model(artifact)
+    net, _ = load_network(artifact)
     sp = load_tokenizer(artifact)
     gen = Generator(net)
     out = []
@@ -936,7 +938,7 @@ def test_unmerged_adapters_hold_one_base_and_decode_as_their_merged_models(model
     from model.generate import Generator
     from model.lora import is_lora_param
     from tasks.serving.backends import MindSporeBackend
-    from tasks.store.model_artifact import load_model
+    from tasks.training.build import load_network
     from tasks.store.tensors import load_weights, read_tensors
 
     be = MindSporeBackend(model_art, adapters={n: ft for n, (ft, _) in lora_pair.items()})
@@ -957,7 +959,7 @@ def test_unmerged_adapters_hold_one_base_and_decode_as_their_merged_models(model
     prompt = [be.eos_id] + be.tokenizer.encode("ROMEO: speak")
     want, want_logits = {}, {}
     for n, art in refs.items():
-        gen = Generator(load_model(art)[0])
+        gen = Generator(load_network(art)[0])
         want[n] = gen.generate(prompt, 16, temperature=0.0)
         s = gen._cached_steps(prompt)
         want_logits[n] = np.stack([next(s)] + [s.send(t) for t in want[n][:-1]])

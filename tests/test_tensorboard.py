@@ -98,7 +98,7 @@ def test_pretrain_run_events_match_metrics_across_a_resume(tmp_path):
     from tasks.stages import data
     from tasks.stages import pretrain
     from tasks.store.artifacts import ArtifactStore
-    from tasks.config import resolve_pipeline
+    from tasks.config.loader import resolve_pipeline
     from tasks.runtime.supervise import StageFailed
 
     cfg = resolve_pipeline(REPO / "pipelines.yaml", "tiny", [

@@ -50,7 +50,7 @@ def test_fused_kernels_false_keeps_the_update_on_mindspores_kernel():
     from types import SimpleNamespace
 
     from model.kernels import zero_ops
-    from tasks.config import TrainSection
+    from tasks.config.schema import TrainSection
     from tasks.training.parallelize import parallelize_optimizer
 
     params = _sharded_optimizer(1, 0).params
@@ -180,7 +180,8 @@ def test_zero_checkpoint_reshards_bit_for_bit(tmp_path):
 
 def test_optimizer_shard_is_a_data_parallel_layout():
     from model.config import ModelConfig
-    from tasks.config import ConfigError, resolve_pipeline
+    from tasks.config.loader import resolve_pipeline
+    from tasks.config.schema import ConfigError
     from tasks.training.memory import Layout, estimate, unsupported
 
     cfg = resolve_pipeline(REPO / "pipelines.yaml", "tiny", ZERO)

@@ -100,7 +100,7 @@ def main() -> int:
     from tasks.stages.data.plan import plan_chunks
     from tasks.stages.data.tokenizer import train_tokenizer
     from tasks.store.artifacts import ArtifactStore
-    from tasks.config import resolve_pipeline
+    from tasks.config.loader import resolve_pipeline
 
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity_error()

@@ -249,7 +249,7 @@ def main() -> None:
         worker(a)
         return
 
-    from tasks.config import ParallelSection
+    from tasks.config.schema import ParallelSection
     from tasks.runtime.distributed import run_msrun
 
     layouts = [x for x in a.layouts.split(",") if x]

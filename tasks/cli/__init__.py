@@ -23,7 +23,7 @@ from typing import Callable
 
 from tasks.cli import commands
 from tasks.cli.common import StageError
-from tasks.config import ConfigError
+from tasks.config.schema import ConfigError
 
 
 def _common(p: argparse.ArgumentParser) -> None:

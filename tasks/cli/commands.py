@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tasks.cli.common import StageError, check_machine, load, print_metrics, store, upstream
 from tasks.stages.upstream import choose_model, model_change_note
-from tasks.config import to_yaml, validate_file
+from tasks.config.loader import to_yaml, validate_file
 
 STARTER = Path(__file__).resolve().parent / "starter"  # package data: ships in the wheel
 

@@ -6,7 +6,8 @@ import json
 import sys
 from pathlib import Path
 
-from tasks.config import PipelineConfig, resolve_pipeline
+from tasks.config.loader import resolve_pipeline
+from tasks.config.schema import PipelineConfig
 
 
 class StageError(RuntimeError):
@@ -22,7 +23,7 @@ def load(args) -> PipelineConfig:
 
 def check_machine(cfg: PipelineConfig) -> None:
     """Refuse settings this machine cannot serve (memory plan), before any compute; ConfigError naming the key."""
-    from tasks.config import ConfigError
+    from tasks.config.schema import ConfigError
     from tasks.training.memory import machine_fit_errors
 
     if errs := machine_fit_errors(cfg, f"pipelines.{cfg.name}"):

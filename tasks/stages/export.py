@@ -75,7 +75,7 @@ from typing import Any
 
 import numpy as np
 
-from tasks.config import ConfigError, PipelineConfig
+from tasks.config.schema import ConfigError, PipelineConfig
 from tasks.deploy.checks import (CHUNK, STEPS, ExportCheckFailed, Reference, divergence, greedy_pairs, int8_report,
                                  onnx_checks, token_batches, verify_genai, verify_mindir)
 from tasks.deploy.formats import (INT8_OPTIONS, export_int8, export_mindir, export_onnx, int8_method, onnx_io,
@@ -176,13 +176,14 @@ def matching_eval(store: ArtifactStore, model: Path, pipeline: str | None = None
 
 
 def run(cfg: PipelineConfig, store: ArtifactStore, model_artifact: Path, *, eval_artifact: Path | None = None,
-        progress: bool = True, isolate: bool = True) -> Path:
+        keyed: tuple | None = None, progress: bool = True, isolate: bool = True) -> Path:
     """Return the verified export artifact of this model, exporting it in a child process if needed.
 
     Raises ConfigError for settings the model cannot take, and ExportCheckFailed (in
     process) or tasks.runtime.supervise.StageFailed (from the child, message starting with the
     check that failed) when an exported model does not match; no artifact is written then.
-    `isolate=False` exports in this process (tests).
+    `isolate=False` exports in this process (tests). `keyed`: what `stage_key` returned for these arguments,
+    when the caller computed it (the stage runner, tasks/stages/runner.py); None computes it here.
     """
     from tasks.store.model_artifact import read_info
     from tasks.runtime.supervise import supervise
@@ -192,7 +193,7 @@ def run(cfg: PipelineConfig, store: ArtifactStore, model_artifact: Path, *, eval
     eval_art = store.inside(eval_artifact) if eval_artifact is not None else None
     if eval_art is not None:
         _check_eval(store, eval_art, model)
-    key, _, _ = stage_key(cfg, store, model, eval_art)
+    key = (keyed or stage_key(cfg, store, model, eval_art))[0]
     hit = store.lookup(STAGE, key)
     if hit is not None:
         return hit
@@ -229,7 +230,8 @@ def _log(progress: bool, msg: str) -> None:
 def _export(cfg: PipelineConfig, store: ArtifactStore, model: Path, eval_art: Path | None, key: str,
             inputs: list[dict[str, Any]], section: dict[str, Any], progress: bool) -> Path:
     from tasks.store.tensors import load_weights
-    from tasks.store.model_artifact import load_model, load_tokenizer, model_config, read_info
+    from tasks.training.build import load_network
+    from tasks.store.model_artifact import load_tokenizer, model_config, read_info
     from tasks.deploy.onnx_generate import encode_prompt
     from tasks.tokenizer import copy_tokenizer_files, tokenizer_files
 
@@ -238,7 +240,7 @@ def _export(cfg: PipelineConfig, store: ArtifactStore, model: Path, eval_art: Pa
     info = read_info(model)
     sp = load_tokenizer(model)
     prompts = [encode_prompt(sp, p)[-ex.seq_length:] for p in ex.prompts]
-    reference = Reference(load_model(model)[0])
+    reference = Reference(load_network(model)[0])
     fixed = token_batches(prompts, ex.batch_size, ex.seq_length)  # one of the MindIR check shapes [B, T]
     ver: dict[str, Any] = {"atol": ex.atol, "prompts": list(ex.prompts), "prompt_format": PROMPT_FORMAT,
                            "mindir_max_abs_diff": None, "onnx_max_abs_diff": None, "onnx_checker": None,
@@ -248,7 +250,7 @@ def _export(cfg: PipelineConfig, store: ArtifactStore, model: Path, eval_art: Pa
     with store.build(STAGE, key, pipeline=cfg.name, config=section, inputs=inputs, code=code_version(STAGE)) as b:
         if "mindir" in ex.formats:
             _log(progress, f"MindIR (dynamic [batch, seq]) → {b.dir.name}/model.mindir")
-            export_mindir(load_model(model)[0], b.dir / "model.mindir")  # a fresh Cell per export
+            export_mindir(load_network(model)[0], b.dir / "model.mindir")  # a fresh Cell per export
             # the export shape, each prompt at its own length, all prompts in one batch: dynamic both ways
             checks = fixed + [token_batches([p], 1, len(p))[0] for p in prompts] + \
                 token_batches(prompts, len(prompts), max(map(len, prompts)))

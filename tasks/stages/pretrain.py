@@ -19,16 +19,26 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
 from tasks.store.artifacts import ArtifactStore
 from tasks.store.published import verify_published
 from tasks.stages import code_version
-from tasks.config import PipelineConfig
+from tasks.config.schema import PipelineConfig
 from tasks.runtime.supervise import supervise
 from tasks.store.reader import block_batches
+from model.config import ModelConfig
+from model.runtime import setup_mindspore
+from tasks.store.model_artifact import read_info, write_model
+from tasks.store.tensors import load_weights
+from tasks.tokenizer import files_sha256, tokenizer_files
+from tasks.training.checkpoint import load_checkpoint, newest_checkpoint
+from tasks.training.mesh import Mesh
+from tasks.training.metrics import add_run_files
+from tasks.training.schedule import budget_line
+from tasks.training.trainer import LoopConfig, fit, run_outcome
 
 STAGE = "pretrain"
 
@@ -61,21 +71,26 @@ def checkpoint_ref(path: Path) -> dict[str, Any]:
 
 
 def run(cfg: PipelineConfig, store: ArtifactStore, data_artifact: Path, init_from: Path | None = None,
-        *, retries: int = 0, isolate: bool = True, progress: bool = True, inject: dict | None = None) -> Path:
+        *, keyed: tuple | None = None, retries: int = 0, isolate: bool = True, progress: bool = True,
+        inject: dict | None = None) -> Path:
     """Return the pretrain artifact for these inputs, training it in a child process if needed.
 
     A failed attempt is retried `retries` times; each retry resumes from the newest checkpoint.
     `inject` (tests only) adds fault settings to the first attempt: {"stop_after": k} stops it
-    after k steps as if killed, {"fault_steps": [...]} makes those steps non-finite.
+    after k steps as if killed, {"fault_steps": [...]} makes those steps non-finite. `keyed`: what `stage_key`
+    returned for these arguments, when the caller computed it (the stage runner, tasks/stages/runner.py, which
+    also checked the machine); None checks the machine and computes it here.
     """
-    from tasks.config import ConfigError
+    from tasks.config.schema import ConfigError
     from tasks.training.memory import machine_fit_errors
 
-    if errs := machine_fit_errors(cfg, f"pipelines.{cfg.name}"):  # before a child can grow past the machine
-        raise ConfigError(errs)
     data_artifact = store.inside(data_artifact)
     init_from = store.inside(init_from) if init_from else None
-    key, _, _ = stage_key(cfg, store, data_artifact, init_from)
+    if keyed is None:
+        if errs := machine_fit_errors(cfg, f"pipelines.{cfg.name}"):  # before a child can grow past the machine
+            raise ConfigError(errs)
+        keyed = stage_key(cfg, store, data_artifact, init_from)
+    key = keyed[0]
     hit = store.lookup(STAGE, key)
     if hit is not None:
         return hit
@@ -136,14 +151,12 @@ def replay_data_artifact(store: ArtifactStore, init_from: Path) -> Path:
 
 
 # ----------------------------------------------------------------------------- the child
+# MindSpore loads inside the child's functions only (tasks.training.build, .step): the parent (CLI, flows)
+# imports this module without it.
 
 
 def train(spec: dict[str, Any]) -> Path | None:
-    """Train and publish the artifact (runs inside the child process)."""
-    from model.runtime import setup_mindspore
-
-    from tasks.runtime.distributed import Mesh
-
+    """Train and publish the artifact (runs inside the child process): setup → build → data → fit → publish."""
     cfg = PipelineConfig.model_validate(spec["config"])
     setup_mindspore(cfg.parallel.device_target, seed=cfg.pretrain.seed)
     par = cfg.parallel
@@ -153,82 +166,47 @@ def train(spec: dict[str, Any]) -> Path | None:
                   stop_after=spec.get("stop_after"), fault_steps=spec.get("fault_steps", []), mesh=mesh)
 
 
-def build_network(cfg: PipelineConfig, init_from: Path | None, tensor_parallel=None):
-    """The model: architecture from the init artifact when continuing, else from the config (seeded init)."""
-    from model.config import ModelConfig
-    from model.registry import build_model
-    from tasks.store.tensors import load_weights
-    from tasks.store.model_artifact import read_info
-    from tasks.store.tensors import assign
+def network(cfg: PipelineConfig, init_from: Path | None, mesh: Mesh | None = None):
+    """The model (tasks/training/build.py `Built`): architecture and weights from the init artifact when continuing,
+    else from the config (seeded init); this rank's slice, the fused cells where they run."""
+    from tasks.training.build import build_network  # MindSpore: the child's import (the parent's stays light)
 
-    dtype = {}
-    if cfg.pretrain.train.precision.dtype == "fp16":  # fp32 master weights, fp16 matmuls (model/llama.py)
-        import mindspore as ms
-
-        dtype = {"compute_dtype": ms.float16}
-    if tensor_parallel is not None:
-        dtype["tensor_parallel"] = tensor_parallel
-    dtype["fused_kernels"] = cfg.pretrain.train.fused_kernels
+    pt = cfg.pretrain
+    common = dict(seed=pt.seed, precision=pt.train.precision.dtype, fused_kernels=pt.train.fused_kernels, mesh=mesh)
     if init_from is None:
-        mc = cfg.model.resolve()
-        net = build_model(cfg.model.name, mc, seed=cfg.pretrain.seed, **dtype)
-        return net, mc
+        return build_network(cfg.model.name, cfg.model.resolve(), **common)
     info = read_info(init_from)
-    mc = ModelConfig.from_dict(info["model"])
-    net = build_model(info.get("name", cfg.model.name), mc, seed=cfg.pretrain.seed, **dtype)
-    weights = load_weights(init_from)
-    if tensor_parallel is not None:
-        from model.parallel import shard
-
-        weights = shard(weights, tensor_parallel.size, tensor_parallel.rank)
-    assign(net.trainable_params(), weights, str(init_from))
-    return net, mc
+    return build_network(info.get("name", cfg.model.name), ModelConfig.from_dict(info["model"]),
+                         weights=load_weights(init_from), source=str(init_from), **common)
 
 
-def _train(cfg: PipelineConfig, store: ArtifactStore, data_artifact: Path, init_from: Path | None, key: str,
-           progress: bool, stop_after: int | None = None, fault_steps: list[int] | None = None,
-           mesh=None) -> Path | None:
-    from tasks.runtime.distributed import Mesh
-    from tasks.store.model_artifact import write_model
-    from tasks.training.schedule import budget_line
-    from tasks.training.step import causal_lm_loss_fn
-    from tasks.training.metrics import add_run_files
-    from tasks.training.trainer import LoopConfig, fit, native_kernels, run_outcome
-
-    mesh = mesh or Mesh()
-    _, inputs, section = stage_key(cfg, store, data_artifact, init_from)
-    data_manifest = store.read_manifest(data_artifact)
-    net, mc = build_network(cfg, init_from, mesh.tensor_parallel())
-    kernels = native_kernels(net, cfg.pretrain.train.fused_kernels)  # logged once; recorded in the manifest
+def _check_tokenizer(data_artifact: Path, init_from: Path | None, mc: ModelConfig) -> dict[str, Any]:
+    """The data artifact's tokenizer info, checked against the model (vocab) and, when continuing, the base's."""
     tok = json.loads(verify_published(data_artifact / "tokenizer_info.json").read_text())
-    from tasks.tokenizer import tokenizer_files
-
-    for f in tokenizer_files(data_artifact):  # copied into the model artifact below
+    for f in tokenizer_files(data_artifact):  # copied into the model artifact when publishing
         verify_published(f)
     if tok["vocab_size"] != mc.vocab_size:
         raise ValueError(
             f"tokenizer of {data_artifact} has {tok['vocab_size']} pieces but the model's vocab_size is "
             f"{mc.vocab_size}; set model.vocab_size / data.tokenizer.vocab_size to match"
         )
-    if init_from is not None:
-        if _tok_sha(init_from) != _tok_sha(data_artifact):
-            raise ValueError(
-                f"continued pretraining must keep the base model's tokenizer: {data_artifact} was tokenized with "
-                f"another tokenizer than {init_from}; rerun the data stage with the base's tokenizer"
-            )
-    if cfg.pretrain.recompute:
-        net.enable_recompute()
-    seq = cfg.pretrain.seq_length or cfg.data.seq_length
+    if init_from is not None and _tok_sha(init_from) != _tok_sha(data_artifact):
+        raise ValueError(
+            f"continued pretraining must keep the base model's tokenizer: {data_artifact} was tokenized with "
+            f"another tokenizer than {init_from}; rerun the data stage with the base's tokenizer"
+        )
+    return tok
+
+
+def _data(cfg: PipelineConfig, store: ArtifactStore, data_artifact: Path, init_from: Path | None, seq: int,
+          mesh: Mesh) -> tuple[Callable[[int], Iterator], Callable[[], Iterator]]:
+    """(train batches from a sample index, validation batches): data-parallel replicas read disjoint slices of the
+    training blocks (mixed with replayed base data when continuing with pretrain.replay_ratio); validation reads
+    global batches, the same held-out samples whatever the layout."""
     pt = cfg.pretrain
     mb = pt.train.loop.micro_batch_size
-    print(f"[pretrain] {budget_line(pt.train.loop, seq)}", file=sys.stderr)
-    hooks = LoopConfig(progress=progress, stop_after=stop_after, fault_steps=list(fault_steps or []))
-
-    replay_data = None
-    if init_from is not None and pt.replay_ratio > 0:
-        replay_data = replay_data_artifact(store, init_from)
-
-    shards = {"num_shards": mesh.dp, "shard_id": mesh.dp_index}  # data-parallel replicas read disjoint slices
+    replay_data = replay_data_artifact(store, init_from) if init_from is not None and pt.replay_ratio > 0 else None
+    shards = {"num_shards": mesh.dp, "shard_id": mesh.dp_index}
 
     def batches(start: int) -> Iterator:
         main = block_batches(data_artifact, "train", mb, seq, pt.seed, start_sample=start, **shards)
@@ -237,28 +215,54 @@ def _train(cfg: PipelineConfig, store: ArtifactStore, data_artifact: Path, init_
         return mixed_batches(main, replay, pt.replay_ratio, mb)
 
     def valid() -> Iterator:
-        # one global batch per validation batch: the same held-out samples whatever the layout
         return block_batches(data_artifact, "valid", mb * mesh.dp, seq, 0, repeat=False)
 
+    return batches, valid
+
+
+def _train(cfg: PipelineConfig, store: ArtifactStore, data_artifact: Path, init_from: Path | None, key: str,
+           progress: bool, stop_after: int | None = None, fault_steps: list[int] | None = None,
+           mesh: Mesh | None = None) -> Path | None:
+    from tasks.training.build import log_kernels  # MindSpore: the child's imports (the parent's stay light)
+    from tasks.training.step import causal_lm_loss_fn
+
+    mesh = mesh or Mesh()
+    pt = cfg.pretrain
+    built = network(cfg, init_from, mesh)
+    net, mc = built.net, built.config
+    kernels = log_kernels(built.kernels, STAGE)  # logged once; recorded in the manifest
+    tok = _check_tokenizer(data_artifact, init_from, mc)
+    if pt.recompute:
+        net.enable_recompute()
+    seq = pt.seq_length or cfg.data.seq_length
+    print(f"[pretrain] {budget_line(pt.train.loop, seq)}", file=sys.stderr)
+    batches, valid = _data(cfg, store, data_artifact, init_from, seq, mesh)
     params = net.trainable_params()
     run_dir = store.root / "runs" / STAGE / key
     meta = {"model": mc.to_dict(), "name": cfg.model.name, "tokenizer_sha256": _tok_sha(data_artifact),
-            "seed": pt.seed, "data_artifact": data_manifest["key"]}
-    loss_fn = causal_lm_loss_fn(net)
-
-    result = fit(net, params, loss_fn, pt.train, checkpoint=cfg.checkpoint, hooks=hooks,
-                 batches=batches, valid=valid, run_dir=run_dir, meta=meta,
+            "seed": pt.seed, "data_artifact": store.read_manifest(data_artifact)["key"]}
+    hooks = LoopConfig(progress=progress, stop_after=stop_after, fault_steps=list(fault_steps or []))
+    result = fit(net, params, causal_lm_loss_fn(net), pt.train, checkpoint=cfg.checkpoint, hooks=hooks,
+                 batches=batches, valid=valid, run_dir=run_dir, meta=meta, kernels=built.kernels,
                  flops_per_token=mc.flops_per_token(seq), tokens_per_sample=seq, mesh=mesh)
     if (outcome := run_outcome(result, mesh, run_dir)) is not True:
         return outcome  # stopped on request, or not rank 0: rank 0 publishes
     weights = {p.name: p.asnumpy() for p in params}
     if mesh.tp > 1:  # the full model, merged from the final checkpoint's tensor-parallel slices
-        from tasks.training.checkpoint import load_checkpoint, newest_checkpoint
-
         weights = load_checkpoint(newest_checkpoint(run_dir / "checkpoints"))[0]
+    return _publish(cfg, store, key, data_artifact, init_from, mc, weights, tok, result, seq, mesh, kernels)
+
+
+def _publish(cfg: PipelineConfig, store: ArtifactStore, key: str, data_artifact: Path, init_from: Path | None,
+             mc: ModelConfig, weights: dict[str, np.ndarray], tok: dict[str, Any], result, seq: int, mesh: Mesh,
+             kernels: str) -> Path:
+    """The model artifact: weights, tokenizer, model.json, the run's files and its metrics."""
+    pt = cfg.pretrain
+    _, inputs, section = stage_key(cfg, store, data_artifact, init_from)
     entropy = unigram_entropy(data_artifact)
     val = "n/a (no validation split)" if result.val_loss is None else f"{result.val_loss:.4f}"
     print(f"[pretrain] val_loss {val} vs unigram entropy {entropy:.4f} nats/token", file=sys.stderr)
+    run_dir = store.root / "runs" / STAGE / key
     with store.build(STAGE, key, pipeline=cfg.name, config=section, inputs=inputs, code=code_version(STAGE)) as b:
         write_model(b.dir, name=cfg.model.name, config=mc, weights=weights,
                     tokenizer_model=data_artifact, tokenizer_info=tok, seq_length=seq)
@@ -277,6 +281,4 @@ def _train(cfg: PipelineConfig, store: ArtifactStore, data_artifact: Path, init_
 
 def _tok_sha(artifact: Path) -> str:
     """The digest of the artifact's tokenizer files (tasks.tokenizer.files_sha256)."""
-    from tasks.tokenizer import files_sha256, tokenizer_files
-
     return files_sha256(tokenizer_files(artifact))

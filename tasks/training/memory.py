@@ -202,7 +202,7 @@ def machine_fit_errors(cfg, prefix: str, machine_bytes: int | None = None) -> li
     On CPU the ranks of this node (parallel.device_num / node_num processes) share this machine's memory:
     pretrain's micro batch × sequence length, the model and the device count must fit, and so must
     finetune's micro batch. GPU/Ascend device memory is not known here (`msllm plan --device-memory`).
-    `cfg` is a tasks.config.PipelineConfig.
+    `cfg` is a tasks.config.schema.PipelineConfig.
     """
     par = cfg.parallel
     if par.device_target != "CPU":

@@ -21,7 +21,7 @@ def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, max_steps: 
 
 
 def lr_schedule(train, max_steps: int):
-    """`step -> lr` of a `train` section (tasks.config.TrainSection) over a run of `max_steps`."""
+    """`step -> lr` of a `train` section (tasks.config.schema.TrainSection) over a run of `max_steps`."""
     o, s = train.optimizer, train.schedule
 
     def at(step: int) -> float:

@@ -94,7 +94,7 @@ from tasks.stages.data.tokenizer import (check_vocab, chunk_specs, load_tokenize
 from tasks.store.data_schema import COLUMNS, DATA_SCHEMA_VERSION, SPLITS, DataError
 
 if TYPE_CHECKING:
-    from tasks.config import PipelineConfig
+    from tasks.config.schema import PipelineConfig
 
 
 # ----------------------------------------------------------------------------- run
@@ -148,16 +148,17 @@ def stage_key(cfg: PipelineConfig, store: ArtifactStore, tokenizer_model: Path |
 
 
 def run(cfg: PipelineConfig, store: ArtifactStore, tokenizer_model: Path | None = None, progress: bool = True,
-        map_fn: Callable[[Callable, list], Iterable] | None = None) -> Path:
+        map_fn: Callable[[Callable, list], Iterable] | None = None, *, keyed: tuple | None = None) -> Path:
     """Build (or find cached) the data artifact of `cfg`; returns its directory.
 
     `tokenizer_model` overrides `data.tokenizer.path` (continued pretraining passes the base model's).
     `map_fn(tokenize_chunk, specs)` replaces the local process pool (e.g. a Dask client's map); it
-    must yield the results in the order of `specs`.
+    must yield the results in the order of `specs`. `keyed`: what `stage_key` returned for these arguments, when
+    the caller computed it (the stage runner, tasks/stages/runner.py); None computes it here.
     """
     t0 = time.perf_counter()
     log = (lambda msg: print(f"data: {msg}", file=sys.stderr, flush=True)) if progress else (lambda msg: None)
-    key, inputs, (sources, ignored, tok_files) = stage_key(cfg, store, tokenizer_model)
+    key, inputs, (sources, ignored, tok_files) = keyed or stage_key(cfg, store, tokenizer_model)
     hit = store.lookup("data", key)
     if hit is not None:
         log(f"cache hit {hit}")

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from tasks.stages.data.schema import MAX_REPLACEMENT_FRACTION, SKIP_REASONS
 
 if TYPE_CHECKING:
-    from tasks.config import CleanSection
+    from tasks.config.schema import CleanSection
 
 # ----------------------------------------------------------------------------- cleaning
 

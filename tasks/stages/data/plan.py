@@ -17,7 +17,7 @@ from tasks.store.data_schema import DataError
 from tasks.stages.data.sources import Source, _is_binary, read_documents, resolve_sources
 
 if TYPE_CHECKING:
-    from tasks.config import DataSection, PipelineConfig
+    from tasks.config.schema import DataSection, PipelineConfig
 
 # ----------------------------------------------------------------------------- plan: read, clean, split, chunk
 

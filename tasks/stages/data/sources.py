@@ -19,7 +19,7 @@ from tasks.stages.data.schema import _SNIFF_BYTES
 from tasks.store.data_schema import DataError
 
 if TYPE_CHECKING:
-    from tasks.config import DataSection, PipelineConfig
+    from tasks.config.schema import DataSection, PipelineConfig
 
 # ----------------------------------------------------------------------------- sources
 

@@ -16,7 +16,7 @@ from tasks.stages.data.plan import Plan
 from tasks.store.data_schema import DataError
 
 if TYPE_CHECKING:
-    from tasks.config import PipelineConfig, TokenizerSection
+    from tasks.config.schema import PipelineConfig, TokenizerSection
 
 # ----------------------------------------------------------------------------- tokenizer
 

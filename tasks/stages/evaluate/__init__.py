@@ -47,7 +47,7 @@ import numpy as np
 from tasks.store.artifacts import ArtifactStore, raw_file_input
 from tasks.store.errors import ArtifactError
 from tasks.stages import code_version
-from tasks.config import PipelineConfig
+from tasks.config.schema import PipelineConfig
 
 STAGE = "eval"
 LOCAL_TASKS = Path(__file__).resolve().parent / "lm_tasks"
@@ -319,15 +319,17 @@ def sample_generations(lm, ev, progress: bool = False) -> list[dict[str, Any]]:
 
 
 def run(cfg: PipelineConfig, store: ArtifactStore, model_artifact: Path, data_artifact: Path | None = None,
-        progress: bool = True, selection: dict[str, str] | None = None) -> Path:
+        progress: bool = True, selection: dict[str, str] | None = None, *, keyed: tuple | None = None) -> Path:
     """Return the eval artifact of this model (and data artifact), computing it when not cached.
 
     selection: why this model was evaluated (tasks.stages.upstream.ModelChoice.record(), plus a "note"
     when it differs from the previous report's); kept in the manifest as `model_choice` and at the top of
-    report.md. Not part of the key: the same model and settings are the same eval, however chosen."""
+    report.md. Not part of the key: the same model and settings are the same eval, however chosen.
+    `keyed`: what `stage_key` returned for these arguments, when the caller computed it (the stage runner,
+    tasks/stages/runner.py); None computes it here."""
     model_artifact = store.inside(model_artifact)
     data_artifact = store.inside(data_artifact) if data_artifact else None
-    key, inputs = stage_key(cfg, store, model_artifact, data_artifact)
+    key, inputs = keyed or stage_key(cfg, store, model_artifact, data_artifact)
     hit = store.lookup(STAGE, key)
     if hit is not None:
         return hit

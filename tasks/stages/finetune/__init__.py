@@ -5,7 +5,7 @@
 
 Data: tasks/stages/finetune/data.py (formats, template, packing, the batch stream). Settings:
 `finetune.train`, the `train` shape of every stage, handed whole to `fit`; it takes from pretrain.train
-only tasks.config.FINETUNE_INHERITS (AdamW's betas/eps, grad_clip, max_nonfinite_steps, peak_flops,
+only tasks.config.schema.FINETUNE_INHERITS (AdamW's betas/eps, grad_clip, max_nonfinite_steps, peak_flops,
 fused_kernels), the rest from FINETUNE_DEFAULTS and what finetune.train sets.
 
 Training reuses `tasks.training.trainer.fit` (the one loop): only the LoRA matrices (or, with
@@ -30,7 +30,7 @@ from typing import Any, Iterator
 from tasks.store.artifacts import ArtifactStore, raw_file_input
 from tasks.store.disk import atomic_write_json
 from tasks.stages import code_version
-from tasks.config import ConfigError, PipelineConfig
+from tasks.config.schema import ConfigError, PipelineConfig
 from tasks.prompts import TEMPLATE
 from tasks.stages.finetune.data import example_batches, load_data, source_files
 
@@ -75,12 +75,14 @@ def stage_key(cfg: PipelineConfig, store: ArtifactStore, base: Path) -> tuple[st
 # ----------------------------------------------------------------------------- supervisor (parent)
 
 
-def run(cfg: PipelineConfig, store: ArtifactStore, base_artifact: Path, *, progress: bool = True,
-        isolate: bool = True, retries: int = 0, inject: dict | None = None) -> Path:
+def run(cfg: PipelineConfig, store: ArtifactStore, base_artifact: Path, *, keyed: tuple | None = None,
+        progress: bool = True, isolate: bool = True, retries: int = 0, inject: dict | None = None) -> Path:
     """Return the finetune artifact for this base and data, training it in a child process if needed.
 
     `isolate=False` trains in this process (tests). `inject` (tests only) adds
-    {"stop_after": k} / {"fault_steps": [...]} to the first attempt, as in pretrain.
+    {"stop_after": k} / {"fault_steps": [...]} to the first attempt, as in pretrain. `keyed`: what `stage_key`
+    returned for these arguments, when the caller computed it (the stage runner, tasks/stages/runner.py); None
+    computes it here.
     """
     from tasks.store.model_artifact import read_info
     from tasks.runtime.supervise import supervise
@@ -92,7 +94,7 @@ def run(cfg: PipelineConfig, store: ArtifactStore, base_artifact: Path, *, progr
             f"parallel.tensor_parallel: {cfg.parallel.tensor_parallel} > 1 is for pretraining; fine-tuning runs data "
             "parallel only (LoRA adapters are not split across ranks); run this stage with "
             f"--set parallel.tensor_parallel=1 --set parallel.device_num={cfg.parallel.data_parallel}")
-    key, _, _ = stage_key(cfg, store, base)
+    key = (keyed or stage_key(cfg, store, base))[0]
     hit = store.lookup(STAGE, key)
     if hit is not None:
         return hit

@@ -33,7 +33,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from tasks.config import ConfigError, PipelineConfig
+from tasks.config.schema import ConfigError, PipelineConfig
 from tasks.prompts import encode_segments, to_segments
 
 IGNORE = -100
@@ -220,7 +220,7 @@ def load_data(cfg: PipelineConfig, sp, seq_length: int) -> FinetuneData:
 
 def source_files(cfg: PipelineConfig) -> list[Path]:
     """finetune.sources expanded (files, directories, globs) to a sorted, de-duplicated file list."""
-    from tasks.config import expand_source
+    from tasks.config.rules import expand_source
 
     if not cfg.finetune.sources:
         raise ConfigError([f"pipelines.{cfg.name}.finetune.sources: empty; list the instruction (.jsonl) or text files"])
