@@ -1,5 +1,5 @@
 """Limits on what a server or a conversion takes in (issue 35): adapter names confined to the server's temporary
-directory; chat templates rendered within a time and a size limit (tasks/chat_template.py) at convert and at serve;
+directory; chat templates rendered within a time and a size limit (tasks/chat_template/) at convert and at serve;
 request bodies capped (--max-body-size, a 413) and tokenized off the event loop; a request of more sequences
 than --max-queue a 400, not a 503.
 

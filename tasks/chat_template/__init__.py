@@ -1,13 +1,16 @@
 """Chat templates rendered within limits: a model's own Jinja chat template (tokenizer_config.json's `chat_template`,
 chat_template.jinja, a GGUF's tokenizer.chat_template) in Jinja's immutable sandbox, bounded in time and in the
 size of what it builds. `tasks.tokenizer` renders through `render_chat_template`; convert checks a template once
-(`tasks.tokenizer.check_chat_template`) and the server renders every chat request with it.
+(`tasks.tokenizer.check_chat_template`) and the server renders every chat request with it. The size estimates of
+each operation are tasks/chat_template/sizes.py.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from tasks.chat_template.sizes import (arg, as_int, format_size, mul_size, percent_size, pow_size, replace_size,
+                                       str_method_size, value_size)
 from tasks.tokenizer_error import TokenizerError
 
 # ----------------------------------------------------------------------------- chat templates, within limits
@@ -49,6 +52,8 @@ class _LimitHit(BaseException):
 
 
 class _Budget:
+    """One rendering's limits: its deadline and its character cap, with the sizes of the containers it built."""
+
     def __init__(self, max_chars: int, seconds: float):
         import time
 
@@ -71,7 +76,7 @@ class _Budget:
             raise _LimitHit("size", what, size)
 
     def size(self, v: Any) -> int:
-        return len(v) if isinstance(v, str) else _size(v, self.max_chars, self.sizes)
+        return len(v) if isinstance(v, str) else value_size(v, self.max_chars, self.sizes)
 
     def check(self, value: Any, what: str, size: int | None = None) -> Any:
         """After an operation: its result's size (`size` where the caller knows it)."""
@@ -82,148 +87,46 @@ class _Budget:
         return value
 
 
-def _size(v: Any, cap: int, known: dict[int, tuple[Any, int]] | None = None) -> int:
-    """The characters `v` holds (a string's length; the strings, keys and numbers inside lists, tuples, sets and
-    dicts, with their separators as str() writes them; an integer's digits), counted until past `cap`; `known`:
-    containers already counted."""
-    n, stack = 0, [v]
-    while stack and n <= cap:
-        x = stack.pop()
-        if isinstance(x, (str, bytes, bytearray)):
-            n += len(x)
-        elif isinstance(x, bool) or x is None:
-            n += 5
-        elif isinstance(x, int):
-            n += x.bit_length() * 30103 // 100000 + 2  # its decimal digits (log10 2 = 0.30103) and a sign
-        elif known is not None and id(x) in known:
-            n += known[id(x)][1]
-        elif isinstance(x, dict):
-            n += 2 + 4 * len(x)
-            stack.extend(x.keys())
-            stack.extend(x.values())
-        elif isinstance(x, (list, tuple, set, frozenset)):
-            n += 2 + 4 * len(x)
-            stack.extend(x)
-        else:
-            n += 24  # a float, an undefined, a namespace, a generator: a short repr, or nothing built yet
-    return n
-
-
-def _int(v: Any) -> int:
-    return v if isinstance(v, int) and not isinstance(v, bool) else 0
-
-
-def _mul_size(a: Any, b: Any, cap: int) -> int:
-    if isinstance(a, int) and not isinstance(b, int):
-        a, b = b, a
-    if isinstance(b, int) and not isinstance(b, bool):
-        if isinstance(a, int) and not isinstance(a, bool):
-            return (a.bit_length() + b.bit_length()) * 30103 // 100000 + 2
-        if isinstance(a, (str, list, tuple)):
-            return _size(a, cap) * max(b, 0)  # a sequence repeated b times
-    return 0
-
-
-def _pow_size(a: Any, b: Any) -> int:
-    if isinstance(a, int) and isinstance(b, int) and not isinstance(a, bool) and b > 0 and abs(a) > 1:
-        return b * a.bit_length() * 30103 // 100000 + 2
-    return 0
-
-
-_PERCENT = None
-
-
-def _percent_size(fmt: Any, args: Any, cap: int) -> int:
-    """`fmt % args` is at most the format, its widths and precisions (given or taken from `args` by '*'), and
-    the arguments' own text."""
-    import re
-
-    global _PERCENT
-    if not isinstance(fmt, str):
-        return 0
-    if _PERCENT is None:
-        _PERCENT = re.compile(r"%(?:\([^)]*\))?[#0\- +]*(\*|\d+)?(?:\.(\*|\d+))?")
-    widths = 0
-    star = False
-    for w, p in _PERCENT.findall(fmt):
-        for x in (w, p):
-            if x == "*":
-                star = True
-            elif x:
-                widths += int(x) if len(x) <= 12 else cap + 1
-    vals = list(args.values()) if isinstance(args, dict) else list(args) if isinstance(args, tuple) else [args]
-    if star:
-        widths += sum(abs(_int(v)) for v in vals)
-    return len(fmt) + widths + _size(vals, cap)
-
-
-def _format_size(fmt: str, args: tuple, kwargs: dict, cap: int) -> int:
-    """str.format: the format, the numbers in its format specs, a nested field's value, and the arguments."""
-    import re
-    import string
-
-    widths, nested = 0, False
-    try:
-        fields = list(string.Formatter().parse(fmt))
-    except ValueError:
-        return len(fmt)  # format() will raise the same error
-    for _, _, spec, _ in fields:
-        if spec:
-            nested |= "{" in spec
-            widths += sum(int(d) if len(d) <= 12 else cap + 1 for d in re.findall(r"\d+", spec))
-    vals = [*args, *kwargs.values()]
-    if nested:
-        widths += sum(abs(_int(v)) for v in vals)
-    return len(fmt) + widths + _size(vals, cap)
-
-
-def _replace_size(s: str, old: str, new: str, count: Any = None) -> int:
-    n = len(s) + 1 if old == "" else s.count(old) if old else 0
-    if isinstance(count, int) and not isinstance(count, bool) and count >= 0:
-        n = min(n, count)
-    return len(s) + n * max(len(new) - len(old), 0)
-
-
-def _arg(args: tuple, kwargs: dict, i: int, name: str, default: Any = None) -> Any:
-    return args[i] if len(args) > i else kwargs.get(name, default)
-
-
-def _str_method_size(obj: Any, args: tuple, kwargs: dict, cap: int) -> int | None:
-    """What a str method that can outgrow its string would make (None: not one of those)."""
-    s, name = getattr(obj, "__self__", None), getattr(obj, "__name__", "")
-    if not isinstance(s, str):
-        return None
-    if name == "replace" and len(args) >= 2:
-        return _replace_size(s, str(args[0]), str(args[1]), _arg(args, kwargs, 2, "count", -1))
-    if name in ("center", "ljust", "rjust", "zfill"):
-        return max(len(s), _int(_arg(args, kwargs, 0, "width", 0)))
-    if name == "expandtabs":
-        return len(s) + s.count("\t") * max(_int(_arg(args, kwargs, 0, "tabsize", 8)), 0)
-    if name == "translate" and args and isinstance(args[0], dict):
-        return len(s) * max([1, *(len(v) for v in args[0].values() if isinstance(v, str))])
-    return None
+def _budget() -> _Budget:
+    """The limits of the rendering under way in this thread."""
+    b = getattr(_STATE, "budget", None)
+    # outside `render_chat_template` (only its renderings use this environment): the default time limit
+    return b if b is not None else _Budget(1 << 20, TEMPLATE_SECONDS)
 
 
 def _environment():
     """The bounded sandbox (built once): Jinja's ImmutableSandboxedEnvironment as transformers sets it up (trim_blocks,
     lstrip_blocks, loopcontrols, tojson, raise_exception), with every limit of the comment above."""
     global _ENV
-    if _ENV is not None:
-        return _ENV
+    if _ENV is None:
+        env = _bounded_class()(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        _size_filters(env)
+        _linear_filters(env)
+        _bound_globals(env)
+        _ENV = env
+    return _ENV
+
+
+def _with_ticks(source: str, filename: str):
+    """The module Jinja generated, compiled with a time check at the top of every loop body and function (macros,
+    blocks, the root)."""
     import ast
-    import json
+
+    tree = ast.parse(source, filename)
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.For, ast.While, ast.FunctionDef)):
+            node.body.insert(0, ast.copy_location(ast.Expr(ast.Call(
+                ast.Attribute(ast.Name("environment", ast.Load()), "tick", ast.Load()), [], [])), node.body[0]))
+    return compile(ast.fix_missing_locations(tree), filename, "exec")
+
+
+def _bounded_class():
+    """The sandbox's class: every operator, call and str.format sized, and a time check in every loop and function
+    of a compiled template."""
     from functools import wraps
 
-    import jinja2
     from jinja2.compiler import CodeGenerator
-    from jinja2.filters import make_attrgetter
     from jinja2.sandbox import ImmutableSandboxedEnvironment
-    from jinja2.utils import pass_environment, pass_eval_context
-
-    def budget() -> _Budget:
-        b = getattr(_STATE, "budget", None)
-        # outside `render_chat_template` (only its renderings use this environment): the default time limit
-        return b if b is not None else _Budget(1 << 20, TEMPLATE_SECONDS)
 
     class Codegen(CodeGenerator):
         def visit_Concat(self, node, frame):  # `a ~ b`: sized after
@@ -236,23 +139,16 @@ def _environment():
         code_generator_class = Codegen
 
         def tick(self) -> None:
-            budget().tick()
+            _budget().tick()
 
         def sized(self, value, what: str):
-            return budget().check(value, what)
+            return _budget().check(value, what)
 
         def _compile(self, source: str, filename: str):
-            # a time check at the top of every loop body and function (macros, blocks, the root) of the module
-            # Jinja generated
-            tree = ast.parse(source, filename)
-            for node in ast.walk(tree):
-                if isinstance(node, (ast.For, ast.While, ast.FunctionDef)):
-                    node.body.insert(0, ast.copy_location(ast.Expr(ast.Call(
-                        ast.Attribute(ast.Name("environment", ast.Load()), "tick", ast.Load()), [], [])), node.body[0]))
-            return compile(ast.fix_missing_locations(tree), filename, "exec")
+            return _with_ticks(source, filename)
 
         def call_binop(self, context, operator, left, right):
-            b = budget()
+            b = _budget()
             cap = b.max_chars
             what = f"`{operator}`"
             if operator == "+" and type(left) is type(right) and isinstance(left, (str, list, tuple)):
@@ -260,16 +156,16 @@ def _environment():
                 b.need(n, what)
                 return b.check(left + right, what, n)
             if operator == "*":
-                b.need(_mul_size(left, right, cap), what)
+                b.need(mul_size(left, right, cap), what)
             elif operator == "**":
-                b.need(_pow_size(left, right), what)
+                b.need(pow_size(left, right), what)
             elif operator == "%":
-                b.need(_percent_size(left, right, cap), what)
+                b.need(percent_size(left, right, cap), what)
             return b.check(self.binop_table[operator](left, right), what)
 
         def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - Jinja's own spelling
-            b = budget()
-            est = _str_method_size(__obj, args, kwargs, b.max_chars)
+            b = _budget()
+            est = str_method_size(__obj, args, kwargs, b.max_chars)
             name = getattr(__obj, "__name__", "a call")
             if est is not None:
                 b.need(est, f"str.{name}()")
@@ -289,23 +185,32 @@ def _environment():
 
             @wraps(f)
             def bounded(*args, **kwargs):
-                b = budget()
+                b = _budget()
                 if value.__name__ == "format_map":
-                    b.need(_format_size(fmt, (), dict(args[0]) if args and isinstance(args[0], dict) else {},
-                                        b.max_chars), "str.format_map()")
+                    b.need(format_size(fmt, (), dict(args[0]) if args and isinstance(args[0], dict) else {},
+                                       b.max_chars), "str.format_map()")
                 else:
-                    b.need(_format_size(fmt, args, kwargs, b.max_chars), "str.format()")
+                    b.need(format_size(fmt, args, kwargs, b.max_chars), "str.format()")
                 return b.check(f(*args, **kwargs), "str.format()")
             return bounded
 
-    env = Bounded(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    return Bounded
+
+
+def _text(v: Any) -> str:
+    return v if isinstance(v, str) else str(v)
+
+
+def _size_filters(env) -> None:
+    """Every filter but join, sum and tojson sized: before it runs where it can outgrow its input, else after."""
+    from functools import wraps
 
     def sized_filter(name: str, estimate=None):
         f = env.filters[name]
 
         @wraps(f)
         def bounded(*args, **kwargs):
-            b = budget()
+            b = _budget()
             if estimate is not None:
                 b.need(estimate(b.max_chars, args, kwargs), f"the {name} filter")
             else:
@@ -313,38 +218,43 @@ def _environment():
             return b.check(f(*args, **kwargs), f"the {name} filter")
         return bounded
 
-    def text(v: Any) -> str:
-        return v if isinstance(v, str) else str(v)
-
     estimates = {
-        "center": lambda cap, a, k: max(len(text(a[0])), _int(_arg(a, k, 1, "width", 80))),
-        "indent": lambda cap, a, k: len(text(a[0])) + (text(a[0]).count("\n") + 1) * (
-            len(w) if isinstance(w := _arg(a, k, 1, "width", 4), str) else max(_int(w), 0)),
-        "wordwrap": lambda cap, a, k: len(text(a[1])) * (1 + len(text(_arg(a, k, 4, "wrapstring", None) or "\n"))),
-        "replace": lambda cap, a, k: _replace_size(text(a[1]), text(_arg(a, k, 2, "old", "")),
-                                                   text(_arg(a, k, 3, "new", "")), _arg(a, k, 4, "count")),
-        "format": lambda cap, a, k: _percent_size(text(a[0]), k or tuple(a[1:]), cap),
-        "batch": lambda cap, a, k: _int(_arg(a, k, 1, "linecount", 0)),
-        "slice": lambda cap, a, k: max([_int(x) for x in (*a, *k.values())] or [0]),
+        "center": lambda cap, a, k: max(len(_text(a[0])), as_int(arg(a, k, 1, "width", 80))),
+        "indent": lambda cap, a, k: len(_text(a[0])) + (_text(a[0]).count("\n") + 1) * (
+            len(w) if isinstance(w := arg(a, k, 1, "width", 4), str) else max(as_int(w), 0)),
+        "wordwrap": lambda cap, a, k: len(_text(a[1])) * (1 + len(_text(arg(a, k, 4, "wrapstring", None) or "\n"))),
+        "replace": lambda cap, a, k: replace_size(_text(a[1]), _text(arg(a, k, 2, "old", "")),
+                                                  _text(arg(a, k, 3, "new", "")), arg(a, k, 4, "count")),
+        "format": lambda cap, a, k: percent_size(_text(a[0]), k or tuple(a[1:]), cap),
+        "batch": lambda cap, a, k: as_int(arg(a, k, 1, "linecount", 0)),
+        "slice": lambda cap, a, k: max([as_int(x) for x in (*a, *k.values())] or [0]),
     }
     for name in list(env.filters):
         if name not in ("join", "sum", "tojson"):
             env.filters[name] = sized_filter(name, estimates.get(name))
 
+
+def _linear_filters(env) -> None:
+    """join, sum and tojson written again, each sized as it builds its result (and sum in linear time)."""
+    import json
+
+    from jinja2.filters import make_attrgetter
+    from jinja2.utils import pass_environment, pass_eval_context
+
     @pass_eval_context
     def join(eval_ctx, value, d="", attribute=None):
         """Jinja's join, its items sized first (a list of large strings joins into a larger one)."""
-        b = budget()
+        b = _budget()
         if attribute is not None:
             value = map(make_attrgetter(eval_ctx.environment, attribute), value)
         items = list(value)
-        b.need(sum(map(b.size, items)) + len(text(d)) * len(items), "the join filter")
-        return text(d).join(map(str, items))
+        b.need(sum(map(b.size, items)) + len(_text(d)) * len(items), "the join filter")
+        return _text(d).join(map(str, items))
 
     @pass_environment
     def total(environment, iterable, attribute=None, start=0):
         """Jinja's sum; lists and tuples are concatenated in linear time (sum() copies the prefix at each item)."""
-        b = budget()
+        b = _budget()
         if attribute is not None:
             iterable = map(make_attrgetter(environment, attribute), iterable)
         items = list(iterable)
@@ -357,8 +267,8 @@ def _environment():
 
     def tojson(x, indent=None, ensure_ascii=False, separators=None, sort_keys=False):
         """transformers' tojson (json.dumps), written piece by piece so that an indent cannot outgrow the limit."""
-        b = budget()
-        b.need(len(indent) if isinstance(indent, str) else _int(indent), "the tojson filter's indent")
+        b = _budget()
+        b.need(len(indent) if isinstance(indent, str) else as_int(indent), "the tojson filter's indent")
         out, n = [], 0
         for piece in json.JSONEncoder(indent=indent, ensure_ascii=ensure_ascii, separators=separators,
                                       sort_keys=sort_keys).iterencode(x):
@@ -369,18 +279,21 @@ def _environment():
 
     env.filters.update(join=join, sum=total, tojson=tojson)
 
+
+def _bound_globals(env) -> None:
+    """transformers' raise_exception, and Jinja's lipsum sized before it runs."""
+    import jinja2
+
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
 
     lipsum = env.globals["lipsum"]
 
     def bounded_lipsum(n=5, html=True, min=20, max=100):  # noqa: A002 - Jinja's names
-        budget().need(max * _int(n) * 16, "lipsum()")  # paragraphs × words × the longest word and its space
+        _budget().need(max * as_int(n) * 16, "lipsum()")  # paragraphs × words × the longest word and its space
         return lipsum(n, html, min, max)
 
     env.globals.update(raise_exception=raise_exception, lipsum=bounded_lipsum)
-    _ENV = env
-    return env
 
 
 _ENV = None
