@@ -26,6 +26,7 @@ from pathlib import Path
 from prefect import flow
 
 from flows import stages
+from tasks.stages.runner import prepare
 from tasks.store.artifacts import ArtifactStore
 from tasks.store.disk import sha256_file
 from tasks.config.loader import resolve_pipeline
@@ -65,10 +66,8 @@ def continued_pretraining(pipeline: str = "demo", config: str = "pipelines.yaml"
     (empty when there was nothing to do)."""
     from tasks.stages.upstream import ModelChoice, chain_base
 
-    config = str(Path(config).resolve())
     artifacts = str(Path(artifacts).resolve())
-    overrides = list(overrides or [])
-    cfg = resolve_pipeline(config, pipeline, overrides)
+    cfg = resolve_pipeline(str(Path(config).resolve()), pipeline, list(overrides or []))  # once per flow run
     inbox_dir = inbox_of(cfg, pipeline, artifacts, inbox)
     if not inbox_dir.is_dir():
         print(f"inbox {inbox_dir} is not a directory; nothing to do (create it, or set pipelines.{pipeline}.continued.inbox"
@@ -86,16 +85,16 @@ def continued_pretraining(pipeline: str = "demo", config: str = "pipelines.yaml"
         return {}
     srcs = [str(p) for p in fresh]
     print(f"continuing {base} on {len(srcs)} new corpus file(s): {', '.join(Path(s).name for s in srcs)}")
-    common = dict(config=config, pipeline=pipeline, overrides=overrides, artifacts=artifacts)
-    out = {"data": stages.run_stage(stages.data_task, **common, tokenizer_model=str(base), continued_sources=srcs)}
-    out["pretrain"] = stages.run_stage(stages.pretrain_task, **common, data_artifact=out["data"], init_from=base,
-                                       continued_sources=srcs)
+    ccfg = cfg.for_continued(srcs)  # the continued section's data and training settings
+    out = {"data": stages.run_stage(stages.data_task, prepare("data", store, ccfg, tokenizer_model=base))}
+    out["pretrain"] = stages.run_stage(stages.pretrain_task, prepare("pretrain", store, ccfg, data_artifact=out["data"],
+                                                                     init_from=base))
     model, why = out["pretrain"], "the model this continued-pretraining run built (no finetune in this pipeline)"
     if cfg.finetune.sources:
-        ft = stages.run_stage(stages.finetune_task, **common, base_artifact=out["pretrain"])
+        ft = stages.run_stage(stages.finetune_task, prepare("finetune", store, cfg, base_artifact=out["pretrain"]))
         out["finetune"], out["merged"] = ft["finetune"], ft["merged"]
         model, why = ft["merged"], "the finetune (merged) of the model this continued-pretraining run built"
-    out["eval"] = stages.run_eval(common, ModelChoice.of(store, model, "this-run", why), out["data"])
-    out["export"] = stages.run_stage(stages.export_task, **common, model_artifact=model)
+    out["eval"] = stages.run_eval(store, cfg, ModelChoice.of(store, model, "this-run", why), out["data"])
+    out["export"] = stages.run_stage(stages.export_task, prepare("export", store, cfg, model_artifact=model))
     print(stages.publish_lineage(store, out["export"]))
     return out

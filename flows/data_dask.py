@@ -10,11 +10,11 @@ of `data.num_workers` processes.
 
 from __future__ import annotations
 
-from pathlib import Path
 
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
+from tasks.stages.runner import prepare
 from tasks.store.artifacts import ArtifactStore
 from tasks.config.schema import PipelineConfig
 
@@ -28,15 +28,12 @@ def tokenize_chunk_task(spec: dict) -> str:
 
 @flow(name="data-dask", log_prints=True, result_serializer="json")
 def data_dask_flow(cfg_json: dict, artifacts: str, tokenizer_model: str | None = None) -> str:
-    from tasks.stages import data
-
-    cfg = PipelineConfig.model_validate(cfg_json)
+    cfg = PipelineConfig.model_validate(cfg_json)  # a flow parameter: JSON
 
     def map_fn(fn, specs):
         return [f.result() for f in tokenize_chunk_task.map(specs)]
 
-    return str(data.run(cfg, ArtifactStore(artifacts), tokenizer_model=Path(tokenizer_model) if tokenizer_model else None,
-                        map_fn=map_fn))
+    return str(prepare("data", ArtifactStore(artifacts), cfg, tokenizer_model=tokenizer_model).run(map_fn=map_fn))
 
 
 def dask_runner(cfg: PipelineConfig):

@@ -19,6 +19,8 @@ from pathlib import Path
 from prefect import flow
 
 from flows import stages
+from tasks.stages.runner import prepare
+from tasks.stages.upstream import ModelChoice
 from tasks.store.artifacts import ArtifactStore
 from tasks.config.loader import resolve_pipeline
 from tasks.config.schema import ConfigError
@@ -33,45 +35,37 @@ def full_pipeline(pipeline: str = "demo", config: str = "pipelines.yaml", overri
     init_from: the model to start pretraining from (default: the pipeline's pretrain.init_from): a model artifact,
     or a GGUF file or Hugging Face directory, which the `convert` task turns into one first (cached).
     """
-    overrides = list(overrides or [])
-    config = str(Path(config).resolve())
-    artifacts = str(Path(artifacts).resolve())
-    cfg = resolve_pipeline(config, pipeline, overrides)  # fails fast, naming the YAML path
-    common = dict(config=config, pipeline=pipeline, overrides=overrides, artifacts=artifacts)
+    cfg = resolve_pipeline(str(Path(config).resolve()), pipeline, list(overrides or []))  # once; fails fast
+    store = ArtifactStore(artifacts)
     out: dict[str, str] = {}
     if init_from is None and cfg.pretrain.init_from:  # the YAML key, when no parameter overrides it
         init_from = str(cfg.resolve_path(cfg.pretrain.init_from))
-    init_from = stages.resolve_init(artifacts, pipeline, init_from)  # a GGUF file / HF directory: the convert task
-    tok = str(init_from) if init_from else None  # the base artifact: its tokenizer files
+    init_from = stages.resolve_init(store, cfg.name, init_from)  # a GGUF file / HF directory: the convert task
     if cfg.data.executor == "dask":  # chunks mapped over a Dask cluster (same bytes as the local pool)
         from flows.data_dask import run_on_dask
 
-        out["data"] = run_on_dask(cfg, artifacts, tok)
-    else:
-        out["data"] = stages.run_stage(stages.data_task, **common, tokenizer_model=tok)
-    out["pretrain"] = stages.run_stage(stages.pretrain_task, **common, data_artifact=out["data"], init_from=init_from)
+        out["data"] = run_on_dask(cfg, str(store.root), init_from)
+    else:  # the base artifact's tokenizer files, when continuing one
+        out["data"] = stages.run_stage(stages.data_task, prepare("data", store, cfg, tokenizer_model=init_from))
+    out["pretrain"] = stages.run_stage(stages.pretrain_task, prepare("pretrain", store, cfg, data_artifact=out["data"],
+                                                                     init_from=init_from))
     model = out["pretrain"]
     if cfg.continued.sources:
-        srcs = [str(cfg.resolve_path(s)) for s in cfg.continued.sources]
-        out["continued_data"] = stages.run_stage(stages.data_task, **common, tokenizer_model=str(model),
-                                                 continued_sources=srcs)
-        out["continued_pretrain"] = stages.run_stage(stages.pretrain_task, **common, data_artifact=out["continued_data"],
-                                                         init_from=model, continued_sources=srcs)
+        ccfg = cfg.for_continued([str(cfg.resolve_path(s)) for s in cfg.continued.sources])
+        out["continued_data"] = stages.run_stage(stages.data_task, prepare("data", store, ccfg, tokenizer_model=model))
+        out["continued_pretrain"] = stages.run_stage(stages.pretrain_task, prepare(
+            "pretrain", store, ccfg, data_artifact=out["continued_data"], init_from=model))
         model = out["continued_pretrain"]
     if cfg.finetune.sources:
-        ft = stages.run_stage(stages.finetune_task, **common, base_artifact=model)
+        ft = stages.run_stage(stages.finetune_task, prepare("finetune", store, cfg, base_artifact=model))
         out["finetune"], out["merged"] = ft["finetune"], ft["merged"]
         model = ft["merged"]
-    from tasks.stages.upstream import ModelChoice
-
-    choice = ModelChoice.of(ArtifactStore(artifacts), model, "this-run",
-                            "the model this full-pipeline run built (the end of its chain)")
-    out["eval"] = stages.run_eval(common, choice, out.get("continued_data", out["data"]))
+    choice = ModelChoice.of(store, model, "this-run", "the model this full-pipeline run built (the end of its chain)")
+    out["eval"] = stages.run_eval(store, cfg, choice, out.get("continued_data", out["data"]))
     # export does not take the eval artifact as an input, so editing only `eval:` reruns only eval
     # (`msllm export` / the export-stage flow put the newest matching eval into the model card)
-    out["export"] = stages.run_stage(stages.export_task, **common, model_artifact=model)
-    final = out["export"]
-    print(stages.publish_lineage(ArtifactStore(artifacts), final))
+    out["export"] = stages.run_stage(stages.export_task, prepare("export", store, cfg, model_artifact=model))
+    print(stages.publish_lineage(store, out["export"]))
     return out
 
 

@@ -16,45 +16,44 @@ from prefect import flow
 
 from flows import stages
 from tasks.config.loader import resolve_pipeline
+from tasks.config.schema import PipelineConfig
+from tasks.stages.runner import prepare
 from tasks.stages.upstream import choose_model, upstream
 from tasks.store.artifacts import ArtifactStore
 
 
-def _upstream(artifacts: str, stage: str, pipeline: str, given: str | None) -> str:
-    """The input a stage flow reads: the given artifact, or the stage table's default (tasks.stages.upstream)."""
-    return str(upstream(ArtifactStore(artifacts), stage, pipeline, given))
-
-
-def _common(pipeline: str, config: str, overrides: list[str] | None, artifacts: str) -> dict:
-    config = str(Path(config).resolve())
-    resolve_pipeline(config, pipeline, overrides or [])  # validate before any compute
-    return dict(config=config, pipeline=pipeline, overrides=list(overrides or []), artifacts=str(Path(artifacts).resolve()))
+def _setup(pipeline: str, config: str, overrides: list[str] | None,
+           artifacts: str) -> tuple[PipelineConfig, ArtifactStore]:
+    """The pipeline config, resolved once for the flow run (validated before any compute), and the store."""
+    return resolve_pipeline(str(Path(config).resolve()), pipeline, list(overrides or [])), ArtifactStore(artifacts)
 
 
 @flow(name="data-stage", log_prints=True, result_serializer="json")
 @stages.cancellable
 def data_flow(pipeline: str = "demo", config: str = "pipelines.yaml", overrides: list[str] | None = None,
               artifacts: str = "artifacts", tokenizer_model: str | None = None) -> str:
-    return stages.run_stage(stages.data_task, **_common(pipeline, config, overrides, artifacts), tokenizer_model=tokenizer_model)
+    cfg, store = _setup(pipeline, config, overrides, artifacts)
+    return stages.run_stage(stages.data_task, prepare("data", store, cfg, tokenizer_model=tokenizer_model))
 
 
 @flow(name="pretrain-stage", log_prints=True, result_serializer="json")
 @stages.cancellable
 def pretrain_flow(pipeline: str = "demo", config: str = "pipelines.yaml", overrides: list[str] | None = None,
                   artifacts: str = "artifacts", data_artifact: str | None = None, init_from: str | None = None) -> str:
-    c = _common(pipeline, config, overrides, artifacts)
-    data_artifact = _upstream(c["artifacts"], "pretrain", pipeline, data_artifact)
-    init_from = stages.resolve_init(c["artifacts"], pipeline, init_from)  # a GGUF file / HF directory: converted
-    return stages.run_stage(stages.pretrain_task, **c, data_artifact=data_artifact, init_from=init_from)
+    cfg, store = _setup(pipeline, config, overrides, artifacts)
+    data_artifact = upstream(store, "pretrain", cfg.name, data_artifact)  # given, or the stage table's default
+    init_from = stages.resolve_init(store, cfg.name, init_from)  # a GGUF file / HF directory: converted
+    return stages.run_stage(stages.pretrain_task, prepare("pretrain", store, cfg, data_artifact=data_artifact,
+                                                          init_from=init_from))
 
 
 @flow(name="finetune-stage", log_prints=True, result_serializer="json")
 @stages.cancellable
 def finetune_flow(pipeline: str = "demo", config: str = "pipelines.yaml", overrides: list[str] | None = None,
                   artifacts: str = "artifacts", base_artifact: str | None = None) -> dict[str, str]:
-    c = _common(pipeline, config, overrides, artifacts)
-    base_artifact = _upstream(c["artifacts"], "finetune", pipeline, base_artifact)
-    return stages.run_stage(stages.finetune_task, **c, base_artifact=base_artifact)
+    cfg, store = _setup(pipeline, config, overrides, artifacts)
+    base_artifact = upstream(store, "finetune", cfg.name, base_artifact)
+    return stages.run_stage(stages.finetune_task, prepare("finetune", store, cfg, base_artifact=base_artifact))
 
 
 @flow(name="eval-stage", log_prints=True, result_serializer="json")
@@ -64,13 +63,12 @@ def eval_flow(pipeline: str = "demo", config: str = "pipelines.yaml", overrides:
     """Evaluate a model artifact (default: the model tasks.stages.upstream.choose_model names, with its reason)."""
     from tasks.store.lineage import lineage_data_artifact
 
-    c = _common(pipeline, config, overrides, artifacts)
-    store = ArtifactStore(c["artifacts"])
-    choice = choose_model(store, pipeline, model_artifact)
+    cfg, store = _setup(pipeline, config, overrides, artifacts)
+    choice = choose_model(store, cfg.name, model_artifact)
     if data_artifact is None:
         found = lineage_data_artifact(store, choice.path)
         data_artifact = str(found) if found else None
-    return stages.run_eval(c, choice, data_artifact)
+    return stages.run_eval(store, cfg, choice, data_artifact)
 
 
 @flow(name="export-stage", log_prints=True, result_serializer="json")
@@ -80,14 +78,14 @@ def export_flow(pipeline: str = "demo", config: str = "pipelines.yaml", override
     """Export a model artifact (default: the model tasks.stages.upstream.choose_model names) to MindIR + ONNX."""
     from tasks.stages.export import matching_eval
 
-    c = _common(pipeline, config, overrides, artifacts)
-    choice = choose_model(ArtifactStore(c["artifacts"]), pipeline, model_artifact)
+    cfg, store = _setup(pipeline, config, overrides, artifacts)
+    choice = choose_model(store, cfg.name, model_artifact)
     print(f"export: {choice.line()}")
-    model_artifact = str(choice.path)
     if eval_artifact is None:
-        found = matching_eval(ArtifactStore(c["artifacts"]), Path(model_artifact), pipeline)
+        found = matching_eval(store, choice.path, cfg.name)
         eval_artifact = str(found) if found else None
-    return stages.run_stage(stages.export_task, **c, model_artifact=model_artifact, eval_artifact=eval_artifact)
+    return stages.run_stage(stages.export_task, prepare("export", store, cfg, model_artifact=choice.path,
+                                                        eval_artifact=eval_artifact))
 
 
 STAGE_FLOWS = {"data": data_flow, "pretrain": pretrain_flow, "finetune": finetune_flow, "eval": eval_flow,

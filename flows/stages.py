@@ -1,14 +1,15 @@
-"""Prefect tasks: thin wrappers around the stage functions in `tasks/`, cached by content.
+"""Prefect tasks: thin wrappers around the stage runner (tasks/stages/runner.py), cached by content.
 
-Each task's Prefect cache key IS the artifact store's content key (stage + resolved
-config section + input digests + code version), so a hit in one is a hit in the
-other: when the store holds the artifact the task shows Cached; when the store has
-lost it, the key gets a one-off suffix and the task reruns. Results are file paths,
-persisted as JSON (never pickle).
+    cfg = resolve_pipeline(config, pipeline, overrides)        # once per flow run
+    path = run_stage(data_task, prepare("data", store, cfg))   # checks + the key (once), then the task
 
-Tasks take (config path, pipeline name, overrides) rather than config objects, so
-their parameters stay small and readable in the UI; each resolves and validates the
-config itself, which costs milliseconds.
+A flow prepares each stage with the runner the CLI uses (`prepare`: the machine checked and the stage key
+computed once) and hands the StageCall to the stage's task. The task's Prefect cache key IS that call's key,
+the artifact store's content key (stage + resolved config section + input digests + code version), read from
+the parameter, never computed again; so a hit in one is a hit in the other: when the store holds the artifact
+the task shows Cached; when the store has lost it, the task's cache record is refreshed and it reruns. Results
+are file paths, persisted as JSON (never pickle). A StageCall is a task parameter, never a result: tasks run in
+the flow's process, so it is passed as is (no parameter is persisted: the cache key comes from `cache_key_fn`).
 
 The stages: convert (a GGUF file or HF directory that `init_from` names, as a model artifact: `resolve_init`),
 data, pretrain, finetune (+ merge), eval, export.
@@ -44,27 +45,17 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.exceptions import TerminationSignal
 from prefect.states import Cancelled
 
-from tasks.store.artifacts import ArtifactStore
-from tasks.config.loader import resolve_pipeline
 from tasks.config.schema import PipelineConfig
+from tasks.stages import runner
+from tasks.stages.runner import StageCall, prepare
+from tasks.store.artifacts import ArtifactStore
+from tasks.store.merge import merge
 
 
-def load_cfg(config: str, pipeline: str, overrides: list[str] | None, continued_sources: list[str] | None = None) -> PipelineConfig:
-    cfg = resolve_pipeline(config, pipeline, overrides or [])
-    return cfg.for_continued(continued_sources) if continued_sources else cfg
-
-
-_KEY_FNS: dict[str, Any] = {}
-
-
-def _store_key_fn(stage: str, key_of):
-    """A Prefect cache_key_fn returning the store's content key for this stage's inputs."""
-
-    def fn(context, params: dict[str, Any]) -> str:
-        return f"{stage}-{key_of(ArtifactStore(params['artifacts']), params)}"
-
-    _KEY_FNS[stage] = key_of
-    return fn
+def _cache_key(context, params: dict[str, Any]) -> str:
+    """A stage task's Prefect cache key: the store's content key its StageCall carries (computed by `prepare`)."""
+    call: StageCall = params["call"]
+    return f"{call.stage}-{call.key}"
 
 
 _BUILTIN_PRINT = builtins.print  # the interpreter's own print (this module is imported outside any run)
@@ -188,19 +179,17 @@ def cancellable(fn):
     return wrapper
 
 
-def run_stage(task_obj, **params):
-    """Call a stage task so that Prefect's cache agrees with the artifact store; returns its result.
+def run_stage(task_obj, call: StageCall, **options):
+    """Run `call` through its stage task so that Prefect's cache agrees with the artifact store; returns the
+    task's result. `options` go to the task (eval: selection).
 
     When the store lacks the artifact (never built, or deleted), Prefect's cache record for
     the key is refreshed (the task runs); when the store has it, Prefect reports Cached, and
     the cached artifact's metrics are published all the same (publish_cached).
     """
-    stage = task_obj.name
-    store = ArtifactStore(params["artifacts"])
-    missing = store.lookup(stage, _KEY_FNS[stage](store, params)) is None
-    state = task_obj.with_options(refresh_cache=missing)(**params, return_state=True)
+    state = task_obj.with_options(refresh_cache=call.cached() is None)(call, **options, return_state=True)
     if state.is_cancelled():  # the flow run is being cancelled (_stage_body): end the flow Cancelled too
-        raise RunCancelled(state.message or f"{stage} was cancelled")
+        raise RunCancelled(state.message or f"{call.stage} was cancelled")
     result = state.result()  # raises the task's own error when it failed
     if state.name == "Cached":
         for path in (result.values() if isinstance(result, dict) else [result]):
@@ -208,62 +197,14 @@ def run_stage(task_obj, **params):
     return result
 
 
-def _p(x: str | None) -> Path | None:
-    return Path(x) if x else None
-
-
-# ----------------------------------------------------------------------------- convert
-
-
-def _convert_key(store, params):
-    from tasks.stages import convert
-
-    return convert.stage_key(store, params["source"])[0]
-
-
-@task(name="convert", cache_key_fn=_store_key_fn("convert", _convert_key), persist_result=True, result_serializer="json")
-@_stage_body
-def convert_task(artifacts: str, source: str, pipeline: str | None = None) -> str:
-    """A GGUF file or a Hugging Face directory as a model artifact (dequantized to float32)."""
-    from tasks.stages import convert
-
-    path = convert.run(ArtifactStore(artifacts), source, pipeline=pipeline)
-    publish_metrics("convert", path)
+def _built(call: StageCall, **options) -> str:
+    """A stage task's body: the stage's artifact (built, or found by the stage), its metrics published."""
+    path = call.run(**options)
+    publish_metrics(call.stage, path)
     return str(path)
 
 
-def resolve_init(artifacts: str, pipeline: str, init_from: str | None) -> str | None:
-    """The model artifact pretraining starts from: a GGUF file or an HF directory through the convert task
-    (cached like every stage), anything else looked up in the store (a path, stage/key or key)."""
-    from tasks.stages.convert import source_kind
-
-    if init_from is None:
-        return None
-    if source_kind(init_from) is not None:
-        return run_stage(convert_task, artifacts=artifacts, source=str(Path(init_from).resolve()), pipeline=pipeline)
-    return str(ArtifactStore(artifacts).find(str(init_from)))
-
-
-# ----------------------------------------------------------------------------- data
-
-
-def _data_key(store, params):
-    from tasks.stages import data
-
-    cfg = load_cfg(params["config"], params["pipeline"], params["overrides"], params.get("continued_sources"))
-    return data.stage_key(cfg, store, _p(params.get("tokenizer_model")))[0]
-
-
-@task(name="data", cache_key_fn=_store_key_fn("data", _data_key), persist_result=True, result_serializer="json")
-@_stage_body
-def data_task(config: str, pipeline: str, overrides: list[str], artifacts: str,
-              tokenizer_model: str | None = None, continued_sources: list[str] | None = None) -> str:
-    from tasks.stages import data
-
-    cfg = load_cfg(config, pipeline, overrides, continued_sources)
-    path = data.run(cfg, ArtifactStore(artifacts), tokenizer_model=_p(tokenizer_model))
-    publish_metrics("data", path)
-    return str(path)
+_CACHED_BY_KEY = dict(cache_key_fn=_cache_key, persist_result=True, result_serializer="json")
 
 
 def _retry_helps(task, task_run, state) -> bool:
@@ -275,121 +216,78 @@ def _retry_helps(task, task_run, state) -> bool:
     return not (isinstance(exc, BaseException) and is_permanent(exc))
 
 
-# ----------------------------------------------------------------------------- pretrain
+_RETRIED = dict(retries=1, retry_delay_seconds=2, retry_condition_fn=_retry_helps)
 
 
-def _pretrain_key(store, params):
-    from tasks.stages import pretrain
-
-    cfg = load_cfg(params["config"], params["pipeline"], params["overrides"], params.get("continued_sources"))
-    return pretrain.stage_key(cfg, store, Path(params["data_artifact"]), _p(params.get("init_from")))[0]
+# ----------------------------------------------------------------------------- the stages
 
 
-@task(name="pretrain", cache_key_fn=_store_key_fn("pretrain", _pretrain_key), persist_result=True,
-      result_serializer="json", retries=1, retry_delay_seconds=2,
-      retry_condition_fn=_retry_helps)
+@task(name="convert", **_CACHED_BY_KEY)
 @_stage_body
-def pretrain_task(config: str, pipeline: str, overrides: list[str], artifacts: str, data_artifact: str,
-                  init_from: str | None = None, continued_sources: list[str] | None = None) -> str:
+def convert_task(call: StageCall) -> str:
+    """A GGUF file or a Hugging Face directory as a model artifact (dequantized to float32)."""
+    return _built(call)
+
+
+def resolve_init(store: ArtifactStore, pipeline: str, init_from: str | None) -> str | None:
+    """The model artifact pretraining starts from: a GGUF file or an HF directory through the convert task
+    (cached like every stage), anything else looked up in the store (a path, stage/key or key)."""
+    path = runner.resolve_init(store, pipeline, init_from, run=lambda call: run_stage(convert_task, call))
+    return str(path) if path else None
+
+
+@task(name="data", **_CACHED_BY_KEY)
+@_stage_body
+def data_task(call: StageCall) -> str:
+    return _built(call)
+
+
+@task(name="pretrain", **_CACHED_BY_KEY, **_RETRIED)
+@_stage_body
+def pretrain_task(call: StageCall) -> str:
     """Trains in a supervised child process; a Prefect retry resumes from the newest checkpoint."""
-    from tasks.stages import pretrain
-
-    cfg = load_cfg(config, pipeline, overrides, continued_sources)
-    path = pretrain.run(cfg, ArtifactStore(artifacts), Path(data_artifact), init_from=_p(init_from))
-    publish_metrics("pretrain", path)
-    return str(path)
+    return _built(call)
 
 
-# ----------------------------------------------------------------------------- finetune (+ merge)
-
-
-def _finetune_key(store, params):
-    from tasks.stages import finetune
-
-    cfg = load_cfg(params["config"], params["pipeline"], params["overrides"])
-    return finetune.stage_key(cfg, store, Path(params["base_artifact"]))[0]
-
-
-@task(name="finetune", cache_key_fn=_store_key_fn("finetune", _finetune_key), persist_result=True,
-      result_serializer="json", retries=1, retry_delay_seconds=2,
-      retry_condition_fn=_retry_helps)
+@task(name="finetune", **_CACHED_BY_KEY, **_RETRIED)
 @_stage_body
-def finetune_task(config: str, pipeline: str, overrides: list[str], artifacts: str, base_artifact: str) -> dict[str, str]:
+def finetune_task(call: StageCall) -> dict[str, str]:
     """LoRA/full fine-tuning in a supervised child, then the merge eval and export consume."""
-    from tasks.stages import finetune
-    from tasks.store.merge import merge
-
-    cfg = load_cfg(config, pipeline, overrides)
-    store = ArtifactStore(artifacts)
-    path = finetune.run(cfg, store, Path(base_artifact))
-    publish_metrics("finetune", path)
-    return {"finetune": str(path), "merged": str(merge(store, path))}
+    path = _built(call)
+    return {"finetune": path, "merged": str(merge(call.store, Path(path)))}
 
 
-# ----------------------------------------------------------------------------- eval
-
-
-def _eval_key(store, params):
-    from tasks.stages import evaluate
-
-    cfg = load_cfg(params["config"], params["pipeline"], params["overrides"])
-    return evaluate.stage_key(cfg, store, Path(params["model_artifact"]), _p(params.get("data_artifact")))[0]
-
-
-@task(name="eval", cache_key_fn=_store_key_fn("eval", _eval_key), persist_result=True, result_serializer="json")
+@task(name="eval", **_CACHED_BY_KEY)
 @_stage_body
-def eval_task(config: str, pipeline: str, overrides: list[str], artifacts: str, model_artifact: str,
-              data_artifact: str | None = None, selection: dict[str, str] | None = None) -> str:
+def eval_task(call: StageCall, selection: dict[str, str] | None = None) -> str:
     """Perplexity on the held-out split, lm-eval tasks, sample generations.
 
     selection: which model and why (recorded in the manifest; not part of the cache key)."""
-    from tasks.stages import evaluate
-
-    cfg = load_cfg(config, pipeline, overrides)
-    path = evaluate.run(cfg, ArtifactStore(artifacts), Path(model_artifact), _p(data_artifact), selection=selection)
-    publish_metrics("eval", path)
-    return str(path)
+    return _built(call, selection=selection)
 
 
-def run_eval(common: dict, choice, data_artifact: str | None) -> str:
+def run_eval(store: ArtifactStore, cfg: PipelineConfig, choice, data_artifact: str | None) -> str:
     """The eval task on the model `choice` names (tasks.stages.upstream.ModelChoice): prints which model and why,
     notes when it is not the model of the pipeline's previous eval report, and publishes `eval-report-<pipeline>`
     (also when the eval was cached)."""
     from tasks.stages.upstream import model_change_note
 
-    store = ArtifactStore(common["artifacts"])
-    note = model_change_note(store, common["pipeline"], choice)
+    note = model_change_note(store, cfg.name, choice)
     print(f"eval: {choice.line()}")
     if note:
         print(f"eval: note: {note}")
     selection = dict(choice.record(), **({"note": note} if note else {}))
-    path = run_stage(eval_task, **common, model_artifact=str(choice.path), data_artifact=data_artifact,
-                     selection=selection)
-    publish_eval_report(path, common["pipeline"], selection)
+    call = prepare("eval", store, cfg, model_artifact=choice.path, data_artifact=data_artifact)
+    path = run_stage(eval_task, call, selection=selection)
+    publish_eval_report(path, cfg.name, selection)
     return path
 
 
-# ----------------------------------------------------------------------------- export
-
-
-def _export_key(store, params):
-    from tasks.stages import export
-
-    cfg = load_cfg(params["config"], params["pipeline"], params["overrides"])
-    return export.stage_key(cfg, store, Path(params["model_artifact"]), _p(params.get("eval_artifact")))[0]
-
-
-@task(name="export", cache_key_fn=_store_key_fn("export", _export_key), persist_result=True, result_serializer="json")
+@task(name="export", **_CACHED_BY_KEY)
 @_stage_body
-def export_task(config: str, pipeline: str, overrides: list[str], artifacts: str, model_artifact: str,
-                eval_artifact: str | None = None) -> str:
+def export_task(call: StageCall) -> str:
     """MindIR + ONNX, each verified by reloading and comparing logits (in a child process)."""
-    from tasks.stages import export
-
-    cfg = load_cfg(config, pipeline, overrides)
-    path = export.run(cfg, ArtifactStore(artifacts), Path(model_artifact), eval_artifact=_p(eval_artifact))
-    publish_metrics("export", path)
-    return str(path)
+    return _built(call)
 
 
 # ----------------------------------------------------------------------------- UI artifacts

@@ -127,6 +127,80 @@ def test_convert_is_a_cached_task_with_its_metrics_artifact(tmp_path):
     assert ["flow", "convert-cached", "markdown"] in again["artifacts"], again["artifacts"]  # run_stage publishes it
 
 
+COUNT_DRIVER = r"""
+import json, sys
+from collections import Counter
+from pathlib import Path
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+import flows.stages
+from flows.full_pipeline import full_pipeline
+from tasks.stages import STAGES, runner, stage_module
+
+args = json.loads(sys.argv[1])
+counts = Counter()
+
+def counting(name, fn):
+    def wrapper(*a, **kw):
+        counts[name] += 1
+        return fn(*a, **kw)
+    return wrapper
+
+def stub(store, stage, key, inputs):
+    with store.build(stage, key, pipeline="tiny", config={}, inputs=inputs, code="test") as b:
+        (b.dir / "model.json").write_text("{}")  # read by export's model check
+    return b.path
+
+def fake_run(name):  # the stage's work: only what the key names (a missing key fails the task)
+    def run(store, keyed=None, **kw):
+        assert keyed is not None, f"{name}: run got no precomputed key"
+        counts[f"{name}.run"] += 1
+        return stub(store, name, keyed[0], keyed[1])
+    return run
+
+for name in STAGES:
+    mod = stage_module(name)
+    if hasattr(mod, "stage_key"):
+        mod.stage_key = counting(name, mod.stage_key)
+        mod.run = fake_run(name)
+runner.machine_fit_errors = counting("machine", runner.machine_fit_errors)
+flows.stages.merge = lambda store, path: stub(store, "merged", Path(path).name, [store.input_ref(path)])
+
+report = []
+for _ in range(2):
+    counts.clear()
+    state = full_pipeline(pipeline="tiny", config=args["config"], artifacts=args["artifacts"], return_state=True)
+    with get_client(sync_client=True) as c:
+        trs = c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
+    report.append({"flow": state.name, "counts": dict(counts), "error": None if state.is_completed() else
+                   str(state.result(raise_on_failure=False)),
+                   "tasks": {tr.name.rsplit("-", 1)[0]: tr.state.name for tr in trs}})
+print("REPORT " + json.dumps(report))
+"""
+
+
+def test_a_flow_run_computes_each_stage_key_once(tmp_path):
+    """full-pipeline prepares each stage once with the stage runner (machine check, key) and hands the call to
+    its task: the Prefect cache key reads it, the stage's run gets it. Stage work is stubbed (the keys are real);
+    the rerun is Cached throughout, again with one key per stage."""
+    config = _tiny_config(tmp_path)
+    env = dict(os.environ, PREFECT_HOME=str(tmp_path / "ph"), PREFECT_SERVER_ANALYTICS_ENABLED="false",
+               PREFECT_LOGGING_LEVEL="WARNING", GLOG_v="3")
+    env.pop("PREFECT_API_URL", None)
+    arg = json.dumps({"config": str(config), "artifacts": str(tmp_path / "artifacts")})
+    out = subprocess.run([sys.executable, "-c", COUNT_DRIVER, arg], capture_output=True, text=True, cwd=REPO,
+                         env=env, timeout=600)
+    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("REPORT ")), None)
+    assert out.returncode == 0 and line, (out.stdout[-3000:], out.stderr[-5000:])
+    first, again = json.loads(line[len("REPORT "):])
+    stages = {"data", "pretrain", "finetune", "eval", "export"}
+    assert first["flow"] == "Completed", first
+    assert first["counts"] == {**{s: 1 for s in stages}, **{f"{s}.run": 1 for s in stages}, "machine": 2}, first
+    assert first["tasks"] == {s: "Completed" for s in stages}, first
+    assert again["flow"] == "Completed" and again["tasks"] == {s: "Cached" for s in stages}, again
+    assert again["counts"] == {**{s: 1 for s in stages}, "machine": 2}, again  # the cache key computed nothing
+
+
 FAIL_DRIVER = r"""
 import json, sys
 from flows.full_pipeline import full_pipeline

@@ -78,6 +78,22 @@ def test_model_imports_neither_tasks_nor_flows(graph):
     assert _violations(graph, "model", {"tasks", "flows"}) == []
 
 
+def test_model_cells_are_plain(graph):
+    """The model's cells (model/llama.py, model/layers.py) import nothing kernel- or parallel-related: the build's
+    convert and parallelize steps (tasks/training/build.py, parallelize.py) apply both from outside (issue 34)."""
+    kernel_or_parallel = ("model.kernels", "model.kernel_ops", "model.kernel_build", "model.fused_cells", "model.cpu")
+    bad = sorted(f"{m} imports {t}" for m in ("model.llama", "model.layers") for t in graph[m]
+                 if t in kernel_or_parallel or "parallel" in t or "mesh" in t)
+    assert bad == []
+
+
+def test_runtime_does_not_import_the_model(graph):
+    """tasks/runtime starts processes; the layout (tasks/training/mesh.py) and the model are the training room's."""
+    bad = sorted(f"{m} imports {t}" for m, ts in graph.items() if room_of(m) == "runtime"
+                 for t in ts if _layer(t) == "model" or room_of(t) == "training")
+    assert bad == []
+
+
 def test_tasks_never_import_flows(graph):
     assert _violations(graph, "tasks", {"flows"}) == []
 
@@ -87,6 +103,29 @@ def test_nothing_imports_the_cli(graph):
     users = sorted(m for m, ts in graph.items() if not m.startswith("tasks.cli")
                    for t in ts if t == "tasks.cli" or t.startswith("tasks.cli."))
     assert users == []
+
+
+def _imported_modules(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every import statement in a file, at any depth (functions, branches included)."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            out += [(node.lineno, node.module)] + [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
+    return out
+
+
+def test_cli_reaches_training_and_the_model_only_through_the_stages():
+    """tasks/cli imports neither tasks.training nor model (plan, convert and validate --forward included): the
+    stage runner and tasks/stages/preflight.py stand between them (issue 34)."""
+    def forbidden(module: str) -> bool:
+        return module in ("model", "tasks.training") or module.startswith(("model.", "tasks.training."))
+
+    bad = sorted({f"{p.relative_to(REPO)}:{line}: {m}" for p in (REPO / "tasks" / "cli").rglob("*.py")
+                  for line, m in _imported_modules(p) if forbidden(m)})
+    assert bad == [], "go through a stage module (tasks/stages/runner.py, preflight.py):\n  " + "\n  ".join(bad)
+    assert forbidden("model.registry") and forbidden("tasks.training") and not forbidden("models.x")
 
 
 def test_rooms_are_all_ranked(graph):
@@ -189,10 +228,7 @@ def test_cycle_finder():
     assert shortest_cycle({"a": {"b"}, "b": set()}, "a") == []
 
 
-# Re-exports still allowed, by the module that re-exports: model/kernels.py and model/llama.py are being rewritten
-# right now (issue 34 items 1-2: a plain model, kernels chosen by the build), and that engineer removes this
-# allowlist together with their re-exports. Nothing else may join it.
-REEXPORTS_ALLOWED = {"model.kernels", "model.llama"}
+REEXPORTS_ALLOWED: set[str] = set()  # no module re-exports another's names; nothing may join this
 SOURCE_DIRS = ("model", "tasks", "flows", "scripts", "tests")
 
 

@@ -138,7 +138,7 @@ def _adapter(text: str):
 
 def _positive_bytes(text: str, what: str) -> int:
     """A positive, finite size in bytes (`parse_bytes`), else an argparse error: `text` is not <what>."""
-    from tasks.training.memory import parse_bytes
+    from tasks.config.units import parse_bytes
 
     try:
         n = parse_bytes(text)

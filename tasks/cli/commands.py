@@ -1,7 +1,9 @@
 """The commands: each parses nothing (argparse did), calls one stage or tool, prints, returns an exit code.
 
-Stage modules never import this package; it imports them (through the stage table where it
-picks a stage by name).
+Every stage runs through the stage runner the flows share (tasks/stages/runner.py: the config resolved once here,
+the machine checked and the key computed once there); the memory plan and the forward check are
+tasks/stages/preflight.py's. Stage modules never import this package, and this package imports neither the
+training room nor the model (tests/test_imports.py).
 """
 
 from __future__ import annotations
@@ -9,9 +11,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from tasks.cli.common import StageError, check_machine, load, print_metrics, store, upstream
-from tasks.stages.upstream import choose_model, model_change_note
+from tasks.cli.common import StageError, load, print_metrics, store, upstream
 from tasks.config.loader import to_yaml, validate_file
+from tasks.stages import runner
+from tasks.stages.preflight import forward_check, memory_plan
+from tasks.stages.upstream import choose_model, model_change_note
 
 STARTER = Path(__file__).resolve().parent / "starter"  # package data: ships in the wheel
 
@@ -50,72 +54,41 @@ def cmd_validate(args) -> int:
             bad += bool(errs)
         return 2 if bad else 0
     cfg = load(args)
-    check_machine(cfg)
+    runner.check_machine(cfg)
     print(to_yaml(cfg), end="")
     mc = cfg.model.resolve()
     print(f"# model: {cfg.model.name}/{cfg.model.preset}, {mc.num_parameters / 1e6:.2f}M parameters", flush=True)
     if args.forward:
-        _forward_check(cfg)
+        print(forward_check(cfg))
     print(f"pipeline '{cfg.name}' is valid")
     return 0
-
-
-def _forward_check(cfg) -> None:
-    import time
-
-    import numpy as np
-
-    from model.runtime import setup_mindspore
-
-    setup_mindspore()
-    import mindspore as ms
-
-    from model.registry import build_model
-
-    mc = cfg.model.resolve()
-    t0 = time.perf_counter()
-    net = build_model(cfg.model.name, mc, seed=cfg.pretrain.seed)
-    ids = np.random.default_rng(0).integers(0, mc.vocab_size, size=(2, min(32, cfg.data.seq_length)), dtype=np.int32)
-    logits = net(ms.Tensor(ids)).asnumpy()
-    print(
-        f"# forward pass: input_ids {list(ids.shape)} -> logits {list(logits.shape)}, "
-        f"finite={bool(np.isfinite(logits).all())}, mean={logits.mean():.4f}, std={logits.std():.4f}, "
-        f"{time.perf_counter() - t0:.1f}s"
-    )
 
 
 # ----------------------------------------------------------------------------- stage commands
 
 
-def cmd_data(args) -> int:
-    from tasks.stages import data
+def _init_from(cfg, st) -> Path | None:
+    """pretrain.init_from as a model artifact (a GGUF file or an HF directory converted first), or None."""
+    given = cfg.resolve_path(cfg.pretrain.init_from) if cfg.pretrain.init_from else None
+    return runner.resolve_init(st, cfg.name, given)
 
+
+def cmd_data(args) -> int:
     cfg = load(args)
     st = store(args)
-    tok = None
-    if cfg.pretrain.init_from:  # continued pretraining keeps the base model's tokenizer
-        from tasks.stages.convert import resolve_base
-
-        tok = resolve_base(st, cfg.resolve_path(cfg.pretrain.init_from), cfg.name)
-    path = data.run(cfg, st, tokenizer_model=tok)
+    tok = _init_from(cfg, st)  # continued pretraining keeps the base model's tokenizer
+    path = runner.prepare("data", st, cfg, tokenizer_model=tok).run()
     print_metrics(path)
     print(path)
     return 0
 
 
 def cmd_train(args) -> int:
-    from tasks.stages import pretrain
-
     cfg = load(args)
-    check_machine(cfg)
     st = store(args)
     data_art = upstream(args, st, "pretrain", cfg.name)
-    init = None
-    if cfg.pretrain.init_from:  # a model artifact, or a GGUF file / HF directory (converted first)
-        from tasks.stages.convert import resolve_base
-
-        init = resolve_base(st, cfg.resolve_path(cfg.pretrain.init_from), cfg.name)
-    path = pretrain.run(cfg, st, data_art, init_from=init, retries=1)
+    call = runner.prepare("pretrain", st, cfg, data_artifact=data_art, init_from=_init_from(cfg, st))
+    path = call.run(retries=1)
     print_metrics(path)
     print(path)
     return 0
@@ -123,14 +96,12 @@ def cmd_train(args) -> int:
 
 def cmd_finetune(args) -> int:
     """`msllm finetune`: train (or find) the adapter, merge it; last stdout line = the finetune artifact."""
-    from tasks.stages import finetune
     from tasks.store.merge import merge
 
     cfg = load(args)
-    check_machine(cfg)
     st = store(args)
     base = upstream(args, st, "finetune", cfg.name)
-    path = finetune.run(cfg, st, base, retries=1)
+    path = runner.prepare("finetune", st, cfg, base_artifact=base).run(retries=1)
     merged = merge(st, path)
     print_metrics(path)
     print(merged)
@@ -161,7 +132,8 @@ def cmd_eval(args) -> int:
     data = lineage_data_artifact(st, model)
     if data is None:
         print(f"[eval] no data artifact in the lineage of {model}: held-out perplexity skipped", file=sys.stderr)
-    path = evaluate.run(cfg, st, model, data, selection=dict(choice.record(), **({"note": note} if note else {})))
+    call = runner.prepare("eval", st, cfg, model_artifact=model, data_artifact=data)
+    path = call.run(selection=dict(choice.record(), **({"note": note} if note else {})))
     print_metrics(path)
     print(path)
     return 0
@@ -214,7 +186,7 @@ def cmd_export(args) -> int:
     ev = export.matching_eval(st, model, cfg.name)
     print(f"[export] {choice.line()}" + (f"; eval {ev}" if ev else " (no eval artifact: card without results)"),
           file=sys.stderr)
-    path = export.run(cfg, st, model, eval_artifact=ev)
+    path = runner.prepare("export", st, cfg, model_artifact=model, eval_artifact=ev).run()
     print_metrics(path)
     print(path)
     return 0
@@ -228,8 +200,9 @@ def cmd_convert(args) -> int:
         raise StageError("convert: pass exactly one of --from-hf DIR, --from-gguf FILE or --to-hf ARTIFACT DIR")
     st = store(args)
     if args.from_hf or args.from_gguf:
-        path = (convert.from_hf(args.from_hf, st, pipeline=args.pipeline) if args.from_hf else
-                convert.from_gguf(args.from_gguf, st, pipeline=args.pipeline))
+        source, kind = (args.from_hf, "hf") if args.from_hf else (args.from_gguf, "gguf")
+        call = runner.prepare("convert", st, source=source, pipeline=args.pipeline, kind=kind)
+        path = call.run(progress=False)  # stderr: one line, the error, when it fails
         print_metrics(path)
     else:
         artifact, out = args.to_hf
@@ -298,46 +271,8 @@ def cmd_lineage(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from tasks.training.memory import GiB, Layout, estimate, plan, unsupported
-
-    cfg = load(args)
-    mc = cfg.model.resolve()
-    par, pt, tr = cfg.parallel, cfg.pretrain, cfg.pretrain.train
-    seq = pt.seq_length or cfg.data.seq_length
-    lay = Layout(dp=par.data_parallel, tp=par.tensor_parallel, pp=cfg.plan.pipeline_parallel,
-                 micro_batch_num=cfg.plan.micro_batch_num, optimizer_shard=par.optimizer_shard)
-    mem = args.device_memory  # bytes (parsed and checked by argparse)
-    est = estimate(mc, micro_batch=tr.loop.micro_batch_size, seq=seq, precision=tr.precision.dtype,
-                   recompute=pt.recompute, layout=lay, backend=par.device_target, fused_kernels=tr.fused_kernels)
-    print(f"model {cfg.model.preset}: {mc.num_parameters / 1e9:.3f}B parameters; micro batch {tr.loop.micro_batch_size}, "
-          f"seq {seq}, {tr.precision.dtype}, recompute {'on' if pt.recompute else 'off'}, backend {par.device_target}")
-    print(f"configured layout dp={lay.dp} tp={lay.tp} pp={lay.pp} (micro_batch_num={lay.micro_batch_num}, "
-          f"optimizer_shard={lay.optimizer_shard}): estimate per rank (each of {lay.devices} process(es))")
-    print(est.table())
-    fits = est.total <= mem
-    print(f"  -> {'fits' if fits else 'DOES NOT FIT'} in {mem / GiB:.1f} GiB per device")
-    why = unsupported(lay, par.device_target)
-    if why:
-        print(f"  -> this layout does not run here ({why})")
-    devices = args.devices or par.device_num
-    rows = plan(mc, devices=devices, device_memory=mem, micro_batch=tr.loop.micro_batch_size, seq=seq,
-                precision=tr.precision.dtype, backend=par.device_target)
-    print(f"\nlayouts for {devices} device(s) × {mem / GiB:.1f} GiB (best first):")
-    for lay2, rc, e2, ok in rows[:8]:
-        why = unsupported(lay2, par.device_target)
-        print(f"  {'fits ' if ok else 'no   '} dp={lay2.dp} tp={lay2.tp} pp={lay2.pp} micro_batch_num={lay2.micro_batch_num} "
-              f"optimizer_shard={str(lay2.optimizer_shard).lower():5} recompute={'on ' if rc else 'off'} "
-              f"{e2.total / GiB:8.2f} GiB{'   (not runnable here: ' + why + ')' if why else ''}")
-    best = next((r for r in rows if r[3] and unsupported(r[0], par.device_target) is None), None)
-    if best is None:
-        other = next((r for r in rows if r[3]), None)
-        hint = (f" (dp={other[0].dp} tp={other[0].tp} pp={other[0].pp} would fit but: "
-                f"{unsupported(other[0], par.device_target)})" if other else "")
-        print(f"recommendation: no runnable layout fits{hint}; add devices, lower pretrain.train.loop.micro_batch_size or seq_length")
-        return 1
-    lay2, rc, e2, _ = best
-    print(f"recommendation: parallel: {{data_parallel: {lay2.dp}, tensor_parallel: {lay2.tp}, "
-          f"optimizer_shard: {str(lay2.optimizer_shard).lower()}, device_num: {lay2.devices}}}"
-          + (f", plan: {{pipeline_parallel: {lay2.pp}, micro_batch_num: {lay2.micro_batch_num}}}" if lay2.pp > 1 else "")
-          + f", pretrain.recompute: {str(rc).lower()}  ({e2.total / GiB:.2f} GiB per device)")
-    return 0
+    """`msllm plan [--device-memory SIZE] [--devices N]`: the memory estimate and the ranked layouts; exit 1 when
+    no layout both fits and runs here."""
+    report = memory_plan(load(args), device_memory=args.device_memory, devices=args.devices)  # sizes: argparse's
+    print("\n".join(report.lines))
+    return 0 if report.runnable else 1

@@ -21,15 +21,6 @@ def load(args) -> PipelineConfig:
     return cfg
 
 
-def check_machine(cfg: PipelineConfig) -> None:
-    """Refuse settings this machine cannot serve (memory plan), before any compute; ConfigError naming the key."""
-    from tasks.config.schema import ConfigError
-    from tasks.training.memory import machine_fit_errors
-
-    if errs := machine_fit_errors(cfg, f"pipelines.{cfg.name}"):
-        raise ConfigError(errs)
-
-
 def store(args):
     from tasks.store.artifacts import ArtifactStore
 

@@ -121,16 +121,18 @@ def _check_tokenizer(tok, vocab_size: int, where: Path) -> None:
     check_chat_template(tok)
 
 
-def from_hf(hf_dir: str | os.PathLike, store: ArtifactStore, pipeline: str | None = None) -> Path:
+def from_hf(hf_dir: str | os.PathLike, store: ArtifactStore, pipeline: str | None = None, *,
+            keyed: tuple | None = None) -> Path:
     """The convert artifact of an HF LLaMA directory, converting it unless the store already has it.
 
     The tokenizer is the directory's tokenizer.model (SentencePiece) or, without one, its tokenizer.json with
     tokenizer_config.json and chat_template.jinja where present; generation_config.json is kept too.
+    `keyed`: `stage_key(store, hf_dir, "hf")`, when the caller computed it (`run`).
     """
     from tasks.tokenizer import tokenizer_files
 
     hf_dir = Path(hf_dir)
-    key, inputs, config = stage_key(store, hf_dir, "hf")
+    key, inputs, config = keyed or stage_key(store, hf_dir, "hf")
     tok_files, gen_cfg = tokenizer_files(hf_dir), hf_dir / "generation_config.json"
     hit = store.lookup(STAGE, key)
     if hit is not None:
@@ -165,12 +167,14 @@ def _convert_hf(hf_dir: Path, store: ArtifactStore, pipeline: str | None, key: s
     return b.path
 
 
-def from_gguf(gguf_file: str | os.PathLike, store: ArtifactStore, pipeline: str | None = None) -> Path:
+def from_gguf(gguf_file: str | os.PathLike, store: ArtifactStore, pipeline: str | None = None, *,
+              keyed: tuple | None = None) -> Path:
     """The convert artifact of a llama GGUF file: weights dequantized to float32 (F32, F16, BF16, Q8_0, Q4_0, Q4_1,
     ...), the config from its llama.* metadata, the tokenizer rebuilt as a tokenizer.json from tokenizer.ggml.*
-    (with the chat template). Keyed by the file's sha256 (its raw input, so lineage reaches it)."""
+    (with the chat template). Keyed by the file's sha256 (its raw input, so lineage reaches it); `keyed`:
+    `stage_key(store, gguf_file, "gguf")`, when the caller computed it (`run`)."""
     src = Path(gguf_file)
-    key, inputs, config = stage_key(store, src, "gguf")
+    key, inputs, config = keyed or stage_key(store, src, "gguf")
     hit = store.lookup(STAGE, key)
     if hit is not None:
         return hit
@@ -271,16 +275,21 @@ def stage_key(store: ArtifactStore, source: str | os.PathLike,
     return store.key(STAGE, config, inputs, code_version(STAGE)), inputs, config
 
 
-def run(store: ArtifactStore, source: str | os.PathLike, pipeline: str | None = None, progress: bool = True) -> Path:
+def run(store: ArtifactStore, source: str | os.PathLike, pipeline: str | None = None, progress: bool = True, *,
+        kind: str | None = None, keyed: tuple | None = None) -> Path:
     """The convert artifact of a GGUF file or an HF directory (converted unless the store has it), with a log
-    line on stderr saying what it read and what it wrote."""
+    line on stderr saying what it read and what it wrote (`progress`).
+
+    kind: "gguf" or "hf" (default: `source_kind`'s). keyed: what `stage_key` returned for these arguments, when the
+    caller computed it (the stage runner, tasks/stages/runner.py); None computes it here."""
     import sys
     import time
 
     log = (lambda msg: print(f"convert: {msg}", file=sys.stderr, flush=True)) if progress else (lambda msg: None)
     source = Path(source)
-    kind = source_kind(source)
-    key = stage_key(store, source, kind)[0]
+    kind = kind or source_kind(source)
+    keyed = keyed or stage_key(store, source, kind)
+    key = keyed[0]
     hit = store.lookup(STAGE, key)
     if hit is not None:
         log(f"cache hit {hit}")
@@ -288,19 +297,11 @@ def run(store: ArtifactStore, source: str | os.PathLike, pipeline: str | None = 
     what = f"GGUF file ({source.stat().st_size / 1e6:.1f} MB)" if kind == "gguf" else "Hugging Face directory"
     log(f"{source}: a {what}; converting to a model artifact")
     t0 = time.perf_counter()
-    path = (from_gguf if kind == "gguf" else from_hf)(source, store, pipeline=pipeline)
+    path = (from_gguf if kind == "gguf" else from_hf)(source, store, pipeline=pipeline, keyed=keyed)
     m = ArtifactStore.read_manifest(path)["metrics"]
     log(f"wrote {path}: {m.get('parameters', 0) / 1e6:.1f}M parameters from {m.get('source_dtype')} "
         f"({m.get('tensors')} tensors) in {time.perf_counter() - t0:.1f}s")
     return path
-
-
-def resolve_base(store: ArtifactStore, path: str | os.PathLike, pipeline: str | None = None) -> Path:
-    """The model artifact `pretrain.init_from` names: a GGUF file or a Hugging Face directory is converted first
-    (a cache hit after the first time), anything else is an artifact of the store (a path, stage/key or key)."""
-    if source_kind(path) is not None:
-        return run(store, path, pipeline=pipeline)
-    return store.find(str(path))
 
 
 # ----------------------------------------------------------------------------- artifact -> HF

@@ -1,0 +1,136 @@
+"""The stage runner (tasks/stages/runner.py) that the CLI and the flows share: the machine checked once, the stage
+key computed once and handed down to the stage's `run`. Stubs stand in for the stage's work (no MindSpore child);
+the key, the checks and the CLI wiring are the real ones. The flows' count is tests/test_flows.py's."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from tasks.store.artifacts import ArtifactStore
+
+REPO = Path(__file__).resolve().parent.parent
+PIPELINES = REPO / "pipelines.yaml"
+
+
+def _stub(store: ArtifactStore, stage: str, key: str, inputs=(), model: bool = False) -> Path:
+    """A published artifact of `stage` under `key` (a model.json where a model artifact needs one)."""
+    with store.build(stage, key, pipeline="tiny", config={}, inputs=list(inputs), code="test") as b:
+        if model:
+            (b.dir / "model.json").write_text("{}")
+    return b.path
+
+
+def _counting(counts: Counter, name: str, fn):
+    def wrapper(*args, **kwargs):
+        counts[name] += 1
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+@pytest.fixture
+def counts(monkeypatch) -> Counter:
+    """Calls of each stage module's stage_key (by stage name) and of the machine-fit check ("machine")."""
+    from tasks.stages import STAGES, runner, stage_module
+    from tasks.training import memory
+
+    c: Counter = Counter()
+    for name in STAGES:
+        mod = stage_module(name)
+        if hasattr(mod, "stage_key"):
+            monkeypatch.setattr(mod, "stage_key", _counting(c, name, mod.stage_key))
+    check = _counting(c, "machine", memory.machine_fit_errors)
+    monkeypatch.setattr(memory, "machine_fit_errors", check)  # a stage's own check (a direct `run` call)
+    monkeypatch.setattr(runner, "machine_fit_errors", check)
+    return c
+
+
+def test_cli_train_checks_the_machine_once_and_computes_the_key_once(tmp_path, monkeypatch, counts, capsys):
+    from tasks import cli
+    from tasks.stages import pretrain
+
+    store = ArtifactStore(tmp_path / "art")
+    _stub(store, "data", "d" * 16)
+    handed = []
+
+    def child(stage, store_, key, spec, fn, **kw):  # the supervised child: publishes what it was told to
+        handed.append(key)
+        return _stub(store_, stage, key, model=True)
+
+    monkeypatch.setattr(pretrain, "supervise", child)
+    argv = ["train", "--config", str(PIPELINES), "--pipeline", "tiny", "--artifacts", str(store.root)]
+    assert cli.main(argv) == 0
+    path = Path(capsys.readouterr().out.strip().splitlines()[-1])
+    assert counts == {"pretrain": 1, "machine": 1}, counts
+    assert handed == [path.name] and store.lookup("pretrain", path.name) == path
+    assert cli.main(argv) == 0  # a cache hit: no child, and again one key and one check
+    assert Path(capsys.readouterr().out.strip().splitlines()[-1]) == path
+    assert counts == {"pretrain": 2, "machine": 2} and len(handed) == 1, counts
+
+
+def test_stage_run_takes_the_key_prepare_computed(tmp_path, monkeypatch, counts):
+    """prepare → StageCall.run: the stage module's run gets `keyed` and computes nothing again; a direct `run`
+    call (no runner) checks the machine and keys itself."""
+    from tasks.config.loader import resolve_pipeline
+    from tasks.stages import pretrain
+    from tasks.stages.runner import prepare
+
+    store = ArtifactStore(tmp_path / "art")
+    data = _stub(store, "data", "d" * 16)
+    cfg = resolve_pipeline(PIPELINES, "tiny", [])
+    handed = []
+    monkeypatch.setattr(pretrain, "supervise", lambda stage, store_, key, *a, **kw:
+                        handed.append(key) or _stub(store_, stage, key, model=True))
+    call = prepare("pretrain", store, cfg, data_artifact=data)
+    assert counts == {"pretrain": 1, "machine": 1} and call.cached() is None
+    path = call.run(progress=False)
+    assert counts == {"pretrain": 1, "machine": 1} and handed == [call.key] and path == call.cached()
+    assert pretrain.run(cfg, store, data, progress=False) == path
+    assert counts == {"pretrain": 2, "machine": 2} and handed == [call.key]
+
+
+def test_resolve_init_converts_a_source_once_and_finds_an_artifact(tmp_path, monkeypatch, counts):
+    """pretrain.init_from naming an HF directory: the convert stage through the runner (one key); an artifact
+    reference: the store's artifact, no conversion."""
+    from tasks.stages import convert
+    from tasks.stages.runner import resolve_init
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    for name, text in (("config.json", "{}"), ("model.safetensors", "w"), ("tokenizer.json", "{}")):
+        (hf / name).write_text(text)
+    store = ArtifactStore(tmp_path / "art")
+    converted = []
+
+    def from_hf(hf_dir, store_, pipeline=None, *, keyed=None):
+        assert keyed is not None, "convert.run computed the key again"
+        converted.append(keyed[0])
+        return _stub(store_, "convert", keyed[0], keyed[1], model=True)
+
+    monkeypatch.setattr(convert, "from_hf", from_hf)
+    art = resolve_init(store, "tiny", hf)
+    assert counts == {"convert": 1} and converted == [art.name]
+    assert resolve_init(store, "tiny", hf) == art and converted == [art.name]  # cached: not converted again
+    assert resolve_init(store, "tiny", f"convert/{art.name}") == art and counts == {"convert": 2}
+    assert resolve_init(store, "tiny", None) is None
+
+
+def test_prepare_refuses_before_any_key(tmp_path, counts):
+    from tasks.config.loader import resolve_pipeline
+    from tasks.config.schema import ConfigError
+    from tasks.stages import UnknownStage
+    from tasks.stages.runner import prepare
+
+    store = ArtifactStore(tmp_path / "art")
+    data = _stub(store, "data", "d" * 16)
+    huge = resolve_pipeline(PIPELINES, "tiny", ["pretrain.train.loop.micro_batch_size=1000000000000"])
+    with pytest.raises(ConfigError, match=r"pipelines\.tiny\.pretrain\.train\.loop\.micro_batch_size"):
+        prepare("pretrain", store, huge, data_artifact=data)
+    assert counts == {"machine": 1}  # refused by the memory plan: no key computed
+    with pytest.raises(UnknownStage):
+        prepare("nope", store)
+    with pytest.raises(ValueError, match="not run by the stage runner"):
+        prepare("merged", store)
