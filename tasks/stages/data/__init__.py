@@ -185,22 +185,7 @@ def _build(cfg: PipelineConfig, store: ArtifactStore, key: str, inputs: list, so
         log(f"{st.seen} documents ({st.bytes_seen / 1e6:.1f} MB) from {st.files} file(s): kept {st.kept}, "
             f"skipped {sum(st.skipped.values())} {({k: v for k, v in st.skipped.items() if v})}")
         t_tok = time.perf_counter()
-        tok_file = b.dir / "tokenizer.model"
-        if tok_files:
-            sp_file = tok_files[0].suffix != ".json"  # a SentencePiece model, under whatever name it had
-            for f in tok_files:
-                shutil.copyfile(f, b.dir / ("tokenizer.model" if sp_file else f.name))
-            tok_file = b.dir / ("tokenizer.model" if sp_file else tok_files[0].name)
-            source = "reused"
-        else:
-            log(f"training a {d.tokenizer.model_type} tokenizer, vocab {d.tokenizer.vocab_size}, "
-                f"on {plan.sample_documents} documents")
-            train_tokenizer(d.tokenizer, plan.sample_path, tok_file)
-            source = "trained"
-        tok = load_tokenizer(b.dir)
-        check_vocab(cfg, tok.get_piece_size(), str(tok_file) if tok_path else None)
-        info = tokenizer_info(tok, source)
-        atomic_write_json(b.dir / "tokenizer_info.json", info)
+        info = _place_tokenizer(cfg, b.dir, tok_files, plan, log)
         # The MindRecord writer imports MindSpore (seconds of C++ initialisation). Done here, before the worker pool
         # starts, not as the first shard opens: a SIGTERM that stops a busy run (scripts/serve.py, a cancelled flow
         # run) then lands in Python code and ends it cleanly; inside that import it surfaces as "ImportError:
@@ -208,54 +193,95 @@ def _build(cfg: PipelineConfig, store: ArtifactStore, key: str, inputs: list, so
         import mindspore.mindrecord  # noqa: F401
 
         t_tokenize = time.perf_counter()
-        specs = chunk_specs(plan, b.dir)
-        kept = sum(plan.documents.values())
-        with _progress_bar(progress, "tokenize+write", total=kept) as bar:
-            counts = {"bytes": 0, "tokens": 0}
-
-            def on_chunk(s: dict) -> None:
-                counts["bytes"] += s["bytes"]
-                counts["tokens"] += s["tokens"]
-                bar.update(s["documents"])
-                _postfix(bar, counts["bytes"], counts["tokens"])
-
-            with contextlib.ExitStack() as stack:
-                mapper = map_fn or stack.enter_context(_pool_map(d.num_workers, len(specs)))
-                written = finalize(mapper(tokenize_chunk, specs), b.dir, seq_length=d.seq_length,
-                                   num_shards=d.num_shards, tail=d.tail, pad_id=info["pad_fill_id"], on_chunk=on_chunk)
+        written = _tokenize_and_write(cfg, plan, b.dir, info["pad_fill_id"], progress, map_fn)
         shutil.rmtree(work)
         t_end = time.perf_counter()
-        per = {k: {s: written[s][k] for s in SPLITS} for k in ("documents", "tokens", "blocks", "tail_tokens_dropped",
-                                                               "tail_tokens_padded")}
-        b.metrics.update({
-            "documents_seen": st.seen,
-            "documents_kept": st.kept,
-            "documents_skipped": dict(st.skipped),
-            "documents_skipped_total": sum(st.skipped.values()),
-            "documents_repaired": dict(st.repaired),
-            "files": st.files,
-            "files_skipped": len(st.skipped_files),
-            "raw_text_mb": round(st.bytes_seen / 1e6, 3),
-            "kept_text_mb": round(st.bytes_kept / 1e6, 3),
-            **per,
-            "tokenizer_sample_documents": plan.sample_documents,
-            "seconds": {"read_clean": round(plan.seconds, 3), "tokenizer": round(t_tokenize - t_tok, 3),
-                        "tokenize_write": round(t_end - t_tokenize, 3), "total": round(t_end - t0, 3)},
-            "mb_per_s": round(st.bytes_seen / 1e6 / max(t_end - t0, 1e-9), 3),
-        })
-        b.extra["data"] = {
-            "schema_version": DATA_SCHEMA_VERSION,
-            "seq_length": d.seq_length,
-            "block_length": d.seq_length + 1,
-            "columns": COLUMNS,
-            "tail": d.tail,
-            "splits": {s: {k: written[s][k] for k in ("files", "blocks", "shard_blocks", "tokens", "documents")}
-                       for s in SPLITS},
-            "tokenizer": info,
-            "tokenizer_source_path": str(tok_path) if tok_path else None,
-            "skipped_files": st.skipped_files,
-            "ignored_files": ignored,
-        }
+        seconds = {"read_clean": round(plan.seconds, 3), "tokenizer": round(t_tokenize - t_tok, 3),
+                   "tokenize_write": round(t_end - t_tokenize, 3), "total": round(t_end - t0, 3)}
+        per = _record(b, cfg, plan, written, info, seconds, t_end - t0, tok_path, ignored)
     log(f"train {per['blocks']['train']} blocks / valid {per['blocks']['valid']} blocks of {d.seq_length + 1} tokens "
         f"in {time.perf_counter() - t0:.1f}s")
     return b.path
+
+
+def _place_tokenizer(cfg: PipelineConfig, out: Path, tok_files, plan, log: Callable[[str], None]) -> dict[str, Any]:
+    """The artifact's tokenizer: the given one copied byte for byte, or one trained on the plan's sample; checked
+    against the model's vocab size, described in tokenizer_info.json (returned)."""
+    d = cfg.data
+    tok_path = tok_files[0] if tok_files else None
+    tok_file = out / "tokenizer.model"
+    if tok_files:
+        sp_file = tok_files[0].suffix != ".json"  # a SentencePiece model, under whatever name it had
+        for f in tok_files:
+            shutil.copyfile(f, out / ("tokenizer.model" if sp_file else f.name))
+        tok_file = out / ("tokenizer.model" if sp_file else tok_files[0].name)
+        source = "reused"
+    else:
+        log(f"training a {d.tokenizer.model_type} tokenizer, vocab {d.tokenizer.vocab_size}, "
+            f"on {plan.sample_documents} documents")
+        train_tokenizer(d.tokenizer, plan.sample_path, tok_file)
+        source = "trained"
+    tok = load_tokenizer(out)
+    check_vocab(cfg, tok.get_piece_size(), str(tok_file) if tok_path else None)
+    info = tokenizer_info(tok, source)
+    atomic_write_json(out / "tokenizer_info.json", info)
+    return info
+
+
+def _tokenize_and_write(cfg: PipelineConfig, plan, out: Path, pad_id: int, progress: bool, map_fn) -> dict:
+    """Tokenize the plan's chunks (the process pool, or `map_fn`) and write the MindRecord shards; what
+    `finalize` wrote per split."""
+    d = cfg.data
+    specs = chunk_specs(plan, out)
+    kept = sum(plan.documents.values())
+    with _progress_bar(progress, "tokenize+write", total=kept) as bar:
+        counts = {"bytes": 0, "tokens": 0}
+
+        def on_chunk(s: dict) -> None:
+            counts["bytes"] += s["bytes"]
+            counts["tokens"] += s["tokens"]
+            bar.update(s["documents"])
+            _postfix(bar, counts["bytes"], counts["tokens"])
+
+        with contextlib.ExitStack() as stack:
+            mapper = map_fn or stack.enter_context(_pool_map(d.num_workers, len(specs)))
+            return finalize(mapper(tokenize_chunk, specs), out, seq_length=d.seq_length,
+                            num_shards=d.num_shards, tail=d.tail, pad_id=pad_id, on_chunk=on_chunk)
+
+
+def _record(b, cfg: PipelineConfig, plan, written: dict, info: dict[str, Any], seconds: dict[str, float],
+            elapsed: float, tok_path: Path | None, ignored) -> dict[str, dict[str, int]]:
+    """The manifest's metrics (documents, files, text, per-split counts, seconds) and its `data` section; returns
+    the per-split counts."""
+    d, st = cfg.data, plan.stats
+    per = {k: {s: written[s][k] for s in SPLITS} for k in ("documents", "tokens", "blocks", "tail_tokens_dropped",
+                                                           "tail_tokens_padded")}
+    b.metrics.update({
+        "documents_seen": st.seen,
+        "documents_kept": st.kept,
+        "documents_skipped": dict(st.skipped),
+        "documents_skipped_total": sum(st.skipped.values()),
+        "documents_repaired": dict(st.repaired),
+        "files": st.files,
+        "files_skipped": len(st.skipped_files),
+        "raw_text_mb": round(st.bytes_seen / 1e6, 3),
+        "kept_text_mb": round(st.bytes_kept / 1e6, 3),
+        **per,
+        "tokenizer_sample_documents": plan.sample_documents,
+        "seconds": seconds,
+        "mb_per_s": round(st.bytes_seen / 1e6 / max(elapsed, 1e-9), 3),
+    })
+    b.extra["data"] = {
+        "schema_version": DATA_SCHEMA_VERSION,
+        "seq_length": d.seq_length,
+        "block_length": d.seq_length + 1,
+        "columns": COLUMNS,
+        "tail": d.tail,
+        "splits": {s: {k: written[s][k] for k in ("files", "blocks", "shard_blocks", "tokens", "documents")}
+                   for s in SPLITS},
+        "tokenizer": info,
+        "tokenizer_source_path": str(tok_path) if tok_path else None,
+        "skipped_files": st.skipped_files,
+        "ignored_files": ignored,
+    }
+    return per
