@@ -48,6 +48,7 @@ from prefect.states import Cancelled
 from tasks.config.schema import PipelineConfig
 from tasks.stages import runner
 from tasks.stages.runner import StageCall, prepare
+from tasks.stages.upstream import eval_selection
 from tasks.store.artifacts import ArtifactStore
 from tasks.store.merge import merge
 
@@ -270,13 +271,10 @@ def run_eval(store: ArtifactStore, cfg: PipelineConfig, choice, data_artifact: s
     """The eval task on the model `choice` names (tasks.stages.upstream.ModelChoice): prints which model and why,
     notes when it is not the model of the pipeline's previous eval report, and publishes `eval-report-<pipeline>`
     (also when the eval was cached)."""
-    from tasks.stages.upstream import model_change_note
-
-    note = model_change_note(store, cfg.name, choice)
+    selection = eval_selection(store, cfg.name, choice)
     print(f"eval: {choice.line()}")
-    if note:
-        print(f"eval: note: {note}")
-    selection = dict(choice.record(), **({"note": note} if note else {}))
+    if "note" in selection:
+        print(f"eval: note: {selection['note']}")
     call = prepare("eval", store, cfg, model_artifact=choice.path, data_artifact=data_artifact)
     path = run_stage(eval_task, call, selection=selection)
     publish_eval_report(path, cfg.name, selection)

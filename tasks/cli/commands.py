@@ -15,7 +15,7 @@ from tasks.cli.common import StageError, load, print_metrics, store, upstream
 from tasks.config.loader import to_yaml, validate_file
 from tasks.stages import runner
 from tasks.stages.preflight import forward_check, memory_plan
-from tasks.stages.upstream import choose_model, model_change_note
+from tasks.stages.upstream import choose_model, eval_selection
 
 STARTER = Path(__file__).resolve().parent / "starter"  # package data: ships in the wheel
 
@@ -126,14 +126,14 @@ def cmd_eval(args) -> int:
     choice = choose_model(st, cfg.name, args.from_)  # the rule: tasks/stages/upstream.py
     model = choice.path
     print(f"[eval] {choice.line()}", file=sys.stderr)
-    note = model_change_note(st, cfg.name, choice)
-    if note:
-        print(f"[eval] note: {note}", file=sys.stderr)
+    selection = eval_selection(st, cfg.name, choice)
+    if "note" in selection:
+        print(f"[eval] note: {selection['note']}", file=sys.stderr)
     data = lineage_data_artifact(st, model)
     if data is None:
         print(f"[eval] no data artifact in the lineage of {model}: held-out perplexity skipped", file=sys.stderr)
     call = runner.prepare("eval", st, cfg, model_artifact=model, data_artifact=data)
-    path = call.run(selection=dict(choice.record(), **({"note": note} if note else {})))
+    path = call.run(selection=selection)
     print_metrics(path)
     print(path)
     return 0

@@ -6,11 +6,15 @@
     stage_module("pretrain").run(...)    # the module: stage_key(...) and run(...)
     code_version("eval")                 # hash of every project file the eval stage imports (+ its data files)
     upstream(store, "export", "demo")    # the newest artifact export would read, or a clear error
+    from tasks.stages.runner import prepare
+    prepare("eval", store, cfg, model_artifact=m).run()   # how the CLI and the flows run a stage (checked, keyed once)
 
-The CLI (`tasks/cli`), the child-process supervisor and the msrun worker (`tasks/runtime`),
-the Prefect flows (`flows/`) and the cache keys read this table; no stage module is found by
-building its name from a string anywhere else. A stage module exposes `stage_key(...)` and
-`run(...)` and knows nothing about the command line; one that trains in a child process
+The CLI (`tasks/cli`) and the Prefect flows (`flows/`) run every stage through the stage runner
+(`tasks/stages/runner.py`); it, the child-process supervisor and the msrun worker (`tasks/runtime`)
+and the cache keys read this table; no stage module is found by building its name from a string
+anywhere else. A stage module exposes `stage_key(...)` and `run(..., keyed=None)` (`keyed`: the
+runner's `stage_key` result, so the key is computed once) and knows nothing about the command
+line; one that trains in a child process
 exposes the child entry point named by `child` (`python -m tasks.runtime.child --stage NAME --entry MODULE:FUNC`;
 the runtime finds it by that dotted name, `Stage.entry`, and never imports this table).
 

@@ -125,6 +125,14 @@ def model_change_note(store, pipeline: str, choice: ModelChoice, exclude: Path |
             f"{prev[1]}; this one evaluates {choice.ref} ({choice.reason})")
 
 
+def eval_selection(store, pipeline: str, choice: ModelChoice) -> dict[str, str]:
+    """What an eval of `choice` records about its model (the manifest's `model_choice`, the eval report): the
+    choice, with a "note" when it is not the model of the pipeline's previous eval report. The CLI and the flows
+    print both."""
+    note = model_change_note(store, pipeline, choice)
+    return dict(choice.record(), **({"note": note} if note else {}))
+
+
 def upstream(store, name: str, pipeline: str, given: str | Path | None = None) -> Path:
     """The artifact stage `name` reads by default: `given` (a path, stage/key or key prefix), or the
     pipeline's newest artifact of its upstream kind (for model inputs: the model `choose_model` names).
