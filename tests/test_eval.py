@@ -18,7 +18,7 @@ from lm_eval.api.instance import Instance  # noqa: E402
 
 from model.llama import causal_lm_loss  # noqa: E402
 from tasks.stages import evaluate  # noqa: E402
-from tasks.stages.evaluate import lm_adapter  # noqa: E402
+from tasks.stages.evaluate import lm_adapter, perplexity  # noqa: E402
 from tasks.store.artifacts import ArtifactStore  # noqa: E402
 from tasks.cli import main  # noqa: E402
 from tasks.config.loader import resolve_pipeline  # noqa: E402
@@ -155,7 +155,7 @@ def test_rolling_loglikelihood_agrees_with_the_perplexity_function(artifact, log
     n_tokens = [len(small.tok_encode(d, add_special_tokens=False)) for d in docs]
     assert n_tokens[0] > 3 * 16 and n_tokens[0] % 16 != 0  # several windows, a partial last one
     rolling = small.loglikelihood_rolling([req("loglikelihood_rolling", d) for d in docs])
-    ppl = evaluate.documents_perplexity(small, docs)
+    ppl = perplexity.documents_perplexity(small, docs)
     assert ppl["tokens"] == sum(n_tokens)
     # the same tokens scored in other windows and batches: the summed log-likelihoods differ by at most ll_tol,
     # which moves exp(-sum / N) by that over N, relatively (and bits per byte by that over bytes * ln 2)
@@ -173,7 +173,7 @@ def test_perplexity_in_one_window_is_exp_of_the_model_loss(lm, logit_scale):
     # the scorer's graph vs the loss's: the mean log-likelihood differs by ll_tol / N, exp(.) relatively by that
     n = len(ids) - 1
     rel = ll_tol(lm, logit_scale, n * loss, n) / n
-    assert evaluate.documents_perplexity(lm, [TEXT[:120]])["perplexity"] == pytest.approx(math.exp(loss), rel=2 * rel)
+    assert perplexity.documents_perplexity(lm, [TEXT[:120]])["perplexity"] == pytest.approx(math.exp(loss), rel=2 * rel)
 
 
 def test_token_byte_lengths_count_utf8_bytes(lm):
@@ -334,7 +334,7 @@ def test_eval_report_shows_the_base_models_perplexity_on_the_same_blocks(tmp_pat
 
     base = model(0, held_out)
     continued = model(1, held_out, base)  # as pretrain with init_from records it: data, then the model
-    assert evaluate.base_chain(store, continued) == [(base, "continued from")] and evaluate.base_chain(store, base) == []
+    assert perplexity.base_chain(store, continued) == [(base, "continued from")] and perplexity.base_chain(store, base) == []
     path = evaluate.run(cfg, store, continued, held_out, progress=False)
     own = evaluate.run(cfg, store, base, held_out, progress=False)
     res, base_res = (json.loads((p / "results.json").read_text()) for p in (path, own))

@@ -32,7 +32,6 @@ perplexity on the same blocks, in results.json ("base_perplexity") and beside th
 
 from __future__ import annotations
 
-import gzip
 import json
 import os
 import logging
@@ -40,7 +39,7 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 
@@ -48,6 +47,7 @@ from tasks.store.artifacts import ArtifactStore, raw_file_input
 from tasks.store.errors import ArtifactError
 from tasks.stages import code_version
 from tasks.config.schema import PipelineConfig
+from tasks.stages.evaluate.perplexity import base_perplexity, documents_perplexity, heldout_perplexity, read_documents
 
 STAGE = "eval"
 LOCAL_TASKS = Path(__file__).resolve().parent / "lm_tasks"
@@ -86,136 +86,6 @@ def stage_key(cfg: PipelineConfig, store: ArtifactStore, model_artifact: Path,
     section = cfg.section("eval")
     section.pop("fused_kernels")  # which kernels decode changes the speed, not the tokens
     return store.key(STAGE, section, inputs, code_version(STAGE)), inputs
-
-
-# ----------------------------------------------------------------------------- perplexity
-
-
-def _read_documents(path: Path) -> list[str]:
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        if path.name.removesuffix(".gz").endswith((".jsonl", ".json")):
-            docs = []
-            for n, line in enumerate(f, 1):
-                if line.strip():
-                    rec = json.loads(line)
-                    if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
-                        raise ValueError(f"{path}:{n}: expected a JSON object with a \"text\" string")
-                    docs.append(rec["text"])
-            return docs
-        return [f.read()]
-
-
-def _ppl_row(total_logprob: float, tokens: int, nbytes: int) -> dict[str, Any]:
-    nll = -total_logprob
-    return {"tokens": tokens, "bytes": nbytes, "perplexity": math.exp(nll / tokens) if tokens else None,
-            "bits_per_byte": nll / (math.log(2) * nbytes) if nbytes else None}
-
-
-def documents_perplexity(lm, docs: Iterable[str], progress: bool = False) -> dict[str, Any]:
-    """Token perplexity and bits per byte of documents, each scored alone after the prefix token.
-
-    Windows of max_length predictions, each with as much context as fits: the last window
-    of a long document re-reads the tokens before it, as lm-eval's rolling loglikelihood
-    does, so the total equals `loglikelihood_rolling` of each document (checked in tests).
-    Bytes are the documents' UTF-8 bytes, as in lm-eval's bits_per_byte.
-    """
-    L = lm.max_length
-    rows, spans, tokens, nbytes = [], [], 0, 0
-    for text in docs:
-        full = [lm.prefix_token_id] + lm.tok_encode(text, add_special_tokens=False)
-        tokens += len(full) - 1
-        nbytes += len(text.encode("utf-8"))
-        a = 1  # predicting full[a:b] from full[s:b-1]
-        while a < len(full):
-            b = min(a + L, len(full))
-            s = max(0, b - 1 - L)
-            rows.append((full[s:b - 1], full[s + 1:b]))
-            spans.append(b - a)
-            a = b
-    scored = lm.scorer.score(rows, progress=progress, desc="perplexity")
-    total = float(sum(lp[-n:].sum() for (lp, _), n in zip(scored, spans)))
-    return _ppl_row(total, tokens, nbytes)
-
-
-def heldout_perplexity(lm, data_artifact: Path, batch_size: int, progress: bool = False,
-                       max_blocks: int | None = None) -> dict[str, Any]:
-    """Perplexity and bits per byte on a data artifact's `valid` blocks (masked targets skipped); the first
-    `max_blocks` of them (in shard order) when set."""
-    from tasks.stages.evaluate.lm_adapter import token_byte_lengths
-    from tasks.store.reader import block_batches
-
-    token_bytes = token_byte_lengths(lm.sp)
-    rows, masks = [], []
-    for ids, labels in block_batches(data_artifact, "valid", batch_size, 10**9, seed=0, repeat=False):
-        for r in range(len(ids)):
-            keep = labels[r] != -100
-            rows.append((ids[r], np.where(keep, labels[r], 0)))
-            masks.append(keep)
-        if max_blocks is not None and len(rows) >= max_blocks:
-            rows, masks = rows[:max_blocks], masks[:max_blocks]
-            break
-    if not rows:
-        raise ValueError(f"{data_artifact}: the valid split has no blocks; raise data.validation_fraction")
-    scored = lm.scorer.score(rows, progress=progress, desc="held-out perplexity")
-    total = float(sum(lp[k].sum() for (lp, _), k in zip(scored, masks)))
-    tokens = int(sum(k.sum() for k in masks))
-    nbytes = int(sum(token_bytes[t[k]].sum() for (_, t), k in zip(rows, masks)))
-    return _ppl_row(total, tokens, nbytes)
-
-
-def base_chain(store: ArtifactStore, model_artifact: Path) -> list[tuple[Path, str]]:
-    """The models `model_artifact` descends from, nearest first, each with how its child came from it ("finetuned
-    from", "continued from"): a merged finetune's base (its manifest's model input), a continued pretrain's
-    init_from, and theirs, up to a model converted or trained from scratch. Stops where an input is no longer in
-    the store; [] for a model with no base."""
-    from tasks.stages import MODEL_KINDS
-
-    chain: list[tuple[Path, str]] = []
-    seen, current = {store.inside(model_artifact)}, store.inside(model_artifact)
-    while len(chain) < 64:
-        m = store.read_manifest(current)
-        ref = next((i for i in m.get("inputs", []) if isinstance(i, dict) and i.get("kind") == "artifact"
-                    and i.get("stage") in MODEL_KINDS), None)
-        if ref is None:
-            break
-        try:
-            parent = store.lookup(ref["stage"], ref["key"])
-        except ArtifactError:
-            parent = None
-        if parent is None or parent in seen:
-            break
-        chain.append((parent, "finetuned from" if m.get("stage") == "merged" else "continued from"))
-        seen.add(parent)
-        current = parent
-    return chain
-
-
-def base_perplexity(store: ArtifactStore, model_artifact: Path, data_artifact: Path, ev,
-                    progress: bool = False) -> dict[str, Any] | None:
-    """The held-out perplexity of the model `model_artifact`'s chain started from (base_chain's last) on the same
-    blocks of `data_artifact`: {"model", "path", "chain", "held-out": row}, or {"model", "path", "chain",
-    "skipped": why} when its tokenizer is not the data's; None for a model with no base."""
-    import gc
-
-    from tasks.stages.evaluate.lm_adapter import MindSporeLM
-    from tasks.tokenizer import files_sha256, tokenizer_files
-
-    chain = base_chain(store, model_artifact)
-    if not chain:
-        return None
-    base = chain[-1][0]
-    names = [f"{model_artifact.parent.name}/{model_artifact.name}"]
-    names += [f"{how} {p.parent.name}/{p.name}" for p, how in chain]
-    out = {"model": f"{base.parent.name}/{base.name}", "path": str(base), "chain": " ← ".join(names)}
-    if files_sha256(tokenizer_files(base)) != files_sha256(tokenizer_files(data_artifact)):
-        return {**out, "skipped": f"its tokenizer is not the one {data_artifact.name} was tokenized with"}
-    gc.collect()  # the evaluated model's graphs and weights, let go by the caller, before the base's load
-    lm = MindSporeLM(pretrained=base, batch_size=ev.batch_size, progress=progress, fused_kernels=ev.fused_kernels)
-    row = heldout_perplexity(lm, data_artifact, ev.batch_size, progress, ev.heldout_blocks)
-    _log(progress, f"held-out, base model {out['model']}: perplexity {_fmt(row['perplexity'])}, "
-                   f"{_fmt(row['bits_per_byte'])} bits/byte ({row['tokens']} tokens)")
-    return {**out, "held-out": row}
 
 
 # ----------------------------------------------------------------------------- lm-eval tasks
@@ -300,7 +170,7 @@ def perplexities(cfg: PipelineConfig, lm, data_artifact: Path | None, progress: 
         out["held-out"] = heldout_perplexity(lm, data_artifact, cfg.eval.batch_size, progress, cfg.eval.heldout_blocks)
     for f in cfg.eval.perplexity_files:
         p = cfg.resolve_path(f)
-        out[p.name] = documents_perplexity(lm, _read_documents(p), progress)
+        out[p.name] = documents_perplexity(lm, read_documents(p), progress)
     for name, r in out.items():
         _log(progress, f"{name}: perplexity {_fmt(r['perplexity'])}, {_fmt(r['bits_per_byte'])} bits/byte ({r['tokens']} tokens)")
     return out
@@ -379,7 +249,10 @@ def _evaluate(cfg: PipelineConfig, store: ArtifactStore, model_artifact: Path, d
     del lm
     base = base_perplexity(store, model_artifact, data_artifact, ev, progress) if data_artifact is not None else None
     if base and "held-out" in base:
-        metrics.update(base_perplexity=base["held-out"]["perplexity"], base_bits_per_byte=base["held-out"]["bits_per_byte"])
+        row = base["held-out"]
+        _log(progress, f"held-out, base model {base['model']}: perplexity {_fmt(row['perplexity'])}, "
+                       f"{_fmt(row['bits_per_byte'])} bits/byte ({row['tokens']} tokens)")
+        metrics.update(base_perplexity=row["perplexity"], base_bits_per_byte=row["bits_per_byte"])
     metrics["eval_seconds"] = round(time.perf_counter() - t0, 1)
 
     samples = results.pop("samples", {})
