@@ -89,15 +89,18 @@ class CachedDecoder(nn.Cell):
     def supports(net) -> bool:
         """fp32, one device, `Linear` or `LoRALinear` projections (the decoder calls them, so a LoRA update is
         applied; no tensor-parallel slices), a plain LM head."""
-        from model.llama import Linear
+        from model.layers import Linear
+        from model.llama import MLP, Attention
         from model.lora import LoRALinear
 
-        if getattr(net, "half", False) or getattr(net, "tensor_parallel", None) is not None:
+        if getattr(net, "half", False):
             return False
         for layer in net.layers:
             a, m = layer.self_attn, layer.mlp
+            if type(a) is not Attention or type(m) is not MLP:  # e.g. tensor-parallel blocks
+                return False
             projs = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
-            if any(type(p) not in (Linear, LoRALinear) for p in projs) or a.tp or m.tp:
+            if any(type(p) not in (Linear, LoRALinear) for p in projs):
                 return False
         return net.tie_embeddings or type(net.lm_head) is Linear
 
@@ -167,13 +170,13 @@ class CachedDecoder(nn.Cell):
 
 def build_decode_kernel(fused: bool = True) -> str | None:
     """Path of the compiled fused decode step (model/decode_kernel.cc, OpenMP where the compiler has it),
-    built once per source, compiler and ISA level by `model.kernels.build`; None where it cannot be used:
+    built once per source, compiler and ISA level by `model.kernel_build.build`; None where it cannot be used:
     the decision `model.kernels.enabled(fused, kind="decode")` says no (eval.fused_kernels false,
     MSLLM_FUSED_DECODE=0 or MSLLM_FUSED_KERNELS=0), no g++, or a failed build. Callers then decode with
     `CachedDecoder` (MindSpore kernels): the same tokens, slower. `decode_kernel_path()` says which."""
     if decode_disabled_reason(fused):
         return None
-    from model.kernels import DECODE_SOURCE, build
+    from model.kernel_build import DECODE_SOURCE, build
 
     return build(DECODE_SOURCE, openmp=True)
 
@@ -189,7 +192,7 @@ def decode_kernel_path(fused: bool = True) -> str:
     """Which body of the fused decode step runs: "avx512", "avx2", "neon", "scalar", or "off: <why>"."""
     if off := decode_disabled_reason(fused):
         return f"off: {off}"
-    from model.kernels import DECODE_SOURCE, kernel_path
+    from model.kernel_build import DECODE_SOURCE, kernel_path
 
     return kernel_path(DECODE_SOURCE, openmp=True)
 
@@ -208,7 +211,7 @@ def decode_threads() -> int:
 
 def _decode_dtypes(*dtypes):
     """The decode op's dtype check (the kernel checks again): token and position int32, the rest float32."""
-    from model.kernels import KernelShapeError, dtype_of
+    from model.kernel_ops import KernelShapeError, dtype_of
 
     for i, t in enumerate(dtypes):
         want = ms.int32 if i < 2 else ms.float32
@@ -248,7 +251,7 @@ def _chunk_attention_op(lib: str):
     inferred (the kernel checks again)."""
     from mindspore.ops import signature as sig
 
-    from model.kernels import KernelShapeError, dtype_of
+    from model.kernel_ops import KernelShapeError, dtype_of
 
     def shape(q, k, v, start, cos, sin, kc, vc, consts):
         if (len(q) != 2 or len(kc) != 3 or list(kc) != list(vc) or q[1] % kc[2] or (q[1] // kc[2]) % kc[0]

@@ -1,10 +1,11 @@
 """The LLaMA decoder's building blocks, each with its forward and (where autodiff is slow on CPU) its backward:
-RoPE tables and the causal mask, the bias-free projection, the embedding, RMSNorm, SwiGLU, and the fused-kernel
-cells (softmax, cross-entropy, RMSNorm) that model/llama.py puts together.
+RoPE tables and the causal mask, the bias-free projection, the embedding, RMSNorm, SwiGLU and the masked softmax
+that model/llama.py puts together. Plain MindSpore: the fused-kernel cells of the same signatures
+(model/fused_cells.py) are swapped in from outside, by the build's convert step (tasks/training/build.py).
 
     cos, sin = rope_tables(head_dim, max_seq_length, theta)   # [S, hd] each, HF's rotate-half layout
     proj = Linear(weight)                                     # weight [out, in]: one 2-D MatMul on the tokens
-    norm = RMSNorm(hidden, eps, kernels=train_ops())          # fused forward/backward where the kernels run
+    norm = RMSNorm(hidden, eps)                               # norm.normalize(x, weight) does the arithmetic
 
 CPU-driven choices (see docs/MINDSPORE_CPU.md): projections are one 2-D MatMul on the flattened tokens;
 last-axis reductions run on 2-D tensors or as a MatMul by a ones column (RMSNorm); SwiGLU has a hand-written
@@ -90,107 +91,81 @@ class Embedding(nn.Cell):
         return x
 
 
-class FusedRMSNorm(nn.Cell):
-    """RMSNorm forward and backward as one fused kernel each (model/train_kernels.cc); the backward
-    recomputes 1/rms from x (one pass) rather than keeping it."""
-
-    def __init__(self, kernels, eps: float):
-        super().__init__()
-        self.forward_op, self.backward_op = kernels.rms_norm, kernels.rms_norm_grad
-        self.eps = Tensor(np.array([eps], np.float32))
-
-    def construct(self, x: Tensor, weight: Tensor) -> Tensor:
-        return self.forward_op(x, weight, self.eps)
-
-    def bprop(self, x, weight, out, dout):
-        return self.backward_op(x, weight, self.eps, dout)
-
-
-class RMSNorm(nn.Cell):
-    """x * (1 / sqrt(mean(x^2) + eps)) * weight, over the last axis (no Rsqrt: ONNX has no mapping).
+class RMSNormFunction(nn.Cell):
+    """The RMSNorm arithmetic of x [..., H] with a given weight [H] (what `RMSNorm` calls; the build's convert step
+    may swap in the fused kernel cell of the same signature, model/fused_cells.py).
 
     On the flattened tokens [N, H], with the sum of squares as a MatMul by a ones column: a
     last-axis ReduceMean of a 3-D tensor and Div's gradient are slow on CPU (docs/MINDSPORE_CPU.md).
     """
 
-    def __init__(self, hidden_size: int, eps: float, compute_dtype=ms.float32, kernels=None):
+    def __init__(self, hidden_size: int, eps: float, compute_dtype=ms.float32):
         super().__init__()
         self.eps = eps
         self.hidden_size = hidden_size
-        self.weight = Parameter(Tensor(np.ones(hidden_size, np.float32)), name="weight")
         self.ones = Tensor(np.ones((hidden_size, 1), np.float32))  # a constant, not a Parameter
         self.sum_matmul = ops.MatMul()
         self.half = compute_dtype != ms.float32
         self.compute_dtype = compute_dtype
-        self.fused = kernels is not None and not self.half
-        if self.fused:  # forward and backward one fused kernel each (model/kernels.py)
-            self.fused_norm = FusedRMSNorm(kernels, eps)
 
-    def construct(self, x: Tensor) -> Tensor:
-        if self.fused:
-            return self.fused_norm(x, self.weight)
+    def construct(self, x: Tensor, weight: Tensor) -> Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.hidden_size)                                   # [N, H]
         if self.half:  # normalise in fp32, hand back the compute dtype
             x2 = x2.astype(ms.float32)
         mean_sq = self.sum_matmul(x2 * x2, self.ones) / self.hidden_size       # [N, 1]
-        y = x2 * (1.0 / ops.sqrt(mean_sq + self.eps)) * self.weight            # [N, H]
+        y = x2 * (1.0 / ops.sqrt(mean_sq + self.eps)) * weight                 # [N, H]
         if self.half:
             y = y.astype(self.compute_dtype)
         return y.reshape(shape)
 
 
-class FusedCausalSoftmax(nn.Cell):
-    """softmax(scores + causal mask) over the last axis of [N, T, S] (queries at the last T of S keys), forward
-    and backward each one fused kernel (model/train_kernels.cc): 2-3x MindSpore's mask add + Softmax and
-    its expanded backward (Mul, ReduceSum, Sub, Mul) on CPU. Masked keys get probability exactly 0."""
+class RMSNorm(nn.Cell):
+    """x * (1 / sqrt(mean(x^2) + eps)) * weight, over the last axis (no Rsqrt: ONNX has no mapping).
 
-    def __init__(self, kernels):
+    Holds the weight; the arithmetic is `self.normalize(x, weight)` (RMSNormFunction)."""
+
+    def __init__(self, hidden_size: int, eps: float, compute_dtype=ms.float32):
         super().__init__()
-        self.forward_op, self.backward_op = kernels.causal_softmax, kernels.softmax_grad
+        self.eps = eps
+        self.hidden_size = hidden_size
+        self.weight = Parameter(Tensor(np.ones(hidden_size, np.float32)), name="weight")
+        self.normalize = RMSNormFunction(hidden_size, eps, compute_dtype)
 
-    def construct(self, scores: Tensor) -> Tensor:
-        return self.forward_op(scores)
-
-    def bprop(self, scores, out, dout):
-        return (self.backward_op(out, dout),)
+    def construct(self, x: Tensor) -> Tensor:
+        return self.normalize(x, self.weight)
 
 
-class FusedCrossEntropy(nn.Cell):
-    """Per-row cross-entropy of logits [N, V] against int32 labels [N] (negative = ignored, nll 0), returning
-    (nll [N], logsumexp [N]); forward and backward one pass each (model/train_kernels.cc): no [N, V]
-    log-probability buffer is kept, and the backward writes dlogits directly."""
+class MaskedSoftmax(nn.Cell):
+    """Attention probabilities [N*T, S] of scores [N, T, S] plus an additive mask ([T, S] or [N, T, S]), in fp32
+    (cast back to the compute dtype). On 2-D rows: a last-axis reduction (softmax's backward) of a higher-rank
+    tensor is ~3.5x slower on CPU. `applies_mask` False: the caller builds the mask (a fused causal softmax,
+    model/fused_cells.py, applies it itself)."""
 
-    def __init__(self, kernels):
+    applies_mask = False
+
+    def __init__(self, compute_dtype=ms.float32):
         super().__init__()
-        self.forward_op, self.backward_op = kernels.cross_entropy, kernels.cross_entropy_grad
+        self.half = compute_dtype != ms.float32
+        self.compute_dtype = compute_dtype
 
-    def construct(self, logits: Tensor, labels: Tensor):
-        return self.forward_op(logits, labels)
-
-    def bprop(self, logits, labels, out, dout):
-        return self.backward_op(logits, labels, out[1], dout[0]), ops.zeros_like(labels)
+    def construct(self, scores: Tensor, mask: Tensor) -> Tensor:
+        s = scores.shape[-1]
+        if self.half:  # mask and softmax in fp32, probabilities back to the compute dtype
+            scores = scores.astype(ms.float32) + mask                          # [N, T, S]
+            return ops.softmax(scores.reshape(-1, s), -1).astype(self.compute_dtype)
+        scores = scores + mask                                                 # [N, T, S]
+        return ops.softmax(scores.reshape(-1, s), -1)                          # [N*T, S]
 
 
 class SwiGLU(nn.Cell):
     """silu(gate) * up, with a hand-written backward: ~28% faster forward + backward on CPU than
-    autodiff of ops.silu (which expands to Sigmoid, SigmoidGrad and more element-wise passes); with
-    `kernels` (model/kernels.py) forward and backward are one fused kernel each (~2x and ~3.5x faster)."""
-
-    def __init__(self, kernels=None):
-        super().__init__()
-        self.fused = kernels is not None
-        if self.fused:
-            self.forward_op, self.backward_op = kernels.swiglu, kernels.swiglu_grad
+    autodiff of ops.silu (which expands to Sigmoid, SigmoidGrad and more element-wise passes)."""
 
     def construct(self, gate: Tensor, up: Tensor) -> Tensor:
-        if self.fused:
-            return self.forward_op(gate, up)
         return ops.silu(gate) * up
 
     def bprop(self, gate, up, out, dout):
-        if self.fused:
-            return self.backward_op(gate, up, dout)
         s = ops.sigmoid(gate)
         a = gate * s                                       # silu(gate)
         # d silu(g) / dg = s + g * s * (1 - s) = s * (1 + g - a)

@@ -30,63 +30,38 @@ import mindspore as ms
 from mindspore import Tensor, nn, ops
 
 from model.config import ModelConfig
-# the building blocks (model/layers.py), re-exported: callers import them from here
-from model.layers import (Embedding, FusedCausalSoftmax, FusedCrossEntropy, FusedRMSNorm, Linear, RMSNorm, SwiGLU,
-                          apply_rope, causal_mask, rope_tables, rotate_half_matrix)
-
-__all__ = ["Attention", "MLP", "DecoderLayer", "LlamaForCausalLM", "causal_lm_loss", "Embedding", "FusedCausalSoftmax",
-           "FusedCrossEntropy", "FusedRMSNorm", "Linear", "RMSNorm", "SwiGLU", "apply_rope", "causal_mask",
-           "rope_tables", "rotate_half_matrix"]
+from model.layers import Embedding, Linear, MaskedSoftmax, RMSNorm, SwiGLU, causal_mask, rope_tables, rotate_half_matrix
 
 
 class Attention(nn.Cell):
     """Grouped-query causal self-attention with RoPE.
 
-    Under tensor parallel (model/parallel.py) each rank holds num_heads/tp query heads and
-    num_kv_heads/tp KV heads (the KV heads its query heads share) and all-reduces o_proj's output.
+    `num_heads` / `num_kv_heads` are the heads this cell computes: all of them, or this rank's share once
+    tensor parallelism slices the projections (tasks/training/parallelize.py sets both).
     """
 
-    def __init__(self, config: ModelConfig, init, compute_dtype=ms.float32, tensor_parallel=None, kernels=None):
+    def __init__(self, config: ModelConfig, init, compute_dtype=ms.float32):
         super().__init__()
         self.half = compute_dtype != ms.float32
         self.compute_dtype = compute_dtype
-        # the training forward's mask + softmax (and its backward) as one fused op each (model/kernels.py)
-        self.fused = kernels is not None and not self.half
-        if self.fused:
-            self.causal_softmax = FusedCausalSoftmax(kernels)
-        tp = tensor_parallel
-        t = tp.size if tp is not None else 1
         h, hd = config.hidden_size, config.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads // t, config.num_kv_heads // t, hd
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, hd
         self.n_rep = config.num_heads // config.num_kv_heads
         self.scale = hd ** -0.5
-        # full matrices drawn in the same order as on one device, then sliced: same init at any tp
-        q, k, v, o = (init(config.num_heads * hd, h), init(config.num_kv_heads * hd, h),
-                      init(config.num_kv_heads * hd, h), init(h, config.num_heads * hd))
-        if tp is not None:
-            q, k, v, o = tp.rows(q), tp.rows(k), tp.rows(v), tp.cols(o)
-        self.q_proj = Linear(q, compute_dtype)
-        self.k_proj = Linear(k, compute_dtype)
-        self.v_proj = Linear(v, compute_dtype)
-        self.o_proj = Linear(o, compute_dtype)
+        self.q_proj = Linear(init(config.num_heads * hd, h), compute_dtype)
+        self.k_proj = Linear(init(config.num_kv_heads * hd, h), compute_dtype)
+        self.v_proj = Linear(init(config.num_kv_heads * hd, h), compute_dtype)
+        self.o_proj = Linear(init(h, config.num_heads * hd), compute_dtype)
+        self.softmax = MaskedSoftmax(compute_dtype)        # the training forward's (causal) softmax
+        self.cache_softmax = MaskedSoftmax(compute_dtype)  # the KV-cache path's (mask over the cache slots)
         self.scores_matmul = ops.BatchMatMul(transpose_b=True)
         self.values_matmul = ops.BatchMatMul()
         self.rotate = Tensor(rotate_half_matrix(hd).astype(np.float16 if self.half else np.float32))
         self.rotate_matmul = ops.MatMul()
-        self.tp = tp is not None
-        if self.tp:
-            from model.parallel import CopyToTP, ReduceFromTP
-
-            self.tp_in, self.tp_out = CopyToTP(tp.group), ReduceFromTP(tp.group)
 
     def construct(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
-        if self.tp:
-            x = self.tp_in(x)
         q, k, v = self._qkv(x, cos, sin)
-        out = self._attend(q, k, v, mask, True)                                   # [B, T, H] (partial under tp)
-        if self.tp:
-            out = self.tp_out(out)
-        return out
+        return self._attend(q, k, v, mask, self.softmax)                         # [B, T, H]
 
     def construct_cached(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, src: Tensor, written: Tensor,
                          k_cache: Tensor, v_cache: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -99,7 +74,7 @@ class Attention(nn.Cell):
         place = written.reshape(1, 1, -1, 1)                                      # [1, 1, S, 1]
         k_cache = ops.where(place, ops.gather(k, src, 2), k_cache)               # [B, nkv, S, hd]
         v_cache = ops.where(place, ops.gather(v, src, 2), v_cache)               # [B, nkv, S, hd]
-        return self._attend(q, k_cache, v_cache, mask, False), k_cache, v_cache
+        return self._attend(q, k_cache, v_cache, mask, self.cache_softmax), k_cache, v_cache
 
     def _qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         b, t, h = x.shape
@@ -115,11 +90,10 @@ class Attention(nn.Cell):
         rotated = self.rotate_matmul(x.reshape(-1, self.head_dim), self.rotate).reshape(x.shape)
         return x * ops.broadcast_to(cos, x.shape) + rotated * ops.broadcast_to(sin, x.shape)
 
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, causal: bool) -> Tensor:
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, softmax: nn.Cell) -> Tensor:
         """mask: [T, S], or already broadcast to [B * nh, T, S] (LlamaForCausalLM.construct does,
-        once for all layers: adding a broadcast mask costs ~2x a same-shape add on CPU). `causal`: the
-        queries are the last T of the S keys (the training forward), so a fused causal softmax may
-        replace the mask (it is then unused)."""
+        once for all layers: adding a broadcast mask costs ~2x a same-shape add on CPU), unused by a
+        softmax that applies the causal mask itself."""
         b, nh, t, hd = q.shape
         nkv = self.num_kv_heads
         # GQA without copying K/V: query heads h*n_rep..h*n_rep+n_rep-1 share kv head h,
@@ -127,17 +101,7 @@ class Attention(nn.Cell):
         q = q.reshape(b, nkv, self.n_rep * t, hd)                                 # [B, nkv, rep*T, hd]
         scores = self.scores_matmul(q, k)                                         # [B, nkv, rep*T, S]
         s = scores.shape[-1]
-        if self.fused and causal:
-            probs = self.causal_softmax(scores.reshape(b * nh, t, s))                # [B*nh, T, S]
-            out = self.values_matmul(probs.reshape(b, nkv, self.n_rep * t, s), v).reshape(b, nh, t, hd)
-            return self.o_proj(ops.transpose(out, (0, 2, 1, 3)).reshape(b, t, nh * hd))
-        # softmax over 2-D rows: a last-axis reduction (softmax's backward) of a 4-D tensor is ~3.5x slower
-        if self.half:  # mask and softmax in fp32, probabilities back to the compute dtype
-            scores = scores.reshape(b * nh, t, s).astype(ms.float32) + mask      # [B*nh, T, S]
-            probs = ops.softmax(scores.reshape(-1, s), -1).astype(self.compute_dtype)
-        else:
-            scores = scores.reshape(b * nh, t, s) + mask                          # [B*nh, T, S]
-            probs = ops.softmax(scores.reshape(-1, s), -1)                        # [B*nh*T, S]
+        probs = softmax(scores.reshape(b * nh, t, s), mask)                       # [B*nh(*T), (T,) S]
         out = self.values_matmul(probs.reshape(b, nkv, self.n_rep * t, s), v).reshape(b, nh, t, hd)  # [B, nh, T, hd]
         out = ops.transpose(out, (0, 2, 1, 3)).reshape(b, t, nh * hd)             # [B, T, nh*hd]
         return self.o_proj(out)                                                   # [B, T, H]
@@ -146,39 +110,27 @@ class Attention(nn.Cell):
 class MLP(nn.Cell):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, config: ModelConfig, init, compute_dtype=ms.float32, tensor_parallel=None, kernels=None):
+    def __init__(self, config: ModelConfig, init, compute_dtype=ms.float32):
         super().__init__()
         h, f = config.hidden_size, config.intermediate_size
-        tp = tensor_parallel
-        gate, up, down = init(f, h), init(f, h), init(h, f)
-        if tp is not None:  # each rank: f/tp hidden units
-            gate, up, down = tp.rows(gate), tp.rows(up), tp.cols(down)
-        self.gate_proj = Linear(gate, compute_dtype)
-        self.up_proj = Linear(up, compute_dtype)
-        self.down_proj = Linear(down, compute_dtype)
-        self.swiglu = SwiGLU(kernels if compute_dtype == ms.float32 else None)
-        self.tp = tp is not None
-        if self.tp:
-            from model.parallel import CopyToTP, ReduceFromTP
-
-            self.tp_in, self.tp_out = CopyToTP(tp.group), ReduceFromTP(tp.group)
+        self.gate_proj = Linear(init(f, h), compute_dtype)
+        self.up_proj = Linear(init(f, h), compute_dtype)
+        self.down_proj = Linear(init(h, f), compute_dtype)
+        self.swiglu = SwiGLU()
 
     def construct(self, x: Tensor) -> Tensor:
-        if self.tp:
-            x = self.tp_in(x)
-            return self.tp_out(self.down_proj(self.swiglu(self.gate_proj(x), self.up_proj(x))))
         return self.down_proj(self.swiglu(self.gate_proj(x), self.up_proj(x)))  # [B, T, H]
 
 
 class DecoderLayer(nn.Cell):
     """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.))."""
 
-    def __init__(self, config: ModelConfig, init, compute_dtype=ms.float32, tensor_parallel=None, kernels=None):
+    def __init__(self, config: ModelConfig, init, compute_dtype=ms.float32):
         super().__init__()
-        self.self_attn = Attention(config, init, compute_dtype, tensor_parallel, kernels)
-        self.mlp = MLP(config, init, compute_dtype, tensor_parallel, kernels)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps, compute_dtype, kernels)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps, compute_dtype, kernels)
+        self.self_attn = Attention(config, init, compute_dtype)
+        self.mlp = MLP(config, init, compute_dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps, compute_dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps, compute_dtype)
 
     def construct(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)  # [B, T, H]
@@ -199,16 +151,12 @@ class LlamaForCausalLM(nn.Cell):
     norms = 1), so the init is reproducible and independent of MindSpore's global seed.
     `compute_dtype` (ms.float32 or ms.float16) is the matmul / residual-stream dtype;
     Parameters stay fp32 either way, logits are always fp32.
-    `tensor_parallel` (a model.parallel.TensorParallel) builds this rank's slice of the model
-    for Megatron-style tensor parallelism (training only: the KV-cache path is single-device).
-    `fused_kernels=True` runs the training forward's causal softmax, SwiGLU and RMSNorm (and their backward) as fused
-    custom ops (model/kernels.py, built with g++ on first use; fp32 only). Without a compiler, in fp16, or by
-    default, MindSpore's own ops run: the same math to ~1e-6. The trainer turns it on (pretrain.train.fused_kernels, finetune.train.fused_kernels);
-    inference and export keep the built-in ops (a MindIR with a custom op would need its library).
+    A plain model: no kernel choice and no parallelism inside. The build sequence (tasks/training/build.py
+    `build_network`: build → convert → parallelize) swaps in the fused-kernel cells (model/fused_cells.py) and
+    applies the tensor-parallel plan from outside; inference and export use the plain cells.
     """
 
-    def __init__(self, config: ModelConfig, seed: int | None = None, compute_dtype=ms.float32, tensor_parallel=None,
-                 fused_kernels: bool = False):
+    def __init__(self, config: ModelConfig, seed: int | None = None, compute_dtype=ms.float32):
         super().__init__()
         if compute_dtype not in (ms.float32, ms.float16):
             raise ValueError(f"compute_dtype must be mindspore.float32 or mindspore.float16, got {compute_dtype}")
@@ -223,24 +171,9 @@ class LlamaForCausalLM(nn.Cell):
         h = config.hidden_size
         self.tie_embeddings = config.tie_embeddings
         self.embed_tokens = Embedding(init(config.vocab_size, h), compute_dtype)
-        self.tensor_parallel = tensor_parallel
-        if tensor_parallel is not None and (config.num_kv_heads % tensor_parallel.size
-                                            or config.intermediate_size % tensor_parallel.size):
-            raise ValueError(f"tensor_parallel={tensor_parallel.size} must divide num_kv_heads={config.num_kv_heads} "
-                             f"and intermediate_size={config.intermediate_size}")
-        from model.kernels import Capabilities, enabled
-
-        kernels = None
-        if enabled(fused_kernels, Capabilities(ms.get_context("device_target"), "fp16" if self.half else "fp32")):
-            from model.kernels import train_ops
-
-            kernels = train_ops()
-        self.fused_kernels = kernels is not None
-        if self.fused_kernels:
-            self.cross_entropy = FusedCrossEntropy(kernels)
-        self.layers = nn.CellList([DecoderLayer(config, init, compute_dtype, tensor_parallel, kernels)
-                                   for _ in range(config.num_layers)])
-        self.norm = RMSNorm(h, config.norm_eps, compute_dtype, kernels)
+        self.layers = nn.CellList([DecoderLayer(config, init, compute_dtype) for _ in range(config.num_layers)])
+        self.norm = RMSNorm(h, config.norm_eps, compute_dtype)
+        self.loss_fn = CausalLMLoss()
         if not config.tie_embeddings:
             self.lm_head = Linear(init(config.vocab_size, h), compute_dtype)
         self.tied_matmul = ops.MatMul(transpose_b=True)
@@ -264,8 +197,9 @@ class LlamaForCausalLM(nn.Cell):
         positions = ops.arange(t, dtype=ms.int32)                      # [T]
         cos = ops.gather(self.rope_cos, positions, 0)                  # [T, hd]
         sin = ops.gather(self.rope_sin, positions, 0)                  # [T, hd]
-        heads = self.layers[0].self_attn.num_heads if len(self.layers) else 1  # this rank's heads
-        if self.fused_kernels:  # the fused softmax applies the causal mask itself
+        attn = self.layers[0].self_attn
+        heads = attn.num_heads                                         # the heads the cell computes (its slice)
+        if attn.softmax.applies_mask:  # a fused causal softmax (model/fused_cells.py): no mask to build
             mask = ops.zeros((), ms.float32)
         else:
             mask = ops.broadcast_to(ops.stop_gradient(causal_mask(positions, positions)), (b * heads, t, t))  # [B*nh, T, T]
@@ -329,12 +263,14 @@ class LlamaForCausalLM(nn.Cell):
 
     def loss(self, input_ids: Tensor, labels: Tensor) -> Tensor:
         """Mean next-token cross-entropy; labels[b, t] is the target of position t (-100 = ignored)."""
-        logits = self.construct(input_ids)  # self(...) fails under jit
-        if self.fused_kernels:
-            labels = labels.reshape(-1).astype(ms.int32)
-            nll, _ = self.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels)
-            count = (labels != -100).astype(ms.float32).sum()
-            return nll.sum() / ops.maximum(count, 1.0)
+        return self.loss_fn(self.construct(input_ids), labels)  # self(...) fails under jit
+
+
+class CausalLMLoss(nn.Cell):
+    """`causal_lm_loss` as a cell: the model's `loss_fn`, which the build's convert step may swap for the fused
+    cross-entropy (model/fused_cells.py FusedCausalLMLoss)."""
+
+    def construct(self, logits: Tensor, labels: Tensor) -> Tensor:
         return causal_lm_loss(logits, labels)
 
 

@@ -10,7 +10,7 @@
     slots = LoRASlots(net, {"a": (adapter_a, scaling_a), ...})   # many adapters on one base, unmerged
     slots.use("a"); ...; slots.use(None)         # the net computes with adapter a's update; the base again
 
-A `LoRALinear` replaces a `model.llama.Linear` and keeps its `weight` Parameter
+A `LoRALinear` replaces a `model.layers.Linear` and keeps its `weight` Parameter
 (same object, same name `...q_proj.weight`), so the frozen base weights keep
 their names and a merged state dict loads into a plain `LlamaForCausalLM`.
 It computes, on the flattened tokens,
@@ -36,7 +36,7 @@ import numpy as np
 import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 
-from model.llama import Linear
+from model.layers import Linear
 
 LORA_A, LORA_B = "lora_A", "lora_B"
 

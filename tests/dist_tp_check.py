@@ -1,6 +1,7 @@
 """Run under msrun with 2 workers (tests/test_distributed.py): a tensor-parallel tiny LLaMA against one device.
 
-Every rank builds the single-device model and its own tensor-parallel slice from the same seed,
+Every rank builds the single-device model and its own tensor-parallel slice from the same seed (both through
+tasks/training/build.py `build_network`, the second with the mesh),
 then compares logits and one AdamW training step (loss, gradient norm, updated parameters
 against the matching slices of the single-device ones). Writes OUT/rank<r>.json.
 """
@@ -15,9 +16,10 @@ if __name__ == "__main__":
     import mindspore as ms
 
     from model.config import ModelConfig
-    from model.llama import LlamaForCausalLM, causal_lm_loss
-    from model.parallel import shard
-    from tasks.runtime.distributed import Mesh
+    from model.llama import causal_lm_loss
+    from tasks.training.build import build_network
+    from tasks.training.mesh import Mesh
+    from tasks.training.parallelize import shard
     from tasks.training.step import causal_lm_train_step
 
     out = Path(sys.argv[1])
@@ -43,8 +45,9 @@ if __name__ == "__main__":
         loss, gnorm, finite = step([(ids, labels)], 1e-3, 1)
         return loss, gnorm, {p.name: p.asnumpy().copy() for p in params}, grads
 
-    single = LlamaForCausalLM(cfg, seed=0)
-    tp_net = LlamaForCausalLM(cfg, seed=0, tensor_parallel=mesh.tensor_parallel())
+    single = build_network("llama", cfg, seed=0).net
+    tp_net = build_network("llama", cfg, seed=0, mesh=mesh).net
+    names_equal = [p.name for p in single.trainable_params()] == [p.name for p in tp_net.trainable_params()]
     full0 = {p.name: p.asnumpy().copy() for p in single.trainable_params()}
     mine0 = {p.name: p.asnumpy().copy() for p in tp_net.trainable_params()}
     init_equal = all(np.array_equal(v, shard(full0, 2, mesh.tp_index)[k]) for k, v in mine0.items())
@@ -63,7 +66,7 @@ if __name__ == "__main__":
     want_g = shard(grads_s, 2, mesh.tp_index)
     moved = max(float(np.abs(after_s[k] - full0[k]).max()) for k in after_s)
     result = {
-        "rank": mesh.rank, "init_equal": bool(init_equal),
+        "rank": mesh.rank, "init_equal": bool(init_equal), "names_equal": names_equal,
         "local_shapes": {k: list(v.shape) for k, v in mine0.items() if "layers.0." in k},
         "logits_max_abs_diff": float(np.abs(logits_single - logits_tp).max()),
         "logits_scale": float(np.abs(logits_single).max()),

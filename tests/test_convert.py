@@ -223,7 +223,7 @@ def test_cli_and_continued_pretraining_start_from_the_converted_model(case, tmp_
         pytest.skip("one case is enough")
     from tasks import cli
     from tasks.config.loader import resolve_pipeline
-    from tasks.stages.pretrain import build_network
+    from tasks.stages.pretrain import network
 
     root = str(case["store"].root)
     assert cli.main(["convert", "--artifacts", root, "--from-hf", str(case["hf_dir"])]) == 0
@@ -234,7 +234,8 @@ def test_cli_and_continued_pretraining_start_from_the_converted_model(case, tmp_
     assert cli.main(["convert", "--artifacts", root, "--to-hf", str(art), str(tmp_path / "out")]) == 1  # not empty
 
     cfg = resolve_pipeline(REPO / "pipelines.yaml", "tiny", [f"pretrain.init_from={art}"])
-    net, mc = build_network(cfg, art)
+    built = network(cfg, art)
+    net, mc = built.net, built.config
     assert mc.tie_embeddings and mc.num_kv_heads == 2 and mc.hidden_size == 64
     native = hf_to_native(read_hf_tensors(case["hf_dir"]), mc)
     assert all(np.array_equal(p.asnumpy(), native[p.name]) for p in net.trainable_params())

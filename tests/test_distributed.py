@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from model.parallel import shard, split_axis, unshard
+from tasks.training.parallelize import shard, split_axis, unshard
 from tasks.stages import finetune
 from tasks.stages import pretrain
 from tasks.store.artifacts import ArtifactStore
@@ -187,6 +187,7 @@ def test_tensor_parallel_logits_and_train_step_match_one_device(tmp_path):
     for r in (0, 1):
         res = json.loads((tmp_path / f"rank{r}.json").read_text())
         assert res["init_equal"]  # each rank's slice is the single-device init's slice
+        assert res["names_equal"]  # parallelize keeps the unsplit model's parameter names
         assert res["local_shapes"]["layers.0.self_attn.q_proj.weight"] == [32, 64]  # half the heads
         assert res["local_shapes"]["layers.0.self_attn.o_proj.weight"] == [64, 32]
         assert res["logits_max_abs_diff"] <= 1e-5 and res["logits_scale"] > 0.1

@@ -178,7 +178,7 @@ def test_stage_trains_a_small_adapter_that_names_its_base_and_merges_exactly(env
                                                "loss_curve.png", "manifest.json"}
     m = store.read_manifest(path)
     met, ad = m["metrics"], json.loads((path / "adapter.json").read_text())
-    from model.kernels import kernel_path
+    from model.kernel_build import kernel_path
 
     assert met["native_kernels"] == kernel_path()
     assert ad["base"] == {"stage": "pretrain", "key": base_manifest["key"], "digest": base_manifest["digest"],

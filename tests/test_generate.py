@@ -140,7 +140,7 @@ def test_chunk_attention_op_matches_rope_cache_write_and_masked_attention():
                 want[i, h] = (p / p.sum()) @ want_v[g, :start + i + 1]
         # fp32 dot products of hd terms and sums of up to s terms, with |v| ~ 1: ~s * eps of the output scale
         np.testing.assert_allclose(got.reshape(t, -1, hd), want, rtol=0, atol=s * np.finfo(np.float32).eps * 4)
-    from model.kernels import KernelShapeError
+    from model.kernel_ops import KernelShapeError
 
     with pytest.raises(KernelShapeError, match=r"ChunkAttention: q \[T, heads \* head_dim\], k and v"):  # k of one head
         op(Tensor(q), Tensor(k[:, :hd]), Tensor(v), Tensor(0, ms.int32), Tensor(cos.astype(np.float32)),

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from model.kernels import FLAGS, HERE, LEVELS, TRAIN_SOURCE, cpu_levels
+from model.kernel_build import FLAGS, HERE, TRAIN_SOURCE
+from model.cpu import LEVELS, cpu_levels
 
 pytestmark = pytest.mark.integration
 HARNESS = Path(__file__).with_name("native") / "kernel_harness.cc"

@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 
 import model.kernel_build as kernel_build  # the build cache's private memo and helpers
-import model.kernels as kernels
-from model.kernels import DECODE_SOURCE, TRAIN_SOURCE, build_kernel, cpu_levels, select_isa
+
+from model.kernel_build import DECODE_SOURCE, TRAIN_SOURCE, build_kernel, kernel_path
+from model.cpu import cpu_levels, select_isa
 
 CXX = shutil.which(os.environ.get("CXX", "g++"))
 needs_cxx = pytest.mark.skipif(CXX is None, reason="no C++ compiler: the native kernels cannot be built here")
@@ -85,7 +86,8 @@ def test_probe_follows_cpuid_where_cpuinfo_is_the_hosts():
     import sys
 
     code = ("import ctypes, numpy as np, sys; sys.path.insert(0, sys.argv[1])\n"
-            "from model.kernels import cpu_levels, build_kernel, TRAIN_SOURCE\n"
+            "from model.cpu import cpu_levels\n"
+            "from model.kernel_build import build_kernel, TRAIN_SOURCE\n"
             "b = build_kernel(TRAIN_SOURCE)\n"
             "x = np.zeros((1, 4, 40), np.float32); y = np.full_like(x, np.nan); arrays = (x, y)\n"
             "shapes = [(ctypes.c_int64 * 3)(*a.shape) for a in arrays]\n"
@@ -120,7 +122,7 @@ def test_library_reports_the_level_it_was_built_for(monkeypatch):
         f.restype = ctypes.c_char_p
         assert f().decode() == isa
     monkeypatch.setenv("MSLLM_KERNEL_ISA", "scalar")  # what a benchmark of the scalar body does
-    assert build_kernel(TRAIN_SOURCE).isa == "scalar" and kernels.kernel_path() == "scalar"
+    assert build_kernel(TRAIN_SOURCE).isa == "scalar" and kernel_path() == "scalar"
 
 
 @needs_cxx

@@ -1,4 +1,4 @@
-"""The fused train-step kernels (model/train_kernels.cc via model/kernels.py) against MindSpore's own ops.
+"""The fused train-step kernels (model/train_kernels.cc via model/kernel_ops.py and the cells of model/fused_cells.py) against MindSpore's own ops.
 
 Skipped only where no C++ compiler exists (or MSLLM_FUSED_KERNELS=0 says so); where one exists and the
 kernels do not build, they fail. The model then runs MindSpore's own ops, which the fallback test checks.
@@ -17,7 +17,10 @@ from mindspore import Tensor
 from helpers import decoder_reduction, fp32_tol
 from model.config import ModelConfig
 from model.llama import LlamaForCausalLM
-from model.kernels import KernelShapeError, disabled_reason, kernel_path, train_ops
+from model.kernel_ops import KernelShapeError, train_ops
+from model.kernel_build import disabled_reason, kernel_path
+from model.fused_cells import FusedSwiGLU
+from tasks.training.build import Kernels, build_network
 
 K = train_ops()
 CXX = shutil.which(os.environ.get("CXX", "g++"))
@@ -158,8 +161,9 @@ def _loss_and_grads(net, ids, labels):
 def test_fused_model_matches_builtin_ops_forward_and_backward():
     cfg = ModelConfig.from_name("tiny")
     ids = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 33)).astype(np.int32)
-    base, fused = LlamaForCausalLM(cfg, seed=0), LlamaForCausalLM(cfg, seed=0, fused_kernels=True)
-    assert fused.fused_kernels and not base.fused_kernels
+    base, built = LlamaForCausalLM(cfg, seed=0), build_network("llama", cfg, seed=0, fused_kernels=True)
+    fused = built.net
+    assert built.kernels.fused and isinstance(fused.layers[0].mlp.swiglu, FusedSwiGLU)  # convert swapped the cells
     a, b = base(Tensor(ids)).asnumpy(), fused(Tensor(ids)).asnumpy()
     n = decoder_reduction(cfg, 33)  # the fused kernels sum the same terms as MindSpore's ops, in their own order
     assert np.abs(a - b).max() <= fp32_tol(np.abs(a).max(), n)
@@ -176,22 +180,24 @@ def test_fused_model_matches_builtin_ops_forward_and_backward():
 
 def test_fallback_without_kernels_and_in_fp16(monkeypatch):
     cfg = ModelConfig.from_name("tiny")
-    assert not LlamaForCausalLM(cfg, seed=0, compute_dtype=ms.float16, fused_kernels=True).fused_kernels
+    half = build_network("llama", cfg, seed=0, precision="fp16", fused_kernels=True)
+    assert half.kernels.model == "off: fp16 compute (the fused kernels are fp32)" and half.kernels.optimizer
     import model.kernel_ops as kernel_ops
 
     monkeypatch.setattr(kernel_ops, "_train_ops", [])
     monkeypatch.setenv("MSLLM_FUSED_KERNELS", "0")  # as on a machine without g++: built-in ops, same results
-    net = LlamaForCausalLM(cfg, seed=0, fused_kernels=True)
-    assert not net.fused_kernels
+    built = build_network("llama", cfg, seed=0, fused_kernels=True)
+    assert built.kernels == Kernels("off: MSLLM_FUSED_KERNELS=0", False)
+    net = built.net
+    assert not isinstance(net.layers[0].mlp.swiglu, FusedSwiGLU)
     ids = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 9)).astype(np.int32)
     np.testing.assert_array_equal(net(Tensor(ids)).asnumpy(), LlamaForCausalLM(cfg, seed=0)(Tensor(ids)).asnumpy())
 
 
 def test_build_without_a_compiler_gives_none(monkeypatch, tmp_path):
     import model.kernel_build as kernel_build
-    import model.kernels as kernels
 
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setattr(kernel_build, "_builds", {})
-    assert kernels.build(kernels.TRAIN_SOURCE) is None
-    assert kernels.kernel_path().startswith("off: no C++ compiler")
+    assert kernel_build.build(kernel_build.TRAIN_SOURCE) is None
+    assert kernel_build.kernel_path().startswith("off: no C++ compiler")

@@ -135,7 +135,7 @@ def test_merge_adapter_rejects_adapters_of_another_model():
 
 
 def test_dropout_is_a_deterministic_function_of_the_input_and_off_in_eval():
-    from model.llama import Linear
+    from model.layers import Linear
 
     rng = np.random.default_rng(0)
     layer = LoRALinear(Linear(rng.standard_normal((16, 32)).astype(np.float32)), rank=32, alpha=32, dropout=0.5, seed=3)

@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parent.parent
 @pytest.mark.parametrize("fused", [True, False], ids=["fused-kernels", "builtin-ops"])
 @pytest.mark.parametrize("preset,batch,seq", [("tiny", 8, 64), ("small", 8, 128)])
 def test_estimate_within_30_percent_of_measured_peak_rss(preset, batch, seq, fused):
-    from model.kernels import train_ops
+    from model.kernel_ops import train_ops
 
     if fused and train_ops() is None:
         pytest.skip("no C++ compiler: the fused kernels cannot be built here")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import mindspore as ms
@@ -14,6 +15,9 @@ from helpers import decoder_reduction, fp32_tol
 from model.config import ModelConfig
 from model.llama import LlamaForCausalLM, causal_lm_loss
 from model.registry import ModelRegistry, build_model, default_registry
+from tasks.training.build import build_network
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def tiny(**overrides) -> ModelConfig:
@@ -173,7 +177,7 @@ def test_deterministic_init():
 
 
 def jit_train_losses(recompute: bool, steps: int = 5, fused_kernels: bool = False) -> list[float]:
-    model = LlamaForCausalLM(tiny(), seed=0, fused_kernels=fused_kernels)
+    model = build_network("llama", tiny(), seed=0, fused_kernels=fused_kernels).net
     if recompute:
         model.enable_recompute()
     optimizer = nn.AdamWeightDecay(model.trainable_params(), learning_rate=1e-2)
@@ -201,7 +205,7 @@ def test_jit_train_step_lowers_loss_and_recompute_matches():
     assert abs(losses[0] - np.log(512)) < 0.1  # init std 0.02 gives near-uniform predictions
     assert losses[-1] < losses[0] - 0.5, losses
     np.testing.assert_allclose(jit_train_losses(recompute=True), losses, rtol=1e-6)
-    # the fused custom ops (model/kernels.py; built-in ops where no compiler) under jit, with and without recompute
+    # the fused custom ops (model/fused_cells.py, swapped in by the build; built-in ops where no compiler) under jit, with and without recompute
     fused = jit_train_losses(recompute=False, fused_kernels=True)
     np.testing.assert_allclose(fused, losses, rtol=2e-4)
     np.testing.assert_allclose(jit_train_losses(recompute=True, fused_kernels=True), fused, rtol=1e-6)
@@ -286,3 +290,54 @@ def test_builtin_model_names_match_the_registry():
     from model.registry import BUILTIN_MODELS, default_registry
 
     assert sorted(BUILTIN_MODELS) == default_registry().names()
+
+
+# ---- one build sequence (tasks/training/build.py) ---------------------------------------------------------
+
+def test_every_stage_gets_its_network_from_the_one_build(monkeypatch, tmp_path):
+    """Pretrain (one process, a dp replica, fused and not) and serving/eval (`load_network` of the published
+    weights) all build through tasks.training.build.build_network: the same parameter names and init."""
+    import json
+
+    import tasks.training.build as build
+    from tasks.config.loader import resolve_pipeline
+    from tasks.stages.pretrain import network
+    from tasks.store.tensors import save_tensors
+    from tasks.training.mesh import Mesh
+
+    calls = []
+    real = build.build_network
+    monkeypatch.setattr(build, "build_network", lambda *a, **k: calls.append(k.get("mesh")) or real(*a, **k))
+    cfg = resolve_pipeline(REPO / "pipelines.yaml", "tiny", [])
+    nets = {}
+    for fused in (False, True):
+        for mesh in (Mesh(), Mesh(dp=2, rank=1, dp_group="dp")):
+            c = cfg.model_copy(deep=True)
+            c.pretrain.train.fused_kernels = fused
+            nets[fused, mesh.dp] = network(c, None, mesh).net
+    save_tensors(tmp_path / "model.safetensors", {p.name: p.asnumpy() for p in nets[False, 1].trainable_params()})
+    (tmp_path / "model.json").write_text(json.dumps({"name": "llama", "model": cfg.model.resolve().to_dict()}))
+    served, _ = build.load_network(tmp_path)
+    assert len(calls) == 5  # four pretrain builds and the served one, all through build_network
+    want = params_np(nets[False, 1])
+    for net in [*nets.values(), served]:
+        got = params_np(net)
+        assert list(got) == list(want)
+        assert all(np.array_equal(got[k], want[k]) for k in want)
+
+
+def test_no_network_is_built_outside_the_build_module():
+    """Package code builds a model only through tasks/training/build.py (which alone calls the registry)."""
+    import ast
+
+    offenders = []
+    for path in [*(REPO / "model").rglob("*.py"), *(REPO / "tasks").rglob("*.py"), *(REPO / "flows").rglob("*.py")]:
+        rel = path.relative_to(REPO).as_posix()
+        if rel in ("tasks/training/build.py", "model/registry.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                name = getattr(node.func, "id", getattr(node.func, "attr", ""))
+                if name in ("build_model", "LlamaForCausalLM"):
+                    offenders.append(f"{rel}:{node.lineno} {name}(...)")
+    assert not offenders, offenders

@@ -65,7 +65,7 @@ def test_resume_gives_identical_losses(tmp_path, data_artifact):
     assert [c.name for c in complete_checkpoints(run_a / "checkpoints")] == ["step_00000003", "step_00000006"]
     m = json.loads((straight / "manifest.json").read_text())
     assert m["metrics"]["steps"] == 6 and m["metrics"]["skipped_steps"] == 0
-    from model.kernels import kernel_path
+    from model.kernel_build import kernel_path
 
     assert m["metrics"]["native_kernels"] == kernel_path()  # "avx512", ... or "off: <why>": what the step ran
     for f in ("model.safetensors", "model.json", "tokenizer.model", "metrics.jsonl", "loss_curve.png"):

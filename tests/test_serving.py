@@ -333,7 +333,7 @@ def test_a_client_that_goes_away_mid_stream_frees_its_slot(server):
 
 
 def test_text_stream_holds_back_possible_stop_strings(reference):
-    from tasks.serving.engine import TextStream
+    from tasks.serving.text_stream import TextStream
 
     sp, _ = reference
     prompt = [sp.eos_id()] + sp.encode("To be")
@@ -899,7 +899,7 @@ def _merged_prompt_logprobs(ft: Path, merged: Path, ids: list[int]) -> tuple[lis
 
     from model.config import ModelConfig
     from tasks.serving.backends import MindSporeBackend
-    from tasks.serving.engine import log_softmax
+    from tasks.serving.logprobs import log_softmax
     from tasks.store.model_artifact import read_info
     from tasks.store.tensors import load_weights, read_tensors
     from tests.test_model import np_forward

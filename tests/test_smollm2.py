@@ -47,10 +47,11 @@ def converted(gguf_file, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def ms_model(converted):
     from model.runtime import setup_mindspore
-    from tasks.store.model_artifact import load_model, load_tokenizer
+    from tasks.training.build import load_network
+    from tasks.store.model_artifact import load_tokenizer
 
     setup_mindspore()
-    return load_model(converted)[0], load_tokenizer(converted)
+    return load_network(converted)[0], load_tokenizer(converted)
 
 
 @pytest.fixture(scope="module")

@@ -49,7 +49,7 @@ def test_fused_kernels_false_keeps_the_update_on_mindspores_kernel():
     build ShardedAdamW in place whatever the key said)."""
     from types import SimpleNamespace
 
-    from model.kernels import zero_ops
+    from model.kernel_ops import zero_ops
     from tasks.config.schema import TrainSection
     from tasks.training.parallelize import parallelize_optimizer
 
@@ -104,7 +104,7 @@ def test_persistent_state_is_the_share_only():
     instead of AdamW's 8 on every rank."""
     from mindspore import Parameter
 
-    from model.kernels import zero_ops
+    from model.kernel_ops import zero_ops
 
     for dp, in_place in ((1, True), (2, True), (3, True), (2, False), (3, False)):
         opts = [_sharded_optimizer(dp, r, chunk_elements=20000, in_place=in_place) for r in range(dp)]
@@ -208,7 +208,7 @@ def test_in_place_update_matches_adamw():
     import mindspore as ms
     from mindspore import Tensor
 
-    from model.kernels import zero_ops
+    from model.kernel_ops import zero_ops
     from tasks.training.adamw import AdamW
 
     if zero_ops() is None:
@@ -353,7 +353,7 @@ def test_distributed_benchmark_runs_the_trainers_kernels_and_sharding_keeps_the_
     import subprocess
     import sys
 
-    from model.kernels import train_ops
+    from model.kernel_ops import train_ops
 
     script = REPO / "scripts" / "bench" / "distributed.py"
     out = subprocess.run([sys.executable, str(script), "--preset", "tiny", "--steps", "2", "--warmup", "1",

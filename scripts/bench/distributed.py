@@ -102,8 +102,8 @@ def worker(a: argparse.Namespace) -> None:
     import mindspore as ms
     from mindspore import nn, ops
 
-    from model.llama import LlamaForCausalLM
-    from tasks.runtime.distributed import Mesh
+    from tasks.training.build import build_network
+    from tasks.training.mesh import Mesh
     from tasks.training.step import causal_lm_train_step
 
     dp, tp = LAYOUTS[a.layout]
@@ -112,10 +112,11 @@ def worker(a: argparse.Namespace) -> None:
     seq = min(a.seq, cfg.max_seq_length)
     micro = a.batch // dp
     # as the trainer (pretrain.train.fused_kernels): the fused CPU kernels in the model and the in-place AdamW update
-    net = LlamaForCausalLM(cfg, seed=0, tensor_parallel=mesh.tensor_parallel(), fused_kernels=not a.no_fused)
+    built = build_network("llama", cfg, seed=0, fused_kernels=not a.no_fused, mesh=mesh)
+    net = built.net
     params = net.trainable_params()
     # the trainer's defaults (AdamW, clip 1.0), gradients averaged over dp, clipped by the norm over tp slices
-    step_fn = causal_lm_train_step(net, params, mesh=mesh, fused=not a.no_fused)
+    step_fn = causal_lm_train_step(net, params, mesh=mesh, in_place=built.kernels.optimizer)
     # data-parallel replicas read different batches, tensor-parallel ranks the same ones
     rng = np.random.default_rng(1000 + mesh.dp_index)
     total = a.warmup + a.steps
@@ -209,7 +210,7 @@ def worker(a: argparse.Namespace) -> None:
         log(f"{n} activation all-reduces of {[micro, seq, cfg.hidden_size]}: {act * 1e3:.1f} ms, "
             f"grad-norm scalar: {scalar * 1e3:.2f} ms")
     mesh.barrier()
-    out = {"rank": mesh.rank, "fused_kernels": bool(net.fused_kernels), "step_s": step_s, "wall_s": dt,
+    out = {"rank": mesh.rank, "fused_kernels": built.kernels.fused, "step_s": step_s, "wall_s": dt,
            "warmup_s": warmup_s, "loss": loss, "comm_s_per_step": comm, "param_rebuild_s": rebuild, "peak_rss_bytes": train_rss}
     (Path(a.out) / f"{a.layout}_rank{mesh.rank}.json").write_text(json.dumps(out))
 

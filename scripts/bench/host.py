@@ -39,7 +39,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from model.kernels import cpu_flags, cpu_levels, cpu_model  # noqa: E402  (after the sys.path insert)
+from model.cpu import cpu_flags, cpu_levels, cpu_model  # noqa: E402  (after the sys.path insert)
 
 _MARK = "MSLLM_BENCH_EMULATED_ISA"  # set once the environment is applied: the re-exec'd process sees it
 

@@ -193,10 +193,11 @@ def our_side(a: argparse.Namespace) -> None:
 
     setup_mindspore()
     from model.generate import Generator, decode_kernel_path
-    from tasks.store.model_artifact import load_model, load_tokenizer
+    from tasks.training.build import load_network
+    from tasks.store.model_artifact import load_tokenizer
     from tasks.training.hardware import peak_rss_bytes
 
-    net, _ = load_model(a.artifact)
+    net, _ = load_network(a.artifact)
     eos = load_tokenizer(a.artifact).eos_id()
     threads = [int(t) for t in a.threads.split(",")]
     gens = {t: Generator(net, max_len=SLOTS, threads=t) for t in threads}  # one per fused-step thread count

@@ -66,13 +66,14 @@ def _ms(a: argparse.Namespace) -> dict:
 
     setup_mindspore()
     from model.config import ModelConfig
-    from model.kernels import kernel_path
-    from model.llama import LlamaForCausalLM
+    from model.kernel_build import kernel_path
+    from tasks.training.build import build_network
     from tasks.training.step import causal_lm_train_step
 
     cfg = ModelConfig.from_name(a.preset)
-    net = LlamaForCausalLM(cfg, seed=0, fused_kernels=not a.no_fused)  # as the trainer (pretrain.train.fused_kernels)
-    step = causal_lm_train_step(net, net.trainable_params(), fused=not a.no_fused)
+    built = build_network("llama", cfg, seed=0, fused_kernels=not a.no_fused)  # as the trainer builds it
+    net = built.net
+    step = causal_lm_train_step(net, net.trainable_params(), in_place=built.kernels.optimizer)
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (a.batch, a.seq + 1)).astype(np.int32)
     batch = [(ids[:, :-1], ids[:, 1:])]
     for s in range(a.warmup):

@@ -1,4 +1,4 @@
-"""Multi-process training: launching ranks with `msrun`, and each rank's place in the layout.
+"""Multi-process training: launching ranks with `msrun` and reporting how they failed.
 
 Parent side (the pretrain/finetune stage's supervisor, when `parallel.device_num > 1`):
 
@@ -16,13 +16,8 @@ MindSpore's TCP backend on CPU. A job of several nodes that loses one (its host 
 it) fails with a `NodeLost` line naming the lost ranks, node and host (`lost_node_report`), which
 the supervisor does not retry.
 
-Rank side (inside a worker):
-
-    mesh = Mesh.init(dp=2, tp=1)     # mindspore.communication.init() + the dp / tp groups
-    mesh.dp_index, mesh.tp_index      # rank = dp_index * tp + tp_index (tp innermost)
-
-Tensor-parallel ranks of one data-parallel replica read the same batches; data-parallel
-replicas read disjoint slices (`num_shards=dp`, `shard_id=dp_index`) and average gradients.
+Inside a worker, each rank's place in the layout is tasks/training/mesh.py's `Mesh` (this room starts
+processes; it does not know the model).
 """
 
 from __future__ import annotations
@@ -34,7 +29,6 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from tasks.store.locks import held_locks_env, pid_alive
@@ -43,127 +37,6 @@ REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().parent / "launch" / "worker.py"
 MSRUN_NODE = Path(__file__).resolve().parent / "launch" / "msrun_node.py"
 STOPPED_MARK = "[rank stopped early]"
-
-
-# ----------------------------------------------------------------------------- rank side
-
-
-@dataclass(frozen=True)
-class Mesh:
-    """This process's place in a dp × tp layout; a single process is Mesh() (no collectives)."""
-
-    dp: int = 1
-    tp: int = 1
-    rank: int = 0
-    dp_group: str | None = None
-    """Group of the ranks holding the same model slice (gradients averaged over it); None when dp == 1."""
-    tp_group: str | None = None
-    """Group of the ranks sharing one replica's tensor-parallel slices; None when tp == 1."""
-    optimizer_shard: bool = False
-    """parallel.optimizer_shard: ZeRO-1 (tasks/training/zero.py ShardedAdamW) when dp > 1 and tp == 1."""
-
-    @property
-    def zero(self) -> bool:
-        """Whether each data-parallel rank keeps only its share of the optimizer state."""
-        return self.optimizer_shard and self.dp > 1 and self.tp == 1
-
-    @property
-    def world(self) -> int:
-        return self.dp * self.tp
-
-    @property
-    def dp_index(self) -> int:
-        return self.rank // self.tp
-
-    @property
-    def tp_index(self) -> int:
-        return self.rank % self.tp
-
-    @property
-    def distributed(self) -> bool:
-        return self.world > 1
-
-    @property
-    def writes_checkpoint(self) -> bool:
-        """Data-parallel replica 0 writes the checkpoint shards (the other replicas hold copies)."""
-        return self.dp_index == 0
-
-    def tensor_parallel(self):
-        """The model's TensorParallel for this rank, or None when tp == 1."""
-        if self.tp == 1:
-            return None
-        from model.parallel import TensorParallel
-
-        return TensorParallel(size=self.tp, rank=self.tp_index, group=self.tp_group)
-
-    def sharded(self, params) -> list[bool]:
-        """Which of `params` are tensor-parallel slices (AdamW sums their squared norms over the tp group)."""
-        from model.parallel import split_axis
-
-        return [self.tp > 1 and split_axis(p.name) is not None for p in params]
-
-    @classmethod
-    def init(cls, dp: int, tp: int, optimizer_shard: bool = False) -> "Mesh":
-        """Join the job msrun started (mindspore.communication.init) and create this rank's groups."""
-        from mindspore.communication import GlobalComm, create_group, get_group_size, get_rank, init
-
-        init()
-        world, rank = get_group_size(), get_rank()
-        if world != dp * tp:
-            raise RuntimeError(f"msrun started {world} workers but parallel.data_parallel × tensor_parallel = "
-                               f"{dp}×{tp} = {dp * tp}; set parallel.device_num to match")
-        d, t = rank // tp, rank % tp
-        dp_group = tp_group = None
-        if dp > 1:
-            dp_group = GlobalComm.WORLD_COMM_GROUP if tp == 1 else f"dp_{t}"
-            if tp > 1:
-                create_group(dp_group, [i * tp + t for i in range(dp)])
-        if tp > 1:
-            tp_group = GlobalComm.WORLD_COMM_GROUP if dp == 1 else f"tp_{d}"
-            if dp > 1:
-                create_group(tp_group, [d * tp + i for i in range(tp)])
-        return cls(dp=dp, tp=tp, rank=rank, dp_group=dp_group, tp_group=tp_group, optimizer_shard=optimizer_shard)
-
-    def barrier(self) -> None:
-        """Wait for every rank (an AllReduce of one number: MindSpore's Barrier has no CPU kernel)."""
-        if not self.distributed:
-            return
-        import mindspore as ms
-        from mindspore import ops
-        from mindspore.communication import GlobalComm
-
-        ops.AllReduce(group=GlobalComm.WORLD_COMM_GROUP)(ms.Tensor([1.0], ms.float32)).asnumpy()
-
-
-    def check_replicas(self, arrays: dict[str, "np.ndarray"]) -> str:
-        """sha256 of this rank's tensors, checked equal across the data-parallel replicas (RuntimeError if not).
-
-        The replicas start from the same seed and apply the same averaged gradients, so their
-        parameters must agree bit for bit; the digests travel by AllGather (every rank must call this).
-        """
-        import hashlib
-
-        import numpy as np
-
-        h = hashlib.sha256()
-        for k in sorted(arrays):
-            h.update(k.encode())
-            h.update(np.ascontiguousarray(arrays[k]).tobytes())
-        digest = h.hexdigest()
-        if self.dp_group is None:
-            return digest
-        import mindspore as ms
-        from mindspore import ops
-        from mindspore.communication import GlobalComm
-
-        mine = np.frombuffer(bytes.fromhex(digest), dtype=np.int32).reshape(1, -1)
-        # over the world group (the only one AllGather supports on CPU); row r is rank r's digest
-        everyone = ops.AllGather(group=GlobalComm.WORLD_COMM_GROUP)(ms.Tensor(mine)).asnumpy()
-        replicas = everyone[self.tp_index::self.tp]  # the ranks holding the same slice as this one
-        if not (replicas == mine).all():
-            raise RuntimeError(f"data-parallel replicas diverged: rank {self.rank}'s parameters differ from another "
-                               f"replica's (sha256 {digest[:16]}…); gradients were not averaged identically")
-        return digest
 
 
 # ----------------------------------------------------------------------------- parent side

@@ -372,11 +372,11 @@ def _export_gguf_checked(out: Path, info: dict[str, Any], weights: dict[str, np.
                          prompts: list[list[int]], ex, ver: dict[str, Any], progress: bool) -> list[str]:
     """Write and verify the GGUF files (tasks/deploy/gguf_export.py); fill ver["gguf"]; return the failures."""
     from model.config import ModelConfig
-    from model.registry import build_model
     from tasks.deploy.gguf_export import export_gguf, network_forward
+    from tasks.training.build import build_network
 
     _log(progress, f"GGUF {', '.join(ex.gguf_types)} → {out.name}/model.*.gguf (llama.cpp-family runtimes)")
-    net = build_model(info.get("name", "llama"), ModelConfig.from_dict(info["model"]))
+    net = build_network(info.get("name", "llama"), ModelConfig.from_dict(info["model"])).net
     net.set_train(False)
     rep = export_gguf(out, info, weights, tok, list(ex.gguf_types), network_forward(net), prompts,
                       [*ex.prompts, *TOKENIZER_SAMPLES])

@@ -8,8 +8,9 @@ A model artifact directory holds:
     tokenizer.model     the SentencePiece model the weights were trained with, or
     tokenizer.json      a Hugging Face tokenizer (+ tokenizer_config.json, chat_template.jinja when the model has them)
 
-    net, info = load_model(path)          # MindSpore network with the weights loaded (eval mode)
     tok = load_tokenizer(path)            # tasks.tokenizer.Tokenizer (either backend)
+
+The network itself is built by tasks/training/build.py (`load_network`), the one place networks are built.
 
 Every file is checked against the artifact's manifest before use (tasks.store.published.verify_published).
 """
@@ -38,19 +39,6 @@ def model_config(path: str | Path):
     from model.config import ModelConfig
 
     return ModelConfig.from_dict(read_info(path)["model"])
-
-
-def load_model(path: str | Path, seed: int = 0, **kwargs):
-    """(network with the artifact's weights, model.json contents); kwargs go to the model's constructor
-    (e.g. fused_kernels=True for training)."""
-    from model.registry import build_model
-    from tasks.store.tensors import assign, load_weights
-
-    info = read_info(path)
-    net = build_model(info.get("name", "llama"), model_config(path), seed=seed, **kwargs)
-    assign(net.trainable_params(), load_weights(path), str(path))
-    net.set_train(False)
-    return net, info
 
 
 def load_tokenizer(path: str | Path):

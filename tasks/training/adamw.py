@@ -14,7 +14,7 @@ import math
 import mindspore as ms
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
-from model.kernels import Capabilities, enabled
+from model.kernel_ops import zero_ops
 
 
 def decays(name: str, *, decay_norms_and_biases: bool, decay_embeddings: bool) -> bool:
@@ -74,20 +74,16 @@ class AdamW(nn.Cell):
 
     def __init__(self, params: list[Parameter], *, beta1: float, beta2: float, eps: float,
                  weight_decay: float, grad_clip: float | None, decay_mask: list[bool],
-                 sharded: list[bool] | None = None, tp_group: str | None = None, fused: bool = True):
+                 sharded: list[bool] | None = None, tp_group: str | None = None, in_place: bool = True):
         """`sharded` marks tensor-parallel slices; their squared norms are summed over `tp_group`
-        so that clipping uses the global gradient norm of the unsplit model. `fused` (the train section's fused_kernels):
-        on CPU with a compiler, the update is the in-place AdamW op (model/train_kernels.cc ZeroAdamW) (the arithmetic of
-        AdamWeightDecay, multi-threaded, the clip factor applied inside: no `grad * coef` temporaries)."""
+        so that clipping uses the global gradient norm of the unsplit model. `in_place` (the build's kernel decision,
+        tasks/training/build.py `Kernels.optimizer`): where the kernel library builds, the update is the in-place
+        AdamW op (model/train_kernels.cc ZeroAdamW) (the arithmetic of AdamWeightDecay, multi-threaded, the clip
+        factor applied inside: no `grad * coef` temporaries)."""
         super().__init__()
         self.params = ParameterTuple(params)
-        self.kernel = None
-        if enabled(fused, Capabilities(ms.get_context("device_target"),
-                                       "fp32" if all(p.dtype == ms.float32 for p in params) else "fp16")):
-            from model.kernels import zero_ops
-
-            k = zero_ops()
-            self.kernel = k.adamw if k is not None else None
+        k = zero_ops() if in_place else None
+        self.kernel = k.adamw if k is not None else None
         self.whole = Tensor([0], ms.int32)  # the kernel's offset: whole parameters
         self.exp_avg = self.params.clone(prefix="adam_m", init="zeros")
         self.exp_avg_sq = self.params.clone(prefix="adam_v", init="zeros")

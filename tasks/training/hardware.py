@@ -115,7 +115,7 @@ def theoretical_peak_flops(flags: set[str] | None = None) -> tuple[float, str]:
     lets the denominator fall below a measured sgemm. `flags` (default: cpu_flags()) lets a benchmark that
     emulates a lesser CPU (scripts/bench/host.py, AVX-512 flags removed) count that CPU's lanes.
     """
-    from model.kernels import cpu_flags
+    from model.cpu import cpu_flags
 
     flags = cpu_flags() if flags is None else flags
     lanes = 16 if "avx512f" in flags else 8 if "avx2" in flags or "avx" in flags else 4

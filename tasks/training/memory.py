@@ -34,7 +34,7 @@ import os
 from dataclasses import dataclass, field
 
 from model.config import ModelConfig
-from model.kernels import Capabilities, enabled
+from model.kernels import decide
 
 GiB = 2**30
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -115,7 +115,8 @@ def estimate(cfg: ModelConfig, *, micro_batch: int, seq: int, precision: str = "
     """Bytes per device. `fused_kernels`: train.fused_kernels (they run on CPU, fp32, with a compiler)."""
     p = param_split(cfg, layout)
     half = precision != "fp32"
-    fused = enabled(fused_kernels, Capabilities(backend, precision))
+    why, in_place = decide(fused_kernels, backend, precision)  # what the build's convert step will decide
+    fused = not why
     trainable = int(p * trainable_fraction)
     zero = layout.optimizer_shard and layout.dp > 1
     opt = trainable * 8 // (layout.dp if layout.optimizer_shard else 1)
@@ -126,8 +127,7 @@ def estimate(cfg: ModelConfig, *, micro_batch: int, seq: int, precision: str = "
         "parameters": p * 4 + (p * 2 if half else 0),
         "gradients": trainable * DTYPE_BYTES[precision],
         "optimizer": opt,
-        **({"master_share": trainable * 4 // layout.dp} if zero and not enabled(fused_kernels, Capabilities(backend))
-           else {}),
+        **({"master_share": trainable * 4 // layout.dp} if zero and not in_place else {}),
         "activations": act,
         "logits": logits,
         "runtime": RUNTIME_BYTES.get(backend, GiB),

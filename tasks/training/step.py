@@ -79,43 +79,13 @@ class TrainStep:
         self.dp = dp if dp_group is not None else 1
         self._count_sum = ops.AllReduce(group=dp_group) if self.dp > 1 else None
         zero = hasattr(optimizer, "rebuild_fn")
-        if dp_group is not None and dp > 1 and zero:
-            # ZeRO-1: the ranks' graphs differ (each updates its own share), so the runtime may order independent
-            # collectives differently on each rank, and a ring AllReduce of one gradient then meets another
-            # rank's AllReduce of a different one ("Memcpy error ... dest size ... src size"). Chained by
-            # data dependencies, every rank issues them in the same order; the arithmetic is the reducer's
-            # (sum, then × 1/dp).
-            grad_sum = ops.AllReduce(group=dp_group)
-            loss_sum = ops.AllReduce(group=dp_group)
-            inv_dp = 1.0 / dp
-            inv_t = Tensor(inv_dp, ms.float32)
+        self._compile(loss_fn, params, optimizer, accumulation, zero, *_reducers(params, dp_group, dp, zero))
+        # ZeRO-1 (ShardedAdamW): after an applied update, the ranks' updated shares are gathered into the parameters
+        self._rebuild = optimizer.rebuild_fn() if hasattr(optimizer, "rebuild_fn") else None
 
-            def reduce_grads(grads):  # last parameter first: the order in which backward produces the gradients
-                out, prev = [], None
-                for g in grads[::-1]:
-                    r = grad_sum(g if prev is None else ops.depend(g, prev))
-                    prev = r
-                    out.append(ops.tensor_mul(r, inv_t))
-                return tuple(out[::-1])
-
-            def reduce_loss(loss):
-                return loss_sum(loss) * inv_dp
-        elif dp_group is not None and dp > 1:
-            reducer = nn.DistributedGradReducer(params, mean=True, degree=dp, group=dp_group)
-            loss_sum = ops.AllReduce(group=dp_group)
-            inv_dp = 1.0 / dp
-
-            def reduce_grads(grads):
-                return reducer(grads)
-
-            def reduce_loss(loss):
-                return loss_sum(loss) * inv_dp
-        else:
-            def reduce_grads(grads):
-                return grads
-
-            def reduce_loss(loss):
-                return loss
+    def _compile(self, loss_fn, params: list[Parameter], optimizer: AdamW, accumulation: int, zero: bool,
+                 reduce_grads, reduce_loss) -> None:
+        """The compiled graphs: `_fused` (k == 1: the whole step), or `_micro` (accumulate) and `_apply` (update)."""
 
         def scaled_loss(input_ids, labels, scale, weight):
             loss = loss_fn(input_ids, labels) * weight
@@ -151,8 +121,6 @@ class TrainStep:
             return gnorm, finite, reduce_loss(loss)
 
         self._fused, self._micro, self._apply = fused, micro, apply
-        # ZeRO-1 (ShardedAdamW): after an applied update, the ranks' updated shares are gathered into the parameters
-        self._rebuild = optimizer.rebuild_fn() if hasattr(optimizer, "rebuild_fn") else None
 
     def __call__(self, micro_batches, lr: float, step: int, loss_scale: float | None = None, allow: bool = True):
         """micro_batches: list of k (input_ids, labels) numpy pairs. Returns (loss, grad_norm, finite).
@@ -201,45 +169,81 @@ class TrainStep:
         return [c * n / total if total else 0.0 for c in counts]
 
 
+def _reducers(params: list[Parameter], dp_group: str | None, dp: int, zero: bool):
+    """(reduce_grads, reduce_loss) over the data-parallel group: chained AllReduces under ZeRO-1, MindSpore's
+    reducer otherwise, nothing on one rank."""
+    if dp_group is not None and dp > 1 and zero:
+        # ZeRO-1: the ranks' graphs differ (each updates its own share), so the runtime may order independent
+        # collectives differently on each rank, and a ring AllReduce of one gradient then meets another
+        # rank's AllReduce of a different one ("Memcpy error ... dest size ... src size"). Chained by
+        # data dependencies, every rank issues them in the same order; the arithmetic is the reducer's
+        # (sum, then × 1/dp).
+        grad_sum = ops.AllReduce(group=dp_group)
+        loss_sum = ops.AllReduce(group=dp_group)
+        inv_dp = 1.0 / dp
+        inv_t = Tensor(inv_dp, ms.float32)
+
+        def reduce_grads(grads):  # last parameter first: the order in which backward produces the gradients
+            out, prev = [], None
+            for g in grads[::-1]:
+                r = grad_sum(g if prev is None else ops.depend(g, prev))
+                prev = r
+                out.append(ops.tensor_mul(r, inv_t))
+            return tuple(out[::-1])
+
+        def reduce_loss(loss):
+            return loss_sum(loss) * inv_dp
+    elif dp_group is not None and dp > 1:
+        reducer = nn.DistributedGradReducer(params, mean=True, degree=dp, group=dp_group)
+        loss_sum = ops.AllReduce(group=dp_group)
+        inv_dp = 1.0 / dp
+
+        def reduce_grads(grads):
+            return reducer(grads)
+
+        def reduce_loss(loss):
+            return loss_sum(loss) * inv_dp
+    else:
+        def reduce_grads(grads):
+            return grads
+
+        def reduce_loss(loss):
+            return loss
+
+    return reduce_grads, reduce_loss
+
+
 def causal_lm_loss_fn(net):
     """`loss_fn(input_ids, labels) -> scalar` of a causal LM: what the train step, validation and the
     benchmarks differentiate (pretrain and finetune share it)."""
-    from model.llama import causal_lm_loss
-
-    if getattr(net, "fused_kernels", False):  # the fused cross-entropy (model/llama.py LlamaForCausalLM.loss)
-        def fused_loss_fn(ids, labels):
-            return net.loss(ids, labels)
-
-        return fused_loss_fn
-
     def loss_fn(ids, labels):  # a def, not a lambda: MindSpore's jit parser needs it on its own line
-        return causal_lm_loss(net(ids), labels)
+        return net.loss(ids, labels)  # the model's loss_fn cell: fused cross-entropy where the build swapped it in
 
     return loss_fn
 
 
 def causal_lm_train_step(net, params: list[Parameter], *, weight_decay: float = 0.1, grad_clip: float | None = 1.0,
                          beta1: float = 0.9, beta2: float = 0.95, eps: float = 1e-8, accumulation: int = 1,
-                         mesh=None, fused: bool = True) -> TrainStep:
+                         mesh=None, in_place: bool = True) -> TrainStep:
     """A compiled next-token train step for `net` over `params` with AdamW (norms/embeddings not decayed).
 
     What the benchmarks, the memory measurement and the optimizer tests use; the trainer builds
     the same pieces from its LoopConfig. With a `mesh` (tasks/runtime/distributed.py) the step averages
     gradients over its data-parallel group and clips by the norm over its tensor-parallel slices.
-    `fused=False` keeps the optimizer on MindSpore's own kernels, as train.fused_kernels: false does
-    (the model's fused ops are the model's: LlamaForCausalLM(fused_kernels=...)).
+    `in_place=False` keeps the optimizer on MindSpore's own kernels (the build's decision for it:
+    tasks/training/build.py `Kernels.optimizer`; the model's fused cells are the build's too).
     """
 
     from types import SimpleNamespace
 
-    from tasks.runtime.distributed import Mesh
+    from tasks.training.mesh import Mesh
     from tasks.training.parallelize import parallelize_optimizer
 
     mesh = mesh or Mesh()
     train = SimpleNamespace(  # the shape of tasks.config.TrainSection that the optimizer reads
         optimizer=SimpleNamespace(beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                                   decay_norms_and_biases=False, decay_embeddings=False),
-        loop=SimpleNamespace(grad_clip=grad_clip), fused_kernels=fused)
-    opt = parallelize_optimizer(params, train, mesh)
+        loop=SimpleNamespace(grad_clip=grad_clip))
+    opt = parallelize_optimizer(params, train, mesh, in_place)
     return TrainStep(causal_lm_loss_fn(net), params, opt, accumulation=accumulation, dp_group=mesh.dp_group,
                      dp=mesh.dp)

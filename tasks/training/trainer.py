@@ -131,19 +131,6 @@ class LoopState:
                    overflows=state.get("overflow_steps", 0), skipped_at_save=skipped)
 
 
-def native_kernels(net, fused_setting: bool) -> str:
-    """Which native kernel body the train step runs, for the manifest (metrics `native_kernels`) and the log:
-    "avx512", "avx2", "neon", "scalar", or "off: <why>" (model.kernels.off_reason: the one decision).
-    model/kernels.py logs the body (or why it could not build) when the model loads it."""
-    from model.kernels import Capabilities, kernel_path, off_reason
-
-    why = off_reason(fused_setting, Capabilities(compute="fp16" if getattr(net, "half", False) else "fp32"))
-    if why:
-        print(f"[train] native kernels: off, MindSpore's own ops run: {why}", file=sys.stderr, flush=True)
-        return f"off: {why}"
-    return kernel_path()
-
-
 def _resume(checkpoint, fp16: bool, mesh, ckpt_root: Path, params, optimizer, opt_params, scaler,
             meta: dict[str, Any], metrics_path: Path) -> tuple[LoopState, list[dict[str, Any]]]:
     """Where training starts: the newest good checkpoint of this run (checkpoint.resume), else
@@ -181,20 +168,21 @@ def _resume(checkpoint, fp16: bool, mesh, ckpt_root: Path, params, optimizer, op
 
 def fit(net, params, loss_fn, train, *, checkpoint, batches: Batches, valid: Callable[[], Iterator] | None,
         run_dir: Path, meta: dict[str, Any], flops_per_token: float, tokens_per_sample: int, mesh=None,
-        hooks: LoopConfig | None = None) -> FitResult:
+        hooks: LoopConfig | None = None, kernels=None) -> FitResult:
     """Train by `train` (a tasks.config.TrainSection: optimizer, schedule, loop, precision, fused_kernels, handed
     whole) and `checkpoint` (the checkpoint section: save_steps when train.loop has none, retention, resume,
-    load_checkpoint); `hooks` are the run-time test hooks. With a distributed `mesh` (tasks/runtime/distributed.py) every rank calls this with its own slice of the
+    load_checkpoint); `hooks` are the run-time test hooks; `kernels` the build's kernel decision
+    (tasks/training/build.py `Kernels`: the optimizer's in-place AdamW; None: MindSpore's own). With a distributed `mesh` (tasks/runtime/distributed.py) every rank calls this with its own slice of the
     model and `batches` yielding its own data shard; rank 0 writes the metrics, replica 0 the checkpoints.
 
     Raises NonFiniteError when the run cannot produce a trustworthy model: `max_nonfinite_steps` non-finite
     steps in a row (the message names the newest *good* checkpoint), no update applied at all, or a
     non-finite final validation loss. Nothing is published in those cases (the caller publishes after fit).
     """
-    from tasks.runtime.distributed import Mesh
+    from tasks.training.mesh import Mesh
 
     run = _Run(params, loss_fn, train, checkpoint, run_dir, meta, flops_per_token, tokens_per_sample,
-               mesh or Mesh(), hooks or LoopConfig(), valid)
+               mesh or Mesh(), hooks or LoopConfig(), valid, kernels is not None and kernels.optimizer)
     run.start()
     return run.finish(stopped=run.loop(batches))
 
@@ -203,7 +191,8 @@ class _Run:
     """One `fit` call: setup (optimizer, compiled step, loss scale), then its loop's state and parts."""
 
     def __init__(self, params, loss_fn, train, checkpoint, run_dir: Path, meta: dict[str, Any], flops_per_token: float,
-                 tokens_per_sample: int, mesh, hooks: LoopConfig, valid: Callable[[], Iterator] | None):
+                 tokens_per_sample: int, mesh, hooks: LoopConfig, valid: Callable[[], Iterator] | None,
+                 in_place: bool):
         import mindspore as ms
 
         from tasks.training.parallelize import parallelize_optimizer
@@ -221,7 +210,7 @@ class _Run:
         self.lead = mesh.rank == 0
         run_dir.mkdir(parents=True, exist_ok=True)
         self.ckpt_root = run_dir / "checkpoints"
-        self.optimizer = parallelize_optimizer(params, train, mesh)  # AdamW, or ZeRO-1's ShardedAdamW, from the mesh
+        self.optimizer = parallelize_optimizer(params, train, mesh, in_place)  # AdamW, or ZeRO-1's ShardedAdamW
         self.step_fn = TrainStep(loss_fn, params, self.optimizer, accumulation=lp.gradient_accumulation,
                                  dp_group=mesh.dp_group, dp=mesh.dp)
         self.fp16 = fp16 = pr.dtype == "fp16"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import mindspore as ms
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
-from model.kernels import Capabilities, enabled
+from model.kernel_ops import zero_ops
 
 from tasks.training.adamw import clip_coefficient, folded_adam_scalars, sum_sq
 
@@ -92,14 +92,9 @@ class ShardedAdamW(nn.Cell):
             return ParameterTuple([Parameter(initializer("zeros", (b - a,), ms.float32), name=f"{prefix}.{self.names[i]}",
                                              requires_grad=False) for i, a, b in segs])
 
-        # the in-place kernel: CPU, fp32 parameters (the fp16 path keeps fp32 master Parameters too), a compiler
-        self.kernel = None
-        if enabled(in_place, Capabilities(ms.get_context("device_target"),
-                                          "fp32" if all(p.dtype == ms.float32 for p in params) else "fp16")):
-            from model.kernels import zero_ops
-
-            k = zero_ops()
-            self.kernel = k.adamw if k is not None else None
+        # the in-place kernel (the build's decision, `in_place`) where the kernel library builds
+        k = zero_ops() if in_place else None
+        self.kernel = k.adamw if k is not None else None
         self.in_place = self.kernel is not None
         self.master = ParameterTuple([]) if self.in_place else state("zero_master")
         self.exp_avg, self.exp_avg_sq = state("adam_m"), state("adam_v")

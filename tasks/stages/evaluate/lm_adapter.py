@@ -161,10 +161,11 @@ class MindSporeLM(TemplateLM):
         self.fused_kernels = fused_kernels
         if pretrained is not None:
             from model.runtime import setup_mindspore
-            from tasks.store.model_artifact import load_model, load_tokenizer
+            from tasks.training.build import load_network
+            from tasks.store.model_artifact import load_tokenizer
 
             setup_mindspore()
-            net, info = load_model(pretrained)
+            net, info = load_network(pretrained)
             tokenizer = load_tokenizer(pretrained)
             max_length = max_length or info.get("seq_length")
         if net is None:

@@ -33,6 +33,13 @@ from tasks.stages import code_version
 from tasks.config.schema import ConfigError, PipelineConfig
 from tasks.prompts import TEMPLATE
 from tasks.stages.finetune.data import example_batches, load_data, source_files
+from model.config import ModelConfig
+from model.runtime import setup_mindspore
+from tasks.store.model_artifact import load_tokenizer, read_info
+from tasks.store.tensors import load_weights, save_tensors
+from tasks.training.mesh import Mesh
+from tasks.training.metrics import add_run_files
+from tasks.training.trainer import LoopConfig, fit, run_outcome
 
 STAGE = "finetune"
 MERGED = "merged"
@@ -109,10 +116,6 @@ def run(cfg: PipelineConfig, store: ArtifactStore, base_artifact: Path, *, keyed
 
 def train(spec: dict[str, Any]) -> Path | None:
     """Train and publish the artifact (inside the child process, or in-process with isolate=False)."""
-    from model.runtime import setup_mindspore
-
-    from tasks.runtime.distributed import Mesh
-
     cfg = PipelineConfig.model_validate(spec["config"])
     setup_mindspore(cfg.parallel.device_target, seed=cfg.finetune.seed)
     mesh = (Mesh.init(cfg.parallel.data_parallel, 1, cfg.parallel.optimizer_shard) if cfg.parallel.device_num > 1
@@ -121,73 +124,90 @@ def train(spec: dict[str, Any]) -> Path | None:
                   stop_after=spec.get("stop_after"), fault_steps=spec.get("fault_steps", []), mesh=mesh)
 
 
-def _train(cfg: PipelineConfig, store: ArtifactStore, base: Path, key: str, progress: bool,
-           stop_after: int | None = None, fault_steps: list[int] | None = None, mesh=None) -> Path | None:
-    from model.config import ModelConfig
-    from tasks.training.step import causal_lm_loss_fn
-    from model.lora import inject_lora, lora_state_dict, mark_only_lora_trainable, trainable_summary
-    from tasks.store.tensors import save_tensors
-    from tasks.store.model_artifact import load_model, load_tokenizer
-    from tasks.runtime.distributed import Mesh
-    from tasks.training.metrics import add_run_files
-    from tasks.training.trainer import LoopConfig, fit, native_kernels, run_outcome
+def network(cfg: PipelineConfig, base: Path):
+    """(the base model with LoRA injected or every weight trainable (tasks/training/build.py `Built`), its
+    trainable params, the LoRA modules). fp32 compute: LoRALinear is fp32 (train.precision sets loss scaling)."""
+    from model.lora import inject_lora, mark_only_lora_trainable  # MindSpore: the child's imports
+    from tasks.training.build import build_network
 
-    mesh = mesh or Mesh()
-    # ---- setup: base model, data, what trains
     ft = cfg.finetune
-    _, inputs, section = stage_key(cfg, store, base)
-    base_ref = inputs[0]
-    net, info = load_model(base, seed=ft.seed, fused_kernels=ft.train.fused_kernels)
-    kernels = native_kernels(net, ft.train.fused_kernels)  # logged once; recorded in the manifest
-    mc = ModelConfig.from_dict(info["model"])
-    seq = seq_length_for(cfg, info)
-    sp = load_tokenizer(base)
-    data = load_data(cfg, sp, seq)
-    pad = sp.pad_id() if sp.pad_id() >= 0 else sp.eos_id()
-    print(f"[finetune] {ft.format} data: {data.stats}", file=sys.stderr)
-    modules: list[str] = []
+    info = read_info(base)
+    built = build_network(info.get("name", "llama"), ModelConfig.from_dict(info["model"]), seed=ft.seed,
+                          fused_kernels=ft.train.fused_kernels, weights=load_weights(base), source=str(base))
+    net, modules = built.net, []
     if ft.method == "lora":
         lc = ft.lora
         modules = inject_lora(net, lc.target_modules, lc.rank, lc.alpha, lc.dropout, seed=ft.seed)
-        params = mark_only_lora_trainable(net)
-    else:
-        params = net.trainable_params()
+        return built, mark_only_lora_trainable(net), modules
+    return built, net.trainable_params(), modules
+
+
+def _batches(cfg: PipelineConfig, data, pad: int, mesh: Mesh):
+    """(train batches from a sample index, validation batches or None): data-parallel rank r trains on rows r,
+    r + dp, ... of the global batch (micro × dp examples); rank 0 validates on global batches, the same examples
+    whatever the layout."""
+    ft = cfg.finetune
+    mb = ft.train.loop.micro_batch_size
+
+    def batches(start: int) -> Iterator:
+        for ids, labels in example_batches(data.train, mb * mesh.dp, ft.seed, start_sample=start, pad_id=pad):
+            yield ids[mesh.dp_index::mesh.dp], labels[mesh.dp_index::mesh.dp]
+
+    def valid() -> Iterator:
+        return example_batches(data.valid, mb * mesh.dp, ft.seed, repeat=False, shuffle=False, pad_id=pad)
+
+    return batches, (valid if data.valid is not None else None)
+
+
+def _train(cfg: PipelineConfig, store: ArtifactStore, base: Path, key: str, progress: bool,
+           stop_after: int | None = None, fault_steps: list[int] | None = None, mesh=None) -> Path | None:
+    from model.lora import trainable_summary  # MindSpore: the child's imports
+    from tasks.training.build import log_kernels
+    from tasks.training.step import causal_lm_loss_fn
+
+    mesh = mesh or Mesh()
+    ft = cfg.finetune
+    built, params, modules = network(cfg, base)
+    net, mc, info = built.net, built.config, read_info(base)
+    kernels = log_kernels(built.kernels, STAGE)  # logged once; recorded in the manifest
+    seq = seq_length_for(cfg, info)
+    sp = load_tokenizer(base)
+    data = load_data(cfg, sp, seq)
+    print(f"[finetune] {ft.format} data: {data.stats}", file=sys.stderr)
     summary = trainable_summary(net)
     print(f"[finetune] {ft.method}: {summary.line()}", file=sys.stderr)
     net.set_train(True)
-    hooks = LoopConfig(progress=progress, stop_after=stop_after, fault_steps=list(fault_steps or []))
-    mb = ft.train.loop.micro_batch_size
-
-    loss_fn = causal_lm_loss_fn(net)
-
-    def batches(start: int) -> Iterator:
-        # the global batch (micro × dp examples); data-parallel rank r trains on rows r, r + dp, ...
-        for ids, labels in example_batches(data.train, mb * mesh.dp, ft.seed, start_sample=start,
-                                           pad_id=pad):
-            yield ids[mesh.dp_index::mesh.dp], labels[mesh.dp_index::mesh.dp]
-
-    def valid() -> Iterator:  # rank 0 validates on global batches: the same examples whatever the layout
-        return example_batches(data.valid, mb * mesh.dp, ft.seed, repeat=False, shuffle=False,
-                               pad_id=pad)
-
-    # ---- fit (the shared loop)
+    batches, valid = _batches(cfg, data, sp.pad_id() if sp.pad_id() >= 0 else sp.eos_id(), mesh)
     run_dir = store.root / "runs" / STAGE / key
-    meta = {"model": mc.to_dict(), "name": info.get("name", "llama"), "base_artifact": base_ref["key"],
+    _, inputs, section = stage_key(cfg, store, base)
+    meta = {"model": mc.to_dict(), "name": info.get("name", "llama"), "base_artifact": inputs[0]["key"],
             "method": ft.method, "seed": ft.seed}
     # Model FLOPs per token: forward + backward; with LoRA the frozen weights need no weight
     # gradients, so about 4N instead of 6N (the adapters' own matmuls are negligible).
     fpt = mc.flops_per_token(seq) * (4 / 6 if ft.method == "lora" else 1.0)
-    result = fit(net, params, loss_fn, ft.train, checkpoint=cfg.checkpoint, hooks=hooks, batches=batches, valid=valid if data.valid is not None else None,
-                 run_dir=run_dir, meta=meta, flops_per_token=fpt, tokens_per_sample=seq, mesh=mesh)
+    hooks = LoopConfig(progress=progress, stop_after=stop_after, fault_steps=list(fault_steps or []))
+    result = fit(net, params, causal_lm_loss_fn(net), ft.train, checkpoint=cfg.checkpoint, hooks=hooks,
+                 batches=batches, valid=valid, run_dir=run_dir, meta=meta, flops_per_token=fpt, tokens_per_sample=seq,
+                 mesh=mesh, kernels=built.kernels)
     if (outcome := run_outcome(result, mesh, run_dir)) is not True:
         return outcome  # stopped on request, or not rank 0: rank 0 publishes
+    return _publish(cfg, store, (key, inputs, section), net, params, modules, info, sp, data, summary, result, seq,
+                    kernels)
 
-    # ---- publish
+
+def _publish(cfg: PipelineConfig, store: ArtifactStore, keyed: tuple, net, params, modules: list[str],
+             info: dict[str, Any], sp, data, summary, result, seq: int, kernels: str) -> Path:
+    """The adapter artifact: adapter.safetensors + adapter.json, the run's files and its metrics."""
+    from model.lora import lora_state_dict
+
+    ft, lc = cfg.finetune, cfg.finetune.lora
+    key, inputs, section = keyed
+    base_ref = inputs[0]
+    run_dir = store.root / "runs" / STAGE / key
     train_rows = [r for r in result.history if "grad_norm" in r]
     with store.build(STAGE, key, pipeline=cfg.name, config=section, inputs=inputs, code=code_version(STAGE)) as b:
         weights = lora_state_dict(net) if ft.method == "lora" else {p.name: p.asnumpy() for p in params}
         save_tensors(b.dir / "adapter.safetensors", weights)
-        lc = ft.lora
         atomic_write_json(b.dir / "adapter.json", {
             "method": ft.method,
             **({"rank": lc.rank, "alpha": lc.alpha, "scaling": lc.alpha / lc.rank, "dropout": lc.dropout,
@@ -195,7 +215,7 @@ def _train(cfg: PipelineConfig, store: ArtifactStore, base: Path, key: str, prog
             "format": ft.format, "template": (("chat_template of the tokenizer" if sp.chat_template else TEMPLATE)
                                               if ft.format == "instruction" else None), "seq_length": seq,
             "base": {k: base_ref[k] for k in ("stage", "key", "digest", "path")},
-            "model": {"name": info.get("name", "llama"), "config": mc.to_dict()},
+            "model": {"name": info.get("name", "llama"), "config": net.config.to_dict()},
         })
         add_run_files(b.dir, run_dir, result, f"{cfg.name}: {ft.method} fine-tuning ({summary.trainable / 1e6:.3g}M "
                       f"trainable{', response tokens only' if ft.format == 'instruction' else ''})")

@@ -1,0 +1,122 @@
+"""One way to build a network, for every stage that needs one (torchtitan's order: build → convert → parallelize).
+
+    built = build_network("llama", config, seed=0, precision="fp32", fused_kernels=True, mesh=mesh)
+    built.net                    # the MindSpore network: this rank's slice, the fused cells where they run
+    built.kernels.model          # "avx512" / "avx2" / "neon" / "scalar", or "off: <why>" (logged; in the manifest)
+    built.kernels.optimizer      # whether the optimizer runs the in-place AdamW kernel (parallelize_optimizer)
+    net, info = load_network(artifact_dir)   # a model artifact's network, plain, eval mode (eval, serving, export)
+
+The steps, each once, in this order:
+
+1. build: the registry's plain model (model/registry.py: no kernel or parallel code inside) in the compute dtype,
+   seeded; a model artifact's full weights (continued pretraining, finetuning, eval, serving) assigned by name;
+2. convert: THE kernel decision (model.kernels.decide from the device, the compute precision and the
+   fused_kernels setting); where it says yes and the kernel library builds, the fused cells (model/fused_cells.py)
+   replace the plain ones of the same signature, and the optimizer is told (`Kernels.optimizer`);
+3. parallelize: the tensor-parallel plan (tasks/training/parallelize.py TP_PLAN) for this rank of the mesh.
+
+Pretraining (new and continued), finetuning, the memory measurement, eval, serving and export all get their
+network here, so the parameter names and the init are the same everywhere (tests/test_model.py checks it).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mindspore as ms
+from mindspore import nn
+
+from model.config import ModelConfig
+from model.fused_cells import FusedCausalLMLoss, FusedCausalSoftmax, FusedRMSNorm, FusedSwiGLU
+from model.kernel_build import kernel_path
+from model.kernel_ops import train_ops
+from model.kernels import decide
+from model.layers import RMSNorm
+from model.llama import MLP, Attention
+from model.registry import build_model
+from tasks.store.model_artifact import read_info
+from tasks.store.tensors import assign, load_weights
+from tasks.training.mesh import Mesh
+from tasks.training.parallelize import parallelize
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The one kernel decision of a build, for the model and for its optimizer."""
+
+    model: str
+    """Which native body the model's fused cells run ("avx512", "avx2", "neon", "scalar"), or "off: <why>"."""
+    optimizer: bool
+    """Whether the optimizer may run the in-place AdamW kernel (its master weights are fp32 whatever the compute)."""
+
+    @property
+    def fused(self) -> bool:
+        return not self.model.startswith("off")
+
+
+@dataclass(frozen=True)
+class Built:
+    net: nn.Cell
+    config: ModelConfig
+    kernels: Kernels
+
+
+def compute_dtype(precision: str):
+    """The network's compute dtype for a precision setting: fp16 runs fp16 matmuls on fp32 master weights;
+    fp32 (and bf16, which MindSpore's CPU backend runs as fp32 here) build an fp32 network."""
+    return ms.float16 if precision == "fp16" else ms.float32
+
+
+def convert(net: nn.Cell, fused_kernels: bool, device: str | None = None) -> Kernels:
+    """Decide once whether the native kernels run (device, compute precision, the setting); where they do, swap the
+    fused cells into `net` in place. Returns the decision for the model and for its optimizer."""
+    device = device or ms.get_context("device_target")
+    compute = "fp16" if getattr(net, "half", False) else "fp32"
+    why, optimizer = decide(fused_kernels, device, compute)
+    kernels = None if why else train_ops()
+    if why:
+        return Kernels(f"off: {why}", optimizer)
+    if kernels is None:  # no compiler or a failed build: MindSpore's own ops (kernel_path says why)
+        return Kernels(kernel_path(), optimizer)
+    for _, cell in net.cells_and_names():
+        if isinstance(cell, RMSNorm):
+            cell.normalize = FusedRMSNorm(kernels, cell.eps)
+        elif isinstance(cell, Attention):
+            cell.softmax = FusedCausalSoftmax(kernels)
+        elif isinstance(cell, MLP):
+            cell.swiglu = FusedSwiGLU(kernels)
+    net.loss_fn = FusedCausalLMLoss(kernels)
+    return Kernels(kernel_path(), optimizer)
+
+
+def build_network(name: str, config: ModelConfig, *, seed: int | None = 0, precision: str = "fp32",
+                  fused_kernels: bool = False, mesh: Mesh | None = None,
+                  weights: dict[str, Any] | None = None, source: str = "") -> Built:
+    """build → (full weights) → convert → parallelize: the network every stage trains or runs. `weights` (full,
+    unsplit, by parameter name) come from `source` (named in a mismatch error); `mesh` defaults to one process."""
+    net = build_model(name, config, seed=seed, compute_dtype=compute_dtype(precision))
+    if weights is not None:
+        assign(net.trainable_params(), weights, source)
+    kernels = convert(net, fused_kernels)
+    parallelize(net, mesh or Mesh())
+    return Built(net, config, kernels)
+
+
+def load_network(path: str | Path, *, seed: int = 0) -> tuple[nn.Cell, dict[str, Any]]:
+    """(the plain network of model artifact `path` with its weights, in eval mode; its model.json) for inference:
+    eval, serving, export (their decoding kernels are the decode step's, model/generate.py)."""
+    info = read_info(path)
+    built = build_network(info.get("name", "llama"), ModelConfig.from_dict(info["model"]), seed=seed,
+                          weights=load_weights(path), source=str(path))
+    built.net.set_train(False)
+    return built.net, info
+
+
+def log_kernels(kernels: Kernels, stage: str) -> str:
+    """One log line when the native kernels are off (why), and the manifest's `native_kernels` value."""
+    if not kernels.fused:
+        print(f"[{stage}] native kernels: {kernels.model}; MindSpore's own ops run", file=sys.stderr, flush=True)
+    return kernels.model
