@@ -19,11 +19,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 from typing import Callable
 
 from tasks.cli import commands
 from tasks.cli.common import StageError
 from tasks.config.schema import ConfigError
+from tasks.config.units import parse_bytes
+from tasks.serving.adapters import parse_adapter_flag
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -39,8 +42,6 @@ def _artifact_root(text: str) -> str:
     """argparse type of `--artifacts`: a directory, or a path whose nearest existing part is one (created on the
     first build). A file there is refused naming it, before any compute (the store would only fail at its first
     write, or find nothing "under" it)."""
-    from pathlib import Path
-
     p = Path(text).expanduser()
     probe = next((q for q in (p, *p.parents) if q.exists()), None)
     if probe is not None and not probe.is_dir():
@@ -128,8 +129,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _adapter(text: str):
     """argparse type of `serve --adapter`: NAME=FINETUNE (bad values exit 2 naming the flag)."""
-    from tasks.serving.adapters import parse_adapter_flag
-
     try:
         return parse_adapter_flag(text)
     except ValueError as exc:
@@ -138,8 +137,6 @@ def _adapter(text: str):
 
 def _positive_bytes(text: str, what: str) -> int:
     """A positive, finite size in bytes (`parse_bytes`), else an argparse error: `text` is not <what>."""
-    from tasks.config.units import parse_bytes
-
     try:
         n = parse_bytes(text)
     except (ValueError, OverflowError):

@@ -4,10 +4,16 @@ Every stage runs through the stage runner the flows share (tasks/stages/runner.p
 the machine checked and the key computed once there); the memory plan and the forward check are
 tasks/stages/preflight.py's. Stage modules never import this package, and this package imports neither the
 training room nor the model (tests/test_imports.py).
+
+The lazy boundary: modules that load numpy or MindSpore (the stage modules the runner finds through the stage
+table, tasks.stages.evaluate / export / convert, tasks.store.merge, the serving app) are imported inside the
+command that uses them, so `msllm --help`, `validate` and `plan` start without them; everything else is imported
+here, at the top.
 """
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 
@@ -15,7 +21,8 @@ from tasks.cli.common import StageError, load, print_metrics, store, upstream
 from tasks.config.loader import to_yaml, validate_file
 from tasks.stages import runner
 from tasks.stages.preflight import forward_check, memory_plan
-from tasks.stages.upstream import choose_model, eval_selection
+from tasks.stages.upstream import NoUpstream, choose_model, eval_selection, model_of_eval
+from tasks.store.lineage import lineage_data_artifact, lineage_tree, render
 
 STARTER = Path(__file__).resolve().parent / "starter"  # package data: ships in the wheel
 
@@ -23,8 +30,6 @@ STARTER = Path(__file__).resolve().parent / "starter"  # package data: ships in 
 def cmd_init(args) -> int:
     """`msllm init [DIR] [--force]`: copy the starter project (tasks/cli/starter/) into DIR; never overwrites
     without --force. Prints the files written, then DIR as the last line."""
-    import shutil
-
     dest = Path(args.directory).resolve()
     files = sorted(p for p in STARTER.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
     if not files:
@@ -113,7 +118,6 @@ def cmd_eval(args) -> int:
     """`msllm eval [--from MODEL]` runs the stage (default model: the pipeline's newest merged finetune or
     pretrain artifact); `msllm eval compare A B` compares two eval artifacts."""
     from tasks.stages import evaluate
-    from tasks.store.lineage import lineage_data_artifact
 
     if args.compare:
         if args.compare[0] != "compare" or len(args.compare) != 3:
@@ -238,8 +242,6 @@ def cmd_serve(args) -> int:
 def export_of_choice(st, pipeline: str) -> Path | None:
     """The export `msllm serve` runs by default: the newest export of the model the rule names (choose_model);
     without one, the pipeline's newest export, saying that it is of another model. Prints which and why."""
-    from tasks.stages.upstream import NoUpstream
-
     exports = st.list("export", pipeline)
     try:
         choice = choose_model(st, pipeline)
@@ -253,8 +255,6 @@ def export_of_choice(st, pipeline: str) -> Path | None:
     if not exports:
         return None
     p, m = exports[-1]
-    from tasks.stages.upstream import model_of_eval
-
     what = f"{choice.ref} ({choice.reason})" if choice else "the pipeline's model"
     print(f"[serve] note: no export of {what}; serving the pipeline's newest export export/{p.name} "
           f"(of {model_of_eval(m)}); run `msllm export --pipeline {pipeline}` to export the chosen model",
@@ -263,8 +263,6 @@ def export_of_choice(st, pipeline: str) -> Path | None:
 
 
 def cmd_lineage(args) -> int:
-    from tasks.store.lineage import lineage_tree, render
-
     st = store(args)
     print(render(lineage_tree(st, st.find(args.artifact)), args.format))
     return 0

@@ -8,6 +8,8 @@ from pathlib import Path
 
 from tasks.config.loader import resolve_pipeline
 from tasks.config.schema import PipelineConfig
+from tasks.stages.upstream import upstream as stage_upstream
+from tasks.store.artifacts import ArtifactStore
 
 
 class StageError(RuntimeError):
@@ -21,17 +23,13 @@ def load(args) -> PipelineConfig:
     return cfg
 
 
-def store(args):
-    from tasks.store.artifacts import ArtifactStore
-
+def store(args) -> ArtifactStore:
     return ArtifactStore(args.artifacts)
 
 
 def upstream(args, st, stage: str, pipeline: str) -> Path:
     """`--from PATH`, else the pipeline's newest artifact that `stage` reads (the stage table's resolver)."""
-    from tasks.stages.upstream import upstream as resolve
-
-    return resolve(st, stage, pipeline, getattr(args, "from_", None))
+    return stage_upstream(st, stage, pipeline, getattr(args, "from_", None))
 
 
 def print_metrics(path: Path) -> None:
