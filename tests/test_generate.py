@@ -11,7 +11,8 @@ import pytest
 from mindspore import Tensor
 
 from model.config import ModelConfig
-from model.generate import Generator, build_decode_kernel, decode_disabled_reason, decode_kernel_path
+from model.fused_decode import build_decode_kernel, decode_disabled_reason, decode_kernel_path
+from model.generate import Generator
 from model.sampling import sample_next
 from model.llama import LlamaForCausalLM
 
@@ -98,12 +99,12 @@ def test_chunk_attention_op_matches_rope_cache_write_and_masked_attention():
     caches at slots start.., and query i attending slots 0..start+i, as NumPy computes it in fp64, over kv-head
     groups, at chunk sizes that do and do not fill the kernel's 4-query and SIMD blocks; slots outside the
     chunk keep their values; a chunk past the cache's end is refused."""
-    from model.generate import _chunk_attention_op
+    from model.fused_decode import chunk_attention_op
 
     lib = build_decode_kernel()
     if lib is None:
         pytest.skip(f"decode kernel off: {decode_disabled_reason()}")
-    op = _chunk_attention_op(lib)
+    op = chunk_attention_op(lib)
     rng = np.random.default_rng(0)
     nkv, n_rep, hd, s, scale = 2, 3, 16, 64, 0.25
     ang = np.arange(s)[:, None] * (1e-2 ** (np.arange(hd // 2) / (hd // 2)))[None, :]

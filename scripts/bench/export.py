@@ -76,7 +76,8 @@ def main() -> None:
 
     setup_mindspore()
     from model.config import ModelConfig
-    from model.generate import Generator, decode_kernel_path
+    from model.fused_decode import decode_kernel_path
+    from model.generate import Generator
     from model.llama import LlamaForCausalLM
     from tasks.deploy.checks import genai_generate
     from tasks.deploy.formats import export_int8

@@ -246,7 +246,8 @@ def main() -> None:
 
     setup_mindspore()
     from model.config import ModelConfig
-    from model.generate import Generator, build_decode_kernel, decode_kernel_path
+    from model.fused_decode import build_decode_kernel, decode_kernel_path
+    from model.generate import Generator
     from model.llama import LlamaForCausalLM
     from tasks.stages.evaluate.lm_adapter import MindSporeLM
 

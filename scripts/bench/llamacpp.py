@@ -192,7 +192,8 @@ def our_side(a: argparse.Namespace) -> None:
     from model.runtime import setup_mindspore
 
     setup_mindspore()
-    from model.generate import Generator, decode_kernel_path
+    from model.fused_decode import decode_kernel_path
+    from model.generate import Generator
     from tasks.training.build import load_network
     from tasks.store.model_artifact import load_tokenizer
     from tasks.training.hardware import peak_rss_bytes

@@ -7,7 +7,7 @@
     path = prepare("eval", store, cfg, model_artifact=m, data_artifact=d).run(selection=s)
     base = resolve_init(store, "demo", "model.gguf")  # pretrain.init_from: a GGUF file / HF directory, converted
 
-`prepare` takes the pipeline config its caller resolved once (tasks.config.resolve_pipeline; a continued run's
+`prepare` takes the pipeline config its caller resolved once (tasks.config.loader.resolve_pipeline; a continued run's
 `cfg.for_continued(...)`) and the stage's inputs under the names the stage module's `run` gives them. It resolves
 the input paths inside the store, refuses what this machine cannot hold for the training stages (`check_machine`,
 before any compute), and computes the stage key once (the stage module's `stage_key`). `StageCall.run` hands that

@@ -159,7 +159,7 @@ def parallelize(net: nn.Cell, mesh) -> nn.Cell:
 
 
 def parallelize_optimizer(params, train, mesh, in_place: bool, decay_mask: list[bool] | None = None):
-    """The optimizer over `params` for this rank of `mesh`, from a `train` section (tasks.config.TrainSection,
+    """The optimizer over `params` for this rank of `mesh`, from a `train` section (tasks.config.schema.TrainSection,
     or anything with .optimizer and .loop.grad_clip). `in_place`: the build's kernel decision for the optimizer
     (tasks/training/build.py `Kernels.optimizer`). `decay_mask` defaults to the optimizer section's rule (norms,
     biases and embeddings undecayed unless it says otherwise)."""

@@ -240,7 +240,7 @@ def causal_lm_train_step(net, params: list[Parameter], *, weight_decay: float = 
     from tasks.training.parallelize import parallelize_optimizer
 
     mesh = mesh or Mesh()
-    train = SimpleNamespace(  # the shape of tasks.config.TrainSection that the optimizer reads
+    train = SimpleNamespace(  # the shape of tasks.config.schema.TrainSection that the optimizer reads
         optimizer=SimpleNamespace(beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                                   decay_norms_and_biases=False, decay_embeddings=False),
         loop=SimpleNamespace(grad_clip=grad_clip))

@@ -46,7 +46,7 @@ class NonFiniteError(RuntimeError):
 @dataclass
 class LoopConfig:
     """Run-time hooks of one `fit` call (what a YAML file never sets): the settings travel whole as the
-    `train` section (tasks.config.TrainSection) and the `checkpoint` section."""
+    `train` section (tasks.config.schema.TrainSection) and the `checkpoint` section."""
 
     progress: bool = True
     fault_steps: list[int] = field(default_factory=list)
@@ -169,7 +169,7 @@ def _resume(checkpoint, fp16: bool, mesh, ckpt_root: Path, params, optimizer, op
 def fit(net, params, loss_fn, train, *, checkpoint, batches: Batches, valid: Callable[[], Iterator] | None,
         run_dir: Path, meta: dict[str, Any], flops_per_token: float, tokens_per_sample: int, mesh=None,
         hooks: LoopConfig | None = None, kernels=None) -> FitResult:
-    """Train by `train` (a tasks.config.TrainSection: optimizer, schedule, loop, precision, fused_kernels, handed
+    """Train by `train` (a tasks.config.schema.TrainSection: optimizer, schedule, loop, precision, fused_kernels, handed
     whole) and `checkpoint` (the checkpoint section: save_steps when train.loop has none, retention, resume,
     load_checkpoint); `hooks` are the run-time test hooks; `kernels` the build's kernel decision
     (tasks/training/build.py `Kernels`: the optimizer's in-place AdamW; None: MindSpore's own). With a distributed `mesh` (tasks/runtime/distributed.py) every rank calls this with its own slice of the

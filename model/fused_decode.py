@@ -1,0 +1,161 @@
+"""The fused decode kernels (model/decode_kernel.cc) as MindSpore custom ops, for model/generate.py's Generator:
+
+    lib = build_decode_kernel(fused=True)       # the compiled library, or None (decision, no g++, failed build)
+    step = FusedDecodeStep(decoder, lib, decode_threads())                 # one token through the whole model
+    chunk = FusedDecodeStep(decoder, lib, threads, prefill=True)          # a prompt chunk through the whole model
+    attn = chunk_attention_op(lib)              # RoPE + cache write + attention of one layer (CachedDecoder's chunk graph)
+    decode_kernel_path()                        # "avx512" / "avx2" / "neon" / "scalar", or "off: <why>"
+
+Whether they run is model.kernels.off_reason(..., kind="decode"): eval.fused_kernels, MSLLM_FUSED_DECODE and
+MSLLM_FUSED_KERNELS. The ops read the net's own Parameters and write the caches in place.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import mindspore as ms
+from mindspore import Tensor, nn, ops
+from mindspore.ops import signature as sig
+
+from model.kernel_build import DECODE_SOURCE, build, kernel_path
+from model.kernel_ops import KernelShapeError, dtype_of
+from model.kernels import off_reason
+
+
+def build_decode_kernel(fused: bool = True) -> str | None:
+    """Path of the compiled fused decode step (model/decode_kernel.cc, OpenMP where the compiler has it),
+    built once per source, compiler and ISA level by `model.kernel_build.build`; None where it cannot be used:
+    the decision `model.kernels.enabled(fused, kind="decode")` says no (eval.fused_kernels false,
+    MSLLM_FUSED_DECODE=0 or MSLLM_FUSED_KERNELS=0), no g++, or a failed build. Callers then decode with
+    `CachedDecoder` (MindSpore kernels): the same tokens, slower. `decode_kernel_path()` says which."""
+    if decode_disabled_reason(fused):
+        return None
+    return build(DECODE_SOURCE, openmp=True)
+
+
+def decode_disabled_reason(fused: bool = True) -> str:
+    """Why the fused decode step is off ('' when asked for): `model.kernels.off_reason(..., kind="decode")`."""
+    return off_reason(fused, kind="decode")
+
+
+def decode_kernel_path(fused: bool = True) -> str:
+    """Which body of the fused decode step runs: "avx512", "avx2", "neon", "scalar", or "off: <why>"."""
+    if off := decode_disabled_reason(fused):
+        return f"off: {off}"
+    return kernel_path(DECODE_SOURCE, openmp=True)
+
+
+def decode_threads() -> int:
+    """Threads of the fused decode step: $MSLLM_DECODE_THREADS, else the cores this process may use (at most 8)."""
+    env = os.environ.get("MSLLM_DECODE_THREADS")
+    if env:
+        return max(1, int(env))
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:
+        n = os.cpu_count() or 1
+    return max(1, min(n, 8))
+
+
+def _decode_dtypes(*dtypes):
+    """The decode op's dtype check (the kernel checks again): token and position int32, the rest float32."""
+    for i, t in enumerate(dtypes):
+        want = ms.int32 if i < 2 else ms.float32
+        if dtype_of(t) != want:
+            raise KernelShapeError(f"fused kernel DecodeStep: operand {i} must be {want}, got {dtype_of(t)} "
+                                   f"(an fp32 model and int32 token/position)")
+    return ms.float32
+
+
+def _decode_op(lib: str, vocab: int, n_layers: int, name: str = "DecodeStep"):
+    """A whole-model custom op of model/decode_kernel.cc: `DecodeStep` (one token) or `PrefillStep` (a prompt chunk),
+    declared as writing its 2 * n_layers cache inputs (RW_WRITE, side_effect_mem, as model/kernel_ops.py's in-place
+    ops): so a graph never hands the kernel a copy of a cache Parameter, and the write is ordered after any earlier
+    read of it. Both return the logits [1, V] (PrefillStep: of the chunk's row `last`)."""
+    n_in = 8 + 11 * n_layers
+    writes = range(8 + 9 * n_layers, n_in)
+
+    class WholeModelStep(ops.Custom):
+        __mindspore_signature__ = tuple(sig.make_sig(f"x{i}", sig.sig_rw.RW_WRITE if i in writes else sig.sig_rw.RW_READ)
+                                        for i in range(n_in))
+
+        def __init__(self):
+            super().__init__(f"{lib}:{name}", out_shape=lambda *shapes: [1, vocab],
+                             out_dtype=_decode_dtypes, func_type="aot")
+            self.add_prim_attr("side_effect_mem", True)
+
+    return WholeModelStep()
+
+
+def chunk_attention_op(lib: str):
+    """The ChunkAttention custom op (model/decode_kernel.cc): (q [T, nh*hd], k, v [T, n_kv*hd] before RoPE, start
+    int32, cos, sin [S_rope, hd], k cache, v cache [n_kv, S, hd], consts [scale, threads]) -> [T, nh*hd]. It writes
+    the chunk's RoPE'd k and its v into the caches at slots start.. (declared RW_WRITE + side_effect_mem on them,
+    as `_decode_op`), then query i attends slots 0..start+i. Shapes and dtypes are checked when the graph is
+    inferred (the kernel checks again)."""
+    def shape(q, k, v, start, cos, sin, kc, vc, consts):
+        if (len(q) != 2 or len(kc) != 3 or list(kc) != list(vc) or q[1] % kc[2] or (q[1] // kc[2]) % kc[0]
+                or list(k) != [q[0], kc[0] * kc[2]] or list(v) != list(k)):
+            raise KernelShapeError(f"fused kernel ChunkAttention: q [T, heads * head_dim], k and v [T, n_kv * head_dim]"
+                                   f" and caches [n_kv, S, head_dim] expected, got {list(q)}, {list(k)}, {list(v)},"
+                                   f" {list(kc)}, {list(vc)}")
+        return list(q)
+
+    def dtype(*dtypes):
+        for i, t in enumerate(dtypes):
+            want = ms.int32 if i == 3 else ms.float32
+            if dtype_of(t) != want:
+                raise KernelShapeError(f"fused kernel ChunkAttention: operand {i} must be {want}, got {dtype_of(t)}")
+        return ms.float32
+
+    class ChunkAttention(ops.Custom):
+        __mindspore_signature__ = tuple(sig.make_sig(f"x{i}", sig.sig_rw.RW_WRITE if i in (6, 7) else sig.sig_rw.RW_READ)
+                                        for i in range(9))
+
+        def __init__(self):
+            super().__init__(f"{lib}:ChunkAttention", out_shape=shape, out_dtype=dtype, func_type="aot")
+            self.add_prim_attr("side_effect_mem", True)
+
+    return ChunkAttention()
+
+
+class FusedDecodeStep(nn.Cell):
+    """One decode token (batch 1, T = 1) of a `CachedDecoder` as ONE MindSpore custom op (model/decode_kernel.cc);
+    with `prefill=True`, a prompt chunk (batch 1, T tokens) the same way (`PrefillStep`).
+
+    The op reads the net's own Parameters (nothing is copied, so weights updated in place reach the
+    next step, as on every jit path) and writes the tokens' K/V into the decoder's cache Parameters in
+    place. `construct(token [1, 1] int32, pos int32)` returns the logits [1, V] of position pos;
+    prefill: `construct(tokens [1, T] int32, [start, last] int32)` writes slots start..start+T-1 and returns the
+    logits of row `last`. One kernel per token (or chunk) instead of ~280 MindSpore kernels, with AVX-512/AVX2
+    GEMVs (GEMMs for a chunk) over OpenMP threads, and no graph whose buffers live as long as the process: the
+    64-token chunk graph of `CachedDecoder` keeps ~0.5 GB at SmolLM2-135M (docs/MEMORY.md).
+    """
+
+    def __init__(self, decoder, lib: str, threads: int, prefill: bool = False):
+        super().__init__()
+        net = decoder.net
+        c = net.config
+        object.__setattr__(self, "net", net)
+        object.__setattr__(self, "decoder", decoder)
+        v = c.vocab_size
+        scale = net.layers[0].self_attn.scale
+        self.consts = Tensor(np.array([c.norm_eps, scale, threads], np.float32))
+        self.op = _decode_op(lib, v, len(net.layers), "PrefillStep" if prefill else "DecodeStep")
+
+    def construct(self, token: Tensor, pos: Tensor) -> Tensor:
+        net, dec = self.net, self.decoder
+        head = net.embed_tokens.weight if net.tie_embeddings else net.lm_head.weight
+        args = (token, pos, self.consts, net.embed_tokens.weight, net.norm.weight, head, net.rope_cos, net.rope_sin)
+        for layer in net.layers:
+            a, m = layer.self_attn, layer.mlp
+            args = args + (layer.input_layernorm.weight, a.q_proj.weight, a.k_proj.weight, a.v_proj.weight,
+                           a.o_proj.weight, layer.post_attention_layernorm.weight, m.gate_proj.weight,
+                           m.up_proj.weight, m.down_proj.weight)
+        for i in range(len(net.layers)):
+            args = args + (dec.k_cache[i],)
+        for i in range(len(net.layers)):
+            args = args + (dec.v_cache[i],)
+        return self.op(*args)
