@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API on FastAPI + uvicorn, and `msllm serve`: the routes.
 
-Request bodies are pydantic models (tasks/serving/requests.py: their fields, ranges and errors); responses,
-logprobs and the event stream are tasks/serving/streaming.py; the batching engine is tasks/serving/engine.py.
+Request bodies are pydantic models (tasks/serving/requests.py: their fields, ranges and errors), read and decoded
+by tasks/serving/bodies.py and checked against the served model by tasks/serving/parsing.py; responses, logprobs
+and the event stream are tasks/serving/streaming.py; the batching engine is tasks/serving/engine.py.
 
     msllm serve [ARTIFACT] [--host 127.0.0.1] [--port 8000] [--model-name NAME]
                 [--max-active 32] [--max-queue 256] [--max-body-size 8MiB] [--drain-timeout 8]
@@ -58,7 +59,6 @@ after --drain-timeout seconds is cut.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import signal
 import sys
@@ -73,9 +73,10 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tasks.serving.adapters import AdapterSpec
+from tasks.serving.bodies import json_body, respond
 from tasks.serving.engine import Busy, Engine, Sampling
-from tasks.serving.requests import (ApiError, DetokenizeRequest, TokenizeRequest, completion_prompt, document_prefix,
-                                    parse_request, requested_model, type_name, validate)
+from tasks.serving.parsing import completion_prompt, document_prefix, parse_request, requested_model
+from tasks.serving.requests import ApiError, DetokenizeRequest, TokenizeRequest, validate
 from tasks.serving.streaming import Choices, TokenText, log_done, stream_choices
 
 log = logging.getLogger("msllm.serve")
@@ -111,41 +112,66 @@ def build_app(engine: Engine, model_id: str, artifact: Path | str, *, adapters: 
     """The app serving `engine`'s default model as `model_id`, and each of `adapters` (id -> Served, e.g.
     `Served(engine, merged, model="a", base=model_id, adapter_mode="merged")`) as its own model id; request bodies
     of more than `max_body` bytes are a 413."""
+    served: dict[str, Served] = {model_id: Served(engine, artifact), **(adapters or {})}
+    app = FastAPI(title="msllm", version="1", docs_url=None, redoc_url=None, openapi_url=None)
+    _add_metrics(app, engine, served)
+    _add_error_handlers(app)
+    _add_model_routes(app, engine, model_id, served)
+    _add_tokenizer_routes(app, served[model_id], max_body)
+    _add_generation_routes(app, served, max_body)
+    return app
+
+
+def _error(exc: ApiError, endpoint: str = "") -> JSONResponse:
+    """An ApiError as OpenAI's error body (logged with the endpoint when one is named)."""
+    if endpoint:
+        log.info("%s %d %s", endpoint, exc.status, exc.message)
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+def _add_metrics(app: FastAPI, engine: Engine, served: dict[str, Served]) -> None:
+    """The app's metrics registry (app.state.metrics): each request counted by a middleware, each sequence by the
+    engine, and GET /metrics."""
     from fastapi.responses import Response
 
     from tasks.serving.metrics import ServerMetrics
 
-    served: dict[str, Served] = {model_id: Served(engine, artifact), **(adapters or {})}
-    backend = engine.backend
-    created = int(time.time())
-    app = FastAPI(title="msllm", version="1", docs_url=None, redoc_url=None, openapi_url=None)
-    metrics = ServerMetrics(backend.kind, served)
+    metrics = ServerMetrics(engine.backend.kind, served)
     app.state.metrics = metrics
     # each sequence is recorded by the engine's worker thread as it ends (an abort too, which no handler sees)
     engine.listeners.append(metrics.listener({sv.model: name for name, sv in served.items()}))
 
-    def error(exc: ApiError, endpoint: str = "") -> JSONResponse:
-        if endpoint:
-            log.info("%s %d %s", endpoint, exc.status, exc.message)
-        return JSONResponse(exc.body(), status_code=exc.status)
-
     @app.middleware("http")
     async def _count(request: Request, call_next):
         response = await call_next(request)
-        # the served model a completions/chat request named (set by `handle`); "" elsewhere and for unknown ids
+        # the served model a completions/chat request named (set by `_generate`); "" elsewhere and for unknown ids
         metrics.request(request.url.path, response.status_code, getattr(request.state, "model", ""))
         return response
 
+    @app.get("/metrics")
+    async def prometheus():
+        body, ctype = metrics.render()
+        return Response(body, media_type=ctype)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Starlette's errors (an unknown route, ...) and any crash of a handler in OpenAI's error shape."""
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         msg = (f"no route {request.method} {request.url.path}; the API is under /v1 (completions, chat/completions, "
                f"models)") if exc.status_code == 404 else str(exc.detail)
-        return error(ApiError(exc.status_code, msg), f"{request.method} {request.url.path}")
+        return _error(ApiError(exc.status_code, msg), f"{request.method} {request.url.path}")
 
     @app.exception_handler(Exception)
     async def _crash(request: Request, exc: Exception):
         log.exception("%s %s failed", request.method, request.url.path)
-        return error(ApiError(500, f"internal error: {type(exc).__name__}: {exc}"))
+        return _error(ApiError(500, f"internal error: {type(exc).__name__}: {exc}"))
+
+
+def _add_model_routes(app: FastAPI, engine: Engine, model_id: str, served: dict[str, Served]) -> None:
+    """GET /health, /v1/models and /v1/models/{id}."""
+    backend = engine.backend
+    created = int(time.time())
 
     def model_card(name: str) -> dict[str, Any]:
         sv = served[name]
@@ -160,11 +186,6 @@ def build_app(engine: Engine, model_id: str, artifact: Path | str, *, adapters: 
                              "batched": engine.batched, "active": engine.active, "peak_active": engine.peak_active,
                              "queued": engine.queued()}, status_code=200 if ok else 503)
 
-    @app.get("/metrics")
-    async def prometheus():
-        body, ctype = metrics.render()
-        return Response(body, media_type=ctype)
-
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [model_card(m) for m in served]}
@@ -172,16 +193,19 @@ def build_app(engine: Engine, model_id: str, artifact: Path | str, *, adapters: 
     @app.get("/v1/models/{name:path}")
     async def model(name: str):
         if name not in served:
-            return error(ApiError(404, f"model '{name}' does not exist; this server serves "
-                                       f"{', '.join(repr(m) for m in served)}", "model", code="model_not_found"),
-                         f"GET /v1/models/{name}")
+            return _error(ApiError(404, f"model '{name}' does not exist; this server serves "
+                                        f"{', '.join(repr(m) for m in served)}", "model", code="model_not_found"),
+                          f"GET /v1/models/{name}")
         return model_card(name)
 
-    # ---- vLLM's tokenizer endpoints: lm-eval's `local-completions` finds them (tokenizer_backend=auto or
-    # remote) and tokenizes with the server's own tokenizer, so its token ids are the server's.
 
+def _add_tokenizer_routes(app: FastAPI, sv: Served, max_body: int) -> None:
+    """vLLM's tokenizer endpoints (GET /tokenizer_info, POST /tokenize, /detokenize) for the default model:
+    lm-eval's `local-completions` finds them (tokenizer_backend=auto or remote) and tokenizes with the server's own
+    tokenizer, so its token ids are the server's."""
+    backend = sv.backend
     tok = backend.tokenizer
-    doc_start = served[model_id].prefix
+    doc_start = sv.prefix
 
     @app.get("/tokenizer_info")
     async def tokenizer_info():
@@ -219,139 +243,97 @@ def build_app(engine: Engine, model_id: str, artifact: Path | str, *, adapters: 
     @app.post("/tokenize")
     async def tokenize(request: Request):
         try:  # checked and tokenized in a worker thread
-            return await _respond(await run_in_threadpool(tokenized, await _json_body(request, max_body)))
+            return await respond(await run_in_threadpool(tokenized, await json_body(request, max_body)))
         except ApiError as exc:
-            return error(exc, "POST /tokenize")
+            return _error(exc, "POST /tokenize")
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
         try:
-            return await _respond(await run_in_threadpool(detokenized, await _json_body(request, max_body)))
+            return await respond(await run_in_threadpool(detokenized, await json_body(request, max_body)))
         except ApiError as exc:
-            return error(exc, "POST /detokenize")
+            return _error(exc, "POST /detokenize")
 
-    # ---- completions and chat
 
-    async def handle(request: Request, chat: bool):
-        endpoint = f"POST {request.url.path}"
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
-        reqs: list = []
-        try:
-            body = await _json_body(request, max_body)
-            name = requested_model(body, served)
-            request.state.model = name
-            sv = served[name]
-            # tokenizing (and rendering a chat template) off the event loop; more sequences than the queue ever
-            # holds is a 400 before any of it
-            p = await run_in_threadpool(lambda: parse_request(body, chat=chat, model_id=name, backend=sv.backend,
-                                                              prefix=sv.prefix, max_jobs=sv.engine.max_queue))
-            jobs = p.jobs()
-
-            def emitter(i: int):
-                def emit(ev: dict[str, Any]) -> None:  # called from the engine's thread
-                    try:
-                        loop.call_soon_threadsafe(events.put_nowait, (i, ev))
-                    except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
-                        pass
-                return emit
-
-            try:
-                for i, (prompt, sampling) in enumerate(jobs):
-                    reqs.append(sv.submit(prompt.ids, sampling, emitter(i)))
-            except Busy as exc:
-                for r in reqs:
-                    r.cancel()
-                raise ApiError(503, str(exc), code="server_busy") from None
-        except ApiError as exc:
-            return error(exc, endpoint)
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        meta = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                "model": name}
-        fmt = Choices(sv, p, jobs, chat)
-        if p.stream:
-            return StreamingResponse(stream_choices(reqs, events, meta, fmt, p.include_usage, rid, endpoint),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        texts: list[list[str]] = [[] for _ in jobs]
-        done: list[dict[str, Any] | None] = [None] * len(jobs)
-        try:
-            while any(d is None for d in done):
-                i, ev = await events.get()
-                if ev["type"] == "token":
-                    texts[i].append(ev["text"])
-                elif ev["type"] == "done":
-                    done[i] = ev
-                    log_done(rid if len(jobs) == 1 else f"{rid}[{i}]", endpoint, ev)
-                else:
-                    raise ApiError(500, ev["message"])
-        except ApiError as exc:
-            return error(exc, f"{endpoint} {rid}")
-        finally:
-            for r in reqs:
-                r.cancel()  # no-op when finished; stops the work when this handler was cancelled
-        choices = [fmt.final(i, "".join(texts[i]), done[i]) for i in range(len(jobs))]
-        return await _respond({**meta, "choices": choices, "usage": fmt.usage(done)})
-
+def _add_generation_routes(app: FastAPI, served: dict[str, Served], max_body: int) -> None:
+    """POST /v1/completions and /v1/chat/completions."""
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await handle(request, chat=False)
+        return await _generate(request, served, max_body, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await handle(request, chat=True)
-
-    return app
+        return await _generate(request, served, max_body, chat=True)
 
 
-def _too_large(size: str, limit: int) -> ApiError:
-    return ApiError(413, f"the request body is {size} bytes, more than this server reads ({limit:,} bytes, "
-                         f"--max-body-size); send a smaller request (split a prompt array over several requests), "
-                         f"or start the server with a larger --max-body-size", code="request_too_large")
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, at most `limit` bytes (413 past it): a larger Content-Length is refused before anything is kept,
-    and a chunked body (or one longer than it said) once it passes the limit. What a refused body still sends is read
-    and dropped (nothing kept) before the answer, so that a client that sends its whole body before reading the
-    response (urllib, requests) gets the 413 rather than a connection reset; a client that asked `Expect:
-    100-continue` (curl) gets the 413 at once and sends nothing."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        if request.headers.get("expect", "").lower() != "100-continue":
-            async for _ in request.stream():
-                pass
-        raise _too_large(f"{int(declared):,}", limit)
-    chunks, n = [], 0
-    async for chunk in request.stream():
-        n += len(chunk)
-        if n <= limit:
-            chunks.append(chunk)
-    if n > limit:
-        raise _too_large(f"{n:,}", limit)
-    return b"".join(chunks)
-
-
-async def _respond(content: Any) -> JSONResponse:
-    """A JSON response encoded in a worker thread (a dict returned by a route is walked by FastAPI's
-    jsonable_encoder on the event loop: seconds for /tokenize's million ids)."""
-    return await run_in_threadpool(JSONResponse, content)
-
-
-def _decode(raw: bytes) -> Any:
+async def _generate(request: Request, served: dict[str, Served], max_body: int, chat: bool):
+    """A completions or chat request: parsed (off the event loop), one engine sequence per prompt and choice, then
+    the response, streamed or whole."""
+    endpoint = f"POST {request.url.path}"
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue = asyncio.Queue()
+    reqs: list = []
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"the request body is not valid JSON ({exc}); send a JSON object with "
-                            f"Content-Type: application/json") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, f"the request body must be a JSON object, got {type_name(body)}")
-    return body
+        body = await json_body(request, max_body)
+        name = requested_model(body, served)
+        request.state.model = name
+        sv = served[name]
+        # tokenizing (and rendering a chat template) off the event loop; more sequences than the queue ever
+        # holds is a 400 before any of it
+        p = await run_in_threadpool(lambda: parse_request(body, chat=chat, model_id=name, backend=sv.backend,
+                                                          prefix=sv.prefix, max_jobs=sv.engine.max_queue))
+        jobs = p.jobs()
+
+        def emitter(i: int):
+            def emit(ev: dict[str, Any]) -> None:  # called from the engine's thread
+                try:
+                    loop.call_soon_threadsafe(events.put_nowait, (i, ev))
+                except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
+                    pass
+            return emit
+
+        try:
+            for i, (prompt, sampling) in enumerate(jobs):
+                reqs.append(sv.submit(prompt.ids, sampling, emitter(i)))
+        except Busy as exc:
+            for r in reqs:
+                r.cancel()
+            raise ApiError(503, str(exc), code="server_busy") from None
+    except ApiError as exc:
+        return _error(exc, endpoint)
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+    meta = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": name}
+    fmt = Choices(sv, p, jobs, chat)
+    if p.stream:
+        return StreamingResponse(stream_choices(reqs, events, meta, fmt, p.include_usage, rid, endpoint),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return await _whole_response(reqs, events, meta, fmt, len(jobs), rid, endpoint)
 
 
-async def _json_body(request: Request, limit: int = MAX_BODY) -> Any:
-    """The body as a JSON object (decoded in a worker thread), at most `limit` bytes (413 past it)."""
-    return await run_in_threadpool(_decode, await read_body(request, limit))
+async def _whole_response(reqs: list, events: asyncio.Queue, meta: dict[str, Any], fmt: Choices, n_jobs: int,
+                          rid: str, endpoint: str):
+    """A response that is not streamed: every choice's events gathered until each is done."""
+    texts: list[list[str]] = [[] for _ in range(n_jobs)]
+    done: list[dict[str, Any] | None] = [None] * n_jobs
+    try:
+        while any(d is None for d in done):
+            i, ev = await events.get()
+            if ev["type"] == "token":
+                texts[i].append(ev["text"])
+            elif ev["type"] == "done":
+                done[i] = ev
+                log_done(rid if n_jobs == 1 else f"{rid}[{i}]", endpoint, ev)
+            else:
+                raise ApiError(500, ev["message"])
+    except ApiError as exc:
+        return _error(exc, f"{endpoint} {rid}")
+    finally:
+        for r in reqs:
+            r.cancel()  # no-op when finished; stops the work when this handler was cancelled
+    choices = [fmt.final(i, "".join(texts[i]), done[i]) for i in range(n_jobs)]
+    return await respond({**meta, "choices": choices, "usage": fmt.usage(done)})
 
 
 def default_model_id(artifact: Path) -> str:

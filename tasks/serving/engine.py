@@ -36,19 +36,9 @@ Each sequence has its own KV cache (or cache rows) and its own
 `Generator.generate` / `OnnxGenerator.generate` do: with a seed (or temperature 0) a request yields
 the same tokens alone or among 31 others, and the same as `msllm predict`.
 
-Stop strings: after each token the completion is decoded again (together with the last
-prompt tokens, so a leading space survives); the first occurrence of any stop string ends
-the request and the text is cut before it (OpenAI's semantics). A streamed delta never
-contains a tail that could still become a stop string, nor an incomplete UTF-8 character
-(byte-fallback pieces decode to U+FFFD until the character is complete).
-
-Logprobs (`Sampling.logprobs` = how many alternatives per position, 0..20; None: none): the
-log-softmax of the backend's fp32 logits, in float64, before temperature, top-k or top-p (as vLLM
-reports them by default), as `LogProb(token, logprob, top)` entries: one per generated token, and
-with `Sampling.echo_from` set, one per prompt token from that index on (a prompt position needs the
-logits of the whole prompt: one extra full forward, `backend.prompt_logits`). The first token of a
-sequence has nothing before it: its logprob is None. `max_tokens` 0 is allowed with echo only:
-the prompt is scored and nothing is generated.
+A completion's text is handed out as it grows, held back where a stop string may begin
+(tasks/serving/text_stream.py); logprobs, when asked, come with each token (tasks/serving/logprobs.py).
+`max_tokens` 0 is allowed with echo only: the prompt is scored and nothing is generated.
 """
 
 from __future__ import annotations
@@ -58,13 +48,14 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-log = logging.getLogger("msllm.serve")
+from tasks.serving.logprobs import LogProb, logprob_entry, prompt_logprobs
+from tasks.serving.text_stream import TextStream
 
-_HEAD_TOKENS = 8  # prompt tokens decoded with the completion, so its first piece keeps its leading space
+log = logging.getLogger("msllm.serve")
 
 
 @dataclass
@@ -77,47 +68,6 @@ class Sampling:
     stop: list[str] = field(default_factory=list)
     logprobs: int | None = None  # alternatives per position (0..20) with each token's logprob; None: no logprobs
     echo_from: int | None = None  # score the prompt's tokens from this index on (echo); None: not at all
-
-
-class LogProb(NamedTuple):
-    """One position: the token there, its logprob (None: nothing precedes it) and the `top` most likely
-    alternatives [(id, logprob), ...], most likely first."""
-
-    token: int
-    logprob: float | None
-    top: list[tuple[int, float]]
-
-
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    """log p over the last axis, in float64, of fp32 logits (no temperature: the model's own distribution)."""
-    z = np.asarray(logits, np.float64)
-    z = z - z.max(axis=-1, keepdims=True)
-    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
-
-
-def _top(lp: np.ndarray, k: int) -> list[tuple[int, float]]:
-    if k <= 0:
-        return []
-    k = min(k, lp.size)
-    idx = np.argpartition(-lp, k - 1)[:k]
-    idx = idx[np.lexsort((idx, -lp[idx]))]  # most likely first; ties by id
-    return [(int(i), float(lp[i])) for i in idx]
-
-
-def logprob_entry(logits: np.ndarray, token: int, k: int) -> LogProb:
-    lp = log_softmax(logits)
-    return LogProb(int(token), float(lp[token]), _top(lp, k))
-
-
-def prompt_logprobs(backend, ids: Sequence[int], start: int, k: int) -> list[LogProb]:
-    """Entries for ids[start:], each scored by the logits of the position before it (one full forward)."""
-    out = [LogProb(int(ids[0]), None, [])] if start == 0 else []
-    if len(ids) > 1 and len(ids) > max(start, 1):
-        lp = log_softmax(backend.prompt_logits(list(ids)))  # [T, V]
-        for p in range(max(start, 1), len(ids)):
-            row = lp[p - 1]
-            out.append(LogProb(int(ids[p]), float(row[ids[p]]), _top(row, k)))
-    return out
 
 
 class Busy(RuntimeError):
@@ -147,45 +97,6 @@ class Request:
 
     def cancel(self) -> None:
         self.cancelled = True
-
-
-class TextStream:
-    """Incremental detokenisation of one completion with stop strings (see the module docstring)."""
-
-    def __init__(self, sp, prompt_ids: Sequence[int], stop: Sequence[str], eos_id: int):
-        self.sp, self.eos = sp, eos_id
-        self.head = [int(t) for t in prompt_ids if t != eos_id][-_HEAD_TOKENS:]
-        self.head_text = sp.decode(self.head) if self.head else ""
-        self.stop = [s for s in stop if s]
-        self.sent = 0  # characters of the completion already handed out
-        self.text = ""
-
-    def _decode(self, new_ids: Sequence[int]) -> str:
-        new = [int(t) for t in new_ids if t != self.eos]
-        if not self.head:
-            return self.sp.decode(new)
-        full = self.sp.decode(self.head + new)
-        return full[len(self.head_text):] if full.startswith(self.head_text) else self.sp.decode(new)
-
-    def update(self, new_ids: Sequence[int], final: bool) -> tuple[str, bool]:
-        """(text to hand out now, whether a stop string was hit). After a hit, `self.text` is the final text."""
-        text = self._decode(new_ids)
-        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
-        if hits:
-            self.text = text[: min(hits)]
-            delta, self.sent = self.text[self.sent:], len(self.text)
-            return delta, True
-        self.text = text
-        end = len(text)
-        if not final:
-            hold = max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-            while end - hold > self.sent and text[end - hold - 1] == "\ufffd":  # an incomplete character
-                hold += 1
-            end -= hold
-        if end <= self.sent:
-            return "", False
-        delta, self.sent = text[self.sent:end], end
-        return delta, False
 
 
 class _Seq:

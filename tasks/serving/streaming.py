@@ -17,8 +17,10 @@ import json
 import logging
 from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
 
-from tasks.serving.engine import LogProb, Sampling
-from tasks.serving.requests import ApiError, Parsed, Prompt
+from tasks.serving.engine import Sampling
+from tasks.serving.logprobs import LogProb
+from tasks.serving.parsing import Parsed, Prompt
+from tasks.serving.requests import ApiError
 
 if TYPE_CHECKING:
     from tasks.serving.app import Served
