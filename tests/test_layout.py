@@ -1,8 +1,10 @@
 """The layout table (docs/ARCHITECTURE.md, "## Layout") is the tree as it is: every folder of tracked source files is in it
-(directly or under a listed parent that names it), and every path it lists exists."""
+(directly or under a listed parent that names it), and every path it lists exists. The prose names files and config
+keys that exist, and the package code stays in small pieces (files of at most 450 lines, functions of at most 80)."""
 
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 from pathlib import Path
@@ -105,3 +107,36 @@ def test_docs_and_docstrings_name_config_keys_that_exist():
                 if not _config_key_exists(parts):
                     stale.append(f"{f}:{n}: {'.'.join(parts)}")
     assert stale == []
+
+
+
+# ----------------------------------------------------------------------------- sizes
+
+MAX_FILE_LINES = 450
+MAX_FUNCTION_LINES = 80
+_SIZED = ("model", "tasks", "flows")
+
+
+def _size_offenders() -> list[str]:
+    """Every .py file under model/, tasks/ and flows/ longer than MAX_FILE_LINES, and every function or method in
+    them longer than MAX_FUNCTION_LINES (its def line to its last line; decorators not counted). AST only."""
+    out = []
+    for top in _SIZED:
+        for path in sorted((REPO / top).rglob("*.py")):
+            rel = path.relative_to(REPO).as_posix()
+            text = path.read_text(encoding="utf-8")
+            lines = len(text.splitlines())
+            if lines > MAX_FILE_LINES:
+                out.append(f"{rel}: {lines} lines (a file holds at most {MAX_FILE_LINES})")
+            for node in ast.walk(ast.parse(text, rel)):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    n = node.end_lineno - node.lineno + 1
+                    if n > MAX_FUNCTION_LINES:
+                        out.append(f"{rel}:{node.lineno}: {node.name}() is {n} lines (at most {MAX_FUNCTION_LINES})")
+    return out
+
+
+def test_files_and_functions_stay_small():
+    """Split a long function into named steps, and move a coherent concern of a long file into a sibling module."""
+    offenders = _size_offenders()
+    assert not offenders, f"{len(offenders)} over the size limits:\n  " + "\n  ".join(offenders)
