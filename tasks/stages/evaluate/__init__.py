@@ -25,7 +25,7 @@ manifest metrics: perplexity, bits_per_byte (held-out split), base_perplexity / 
 model's, on the same held-out blocks; below), "<file>.perplexity" / "<file>.bits_per_byte", "<task>.<metric>" for
 each task's main metric (acc where it has one).
 
-The base model: for a model with one (a merged finetune, a continued pretrain: `base_chain` follows the model
+The base model: for a model with one (a merged finetune, a continued pretrain: `perplexity.base_chain` follows the model
 inputs of the manifests back to a model converted or trained from scratch), that first model's held-out
 perplexity on the same blocks, in results.json ("base_perplexity") and beside the evaluated one in report.md.
 """
