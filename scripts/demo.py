@@ -63,7 +63,7 @@ def main() -> int:
               f"  ({_du(Path(path)) / 1e6:.1f} MB)")
         met = m.get("metrics", {})
         if "val_loss" in met and (Path(path) / "metrics.jsonl").is_file():
-            before = met.get("initial_val_loss", met.get("val_loss_before"))
+            before = met.get("initial_val_loss")
             what = "response-only val loss" if m["stage"] == "finetune" else "val loss"
             ent = f" (unigram entropy of the corpus {met['unigram_entropy']:.3f})" if "unigram_entropy" in met else ""
             print(f"   {'':<20} {what} {before:.3f} → {met['val_loss']:.3f} nats/token{ent}; "

@@ -28,15 +28,16 @@ def main() -> None:
 
     setup_mindspore()
     from model.config import ModelConfig
-    from model.llama import LlamaForCausalLM
+    from tasks.training.build import build_network
     from tasks.training.step import causal_lm_train_step
     from tasks.training.hardware import peak_rss_bytes
 
     cfg = ModelConfig.from_name(a.preset)
-    net = LlamaForCausalLM(cfg, seed=0, fused_kernels=not a.no_fused)  # as the trainer (pretrain.train.fused_kernels)
+    built = build_network("llama", cfg, seed=0, fused_kernels=not a.no_fused)  # as the trainer builds it
+    net = built.net
     if a.recompute:
         net.enable_recompute()
-    step = causal_lm_train_step(net, net.trainable_params())
+    step = causal_lm_train_step(net, net.trainable_params(), in_place=built.kernels.optimizer)
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (a.batch, a.seq + 1)).astype(np.int32)
     for s in range(a.steps):
         step([(ids[:, :-1], ids[:, 1:])], 1e-4, s + 1)

@@ -189,8 +189,8 @@ def test_stage_trains_a_small_adapter_that_names_its_base_and_merges_exactly(env
     assert met["adapter_bytes"] < 0.1 * (base / "model.safetensors").stat().st_size  # small: adapter only
     assert met["trainable_params"] == 2 * 4 * ((64 + 64) + (64 + 32)) + 4 * (64 + 512)  # q, v per layer; lm_head
     assert 0 < met["trainable_share"] < 0.05 and met["loss_on"] == "response tokens"
-    assert met["val_loss"] < met["val_loss_before"] - 0.5, met  # the response-only loss fell
-    assert met["final_loss"] < met["first_loss"]
+    assert met["val_loss"] < met["initial_val_loss"] - 0.5, met  # the response-only loss fell
+    assert met["final_train_loss"] < met["first_loss"]
     store.verify(base)  # the base artifact is untouched
 
     assert finetune.run(cfg, store, base, isolate=False) == path  # cache hit, no training
@@ -277,7 +277,7 @@ def test_full_finetuning_on_plain_text_stores_and_merges_every_weight(env):
     path = finetune.run(cfg, store, base, isolate=False, progress=False)
     met = store.read_manifest(path)["metrics"]
     assert met["trainable_share"] == 1.0 and met["method"] == "full" and met["loss_on"] == "all tokens"
-    assert met["documents"] == 1 and met["val_loss"] < met["val_loss_before"]
+    assert met["documents"] == 1 and met["val_loss"] < met["initial_val_loss"]
     trained, base_w = load_file(str(path / "adapter.safetensors")), load_weights(base)
     assert set(trained) == set(base_w) and any((trained[k] != base_w[k]).any() for k in trained)
     merged = load_weights(merge(store, path))

@@ -46,21 +46,23 @@ def _sharded_optimizer(dp: int, dp_index: int, chunk_elements: int = 4 * 2**20, 
 
 def test_fused_kernels_false_keeps_the_update_on_mindspores_kernel():
     """pretrain.train.fused_kernels: false means no custom op at all, in ZeRO-1's update as in AdamW's (the trainer used to
-    build ShardedAdamW in place whatever the key said)."""
+    build ShardedAdamW in place whatever the key said): the build's one decision (model.kernels.decide) tells both."""
     from types import SimpleNamespace
 
     from model.kernel_ops import zero_ops
+    from model.kernels import decide
     from tasks.config.schema import TrainSection
     from tasks.training.parallelize import parallelize_optimizer
 
     params = _sharded_optimizer(1, 0).params
     zero = SimpleNamespace(zero=True, dp=2, dp_index=1)
-    plain = SimpleNamespace(zero=False, sharded=lambda ps: None, tp_group=None)
+    plain = SimpleNamespace(zero=False, tp=1, tp_group=None)
     built = zero_ops() is not None
     for fused in (True, False):
         train = TrainSection.model_validate({"fused_kernels": fused})
-        assert parallelize_optimizer(list(params), train, zero).in_place is (fused and built), fused
-        assert (parallelize_optimizer(list(params), train, plain).kernel is not None) is (fused and built), fused
+        in_place = decide(train.fused_kernels, "CPU", "fp16")[1]  # fp16 compute: the fp32 master update still may
+        assert parallelize_optimizer(list(params), train, zero, in_place).in_place is (fused and built), fused
+        assert (parallelize_optimizer(list(params), train, plain, in_place).kernel is not None) is (fused and built)
 
 
 def _moments() -> dict[str, np.ndarray]:

@@ -78,7 +78,7 @@ def main() -> None:
     from model.config import ModelConfig
     from model.fused_decode import decode_kernel_path
     from model.generate import Generator
-    from model.llama import LlamaForCausalLM
+    from tasks.training.build import build_network
     from tasks.deploy.checks import genai_generate
     from tasks.deploy.formats import export_int8
     from tasks.deploy.onnx_decoder import build_decoder, save_model
@@ -90,7 +90,7 @@ def main() -> None:
     if max_len > cfg.max_seq_length or n < 2 or p < 1:
         raise SystemExit(f"need prompt + new tokens ({p} + {n}) <= {a.preset}'s max_seq_length {cfg.max_seq_length}, "
                          "a prompt token and at least 2 new tokens")
-    net = LlamaForCausalLM(cfg, seed=0)
+    net = build_network("llama", cfg, seed=0).net
     net.set_train(False)
     prompt = [int(x) for x in np.random.default_rng(0).integers(3, cfg.vocab_size, p)]
     res: dict = {"bench": "export", **describe(a.threads), "kernel_body": decode_kernel_path(), "preset": a.preset, "parameters": cfg.num_parameters, "prompt_tokens": p,

@@ -47,13 +47,13 @@ def run_variant(variant: str, preset: str, steps: int, warmup: int, batch: int, 
 
     setup_mindspore(seed=0)
     from model.config import ModelConfig
-    from model.llama import LlamaForCausalLM
+    from tasks.training.build import build_network
     from model.lora import inject_lora, mark_only_lora_trainable, trainable_summary
     from tasks.training.step import causal_lm_train_step
 
     cfg = ModelConfig.from_name(preset)
     seq = min(seq, cfg.max_seq_length)
-    net = LlamaForCausalLM(cfg, seed=0)
+    net = build_network("llama", cfg, seed=0).net
     if variant == "lora":
         inject_lora(net, targets, rank=rank, alpha=2.0 * rank)
         params = mark_only_lora_trainable(net)

@@ -248,14 +248,14 @@ def main() -> None:
     from model.config import ModelConfig
     from model.fused_decode import build_decode_kernel, decode_kernel_path
     from model.generate import Generator
-    from model.llama import LlamaForCausalLM
+    from tasks.training.build import build_network
     from tasks.stages.evaluate.lm_adapter import MindSporeLM
 
     cfg = ModelConfig.from_name(a.preset)
     if a.prompt_tokens + a.new_tokens > cfg.max_seq_length:
         raise SystemExit(f"prompt + new tokens ({a.prompt_tokens + a.new_tokens}) exceed {a.preset}'s "
                          f"max_seq_length {cfg.max_seq_length}")
-    net = LlamaForCausalLM(cfg, seed=0)
+    net = build_network("llama", cfg, seed=0).net
     net.set_train(False)
     rng = np.random.default_rng(0)
     prompt = [int(t) for t in rng.integers(3, cfg.vocab_size, a.prompt_tokens)]

@@ -94,10 +94,10 @@ def run_eval_side(a, cfg) -> dict:
         from model.runtime import setup_mindspore
 
         setup_mindspore()
-        from model.llama import LlamaForCausalLM
+        from tasks.training.build import build_network
         from tasks.stages.evaluate.lm_adapter import TokenScorer
 
-        net = LlamaForCausalLM(cfg, seed=0)
+        net = build_network("llama", cfg, seed=0).net
         net.set_train(False)
         loaded = _rss_gb()
         scorer = TokenScorer(net, batch_size=a.batch_size, max_bytes=a.max_bytes)
@@ -151,9 +151,9 @@ def run_side(a) -> dict:
 
         setup_mindspore()
         from model.generate import Generator
-        from model.llama import LlamaForCausalLM
+        from tasks.training.build import build_network
 
-        net = LlamaForCausalLM(cfg, seed=0)
+        net = build_network("llama", cfg, seed=0).net
         net.set_train(False)
         gen = Generator(net, max_len=a.context)
         path = gen.decode_path

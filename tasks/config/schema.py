@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from model.config import ModelConfig
 
@@ -169,7 +169,7 @@ class LoopSection(_Section):
     """Validation loss every this many steps, and at the end."""
     eval_batches: int = Field(8, gt=0)
     save_steps: int | None = Field(None, gt=0)
-    """Checkpoint every this many steps; defaults to checkpoint.save_steps."""
+    """Checkpoint every this many steps; defaults to checkpoint.save_steps (filled in when the pipeline loads)."""
     max_nonfinite_steps: int = Field(5, gt=0)
     """Consecutive NaN/Inf steps (each skipped) before the run stops."""
     peak_flops: float | None = Field(None, gt=0)
@@ -216,7 +216,7 @@ class PretrainSection(_Section):
     train: TrainSection = Field(default_factory=TrainSection)
     """Optimizer, schedule, loop, precision and kernels (inherited by continued and, in part, finetune)."""
     seq_length: int | None = Field(None, gt=0)
-    """Defaults to data.seq_length; must not exceed it."""
+    """Defaults to data.seq_length (filled in when the pipeline loads); must not exceed it."""
     recompute: bool = False
     seed: int = 42
     init_from: str | None = None
@@ -379,6 +379,17 @@ class PipelineConfig(_Section):
     base_dir: str = "."
     notes: list[str] = Field(default_factory=list)
     """What resolving chose that the user should see (e.g. which training budget a `--set` replaced)."""
+
+    @model_validator(mode="after")
+    def _one_value_per_setting(self) -> "PipelineConfig":
+        """Defaults that come from another section are filled here, once, so every reader sees one value:
+        pretrain.seq_length from data.seq_length, each train.loop.save_steps from checkpoint.save_steps."""
+        if self.pretrain.seq_length is None:
+            self.pretrain.seq_length = self.data.seq_length
+        for train in (self.pretrain.train, self.continued.train, self.finetune.train):
+            if train.loop.save_steps is None:
+                train.loop.save_steps = self.checkpoint.save_steps
+        return self
 
     def section(self, name: str) -> dict[str, Any]:
         """A section as plain data (what a stage's cache key hashes)."""

@@ -29,7 +29,7 @@ def memory_plan(cfg: PipelineConfig, device_memory: int, devices: int | None = N
     devices of `device_memory` bytes, best first, and a recommendation."""
     mc = cfg.model.resolve()
     par, pt, tr = cfg.parallel, cfg.pretrain, cfg.pretrain.train
-    seq = pt.seq_length or cfg.data.seq_length
+    seq = pt.seq_length
     lay = Layout(dp=par.data_parallel, tp=par.tensor_parallel, pp=cfg.plan.pipeline_parallel,
                  micro_batch_num=cfg.plan.micro_batch_num, optimizer_shard=par.optimizer_shard)
     est = estimate(mc, micro_batch=tr.loop.micro_batch_size, seq=seq, precision=tr.precision.dtype,

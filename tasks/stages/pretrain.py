@@ -234,7 +234,7 @@ def _train(cfg: PipelineConfig, store: ArtifactStore, data_artifact: Path, init_
     tok = _check_tokenizer(data_artifact, init_from, mc)
     if pt.recompute:
         net.enable_recompute()
-    seq = pt.seq_length or cfg.data.seq_length
+    seq = pt.seq_length
     print(f"[pretrain] {budget_line(pt.train.loop, seq)}", file=sys.stderr)
     batches, valid = _data(cfg, store, data_artifact, init_from, seq, mesh)
     params = net.trainable_params()
@@ -268,13 +268,10 @@ def _publish(cfg: PipelineConfig, store: ArtifactStore, key: str, data_artifact:
                     tokenizer_model=data_artifact, tokenizer_info=tok, seq_length=seq)
         add_run_files(b.dir, run_dir, result, f"{cfg.name}: {cfg.model.preset} ({mc.num_parameters / 1e6:.1f}M params)")
         b.metrics.update(
-            steps=result.steps, consumed_samples=result.consumed_samples, tokens=result.consumed_samples * seq,
-            final_train_loss=result.final_loss, initial_val_loss=result.initial_val_loss, val_loss=result.val_loss,
-            val_ppl=math.exp(result.val_loss) if result.val_loss is not None else None,
-            unigram_entropy=entropy, skipped_steps=result.skipped_steps, tokens_per_s=result.tokens_per_s,
-            precision=pt.train.precision.dtype, overflow_steps=result.overflow_steps, final_loss_scale=result.loss_scale,
-            parameters=mc.num_parameters, continued_from=str(init_from) if init_from else None,
-            layout={"data_parallel": mesh.dp, "tensor_parallel": mesh.tp}, native_kernels=kernels,
+            **result.manifest_metrics(), tokens=result.consumed_samples * seq,
+            val_ppl=math.exp(result.val_loss) if result.val_loss is not None else None, unigram_entropy=entropy,
+            precision=pt.train.precision.dtype, parameters=mc.num_parameters,
+            continued_from=str(init_from) if init_from else None, layout=mesh.layout(), native_kernels=kernels,
         )
     return b.path
 

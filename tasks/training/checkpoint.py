@@ -126,7 +126,7 @@ def _save_distributed(ckpt_root: Path, step: int, weights, optimizer, state, kee
             part = tmp / name
             files.update(json.loads(part.read_text()))
             part.unlink()
-        layout = {"data_parallel": mesh.dp, "tensor_parallel": mesh.tp}
+        layout = mesh.layout()
         if opt_shard is not None:
             layout["optimizer_shard"] = opt_shard
         _publish(ckpt_root, tmp, step, {**state, "layout": layout}, files, keep)

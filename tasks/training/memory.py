@@ -213,7 +213,7 @@ def machine_fit_errors(cfg, prefix: str, machine_bytes: int | None = None) -> li
     lay = Layout(dp=par.data_parallel, tp=par.tensor_parallel, optimizer_shard=par.optimizer_shard)
     pt, ft = cfg.pretrain, cfg.finetune
     ptr, ftr = pt.train, ft.train
-    seq = pt.seq_length or cfg.data.seq_length
+    seq = pt.seq_length
     errs = []
     for key, micro, s, kw in (
         ("pretrain.train.loop.micro_batch_size", ptr.loop.micro_batch_size, seq,

@@ -52,6 +52,11 @@ class Mesh:
     def distributed(self) -> bool:
         return self.world > 1
 
+    def layout(self) -> dict[str, int]:
+        """{data_parallel, tensor_parallel}: the layout as the parallel section names it (what checkpoints and
+        manifests record)."""
+        return {"data_parallel": self.dp, "tensor_parallel": self.tp}
+
     @property
     def writes_checkpoint(self) -> bool:
         """Data-parallel replica 0 writes the checkpoint shards (the other replicas hold copies)."""

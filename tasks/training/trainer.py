@@ -73,6 +73,14 @@ class FitResult:
     updates: int = 0
     """Updates applied in the whole run (resumed ones included)."""
 
+    def manifest_metrics(self) -> dict[str, Any]:
+        """The run's results as every training stage's manifest writes them: one set of names (pretrain,
+        continued pretraining and finetuning alike; scripts/demo.py and the model card read these)."""
+        return {"steps": self.steps, "consumed_samples": self.consumed_samples, "final_train_loss": self.final_loss,
+                "initial_val_loss": self.initial_val_loss, "val_loss": self.val_loss,
+                "skipped_steps": self.skipped_steps, "overflow_steps": self.overflow_steps,
+                "final_loss_scale": self.loss_scale, "tokens_per_s": self.tokens_per_s}
+
 
 def _named_arrays(params) -> dict[str, np.ndarray]:
     return {p.name: p.asnumpy() for p in params}
@@ -205,7 +213,7 @@ class _Run:
         lp, pr = train.loop, train.precision
         self.lp, self.o, self.pr = lp, train.optimizer, pr
         self.max_steps = training_steps(lp, tokens_per_sample)
-        self.save_steps = lp.save_steps or checkpoint.save_steps
+        self.save_steps = lp.save_steps or checkpoint.save_steps  # a hand-built TrainSection may leave it unset
         self.lr_of = lr_schedule(train, self.max_steps)
         self.lead = mesh.rank == 0
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -220,14 +220,12 @@ def _publish(cfg: PipelineConfig, store: ArtifactStore, keyed: tuple, net, param
         add_run_files(b.dir, run_dir, result, f"{cfg.name}: {ft.method} fine-tuning ({summary.trainable / 1e6:.3g}M "
                       f"trainable{', response tokens only' if ft.format == 'instruction' else ''})")
         b.metrics.update(
-            method=ft.method, native_kernels=kernels, steps=result.steps, consumed_samples=result.consumed_samples,
+            **result.manifest_metrics(), method=ft.method, native_kernels=kernels,
             first_loss=train_rows[0]["loss"] if train_rows else None,
             first_loss_step=train_rows[0]["step"] if train_rows else None,
-            final_loss=result.final_loss, val_loss_before=result.initial_val_loss, val_loss=result.val_loss,
             loss_on="response tokens" if ft.format == "instruction" else "all tokens",
             trainable_params=summary.trainable, total_params=summary.total, trainable_share=summary.share,
-            adapter_bytes=(b.dir / "adapter.safetensors").stat().st_size, skipped_steps=result.skipped_steps,
-            tokens_per_s=result.tokens_per_s, seq_length=seq, **data.stats,
+            adapter_bytes=(b.dir / "adapter.safetensors").stat().st_size, seq_length=seq, **data.stats,
         )
     print(f"[finetune] validation loss {result.initial_val_loss} -> {result.val_loss} "
           f"({b.metrics['loss_on']}); adapter {b.metrics['adapter_bytes'] / 1e6:.2f} MB", file=sys.stderr)
