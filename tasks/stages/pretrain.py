@@ -95,7 +95,7 @@ def run(cfg: PipelineConfig, store: ArtifactStore, data_artifact: Path, init_fro
     if hit is not None:
         return hit
     spec = {"config": cfg.model_dump(mode="json"), "root": str(store.root), "data": str(data_artifact),
-            "init_from": str(init_from) if init_from else None, "key": key,
+            "init_from": str(init_from) if init_from else None, "key": key, "keyed": list(keyed),
             "progress": progress and sys.stderr.isatty()}  # a bar only where a terminal shows it
     return supervise(STAGE, store, key, spec, train, retries=retries, isolate=isolate, inject=inject,
                      parallel=cfg.parallel)
@@ -163,7 +163,8 @@ def train(spec: dict[str, Any]) -> Path | None:
     mesh = Mesh.init(par.data_parallel, par.tensor_parallel, par.optimizer_shard) if par.device_num > 1 else Mesh()
     return _train(cfg, ArtifactStore(spec["root"]), Path(spec["data"]),
                   Path(spec["init_from"]) if spec["init_from"] else None, spec["key"], spec.get("progress", True),
-                  stop_after=spec.get("stop_after"), fault_steps=spec.get("fault_steps", []), mesh=mesh)
+                  stop_after=spec.get("stop_after"), fault_steps=spec.get("fault_steps", []), mesh=mesh,
+                  keyed=spec.get("keyed"))
 
 
 def network(cfg: PipelineConfig, init_from: Path | None, mesh: Mesh | None = None):
@@ -222,7 +223,8 @@ def _data(cfg: PipelineConfig, store: ArtifactStore, data_artifact: Path, init_f
 
 def _train(cfg: PipelineConfig, store: ArtifactStore, data_artifact: Path, init_from: Path | None, key: str,
            progress: bool, stop_after: int | None = None, fault_steps: list[int] | None = None,
-           mesh: Mesh | None = None) -> Path | None:
+           mesh: Mesh | None = None, keyed: list | None = None) -> Path | None:
+    """`keyed`: the parent's (key, inputs, section) for the manifest; None computes them again (tests)."""
     from tasks.training.build import log_kernels  # MindSpore: the child's imports (the parent's stay light)
     from tasks.training.step import causal_lm_loss_fn
 
@@ -250,15 +252,16 @@ def _train(cfg: PipelineConfig, store: ArtifactStore, data_artifact: Path, init_
     weights = {p.name: p.asnumpy() for p in params}
     if mesh.tp > 1:  # the full model, merged from the final checkpoint's tensor-parallel slices
         weights = load_checkpoint(newest_checkpoint(run_dir / "checkpoints"))[0]
-    return _publish(cfg, store, key, data_artifact, init_from, mc, weights, tok, result, seq, mesh, kernels)
+    keyed = keyed or stage_key(cfg, store, data_artifact, init_from)
+    return _publish(cfg, store, keyed, data_artifact, init_from, mc, weights, tok, result, seq, mesh, kernels)
 
 
-def _publish(cfg: PipelineConfig, store: ArtifactStore, key: str, data_artifact: Path, init_from: Path | None,
+def _publish(cfg: PipelineConfig, store: ArtifactStore, keyed, data_artifact: Path, init_from: Path | None,
              mc: ModelConfig, weights: dict[str, np.ndarray], tok: dict[str, Any], result, seq: int, mesh: Mesh,
              kernels: str) -> Path:
     """The model artifact: weights, tokenizer, model.json, the run's files and its metrics."""
     pt = cfg.pretrain
-    _, inputs, section = stage_key(cfg, store, data_artifact, init_from)
+    key, inputs, section = keyed
     entropy = unigram_entropy(data_artifact)
     val = "n/a (no validation split)" if result.val_loss is None else f"{result.val_loss:.4f}"
     print(f"[pretrain] val_loss {val} vs unigram entropy {entropy:.4f} nats/token", file=sys.stderr)

@@ -237,11 +237,3 @@ def machine_fit_errors(cfg, prefix: str, machine_bytes: int | None = None) -> li
                         f"mostly {big}) but this machine has {have / GiB:.1f} GiB; lower {key}, the sequence "
                         "length or parallel.device_num (see `msllm plan`)")
     return errs
-
-
-def parse_bytes(text: str) -> int:
-    t = text.strip().lower().replace(" ", "")
-    for suf, mul in (("gib", GiB), ("gb", 10**9), ("mib", 2**20), ("mb", 10**6), ("g", GiB), ("m", 2**20)):
-        if t.endswith(suf):
-            return int(float(t[: -len(suf)]) * mul)
-    return int(float(t))

@@ -101,11 +101,13 @@ def run(cfg: PipelineConfig, store: ArtifactStore, base_artifact: Path, *, keyed
             f"parallel.tensor_parallel: {cfg.parallel.tensor_parallel} > 1 is for pretraining; fine-tuning runs data "
             "parallel only (LoRA adapters are not split across ranks); run this stage with "
             f"--set parallel.tensor_parallel=1 --set parallel.device_num={cfg.parallel.data_parallel}")
-    key = (keyed or stage_key(cfg, store, base))[0]
+    keyed = keyed or stage_key(cfg, store, base)
+    key = keyed[0]
     hit = store.lookup(STAGE, key)
     if hit is not None:
         return hit
     spec = {"config": cfg.model_dump(mode="json"), "root": str(store.root), "base": str(base), "key": key,
+            "keyed": list(keyed),
             "progress": progress and sys.stderr.isatty()}  # a bar only where a terminal shows it
     return supervise(STAGE, store, key, spec, train, retries=retries, isolate=isolate, inject=inject,
                      parallel=cfg.parallel)
@@ -121,7 +123,8 @@ def train(spec: dict[str, Any]) -> Path | None:
     mesh = (Mesh.init(cfg.parallel.data_parallel, 1, cfg.parallel.optimizer_shard) if cfg.parallel.device_num > 1
             else Mesh())
     return _train(cfg, ArtifactStore(spec["root"]), Path(spec["base"]), spec["key"], spec.get("progress", True),
-                  stop_after=spec.get("stop_after"), fault_steps=spec.get("fault_steps", []), mesh=mesh)
+                  stop_after=spec.get("stop_after"), fault_steps=spec.get("fault_steps", []), mesh=mesh,
+                  keyed=spec.get("keyed"))
 
 
 def network(cfg: PipelineConfig, base: Path):
@@ -160,7 +163,9 @@ def _batches(cfg: PipelineConfig, data, pad: int, mesh: Mesh):
 
 
 def _train(cfg: PipelineConfig, store: ArtifactStore, base: Path, key: str, progress: bool,
-           stop_after: int | None = None, fault_steps: list[int] | None = None, mesh=None) -> Path | None:
+           stop_after: int | None = None, fault_steps: list[int] | None = None, mesh=None,
+           keyed: list | None = None) -> Path | None:
+    """`keyed`: the parent's (key, inputs, section) for the manifest; None computes them again (tests)."""
     from model.lora import trainable_summary  # MindSpore: the child's imports
     from tasks.training.build import log_kernels
     from tasks.training.step import causal_lm_loss_fn
@@ -179,7 +184,7 @@ def _train(cfg: PipelineConfig, store: ArtifactStore, base: Path, key: str, prog
     net.set_train(True)
     batches, valid = _batches(cfg, data, sp.pad_id() if sp.pad_id() >= 0 else sp.eos_id(), mesh)
     run_dir = store.root / "runs" / STAGE / key
-    _, inputs, section = stage_key(cfg, store, base)
+    _, inputs, section = keyed or stage_key(cfg, store, base)
     meta = {"model": mc.to_dict(), "name": info.get("name", "llama"), "base_artifact": inputs[0]["key"],
             "method": ft.method, "seed": ft.seed}
     # Model FLOPs per token: forward + backward; with LoRA the frozen weights need no weight
