@@ -12,7 +12,11 @@ Two formats, chosen by the model's tokenizer:
       ### Instruction:\n{prompt}\n\n### Response:\n{response}</s>
 
     tokens, trained = chat_example(tok, [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}])
-    ids = chat_prompt_ids(tok, [("user", "Hi")])     # the prompt, ending where the assistant's answer begins
+    ids = chat_prompt_ids(tok, [("user", "Hi")], style)   # the prompt, ending where the assistant's answer begins
+
+The style a model is asked in is recorded beside its weights (LitGPT's `save_prompt_style`): every model artifact
+holds `prompt_style.json` (`prompt_style(tok)`, written by tasks/store/model_artifact.py `write_model`, copied by
+export), and the server reads it from there (`model_artifact.load_prompt_style`) instead of guessing.
 
 Chat templates: the whole conversation is rendered once and tokenized once (as transformers'
 `apply_chat_template` does, with no added special tokens); each assistant turn's span is where the rendering of
@@ -140,12 +144,50 @@ def prompt_ids(sp, prompt: str) -> list[int]:
     return tokens
 
 
-def chat_prompt_ids(tok, messages: list[tuple[str, str]], **limits: Any) -> list[int]:
-    """Token ids of a conversation rendered with the model's chat template (add_generation_prompt; encoded
-    without added special tokens, as transformers' apply_chat_template; `limits`: tasks.chat_template.render_chat_template's) or,
-    without one, the instruction template, ending where the assistant's answer begins (the same tokens as the
-    training examples up to their response)."""
-    if tok.chat_template is not None:
+PROMPT_STYLE_FILE = "prompt_style.json"
+STYLES = ("chat_template", "instruction")
+"""chat_template: the tokenizer's own template renders every conversation; instruction: TEMPLATE (models trained
+here without one)."""
+
+
+def style_record(style: str) -> dict[str, Any]:
+    """What `prompt_style.json` holds for `style`: the style and, for the instruction template, its text (so a
+    reader of the artifact sees exactly how the model is asked)."""
+    if style == "chat_template":
+        return {"style": "chat_template"}
+    return {"style": "instruction", "prompt": PROMPT_TEMPLATE, "system": SYSTEM_TEMPLATE}
+
+
+def prompt_style(tok) -> dict[str, Any]:
+    """The record for a model trained here with tokenizer `tok`: its chat template when it has one, else the
+    instruction template (what the finetune stage trains with)."""
+    return style_record("chat_template" if tok.chat_template is not None else "instruction")
+
+
+def check_prompt_style(data: Any, tok, where: str) -> str:
+    """The style of a `prompt_style.json`'s contents `data` (read from `where`), checked against the tokenizer:
+    TokenizerError naming the file when it is malformed or asks for a chat template the tokenizer lacks."""
+    style = data.get("style") if isinstance(data, dict) else None
+    if style not in STYLES:
+        raise TokenizerError(f"{where}: style must be one of {', '.join(STYLES)}, got {style!r}; rebuild the artifact")
+    if style == "chat_template" and tok.chat_template is None:
+        raise TokenizerError(f"{where}: style chat_template but the artifact's tokenizer has no chat template; "
+                             "rebuild the artifact")
+    if style == "instruction" and (data.get("prompt"), data.get("system")) != (PROMPT_TEMPLATE, SYSTEM_TEMPLATE):
+        raise TokenizerError(f"{where}: an instruction template other than this version's "
+                             f"({PROMPT_TEMPLATE!r}); rebuild the artifact")
+    return style
+
+
+def chat_prompt_ids(tok, messages: list[tuple[str, str]], style: str | None = None, **limits: Any) -> list[int]:
+    """Token ids of a conversation in prompt style `style` (the model artifact's, `STYLES`; None: the chat template
+    when the tokenizer has one): rendered with the model's chat template (add_generation_prompt; encoded without
+    added special tokens, as transformers' apply_chat_template; `limits`: tasks.chat_template.render_chat_template's)
+    or with the instruction template, ending where the assistant's answer begins (the same tokens as the training
+    examples up to their response)."""
+    if style is None:
+        style = "chat_template" if tok.chat_template is not None else "instruction"
+    if style == "chat_template":
         return tok.encode(tok.render_chat([{"role": r, "content": c} for r, c in messages], add_generation_prompt=True,
                                           **limits))
     # to_segments wants an assistant turn to train on: add an empty one and drop it again.

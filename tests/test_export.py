@@ -86,6 +86,8 @@ def test_verified_export_recorded_in_manifest(env):
     assert {"model.mindir", "model.onnx", "model.int8.onnx", "genai_config.json", "tokenizer.json",
             "tokenizer_config.json", "tokenizer.model", "model.json", "MODEL_CARD.md", "onnx_generate.py", "sampling.py"} <= names
     assert (path / "tokenizer.model").read_bytes() == (env["model"] / "tokenizer.model").read_bytes()
+    # how the model is asked travels with it: the model artifact's record, which the export's server reads
+    assert (path / "prompt_style.json").read_bytes() == (env["model"] / "prompt_style.json").read_bytes()
     assert m["inputs"][0]["key"] == ArtifactStore.read_manifest(env["model"])["key"]
     env["store"].verify(path)  # every file matches its recorded sha256
     card = (path / "MODEL_CARD.md").read_text()

@@ -2,6 +2,7 @@
 
     backend = load_backend(path)       # export artifact -> onnxruntime, model artifact -> MindSpore
     backend.kind, backend.context_length, backend.vocab_size, backend.eos_id, backend.tokenizer
+    backend.prompt_style               # how chat requests are rendered: the artifact's prompt_style.json
     backend.warmup()                   # compile / run once so the first request is not the slow one
     steps = backend.steps(prompt_ids)  # a coroutine: yields the logits [V] for the next position
     logits = next(steps)               # prefill (the whole prompt in one call)
@@ -65,12 +66,13 @@ class MindSporeBackend:
         from model.generate import Generator
         from model.sampling import sample_next
         from tasks.training.build import load_network
-        from tasks.store.model_artifact import load_tokenizer
+        from tasks.store.model_artifact import load_prompt_style, load_tokenizer
 
         self.path = Path(path)
         net, self.info = load_network(path)
         self.net = net
         self.tokenizer = load_tokenizer(path)
+        self.prompt_style = load_prompt_style(path, self.tokenizer)  # how chat requests are rendered
         # before the Generator: its compiled graphs then hold the LoRA layers, and serve every adapter
         self.slots = _lora_slots(net, adapters) if adapters else None
         self.generator = Generator(net, fused=True)  # eval.fused_kernels' default; model.kernels.off_reason decides
@@ -133,6 +135,7 @@ class AdapterBackend:
         self.base, self.name = base, name
         self.kind, self.path, self.net = base.kind, base.path, base.net
         self.tokenizer, self.sample_next, self.eos_id = base.tokenizer, base.sample_next, base.eos_id
+        self.prompt_style = base.prompt_style
         self.context_length, self.vocab_size = base.context_length, base.vocab_size
 
     def steps(self, prompt_ids: list[int]) -> Generator[np.ndarray, int, None]:
@@ -187,6 +190,7 @@ class OnnxBackend:
     def __init__(self, path: str | Path, threads: int | None = None):
         from model.sampling import sample_next
         from tasks.deploy.onnx_generate import OnnxGenerator
+        from tasks.store.model_artifact import load_prompt_style
         from tasks.store.published import verify_published
         from tasks.tokenizer import load_tokenizer, tokenizer_files
 
@@ -198,6 +202,7 @@ class OnnxBackend:
             verify_published(f)  # what is served is what the export published
         self.generator = OnnxGenerator(self.path / "model.onnx", threads=threads)  # ValueError for a pre-KV export
         self.tokenizer = load_tokenizer(self.path)
+        self.prompt_style = load_prompt_style(self.path, self.tokenizer)  # copied from the model by export
         self.sample_next = sample_next
         self.context_length = int(self.generator.max_len)
         self.vocab_size = int(self.generator.vocab_size or self.tokenizer.get_piece_size())

@@ -164,10 +164,11 @@ def parse_request(body: Any, *, chat: bool, model_id: str | Collection[str], bac
 
         try:
             # a rendering longer than the context can hold is refused as it grows (tasks.chat_template's size limit)
-            piece = longest_piece(sp) if sp.chat_template is not None else 1
+            style = backend.prompt_style  # the artifact's (tasks/prompts.py): chat template or instruction
+            piece = longest_piece(sp) if style == "chat_template" else 1
             cap = dict(max_chars=ctx * piece, max_chars_why=f"more than the model's context of {ctx} tokens can hold, "
                                                             f"at most {piece} characters a token; shorten the messages")
-            ps, field = [Prompt(chat_prompt_ids(sp, [m.turn for m in req.messages], **cap), 0, None)], "messages"
+            ps, field = [Prompt(chat_prompt_ids(sp, [m.turn for m in req.messages], style, **cap), 0, None)], "messages"
         except TokenizerError as exc:  # the model's template refused the conversation (e.g. its raise_exception)
             raise ApiError(400, f"messages: {exc}", "messages") from None
     else:

@@ -85,6 +85,7 @@ from tasks.stages import MODEL_KINDS, code_version
 from tasks.store.artifacts import ArtifactStore
 from tasks.store.errors import ArtifactError
 from tasks.store.disk import atomic_write_json, sha256_file
+from tasks.prompts import PROMPT_STYLE_FILE, style_record
 
 STAGE = "export"
 MODEL_STAGES = MODEL_KINDS  # artifacts holding model.json + weights (the stage table's)
@@ -231,7 +232,7 @@ def _export(cfg: PipelineConfig, store: ArtifactStore, model: Path, eval_art: Pa
             inputs: list[dict[str, Any]], section: dict[str, Any], progress: bool) -> Path:
     from tasks.store.tensors import load_weights
     from tasks.training.build import load_network
-    from tasks.store.model_artifact import load_tokenizer, model_config, read_info
+    from tasks.store.model_artifact import load_prompt_style, load_tokenizer, model_config, read_info
     from tasks.deploy.onnx_generate import encode_prompt
     from tasks.tokenizer import copy_tokenizer_files, tokenizer_files
 
@@ -270,6 +271,8 @@ def _export(cfg: PipelineConfig, store: ArtifactStore, model: Path, eval_art: Pa
 
         copy_tokenizer_files(model, b.dir)
         shutil.copy2(model / "model.json", b.dir / "model.json")
+        # how the model is asked (tasks/prompts.py), for the server of this export: the model's own record
+        atomic_write_json(b.dir / PROMPT_STYLE_FILE, style_record(load_prompt_style(model, sp)))
         for name, src in _GENERATE_SCRIPTS.items():
             shutil.copy2(src, b.dir / name)
         mc = model_config(model)

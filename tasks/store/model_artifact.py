@@ -26,6 +26,8 @@ import numpy as np
 
 from tasks.store.disk import atomic_write_json
 from tasks.store.published import verify_published
+from tasks.prompts import PROMPT_STYLE_FILE, check_prompt_style, prompt_style
+from tasks.tokenizer_error import TokenizerError
 
 
 def read_info(path: str | Path) -> dict[str, Any]:
@@ -57,8 +59,9 @@ def load_tokenizer(path: str | Path):
 def write_model(out_dir: Path, *, name: str, config, weights: dict[str, np.ndarray], tokenizer_model: Path,
                 tokenizer_info: dict[str, Any], seq_length: int, extra: dict[str, Any] | None = None) -> None:
     """Write a model artifact into `out_dir` (a store build directory): weights, the tokenizer files (of
-    `tokenizer_model`: a tokenizer.model file, or a directory holding the model's tokenizer files) and model.json."""
-    from tasks.tokenizer import copy_tokenizer_files
+    `tokenizer_model`: a tokenizer.model file, or a directory holding the model's tokenizer files), model.json and
+    prompt_style.json (how the model is asked: tasks/prompts.py `prompt_style`, read back by `load_prompt_style`)."""
+    from tasks.tokenizer import copy_tokenizer_files, load_tokenizer as _load
     from tasks.store.tensors import save_tensors
 
     save_tensors(out_dir / "model.safetensors", weights)
@@ -66,8 +69,22 @@ def write_model(out_dir: Path, *, name: str, config, weights: dict[str, np.ndarr
         copy_tokenizer_files(tokenizer_model, out_dir)
     else:  # a SentencePiece model file, under whatever name it had
         shutil.copy2(tokenizer_model, out_dir / "tokenizer.model")
+    atomic_write_json(out_dir / PROMPT_STYLE_FILE, prompt_style(_load(out_dir)))
     atomic_write_json(out_dir / "model.json", {"name": name, "model": config.to_dict(), "tokenizer": tokenizer_info,
                                                "seq_length": seq_length, **(extra or {})})
+
+
+def load_prompt_style(path: str | Path, tok) -> str:
+    """The prompt style a model (or export) artifact records (`prompt_style.json`, checked against its manifest and
+    against `tok`, its tokenizer); an artifact written before the file existed: the style its tokenizer implies."""
+    f = Path(path) / PROMPT_STYLE_FILE
+    if not f.is_file():
+        return prompt_style(tok)["style"]
+    try:
+        data = json.loads(verify_published(f).read_text())
+    except ValueError as exc:
+        raise TokenizerError(f"{f}: not JSON ({exc}); rebuild the artifact") from None
+    return check_prompt_style(data, tok, str(f))
 
 
 def tokenizer_info(tok) -> dict[str, Any]:
