@@ -27,6 +27,7 @@ from prefect import flow
 
 from flows import stages
 from tasks.stages.runner import prepare
+from tasks.stages.upstream import ModelChoice, chain_base
 from tasks.store.artifacts import ArtifactStore
 from tasks.store.disk import sha256_file
 from tasks.config.loader import resolve_pipeline
@@ -64,8 +65,6 @@ def continued_pretraining(pipeline: str = "demo", config: str = "pipelines.yaml"
                           artifacts: str = "artifacts", inbox: str | None = None, base_model: str | None = None) -> dict[str, str]:
     """Continue pretraining on the inbox's new corpora, then finetune, eval and export; returns {stage: artifact path}
     (empty when there was nothing to do)."""
-    from tasks.stages.upstream import ModelChoice, chain_base
-
     artifacts = str(Path(artifacts).resolve())
     cfg = resolve_pipeline(str(Path(config).resolve()), pipeline, list(overrides or []))  # once per flow run
     inbox_dir = inbox_of(cfg, pipeline, artifacts, inbox)

@@ -10,10 +10,11 @@ of `data.num_workers` processes.
 
 from __future__ import annotations
 
-
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
+from prefect_dask import DaskTaskRunner
 
+from tasks.stages.data.tokenizer import tokenize_chunk
 from tasks.stages.runner import prepare
 from tasks.store.artifacts import ArtifactStore
 from tasks.config.schema import PipelineConfig
@@ -21,8 +22,6 @@ from tasks.config.schema import PipelineConfig
 
 @task(name="tokenize-chunk", cache_policy=NO_CACHE, persist_result=False, result_serializer="json")
 def tokenize_chunk_task(spec: dict) -> str:
-    from tasks.stages.data.tokenizer import tokenize_chunk
-
     return tokenize_chunk(spec)
 
 
@@ -37,8 +36,6 @@ def data_dask_flow(cfg_json: dict, artifacts: str, tokenizer_model: str | None =
 
 
 def dask_runner(cfg: PipelineConfig):
-    from prefect_dask import DaskTaskRunner
-
     if cfg.data.dask_address:
         return DaskTaskRunner(address=cfg.data.dask_address)
     return DaskTaskRunner(cluster_kwargs={"n_workers": cfg.data.num_workers, "threads_per_worker": 1,

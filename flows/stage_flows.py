@@ -17,9 +17,11 @@ from prefect import flow
 from flows import stages
 from tasks.config.loader import resolve_pipeline
 from tasks.config.schema import PipelineConfig
+from tasks.stages.export import matching_eval
 from tasks.stages.runner import prepare
 from tasks.stages.upstream import choose_model, upstream
 from tasks.store.artifacts import ArtifactStore
+from tasks.store.lineage import lineage_data_artifact
 
 
 def _setup(pipeline: str, config: str, overrides: list[str] | None,
@@ -61,8 +63,6 @@ def finetune_flow(pipeline: str = "demo", config: str = "pipelines.yaml", overri
 def eval_flow(pipeline: str = "demo", config: str = "pipelines.yaml", overrides: list[str] | None = None,
               artifacts: str = "artifacts", model_artifact: str | None = None, data_artifact: str | None = None) -> str:
     """Evaluate a model artifact (default: the model tasks.stages.upstream.choose_model names, with its reason)."""
-    from tasks.store.lineage import lineage_data_artifact
-
     cfg, store = _setup(pipeline, config, overrides, artifacts)
     choice = choose_model(store, cfg.name, model_artifact)
     if data_artifact is None:
@@ -76,8 +76,6 @@ def eval_flow(pipeline: str = "demo", config: str = "pipelines.yaml", overrides:
 def export_flow(pipeline: str = "demo", config: str = "pipelines.yaml", overrides: list[str] | None = None,
                 artifacts: str = "artifacts", model_artifact: str | None = None, eval_artifact: str | None = None) -> str:
     """Export a model artifact (default: the model tasks.stages.upstream.choose_model names) to MindIR + ONNX."""
-    from tasks.stages.export import matching_eval
-
     cfg, store = _setup(pipeline, config, overrides, artifacts)
     choice = choose_model(store, cfg.name, model_artifact)
     print(f"export: {choice.line()}")

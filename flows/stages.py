@@ -40,16 +40,22 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import psutil
 from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.client.orchestration import get_client
+from prefect.context import FlowRunContext
 from prefect.exceptions import TerminationSignal
 from prefect.states import Cancelled
 
 from tasks.config.schema import PipelineConfig
+from tasks.runtime.supervise import is_permanent
 from tasks.stages import runner
 from tasks.stages.runner import StageCall, prepare
+from tasks.stages.evaluate import selection_lines
 from tasks.stages.upstream import eval_selection
 from tasks.store.artifacts import ArtifactStore
+from tasks.store.lineage import lineage_tree, render
 from tasks.store.merge import merge
 
 
@@ -86,8 +92,6 @@ def _stage_body(fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        import psutil
-
         before = {c.pid for c in psutil.Process().children()}
         with redirected_prints_stay():
             try:
@@ -111,9 +115,6 @@ class RunCancelled(Exception):
 def cancelled_run() -> str | None:
     """Why this process got SIGTERM, when it is its flow run's cancellation: the server holds the run in
     Cancelling (a runner or worker sets that, then signals the process); None otherwise (or when unknown)."""
-    from prefect.client.orchestration import get_client
-    from prefect.context import FlowRunContext
-
     ctx = FlowRunContext.get()
     if ctx is None or ctx.flow_run is None:
         return None
@@ -132,8 +133,6 @@ def stop_children(before: set[int], grace: float = 10.0) -> int:
     training or export child, msrun and its ranks, the data stage's pool; SIGKILL to those left after `grace` s.
     Returns how many there were. (A runner's cancellation signals only the flow process where it does not
     isolate a process group; a child left running would go on training, holding the stage's lock.)"""
-    import psutil
-
     kids = []
     for c in psutil.Process().children():
         if c.pid not in before:
@@ -161,8 +160,6 @@ def cancellable(fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        from prefect.context import FlowRunContext
-
         try:
             return fn(*args, **kwargs)
         except (RunCancelled, TerminationSignal) as exc:
@@ -211,8 +208,6 @@ _CACHED_BY_KEY = dict(cache_key_fn=_cache_key, persist_result=True, result_seria
 def _retry_helps(task, task_run, state) -> bool:
     """Prefect retries a training task only when a rerun could succeed (tasks/runtime/supervise.is_permanent):
     a bad config, a corrupt or foreign artifact, or a non-finite run fails the same way every time."""
-    from tasks.runtime.supervise import is_permanent
-
     exc = state.data
     return not (isinstance(exc, BaseException) and is_permanent(exc))
 
@@ -322,8 +317,6 @@ def publish_cached(path: str | Path) -> None:
 
 def publish_eval_report(path: str | Path, pipeline: str, selection: dict[str, str] | None) -> None:
     """`eval-report-<pipeline>`: which model and why (this run's choice), then the artifact's report.md."""
-    from tasks.stages.evaluate import selection_lines
-
     report = Path(path) / "report.md"
     body = report.read_text(encoding="utf-8") if report.is_file() else f"# Evaluation {Path(path).name}\n"
     head, _, rest = body.partition("\n")
@@ -336,8 +329,6 @@ def publish_eval_report(path: str | Path, pipeline: str, selection: dict[str, st
 def publish_lineage(store: ArtifactStore, path: str | Path) -> str:
     """The lineage of an artifact as a Prefect markdown artifact (a nested list and tables; Prefect's markdown
     renders no mermaid); returns the text tree."""
-    from tasks.store.lineage import lineage_tree, render
-
     tree = lineage_tree(store, path)
     create_markdown_artifact(key=_slug(f"lineage-{tree['stage']}"), markdown=render(tree, "markdown"),
                              description=f"lineage of {path}")

@@ -66,7 +66,7 @@ def _cpuid_lacks() -> set[str]:
     kernel builds /proc/cpuinfo from the same CPUID; not under qemu-user, whose /proc/cpuinfo is the host's
     while its CPUID is the emulated CPU's (scripts/test_emulated_cpu.sh). Empty when NumPy cannot say."""
     try:
-        from numpy.core._multiarray_umath import __cpu_features__ as runtime
+        from numpy.core._multiarray_umath import __cpu_features__ as runtime  # lazy: NumPy; the CLI imports this
     except ImportError:
         return set()
     return {flag for flag, name in _CPUID_NAMES.items() if runtime.get(name) is False}

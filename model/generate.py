@@ -45,6 +45,10 @@ import mindspore as ms
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
 from model.fused_decode import FusedDecodeStep, build_decode_kernel, chunk_attention_op, decode_threads
+from model.layers import Linear
+from model.llama import MLP, Attention
+from model.lora import LoRALinear, lora_layers
+from model.runtime import dynamic_graph, trim_heap
 from model.sampling import sample_next
 
 
@@ -89,10 +93,6 @@ class CachedDecoder(nn.Cell):
     def supports(net) -> bool:
         """fp32, one device, `Linear` or `LoRALinear` projections (the decoder calls them, so a LoRA update is
         applied; no tensor-parallel slices), a plain LM head."""
-        from model.layers import Linear
-        from model.llama import MLP, Attention
-        from model.lora import LoRALinear
-
         if getattr(net, "half", False):
             return False
         for layer in net.layers:
@@ -222,8 +222,6 @@ class Generator:
         # with fused=False, on the decoder's MindSpore kernels. Both write the same caches.
         self._fused = None
         self._fused_prefill = None  # prompt chunks as one op (FusedDecodeStep with prefill=True), where _fused is
-        from model.lora import lora_layers
-
         self._lora = [layer for _, layer in lora_layers(net)]  # the fused step ignores their updates (see _cached_steps)
         if lib is not None:
             fused_step = FusedDecodeStep(self._decoder, lib, threads)
@@ -305,8 +303,6 @@ class Generator:
     def _compiled(self, name: str) -> None:
         """After a graph's first run: hand the heap its compilation freed back to the OS (`trim_heap`), once."""
         if name not in self._trimmed:
-            from model.runtime import trim_heap
-
             self._trimmed.add(name)
             trim_heap()
 
@@ -314,8 +310,6 @@ class Generator:
         """The graph `name`: `model.runtime.dynamic_graph(target, fn, ...)` over int32 inputs of `shapes` (None: any
         size), built on its first use and kept."""
         if name not in self._graphs:
-            from model.runtime import dynamic_graph
-
             inputs = [Tensor(shape=shape, dtype=ms.int32) for shape in shapes]
             self._graphs[name] = dynamic_graph(target, fn, *inputs)
         return self._graphs[name]

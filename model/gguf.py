@@ -18,10 +18,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
+from gguf import GGMLQuantizationType as Q, GGUFValueType, quants
 
 from model.config import ModelConfig
-from model.convert import nonfinite
+from model.convert import key_pairs, nonfinite
 
 ARCH = "llama"
 # Weight types this reads (the dequantizer knows more; these are what llama-architecture files use and are tested).
@@ -72,8 +74,6 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def read_metadata(path: str | Path):
     """(GGUFReader, {key: value}); GGUFError for a file that is not a complete GGUF."""
-    import gguf
-
     p = Path(path)
     try:
         reader = gguf.GGUFReader(str(p), "r")
@@ -93,8 +93,6 @@ def read_metadata(path: str | Path):
 
 def _undecodable(p: Path, key: str, field) -> str:
     """The message for a metadata value gguf cannot decode: which element is not UTF-8, where it is a string."""
-    from gguf import GGUFValueType
-
     array = bool(field.types) and field.types[0] == GGUFValueType.ARRAY
     for n, i in enumerate(field.data):
         try:
@@ -262,8 +260,6 @@ def read_gguf(path: str | Path, opened: tuple[Any, dict[str, Any]] | None = None
     """(metadata, config, our float32 weights by parameter name, {tensor: source type}) of a llama GGUF file.
 
     opened: what `read_metadata(path)` returned, when the caller already read it (the file is parsed once)."""
-    from gguf import GGMLQuantizationType as Q, quants
-
     p = Path(path)
     reader, meta = opened or read_metadata(p)
     cfg = config_from_meta(meta, str(p))
@@ -306,8 +302,6 @@ def read_gguf(path: str | Path, opened: tuple[Any, dict[str, Any]] | None = None
 
 
 def _shape_table(cfg: ModelConfig) -> list[tuple[str, str, tuple[int, ...]]]:
-    from model.convert import key_pairs
-
     return key_pairs(cfg)
 
 
@@ -318,9 +312,6 @@ def write_gguf(path: str | Path, cfg: ModelConfig, weights: dict[str, np.ndarray
 
     tokenizer_meta: the tokenizer.ggml.* (and tokenizer.chat_template) keys, built by the caller.
     """
-    import gguf
-    from gguf import GGMLQuantizationType as Q, quants
-
     if qtype not in WRITE_TYPES:
         raise GGUFError(f"GGUF type {qtype!r}: choose one of {', '.join(WRITE_TYPES)}")
     w = gguf.GGUFWriter(str(path), ARCH)

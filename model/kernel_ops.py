@@ -15,6 +15,10 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import mindspore as ms
+from mindspore import ops
+from mindspore.ops import signature as sig
+
 from model.kernel_build import TRAIN_SOURCE, build, disabled_reason
 
 KERNEL_ERRORS = {1: "wrong number of operands", 2: "wrong dtype (float32 tensors, int32 labels/offsets/tokens)",
@@ -36,8 +40,6 @@ def dtype_of(t):
 
 
 def _f32(op: str, names: str, dtypes) -> None:
-    import mindspore as ms
-
     for n, t in zip(names.split(), dtypes):
         _need(dtype_of(t) == ms.float32, op, f"{n} must be float32, got {dtype_of(t)}")
 
@@ -79,8 +81,6 @@ def _numel(shape) -> int:
 
 
 def _dt_ce(op, x, y, *vecs):
-    import mindspore as ms
-
     _need(dtype_of(y) == ms.int32, op, f"labels must be int32, got {dtype_of(y)}")
     _f32(op, "logits " + " ".join("vector" for _ in vecs), (x, *vecs))
 
@@ -125,8 +125,6 @@ def train_ops() -> SimpleNamespace | None:
     lib = None if disabled_reason() else build(TRAIN_SOURCE)
     ns = None
     if lib is not None:
-        from mindspore import ops
-
         def op(name, shape_check, shape_out, dtype_names, dtype_out):
             def dt_check(op_name, *dts):
                 _f32(op_name, dtype_names, dts)
@@ -170,9 +168,6 @@ def zero_ops() -> SimpleNamespace | None:
     lib = None if disabled_reason() else build(TRAIN_SOURCE)
     ns = None
     if lib is not None:
-        from mindspore import ops
-        from mindspore.ops import signature as sig
-
         class ZeroAdamW(ops.Custom):
             """Declared as writing param, m and v (RW_WRITE, side_effect_mem), as MindSpore's own AdamWeightDecay:
             without it a graph run under the PYNATIVE context (mindspore.jit) hands the kernel a copy of a

@@ -49,7 +49,7 @@ before any compute (tests/test_model.py keeps it equal to `default_registry().na
 
 def default_registry() -> ModelRegistry:
     """A fresh registry holding the built-in models."""
-    from model.llama import LlamaForCausalLM
+    from model.llama import LlamaForCausalLM  # lazy: MindSpore; this module imports without it (BUILTIN_MODELS)
 
     registry = ModelRegistry()
     registry.register("llama", LlamaForCausalLM)

@@ -1,7 +1,12 @@
-"""MindSpore process setup: device, execution mode, quiet logs. Call once, before the first op."""
+"""MindSpore process setup: device, execution mode, quiet logs. Call once, before the first op.
+
+MindSpore loads inside these functions only (lazy): stage modules import `setup_mindspore` at their top and their
+parent side stays MindSpore-free, and GLOG_v must be set before MindSpore first loads.
+"""
 
 from __future__ import annotations
 
+import ctypes
 import os
 
 _DONE = False
@@ -50,8 +55,6 @@ def trim_heap() -> None:
     """Hand the C heap's free pages back to the OS (glibc's `malloc_trim(0)`; a no-op where there is none).
     Compiling a MindSpore graph frees its temporaries into malloc's arenas, which keep them resident: trimming
     once after a graph's first run took the SmolLM2 decode path from 1.73 to 1.64 GB (docs/MEMORY.md)."""
-    import ctypes
-
     try:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):

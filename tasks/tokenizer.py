@@ -18,12 +18,15 @@ Where a document starts (`prompt_ids`, and the data stage's packing): a Sentence
 sees documents as `ids + [eos]` concatenated, so a prompt is `[eos] + ids`. A `tokenizer.json` model is
 conditioned the way its own tokenizer does it (`encode(text, add_special_tokens=True)`: a BOS where its
 post-processor adds one, nothing for SmolLM2), which is what transformers and lm-eval's `hf` model do.
+
+The backends, the chat-template sandbox (Jinja) and the GGUF reader load on first use (lazy): stages import this.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -63,8 +66,6 @@ def files_sha256(files: Iterable[Path]) -> str:
 
 def copy_tokenizer_files(src: str | Path, dst: str | Path) -> list[str]:
     """Copy the tokenizer files of `src` (a directory) into `dst`; returns their names."""
-    import shutil
-
     files = tokenizer_files(src)
     if not files:
         raise TokenizerError(f"{src}: no {SP_FILE} or {HF_FILE}")

@@ -7,7 +7,17 @@ each operation are tasks/chat_template/sizes.py.
 
 from __future__ import annotations
 
+import ast
+import json
+import time
+from functools import wraps
 from typing import Any
+
+import jinja2
+from jinja2.compiler import CodeGenerator
+from jinja2.filters import make_attrgetter
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.utils import pass_environment, pass_eval_context
 
 from tasks.chat_template.sizes import (arg, as_int, format_size, mul_size, percent_size, pow_size, replace_size,
                                        str_method_size, value_size)
@@ -55,8 +65,6 @@ class _Budget:
     """One rendering's limits: its deadline and its character cap, with the sizes of the containers it built."""
 
     def __init__(self, max_chars: int, seconds: float):
-        import time
-
         self.max_chars, self.seconds = max_chars, seconds
         self.clock = time.monotonic
         self.deadline = self.clock() + seconds
@@ -110,8 +118,6 @@ def _environment():
 def _with_ticks(source: str, filename: str):
     """The module Jinja generated, compiled with a time check at the top of every loop body and function (macros,
     blocks, the root)."""
-    import ast
-
     tree = ast.parse(source, filename)
     for node in ast.walk(tree):
         if isinstance(node, (ast.For, ast.While, ast.FunctionDef)):
@@ -123,11 +129,6 @@ def _with_ticks(source: str, filename: str):
 def _bounded_class():
     """The sandbox's class: every operator, call and str.format sized, and a time check in every loop and function
     of a compiled template."""
-    from functools import wraps
-
-    from jinja2.compiler import CodeGenerator
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
     class Codegen(CodeGenerator):
         def visit_Concat(self, node, frame):  # `a ~ b`: sized after
             self.write("environment.sized(")
@@ -203,8 +204,6 @@ def _text(v: Any) -> str:
 
 def _size_filters(env) -> None:
     """Every filter but join, sum and tojson sized: before it runs where it can outgrow its input, else after."""
-    from functools import wraps
-
     def sized_filter(name: str, estimate=None):
         f = env.filters[name]
 
@@ -236,11 +235,6 @@ def _size_filters(env) -> None:
 
 def _linear_filters(env) -> None:
     """join, sum and tojson written again, each sized as it builds its result (and sum in linear time)."""
-    import json
-
-    from jinja2.filters import make_attrgetter
-    from jinja2.utils import pass_environment, pass_eval_context
-
     @pass_eval_context
     def join(eval_ctx, value, d="", attribute=None):
         """Jinja's join, its items sized first (a list of large strings joins into a larger one)."""
@@ -282,8 +276,6 @@ def _linear_filters(env) -> None:
 
 def _bound_globals(env) -> None:
     """transformers' raise_exception, and Jinja's lipsum sized before it runs."""
-    import jinja2
-
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
 
@@ -317,8 +309,6 @@ def render_chat_template(template: str, messages: list[dict[str, Any]], add_gene
     `max_chars` lowers the character limit (the server passes what its context can hold; `max_chars_why` says that in
     the error); `seconds` replaces TEMPLATE_SECONDS. A template that fails, or passes a limit, is one TokenizerError
     naming `where` and the `chat_template` key."""
-    import jinja2
-
     fix = "fix chat_template.jinja or tokenizer_config.json's chat_template"  # the phrase convert rewrites for a GGUF
     limit = template_char_limit(template, messages, extra)
     why = (f"({len(template)} characters of template + the messages' text + 1) × ({len(messages)} messages + 1): a "

@@ -4,6 +4,8 @@ there). Each estimate is an upper bound on the characters the result holds (0 wh
 
 from __future__ import annotations
 
+import re
+import string
 from typing import Any
 
 
@@ -64,8 +66,6 @@ _PERCENT = None
 def percent_size(fmt: Any, args: Any, cap: int) -> int:
     """`fmt % args` is at most the format, its widths and precisions (given or taken from `args` by '*'), and
     the arguments' own text."""
-    import re
-
     global _PERCENT
     if not isinstance(fmt, str):
         return 0
@@ -87,9 +87,6 @@ def percent_size(fmt: Any, args: Any, cap: int) -> int:
 
 def format_size(fmt: str, args: tuple, kwargs: dict, cap: int) -> int:
     """str.format: the format, the numbers in its format specs, a nested field's value, and the arguments."""
-    import re
-    import string
-
     widths, nested = 0, False
     try:
         fields = list(string.Formatter().parse(fmt))

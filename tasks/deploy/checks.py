@@ -7,7 +7,8 @@
     int8 = int8_report(export_dir, onnx_gen, reference, prompts, pairs, heldout, data, export_cfg)
 
 Every function returns records for export.json / the model card; the stage (tasks/stages/export.py)
-decides what fails it. MindSpore, onnxruntime and onnxruntime-genai are imported where used.
+decides what fails it. MindSpore, onnxruntime and onnxruntime-genai are imported where used (lazy): the export
+stage's parent side imports this module, and onnxruntime-genai's checks run without MindSpore.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import numpy as np
+
+from model.convert import nonfinite
 
 STEPS = 8            # single-token steps (present → past) of the ONNX check
 CHUNK = 3            # tokens per row of the batched check over a past
@@ -55,8 +58,6 @@ def check_finite_logits(logits: np.ndarray, weights: Iterable[tuple[str, np.ndar
     weights whose products overflow float32)."""
     if np.isfinite(logits).all():
         return
-    from model.convert import nonfinite
-
     largest = (0.0, "?")
     for name, w in weights:
         if bad := nonfinite(name, w):

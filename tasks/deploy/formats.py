@@ -5,11 +5,15 @@
     export_int8(out / "model.onnx", out / "model.int8.onnx")        # onnxruntime dynamic quantization
     write_genai_files(out, info, model_dir)                        # genai_config.json, tokenizer.json
     onnx_io(model_config)                                           # export.json's description of model.onnx
+
+MindSpore, onnx (tasks/deploy/onnx_decoder.py) and onnxruntime load inside the functions that use them (lazy): the
+export stage's parent side imports this module.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +21,7 @@ import numpy as np
 
 from tasks.deploy.checks import ExportCheckFailed
 from tasks.store.disk import atomic_write_json
+from tasks.tokenizer import HF_CONFIG, HF_FILE, SP_FILE
 
 
 def export_mindir(net, path: Path) -> None:
@@ -90,10 +95,6 @@ def write_genai_files(out: Path, info: dict[str, Any], model_dir: Path) -> str |
     model gets the equivalent tokenizer.json written from its tokenizer.model. Returns None, or why the tokenizer
     files were not written (a SentencePiece model that is not BPE): genai then still generates from token ids.
     """
-    import shutil
-
-    from tasks.tokenizer import HF_CONFIG, HF_FILE, SP_FILE
-
     from tasks.deploy.onnx_decoder import genai_config, hf_tokenizer_files
 
     tok = info.get("tokenizer", {})

@@ -13,10 +13,21 @@ back must encode the check texts to the same ids.
 
 from __future__ import annotations
 
+import json
+import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
+import mindspore as ms
 import numpy as np
+from gguf import GGMLQuantizationType as Q, quants
+
+from model.config import ModelConfig
+from model.gguf import TENSORS, read_gguf, write_gguf
+from tasks.deploy.checks import check_finite_logits
+from tasks.store.tensors import assign
+from tasks.tokenizer import hf_files_from_gguf, load_tokenizer
+from tasks.tokenizer_error import TokenizerError
 
 FILES = {"F16": "model.f16.gguf", "Q8_0": "model.q8_0.gguf"}
 RUNTIMES = "llama.cpp (llama-cli, llama-server), Ollama, LM Studio, llama-cpp-python and other GGML runtimes"
@@ -40,10 +51,6 @@ def _sp_meta(tok) -> dict[str, Any]:
 
 def _hf_meta(tok) -> dict[str, Any]:
     """llama.cpp's `gpt2` (byte-level BPE) vocabulary from a tokenizer.json."""
-    import json
-
-    from tasks.tokenizer_error import TokenizerError
-
     spec = json.loads(tok.tok.to_str())
     model = spec.get("model", {})
     if model.get("type") != "BPE" or not tok._byte_level():
@@ -86,8 +93,6 @@ def tokenizer_meta(tok) -> dict[str, Any]:
 
 
 def _q8_0_round(arr: np.ndarray) -> np.ndarray:
-    from gguf import GGMLQuantizationType as Q, quants
-
     return quants.dequantize(quants.quantize(arr, Q.Q8_0), Q.Q8_0).reshape(arr.shape)
 
 
@@ -119,10 +124,6 @@ def export_gguf(out: Path, info: dict[str, Any], weights: dict[str, np.ndarray],
     logits (the quantization's effect, reported); (3) the tokenizer rebuilt from the file's metadata encodes the
     check texts to the same ids. forward(weights, ids) -> logits [T, V] runs MindSpore's model on given weights.
     """
-    from model.config import ModelConfig
-    from model.gguf import read_gguf, write_gguf
-    from tasks.deploy.checks import check_finite_logits
-
     cfg = ModelConfig.from_dict(info["model"])
     tmeta = tokenizer_meta(tok)
     ref = [forward(weights, p) for p in prompts]
@@ -155,10 +156,6 @@ def export_gguf(out: Path, info: dict[str, Any], weights: dict[str, np.ndarray],
 
 def network_forward(net) -> Callable[[dict[str, np.ndarray], list[int]], np.ndarray]:
     """forward(weights, ids) -> float32 logits [T, V] of `net` (a MindSpore LLaMA) with `weights` assigned."""
-    import mindspore as ms
-
-    from tasks.store.tensors import assign
-
     params = net.trainable_params()
 
     def forward(weights: dict[str, np.ndarray], ids: list[int]) -> np.ndarray:
@@ -169,8 +166,6 @@ def network_forward(net) -> Callable[[dict[str, np.ndarray], list[int]], np.ndar
 
 
 def _gguf_name(ours: str) -> str:
-    from model.gguf import TENSORS
-
     for g, o in TENSORS:
         if "{i}" not in o and o == ours:
             return g
@@ -184,12 +179,6 @@ def _gguf_name(ours: str) -> str:
 def _tokenizer_roundtrip(meta: dict[str, Any], tok, texts: list[str], out: Path, t: str) -> bool | None:
     """Byte-level BPE: the tokenizer.json rebuilt from the file's metadata encodes `texts` as the model's own does.
     SentencePiece vocabularies are checked by piece list (llama.cpp runs its own SentencePiece-style BPE)."""
-    import json
-    import tempfile
-
-    from tasks.tokenizer import hf_files_from_gguf, load_tokenizer
-    from tasks.tokenizer_error import TokenizerError
-
     if meta.get("tokenizer.ggml.model") == "llama":
         return list(meta["tokenizer.ggml.tokens"]) == [tok.id_to_piece(i) for i in range(tok.vocab_size)]
     try:

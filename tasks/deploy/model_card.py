@@ -201,7 +201,7 @@ def _lineage_section(lineage: dict[str, Any]) -> list[str]:
 
 def _generate_section(v: dict[str, Any], artifact_path: Path) -> list[str]:
     """How to generate from the ONNX decoder: onnxruntime alone, and onnxruntime-genai."""
-    from tasks.deploy.onnx_generate import GENAI_SNIPPET, SNIPPET
+    from tasks.deploy.onnx_generate import GENAI_SNIPPET, SNIPPET  # lazy: onnxruntime; the export stage imports this
 
     genai = v.get("genai") or {}
     lines = ["## Generate with onnxruntime only", "",

@@ -47,6 +47,7 @@ from typing import Any, Mapping
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
+from sentencepiece import sentencepiece_model_pb2 as pb
 
 OPSET = 18
 MASKED = -1e9  # as model/llama.py: exp() of it underflows to exactly 0
@@ -358,8 +359,6 @@ def hf_tokenizer_files(model_bytes: bytes) -> tuple[dict[str, Any], dict[str, An
     normalization is approximated by the NFKC normalizer), no extra-whitespace removal; the
     export stage checks the token ids against SentencePiece. Needs sentencepiece's protobuf.
     """
-    from sentencepiece import sentencepiece_model_pb2 as pb
-
     proto = pb.ModelProto()
     proto.ParseFromString(model_bytes)
     ts, ns = proto.trainer_spec, proto.normalizer_spec

@@ -286,9 +286,7 @@ class JsonTokenizer:
     script uses; needs the `tokenizers` package."""
 
     def __init__(self, directory: str | Path):
-        import json
-
-        from tokenizers import Tokenizer
+        from tokenizers import Tokenizer  # lazy: the artifact's copy of this script needs numpy and onnxruntime only
 
         d = Path(directory)
         self.tok = Tokenizer.from_file(str(d / "tokenizer.json"))
@@ -314,7 +312,7 @@ def load_tokenizer(artifact: str | Path):
     """The export's tokenizer: its tokenizer.model (sentencepiece) when it has one, else its tokenizer.json."""
     art = Path(artifact)
     if (art / "tokenizer.model").is_file():
-        import sentencepiece as spm
+        import sentencepiece as spm  # lazy: as tokenizers in JsonTokenizer
 
         return spm.SentencePieceProcessor(model_file=str(art / "tokenizer.model"))
     return JsonTokenizer(art)

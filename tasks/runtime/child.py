@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from tasks.runtime.supervise import child_main, entry_point
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
@@ -18,8 +20,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--entry", required=True)
     ap.add_argument("--child", required=True)
     args = ap.parse_args(argv)
-    from tasks.runtime.supervise import child_main, entry_point
-
     return child_main(entry_point(args.entry), ["--child", args.child])
 
 

@@ -22,15 +22,19 @@ processes; it does not know the model).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from tasks.store.artifacts import ArtifactStore
+from tasks.store.disk import atomic_write_json
 from tasks.store.locks import held_locks_env, pid_alive
 
 REPO = Path(__file__).resolve().parents[2]
@@ -92,10 +96,6 @@ def launch(stage: str, entry: str, spec_path: Path, parallel, log_dir: Path, rel
 
 def wait_published(stage: str, spec_path: Path, timeout: float, node: int) -> str | None:
     """Wait for the artifact of the spec's key to appear in its root (published by node 0); None once it has."""
-    import json
-
-    from tasks.store.artifacts import ArtifactStore
-
     spec = json.loads(Path(spec_path).read_text())
     store, t0 = ArtifactStore(spec["root"]), time.monotonic()
     while time.monotonic() - t0 < timeout:
@@ -211,8 +211,6 @@ def _descendants(pid: int) -> list[int]:
 
 def _stop_group(proc: subprocess.Popen) -> None:
     """Stop msrun and every worker it started: SIGTERM, then SIGKILL what is left."""
-    import signal
-
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in [*_descendants(proc.pid), proc.pid]:
             try:
@@ -244,8 +242,6 @@ SCHEDULER_LOG = "scheduler.log"
 
 
 def _write_node_file(log_dir: Path, parallel) -> None:
-    from tasks.store.disk import atomic_write_json
-
     local = parallel.device_num // parallel.node_num
     atomic_write_json(log_dir / NODE_FILE, {
         "node_rank": parallel.node_rank, "hostname": socket.gethostname(),
@@ -297,8 +293,6 @@ def _timed_out_ranks(log_dir: Path) -> list[int]:
 
 def _node_desc(log_dir: Path, node: int, fallback_host: str | None = None) -> str:
     """"node 1, host NAME ADDRESS" from that node's node.json (on the shared root), else what is known."""
-    import json
-
     try:
         info = json.loads((log_dir.parent / f"node_{node}" / NODE_FILE).read_text())
         host = " ".join(dict.fromkeys(x for x in (info.get("hostname"), info.get("address")) if x))

@@ -16,7 +16,7 @@ NON_TTY_INTERVAL_S = 30.0
 
 def progress_bar(iterable=None, *, total: int | None = None, desc: str, enabled: bool = True, unit: str = "it",
                  initial: int = 0, unit_scale: bool = False, leave: bool = False):
-    from tqdm import tqdm
+    from tqdm import tqdm  # lazy: ~40 ms; stage modules import this (via the data plan, training/metrics.py)
 
     interactive = sys.stderr.isatty()
     return tqdm(iterable, total=total, desc=desc, unit=unit, unit_scale=unit_scale, initial=initial,

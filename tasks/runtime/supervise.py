@@ -18,9 +18,11 @@ import json
 import os
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 from typing import Any, Callable
 
+from tasks.runtime.distributed import STOPPED_MARK, NodeLost, launch
 from tasks.store.artifacts import ArtifactStore
 from tasks.store.errors import STORAGE_ERRNOS, ArtifactError, as_os_error, storage_error
 from tasks.store.disk import atomic_write_json
@@ -177,8 +179,6 @@ def _supervise(stage: str, store: ArtifactStore, key: str, spec: dict[str, Any],
         (run_dir / FAILURE_FILE).unlink(missing_ok=True)
         atomic_write_json(run_dir / "spec.json", {**spec, **((inject or {}) if attempt == 0 else {})})
         if distributed:
-            from tasks.runtime.distributed import NodeLost, launch
-
             err = launch(stage, entry_name(child_fn), run_dir / "spec.json", parallel, run_dir / "msrun_logs")
             if isinstance(err, NodeLost):  # the lost node's command is gone: a retry here would only wait for it
                 raise StageFailed(err)
@@ -211,8 +211,6 @@ def child_main(child_fn: Callable[[dict[str, Any]], Path | None], argv: list[str
         permanent = is_permanent(exc)
         known = permanent or isinstance(exc, (RuntimeError, OSError))
         if not known:
-            import traceback
-
             traceback.print_exc(file=sys.stderr)
         text = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)  # KeyError's str is a repr
         msg = text if known else f"{type(exc).__name__}: {text}"
@@ -224,8 +222,6 @@ def child_main(child_fn: Callable[[dict[str, Any]], Path | None], argv: list[str
             pass
         return PERMANENT if permanent else 1
     if path is None:
-        from tasks.runtime.distributed import STOPPED_MARK
-
         print(STOPPED_MARK, file=sys.stderr, flush=True)
         return STOPPED_EARLY
     print(path)

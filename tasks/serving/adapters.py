@@ -32,6 +32,9 @@ and '.', not starting with '.', at most 255 characters; no '/', '..' or absolute
 directory the server owns), names unique and not the base's id, PATH a finetune artifact (adapter.json and a
 manifest), and its base (adapter.json `base`: stage, key, digest) the model artifact BASE is, or,
 for an export, the model artifact the export was made from (its manifest's first input).
+
+The CLI imports this module (`parse_adapter_flag`), so NumPy, MindSpore and onnx load inside the functions that
+need them (lazy: tasks.store.merge, tasks.serving.backends, the ONNX writer).
 """
 
 from __future__ import annotations
@@ -45,6 +48,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from tasks.store.artifacts import ArtifactStore
+from tasks.store.errors import ArtifactError
 
 FLAG = "--adapter"
 REPO = Path(__file__).resolve().parents[2]
@@ -107,7 +113,6 @@ class Adapter:
     def merged(self) -> Path:
         """The merged model artifact (tasks.store.merge, cached in the finetune artifact's store)."""
         from tasks.store.merge import merge
-        from tasks.store.artifacts import ArtifactStore
 
         return merge(ArtifactStore(self.finetune.parent.parent), self.finetune)
 
@@ -137,8 +142,6 @@ class Adapter:
 def model_ref_of(base: Path) -> dict[str, Any]:
     """{stage, key, digest} of the model artifact that BASE runs: itself, or the one an export was made from."""
     from tasks.serving.backends import artifact_kind
-    from tasks.store.artifacts import ArtifactStore
-    from tasks.store.errors import ArtifactError
 
     kind = artifact_kind(base)
     try:
@@ -158,8 +161,6 @@ def model_ref_of(base: Path) -> dict[str, Any]:
 def check_adapters(base: Path, specs: list[AdapterSpec], base_id: str, store=None) -> list[Adapter]:
     """Every check of the module docstring, in flag order; `store` resolves references that are not directories."""
     from tasks.serving.backends import artifact_kind
-    from tasks.store.artifacts import ArtifactStore
-    from tasks.store.errors import ArtifactError
 
     if not specs:
         return []

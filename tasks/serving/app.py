@@ -62,19 +62,23 @@ import asyncio
 import logging
 import signal
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
 from typing import Any, Sequence
 
+import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tasks.serving.adapters import AdapterSpec
+from tasks.serving.adapters import AdapterSpec, check_adapters
+from tasks.serving.backends import MindSporeBackend, artifact_kind, load_backend
 from tasks.serving.bodies import json_body, respond
 from tasks.serving.engine import Busy, Engine, Sampling
+from tasks.serving.metrics import ServerMetrics
 from tasks.serving.parsing import completion_prompt, document_prefix, parse_request, requested_model
 from tasks.serving.requests import ApiError, DetokenizeRequest, TokenizeRequest, validate
 from tasks.serving.streaming import Choices, TokenText, log_done, stream_choices
@@ -132,10 +136,6 @@ def _error(exc: ApiError, endpoint: str = "") -> JSONResponse:
 def _add_metrics(app: FastAPI, engine: Engine, served: dict[str, Served]) -> None:
     """The app's metrics registry (app.state.metrics): each request counted by a middleware, each sequence by the
     engine, and GET /metrics."""
-    from fastapi.responses import Response
-
-    from tasks.serving.metrics import ServerMetrics
-
     metrics = ServerMetrics(engine.backend.kind, served)
     app.state.metrics = metrics
     # each sequence is recorded by the engine's worker thread as it ends (an abort too, which no handler sees)
@@ -353,11 +353,6 @@ def serve(artifact: str | Path, host: str = "127.0.0.1", port: int = 8000, *, mo
           adapters: Sequence[AdapterSpec] = (), store=None, max_body: int = MAX_BODY) -> int:
     """Load the artifact (and each adapter, unmerged or merged: tasks/serving/adapters.py), serve until
     SIGTERM/SIGINT, drain, return 0. `store` resolves adapter references that are not directories."""
-    import tempfile
-
-    from tasks.serving.adapters import check_adapters
-    from tasks.serving.backends import MindSporeBackend, artifact_kind, load_backend
-
     artifact = Path(artifact).resolve()
     kind = artifact_kind(artifact)  # a bad path fails here, before the model is loaded
     model_id = model_name or default_model_id(artifact)
@@ -399,8 +394,6 @@ def serve(artifact: str | Path, host: str = "127.0.0.1", port: int = 8000, *, mo
 
 def _run(app: FastAPI, engine: Engine, host: str, port: int, drain_timeout: float) -> int:
     """uvicorn until SIGTERM/SIGINT, then the drain; 0, or 1 when the server never started."""
-    import uvicorn
-
     config = uvicorn.Config(app, host=host, port=port, access_log=False, log_config=None, lifespan="off",
                             timeout_graceful_shutdown=drain_timeout, timeout_keep_alive=5)
     server = uvicorn.Server(config)

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
+from tasks.store.codeversion import stage_code_version
+
 REPO = Path(__file__).resolve().parents[2]
 MODEL_KINDS = ("merged", "pretrain", "convert")  # artifacts holding model.json + weights
 
@@ -91,8 +93,6 @@ def stage_module(name: str) -> ModuleType:
 @functools.lru_cache(maxsize=None)
 def code_version(name: str) -> str:
     """16 hex digits: the stage name + every source file its module imports + its declared data files."""
-    from tasks.store.codeversion import stage_code_version
-
     s = stage(name)
     return stage_code_version(name, s.module, s.data_files, root=REPO)
 

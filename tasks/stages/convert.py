@@ -25,17 +25,26 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import tempfile
+import time
 import uuid
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes
 import numpy as np
+from safetensors.numpy import save_file
 
 from model.convert import ConversionError, config_from_hf, config_to_hf, hf_to_native, native_to_hf, nonfinite
 from tasks.store.artifacts import ArtifactStore, raw_file_input
+from tasks.store.model_artifact import model_config, read_info, write_model
+from tasks.store.tensors import load_weights, read_tensors
 from tasks.stages import code_version
+from tasks.tokenizer import (check_chat_template, copy_tokenizer_files, hf_files_from_gguf, load_tokenizer,
+                             tokenizer_files)
+from tasks.tokenizer_error import TokenizerError
 
 STAGE = "convert"
 INDEX = "model.safetensors.index.json"
@@ -43,8 +52,6 @@ INDEX = "model.safetensors.index.json"
 
 def _np_dtype(name: str):
     if name == "bfloat16":
-        import ml_dtypes
-
         return ml_dtypes.bfloat16
     if name not in ("float32", "float16"):
         raise ConversionError(f"dtype {name!r}: choose float32, bfloat16 or float16")
@@ -67,8 +74,6 @@ def weight_files(hf_dir: Path) -> list[Path]:
 
 def read_hf_tensors(hf_dir: Path) -> dict[str, np.ndarray]:
     """Every tensor of the directory's safetensors file(s), by HF key; a key in two shards raises."""
-    from tasks.store.tensors import read_tensors
-
     files = weight_files(hf_dir)
     sharded = not (hf_dir / "model.safetensors").is_file()
     weight_map = json.loads((hf_dir / INDEX).read_text())["weight_map"] if sharded else None
@@ -110,8 +115,6 @@ def _source_dtype(tensors: dict[str, np.ndarray]) -> str:
 
 def _check_tokenizer(tok, vocab_size: int, where: Path) -> None:
     """The tokenizer must fit the embedding and its chat template must render (before anything is written)."""
-    from tasks.tokenizer import check_chat_template
-
     if tok.vocab_size > vocab_size:
         raise ConversionError(f"{where}: the tokenizer has {tok.vocab_size} tokens but the model's vocab_size is "
                               f"{vocab_size}; this is not the model's tokenizer")
@@ -129,8 +132,6 @@ def from_hf(hf_dir: str | os.PathLike, store: ArtifactStore, pipeline: str | Non
     tokenizer_config.json and chat_template.jinja where present; generation_config.json is kept too.
     `keyed`: `stage_key(store, hf_dir, "hf")`, when the caller computed it (`run`).
     """
-    from tasks.tokenizer import tokenizer_files
-
     hf_dir = Path(hf_dir)
     key, inputs, config = keyed or stage_key(store, hf_dir, "hf")
     tok_files, gen_cfg = tokenizer_files(hf_dir), hf_dir / "generation_config.json"
@@ -144,10 +145,6 @@ def from_hf(hf_dir: str | os.PathLike, store: ArtifactStore, pipeline: str | Non
 def _convert_hf(hf_dir: Path, store: ArtifactStore, pipeline: str | None, key: str, inputs: list, config: dict,
                 tok_files: list, gen_cfg: Path) -> Path:
     """Convert the HF directory and publish its artifact `key` (under the stage lock: `from_hf`)."""
-    from tasks.store.model_artifact import write_model
-    from tasks.tokenizer import load_tokenizer
-    from tasks.tokenizer_error import TokenizerError
-
     hf_config = _json_object(hf_dir / "config.json")
     cfg = config_from_hf(hf_config)
     try:
@@ -184,10 +181,7 @@ def from_gguf(gguf_file: str | os.PathLike, store: ArtifactStore, pipeline: str 
 
 def _convert_gguf(src: Path, store: ArtifactStore, pipeline: str | None, key: str, inputs: list, config: dict) -> Path:
     """Convert the GGUF file and publish its artifact `key` (under the stage lock: `from_gguf`)."""
-    from model.gguf import GGUFError, config_from_meta, read_gguf, read_metadata
-    from tasks.store.model_artifact import write_model
-    from tasks.tokenizer import hf_files_from_gguf, load_tokenizer
-    from tasks.tokenizer_error import TokenizerError
+    from model.gguf import GGUFError, config_from_meta, read_gguf, read_metadata  # lazy: gguf, for GGUF sources only
 
     try:
         opened = read_metadata(src)  # layout checked: every tensor aligned, inside the data section, apart
@@ -242,8 +236,6 @@ def source_kind(path: str | os.PathLike) -> str | None:
 def source_files(source: Path, kind: str) -> list[Path]:
     """The raw files a conversion reads (its inputs, hashed into the key): the GGUF file; or the HF directory's
     config.json, [the shard index,] safetensors, tokenizer files and generation_config.json."""
-    from tasks.tokenizer import tokenizer_files
-
     if kind == "gguf":
         if not source.is_file():
             raise FileNotFoundError(f"{source}: no such GGUF file")
@@ -282,9 +274,6 @@ def run(store: ArtifactStore, source: str | os.PathLike, pipeline: str | None = 
 
     kind: "gguf" or "hf" (default: `source_kind`'s). keyed: what `stage_key` returned for these arguments, when the
     caller computed it (the stage runner, tasks/stages/runner.py); None computes it here."""
-    import sys
-    import time
-
     log = (lambda msg: print(f"convert: {msg}", file=sys.stderr, flush=True)) if progress else (lambda msg: None)
     source = Path(source)
     kind = kind or source_kind(source)
@@ -316,12 +305,6 @@ def to_hf(artifact: str | os.PathLike, out_dir: str | os.PathLike, dtype: str | 
     (float32 for trained artifacts). Written into a temp dir beside out_dir, then renamed;
     out_dir must not exist or be empty.
     """
-    from safetensors.numpy import save_file
-
-    from tasks.store.tensors import load_weights
-    from tasks.store.model_artifact import model_config, read_info
-    from tasks.tokenizer import copy_tokenizer_files
-
     artifact, out_dir = Path(artifact), Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise FileExistsError(f"{out_dir}: exists and is not an empty directory; choose a new one")

@@ -11,8 +11,10 @@ MindSpore is imported by `forward_check` only (the memory plan is arithmetic).
 
 from __future__ import annotations
 
+import time
 from typing import NamedTuple
 
+from model.runtime import setup_mindspore
 from tasks.config.schema import PipelineConfig
 from tasks.training.memory import GiB, Layout, estimate, plan, unsupported
 
@@ -73,11 +75,7 @@ def memory_plan(cfg: PipelineConfig, device_memory: int, devices: int | None = N
 def forward_check(cfg: PipelineConfig) -> str:
     """Build the pipeline's model (seeded as pretraining does) and run one forward pass on random ids; one line
     saying the shapes, whether the logits are finite, and how long it took."""
-    import time
-
-    import numpy as np
-
-    from model.runtime import setup_mindspore
+    import numpy as np  # lazy: NumPy and MindSpore (below); the CLI imports this module
 
     setup_mindspore()  # before MindSpore's first import: it quiets MindSpore's C++ logs (GLOG_v)
     import mindspore as ms  # the lazy boundary: `msllm validate` without --forward never loads MindSpore

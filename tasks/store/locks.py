@@ -127,7 +127,7 @@ def clean_stale(root: Path) -> int:
 
 def _started_after(pid: int, t: float, slack: float = 2.0) -> bool:
     """True when process `pid` started after time `t` (so it cannot be what wrote something at `t`)."""
-    import psutil
+    import psutil  # lazy: ~20 ms; the CLI imports this module
 
     try:
         return psutil.Process(pid).create_time() > t + slack

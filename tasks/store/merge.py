@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from model.config import ModelConfig
 from tasks.store.artifacts import ArtifactStore
 from tasks.store.errors import ArtifactError
 from tasks.store.published import verify_published
@@ -73,13 +74,11 @@ def merge(store: ArtifactStore, finetune_artifact: Path) -> Path:
 
 def _merge(store: ArtifactStore, key: str, m: dict, adapter_cfg: dict, ft: Path, base: Path, inputs: list) -> Path:
     """Fold the adapter of `ft` into `base` and publish the merged artifact `key` (under its build lock: `merge`)."""
-    from model.config import ModelConfig
-
     info = read_info(base)
     base_w = load_weights(base)
     trained = read_tensors(verify_published(ft / "adapter.safetensors"), f"rerun the finetune stage ({ft} is damaged)")
     if adapter_cfg["method"] == "lora":
-        from model.lora import merge_adapter
+        from model.lora import merge_adapter  # lazy: MindSpore; the CLI and the stage table import this module
 
         weights = merge_adapter(base_w, trained, adapter_cfg["scaling"])
     else:

@@ -21,7 +21,8 @@ order), a window of batches at a time. Files are checked against the manifest's 
 (`verify=True`); a bad file raises `DataError` (tasks/store/data_schema.py) naming it.
 
 `block_batches` turns those blocks into the (input_ids, labels) batches that training, evaluation and export's
-held-out check read.
+held-out check read. MindSpore (`mindspore.dataset`) loads inside the readers only (lazy): the stage modules'
+parent side imports this module.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
     arrays = read_tensors(path, fix="rerun X")      # CheckpointError naming the file when it is not safetensors
     weights = load_weights(artifact_dir)            # model.safetensors of a model artifact, checked vs its manifest
                                                     # and finite (CheckpointError naming a NaN/Inf tensor)
-    assign(net.trainable_params(), weights, what)   # every parameter by name and shape (MindSpore imported here)
+    assign(net.trainable_params(), weights, what)   # every parameter by name and shape (MindSpore imported here only)
 
 The store's model artifacts, the training checkpoints (tasks/training/checkpoint.py), the convert and finetune
 stages and the server's adapters all read and write weights through these functions. A training checkpoint
@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
+from model.convert import nonfinite
 from tasks.store.disk import sha256_file
 from tasks.store.published import verify_published
 from tasks.store.errors import STORAGE_ERRNOS, as_os_error, storage_error
@@ -87,8 +88,6 @@ def load_weights(path: Path) -> dict[str, np.ndarray]:
 
 def check_finite(arrays: dict[str, np.ndarray], where: str | Path) -> None:
     """CheckpointError naming the first tensor holding NaN/Inf (such a model answers garbage to every prompt)."""
-    from model.convert import nonfinite
-
     for k, v in arrays.items():
         if bad := nonfinite(k, v):
             raise CheckpointError(f"{where}: {bad}; this model cannot run: rebuild it, or convert it again from a "
@@ -98,7 +97,7 @@ def check_finite(arrays: dict[str, np.ndarray], where: str | Path) -> None:
 def assign(params, arrays: dict[str, np.ndarray], what: str, *, strict: bool = True) -> None:
     """Set `params` from `arrays` by name; every parameter must be there with its shape, and (strict)
     nothing else may be: a tensor the model lacks means the file belongs to another model."""
-    import mindspore as ms
+    import mindspore as ms  # lazy: the store imports without MindSpore (the CLI, the stages' parents)
 
     missing = [p.name for p in params if p.name not in arrays]
     if missing:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 
 import mindspore as ms
+import numpy as np
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
 from model.kernel_ops import zero_ops
@@ -151,8 +152,6 @@ class UpdateGuard:
     @staticmethod
     def max_abs(arrays) -> float:
         """max |w| over numpy arrays (inf when any is non-finite)."""
-        import numpy as np
-
         m = 0.0
         for a in arrays:
             if a.size:

@@ -199,7 +199,7 @@ def load_checkpoint(ckpt: Path, tp: int = 1, tp_index: int = 0
     Every file read is checked against the sha256 in state.json. The saved slices are
     merged and re-cut only when the saved tensor-parallel size differs from `tp`.
     """
-    from tasks.training.parallelize import shard, unshard
+    from tasks.training.parallelize import shard, unshard  # lazy: MindSpore; the pretrain stage's parent imports this
 
     state = read_state(ckpt)
     saved_tp = int(layout_of(state)["tensor_parallel"])

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+from model.cpu import cpu_flags
+
 
 def peak_rss_bytes() -> int:
     """Peak resident memory of this process: VmHWM, the high-water mark of its own address space.
@@ -43,7 +45,7 @@ def measure_peak_flops(n: int = 2048, repeats: int = 3) -> float:
     """
     a_np = np.random.default_rng(0).standard_normal((n, n)).astype(np.float32)
     try:
-        import mindspore as ms
+        import mindspore as ms  # lazy: the training stages' parents import this module (via the trainer)
         from mindspore import ops
 
         a = ms.Tensor(a_np)
@@ -115,8 +117,6 @@ def theoretical_peak_flops(flags: set[str] | None = None) -> tuple[float, str]:
     lets the denominator fall below a measured sgemm. `flags` (default: cpu_flags()) lets a benchmark that
     emulates a lesser CPU (scripts/bench/host.py, AVX-512 flags removed) count that CPU's lanes.
     """
-    from model.cpu import cpu_flags
-
     flags = cpu_flags() if flags is None else flags
     lanes = 16 if "avx512f" in flags else 8 if "avx2" in flags or "avx" in flags else 4
     fma = 2 if ("fma" in flags or "asimd" in flags) else 1

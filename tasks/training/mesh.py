@@ -6,7 +6,8 @@ model), and the collectives the trainer needs outside the train step.
     mesh.dp_index, mesh.tp_index, mesh.zero                # which data replica / tensor slice, ZeRO-1 on?
 
 The runtime (tasks/runtime/) starts the ranks; it does not know the model. This module knows the layout; the
-tensor-parallel plan by parameter name is tasks/training/parallelize.py's.
+tensor-parallel plan by parameter name is tasks/training/parallelize.py's. MindSpore loads inside the methods that
+talk to other ranks (lazy): the training stages' parents import this module (a `Mesh()` needs no MindSpore).
 """
 
 from __future__ import annotations

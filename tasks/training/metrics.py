@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
+
+from tasks.runtime.progress import progress_bar
+from tasks.store.disk import atomic_write_bytes
 
 
 def format_record(r: dict[str, Any], max_steps: int) -> str:
@@ -39,8 +43,6 @@ class NoBar:
 def progress(enabled: bool, max_steps: int, initial: int):
     if not enabled:
         return NoBar()
-    from tasks.runtime.progress import progress_bar
-
     return progress_bar(total=max_steps, initial=initial, desc="train", unit="step", leave=True)
 
 
@@ -65,8 +67,6 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
-    from tasks.store.disk import atomic_write_bytes
-
     atomic_write_bytes(path, "".join(json.dumps(r) + "\n" for r in rows).encode())
 
 
@@ -77,14 +77,12 @@ def append_jsonl(path: Path, row: dict[str, Any]) -> None:
 
 def add_run_files(out_dir: Path, run_dir: Path, result: FitResult, title: str) -> None:
     """Put the run's metrics.jsonl and its loss curve into the artifact being built (pretrain and finetune)."""
-    import shutil
-
     shutil.copy2(run_dir / "metrics.jsonl", out_dir / "metrics.jsonl")
     plot_loss_curve(result.history, out_dir / "loss_curve.png", title)
 
 
 def plot_loss_curve(history: list[dict[str, Any]], out: Path, title: str) -> None:
-    import matplotlib
+    import matplotlib  # lazy: ~0.4 s with pyplot, and the backend must be chosen before pyplot loads
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -8,11 +8,15 @@ scale are tensors fed in each step (no recompilation).
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import mindspore as ms
+import numpy as np
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
 from tasks.training.adamw import AdamW
+from tasks.training.mesh import Mesh
+from tasks.training.parallelize import parallelize_optimizer
 
 
 class DynamicLossScale:
@@ -157,8 +161,6 @@ class TrainStep:
 
     def token_weights(self, labels: list) -> list[float]:
         """Each micro-batch's weight: its counted tokens × k × dp / the step's total over all ranks."""
-        import numpy as np
-
         counts = [int(np.count_nonzero(np.asarray(y) != -100)) for y in labels]
         total = sum(counts)
         if self._count_sum is not None:  # the other ranks' tokens (one scalar AllReduce per step)
@@ -233,12 +235,6 @@ def causal_lm_train_step(net, params: list[Parameter], *, weight_decay: float = 
     `in_place=False` keeps the optimizer on MindSpore's own kernels (the build's decision for it:
     tasks/training/build.py `Kernels.optimizer`; the model's fused cells are the build's too).
     """
-
-    from types import SimpleNamespace
-
-    from tasks.training.mesh import Mesh
-    from tasks.training.parallelize import parallelize_optimizer
-
     mesh = mesh or Mesh()
     train = SimpleNamespace(  # the shape of tasks.config.schema.TrainSection that the optimizer reads
         optimizer=SimpleNamespace(beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,

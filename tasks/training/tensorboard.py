@@ -36,9 +36,18 @@ import json
 import math
 import os
 import socket
+import struct
 import time
 from pathlib import Path
 from typing import Any, Iterable
+
+from google.protobuf.message import DecodeError
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+from tensorboard.compat.proto import event_pb2, summary_pb2
+from tensorboard.compat.tensorflow_stub.errors import OpError
+from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+from tensorboard.plugins.hparams import metadata, plugin_data_pb2
 
 EVENT_GLOB = "events.out.tfevents.*"
 _TAGS = {
@@ -116,17 +125,12 @@ def run_hparams(run_dir: Path, meta: dict[str, Any] | None = None) -> dict[str, 
 
 
 def _scalar_event(step: int, wall_time: float, values: dict[str, float]):
-    from tensorboard.compat.proto import event_pb2, summary_pb2
-
     summary = summary_pb2.Summary(value=[summary_pb2.Summary.Value(tag=t, simple_value=v) for t, v in values.items()])
     return event_pb2.Event(step=int(step), wall_time=wall_time, summary=summary)
 
 
 def _hparams_event(hparams: dict[str, bool | float | str], wall_time: float):
     """The hparams plugin's session_start_info summary (what tensorboard.plugins.hparams.summary builds, without TF)."""
-    from tensorboard.compat.proto import event_pb2, summary_pb2
-    from tensorboard.plugins.hparams import metadata, plugin_data_pb2
-
     info = plugin_data_pb2.SessionStartInfo(start_time_secs=wall_time)
     for name, v in hparams.items():
         if isinstance(v, bool):
@@ -142,8 +146,6 @@ def _hparams_event(hparams: dict[str, bool | float | str], wall_time: float):
 
 
 def _header_events(wall_time: float):
-    from tensorboard.compat.proto import event_pb2
-
     return [event_pb2.Event(wall_time=wall_time, file_version="brain.Event:2",
                             source_metadata=event_pb2.SourceMetadata(writer="msllm.tasks.tensorboard")),
             # a TensorBoard already watching this run drops what it read from the replaced files
@@ -152,10 +154,6 @@ def _header_events(wall_time: float):
 
 def _frame(data: bytes) -> bytes:
     """One TFRecord: length, masked crc of the length, data, masked crc of the data."""
-    import struct
-
-    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
-
     header = struct.pack("<Q", len(data))
     return header + struct.pack("<I", masked_crc32c(header)) + data + struct.pack("<I", masked_crc32c(data))
 
@@ -166,10 +164,6 @@ def event_files(run_dir: Path) -> list[Path]:
 
 def _old_wall_times(run_dir: Path) -> dict[int, float]:
     """step -> wall time of the scalar events already in the run's event files (kept across a resume)."""
-    from google.protobuf.message import DecodeError
-    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
-    from tensorboard.compat.tensorflow_stub.errors import OpError
-
     out: dict[int, float] = {}
     for f in event_files(run_dir):
         try:
@@ -263,8 +257,6 @@ def write_eval(run_dir: Path, scores: dict[str, Any], *, step: int = 0, hparams:
 
 def read_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     """{tag: [(step, value), ...]} as TensorBoard's EventAccumulator reads the run dir (tests, reports)."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0, "tensors": 0})
     acc.Reload()
     return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}

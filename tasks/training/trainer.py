@@ -16,6 +16,9 @@ starting at global sample `start_sample`, so a resumed run sees exactly the data
 it would have seen. Checkpoints go to `run_dir/checkpoints`, metrics to
 `run_dir/metrics.jsonl`. Everything is deterministic on CPU: a resumed run's
 per-step losses equal an uninterrupted run's bit for bit.
+
+MindSpore (with the step, the optimizer and TensorBoard's writer, which load it) is imported inside the run's
+functions (lazy): the training stages' parents import this module.
 """
 
 from __future__ import annotations
@@ -32,7 +35,9 @@ import numpy as np
 from tasks.training.checkpoint import load_checkpoint, newest_checkpoint, save_checkpoint
 from tasks.store.tensors import CheckpointError, assign
 from tasks.training.hardware import peak_rss_bytes, resolve_peak_flops
+from tasks.training.mesh import Mesh
 from tasks.training.metrics import NoBar, append_jsonl, format_record, progress, read_jsonl, write_jsonl
+from tasks.training.schedule import lr_schedule, training_steps
 
 Batches = Callable[[int], Iterator[tuple[np.ndarray, np.ndarray]]]
 
@@ -187,8 +192,6 @@ def fit(net, params, loss_fn, train, *, checkpoint, batches: Batches, valid: Cal
     steps in a row (the message names the newest *good* checkpoint), no update applied at all, or a
     non-finite final validation loss. Nothing is published in those cases (the caller publishes after fit).
     """
-    from tasks.training.mesh import Mesh
-
     run = _Run(params, loss_fn, train, checkpoint, run_dir, meta, flops_per_token, tokens_per_sample,
                mesh or Mesh(), hooks or LoopConfig(), valid, kernels is not None and kernels.optimizer)
     run.start()
@@ -204,7 +207,6 @@ class _Run:
         import mindspore as ms
 
         from tasks.training.parallelize import parallelize_optimizer
-        from tasks.training.schedule import lr_schedule, training_steps
         from tasks.training.step import DynamicLossScale, TrainStep
 
         self.params, self.checkpoint, self.run_dir, self.meta, self.mesh, self.hooks, self.valid = \

@@ -7,9 +7,13 @@ tasks/training/parallelize.py when parallel.optimizer_shard is set.
 from __future__ import annotations
 
 import mindspore as ms
+import numpy as np
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
+from mindspore.common.initializer import initializer
+from mindspore.communication import GlobalComm
 
 from model.kernel_ops import zero_ops
+from tasks.store.tensors import CheckpointError
 
 from tasks.training.adamw import clip_coefficient, folded_adam_scalars, sum_sq
 
@@ -46,8 +50,6 @@ class ShardedAdamW(nn.Cell):
                  chunk_elements: int = 2**20, in_place: bool = True):
         """`in_place=False` forces the master-share path (what runs without a compiler)."""
         super().__init__()
-        import numpy as np
-
         self.params = ParameterTuple(params)
         self.dp, self.dp_index = int(dp), int(dp_index)
         self.shapes = tuple(tuple(int(d) for d in p.shape) for p in params)
@@ -87,8 +89,6 @@ class ShardedAdamW(nn.Cell):
         self.names = tuple(p.name for p in params)
 
         def state(prefix: str) -> ParameterTuple:  # lazily zero-initialised (no host copy held, as `clone(init=)`)
-            from mindspore.common.initializer import initializer
-
             return ParameterTuple([Parameter(initializer("zeros", (b - a,), ms.float32), name=f"{prefix}.{self.names[i]}",
                                              requires_grad=False) for i, a, b in segs])
 
@@ -141,8 +141,6 @@ class ShardedAdamW(nn.Cell):
         ranks, whose graphs differ in their segments, cannot order collectives differently) and buffers of one
         chunk (concatenated share, gathered chunk), freed before the next. Eager ops cost ~15 ms each here
         (0.85 s per step on `small`); one graph for all chunks would hold every chunk's buffers at once."""
-        from mindspore.communication import GlobalComm
-
         gather = ops.AllGather(group=GlobalComm.WORLD_COMM_GROUP)
         master, params = self.master, self.params
         offsets, sizes, shapes, segments, in_place = self.offsets, self.sizes, self.shapes, self.segments, self.in_place
@@ -190,8 +188,6 @@ class ShardedAdamW(nn.Cell):
 
     def shard_state(self) -> dict:
         """This rank's share of the flat moment buffers: {"adam_m": [shard], "adam_v": [shard]} (zero-padded)."""
-        import numpy as np
-
         out = {}
         for key, ps in (("adam_m", self.exp_avg), ("adam_v", self.exp_avg_sq)):
             parts = []
@@ -203,8 +199,6 @@ class ShardedAdamW(nn.Cell):
 
     def load_full(self, opt: dict, what: str) -> None:
         """Cut this rank's share out of full per-parameter moments (`adam_m.<name>`, `adam_v.<name>`)."""
-        from tasks.store.tensors import CheckpointError
-
         want = [f"{k}.{n}" for k in ("adam_m", "adam_v") for n in self.names]
         missing = [k for k in want if k not in opt]
         if missing:

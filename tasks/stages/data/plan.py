@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 
+from tasks.runtime.progress import progress_bar
 from tasks.stages.data.cleaning import Cleaner, CleanStats
 from tasks.store.data_schema import DataError
 from tasks.stages.data.sources import Source, _is_binary, read_documents, resolve_sources
@@ -35,8 +36,6 @@ class Plan:
 
 
 def _progress_bar(enabled: bool, desc: str, total: int | None = None):
-    from tasks.runtime.progress import progress_bar
-
     return progress_bar(total=total, desc=desc, unit="doc", unit_scale=True, enabled=enabled)
 
 

@@ -1,4 +1,8 @@
-"""Step 5: cut the token streams into blocks and write MindRecord shards; verify shard files."""
+"""Step 5: cut the token streams into blocks and write MindRecord shards; verify shard files.
+
+MindSpore (its MindRecord writer and reader) loads inside the functions that write and check shards (lazy): the
+stage's parent imports this module, and the tokenizing workers never load MindSpore.
+"""
 
 from __future__ import annotations
 

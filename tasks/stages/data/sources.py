@@ -202,7 +202,7 @@ def _jsonl(f, name: str, field_name: str) -> Iterator[str]:
 
 
 def _load_hf(src: Source):
-    import datasets
+    import datasets  # lazy: ~1 s, for parquet and hf: sources only
 
     try:
         if src.kind == "parquet":

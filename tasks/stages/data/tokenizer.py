@@ -14,6 +14,8 @@ import numpy as np
 
 from tasks.stages.data.plan import Plan
 from tasks.store.data_schema import DataError
+from tasks.tokenizer import load_tokenizer as _load
+from tasks.tokenizer_error import TokenizerError
 
 if TYPE_CHECKING:
     from tasks.config.schema import PipelineConfig, TokenizerSection
@@ -30,7 +32,7 @@ _SPM_OPTIONS = dict(
 
 def train_tokenizer(tok: TokenizerSection, sample_path: Path, out: Path) -> Path:
     """Train SentencePiece (`tok.model_type`, `tok.vocab_size`) on the sample file; write `out`."""
-    import sentencepiece as spm
+    import sentencepiece as spm  # lazy: sentencepiece, only when a tokenizer is trained
 
     buf = io.BytesIO()
     try:
@@ -57,9 +59,6 @@ def train_tokenizer(tok: TokenizerSection, sample_path: Path, out: Path) -> Path
 def load_tokenizer(path: str | os.PathLike):
     """The tokenizer of a file or directory (tokenizer.model or tokenizer.json); DataError naming it when it is
     missing or unreadable."""
-    from tasks.tokenizer import load_tokenizer as _load
-    from tasks.tokenizer_error import TokenizerError
-
     p = Path(path)
     if not p.exists():
         raise DataError(f"{p}: tokenizer not found; fix data.tokenizer.path (a tokenizer.model, a tokenizer.json or "
@@ -117,8 +116,6 @@ def tokenize_chunk(spec: dict[str, Any]) -> str:
     on any Dask worker sharing the file system. Writes `spec["tokens_path"]` (np.save, no pickle)
     and a summary JSON beside it; returns the summary's path.
     """
-    from tasks.tokenizer import load_tokenizer as _load
-
     where = spec["tokenizer"]
     tok = _TOKENIZERS.get(where)
     if tok is None:

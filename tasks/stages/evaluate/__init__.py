@@ -28,6 +28,9 @@ each task's main metric (acc where it has one).
 The base model: for a model with one (a merged finetune, a continued pretrain: `perplexity.base_chain` follows the model
 inputs of the manifests back to a model converted or trained from scratch), that first model's held-out
 perplexity on the same blocks, in results.json ("base_perplexity") and beside the evaluated one in report.md.
+
+MindSpore, lm-eval and TensorBoard load inside the functions that use them (lazy): the CLI and the flows import
+this module (the stage's `run`, `selection_lines`) before any of them is needed.
 """
 
 from __future__ import annotations
@@ -44,10 +47,11 @@ from typing import Any
 import numpy as np
 
 from tasks.store.artifacts import ArtifactStore, raw_file_input
-from tasks.store.errors import ArtifactError
+from tasks.store.errors import STORAGE_ERRNOS, ArtifactError, storage_error
 from tasks.stages import code_version
 from tasks.config.schema import PipelineConfig
 from tasks.stages.evaluate.perplexity import base_perplexity, documents_perplexity, heldout_perplexity, read_documents
+from tasks.tokenizer import files_sha256, tokenizer_files
 
 STAGE = "eval"
 LOCAL_TASKS = Path(__file__).resolve().parent / "lm_tasks"
@@ -213,8 +217,6 @@ def run(cfg: PipelineConfig, store: ArtifactStore, model_artifact: Path, data_ar
 
 def _evaluate(cfg: PipelineConfig, store: ArtifactStore, model_artifact: Path, data_artifact: Path | None, key: str,
               inputs: list[dict[str, Any]], progress: bool, selection: dict[str, str] | None = None) -> Path:
-    from tasks.tokenizer import files_sha256, tokenizer_files
-
     if data_artifact is not None and files_sha256(tokenizer_files(data_artifact)) != \
             files_sha256(tokenizer_files(model_artifact)):
         raise ValueError(f"{data_artifact} was tokenized with another tokenizer than {model_artifact}; "
@@ -284,8 +286,6 @@ def _evaluate(cfg: PipelineConfig, store: ArtifactStore, model_artifact: Path, d
 def _write_events(cfg: PipelineConfig, store: ArtifactStore, key: str, model_artifact: Path, metrics: dict[str, Any]) -> None:
     """The scores as TensorBoard scalars in runs/eval/<key>/ (beside the training runs), at the model's step."""
     from tasks.training.tensorboard import write_eval
-
-    from tasks.store.errors import STORAGE_ERRNOS, storage_error
 
     m = store.read_manifest(model_artifact)
     scores = {k: v for k, v in metrics.items() if k != "eval_seconds"}

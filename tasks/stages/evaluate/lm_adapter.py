@@ -31,11 +31,20 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+import lm_eval.models  # noqa: F401  (built-ins first: the registry loads them only while it is empty)
+import mindspore as ms
 import numpy as np
 from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import model_registry, register_model
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from mindspore import ops
 
 from model.config import SCORING_MAX_BYTES
+from model.generate import Generator
+from model.runtime import dynamic_graph, setup_mindspore
 from tasks.runtime.progress import progress_bar
+from tasks.store.model_artifact import load_tokenizer
+from tasks.training.build import load_network
 
 MODEL_NAME = "msllm"
 
@@ -47,11 +56,6 @@ class TokenScorer:
     MAX_BYTES = SCORING_MAX_BYTES
 
     def __init__(self, net, batch_size: int = 8, max_bytes: int | None = None):
-        import mindspore as ms
-        from mindspore import ops
-
-        from model.runtime import dynamic_graph
-
         self.net, self.batch_size = net, batch_size
         self.max_bytes = int(max_bytes or self.MAX_BYTES)
         self.max_seq_length = net.config.max_seq_length
@@ -74,8 +78,6 @@ class TokenScorer:
               desc: str = "scoring", tails: Sequence[int] | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
         """For each (input_ids, target_ids) pair of equal length: (log p(target_t | input_≤t) [T], is_argmax [T]);
         with `tails`, only each row's last tails[i] positions (a loglikelihood request's continuation)."""
-        import mindspore as ms
-
         order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
         out: list[Any] = [None] * len(rows)
         bar = progress_bar(total=len(rows), desc=desc, enabled=progress)
@@ -121,8 +123,6 @@ class TokenScorer:
     def _run_head(self, x: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(log p(target) [N], is_argmax [N]) of decoder outputs x [N, H]: the head in chunks whose [rows, V]
         logits and log-softmax stay within max_bytes / 8."""
-        import mindspore as ms
-
         if not len(x):
             return np.zeros(0, np.float32), np.zeros(0, bool)
         step = max(1, self.max_bytes // (8 * 2 * 4 * self.net.config.vocab_size))
@@ -160,10 +160,6 @@ class MindSporeLM(TemplateLM):
         super().__init__()
         self.fused_kernels = fused_kernels
         if pretrained is not None:
-            from model.runtime import setup_mindspore
-            from tasks.training.build import load_network
-            from tasks.store.model_artifact import load_tokenizer
-
             setup_mindspore()
             net, info = load_network(pretrained)
             tokenizer = load_tokenizer(pretrained)
@@ -242,8 +238,6 @@ class MindSporeLM(TemplateLM):
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """Whole-document log-likelihood, in disjoint windows of max_length tokens (the harness's windows)."""
-        from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
-
         windows, owner = [], []
         for i, req in enumerate(requests):
             tokens = self.tok_encode(req.args[0], add_special_tokens=False)
@@ -263,8 +257,6 @@ class MindSporeLM(TemplateLM):
     @property
     def generator(self):
         if self._generator is None:
-            from model.generate import Generator
-
             self._generator = Generator(self.net, fused=self.fused_kernels)
         return self._generator
 
@@ -307,9 +299,6 @@ class MindSporeLM(TemplateLM):
 
 def register() -> None:
     """Make `simple_evaluate(model="msllm", ...)` work. Idempotent; no import-time side effects."""
-    import lm_eval.models  # noqa: F401  (built-ins first: the registry loads them only while it is empty)
-    from lm_eval.api.registry import model_registry, register_model
-
     if model_registry.get(MODEL_NAME, None) is not MindSporeLM:
         register_model(MODEL_NAME)(MindSporeLM)
 

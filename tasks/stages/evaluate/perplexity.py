@@ -3,6 +3,7 @@ artifact's held-out blocks, and of the base model a model's chain started from (
 
 from __future__ import annotations
 
+import gc
 import gzip
 import json
 import math
@@ -11,8 +12,11 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from tasks.stages import MODEL_KINDS
 from tasks.store.artifacts import ArtifactStore
 from tasks.store.errors import ArtifactError
+from tasks.store.reader import block_batches
+from tasks.tokenizer import files_sha256, tokenizer_files
 
 
 def read_documents(path: Path) -> list[str]:
@@ -67,8 +71,7 @@ def heldout_perplexity(lm, data_artifact: Path, batch_size: int, progress: bool 
                        max_blocks: int | None = None) -> dict[str, Any]:
     """Perplexity and bits per byte on a data artifact's `valid` blocks (masked targets skipped); the first
     `max_blocks` of them (in shard order) when set."""
-    from tasks.stages.evaluate.lm_adapter import token_byte_lengths
-    from tasks.store.reader import block_batches
+    from tasks.stages.evaluate.lm_adapter import token_byte_lengths  # lazy: MindSpore; the eval stage imports this
 
     token_bytes = token_byte_lengths(lm.sp)
     rows, masks = [], []
@@ -94,8 +97,6 @@ def base_chain(store: ArtifactStore, model_artifact: Path) -> list[tuple[Path, s
     from", "continued from"): a merged finetune's base (its manifest's model input), a continued pretrain's
     init_from, and theirs, up to a model converted or trained from scratch. Stops where an input is no longer in
     the store; [] for a model with no base."""
-    from tasks.stages import MODEL_KINDS
-
     chain: list[tuple[Path, str]] = []
     seen, current = {store.inside(model_artifact)}, store.inside(model_artifact)
     while len(chain) < 64:
@@ -121,10 +122,7 @@ def base_perplexity(store: ArtifactStore, model_artifact: Path, data_artifact: P
     """The held-out perplexity of the model `model_artifact`'s chain started from (base_chain's last) on the same
     blocks of `data_artifact`: {"model", "path", "chain", "held-out": row}, or {"model", "path", "chain",
     "skipped": why} when its tokenizer is not the data's; None for a model with no base."""
-    import gc
-
-    from tasks.stages.evaluate.lm_adapter import MindSporeLM
-    from tasks.tokenizer import files_sha256, tokenizer_files
+    from tasks.stages.evaluate.lm_adapter import MindSporeLM  # lazy: MindSpore, as above
 
     chain = base_chain(store, model_artifact)
     if not chain:

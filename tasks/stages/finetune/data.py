@@ -33,8 +33,9 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from tasks.config.rules import expand_source
 from tasks.config.schema import ConfigError, PipelineConfig
-from tasks.prompts import encode_segments, to_segments
+from tasks.prompts import chat_example, encode_segments, record_messages, to_segments
 
 IGNORE = -100
 _DATA_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".txt")
@@ -111,8 +112,6 @@ class FinetuneData:
 
 
 def instruction_examples(files: list[Path], sp, seq_length: int, eos_id: int, pad_id: int) -> tuple[Examples, dict[str, Any]]:
-    from tasks.prompts import chat_example, record_messages
-
     ids, labels, shortened, truncated, dropped, lengths = [], [], 0, 0, 0, []
     for path in files:
         for where, rec in read_records(path):
@@ -220,8 +219,6 @@ def load_data(cfg: PipelineConfig, sp, seq_length: int) -> FinetuneData:
 
 def source_files(cfg: PipelineConfig) -> list[Path]:
     """finetune.sources expanded (files, directories, globs) to a sorted, de-duplicated file list."""
-    from tasks.config.rules import expand_source
-
     if not cfg.finetune.sources:
         raise ConfigError([f"pipelines.{cfg.name}.finetune.sources: empty; list the instruction (.jsonl) or text files"])
     files: list[Path] = []

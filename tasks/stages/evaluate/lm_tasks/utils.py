@@ -27,6 +27,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
+import datasets
 import numpy as np
 
 def shipped_benchmarks() -> Path | None:
@@ -98,8 +99,6 @@ READERS: dict[str, Callable[[Path], list[dict[str, Any]]]] = {
 
 def load(benchmark: str, split: str, data_dir: str | None = None, **_metadata: Any):
     """`custom_dataset` of every local task: {split: the benchmark's records} as a DatasetDict."""
-    import datasets
-
     if benchmark not in READERS:
         raise ValueError(f"unknown local benchmark {benchmark!r}; known: {sorted(READERS)}")
     root = benchmarks_dir(data_dir)
