@@ -331,6 +331,7 @@ LIGHT_ROOTS = {
     "tasks.stages",  # the stage table; each stage module (STAGES) too: the CLI and the flows import its run/stage_key
     "tasks.deploy.onnx_generate",  # needs numpy + onnxruntime only (its copy in an export artifact runs standalone)
     "tasks.deploy.checks",  # onnxruntime-genai's checks run without MindSpore
+    "tasks.serving.backends",  # an export is served on onnxruntime alone, a model artifact on MindSpore alone
 }
 LIGHT_PACKAGES = ("tasks.cli.", "tasks.config.", "tasks.store.")  # every module under these
 
