@@ -19,6 +19,11 @@ chunks, pooled over all requests). Prints one JSON line.
 
     python scripts/bench/serve.py [--preset small] [--backends onnxruntime,onnxruntime-interleaved,mindspore] [--concurrency 1,8,32]
     python scripts/bench/serve.py --preset tiny --new-tokens 8 --concurrency 1,4 --rounds 1   # smoke
+
+With `--guidellm BIN --guidellm-tokenizer HF_DIR` (guidellm 0.8.1 installed in its own venv: docs/SERVING.md,
+"Load testing with guidellm"), each level is also run by guidellm against the same server (its synthetic prompts of
+`--prompt-tokens` tokens by HF_DIR's tokenizer, `--new-tokens` output tokens, C concurrent streams, C × `--rounds`
+requests to /v1/completions); its medians go into the line beside ours under `guidellm`.
 """
 
 from __future__ import annotations
@@ -147,6 +152,28 @@ async def _level(url: str, model: str, concurrency: int, rounds: int, prompt: li
             "mean_output_tokens": round(out_tokens / len(done), 1)}
 
 
+def guidellm_level(bin_: str, tokenizer: str, url: str, model: str, concurrency: int, requests: int,
+                   prompt_tokens: int, new_tokens: int, out: Path) -> dict:
+    """One guidellm 0.8.1 run (the docs/SERVING.md recipe) at `concurrency` streams; its medians and request count."""
+    cmd = [bin_, "run", "--backend", f"kind=openai_http,target={url},model={model},request_format=/v1/completions",
+           "--tokenizer", f"kind=hf_auto,model={tokenizer}",
+           "--data", f"kind=synthetic_text,prompt_tokens={prompt_tokens},output_tokens={new_tokens}",
+           "--profile", f"kind=concurrent,streams={concurrency}", "--constraint", f"kind=max_requests,count={requests}",
+           "--output", f"kind=json,path={out}", "--disable-console"]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["(no output)"]
+        return {"error": f"guidellm exited {done.returncode}: {tail[0]}"}
+    m = json.loads(out.read_text())["benchmarks"][0]["metrics"]
+
+    def median(key: str) -> float | None:
+        return (m.get(key) or {}).get("successful", {}).get("median")
+
+    return {"requests": m["request_totals"], "requests_per_s": median("requests_per_second"),
+            "output_tokens_per_s": median("output_tokens_per_second"), "ttft_ms_p50": median("time_to_first_token_ms"),
+            "itl_ms_p50": median("inter_token_latency_ms"), "request_latency_s_p50": median("request_latency")}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="small")
@@ -158,7 +185,13 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--keep", action="store_true", help="keep the temporary artifacts and server logs")
+    ap.add_argument("--guidellm", default=None, help="a guidellm 0.8.1 executable: run each level with it too")
+    ap.add_argument("--guidellm-tokenizer", default=None, help="HF tokenizer directory for guidellm's prompts "
+                                                                "(`msllm convert --to-hf` of the served model)")
     a = ap.parse_args()
+    if a.guidellm and not (shutil.which(a.guidellm) and a.guidellm_tokenizer):
+        raise SystemExit(f"--guidellm {a.guidellm}: not an executable, or no --guidellm-tokenizer; see docs/SERVING.md, "
+                         "\"Load testing with guidellm\"")
 
     import numpy as np
 
@@ -187,6 +220,10 @@ def main() -> None:
                 out = {"startup_s": round(srv.startup_s, 1)}
                 for c in levels:
                     out[f"c{c}"] = asyncio.run(_level(srv.url, srv.model, c, a.rounds, prompt, a.new_tokens))
+                    if a.guidellm:
+                        out[f"c{c}"]["guidellm"] = guidellm_level(
+                            a.guidellm, a.guidellm_tokenizer, srv.url, srv.model, c, c * a.rounds, a.prompt_tokens,
+                            a.new_tokens, tmp / f"guidellm-{backend}-c{c}.json")
                 res["backends"][backend] = out
             finally:
                 srv.stop()
