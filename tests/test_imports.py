@@ -340,8 +340,7 @@ LAZY_ALLOWED = {
     ("flows/full_pipeline.py", "flows.data_dask"),  # Dask (prefect-dask) loads only for data.executor: dask
 }
 # TODO(other engineer): these files still import light modules inside functions; remove each entry once fixed.
-LAZY_TODO_FILES = {"tasks/serving/backends.py", "tasks/serving/parsing.py", "tasks/stages/export.py",
-                   "tasks/stages/finetune/__init__.py", "tasks/stages/pretrain.py", "tasks/store/model_artifact.py"}
+LAZY_TODO_FILES: set[str] = set()
 
 
 def _module_imports() -> tuple[dict[str, Path], dict[str, tuple[set[str], list[tuple[int, str, set[str]]]]]]:

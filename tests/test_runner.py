@@ -35,15 +35,14 @@ def _counting(counts: Counter, name: str, fn):
 def counts(monkeypatch) -> Counter:
     """Calls of each stage module's stage_key (by stage name) and of the machine-fit check ("machine")."""
     from tasks.stages import STAGES, runner, stage_module
-    from tasks.training import memory
 
     c: Counter = Counter()
     for name in STAGES:
         mod = stage_module(name)
         if hasattr(mod, "stage_key"):
             monkeypatch.setattr(mod, "stage_key", _counting(c, name, mod.stage_key))
-    check = _counting(c, "machine", memory.machine_fit_errors)
-    monkeypatch.setattr(memory, "machine_fit_errors", check)  # a stage's own check (a direct `run` call)
+    check = _counting(c, "machine", runner.machine_fit_errors)
+    monkeypatch.setattr(stage_module("pretrain"), "machine_fit_errors", check)  # its own check (a direct `run` call)
     monkeypatch.setattr(runner, "machine_fit_errors", check)
     return c
 

@@ -32,6 +32,13 @@ from pathlib import Path
 from typing import Generator
 
 import numpy as np
+import json
+from tasks.store.published import verify_published
+from tasks.store.tensors import read_tensors
+from model.runtime import setup_mindspore
+from model.sampling import sample_next
+from tasks.store.model_artifact import load_prompt_style, load_tokenizer
+from tasks.tokenizer import load_tokenizer as read_tokenizer, tokenizer_files
 
 
 def artifact_kind(path: str | Path) -> str:
@@ -60,13 +67,10 @@ class MindSporeBackend:
     kind = "mindspore"
 
     def __init__(self, path: str | Path, adapters: dict[str, Path] | None = None):
-        from model.runtime import setup_mindspore
 
         setup_mindspore()
-        from model.generate import Generator
-        from model.sampling import sample_next
+        from model.generate import Generator  # lazy: MindSpore (an export is served on onnxruntime alone)
         from tasks.training.build import load_network
-        from tasks.store.model_artifact import load_prompt_style, load_tokenizer
 
         self.path = Path(path)
         net, self.info = load_network(path)
@@ -151,11 +155,8 @@ class AdapterBackend:
 
 def _lora_slots(net, adapters: dict[str, Path]):
     """`model.lora.LoRASlots` over `net` with each finetune artifact's adapter.safetensors and adapter.json scaling."""
-    import json
 
-    from model.lora import LoRASlots
-    from tasks.store.published import verify_published
-    from tasks.store.tensors import read_tensors
+    from model.lora import LoRASlots  # lazy: MindSpore
 
     loaded = {}
     for name, ft in adapters.items():
@@ -188,11 +189,7 @@ class OnnxBackend:
     batched = True  # the engine may decode all active sequences in one call (see prefill / decode / release)
 
     def __init__(self, path: str | Path, threads: int | None = None):
-        from model.sampling import sample_next
-        from tasks.deploy.onnx_generate import OnnxGenerator
-        from tasks.store.model_artifact import load_prompt_style
-        from tasks.store.published import verify_published
-        from tasks.tokenizer import load_tokenizer, tokenizer_files
+        from tasks.deploy.onnx_generate import OnnxGenerator  # lazy: onnxruntime (a model artifact needs none)
 
         self.path = Path(path)
         if not (self.path / "model.onnx").is_file() or not tokenizer_files(self.path):
@@ -201,7 +198,7 @@ class OnnxBackend:
         for f in (self.path / "model.onnx", *tokenizer_files(self.path)):
             verify_published(f)  # what is served is what the export published
         self.generator = OnnxGenerator(self.path / "model.onnx", threads=threads)  # ValueError for a pre-KV export
-        self.tokenizer = load_tokenizer(self.path)
+        self.tokenizer = read_tokenizer(self.path)  # its files verified above
         self.prompt_style = load_prompt_style(self.path, self.tokenizer)  # copied from the model by export
         self.sample_next = sample_next
         self.context_length = int(self.generator.max_len)
@@ -223,7 +220,7 @@ class OnnxBackend:
         if self._state is None:
             self._state, self._rows = state, [key]
         else:
-            from tasks.deploy.onnx_generate import KVState
+            from tasks.deploy.onnx_generate import KVState  # lazy: onnxruntime
 
             a, b = self._state, state
             n = max(a.length, b.length)

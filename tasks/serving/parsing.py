@@ -16,6 +16,8 @@ from typing import Any, Collection
 
 from tasks.serving.engine import Sampling
 from tasks.serving.requests import ApiError, ChatRequest, CompletionRequest, parse_body, type_name
+from tasks.prompts import chat_prompt_ids
+from tasks.tokenizer_error import TokenizerError
 
 
 def document_prefix(tok) -> list[int] | None:
@@ -159,8 +161,6 @@ def parse_request(body: Any, *, chat: bool, model_id: str | Collection[str], bac
     sp, ctx = backend.tokenizer, backend.context_length
     if isinstance(req, ChatRequest):
         echo, logprobs = False, ((req.top_logprobs or 0) if req.logprobs else None)
-        from tasks.prompts import chat_prompt_ids
-        from tasks.tokenizer_error import TokenizerError
 
         try:
             # a rendering longer than the context can hold is refused as it grows (tasks.chat_template's size limit)

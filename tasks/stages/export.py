@@ -86,6 +86,16 @@ from tasks.store.artifacts import ArtifactStore
 from tasks.store.errors import ArtifactError
 from tasks.store.disk import atomic_write_json, sha256_file
 from tasks.prompts import PROMPT_STYLE_FILE, style_record
+from tasks.store.model_artifact import read_info, load_prompt_style, load_tokenizer, model_config
+from tasks.runtime.supervise import supervise
+from model.runtime import setup_mindspore
+from tasks.store.tensors import load_weights
+from tasks.tokenizer import copy_tokenizer_files, tokenizer_files
+from model.config import ModelConfig
+from tasks.store.lineage import lineage_data_artifact, lineage_tree, raw_inputs, render
+from tasks.store.data_schema import DataError
+from tasks.store.reader import block_batches
+from tasks.store.merge import merge
 
 STAGE = "export"
 MODEL_STAGES = MODEL_KINDS  # artifacts holding model.json + weights (the stage table's)
@@ -112,7 +122,6 @@ def resolve_model(store: ArtifactStore, path: str | Path) -> Path:
     p = store.inside(path)
     stage = store.read_manifest(p)["stage"]
     if stage == "finetune":
-        from tasks.store.merge import merge
 
         return merge(store, p)
     if stage not in MODEL_STAGES or not (p / "model.json").is_file():
@@ -186,8 +195,6 @@ def run(cfg: PipelineConfig, store: ArtifactStore, model_artifact: Path, *, eval
     `isolate=False` exports in this process (tests). `keyed`: what `stage_key` returned for these arguments,
     when the caller computed it (the stage runner, tasks/stages/runner.py); None computes it here.
     """
-    from tasks.store.model_artifact import read_info
-    from tasks.runtime.supervise import supervise
 
     model = resolve_model(store, model_artifact)
     check(cfg, read_info(model))
@@ -208,7 +215,6 @@ def run(cfg: PipelineConfig, store: ArtifactStore, model_artifact: Path, *, eval
 
 def export(spec: dict[str, Any]) -> Path:
     """Export, verify and publish the artifact (in the child process, or in-process with isolate=False)."""
-    from model.runtime import setup_mindspore
 
     setup_mindspore()
     cfg = PipelineConfig.model_validate(spec["config"])
@@ -230,11 +236,8 @@ def _log(progress: bool, msg: str) -> None:
 
 def _export(cfg: PipelineConfig, store: ArtifactStore, model: Path, eval_art: Path | None, key: str,
             inputs: list[dict[str, Any]], section: dict[str, Any], progress: bool) -> Path:
-    from tasks.store.tensors import load_weights
-    from tasks.training.build import load_network
-    from tasks.store.model_artifact import load_prompt_style, load_tokenizer, model_config, read_info
+    from tasks.training.build import load_network  # lazy: MindSpore and onnxruntime, in the export child only
     from tasks.deploy.onnx_generate import encode_prompt
-    from tasks.tokenizer import copy_tokenizer_files, tokenizer_files
 
     ex = cfg.export
     t0 = time.perf_counter()
@@ -312,7 +315,7 @@ def _export_onnx_checked(out: Path, info: dict[str, Any], weights: dict[str, np.
                          store: ArtifactStore, sp, prompts: list[list[int]], reference: "Reference", ex,
                          ver: dict[str, Any], progress: bool) -> list[str]:
     """Write and verify model.onnx (+ the genai files, + model.int8.onnx); fill `ver`; return the failures."""
-    from tasks.deploy.onnx_generate import OnnxGenerator
+    from tasks.deploy.onnx_generate import OnnxGenerator  # lazy: onnxruntime
 
     failures: list[str] = []
     meta = {"eos_id": str(sp.eos_id()), "prompt_format": PROMPT_FORMAT}
@@ -374,8 +377,7 @@ def _export_onnx_checked(out: Path, info: dict[str, Any], weights: dict[str, np.
 def _export_gguf_checked(out: Path, info: dict[str, Any], weights: dict[str, np.ndarray], tok,
                          prompts: list[list[int]], ex, ver: dict[str, Any], progress: bool) -> list[str]:
     """Write and verify the GGUF files (tasks/deploy/gguf_export.py); fill ver["gguf"]; return the failures."""
-    from model.config import ModelConfig
-    from tasks.deploy.gguf_export import export_gguf, network_forward
+    from tasks.deploy.gguf_export import export_gguf, network_forward  # lazy: gguf and MindSpore
     from tasks.training.build import build_network
 
     _log(progress, f"GGUF {', '.join(ex.gguf_types)} → {out.name}/model.*.gguf (llama.cpp-family runtimes)")
@@ -391,7 +393,6 @@ def _export_gguf_checked(out: Path, info: dict[str, Any], weights: dict[str, np.
 
 
 def _heldout_data(store: ArtifactStore, model: Path) -> Path | None:
-    from tasks.store.lineage import lineage_data_artifact
 
     try:
         return lineage_data_artifact(store, model)
@@ -401,8 +402,6 @@ def _heldout_data(store: ArtifactStore, model: Path) -> Path | None:
 
 def _heldout_rows(data: Path) -> tuple[np.ndarray, np.ndarray] | None:
     """(input_ids [B, T], labels [B, T], -100 = not counted) of the first HELDOUT_BLOCKS valid blocks, or None."""
-    from tasks.store.data_schema import DataError
-    from tasks.store.reader import block_batches
 
     try:
         for ids, labels in block_batches(data, "valid", HELDOUT_BLOCKS, 10**9, seed=0, repeat=False):
@@ -429,7 +428,6 @@ def _decode_rows(sp, ids: np.ndarray) -> list[str]:
 
 
 def _lineage(store: ArtifactStore, model: Path) -> dict[str, Any]:
-    from tasks.store.lineage import lineage_tree, raw_inputs, render
 
     tree = lineage_tree(store, model)
     return {"text": render(tree, "text"), "raw": raw_inputs(tree)}

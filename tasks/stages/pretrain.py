@@ -26,7 +26,7 @@ import numpy as np
 from tasks.store.artifacts import ArtifactStore
 from tasks.store.published import verify_published
 from tasks.stages import code_version
-from tasks.config.schema import PipelineConfig
+from tasks.config.schema import PipelineConfig, ConfigError
 from tasks.runtime.supervise import supervise
 from tasks.store.reader import block_batches
 from model.config import ModelConfig
@@ -38,7 +38,10 @@ from tasks.training.checkpoint import load_checkpoint, newest_checkpoint
 from tasks.training.mesh import Mesh
 from tasks.training.metrics import add_run_files
 from tasks.training.schedule import budget_line
-from tasks.training.trainer import LoopConfig, fit, run_outcome
+from tasks.training.trainer import LoopConfig, fit, run_outcome, resolve_checkpoint
+from tasks.store.disk import sha256_file
+from tasks.training.memory import machine_fit_errors
+from tasks.store.errors import ArtifactError
 
 STAGE = "pretrain"
 
@@ -60,8 +63,6 @@ def stage_key(cfg: PipelineConfig, store: ArtifactStore, data_artifact: Path, in
 
 def checkpoint_ref(path: Path) -> dict[str, Any]:
     """Identity of a training checkpoint for cache keys: its path and the digest of its state.json."""
-    from tasks.store.disk import sha256_file
-    from tasks.training.trainer import resolve_checkpoint
 
     ckpt = resolve_checkpoint(path)
     return {"path": str(ckpt), "state_sha256": sha256_file(ckpt / "state.json")}
@@ -81,8 +82,6 @@ def run(cfg: PipelineConfig, store: ArtifactStore, data_artifact: Path, init_fro
     returned for these arguments, when the caller computed it (the stage runner, tasks/stages/runner.py, which
     also checked the machine); None checks the machine and computes it here.
     """
-    from tasks.config.schema import ConfigError
-    from tasks.training.memory import machine_fit_errors
 
     data_artifact = store.inside(data_artifact)
     init_from = store.inside(init_from) if init_from else None
@@ -131,7 +130,6 @@ def unigram_entropy(data_artifact: Path, split: str = "train") -> float:
 def replay_data_artifact(store: ArtifactStore, init_from: Path) -> Path:
     """The data artifact `init_from` was trained on, found by its key in this store (a manifest's
     recorded path is never followed outside the artifact root) and checked against its recorded digest."""
-    from tasks.store.errors import ArtifactError
 
     prev = store.read_manifest(init_from)
     ref = next((i for i in prev.get("inputs", []) if i.get("kind") == "artifact" and i.get("stage") == "data"), None)

@@ -28,6 +28,9 @@ from tasks.store.disk import atomic_write_json
 from tasks.store.published import verify_published
 from tasks.prompts import PROMPT_STYLE_FILE, check_prompt_style, prompt_style
 from tasks.tokenizer_error import TokenizerError
+from model.config import ModelConfig
+from tasks.tokenizer import load_tokenizer as _load, tokenizer_files, copy_tokenizer_files
+from tasks.store.tensors import save_tensors
 
 
 def read_info(path: str | Path) -> dict[str, Any]:
@@ -38,15 +41,12 @@ def read_info(path: str | Path) -> dict[str, Any]:
 
 
 def model_config(path: str | Path):
-    from model.config import ModelConfig
 
     return ModelConfig.from_dict(read_info(path)["model"])
 
 
 def load_tokenizer(path: str | Path):
     """The artifact's tokenizer (tasks.tokenizer.Tokenizer); FileNotFoundError naming the artifact without one."""
-    from tasks.tokenizer import load_tokenizer as _load, tokenizer_files
-    from tasks.tokenizer_error import TokenizerError
 
     for f in (tokenizer_files(path) if Path(path).is_dir() else [Path(path)]):
         verify_published(f)
@@ -61,8 +61,6 @@ def write_model(out_dir: Path, *, name: str, config, weights: dict[str, np.ndarr
     """Write a model artifact into `out_dir` (a store build directory): weights, the tokenizer files (of
     `tokenizer_model`: a tokenizer.model file, or a directory holding the model's tokenizer files), model.json and
     prompt_style.json (how the model is asked: tasks/prompts.py `prompt_style`, read back by `load_prompt_style`)."""
-    from tasks.tokenizer import copy_tokenizer_files, load_tokenizer as _load
-    from tasks.store.tensors import save_tensors
 
     save_tensors(out_dir / "model.safetensors", weights)
     if Path(tokenizer_model).is_dir():

@@ -189,7 +189,7 @@ def plan(cfg: ModelConfig, *, devices: int, device_memory: int, micro_batch: int
 def machine_memory() -> int:
     """Physical memory of this machine in bytes (what CPU training ranks on it share)."""
     try:
-        import psutil
+        import psutil  # lazy: the CLI's plan and the runner import this module and need no psutil
 
         return int(psutil.virtual_memory().total)
     except ImportError:

@@ -40,6 +40,7 @@ from tasks.store.tensors import load_weights, save_tensors
 from tasks.training.mesh import Mesh
 from tasks.training.metrics import add_run_files
 from tasks.training.trainer import LoopConfig, fit, run_outcome
+from tasks.runtime.supervise import supervise
 
 STAGE = "finetune"
 MERGED = "merged"
@@ -91,8 +92,6 @@ def run(cfg: PipelineConfig, store: ArtifactStore, base_artifact: Path, *, keyed
     returned for these arguments, when the caller computed it (the stage runner, tasks/stages/runner.py); None
     computes it here.
     """
-    from tasks.store.model_artifact import read_info
-    from tasks.runtime.supervise import supervise
 
     base = store.inside(base_artifact)
     check(cfg, read_info(base))
@@ -203,7 +202,7 @@ def _train(cfg: PipelineConfig, store: ArtifactStore, base: Path, key: str, prog
 def _publish(cfg: PipelineConfig, store: ArtifactStore, keyed: tuple, net, params, modules: list[str],
              info: dict[str, Any], sp, data, summary, result, seq: int, kernels: str) -> Path:
     """The adapter artifact: adapter.safetensors + adapter.json, the run's files and its metrics."""
-    from model.lora import lora_state_dict
+    from model.lora import lora_state_dict  # lazy: MindSpore, the child's import
 
     ft, lc = cfg.finetune, cfg.finetune.lora
     key, inputs, section = keyed
