@@ -3,21 +3,26 @@
 Each bench in scripts/bench/ prints one JSON line and appends it, with `tag` (`--tag smoke` for a smoke
 run), to docs/bench/results.jsonl (`--results PATH`; `--results ''` appends nowhere). This script turns
 that file into docs/BENCHMARKS.md: one table per bench, one row per line, each row with its date, tag,
-CPU model, ISA level (emulated level, kernel body) and threads beside the figures, newest first. So no
-benchmark figure in the docs is typed by hand: rerun the bench, then this.
+CPU model, ISA level (emulated level, kernel body) and threads beside the figures, newest first. It also
+writes the smollm2 pipeline's stage times (scripts/bench/pipeline.py's newest measurement of the pipeline as
+shipped) into docs/REAL_MODELS.md, between its `<!-- pipeline-times:begin -->` and `<!-- pipeline-times:end -->`
+lines. So no benchmark figure in the docs is typed by hand: rerun the bench, then this.
 
     python scripts/bench/report.py [--results docs/bench/results.jsonl] [--out docs/BENCHMARKS.md]
+                                   [--real-models docs/REAL_MODELS.md ('' writes no stage-time table)]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "docs" / "bench" / "results.jsonl"
 OUT = REPO / "docs" / "BENCHMARKS.md"
+REAL_MODELS = REPO / "docs" / "REAL_MODELS.md"
 
 LABELS = [("date", "date"), ("tag", "tag"), ("cpu", "CPU"), ("cpu_isa", "ISA"), ("emulated_isa", "emulated"),
           ("kernel_isa_setting", "MSLLM_KERNEL_ISA"), ("threads", "threads")]
@@ -62,6 +67,14 @@ COLUMNS: dict[str, list[tuple[str, str]]] = {
                  ("F16.ours_vs_llamacpp", "ours × F16"), ("Q8_0.ours_vs_llamacpp", "ours × Q8_0"),
                  ("F16.same_prefix", "same greedy tokens F16"), ("Q8_0.same_prefix", "same greedy tokens Q8_0"),
                  ("greedy_tokens", "of")],
+    "pipeline": [("pipeline", "pipeline"), ("overrides", "overrides"), ("init_from", "init_from"),
+                 ("eval.limit", "eval.limit"), ("eval.tasks", "eval.tasks"), ("stages.convert", "convert s"),
+                 ("stages.data", "data s"), ("stages.pretrain", "pretrain s"), ("stages.data_2", "continued data s"),
+                 ("stages.pretrain_2", "continued pretrain s"), ("stages.finetune", "finetune (+ merge) s"),
+                 ("stages.eval", "eval s"), ("stages.export", "export s"), ("outside_tasks_s", "outside tasks s"),
+                 ("total_s", "total s (flow run)"), ("process_s", "process s"), ("peak_rss_gb", "peak RSS GB (tree)"),
+                 ("all_ran", "nothing cached"), ("convert_task_run", "convert task run"),
+                 ("convert_artifact", "convert artifact"), ("loadavg_before", "load before")],
 }
 
 
@@ -118,10 +131,87 @@ def render(rows: list[dict], source: str) -> str:
     return "\n".join(out)
 
 
+# ----------------------------------------------------------------------------- docs/REAL_MODELS.md's stage times
+
+TIMES_BEGIN, TIMES_END = "<!-- pipeline-times:begin -->", "<!-- pipeline-times:end -->"
+TIMES_PIPELINE = "smollm2"
+NOT_MEASURED = ("Not measured yet: run `.venv/bin/python scripts/bench/pipeline.py`, then "
+                "`.venv/bin/python scripts/bench/report.py`.")
+STAGE_TITLES = {"finetune": "finetune (LoRA, then the merge)", "data_2": "continued data",
+                "pretrain_2": "continued pretrain"}
+_TOTAL = re.compile(r"^\|\s*\*\*total[^|]*\|\s*\*\*([0-9]+(?:\.[0-9]+)?)\*\*", re.M)
+
+
+def pipeline_times_row(rows: list[dict], pipeline: str = TIMES_PIPELINE) -> dict | None:
+    """The newest `pipeline` line for `pipeline` as shipped: not a smoke run, no --set overrides, no --init-from."""
+    mine = [r for r in rows if r.get("bench") == "pipeline" and r.get("pipeline") == pipeline
+            and r.get("tag") != "smoke" and not r.get("overrides") and not r.get("init_from")]
+    return mine[-1] if mine else None
+
+
+def _minutes(s) -> str:
+    return "" if s is None else f"{s / 60:.1f}"
+
+
+def pipeline_times_md(row: dict | None) -> str:
+    """What stands between the markers: the stage-time table of `row` (a `pipeline` line), or NOT_MEASURED."""
+    head = "<!-- written by scripts/bench/report.py from docs/bench/results.jsonl: do not edit by hand -->"
+    if row is None:
+        return f"{head}\n{NOT_MEASURED}"
+    ev = row.get("eval") or {}
+    tasks = ", ".join(ev.get("tasks") or [])
+    limit = "null" if ev.get("limit") is None else ev["limit"]
+    budget = f"`eval.limit: {limit}` documents per task of `eval.tasks: [{tasks}]`"
+    if ev.get("heldout_blocks") is not None:
+        budget += f", `eval.heldout_blocks: {ev['heldout_blocks']}`"
+    lines = [head,
+             f"Measured by `scripts/bench/pipeline.py` on {row.get('date')}: the `{row.get('pipeline')}` pipeline as "
+             f"shipped, every stage run (a fresh artifact root), on {row.get('cpu')} ({row.get('cpu_isa')}), "
+             f"{row.get('threads')} threads (load average {row.get('loadavg_before')} before the run). Eval budget: "
+             f"{budget}.", "",
+             "| stage | minutes |", "|---|---|"]
+    lines += [f"| {STAGE_TITLES.get(k, k)} | {_minutes(v)} |" for k, v in (row.get("stages") or {}).items()]
+    lines += [f"| outside the tasks (config, stage keys, lineage) | {_minutes(row.get('outside_tasks_s'))} |",
+              f"| **total (the flow run)** | **{_minutes(row.get('total_s'))}** |", "",
+              f"Peak RSS of the whole run (the flow process and every child, summed, sampled every 0.5 s): "
+              f"{row.get('peak_rss_gb')} GB. The process took {_minutes(row.get('process_s'))} minutes (Prefect's "
+              "embedded server starting on a fresh database included)."]
+    return "\n".join(lines)
+
+
+def _between(text: str, where: str) -> tuple[int, int]:
+    b, e = text.find(TIMES_BEGIN), text.find(TIMES_END)
+    if b < 0 or e < b:
+        raise ValueError(f"{where}: no `{TIMES_BEGIN}` ... `{TIMES_END}` block")
+    return b + len(TIMES_BEGIN), e
+
+
+def write_pipeline_times(doc: Path, rows: list[dict]) -> dict | None:
+    """Rewrite the block between the markers of `doc` from the newest smollm2 `pipeline` line; returns that line."""
+    text = doc.read_text()
+    b, e = _between(text, str(doc))
+    row = pipeline_times_row(rows)
+    doc.write_text(text[:b] + "\n" + pipeline_times_md(row) + "\n" + text[e:])
+    return row
+
+
+def stated_total_s(text: str, where: str = "docs/REAL_MODELS.md") -> float | None:
+    """The total the stage-time block states, in seconds; None when it says the pipeline is not measured yet."""
+    b, e = _between(text, where)
+    block = text[b:e]
+    if m := _TOTAL.search(block):
+        return float(m.group(1)) * 60
+    if "not measured yet" in block.lower():
+        return None
+    raise ValueError(f"{where}: the stage-time block has no `| **total ...** | **MINUTES** |` row")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--results", default=str(RESULTS))
     ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--real-models", default=str(REAL_MODELS),
+                    help="the doc whose pipeline-times block gets the smollm2 stage times ('' writes none)")
     a = ap.parse_args()
     path = Path(a.results)
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
@@ -131,6 +221,12 @@ def main() -> None:
         source = str(path)
     Path(a.out).write_text(render(rows, source))
     print(f"{a.out}: {len(rows)} results")
+    if a.real_models:
+        try:
+            row = write_pipeline_times(Path(a.real_models), rows)
+        except ValueError as exc:
+            raise SystemExit(f"report: {exc}") from None
+        print(f"{a.real_models}: {TIMES_PIPELINE} stage times " + (f"of {row['date']}" if row else "not measured yet"))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,296 @@
+"""Each stage's wall time of a pipeline run end to end through Prefect's `full-pipeline` flow, as a user runs it.
+
+    .venv/bin/python scripts/bench/pipeline.py                       # smollm2 as shipped (15-40 min: a quiet machine)
+    .venv/bin/python scripts/bench/pipeline.py --set eval.limit=null # the same with the full eval budget
+    .venv/bin/python scripts/bench/pipeline.py --pipeline tiny --tag smoke --results /tmp/pipeline_smoke.jsonl
+
+What runs: the README's command, `python -m flows.full_pipeline --pipeline X --artifacts FRESH [--set K=V ...]
+[--init-from SRC]`, in a subprocess from the repo root, on Prefect's embedded (ephemeral) server:
+
+- a fresh artifact root (a temp dir, or `--artifacts DIR`, which must be empty): nothing is cached, every stage
+  really runs (the line records each task run's final state; `all_ran` is false when one was Cached);
+- a fresh PREFECT_HOME (PREFECT_API_URL unset), so the embedded server's database holds this flow run only and the
+  user's own Prefect database is not touched; PREFECT_SERVER_ANALYTICS_ENABLED=false (../shared/PREFECT_NOTES.md);
+  HF_DATASETS_OFFLINE / HF_HUB_OFFLINE default to 1 as in scripts/demo.py (the pipelines read nothing from the hub).
+
+What it reads afterwards, with the Prefect client in a second process on the same PREFECT_HOME (the embedded server
+is process-global, so the reading process starts its own on that database): the flow run and its task runs. A
+stage's seconds are its task run's end_time - start_time (retries included): the artifacts' manifests record only
+when an artifact was published (`created`), not when its build started, so Prefect's task runs are the source of
+truth. `total_s` is the flow run's own wall time; `process_s` the subprocess's (adds interpreter start, imports and
+the embedded server's first start on a fresh database, ~16 s on 2 cores: docs/PIPELINE.md); `outside_tasks_s` is
+total_s less the task runs (config resolution, stage keys (hashing the inputs), the lineage). The merge of LoRA
+into the base model runs inside the finetune task, so its time is finetune's. `convert_task_run`: a `convert` task
+run exists; `convert_artifact`: that task run has the `convert-metrics` table artifact every stage publishes
+(flows/stages.py publish_metrics). A pipeline without `pretrain.init_from` (tiny) has no convert (both false).
+
+Peak RSS: the summed RSS of the flow process and all its descendants (training/export children, the data pool,
+the embedded server), sampled with psutil every 0.5 s; what the machine must hold at once. Not
+resource.getrusage(RUSAGE_CHILDREN).ru_maxrss: that is the largest single descendant's peak, not the tree's sum,
+and a child forked from a large parent (pytest with MindSpore loaded) starts with the parent's image folded in
+(tasks.training.hardware.peak_rss_bytes). Sampling can miss a spike shorter than 0.5 s.
+
+Prints one JSON line (scripts/bench/host.py labels: date, CPU, ISA; `threads`: the CPUs the run may use, which
+MindSpore's defaults take) and appends it to docs/bench/results.jsonl (`--results`, `--tag`); then
+`scripts/bench/report.py` writes docs/BENCHMARKS.md and the smollm2 stage-time table in docs/REAL_MODELS.md.
+`measure()` is what tests/test_pipeline_time.py runs too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+FLOW = "full-pipeline"
+SAMPLE_S = 0.5
+FETCH = {"smollm2": "bash scripts/fetch_smollm2.sh"}  # what provides a pipeline's init_from file
+
+
+class BenchError(RuntimeError):
+    """The run could not be measured: one line saying why (and where its log is)."""
+
+
+def pipeline_config(pipeline: str, config: str | Path = "pipelines.yaml", overrides: list[str] | tuple = ()):
+    from tasks.config.loader import resolve_pipeline
+
+    return resolve_pipeline(str((REPO / config).resolve()), pipeline, list(overrides))
+
+
+def missing_input(pipeline: str, config: str | Path = "pipelines.yaml", overrides: list[str] | tuple = (),
+                  init_from: str | None = None) -> str | None:
+    """One line when the file the pipeline starts from (init_from, e.g. smollm2's GGUF) is missing; else None.
+    A fresh artifact root holds no artifact, so init_from can only be a file or directory here. Another invalid
+    setting raises the loader's ConfigError."""
+    from tasks.config.schema import ConfigError
+
+    try:
+        cfg = pipeline_config(pipeline, config, overrides)
+    except ConfigError as exc:  # the loader checks pretrain.init_from's file itself, naming the fetch script
+        if missing := [e for e in exc.errors if ".init_from:" in e and "does not exist" in e]:
+            return missing[0]
+        raise
+    src = Path(init_from) if init_from else None
+    if src is None or src.exists():
+        return None
+    how = FETCH.get(pipeline)
+    return f"{src} is missing" + (f": run `{how}` first" if how else "") + f" (pipeline {pipeline}'s init_from)"
+
+
+class TreeRSS(threading.Thread):
+    """The peak of the summed RSS of a process and its descendants, sampled every SAMPLE_S s (see the docstring)."""
+
+    def __init__(self, pid: int):
+        super().__init__(daemon=True)
+        self.pid, self.peak, self.stop = pid, 0, threading.Event()
+
+    def run(self) -> None:
+        import psutil
+
+        try:
+            root = psutil.Process(self.pid)
+        except psutil.Error:
+            return
+        while not self.stop.is_set():
+            total = 0
+            try:
+                procs = [root, *root.children(recursive=True)]
+            except psutil.Error:
+                return
+            for p in procs:
+                try:
+                    total += p.memory_info().rss
+                except psutil.Error:  # ended between the listing and the read
+                    pass
+            self.peak = max(self.peak, total)
+            self.stop.wait(SAMPLE_S)
+
+
+def _env(prefect_home: Path) -> dict[str, str]:
+    env = dict(os.environ, PREFECT_HOME=str(prefect_home), PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    env.pop("PREFECT_API_URL", None)  # the embedded server, never one this shell points at
+    env.setdefault("HF_DATASETS_OFFLINE", "1")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    return env
+
+
+def _tail(log: Path, n: int = 40) -> str:
+    try:
+        return "\n".join(log.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+def _run_flow(cmd: list[str], env: dict, log: Path, timeout: float | None) -> tuple[int, float, int]:
+    """The flow subprocess (its own session, so a timeout stops its whole group): (returncode, seconds, peak RSS)."""
+    t0 = time.perf_counter()
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        rss = TreeRSS(proc.pid)
+        rss.start()
+        try:
+            rc = proc.wait(timeout=timeout)
+        except BaseException:  # a timeout or Ctrl-C: stop the flow and everything it started (its process group)
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(timeout=30)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                os.killpg(proc.pid, signal.SIGKILL)
+            raise
+        finally:
+            rss.stop.set()
+            rss.join(timeout=5)
+    return rc, time.perf_counter() - t0, rss.peak
+
+
+def read_runs(prefect_home: Path, timeout: float = 300) -> dict:
+    """The flow run and its task runs and artifacts, as the Prefect client reads them from that PREFECT_HOME's
+    embedded server (in a child process: `--read-prefect`)."""
+    r = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--read-prefect", str(prefect_home)],
+                       cwd=REPO, env=_env(prefect_home), capture_output=True, text=True, timeout=timeout)
+    line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RUNS ")), None)
+    if r.returncode or line is None:
+        raise BenchError(f"reading the flow run from {prefect_home} failed: {(r.stderr or r.stdout).strip()[-800:]}")
+    return json.loads(line[len("RUNS "):])
+
+
+def _read_prefect() -> dict:
+    """In the reading process: the newest `full-pipeline` flow run, its task runs (by start) and its artifacts."""
+    import flows  # noqa: F401  (the embedded server's startup timeout, before Prefect loads)
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (ArtifactFilter, ArtifactFilterFlowRunId, FlowFilter, FlowFilterName,
+                                                FlowRunFilter, FlowRunFilterId)
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    def span(run) -> dict:
+        s = (run.end_time - run.start_time).total_seconds() if run.start_time and run.end_time else None
+        return {"state": run.state.name if run.state else None, "start": str(run.start_time), "s": s}
+
+    with get_client(sync_client=True) as c:
+        runs = c.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=[FLOW])),
+                                sort=FlowRunSort.START_TIME_DESC, limit=1)
+        if not runs:
+            raise SystemExit(f"no {FLOW} flow run in this PREFECT_HOME")
+        fr = runs[0]
+        only = FlowRunFilter(id=FlowRunFilterId(any_=[fr.id]))
+        trs = sorted(c.read_task_runs(flow_run_filter=only), key=lambda t: t.start_time or t.expected_start_time)
+        arts = c.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[fr.id])))
+    tasks = [{"id": str(t.id), "name": t.name.rsplit("-", 1)[0], **span(t)} for t in trs]
+    return {"flow": {"id": str(fr.id), **span(fr)}, "tasks": tasks,
+            "artifacts": [{"key": a.key, "type": a.type, "task_run_id": str(a.task_run_id) if a.task_run_id else None}
+                          for a in arts]}
+
+
+def stage_times(runs: dict) -> tuple[dict[str, float], dict[str, str]]:
+    """{stage: seconds} and {stage: final state} from the task runs, in the order they started; a stage that runs
+    twice (a continued pipeline's data and pretrain) is `name`, then `name_2`."""
+    times: dict[str, float] = {}
+    states: dict[str, str] = {}
+    for t in runs["tasks"]:
+        name, i = t["name"], 2
+        while name in times:
+            name, i = f"{t['name']}_{i}", i + 1
+        times[name] = round(t["s"], 1) if t["s"] is not None else None
+        states[name] = t["state"]
+    return times, states
+
+
+def convert_checks(runs: dict) -> dict[str, bool]:
+    """convert_task_run: a `convert` task run exists; convert_artifact: one of them has the `convert-metrics` table."""
+    ids = {t["id"] for t in runs["tasks"] if t["name"] == "convert"}
+    art = any(a["task_run_id"] in ids and a["key"] == "convert-metrics" for a in runs["artifacts"])
+    return {"convert_task_run": bool(ids), "convert_artifact": art}
+
+
+def measure(pipeline: str = "smollm2", *, config: str = "pipelines.yaml", overrides: list[str] | tuple = (),
+            artifacts: str | Path | None = None, init_from: str | None = None, keep: bool = False,
+            timeout: float | None = None) -> dict:
+    """Run `pipeline` through `python -m flows.full_pipeline` in a fresh artifact root and PREFECT_HOME; returns the
+    figures of the bench's JSON line (without the host labels). Raises BenchError with one line on a missing input
+    or an invalid pipeline, an artifact root that is not empty, or a failed or timed-out run (the flow's log is kept
+    then, its path in the message)."""
+    from tasks.config.schema import ConfigError
+
+    overrides = list(overrides)
+    try:
+        if why := missing_input(pipeline, config, overrides, init_from):
+            raise BenchError(why)
+    except ConfigError as exc:
+        raise BenchError("invalid pipeline: " + "; ".join(exc.errors)) from None
+    cfg = pipeline_config(pipeline, config, overrides)
+    work = Path(tempfile.mkdtemp(prefix=f"msllm-pipeline-{pipeline}-"))
+    art = Path(artifacts).resolve() if artifacts else work / "artifacts"
+    if art.exists() and any(art.iterdir()):
+        shutil.rmtree(work)
+        raise BenchError(f"--artifacts {art} is not empty: its artifacts would be cached; name a new directory")
+    log, home = work / "flow.log", work / "prefect_home"
+    cmd = [sys.executable, "-m", "flows.full_pipeline", "--pipeline", pipeline,
+           "--config", str((REPO / config).resolve()), "--artifacts", str(art),
+           *[x for o in overrides for x in ("--set", o)],
+           *(["--init-from", str(Path(init_from).resolve())] if init_from else [])]
+    print(f"[pipeline bench] {' '.join(cmd[1:])}\n[pipeline bench] log: {log}", file=sys.stderr, flush=True)
+    load = os.getloadavg()[0]
+    try:
+        rc, process_s, peak = _run_flow(cmd, _env(home), log, timeout)
+    except subprocess.TimeoutExpired:
+        raise BenchError(f"the run took over {timeout:g} s and was stopped; log kept: {log}") from None
+    if rc != 0:
+        raise BenchError(f"the flow exited {rc}; log kept: {log}\n{_tail(log)}")
+    runs = read_runs(home)
+    if runs["flow"]["state"] != "Completed":
+        raise BenchError(f"the flow run ended {runs['flow']['state']}; log kept: {log}")
+    times, states = stage_times(runs)
+    total = runs["flow"]["s"]
+    res = {"bench": "pipeline", "pipeline": pipeline, "overrides": overrides, "init_from": init_from,
+           "eval": {"limit": cfg.eval.limit, "tasks": list(cfg.eval.tasks), "heldout_blocks": cfg.eval.heldout_blocks},
+           "total_s": round(total, 1), "process_s": round(process_s, 1), "stages": times,
+           "outside_tasks_s": round(total - sum(v for v in times.values() if v), 1), "states": states,
+           "all_ran": all(s == "Completed" for s in states.values()), **convert_checks(runs),
+           "peak_rss_gb": round(peak / 1e9, 2), "loadavg_before": round(load, 2)}
+    if keep:
+        res["kept"] = str(work)
+    else:  # the temp dir (with its artifacts, PREFECT_HOME and log); an --artifacts DIR stays where it was named
+        shutil.rmtree(work, ignore_errors=True)
+    return res
+
+
+def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--read-prefect":  # the reading child (read_runs)
+        print("RUNS " + json.dumps(_read_prefect()), flush=True)
+        return
+    from host import describe  # scripts/bench/ (this script's directory is sys.path[0])
+    from report import add_record_args, record
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pipeline", default="smollm2")
+    ap.add_argument("--config", default="pipelines.yaml")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], help="passed to the flow (--set K=V)")
+    ap.add_argument("--init-from", default=None, help="passed to the flow")
+    ap.add_argument("--artifacts", default=None,
+                    help="a new (or empty) artifact root, kept afterwards (default: one in a temp dir, removed)")
+    ap.add_argument("--keep", action="store_true", help="keep the temp dir (artifacts, PREFECT_HOME, flow.log)")
+    ap.add_argument("--timeout", type=float, default=None, help="stop the run after this many seconds")
+    add_record_args(ap)
+    a = ap.parse_args()
+    try:
+        res = measure(a.pipeline, config=a.config, overrides=a.overrides, artifacts=a.artifacts,
+                      init_from=a.init_from, keep=a.keep, timeout=a.timeout)
+    except BenchError as exc:
+        raise SystemExit(f"pipeline bench: {exc}") from None
+    record({"bench": "pipeline", **describe(len(os.sched_getaffinity(0))), **res}, a)
+
+
+if __name__ == "__main__":
+    main()
