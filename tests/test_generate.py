@@ -262,6 +262,7 @@ def test_fused_decode_step_matches_the_decoder_and_the_full_forward(shape):
                                    err_msg=f"threads={threads}, chunk={chunk}")
 
 
+@pytest.mark.integration  # ~5 s: a chunk graph compiled without the kernel (unit tier under 2 minutes)
 def test_without_a_compiler_generation_falls_back_to_the_decoder(net, monkeypatch):
     monkeypatch.setenv("CXX", "/nonexistent/g++")
     assert build_decode_kernel() is None

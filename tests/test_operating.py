@@ -38,6 +38,7 @@ def test_init_writes_a_starter_whose_tiny_is_the_repos_tiny(tmp_path, capsys):
     assert main(["init", str(proj), "--force"]) == 0
 
 
+@pytest.mark.integration  # ~7 s: two CLI processes (the unit tier stays under 2 minutes)
 def test_closed_pipe_is_silent(tmp_path):
     """`msllm lineage … | head -1`: no 'Broken pipe' error; exit 141 (SIGPIPE's status, as a shell shows it)."""
     from tests.test_model_choice import _art
