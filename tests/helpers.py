@@ -8,6 +8,19 @@ import math
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def load_bench(name: str):
+    """scripts/bench/<name>.py by its path: scripts/bench never goes on sys.path (its distributed.py would shadow
+    dask's `distributed` for every later test in the process)."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "scripts" / "bench" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
 SHAKESPEARE = REPO / "data/corpora/tinyshakespeare.txt"
 
 EPS32 = 2.0 ** -23

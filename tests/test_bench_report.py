@@ -3,26 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[1] / "scripts" / "bench"
+from helpers import load_bench
 
-
-def _load(name: str):
-    """scripts/bench/<name>.py by its path: scripts/bench never goes on sys.path (its distributed.py would shadow
-    dask's `distributed` for every later test in the process)."""
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-report = _load("report")
-host = _load("host")
+report = load_bench("report")
+host = load_bench("host")
 
 
 def test_record_appends_the_printed_line_with_its_tag(tmp_path, capsys):

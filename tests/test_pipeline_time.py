@@ -8,15 +8,13 @@ The slow test runs scripts/bench/pipeline.py's `measure` (the bench's own functi
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-BENCH = REPO / "scripts" / "bench"
+from helpers import REPO, load_bench
+
 DOC = REPO / "docs" / "REAL_MODELS.md"
 
 # Noise allowance on the stated total: 1.5, the spread issue 36 measured on this 2-core machine for the eval's
@@ -25,17 +23,8 @@ DOC = REPO / "docs" / "REAL_MODELS.md"
 NOISE = 1.5
 
 
-def _load(name: str):
-    """scripts/bench/<name>.py by its path (scripts/bench never goes on sys.path: see tests/test_bench_report.py)."""
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-report = _load("report")
-bench = _load("pipeline")
+report = load_bench("report")
+bench = load_bench("pipeline")
 
 ROW = {"bench": "pipeline", "date": "2026-12-03", "cpu": "Intel(R) Xeon(R) Processor", "cpu_isa": "avx512",
        "threads": 2, "pipeline": "smollm2", "overrides": [], "init_from": None,
