@@ -29,7 +29,7 @@ CPU_SENSITIVE=(tests/test_onnx_decoder.py tests/test_kernels.py tests/test_kerne
 if [ "${1:-}" = "--capped" ]; then
   shift
   bash scripts/setup.sh >/dev/null
-  levels=$(.venv/bin/python -c "from model.kernels import cpu_levels; print(' '.join(cpu_levels()))")
+  levels=$(.venv/bin/python -c "from model.cpu import cpu_levels; print(' '.join(cpu_levels()))")
   if [ "$(uname -m)" != "x86_64" ] || [[ " $levels " != *" avx2 "* ]]; then
     echo "[avx2-capped] skipped: needs an x86_64 CPU with AVX2 (this one runs: $levels)"
     exit 0
@@ -70,7 +70,8 @@ unset PREFECT_API_URL
 # qemu-user passes the host's /proc/cpuinfo through; model/cpu.py drops what the emulated CPUID lacks
 "$SHIM/bin/python" - <<'EOF'
 import onnxruntime, os
-from model.kernels import cpu_levels, kernel_path
+from model.cpu import cpu_levels
+from model.kernel_build import kernel_path
 print(f"[emulated-cpu] qemu -cpu {os.environ.get('QEMU_CPU', 'EPYC-Milan')}: kernel levels {', '.join(cpu_levels())}; "
       f"kernels {kernel_path()}; onnxruntime {onnxruntime.__version__}", flush=True)
 EOF

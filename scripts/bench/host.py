@@ -6,7 +6,7 @@
     res = {**describe(threads=2), ...}
 
 `describe` labels every JSON line with the date, the CPU model, the ISA levels this CPU runs (the one
-hardware probe, `model.kernels.cpu_levels`), the level emulated (`--isa`, or none) and the native
+hardware probe, `model.cpu.cpu_levels`), the level emulated (`--isa`, or none) and the native
 kernel body forced by MSLLM_KERNEL_ISA (or "auto": the best level the CPU runs).
 
 What `--isa avx2` emulates, for every process of the run (ours and PyTorch's; children inherit it):
