@@ -304,6 +304,25 @@ def test_every_name_is_imported_from_the_module_that_defines_it():
     assert bad == [], "import each name from the module that defines it:\n  " + "\n  ".join(bad)
 
 
+def test_python_embedded_in_shell_scripts_imports_names_where_they_are_defined():
+    """The same rule for the Python that scripts/*.sh and .ci/run run inline (`python -c "from M import n"`, heredocs):
+    the AST test above does not see it, and CI's capped-AVX2 step broke on a removed re-export there."""
+    import re
+
+    files = {p.relative_to(REPO).with_suffix("").as_posix().removesuffix("/__init__").replace("/", "."): p
+             for d in ("model", "tasks", "flows") for p in (REPO / d).rglob("*.py") if "__pycache__" not in p.parts}
+    defined = {m: _defined_names(ast.parse(p.read_text(encoding="utf-8"))) for m, p in files.items()}
+    pattern = re.compile(r"from ((?:model|tasks|flows)(?:\.\w+)*) import ([\w, ]+)")
+    bad = []
+    for script in [*(REPO / "scripts").glob("*.sh"), REPO / ".ci" / "run"]:
+        for n, line in enumerate(script.read_text().splitlines(), 1):
+            for module, names in pattern.findall(line):
+                for name in (x.strip().split(" as ")[0] for x in names.split(",") if x.strip()):
+                    if module not in files or (name not in defined[module] and f"{module}.{name}" not in files):
+                        bad.append(f"{script.relative_to(REPO)}:{n}: from {module} import {name}")
+    assert bad == [], "import each name from the module that defines it:\n  " + "\n  ".join(bad)
+
+
 def test_reexport_check_sees_through_blocks_and_submodules():
     tree = ast.parse("import os\nfrom a import b\nif os:\n    X = 1\n    def f(): pass\nelse:\n    class K: pass\n"
                      "try:\n    import c\nexcept ImportError:\n    c = None\nfor i, (j, k) in []: pass\n"
