@@ -76,9 +76,9 @@ def convert(net: nn.Cell, fused_kernels: bool, device: str | None = None) -> Ker
     device = device or ms.get_context("device_target")
     compute = "fp16" if getattr(net, "half", False) else "fp32"
     why, optimizer = decide(fused_kernels, device, compute)
-    kernels = None if why else train_ops()
     if why:
         return Kernels(f"off: {why}", optimizer)
+    kernels = train_ops()
     if kernels is None:  # no compiler or a failed build: MindSpore's own ops (kernel_path says why)
         return Kernels(kernel_path(), optimizer)
     for _, cell in net.cells_and_names():

@@ -126,14 +126,13 @@ def train(spec: dict[str, Any]) -> Path | None:
                   keyed=spec.get("keyed"))
 
 
-def network(cfg: PipelineConfig, base: Path):
-    """(the base model with LoRA injected or every weight trainable (tasks/training/build.py `Built`), its
+def network(cfg: PipelineConfig, base: Path, info: dict[str, Any]):
+    """`info`: the base's model.json. (the base model with LoRA injected or every weight trainable (tasks/training/build.py `Built`), its
     trainable params, the LoRA modules). fp32 compute: LoRALinear is fp32 (train.precision sets loss scaling)."""
     from model.lora import inject_lora, mark_only_lora_trainable  # MindSpore: the child's imports
     from tasks.training.build import build_network
 
     ft = cfg.finetune
-    info = read_info(base)
     built = build_network(info.get("name", "llama"), ModelConfig.from_dict(info["model"]), seed=ft.seed,
                           fused_kernels=ft.train.fused_kernels, weights=load_weights(base), source=str(base))
     net, modules = built.net, []
@@ -171,8 +170,9 @@ def _train(cfg: PipelineConfig, store: ArtifactStore, base: Path, key: str, prog
 
     mesh = mesh or Mesh()
     ft = cfg.finetune
-    built, params, modules = network(cfg, base)
-    net, mc, info = built.net, built.config, read_info(base)
+    info = read_info(base)
+    built, params, modules = network(cfg, base, info)
+    net, mc = built.net, built.config
     kernels = log_kernels(built.kernels, STAGE)  # logged once; recorded in the manifest
     seq = seq_length_for(cfg, info)
     sp = load_tokenizer(base)
