@@ -388,3 +388,37 @@ def test_memory_benchmark_smoke():
         assert r["requests"] == 10 and 0 < r["loaded_rss_gb"] <= r["peak_rss_gb"]
     assert res["ours"]["decode_path"] == ("fused" if build_decode_kernel() else "decoder")
     assert res["within_budget"] == (res["peak_rss_gb"] <= res["budget_gb"])
+
+
+@pytest.mark.integration
+def test_serve_memory_benchmark_smoke(tmp_path):
+    """scripts/bench/serve_memory.py serves one model artifact on both backends (real `msllm serve` processes) and
+    HF generate beside them: each side's RSS after the ladder and the requests, the budget from the served context."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.helpers import tiny_model_artifact
+
+    model = tiny_model_artifact(tmp_path)
+    script = Path(__file__).resolve().parent.parent / "scripts" / "bench" / "serve_memory.py"
+    out = subprocess.run([sys.executable, str(script), "--model", str(model), "--longest", "100", "--new-tokens", "6",
+                          "--requests", "10", "--hf-requests", "5", "--results", ""],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    cfg = ModelConfig.from_name("tiny")
+    kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.max_seq_length * cfg.head_dim * 4 / 1e9
+    assert res["context"] == cfg.max_seq_length and res["kv_cache_gb"] == round(kv, 3)
+    assert res["budget_gb"] == round(res["weights_gb"] + round(kv, 3) + 2 ** 30 / 1e9, 3)
+    for side, n in (("mindspore", 10), ("onnxruntime", 10), ("hf", 5)):
+        r = res[side]
+        assert [x["prompt_tokens"] for x in r["ladder"]] == [16, 64, 100], side
+        assert r["requests"] == n and 0 < r["loaded_rss_gb"] <= r["peak_rss_gb"], side
+        assert all(0 < x["tokens"] <= 6 for x in r["ladder"]), side
+    for side in ("mindspore", "onnxruntime"):
+        r = res[side]
+        assert r["within_budget"] == (r["peak_rss_gb"] <= res["budget_gb"])
+        assert r["rss_vs_hf"] == round(r["peak_rss_gb"] / res["hf"]["peak_rss_gb"], 2)
+        assert 0 <= r["same_text"] <= r["of"] == 3
