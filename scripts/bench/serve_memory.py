@@ -79,6 +79,27 @@ def fetch_model(a) -> Path:
     return from_gguf(REPO / r.stdout.strip().splitlines()[-1], ArtifactStore(a.artifacts))
 
 
+def random_model(preset: str, tokenizer_of: Path, root: Path) -> Path:
+    """A model artifact of `preset`'s shape with random weights (memory and speed do not depend on the values) and
+    the tokenizer files of `tokenizer_of` (a model artifact of the same vocabulary), built in a store under `root`."""
+    from model.config import ModelConfig
+    from model.llama import LlamaForCausalLM
+    from tasks.store.artifacts import ArtifactStore
+    from tasks.store.model_artifact import read_info, write_model
+
+    cfg = ModelConfig.from_name(preset)
+    vocab = read_info(tokenizer_of)["model"]["vocab_size"]
+    if vocab != cfg.vocab_size:
+        raise SystemExit(f"--preset {preset}: vocabulary {cfg.vocab_size}, but {tokenizer_of}'s tokenizer has {vocab}")
+    store = ArtifactStore(root)
+    key = store.key("pretrain", {"preset": preset, "seed": 0}, [], "bench")
+    weights = {p.name: p.asnumpy() for p in LlamaForCausalLM(cfg, seed=0).trainable_params()}
+    with store.build("pretrain", key, pipeline="bench", config={"preset": preset}, inputs=[], code="bench") as b:
+        write_model(b.dir, name="llama", config=cfg, weights=weights, tokenizer_model=tokenizer_of,
+                    tokenizer_info=read_info(tokenizer_of)["tokenizer"], seq_length=cfg.max_seq_length)
+    return b.path
+
+
 def write_export(model: Path, out: Path) -> Path:
     """An export-style directory of `model` for the onnxruntime backend (what the export stage serves)."""
     from tasks.deploy.onnx_decoder import build_decoder, save_model
@@ -222,6 +243,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="a model artifact (default: SmolLM2-135M-Instruct, fetched and "
                                                    "converted)")
+    ap.add_argument("--preset", default=None, help="serve a random-weight model of this shape instead (e.g. "
+                                                    "smollm2-360m), with the tokenizer of --model / SmolLM2-135M")
     ap.add_argument("--artifacts", default=os.environ.get("MSLLM_ARTIFACTS", str(REPO / "artifacts")),
                     help="artifact store for the convert artifact (msllm's default)")
     ap.add_argument("--backends", default="mindspore,onnxruntime")
@@ -252,19 +275,22 @@ def main() -> None:
     from model.config import ModelConfig
     from tasks.store.model_artifact import read_info
 
-    model = Path(a.model).resolve() if a.model else fetch_model(a)
-    model_label = a.model or "SmolLM2-135M-Instruct (Q4_1 GGUF -> msllm convert, fp32)"
-    a.model = str(model)
-    cfg = ModelConfig.from_dict(read_info(model)["model"])
-    if a.longest + a.new_tokens > cfg.max_seq_length:
-        ap.error(f"--longest {a.longest} + --new-tokens {a.new_tokens} exceed the model's context {cfg.max_seq_length}")
-    ladder, requests = lengths(a, cfg.vocab_size)
     tmp = Path(tempfile.mkdtemp(prefix="bench-serve-memory-"))
-    weights_gb = cfg.num_parameters * 4 / 1e9
-    res: dict = {"bench": "serve-memory", **describe(threads=a.threads), "model": model_label,
-                 "longest": a.longest, "new_tokens": a.new_tokens, "requests": a.requests,
-                 "request_tokens": a.request_tokens, "weights_gb": round(weights_gb, 3)}
     try:
+        model = Path(a.model).resolve() if a.model else fetch_model(a)
+        model_label = a.model or "SmolLM2-135M-Instruct (Q4_1 GGUF -> msllm convert, fp32)"
+        if a.preset:
+            model = random_model(a.preset, model, tmp / "store")
+            model_label = f"{a.preset} (random weights, the tokenizer of {model_label})"
+        a.model = str(model)
+        cfg = ModelConfig.from_dict(read_info(model)["model"])
+        if a.longest + a.new_tokens > cfg.max_seq_length:
+            ap.error(f"--longest {a.longest} + --new-tokens {a.new_tokens} exceed the model's context {cfg.max_seq_length}")
+        ladder, requests = lengths(a, cfg.vocab_size)
+        weights_gb = cfg.num_parameters * 4 / 1e9
+        res: dict = {"bench": "serve-memory", **describe(threads=a.threads), "model": model_label, "preset": a.preset,
+                     "longest": a.longest, "new_tokens": a.new_tokens, "requests": a.requests,
+                     "request_tokens": a.request_tokens, "weights_gb": round(weights_gb, 3)}
         arts = {"mindspore": model}
         if "onnxruntime" in backends:
             arts["onnxruntime"] = write_export(model, tmp / "export")
