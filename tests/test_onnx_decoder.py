@@ -121,6 +121,35 @@ def test_single_token_steps_feed_present_back_as_past(tiny):
         assert np.abs(logits[1] - want[1][2 + k]).max() <= _tol(net, want[1])
 
 
+def test_prefill_in_chunks_is_the_whole_prompt_at_once(tiny):
+    """A prompt longer than the prefill chunk runs in chunks over the cache of the ones before (so a 2000-token
+    prompt costs one chunk's logits and scores, not [T, V]): last logits, the cache and the steps after it are the
+    whole prompt's, for a left-padded batch whose short row is all padding in the first chunk."""
+    rows = [list(range(5, 16)), [40, 41, 42]]  # 11 and 3 tokens: chunks of 4 -> 3 calls, row 1 real in the last
+    gen = OnnxGenerator(tiny["path"])
+    gen.prefill_chunk = 4
+    net = tiny["net"]
+    want = _ms_logits(net, [rows[0] + [60, 61], rows[1] + [70, 71]])
+    calls, forward = [], gen.forward
+    gen.forward = lambda ids, *rest: calls.append(ids.shape) or forward(ids, *rest)
+    last, state = gen.prefill(rows)
+    assert calls == [(2, 4), (2, 4), (2, 3)]  # no call is fed more than one chunk
+    whole_last, whole = OnnxGenerator(tiny["path"]).prefill(rows)  # prefill_chunk 256: one call
+    assert state.length == whole.length == 11 and list(state.positions) == [11, 3]
+    for k in whole.past:
+        real = whole.attention_mask.astype(bool)  # padding slots hold whatever the padding computed
+        for b in range(2):
+            got, ref = state.past[k][b][:, real[b]], whole.past[k][b][:, real[b]]
+            assert np.abs(got - ref).max() <= fp32_tol(np.abs(ref).max(), decoder_reduction(net.config, 11)), k
+    for r, n in ((0, 11), (1, 3)):
+        assert np.abs(last[r] - want[r][n - 1]).max() <= _tol(net, want[r])
+        assert np.abs(last[r] - whole_last[r]).max() <= _tol(net, want[r])
+    for j, toks in enumerate(([60, 70], [61, 71])):
+        logits = gen.step(state, toks)
+        for r, n in ((0, 11), (1, 3)):
+            assert np.abs(logits[r] - want[r][n + j]).max() <= _tol(net, want[r])
+
+
 def test_tied_embeddings_and_a_missing_weight():
     net = _net(tie_embeddings=True)
     w = _weights(net)
