@@ -8,8 +8,9 @@ same model (SmolLM2-135M-Instruct: scripts/fetch_smollm2.sh's GGUF converted by 
 
 1. `ladder`: prompts of 16, 64, 256, 1024 and `--longest` tokens (random ids, seeded), `--new-tokens`
    greedy tokens each: the text, decode tokens/s (each prompt also asked for 1 token: the difference
-   of the two requests' times is the other tokens' decode, measured the same way on the HF side),
-   and the server's RSS after each;
+   of the two requests' times is the other tokens' decode, measured the same way on the HF side;
+   `decode_tokens_per_s` is the shortest prompt's, whose prefill varies least), and the server's RSS
+   after each;
 2. `requests`: `--requests` prompts of random lengths (log-uniform over 1..`--longest`, so short and
    long ones both come often; seeded), `--request-tokens` greedy tokens each: the server's RSS after
    the first tenth and at the end (`growth_gb`: what the last nine tenths added) and its peak (VmHWM).
@@ -164,15 +165,10 @@ def serve_side(a, backend: str, artifact: Path, ladder, requests, log: Path) -> 
         res["rss_end_gb"] = round(proc_gb(pid, "VmRSS"), 3)
         res["growth_gb"] = round(res["rss_end_gb"] - res.get("rss_after_first_tenth_gb", res["rss_end_gb"]), 3)
         res["peak_rss_gb"] = round(proc_gb(pid, "VmHWM"), 3)
-        res["decode_tokens_per_s"] = _median([s["decode_tokens_per_s"] for s in res["ladder"]])
+        res["decode_tokens_per_s"] = res["ladder"][0]["decode_tokens_per_s"]  # the shortest prompt: least prefill noise
         return res
     finally:
         srv.stop()
-
-
-def _median(xs: list) -> float | None:
-    xs = sorted(x for x in xs if x)
-    return xs[len(xs) // 2] if xs else None
 
 
 def hf_side(a) -> dict:
@@ -232,7 +228,7 @@ def hf_side(a) -> dict:
     res["rss_end_gb"] = round(proc_gb("self", "VmRSS"), 3)
     res["growth_gb"] = round(res["rss_end_gb"] - res.get("rss_after_first_tenth_gb", res["rss_end_gb"]), 3)
     res["peak_rss_gb"] = round(proc_gb("self", "VmHWM"), 3)
-    res["decode_tokens_per_s"] = _median([s["decode_tokens_per_s"] for s in res["ladder"]])
+    res["decode_tokens_per_s"] = res["ladder"][0]["decode_tokens_per_s"]  # the shortest prompt: least prefill noise
     return res
 
 
