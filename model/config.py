@@ -19,8 +19,9 @@ from typing import Any, Mapping
 
 SCORING_MAX_BYTES = 1 << 30
 """The activations one eval scoring call may hold (`ModelConfig.scoring_rows`). The dynamic-shape graph's pool
-grows to its largest call: with 4 GiB, SmolLM2-135M scoring (batch 8, contexts up to 500) peaked at 6.0 GB and
-360M at 7.3 GB, against 3.3 and 3.8 GB for lm-eval hf's forward + log_softmax (docs/MEMORY.md)."""
+grows to its largest call: with 4 GiB and the whole decoder in one graph, SmolLM2-135M scoring (batch 8, contexts up
+to 500) peaked at 6.0 GB and 360M at 7.3 GB, against 3.3 and 3.8 GB for lm-eval hf's forward + log_softmax; one
+layer at a time (the scorer's path now) with 1 GiB: 1.66 and 2.91 GB against 3.49 and 4.05 (docs/MEMORY.md)."""
 
 
 @dataclass
@@ -110,19 +111,23 @@ class ModelConfig:
         n_matmul = self.num_layers * self._layer_matmul_params + self.vocab_size * h
         return 6.0 * n_matmul + 12.0 * self.num_layers * h * t
 
-    def scoring_bytes_per_token(self, t: int) -> int:
-        """Activation bytes one token of a length-`t` row holds in the eval scorer's decoder graph (every
-        intermediate stays alive on CPU): per layer the attention scores and probabilities over t keys per
-        head, ~10 hidden-sized and 3 intermediate-sized fp32 tensors. Measured on SmolLM2-135M at t = 500:
-        1.8 MB; this gives 2.4 MB. TokenScorer (tasks/stages/evaluate/lm_adapter.py) takes fewer rows per
-        call where they would pass SCORING_MAX_BYTES; validation refuses an eval.batch_size no call can hold."""
-        return 4 * self.num_layers * (2 * self.num_heads * t + 10 * self.hidden_size + 3 * self.intermediate_size)
+    def scoring_bytes_per_token(self, t: int, layers: int = 1) -> int:
+        """Activation bytes one token of a length-`t` row holds in the eval scorer's decoder graph, which keeps every
+        intermediate alive on CPU, when it holds `layers` decoder layers at once (1: the scorer runs one layer at a
+        time, model.runtime.layerwise_hidden_states; num_layers: the whole-decoder graph). Per layer the attention
+        scores and probabilities over t keys per head, ~10 hidden-sized and 3 intermediate-sized fp32 tensors
+        (measured on SmolLM2-135M's whole-decoder graph at t = 500: 1.8 MB over 30 layers; this gives 2.3 MB);
+        once per call the causal mask over t keys per head and the layer's input and output. TokenScorer
+        (tasks/stages/evaluate/lm_adapter.py) takes fewer rows per call where they would pass SCORING_MAX_BYTES;
+        validation refuses an eval.batch_size no call can hold."""
+        per_layer = 2 * self.num_heads * t + 10 * self.hidden_size + 3 * self.intermediate_size
+        return 4 * (layers * per_layer + self.num_heads * t + 2 * self.hidden_size)
 
-    def scoring_rows(self, t: int, batch_size: int, max_bytes: int | None = None) -> int:
+    def scoring_rows(self, t: int, batch_size: int, max_bytes: int | None = None, layers: int = 1) -> int:
         """Rows of length `t` one eval scoring call takes: batch_size, fewer where they would exceed max_bytes
-        (default SCORING_MAX_BYTES), at least one."""
+        (default SCORING_MAX_BYTES) with `layers` decoder layers' activations held at once, at least one."""
         budget = SCORING_MAX_BYTES if max_bytes is None else max_bytes
-        return max(1, min(batch_size, budget // (t * self.scoring_bytes_per_token(t))))
+        return max(1, min(batch_size, budget // (t * self.scoring_bytes_per_token(t, layers))))
 
     # ---- (de)serialisation ------------------------------------------------
 

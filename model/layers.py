@@ -58,10 +58,10 @@ def causal_mask(q_positions: Tensor, k_positions: Tensor) -> Tensor:
 class Linear(nn.Cell):
     """Bias-free projection with an [out, in] weight, as ONE 2-D matmul on flattened tokens."""
 
-    def __init__(self, weight: np.ndarray, compute_dtype=ms.float32):
+    def __init__(self, weight: np.ndarray | Tensor, compute_dtype=ms.float32):
         super().__init__()
         self.out_features = weight.shape[0]
-        self.weight = Parameter(Tensor(weight), name="weight")
+        self.weight = Parameter(weight if isinstance(weight, Tensor) else Tensor(weight), name="weight")
         self.matmul = ops.MatMul(transpose_b=True)
         self.half = compute_dtype != ms.float32
         self.compute_dtype = compute_dtype
@@ -78,9 +78,9 @@ class Linear(nn.Cell):
 class Embedding(nn.Cell):
     """Token embedding as a gather on a [vocab, hidden] Parameter (ONNX-exportable)."""
 
-    def __init__(self, weight: np.ndarray, compute_dtype=ms.float32):
+    def __init__(self, weight: np.ndarray | Tensor, compute_dtype=ms.float32):
         super().__init__()
-        self.weight = Parameter(Tensor(weight), name="weight")
+        self.weight = Parameter(weight if isinstance(weight, Tensor) else Tensor(weight), name="weight")
         self.half = compute_dtype != ms.float32
         self.compute_dtype = compute_dtype
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import numpy as np
 import mindspore as ms
 from mindspore import Tensor, nn, ops
+from mindspore.common.initializer import Zero
 
 from model.config import ModelConfig
 from model.layers import Embedding, Linear, MaskedSoftmax, RMSNorm, SwiGLU, causal_mask, rope_tables, rotate_half_matrix
@@ -148,7 +149,9 @@ class LlamaForCausalLM(nn.Cell):
     """LLaMA decoder with an LM head; fp32 weights.
 
     `seed` drives a numpy RandomState that draws every weight (normal(0, init_std),
-    norms = 1), so the init is reproducible and independent of MindSpore's global seed.
+    norms = 1), so the init is reproducible and independent of MindSpore's global seed. `init_weights=False`
+    draws nothing and allocates nothing for the projections and the embedding (placeholders the caller assigns
+    before any use: a model artifact's weights, tasks/training/build.py).
     `compute_dtype` (ms.float32 or ms.float16) is the matmul / residual-stream dtype;
     Parameters stay fp32 either way, logits are always fp32.
     A plain model: no kernel choice and no parallelism inside. The build sequence (tasks/training/build.py
@@ -156,7 +159,8 @@ class LlamaForCausalLM(nn.Cell):
     applies the tensor-parallel plan from outside; inference and export use the plain cells.
     """
 
-    def __init__(self, config: ModelConfig, seed: int | None = None, compute_dtype=ms.float32):
+    def __init__(self, config: ModelConfig, seed: int | None = None, compute_dtype=ms.float32, *,
+                 init_weights: bool = True):
         super().__init__()
         if compute_dtype not in (ms.float32, ms.float16):
             raise ValueError(f"compute_dtype must be mindspore.float32 or mindspore.float16, got {compute_dtype}")
@@ -165,7 +169,9 @@ class LlamaForCausalLM(nn.Cell):
         self.half = compute_dtype != ms.float32
         rng = np.random.RandomState(seed)
 
-        def init(*shape: int) -> np.ndarray:
+        def init(*shape: int) -> np.ndarray | Tensor:
+            if not init_weights:  # weights assigned next (tasks/training/build.py): a placeholder, nothing allocated
+                return Tensor(shape=shape, dtype=ms.float32, init=Zero())
             return rng.normal(0.0, config.init_std, size=shape).astype(np.float32)
 
         h = config.hidden_size
@@ -193,6 +199,14 @@ class LlamaForCausalLM(nn.Cell):
     def hidden_states(self, input_ids: Tensor) -> Tensor:
         """The last decoder layer's output [B, T, H] (before the final norm): `head_logits` of it is `construct`.
         Callers that need only some positions' logits (the eval scorer) run the head on those rows alone."""
+        x, cos, sin, mask = self.layer_inputs(input_ids)
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask)                               # [B, T, H]
+        return x
+
+    def layer_inputs(self, input_ids: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """What every decoder layer of `hidden_states` takes: (embeddings [B, T, H], cos [T, hd], sin [T, hd],
+        the causal mask [B*nh, T, T], or a 0-d zero where the softmax applies it itself)."""
         b, t = input_ids.shape
         positions = ops.arange(t, dtype=ms.int32)                      # [T]
         cos = ops.gather(self.rope_cos, positions, 0)                  # [T, hd]
@@ -203,10 +217,7 @@ class LlamaForCausalLM(nn.Cell):
             mask = ops.zeros((), ms.float32)
         else:
             mask = ops.broadcast_to(ops.stop_gradient(causal_mask(positions, positions)), (b * heads, t, t))  # [B*nh, T, T]
-        x = self.embed_tokens(input_ids)                               # [B, T, H]
-        for layer in self.layers:
-            x = layer(x, cos, sin, mask)                               # [B, T, H]
-        return x
+        return self.embed_tokens(input_ids), cos, sin, mask            # [B, T, H], ...
 
     def head_logits(self, x: Tensor) -> Tensor:
         """Logits [B, T, V] of decoder outputs x [B, T, H]: the final norm, then the LM head (tied or not)."""

@@ -6,6 +6,7 @@ parent side stays MindSpore-free, and GLOG_v must be set before MindSpore first 
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import os
 
@@ -49,6 +50,58 @@ def dynamic_graph(net, fn, *inputs):
     graph = Graph()
     graph.set_inputs(*inputs)
     return ms.jit(graph)
+
+
+def layerwise_hidden_states(net):
+    """`net.hidden_states` as a callable [B, T] int32 ids -> [B, T, H] that runs the decoder ONE layer at a time
+    through ONE compiled layer graph (dynamic B and T), or None where the layers differ in their parameters (an
+    adapter on some layers only). The layer graph belongs to a copy of the first layer; each call first assigns
+    the layer's weights (graph inputs: plain Tensors over its Parameters' memory) into the copy's, then runs it. A graph
+    keeps the buffers of every kernel in it (docs/MINDSPORE_CPU.md, "Memory"), so the whole-model graph held all
+    layers' activations at once (SmolLM2-135M, 2 rows of 250 tokens: +1.4 GB and 16 s to compile); one layer's
+    graph holds 1/num_layers of that (+0.14 GB, 3 s; docs/MEMORY.md). The same kernels in the same order: the outputs
+    equal `hidden_states` exactly (tests/test_eval.py)."""
+    import mindspore as ms
+    from mindspore import ops
+
+    layers = list(net.layers)
+    names = [[(n, tuple(p.shape), p.dtype) for n, p in layer.parameters_and_names()] for layer in layers]
+    if any(n != names[0] for n in names[1:]):
+        return None
+    template = copy.deepcopy(layers[0])
+    for n, p in template.parameters_and_names():
+        p.name = f"layerwise.{n}"  # its own names: the net's stay unique in any graph that holds both
+        p.requires_grad = False
+    targets = tuple(p for _, p in template.parameters_and_names())
+    params = [tuple(p for _, p in layer.parameters_and_names()) for layer in layers]
+
+    def prologue(net, ids):
+        return net.layer_inputs(ids)
+
+    def layer_step(layer, x, cos, sin, mask, *ws):
+        loaded = ()
+        for target, w in zip(targets, ws):
+            loaded = loaded + (ops.assign(target, w),)
+        return layer(ops.depend(x, loaded), cos, sin, mask)
+
+    first = dynamic_graph(net, prologue, ms.Tensor(shape=[None, None], dtype=ms.int32))
+    masks = layers[0].self_attn.softmax.applies_mask
+    hd = net.config.head_dim
+    table = net.rope_cos.dtype
+    step = dynamic_graph(template, layer_step, ms.Tensor(shape=[None, None, net.config.hidden_size], dtype=net.compute_dtype),
+                         ms.Tensor(shape=[None, hd], dtype=table), ms.Tensor(shape=[None, hd], dtype=table),
+                         ms.Tensor(shape=[] if masks else [None, None, None], dtype=ms.float32),
+                         *[ms.Tensor(shape=p.shape, dtype=p.dtype) for p in targets])
+
+    def run(ids):
+        x, cos, sin, mask = first(ids)
+        for ps in params:
+            # plain Tensors over the Parameters' memory (asnumpy and from_numpy share it: no copy): a Parameter as
+            # a graph input is keyed by its name, so each layer's would compile (and keep) a graph of its own
+            x = step(x, cos, sin, mask, *(ms.Tensor.from_numpy(p.asnumpy()) for p in ps))
+        return x
+
+    return run
 
 
 def trim_heap() -> None:

@@ -171,6 +171,77 @@ def test_altered_weights_are_refused_on_load_naming_file_digests_and_command(tmp
         verify_published(art / "extra.bin")
 
 
+def test_read_tensors_reads_what_safetensors_wrote_and_refuses_a_bad_header(tmp_path):
+    """Our reader (each tensor straight into its own array) gives the library's arrays for every dtype numpy has,
+    shapes from scalar to empty; a header whose offsets run past the file, overlap, or disagree with the shape is
+    one CheckpointError naming the file."""
+    import json as _json
+    import struct
+
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    from tasks.store.tensors import CheckpointError, read_tensors
+
+    rng = np.random.default_rng(0)
+    arrays = {"f32": rng.normal(size=(3, 5)).astype(np.float32), "f16": rng.normal(size=7).astype(np.float16),
+              "f64": np.array(2.5, np.float64), "i64": np.arange(6, dtype=np.int64).reshape(2, 3),
+              "u8": np.arange(4, dtype=np.uint8), "b": np.array([True, False]), "empty": np.zeros((0, 4), np.float32)}
+    f = tmp_path / "t.safetensors"
+    save_file(arrays, str(f), metadata={"k": "v"})
+    got, lib = read_tensors(f, "x"), load_file(str(f))
+    assert got.keys() == lib.keys() == arrays.keys()
+    for k in arrays:
+        assert got[k].dtype == lib[k].dtype and got[k].shape == lib[k].shape and np.array_equal(got[k], lib[k])
+
+    def with_header(name, edit):
+        raw = f.read_bytes()
+        n = struct.unpack("<Q", raw[:8])[0]
+        header = _json.loads(raw[8:8 + n])
+        edit(header)
+        h = _json.dumps(header).encode()
+        bad = tmp_path / name
+        bad.write_bytes(struct.pack("<Q", len(h)) + h + raw[8 + n:])
+        return bad
+
+    def past_end(h):
+        h["f32"]["data_offsets"][1] += 10 ** 6
+
+    def overlap(h):
+        h["f16"]["data_offsets"] = list(h["f32"]["data_offsets"])
+        h["f16"]["shape"] = [30]
+
+    def shape(h):
+        h["f32"]["shape"] = [3, 6]
+
+    for bad in (with_header("end.safetensors", past_end), with_header("overlap.safetensors", overlap),
+                with_header("shape.safetensors", shape)):
+        with pytest.raises(CheckpointError, match=rf"^{bad}: not a readable safetensors file .*rerun it$"):
+            read_tensors(bad, "rerun it")
+
+
+def test_read_tensors_holds_the_weights_once_while_it_reads(tmp_path):
+    """Reading a 256 MB file raises the process's high-water mark by the arrays' size, not twice it (the library's
+    load_file keeps the file's bytes beside the arrays; safe_open's mapped pages count in RSS too). Bound: the
+    arrays (1x) plus a quarter for the allocator and the interpreter; reading twice over is 2x."""
+    import subprocess
+    import sys
+
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    f = tmp_path / "w.safetensors"
+    save_file({f"w{i}": np.full((1 << 22,), i, np.float32) for i in range(16)}, str(f))  # 16 x 16 MiB
+    code = ("import sys; sys.path.insert(0, sys.argv[2])\n"
+            "from tasks.store.tensors import read_tensors\n"
+            "hwm = lambda: int([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1]) * 1024\n"
+            "before = hwm(); w = read_tensors(sys.argv[1], 'x'); print(hwm() - before, sum(a.nbytes for a in w.values()))")
+    out = subprocess.run([sys.executable, "-c", code, str(f), str(Path(__file__).resolve().parents[1])],
+                         capture_output=True, text=True, check=True).stdout.split()
+    grew, size = int(out[0]), int(out[1])
+    assert size == 16 << 24 and grew <= 1.25 * size, (grew, size)
+
+
 def test_altered_onnx_is_refused_by_the_server_backend_and_the_standalone_script(tmp_path, capsys):
     from tasks.deploy import onnx_generate
     from tasks.serving.backends import OnnxBackend

@@ -112,6 +112,32 @@ def test_scorer_splits_calls_by_memory_and_scores_only_what_is_asked(lm):
         assert len(lp3) == min(3, len(inp)) and (np.abs(lp3 - want_lp[-3:]) <= tol[-3:]).all()
 
 
+def test_scorer_runs_the_decoder_one_layer_at_a_time_as_the_whole_decoder_does(lm):
+    """The scorer's decoder runs one layer at a time through ONE compiled layer graph (its buffers are one layer's,
+    not every layer's: docs/MEMORY.md), each call loading that layer's own weights: the same outputs as the
+    whole-decoder graph for every shape, and the net's weights untouched."""
+    import mindspore as ms
+    from model.runtime import dynamic_graph, layerwise_hidden_states
+
+    net = lm.net
+    assert lm.scorer.layers_held == 1  # the eval stage's scorer takes the layer-at-a-time path
+    run = layerwise_hidden_states(net)
+
+    def hidden(n, ids):
+        return n.hidden_states(ids)
+
+    whole = dynamic_graph(net, hidden, ms.Tensor(shape=[None, None], dtype=ms.int32))
+    before = {p.name: p.asnumpy().copy() for p in net.get_parameters()}
+    rng = np.random.default_rng(5)
+    for b, t in [(2, 37), (3, net.config.max_seq_length), (1, 1), (2, 37)]:
+        ids = Tensor(rng.integers(3, net.config.vocab_size, (b, t)).astype(np.int32))
+        got, want = run(ids).asnumpy(), whole(ids).asnumpy()
+        assert got.shape == want.shape == (b, t, net.config.hidden_size)
+        # the same kernels in the same order; the bound only allows another blocking of the same sums
+        assert np.abs(got - want).max() <= fp32_tol(np.abs(want).max(), decoder_reduction(net.config, t))
+    assert all(np.array_equal(p.asnumpy(), before[p.name]) for p in net.get_parameters())
+
+
 def test_loglikelihood_equals_sum_of_log_softmax_of_the_logits(lm, logit_scale):
     long_context = " ".join([TEXT] * 4)  # > max_length tokens: truncated from the left
     pairs = [("ROMEO:", " But soft"), ("Question: What is the east?\nAnswer:", " Juliet is the sun."),

@@ -176,6 +176,28 @@ def test_deterministic_init():
     assert np.all(a["norm.weight"] == 1.0)
 
 
+def test_a_build_with_weights_moves_them_in_instead_of_drawing_and_copying():
+    """build_network(weights=...) draws and allocates nothing for the projections and moves the arrays in (popped
+    from the dict, the float32 arrays become the parameters' memory): the weights are held once while they load,
+    not three times (a random init, the file's arrays and the parameters' copies). The net computes exactly as the
+    model whose weights they were, and a train step on it moves them."""
+    src = params_np(LlamaForCausalLM(tiny(), seed=3))
+    want = {k: v.copy() for k, v in src.items()}
+    net = build_network("llama", tiny(), seed=0, weights=src).net
+    assert src == {}  # moved, not copied
+    got = params_np(net)
+    assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want)
+    assert not any(p.has_init for p in net.get_parameters())  # no placeholder left
+    ids = random_ids((2, 9))
+    assert np.array_equal(net(Tensor(ids)).asnumpy(), LlamaForCausalLM(tiny(), seed=3)(Tensor(ids)).asnumpy())
+    optimizer = nn.AdamWeightDecay(net.trainable_params(), learning_rate=1e-2)
+    grad_fn = ms.value_and_grad(lambda i, l: net.loss(i, l), None, optimizer.parameters)
+    _, grads = grad_fn(Tensor(ids[:, :-1]), Tensor(ids[:, 1:]))
+    optimizer(grads)
+    after = params_np(net)
+    assert not np.array_equal(after["layers.0.mlp.up_proj.weight"], want["layers.0.mlp.up_proj.weight"])
+
+
 def jit_train_losses(recompute: bool, steps: int = 5, fused_kernels: bool = False) -> list[float]:
     model = build_network("llama", tiny(), seed=0, fused_kernels=fused_kernels).net
     if recompute:

@@ -96,10 +96,15 @@ def build_network(name: str, config: ModelConfig, *, seed: int | None = 0, preci
                   fused_kernels: bool = False, mesh: Mesh | None = None,
                   weights: dict[str, Any] | None = None, source: str = "") -> Built:
     """build → (full weights) → convert → parallelize: the network every stage trains or runs. `weights` (full,
-    unsplit, by parameter name) come from `source` (named in a mismatch error); `mesh` defaults to one process."""
-    net = build_model(name, config, seed=seed, compute_dtype=compute_dtype(precision))
+    unsplit, by parameter name) come from `source` (named in a mismatch error) and move into the network (popped
+    from the dict); `mesh` defaults to one process."""
+    # With weights, the model is built without drawing or allocating its projections (they are placeholders until
+    # assigned) and the weights move into it: the process holds them once (docs/MEMORY.md, "Loading").
+    net = build_model(name, config, seed=seed, compute_dtype=compute_dtype(precision), init_weights=weights is None)
     if weights is not None:
-        assign(net.trainable_params(), weights, source)
+        assign(net.trainable_params(), weights, source, take=True)
+        if lazy := [p.name for p in net.get_parameters() if p.has_init]:
+            raise RuntimeError(f"{source}: parameters {lazy[:3]} were not assigned (not trainable when loaded)")
     kernels = convert(net, fused_kernels)
     parallelize(net, mesh or Mesh())
     return Built(net, config, kernels)

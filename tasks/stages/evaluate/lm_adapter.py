@@ -41,7 +41,7 @@ from mindspore import ops
 
 from model.config import SCORING_MAX_BYTES
 from model.generate import Generator
-from model.runtime import dynamic_graph, setup_mindspore
+from model.runtime import dynamic_graph, layerwise_hidden_states, setup_mindspore
 from tasks.runtime.progress import progress_bar
 from tasks.store.model_artifact import load_tokenizer
 from tasks.training.build import load_network
@@ -70,7 +70,10 @@ class TokenScorer:
             target_logp = ops.gather_elements(logp, 1, targets.expand_dims(-1)).squeeze(-1)
             return target_logp, ops.argmax(logp, -1) == targets
 
-        self._body = dynamic_graph(net, body, ms.Tensor(shape=[None, None], dtype=ms.int32))
+        # One layer at a time through one layer graph (its buffers are one layer's), else the whole decoder.
+        layerwise = layerwise_hidden_states(net)
+        self.layers_held = 1 if layerwise else net.config.num_layers  # decoder layers whose activations a call holds
+        self._body = layerwise or dynamic_graph(net, body, ms.Tensor(shape=[None, None], dtype=ms.int32))
         self._head = dynamic_graph(net, head, ms.Tensor(shape=[None, net.config.hidden_size], dtype=ms.float32),
                                    ms.Tensor(shape=[None], dtype=ms.int32))
 
@@ -100,7 +103,7 @@ class TokenScorer:
                 picks.append(r * t + np.arange(first, n))
                 targets.append(np.asarray(target[first:], np.int32))
                 spans.append(n - first)
-            hidden = self._body(ms.Tensor(ids)).asnumpy()                         # [B, T, H]
+            hidden = self._body(ms.Tensor(ids)).asnumpy().astype(np.float32, copy=False)  # [B, T, H]
             self.shapes_run.add(ids.shape)
             x = hidden.reshape(len(chunk) * t, -1)[np.concatenate(picks)]         # [N, H]: the positions asked for
             logp, greedy = self._run_head(x, np.concatenate(targets))
@@ -114,11 +117,11 @@ class TokenScorer:
 
     def bytes_per_token(self, t: int) -> int:
         """Activation bytes one token of a length-`t` row holds in the decoder graph (ModelConfig.scoring_bytes_per_token)."""
-        return self.net.config.scoring_bytes_per_token(t)
+        return self.net.config.scoring_bytes_per_token(t, self.layers_held)
 
     def rows_per_call(self, t: int) -> int:
         """Rows of length `t` one decoder call takes: batch_size, fewer where they would exceed max_bytes."""
-        return self.net.config.scoring_rows(t, self.batch_size, self.max_bytes)
+        return self.net.config.scoring_rows(t, self.batch_size, self.max_bytes, self.layers_held)
 
     def _run_head(self, x: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(log p(target) [N], is_argmax [N]) of decoder outputs x [N, H]: the head in chunks whose [rows, V]
