@@ -48,7 +48,7 @@ from model.fused_decode import FusedDecodeStep, build_decode_kernel, chunk_atten
 from model.layers import Linear
 from model.llama import MLP, Attention
 from model.lora import LoRALinear, lora_layers
-from model.runtime import dynamic_graph, trim_heap
+from model.runtime import dynamic_graph, layerwise_hidden_states, trim_heap
 from model.sampling import sample_next
 
 
@@ -180,6 +180,9 @@ class Generator:
     most 8). `decode_path` says which path decodes: "fused", "decoder" or "functional".
     """
 
+    ECHO_HEAD_ROWS = 256
+    """Prompt positions per LM-head call of `prompt_logits` (its [rows, V] logits: 50 MB at SmolLM2's vocabulary)."""
+
     def __init__(self, net, bucket: int = 32, max_len: int | None = None, fused: bool = True,
                  threads: int | None = None, prefill_chunk: int = PREFILL_CHUNK):
         self.net = net
@@ -287,18 +290,32 @@ class Generator:
             self._forward(Tensor(np.zeros((1, length), np.int32))).asnumpy()
 
     def prompt_logits(self, ids: Sequence[int]) -> np.ndarray:
-        """The logits [T, V] at every position of `ids` (a server's echo / prompt logprobs): the full forward as
-        ONE dynamic-shape graph (`Cell.set_inputs` with a None length), compiled once. A static graph per
-        32-token bucket compiled again for every new bucket (~10 s each on SmolLM2) and kept each one's
-        buffers for the life of the process (docs/MINDSPORE_CPU.md, "Memory")."""
+        """The logits [T, V] at every position of `ids` (a server's echo / prompt logprobs), compiled once for every
+        prompt length: the decoder one layer at a time through one dynamic-shape layer graph (as the eval scorer:
+        model.runtime.layerwise_hidden_states; a graph keeps a buffer per kernel, so a whole-decoder graph would
+        hold every layer's [nh, T, T] scores at once), then the head on `ECHO_HEAD_ROWS` positions per call into
+        the one [T, V] array returned. A static graph per 32-token bucket compiled again for every new bucket
+        (~10 s each on SmolLM2) and kept each one's buffers for the life of the process (docs/MINDSPORE_CPU.md)."""
         if not 0 < len(ids) <= self.max_len:
             raise ValueError(f"prompt of {len(ids)} tokens: 1..{self.max_len} (max_len)")
 
-        def all_logits(net, input_ids):
-            return net.head_logits(net.hidden_states(input_ids)).astype(ms.float32)
+        def hidden(net, input_ids):
+            return net.hidden_states(input_ids)
 
-        graph = self._dynamic("prompt_logits", self.net, all_logits, _IDS)
-        return graph(Tensor(np.asarray([ids], np.int32))).asnumpy()[0]
+        def head(net, x):
+            return net.head_logits(x).astype(ms.float32)
+
+        if "prompt_hidden" not in self._graphs:
+            self._graphs["prompt_hidden"] = layerwise_hidden_states(self.net) or self._dynamic(
+                "prompt_hidden_whole", self.net, hidden, _IDS)
+            self._graphs["prompt_head"] = dynamic_graph(
+                self.net, head, Tensor(shape=[1, None, self.net.config.hidden_size], dtype=self.net.compute_dtype))
+        x = self._graphs["prompt_hidden"](Tensor(np.asarray([ids], np.int32)))      # [1, T, H]
+        out = np.empty((len(ids), self.net.config.vocab_size), np.float32)
+        for start in range(0, len(ids), self.ECHO_HEAD_ROWS):
+            out[start:start + self.ECHO_HEAD_ROWS] = self._graphs["prompt_head"](
+                x[:, start:start + self.ECHO_HEAD_ROWS]).asnumpy()[0]
+        return out
 
     def _compiled(self, name: str) -> None:
         """After a graph's first run: hand the heap its compilation freed back to the OS (`trim_heap`), once."""

@@ -48,9 +48,11 @@ def test_forward_cached_matches_full_forward(net):
     np.testing.assert_allclose(got, full, rtol=0, atol=1e-4 * np.abs(full).max())
 
 
-def test_prompt_logits_equal_the_full_forward_at_any_length(net, gen):
-    """The server's echo logits: one dynamic-shape graph serves every prompt length (no bucket padding), each
-    equal to the plain forward on that prompt; out-of-range prompts are refused before any compute."""
+def test_prompt_logits_equal_the_full_forward_at_any_length(net, gen, monkeypatch):
+    """The server's echo logits: one layer graph and one head graph serve every prompt length (no bucket padding),
+    the head over 16 positions per call here, each equal to the plain forward on that prompt; out-of-range prompts
+    are refused before any compute."""
+    monkeypatch.setattr(gen, "ECHO_HEAD_ROWS", 16)  # 33 positions: three head calls, the last one short
     for n in (1, 7, 33, 70):  # inside one 32-token bucket, across two, and past the tiny model's 64
         if n > gen.max_len:
             with pytest.raises(ValueError, match="max_len"):
