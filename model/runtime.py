@@ -60,7 +60,7 @@ def layerwise_hidden_states(net):
     keeps the buffers of every kernel in it (docs/MINDSPORE_CPU.md, "Memory"), so the whole-model graph held all
     layers' activations at once (SmolLM2-135M, 2 rows of 250 tokens: +1.4 GB and 16 s to compile); one layer's
     graph holds 1/num_layers of that (+0.14 GB, 3 s; docs/MEMORY.md). The same kernels in the same order: the outputs
-    equal `hidden_states` exactly (tests/test_eval.py)."""
+    equal `hidden_states`' (tests/test_eval.py)."""
     import mindspore as ms
     from mindspore import ops
 

@@ -111,8 +111,8 @@ class MindSporeBackend:
             inner.close()
 
     def prompt_logits(self, ids: list[int], adapter: str | None = None) -> np.ndarray:
-        """The logits [T, V] at every position of `ids`: the full forward in one dynamic-shape graph
-        (Generator.prompt_logits: compiled once, not once per prompt length)."""
+        """The logits [T, V] at every position of `ids`: the decoder a layer at a time through one dynamic-shape
+        layer graph, then the head (Generator.prompt_logits: compiled once, not once per prompt length)."""
         if self.slots is not None:
             self.slots.use(adapter)
         return self.generator.prompt_logits(ids)

@@ -50,7 +50,8 @@ MODEL_NAME = "msllm"
 
 
 class TokenScorer:
-    """Log-probabilities of target tokens under a network, batched, with one dynamic-shape graph per part."""
+    """Log-probabilities of target tokens under a network, batched, with one dynamic-shape graph per part: the
+    decoder one layer at a time (model.runtime.layerwise_hidden_states), then the head on the rows asked for."""
 
     # The activations one call may hold (model.config.SCORING_MAX_BYTES, which says why); fewer rows per call beyond it.
     MAX_BYTES = SCORING_MAX_BYTES
