@@ -8,17 +8,18 @@ layer graph (the eval scorer's `model.runtime.layerwise_hidden_states` mechanism
 copy of layer 0 inside the graph) keeping only each layer's input, the head and loss run as one graph that returns
 the gradient at the last hidden state, and the backward runs ONE layer-gradient graph per layer from the last,
 recomputing that layer's forward (GradOperation with the upstream gradient as sens). The embedding's gradient is
-the head's (tied) plus the first layer's input gradient scattered onto the ids. The optimizer is the same AdamW,
-one jit graph over all gradients.
+the head's (tied) plus the first layer's input gradient scattered onto the ids. Each layer's AdamW step runs
+right after its gradients (nn.AdamWeightDecay over that layer's parameters, one jit graph each: the same math per
+parameter as one optimizer over all), so one layer's gradients are alive at a time, not all of them.
 
     python scripts/probes/layerwise_train.py --preset smollm2-135m --batch 2 --seq 128 --steps 4
 
-Measured 2026-12-03 on the 2-core AMD EPYC (AVX-512) while a test run shared the cores (so the seconds are only
-indicative), plain cells: the same losses to the last digit; peak RSS 3.49 GB against 4.79 for the whole-model
-step (HF sdpa 3.37 in scripts/bench/train.py); 7.7 s per step against 3.7 (forward 1.1 s, head 0.6 s, backward
-4.9 s with the recompute). What remains (docs/MEMORY.md, "Train"): the optimizer applied per layer right after its
-gradients (the gradients of one layer alive, not all), the fused cells in the layer graphs, and the backward's
-per-layer cost.
+Measured 2026-12-03 on the 2-core AMD EPYC (AVX-512) while a test run shared the cores (the seconds are only
+indicative), SmolLM2-135M, 2 x 128, plain cells, 4 steps: the same losses to the last digit; peak RSS 3.14 GB
+against 4.80 for the whole-model step (HF sdpa: 3.37 in scripts/bench/train.py); 6.5 s per step against 5.1.
+With all gradients kept until one optimizer step over all (what global-norm clipping and gradient accumulation
+need), 3.49 GB. What remains for the trainer (docs/MEMORY.md, "Train"): clipping and accumulation with per-layer
+gradients (the norm needs every gradient before any update), the fused cells in the layer graphs, the speed.
 """
 
 from __future__ import annotations
@@ -53,11 +54,12 @@ def run_side(a) -> dict:
 
     cfg = ModelConfig.from_name(a.preset)
     net = build_network("llama", cfg, seed=0).net
-    opt = nn.AdamWeightDecay(net.trainable_params(), learning_rate=1e-4)
     rng = np.random.RandomState(0)
     batches = [rng.randint(3, cfg.vocab_size, (a.batch, a.seq + 1)).astype(np.int32) for _ in range(a.steps)]
 
     if a.side == "standard":
+        opt = nn.AdamWeightDecay(net.trainable_params(), learning_rate=1e-4)
+
         def loss_of(ids, labels):
             return net.loss(ids, labels)
 
@@ -72,7 +74,7 @@ def run_side(a) -> dict:
         def train(tok):
             return float(step(Tensor(tok[:, :-1]), Tensor(tok[:, 1:])).asnumpy())
     else:
-        train = _layerwise_step(net, cfg, opt, ms, Tensor, nn, ops, np, dynamic_graph)
+        train = _layerwise_step(net, cfg, ms, Tensor, nn, ops, np, dynamic_graph)
 
     losses, times = [], []
     for tok in batches:
@@ -85,7 +87,7 @@ def run_side(a) -> dict:
             "tokens_per_s": round(a.batch * a.seq * len(steady) / sum(steady), 1), "peak_rss_gb": round(_hwm_gb(), 3)}
 
 
-def _layerwise_step(net, cfg, opt, ms, Tensor, nn, ops, np, dynamic_graph):
+def _layerwise_step(net, cfg, ms, Tensor, nn, ops, np, dynamic_graph):
     layers = list(net.layers)
     template = copy.deepcopy(layers[0])
     for n, p in template.parameters_and_names():
@@ -138,16 +140,19 @@ def _layerwise_step(net, cfg, opt, ms, Tensor, nn, ops, np, dynamic_graph):
         def construct(self, *args):
             return self.loss(args[0], args[1]), self.grad(self.loss, self.weights)(args[0], args[1])
 
-    class OptStep(nn.Cell):
-        def __init__(self):
+    class OptStep(nn.Cell):  # AdamW over some parameters, in one graph (the same math per parameter as one optimizer)
+        def __init__(self, ps):
             super().__init__(auto_prefix=False)
-            self.opt = opt
+            self.opt = nn.AdamWeightDecay(list(ps), learning_rate=1e-4)
 
         def construct(self, *grads):
             return self.opt(grads)
 
-    layer_grad, head_grad, opt_step = ms.jit(LayerGrad()), ms.jit(HeadGrad()), ms.jit(OptStep())
-    order = [p.name for p in net.trainable_params()]
+    layer_grad, head_grad = ms.jit(LayerGrad()), ms.jit(HeadGrad())
+    # each layer's AdamW step right after its gradients (then they are dropped); the rest after the embedding's
+    layer_opts = [ms.jit(OptStep(ps)) for ps in params]
+    rest = [p for p in net.trainable_params() if not any(p is q for ps in params for q in ps)]
+    rest_opt = ms.jit(OptStep(rest))
 
     def views(ps):  # plain Tensors over the Parameters' memory: a Parameter input compiles a graph per name
         return (Tensor.from_numpy(p.asnumpy()) for p in ps)
@@ -167,11 +172,11 @@ def _layerwise_step(net, cfg, opt, ms, Tensor, nn, ops, np, dynamic_graph):
             grads[head_weight.name], emb = dhead, np.zeros(net.embed_tokens.weight.shape, np.float32)
         for i in reversed(range(len(layers))):
             (dx, *_), dws = layer_grad(xs[i], cos, sin, mask, dx, *views(params[i]))
-            grads.update({p.name: g for p, g in zip(params[i], dws)})
+            layer_opts[i](*dws)
             xs[i + 1] = None
         np.add.at(emb, tok[:, :-1].reshape(-1), dx.asnumpy().reshape(-1, cfg.hidden_size))
         grads[net.embed_tokens.weight.name] = Tensor.from_numpy(emb)
-        opt_step(*(grads[n] for n in order))
+        rest_opt(*(grads[p.name] for p in rest))
         return float(loss.asnumpy())
 
     return train
