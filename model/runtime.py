@@ -52,10 +52,24 @@ def dynamic_graph(net, fn, *inputs):
     return ms.jit(graph)
 
 
+def copy_cell(cell):
+    """A deep copy of `cell` with Parameters of its own and its primitives shared: ops are stateless, and a custom
+    kernel op (model/fused_cells.py) cannot be copied (its constructor takes other arguments than it keeps)."""
+    from mindspore import ops
+
+    memo = {}
+    for _, c in cell.cells_and_names():
+        for v in [*vars(c).values(), *getattr(c, "_primitives", {}).values()]:
+            if isinstance(v, ops.Primitive):
+                memo[id(v)] = v
+    return copy.deepcopy(cell, memo)
+
+
 def layerwise_hidden_states(net):
     """`net.hidden_states` as a callable [B, T] int32 ids -> [B, T, H] that runs the decoder ONE layer at a time
     through ONE compiled layer graph (dynamic B and T), or None where the layers differ in their parameters (an
-    adapter on some layers only). The layer graph belongs to a copy of the first layer; each call first assigns
+    adapter on some layers only). For the plain cells (load_network): the training build's fused cells fail in a
+    dynamic-shape graph in MindSpore 2.10, the whole-decoder one as well. The layer graph belongs to a copy of the first layer; each call first assigns
     the layer's weights (graph inputs: plain Tensors over its Parameters' memory) into the copy's, then runs it. A graph
     keeps the buffers of every kernel in it (docs/MINDSPORE_CPU.md, "Memory"), so the whole-model graph held all
     layers' activations at once (SmolLM2-135M, 2 rows of 250 tokens: +1.4 GB and 16 s to compile); one layer's
@@ -68,7 +82,7 @@ def layerwise_hidden_states(net):
     names = [[(n, tuple(p.shape), p.dtype) for n, p in layer.parameters_and_names()] for layer in layers]
     if any(n != names[0] for n in names[1:]):
         return None
-    template = copy.deepcopy(layers[0])
+    template = copy_cell(layers[0])
     for n, p in template.parameters_and_names():
         p.name = f"layerwise.{n}"  # its own names: the net's stay unique in any graph that holds both
         p.requires_grad = False

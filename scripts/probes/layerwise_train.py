@@ -15,17 +15,20 @@ parameter as one optimizer over all), so one layer's gradients are alive at a ti
     python scripts/probes/layerwise_train.py --preset smollm2-135m --batch 2 --seq 128 --steps 4
 
 Measured 2026-12-03 on the 2-core AMD EPYC (AVX-512) while a test run shared the cores (the seconds are only
-indicative), SmolLM2-135M, 2 x 128, plain cells, 4 steps: the same losses to the last digit; peak RSS 3.14 GB
-against 4.80 for the whole-model step (HF sdpa: 3.37 in scripts/bench/train.py); 6.5 s per step against 5.1.
-With all gradients kept until one optimizer step over all (what global-norm clipping and gradient accumulation
-need), 3.49 GB. What remains for the trainer (docs/MEMORY.md, "Train"): clipping and accumulation with per-layer
-gradients (the norm needs every gradient before any update), the fused cells in the layer graphs, the speed.
+indicative), SmolLM2-135M, 2 x 128, 4 steps, nn.AdamWeightDecay on both sides:
+
+    plain cells:  the same losses to the last digit; peak 3.14 GB vs 4.80 for the whole-model step; 6.5 vs 5.1 s/step
+    --fused:      losses equal within fp32 rounding; peak 3.10 GB vs 3.83; 6.7 vs 5.2 s/step
+
+(HF sdpa: 3.37 GB in scripts/bench/train.py.) Keeping every gradient until one optimizer step over all (what
+global-norm clipping and gradient accumulation need) cost +0.35 GB with the plain cells. What remains for the
+trainer (docs/MEMORY.md, "Train"): clipping and accumulation with per-layer gradients (the norm needs every
+gradient before any update), the trainer's own AdamW and loss, data / tensor parallel, and the speed.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import subprocess
 import sys
@@ -43,17 +46,18 @@ def _hwm_gb() -> float:
 def run_side(a) -> dict:
     import numpy as np
 
-    from model.runtime import dynamic_graph, setup_mindspore
+    from model.runtime import copy_cell, setup_mindspore
 
     setup_mindspore()
     import mindspore as ms
     from mindspore import Tensor, nn, ops
 
     from model.config import ModelConfig
+    from model.llama import causal_lm_loss
     from tasks.training.build import build_network
 
     cfg = ModelConfig.from_name(a.preset)
-    net = build_network("llama", cfg, seed=0).net
+    net = build_network("llama", cfg, seed=0, fused_kernels=a.fused).net
     rng = np.random.RandomState(0)
     batches = [rng.randint(3, cfg.vocab_size, (a.batch, a.seq + 1)).astype(np.int32) for _ in range(a.steps)]
 
@@ -74,7 +78,7 @@ def run_side(a) -> dict:
         def train(tok):
             return float(step(Tensor(tok[:, :-1]), Tensor(tok[:, 1:])).asnumpy())
     else:
-        train = _layerwise_step(net, cfg, ms, Tensor, nn, ops, np, dynamic_graph)
+        train = _layerwise_step(net, cfg, ms, Tensor, nn, ops, np, copy_cell, causal_lm_loss)
 
     losses, times = [], []
     for tok in batches:
@@ -87,14 +91,13 @@ def run_side(a) -> dict:
             "tokens_per_s": round(a.batch * a.seq * len(steady) / sum(steady), 1), "peak_rss_gb": round(_hwm_gb(), 3)}
 
 
-def _layerwise_step(net, cfg, ms, Tensor, nn, ops, np, dynamic_graph):
+def _layerwise_step(net, cfg, ms, Tensor, nn, ops, np, copy_cell, causal_lm_loss):
     layers = list(net.layers)
-    template = copy.deepcopy(layers[0])
+    template = copy_cell(layers[0])
     for n, p in template.parameters_and_names():
         p.name = f"layerwise.{n}"
     targets = tuple(template.trainable_params())
     params = [tuple(layer.trainable_params()) for layer in layers]
-    h, hd = cfg.hidden_size, cfg.head_dim
 
     def prologue(net, ids):
         return net.layer_inputs(ids)
@@ -105,10 +108,15 @@ def _layerwise_step(net, cfg, ms, Tensor, nn, ops, np, dynamic_graph):
             loaded = loaded + (ops.assign(t, w),)
         return layer(ops.depend(x, loaded), cos, sin, mask)
 
-    first = dynamic_graph(net, prologue, Tensor(shape=[None, None], dtype=ms.int32))
-    specs = [Tensor(shape=[None, None, h], dtype=ms.float32), Tensor(shape=[None, hd], dtype=ms.float32),
-             Tensor(shape=[None, hd], dtype=ms.float32), Tensor(shape=[None, None, None], dtype=ms.float32)]
-    layer_forward = dynamic_graph(template, forward, *specs, *[Tensor(shape=p.shape, dtype=p.dtype) for p in targets])
+    class Static(nn.Cell):  # static shapes (a train step's are fixed): the fused cells fail in dynamic-shape graphs
+        def __init__(self, target, fn):
+            super().__init__(auto_prefix=False)
+            self.target, self.fn = target, fn
+
+        def construct(self, *args):
+            return self.fn(self.target, *args)
+
+    first, layer_forward = ms.jit(Static(net, prologue)), ms.jit(Static(template, forward))
 
     class LayerGrad(nn.Cell):  # static shapes: GradOperation's sens cannot be dynamic
         def __init__(self):
@@ -134,8 +142,8 @@ def _layerwise_step(net, cfg, ms, Tensor, nn, ops, np, dynamic_graph):
             self.net, self.weights = net, ms.ParameterTuple([net.norm.weight, head_weight])
             self.grad = ops.GradOperation(get_all=True, get_by_list=True)
 
-        def loss(self, x, labels):
-            return self.net.loss_fn(self.net.head_logits(x), labels)
+        def loss(self, x, labels):  # MindSpore's own loss ops: with the fused loss cell, grad_jit failed ("pointer null")
+            return causal_lm_loss(self.net.head_logits(x), labels)
 
         def construct(self, *args):
             return self.loss(args[0], args[1]), self.grad(self.loss, self.weights)(args[0], args[1])
@@ -188,6 +196,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--fused", action="store_true", help="the fused-kernel cells (the trainer's default) on both sides")
     ap.add_argument("--side", choices=["standard", "layerwise"], default=None)
     a = ap.parse_args()
     if a.side:
@@ -195,7 +204,8 @@ def main() -> None:
         return
     for side in ("standard", "layerwise"):  # one process each (each peak its own), one after the other
         out = subprocess.run([sys.executable, __file__, "--preset", a.preset, "--batch", str(a.batch), "--seq",
-                              str(a.seq), "--steps", str(a.steps), "--side", side], capture_output=True, text=True)
+                              str(a.seq), "--steps", str(a.steps), "--side", side] + ["--fused"] * a.fused,
+                             capture_output=True, text=True)
         print(out.stdout.strip().splitlines()[-1] if out.returncode == 0 else json.dumps(
             {"side": side, "error": (out.stderr.strip().splitlines() or ["?"])[-1]}), flush=True)
 
