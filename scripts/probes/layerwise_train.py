@@ -14,16 +14,18 @@ parameter as one optimizer over all), so one layer's gradients are alive at a ti
 
     python scripts/probes/layerwise_train.py --preset smollm2-135m --batch 2 --seq 128 --steps 4
 
-Measured 2026-12-03 on the 2-core AMD EPYC (AVX-512) while a test run shared the cores (the seconds are only
-indicative), SmolLM2-135M, 2 x 128, 4 steps, nn.AdamWeightDecay on both sides:
+Measured 2026-12-03 on the 2-core AMD EPYC (AVX-512), quiet, 2 x 128, nn.AdamWeightDecay on both sides, steps
+after the first (compilation) averaged:
 
-    plain cells:  the same losses to the last digit; peak 3.14 GB vs 4.80 for the whole-model step; 6.5 vs 5.1 s/step
-    --fused:      losses equal within fp32 rounding; peak 3.10 GB vs 3.83; 6.7 vs 5.2 s/step
+    SmolLM2-135M --fused:  86.5 vs 81.2 tokens/s (1.07x), peak 3.10 vs 3.83 GB; losses equal within fp32 rounding
+    SmolLM2-135M plain:    75.0 vs 74.9 tokens/s, peak 3.12 vs 4.80 GB; the same losses to the last digit
+    SmolLM2-360M --fused:  38.7 vs 37.1 tokens/s, peak 6.92 vs 7.77 GB
 
-(HF sdpa: 3.37 GB in scripts/bench/train.py.) Keeping every gradient until one optimizer step over all (what
-global-norm clipping and gradient accumulation need) cost +0.35 GB with the plain cells. What remains for the
-trainer (docs/MEMORY.md, "Train"): clipping and accumulation with per-layer gradients (the norm needs every
-gradient before any update), the trainer's own AdamW and loss, data / tensor parallel, and the speed.
+and the first step (compilation) 10 s instead of 26 at 135M. (HF sdpa at 135M: 3.37 GB in scripts/bench/train.py.)
+Keeping every gradient until one optimizer step over all (what global-norm clipping and the finite-step skip
+need) cost +0.35 GB at 135M. What remains for the trainer (docs/MEMORY.md, "Train"): clipping and the finite check
+with per-layer updates (the norm needs every gradient before any update), accumulation, the trainer's own AdamW
+and fused loss, data / tensor parallel.
 """
 
 from __future__ import annotations
