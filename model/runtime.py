@@ -65,6 +65,28 @@ def copy_cell(cell):
     return copy.deepcopy(cell, memo)
 
 
+def weight_slot(layer):
+    """(template, targets, load): a copy of `layer` (copy_cell; its Parameters renamed `layerwise.*`, so a graph may
+    hold them beside the net's), its Parameters in order, and `load(x, ws)` for graph code: x, ordered after `ws`
+    (any same-shaped layer's weights, graph inputs, in `targets`' order) are assigned into the template's
+    Parameters. The assignment has to happen inside the graph that runs the template: a compiled graph does not
+    see `set_data`, nor an `assign` made by another graph (docs/MINDSPORE_CPU.md, "Memory")."""
+    from mindspore import ops
+
+    template = copy_cell(layer)
+    for n, p in template.parameters_and_names():
+        p.name = f"layerwise.{n}"
+    targets = tuple(p for _, p in template.parameters_and_names())
+
+    def load(x, ws):
+        loaded = ()
+        for target, w in zip(targets, ws):
+            loaded = loaded + (ops.assign(target, w),)
+        return ops.depend(x, loaded)
+
+    return template, targets, load
+
+
 def layerwise_hidden_states(net):
     """`net.hidden_states` as a callable [B, T] int32 ids -> [B, T, H] that runs the decoder ONE layer at a time
     through ONE compiled layer graph (dynamic B and T), or None where the layers differ in their parameters (an
@@ -76,27 +98,19 @@ def layerwise_hidden_states(net):
     graph holds 1/num_layers of that (+0.14 GB, 3 s; docs/MEMORY.md). The same kernels in the same order: the outputs
     equal `hidden_states`' (tests/test_eval.py)."""
     import mindspore as ms
-    from mindspore import ops
 
     layers = list(net.layers)
     names = [[(n, tuple(p.shape), p.dtype) for n, p in layer.parameters_and_names()] for layer in layers]
     if any(n != names[0] for n in names[1:]):
         return None
-    template = copy_cell(layers[0])
-    for n, p in template.parameters_and_names():
-        p.name = f"layerwise.{n}"  # its own names: the net's stay unique in any graph that holds both
-        p.requires_grad = False
-    targets = tuple(p for _, p in template.parameters_and_names())
+    template, targets, load = weight_slot(layers[0])
     params = [tuple(p for _, p in layer.parameters_and_names()) for layer in layers]
 
     def prologue(net, ids):
         return net.layer_inputs(ids)
 
     def layer_step(layer, x, cos, sin, mask, *ws):
-        loaded = ()
-        for target, w in zip(targets, ws):
-            loaded = loaded + (ops.assign(target, w),)
-        return layer(ops.depend(x, loaded), cos, sin, mask)
+        return layer(load(x, ws), cos, sin, mask)
 
     first = dynamic_graph(net, prologue, ms.Tensor(shape=[None, None], dtype=ms.int32))
     masks = layers[0].self_attn.softmax.applies_mask

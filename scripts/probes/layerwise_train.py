@@ -48,7 +48,7 @@ def _hwm_gb() -> float:
 def run_side(a) -> dict:
     import numpy as np
 
-    from model.runtime import copy_cell, setup_mindspore
+    from model.runtime import setup_mindspore, weight_slot
 
     setup_mindspore()
     import mindspore as ms
@@ -80,7 +80,7 @@ def run_side(a) -> dict:
         def train(tok):
             return float(step(Tensor(tok[:, :-1]), Tensor(tok[:, 1:])).asnumpy())
     else:
-        train = _layerwise_step(net, cfg, ms, Tensor, nn, ops, np, copy_cell, causal_lm_loss)
+        train = _layerwise_step(net, cfg, ms, Tensor, nn, ops, np, weight_slot, causal_lm_loss)
 
     losses, times = [], []
     for tok in batches:
@@ -93,22 +93,16 @@ def run_side(a) -> dict:
             "tokens_per_s": round(a.batch * a.seq * len(steady) / sum(steady), 1), "peak_rss_gb": round(_hwm_gb(), 3)}
 
 
-def _layerwise_step(net, cfg, ms, Tensor, nn, ops, np, copy_cell, causal_lm_loss):
+def _layerwise_step(net, cfg, ms, Tensor, nn, ops, np, weight_slot, causal_lm_loss):
     layers = list(net.layers)
-    template = copy_cell(layers[0])
-    for n, p in template.parameters_and_names():
-        p.name = f"layerwise.{n}"
-    targets = tuple(template.trainable_params())
-    params = [tuple(layer.trainable_params()) for layer in layers]
+    template, targets, load = weight_slot(layers[0])
+    params = [tuple(p for _, p in layer.parameters_and_names()) for layer in layers]
 
     def prologue(net, ids):
         return net.layer_inputs(ids)
 
     def forward(layer, x, cos, sin, mask, *ws):
-        loaded = ()
-        for t, w in zip(targets, ws):
-            loaded = loaded + (ops.assign(t, w),)
-        return layer(ops.depend(x, loaded), cos, sin, mask)
+        return layer(load(x, ws), cos, sin, mask)
 
     class Static(nn.Cell):  # static shapes (a train step's are fixed): the fused cells fail in dynamic-shape graphs
         def __init__(self, target, fn):
@@ -131,10 +125,7 @@ def _layerwise_step(net, cfg, ms, Tensor, nn, ops, np, copy_cell, causal_lm_loss
 
         def construct(self, *args):
             x, cos, sin, mask, dy, ws = args[0], args[1], args[2], args[3], args[4], args[5:]
-            loaded = ()
-            for t, w in zip(targets, ws):
-                loaded = loaded + (ops.assign(t, w),)
-            return self.grad(self.run, self.weights)(ops.depend(x, loaded), cos, sin, mask, dy)
+            return self.grad(self.run, self.weights)(load(x, ws), cos, sin, mask, dy)
 
     head_weight = net.embed_tokens.weight if cfg.tie_embeddings else net.lm_head.weight
 
