@@ -48,7 +48,7 @@ from model.fused_decode import FusedDecodeStep, build_decode_kernel, chunk_atten
 from model.layers import Linear
 from model.llama import MLP, Attention
 from model.lora import LoRALinear, lora_layers
-from model.runtime import dynamic_graph, layerwise_hidden_states, trim_heap
+from model.runtime import dynamic_graph, hidden_states_graph, trim_heap
 from model.sampling import sample_next
 
 
@@ -168,7 +168,6 @@ class CachedDecoder(nn.Cell):
         return x
 
 
-_IDS = [1, None]  # input shape of the echo logits' dynamic graph: a batch-1 row of token ids of any length
 PREFILL_CHUNK = 64  # prompt tokens per prefill call: one static graph whose buffers do not grow with the prompt
 
 
@@ -205,7 +204,7 @@ class Generator:
         self._step = ms.jit(step)
         self._chunk_step = ms.jit(chunk_step)
         self._forward = ms.jit(forward)
-        self._graphs: dict[str, object] = {}  # dynamic-shape graphs, each built on its first use (_dynamic)
+        self._graphs: dict[str, object] = {}  # the echo logits' dynamic-shape graphs, built on its first use
         self._trimmed: set[str] = set()  # graphs whose first run has been followed by trim_heap (_compiled)
         supported = CachedDecoder.supports(net)
         lib = build_decode_kernel(fused) if supported else None
@@ -299,15 +298,11 @@ class Generator:
         if not 0 < len(ids) <= self.max_len:
             raise ValueError(f"prompt of {len(ids)} tokens: 1..{self.max_len} (max_len)")
 
-        def hidden(net, input_ids):
-            return net.hidden_states(input_ids)
-
         def head(net, x):
             return net.head_logits(x).astype(ms.float32)
 
         if "prompt_hidden" not in self._graphs:
-            self._graphs["prompt_hidden"] = layerwise_hidden_states(self.net) or self._dynamic(
-                "prompt_hidden_whole", self.net, hidden, _IDS)
+            self._graphs["prompt_hidden"], _ = hidden_states_graph(self.net)
             self._graphs["prompt_head"] = dynamic_graph(
                 self.net, head, Tensor(shape=[1, None, self.net.config.hidden_size], dtype=self.net.compute_dtype))
         x = self._graphs["prompt_hidden"](Tensor(np.asarray([ids], np.int32)))      # [1, T, H]
@@ -322,14 +317,6 @@ class Generator:
         if name not in self._trimmed:
             self._trimmed.add(name)
             trim_heap()
-
-    def _dynamic(self, name: str, target, fn, *shapes):
-        """The graph `name`: `model.runtime.dynamic_graph(target, fn, ...)` over int32 inputs of `shapes` (None: any
-        size), built on its first use and kept."""
-        if name not in self._graphs:
-            inputs = [Tensor(shape=shape, dtype=ms.int32) for shape in shapes]
-            self._graphs[name] = dynamic_graph(target, fn, *inputs)
-        return self._graphs[name]
 
     def _chunks(self, ids: list[int]):
         """The prompt as fixed-size chunks [1, C] (C = `prefill_chunk`): (ids, start, index of the last real token).

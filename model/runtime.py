@@ -90,21 +90,20 @@ def weight_slot(layer):
 def layerwise_hidden_states(net):
     """`net.hidden_states` as a callable [B, T] int32 ids -> [B, T, H] that runs the decoder ONE layer at a time
     through ONE compiled layer graph (dynamic B and T), or None where the layers differ in their parameters (an
-    adapter on some layers only). For the plain cells (load_network): the training build's fused cells fail in a
-    dynamic-shape graph in MindSpore 2.10, the whole-decoder one as well. The layer graph belongs to a copy of the first layer; each call first assigns
-    the layer's weights (graph inputs: plain Tensors over its Parameters' memory) into the copy's, then runs it. A graph
-    keeps the buffers of every kernel in it (docs/MINDSPORE_CPU.md, "Memory"), so the whole-model graph held all
-    layers' activations at once (SmolLM2-135M, 2 rows of 250 tokens: +1.4 GB and 16 s to compile); one layer's
-    graph holds 1/num_layers of that (+0.14 GB, 3 s; docs/MEMORY.md). The same kernels in the same order: the outputs
-    equal `hidden_states`' (tests/test_eval.py)."""
+    adapter on some layers only). The layer graph belongs to a copy of the first layer (`weight_slot`); each call
+    first assigns the layer's weights (graph inputs: plain Tensors over its Parameters' memory) into the copy's,
+    then runs it. A graph keeps the buffers of every kernel in it (docs/MINDSPORE_CPU.md, "Memory"), so the
+    whole-model graph held all layers' activations at once (SmolLM2-135M, 2 rows of 250 tokens: +1.4 GB and 16 s to
+    compile); one layer's graph holds 1/num_layers of that (+0.14 GB, 3 s; docs/MEMORY.md). The same kernels in the
+    same order: the outputs equal `hidden_states`' (tests/test_eval.py). For the plain cells (load_network): the
+    training build's fused cells fail in a dynamic-shape graph in MindSpore 2.10, the whole-decoder one as well."""
     import mindspore as ms
 
-    layers = list(net.layers)
-    names = [[(n, tuple(p.shape), p.dtype) for n, p in layer.parameters_and_names()] for layer in layers]
-    if any(n != names[0] for n in names[1:]):
+    params = [tuple(p for _, p in layer.parameters_and_names()) for layer in net.layers]
+    if any([(p.name.split(".", 2)[-1], p.shape, p.dtype) for p in ps] !=
+           [(p.name.split(".", 2)[-1], p.shape, p.dtype) for p in params[0]] for ps in params[1:]):
         return None
-    template, targets, load = weight_slot(layers[0])
-    params = [tuple(p for _, p in layer.parameters_and_names()) for layer in layers]
+    template, targets, load = weight_slot(net.layers[0])
 
     def prologue(net, ids):
         return net.layer_inputs(ids)
@@ -113,7 +112,7 @@ def layerwise_hidden_states(net):
         return layer(load(x, ws), cos, sin, mask)
 
     first = dynamic_graph(net, prologue, ms.Tensor(shape=[None, None], dtype=ms.int32))
-    masks = layers[0].self_attn.softmax.applies_mask
+    masks = net.layers[0].self_attn.softmax.applies_mask
     hd = net.config.head_dim
     table = net.rope_cos.dtype
     step = dynamic_graph(template, layer_step, ms.Tensor(shape=[None, None, net.config.hidden_size], dtype=net.compute_dtype),
@@ -130,6 +129,22 @@ def layerwise_hidden_states(net):
         return x
 
     return run
+
+
+def hidden_states_graph(net):
+    """(run, layers_held): `net.hidden_states` compiled once for every [B, T] (the eval scorer's and the server's echo
+    decoder pass): one layer at a time where the layers are alike (`layerwise_hidden_states`, layers_held 1), else
+    the whole decoder as one dynamic-shape graph (layers_held num_layers: every layer's activations at once)."""
+    import mindspore as ms
+
+    layerwise = layerwise_hidden_states(net)
+    if layerwise is not None:
+        return layerwise, 1
+
+    def hidden(net, ids):
+        return net.hidden_states(ids)
+
+    return dynamic_graph(net, hidden, ms.Tensor(shape=[None, None], dtype=ms.int32)), net.config.num_layers
 
 
 def trim_heap() -> None:

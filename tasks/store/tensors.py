@@ -86,7 +86,7 @@ def read_tensors(path: Path, fix: str) -> dict[str, np.ndarray]:
             header.pop("__metadata__", None)
             if any(not isinstance(v, dict) or v.get("dtype") not in _NUMPY_DTYPES for v in header.values()):
                 return load_file(str(path))  # a dtype numpy lacks: the library's reader decides
-            out, start, ends = {}, 8 + n, []
+            out, start, last_end = {}, 8 + n, 0
             for k, v in sorted(header.items(), key=lambda kv: kv[1].get("data_offsets", [0])[0]):
                 dtype, shape, (begin, end) = np.dtype(_NUMPY_DTYPES[v["dtype"]]), v["shape"], v["data_offsets"]
                 if not (all(isinstance(d, int) and d >= 0 for d in shape) and isinstance(begin, int)
@@ -94,9 +94,9 @@ def read_tensors(path: Path, fix: str) -> dict[str, np.ndarray]:
                         and end - begin == dtype.itemsize * int(np.prod(shape, dtype=np.int64))):
                     raise ValueError(f"tensor {k!r}: offsets {begin}..{end} do not hold {v['dtype']} {shape} "
                                      f"within the file's {size - start} data bytes")
-                if ends and begin < ends[-1]:
+                if begin < last_end:
                     raise ValueError(f"tensor {k!r} overlaps the tensor before it")
-                ends.append(end)
+                last_end = end
                 arr = np.empty(shape, dtype)
                 f.seek(start + begin)
                 if f.readinto(memoryview(arr.reshape(-1)).cast("B")) != end - begin:

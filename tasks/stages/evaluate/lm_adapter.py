@@ -41,7 +41,7 @@ from mindspore import ops
 
 from model.config import SCORING_MAX_BYTES
 from model.generate import Generator
-from model.runtime import dynamic_graph, layerwise_hidden_states, setup_mindspore
+from model.runtime import dynamic_graph, hidden_states_graph, setup_mindspore
 from tasks.runtime.progress import progress_bar
 from tasks.store.model_artifact import load_tokenizer
 from tasks.training.build import load_network
@@ -62,19 +62,14 @@ class TokenScorer:
         self.max_seq_length = net.config.max_seq_length
         self.shapes_run: set[tuple[int, int]] = set()
 
-        def body(net, ids):  # [B, T] token ids -> [B, T, H] fp32 decoder outputs
-            return net.hidden_states(ids).astype(ms.float32)
-
         def head(net, x, targets):  # [N, H], [N] -> log p(target) [N], target is the argmax [N]
             x = x.astype(net.compute_dtype).expand_dims(0)                        # as the decoder left it
             logp = ops.log_softmax(net.head_logits(x).squeeze(0), -1)             # [N, V]
             target_logp = ops.gather_elements(logp, 1, targets.expand_dims(-1)).squeeze(-1)
             return target_logp, ops.argmax(logp, -1) == targets
 
-        # One layer at a time through one layer graph (its buffers are one layer's), else the whole decoder.
-        layerwise = layerwise_hidden_states(net)
-        self.layers_held = 1 if layerwise else net.config.num_layers  # decoder layers whose activations a call holds
-        self._body = layerwise or dynamic_graph(net, body, ms.Tensor(shape=[None, None], dtype=ms.int32))
+        # [B, T] ids -> [B, T, H]; layers_held: the decoder layers whose activations one call holds (1: a layer at a time)
+        self._body, self.layers_held = hidden_states_graph(net)
         self._head = dynamic_graph(net, head, ms.Tensor(shape=[None, net.config.hidden_size], dtype=ms.float32),
                                    ms.Tensor(shape=[None], dtype=ms.int32))
 
