@@ -21,7 +21,23 @@ from mindspore import Tensor, nn, ops
 
 class FusedRMSNorm(nn.Cell):
     """RMSNorm forward and backward as one fused kernel each (model/train_kernels.cc); the backward
-    recomputes 1/rms from x (one pass) rather than keeping it."""
+    recomputes 1/rms from x (one pass) rather than keeping it.
+
+    The kernel cell gets the weight's value, not the Parameter: a custom `bprop` handed a Parameter reads it as it
+    was when the graph started, not after an `assign` earlier in the same graph (MindSpore 2.10; the
+    layer-at-a-time train step assigns each layer's weights into one layer copy inside its graph,
+    tasks/training/layerwise.py, and its norm gradients were the previous layer's; docs/MINDSPORE_CPU.md)."""
+
+    def __init__(self, kernels, eps: float):
+        super().__init__()
+        self.kernel = _RMSNormKernel(kernels, eps)
+
+    def construct(self, x: Tensor, weight: Tensor) -> Tensor:
+        return self.kernel(x, weight * 1.0)  # a value: [H], nothing to speak of
+
+
+class _RMSNormKernel(nn.Cell):
+    """The two RMSNorm kernels with their bprop, over (x, the weight's value)."""
 
     def __init__(self, kernels, eps: float):
         super().__init__()

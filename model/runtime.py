@@ -66,14 +66,15 @@ def copy_cell(cell):
 
 
 def weight_slot(layer):
-    """(template, targets, load): a copy of `layer` (copy_cell; its Parameters renamed `layerwise.*`, so a graph may
+    """(template, targets, load): a copy of `layer`, or of a list of layers as a CellList (copy_cell; its Parameters
+    renamed `layerwise.*`, so a graph may
     hold them beside the net's), its Parameters in order, and `load(x, ws)` for graph code: x, ordered after `ws`
     (any same-shaped layer's weights, graph inputs, in `targets`' order) are assigned into the template's
     Parameters. The assignment has to happen inside the graph that runs the template: a compiled graph does not
     see `set_data`, nor an `assign` made by another graph (docs/MINDSPORE_CPU.md, "Memory")."""
-    from mindspore import ops
+    from mindspore import nn, ops
 
-    template = copy_cell(layer)
+    template = copy_cell(layer) if isinstance(layer, nn.Cell) else nn.CellList([copy_cell(c) for c in layer])
     for n, p in template.parameters_and_names():
         p.name = f"layerwise.{n}"
     targets = tuple(p for _, p in template.parameters_and_names())

@@ -29,7 +29,7 @@ def main() -> None:
     setup_mindspore()
     from model.config import ModelConfig
     from tasks.training.build import build_network
-    from tasks.training.step import causal_lm_train_step
+    from tasks.training.layerwise import causal_lm_train_step
     from tasks.training.hardware import peak_rss_bytes
 
     cfg = ModelConfig.from_name(a.preset)

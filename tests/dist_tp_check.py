@@ -20,7 +20,7 @@ if __name__ == "__main__":
     from tasks.training.build import build_network
     from tasks.training.mesh import Mesh
     from tasks.training.parallelize import shard
-    from tasks.training.step import causal_lm_train_step
+    from tasks.training.layerwise import causal_lm_train_step
 
     out = Path(sys.argv[1])
     ms.set_device("CPU")

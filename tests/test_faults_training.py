@@ -76,7 +76,7 @@ class TestNonFiniteTraining:
         from model.config import ModelConfig
         from model.llama import LlamaForCausalLM
         from tasks.training.adamw import UpdateGuard
-        from tasks.training.step import causal_lm_train_step
+        from tasks.training.layerwise import causal_lm_train_step
 
         net = LlamaForCausalLM(ModelConfig.from_name("tiny"), seed=0)
         params = net.trainable_params()

@@ -13,7 +13,7 @@ from model.config import ModelConfig
 from model.llama import LlamaForCausalLM
 from tasks.training.adamw import AdamW, decays
 from tasks.training.schedule import lr_at
-from tasks.training.step import causal_lm_train_step
+from tasks.training.layerwise import causal_lm_train_step
 
 
 def test_lr_schedule_shapes():

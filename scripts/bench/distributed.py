@@ -104,7 +104,7 @@ def worker(a: argparse.Namespace) -> None:
 
     from tasks.training.build import build_network
     from tasks.training.mesh import Mesh
-    from tasks.training.step import causal_lm_train_step
+    from tasks.training.layerwise import causal_lm_train_step
 
     dp, tp = LAYOUTS[a.layout]
     mesh = Mesh.init(dp, tp, a.layout in ZERO) if dp * tp > 1 else Mesh()

@@ -49,7 +49,7 @@ def run_variant(variant: str, preset: str, steps: int, warmup: int, batch: int, 
     from model.config import ModelConfig
     from tasks.training.build import build_network
     from model.lora import inject_lora, mark_only_lora_trainable, trainable_summary
-    from tasks.training.step import causal_lm_train_step
+    from tasks.training.layerwise import causal_lm_train_step
 
     cfg = ModelConfig.from_name(preset)
     seq = min(seq, cfg.max_seq_length)

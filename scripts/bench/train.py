@@ -6,7 +6,9 @@ heads, micro batch 8 × seq 256; `smollm2-135m`: micro batch 2 × seq 128), fp32
 (so peak RSS is its own), one after the other, with `--threads` (2) threads:
 
 - `ms`: this trainer's step (`causal_lm_train_step`; fused kernels as `pretrain.train.fused_kernels`, the body
-  `kernel_body` names: avx512 / avx2 / neon / scalar, forced with MSLLM_KERNEL_ISA or `--isa`);
+  `kernel_body` names: avx512 / avx2 / neon / scalar, forced with MSLLM_KERNEL_ISA or `--isa`; `step` names the
+  step class: LayerwiseTrainStep, one decoder layer at a time, the trainer's default; `--whole` adds `ms_whole`, the
+  whole-model TrainStep, beside it);
 - `hf.sdpa`: HF LLaMA with its default attention (`sdpa`): the baseline `ratio` divides by;
 - `hf.eager`: the same with `attn_implementation="eager"` (`ratio_vs_eager`);
 - `hf.compile`: the sdpa model under `torch.compile` (inductor, CPU): forward, loss and backward compiled
@@ -68,12 +70,13 @@ def _ms(a: argparse.Namespace) -> dict:
     from model.config import ModelConfig
     from model.kernel_build import kernel_path
     from tasks.training.build import build_network
-    from tasks.training.step import causal_lm_train_step
+    from tasks.training.layerwise import causal_lm_train_step
 
     cfg = ModelConfig.from_name(a.preset)
     built = build_network("llama", cfg, seed=0, fused_kernels=not a.no_fused)  # as the trainer builds it
     net = built.net
-    step = causal_lm_train_step(net, net.trainable_params(), in_place=built.kernels.optimizer)
+    step = causal_lm_train_step(net, net.trainable_params(), in_place=built.kernels.optimizer,
+                                layerwise=not a.whole_model)
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (a.batch, a.seq + 1)).astype(np.int32)
     batch = [(ids[:, :-1], ids[:, 1:])]
     for s in range(a.warmup):
@@ -88,8 +91,8 @@ def _ms(a: argparse.Namespace) -> dict:
         loss = step(batch, 1e-4, a.warmup + s + 1)[0]
     dt = time.perf_counter() - t0
     res = {"tokens_per_s": a.steps * a.batch * a.seq / dt, "peak_rss_bytes": peak_rss_bytes(),
-           "fused_kernels": net.fused_kernels,
-           "kernel_body": kernel_path() if net.fused_kernels else "off: --no-fused",
+           "fused_kernels": built.kernels.fused, "step": type(step).__name__,
+           "kernel_body": kernel_path() if built.kernels.fused else built.kernels.model,
            "flops_per_token": cfg.flops_per_token(a.seq), "loss": loss, "step_s": dt / a.steps}
     if prof is not None:
         prof.analyse()
@@ -255,6 +258,9 @@ def main() -> None:
                     help="HF baselines, comma-separated, of sdpa (always run), eager, compile")
     ap.add_argument("--profile", metavar="DIR", default=None,
                     help="profile the MindSpore side into DIR and print its breakdown (no baseline)")
+    ap.add_argument("--whole", action="store_true",
+                    help="also run the whole-model step (train.layerwise: false) beside the trainer's, as `ms_whole`")
+    ap.add_argument("--whole-model", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--no-fused", action="store_true",
                     help="MindSpore's own ops only (pretrain.train.fused_kernels: false; a machine without g++)")
     add_isa_arg(ap)
@@ -291,6 +297,7 @@ def main() -> None:
                           "steps": a.steps, "tokens_per_s": round(ms_["tokens_per_s"], 1), **ms_["profile"]}))
         return
     ms_ = side("ms")
+    whole = side("ms", ["--whole-model"]) if a.whole else None
     hf = {"sdpa": side("torch", ["--attn", "sdpa", "--sgemm"])}
     if "eager" in baselines:
         hf["eager"] = side("torch", ["--attn", "eager"])
@@ -316,7 +323,9 @@ def main() -> None:
 
     res = {"bench": "train", **describe(a.threads), "preset": a.preset, "batch": a.batch, "seq": a.seq,
            "steps": a.steps, "fused_kernels": ms_["fused_kernels"], "kernel_body": ms_["kernel_body"],
-           **figures(ms_), "hf": {k: figures(v) for k, v in hf.items()}}
+           "step": ms_["step"], **figures(ms_), "hf": {k: figures(v) for k, v in hf.items()}}
+    if whole is not None:
+        res["ms_whole"] = figures(whole)
     for k, v in hf.items():
         if "tokens_per_s" in v:
             suffix = "" if k == "sdpa" else f"_vs_{k}"

@@ -198,10 +198,14 @@ class TrainSection(_Section):
     """fp32 training: the causal softmax, SwiGLU, RMSNorm, cross-entropy and the AdamW update as fused custom ops
     (model/train_kernels.cc, built with g++ on first use); the one decision is model.kernels.enabled. Without a
     compiler MindSpore's own ops run: the same math to ~1e-6, slower. false always uses MindSpore's own ops."""
+    layerwise: bool = True
+    """Run the train step one decoder layer at a time (tasks/training/layerwise.py): the same step and arithmetic,
+    about one layer's activations held instead of the whole model's (docs/MEMORY.md, "Train"). Where it does not
+    apply (tensor parallel, LoRA) the whole-model step runs and the log says why; false always runs that one."""
 
 
 FINETUNE_INHERITS = ("optimizer.beta1", "optimizer.beta2", "optimizer.eps", "loop.grad_clip",
-                     "loop.max_nonfinite_steps", "loop.peak_flops", "fused_kernels")
+                     "loop.max_nonfinite_steps", "loop.peak_flops", "fused_kernels", "layerwise")
 """The keys of pretrain.train that finetune.train takes when it does not set them: how AdamW and the loop
 behave on this machine, not what the run learns. Everything else (learning rate, schedule, budget, batch,
 precision, ...) comes from finetune.train or FINETUNE_DEFAULTS, never from pretrain."""

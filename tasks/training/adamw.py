@@ -101,13 +101,21 @@ class AdamW(nn.Cell):
 
     def construct(self, grads, lr: Tensor, step: Tensor, grad_scale: Tensor, allow: Tensor):
         """`allow` (bool): False skips the update whatever the gradients (see `UpdateGuard`)."""
+        return self.update(grads, self.global_norm(grads, grad_scale), lr, step, grad_scale, allow)
+
+    def global_norm(self, grads, grad_scale: Tensor) -> Tensor:
+        """The norm of the unscaled gradient (the whole model's, over the tensor-parallel slices)."""
         if self.tp:  # replicated grads counted once, slices summed over the tensor-parallel ranks
             sq_shard = self.tp_sum(ops.sum(ops.stack([sum_sq(grads[i]) for i in self.shard_idx])))
             sq_rep = ops.sum(ops.stack([sum_sq(grads[i]) for i in self.rep_idx]))
-            gnorm = ops.sqrt(sq_rep + sq_shard) / grad_scale
-        else:
-            sq = ops.stack([sum_sq(g) for g in grads])
-            gnorm = ops.sqrt(ops.sum(sq)) / grad_scale  # norm of the unscaled gradient
+            return ops.sqrt(sq_rep + sq_shard) / grad_scale
+        sq = ops.stack([sum_sq(g) for g in grads])
+        return ops.sqrt(ops.sum(sq)) / grad_scale
+
+    def update(self, grads, gnorm: Tensor, lr: Tensor, step: Tensor, grad_scale: Tensor, allow: Tensor):
+        """The update given the gradient norm `gnorm` (of the unscaled gradient; non-finite: nothing changes);
+        returns (gnorm, finite). The layer-at-a-time step computes the norm outside the graph: in here each
+        gradient's squares would be a buffer the size of the model that the graph keeps (docs/MEMORY.md)."""
         finite = ops.isfinite(gnorm)
         coef = clip_coefficient(gnorm, self.clip, grad_scale)
         bc1, sbc2, lr_f, eps_f, b1, b2 = folded_adam_scalars(lr, step, self.beta1, self.beta2, self.eps)

@@ -2,21 +2,20 @@
 loss scale.
 
 Everything that runs per step is compiled under `mindspore.jit`; the learning rate, step count and loss
-scale are tensors fed in each step (no recompilation).
+scale are tensors fed in each step (no recompilation). The trainer's default is the same step one decoder layer at a
+time (tasks/training/layerwise.py `LayerwiseTrainStep`, built on this one); `train_step` there picks between them
+and `causal_lm_train_step` builds either for the benchmarks and tests.
 """
 
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import mindspore as ms
 import numpy as np
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
 from tasks.training.adamw import AdamW
-from tasks.training.mesh import Mesh
-from tasks.training.parallelize import parallelize_optimizer
 
 
 class DynamicLossScale:
@@ -222,24 +221,3 @@ def causal_lm_loss_fn(net):
         return net.loss(ids, labels)  # the model's loss_fn cell: fused cross-entropy where the build swapped it in
 
     return loss_fn
-
-
-def causal_lm_train_step(net, params: list[Parameter], *, weight_decay: float = 0.1, grad_clip: float | None = 1.0,
-                         beta1: float = 0.9, beta2: float = 0.95, eps: float = 1e-8, accumulation: int = 1,
-                         mesh=None, in_place: bool = True) -> TrainStep:
-    """A compiled next-token train step for `net` over `params` with AdamW (norms/embeddings not decayed).
-
-    What the benchmarks, the memory measurement and the optimizer tests use; the trainer builds
-    the same pieces from its LoopConfig. With a `mesh` (tasks/runtime/distributed.py) the step averages
-    gradients over its data-parallel group and clips by the norm over its tensor-parallel slices.
-    `in_place=False` keeps the optimizer on MindSpore's own kernels (the build's decision for it:
-    tasks/training/build.py `Kernels.optimizer`; the model's fused cells are the build's too).
-    """
-    mesh = mesh or Mesh()
-    train = SimpleNamespace(  # the shape of tasks.config.schema.TrainSection that the optimizer reads
-        optimizer=SimpleNamespace(beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-                                  decay_norms_and_biases=False, decay_embeddings=False),
-        loop=SimpleNamespace(grad_clip=grad_clip))
-    opt = parallelize_optimizer(params, train, mesh, in_place)
-    return TrainStep(causal_lm_loss_fn(net), params, opt, accumulation=accumulation, dp_group=mesh.dp_group,
-                     dp=mesh.dp)

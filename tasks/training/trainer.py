@@ -192,7 +192,7 @@ def fit(net, params, loss_fn, train, *, checkpoint, batches: Batches, valid: Cal
     steps in a row (the message names the newest *good* checkpoint), no update applied at all, or a
     non-finite final validation loss. Nothing is published in those cases (the caller publishes after fit).
     """
-    run = _Run(params, loss_fn, train, checkpoint, run_dir, meta, flops_per_token, tokens_per_sample,
+    run = _Run(net, params, loss_fn, train, checkpoint, run_dir, meta, flops_per_token, tokens_per_sample,
                mesh or Mesh(), hooks or LoopConfig(), valid, kernels is not None and kernels.optimizer)
     run.start()
     return run.finish(stopped=run.loop(batches))
@@ -201,31 +201,34 @@ def fit(net, params, loss_fn, train, *, checkpoint, batches: Batches, valid: Cal
 class _Run:
     """One `fit` call: setup (optimizer, compiled step, loss scale), then its loop's state and parts."""
 
-    def __init__(self, params, loss_fn, train, checkpoint, run_dir: Path, meta: dict[str, Any], flops_per_token: float,
+    def __init__(self, net, params, loss_fn, train, checkpoint, run_dir: Path, meta: dict[str, Any], flops_per_token: float,
                  tokens_per_sample: int, mesh, hooks: LoopConfig, valid: Callable[[], Iterator] | None,
                  in_place: bool):
         import mindspore as ms
 
+        from tasks.training.layerwise import train_step
         from tasks.training.parallelize import parallelize_optimizer
-        from tasks.training.step import DynamicLossScale, TrainStep
+        from tasks.training.step import DynamicLossScale
 
         self.params, self.checkpoint, self.run_dir, self.meta, self.mesh, self.hooks, self.valid = \
             params, checkpoint, run_dir, meta, mesh, hooks, valid
         self.flops_per_token, self.tokens_per_sample = flops_per_token, tokens_per_sample
         lp, pr = train.loop, train.precision
-        self.lp, self.o, self.pr = lp, train.optimizer, pr
-        self.max_steps = training_steps(lp, tokens_per_sample)
+        self.lp, self.o, self.pr, self.max_steps = lp, train.optimizer, pr, training_steps(lp, tokens_per_sample)
         self.save_steps = lp.save_steps or checkpoint.save_steps  # a hand-built TrainSection may leave it unset
         self.lr_of = lr_schedule(train, self.max_steps)
         self.lead = mesh.rank == 0
         run_dir.mkdir(parents=True, exist_ok=True)
         self.ckpt_root = run_dir / "checkpoints"
         self.optimizer = parallelize_optimizer(params, train, mesh, in_place)  # AdamW, or ZeRO-1's ShardedAdamW
-        self.step_fn = TrainStep(loss_fn, params, self.optimizer, accumulation=lp.gradient_accumulation,
-                                 dp_group=mesh.dp_group, dp=mesh.dp)
+        # layer at a time where it applies (one layer's activations held), else the whole-model graph
+        self.step_fn, how = train_step(net, loss_fn, params, self.optimizer, accumulation=lp.gradient_accumulation,
+                                       mesh=mesh, layerwise=getattr(train, "layerwise", True))
+        if self.lead:
+            print(f"[train] step: {how}", file=sys.stderr, flush=True)
         self.fp16 = fp16 = pr.dtype == "fp16"
         self.scaler = DynamicLossScale(pr.loss_scale if fp16 else 1.0, window=pr.loss_scale_window, dynamic=fp16)
-        self.eval_fn = ms.jit(loss_fn)
+        self.eval_fn = getattr(self.step_fn, "eval_loss", None) or ms.jit(loss_fn)  # no whole-model graph kept
         self.opt_params = list(self.optimizer.exp_avg) + list(self.optimizer.exp_avg_sq)
         self.metrics_path = run_dir / "metrics.jsonl"
         self.per_step = lp.micro_batch_size * lp.gradient_accumulation * mesh.dp  # global samples per step

@@ -1,0 +1,303 @@
+"""The train step one decoder layer at a time: the same step as `TrainStep` (loss, gradients, accumulation, data-
+parallel reduction, global-norm clip, finite-step skip, AdamW), with the decoder's forward and backward run layer by
+layer through ONE layer graph and ONE layer-gradient graph instead of one whole-model graph.
+
+Why (docs/MEMORY.md, "Train"): MindSpore's CPU graph keeps a buffer for every kernel of a compiled graph for the
+life of the process (docs/MINDSPORE_CPU.md, "Memory"), so the whole-model step holds every layer's forward and
+backward intermediates at once, and `recompute()` does not change that. Here:
+
+1. forward: the prologue graph (`net.layer_inputs`: embeddings, RoPE tables, mask), then the layer graph once per
+   layer, each layer's weights assigned into a copy of layer 0 inside the graph (`model.runtime.weight_slot`: the
+   eval scorer's mechanism), keeping only each layer's input [B, T, H];
+2. the head graph: final norm, LM head and the model's loss cell (the fused cross-entropy where the build swapped
+   it in), returning the loss and its gradients at the last hidden state and at the norm / head weights;
+3. backward: the layer-gradient graph once per layer from the last, recomputing that layer's forward from its
+   kept input (GradOperation with the upstream gradient as sens): d(input) and the layer's weight gradients;
+4. the embedding's gradient: the first layer's d(input) summed onto the ids' rows (plus the head's, tied);
+5. the update: one graph, the same as `TrainStep`'s accumulate-then-apply: reduce over the data-parallel group,
+   global gradient norm, clip, finite check, AdamW (the trainer's own optimizer cell and kernel).
+
+Every gradient is kept until the update (the norm needs all of them before any weight moves); the activations are
+one layer's. The graphs are static (a train step's shapes are fixed; the fused cells fail in dynamic-shape graphs
+in MindSpore 2.10); a new batch shape compiles its own, as the whole-model step does.
+
+Where it does not apply, `layerwise_unsupported` says why and the trainer runs the whole-model `TrainStep`:
+tensor parallel (the layers hold collectives), a parameter set that is not the whole model (LoRA: the base weights
+are frozen), layers whose parameters differ.
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import mindspore as ms
+import numpy as np
+from mindspore import Parameter, Tensor, nn, ops
+
+from model.runtime import weight_slot
+from tasks.training.adamw import AdamW
+from tasks.training.mesh import Mesh
+from tasks.training.parallelize import parallelize_optimizer
+from tasks.training.step import TrainStep, causal_lm_loss_fn
+
+
+def layerwise_unsupported(net, params: list[Parameter], mesh=None) -> str | None:
+    """Why the layer-at-a-time step cannot run `net` over `params` (None when it can)."""
+    if not all(hasattr(net, a) for a in ("layers", "layer_inputs", "head_logits", "loss_fn")):
+        return f"{type(net).__name__} is not a decoder with layer_inputs / layers / head_logits"
+    if mesh is not None and mesh.tp > 1:
+        return "tensor parallel (the layers hold collectives)"
+    if {id(p) for p in params} != {id(p) for p in net.trainable_params()}:
+        return "the step trains a subset of the parameters (LoRA / frozen weights)"
+    shapes = [[(p.name.split(".", 2)[-1], p.shape, p.dtype) for _, p in layer.parameters_and_names()]
+              for layer in net.layers]
+    if any(s != shapes[0] for s in shapes[1:]):
+        return "the layers' parameters differ"
+    return None
+
+
+LAYERS_PER_GRAPH = 1
+"""At most this many consecutive decoder layers per call of the layer graphs (the largest divisor of the layer count
+not above it): one graph call per layer costs a fixed ~7 ms forward and ~20 ms backward on the CPU runtime whatever
+its size (SmolLM2-135M's layer, 2 x 128 tokens: 22 ms forward in its own graph, 13 ms inside the whole model's); a few
+layers per call amortize that, and the graphs hold that many layers' activations (docs/MEMORY.md, "Train")."""
+
+
+def layers_per_graph(num_layers: int, most: int = LAYERS_PER_GRAPH) -> int:
+    return max(d for d in range(1, min(most, num_layers) + 1) if num_layers % d == 0)
+
+
+def _views(ps):
+    """Plain Tensors over Parameters' memory (no copy): a Parameter as a graph input compiles one graph per name."""
+    return tuple(Tensor.from_numpy(p.asnumpy()) for p in ps)
+
+
+def _host_norm(arrays) -> float:
+    """sqrt(Σ g²) over float32 arrays: each a BLAS dot in float32 (no temporary), the sum in float64; inf/nan when
+    any element is."""
+    total = 0.0
+    for a in arrays:
+        v = a.reshape(-1)
+        total += float(np.dot(v, v))
+    return math.sqrt(total) if math.isfinite(total) else float("nan")
+
+
+def _writable(t: Tensor) -> np.ndarray:
+    """A graph output's array, to accumulate into (no copy: each call of a graph returns fresh output buffers)."""
+    a = t.asnumpy()
+    return a if a.flags.writeable else a.copy()
+
+
+class LayerwiseTrainStep(TrainStep):
+    """`TrainStep`'s interface and arithmetic (see its docstring: token weights, loss scale, accumulation, data
+    parallel, allow), the decoder run one layer at a time (module docstring). `eval_loss(ids, labels)` is the
+    validation loss through the same layer graph (no whole-model forward graph either)."""
+
+    def __init__(self, net, params: list[Parameter], optimizer: AdamW, accumulation: int = 1,
+                 loss_scale: float = 1.0, dp_group: str | None = None, dp: int = 1):
+        self.net = net
+        super().__init__(None, params, optimizer, accumulation=accumulation, loss_scale=loss_scale,
+                         dp_group=dp_group, dp=dp)
+
+    def _compile(self, loss_fn, params, optimizer, accumulation, zero, reduce_grads, reduce_loss) -> None:
+        net = self.net
+        layers = list(net.layers)
+        g = layers_per_graph(len(layers))
+        template, targets, load = weight_slot(layers[:g])  # g consecutive layers per call of the layer graphs
+        self.layer_params = [tuple(p for _, p in layer.parameters_and_names()) for layer in layers]
+        self.chunks = [sum(self.layer_params[i:i + g], ()) for i in range(0, len(layers), g)]
+        self.tied = bool(net.config.tie_embeddings)
+        self.embed = net.embed_tokens.weight
+        head = self.embed if self.tied else net.lm_head.weight
+        head_params = [net.norm.weight, head]  # the head is the embedding when tied
+        # where each optimizer parameter's gradient comes from: ("layer", i, j), ("head", j) or ("embed",)
+        where = {id(p): ("layer", i, j) for i, ps in enumerate(self.layer_params) for j, p in enumerate(ps)}
+        where.update({id(p): ("head", j) for j, p in enumerate(head_params)})
+        where[id(self.embed)] = ("embed",)
+        self.sources = [where[id(p)] for p in params]
+
+        class Graph(nn.Cell):
+            def __init__(self, target, fn):
+                super().__init__(auto_prefix=False)
+                self.target, self.fn = target, fn
+
+            def construct(self, *args):
+                return self.fn(self.target, *args)
+
+        def prologue(net, ids):
+            return net.layer_inputs(ids)
+
+        def forward(chunk, x, cos, sin, mask, *ws):
+            x = load(x, ws)
+            for layer in chunk:
+                x = layer(x, cos, sin, mask)
+            return x
+
+        class LayerGrad(nn.Cell):  # GradOperation's sens (the upstream gradient) needs a static graph
+            def __init__(self):
+                super().__init__(auto_prefix=False)
+                self.layer, self.weights = template, ms.ParameterTuple(targets)
+                self.grad = ops.GradOperation(get_all=True, get_by_list=True, sens_param=True)
+
+            def run(self, x, cos, sin, mask):
+                cos, sin, mask = ops.stop_gradient(cos), ops.stop_gradient(sin), ops.stop_gradient(mask)
+                for layer in self.layer:
+                    x = layer(x, cos, sin, mask)
+                return x
+
+            def construct(self, *args):
+                x, cos, sin, mask, dy, ws = args[0], args[1], args[2], args[3], args[4], args[5:]
+                return self.grad(self.run, self.weights)(load(x, ws), cos, sin, mask, dy)
+
+        class HeadGrad(nn.Cell):  # loss and its gradients at the last hidden state and the norm / head weights
+            def __init__(self):
+                super().__init__(auto_prefix=False)
+                self.net = net
+                self.grad = ms.value_and_grad(self.scaled, 0, ms.ParameterTuple(head_params), has_aux=True)
+
+            def scaled(self, x, labels, weight, scale):
+                loss = self.net.loss_fn(self.net.head_logits(x), labels) * weight
+                return loss * scale, loss
+
+            def construct(self, x, labels, weight, scale):
+                (_, loss), grads = self.grad(x, labels, weight, scale)
+                return loss, grads
+
+        def head_loss(net, x, labels):
+            return net.loss_fn(net.head_logits(x), labels)
+
+        self._first = ms.jit(Graph(net, prologue))
+        self._layer = ms.jit(Graph(template, forward))
+        self._layer_grad = ms.jit(LayerGrad())
+        self._head_grad = ms.jit(HeadGrad())
+        self._head_loss = ms.jit(Graph(net, head_loss))
+
+        # one process (no reduction): the gradient norm comes from the host (`_host_norm`), so the update graph holds
+        # no squares (a model-sized buffer it would keep); data parallel: the norm of the reduced gradients, in it
+        self.host_norm = self.dp == 1 and hasattr(optimizer, "update")
+
+        @ms.jit
+        def apply(lr, step, grad_scale, loss, allow, *grads):  # varargs: a tuple argument recompiled every call
+            grads = reduce_grads(grads)
+            gnorm, finite = optimizer(grads, lr, step, grad_scale, allow)
+            if zero:  # after the gradients' collectives on every rank
+                loss = ops.depend(loss, gnorm)
+            return gnorm, finite, reduce_loss(loss)
+
+        @ms.jit
+        def apply_normed(lr, step, grad_scale, loss, allow, gnorm, *grads):
+            gnorm, finite = optimizer.update(grads, gnorm, lr, step, grad_scale, allow)
+            return gnorm, finite, loss
+
+        self._apply_grads = apply_normed if self.host_norm else apply
+        self.accum = None
+
+    def _inputs(self, ids: np.ndarray):
+        x, cos, sin, mask = self._first(Tensor(ids))
+        xs = [x]
+        for ps in self.chunks:
+            xs.append(self._layer(xs[-1], cos, sin, mask, *_views(ps)))
+            xs[-1].asnumpy()  # wait for it: queued graph calls ran ~1.3x slower (SmolLM2-135M, 2 cores)
+        return xs, cos, sin, mask
+
+    def eval_loss(self, ids, labels) -> Tensor:
+        """The mean loss of one batch (validation), one layer at a time."""
+        ids = ids.asnumpy() if isinstance(ids, Tensor) else np.asarray(ids)
+        labels = labels if isinstance(labels, Tensor) else Tensor(np.asarray(labels))
+        xs, *_ = self._inputs(ids)
+        return self._head_loss(xs[-1], labels)
+
+    def _micro_grads(self, ids: np.ndarray, labels: np.ndarray, weight: Tensor, scale: Tensor, acc: list | None):
+        """One micro-batch's forward and backward; its gradients (× weight × scale) added into `acc` (numpy arrays,
+        in the optimizer's parameter order; created on the first micro-batch). Returns (loss × weight, acc)."""
+        xs, cos, sin, mask = self._inputs(ids)
+        loss, (dx, head_grads) = self._head_grad(xs[-1], Tensor(labels), weight, scale)
+        xs[-1] = None
+        layer_grads: list = []  # per layer, in order
+        for i in reversed(range(len(self.chunks))):
+            (dx, *_), dws = self._layer_grad(xs[i], cos, sin, mask, dx, *_views(self.chunks[i]))
+            n = len(self.layer_params[0])
+            layer_grads[:0] = [dws[j:j + n] for j in range(0, len(dws), n)]
+            dx.asnumpy()  # as in _inputs
+            xs[i] = None
+        # the embedding's gradient: the first layer's d(input) summed onto the ids' rows (+ the tied head's)
+        h = self.embed.shape[1]
+        flat_ids = ids.reshape(-1)
+        order = np.argsort(flat_ids, kind="stable")
+        rows, starts = np.unique(flat_ids[order], return_index=True)
+        sums = np.add.reduceat(dx.asnumpy().reshape(-1, h).astype(np.float32)[order], starts, axis=0)
+        new = acc is None
+        if new:
+            acc = [None] * len(self.sources)
+        for k, src in enumerate(self.sources):
+            if src[0] == "embed":
+                if new:
+                    acc[k] = _writable(head_grads[1]) if self.tied else np.zeros(self.embed.shape, np.float32)
+                elif self.tied:
+                    acc[k] += head_grads[1].asnumpy()
+                acc[k][rows] += sums
+                continue
+            g = layer_grads[src[1]][src[2]] if src[0] == "layer" else head_grads[src[1]]
+            if new:
+                acc[k] = _writable(g)
+            else:
+                acc[k] += g.asnumpy()
+        return loss, acc
+
+    def __call__(self, micro_batches, lr: float, step: int, loss_scale: float | None = None, allow: bool = True):
+        s = self.loss_scale if loss_scale is None else loss_scale
+        scale = Tensor(s, ms.float32)
+        weights = [Tensor(w, ms.float32) for w in self.token_weights([labels for _, labels in micro_batches])]
+        acc, losses = None, []
+        for (ids, labels), w in zip(micro_batches, weights):
+            loss, acc = self._micro_grads(np.asarray(ids), np.asarray(labels), w, scale, acc)
+            losses.append(float(loss.asnumpy()))
+        norm = (Tensor(_host_norm(acc) / (s * self.k), ms.float32),) if self.host_norm else ()
+        grads = tuple(Tensor.from_numpy(a) for a in acc)
+        del acc
+        gnorm, finite, loss = self._apply_grads(Tensor(lr, ms.float32), Tensor(float(step), ms.float32),
+                                                Tensor(s * self.k, ms.float32),
+                                                Tensor(sum(losses) / len(losses), ms.float32),
+                                                Tensor(bool(allow), ms.bool_), *norm, *grads)
+        del grads
+        loss = float(loss.asnumpy())
+        finite = bool(finite.asnumpy())
+        self._rebuild_if(finite and allow)
+        return loss, float(gnorm.asnumpy()), finite and math.isfinite(loss)
+
+
+def train_step(net, loss_fn, params: list[Parameter], optimizer, *, accumulation: int = 1, mesh=None,
+               layerwise: bool = True) -> tuple[TrainStep, str]:
+    """The step the trainer runs: layer at a time where it applies and `layerwise` is on, else the whole-model
+    `TrainStep`. Returns (step, how: "layer at a time" or "whole model: <why>")."""
+    dp_group, dp = (mesh.dp_group, mesh.dp) if mesh is not None else (None, 1)
+    why = layerwise_unsupported(net, params, mesh) if layerwise else "train.layerwise is false"
+    if why is None:
+        return LayerwiseTrainStep(net, params, optimizer, accumulation=accumulation, dp_group=dp_group,
+                                  dp=dp), "layer at a time"
+    return TrainStep(loss_fn, params, optimizer, accumulation=accumulation, dp_group=dp_group,
+                     dp=dp), f"whole model: {why}"
+
+
+def causal_lm_train_step(net, params: list[Parameter], *, weight_decay: float = 0.1, grad_clip: float | None = 1.0,
+                         beta1: float = 0.9, beta2: float = 0.95, eps: float = 1e-8, accumulation: int = 1,
+                         mesh=None, in_place: bool = True, layerwise: bool = True) -> TrainStep:
+    """A compiled next-token train step for `net` over `params` with AdamW (norms/embeddings not decayed).
+
+    What the benchmarks, the memory measurement and the optimizer tests use; the trainer builds
+    the same pieces from its LoopConfig. With a `mesh` (tasks/runtime/distributed.py) the step averages
+    gradients over its data-parallel group and clips by the norm over its tensor-parallel slices.
+    `in_place=False` keeps the optimizer on MindSpore's own kernels (the build's decision for it:
+    tasks/training/build.py `Kernels.optimizer`; the model's fused cells are the build's too). `layerwise`: the
+    layer-at-a-time step where it applies (tasks/training/layerwise.py), as the trainer runs it; False the
+    whole-model graph.
+    """
+    mesh = mesh or Mesh()
+    train = SimpleNamespace(  # the shape of tasks.config.schema.TrainSection that the optimizer reads
+        optimizer=SimpleNamespace(beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                                  decay_norms_and_biases=False, decay_embeddings=False),
+        loop=SimpleNamespace(grad_clip=grad_clip))
+    opt = parallelize_optimizer(params, train, mesh, in_place)
+    return train_step(net, causal_lm_loss_fn(net), params, opt, accumulation=accumulation, mesh=mesh,
+                      layerwise=layerwise)[0]
