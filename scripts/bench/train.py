@@ -6,9 +6,9 @@ heads, micro batch 8 × seq 256; `smollm2-135m`: micro batch 2 × seq 128), fp32
 (so peak RSS is its own), one after the other, with `--threads` (2) threads:
 
 - `ms`: this trainer's step (`causal_lm_train_step`; fused kernels as `pretrain.train.fused_kernels`, the body
-  `kernel_body` names: avx512 / avx2 / neon / scalar, forced with MSLLM_KERNEL_ISA or `--isa`; `step` names the
-  step class: LayerwiseTrainStep, one decoder layer at a time, the trainer's default; `--whole` adds `ms_whole`, the
-  whole-model TrainStep, beside it);
+  `kernel_body` names: avx512 / avx2 / neon / scalar, forced with MSLLM_KERNEL_ISA or `--isa`; the trainer's
+  default whole-model step; `--layerwise` adds `ms_layerwise`, the step one decoder layer at a time
+  (`train.layerwise: true`), beside it);
 - `hf.sdpa`: HF LLaMA with its default attention (`sdpa`): the baseline `ratio` divides by;
 - `hf.eager`: the same with `attn_implementation="eager"` (`ratio_vs_eager`);
 - `hf.compile`: the sdpa model under `torch.compile` (inductor, CPU): forward, loss and backward compiled
@@ -29,6 +29,7 @@ and is not emulated), prints to stdout and is appended to docs/bench/results.jso
     python scripts/bench/train.py [--steps 10] [--warmup 3]
     python scripts/bench/train.py --isa avx2                              # both sides as on an AVX2-only CPU
     python scripts/bench/train.py --preset smollm2-135m --steps 5          # continued-pretraining shapes, 2 × 128
+    python scripts/bench/train.py --preset smollm2-135m --layerwise        # + the step one layer at a time
     python scripts/bench/train.py --profile /tmp/prof [--steps 3]         # MindSpore side only:
         MindSpore's Profiler over `--steps` steps; one JSON line with the time by op category
         (MatMul, BatchMatMul, reductions, element-wise, softmax kernels, data movement,
@@ -76,7 +77,7 @@ def _ms(a: argparse.Namespace) -> dict:
     built = build_network("llama", cfg, seed=0, fused_kernels=not a.no_fused)  # as the trainer builds it
     net = built.net
     step = causal_lm_train_step(net, net.trainable_params(), in_place=built.kernels.optimizer,
-                                layerwise=not a.whole_model)
+                                layerwise=a.layerwise_side)
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (a.batch, a.seq + 1)).astype(np.int32)
     batch = [(ids[:, :-1], ids[:, 1:])]
     for s in range(a.warmup):
@@ -258,9 +259,9 @@ def main() -> None:
                     help="HF baselines, comma-separated, of sdpa (always run), eager, compile")
     ap.add_argument("--profile", metavar="DIR", default=None,
                     help="profile the MindSpore side into DIR and print its breakdown (no baseline)")
-    ap.add_argument("--whole", action="store_true",
-                    help="also run the whole-model step (train.layerwise: false) beside the trainer's, as `ms_whole`")
-    ap.add_argument("--whole-model", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--layerwise", action="store_true",
+                    help="also run the step one decoder layer at a time (train.layerwise: true), as `ms_layerwise`")
+    ap.add_argument("--layerwise-side", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--no-fused", action="store_true",
                     help="MindSpore's own ops only (pretrain.train.fused_kernels: false; a machine without g++)")
     add_isa_arg(ap)
@@ -297,7 +298,7 @@ def main() -> None:
                           "steps": a.steps, "tokens_per_s": round(ms_["tokens_per_s"], 1), **ms_["profile"]}))
         return
     ms_ = side("ms")
-    whole = side("ms", ["--whole-model"]) if a.whole else None
+    layerwise = side("ms", ["--layerwise-side"]) if a.layerwise else None
     hf = {"sdpa": side("torch", ["--attn", "sdpa", "--sgemm"])}
     if "eager" in baselines:
         hf["eager"] = side("torch", ["--attn", "eager"])
@@ -324,8 +325,10 @@ def main() -> None:
     res = {"bench": "train", **describe(a.threads), "preset": a.preset, "batch": a.batch, "seq": a.seq,
            "steps": a.steps, "fused_kernels": ms_["fused_kernels"], "kernel_body": ms_["kernel_body"],
            "step": ms_["step"], **figures(ms_), "hf": {k: figures(v) for k, v in hf.items()}}
-    if whole is not None:
-        res["ms_whole"] = figures(whole)
+    if layerwise is not None:
+        res["ms_layerwise"] = {**figures(layerwise), "ratio_vs_compile": round(
+            layerwise["tokens_per_s"] / hf["compile"]["tokens_per_s"], 3) if "tokens_per_s" in hf.get("compile", {}) else None,
+            "rss_ratio": round(layerwise["peak_rss_bytes"] / hf["sdpa"]["peak_rss_bytes"], 2)}
     for k, v in hf.items():
         if "tokens_per_s" in v:
             suffix = "" if k == "sdpa" else f"_vs_{k}"

@@ -198,10 +198,12 @@ class TrainSection(_Section):
     """fp32 training: the causal softmax, SwiGLU, RMSNorm, cross-entropy and the AdamW update as fused custom ops
     (model/train_kernels.cc, built with g++ on first use); the one decision is model.kernels.enabled. Without a
     compiler MindSpore's own ops run: the same math to ~1e-6, slower. false always uses MindSpore's own ops."""
-    layerwise: bool = True
-    """Run the train step one decoder layer at a time (tasks/training/layerwise.py): the same step and arithmetic,
-    about one layer's activations held instead of the whole model's (docs/MEMORY.md, "Train"). Where it does not
-    apply (tensor parallel, LoRA) the whole-model step runs and the log says why; false always runs that one."""
+    layerwise: bool = False
+    """Run the train step one decoder layer at a time (tasks/training/layerwise.py): the same step and arithmetic with
+    about one layer's activations held instead of the whole model's, at the cost of a second forward per layer
+    (SmolLM2-135M, 2 x 128: 3.3-3.5 GB instead of 4.9, and 0.73x the whole-model step's speed; docs/MEMORY.md,
+    "Train"). For a model whose whole-model step does not fit. Where it does not apply (tensor parallel, LoRA) the
+    whole-model step runs and the log says why."""
 
 
 FINETUNE_INHERITS = ("optimizer.beta1", "optimizer.beta2", "optimizer.eps", "loop.grad_clip",

@@ -59,9 +59,9 @@ def layerwise_unsupported(net, params: list[Parameter], mesh=None) -> str | None
 
 LAYERS_PER_GRAPH = 1
 """At most this many consecutive decoder layers per call of the layer graphs (the largest divisor of the layer count
-not above it): one graph call per layer costs a fixed ~7 ms forward and ~20 ms backward on the CPU runtime whatever
-its size (SmolLM2-135M's layer, 2 x 128 tokens: 22 ms forward in its own graph, 13 ms inside the whole model's); a few
-layers per call amortize that, and the graphs hold that many layers' activations (docs/MEMORY.md, "Train")."""
+not above it). One: measured on SmolLM2-135M, 2 x 128, 2 cores (AMD EPYC, AVX-512), a step took 2.3 s / 3.33 GB
+with one layer per call, 2.5 s / 3.51 GB with three and more with six (the graphs hold that many layers'
+activations, and a bigger graph was not faster per layer here)."""
 
 
 def layers_per_graph(num_layers: int, most: int = LAYERS_PER_GRAPH) -> int:
@@ -253,7 +253,8 @@ class LayerwiseTrainStep(TrainStep):
         for (ids, labels), w in zip(micro_batches, weights):
             loss, acc = self._micro_grads(np.asarray(ids), np.asarray(labels), w, scale, acc)
             losses.append(float(loss.asnumpy()))
-        norm = (Tensor(_host_norm(acc) / (s * self.k), ms.float32),) if self.host_norm else ()
+        # the unscaled gradient's norm (a loss scale of 0 gives NaN, as 0 / 0 in the graph: the step is skipped)
+        norm = (Tensor(_host_norm(acc) / (s * self.k) if s else float("nan"), ms.float32),) if self.host_norm else ()
         grads = tuple(Tensor.from_numpy(a) for a in acc)
         del acc
         gnorm, finite, loss = self._apply_grads(Tensor(lr, ms.float32), Tensor(float(step), ms.float32),
@@ -268,11 +269,13 @@ class LayerwiseTrainStep(TrainStep):
 
 
 def train_step(net, loss_fn, params: list[Parameter], optimizer, *, accumulation: int = 1, mesh=None,
-               layerwise: bool = True) -> tuple[TrainStep, str]:
-    """The step the trainer runs: layer at a time where it applies and `layerwise` is on, else the whole-model
-    `TrainStep`. Returns (step, how: "layer at a time" or "whole model: <why>")."""
+               layerwise: bool = False) -> tuple[TrainStep, str]:
+    """The step the trainer runs (`train.layerwise`): layer at a time where it applies and `layerwise` is on, else
+    the whole-model `TrainStep`. Returns (step, how: "layer at a time", "whole model" or "whole model: <why>")."""
     dp_group, dp = (mesh.dp_group, mesh.dp) if mesh is not None else (None, 1)
-    why = layerwise_unsupported(net, params, mesh) if layerwise else "train.layerwise is false"
+    if not layerwise:
+        return TrainStep(loss_fn, params, optimizer, accumulation=accumulation, dp_group=dp_group, dp=dp), "whole model"
+    why = layerwise_unsupported(net, params, mesh)
     if why is None:
         return LayerwiseTrainStep(net, params, optimizer, accumulation=accumulation, dp_group=dp_group,
                                   dp=dp), "layer at a time"
@@ -282,7 +285,7 @@ def train_step(net, loss_fn, params: list[Parameter], optimizer, *, accumulation
 
 def causal_lm_train_step(net, params: list[Parameter], *, weight_decay: float = 0.1, grad_clip: float | None = 1.0,
                          beta1: float = 0.9, beta2: float = 0.95, eps: float = 1e-8, accumulation: int = 1,
-                         mesh=None, in_place: bool = True, layerwise: bool = True) -> TrainStep:
+                         mesh=None, in_place: bool = True, layerwise: bool = False) -> TrainStep:
     """A compiled next-token train step for `net` over `params` with AdamW (norms/embeddings not decayed).
 
     What the benchmarks, the memory measurement and the optimizer tests use; the trainer builds
@@ -290,8 +293,7 @@ def causal_lm_train_step(net, params: list[Parameter], *, weight_decay: float = 
     gradients over its data-parallel group and clips by the norm over its tensor-parallel slices.
     `in_place=False` keeps the optimizer on MindSpore's own kernels (the build's decision for it:
     tasks/training/build.py `Kernels.optimizer`; the model's fused cells are the build's too). `layerwise`: the
-    layer-at-a-time step where it applies (tasks/training/layerwise.py), as the trainer runs it; False the
-    whole-model graph.
+    layer-at-a-time step where it applies (as `train.layerwise: true`), else the whole-model graph.
     """
     mesh = mesh or Mesh()
     train = SimpleNamespace(  # the shape of tasks.config.schema.TrainSection that the optimizer reads

@@ -223,7 +223,7 @@ class _Run:
         self.optimizer = parallelize_optimizer(params, train, mesh, in_place)  # AdamW, or ZeRO-1's ShardedAdamW
         # layer at a time where it applies (one layer's activations held), else the whole-model graph
         self.step_fn, how = train_step(net, loss_fn, params, self.optimizer, accumulation=lp.gradient_accumulation,
-                                       mesh=mesh, layerwise=getattr(train, "layerwise", True))
+                                       mesh=mesh, layerwise=getattr(train, "layerwise", False))
         if self.lead:
             print(f"[train] step: {how}", file=sys.stderr, flush=True)
         self.fp16 = fp16 = pr.dtype == "fp16"

@@ -1,0 +1,99 @@
+"""The train step one decoder layer at a time (tasks/training/layerwise.py) against the whole-model step: the same
+losses, gradient norms and updates, with the fused cells; where it cannot run, the whole-model step and why."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import mindspore as ms
+from mindspore import Tensor
+
+from helpers import decoder_reduction, fp32_tol
+from model.config import ModelConfig
+from tasks.training.build import build_network
+from tasks.training.layerwise import LayerwiseTrainStep, causal_lm_train_step, layerwise_unsupported, train_step
+from tasks.training.step import TrainStep, causal_lm_loss_fn
+
+
+def _net(tied: bool):
+    cfg = ModelConfig.from_dict({**ModelConfig.from_name("tiny").to_dict(), "tie_embeddings": tied})
+    built = build_network("llama", cfg, seed=0, fused_kernels=True)  # the trainer's cells (plain where none build)
+    # norm weights apart from 1 and from each other: a layer run with another layer's norm weight shows
+    rng = np.random.default_rng(3)
+    for name, p in built.net.parameters_and_names():
+        if "norm" in name:
+            p.set_data(Tensor(rng.uniform(0.5, 1.5, p.shape).astype(np.float32)))
+    return cfg, built
+
+
+@pytest.mark.integration  # ~20 s: both steps compiled for two model variants
+@pytest.mark.parametrize("tied", [True, False])
+def test_layer_at_a_time_equals_the_whole_model_step(tied):
+    """Three steps of two masked micro-batches (accumulation, token weights, clipping active), then a non-finite
+    step (loss scale 0) that must change nothing: the same loss and gradient norm each step, the same weights."""
+    runs = []
+    for layerwise in (False, True):
+        cfg, built = _net(tied)
+        net = built.net
+        step = causal_lm_train_step(net, net.trainable_params(), accumulation=2, grad_clip=0.5,
+                                    in_place=built.kernels.optimizer, layerwise=layerwise)
+        assert isinstance(step, LayerwiseTrainStep) == layerwise
+        rng = np.random.default_rng(1)
+        out = []
+        for s in range(1, 4):
+            tok = rng.integers(0, cfg.vocab_size, (4, 17)).astype(np.int32)
+            y = tok[:, 1:].copy()
+            y[0, :9] = -100  # the first micro-batch counts 24 tokens, the second 32
+            out.append(step([(tok[:2, :-1], y[:2]), (tok[2:, :-1], y[2:])], 1e-2, s))
+        before = {p.name: p.asnumpy().copy() for p in net.trainable_params()}
+        loss, gnorm, finite = step([(tok[:2, :-1], y[:2]), (tok[2:, :-1], y[2:])], 1e-2, 4, loss_scale=0.0)
+        assert not finite
+        for p in net.trainable_params():
+            np.testing.assert_array_equal(p.asnumpy(), before[p.name], err_msg=p.name)
+        runs.append((out, before))
+    (whole, w_params), (layer, l_params) = runs
+    n = decoder_reduction(cfg, 16) + cfg.vocab_size + 64
+    for s, ((l1, g1, f1), (l2, g2, f2)) in enumerate(zip(whole, layer), start=1):
+        assert f1 and f2
+        assert abs(l1 - l2) <= fp32_tol(abs(l1) + 1.0, n), (s, l1, l2)
+        # the norm: every gradient's squares summed (another order: the host's float32 dots)
+        assert abs(g1 - g2) <= fp32_tol(g1, 2 * n + cfg.num_parameters), (s, g1, g2)
+    # three AdamW updates of lr 1e-2 from gradients that agree to fp32 rounding; a wrong gradient moves a weight by
+    # up to lr per step (AdamW's update is about lr x sign(g) at the first steps)
+    for name, w in w_params.items():
+        np.testing.assert_allclose(l_params[name], w, rtol=0, atol=fp32_tol(np.abs(w).max() + 3e-2, n) + 3e-2 * 1e-3,
+                                   err_msg=name)
+
+
+def test_where_it_cannot_run_the_whole_model_step_runs_and_says_why():
+    cfg, built = _net(True)
+    net = built.net
+    params = net.trainable_params()
+    from tasks.training.parallelize import parallelize_optimizer
+    from types import SimpleNamespace
+    from tasks.training.mesh import Mesh
+
+    train = SimpleNamespace(optimizer=SimpleNamespace(beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0,
+                                                      decay_norms_and_biases=False, decay_embeddings=False),
+                            loop=SimpleNamespace(grad_clip=1.0))
+    subset = [p for p in params if "layers.0." in p.name]  # as LoRA: a part of the model trained
+    opt = parallelize_optimizer(subset, train, Mesh(), False)
+    step, how = train_step(net, causal_lm_loss_fn(net), subset, opt, layerwise=True)
+    assert type(step) is TrainStep and how.startswith("whole model: ") and "subset" in how
+    step, how = train_step(net, causal_lm_loss_fn(net), params, parallelize_optimizer(params, train, Mesh(), False))
+    assert type(step) is TrainStep and how == "whole model"  # the default: train.layerwise is false
+    assert layerwise_unsupported(net, params) is None
+    assert "tensor parallel" in layerwise_unsupported(net, params, SimpleNamespace(tp=2))
+
+
+@pytest.mark.integration  # ~10 s
+def test_layer_at_a_time_validation_loss_equals_the_model_loss():
+    cfg, built = _net(True)
+    net = built.net
+    step = causal_lm_train_step(net, net.trainable_params(), layerwise=True)
+    tok = np.random.default_rng(2).integers(0, cfg.vocab_size, (2, 17)).astype(np.int32)
+    ids, labels = Tensor(tok[:, :-1]), Tensor(tok[:, 1:])
+    ours = float(step.eval_loss(ids, labels).asnumpy())
+    ref = float(ms.jit(causal_lm_loss_fn(net))(ids, labels).asnumpy())
+    assert abs(ours - ref) <= fp32_tol(abs(ref) + 1.0, decoder_reduction(cfg, 16) + cfg.vocab_size + 32)
