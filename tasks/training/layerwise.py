@@ -89,6 +89,74 @@ def _writable(t: Tensor) -> np.ndarray:
     return a if a.flags.writeable else a.copy()
 
 
+class _Graph(nn.Cell):
+    """`fn(target, *args)` as a Cell (for `ms.jit`): static shapes, the fused cells run (they fail in dynamic ones)."""
+
+    def __init__(self, target, fn):
+        super().__init__(auto_prefix=False)
+        self.target, self.fn = target, fn
+
+    def construct(self, *args):
+        return self.fn(self.target, *args)
+
+
+def _prologue(net, ids):
+    return net.layer_inputs(ids)
+
+
+def _head_loss(net, x, labels):
+    return net.loss_fn(net.head_logits(x), labels)
+
+
+def _chunk_forward(load):
+    """The layer graph's function: the weights `ws` assigned into the template's layers, then those layers."""
+    def forward(chunk, x, cos, sin, mask, *ws):
+        x = load(x, ws)
+        for layer in chunk:
+            x = layer(x, cos, sin, mask)
+        return x
+
+    return forward
+
+
+class _LayerGrad(nn.Cell):
+    """(d input, d weights) of the template's layers given their upstream gradient `dy`, the weights `ws` assigned
+    first; the forward recomputed from the layers' input. GradOperation's sens needs a static graph."""
+
+    def __init__(self, template, targets, load):
+        super().__init__(auto_prefix=False)
+        self.layer, self.weights, self.load = template, ms.ParameterTuple(targets), load
+        self.grad = ops.GradOperation(get_all=True, get_by_list=True, sens_param=True)
+
+    def run(self, x, cos, sin, mask):
+        cos, sin, mask = ops.stop_gradient(cos), ops.stop_gradient(sin), ops.stop_gradient(mask)
+        for layer in self.layer:
+            x = layer(x, cos, sin, mask)
+        return x
+
+    def construct(self, *args):
+        x, cos, sin, mask, dy, ws = args[0], args[1], args[2], args[3], args[4], args[5:]
+        return self.grad(self.run, self.weights)(self.load(x, ws), cos, sin, mask, dy)
+
+
+class _HeadGrad(nn.Cell):
+    """The loss (× its token weight) and the gradients of loss × weight × scale at the last hidden state and at the
+    final norm's and the head's weights."""
+
+    def __init__(self, net, head_params):
+        super().__init__(auto_prefix=False)
+        self.net = net
+        self.grad = ms.value_and_grad(self.scaled, 0, ms.ParameterTuple(head_params), has_aux=True)
+
+    def scaled(self, x, labels, weight, scale):
+        loss = self.net.loss_fn(self.net.head_logits(x), labels) * weight
+        return loss * scale, loss
+
+    def construct(self, x, labels, weight, scale):
+        (_, loss), grads = self.grad(x, labels, weight, scale)
+        return loss, grads
+
+
 class LayerwiseTrainStep(TrainStep):
     """`TrainStep`'s interface and arithmetic (see its docstring: token weights, loss scale, accumulation, data
     parallel, allow), the decoder run one layer at a time (module docstring). `eval_loss(ids, labels)` is the
@@ -117,61 +185,11 @@ class LayerwiseTrainStep(TrainStep):
         where[id(self.embed)] = ("embed",)
         self.sources = [where[id(p)] for p in params]
 
-        class Graph(nn.Cell):
-            def __init__(self, target, fn):
-                super().__init__(auto_prefix=False)
-                self.target, self.fn = target, fn
-
-            def construct(self, *args):
-                return self.fn(self.target, *args)
-
-        def prologue(net, ids):
-            return net.layer_inputs(ids)
-
-        def forward(chunk, x, cos, sin, mask, *ws):
-            x = load(x, ws)
-            for layer in chunk:
-                x = layer(x, cos, sin, mask)
-            return x
-
-        class LayerGrad(nn.Cell):  # GradOperation's sens (the upstream gradient) needs a static graph
-            def __init__(self):
-                super().__init__(auto_prefix=False)
-                self.layer, self.weights = template, ms.ParameterTuple(targets)
-                self.grad = ops.GradOperation(get_all=True, get_by_list=True, sens_param=True)
-
-            def run(self, x, cos, sin, mask):
-                cos, sin, mask = ops.stop_gradient(cos), ops.stop_gradient(sin), ops.stop_gradient(mask)
-                for layer in self.layer:
-                    x = layer(x, cos, sin, mask)
-                return x
-
-            def construct(self, *args):
-                x, cos, sin, mask, dy, ws = args[0], args[1], args[2], args[3], args[4], args[5:]
-                return self.grad(self.run, self.weights)(load(x, ws), cos, sin, mask, dy)
-
-        class HeadGrad(nn.Cell):  # loss and its gradients at the last hidden state and the norm / head weights
-            def __init__(self):
-                super().__init__(auto_prefix=False)
-                self.net = net
-                self.grad = ms.value_and_grad(self.scaled, 0, ms.ParameterTuple(head_params), has_aux=True)
-
-            def scaled(self, x, labels, weight, scale):
-                loss = self.net.loss_fn(self.net.head_logits(x), labels) * weight
-                return loss * scale, loss
-
-            def construct(self, x, labels, weight, scale):
-                (_, loss), grads = self.grad(x, labels, weight, scale)
-                return loss, grads
-
-        def head_loss(net, x, labels):
-            return net.loss_fn(net.head_logits(x), labels)
-
-        self._first = ms.jit(Graph(net, prologue))
-        self._layer = ms.jit(Graph(template, forward))
-        self._layer_grad = ms.jit(LayerGrad())
-        self._head_grad = ms.jit(HeadGrad())
-        self._head_loss = ms.jit(Graph(net, head_loss))
+        self._first = ms.jit(_Graph(net, _prologue))
+        self._layer = ms.jit(_Graph(template, _chunk_forward(load)))
+        self._layer_grad = ms.jit(_LayerGrad(template, targets, load))
+        self._head_grad = ms.jit(_HeadGrad(net, head_params))
+        self._head_loss = ms.jit(_Graph(net, _head_loss))
 
         # one process (no reduction): the gradient norm comes from the host (`_host_norm`), so the update graph holds
         # no squares (a model-sized buffer it would keep); data parallel: the norm of the reduced gradients, in it
