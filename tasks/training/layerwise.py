@@ -83,6 +83,12 @@ def _host_norm(arrays) -> float:
     return math.sqrt(total) if math.isfinite(total) else float("nan")
 
 
+def _writable(t: Tensor) -> np.ndarray:
+    """A graph output's array, to accumulate into (no copy: each call of a graph returns fresh output buffers)."""
+    a = t.asnumpy()
+    return a if a.flags.writeable else a.copy()
+
+
 class _Graph(nn.Cell):
     """`fn(target, *args)` as a Cell (for `ms.jit`): static shapes, the fused cells run (they fail in dynamic ones)."""
 
@@ -158,7 +164,7 @@ class LayerwiseTrainStep(TrainStep):
 
     def __init__(self, net, params: list[Parameter], optimizer: AdamW, accumulation: int = 1,
                  loss_scale: float = 1.0, dp_group: str | None = None, dp: int = 1):
-        self.net, self.params, self._grad_arrays = net, list(params), None
+        self.net = net
         super().__init__(None, params, optimizer, accumulation=accumulation, loss_scale=loss_scale,
                          dp_group=dp_group, dp=dp)
 
@@ -240,32 +246,22 @@ class LayerwiseTrainStep(TrainStep):
         rows, starts = np.unique(flat_ids[order], return_index=True)
         sums = np.add.reduceat(dx.asnumpy().reshape(-1, h).astype(np.float32)[order], starts, axis=0)
         new = acc is None
-        if new:  # the step's gradients go into the same arrays every step (see `_buffers`)
-            acc = self._buffers()
+        if new:
+            acc = [None] * len(self.sources)
         for k, src in enumerate(self.sources):
             if src[0] == "embed":
-                if new and self.tied:
-                    np.copyto(acc[k], head_grads[1].asnumpy())
-                elif new:
-                    acc[k].fill(0.0)
+                if new:
+                    acc[k] = _writable(head_grads[1]) if self.tied else np.zeros(self.embed.shape, np.float32)
                 elif self.tied:
                     acc[k] += head_grads[1].asnumpy()
                 acc[k][rows] += sums
                 continue
-            g = (layer_grads[src[1]][src[2]] if src[0] == "layer" else head_grads[src[1]]).asnumpy()
+            g = layer_grads[src[1]][src[2]] if src[0] == "layer" else head_grads[src[1]]
             if new:
-                np.copyto(acc[k], g)
+                acc[k] = _writable(g)
             else:
-                acc[k] += g
+                acc[k] += g.asnumpy()
         return loss, acc
-
-    def _buffers(self) -> list[np.ndarray]:
-        """One gradient array per parameter, allocated once and written each step (each layer's gradient copied in):
-        with fresh arrays each step the process grew by a set of gradients after the first step (the 360M shape,
-        2 x 128: 8.09 GB peak, 7.82 with these, reached at the first step; SmolLM2-135M 3.33 either way)."""
-        if self._grad_arrays is None:
-            self._grad_arrays = [np.zeros(p.shape, np.float32) for p in self.params]
-        return self._grad_arrays
 
     def __call__(self, micro_batches, lr: float, step: int, loss_scale: float | None = None, allow: bool = True):
         s = self.loss_scale if loss_scale is None else loss_scale
