@@ -209,7 +209,6 @@ class LayerwiseTrainStep(TrainStep):
             return gnorm, finite, loss
 
         self._apply_grads = apply_normed if self.host_norm else apply
-        self.accum = None
 
     def _inputs(self, ids: np.ndarray):
         x, cos, sin, mask = self._first(Tensor(ids))
@@ -233,9 +232,9 @@ class LayerwiseTrainStep(TrainStep):
         loss, (dx, head_grads) = self._head_grad(xs[-1], Tensor(labels), weight, scale)
         xs[-1] = None
         layer_grads: list = []  # per layer, in order
+        n = len(self.layer_params[0])  # parameters per layer
         for i in reversed(range(len(self.chunks))):
             (dx, *_), dws = self._layer_grad(xs[i], cos, sin, mask, dx, *_views(self.chunks[i]))
-            n = len(self.layer_params[0])
             layer_grads[:0] = [dws[j:j + n] for j in range(0, len(dws), n)]
             dx.asnumpy()  # as in _inputs
             xs[i] = None
