@@ -67,7 +67,7 @@ def _ms(a: argparse.Namespace) -> dict:
 
     from model.runtime import setup_mindspore
 
-    setup_mindspore()
+    setup_mindspore(host_blocking=True)  # as the trainer
     from model.config import ModelConfig
     from model.kernel_build import kernel_path
     from tasks.training.build import build_network

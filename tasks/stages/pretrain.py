@@ -156,7 +156,7 @@ def replay_data_artifact(store: ArtifactStore, init_from: Path) -> Path:
 def train(spec: dict[str, Any]) -> Path | None:
     """Train and publish the artifact (runs inside the child process): setup → build → data → fit → publish."""
     cfg = PipelineConfig.model_validate(spec["config"])
-    setup_mindspore(cfg.parallel.device_target, seed=cfg.pretrain.seed)
+    setup_mindspore(cfg.parallel.device_target, seed=cfg.pretrain.seed, host_blocking=True)
     par = cfg.parallel
     mesh = Mesh.init(par.data_parallel, par.tensor_parallel, par.optimizer_shard) if par.device_num > 1 else Mesh()
     return _train(cfg, ArtifactStore(spec["root"]), Path(spec["data"]),

@@ -83,12 +83,6 @@ def _host_norm(arrays) -> float:
     return math.sqrt(total) if math.isfinite(total) else float("nan")
 
 
-def _writable(t: Tensor) -> np.ndarray:
-    """A graph output's array, to accumulate into (no copy: each call of a graph returns fresh output buffers)."""
-    a = t.asnumpy()
-    return a if a.flags.writeable else a.copy()
-
-
 class _Graph(nn.Cell):
     """`fn(target, *args)` as a Cell (for `ms.jit`): static shapes, the fused cells run (they fail in dynamic ones)."""
 
@@ -164,7 +158,7 @@ class LayerwiseTrainStep(TrainStep):
 
     def __init__(self, net, params: list[Parameter], optimizer: AdamW, accumulation: int = 1,
                  loss_scale: float = 1.0, dp_group: str | None = None, dp: int = 1):
-        self.net = net
+        self.net, self.params, self._grad_arrays = net, list(params), None
         super().__init__(None, params, optimizer, accumulation=accumulation, loss_scale=loss_scale,
                          dp_group=dp_group, dp=dp)
 
@@ -183,7 +177,8 @@ class LayerwiseTrainStep(TrainStep):
         where = {id(p): ("layer", i, j) for i, ps in enumerate(self.layer_params) for j, p in enumerate(ps)}
         where.update({id(p): ("head", j) for j, p in enumerate(head_params)})
         where[id(self.embed)] = ("embed",)
-        self.sources = [where[id(p)] for p in params]
+        self.slot = {where[id(p)]: k for k, p in enumerate(params)}  # gradient source -> its index in `_grads()`
+        self.head_slots = [self.slot[where[id(p)]] for p in head_params]
 
         self._first = ms.jit(_Graph(net, _prologue))
         self._layer = ms.jit(_Graph(template, _chunk_forward(load)))
@@ -225,55 +220,64 @@ class LayerwiseTrainStep(TrainStep):
         xs, *_ = self._inputs(ids)
         return self._head_loss(xs[-1], labels)
 
-    def _micro_grads(self, ids: np.ndarray, labels: np.ndarray, weight: Tensor, scale: Tensor, acc: list | None):
-        """One micro-batch's forward and backward; its gradients (× weight × scale) added into `acc` (numpy arrays,
-        in the optimizer's parameter order; created on the first micro-batch). Returns (loss × weight, acc)."""
+    def _micro_grads(self, ids: np.ndarray, labels: np.ndarray, weight: Tensor, scale: Tensor, first: bool):
+        """One micro-batch's forward and backward; its gradients (× weight × scale) written (`first`) or added into
+        `_grads()`, each graph's as soon as it returns. Returns the loss × weight."""
+        acc = self._grads()
+        slot = self.slot
+
+        def put(k: int, g: np.ndarray) -> None:
+            if first:
+                np.copyto(acc[k], g)
+            else:
+                acc[k] += g
+
         xs, cos, sin, mask = self._inputs(ids)
         loss, (dx, head_grads) = self._head_grad(xs[-1], Tensor(labels), weight, scale)
         xs[-1] = None
-        layer_grads: list = []  # per layer, in order
+        for k, g in zip(self.head_slots, head_grads):  # the tied head's is the embedding's, its rows added below
+            put(k, g.asnumpy())
+        del head_grads
         n = len(self.layer_params[0])  # parameters per layer
+        per = len(self.chunks[0]) // n  # layers per chunk
         for i in reversed(range(len(self.chunks))):
             (dx, *_), dws = self._layer_grad(xs[i], cos, sin, mask, dx, *_views(self.chunks[i]))
-            layer_grads[:0] = [dws[j:j + n] for j in range(0, len(dws), n)]
-            dx.asnumpy()  # as in _inputs
+            for j, w in enumerate(dws):
+                put(slot[("layer", i * per + j // n, j % n)], w.asnumpy())
+            del dws  # the graph's output buffers go back to MindSpore's pool for the next layer's call
             xs[i] = None
-        # the embedding's gradient: the first layer's d(input) summed onto the ids' rows (+ the tied head's)
+        # the embedding's gradient: the first layer's d(input) summed onto the ids' rows (+ the tied head's, above)
+        e = acc[slot[("embed",)]]
+        if first and not self.tied:
+            e.fill(0.0)
         h = self.embed.shape[1]
         flat_ids = ids.reshape(-1)
         order = np.argsort(flat_ids, kind="stable")
         rows, starts = np.unique(flat_ids[order], return_index=True)
-        sums = np.add.reduceat(dx.asnumpy().reshape(-1, h).astype(np.float32)[order], starts, axis=0)
-        new = acc is None
-        if new:
-            acc = [None] * len(self.sources)
-        for k, src in enumerate(self.sources):
-            if src[0] == "embed":
-                if new:
-                    acc[k] = _writable(head_grads[1]) if self.tied else np.zeros(self.embed.shape, np.float32)
-                elif self.tied:
-                    acc[k] += head_grads[1].asnumpy()
-                acc[k][rows] += sums
-                continue
-            g = layer_grads[src[1]][src[2]] if src[0] == "layer" else head_grads[src[1]]
-            if new:
-                acc[k] = _writable(g)
-            else:
-                acc[k] += g.asnumpy()
-        return loss, acc
+        e[rows] += np.add.reduceat(dx.asnumpy().reshape(-1, h).astype(np.float32)[order], starts, axis=0)
+        return loss
+
+    def _grads(self) -> list[np.ndarray]:
+        """The step's gradient arrays, one per optimizer parameter, allocated once and rewritten every step. Fresh
+        arrays each step cost a set of gradients more: a compiled graph keeps its last call's inputs alive until its
+        next call (docs/MINDSPORE_CPU.md, "Memory"), so the update graph held the previous step's gradients while
+        this step's were made (SmolLM2-135M, 2 x 128: 3.33 -> 2.9 GB steady)."""
+        if self._grad_arrays is None:
+            self._grad_arrays = [np.zeros(p.shape, ms.dtype_to_nptype(p.dtype)) for p in self.params]
+        return self._grad_arrays
 
     def __call__(self, micro_batches, lr: float, step: int, loss_scale: float | None = None, allow: bool = True):
         s = self.loss_scale if loss_scale is None else loss_scale
         scale = Tensor(s, ms.float32)
         weights = [Tensor(w, ms.float32) for w in self.token_weights([labels for _, labels in micro_batches])]
-        acc, losses = None, []
-        for (ids, labels), w in zip(micro_batches, weights):
-            loss, acc = self._micro_grads(np.asarray(ids), np.asarray(labels), w, scale, acc)
+        losses = []
+        for m, ((ids, labels), w) in enumerate(zip(micro_batches, weights)):
+            loss = self._micro_grads(np.asarray(ids), np.asarray(labels), w, scale, first=m == 0)
             losses.append(float(loss.asnumpy()))
+        acc = self._grads()
         # the unscaled gradient's norm (a loss scale of 0 gives NaN, as 0 / 0 in the graph: the step is skipped)
         norm = (Tensor(_host_norm(acc) / (s * self.k) if s else float("nan"), ms.float32),) if self.host_norm else ()
         grads = tuple(Tensor.from_numpy(a) for a in acc)
-        del acc
         gnorm, finite, loss = self._apply_grads(Tensor(lr, ms.float32), Tensor(float(step), ms.float32),
                                                 Tensor(s * self.k, ms.float32),
                                                 Tensor(sum(losses) / len(losses), ms.float32),

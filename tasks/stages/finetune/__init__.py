@@ -118,7 +118,7 @@ def run(cfg: PipelineConfig, store: ArtifactStore, base_artifact: Path, *, keyed
 def train(spec: dict[str, Any]) -> Path | None:
     """Train and publish the artifact (inside the child process, or in-process with isolate=False)."""
     cfg = PipelineConfig.model_validate(spec["config"])
-    setup_mindspore(cfg.parallel.device_target, seed=cfg.finetune.seed)
+    setup_mindspore(cfg.parallel.device_target, seed=cfg.finetune.seed, host_blocking=True)
     mesh = (Mesh.init(cfg.parallel.data_parallel, 1, cfg.parallel.optimizer_shard) if cfg.parallel.device_num > 1
             else Mesh())
     return _train(cfg, ArtifactStore(spec["root"]), Path(spec["base"]), spec["key"], spec.get("progress", True),
