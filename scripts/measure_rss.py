@@ -1,6 +1,6 @@
 """Peak RSS of real jit training steps for a preset (used by tests/test_memory.py). Prints one JSON line.
 
-    python scripts/measure_rss.py --preset tiny --batch 8 --seq 64 [--steps 3] [--recompute]
+    python scripts/measure_rss.py --preset tiny --batch 8 --seq 64 [--steps 3] [--recompute] [--layerwise]
 """
 
 from __future__ import annotations
@@ -20,13 +20,14 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--recompute", action="store_true")
+    ap.add_argument("--layerwise", action="store_true", help="the step one decoder layer at a time (train.layerwise)")
     ap.add_argument("--no-fused", action="store_true", help="MindSpore's own ops only (pretrain.train.fused_kernels: false)")
     a = ap.parse_args()
     import numpy as np
 
     from model.runtime import setup_mindspore
 
-    setup_mindspore()
+    setup_mindspore(host_blocking=True)  # as the trainer
     from model.config import ModelConfig
     from tasks.training.build import build_network
     from tasks.training.layerwise import causal_lm_train_step
@@ -37,11 +38,11 @@ def main() -> None:
     net = built.net
     if a.recompute:
         net.enable_recompute()
-    step = causal_lm_train_step(net, net.trainable_params(), in_place=built.kernels.optimizer)
+    step = causal_lm_train_step(net, net.trainable_params(), in_place=built.kernels.optimizer, layerwise=a.layerwise)
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (a.batch, a.seq + 1)).astype(np.int32)
     for s in range(a.steps):
         step([(ids[:, :-1], ids[:, 1:])], 1e-4, s + 1)
-    print(json.dumps({"preset": a.preset, "batch": a.batch, "seq": a.seq, "recompute": a.recompute,
+    print(json.dumps({"preset": a.preset, "batch": a.batch, "seq": a.seq, "recompute": a.recompute, "layerwise": a.layerwise,
                       "peak_rss_bytes": peak_rss_bytes()}))
 
 

@@ -15,19 +15,22 @@ from tasks.training.memory import GiB, Layout, estimate, plan
 REPO = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused-kernels", "builtin-ops"])
+@pytest.mark.parametrize("fused,layerwise", [(True, False), (False, False), (True, True)],
+                         ids=["fused-kernels", "builtin-ops", "layer-at-a-time"])
 @pytest.mark.parametrize("preset,batch,seq", [("tiny", 8, 64), ("small", 8, 128)])
-def test_estimate_within_30_percent_of_measured_peak_rss(preset, batch, seq, fused):
+def test_estimate_within_30_percent_of_measured_peak_rss(preset, batch, seq, fused, layerwise):
     from model.kernel_ops import train_ops
 
     if fused and train_ops() is None:
         pytest.skip("no C++ compiler: the fused kernels cannot be built here")
     out = subprocess.run([sys.executable, "scripts/measure_rss.py", "--preset", preset, "--batch", str(batch),
-                          "--seq", str(seq), "--steps", "2", *([] if fused else ["--no-fused"])],
+                          "--seq", str(seq), "--steps", "2", *([] if fused else ["--no-fused"]),
+                          *(["--layerwise"] if layerwise else [])],
                          capture_output=True, text=True, cwd=REPO, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     measured = json.loads(out.stdout.strip().splitlines()[-1])["peak_rss_bytes"]
-    est = estimate(ModelConfig.from_name(preset), micro_batch=batch, seq=seq, fused_kernels=fused).total
+    est = estimate(ModelConfig.from_name(preset), micro_batch=batch, seq=seq, fused_kernels=fused,
+                   layerwise=layerwise).total
     assert abs(est - measured) / measured < 0.30, (est / GiB, measured / GiB)
 
 
@@ -47,9 +50,10 @@ def test_estimate_responds_to_layout_and_recompute():
 def test_plan_recommends_a_fitting_layout_for_7b_on_8x32gib():
     rows = plan(ModelConfig.from_name("llama2-7b"), devices=8, device_memory=32 * GiB, micro_batch=1, seq=4096,
                 precision="bf16", backend="Ascend")
-    layout, recompute, est, fits = rows[0]
+    layout, mode, est, fits = rows[0]
     assert fits and est.total <= 32 * GiB and layout.devices == 8
-    assert not any(r[3] for r in rows if r[0] == Layout(dp=8) and not r[1])  # plain DP cannot hold 7B + AdamW
+    assert not any(r[3] for r in rows if r[0] == Layout(dp=8) and r[1] == "off")  # plain DP cannot hold 7B + AdamW
+    assert not any(r[1] == "layerwise" for r in rows)  # the layer-at-a-time step is offered on CPU only
     cli = subprocess.run(
         [sys.executable, "-m", "tasks.cli", "plan", "--pipeline", "demo", "--set", "model.preset=llama2-7b",
          "--set", "model.vocab_size=32000", "--set", "data.tokenizer.vocab_size=32000", "--set", "data.seq_length=4096",
@@ -57,3 +61,43 @@ def test_plan_recommends_a_fitting_layout_for_7b_on_8x32gib():
          "--devices", "8", "--device-memory", "32GiB"], capture_output=True, text=True, cwd=REPO)
     assert cli.returncode == 0, cli.stderr
     assert "DOES NOT FIT" in cli.stdout and "recommendation: parallel:" in cli.stdout
+
+
+def test_layer_at_a_time_in_the_estimate_and_the_cpu_plan():
+    """`train.layerwise` keeps each layer's input and one layer's working set (where it applies: no tensor parallel,
+    every parameter trained); recompute lowers nothing on CPU (the graph keeps the recomputed forward's buffers:
+    docs/MEMORY.md "Train"); the CPU plan offers the layer-at-a-time step where the whole-model step does not fit."""
+    cfg = ModelConfig.from_name("smollm2-135m")
+    kw = dict(micro_batch=8, seq=512)
+    whole, lw = estimate(cfg, **kw), estimate(cfg, **kw, layerwise=True)
+    layer_inputs = cfg.num_layers * 8 * 512 * cfg.hidden_size * 4
+    assert lw.parts["activations"] < whole.parts["activations"] / 10
+    assert layer_inputs < lw.parts["activations"] < 2 * layer_inputs + whole.parts["activations"] / cfg.num_layers
+    assert lw.total < whole.total
+    for other in (dict(trainable_fraction=0.05), dict(layout=Layout(tp=2))):  # LoRA, tensor parallel: the whole step
+        assert estimate(cfg, **kw, **other, layerwise=True).parts == estimate(cfg, **kw, **other).parts
+    assert estimate(cfg, **kw, recompute=True).parts == whole.parts  # CPU
+    assert estimate(cfg, **kw, recompute=True, backend="GPU").total < estimate(cfg, **kw, backend="GPU").total
+    between = (lw.total + whole.total) // 2
+    rows = plan(cfg, devices=1, device_memory=between, precision="fp32", backend="CPU", **kw)
+    assert rows[0][1] == "layerwise" and rows[0][3]
+    assert plan(cfg, devices=1, device_memory=2 * whole.total, precision="fp32", backend="CPU", **kw)[0][1] == "off"
+
+
+def test_validation_names_train_layerwise_where_it_would_fit():
+    from tasks.config.loader import resolve_pipeline
+    from tasks.training.memory import machine_fit_errors
+
+    pipelines = REPO / "pipelines.yaml"
+    cfg = resolve_pipeline(pipelines, "tiny", ["pretrain.train.loop.micro_batch_size=512"])
+    mc, ptr = cfg.model.resolve(), cfg.pretrain.train
+    kw = dict(micro_batch=512, seq=cfg.pretrain.seq_length, precision=ptr.precision.dtype,
+              fused_kernels=ptr.fused_kernels)
+    whole, lw = estimate(mc, **kw).total, estimate(mc, **kw, layerwise=True).total
+    assert lw < whole
+    errs = machine_fit_errors(cfg, "pipelines.tiny", machine_bytes=(lw + whole) // 2)
+    assert len(errs) == 1 and errs[0].startswith("pipelines.tiny.pretrain.train.layerwise: false"), errs
+    assert "set pretrain.train.layerwise: true" in errs[0]
+    on = resolve_pipeline(pipelines, "tiny", ["pretrain.train.loop.micro_batch_size=512",
+                                              "pretrain.train.layerwise=true"])
+    assert machine_fit_errors(on, "pipelines.tiny", machine_bytes=(lw + whole) // 2) == []

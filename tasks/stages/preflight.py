@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 from model.runtime import setup_mindspore
 from tasks.config.schema import PipelineConfig
-from tasks.training.memory import GiB, Layout, estimate, plan, unsupported
+from tasks.training.memory import MODE_SETTING, GiB, Layout, estimate, plan, unsupported
 
 
 class PlanReport(NamedTuple):
@@ -35,9 +35,11 @@ def memory_plan(cfg: PipelineConfig, device_memory: int, devices: int | None = N
     lay = Layout(dp=par.data_parallel, tp=par.tensor_parallel, pp=cfg.plan.pipeline_parallel,
                  micro_batch_num=cfg.plan.micro_batch_num, optimizer_shard=par.optimizer_shard)
     est = estimate(mc, micro_batch=tr.loop.micro_batch_size, seq=seq, precision=tr.precision.dtype,
-                   recompute=pt.recompute, layout=lay, backend=par.device_target, fused_kernels=tr.fused_kernels)
+                   recompute=pt.recompute, layout=lay, backend=par.device_target, fused_kernels=tr.fused_kernels,
+                   layerwise=tr.layerwise)
     out = [f"model {cfg.model.preset}: {mc.num_parameters / 1e9:.3f}B parameters; "
-           f"micro batch {tr.loop.micro_batch_size}, seq {seq}, {tr.precision.dtype}, recompute {'on' if pt.recompute else 'off'}, backend {par.device_target}",
+           f"micro batch {tr.loop.micro_batch_size}, seq {seq}, {tr.precision.dtype}, recompute {'on' if pt.recompute else 'off'}, "
+           f"layerwise {'on' if tr.layerwise else 'off'}, backend {par.device_target}",
            f"configured layout dp={lay.dp} tp={lay.tp} pp={lay.pp} (micro_batch_num={lay.micro_batch_num}, "
            f"optimizer_shard={lay.optimizer_shard}): estimate per rank (each of {lay.devices} process(es))",
            est.table(),
@@ -49,11 +51,11 @@ def memory_plan(cfg: PipelineConfig, device_memory: int, devices: int | None = N
     rows = plan(mc, devices=devices, device_memory=device_memory, micro_batch=tr.loop.micro_batch_size, seq=seq,
                 precision=tr.precision.dtype, backend=par.device_target)
     out.append(f"\nlayouts for {devices} device(s) × {device_memory / GiB:.1f} GiB (best first):")
-    for lay2, rc, e2, ok in rows[:8]:
+    for lay2, mode, e2, ok in rows[:8]:
         why = unsupported(lay2, par.device_target)
         out.append(f"  {'fits ' if ok else 'no   '} dp={lay2.dp} tp={lay2.tp} pp={lay2.pp} "
                    f"micro_batch_num={lay2.micro_batch_num} optimizer_shard={str(lay2.optimizer_shard).lower():5} "
-                   f"recompute={'on ' if rc else 'off'} {e2.total / GiB:8.2f} GiB"
+                   f"saving={mode:9} {e2.total / GiB:8.2f} GiB"
                    + (f"   (not runnable here: {why})" if why else ""))
     best = next((r for r in rows if r[3] and unsupported(r[0], par.device_target) is None), None)
     if best is None:
@@ -63,12 +65,12 @@ def memory_plan(cfg: PipelineConfig, device_memory: int, devices: int | None = N
         out.append(f"recommendation: no runnable layout fits{hint}; add devices, lower "
                    "pretrain.train.loop.micro_batch_size or seq_length")
         return PlanReport(out, False)
-    lay2, rc, e2, _ = best
+    lay2, mode, e2, _ = best
     out.append(f"recommendation: parallel: {{data_parallel: {lay2.dp}, tensor_parallel: {lay2.tp}, "
                f"optimizer_shard: {str(lay2.optimizer_shard).lower()}, device_num: {lay2.devices}}}"
                + (f", plan: {{pipeline_parallel: {lay2.pp}, micro_batch_num: {lay2.micro_batch_num}}}"
                   if lay2.pp > 1 else "")
-               + f", pretrain.recompute: {str(rc).lower()}  ({e2.total / GiB:.2f} GiB per device)")
+               + f", {MODE_SETTING[mode]}  ({e2.total / GiB:.2f} GiB per device)")
     return PlanReport(out, True)
 
 

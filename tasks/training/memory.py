@@ -17,8 +17,13 @@ Parts, per device:
   the parameters themselves and needs none;
 - activations: what backward needs per layer per micro-batch, following Korthikanti
   et al. (2022, "Reducing Activation Recomputation") adapted to SwiGLU and GQA; with
-  recompute only each layer's input is kept, plus one layer's working set; a pipeline
-  stage holds up to `pp` micro-batches in flight (1F1B);
+  recompute only each layer's input is kept, plus one layer's working set (GPU/Ascend: on CPU the
+  graph keeps the recomputed forward's buffers too, measured 5.10 vs 4.93 GB at SmolLM2-135M, so
+  recompute lowers nothing there); a pipeline stage holds up to `pp` micro-batches in flight (1F1B);
+- layerwise (`train.layerwise`, tasks/training/layerwise.py, where it applies: `layerwise_applies`):
+  each layer's input plus ONE layer's working set, and `graph_outputs`: the head graph's weight
+  gradient and one layer's gradients, fresh buffers before they are copied into the step's
+  gradient arrays (measured peaks: docs/MEMORY.md "Train");
 - logits: the [B, T, V] logits, their softmax and gradient (fp32); with the fused cross-entropy
   (train.fused_kernels) only the logits and their gradient;
 - runtime: the framework's own resident memory (CPU: the MindSpore process after
@@ -77,12 +82,18 @@ class Estimate:
         return "\n".join([*rows, f"  {'total':<12} {self.total / GiB:8.3f} GiB"])
 
 
-def param_split(cfg: ModelConfig, layout: Layout) -> int:
-    """Parameters held by one device (the first pipeline stage, which also holds the embedding)."""
+def layer_params(cfg: ModelConfig, tp: int = 1) -> int:
+    """Parameters of one decoder layer (its matrices split by tensor parallel; its two norms whole)."""
     h, f, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_kv_heads * cfg.head_dim
     attn = h * h * 2 + h * kv * 2  # q, o + k, v
     mlp = 3 * h * f
-    per_layer = (attn + mlp) // layout.tp + 2 * h
+    return (attn + mlp) // tp + 2 * h
+
+
+def param_split(cfg: ModelConfig, layout: Layout) -> int:
+    """Parameters held by one device (the first pipeline stage, which also holds the embedding)."""
+    h = cfg.hidden_size
+    per_layer = layer_params(cfg, layout.tp)
     layers = -(-cfg.num_layers // layout.pp)
     embed = cfg.vocab_size * h
     head = 0 if cfg.tie_embeddings else cfg.vocab_size * h
@@ -90,18 +101,30 @@ def param_split(cfg: ModelConfig, layout: Layout) -> int:
     return per_layer * layers + first_stage_extra
 
 
-def activation_bytes(cfg: ModelConfig, micro_batch: int, seq: int, precision: str, recompute: bool,
-                     layout: Layout) -> int:
+def layerwise_applies(layout: Layout, trainable_fraction: float = 1.0) -> bool:
+    """Whether `train.layerwise` runs the layer-at-a-time step for this layout (else the trainer runs the whole-model
+    step: tasks/training/layerwise.py `layerwise_unsupported`): no tensor or pipeline parallel, every parameter
+    trained (not LoRA)."""
+    return layout.tp == 1 and layout.pp == 1 and trainable_fraction >= 1.0
+
+
+def layer_activation_bytes(cfg: ModelConfig, micro_batch: int, seq: int, precision: str, tp: int = 1) -> float:
+    """What one layer keeps for its backward, for one micro-batch."""
     s, b, h, a = seq, micro_batch, cfg.hidden_size, cfg.num_heads
     kv = cfg.num_kv_heads * cfg.head_dim
     f = cfg.intermediate_size
-    e = DTYPE_BYTES[precision]
-    t = layout.tp
+    t = tp
     # elements per token kept for backward in one layer:
     #   norms' inputs/outputs 4h, q,k,v (h + 2kv)/t, rope'd q,k (h + kv)/t, attention context h/t,
     #   scores + softmax 2·a·s/t (+ the fp32 mask-add), o_proj out h, MLP gate/up/act/product 4f/t
     per_token = 4 * h + (2 * h + 3 * kv + h) / t + 3 * a * s / t + h + 4 * f / t
-    full_layer = s * b * per_token * e
+    return s * b * per_token * DTYPE_BYTES[precision]
+
+
+def activation_bytes(cfg: ModelConfig, micro_batch: int, seq: int, precision: str, recompute: bool,
+                     layout: Layout) -> int:
+    s, b, h, e = seq, micro_batch, cfg.hidden_size, DTYPE_BYTES[precision]
+    full_layer = layer_activation_bytes(cfg, micro_batch, seq, precision, layout.tp)
     layers = -(-cfg.num_layers // layout.pp)
     in_flight = min(layout.pp, layout.micro_batch_num)
     if recompute:
@@ -111,8 +134,9 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq: int, precision: st
 
 def estimate(cfg: ModelConfig, *, micro_batch: int, seq: int, precision: str = "fp32", recompute: bool = False,
              layout: Layout = Layout(), backend: str = "CPU", trainable_fraction: float = 1.0,
-             fused_kernels: bool = True) -> Estimate:
-    """Bytes per device. `fused_kernels`: train.fused_kernels (they run on CPU, fp32, with a compiler)."""
+             fused_kernels: bool = True, layerwise: bool = False) -> Estimate:
+    """Bytes per device. `fused_kernels`: train.fused_kernels (they run on CPU, fp32, with a compiler);
+    `layerwise`: train.layerwise (ignored where it does not apply, as the trainer ignores it)."""
     p = param_split(cfg, layout)
     half = precision != "fp32"
     why, in_place = decide(fused_kernels, backend, precision)  # what the build's convert step will decide
@@ -122,13 +146,23 @@ def estimate(cfg: ModelConfig, *, micro_batch: int, seq: int, precision: str = "
     opt = trainable * 8 // (layout.dp if layout.optimizer_shard else 1)
     logits = (2 if fused else 3) * micro_batch * seq * cfg.vocab_size * 4
     factor = ACTIVATION_FACTOR_FUSED[backend] if fused else ACTIVATION_FACTOR.get(backend, 1.0)
-    act = int(activation_bytes(cfg, micro_batch, seq, precision, recompute, layout) * factor)
+    outputs = {}
+    if layerwise and layerwise_applies(layout, trainable_fraction):
+        one = layer_activation_bytes(cfg, micro_batch, seq, precision) * factor
+        act = int(cfg.num_layers * micro_batch * seq * cfg.hidden_size * DTYPE_BYTES[precision] + one)
+        # the head graph's gradient of the [V, H] head (the embedding when tied) and of the final norm, then one
+        # layer's gradients: fresh output buffers until copied into the step's arrays (the `gradients` part)
+        outputs = {"graph_outputs": (cfg.vocab_size * cfg.hidden_size + cfg.hidden_size + layer_params(cfg)) * 4}
+    else:
+        # on CPU the graph keeps the recomputed forward's buffers as well: recompute lowers nothing (module doc)
+        act = int(activation_bytes(cfg, micro_batch, seq, precision, recompute and backend != "CPU", layout) * factor)
     return Estimate({
         "parameters": p * 4 + (p * 2 if half else 0),
         "gradients": trainable * DTYPE_BYTES[precision],
         "optimizer": opt,
         **({"master_share": trainable * 4 // layout.dp} if zero and not in_place else {}),
         "activations": act,
+        **outputs,
         "logits": logits,
         "runtime": RUNTIME_BYTES.get(backend, GiB),
     })
@@ -162,25 +196,38 @@ def unsupported(layout: Layout, backend: str) -> str | None:
     return None
 
 
+MODES = ("off", "recompute", "layerwise")
+"""How a layout may save activation memory, cheapest in compute first: none, `pretrain.recompute` (a second forward
+inside the graph; lowers nothing on CPU, module doc), `train.layerwise` (CPU, where `layerwise_applies`: the step one
+layer at a time, 0.6–0.7× the whole-model step's speed at SmolLM2-135M, docs/MEMORY.md "Train")."""
+
+MODE_SETTING = {"off": "pretrain.recompute: false", "recompute": "pretrain.recompute: true",
+                "layerwise": "pretrain.train.layerwise: true"}
+"""What a plan row's mode is in pipelines.yaml."""
+
+
 def plan(cfg: ModelConfig, *, devices: int, device_memory: int, micro_batch: int, seq: int, precision: str,
-         backend: str = "Ascend") -> list[tuple[Layout, bool, Estimate, bool]]:
-    """Every candidate (layout, recompute) with its estimate and whether it fits, best first.
+         backend: str = "Ascend") -> list[tuple[Layout, str, Estimate, bool]]:
+    """Every candidate (layout, mode of MODES) with its estimate and whether it fits, best first.
 
     Layouts this pipeline can run (`unsupported(...) is None`) come before those it cannot.
-    Preference among layouts that fit: no recompute (it costs ~1/3 more compute), then
-    the least model splitting (tensor parallel before pipeline parallel: TP needs fast
-    intra-node links, PP adds bubbles), then optimizer sharding off.
+    Preference among layouts that fit: the cheapest mode (MODES' order: recompute costs ~1/3 more compute, the
+    layer-at-a-time step more), then the least model splitting (tensor parallel before pipeline parallel: TP needs
+    fast intra-node links, PP adds bubbles), then optimizer sharding off.
     """
     rows = []
     for lay in candidate_layouts(cfg, devices):
-        for rc in (False, True):
-            est = estimate(cfg, micro_batch=micro_batch, seq=seq, precision=precision, recompute=rc, layout=lay, backend=backend)
-            rows.append((lay, rc, est, est.total <= device_memory))
+        for mode in MODES:
+            if mode == "layerwise" and (backend != "CPU" or not layerwise_applies(lay)):
+                continue
+            est = estimate(cfg, micro_batch=micro_batch, seq=seq, precision=precision, recompute=mode == "recompute",
+                           layerwise=mode == "layerwise", layout=lay, backend=backend)
+            rows.append((lay, mode, est, est.total <= device_memory))
 
     def rank(r):
-        lay, rc, est, fits = r
-        return (not fits, unsupported(lay, backend) is not None, rc, lay.tp * lay.pp, lay.pp, lay.optimizer_shard,
-                est.total)
+        lay, mode, est, fits = r
+        return (not fits, unsupported(lay, backend) is not None, MODES.index(mode), lay.tp * lay.pp, lay.pp,
+                lay.optimizer_shard, est.total)
 
     rows.sort(key=rank)
     return rows
@@ -218,13 +265,23 @@ def machine_fit_errors(cfg, prefix: str, machine_bytes: int | None = None) -> li
     for key, micro, s, kw in (
         ("pretrain.train.loop.micro_batch_size", ptr.loop.micro_batch_size, seq,
          {"precision": ptr.precision.dtype, "recompute": pt.recompute, "layout": lay,
-          "fused_kernels": ptr.fused_kernels}),
+          "fused_kernels": ptr.fused_kernels, "layerwise": ptr.layerwise}),
         ("finetune.train.loop.micro_batch_size", ftr.loop.micro_batch_size, ft.seq_length or seq,
-         {"trainable_fraction": 0.05 if ft.method == "lora" else 1.0, "fused_kernels": ftr.fused_kernels}),
+         {"trainable_fraction": 0.05 if ft.method == "lora" else 1.0, "fused_kernels": ftr.fused_kernels,
+          "layerwise": ftr.layerwise}),
     ):
         est = estimate(mc, micro_batch=micro, seq=s, backend="CPU", **kw)
         need = est.total * (local if key.startswith("pretrain") else 1)
         if need > have:
+            stage = key.split(".")[0]
+            lw = estimate(mc, micro_batch=micro, seq=s, backend="CPU", **{**kw, "layerwise": True})
+            lw_need = lw.total * (local if stage == "pretrain" else 1)
+            if not kw["layerwise"] and lw.total < est.total and lw_need <= have:  # the step one layer at a time fits
+                errs.append(f"{prefix}.{stage}.train.layerwise: false, and {micro} × seq_length {s} with model "
+                            f"{cfg.model.preset} needs about {need / GiB:,.1f} GiB by the memory plan but this machine "
+                            f"has {have / GiB:.1f} GiB; set {stage}.train.layerwise: true (the step one decoder layer "
+                            f"at a time: about {lw_need / GiB:,.1f} GiB, at ~0.6–0.7× the speed) or lower {key}")
+                continue
             ranks = f" × {local} ranks on this node" if local > 1 and key.startswith("pretrain") else ""
             big = max(est.parts, key=est.parts.get)
             if est.total <= have:  # one process fits: the device count is what does not
