@@ -210,7 +210,7 @@ class LayerwiseTrainStep(TrainStep):
         xs = [x]
         for ps in self.chunks:
             xs.append(self._layer(xs[-1], cos, sin, mask, *_views(ps)))
-            xs[-1].asnumpy()  # wait for it: queued graph calls ran ~1.3x slower (SmolLM2-135M, 2 cores)
+            xs[-1].asnumpy()  # wait for it where the host queue is async: queued calls ran ~1.3x slower (135M, 2 cores)
         return xs, cos, sin, mask
 
     def eval_loss(self, ids, labels) -> Tensor:
