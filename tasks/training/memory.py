@@ -112,8 +112,7 @@ def layer_activation_bytes(cfg: ModelConfig, micro_batch: int, seq: int, precisi
     """What one layer keeps for its backward, for one micro-batch."""
     s, b, h, a = seq, micro_batch, cfg.hidden_size, cfg.num_heads
     kv = cfg.num_kv_heads * cfg.head_dim
-    f = cfg.intermediate_size
-    t = tp
+    f, t = cfg.intermediate_size, tp
     # elements per token kept for backward in one layer:
     #   norms' inputs/outputs 4h, q,k,v (h + 2kv)/t, rope'd q,k (h + kv)/t, attention context h/t,
     #   scores + softmax 2·a·s/t (+ the fp32 mask-add), o_proj out h, MLP gate/up/act/product 4f/t
@@ -270,19 +269,21 @@ def machine_fit_errors(cfg, prefix: str, machine_bytes: int | None = None) -> li
          {"trainable_fraction": 0.05 if ft.method == "lora" else 1.0, "fused_kernels": ftr.fused_kernels,
           "layerwise": ftr.layerwise}),
     ):
+        stage = key.split(".")[0]
+        procs = local if stage == "pretrain" else 1  # the pretrain ranks of this node share its memory
         est = estimate(mc, micro_batch=micro, seq=s, backend="CPU", **kw)
-        need = est.total * (local if key.startswith("pretrain") else 1)
+        need = est.total * procs
         if need > have:
-            stage = key.split(".")[0]
-            lw = estimate(mc, micro_batch=micro, seq=s, backend="CPU", **{**kw, "layerwise": True})
-            lw_need = lw.total * (local if stage == "pretrain" else 1)
-            if not kw["layerwise"] and lw.total < est.total and lw_need <= have:  # the step one layer at a time fits
+            lw = None if kw["layerwise"] else estimate(mc, micro_batch=micro, seq=s, backend="CPU",
+                                                        **{**kw, "layerwise": True})
+            lw_need = lw.total * procs if lw is not None else 0
+            if lw is not None and lw.total < est.total and lw_need <= have:  # the step one layer at a time fits
                 errs.append(f"{prefix}.{stage}.train.layerwise: false, and {micro} × seq_length {s} with model "
                             f"{cfg.model.preset} needs about {need / GiB:,.1f} GiB by the memory plan but this machine "
                             f"has {have / GiB:.1f} GiB; set {stage}.train.layerwise: true (the step one decoder layer "
                             f"at a time: about {lw_need / GiB:,.1f} GiB, at ~0.6–0.7× the speed) or lower {key}")
                 continue
-            ranks = f" × {local} ranks on this node" if local > 1 and key.startswith("pretrain") else ""
+            ranks = f" × {local} ranks on this node" if procs > 1 else ""
             big = max(est.parts, key=est.parts.get)
             if est.total <= have:  # one process fits: the device count is what does not
                 errs.append(f"{prefix}.parallel.device_num: {par.device_num} ranks, {local} on this node, need about "
