@@ -37,6 +37,7 @@ from mindspore import Parameter, Tensor, nn, ops
 
 from model.runtime import weight_slot
 from tasks.training.adamw import AdamW
+from tasks.training.layer_grad import actor_thread_branch, layer_functions
 from tasks.training.mesh import Mesh
 from tasks.training.parallelize import parallelize_optimizer
 from tasks.training.step import TrainStep, causal_lm_loss_fn
@@ -146,9 +147,9 @@ class _HeadGrad(nn.Cell):
         loss = self.net.loss_fn(self.net.head_logits(x), labels) * weight
         return loss * scale, loss
 
-    def construct(self, x, labels, weight, scale):
+    def construct(self, x, labels, weight, scale, flag):
         (_, loss), grads = self.grad(x, labels, weight, scale)
-        return loss, grads
+        return loss, grads, actor_thread_branch(flag)
 
 
 class LayerwiseTrainStep(TrainStep):
@@ -165,14 +166,17 @@ class LayerwiseTrainStep(TrainStep):
     def _compile(self, loss_fn, params, optimizer, accumulation, zero, reduce_grads, reduce_loss) -> None:
         net = self.net
         layers = list(net.layers)
-        g = layers_per_graph(len(layers))
-        template, targets, load = weight_slot(layers[:g])  # g consecutive layers per call of the layer graphs
+        # the layer's forward and written-out backward as functions of its weights (tasks/training/layer_grad.py):
+        # no recomputed forward, no template; else the autodiff layer graph over a template of g layers
+        self.fn = layer_functions(net)
+        self.flag = Tensor(0, ms.int32)  # the graphs' never-taken branch (layer_grad.actor_thread_branch)
+        g = 1 if self.fn is not None else layers_per_graph(len(layers))
         self.layer_params = [tuple(p for _, p in layer.parameters_and_names()) for layer in layers]
         self.chunks = [sum(self.layer_params[i:i + g], ()) for i in range(0, len(layers), g)]
         self.tied = bool(net.config.tie_embeddings)
         self.embed = net.embed_tokens.weight
         head = self.embed if self.tied else net.lm_head.weight
-        head_params = [net.norm.weight, head]  # the head is the embedding when tied
+        self.head_params = head_params = [net.norm.weight, head]  # the head is the embedding when tied
         # where each optimizer parameter's gradient comes from: ("layer", i, j), ("head", j) or ("embed",)
         where = {id(p): ("layer", i, j) for i, ps in enumerate(self.layer_params) for j, p in enumerate(ps)}
         where.update({id(p): ("head", j) for j, p in enumerate(head_params)})
@@ -181,9 +185,11 @@ class LayerwiseTrainStep(TrainStep):
         self.head_slots = [self.slot[where[id(p)]] for p in head_params]
 
         self._first = ms.jit(_Graph(net, _prologue))
-        self._layer = ms.jit(_Graph(template, _chunk_forward(load)))
-        self._layer_grad = ms.jit(_LayerGrad(template, targets, load))
-        self._head_grad = ms.jit(_HeadGrad(net, head_params))
+        if self.fn is None:
+            template, targets, load = weight_slot(layers[:g])  # g consecutive layers per call of the layer graphs
+            self._layer = ms.jit(_Graph(template, _chunk_forward(load)))
+            self._layer_grad = ms.jit(_LayerGrad(template, targets, load))
+            self._head_grad = ms.jit(_HeadGrad(net, head_params))
         self._head_loss = ms.jit(_Graph(net, _head_loss))
 
         # one process (no reduction): the gradient norm comes from the host (`_host_norm`), so the update graph holds
@@ -205,19 +211,27 @@ class LayerwiseTrainStep(TrainStep):
 
         self._apply_grads = apply_normed if self.host_norm else apply
 
-    def _inputs(self, ids: np.ndarray):
+    def _inputs(self, ids: np.ndarray, keep: bool = True):
+        """(each layer's input and the last layer's output, what each layer's backward needs (`layer_grad.SAVED`;
+        nothing on the autodiff path, or with `keep` False), cos, sin, mask)."""
         x, cos, sin, mask = self._first(Tensor(ids))
-        xs = [x]
+        xs, saved = [x], []
         for ps in self.chunks:
-            xs.append(self._layer(xs[-1], cos, sin, mask, *_views(ps)))
-            xs[-1].asnumpy()  # wait for it where the host queue is async: queued calls ran ~1.3x slower (135M, 2 cores)
-        return xs, cos, sin, mask
+            if self.fn is not None:
+                y, *kept, _ = self.fn.forward(xs[-1], cos, sin, self.flag, *_views(ps))
+                saved.append(tuple(kept) if keep else None)
+                del kept
+            else:
+                y = self._layer(xs[-1], cos, sin, mask, *_views(ps))
+            xs.append(y)
+            y.asnumpy()  # wait for it where the host queue is async: queued calls ran ~1.3x slower (135M, 2 cores)
+        return xs, saved, cos, sin, mask
 
     def eval_loss(self, ids, labels) -> Tensor:
         """The mean loss of one batch (validation), one layer at a time."""
         ids = ids.asnumpy() if isinstance(ids, Tensor) else np.asarray(ids)
         labels = labels if isinstance(labels, Tensor) else Tensor(np.asarray(labels))
-        xs, *_ = self._inputs(ids)
+        xs, *_ = self._inputs(ids, keep=False)
         return self._head_loss(xs[-1], labels)
 
     def _micro_grads(self, ids: np.ndarray, labels: np.ndarray, weight: Tensor, scale: Tensor, first: bool):
@@ -232,8 +246,12 @@ class LayerwiseTrainStep(TrainStep):
             else:
                 acc[k] += g
 
-        xs, cos, sin, mask = self._inputs(ids)
-        loss, (dx, head_grads) = self._head_grad(xs[-1], Tensor(labels), weight, scale)
+        xs, saved, cos, sin, mask = self._inputs(ids)
+        if self.fn is not None:
+            loss, dx, *head_grads, _ = self.fn.head(xs[-1], Tensor(labels), weight, scale, self.flag,
+                                                    *_views(self.head_params))
+        else:
+            loss, (dx, head_grads), _ = self._head_grad(xs[-1], Tensor(labels), weight, scale, self.flag)
         xs[-1] = None
         for k, g in zip(self.head_slots, head_grads):  # the tied head's is the embedding's, its rows added below
             put(k, g.asnumpy())
@@ -241,7 +259,11 @@ class LayerwiseTrainStep(TrainStep):
         n = len(self.layer_params[0])  # parameters per layer
         per = len(self.chunks[0]) // n  # layers per chunk
         for i in reversed(range(len(self.chunks))):
-            (dx, *_), dws = self._layer_grad(xs[i], cos, sin, mask, dx, *_views(self.chunks[i]))
+            if self.fn is not None:
+                dx, *dws, _ = self.fn.backward(xs[i], cos, sin, self.flag, dx, *saved[i], *_views(self.chunks[i]))
+                saved[i] = None
+            else:
+                (dx, *_), dws = self._layer_grad(xs[i], cos, sin, mask, dx, *_views(self.chunks[i]))
             for j, w in enumerate(dws):
                 put(slot[("layer", i * per + j // n, j % n)], w.asnumpy())
             del dws  # the graph's output buffers go back to MindSpore's pool for the next layer's call
