@@ -12,13 +12,14 @@ from mindspore import Tensor
 from helpers import decoder_reduction, fp32_tol
 from model.config import ModelConfig
 from tasks.training.build import build_network
+from tasks.training.layer_grad import functional_unsupported
 from tasks.training.layerwise import LayerwiseTrainStep, causal_lm_train_step, layerwise_unsupported, train_step
 from tasks.training.step import TrainStep, causal_lm_loss_fn
 
 
-def _net(tied: bool):
+def _net(tied: bool, fused: bool = True):
     cfg = ModelConfig.from_dict({**ModelConfig.from_name("tiny").to_dict(), "tie_embeddings": tied})
-    built = build_network("llama", cfg, seed=0, fused_kernels=True)  # the trainer's cells (plain where none build)
+    built = build_network("llama", cfg, seed=0, fused_kernels=fused)  # the trainer's cells (plain where none build)
     # norm weights apart from 1 and from each other: a layer run with another layer's norm weight shows
     rng = np.random.default_rng(3)
     for name, p in built.net.parameters_and_names():
@@ -27,18 +28,23 @@ def _net(tied: bool):
     return cfg, built
 
 
-@pytest.mark.integration  # ~20 s: both steps compiled for two model variants
-@pytest.mark.parametrize("tied", [True, False])
-def test_layer_at_a_time_equals_the_whole_model_step(tied):
+@pytest.mark.integration  # ~10 s each: both steps compiled
+@pytest.mark.parametrize("tied,fused", [(True, True), (False, True), (True, False)],
+                         ids=["tied", "untied", "tied-builtin-ops"])
+def test_layer_at_a_time_equals_the_whole_model_step(tied, fused):
     """Three steps of two masked micro-batches (accumulation, token weights, clipping active), then a non-finite
-    step (loss scale 0) that must change nothing: the same loss and gradient norm each step, the same weights."""
+    step (loss scale 0) that must change nothing: the same loss and gradient norm each step, the same weights.
+    With the fused kernels the layers run the written-out backward (tasks/training/layer_grad.py), with MindSpore's
+    own ops the autodiff layer graph."""
     runs = []
     for layerwise in (False, True):
-        cfg, built = _net(tied)
+        cfg, built = _net(tied, fused)
         net = built.net
         step = causal_lm_train_step(net, net.trainable_params(), accumulation=2, grad_clip=0.5,
                                     in_place=built.kernels.optimizer, layerwise=layerwise)
         assert isinstance(step, LayerwiseTrainStep) == layerwise
+        if layerwise:
+            assert (step.fn is not None) == built.kernels.fused, functional_unsupported(net)
         rng = np.random.default_rng(1)
         out = []
         for s in range(1, 4):
@@ -85,6 +91,11 @@ def test_where_it_cannot_run_the_whole_model_step_runs_and_says_why():
     assert type(step) is TrainStep and how == "whole model"  # the default: train.layerwise is false
     assert layerwise_unsupported(net, params) is None
     assert "tensor parallel" in layerwise_unsupported(net, params, SimpleNamespace(tp=2))
+    # the written-out layer backward needs the fused fp32 kernels; elsewhere the autodiff layer graph runs
+    assert functional_unsupported(net) is None or not built.kernels.fused
+    assert functional_unsupported(_net(True, fused=False)[1].net) == "the fused kernels are off"
+    half = build_network("llama", cfg, seed=0, precision="fp16", fused_kernels=True).net
+    assert functional_unsupported(half) == "fp16 compute"
 
 
 @pytest.mark.integration  # ~10 s

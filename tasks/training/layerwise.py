@@ -4,22 +4,31 @@ layer through ONE layer graph and ONE layer-gradient graph instead of one whole-
 
 Why (docs/MEMORY.md, "Train"): MindSpore's CPU graph keeps a buffer for every kernel of a compiled graph for the
 life of the process (docs/MINDSPORE_CPU.md, "Memory"), so the whole-model step holds every layer's forward and
-backward intermediates at once, and `recompute()` does not change that. Here:
+backward intermediates at once, and `recompute()` does not change that. Here, with the fused fp32 kernels (the
+trainer's build on CPU; tasks/training/layer_grad.py):
 
-1. forward: the prologue graph (`net.layer_inputs`: embeddings, RoPE tables, mask), then the layer graph once per
-   layer, each layer's weights assigned into a copy of layer 0 inside the graph (`model.runtime.weight_slot`: the
-   eval scorer's mechanism), keeping only each layer's input [B, T, H];
-2. the head graph: final norm, LM head and the model's loss cell (the fused cross-entropy where the build swapped
-   it in), returning the loss and its gradients at the last hidden state and at the norm / head weights;
-3. backward: the layer-gradient graph once per layer from the last, recomputing that layer's forward from its
-   kept input (GradOperation with the upstream gradient as sens): d(input) and the layer's weight gradients;
+1. forward: the prologue graph (`net.layer_inputs`: embeddings, RoPE tables, mask), then the layer's forward once
+   per layer, its weights graph inputs (plain Tensors over the Parameters' memory), keeping each layer's input and
+   what its backward reads (`layer_grad.SAVED`: queries, keys, values, attention output, gate, up);
+2. the head: final norm, LM head and the fused cross-entropy with their backward written out, returning the loss
+   and its gradients at the last hidden state and at the norm / head weights;
+3. backward: the layer's written-out backward once per layer from the last, from what its forward kept (no
+   forward run again): d(input) and the layer's weight gradients;
 4. the embedding's gradient: the first layer's d(input) summed onto the ids' rows (plus the head's, tied);
 5. the update: one graph, the same as `TrainStep`'s accumulate-then-apply: reduce over the data-parallel group,
    global gradient norm, clip, finite check, AdamW (the trainer's own optimizer cell and kernel).
 
+Without them (no compiler, fp16 compute: `layer_grad.functional_unsupported`), steps 1-3 run MindSpore's autodiff:
+the layer graph over a copy of layer 0 whose weights are assigned inside each call (`model.runtime.weight_slot`,
+the eval scorer's mechanism), the head through `value_and_grad`, and the layer-gradient graph recomputing each
+layer's forward from its kept input (GradOperation with the upstream gradient as sens).
+
 Every gradient is kept until the update (the norm needs all of them before any weight moves); the activations are
-one layer's. The graphs are static (a train step's shapes are fixed; the fused cells fail in dynamic-shape graphs
-in MindSpore 2.10); a new batch shape compiles its own, as the whole-model step does.
+one layer's working set plus what each backward reads. The graphs are static (a train step's shapes are fixed; the
+fused cells fail in dynamic-shape graphs in MindSpore 2.10); a new batch shape compiles its own, as the whole-model
+step does. Each graph of the step has a never-taken branch (`layer_grad.actor_thread_branch`): MindSpore then runs
+it on its actor thread instead of the calling thread, whose spinning beside the kernel pool cost the small graphs
+~1/3 of their MatMul speed on 2 cores.
 
 Where it does not apply, `layerwise_unsupported` says why and the trainer runs the whole-model `TrainStep`:
 tensor parallel (the layers hold collectives), a parameter set that is not the whole model (LoRA: the base weights
@@ -85,14 +94,15 @@ def _host_norm(arrays) -> float:
 
 
 class _Graph(nn.Cell):
-    """`fn(target, *args)` as a Cell (for `ms.jit`): static shapes, the fused cells run (they fail in dynamic ones)."""
+    """`fn(target, *args)` as a Cell (for `ms.jit`): static shapes, the fused cells run (they fail in dynamic ones).
+    The last argument is the never-taken branch's flag; returns (fn's result, the flag)."""
 
     def __init__(self, target, fn):
         super().__init__(auto_prefix=False)
         self.target, self.fn = target, fn
 
     def construct(self, *args):
-        return self.fn(self.target, *args)
+        return self.fn(self.target, *args[:-1]), actor_thread_branch(args[-1])
 
 
 def _prologue(net, ids):
@@ -130,8 +140,8 @@ class _LayerGrad(nn.Cell):
         return x
 
     def construct(self, *args):
-        x, cos, sin, mask, dy, ws = args[0], args[1], args[2], args[3], args[4], args[5:]
-        return self.grad(self.run, self.weights)(self.load(x, ws), cos, sin, mask, dy)
+        x, cos, sin, mask, dy, flag, ws = args[0], args[1], args[2], args[3], args[4], args[5], args[6:]
+        return self.grad(self.run, self.weights)(self.load(x, ws), cos, sin, mask, dy), actor_thread_branch(flag)
 
 
 class _HeadGrad(nn.Cell):
@@ -214,7 +224,7 @@ class LayerwiseTrainStep(TrainStep):
     def _inputs(self, ids: np.ndarray, keep: bool = True):
         """(each layer's input and the last layer's output, what each layer's backward needs (`layer_grad.SAVED`;
         nothing on the autodiff path, or with `keep` False), cos, sin, mask)."""
-        x, cos, sin, mask = self._first(Tensor(ids))
+        (x, cos, sin, mask), _ = self._first(Tensor(ids), self.flag)
         xs, saved = [x], []
         for ps in self.chunks:
             if self.fn is not None:
@@ -222,7 +232,7 @@ class LayerwiseTrainStep(TrainStep):
                 saved.append(tuple(kept) if keep else None)
                 del kept
             else:
-                y = self._layer(xs[-1], cos, sin, mask, *_views(ps))
+                y, _ = self._layer(xs[-1], cos, sin, mask, *_views(ps), self.flag)
             xs.append(y)
             y.asnumpy()  # wait for it where the host queue is async: queued calls ran ~1.3x slower (135M, 2 cores)
         return xs, saved, cos, sin, mask
@@ -232,7 +242,7 @@ class LayerwiseTrainStep(TrainStep):
         ids = ids.asnumpy() if isinstance(ids, Tensor) else np.asarray(ids)
         labels = labels if isinstance(labels, Tensor) else Tensor(np.asarray(labels))
         xs, *_ = self._inputs(ids, keep=False)
-        return self._head_loss(xs[-1], labels)
+        return self._head_loss(xs[-1], labels, self.flag)[0]
 
     def _micro_grads(self, ids: np.ndarray, labels: np.ndarray, weight: Tensor, scale: Tensor, first: bool):
         """One micro-batch's forward and backward; its gradients (× weight × scale) written (`first`) or added into
@@ -263,7 +273,7 @@ class LayerwiseTrainStep(TrainStep):
                 dx, *dws, _ = self.fn.backward(xs[i], cos, sin, self.flag, dx, *saved[i], *_views(self.chunks[i]))
                 saved[i] = None
             else:
-                (dx, *_), dws = self._layer_grad(xs[i], cos, sin, mask, dx, *_views(self.chunks[i]))
+                ((dx, *_), dws), _ = self._layer_grad(xs[i], cos, sin, mask, dx, self.flag, *_views(self.chunks[i]))
             for j, w in enumerate(dws):
                 put(slot[("layer", i * per + j // n, j % n)], w.asnumpy())
             del dws  # the graph's output buffers go back to MindSpore's pool for the next layer's call

@@ -21,9 +21,10 @@ Parts, per device:
   graph keeps the recomputed forward's buffers too, measured 5.10 vs 4.93 GB at SmolLM2-135M, so
   recompute lowers nothing there); a pipeline stage holds up to `pp` micro-batches in flight (1F1B);
 - layerwise (`train.layerwise`, tasks/training/layerwise.py, where it applies: `layerwise_applies`):
-  each layer's input plus ONE layer's working set, and `graph_outputs`: the head graph's weight
-  gradient and one layer's gradients, fresh buffers before they are copied into the step's
-  gradient arrays (measured peaks: docs/MEMORY.md "Train");
+  each layer's input plus ONE layer's working set, with the fused fp32 kernels also what each layer's
+  written-out backward reads (`layer_saved_bytes`, tasks/training/layer_grad.py SAVED), and
+  `graph_outputs`: the head graph's weight gradient and one layer's gradients, fresh buffers before
+  they are copied into the step's gradient arrays (measured peaks: docs/MEMORY.md "Train");
 - logits: the [B, T, V] logits, their softmax and gradient (fp32); with the fused cross-entropy
   (train.fused_kernels) only the logits and their gradient;
 - runtime: the framework's own resident memory (CPU: the MindSpore process after
@@ -45,6 +46,9 @@ GiB = 2**30
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # Resident memory of a MindSpore training process beyond the tensors (measured here, CPU).
 RUNTIME_BYTES = {"CPU": int(0.615 * GiB), "GPU": int(1.0 * GiB), "Ascend": int(2.0 * GiB)}
+# The same process running the layer-at-a-time step with the written-out layer backward (tasks/training/layer_grad.py):
+# no whole-model graph is compiled, only small layer graphs (measured: tiny 8 x 64, 0.47 GiB peak in all).
+RUNTIME_BYTES_LAYERWISE = {"CPU": int(0.45 * GiB)}
 # Graph-mode executors keep more intermediates than the textbook minimum: on CPU every
 # intermediate of the compiled step keeps its own buffer for the whole step (measured
 # here: peak RSS (VmHWM) of tiny / small / tiny-llama-bench steps, scripts/measure_rss.py).
@@ -120,6 +124,14 @@ def layer_activation_bytes(cfg: ModelConfig, micro_batch: int, seq: int, precisi
     return s * b * per_token * DTYPE_BYTES[precision]
 
 
+def layer_saved_bytes(cfg: ModelConfig, micro_batch: int, seq: int) -> int:
+    """What the layer-at-a-time step keeps per layer between its forward and its written-out backward (fused fp32
+    kernels: tasks/training/layer_grad.py SAVED): roped queries and keys, values, attention output, the residual
+    after attention, gate and up, per token; fp32."""
+    h, kv, f = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    return micro_batch * seq * (3 * h + 2 * kv + 2 * f) * 4
+
+
 def activation_bytes(cfg: ModelConfig, micro_batch: int, seq: int, precision: str, recompute: bool,
                      layout: Layout) -> int:
     s, b, h, e = seq, micro_batch, cfg.hidden_size, DTYPE_BYTES[precision]
@@ -145,10 +157,13 @@ def estimate(cfg: ModelConfig, *, micro_batch: int, seq: int, precision: str = "
     opt = trainable * 8 // (layout.dp if layout.optimizer_shard else 1)
     logits = (2 if fused else 3) * micro_batch * seq * cfg.vocab_size * 4
     factor = ACTIVATION_FACTOR_FUSED[backend] if fused else ACTIVATION_FACTOR.get(backend, 1.0)
-    outputs = {}
+    outputs, runtime = {}, RUNTIME_BYTES.get(backend, GiB)
     if layerwise and layerwise_applies(layout, trainable_fraction):
         one = layer_activation_bytes(cfg, micro_batch, seq, precision) * factor
         act = int(cfg.num_layers * micro_batch * seq * cfg.hidden_size * DTYPE_BYTES[precision] + one)
+        if fused and not half:  # the written-out backward reads what the forward kept (no recomputed forward)
+            act += cfg.num_layers * layer_saved_bytes(cfg, micro_batch, seq)
+            runtime = RUNTIME_BYTES_LAYERWISE.get(backend, runtime)
         # the head graph's gradient of the [V, H] head (the embedding when tied) and of the final norm, then one
         # layer's gradients: fresh output buffers until copied into the step's arrays (the `gradients` part)
         outputs = {"graph_outputs": (cfg.vocab_size * cfg.hidden_size + cfg.hidden_size + layer_params(cfg)) * 4}
@@ -163,7 +178,7 @@ def estimate(cfg: ModelConfig, *, micro_batch: int, seq: int, precision: str = "
         "activations": act,
         **outputs,
         "logits": logits,
-        "runtime": RUNTIME_BYTES.get(backend, GiB),
+        "runtime": runtime,
     })
 
 
