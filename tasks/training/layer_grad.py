@@ -35,6 +35,7 @@ from mindspore import Tensor, nn, ops
 
 from model.fused_cells import FusedCausalLMLoss, FusedCausalSoftmax, FusedRMSNorm, FusedSwiGLU
 from model.layers import Linear
+from model.runtime import actor_thread_branch
 
 SAVED = ("q", "k", "v", "context", "mid", "gate", "up")
 """What the forward keeps for the backward, in order: roped and scaled queries [B, nkv, rep·T, hd], roped keys and
@@ -65,17 +66,6 @@ def functional_unsupported(net) -> str | None:
 _ORDER = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
           "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight",
           "post_attention_layernorm.weight")
-
-
-def actor_thread_branch(flag):
-    """Graph code: a branch on a graph input, never taken (`flag` is a 0-d int32 0), returned as an extra output. It
-    gives the graph control-flow actors, and MindSpore then runs it on its actor thread, not on the calling thread:
-    a graph of at most 100 kernels without control flow runs on the caller, which hands every task of a
-    multi-threaded kernel (MatMul) to the two-thread pool and spins beside it (docs/MINDSPORE_CPU.md, "Threads").
-    A chain of 30 [256, 576] x [576, 576] MatMuls, 2 cores (AMD EPYC, AVX-512): 2.0 ms per MatMul without, 1.3 with."""
-    if flag > 0:
-        flag = flag + 1
-    return flag
 
 
 class _Ops(nn.Cell):

@@ -26,7 +26,7 @@ layer's forward from its kept input (GradOperation with the upstream gradient as
 Every gradient is kept until the update (the norm needs all of them before any weight moves); the activations are
 one layer's working set plus what each backward reads. The graphs are static (a train step's shapes are fixed; the
 fused cells fail in dynamic-shape graphs in MindSpore 2.10); a new batch shape compiles its own, as the whole-model
-step does. Each graph of the step has a never-taken branch (`layer_grad.actor_thread_branch`): MindSpore then runs
+step does. Each graph of the step has a never-taken branch (`model.runtime.actor_thread_branch`): MindSpore then runs
 it on its actor thread instead of the calling thread, whose spinning beside the kernel pool cost the small graphs
 ~1/3 of their MatMul speed on 2 cores.
 
@@ -44,9 +44,9 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
-from model.runtime import weight_slot
+from model.runtime import actor_thread_branch, weight_slot
 from tasks.training.adamw import AdamW
-from tasks.training.layer_grad import actor_thread_branch, layer_functions
+from tasks.training.layer_grad import layer_functions
 from tasks.training.mesh import Mesh
 from tasks.training.parallelize import parallelize_optimizer
 from tasks.training.step import TrainStep, causal_lm_loss_fn
@@ -179,7 +179,7 @@ class LayerwiseTrainStep(TrainStep):
         # the layer's forward and written-out backward as functions of its weights (tasks/training/layer_grad.py):
         # no recomputed forward, no template; else the autodiff layer graph over a template of g layers
         self.fn = layer_functions(net)
-        self.flag = Tensor(0, ms.int32)  # the graphs' never-taken branch (layer_grad.actor_thread_branch)
+        self.flag = Tensor(0, ms.int32)  # the graphs' never-taken branch (model.runtime.actor_thread_branch)
         g = 1 if self.fn is not None else layers_per_graph(len(layers))
         self.layer_params = [tuple(p for _, p in layer.parameters_and_names()) for layer in layers]
         self.chunks = [sum(self.layer_params[i:i + g], ()) for i in range(0, len(layers), g)]

@@ -213,7 +213,7 @@ def unsupported(layout: Layout, backend: str) -> str | None:
 MODES = ("off", "recompute", "layerwise")
 """How a layout may save activation memory, cheapest in compute first: none, `pretrain.recompute` (a second forward
 inside the graph; lowers nothing on CPU, module doc), `train.layerwise` (CPU, where `layerwise_applies`: the step one
-layer at a time, 0.6–0.7× the whole-model step's speed at SmolLM2-135M, docs/MEMORY.md "Train")."""
+layer at a time, ~0.9× the whole-model step's speed at SmolLM2-135M, docs/MEMORY.md "Train")."""
 
 MODE_SETTING = {"off": "pretrain.recompute: false", "recompute": "pretrain.recompute: true",
                 "layerwise": "pretrain.train.layerwise: true"}
@@ -296,7 +296,7 @@ def machine_fit_errors(cfg, prefix: str, machine_bytes: int | None = None) -> li
                 errs.append(f"{prefix}.{stage}.train.layerwise: false, and {micro} × seq_length {s} with model "
                             f"{cfg.model.preset} needs about {need / GiB:,.1f} GiB by the memory plan but this machine "
                             f"has {have / GiB:.1f} GiB; set {stage}.train.layerwise: true (the step one decoder layer "
-                            f"at a time: about {lw_need / GiB:,.1f} GiB, at ~0.6–0.7× the speed) or lower {key}")
+                            f"at a time: about {lw_need / GiB:,.1f} GiB, at ~0.9× the speed) or lower {key}")
                 continue
             ranks = f" × {local} ranks on this node" if procs > 1 else ""
             big = max(est.parts, key=est.parts.get)
