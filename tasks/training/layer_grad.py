@@ -3,12 +3,14 @@ step (tasks/training/layerwise.py): the forward returns what the backward needs,
 layer's forward again.
 
     fn = layer_functions(net)            # None where they do not apply (the reason: functional_unsupported(net))
-    y, *saved = fn.forward(x, cos, sin, *ws)          # ws: the layer's weights in parameters_and_names() order
-    dx, *dws = fn.backward(x, cos, sin, dy, *saved, *ws)
+    flag = Tensor(0, ms.int32)           # model.runtime.actor_thread_branch's never-taken branch
+    y, *saved, _ = fn.forward(x, cos, sin, flag, *ws)  # ws: the layer's weights in parameters_and_names() order
+    dx, *dws, _ = fn.backward(x, cos, sin, flag, dy, *saved, *ws)
+    loss, dx, dnorm, dhead, _ = fn.head(x, labels, weight, scale, flag, norm_weight, head_weight)
 
-Why (docs/MEMORY.md, "Train"): through autodiff, the layer-gradient graph had to recompute the layer's forward from
-its input (GradOperation differentiates the function it runs), a third of its time (SmolLM2-135M, 2 x 128, 2 cores:
-~18 of 51 ms per layer), and each layer's weights were assigned into a template layer inside every graph call. Here
+Why (docs/MEMORY.md, "Train"): through autodiff, the layer-gradient graph had to run the layer's forward again from
+its input (GradOperation differentiates the function it runs: a third of the layer's FLOPs), and each layer's
+weights were assigned into a template layer inside every graph call. Here
 the weights are plain graph inputs (no template, no copy) and the backward is written out: every projection's
 gradients are two MatMuls, RoPE's is its transpose, the attention's the four BatchMatMuls and the fused softmax's
 backward, RMSNorm's and SwiGLU's the fused kernels' own backward (model/train_kernels.cc). The same kernels as the
