@@ -72,6 +72,55 @@ def test_layer_at_a_time_equals_the_whole_model_step(tied, fused):
                                    err_msg=name)
 
 
+@pytest.mark.integration  # ~5 s
+def test_written_out_layer_backward_equals_autodiff():
+    """One layer (grouped-query heads, norm weights apart from 1): the written-out forward and backward
+    (tasks/training/layer_grad.py) against the layer cell and GradOperation on it, from the same input and upstream
+    gradient. A wrong term (a transposed MatMul, RoPE's sign, a missing residual, the 1/sqrt(hd) scale) is off by
+    the gradient's own size; another order of the same sums by fp32 rounding."""
+    from mindspore import nn, ops
+
+    from model.runtime import actor_thread_branch
+    from tasks.training.layer_grad import layer_functions
+    from tasks.training.layerwise import _Graph, _prologue
+
+    cfg, built = _net(True)
+    net = built.net
+    fn = layer_functions(net)
+    if fn is None:
+        pytest.skip(f"the written-out backward needs the fused kernels: {functional_unsupported(net)}")
+    layer = net.layers[1]
+    flag = Tensor(0, ms.int32)
+    rng = np.random.default_rng(5)
+    ids = Tensor(rng.integers(0, cfg.vocab_size, (2, 16)).astype(np.int32))
+    (x, cos, sin, mask), _ = ms.jit(_Graph(net, _prologue))(ids, flag)
+    ws = [Tensor(p.asnumpy()) for _, p in layer.parameters_and_names()]
+    y, *saved, _ = fn.forward(x, cos, sin, flag, *ws)
+    dy = Tensor(rng.normal(size=y.shape).astype(np.float32))
+    dx, *dws, _ = fn.backward(x, cos, sin, flag, dy, *saved, *ws)
+
+    class Reference(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.layer, self.weights = layer, ms.ParameterTuple(p for _, p in layer.parameters_and_names())
+            self.grad = ops.GradOperation(get_all=True, get_by_list=True, sens_param=True)
+
+        def run(self, x, cos, sin, mask):
+            return self.layer(x, cos, sin, mask)
+
+        def construct(self, x, cos, sin, mask, dy, flag):
+            return self.run(x, cos, sin, mask), self.grad(self.run, self.weights)(x, cos, sin, mask, dy), \
+                actor_thread_branch(flag)
+
+    y_ref, ((dx_ref, *_), dws_ref), _ = ms.jit(Reference())(x, cos, sin, mask, dy, flag)
+    n = decoder_reduction(ModelConfig.from_dict({**cfg.to_dict(), "num_layers": 1}), 16) + 2 * 32  # + backward's
+    names = ["y", "dx"] + [name for name, _ in layer.parameters_and_names()]
+    for name, a, b in zip(names, [y, dx, *dws], [y_ref, dx_ref, *dws_ref]):
+        a, b = a.asnumpy(), b.asnumpy()
+        assert a.shape == b.shape, name
+        np.testing.assert_allclose(a, b, rtol=0, atol=fp32_tol(np.abs(b).max(), n), err_msg=name)
+
+
 def test_where_it_cannot_run_the_whole_model_step_runs_and_says_why():
     cfg, built = _net(True)
     net = built.net
