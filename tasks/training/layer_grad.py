@@ -15,7 +15,8 @@ the weights are plain graph inputs (no template, no copy) and the backward is wr
 gradients are two MatMuls, RoPE's is its transpose, the attention's the four BatchMatMuls and the fused softmax's
 backward, RMSNorm's and SwiGLU's the fused kernels' own backward (model/train_kernels.cc). The same kernels as the
 model's fused cells (model/fused_cells.py), so the arithmetic is the model's; the gradients equal autodiff's to
-fp32 rounding (tests/test_layerwise.py compares the whole step with the whole-model step).
+fp32 rounding (tests/test_layerwise.py: one layer against GradOperation, the whole step against the whole-model
+step).
 
 Kept per layer between forward and backward ([N = B·T] rows): the roped, scaled queries and the roped keys, the
 values, the attention's output before o_proj, the residual after attention, the MLP's gate and up projections
@@ -91,9 +92,6 @@ class _Ops(nn.Cell):
         self.bmm_bt = ops.BatchMatMul(transpose_b=True)
         self.bmm_at = ops.BatchMatMul(transpose_a=True)
 
-    def branch(self, flag):
-        return actor_thread_branch(flag)
-
     def heads(self, y, b, t, n):
         """[N, n·hd] -> [B, n, T, hd]"""
         return ops.transpose(y.reshape(b, t, n, self.hd), (0, 2, 1, 3))
@@ -132,7 +130,7 @@ class _Forward(_Ops):
         m = self.rms(mid, n2, self.eps)
         gate, up = self.mm_bt(m, wg), self.mm_bt(m, wu)                       # [N, F]
         y = mid + self.mm_bt(self.swiglu(gate, up), wd)
-        return y.reshape(b, t, h), q, k, v, context, mid, gate, up, self.branch(flag)
+        return y.reshape(b, t, h), q, k, v, context, mid, gate, up, actor_thread_branch(flag)
 
 
 class _Backward(_Ops):
@@ -161,7 +159,7 @@ class _Backward(_Ops):
         a = self.rms(x2, n1, self.eps)
         dwq, dwk, dwv = self.mm_at(dq, a), self.mm_at(dk, a), self.mm_at(dv, a)
         dx, dn1 = self.rms_grad(x2, n1, self.eps, self.mm(dq, wq) + self.mm(dk, wk) + self.mm(dv, wv))
-        return (dmid + dx).reshape(b, t, h), dwq, dwk, dwv, dwo, dwg, dwu, dwd, dn1, dn2, self.branch(flag)
+        return (dmid + dx).reshape(b, t, h), dwq, dwk, dwv, dwo, dwg, dwu, dwd, dn1, dn2, actor_thread_branch(flag)
 
 
 class _Head(nn.Cell):
@@ -198,6 +196,5 @@ def layer_functions(net) -> SimpleNamespace | None:
     `functional_unsupported(net)` says why not."""
     if functional_unsupported(net) is not None:
         return None
-    return SimpleNamespace(forward=ms.jit(_Forward(net)), backward=ms.jit(_Backward(net)), head=ms.jit(_Head(net)),
-                           saved=len(SAVED))
+    return SimpleNamespace(forward=ms.jit(_Forward(net)), backward=ms.jit(_Backward(net)), head=ms.jit(_Head(net)))
 
