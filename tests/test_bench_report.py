@@ -42,3 +42,47 @@ def test_isa_avx2_caps_each_library_and_the_kernels():
     assert env["ATEN_CPU_CAPABILITY"] == "avx2" and env["MKL_ENABLE_INSTRUCTIONS"] == "AVX2"
     assert env["OPENBLAS_CORETYPE"] == "Haswell"
     assert all(f.startswith("AVX512") for f in env.get("NPY_DISABLE_CPU_FEATURES", "").split())
+
+
+_WORKER = """import json, sys
+if sys.argv[1] == "fail":
+    print("no such model", file=sys.stderr)
+    sys.exit(3)
+print("a line that is not JSON")
+print(json.dumps({"ready": True}), flush=True)
+times = [float(t) for t in sys.argv[1].split(",")]
+for i, line in enumerate(sys.stdin):
+    if line.strip() != "run":
+        break
+    print(json.dumps({"step_s": times[i], "loss": 2.0}), flush=True)
+print(json.dumps({"peak_rss_bytes": 7, "loss": 2.0, "step_s": -1.0}), flush=True)
+"""
+
+
+def test_interleaved_sides_time_in_rounds_and_ratios_stay_within_a_round():
+    """`train.py --rounds`: each side's step_s is the median of its rounds and a ratio the median of the rounds'
+    ratios: a machine twice as slow in one round moves both sides of that round, not the ratio. A side that
+    fails before it is ready is an error line (a compile failure) or, where fatal, the bench's one error."""
+    import sys
+
+    import pytest
+
+    for name, mod in (("host", host), ("report", report)):  # train.py's own imports, as when run from scripts/bench
+        sys.modules.setdefault(name, mod)
+    try:
+        train = load_bench("train")
+    finally:
+        for name, mod in (("host", host), ("report", report)):
+            if sys.modules.get(name) is mod:
+                del sys.modules[name]
+    a = argparse.Namespace(rounds=3, batch=2, seq=4)
+    cmd = lambda kind, extra: [sys.executable, "-c", _WORKER, kind]  # noqa: E731  (kind: the worker's step times)
+    specs = {"ours": ("1.0,2.0,1.0", [], True), "ref": ("1.1,2.2,1.2", [], True), "broken": ("fail", [], False)}
+    out = train._interleaved(specs, cmd, {}, a)
+    assert out["ours"]["rounds_step_s"] == [1.0, 2.0, 1.0] and out["ours"]["step_s"] == 1.0
+    assert out["ours"]["tokens_per_s"] == 8.0 and out["ours"]["peak_rss_bytes"] == 7
+    assert out["broken"] == {"error": "exit 3: no such model"}
+    # rounds 1.1x, 1.1x, 1.2x: the median ratio 1.1 (the ratio of the medians would say 1.2, the mean 1.13)
+    assert abs(train._ratio(out["ours"], out["ref"]) - 1.1) < 1e-12
+    with pytest.raises(SystemExit, match="broken side failed"):
+        train._interleaved({"broken": ("fail", [], True)}, cmd, {}, a)

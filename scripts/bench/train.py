@@ -3,7 +3,8 @@
 Identical shapes (default `tiny-llama-bench`: vocab 8192, hidden 256, ffn 688, 4 layers, 8 heads, 4 KV
 heads, micro batch 8 × seq 256; `smollm2-135m`: micro batch 2 × seq 128), fp32, AdamW, global-norm clip
 1.0, the same step on every side: forward, loss, backward, clip, AdamW. Each side runs in its own process
-(so peak RSS is its own), one after the other, with `--threads` (2) threads:
+(so peak RSS is its own), one after the other (`--rounds N`: all alive, timed in turn N times), with `--threads`
+(2) threads:
 
 - `ms`: this trainer's step (`causal_lm_train_step`; fused kernels as `pretrain.train.fused_kernels`, the body
   `kernel_body` names: avx512 / avx2 / neon / scalar, forced with MSLLM_KERNEL_ISA or `--isa`; the trainer's
@@ -30,6 +31,8 @@ and is not emulated), prints to stdout and is appended to docs/bench/results.jso
     python scripts/bench/train.py --isa avx2                              # both sides as on an AVX2-only CPU
     python scripts/bench/train.py --preset smollm2-135m --steps 5          # continued-pretraining shapes, 2 × 128
     python scripts/bench/train.py --preset smollm2-135m --layerwise        # + the step one layer at a time
+    python scripts/bench/train.py --preset smollm2-135m --layerwise --rounds 3   # sides alive at once, timed
+        in turn, three rounds: each ratio within a round (a shared VM's speed drifts by ~30% over minutes)
     python scripts/bench/train.py --profile /tmp/prof [--steps 3]         # MindSpore side only:
         MindSpore's Profiler over `--steps` steps; one JSON line with the time by op category
         (MatMul, BatchMatMul, reductions, element-wise, softmax kernels, data movement,
@@ -46,8 +49,10 @@ import collections
 import glob
 import json
 import os
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -80,25 +85,45 @@ def _ms(a: argparse.Namespace) -> dict:
                                 layerwise=a.layerwise_side)
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (a.batch, a.seq + 1)).astype(np.int32)
     batch = [(ids[:, :-1], ids[:, 1:])]
-    for s in range(a.warmup):
-        step(batch, 1e-4, s + 1)
-    prof = None
-    if a.profile:
-        from mindspore.profiler import Profiler
+    steps = iter(range(1, 1 << 30))
+    for _ in range(a.warmup):
+        step(batch, 1e-4, next(steps))
+    info = {"fused_kernels": built.kernels.fused, "step": type(step).__name__,
+            "kernel_body": kernel_path() if built.kernels.fused else built.kernels.model,
+            "flops_per_token": cfg.flops_per_token(a.seq)}
+    if not a.profile:
+        return _timed(a, lambda: step(batch, 1e-4, next(steps))[0], info)
+    from mindspore.profiler import Profiler
 
-        prof = Profiler(output_path=a.profile)
-    t0 = time.perf_counter()
-    for s in range(a.steps):
-        loss = step(batch, 1e-4, a.warmup + s + 1)[0]
-    dt = time.perf_counter() - t0
-    res = {"tokens_per_s": a.steps * a.batch * a.seq / dt, "peak_rss_bytes": peak_rss_bytes(),
-           "fused_kernels": built.kernels.fused, "step": type(step).__name__,
-           "kernel_body": kernel_path() if built.kernels.fused else built.kernels.model,
-           "flops_per_token": cfg.flops_per_token(a.seq), "loss": loss, "step_s": dt / a.steps}
-    if prof is not None:
-        prof.analyse()
-        res["profile"] = profile_breakdown(a.profile, a.steps, dt / a.steps)
-    return res
+    prof = Profiler(output_path=a.profile)
+    res = _timed(a, lambda: step(batch, 1e-4, next(steps))[0], info)
+    prof.analyse()
+    return {**res, "profile": profile_breakdown(a.profile, a.steps, res["step_s"])}
+
+
+def _timed(a: argparse.Namespace, one, info: dict, extra=None) -> dict:
+    """`info` and the timing of `one()` (a step, returning its loss), warmed up already. One run: `--steps` steps,
+    then peak RSS. `--worker` (`--rounds` > 1): a JSON line {"ready"}, then per "run" line on stdin `--steps` steps
+    and a line with their step_s, until "done": then the result (peak RSS over every round). `extra()`: more
+    figures, measured after the timing."""
+    def run() -> tuple[float, float]:
+        t0 = time.perf_counter()
+        for _ in range(a.steps):
+            loss = one()
+        return (time.perf_counter() - t0) / a.steps, loss
+
+    if a.worker:
+        print(json.dumps({"ready": True}), flush=True)
+        for line in sys.stdin:
+            if line.strip() != "run":
+                break
+            step_s, loss = run()
+            print(json.dumps({"step_s": step_s, "loss": loss}), flush=True)
+    else:
+        step_s, loss = run()
+    res = {**info, "tokens_per_s": a.batch * a.seq / step_s, "peak_rss_bytes": peak_rss_bytes(), "loss": loss,
+           "step_s": step_s}
+    return {**res, **(extra() if extra else {})}
 
 
 def _torch(a: argparse.Namespace) -> dict:
@@ -133,28 +158,24 @@ def _torch(a: argparse.Namespace) -> dict:
         opt.step()
         return float(loss.detach())
 
-    res = {"attn": attn, "compiled": a.compile, "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    info = {"attn": attn, "compiled": a.compile, "cpu_capability": torch.backends.cpu.get_cpu_capability()}
     t0 = time.perf_counter()
     try:
         one()
     except Exception as exc:  # noqa: BLE001  (only a compiled step gets here: reported, not fatal)
         if not a.compile:
             raise
-        return {**res, "error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}"}
+        return {**info, "error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}"}
     if a.compile:
-        res["compile_s"] = time.perf_counter() - t0  # the first step: tracing, inductor codegen, g++
+        info["compile_s"] = time.perf_counter() - t0  # the first step: tracing, inductor codegen, g++
     for _ in range(a.warmup - 1):
         one()
-    t0 = time.perf_counter()
-    for _ in range(a.steps):
-        loss = one()
-    dt = time.perf_counter() - t0
-    res.update(tokens_per_s=a.steps * a.batch * a.seq / dt, peak_rss_bytes=peak_rss_bytes(), loss=loss,
-               step_s=dt / a.steps)
-    if a.sgemm:
+
+    def sgemm() -> dict:
         m = torch.randn(SGEMM_N, SGEMM_N)
-        res["sgemm_flops"] = 2 * SGEMM_N**3 / _best_time(lambda: torch.mm(m, m))
-    return res
+        return {"sgemm_flops": 2 * SGEMM_N**3 / _best_time(lambda: torch.mm(m, m))}
+
+    return _timed(a, one, info, sgemm if a.sgemm else None)
 
 
 def _best_time(fn, repeats: int = 3) -> float:
@@ -175,6 +196,62 @@ def _peak(a: argparse.Namespace) -> dict:
     m = np.random.default_rng(0).standard_normal((SGEMM_N, SGEMM_N)).astype(np.float32)
     return {"theoretical": theo, "theoretical_how": how, "mindspore": measure_peak_flops(n=SGEMM_N, repeats=3),
             "numpy": 2 * SGEMM_N**3 / _best_time(lambda: m @ m)}
+
+
+# ---- interleaved sides ---------------------------------------------------------------------------
+
+
+def _json_line(p: subprocess.Popen) -> dict | None:
+    """The next JSON line a worker prints (other output skipped); None when it has exited."""
+    for line in p.stdout:
+        if line.startswith("{"):
+            return json.loads(line)
+    return None
+
+
+def _interleaved(specs: dict, cmd, env: dict, a: argparse.Namespace) -> dict:
+    """`--rounds`: every side started and warmed up in turn (no compilation beside a timed step), then `a.rounds`
+    rounds in which each side times `--steps` steps in turn while the others wait on stdin; step_s is the median
+    over the rounds, `rounds_step_s` each round's (for `_ratio`), peak RSS the side's own over all of them."""
+    procs, out = {}, {}
+    for name, (kind, extra, fatal) in specs.items():
+        err = tempfile.TemporaryFile("w+")
+        p = subprocess.Popen(cmd(kind, [*extra, "--worker"]), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=err, text=True, env=env)
+        first = _json_line(p)
+        if first is not None and "ready" in first:
+            procs[name] = (p, err)
+            continue
+        p.wait()
+        err.seek(0)
+        tail = [ln for ln in err.read().strip().splitlines() if ln.strip()][-1:] or [""]
+        if first is None and fatal:
+            raise SystemExit(f"the {name} side failed (exit {p.returncode}): {tail[0][:3000]}")
+        out[name] = first if first is not None else {"error": f"exit {p.returncode}: {tail[0][:300]}"}
+    times = {name: [] for name in procs}
+    for _ in range(a.rounds):
+        for name, (p, _) in procs.items():
+            p.stdin.write("run\n")
+            p.stdin.flush()
+            r = _json_line(p)
+            if r is None:
+                raise SystemExit(f"the {name} side exited during the rounds (exit {p.wait()})")
+            times[name].append(r["step_s"])
+    for name, (p, err) in procs.items():
+        p.stdin.write("done\n")
+        p.stdin.flush()
+        res, step_s = _json_line(p), statistics.median(times[name])
+        p.wait()
+        out[name] = {**res, "step_s": step_s, "tokens_per_s": a.batch * a.seq / step_s, "rounds_step_s": times[name]}
+    return out
+
+
+def _ratio(x: dict, y: dict) -> float:
+    """x's speed over y's: the median of the rounds' ratios where both ran in rounds (each within one round), else
+    the ratio of their single runs."""
+    if "rounds_step_s" in x and "rounds_step_s" in y:
+        return statistics.median(ty / tx for tx, ty in zip(x["rounds_step_s"], y["rounds_step_s"]))
+    return x["tokens_per_s"] / y["tokens_per_s"]
 
 
 # ---- profile breakdown ------------------------------------------------------------------------
@@ -266,6 +343,11 @@ def main() -> None:
                     help="MindSpore's own ops only (pretrain.train.fused_kernels: false; a machine without g++)")
     add_isa_arg(ap)
     add_record_args(ap)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="every side alive at once, timed in turn this many rounds (each ratio the median of the "
+                         "rounds' ratios): drift of a shared machine between sides becomes drift between rounds; "
+                         "needs the sides' memory at once (tiny and 135M: yes; the 360M shape: no)")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--side", choices=["ms", "torch", "peak"], default=None, help=argparse.SUPPRESS)
     ap.add_argument("--attn", default="sdpa", help=argparse.SUPPRESS)
     ap.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)
@@ -282,9 +364,11 @@ def main() -> None:
     common = ["--steps", str(a.steps), "--warmup", str(a.warmup), "--preset", a.preset, "--batch", str(a.batch),
               "--seq", str(a.seq), "--threads", str(a.threads), *(["--no-fused"] if a.no_fused else [])]
 
+    def cmd(name: str, extra) -> list[str]:
+        return [sys.executable, __file__, "--side", name, *common, *extra]
+
     def side(name: str, extra: list[str] = (), fatal: bool = True) -> dict:
-        out = subprocess.run([sys.executable, __file__, "--side", name, *common, *extra],
-                             capture_output=True, text=True, env=env)
+        out = subprocess.run(cmd(name, extra), capture_output=True, text=True, env=env)
         if out.returncode:
             if fatal:
                 raise SystemExit(f"the {name} {' '.join(extra)} side failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
@@ -297,13 +381,17 @@ def main() -> None:
         print(json.dumps({"bench": "train_profile", "preset": a.preset, "batch": a.batch, "seq": a.seq,
                           "steps": a.steps, "tokens_per_s": round(ms_["tokens_per_s"], 1), **ms_["profile"]}))
         return
-    ms_ = side("ms")
-    layerwise = side("ms", ["--layerwise-side"]) if a.layerwise else None
-    hf = {"sdpa": side("torch", ["--attn", "sdpa", "--sgemm"])}
-    if "eager" in baselines:
-        hf["eager"] = side("torch", ["--attn", "eager"])
-    if "compile" in baselines:
-        hf["compile"] = side("torch", ["--attn", "sdpa", "--compile"], fatal=False)  # a failure is a result
+    specs = {"ms": ("ms", [], True), **({"layerwise": ("ms", ["--layerwise-side"], True)} if a.layerwise else {}),
+             "sdpa": ("torch", ["--attn", "sdpa", "--sgemm"], True),
+             **({"eager": ("torch", ["--attn", "eager"], True)} if "eager" in baselines else {}),
+             # a compile failure is a result
+             **({"compile": ("torch", ["--attn", "sdpa", "--compile"], False)} if "compile" in baselines else {})}
+    if a.rounds > 1:
+        runs = _interleaved(specs, cmd, env, a)
+    else:
+        runs = {name: side(kind, extra, fatal) for name, (kind, extra, fatal) in specs.items()}
+    ms_, layerwise = runs["ms"], runs.get("layerwise")
+    hf = {k: runs[k] for k in ("sdpa", "eager", "compile") if k in runs}
     peak = side("peak")
     fpt = ms_["flops_per_token"]
     measured = {"mindspore": peak["mindspore"], "numpy": peak["numpy"], "torch": hf["sdpa"]["sgemm_flops"]}
@@ -317,22 +405,24 @@ def main() -> None:
         out = {"tokens_per_s": round(r["tokens_per_s"], 1), "step_s": round(r["step_s"], 3),
                "mfu": round(r["tokens_per_s"] * fpt / denominator, 4), "peak_rss_gb": round(r["peak_rss_bytes"] / 1e9, 2),
                "loss": round(r["loss"], 4)}
+        if "rounds_step_s" in r:
+            out["rounds_step_s"] = [round(v, 3) for v in r["rounds_step_s"]]
         for k in ("attn", "cpu_capability", "compile_s"):
             if k in r:
                 out[k] = round(r[k], 1) if isinstance(r[k], float) else r[k]
         return out
 
     res = {"bench": "train", **describe(a.threads), "preset": a.preset, "batch": a.batch, "seq": a.seq,
-           "steps": a.steps, "fused_kernels": ms_["fused_kernels"], "kernel_body": ms_["kernel_body"],
+           "steps": a.steps, "rounds": a.rounds, "fused_kernels": ms_["fused_kernels"], "kernel_body": ms_["kernel_body"],
            "step": ms_["step"], **figures(ms_), "hf": {k: figures(v) for k, v in hf.items()}}
     if layerwise is not None:
         res["ms_layerwise"] = {**figures(layerwise), "ratio_vs_compile": round(
-            layerwise["tokens_per_s"] / hf["compile"]["tokens_per_s"], 3) if "tokens_per_s" in hf.get("compile", {}) else None,
+            _ratio(layerwise, hf["compile"]), 3) if "tokens_per_s" in hf.get("compile", {}) else None,
             "rss_ratio": round(layerwise["peak_rss_bytes"] / hf["sdpa"]["peak_rss_bytes"], 2)}
     for k, v in hf.items():
         if "tokens_per_s" in v:
             suffix = "" if k == "sdpa" else f"_vs_{k}"
-            res[f"ratio{suffix}"] = round(ms_["tokens_per_s"] / v["tokens_per_s"], 3)
+            res[f"ratio{suffix}"] = round(_ratio(ms_, v), 3)
             res[f"rss_ratio{suffix}"] = round(ms_["peak_rss_bytes"] / v["peak_rss_bytes"], 2)
     res.update(peak_gflops=round(denominator / 1e9, 1), peak_how=peak_how,
                theoretical_gflops=round(peak["theoretical"] / 1e9, 1),
