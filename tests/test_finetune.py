@@ -214,6 +214,31 @@ def test_stage_trains_a_small_adapter_that_names_its_base_and_merges_exactly(env
     np.testing.assert_allclose(net_m(ids).asnumpy(), want, atol=tol, rtol=0)
 
 
+def test_lora_one_layer_at_a_time_trains_the_same_adapter(env, capfd):
+    """`finetune.train.layerwise: true` with LoRA on q and v: the stage runs the layer-at-a-time step (the log says
+    so; the adapters' gradients written out, base and head frozen), its first loss is the whole-model step's to fp32
+    rounding (the same weights), and it trains (the arithmetic against the whole-model step, step by step:
+    tests/test_layerwise.py)."""
+    from tasks.store.model_artifact import model_config
+    root, base, data = env
+    losses = {}
+    for layerwise in (False, True):
+        store = ArtifactStore(root)
+        cfg = _cfg(data, "finetune.lora.target_modules=q_proj|v_proj", f"finetune.train.layerwise={str(layerwise).lower()}")
+        path = finetune.run(cfg, store, base, isolate=False, progress=False)
+        err = capfd.readouterr().err
+        assert ("[train] step: layer at a time" in err) == layerwise, err[-2000:]
+        rows = [json.loads(x) for x in (path / "metrics.jsonl").read_text().splitlines()]
+        losses[layerwise] = [(r["step"], r["loss"]) for r in rows if "loss" in r and "step" in r]
+        assert (path / "adapter.safetensors").is_file()
+    (whole, layer) = losses[False], losses[True]
+    assert [s for s, _ in whole] == [s for s, _ in layer] and len(whole) >= 12
+    cfg = model_config(base)
+    n = decoder_reduction(cfg, 64) + cfg.vocab_size + 4 * 64  # the decoder, the log-softmax, the mean over tokens
+    assert abs(whole[0][1] - layer[0][1]) <= fp32_tol(abs(whole[0][1]) + 1.0, n), (whole[0], layer[0])
+    assert all(np.isfinite(v) for _, v in layer) and layer[-1][1] < layer[0][1]
+
+
 def test_merge_refuses_a_base_that_changed(env, tmp_path):
     import shutil
 

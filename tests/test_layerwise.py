@@ -29,22 +29,35 @@ def _net(tied: bool, fused: bool = True):
 
 
 @pytest.mark.integration  # ~10 s each: both steps compiled
-@pytest.mark.parametrize("tied,fused", [(True, True), (False, True), (True, False)],
-                         ids=["tied", "untied", "tied-builtin-ops"])
-def test_layer_at_a_time_equals_the_whole_model_step(tied, fused):
+@pytest.mark.parametrize("tied,fused,lora", [(True, True, False), (False, True, False), (True, False, False),
+                                             (True, True, True)], ids=["tied", "untied", "tied-builtin-ops", "lora"])
+def test_layer_at_a_time_equals_the_whole_model_step(tied, fused, lora):
     """Three steps of two masked micro-batches (accumulation, token weights, clipping active), then a non-finite
     step (loss scale 0) that must change nothing: the same loss and gradient norm each step, the same weights.
     With the fused kernels the layers run the written-out backward (tasks/training/layer_grad.py), with MindSpore's
-    own ops the autodiff layer graph."""
+    own ops the autodiff layer graph. LoRA (q, v and down, rank 4, B random: at B = 0 a wrong d A would hide): only
+    the adapters' gradients, through frozen base weights and head; the base weights do not move."""
+    from model.lora import inject_lora, mark_only_lora_trainable
+
     runs = []
     for layerwise in (False, True):
         cfg, built = _net(tied, fused)
         net = built.net
-        step = causal_lm_train_step(net, net.trainable_params(), accumulation=2, grad_clip=0.5,
+        params = net.trainable_params()
+        if lora:
+            inject_lora(net, "q_proj,v_proj,down_proj", rank=4, alpha=8.0)
+            rng = np.random.default_rng(7)
+            for name, p in net.parameters_and_names():
+                if name.endswith("lora_B"):
+                    p.set_data(Tensor(rng.normal(0, 0.05, p.shape).astype(np.float32)))
+            base = {p.name: p.asnumpy().copy() for p in net.trainable_params()}
+            params = mark_only_lora_trainable(net)
+        step = causal_lm_train_step(net, params, accumulation=2, grad_clip=0.5,
                                     in_place=built.kernels.optimizer, layerwise=layerwise)
         assert isinstance(step, LayerwiseTrainStep) == layerwise
         if layerwise:
             assert (step.fn is not None) == built.kernels.fused, functional_unsupported(net)
+            assert step.lora == lora
         rng = np.random.default_rng(1)
         out = []
         for s in range(1, 4):
@@ -57,6 +70,10 @@ def test_layer_at_a_time_equals_the_whole_model_step(tied, fused):
         assert not finite
         for p in net.trainable_params():
             np.testing.assert_array_equal(p.asnumpy(), before[p.name], err_msg=p.name)
+        if lora:  # frozen: the base weights, norms and embedding exactly as before the steps
+            for p in net.get_parameters():
+                if p.name in base and not p.requires_grad:
+                    np.testing.assert_array_equal(p.asnumpy(), base[p.name], err_msg=p.name)
         runs.append((out, before))
     (whole, w_params), (layer, l_params) = runs
     n = decoder_reduction(cfg, 16) + cfg.vocab_size + 64

@@ -75,8 +75,12 @@ def test_layer_at_a_time_in_the_estimate_and_the_cpu_plan():
     assert lw.parts["activations"] < whole.parts["activations"] / 3
     assert kept < lw.parts["activations"] < kept + 2 * whole.parts["activations"] / cfg.num_layers
     assert lw.total < whole.total
-    for other in (dict(trainable_fraction=0.05), dict(layout=Layout(tp=2))):  # LoRA, tensor parallel: the whole step
+    # tensor parallel: the whole step; LoRA: layer at a time with the written-out functions (fused fp32), else whole
+    for other in (dict(layout=Layout(tp=2)), dict(trainable_fraction=0.05, fused_kernels=False)):
         assert estimate(cfg, **kw, **other, layerwise=True).parts == estimate(cfg, **kw, **other).parts
+    lora, lora_lw = estimate(cfg, **kw, trainable_fraction=0.05), estimate(cfg, **kw, trainable_fraction=0.05,
+                                                                             layerwise=True)
+    assert lora_lw.parts["activations"] == lw.parts["activations"] and lora_lw.total < lora.total
     assert estimate(cfg, **kw, recompute=True).parts == whole.parts  # CPU
     assert estimate(cfg, **kw, recompute=True, backend="GPU").total < estimate(cfg, **kw, backend="GPU").total
     between = (lw.total + whole.total) // 2

@@ -10,7 +10,8 @@ process, one after the other, so its peak RSS is its own (MindSpore keeps graph 
 
     python scripts/bench/finetune.py [--preset small] [--steps 10] [--warmup 2] [--batch 8] [--seq 128]
     python scripts/bench/finetune.py --preset tiny --steps 2 --warmup 1     # a smoke run (seconds)
-    python scripts/bench/finetune.py --preset smollm2-135m --batch 2 --seq 128 --steps 4   # the issue-33 shape
+    python scripts/bench/finetune.py --preset smollm2-135m --batch 2 --seq 128 --steps 4 --layerwise   # + LoRA one
+        layer at a time (`lora_layerwise`), at the issue-33 shape
 
 The line is labelled with the CPU and ISA (scripts/bench/host.py) and appended to docs/bench/results.jsonl
 (`--results`, `--tag`; scripts/bench/report.py writes docs/BENCHMARKS.md). Output fields per variant: trainable_params, trainable_share, step_s (mean over
@@ -56,14 +57,16 @@ def run_variant(variant: str, preset: str, steps: int, warmup: int, batch: int, 
 
     cfg = ModelConfig.from_name(preset)
     seq = min(seq, cfg.max_seq_length)
-    net = build_network("llama", cfg, seed=0).net
-    if variant == "lora":
+    built = build_network("llama", cfg, seed=0, fused_kernels=True)  # as the trainer builds it (train.fused_kernels)
+    net = built.net
+    if variant.startswith("lora"):
         inject_lora(net, targets, rank=rank, alpha=2.0 * rank)
         params = mark_only_lora_trainable(net)
     else:
         params = net.trainable_params()
     summary = trainable_summary(net)
-    step = causal_lm_train_step(net, params, weight_decay=0.0)
+    step = causal_lm_train_step(net, params, weight_decay=0.0, in_place=built.kernels.optimizer,
+                                layerwise=variant == "lora_layerwise")
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, seq + 1)).astype(np.int32)
     micro = [(ids[:, :-1], ids[:, 1:])]
     rss_before = _rss()
@@ -77,7 +80,7 @@ def run_variant(variant: str, preset: str, steps: int, warmup: int, batch: int, 
     for s in range(steps):
         loss = step(micro, 1e-4, warmup + s + 1)[0]
     dt = (time.perf_counter() - t0) / max(steps, 1)
-    return {"trainable_params": summary.trainable, "total_params": summary.total,
+    return {"step": type(step).__name__, "trainable_params": summary.trainable, "total_params": summary.total,
             "trainable_share": round(summary.share, 6), "step_s": round(dt, 4),
             "tokens_per_s": round(batch * seq / dt, 1), "first_step_s": round(first_step_s, 2),
             "peak_rss_bytes": _rss(), "rss_before_train_bytes": rss_before,
@@ -158,7 +161,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--targets", default="q_proj,v_proj")
-    ap.add_argument("--variant", choices=["lora", "full", "hf_lora"], help=argparse.SUPPRESS)  # the per-variant child
+    ap.add_argument("--layerwise", action="store_true",
+                    help="also LoRA one decoder layer at a time (train.layerwise: true), as `lora_layerwise`")
+    ap.add_argument("--variant", choices=["lora", "full", "hf_lora", "lora_layerwise"],
+                    help=argparse.SUPPRESS)  # the per-variant child
     add_record_args(ap)
     a = ap.parse_args(argv)
     knobs = dict(preset=a.preset, steps=a.steps, warmup=max(1, a.warmup), batch=a.batch, seq=a.seq, rank=a.rank,
@@ -168,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     out = {"bench": "finetune", **describe(threads=int(os.environ.get("OMP_NUM_THREADS", "0")) or None), **knobs}
     env = dict(os.environ, GLOG_v=os.environ.get("GLOG_v", "3"))
-    for variant in ("lora", "full", "hf_lora"):
+    for variant in ("lora", "full", "hf_lora", *(("lora_layerwise",) if a.layerwise else ())):
         cmd = [sys.executable, __file__, "--variant", variant] + [f"--{k}={v}" for k, v in knobs.items()]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if proc.returncode != 0:
@@ -176,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"{variant} run failed with exit code {proc.returncode}")
         out[variant] = json.loads(proc.stdout.strip().splitlines()[-1])
     lo, fu, ref = out["lora"], out["full"], out["hf_lora"]
-    for v in (lo, fu, ref):
+    for v in (lo, fu, ref, *((out["lora_layerwise"],) if a.layerwise else ())):
         v["peak_rss_gb"] = round(v["peak_rss_bytes"] / 1e9, 3)
     out["lora_vs_full"] = {"step_time": round(lo["step_s"] / fu["step_s"], 3),
                            "peak_rss": round(lo["peak_rss_bytes"] / fu["peak_rss_bytes"], 3),
@@ -184,6 +190,10 @@ def main(argv: list[str] | None = None) -> int:
     out["lora_vs_hf_lora"] = {"speed": round(ref["step_s"] / lo["step_s"], 3),
                               "peak_rss": round(lo["peak_rss_bytes"] / ref["peak_rss_bytes"], 3),
                               "trainable_params": round(lo["trainable_params"] / ref["trainable_params"], 6)}
+    if a.layerwise:
+        lw = out["lora_layerwise"]
+        out["lora_layerwise_vs_hf_lora"] = {"speed": round(ref["step_s"] / lw["step_s"], 3),
+                                            "peak_rss": round(lw["peak_rss_bytes"] / ref["peak_rss_bytes"], 3)}
     record(out, a)
     return 0
 

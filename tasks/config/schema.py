@@ -200,10 +200,11 @@ class TrainSection(_Section):
     compiler MindSpore's own ops run: the same math to ~1e-6, slower. false always uses MindSpore's own ops."""
     layerwise: bool = False
     """Run the train step one decoder layer at a time (tasks/training/layerwise.py): the same step and arithmetic with
-    about one layer's activations held instead of the whole model's, at the cost of a second forward per layer
-    (SmolLM2-135M, 2 x 128: 3.3-3.5 GB instead of 4.9, and 0.73x the whole-model step's speed; docs/MEMORY.md,
-    "Train"). For a model whose whole-model step does not fit. Where it does not apply (tensor parallel, LoRA) the
-    whole-model step runs and the log says why."""
+    one layer's working set and what each layer's written-out backward reads held, instead of every buffer of a
+    whole-model graph (SmolLM2-135M, 2 x 128: 3.2 GB instead of 4.9, at 0.84-0.98x the whole-model step's speed and
+    1.1x torch.compile's; docs/MEMORY.md, "Train"). LoRA trains the adapters alone this way (base weights and head
+    frozen). For a model whose whole-model step does not fit. Where it does not apply (tensor parallel; LoRA or fp16
+    without the fused fp32 kernels) the whole-model step runs and the log says why."""
 
 
 FINETUNE_INHERITS = ("optimizer.beta1", "optimizer.beta2", "optimizer.eps", "loop.grad_clip",

@@ -24,9 +24,16 @@ values, the attention's output before o_proj, the residual after attention, the 
 as reading them: both norms' outputs, the attention scores and probabilities (B·nh·T² each: at long sequences the
 largest activation there is), SwiGLU's output.
 
+LoRA: a projection with an adapter (model/lora.py `LoRALinear`, no dropout, not merged) computes x W^T + s (x A^T) B^T
+and its backward d A = s (dy B)^T x, d B = s dy^T (x A^T), d x = dy W + s (dy B) A; with adapters the base weights,
+norms and head are frozen (as `mark_only_lora_trainable` leaves them), so the backward computes no weight gradient but
+the adapters' (a third of a full backward's MatMuls fewer) and the head only d x (`fn.lora`, `fn.trained(layer)`: the
+parameters the backward returns gradients for).
+
 Applies to the fp32 fused build (the kernels that `FusedRMSNorm`, `FusedCausalSoftmax` and `FusedSwiGLU` run, plain
-`Linear` projections, the layers' own heads): elsewhere (no kernel library, fp16 compute, adapters)
-`functional_unsupported` says why and the step keeps the autodiff layer graph.
+`Linear` projections or LoRA adapters on them, the layers' own heads): elsewhere (no kernel library, fp16 compute,
+LoRA dropout) `functional_unsupported` says why and the step keeps the autodiff layer graph (and LoRA the whole-model
+step).
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from mindspore import Tensor, nn, ops
 
 from model.fused_cells import FusedCausalLMLoss, FusedCausalSoftmax, FusedRMSNorm, FusedSwiGLU
 from model.layers import Linear
+from model.lora import LORA_A, LORA_B, LoRALinear
 from model.runtime import actor_thread_branch
 
 SAVED = ("q", "k", "v", "context", "mid", "gate", "up")
@@ -57,26 +65,62 @@ def functional_unsupported(net) -> str | None:
         if not (isinstance(cells[0], FusedCausalSoftmax) and isinstance(cells[1], FusedSwiGLU)
                 and all(isinstance(c, FusedRMSNorm) for c in cells[2:])):
             return "the fused kernels are off"
-        projections = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-        if any(type(p) is not Linear for p in projections):
-            return "a projection is not a plain Linear (an adapter)"
+        projections = _projections(layer)
+        for name, p in zip(_PROJ, projections):
+            if isinstance(p, LoRALinear):
+                if p.dropout > 0 or p.merged:
+                    return f"the LoRA adapter on {name} has dropout or is merged"
+            elif type(p) is not Linear:
+                return f"{name} is a {type(p).__name__}, not a Linear or a LoRA adapter"
+        adapted = tuple(isinstance(p, LoRALinear) for p in projections)
+        if adapted != _adapted(net.layers[0]) or len({p.scaling for p in projections if isinstance(p, LoRALinear)} |
+                                                       {p.scaling for p in _projections(net.layers[0])
+                                                        if isinstance(p, LoRALinear)}) > 1:
+            return "the layers' adapters differ"
         names = [n for n, _ in layer.parameters_and_names()]
-        if names != list(_ORDER):
+        if names != _names(adapted):
             return f"the layer's parameters are {names}"
     return None
 
 
-_ORDER = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
-          "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight",
-          "post_attention_layernorm.weight")
+_PROJ = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+         "mlp.up_proj", "mlp.down_proj")
+_NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight")
+
+
+def _projections(layer) -> tuple:
+    attn, mlp = layer.self_attn, layer.mlp
+    return attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj
+
+
+def _adapted(layer) -> tuple[bool, ...]:
+    """Which of the seven projections carry a LoRA adapter."""
+    return tuple(isinstance(p, LoRALinear) for p in _projections(layer))
+
+
+def _names(adapted) -> list[str]:
+    """A layer's parameters in parameters_and_names() order: each projection's weight, then its adapter's A and B."""
+    names = []
+    for name, a in zip(_PROJ, adapted):
+        names += [f"{name}.weight"] + ([f"{name}.{LORA_A}", f"{name}.{LORA_B}"] if a else [])
+    return names + list(_NORMS)
 
 
 class _Ops(nn.Cell):
-    """The kernels and shapes both graphs share."""
+    """The kernels and shapes both graphs share. The layer's parameters come as one tuple `ps` in parameters_and_names()
+    order; `slots[i]` is where projection i's weight (and its adapter's A and B) sit in it. With adapters (LoRA) only
+    they are trained: the base weights and norms get no gradient."""
 
     def __init__(self, net):
         super().__init__(auto_prefix=False)
         layer = net.layers[0]
+        self.adapted = _adapted(layer)
+        self.lora = any(self.adapted)
+        self.scaling = next((p.scaling for p in _projections(layer) if isinstance(p, LoRALinear)), 1.0)
+        names = _names(self.adapted)
+        self.slots = tuple((names.index(f"{n}.weight"), *((names.index(f"{n}.{LORA_A}"), names.index(f"{n}.{LORA_B}"))
+                                                          if a else (-1, -1))) for n, a in zip(_PROJ, self.adapted))
+        self.norm_slots = (names.index(_NORMS[0]), names.index(_NORMS[1]))
         attn = layer.self_attn
         self.nh, self.nkv, self.hd = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.rep, self.scale = attn.n_rep, attn.scale
@@ -110,6 +154,27 @@ class _Ops(nn.Cell):
         s = dz * ops.broadcast_to(sin, dz.shape)
         return dz * ops.broadcast_to(cos, dz.shape) + self.mm_bt(s.reshape(-1, self.hd), self.rotate).reshape(dz.shape)
 
+    def proj(self, i, x, ps):
+        """Projection i of x [N, in]: x W^T, plus scaling · (x A^T) B^T where it has an adapter."""
+        w, a, b = self.slots[i]
+        y = self.mm_bt(x, ps[w])
+        if self.adapted[i]:
+            y = y + self.mm_bt(self.mm_bt(x, ps[a]), ps[b]) * self.scaling
+        return y
+
+    def back(self, i, x, dy, ps):
+        """(d x, the gradients projection i trains) given its input x and upstream dy: d W = dy^T x without adapters;
+        with one, the base frozen: d A = s (dy B)^T x, d B = s dy^T (x A^T), d x also through the adapter."""
+        w, a, b = self.slots[i]
+        dx = self.mm(dy, ps[w])
+        if self.adapted[i]:
+            t = self.mm(dy, ps[b])                                            # [N, r]
+            dx = dx + self.mm(t, ps[a]) * self.scaling
+            return dx, (self.mm_at(t, x) * self.scaling, self.mm_at(dy, self.mm_bt(x, ps[a])) * self.scaling)
+        if self.lora:
+            return dx, ()
+        return dx, (self.mm_at(dy, x),)
+
     def probs(self, q, k, b, t):
         """The causal attention probabilities [B, nkv, rep·T, T] of the saved queries and keys."""
         scores = self.bmm_bt(q, k)                                            # [B, nkv, rep·T, T]
@@ -117,36 +182,39 @@ class _Ops(nn.Cell):
 
 
 class _Forward(_Ops):
-    def construct(self, x, cos, sin, flag, wq, wk, wv, wo, wg, wu, wd, n1, n2):
+    def construct(self, x, cos, sin, flag, *ps):
         b, t, h = x.shape
+        n1, n2 = ps[self.norm_slots[0]], ps[self.norm_slots[1]]
         x2 = x.reshape(b * t, h)                                              # [N, H]
         a = self.rms(x2, n1, self.eps)
-        q = self.rope(self.heads(self.mm_bt(a, wq), b, t, self.nh), cos, sin) * self.scale  # [B, nh, T, hd]
-        k = self.rope(self.heads(self.mm_bt(a, wk), b, t, self.nkv), cos, sin)              # [B, nkv, T, hd]
-        v = self.heads(self.mm_bt(a, wv), b, t, self.nkv)                                   # [B, nkv, T, hd]
+        q = self.rope(self.heads(self.proj(0, a, ps), b, t, self.nh), cos, sin) * self.scale  # [B, nh, T, hd]
+        k = self.rope(self.heads(self.proj(1, a, ps), b, t, self.nkv), cos, sin)              # [B, nkv, T, hd]
+        v = self.heads(self.proj(2, a, ps), b, t, self.nkv)                                   # [B, nkv, T, hd]
         q = q.reshape(b, self.nkv, self.rep * t, self.hd)  # GQA: a kv head's query heads along the query axis
         context = self.tokens(self.bmm(self.probs(q, k, b, t), v).reshape(b, self.nh, t, self.hd), b, t, self.nh)
-        mid = x2 + self.mm_bt(context, wo)                                    # [N, H]
+        mid = x2 + self.proj(3, context, ps)                                  # [N, H]
         m = self.rms(mid, n2, self.eps)
-        gate, up = self.mm_bt(m, wg), self.mm_bt(m, wu)                       # [N, F]
-        y = mid + self.mm_bt(self.swiglu(gate, up), wd)
+        gate, up = self.proj(4, m, ps), self.proj(5, m, ps)                   # [N, F]
+        y = mid + self.proj(6, self.swiglu(gate, up), ps)
         return y.reshape(b, t, h), q, k, v, context, mid, gate, up, actor_thread_branch(flag)
 
 
 class _Backward(_Ops):
-    def construct(self, x, cos, sin, flag, dy, q, k, v, context, mid, gate, up, wq, wk, wv, wo, wg, wu, wd, n1, n2):
+    def construct(self, x, cos, sin, flag, dy, q, k, v, context, mid, gate, up, *ps):
         b, t, h = x.shape
+        n1, n2 = ps[self.norm_slots[0]], ps[self.norm_slots[1]]
         x2, dy = x.reshape(b * t, h), dy.reshape(b * t, h)
-        # MLP: y = mid + swiglu(gate, up) @ wd^T, gate / up = rms(mid) @ wg^T / wu^T
+        # MLP: y = mid + down(swiglu(gate, up)), gate / up = gate_proj / up_proj of rms(mid)
         m = self.rms(mid, n2, self.eps)
-        dwd = self.mm_at(dy, self.swiglu(gate, up))
-        dgate, dup = self.swiglu_grad(gate, up, self.mm(dy, wd))
-        dwg, dwu = self.mm_at(dgate, m), self.mm_at(dup, m)
-        dmid, dn2 = self.rms_grad(mid, n2, self.eps, self.mm(dgate, wg) + self.mm(dup, wu))
+        dsw, gd = self.back(6, self.swiglu(gate, up), dy, ps)
+        dgate, dup = self.swiglu_grad(gate, up, dsw)
+        dm_gate, gg = self.back(4, m, dgate, ps)
+        dm_up, gu = self.back(5, m, dup, ps)
+        dmid, dn2 = self.rms_grad(mid, n2, self.eps, dm_gate + dm_up)
         dmid = dy + dmid
-        # attention: mid = x + context @ wo^T
-        dwo = self.mm_at(dmid, context)
-        dc = self.heads(self.mm(dmid, wo), b, t, self.nh).reshape(b, self.nkv, self.rep * t, self.hd)
+        # attention: mid = x + o_proj(context)
+        dctx, go = self.back(3, context, dmid, ps)
+        dc = self.heads(dctx, b, t, self.nh).reshape(b, self.nkv, self.rep * t, self.hd)
         p = self.probs(q, k, b, t)
         dv = self.bmm_at(p, dc)                                               # [B, nkv, T, hd]
         ds = self.softmax_grad(p.reshape(b * self.nh, t, t), self.bmm_bt(dc, v).reshape(b * self.nh, t, t))
@@ -157,15 +225,19 @@ class _Backward(_Ops):
         dk = self.tokens(self.rope_grad(dk, cos, sin), b, t, self.nkv)
         dv = self.tokens(dv, b, t, self.nkv)
         a = self.rms(x2, n1, self.eps)
-        dwq, dwk, dwv = self.mm_at(dq, a), self.mm_at(dk, a), self.mm_at(dv, a)
-        dx, dn1 = self.rms_grad(x2, n1, self.eps, self.mm(dq, wq) + self.mm(dk, wk) + self.mm(dv, wv))
-        return (dmid + dx).reshape(b, t, h), dwq, dwk, dwv, dwo, dwg, dwu, dwd, dn1, dn2, actor_thread_branch(flag)
+        da_q, gq = self.back(0, a, dq, ps)
+        da_k, gk = self.back(1, a, dk, ps)
+        da_v, gv = self.back(2, a, dv, ps)
+        dx, dn1 = self.rms_grad(x2, n1, self.eps, da_q + da_k + da_v)
+        grads = gq + gk + gv + go + gg + gu + gd + (() if self.lora else (dn1, dn2))  # the trained ones, in order
+        return ((dmid + dx).reshape(b, t, h),) + grads + (actor_thread_branch(flag),)
 
 
 class _Head(nn.Cell):
     """The final norm, the LM head and the fused cross-entropy with their backward written out, 2-D throughout (no
     [B, T, V] view of the logits: a Reshape is a copy on CPU, and autodiff's head graph took ~1.3x as long, tiny 8 x
-    256). Returns (loss x weight, d x [B, T, H] of loss x weight x scale, d norm weight, d head weight)."""
+    256). Returns (loss x weight, d x [B, T, H] of loss x weight x scale, d norm weight, d head weight); with LoRA
+    adapters in the layers (the head frozen) the last two are left out."""
 
     def __init__(self, net):
         super().__init__(auto_prefix=False)
@@ -174,6 +246,7 @@ class _Head(nn.Cell):
         ce = net.loss_fn.cross_entropy
         self.ce, self.ce_grad = ce.forward_op, ce.backward_op
         self.mm, self.mm_bt, self.mm_at = ops.MatMul(), ops.MatMul(transpose_b=True), ops.MatMul(transpose_a=True)
+        self.frozen = any(_adapted(net.layers[0]))  # LoRA: the head trains nothing, only d x is needed
 
     def construct(self, x, labels, weight, scale, flag, norm_w, head_w):
         b, t, h = x.shape
@@ -186,15 +259,21 @@ class _Head(nn.Cell):
         loss = nll.sum() / count * weight
         dnll = ops.broadcast_to((weight * scale / count).reshape(1), nll.shape)  # ignored rows: the kernel gives 0
         dlogits = self.ce_grad(logits, labels, lse, dnll)
-        dhead = self.mm_at(dlogits, xn)                                       # [V, H]
         dx, dnorm = self.rms_grad(x2, norm_w, self.eps, self.mm(dlogits, head_w))
+        if self.frozen:
+            return loss, dx.reshape(b, t, h), actor_thread_branch(flag)
+        dhead = self.mm_at(dlogits, xn)                                       # [V, H]
         return loss, dx.reshape(b, t, h), dnorm, dhead, actor_thread_branch(flag)
 
 
 def layer_functions(net) -> SimpleNamespace | None:
     """The compiled forward and backward of one of `net`'s layers (module docstring), or None where
-    `functional_unsupported(net)` says why not."""
+    `functional_unsupported(net)` says why not. `lora`: the layers carry LoRA adapters, and the functions train
+    only those (`trained(layer)`: which of a layer's parameters get gradients, in the backward's order)."""
     if functional_unsupported(net) is not None:
         return None
-    return SimpleNamespace(forward=ms.jit(_Forward(net)), backward=ms.jit(_Backward(net)), head=ms.jit(_Head(net)))
+    lora = any(_adapted(net.layers[0]))
+    return SimpleNamespace(forward=ms.jit(_Forward(net)), backward=ms.jit(_Backward(net)), head=ms.jit(_Head(net)),
+                           lora=lora, trained=lambda layer: [p for n, p in layer.parameters_and_names()
+                                                             if not lora or n.rsplit(".", 1)[-1] in (LORA_A, LORA_B)])
 

@@ -31,8 +31,9 @@ it on its actor thread instead of the calling thread, whose spinning beside the 
 ~1/3 of their MatMul speed on 2 cores.
 
 Where it does not apply, `layerwise_unsupported` says why and the trainer runs the whole-model `TrainStep`:
-tensor parallel (the layers hold collectives), a parameter set that is not the whole model (LoRA: the base weights
-are frozen), layers whose parameters differ.
+tensor parallel (the layers hold collectives), a parameter set that is neither the whole model nor exactly the
+layers' LoRA adapters (those train through the written-out functions: base weights, norms, head and embedding
+frozen, no gradient computed for them), layers whose parameters differ.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from mindspore import Parameter, Tensor, nn, ops
 
 from model.runtime import actor_thread_branch, weight_slot
 from tasks.training.adamw import AdamW
-from tasks.training.layer_grad import layer_functions
+from tasks.training.layer_grad import functional_unsupported, layer_functions
 from tasks.training.mesh import Mesh
 from tasks.training.parallelize import parallelize_optimizer
 from tasks.training.step import TrainStep, causal_lm_loss_fn
@@ -58,8 +59,14 @@ def layerwise_unsupported(net, params: list[Parameter], mesh=None) -> str | None
         return f"{type(net).__name__} is not a decoder with layer_inputs / layers / head_logits"
     if mesh is not None and mesh.tp > 1:
         return "tensor parallel (the layers hold collectives)"
-    if {id(p) for p in params} != {id(p) for p in net.trainable_params()}:
-        return "the step trains a subset of the parameters (LoRA / frozen weights)"
+    if {id(p) for p in params} != {id(p) for p in net.trainable_params()} or not params:
+        return "the step trains a subset of the parameters (frozen weights)"
+    if any(n.rsplit(".", 1)[-1] in ("lora_A", "lora_B") for n, _ in net.parameters_and_names()):
+        why = functional_unsupported(net)  # LoRA: only the written-out layer functions train the adapters alone
+        if why is not None:
+            return f"LoRA adapters without the written-out layer functions ({why})"
+        if {id(p) for p in params} != {id(p) for layer in net.layers for p in layer.trainable_params()}:
+            return "the step trains more than the layers' LoRA adapters"
     shapes = [[(p.name.split(".", 2)[-1], p.shape, p.dtype) for _, p in layer.parameters_and_names()]
               for layer in net.layers]
     if any(s != shapes[0] for s in shapes[1:]):
@@ -183,14 +190,19 @@ class LayerwiseTrainStep(TrainStep):
         g = 1 if self.fn is not None else layers_per_graph(len(layers))
         self.layer_params = [tuple(p for _, p in layer.parameters_and_names()) for layer in layers]
         self.chunks = [sum(self.layer_params[i:i + g], ()) for i in range(0, len(layers), g)]
+        # LoRA (written-out path only): the adapters train, the base weights, norms, head and embedding are frozen
+        self.lora = self.fn is not None and self.fn.lora
+        trained = [self.fn.trained(layer) for layer in layers] if self.fn is not None else self.layer_params
         self.tied = bool(net.config.tie_embeddings)
         self.embed = net.embed_tokens.weight
         head = self.embed if self.tied else net.lm_head.weight
-        self.head_params = head_params = [net.norm.weight, head]  # the head is the embedding when tied
+        self.head_weights = [net.norm.weight, head]  # the head is the embedding when tied
+        self.head_params = head_params = [] if self.lora else self.head_weights  # those that train
         # where each optimizer parameter's gradient comes from: ("layer", i, j), ("head", j) or ("embed",)
-        where = {id(p): ("layer", i, j) for i, ps in enumerate(self.layer_params) for j, p in enumerate(ps)}
+        where = {id(p): ("layer", i, j) for i, ps in enumerate(trained) for j, p in enumerate(ps)}
         where.update({id(p): ("head", j) for j, p in enumerate(head_params)})
-        where[id(self.embed)] = ("embed",)
+        if not self.lora:
+            where[id(self.embed)] = ("embed",)
         self.slot = {where[id(p)]: k for k, p in enumerate(params)}  # gradient source -> its index in `_grads()`
         self.head_slots = [self.slot[where[id(p)]] for p in head_params]
 
@@ -259,7 +271,7 @@ class LayerwiseTrainStep(TrainStep):
         xs, saved, cos, sin, mask = self._inputs(ids)
         if self.fn is not None:
             loss, dx, *head_grads, _ = self.fn.head(xs[-1], Tensor(labels), weight, scale, self.flag,
-                                                    *_views(self.head_params))
+                                                    *_views(self.head_weights))  # no head gradients under LoRA
         else:
             loss, (dx, head_grads), _ = self._head_grad(xs[-1], Tensor(labels), weight, scale, self.flag)
         xs[-1] = None
@@ -269,15 +281,19 @@ class LayerwiseTrainStep(TrainStep):
         n = len(self.layer_params[0])  # parameters per layer
         per = len(self.chunks[0]) // n  # layers per chunk
         for i in reversed(range(len(self.chunks))):
-            if self.fn is not None:
+            if self.fn is not None:  # one layer per chunk; its trained parameters' gradients (the adapters' with LoRA)
                 dx, *dws, _ = self.fn.backward(xs[i], cos, sin, self.flag, dx, *saved[i], *_views(self.chunks[i]))
                 saved[i] = None
+                where = [slot[("layer", i, j)] for j in range(len(dws))]
             else:
                 ((dx, *_), dws), _ = self._layer_grad(xs[i], cos, sin, mask, dx, self.flag, *_views(self.chunks[i]))
-            for j, w in enumerate(dws):
-                put(slot[("layer", i * per + j // n, j % n)], w.asnumpy())
+                where = [slot[("layer", i * per + j // n, j % n)] for j in range(len(dws))]
+            for k, w in zip(where, dws):
+                put(k, w.asnumpy())
             del dws  # the graph's output buffers go back to MindSpore's pool for the next layer's call
             xs[i] = None
+        if self.lora:
+            return loss
         # the embedding's gradient: the first layer's d(input) summed onto the ids' rows (+ the tied head's, above)
         e = acc[slot[("embed",)]]
         if first and not self.tied:

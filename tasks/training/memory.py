@@ -105,11 +105,11 @@ def param_split(cfg: ModelConfig, layout: Layout) -> int:
     return per_layer * layers + first_stage_extra
 
 
-def layerwise_applies(layout: Layout, trainable_fraction: float = 1.0) -> bool:
+def layerwise_applies(layout: Layout, trainable_fraction: float = 1.0, written_out: bool = True) -> bool:
     """Whether `train.layerwise` runs the layer-at-a-time step for this layout (else the trainer runs the whole-model
-    step: tasks/training/layerwise.py `layerwise_unsupported`): no tensor or pipeline parallel, every parameter
-    trained (not LoRA)."""
-    return layout.tp == 1 and layout.pp == 1 and trainable_fraction >= 1.0
+    step: tasks/training/layerwise.py `layerwise_unsupported`): no tensor or pipeline parallel, and every parameter
+    trained or, LoRA (a fraction trained), the written-out layer functions (`written_out`: fused fp32 kernels)."""
+    return layout.tp == 1 and layout.pp == 1 and (trainable_fraction >= 1.0 or written_out)
 
 
 def layer_activation_bytes(cfg: ModelConfig, micro_batch: int, seq: int, precision: str, tp: int = 1) -> float:
@@ -158,7 +158,7 @@ def estimate(cfg: ModelConfig, *, micro_batch: int, seq: int, precision: str = "
     logits = (2 if fused else 3) * micro_batch * seq * cfg.vocab_size * 4
     factor = ACTIVATION_FACTOR_FUSED[backend] if fused else ACTIVATION_FACTOR.get(backend, 1.0)
     outputs, runtime = {}, RUNTIME_BYTES.get(backend, GiB)
-    if layerwise and layerwise_applies(layout, trainable_fraction):
+    if layerwise and layerwise_applies(layout, trainable_fraction, fused and not half):
         one = layer_activation_bytes(cfg, micro_batch, seq, precision) * factor
         act = int(cfg.num_layers * micro_batch * seq * cfg.hidden_size * DTYPE_BYTES[precision] + one)
         if fused and not half:  # the written-out backward reads what the forward kept (no recomputed forward)
@@ -166,7 +166,8 @@ def estimate(cfg: ModelConfig, *, micro_batch: int, seq: int, precision: str = "
             runtime = RUNTIME_BYTES_LAYERWISE.get(backend, runtime)
         # the head graph's gradient of the [V, H] head (the embedding when tied) and of the final norm, then one
         # layer's gradients: fresh output buffers until copied into the step's arrays (the `gradients` part)
-        outputs = {"graph_outputs": (cfg.vocab_size * cfg.hidden_size + cfg.hidden_size + layer_params(cfg)) * 4}
+        outputs = {"graph_outputs": (cfg.vocab_size * cfg.hidden_size + cfg.hidden_size + layer_params(cfg)) * 4
+                   if trainable_fraction >= 1.0 else trainable // cfg.num_layers * 4}  # LoRA: one layer's adapters
     else:
         # on CPU the graph keeps the recomputed forward's buffers as well: recompute lowers nothing (module doc)
         act = int(activation_bytes(cfg, micro_batch, seq, precision, recompute and backend != "CPU", layout) * factor)
