@@ -54,6 +54,8 @@ times = [float(t) for t in sys.argv[1].split(",")]
 for i, line in enumerate(sys.stdin):
     if line.strip() != "run":
         break
+    if times[i] < 0:  # dies in this round
+        sys.exit(4)
     print(json.dumps({"step_s": times[i], "loss": 2.0}), flush=True)
 print(json.dumps({"peak_rss_bytes": 7, "loss": 2.0, "step_s": -1.0}), flush=True)
 """
@@ -77,11 +79,12 @@ def test_interleaved_sides_time_in_rounds_and_ratios_stay_within_a_round():
                 del sys.modules[name]
     a = argparse.Namespace(rounds=3, batch=2, seq=4)
     cmd = lambda kind, extra: [sys.executable, "-c", _WORKER, kind]  # noqa: E731  (kind: the worker's step times)
-    specs = {"ours": ("1.0,2.0,1.0", [], True), "ref": ("1.1,2.2,1.2", [], True), "broken": ("fail", [], False)}
+    specs = {"ours": ("1.0,2.0,1.0", [], True), "ref": ("1.1,2.2,1.2", [], True), "broken": ("fail", [], False),
+             "flaky": ("1.0,-1,1.0", [], False)}  # flaky: a compile side that dies in the second round
     out = train._interleaved(specs, cmd, {}, a)
     assert out["ours"]["rounds_step_s"] == [1.0, 2.0, 1.0] and out["ours"]["step_s"] == 1.0
     assert out["ours"]["tokens_per_s"] == 8.0 and out["ours"]["peak_rss_bytes"] == 7
-    assert out["broken"] == {"error": "exit 3: no such model"}
+    assert out["broken"] == {"error": "exit 3: no such model"} and out["flaky"]["error"].startswith("exit ")
     # rounds 1.1x, 1.1x, 1.2x: the median ratio 1.1 (the ratio of the medians would say 1.2, the mean 1.13)
     assert abs(train._ratio(out["ours"], out["ref"]) - 1.1) < 1e-12
     with pytest.raises(SystemExit, match="broken side failed"):

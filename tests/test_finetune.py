@@ -216,9 +216,12 @@ def test_stage_trains_a_small_adapter_that_names_its_base_and_merges_exactly(env
 
 def test_lora_one_layer_at_a_time_trains_the_same_adapter(env, capfd):
     """`finetune.train.layerwise: true` with LoRA on q and v: the stage runs the layer-at-a-time step (the log says
-    so; the adapters' gradients written out, base and head frozen), its first loss is the whole-model step's to fp32
-    rounding (the same weights), and it trains (the arithmetic against the whole-model step, step by step:
-    tests/test_layerwise.py)."""
+    so; the adapters' gradients written out, base and head frozen) and logs the whole-model step's losses for its
+    first three steps to fp32 rounding. B starts at 0, so step 1's loss is the base model's and its update moves only
+    B (d A = s (dy B)^T x = 0); steps 2 and 3 run through the updated adapters, so a wrong d B or d A (or scale)
+    moves them by ~lr x their gradient. fp32 rounding changes an AdamW update (~lr x sign(g)) only where |g| is
+    itself at rounding level, which moves the loss by that g x lr: inside the same bound. (A constant factor on one
+    gradient leaves AdamW's update as it was: tests/test_layerwise.py compares the gradient norms too.)"""
     from tasks.store.model_artifact import model_config
     root, base, data = env
     losses = {}
@@ -235,7 +238,8 @@ def test_lora_one_layer_at_a_time_trains_the_same_adapter(env, capfd):
     assert [s for s, _ in whole] == [s for s, _ in layer] and len(whole) >= 12
     cfg = model_config(base)
     n = decoder_reduction(cfg, 64) + cfg.vocab_size + 4 * 64  # the decoder, the log-softmax, the mean over tokens
-    assert abs(whole[0][1] - layer[0][1]) <= fp32_tol(abs(whole[0][1]) + 1.0, n), (whole[0], layer[0])
+    for (s, a), (_, b) in zip(whole[:3], layer[:3]):
+        assert abs(a - b) <= fp32_tol(abs(a) + 1.0, n), (s, a, b)
     assert all(np.isfinite(v) for _, v in layer) and layer[-1][1] < layer[0][1]
 
 

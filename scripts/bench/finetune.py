@@ -161,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--targets", default="q_proj,v_proj")
+    ap.add_argument("--threads", type=int, default=2, help="threads of every variant (OMP_NUM_THREADS, torch)")
     ap.add_argument("--layerwise", action="store_true",
                     help="also LoRA one decoder layer at a time (train.layerwise: true), as `lora_layerwise`")
     ap.add_argument("--variant", choices=["lora", "full", "hf_lora", "lora_layerwise"],
@@ -172,8 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.variant:
         print(json.dumps(run_hf_lora(**knobs) if a.variant == "hf_lora" else run_variant(a.variant, **knobs)))
         return 0
-    out = {"bench": "finetune", **describe(threads=int(os.environ.get("OMP_NUM_THREADS", "0")) or None), **knobs}
-    env = dict(os.environ, GLOG_v=os.environ.get("GLOG_v", "3"))
+    out = {"bench": "finetune", **describe(threads=a.threads), **knobs}
+    env = dict(os.environ, GLOG_v=os.environ.get("GLOG_v", "3"), OMP_NUM_THREADS=str(a.threads))
     for variant in ("lora", "full", "hf_lora", *(("lora_layerwise",) if a.layerwise else ())):
         cmd = [sys.executable, __file__, "--variant", variant] + [f"--{k}={v}" for k, v in knobs.items()]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)

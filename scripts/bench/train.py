@@ -102,10 +102,9 @@ def _ms(a: argparse.Namespace) -> dict:
 
 
 def _timed(a: argparse.Namespace, one, info: dict, extra=None) -> dict:
-    """`info` and the timing of `one()` (a step, returning its loss), warmed up already. One run: `--steps` steps,
-    then peak RSS. `--worker` (`--rounds` > 1): a JSON line {"ready"}, then per "run" line on stdin `--steps` steps
-    and a line with their step_s, until "done": then the result (peak RSS over every round). `extra()`: more
-    figures, measured after the timing."""
+    """`info` and the timing of `one()` (a warmed-up step returning its loss): `--steps` steps, then peak RSS and
+    `extra()`. `--worker` (`--rounds`): a JSON line {"ready"}, then for each "run" on stdin `--steps` steps and a
+    line with their step_s, until "done": then the result (peak RSS over every round)."""
     def run() -> tuple[float, float]:
         t0 = time.perf_counter()
         for _ in range(a.steps):
@@ -114,11 +113,14 @@ def _timed(a: argparse.Namespace, one, info: dict, extra=None) -> dict:
 
     if a.worker:
         print(json.dumps({"ready": True}), flush=True)
+        step_s = None
         for line in sys.stdin:
             if line.strip() != "run":
                 break
             step_s, loss = run()
             print(json.dumps({"step_s": step_s, "loss": loss}), flush=True)
+        if step_s is None:  # told to stop (or the parent gone) before any round
+            return {**info, "error": "no round ran"}
     else:
         step_s, loss = run()
     res = {**info, "tokens_per_s": a.batch * a.seq / step_s, "peak_rss_bytes": peak_rss_bytes(), "loss": loss,
@@ -201,8 +203,13 @@ def _peak(a: argparse.Namespace) -> dict:
 # ---- interleaved sides ---------------------------------------------------------------------------
 
 
-def _json_line(p: subprocess.Popen) -> dict | None:
-    """The next JSON line a worker prints (other output skipped); None when it has exited."""
+def _json_line(p: subprocess.Popen, command: str | None = None) -> dict | None:
+    """The next JSON line a worker prints (other output skipped), after sending it `command`; None when it has exited."""
+    try:
+        if command:
+            p.stdin.write(command + "\n"), p.stdin.flush()
+    except BrokenPipeError:
+        return None
     for line in p.stdout:
         if line.startswith("{"):
             return json.loads(line)
@@ -211,44 +218,53 @@ def _json_line(p: subprocess.Popen) -> dict | None:
 
 def _interleaved(specs: dict, cmd, env: dict, a: argparse.Namespace) -> dict:
     """`--rounds`: every side started and warmed up in turn (no compilation beside a timed step), then `a.rounds`
-    rounds in which each side times `--steps` steps in turn while the others wait on stdin; step_s is the median
-    over the rounds, `rounds_step_s` each round's (for `_ratio`), peak RSS the side's own over all of them."""
+    rounds, each side timing `--steps` steps in turn while the others wait on stdin; step_s the median, rounds_step_s
+    each round's (`_ratio`), peak RSS the side's own. A failed side is the bench's error where `fatal`, else
+    {"error": ...}; no worker outlives the call."""
     procs, out = {}, {}
-    for name, (kind, extra, fatal) in specs.items():
-        err = tempfile.TemporaryFile("w+")
-        p = subprocess.Popen(cmd(kind, [*extra, "--worker"]), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             stderr=err, text=True, env=env)
-        first = _json_line(p)
-        if first is not None and "ready" in first:
-            procs[name] = (p, err)
-            continue
-        p.wait()
-        err.seek(0)
-        tail = [ln for ln in err.read().strip().splitlines() if ln.strip()][-1:] or [""]
-        if first is None and fatal:
-            raise SystemExit(f"the {name} side failed (exit {p.returncode}): {tail[0][:3000]}")
-        out[name] = first if first is not None else {"error": f"exit {p.returncode}: {tail[0][:300]}"}
-    times = {name: [] for name in procs}
-    for _ in range(a.rounds):
-        for name, (p, _) in procs.items():
-            p.stdin.write("run\n")
-            p.stdin.flush()
-            r = _json_line(p)
-            if r is None:
-                raise SystemExit(f"the {name} side exited during the rounds (exit {p.wait()})")
-            times[name].append(r["step_s"])
-    for name, (p, err) in procs.items():
-        p.stdin.write("done\n")
-        p.stdin.flush()
-        res, step_s = _json_line(p), statistics.median(times[name])
-        p.wait()
-        out[name] = {**res, "step_s": step_s, "tokens_per_s": a.batch * a.seq / step_s, "rounds_step_s": times[name]}
+
+    def failed(name: str, p: subprocess.Popen, err, fatal: bool, first: dict | None = None) -> None:
+        p.kill(), p.wait(), err.seek(0)
+        tail = ([ln for ln in err.read().strip().splitlines() if ln.strip()][-1:] or [""])[0]
+        if fatal:
+            raise SystemExit(f"the {name} side failed (exit {p.returncode}): {tail[:3000]}")
+        out[name] = first if first is not None else {"error": f"exit {p.returncode}: {tail[:300]}"}
+        procs.pop(name, None)
+
+    try:
+        for name, (kind, extra, fatal) in specs.items():
+            err = tempfile.TemporaryFile("w+")
+            p = subprocess.Popen(cmd(kind, [*extra, "--worker"]), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 stderr=err, text=True, env=env)
+            procs[name] = (p, err, fatal)
+            first = _json_line(p)
+            if first is None or "ready" not in first:  # exited, or an error line (a compile failure) instead
+                failed(name, p, err, fatal and first is None, first)
+        times = {name: [] for name in procs}
+        for _ in range(a.rounds):
+            for name, (p, err, fatal) in list(procs.items()):
+                r = _json_line(p, "run")
+                if r is None or "step_s" not in r:
+                    failed(name, p, err, fatal)
+                else:
+                    times[name].append(r["step_s"])
+        for name, (p, err, fatal) in list(procs.items()):
+            res = _json_line(p, "done")
+            if res is None or "error" in res:
+                failed(name, p, err, fatal, res)
+                continue
+            p.wait()
+            step_s = statistics.median(times[name])
+            out[name] = {**res, "step_s": step_s, "tokens_per_s": a.batch * a.seq / step_s, "rounds_step_s": times[name]}
+    finally:
+        for p, _, _ in procs.values():
+            if p.poll() is None:
+                p.kill(), p.wait()
     return out
 
 
 def _ratio(x: dict, y: dict) -> float:
-    """x's speed over y's: the median of the rounds' ratios where both ran in rounds (each within one round), else
-    the ratio of their single runs."""
+    """x's speed over y's: the median of the rounds' ratios (each within one round), else of their single runs."""
     if "rounds_step_s" in x and "rounds_step_s" in y:
         return statistics.median(ty / tx for tx, ty in zip(x["rounds_step_s"], y["rounds_step_s"]))
     return x["tokens_per_s"] / y["tokens_per_s"]

@@ -65,8 +65,10 @@ def layerwise_unsupported(net, params: list[Parameter], mesh=None) -> str | None
         why = functional_unsupported(net)  # LoRA: only the written-out layer functions train the adapters alone
         if why is not None:
             return f"LoRA adapters without the written-out layer functions ({why})"
-        if {id(p) for p in params} != {id(p) for layer in net.layers for p in layer.trainable_params()}:
-            return "the step trains more than the layers' LoRA adapters"
+        adapters = {id(p) for layer in net.layers for n, p in layer.parameters_and_names()
+                    if n.rsplit(".", 1)[-1] in ("lora_A", "lora_B")}
+        if {id(p) for p in params} != adapters:
+            return "the step trains other parameters than the layers' LoRA adapters (or not all of them)"
     shapes = [[(p.name.split(".", 2)[-1], p.shape, p.dtype) for _, p in layer.parameters_and_names()]
               for layer in net.layers]
     if any(s != shapes[0] for s in shapes[1:]):

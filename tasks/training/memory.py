@@ -105,7 +105,7 @@ def param_split(cfg: ModelConfig, layout: Layout) -> int:
     return per_layer * layers + first_stage_extra
 
 
-def layerwise_applies(layout: Layout, trainable_fraction: float = 1.0, written_out: bool = True) -> bool:
+def layerwise_applies(layout: Layout, trainable_fraction: float = 1.0, *, written_out: bool) -> bool:
     """Whether `train.layerwise` runs the layer-at-a-time step for this layout (else the trainer runs the whole-model
     step: tasks/training/layerwise.py `layerwise_unsupported`): no tensor or pipeline parallel, and every parameter
     trained or, LoRA (a fraction trained), the written-out layer functions (`written_out`: fused fp32 kernels)."""
@@ -158,7 +158,7 @@ def estimate(cfg: ModelConfig, *, micro_batch: int, seq: int, precision: str = "
     logits = (2 if fused else 3) * micro_batch * seq * cfg.vocab_size * 4
     factor = ACTIVATION_FACTOR_FUSED[backend] if fused else ACTIVATION_FACTOR.get(backend, 1.0)
     outputs, runtime = {}, RUNTIME_BYTES.get(backend, GiB)
-    if layerwise and layerwise_applies(layout, trainable_fraction, fused and not half):
+    if layerwise and layerwise_applies(layout, trainable_fraction, written_out=fused and not half):
         one = layer_activation_bytes(cfg, micro_batch, seq, precision) * factor
         act = int(cfg.num_layers * micro_batch * seq * cfg.hidden_size * DTYPE_BYTES[precision] + one)
         if fused and not half:  # the written-out backward reads what the forward kept (no recomputed forward)
@@ -233,7 +233,7 @@ def plan(cfg: ModelConfig, *, devices: int, device_memory: int, micro_batch: int
     rows = []
     for lay in candidate_layouts(cfg, devices):
         for mode in MODES:
-            if mode == "layerwise" and (backend != "CPU" or not layerwise_applies(lay)):
+            if mode == "layerwise" and (backend != "CPU" or not layerwise_applies(lay, written_out=False)):
                 continue
             est = estimate(cfg, micro_batch=micro_batch, seq=seq, precision=precision, recompute=mode == "recompute",
                            layerwise=mode == "layerwise", layout=lay, backend=backend)
