@@ -69,22 +69,28 @@ def run_variant(variant: str, preset: str, steps: int, warmup: int, batch: int, 
                                 layerwise=variant == "lora_layerwise")
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, seq + 1)).astype(np.int32)
     micro = [(ids[:, :-1], ids[:, 1:])]
+    steps_done = iter(range(1, 1 << 30))
+    return {"step": type(step).__name__, "trainable_params": summary.trainable, "total_params": summary.total,
+            "trainable_share": round(summary.share, 6),
+            **_timed(lambda: step(micro, 1e-4, next(steps_done))[0], steps, warmup, batch * seq)}
+
+
+def _timed(one, steps: int, warmup: int, tokens: int) -> dict:
+    """The first call of `one()` (a step returning its loss: compilation included), `warmup - 1` more, then `steps`
+    timed; peak RSS before and after."""
     rss_before = _rss()
     t0 = time.perf_counter()
-    first_loss = step(micro, 1e-4, 1)[0]
+    first_loss = loss = one()
     first_step_s = time.perf_counter() - t0
-    for s in range(1, warmup):
-        step(micro, 1e-4, s + 1)
+    for _ in range(1, warmup):
+        one()
     t0 = time.perf_counter()
-    loss = first_loss
-    for s in range(steps):
-        loss = step(micro, 1e-4, warmup + s + 1)[0]
+    for _ in range(steps):
+        loss = one()
     dt = (time.perf_counter() - t0) / max(steps, 1)
-    return {"step": type(step).__name__, "trainable_params": summary.trainable, "total_params": summary.total,
-            "trainable_share": round(summary.share, 6), "step_s": round(dt, 4),
-            "tokens_per_s": round(batch * seq / dt, 1), "first_step_s": round(first_step_s, 2),
-            "peak_rss_bytes": _rss(), "rss_before_train_bytes": rss_before,
-            "first_loss": round(first_loss, 4), "last_loss": round(loss, 4)}
+    return {"step_s": round(dt, 4), "tokens_per_s": round(tokens / dt, 1), "first_step_s": round(first_step_s, 2),
+            "peak_rss_bytes": _rss(), "rss_before_train_bytes": rss_before, "first_loss": round(first_loss, 4),
+            "last_loss": round(loss, 4)}
 
 
 def run_hf_lora(preset: str, steps: int, warmup: int, batch: int, seq: int, rank: int, targets: str) -> dict:
@@ -107,7 +113,7 @@ def run_hf_lora(preset: str, steps: int, warmup: int, batch: int, seq: int, rank
     class LoRALinear(torch.nn.Module):
         def __init__(self, base: torch.nn.Linear):
             super().__init__()
-            self.base, self.scale = base, 2.0 * rank / rank  # alpha = 2 · rank, as run_variant
+            self.base, self.scale = base, 2.0  # alpha / rank, alpha = 2 · rank as run_variant
             bound = 1.0 / base.in_features**0.5  # as model/lora.py and peft: kaiming-uniform A
             self.a = torch.nn.Parameter(torch.empty(rank, base.in_features).uniform_(-bound, bound))
             self.b = torch.nn.Parameter(torch.zeros(base.out_features, rank))
@@ -134,22 +140,9 @@ def run_hf_lora(preset: str, steps: int, warmup: int, batch: int, seq: int, rank
         opt.step()
         return float(loss.detach())
 
-    rss_before = _rss()
-    t0 = time.perf_counter()
-    first_loss = one()
-    first_step_s = time.perf_counter() - t0
-    for _ in range(1, warmup):
-        one()
-    t0 = time.perf_counter()
-    loss = first_loss
-    for _ in range(steps):
-        loss = one()
-    dt = (time.perf_counter() - t0) / max(steps, 1)
     trainable, total = sum(p.numel() for p in params), sum(p.numel() for p in model.parameters())
     return {"trainable_params": trainable, "total_params": total, "trainable_share": round(trainable / total, 6),
-            "step_s": round(dt, 4), "tokens_per_s": round(batch * seq / dt, 1), "first_step_s": round(first_step_s, 2),
-            "peak_rss_bytes": _rss(), "rss_before_train_bytes": rss_before, "first_loss": round(first_loss, 4),
-            "last_loss": round(loss, 4)}
+            **_timed(one, steps, warmup, batch * seq)}
 
 
 def main(argv: list[str] | None = None) -> int:

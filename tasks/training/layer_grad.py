@@ -45,7 +45,7 @@ from mindspore import Tensor, nn, ops
 
 from model.fused_cells import FusedCausalLMLoss, FusedCausalSoftmax, FusedRMSNorm, FusedSwiGLU
 from model.layers import Linear
-from model.lora import LORA_A, LORA_B, LoRALinear
+from model.lora import LORA_A, LORA_B, LoRALinear, is_lora_param
 from model.runtime import actor_thread_branch
 
 SAVED = ("q", "k", "v", "context", "mid", "gate", "up")
@@ -59,6 +59,9 @@ def functional_unsupported(net) -> str | None:
         return "fp16 compute"
     if not (isinstance(net.loss_fn, FusedCausalLMLoss) and isinstance(net.norm.normalize, FusedRMSNorm)):
         return "the fused kernels are off"
+    first = _adapted(net.layers[0])
+    if len({p.scaling for layer in net.layers for p in _projections(layer) if isinstance(p, LoRALinear)}) > 1:
+        return "the layers' adapters differ"
     for layer in net.layers:
         attn, mlp = layer.self_attn, layer.mlp
         cells = (attn.softmax, mlp.swiglu, layer.input_layernorm.normalize, layer.post_attention_layernorm.normalize)
@@ -72,10 +75,8 @@ def functional_unsupported(net) -> str | None:
                     return f"the LoRA adapter on {name} has dropout or is merged"
             elif type(p) is not Linear:
                 return f"{name} is a {type(p).__name__}, not a Linear or a LoRA adapter"
-        adapted = tuple(isinstance(p, LoRALinear) for p in projections)
-        if adapted != _adapted(net.layers[0]) or len({p.scaling for p in projections if isinstance(p, LoRALinear)} |
-                                                       {p.scaling for p in _projections(net.layers[0])
-                                                        if isinstance(p, LoRALinear)}) > 1:
+        adapted = _adapted(layer)
+        if adapted != first:
             return "the layers' adapters differ"
         names = [n for n, _ in layer.parameters_and_names()]
         if names != _names(adapted):
@@ -275,5 +276,5 @@ def layer_functions(net) -> SimpleNamespace | None:
     lora = any(_adapted(net.layers[0]))
     return SimpleNamespace(forward=ms.jit(_Forward(net)), backward=ms.jit(_Backward(net)), head=ms.jit(_Head(net)),
                            lora=lora, trained=lambda layer: [p for n, p in layer.parameters_and_names()
-                                                             if not lora or n.rsplit(".", 1)[-1] in (LORA_A, LORA_B)])
+                                                             if not lora or is_lora_param(n)])
 

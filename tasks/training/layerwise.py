@@ -45,6 +45,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
+from model.lora import is_lora_param
 from model.runtime import actor_thread_branch, weight_slot
 from tasks.training.adamw import AdamW
 from tasks.training.layer_grad import functional_unsupported, layer_functions
@@ -61,12 +62,11 @@ def layerwise_unsupported(net, params: list[Parameter], mesh=None) -> str | None
         return "tensor parallel (the layers hold collectives)"
     if {id(p) for p in params} != {id(p) for p in net.trainable_params()} or not params:
         return "the step trains a subset of the parameters (frozen weights)"
-    if any(n.rsplit(".", 1)[-1] in ("lora_A", "lora_B") for n, _ in net.parameters_and_names()):
+    if any(is_lora_param(n) for n, _ in net.parameters_and_names()):
         why = functional_unsupported(net)  # LoRA: only the written-out layer functions train the adapters alone
         if why is not None:
             return f"LoRA adapters without the written-out layer functions ({why})"
-        adapters = {id(p) for layer in net.layers for n, p in layer.parameters_and_names()
-                    if n.rsplit(".", 1)[-1] in ("lora_A", "lora_B")}
+        adapters = {id(p) for layer in net.layers for n, p in layer.parameters_and_names() if is_lora_param(n)}
         if {id(p) for p in params} != adapters:
             return "the step trains other parameters than the layers' LoRA adapters (or not all of them)"
     shapes = [[(p.name.split(".", 2)[-1], p.shape, p.dtype) for _, p in layer.parameters_and_names()]
