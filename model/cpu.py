@@ -4,6 +4,7 @@
     cpu_model()                       # "Intel(R) Xeon(R) ...", for labelling measurements
     cpu_levels()                      # ("avx512", "avx2", "scalar"): the levels this CPU runs, best first
     select_isa()                      # ("avx2", "") to build, or (None, why not); MSLLM_KERNEL_ISA forces one
+    matmul_isa()                      # "avx512" / "avx2" / ...: the level MindSpore's MatMul (oneDNN) runs at
 
 A level is a fixed set of compiler flags (-march=x86-64-v4 for the AVX-512 body, x86-64-v3 for AVX2+FMA,
 armv8.2-a for NEON, -DMSLLM_SCALAR for the scalar reference) and the CPU flags code built with them needs,
@@ -132,3 +133,21 @@ def select_isa(override: str | None = None, cpuinfo: str | None = None, machine:
 def level(isa: str, machine: str | None = None) -> Level:
     """The Level named `isa` of this machine's family (or of `machine`)."""
     return next(lv for lv in LEVELS[_machine(machine)] if lv.name == isa)
+
+
+def matmul_isa(cpuinfo: str | None = None, machine: str | None = None, cap: str | None = None) -> str:
+    """The x86 level MindSpore's fp32 MatMul (oneDNN) runs at here: the CPU's best level, capped by
+    ONEDNN_MAX_CPU_ISA (`cap`; "AVX2" emulates an AVX2-only CPU, as the benchmarks' --isa avx2 does). "avx512",
+    "avx2", "scalar" (a cap below AVX2, or an x86 without it), or "" on other architectures (their oneDNN paths are
+    not measured here). The train build asks it where the same product runs faster another way on oneDNN's
+    AVX2 path (tasks/training/build.py `convert`)."""
+    runs = cpu_levels(cpuinfo, machine)
+    if _machine(machine) != "x86_64" or not runs:
+        return ""
+    cap = (os.environ.get("ONEDNN_MAX_CPU_ISA", "") if cap is None else cap).strip().upper()
+    best = runs[0]
+    if cap in ("", "ALL", "DEFAULT") or cap.startswith(("AVX512", "AVX10")):
+        return best
+    if cap.startswith("AVX2"):
+        return "avx2" if best in ("avx512", "avx2") else best
+    return "scalar"  # SSE41 / AVX: below every body we build

@@ -8,6 +8,7 @@ build's convert step (tasks/training/build.py `convert`) swaps them in when the 
     | Attention.softmax (scores, m)  | FusedCausalSoftmax    |
     | MLP.swiglu (gate, up)          | FusedSwiGLU           |
     | LlamaForCausalLM.loss_fn       | FusedCausalLMLoss     |
+    | the LM head's MatMul (x, W)    | FusedHeadMatMul (where MatMul runs oneDNN's AVX2 path) |
 
 Forward and backward are one fused kernel each; the math matches MindSpore's own ops to ~1e-6.
 """
@@ -115,3 +116,26 @@ class FusedCausalLMLoss(nn.Cell):
         nll, _ = self.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels)
         count = (labels != -100).astype(ms.float32).sum()
         return nll.sum() / ops.maximum(count, 1.0)
+
+
+class FusedHeadMatMul(nn.Cell):
+    """The LM head's logits x [N, H] · W [V, H]ᵀ (MindSpore's MatMul), with a backward whose weight gradient is
+    dlogitsᵀ · x on the transposed dlogits (the Transpose kernel), a plain MatMul: the gradient MindSpore derives,
+    MatMul(transpose_a)(dlogits, x), runs on oneDNN's AVX2 path at about half speed at [N, V] = [2048, 8192]
+    (docs/MINDSPORE_CPU.md). dx = dlogits · W as before. Swapped in only where MatMul runs that path
+    (tasks/training/build.py `convert`): with AVX-512 the transposed-A product is as fast as the plain one and the
+    transpose (~10 ms and N·V floats at [2048, 8192]) would cost more than it saves. The weight arrives as a value
+    the graph does not assign before the head (the whole-model step; the layer-at-a-time head takes only the
+    transpose, tasks/training/layer_grad.py)."""
+
+    def __init__(self, kernels):
+        super().__init__()
+        self.matmul = ops.MatMul(transpose_b=True)
+        self.plain = ops.MatMul()
+        self.transpose = kernels.transpose
+
+    def construct(self, x: Tensor, weight: Tensor) -> Tensor:
+        return self.matmul(x, weight)
+
+    def bprop(self, x, weight, out, dout):
+        return self.plain(dout, weight), self.plain(self.transpose(dout), x)

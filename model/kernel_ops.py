@@ -73,6 +73,10 @@ def _check_ce(op, x, y, *vecs):
         _need(_numel(s) == x[0], op, f"{name} must have N = {x[0]} elements, got shape {list(s)}")
 
 
+def _check_2d(op, x):
+    _need(len(x) == 2, op, f"x must be 2-D [R, C], got shape {list(x)}")
+
+
 def _numel(shape) -> int:
     n = 1
     for d in shape:
@@ -117,7 +121,8 @@ def train_ops() -> SimpleNamespace | None:
     softmax_grad(probs, dprobs) -> dscores; swiglu(gate, up) -> silu(gate) * up;
     swiglu_grad(gate, up, dout) -> (dgate, dup); rms_norm(x [N, H], weight [H], eps [1]) -> y;
     rms_norm_grad(x, weight, eps, dy) -> (dx, dweight); cross_entropy(logits [N, V], labels [N] int32) ->
-    (nll [N], logsumexp [N]); cross_entropy_grad(logits, labels, logsumexp, dnll) -> dlogits.
+    (nll [N], logsumexp [N]); cross_entropy_grad(logits, labels, logsumexp, dnll) -> dlogits;
+    transpose(x [R, C]) -> [C, R].
     Operands are checked when the graph is inferred (KernelShapeError) and again by the kernel.
     """
     if _train_ops:
@@ -141,6 +146,7 @@ def train_ops() -> SimpleNamespace | None:
             rms_norm=op("RMSNorm", _check_rms, lambda x, w, e: x, "x weight eps", lambda x, w, e: x),
             rms_norm_grad=op("RMSNormGrad", _check_rms, lambda x, w, e, d: (x, w), "x weight eps dy",
                              lambda x, w, e, d: (x, w)),
+            transpose=op("Transpose", _check_2d, lambda x: [x[1], x[0]], "x", lambda x: x),
             cross_entropy=ops.Custom(
                 f"{lib}:CrossEntropy", out_shape=_shape_fn("CrossEntropy", _check_ce, lambda x, y: ([x[0]], [x[0]])),
                 out_dtype=_dtype_fn("CrossEntropy", _dt_ce, lambda x, y: (x, x)), func_type="aot"),

@@ -36,6 +36,7 @@
 
 #include <sched.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -576,6 +577,67 @@ extern "C" int ZeroAdamW(int nparam, void **params, int *ndims, int64_t **shapes
       m[i] = mr;
       v[i] = vr;
     }
+  });
+  return kOk;
+}
+
+// Transpose(x [R, C]) -> y [C, R]: 64 x 64 tiles (each a grid of 8 x 8 blocks transposed in registers where AVX2 is
+// there), the output's rows split over threads; ~1.7x a memcpy of the same bytes. The LM head's weight gradient
+// (model/fused_cells.py FusedHeadMatMul) runs as dlogitsᵀ · x, a plain MatMul, instead of oneDNN's transposed-A
+// MatMul, which its AVX2 path runs at ~half speed at [N, V] = [2048, 8192] (docs/MINDSPORE_CPU.md).
+namespace {
+#if defined(__AVX2__)
+inline void transpose8(const float *x, int64_t ldx, float *y, int64_t ldy) {
+  __m256 r[8], t[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(x + i * ldx);
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int h = 0; h < 2; ++h) {  // rows 0-3 (h = 0) and 4-7 of the input, as quads
+    r[4 * h + 0] = _mm256_shuffle_ps(t[4 * h], t[4 * h + 2], 0x44);
+    r[4 * h + 1] = _mm256_shuffle_ps(t[4 * h], t[4 * h + 2], 0xEE);
+    r[4 * h + 2] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], 0x44);
+    r[4 * h + 3] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    _mm256_storeu_ps(y + i * ldy, _mm256_permute2f128_ps(r[i], r[4 + i], 0x20));
+    _mm256_storeu_ps(y + (i + 4) * ldy, _mm256_permute2f128_ps(r[i], r[4 + i], 0x31));
+  }
+}
+#endif
+
+// y[j, i] = x[i, j] for i in [i0, i1), j in [j0, j1)
+void transpose_tile(const float *x, float *y, int64_t r, int64_t c, int64_t i0, int64_t i1, int64_t j0, int64_t j1) {
+#if defined(__AVX2__)
+  if (i1 - i0 == 64 && j1 - j0 == 64) {
+    for (int64_t i = i0; i < i1; i += 8)
+      for (int64_t j = j0; j < j1; j += 8) transpose8(x + i * c + j, c, y + j * r + i, r);
+    return;
+  }
+#endif
+  for (int64_t j = j0; j < j1; ++j)
+    for (int64_t i = i0; i < i1; ++i) y[j * r + i] = x[i * c + j];
+}
+}  // namespace
+
+extern "C" int Transpose(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
+                         void *extra) {
+  (void)stream, (void)extra;
+  if (nparam != 2) return kArity;
+  if (!all_f32(dtypes, 2)) return kDtype;
+  if (ndims[0] != 2 || ndims[1] != 2 || !nonneg(ndims, shapes, 2) || shapes[1][0] != shapes[0][1] ||
+      shapes[1][1] != shapes[0][0])
+    return kShape;
+  const float *x = static_cast<const float *>(params[0]);
+  float *y = static_cast<float *>(params[1]);
+  const int64_t r = shapes[0][0], c = shapes[0][1];
+  constexpr int64_t kTile = 64;
+  parallel_for((c + kTile - 1) / kTile, 1, [&](int64_t tb, int64_t te) {
+    const int64_t j_end = std::min(c, te * kTile);
+    for (int64_t i = 0; i < r; i += kTile)
+      for (int64_t j = tb * kTile; j < j_end; j += kTile)
+        transpose_tile(x, y, r, c, i, std::min(r, i + kTile), j, std::min(j_end, j + kTile));
   });
   return kOk;
 }

@@ -20,7 +20,7 @@ import pytest
 import model.kernel_build as kernel_build  # the build cache's private memo and helpers
 
 from model.kernel_build import DECODE_SOURCE, TRAIN_SOURCE, build_kernel, kernel_path
-from model.cpu import cpu_levels, select_isa
+from model.cpu import cpu_levels, matmul_isa, select_isa
 
 CXX = shutil.which(os.environ.get("CXX", "g++"))
 needs_cxx = pytest.mark.skipif(CXX is None, reason="no C++ compiler: the native kernels cannot be built here")
@@ -42,6 +42,18 @@ def test_probe_parses_cpuinfo_into_levels():
     assert cpu_levels(ARM.replace(" atomics", ""), "aarch64") == ("scalar",)  # ARMv8.0: no armv8.2-a body
     assert cpu_levels("", "x86_64") == ("scalar",)
     assert cpu_levels(X86_AVX512, "riscv64") == ()
+
+
+def test_matmul_isa_is_the_cpus_level_capped_as_onednn_caps_it():
+    assert matmul_isa(X86_AVX512, "x86_64", "") == "avx512"
+    assert matmul_isa(X86_AVX512, "x86_64", "avx512_core_vnni") == "avx512"
+    assert matmul_isa(X86_AVX512, "x86_64", "AVX2") == "avx2"          # the benchmarks' --isa avx2
+    assert matmul_isa(X86_AVX512, "x86_64", "AVX2_VNNI") == "avx2"
+    assert matmul_isa(X86_AVX2, "x86_64", "") == "avx2"                # an AVX2-only CPU
+    assert matmul_isa(X86_AVX2, "x86_64", "AVX512_CORE") == "avx2"     # a cap above the CPU changes nothing
+    assert matmul_isa(X86_AVX512, "x86_64", "SSE41") == "scalar"
+    assert matmul_isa(X86_OLD, "x86_64", "") == "scalar"
+    assert matmul_isa(ARM, "aarch64", "") == ""
 
 
 def test_override_forces_a_level_the_cpu_runs_and_refuses_others():
@@ -193,6 +205,12 @@ def test_every_body_matches_the_scalar_reference(isa):
     for a, b in zip(res[isa], res["scalar"]):
         np.testing.assert_array_equal(a, b)
 
+    # the transpose: whole 64 x 64 tiles (8 x 8 register blocks where the body has AVX2) and tails; exact
+    xt = rng.standard_normal((130, 200)).astype(np.float32)
+    (tt,), (rt,) = both("Transpose", [xt], [((200, 130), np.float32)])
+    np.testing.assert_array_equal(tt, xt.T)
+    np.testing.assert_array_equal(rt, xt.T)
+
 
 @needs_cxx
 @pytest.mark.parametrize("isa", BODIES)
@@ -321,6 +339,7 @@ def test_kernels_refuse_bad_operands_before_touching_memory(isa):
     assert _call(lib, "CrossEntropy", f32(4, 8), np.zeros(4, np.float32), f32(4), f32(4)) == 2  # labels not int32
     assert _call(lib, "CrossEntropy", f32(4, 8), np.zeros(5, np.int32), f32(4), f32(4)) == 3
     assert _call(lib, "SwiGLU", f32(4), f32(4)) == 1
+    assert _call(lib, "Transpose", f32(4, 8), f32(4, 8)) == 3                 # the output not [C, R]
 
 
 # ----------------------------------------------------------------------------- the build cache

@@ -45,6 +45,8 @@ def test_bad_operands_are_a_clear_error_not_a_write_out_of_bounds():
         K.swiglu(Tensor(np.ones((4, 8), np.float32)), Tensor(np.ones((4, 9), np.float32)))
     with pytest.raises(KernelShapeError, match=r"CrossEntropy: labels must be int32"):
         K.cross_entropy(Tensor(np.ones((4, 8), np.float32)), Tensor(np.ones(4, np.float32)))
+    with pytest.raises(KernelShapeError, match=r"Transpose: x must be 2-D \[R, C\], got shape \[4, 2, 3\]"):
+        K.transpose(Tensor(np.ones((4, 2, 3), np.float32)))
     with pytest.raises(KernelShapeError, match=r"SwiGLU: gate must be float32"):
         K.swiglu(Tensor(np.ones(4, np.float16)), Tensor(np.ones(4, np.float16)))
 
@@ -137,6 +139,41 @@ def test_cross_entropy_and_its_gradient(threads):
 
 
 @needs_kernels
+@pytest.mark.parametrize("r,c", [(128, 192), (130, 70), (1, 5), (64, 1)])  # whole 64 x 64 tiles (AVX2's 8 x 8
+def test_transpose_moves_every_element_exactly(r, c, threads):              # register blocks), tails, a row, a column
+    x = np.random.default_rng(4).standard_normal((r, c)).astype(np.float32)
+    np.testing.assert_array_equal(K.transpose(Tensor(x)).asnumpy(), x.T)
+
+
+@needs_kernels
+@pytest.mark.parametrize("tied", [True, False])
+def test_head_matmul_gradients_through_the_transpose_match_mindspores(tied, monkeypatch):
+    """FusedHeadMatMul: the logits as MatMul's, dx and dW within fp32 rounding of what autodiff of the plain MatMul
+    gives (dW sums the N token rows in oneDNN's order for another product), and the build swaps it in exactly where
+    MatMul runs oneDNN's AVX2 path (capped here through ONEDNN_MAX_CPU_ISA, as on an AVX2-only CPU)."""
+    from model.cpu import matmul_isa
+    from model.fused_cells import FusedHeadMatMul
+
+    rng = np.random.default_rng(6)
+    n, h, v = 70, 24, 131
+    x, w, g = (rng.standard_normal(s).astype(np.float32) for s in ((n, h), (v, h), (n, v)))
+    cell, plain = FusedHeadMatMul(K), ms.ops.MatMul(transpose_b=True)
+    np.testing.assert_array_equal(cell(Tensor(x), Tensor(w)).asnumpy(), plain(Tensor(x), Tensor(w)).asnumpy())
+    grads = [ms.grad(lambda a, b, f=f: (f(a, b) * Tensor(g)).sum(), grad_position=(0, 1))(Tensor(x), Tensor(w))
+             for f in (cell, plain)]
+    (dx, dw), (want_dx, want_dw) = ([t.asnumpy() for t in pair] for pair in grads)
+    assert np.abs(dx - want_dx).max() <= fp32_tol(np.abs(g).sum(1).max() * np.abs(w).max(), v)
+    assert np.abs(dw - want_dw).max() <= fp32_tol(np.abs(g).sum(0).max() * np.abs(x).max(), n)
+    assert np.abs(dw - g.T.astype(np.float64) @ x).max() <= fp32_tol(np.abs(g).sum(0).max() * np.abs(x).max(), n)
+    cfg = ModelConfig.from_dict({**ModelConfig.from_name("tiny").to_dict(), "tie_embeddings": tied})
+    for cap in ("AVX2", "AVX512_CORE"):
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+        net = build_network("llama", cfg, seed=0, fused_kernels=True).net
+        head = net.tied_matmul if tied else net.lm_head.matmul
+        assert isinstance(head, FusedHeadMatMul) == (matmul_isa() == "avx2"), (cap, matmul_isa())
+
+
+@needs_kernels
 def test_results_do_not_depend_on_the_thread_count(monkeypatch):
     rng = np.random.default_rng(3)
     x, dy = rng.standard_normal((2, 301, 48)).astype(np.float32)
@@ -158,7 +195,10 @@ def _loss_and_grads(net, ids, labels):
 
 
 @needs_kernels
-def test_fused_model_matches_builtin_ops_forward_and_backward():
+@pytest.mark.parametrize("cap", ["", "AVX2"])  # AVX2: the LM head's weight gradient through the transposed dlogits
+def test_fused_model_matches_builtin_ops_forward_and_backward(cap, monkeypatch):
+    if cap:
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
     cfg = ModelConfig.from_name("tiny")
     ids = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 33)).astype(np.int32)
     base, built = LlamaForCausalLM(cfg, seed=0), build_network("llama", cfg, seed=0, fused_kernels=True)

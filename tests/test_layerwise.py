@@ -12,6 +12,7 @@ from mindspore import Tensor
 from helpers import decoder_reduction, fp32_tol
 from model.config import ModelConfig
 from tasks.training.build import build_network
+from model.cpu import matmul_isa
 from tasks.training.layer_grad import functional_unsupported
 from tasks.training.layerwise import LayerwiseTrainStep, causal_lm_train_step, layerwise_unsupported, train_step
 from tasks.training.step import TrainStep, causal_lm_loss_fn
@@ -29,20 +30,30 @@ def _net(tied: bool, fused: bool = True):
 
 
 @pytest.mark.integration  # ~10 s each: both steps compiled
-@pytest.mark.parametrize("tied,fused,lora", [(True, True, False), (False, True, False), (True, False, False),
-                                             (True, True, True)], ids=["tied", "untied", "tied-builtin-ops", "lora"])
-def test_layer_at_a_time_equals_the_whole_model_step(tied, fused, lora):
+@pytest.mark.parametrize("tied,fused,lora,cap", [(True, True, False, ""), (False, True, False, ""),
+                                                 (True, False, False, ""), (True, True, True, ""),
+                                                 (False, True, False, "AVX2")],
+                         ids=["tied", "untied", "tied-builtin-ops", "lora", "untied-avx2-head"])
+def test_layer_at_a_time_equals_the_whole_model_step(tied, fused, lora, cap, monkeypatch):
     """Three steps of two masked micro-batches (accumulation, token weights, clipping active), then a non-finite
     step (loss scale 0) that must change nothing: the same loss and gradient norm each step, the same weights.
     With the fused kernels the layers run the written-out backward (tasks/training/layer_grad.py), with MindSpore's
     own ops the autodiff layer graph. LoRA (q, v and down, rank 4, B random: at B = 0 a wrong d A would hide): only
-    the adapters' gradients, through frozen base weights and head; the base weights do not move."""
+    the adapters' gradients, through frozen base weights and head; the base weights do not move. With MatMul capped at
+    AVX2 (ONEDNN_MAX_CPU_ISA, as on an AVX2-only CPU) both steps take the head's weight gradient through the
+    transposed dlogits (model/fused_cells.py FusedHeadMatMul)."""
+    from model.fused_cells import FusedHeadMatMul
     from model.lora import inject_lora, mark_only_lora_trainable
+
+    if cap:
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
 
     runs = []
     for layerwise in (False, True):
         cfg, built = _net(tied, fused)
         net = built.net
+        if cap:
+            assert isinstance(net.lm_head.matmul, FusedHeadMatMul) == (matmul_isa() == "avx2")
         params = net.trainable_params()
         if lora:
             inject_lora(net, "q_proj,v_proj,down_proj", rank=4, alpha=8.0)

@@ -12,7 +12,8 @@ The steps, each once, in this order:
    seeded; a model artifact's full weights (continued pretraining, finetuning, eval, serving) assigned by name;
 2. convert: THE kernel decision (model.kernels.decide from the device, the compute precision and the
    fused_kernels setting); where it says yes and the kernel library builds, the fused cells (model/fused_cells.py)
-   replace the plain ones of the same signature, and the optimizer is told (`Kernels.optimizer`);
+   replace the plain ones of the same signature (the LM head's MatMul too, where MindSpore's MatMul runs oneDNN's
+   AVX2 path: model.cpu.matmul_isa), and the optimizer is told (`Kernels.optimizer`);
 3. parallelize: the tensor-parallel plan (tasks/training/parallelize.py TP_PLAN) for this rank of the mesh.
 
 Pretraining (new and continued), finetuning, the memory measurement, eval, serving and export all get their
@@ -30,7 +31,8 @@ import mindspore as ms
 from mindspore import nn
 
 from model.config import ModelConfig
-from model.fused_cells import FusedCausalLMLoss, FusedCausalSoftmax, FusedRMSNorm, FusedSwiGLU
+from model.cpu import matmul_isa
+from model.fused_cells import FusedCausalLMLoss, FusedCausalSoftmax, FusedHeadMatMul, FusedRMSNorm, FusedSwiGLU
 from model.kernel_build import kernel_path
 from model.kernel_ops import train_ops
 from model.kernels import decide
@@ -89,6 +91,11 @@ def convert(net: nn.Cell, fused_kernels: bool, device: str | None = None) -> Ker
         elif isinstance(cell, MLP):
             cell.swiglu = FusedSwiGLU(kernels)
     net.loss_fn = FusedCausalLMLoss(kernels)
+    if matmul_isa() == "avx2":  # the head's weight gradient without oneDNN's AVX2 transposed-A MatMul (the cell says)
+        if net.tie_embeddings:
+            net.tied_matmul = FusedHeadMatMul(kernels)
+        else:
+            net.lm_head.matmul = FusedHeadMatMul(kernels)
     return Kernels(kernel_path(), optimizer)
 
 

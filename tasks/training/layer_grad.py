@@ -43,7 +43,7 @@ from types import SimpleNamespace
 import mindspore as ms
 from mindspore import Tensor, nn, ops
 
-from model.fused_cells import FusedCausalLMLoss, FusedCausalSoftmax, FusedRMSNorm, FusedSwiGLU
+from model.fused_cells import FusedCausalLMLoss, FusedCausalSoftmax, FusedHeadMatMul, FusedRMSNorm, FusedSwiGLU
 from model.layers import Linear
 from model.lora import LORA_A, LORA_B, LoRALinear, is_lora_param
 from model.runtime import actor_thread_branch
@@ -248,6 +248,8 @@ class _Head(nn.Cell):
         self.ce, self.ce_grad = ce.forward_op, ce.backward_op
         self.mm, self.mm_bt, self.mm_at = ops.MatMul(), ops.MatMul(transpose_b=True), ops.MatMul(transpose_a=True)
         self.frozen = any(_adapted(net.layers[0]))  # LoRA: the head trains nothing, only d x is needed
+        head = net.tied_matmul if net.tie_embeddings else net.lm_head.matmul
+        self.transpose = head.transpose if isinstance(head, FusedHeadMatMul) else None  # the build chose dlogitsᵀ · x
 
     def construct(self, x, labels, weight, scale, flag, norm_w, head_w):
         b, t, h = x.shape
@@ -263,7 +265,10 @@ class _Head(nn.Cell):
         dx, dnorm = self.rms_grad(x2, norm_w, self.eps, self.mm(dlogits, head_w))
         if self.frozen:
             return loss, dx.reshape(b, t, h), actor_thread_branch(flag)
-        dhead = self.mm_at(dlogits, xn)                                       # [V, H]
+        if self.transpose is None:
+            dhead = self.mm_at(dlogits, xn)                                   # [V, H]
+        else:
+            dhead = self.mm(self.transpose(dlogits), xn)                      # [V, H]: no transposed-A MatMul
         return loss, dx.reshape(b, t, h), dnorm, dhead, actor_thread_branch(flag)
 
 
