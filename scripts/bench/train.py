@@ -14,7 +14,8 @@ heads, micro batch 8 × seq 256; `smollm2-135m`: micro batch 2 × seq 128), fp32
 - `hf.eager`: the same with `attn_implementation="eager"` (`ratio_vs_eager`);
 - `hf.compile`: the sdpa model under `torch.compile` (inductor, CPU): forward, loss and backward compiled
   (AOTAutograd), clip and AdamW (foreach) eager; its first step, compilation included, is `compile_s`
-  (`ratio_vs_compile`). Where compilation fails the line carries `hf.compile.error` instead.
+  (`ratio_vs_compile`), in an inductor cache of its own (one left by an earlier torch or machine crashed its step:
+  "malloc(): unaligned tcache chunk"). Where compilation fails the line carries `hf.compile.error` instead.
 `--hf sdpa,eager` picks the baselines (sdpa is always run).
 
 MFU divides by the best of independent figures, never by the measured code alone: the theoretical fp32
@@ -60,7 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from host import add_isa_arg, apply_isa, describe, effective_flags  # noqa: E402  (scripts/bench/)
 from report import add_record_args, record  # noqa: E402
-from tasks.training.hardware import peak_rss_bytes  # noqa: E402  (after the sys.path insert)
+from tasks.training.hardware import best_time, peak_rss_bytes  # noqa: E402  (after the sys.path insert)
 
 PRESET = "tiny-llama-bench"
 SHAPES = {"tiny-llama-bench": (8, 256), "smollm2-135m": (2, 128), "smollm2-360m": (2, 128)}  # (micro batch, seq) per preset; else 8 × 256
@@ -150,6 +151,9 @@ def _torch(a: argparse.Namespace) -> dict:
         logits = model(input_ids=x).logits
         return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
+    if a.compile:  # a fresh inductor cache (module docstring), removed with the process
+        a.inductor_cache = tempfile.TemporaryDirectory(prefix="bench-inductor-")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = a.inductor_cache.name
     fwd = torch.compile(forward_loss, backend="inductor") if a.compile else forward_loss
 
     def one():
@@ -175,15 +179,9 @@ def _torch(a: argparse.Namespace) -> dict:
 
     def sgemm() -> dict:
         m = torch.randn(SGEMM_N, SGEMM_N)
-        return {"sgemm_flops": 2 * SGEMM_N**3 / _best_time(lambda: torch.mm(m, m))}
+        return {"sgemm_flops": 2 * SGEMM_N**3 / best_time(lambda: torch.mm(m, m))}
 
     return _timed(a, one, info, sgemm if a.sgemm else None)
-
-
-def _best_time(fn, repeats: int = 3) -> float:
-    from tasks.training.hardware import best_time
-
-    return best_time(fn, repeats)
 
 
 def _peak(a: argparse.Namespace) -> dict:
@@ -197,7 +195,7 @@ def _peak(a: argparse.Namespace) -> dict:
     theo, how = theoretical_peak_flops(effective_flags())
     m = np.random.default_rng(0).standard_normal((SGEMM_N, SGEMM_N)).astype(np.float32)
     return {"theoretical": theo, "theoretical_how": how, "mindspore": measure_peak_flops(n=SGEMM_N, repeats=3),
-            "numpy": 2 * SGEMM_N**3 / _best_time(lambda: m @ m)}
+            "numpy": 2 * SGEMM_N**3 / best_time(lambda: m @ m)}
 
 
 # ---- interleaved sides ---------------------------------------------------------------------------
