@@ -6,6 +6,7 @@ build's convert step (tasks/training/build.py `convert`) swaps them in when the 
     |--------------------------------|-----------------------|
     | RMSNorm.normalize (x, weight)  | FusedRMSNorm          |
     | Attention.softmax (scores, m)  | FusedCausalSoftmax    |
+    | Attention.fused (q, k, v)      | FusedCausalAttention  |
     | MLP.swiglu (gate, up)          | FusedSwiGLU           |
     | LlamaForCausalLM.loss_fn       | FusedCausalLMLoss     |
     | the LM head's MatMul (x, W)    | FusedHeadMatMul (where MatMul runs oneDNN's AVX2 path) |
@@ -139,3 +140,21 @@ class FusedHeadMatMul(nn.Cell):
 
     def bprop(self, x, weight, out, dout):
         return self.plain(dout, weight), self.plain(self.transpose(dout), x)
+
+
+class FusedCausalAttention(nn.Cell):
+    """Causal GQA attention of scaled q [B, nh, T, hd] over k, v [B, nkv, S, hd] (queries the last T of S), returning
+    (out [B, nh, T, hd], the rows' log-sum-exp [B, nh, T]); forward and backward one kernel each
+    (model/train_kernels.cc CausalAttention): the scores, probabilities and their gradients live in a 64-query block
+    of the kernel's, never as [B·nh, T, S] tensors, and only keys up to each block's last query are computed. The
+    backward recomputes the probabilities from q, k and the log-sum-exp."""
+
+    def __init__(self, kernels):
+        super().__init__()
+        self.forward_op, self.backward_op = kernels.causal_attention, kernels.causal_attention_grad
+
+    def construct(self, q: Tensor, k: Tensor, v: Tensor):
+        return self.forward_op(q, k, v)
+
+    def bprop(self, q, k, v, out, dout):
+        return self.backward_op(q, k, v, out[0], out[1], dout[0])

@@ -73,6 +73,17 @@ def _check_ce(op, x, y, *vecs):
         _need(_numel(s) == x[0], op, f"{name} must have N = {x[0]} elements, got shape {list(s)}")
 
 
+def _check_attention(op, q, k, v, *more):
+    _need(len(q) == 4 and len(k) == 4, op, f"q and k must be [B, heads, T, hd], got {list(q)} and {list(k)}")
+    _need(list(v) == list(k), op, f"v must have k's shape {list(k)}, got {list(v)}")
+    _need(k[0] == q[0] and k[3] == q[3], op, f"k {list(k)} must have q's batch and head dim ({q[0]}, {q[3]})")
+    _need(k[1] > 0 and q[1] % k[1] == 0, op, f"q's {q[1]} heads must be a multiple of k's {k[1]}")
+    _need(q[2] <= k[2], op, f"T = {q[2]} queries exceed S = {k[2]} keys (the queries are the last T: T <= S)")
+    if more:  # the backward's out, lse, dout
+        _need(list(more[0]) == list(q) and list(more[2]) == list(q), op, "out and dout must have q's shape")
+        _need(_numel(more[1]) == q[0] * q[1] * q[2], op, f"lse must be [B, heads, T], got {list(more[1])}")
+
+
 def _check_2d(op, x):
     _need(len(x) == 2, op, f"x must be 2-D [R, C], got shape {list(x)}")
 
@@ -122,7 +133,8 @@ def train_ops() -> SimpleNamespace | None:
     swiglu_grad(gate, up, dout) -> (dgate, dup); rms_norm(x [N, H], weight [H], eps [1]) -> y;
     rms_norm_grad(x, weight, eps, dy) -> (dx, dweight); cross_entropy(logits [N, V], labels [N] int32) ->
     (nll [N], logsumexp [N]); cross_entropy_grad(logits, labels, logsumexp, dnll) -> dlogits;
-    transpose(x [R, C]) -> [C, R].
+    transpose(x [R, C]) -> [C, R]; causal_attention(q [B, nh, T, hd] (scaled), k, v [B, nkv, S, hd]) ->
+    (out [B, nh, T, hd], lse [B, nh, T]); causal_attention_grad(q, k, v, out, lse, dout) -> (dq, dk, dv).
     Operands are checked when the graph is inferred (KernelShapeError) and again by the kernel.
     """
     if _train_ops:
@@ -146,6 +158,11 @@ def train_ops() -> SimpleNamespace | None:
             rms_norm=op("RMSNorm", _check_rms, lambda x, w, e: x, "x weight eps", lambda x, w, e: x),
             rms_norm_grad=op("RMSNormGrad", _check_rms, lambda x, w, e, d: (x, w), "x weight eps dy",
                              lambda x, w, e, d: (x, w)),
+            causal_attention=op("CausalAttention", _check_attention, lambda q, k, v: (q, q[:3]), "q k v",
+                                lambda q, k, v: (q, q)),
+            causal_attention_grad=op("CausalAttentionGrad", _check_attention,
+                                     lambda q, k, v, o, lse, d: (q, k, k), "q k v out lse dout",
+                                     lambda q, k, v, o, lse, d: (q, q, q)),
             transpose=op("Transpose", _check_2d, lambda x: [x[1], x[0]], "x", lambda x: x),
             cross_entropy=ops.Custom(
                 f"{lib}:CrossEntropy", out_shape=_shape_fn("CrossEntropy", _check_ce, lambda x, y: ([x[0]], [x[0]])),

@@ -54,6 +54,7 @@ class Attention(nn.Cell):
         self.v_proj = Linear(init(config.num_kv_heads * hd, h), compute_dtype)
         self.o_proj = Linear(init(h, config.num_heads * hd), compute_dtype)
         self.softmax = MaskedSoftmax(compute_dtype)        # the training forward's (causal) softmax
+        self.fused = None  # the training forward's fused attention, where the build swaps one in (FusedCausalAttention)
         self.cache_softmax = MaskedSoftmax(compute_dtype)  # the KV-cache path's (mask over the cache slots)
         self.scores_matmul = ops.BatchMatMul(transpose_b=True)
         self.values_matmul = ops.BatchMatMul()
@@ -62,6 +63,10 @@ class Attention(nn.Cell):
 
     def construct(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
         q, k, v = self._qkv(x, cos, sin)
+        if self.fused is not None:  # one kernel for scores, causal softmax and values (model/fused_cells.py)
+            b, nh, t, hd = q.shape
+            out = ops.transpose(self.fused(q, k, v)[0], (0, 2, 1, 3)).reshape(b, t, nh * hd)  # [B, T, nh*hd]
+            return self.o_proj(out)                                                # [B, T, H]
         return self._attend(q, k, v, mask, self.softmax)                         # [B, T, H]
 
     def construct_cached(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, src: Tensor, written: Tensor,

@@ -641,3 +641,214 @@ extern "C" int Transpose(int nparam, void **params, int *ndims, int64_t **shapes
   });
   return kOk;
 }
+
+// CausalAttention(q [B, nh, T, hd], k [B, nkv, S, hd], v [B, nkv, S, hd]) -> (out [B, nh, T, hd], lse [B, nh, T])
+//     softmax(q kᵀ) v per head, q already scaled, query t at position t + S - T attending keys j <= that position;
+//     query head h reads kv head h / (nh / nkv) (GQA); lse = the log-sum-exp of each query's scores, for the backward.
+// CausalAttentionGrad(q, k, v, out, lse, dout) -> (dq, dk, dv): the probabilities recomputed from q, k and lse
+//     (nothing of size T x S is kept between forward and backward), dS = P (dP - rowsum(dout * out)).
+// Each (batch, kv head) is one thread's unit, its query heads and 64-row query blocks in a fixed order, so dk and
+// dv sum in the same order at any thread count. Within a block the products are small GEMMs on registers
+// (`gemm`), keys up to the block's last query only (the causal half).
+namespace {
+constexpr int64_t kQueryBlock = 64;
+
+// C[R rows, n] (+)= A[R, k] B[k, n]: A(i, kk) = a[i * ars + kk * aks], B and C row-major (ldb, ldc)
+template <int R>
+void gemm_rows(const float *a, int64_t ars, int64_t aks, const float *b, int64_t ldb, float *c, int64_t ldc,
+               int64_t n, int64_t k, bool acc) {
+  int64_t j = 0;
+#if MSLLM_VW > 0
+  for (; j + 2 * kVW <= n; j += 2 * kVW) {
+    vf c0[R], c1[R];
+    for (int r = 0; r < R; ++r) {
+      c0[r] = acc ? loadu(c + r * ldc + j) : simd::zero();
+      c1[r] = acc ? loadu(c + r * ldc + j + kVW) : simd::zero();
+    }
+    for (int64_t kk = 0; kk < k; ++kk) {
+      const vf b0 = loadu(b + kk * ldb + j), b1 = loadu(b + kk * ldb + j + kVW);
+      for (int r = 0; r < R; ++r) {
+        const vf av = set1(a[r * ars + kk * aks]);
+        c0[r] = simd::fma(av, b0, c0[r]);
+        c1[r] = simd::fma(av, b1, c1[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      storeu(c + r * ldc + j, c0[r]);
+      storeu(c + r * ldc + j + kVW, c1[r]);
+    }
+  }
+  for (; j + kVW <= n; j += kVW) {
+    vf c0[R];
+    for (int r = 0; r < R; ++r) c0[r] = acc ? loadu(c + r * ldc + j) : simd::zero();
+    for (int64_t kk = 0; kk < k; ++kk) {
+      const vf b0 = loadu(b + kk * ldb + j);
+      for (int r = 0; r < R; ++r) c0[r] = simd::fma(set1(a[r * ars + kk * aks]), b0, c0[r]);
+    }
+    for (int r = 0; r < R; ++r) storeu(c + r * ldc + j, c0[r]);
+  }
+#endif
+  for (; j < n; ++j)
+    for (int r = 0; r < R; ++r) {
+      float s = acc ? c[r * ldc + j] : 0.f;
+      for (int64_t kk = 0; kk < k; ++kk) s += a[r * ars + kk * aks] * b[kk * ldb + j];
+      c[r * ldc + j] = s;
+    }
+}
+
+void gemm(const float *a, int64_t ars, int64_t aks, const float *b, int64_t ldb, float *c, int64_t ldc, int64_t m,
+          int64_t n, int64_t k, bool acc) {
+  int64_t i = 0;
+  for (; i + 4 <= m; i += 4) gemm_rows<4>(a + i * ars, ars, aks, b, ldb, c + i * ldc, ldc, n, k, acc);
+  for (; i < m; ++i) gemm_rows<1>(a + i * ars, ars, aks, b, ldb, c + i * ldc, ldc, n, k, acc);
+}
+
+void transpose_to(const float *x, int64_t r, int64_t c, float *y) {  // y [c, r] = x [r, c]ᵀ (small: one thread)
+  for (int64_t i = 0; i < r; ++i)
+    for (int64_t j = 0; j < c; ++j) y[j * r + i] = x[i * c + j];
+}
+
+struct AttnShape {
+  int64_t b, nh, nkv, t, s, hd;
+};
+
+// q [B, nh, T, hd], k and v [B, nkv, S, hd], then `extra` operands of q's shape and one [B, nh, T] (lse)
+int check_attention(int nparam, int *ndims, int64_t **shapes, const char **dtypes, AttnShape *a) {
+  if (!all_f32(dtypes, nparam)) return kDtype;
+  if (!nonneg(ndims, shapes, nparam) || ndims[0] != 4 || ndims[1] != 4 || !same_shape(ndims, shapes, 1, 2))
+    return kShape;
+  const int64_t *q = shapes[0], *k = shapes[1];
+  *a = {q[0], q[1], k[1], q[2], k[2], q[3]};
+  if (k[0] != a->b || k[3] != a->hd || a->nkv <= 0 || a->nh % a->nkv != 0 || a->t > a->s) return kShape;
+  return kOk;
+}
+
+// the scores of query rows [i0, i0 + m) of one head against keys [0, n): p[ii, j] (ld S)
+inline void block_scores(const float *q, const float *kt, const AttnShape &a, int64_t i0, int64_t m, int64_t n,
+                         float *p) {
+  gemm(q + i0 * a.hd, a.hd, 1, kt, a.s, p, a.s, m, n, a.hd, false);
+}
+}  // namespace
+
+extern "C" int CausalAttention(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                               void *stream, void *extra) {
+  (void)stream, (void)extra;
+  if (nparam != 5) return kArity;
+  AttnShape a;
+  if (const int rc = check_attention(5, ndims, shapes, dtypes, &a)) return rc;
+  if (!same_shape(ndims, shapes, 0, 3) || numel(ndims[4], shapes[4]) != a.b * a.nh * a.t) return kShape;
+  const float *q = static_cast<const float *>(params[0]), *k = static_cast<const float *>(params[1]),
+              *v = static_cast<const float *>(params[2]);
+  float *out = static_cast<float *>(params[3]), *lse = static_cast<float *>(params[4]);
+  const int64_t rep = a.nh / a.nkv, off = a.s - a.t;
+  parallel_for(a.b * a.nkv, 1, [&](int64_t ub, int64_t ue) {
+    std::vector<float> kt(a.hd * a.s), p(kQueryBlock * a.s);
+    for (int64_t u = ub; u < ue; ++u) {
+      const float *ku = k + u * a.s * a.hd, *vu = v + u * a.s * a.hd;
+      transpose_to(ku, a.s, a.hd, kt.data());
+      for (int64_t r = 0; r < rep; ++r) {
+        const int64_t head = (u / a.nkv) * a.nh + (u % a.nkv) * rep + r;  // [B, nh] index of this query head
+        const float *qh = q + head * a.t * a.hd;
+        float *oh = out + head * a.t * a.hd, *lh = lse + head * a.t;
+        for (int64_t i0 = 0; i0 < a.t; i0 += kQueryBlock) {
+          const int64_t m = std::min(kQueryBlock, a.t - i0), n = i0 + m + off;  // keys the block's last row sees
+          block_scores(qh, kt.data(), a, i0, m, n, p.data());
+          for (int64_t ii = 0; ii < m; ++ii) {
+            float *row = p.data() + ii * a.s;
+            const int64_t lim = i0 + ii + off + 1;
+            const float mx = row_max(row, lim);
+            float sum = 0.f;
+            int64_t j = 0;
+#if MSLLM_VW > 0
+            const vf vm = set1(mx);
+            vf vs = simd::zero();
+            for (; j + kVW <= lim; j += kVW) {
+              const vf e = simd::exp_v(loadu(row + j) - vm);
+              storeu(row + j, e);
+              vs = vs + e;
+            }
+            sum = simd::hsum(vs);
+#endif
+            for (; j < lim; ++j) sum += (row[j] = exp1(row[j] - mx));
+            const float inv = 1.f / sum;
+            j = 0;
+#if MSLLM_VW > 0
+            for (const vf vi = set1(inv); j + kVW <= lim; j += kVW) storeu(row + j, loadu(row + j) * vi);
+#endif
+            for (; j < lim; ++j) row[j] *= inv;
+            for (j = lim; j < n; ++j) row[j] = 0.f;
+            lh[i0 + ii] = mx + std::log(sum);
+          }
+          gemm(p.data(), a.s, 1, vu, a.hd, oh + i0 * a.hd, a.hd, m, a.hd, n, false);
+        }
+      }
+    }
+  });
+  return kOk;
+}
+
+extern "C" int CausalAttentionGrad(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                                   void *stream, void *extra) {
+  (void)stream, (void)extra;
+  if (nparam != 9) return kArity;
+  AttnShape a;
+  if (const int rc = check_attention(9, ndims, shapes, dtypes, &a)) return rc;
+  if (!same_shape(ndims, shapes, 0, 3) || numel(ndims[4], shapes[4]) != a.b * a.nh * a.t ||
+      !same_shape(ndims, shapes, 0, 5) || !same_shape(ndims, shapes, 0, 6) || !same_shape(ndims, shapes, 1, 7) ||
+      !same_shape(ndims, shapes, 1, 8))
+    return kShape;
+  const float *q = static_cast<const float *>(params[0]), *k = static_cast<const float *>(params[1]),
+              *v = static_cast<const float *>(params[2]), *out = static_cast<const float *>(params[3]),
+              *lse = static_cast<const float *>(params[4]), *dout = static_cast<const float *>(params[5]);
+  float *dq = static_cast<float *>(params[6]), *dk = static_cast<float *>(params[7]),
+        *dv = static_cast<float *>(params[8]);
+  const int64_t rep = a.nh / a.nkv, off = a.s - a.t;
+  parallel_for(a.b * a.nkv, 1, [&](int64_t ub, int64_t ue) {
+    std::vector<float> kt(a.hd * a.s), vt(a.hd * a.s), p(kQueryBlock * a.s), ds(kQueryBlock * a.s);
+    for (int64_t u = ub; u < ue; ++u) {
+      const float *ku = k + u * a.s * a.hd, *vu = v + u * a.s * a.hd;
+      float *dku = dk + u * a.s * a.hd, *dvu = dv + u * a.s * a.hd;
+      std::memset(dku, 0, sizeof(float) * a.s * a.hd);
+      std::memset(dvu, 0, sizeof(float) * a.s * a.hd);
+      transpose_to(ku, a.s, a.hd, kt.data());
+      transpose_to(vu, a.s, a.hd, vt.data());
+      for (int64_t r = 0; r < rep; ++r) {
+        const int64_t head = (u / a.nkv) * a.nh + (u % a.nkv) * rep + r;
+        const float *qh = q + head * a.t * a.hd, *oh = out + head * a.t * a.hd, *doh = dout + head * a.t * a.hd,
+                    *lh = lse + head * a.t;
+        float *dqh = dq + head * a.t * a.hd;
+        for (int64_t i0 = 0; i0 < a.t; i0 += kQueryBlock) {
+          const int64_t m = std::min(kQueryBlock, a.t - i0), n = i0 + m + off;
+          block_scores(qh, kt.data(), a, i0, m, n, p.data());                              // scores
+          gemm(doh + i0 * a.hd, a.hd, 1, vt.data(), a.s, ds.data(), a.s, m, n, a.hd, false);  // dP = dout vᵀ
+          for (int64_t ii = 0; ii < m; ++ii) {
+            float *prow = p.data() + ii * a.s, *drow = ds.data() + ii * a.s;
+            const int64_t lim = i0 + ii + off + 1;
+            const float *o = oh + (i0 + ii) * a.hd, *d = doh + (i0 + ii) * a.hd;
+            float dot = 0.f;
+            for (int64_t e = 0; e < a.hd; ++e) dot += o[e] * d[e];
+            const float l = lh[i0 + ii];
+            int64_t j = 0;
+#if MSLLM_VW > 0
+            const vf vl = set1(l), vd = set1(dot);
+            for (; j + kVW <= lim; j += kVW) {
+              const vf e = simd::exp_v(loadu(prow + j) - vl);
+              storeu(prow + j, e);
+              storeu(drow + j, e * (loadu(drow + j) - vd));
+            }
+#endif
+            for (; j < lim; ++j) {
+              prow[j] = exp1(prow[j] - l);
+              drow[j] = prow[j] * (drow[j] - dot);
+            }
+            for (j = lim; j < n; ++j) prow[j] = drow[j] = 0.f;
+          }
+          gemm(ds.data(), a.s, 1, ku, a.hd, dqh + i0 * a.hd, a.hd, m, a.hd, n, false);      // dq = dS k
+          gemm(ds.data(), 1, a.s, qh + i0 * a.hd, a.hd, dku, a.hd, n, a.hd, m, true);       // dk += dSᵀ q
+          gemm(p.data(), 1, a.s, doh + i0 * a.hd, a.hd, dvu, a.hd, n, a.hd, m, true);      // dv += Pᵀ dout
+        }
+      }
+    }
+  });
+  return kOk;
+}

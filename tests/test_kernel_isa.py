@@ -211,6 +211,21 @@ def test_every_body_matches_the_scalar_reference(isa):
     np.testing.assert_array_equal(tt, xt.T)
     np.testing.assert_array_equal(rt, xt.T)
 
+    # causal attention [B, nh, T, hd] over [B, nkv, S, hd]: GQA, T past one 64-query block, hd 20 (vector tails)
+    b, nh, nkv, t, s, hd = 2, 4, 2, 70, 73, 20
+    q = (rng.standard_normal((b, nh, t, hd)) * 0.5).astype(np.float32)
+    k, v, = rng.standard_normal((2, b, nkv, s, hd)).astype(np.float32)
+    (o, lse), (ro, rlse) = both("CausalAttention", [q, k, v], [(q.shape, np.float32), ((b, nh, t), np.float32)])
+    mag = np.abs(q).max() * np.abs(k).max() * hd  # |scores| bound: exp's argument is off by eps x this
+    assert np.abs(o - ro).max() <= 4 * (hd + s + mag) * U * np.abs(v).max()
+    assert np.abs(lse - rlse).max() <= 4 * (hd + s + mag) * U * (1 + np.abs(rlse).max())
+    do = rng.standard_normal(q.shape).astype(np.float32)
+    grads = both("CausalAttentionGrad", [q, k, v, ro, rlse, do], [(q.shape, np.float32), (k.shape, np.float32),
+                                                                   (k.shape, np.float32)])
+    bound = 4 * (2 * hd + 2 * s + t * 2 + mag) * U * np.abs(do).max() * (1 + mag) * t
+    for got, want in zip(*grads):
+        assert np.abs(got - want).max() <= bound * max(np.abs(v).max(), np.abs(k).max(), np.abs(q).max())
+
 
 @needs_cxx
 @pytest.mark.parametrize("isa", BODIES)
@@ -340,6 +355,12 @@ def test_kernels_refuse_bad_operands_before_touching_memory(isa):
     assert _call(lib, "CrossEntropy", f32(4, 8), np.zeros(5, np.int32), f32(4), f32(4)) == 3
     assert _call(lib, "SwiGLU", f32(4), f32(4)) == 1
     assert _call(lib, "Transpose", f32(4, 8), f32(4, 8)) == 3                 # the output not [C, R]
+    assert _call(lib, "CausalAttention", f32(1, 3, 4, 8), f32(1, 2, 4, 8), f32(1, 2, 4, 8), f32(1, 3, 4, 8),
+                 f32(1, 3, 4)) == 3                                           # 3 query heads on 2 kv heads
+    assert _call(lib, "CausalAttention", f32(1, 2, 5, 8), f32(1, 2, 4, 8), f32(1, 2, 4, 8), f32(1, 2, 5, 8),
+                 f32(1, 2, 5)) == 3                                           # T > S
+    assert _call(lib, "CausalAttention", f32(1, 2, 4, 8), f32(1, 2, 4, 8), f32(1, 2, 4, 8), f32(1, 2, 4, 8),
+                 f32(1, 2, 3)) == 3                                           # lse too small
 
 
 # ----------------------------------------------------------------------------- the build cache

@@ -47,6 +47,10 @@ def test_bad_operands_are_a_clear_error_not_a_write_out_of_bounds():
         K.cross_entropy(Tensor(np.ones((4, 8), np.float32)), Tensor(np.ones(4, np.float32)))
     with pytest.raises(KernelShapeError, match=r"Transpose: x must be 2-D \[R, C\], got shape \[4, 2, 3\]"):
         K.transpose(Tensor(np.ones((4, 2, 3), np.float32)))
+    with pytest.raises(KernelShapeError, match=r"CausalAttention: q's 3 heads must be a multiple of k's 2"):
+        K.causal_attention(Tensor(np.ones((1, 3, 4, 8), np.float32)), *(Tensor(np.ones((1, 2, 4, 8), np.float32)),) * 2)
+    with pytest.raises(KernelShapeError, match=r"CausalAttention: T = 5 queries exceed S = 4 keys"):
+        K.causal_attention(Tensor(np.ones((1, 2, 5, 8), np.float32)), *(Tensor(np.ones((1, 2, 4, 8), np.float32)),) * 2)
     with pytest.raises(KernelShapeError, match=r"SwiGLU: gate must be float32"):
         K.swiglu(Tensor(np.ones(4, np.float16)), Tensor(np.ones(4, np.float16)))
 
@@ -173,16 +177,71 @@ def test_head_matmul_gradients_through_the_transpose_match_mindspores(tied, monk
         assert isinstance(head, FusedHeadMatMul) == (matmul_isa() == "avx2"), (cap, matmul_isa())
 
 
+def _ref_attention(q, k, v):
+    """float64 causal GQA attention (queries the last T of S keys): out, probabilities, k and v repeated per head."""
+    rep, t, s = q.shape[1] // k.shape[1], q.shape[2], k.shape[2]
+    kk, vv = (np.repeat(a, rep, 1).astype(np.float64) for a in (k, v))
+    scores = q.astype(np.float64) @ kk.transpose(0, 1, 3, 2)
+    scores = np.where(np.arange(s)[None, :] > np.arange(t)[:, None] + (s - t), -np.inf, scores)
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return p @ vv, p, kk, vv
+
+
+@needs_kernels
+@pytest.mark.parametrize("b,nh,nkv,t,s,hd", [(2, 4, 2, 70, 75, 24), (1, 3, 3, 130, 130, 16), (2, 2, 1, 5, 9, 7)])
+def test_causal_attention_and_its_gradient(b, nh, nkv, t, s, hd, threads):
+    """Against float64 numpy: GQA (heads sharing a kv head), queries the last T of S keys, T past one 64-query block,
+    head dims below a vector and not a multiple of one; masked keys get probability exactly 0 (a key past its query
+    moved nothing), and the log-sum-exp is the rows' own."""
+    from model.fused_cells import FusedCausalAttention
+
+    rng = np.random.default_rng(8)
+    q = (rng.standard_normal((b, nh, t, hd)) * 0.6).astype(np.float32)
+    k, v = rng.standard_normal((2, b, nkv, s, hd)).astype(np.float32)
+    g = rng.standard_normal((b, nh, t, hd)).astype(np.float32)
+    out, lse = (a.asnumpy() for a in K.causal_attention(Tensor(q), Tensor(k), Tensor(v)))
+    want, p, kk, vv = _ref_attention(q, k, v)
+    mag = np.abs(q).max() * np.abs(k).max() * hd  # a score's |terms| bound: softmax's argument error is eps x this
+    assert np.abs(out - want).max() <= fp32_tol(np.abs(v).max() * (1 + mag), hd + s)
+    scores = q.astype(np.float64) @ kk.transpose(0, 1, 3, 2)
+    keep = np.arange(s)[None, :] <= np.arange(t)[:, None] + (s - t)
+    want_lse = np.log(np.where(keep, np.exp(scores - scores.max(-1, keepdims=True)), 0).sum(-1)) + scores.max(-1)
+    assert np.abs(lse - want_lse).max() <= fp32_tol(mag + np.abs(want_lse).max(), hd + s)
+    v2 = v.copy()
+    v2[:, :, -1] += 100.0  # the last key is visible only to the last query: the others must not move
+    out2 = K.causal_attention(Tensor(q), Tensor(k), Tensor(v2))[0].asnumpy()
+    np.testing.assert_array_equal(out2[:, :, :-1], out[:, :, :-1])
+    cell = FusedCausalAttention(K)
+    grads = ms.grad(lambda a, c, d: (cell(a, c, d)[0] * Tensor(g)).sum(), grad_position=(0, 1, 2))(
+        Tensor(q), Tensor(k), Tensor(v))
+    dq, dk, dv = (a.asnumpy() for a in grads)
+    gd, rep = g.astype(np.float64), nh // nkv
+    dp = gd @ vv.transpose(0, 1, 3, 2)
+    ds = p * (dp - (dp * p).sum(-1, keepdims=True))
+    sum_heads = lambda a: a.reshape(b, nkv, rep, s, hd).sum(2)  # noqa: E731  (a kv head's query heads)
+    scale = np.abs(g).max() * (np.abs(v).max() + np.abs(want).max()) * max(np.abs(k).max(), np.abs(q).max()) * (1 + mag)
+    n = 2 * hd + 2 * s + t * rep
+    assert np.abs(dq - ds @ kk).max() <= fp32_tol(scale, n)
+    assert np.abs(dk - sum_heads(ds.transpose(0, 1, 3, 2) @ q.astype(np.float64))).max() <= fp32_tol(scale * t, n)
+    assert np.abs(dv - sum_heads(p.transpose(0, 1, 3, 2) @ gd)).max() <= fp32_tol(np.abs(g).max() * t * rep, n)
+
+
 @needs_kernels
 def test_results_do_not_depend_on_the_thread_count(monkeypatch):
     rng = np.random.default_rng(3)
     x, dy = rng.standard_normal((2, 301, 48)).astype(np.float32)
     w, e = Tensor(np.ones(48, np.float32)), Tensor(np.array([1e-6], np.float32))
+    q = rng.standard_normal((2, 3, 32, 16)).astype(np.float32)     # 3 query heads on one kv head (GQA): the
+    kv = rng.standard_normal((2, 2, 1, 32, 16)).astype(np.float32)  # attention's dk and dv sum over them
     outs = []
     for t in ("1", "2", "5"):
         monkeypatch.setenv("MSLLM_KERNEL_THREADS", t)
         dx, dw = K.rms_norm_grad(Tensor(x), w, e, Tensor(dy))
-        outs.append((dx.asnumpy(), dw.asnumpy(), K.causal_softmax(Tensor(np.stack([x[:48], x[48:96]]))).asnumpy()))
+        att = K.causal_attention_grad(Tensor(q), Tensor(kv[0]), Tensor(kv[1]), Tensor(q), Tensor(q[..., 0].copy()),
+                                      Tensor(q))
+        outs.append((dx.asnumpy(), dw.asnumpy(), K.causal_softmax(Tensor(np.stack([x[:48], x[48:96]]))).asnumpy(),
+                     *(a.asnumpy() for a in att)))
     for o in outs[1:]:
         for a, b in zip(outs[0], o):
             np.testing.assert_array_equal(a, b)

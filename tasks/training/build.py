@@ -32,7 +32,8 @@ from mindspore import nn
 
 from model.config import ModelConfig
 from model.cpu import matmul_isa
-from model.fused_cells import FusedCausalLMLoss, FusedCausalSoftmax, FusedHeadMatMul, FusedRMSNorm, FusedSwiGLU
+from model.fused_cells import (FusedCausalAttention, FusedCausalLMLoss, FusedCausalSoftmax, FusedHeadMatMul,
+                               FusedRMSNorm, FusedSwiGLU)
 from model.kernel_build import kernel_path
 from model.kernel_ops import train_ops
 from model.kernels import decide
@@ -87,7 +88,8 @@ def convert(net: nn.Cell, fused_kernels: bool, device: str | None = None) -> Ker
         if isinstance(cell, RMSNorm):
             cell.normalize = FusedRMSNorm(kernels, cell.eps)
         elif isinstance(cell, Attention):
-            cell.softmax = FusedCausalSoftmax(kernels)
+            cell.softmax = FusedCausalSoftmax(kernels)  # the layer-at-a-time backward's (tasks/training/layer_grad.py)
+            cell.fused = FusedCausalAttention(kernels)
         elif isinstance(cell, MLP):
             cell.swiglu = FusedSwiGLU(kernels)
     net.loss_fn = FusedCausalLMLoss(kernels)

@@ -12,17 +12,17 @@ Why (docs/MEMORY.md, "Train"): through autodiff, the layer-gradient graph had to
 its input (GradOperation differentiates the function it runs: a third of the layer's FLOPs), and each layer's
 weights were assigned into a template layer inside every graph call. Here
 the weights are plain graph inputs (no template, no copy) and the backward is written out: every projection's
-gradients are two MatMuls, RoPE's is its transpose, the attention's the four BatchMatMuls and the fused softmax's
-backward, RMSNorm's and SwiGLU's the fused kernels' own backward (model/train_kernels.cc). The same kernels as the
+gradients are two MatMuls, RoPE's is its transpose, the attention's the fused attention kernel's backward
+(`FusedCausalAttention`; without it, the four BatchMatMuls and the fused softmax's backward), RMSNorm's and SwiGLU's the fused kernels' own backward (model/train_kernels.cc). The same kernels as the
 model's fused cells (model/fused_cells.py), so the arithmetic is the model's; the gradients equal autodiff's to
 fp32 rounding (tests/test_layerwise.py: one layer against GradOperation, the whole step against the whole-model
 step).
 
 Kept per layer between forward and backward ([N = B·T] rows): the roped, scaled queries and the roped keys, the
 values, the attention's output before o_proj, the residual after attention, the MLP's gate and up projections
-(SmolLM2-135M: 5184 floats per token per layer, 5.3 MB per layer at 2 x 128). Recomputed in the backward, as cheap
-as reading them: both norms' outputs, the attention scores and probabilities (B·nh·T² each: at long sequences the
-largest activation there is), SwiGLU's output.
+and the attention rows' log-sum-exp (SmolLM2-135M: 5193 floats per token per layer, 5.3 MB per layer at 2 x 128).
+Recomputed in the backward, as cheap as reading them: both norms' outputs, the attention probabilities (inside the
+attention kernel, a 64-query block at a time: never B·nh·T²), SwiGLU's output.
 
 LoRA: a projection with an adapter (model/lora.py `LoRALinear`, no dropout, not merged) computes x W^T + s (x A^T) B^T
 and its backward d A = s (dy B)^T x, d B = s dy^T (x A^T), d x = dy W + s (dy B) A; with adapters the base weights,
@@ -43,12 +43,13 @@ from types import SimpleNamespace
 import mindspore as ms
 from mindspore import Tensor, nn, ops
 
-from model.fused_cells import FusedCausalLMLoss, FusedCausalSoftmax, FusedHeadMatMul, FusedRMSNorm, FusedSwiGLU
+from model.fused_cells import (FusedCausalAttention, FusedCausalLMLoss, FusedCausalSoftmax, FusedHeadMatMul,
+                               FusedRMSNorm, FusedSwiGLU)
 from model.layers import Linear
 from model.lora import LORA_A, LORA_B, LoRALinear, is_lora_param
 from model.runtime import actor_thread_branch
 
-SAVED = ("q", "k", "v", "context", "mid", "gate", "up")
+SAVED = ("q", "k", "v", "context", "mid", "gate", "up", "lse")
 """What the forward keeps for the backward, in order: roped and scaled queries [B, nkv, rep·T, hd], roped keys and
 values [B, nkv, T, hd], the attention output [N, nh·hd], the residual after attention [N, H], gate and up [N, F]."""
 
@@ -128,6 +129,8 @@ class _Ops(nn.Cell):
         norm = layer.input_layernorm.normalize.kernel
         self.rms, self.rms_grad, self.eps = norm.forward_op, norm.backward_op, norm.eps
         self.softmax, self.softmax_grad = attn.softmax.forward_op, attn.softmax.backward_op
+        fused = attn.fused if isinstance(attn.fused, FusedCausalAttention) else None  # one kernel each way
+        self.attention, self.attention_grad = (fused.forward_op, fused.backward_op) if fused else (None, None)
         self.swiglu, self.swiglu_grad = layer.mlp.swiglu.forward_op, layer.mlp.swiglu.backward_op
         self.rotate = Tensor(attn.rotate.asnumpy())
         self.mm = ops.MatMul()                       # a @ b
@@ -191,17 +194,22 @@ class _Forward(_Ops):
         q = self.rope(self.heads(self.proj(0, a, ps), b, t, self.nh), cos, sin) * self.scale  # [B, nh, T, hd]
         k = self.rope(self.heads(self.proj(1, a, ps), b, t, self.nkv), cos, sin)              # [B, nkv, T, hd]
         v = self.heads(self.proj(2, a, ps), b, t, self.nkv)                                   # [B, nkv, T, hd]
-        q = q.reshape(b, self.nkv, self.rep * t, self.hd)  # GQA: a kv head's query heads along the query axis
-        context = self.tokens(self.bmm(self.probs(q, k, b, t), v).reshape(b, self.nh, t, self.hd), b, t, self.nh)
+        if self.attention is None:
+            q = q.reshape(b, self.nkv, self.rep * t, self.hd)  # GQA: a kv head's query heads along the query axis
+            context = self.tokens(self.bmm(self.probs(q, k, b, t), v).reshape(b, self.nh, t, self.hd), b, t, self.nh)
+            lse = ops.zeros((), ms.float32)                    # (the fused attention's; recomputed probs here)
+        else:
+            out, lse = self.attention(q, k, v)                 # [B, nh, T, hd], [B, nh, T]
+            context = self.tokens(out, b, t, self.nh)
         mid = x2 + self.proj(3, context, ps)                                  # [N, H]
         m = self.rms(mid, n2, self.eps)
         gate, up = self.proj(4, m, ps), self.proj(5, m, ps)                   # [N, F]
         y = mid + self.proj(6, self.swiglu(gate, up), ps)
-        return y.reshape(b, t, h), q, k, v, context, mid, gate, up, actor_thread_branch(flag)
+        return y.reshape(b, t, h), q, k, v, context, mid, gate, up, lse, actor_thread_branch(flag)
 
 
 class _Backward(_Ops):
-    def construct(self, x, cos, sin, flag, dy, q, k, v, context, mid, gate, up, *ps):
+    def construct(self, x, cos, sin, flag, dy, q, k, v, context, mid, gate, up, lse, *ps):
         b, t, h = x.shape
         n1, n2 = ps[self.norm_slots[0]], ps[self.norm_slots[1]]
         x2, dy = x.reshape(b * t, h), dy.reshape(b * t, h)
@@ -215,13 +223,18 @@ class _Backward(_Ops):
         dmid = dy + dmid
         # attention: mid = x + o_proj(context)
         dctx, go = self.back(3, context, dmid, ps)
-        dc = self.heads(dctx, b, t, self.nh).reshape(b, self.nkv, self.rep * t, self.hd)
-        p = self.probs(q, k, b, t)
-        dv = self.bmm_at(p, dc)                                               # [B, nkv, T, hd]
-        ds = self.softmax_grad(p.reshape(b * self.nh, t, t), self.bmm_bt(dc, v).reshape(b * self.nh, t, t))
-        ds = ds.reshape(b, self.nkv, self.rep * t, t)
-        dq = self.bmm(ds, k).reshape(b, self.nh, t, self.hd) * self.scale
-        dk = self.bmm_at(ds, q)                                               # [B, nkv, T, hd]
+        dc = self.heads(dctx, b, t, self.nh)                                  # [B, nh, T, hd]
+        if self.attention is None:
+            dc = dc.reshape(b, self.nkv, self.rep * t, self.hd)
+            p = self.probs(q, k, b, t)
+            dv = self.bmm_at(p, dc)                                           # [B, nkv, T, hd]
+            ds = self.softmax_grad(p.reshape(b * self.nh, t, t), self.bmm_bt(dc, v).reshape(b * self.nh, t, t))
+            ds = ds.reshape(b, self.nkv, self.rep * t, t)
+            dq = self.bmm(ds, k).reshape(b, self.nh, t, self.hd) * self.scale
+            dk = self.bmm_at(ds, q)                                           # [B, nkv, T, hd]
+        else:
+            dq, dk, dv = self.attention_grad(q, k, v, self.heads(context, b, t, self.nh), lse, dc)
+            dq = dq * self.scale
         dq = self.tokens(self.rope_grad(dq, cos, sin), b, t, self.nh)         # [N, nh·hd]
         dk = self.tokens(self.rope_grad(dk, cos, sin), b, t, self.nkv)
         dv = self.tokens(dv, b, t, self.nkv)

@@ -127,9 +127,9 @@ def layer_activation_bytes(cfg: ModelConfig, micro_batch: int, seq: int, precisi
 def layer_saved_bytes(cfg: ModelConfig, micro_batch: int, seq: int) -> int:
     """What the layer-at-a-time step keeps per layer between its forward and its written-out backward (fused fp32
     kernels: tasks/training/layer_grad.py SAVED): roped queries and keys, values, attention output, the residual
-    after attention, gate and up, per token; fp32."""
+    after attention, gate and up, the attention rows' log-sum-exp (one per head), per token; fp32."""
     h, kv, f = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
-    return micro_batch * seq * (3 * h + 2 * kv + 2 * f) * 4
+    return micro_batch * seq * (3 * h + 2 * kv + 2 * f + cfg.num_heads) * 4
 
 
 def activation_bytes(cfg: ModelConfig, micro_batch: int, seq: int, precision: str, recompute: bool,
