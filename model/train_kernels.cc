@@ -1,4 +1,4 @@
-// Fused element-wise kernels of the LLaMA train step, as MindSpore "aot" custom ops on CPU.
+// Fused kernels of the LLaMA train step, as MindSpore "aot" custom ops on CPU.
 //
 // Built and loaded by model/kernels.py, once per ISA level (model/simd.h: AVX-512, AVX2+FMA, NEON, and the
 // scalar reference), the level chosen at load from what the CPU reports. Each op does in one pass over
@@ -28,6 +28,9 @@
 //       nll = logsumexp(row) - row[label]; a label < 0 (ignore_index) gives nll 0.
 //   CrossEntropyGrad(logits [N, V], labels [N], lse [N], dnll [N]) -> dlogits = (softmax - onehot) * dnll
 //       (one pass: MindSpore's LogSoftmax + gather backward write two [N, V] buffers and read three).
+//   Transpose(x [R, C]) -> xᵀ [C, R] (the LM head's dlogits where MatMul runs oneDNN's AVX2 path)
+//   CausalAttention(q [B, nh, T, hd], k, v [B, nkv, S, hd]) -> (out [B, nh, T, hd], lse [B, nh, T])
+//   CausalAttentionGrad(q, k, v, out, lse, dout) -> (dq, dk, dv)   (both described with them, at the end)
 //
 // Every entry point checks its operands (count, dtypes, shapes) before touching memory and returns a
 // non-zero code when they are wrong (1 count, 2 dtype, 3 shape; model/kernels.py names them).
