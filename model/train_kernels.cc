@@ -144,8 +144,8 @@ inline float row_max(const float *row, int64_t k) {
   return m;
 }
 
-// softmax of row[0..k) into out[0..k), zeros in out[k..s)
-void softmax_row(const float *row, float *out, int64_t k, int64_t s) {
+// softmax of row[0..k) into out[0..k) (out may be row), zeros in out[k..s); returns the log-sum-exp of row[0..k)
+float softmax_row(const float *row, float *out, int64_t k, int64_t s) {
   const float m = row_max(row, k);
   float sum = 0.f;
   int64_t j = 0;
@@ -171,6 +171,7 @@ void softmax_row(const float *row, float *out, int64_t k, int64_t s) {
 #endif
   for (; j < k; ++j) out[j] *= inv;
   if (k < s) std::memset(out + k, 0, sizeof(float) * (s - k));
+  return m + std::log(sum);
 }
 
 void softmax_grad_row(const float *p, const float *dp, float *out, int64_t k, int64_t s) {
@@ -758,29 +759,7 @@ extern "C" int CausalAttention(int nparam, void **params, int *ndims, int64_t **
           block_scores(qh, kt.data(), a, i0, m, n, p.data());
           for (int64_t ii = 0; ii < m; ++ii) {
             float *row = p.data() + ii * a.s;
-            const int64_t lim = i0 + ii + off + 1;
-            const float mx = row_max(row, lim);
-            float sum = 0.f;
-            int64_t j = 0;
-#if MSLLM_VW > 0
-            const vf vm = set1(mx);
-            vf vs = simd::zero();
-            for (; j + kVW <= lim; j += kVW) {
-              const vf e = simd::exp_v(loadu(row + j) - vm);
-              storeu(row + j, e);
-              vs = vs + e;
-            }
-            sum = simd::hsum(vs);
-#endif
-            for (; j < lim; ++j) sum += (row[j] = exp1(row[j] - mx));
-            const float inv = 1.f / sum;
-            j = 0;
-#if MSLLM_VW > 0
-            for (const vf vi = set1(inv); j + kVW <= lim; j += kVW) storeu(row + j, loadu(row + j) * vi);
-#endif
-            for (; j < lim; ++j) row[j] *= inv;
-            for (j = lim; j < n; ++j) row[j] = 0.f;
-            lh[i0 + ii] = mx + std::log(sum);
+            lh[i0 + ii] = softmax_row(row, row, i0 + ii + off + 1, n);  // the query's keys, in place
           }
           gemm(p.data(), a.s, 1, vu, a.hd, oh + i0 * a.hd, a.hd, m, a.hd, n, false);
         }
