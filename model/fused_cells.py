@@ -147,7 +147,8 @@ class FusedCausalAttention(nn.Cell):
     (out [B, nh, T, hd], the rows' log-sum-exp [B, nh, T]); forward and backward one kernel each
     (model/train_kernels.cc CausalAttention): the scores, probabilities and their gradients live in a 64-query block
     of the kernel's, never as [B·nh, T, S] tensors, and only keys up to each block's last query are computed. The
-    backward recomputes the probabilities from q, k and the log-sum-exp."""
+    backward recomputes the probabilities from q, k and the log-sum-exp. The log-sum-exp is for the backward only:
+    its own gradient (dout[1]) is not propagated, so nothing downstream may depend on it."""
 
     def __init__(self, kernels):
         super().__init__()

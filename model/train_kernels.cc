@@ -590,7 +590,7 @@ extern "C" int ZeroAdamW(int nparam, void **params, int *ndims, int64_t **shapes
 // (model/fused_cells.py FusedHeadMatMul) runs as dlogitsᵀ · x, a plain MatMul, instead of oneDNN's transposed-A
 // MatMul, which its AVX2 path runs at ~half speed at [N, V] = [2048, 8192] (docs/MINDSPORE_CPU.md).
 namespace {
-#if defined(__AVX2__)
+#if !defined(MSLLM_SCALAR) && defined(__AVX2__)  // simd.h includes immintrin.h then
 inline void transpose8(const float *x, int64_t ldx, float *y, int64_t ldy) {
   __m256 r[8], t[8];
   for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(x + i * ldx);
@@ -613,7 +613,7 @@ inline void transpose8(const float *x, int64_t ldx, float *y, int64_t ldy) {
 
 // y[j, i] = x[i, j] for i in [i0, i1), j in [j0, j1)
 void transpose_tile(const float *x, float *y, int64_t r, int64_t c, int64_t i0, int64_t i1, int64_t j0, int64_t j1) {
-#if defined(__AVX2__)
+#if !defined(MSLLM_SCALAR) && defined(__AVX2__)  // simd.h includes immintrin.h then
   if (i1 - i0 == 64 && j1 - j0 == 64) {
     for (int64_t i = i0; i < i1; i += 8)
       for (int64_t j = j0; j < j1; j += 8) transpose8(x + i * c + j, c, y + j * r + i, r);

@@ -232,18 +232,19 @@ def test_results_do_not_depend_on_the_thread_count(monkeypatch):
     rng = np.random.default_rng(3)
     x, dy = rng.standard_normal((2, 301, 48)).astype(np.float32)
     w, e = Tensor(np.ones(48, np.float32)), Tensor(np.array([1e-6], np.float32))
-    q = rng.standard_normal((2, 3, 32, 16)).astype(np.float32)     # 3 query heads on one kv head (GQA): the
-    kv = rng.standard_normal((2, 2, 1, 32, 16)).astype(np.float32)  # attention's dk and dv sum over them
+    q = rng.standard_normal((3, 6, 32, 16)).astype(np.float32)     # 3 query heads on each kv head (GQA): the
+    kv = rng.standard_normal((2, 3, 2, 32, 16)).astype(np.float32)  # attention's dk and dv sum over them; 6 units
+    dout = Tensor(rng.standard_normal(q.shape).astype(np.float32))
     outs = []
     for t in ("1", "2", "5"):
         monkeypatch.setenv("MSLLM_KERNEL_THREADS", t)
         dx, dw = K.rms_norm_grad(Tensor(x), w, e, Tensor(dy))
-        att = K.causal_attention_grad(Tensor(q), Tensor(kv[0]), Tensor(kv[1]), Tensor(q), Tensor(q[..., 0].copy()),
-                                      Tensor(q))
+        att, lse = K.causal_attention(Tensor(q), Tensor(kv[0]), Tensor(kv[1]))
+        grads = K.causal_attention_grad(Tensor(q), Tensor(kv[0]), Tensor(kv[1]), att, lse, dout)
         outs.append((dx.asnumpy(), dw.asnumpy(), K.causal_softmax(Tensor(np.stack([x[:48], x[48:96]]))).asnumpy(),
-                     *(a.asnumpy() for a in att)))
-    for o in outs[1:]:
-        for a, b in zip(outs[0], o):
+                     att.asnumpy(), lse.asnumpy(), *(a.asnumpy() for a in grads)))
+    for other in outs[1:]:
+        for a, b in zip(outs[0], other):
             np.testing.assert_array_equal(a, b)
 
 

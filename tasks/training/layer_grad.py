@@ -50,8 +50,10 @@ from model.lora import LORA_A, LORA_B, LoRALinear, is_lora_param
 from model.runtime import actor_thread_branch
 
 SAVED = ("q", "k", "v", "context", "mid", "gate", "up", "lse")
-"""What the forward keeps for the backward, in order: roped and scaled queries [B, nkv, rep·T, hd], roped keys and
-values [B, nkv, T, hd], the attention output [N, nh·hd], the residual after attention [N, H], gate and up [N, F]."""
+"""What the forward keeps for the backward, in order: roped and scaled queries ([B, nh, T, hd] with the attention
+kernel, [B, nkv, rep·T, hd] without), roped keys and values [B, nkv, T, hd], the attention output [N, nh·hd], the
+residual after attention [N, H], gate and up [N, F], the attention rows' log-sum-exp [B, nh, T] (a 0-d zero without
+the kernel)."""
 
 
 def functional_unsupported(net) -> str | None:

@@ -40,6 +40,7 @@ import os
 from dataclasses import dataclass, field
 
 from model.config import ModelConfig
+from model.cpu import matmul_isa
 from model.kernels import decide
 
 GiB = 2**30
@@ -112,15 +113,20 @@ def layerwise_applies(layout: Layout, trainable_fraction: float = 1.0, *, writte
     return layout.tp == 1 and layout.pp == 1 and (trainable_fraction >= 1.0 or written_out)
 
 
-def layer_activation_bytes(cfg: ModelConfig, micro_batch: int, seq: int, precision: str, tp: int = 1) -> float:
-    """What one layer keeps for its backward, for one micro-batch."""
+def layer_activation_bytes(cfg: ModelConfig, micro_batch: int, seq: int, precision: str, tp: int = 1, *,
+                           fused_attention: bool = False) -> float:
+    """What one layer keeps for its backward, for one micro-batch. `fused_attention`: the attention kernel
+    (model/fused_cells.py FusedCausalAttention, fused fp32 builds) keeps one log-sum-exp per query and head instead of
+    the [B·nh, T, S] scores and probabilities."""
     s, b, h, a = seq, micro_batch, cfg.hidden_size, cfg.num_heads
     kv = cfg.num_kv_heads * cfg.head_dim
     f, t = cfg.intermediate_size, tp
     # elements per token kept for backward in one layer:
     #   norms' inputs/outputs 4h, q,k,v (h + 2kv)/t, rope'd q,k (h + kv)/t, attention context h/t,
-    #   scores + softmax 2·a·s/t (+ the fp32 mask-add), o_proj out h, MLP gate/up/act/product 4f/t
-    per_token = 4 * h + (2 * h + 3 * kv + h) / t + 3 * a * s / t + h + 4 * f / t
+    #   scores + softmax 2·a·s/t (+ the fp32 mask-add) or the kernel's log-sum-exp a/t, o_proj out h,
+    #   MLP gate/up/act/product 4f/t
+    scores = a / t if fused_attention else 3 * a * s / t
+    per_token = 4 * h + (2 * h + 3 * kv + h) / t + scores + h + 4 * f / t
     return s * b * per_token * DTYPE_BYTES[precision]
 
 
@@ -133,9 +139,9 @@ def layer_saved_bytes(cfg: ModelConfig, micro_batch: int, seq: int) -> int:
 
 
 def activation_bytes(cfg: ModelConfig, micro_batch: int, seq: int, precision: str, recompute: bool,
-                     layout: Layout) -> int:
+                     layout: Layout, fused_attention: bool = False) -> int:
     s, b, h, e = seq, micro_batch, cfg.hidden_size, DTYPE_BYTES[precision]
-    full_layer = layer_activation_bytes(cfg, micro_batch, seq, precision, layout.tp)
+    full_layer = layer_activation_bytes(cfg, micro_batch, seq, precision, layout.tp, fused_attention=fused_attention)
     layers = -(-cfg.num_layers // layout.pp)
     in_flight = min(layout.pp, layout.micro_batch_num)
     if recompute:
@@ -155,11 +161,13 @@ def estimate(cfg: ModelConfig, *, micro_batch: int, seq: int, precision: str = "
     trainable = int(p * trainable_fraction)
     zero = layout.optimizer_shard and layout.dp > 1
     opt = trainable * 8 // (layout.dp if layout.optimizer_shard else 1)
-    logits = (2 if fused else 3) * micro_batch * seq * cfg.vocab_size * 4
+    # the fused loss keeps the logits and their gradient; where MatMul runs oneDNN's AVX2 path the head's backward
+    # also transposes the gradient (model/fused_cells.py FusedHeadMatMul)
+    logits = ((3 if matmul_isa() == "avx2" else 2) if fused else 3) * micro_batch * seq * cfg.vocab_size * 4
     factor = ACTIVATION_FACTOR_FUSED[backend] if fused else ACTIVATION_FACTOR.get(backend, 1.0)
     outputs, runtime = {}, RUNTIME_BYTES.get(backend, GiB)
     if layerwise and layerwise_applies(layout, trainable_fraction, written_out=fused and not half):
-        one = layer_activation_bytes(cfg, micro_batch, seq, precision) * factor
+        one = layer_activation_bytes(cfg, micro_batch, seq, precision, fused_attention=fused and not half) * factor
         act = int(cfg.num_layers * micro_batch * seq * cfg.hidden_size * DTYPE_BYTES[precision] + one)
         if fused and not half:  # the written-out backward reads what the forward kept (no recomputed forward)
             act += cfg.num_layers * layer_saved_bytes(cfg, micro_batch, seq)
@@ -170,7 +178,8 @@ def estimate(cfg: ModelConfig, *, micro_batch: int, seq: int, precision: str = "
                    if trainable_fraction >= 1.0 else trainable // cfg.num_layers * 4}  # LoRA: one layer's adapters
     else:
         # on CPU the graph keeps the recomputed forward's buffers as well: recompute lowers nothing (module doc)
-        act = int(activation_bytes(cfg, micro_batch, seq, precision, recompute and backend != "CPU", layout) * factor)
+        act = int(activation_bytes(cfg, micro_batch, seq, precision, recompute and backend != "CPU", layout,
+                                   fused and not half) * factor)
     return Estimate({
         "parameters": p * 4 + (p * 2 if half else 0),
         "gradients": trainable * DTYPE_BYTES[precision],
