@@ -623,6 +623,15 @@ void transpose_tile(const float *x, float *y, int64_t r, int64_t c, int64_t i0, 
   for (int64_t j = j0; j < j1; ++j)
     for (int64_t i = i0; i < i1; ++i) y[j * r + i] = x[i * c + j];
 }
+
+constexpr int64_t kTransposeTile = 64;
+
+// y[j, :] = x[:, j] for the columns j in [j0, j1) of x [r, c], in 64 x 64 tiles
+void transpose_columns(const float *x, float *y, int64_t r, int64_t c, int64_t j0, int64_t j1) {
+  for (int64_t i = 0; i < r; i += kTransposeTile)
+    for (int64_t j = j0; j < j1; j += kTransposeTile)
+      transpose_tile(x, y, r, c, i, std::min(r, i + kTransposeTile), j, std::min(j1, j + kTransposeTile));
+}
 }  // namespace
 
 extern "C" int Transpose(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
@@ -636,12 +645,8 @@ extern "C" int Transpose(int nparam, void **params, int *ndims, int64_t **shapes
   const float *x = static_cast<const float *>(params[0]);
   float *y = static_cast<float *>(params[1]);
   const int64_t r = shapes[0][0], c = shapes[0][1];
-  constexpr int64_t kTile = 64;
-  parallel_for((c + kTile - 1) / kTile, 1, [&](int64_t tb, int64_t te) {
-    const int64_t j_end = std::min(c, te * kTile);
-    for (int64_t i = 0; i < r; i += kTile)
-      for (int64_t j = tb * kTile; j < j_end; j += kTile)
-        transpose_tile(x, y, r, c, i, std::min(r, i + kTile), j, std::min(j_end, j + kTile));
+  parallel_for((c + kTransposeTile - 1) / kTransposeTile, 1, [&](int64_t tb, int64_t te) {
+    transpose_columns(x, y, r, c, tb * kTransposeTile, std::min(c, te * kTransposeTile));
   });
   return kOk;
 }
@@ -707,11 +712,6 @@ void gemm(const float *a, int64_t ars, int64_t aks, const float *b, int64_t ldb,
   for (; i < m; ++i) gemm_rows<1>(a + i * ars, ars, aks, b, ldb, c + i * ldc, ldc, n, k, acc);
 }
 
-void transpose_to(const float *x, int64_t r, int64_t c, float *y) {  // y [c, r] = x [r, c]ᵀ (small: one thread)
-  for (int64_t i = 0; i < r; ++i)
-    for (int64_t j = 0; j < c; ++j) y[j * r + i] = x[i * c + j];
-}
-
 struct AttnShape {
   int64_t b, nh, nkv, t, s, hd;
 };
@@ -749,7 +749,7 @@ extern "C" int CausalAttention(int nparam, void **params, int *ndims, int64_t **
     std::vector<float> kt(a.hd * a.s), p(kQueryBlock * a.s);
     for (int64_t u = ub; u < ue; ++u) {
       const float *ku = k + u * a.s * a.hd, *vu = v + u * a.s * a.hd;
-      transpose_to(ku, a.s, a.hd, kt.data());
+      transpose_columns(ku, kt.data(), a.s, a.hd, 0, a.hd);  // kᵀ [hd, S]
       for (int64_t r = 0; r < rep; ++r) {
         const int64_t head = (u / a.nkv) * a.nh + (u % a.nkv) * rep + r;  // [B, nh] index of this query head
         const float *qh = q + head * a.t * a.hd;
@@ -792,8 +792,8 @@ extern "C" int CausalAttentionGrad(int nparam, void **params, int *ndims, int64_
       float *dku = dk + u * a.s * a.hd, *dvu = dv + u * a.s * a.hd;
       std::memset(dku, 0, sizeof(float) * a.s * a.hd);
       std::memset(dvu, 0, sizeof(float) * a.s * a.hd);
-      transpose_to(ku, a.s, a.hd, kt.data());
-      transpose_to(vu, a.s, a.hd, vt.data());
+      transpose_columns(ku, kt.data(), a.s, a.hd, 0, a.hd);  // kᵀ [hd, S]
+      transpose_columns(vu, vt.data(), a.s, a.hd, 0, a.hd);  // vᵀ [hd, S]
       for (int64_t r = 0; r < rep; ++r) {
         const int64_t head = (u / a.nkv) * a.nh + (u % a.nkv) * rep + r;
         const float *qh = q + head * a.t * a.hd, *oh = out + head * a.t * a.hd, *doh = dout + head * a.t * a.hd,
