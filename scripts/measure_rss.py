@@ -1,6 +1,10 @@
 """Peak RSS of real jit training steps for a preset (used by tests/test_memory.py). Prints one JSON line.
 
     python scripts/measure_rss.py --preset tiny --batch 8 --seq 64 [--steps 3] [--recompute] [--layerwise]
+
+`phases` in the line: the peak of each phase on its own (the build; the first step, which compiles the graphs; the
+steps after it), the high-water mark reset between them (`/proc/self/clear_refs`, Linux), and the resident memory
+at each phase's end: which phase sets the process's peak, and what a step holds once compiled.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--recompute", action="store_true")
     ap.add_argument("--layerwise", action="store_true", help="the step one decoder layer at a time (train.layerwise)")
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=INT",
+                    help="a ModelConfig field of the preset replaced, e.g. --set num_layers=15")
     ap.add_argument("--no-fused", action="store_true", help="MindSpore's own ops only (pretrain.train.fused_kernels: false)")
     a = ap.parse_args()
     import numpy as np
@@ -31,19 +37,32 @@ def main() -> None:
     from model.config import ModelConfig
     from tasks.training.build import build_network
     from tasks.training.layerwise import causal_lm_train_step
-    from tasks.training.hardware import peak_rss_bytes
+    from tasks.training.hardware import peak_rss_bytes, reset_peak_rss, rss_bytes
 
-    cfg = ModelConfig.from_name(a.preset)
+    phases = {}
+
+    def phase(name: str) -> None:
+        phases[name] = {"peak_bytes": peak_rss_bytes(), "rss_bytes": rss_bytes()}
+        reset_peak_rss()
+
+    phase("import")
+    cfg = ModelConfig.from_name(a.preset, **{k: int(v) for k, v in (kv.split("=", 1) for kv in a.set)})
     built = build_network("llama", cfg, seed=0, fused_kernels=not a.no_fused)  # as the trainer builds it
     net = built.net
     if a.recompute:
         net.enable_recompute()
     step = causal_lm_train_step(net, net.trainable_params(), in_place=built.kernels.optimizer, layerwise=a.layerwise)
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (a.batch, a.seq + 1)).astype(np.int32)
+    phase("build")
     for s in range(a.steps):
         step([(ids[:, :-1], ids[:, 1:])], 1e-4, s + 1)
-    print(json.dumps({"preset": a.preset, "batch": a.batch, "seq": a.seq, "recompute": a.recompute, "layerwise": a.layerwise,
-                      "peak_rss_bytes": peak_rss_bytes()}))
+        if s == 0:
+            phase("first_step")
+    if a.steps > 1:
+        phase("later_steps")
+    top = max(v["peak_bytes"] for v in phases.values())
+    print(json.dumps({"preset": a.preset, "set": a.set, "batch": a.batch, "seq": a.seq, "recompute": a.recompute, "layerwise": a.layerwise,
+                      "peak_rss_bytes": top, "phases": phases}))
 
 
 if __name__ == "__main__":

@@ -34,6 +34,45 @@ def test_estimate_within_30_percent_of_measured_peak_rss(preset, batch, seq, fus
     assert abs(est - measured) / measured < 0.30, (est / GiB, measured / GiB)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+def test_the_whole_model_step_at_smollm2_135m_within_15_percent(isa, monkeypatch):
+    """The whole-model step graph's memory grows faster than its layer count (module doc of the estimator, `graph`):
+    at SmolLM2-135M's 30 layers the estimate without that part was 3.30 GB against 4.87 measured (32% under), a
+    validation that passes a run the machine cannot hold. The bound: the fit's worst residual over its ten shapes
+    was 6%; 15% leaves room for another CPU's kernels and allocator, and still fails the old estimate."""
+    from model.kernel_ops import train_ops
+
+    if train_ops() is None:
+        pytest.skip("no C++ compiler: the fused kernels cannot be built here")
+    if isa == "avx2":  # as an AVX2-only CPU runs it (oneDNN's AVX2 path, the head's transposed gradient); the
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # estimate reads the same cap (model.cpu.matmul_isa)
+        monkeypatch.setenv("MSLLM_KERNEL_ISA", "avx2")
+    out = subprocess.run([sys.executable, "scripts/measure_rss.py", "--preset", "smollm2-135m", "--batch", "2",
+                          "--seq", "128", "--steps", "2"], capture_output=True, text=True, cwd=REPO, timeout=900)
+    assert out.returncode == 0, out.stderr[-2000:]
+    line = json.loads(out.stdout.strip().splitlines()[-1])
+    measured = line["peak_rss_bytes"]
+    est = estimate(ModelConfig.from_name("smollm2-135m"), micro_batch=2, seq=128).total
+    assert abs(est - measured) / measured < 0.15, (est / GiB, measured / GiB, line["phases"])
+
+
+def test_the_graph_part_grows_with_depth_and_only_for_the_whole_model_cpu_step():
+    from tasks.training.memory import graph_bytes
+
+    cfg = ModelConfig.from_name("smollm2-135m")
+    whole = estimate(cfg, micro_batch=2, seq=128)
+    assert whole.parts["graph"] == graph_bytes(30)
+    assert graph_bytes(30) > 2 * graph_bytes(15) > 4 * graph_bytes(7)  # faster than the layer count
+    assert graph_bytes(30, trainable_fraction=0.01) < graph_bytes(30)  # no weight-gradient kernels (LoRA)
+    assert "graph" not in estimate(cfg, micro_batch=2, seq=128, layerwise=True).parts  # small layer graphs only
+    assert "graph" not in estimate(cfg, micro_batch=2, seq=128, backend="Ascend").parts
+    assert "graph" not in estimate(cfg, micro_batch=2, seq=128, fused_kernels=False).parts  # in ACTIVATION_FACTOR
+    # a pipeline stage compiles only its own layers
+    staged = estimate(cfg, micro_batch=2, seq=128, layout=Layout(pp=2, micro_batch_num=8))
+    assert staged.parts["graph"] == graph_bytes(15)
+
+
 def test_estimate_responds_to_layout_and_recompute():
     cfg = ModelConfig.from_name("llama2-7b")
     base = estimate(cfg, micro_batch=1, seq=4096, precision="bf16", backend="Ascend")

@@ -36,6 +36,29 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def rss_bytes() -> int:
+    """Resident memory of this process now (VmRSS); 0 where /proc is not there."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def reset_peak_rss() -> bool:
+    """Start a new high-water mark (VmHWM := VmRSS; Linux >= 4.0, `/proc/PID/clear_refs` value 5), so that
+    `peak_rss_bytes` gives the peak since this call. False where it cannot (the peak then stays the process's)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
 def measure_peak_flops(n: int = 2048, repeats: int = 3) -> float:
     """Achievable fp32 matmul FLOP/s here: the best of a few n³ MatMuls through MindSpore's own kernel
     (oneDNN, the one the train step uses; numpy's BLAS here reaches a fraction of it).

@@ -28,10 +28,15 @@ Parts, per device:
 - logits: the [B, T, V] logits, their softmax and gradient (fp32); with the fused cross-entropy
   (train.fused_kernels) only the logits and their gradient;
 - runtime: the framework's own resident memory (CPU: the MindSpore process after
-  import and graph compilation, measured on this machine; GPU/Ascend: workspace).
+  import and graph compilation, measured on this machine; GPU/Ascend: workspace);
+- graph (CPU, the whole-model step): what the compiled step graph holds beyond its tensors, per decoder layer
+  (`graph_bytes`): each kernel's own state (a oneDNN MatMul primitive ~0.3-0.8 MB) and what compiling the graph
+  leaves in the C heap, which grows faster than the layer count. It depends on the depth, not on the width or the
+  batch: measured at widths 384 and 576, MLP widths 768 and 1536, 64-512 tokens and 1-30 layers (docs/MEMORY.md).
 The graph executor on CPU keeps intermediates alive for the whole step; the
 activation term carries a backend factor measured against peak RSS of real runs
-(tests/test_memory.py holds the estimate within 30% of the tiny and small presets).
+(tests/test_memory.py holds the estimate within 30% of the tiny and small presets, and within 15% of the
+SmolLM2-135M whole-model step, whose `graph` part is most of the difference).
 """
 
 from __future__ import annotations
@@ -59,6 +64,20 @@ ACTIVATION_FACTOR = {"CPU": 4.8, "GPU": 1.0, "Ascend": 1.0}
 # loss keep one buffer each instead of one per element-wise op: measured 1.44 GB (small, 8 × 128) and 1.22 GB
 # (tiny-llama-bench, 8 × 256) against 2.13 and 1.96 GB with MindSpore's own ops.
 ACTIVATION_FACTOR_FUSED = {"CPU": 1.1}
+# The whole-model step graph on CPU beyond its tensors, per decoder layer L: GRAPH_PER_LAYER·L + GRAPH_PER_LAYER_SQ·L²
+# (least squares over ten shapes of SmolLM2-135M's family, peak RSS, AMD EPYC AVX-512, 2026-12-04: within 0.09 GB of
+# each; then the 360M shape, not in the fit: 8.94 GB estimated vs 9.02 measured; under oneDNN's AVX2 path 135M
+# measured 4.80 vs 4.87 GB). Of 135M's 1.57 GB, 0.64 GB is the compilation's freed heap (malloc_trim returns it after
+# the first step; the peak keeps it). Without weight gradients (LoRA: frozen projections) the backward has one MatMul
+# per projection instead of two: ~2/3 of the kernels (135M whole-model LoRA: 2.73 GB estimated vs 2.66 measured).
+GRAPH_PER_LAYER = int(0.0317e9)
+GRAPH_PER_LAYER_SQ = int(0.00068e9)
+
+
+def graph_bytes(layers: int, trainable_fraction: float = 1.0) -> int:
+    """The whole-model CPU step graph's own memory for `layers` decoder layers (module doc, `graph`)."""
+    full = GRAPH_PER_LAYER * layers + GRAPH_PER_LAYER_SQ * layers * layers
+    return full if trainable_fraction >= 1.0 else full * 2 // 3
 
 
 @dataclass(frozen=True)
@@ -180,6 +199,8 @@ def estimate(cfg: ModelConfig, *, micro_batch: int, seq: int, precision: str = "
         # on CPU the graph keeps the recomputed forward's buffers as well: recompute lowers nothing (module doc)
         act = int(activation_bytes(cfg, micro_batch, seq, precision, recompute and backend != "CPU", layout,
                                    fused and not half) * factor)
+        if backend == "CPU" and fused:  # MindSpore's own ops: ACTIVATION_FACTOR's calibration holds it (2-6 layers)
+            outputs = {"graph": graph_bytes(-(-cfg.num_layers // layout.pp), trainable_fraction)}
     return Estimate({
         "parameters": p * 4 + (p * 2 if half else 0),
         "gradients": trainable * DTYPE_BYTES[precision],
