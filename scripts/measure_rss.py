@@ -1,10 +1,11 @@
 """Peak RSS of real jit training steps for a preset (used by tests/test_memory.py). Prints one JSON line.
 
-    python scripts/measure_rss.py --preset tiny --batch 8 --seq 64 [--steps 3] [--recompute] [--layerwise]
+    python scripts/measure_rss.py --preset tiny --batch 8 --seq 64 [--steps 3] [--recompute] [--layerwise] [--validate]
 
 `phases` in the line: the peak of each phase on its own (the build; the first step, which compiles the graphs; the
-steps after it), the high-water mark reset between them (`/proc/self/clear_refs`, Linux), and the resident memory
-at each phase's end: which phase sets the process's peak, and what a step holds once compiled.
+steps after it; with --validate, the trainer's validation loss on the same batch, then one more step), the
+high-water mark reset between them (`/proc/self/clear_refs`, Linux), and the resident memory at each phase's end:
+which phase sets the process's peak, and what a step holds once compiled.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--recompute", action="store_true")
     ap.add_argument("--layerwise", action="store_true", help="the step one decoder layer at a time (train.layerwise)")
+    ap.add_argument("--validate", action="store_true",
+                    help="then the trainer's validation loss (tasks/training/step.py validation_fn) and one more step")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=INT",
                     help="a ModelConfig field of the preset replaced, e.g. --set num_layers=15")
     ap.add_argument("--no-fused", action="store_true", help="MindSpore's own ops only (pretrain.train.fused_kernels: false)")
@@ -37,6 +40,7 @@ def main() -> None:
     from model.config import ModelConfig
     from tasks.training.build import build_network
     from tasks.training.layerwise import causal_lm_train_step
+    from tasks.training.step import causal_lm_loss_fn, validation_fn
     from tasks.training.hardware import peak_rss_bytes, reset_peak_rss, rss_bytes
 
     phases = {}
@@ -60,6 +64,13 @@ def main() -> None:
             phase("first_step")
     if a.steps > 1:
         phase("later_steps")
+    if a.validate:
+        import mindspore as ms
+
+        validation_fn(step, causal_lm_loss_fn(net))(ms.Tensor(ids[:, :-1]), ms.Tensor(ids[:, 1:])).asnumpy()
+        phase("validation")
+        step([(ids[:, :-1], ids[:, 1:])], 1e-4, a.steps + 1)
+        phase("step_after_validation")
     top = max(v["peak_bytes"] for v in phases.values())
     print(json.dumps({"preset": a.preset, "set": a.set, "batch": a.batch, "seq": a.seq, "recompute": a.recompute, "layerwise": a.layerwise,
                       "peak_rss_bytes": top, "phases": phases}))

@@ -15,6 +15,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
+from model.runtime import trim_after_first_call
 from tasks.training.adamw import AdamW
 
 
@@ -123,7 +124,8 @@ class TrainStep:
                 loss = ops.depend(loss, gnorm)
             return gnorm, finite, reduce_loss(loss)
 
-        self._fused, self._micro, self._apply = fused, micro, apply
+        # each graph's first call compiles it: the compilation's freed heap goes back before anything else compiles
+        self._fused, self._micro, self._apply = (trim_after_first_call(g) for g in (fused, micro, apply))
 
     def __call__(self, micro_batches, lr: float, step: int, loss_scale: float | None = None, allow: bool = True):
         """micro_batches: list of k (input_ids, labels) numpy pairs. Returns (loss, grad_norm, finite).
@@ -221,3 +223,10 @@ def causal_lm_loss_fn(net):
         return net.loss(ids, labels)  # the model's loss_fn cell: fused cross-entropy where the build swapped it in
 
     return loss_fn
+
+
+def validation_fn(step_fn, loss_fn):
+    """What the trainer's validation loss runs: the layer-at-a-time step's own `eval_loss` (no whole-model graph
+    kept), else `loss_fn` compiled, with the heap its compilation freed handed back after its first call
+    (`model.runtime.trim_after_first_call`)."""
+    return getattr(step_fn, "eval_loss", None) or trim_after_first_call(ms.jit(loss_fn))

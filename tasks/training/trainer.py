@@ -208,7 +208,7 @@ class _Run:
 
         from tasks.training.layerwise import train_step
         from tasks.training.parallelize import parallelize_optimizer
-        from tasks.training.step import DynamicLossScale
+        from tasks.training.step import DynamicLossScale, validation_fn
 
         self.params, self.checkpoint, self.run_dir, self.meta, self.mesh, self.hooks, self.valid = \
             params, checkpoint, run_dir, meta, mesh, hooks, valid
@@ -228,7 +228,7 @@ class _Run:
             print(f"[train] step: {how}", file=sys.stderr, flush=True)
         self.fp16 = fp16 = pr.dtype == "fp16"
         self.scaler = DynamicLossScale(pr.loss_scale if fp16 else 1.0, window=pr.loss_scale_window, dynamic=fp16)
-        self.eval_fn = getattr(self.step_fn, "eval_loss", None) or ms.jit(loss_fn)  # no whole-model graph kept
+        self.eval_fn = validation_fn(self.step_fn, loss_fn)
         self.opt_params = list(self.optimizer.exp_avg) + list(self.optimizer.exp_avg_sq)
         self.metrics_path = run_dir / "metrics.jsonl"
         self.per_step = lp.micro_batch_size * lp.gradient_accumulation * mesh.dp  # global samples per step
