@@ -20,32 +20,31 @@ import numpy as np
 from model.cpu import cpu_flags
 
 
+def _status_bytes(field: str) -> int | None:
+    """A `kB` line of /proc/self/status (VmHWM, VmRSS) in bytes; None where there is no /proc."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def peak_rss_bytes() -> int:
     """Peak resident memory of this process: VmHWM, the high-water mark of its own address space.
 
     Not ru_maxrss: Linux folds the pre-exec image into it, so a child started by a large
     parent (pytest, a Prefect worker) would report the parent's peak.
     """
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    hwm = _status_bytes("VmHWM")
+    return hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def rss_bytes() -> int:
     """Resident memory of this process now (VmRSS); 0 where /proc is not there."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    return _status_bytes("VmRSS") or 0
 
 
 def reset_peak_rss() -> bool:
