@@ -181,9 +181,9 @@ def trim_heap() -> None:
 def trim_after_first_call(fn):
     """`fn` (a `jit` function: its first call compiles the graph, then runs it) with `trim_heap` once, after that
     first call returns. The compilation's temporaries are freed into malloc's arenas, which keep them resident; a
-    graph compiled later (the trainer's validation) then stacks on them. SmolLM2-135M's whole-model train step: 0.64 GB
-    returned, and the validation graph's first run no longer raises the process's peak (5.04 -> 4.87 GB; docs/MEMORY.md
-    "Train")."""
+    graph compiled later (the trainer's validation after a resume) then stacks on them. SmolLM2-135M's whole-model
+    train step: 0.64 GB returned (docs/MEMORY.md "Train"). Only the first compilation: a call with new shapes compiles
+    again, untrimmed."""
     done = False
 
     def call(*args, **kwargs):

@@ -29,7 +29,8 @@ Parts, per device:
   (train.fused_kernels) only the logits and their gradient;
 - runtime: the framework's own resident memory (CPU: the MindSpore process after
   import and graph compilation, measured on this machine; GPU/Ascend: workspace);
-- graph (CPU, the whole-model step): what the compiled step graph holds beyond its tensors, per decoder layer
+- graph (CPU, the whole-model step, fused fp32 kernels; 2/3 of it with LoRA): what the compiled step graph holds
+  beyond its tensors, per decoder layer
   (`graph_bytes`): each kernel's own state (a oneDNN MatMul primitive ~0.3-0.8 MB) and what compiling the graph
   leaves in the C heap, which grows faster than the layer count. It depends on the depth, not on the width or the
   batch: measured at widths 384 and 576, MLP widths 768 and 1536, 64-512 tokens and 1-30 layers (docs/MEMORY.md).
@@ -66,10 +67,12 @@ ACTIVATION_FACTOR = {"CPU": 4.8, "GPU": 1.0, "Ascend": 1.0}
 ACTIVATION_FACTOR_FUSED = {"CPU": 1.1}
 # The whole-model step graph on CPU beyond its tensors, per decoder layer L: GRAPH_PER_LAYER·L + GRAPH_PER_LAYER_SQ·L²
 # (least squares over ten shapes of SmolLM2-135M's family, peak RSS, AMD EPYC AVX-512, 2026-12-04: within 0.09 GB of
-# each; then the 360M shape, not in the fit: 8.94 GB estimated vs 9.02 measured; under oneDNN's AVX2 path 135M
-# measured 4.80 vs 4.87 GB). Of 135M's 1.57 GB, 0.64 GB is the compilation's freed heap (malloc_trim returns it after
-# the first step; the peak keeps it). Without weight gradients (LoRA: frozen projections) the backward has one MatMul
-# per projection instead of two: ~2/3 of the kernels (135M whole-model LoRA: 2.73 GB estimated vs 2.66 measured).
+# each; then the 360M shape, not in the fit: 8.94 GB estimated vs 9.02 measured; under oneDNN's AVX2 path 135M:
+# 4.91 estimated vs 4.80 measured; with recompute 4.86 vs 5.05). Of 135M's 1.57 GB, 0.64 GB is the compilation's
+# freed heap (the trainer trims it after the first step; the peak keeps it). Without weight gradients (LoRA: frozen
+# projections) the backward has one MatMul per projection instead of two: ~2/3 of the kernels (135M whole-model LoRA:
+# 2.73 GB estimated vs 2.66 measured). Only with the fused fp32 kernels: MindSpore's own ops' ACTIVATION_FACTOR,
+# fitted at 2-6 layers, holds part of it (135M without the kernels: 5.14 GB estimated vs 5.97 measured).
 GRAPH_PER_LAYER = int(0.0317e9)
 GRAPH_PER_LAYER_SQ = int(0.00068e9)
 
@@ -199,7 +202,7 @@ def estimate(cfg: ModelConfig, *, micro_batch: int, seq: int, precision: str = "
         # on CPU the graph keeps the recomputed forward's buffers as well: recompute lowers nothing (module doc)
         act = int(activation_bytes(cfg, micro_batch, seq, precision, recompute and backend != "CPU", layout,
                                    fused and not half) * factor)
-        if backend == "CPU" and fused:  # MindSpore's own ops: ACTIVATION_FACTOR's calibration holds it (2-6 layers)
+        if backend == "CPU" and fused:  # MindSpore's own ops: ACTIVATION_FACTOR holds part of it (GRAPH_PER_LAYER)
             outputs = {"graph": graph_bytes(-(-cfg.num_layers // layout.pp), trainable_fraction)}
     return Estimate({
         "parameters": p * 4 + (p * 2 if half else 0),
@@ -331,6 +334,7 @@ def machine_fit_errors(cfg, prefix: str, machine_bytes: int | None = None) -> li
                 continue
             ranks = f" × {local} ranks on this node" if procs > 1 else ""
             big = max(est.parts, key=est.parts.get)
+            big = "the step graph's own memory, which grows with the layer count" if big == "graph" else big
             if est.total <= have:  # one process fits: the device count is what does not
                 errs.append(f"{prefix}.parallel.device_num: {par.device_num} ranks, {local} on this node, need about "
                             f"{need / GiB:,.1f} GiB by the memory plan ({est.total / GiB:,.1f} GiB each) but this "

@@ -204,8 +204,6 @@ class _Run:
     def __init__(self, net, params, loss_fn, train, checkpoint, run_dir: Path, meta: dict[str, Any], flops_per_token: float,
                  tokens_per_sample: int, mesh, hooks: LoopConfig, valid: Callable[[], Iterator] | None,
                  in_place: bool):
-        import mindspore as ms
-
         from tasks.training.layerwise import train_step
         from tasks.training.parallelize import parallelize_optimizer
         from tasks.training.step import DynamicLossScale, validation_fn
