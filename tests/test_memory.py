@@ -175,14 +175,13 @@ def test_validation_names_train_layerwise_where_it_would_fit():
 def test_each_step_graph_and_the_validation_hand_the_heap_back_once_after_their_first_call(accumulation, monkeypatch):
     """A graph's first call compiles it and frees the compilation's temporaries into malloc's arenas; the trainer
     hands them back (`trim_heap`) once per graph, so that the validation graph compiled later does not stack on them
-    (at SmolLM2-135M: 0.64 GB, the slow test below measures it). Counted, not timed: once per graph, never per step."""
+    (at SmolLM2-135M: 0.64 GB; the slow 135M test above measures it). Counted, not timed: once per graph, never per step."""
     import mindspore as ms
 
     import model.runtime
     from tasks.training.build import build_network
     from tasks.training.layerwise import causal_lm_train_step
-    from tasks.training.step import causal_lm_loss_fn
-    from tasks.training.step import validation_fn
+    from tasks.training.step import causal_lm_loss_fn, validation_fn
 
     trims = []
     monkeypatch.setattr(model.runtime, "trim_heap", lambda: trims.append(1))

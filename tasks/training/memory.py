@@ -30,9 +30,8 @@ Parts, per device:
 - runtime: the framework's own resident memory (CPU: the MindSpore process after
   import and graph compilation, measured on this machine; GPU/Ascend: workspace);
 - graph (CPU, the whole-model step, fused fp32 kernels; 2/3 of it with LoRA): what the compiled step graph holds
-  beyond its tensors, per decoder layer
-  (`graph_bytes`): each kernel's own state (a oneDNN MatMul primitive ~0.3-0.8 MB) and what compiling the graph
-  leaves in the C heap, which grows faster than the layer count. It depends on the depth, not on the width or the
+  beyond its tensors, per decoder layer (`graph_bytes`): each kernel's own state (a oneDNN MatMul primitive
+  ~0.3-0.8 MB) and what compiling the graph leaves in the C heap, which grows faster than the layer count. It depends on the depth, not on the width or the
   batch: measured at widths 384 and 576, MLP widths 768 and 1536, 64-512 tokens and 1-30 layers (docs/MEMORY.md).
 The graph executor on CPU keeps intermediates alive for the whole step; the
 activation term carries a backend factor measured against peak RSS of real runs
