@@ -1,14 +1,20 @@
-"""The lost node: two msrun "hosts" in two network namespaces joined by a veth pair, one lost mid-step.
+"""The lost node: two msrun "hosts" in two network namespaces joined by a veth pair, one lost mid-run.
 
 Each host is a Linux network namespace with its own address (10.x.y.1 and 10.x.y.2 over a veth
 pair) running its own `msllm train` with its `parallel.node_rank` (one worker each, data parallel
-2, `master_addr` = host A's address), over one shared artifact root, as on two machines. During
-step 5 host B is lost the hard way: its link goes down (no FIN or RST reaches A, as when a
-machine loses power or its cable) and every process in it is killed with SIGKILL.
+2, `master_addr` = host A's address), over one shared artifact root, as on two machines. Once rank
+0 has logged step 4, host B is lost the hard way: its processes are frozen (SIGSTOP: from A's side
+a machine that stopped answering), its link goes down (no FIN or RST reaches A, as when a machine
+loses power or its cable) and every process in it is killed with SIGKILL.
+
+A tiny step takes milliseconds, so where B stops (step 5, 6 or later) is whatever it had reached
+when the test saw the line; the test reads it from the logs and derives what must hold: the
+checkpoints left are complete and no newer than the last step rank 0 logged, and the resume
+starts from the newest of them.
 
 The survivor (host A, node 0, which hosts MindSpore's scheduler) must stop within a bounded time
 with one line naming the lost rank, its node and host, publish nothing, and not retry (the lost
-node's command is gone); rerunning both commands once B is back resumes from the step-3
+node's command is gone); rerunning both commands once B is back resumes from the newest
 checkpoint and ends where an unbroken run ends (losses and weights within 1e-5 of one process,
 as tests/test_scaleout.py; the steps the lost attempt logged after the checkpoint repeat bit for
 bit).
@@ -39,9 +45,11 @@ from tasks.store.artifacts import ArtifactStore
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
-TRAIN = ["pretrain.train.loop.max_steps=8", "pretrain.train.loop.log_steps=1", "pretrain.train.loop.eval_steps=4",
+MAX_STEPS, SAVE_STEPS = 12, 3  # room after step 4: B is frozen within a step or two of it
+TRAIN = [f"pretrain.train.loop.max_steps={MAX_STEPS}", "pretrain.train.loop.log_steps=1",
+         "pretrain.train.loop.eval_steps=4",
          "pretrain.train.loop.eval_batches=2", "pretrain.train.schedule.warmup_steps=2",
-         "pretrain.train.loop.micro_batch_size=8", "checkpoint.save_steps=3"]
+         "pretrain.train.loop.micro_batch_size=8", f"checkpoint.save_steps={SAVE_STEPS}"]
 DP2_TWO_NODES = ["parallel.data_parallel=2", "parallel.device_num=2", "pretrain.train.loop.micro_batch_size=4",
                  "parallel.node_num=2"]
 LOST_WITHIN_S = 120  # MindSpore's heartbeat timeout (MS_NODE_TIMEOUT, 30 s) + stopping the job, with room on 2 cores
@@ -136,16 +144,34 @@ def _start_nodes(hosts, root: Path, data: Path, port: int, logs: Path, attempt: 
     return nodes
 
 
-def _wait_for_line(pattern: str, glob: str, root: Path, procs: list[subprocess.Popen], timeout: float) -> Path:
+def _wait_for_line(pattern: str, glob: str, root: Path, procs: list[subprocess.Popen], timeout: float,
+                   poll: float = 0.1) -> Path:
+    """The first file under root matching glob with a line matching pattern; each file read from where it was left."""
     deadline = time.monotonic() + timeout
+    seen: dict[Path, tuple[int, str]] = {}  # file -> (bytes read, its unfinished last line)
+    rx = re.compile(pattern, re.M)
     while time.monotonic() < deadline:
         for path in root.glob(glob):
-            if re.search(pattern, path.read_text(errors="replace"), re.M):
+            offset, carry = seen.get(path, (0, ""))
+            with open(path, "rb") as f:
+                f.seek(offset)
+                chunk = f.read()
+            text = carry + chunk.decode(errors="replace")
+            if rx.search(text):
                 return path
+            seen[path] = (offset + len(chunk), text[text.rfind("\n") + 1:])
         if any(p.poll() is not None for p in procs):
             pytest.fail(f"a node exited before {pattern!r} appeared in {glob}: {[p.returncode for p in procs]}")
-        time.sleep(0.1)
+        time.sleep(poll)
     pytest.fail(f"{pattern!r} did not appear in {glob} within {timeout:.0f}s")
+
+
+def _netns_pids(ns: str) -> list[int]:
+    return [int(x) for x in _ip("netns", "pids", ns, check=False).stdout.split()]
+
+
+def _logged_steps(log: Path) -> list[int]:
+    return [int(m) for m in re.findall(r"^\[train\] step +(\d+)/", log.read_text(errors="replace"), re.M)]
 
 
 @pytest.mark.slow
@@ -153,6 +179,7 @@ def _wait_for_line(pattern: str, glob: str, root: Path, procs: list[subprocess.P
 def test_lost_node_stops_the_survivor_in_one_line_and_both_resume_exactly(tmp_path, two_hosts, data_artifact):
     from tests.test_distributed import free_port
     from tasks.store.tensors import load_weights
+    from tasks.training.checkpoint import load_checkpoint
 
     t0 = time.time()
     cfg1 = resolve_pipeline(REPO / "pipelines.yaml", "tiny", TRAIN)
@@ -172,9 +199,20 @@ def test_lost_node_stops_the_survivor_in_one_line_and_both_resume_exactly(tmp_pa
 
     nodes = _start_nodes(two_hosts, root, data, port, logs, "lost")
     try:
-        rank0_log = _wait_for_line(r"^\[train\] step +4/8", "runs/pretrain/*/msrun_logs/node_0/worker_0.log", root,
-                                   nodes, timeout=300)
-        # host B is lost during step 5: its cable first (nothing reaches A), then every process on it
+        # B's processes, taken while the ranks compile their first step (no hurry there; rank 0 gets here only
+        # once every rank joined the cluster)
+        _wait_for_line(r"^\[train\] step: ", "runs/pretrain/*/msrun_logs/node_0/worker_0.log", root, nodes,
+                       timeout=300)
+        b_pids = _netns_pids(ns_b)
+        rank0_log = _wait_for_line(r"^\[train\] step +4/", "runs/pretrain/*/msrun_logs/node_0/worker_0.log", root,
+                                   nodes, timeout=300, poll=0.005)
+        # host B is lost: frozen at once (a tiny step takes milliseconds), its cable pulled (nothing reaches A),
+        # then every process on it killed
+        for pid in b_pids:
+            try:
+                os.kill(pid, signal.SIGSTOP)
+            except ProcessLookupError:
+                pass
         _ip("-n", ns_b, "link", "set", veth_b, "down")
         _kill_netns_processes(ns_b)
         killed_at = time.monotonic()
@@ -189,6 +227,8 @@ def test_lost_node_stops_the_survivor_in_one_line_and_both_resume_exactly(tmp_pa
     err0 = (logs / "lost-node0.log").read_text()
     run_dir = rank0_log.parents[2]
     key = run_dir.name
+    logged = _logged_steps(rank0_log)
+    assert max(logged) < MAX_STEPS, f"rank 0 logged step {max(logged)}: the run ended before B was lost"
     assert nodes[0].returncode == 1, (nodes[0].returncode, out0, err0[-3000:])
     errors = [ln for ln in err0.splitlines() if ln.startswith("error:")]
     # the command's own report (its last error line): naming the lost rank, its node and host (its address on the veth)
@@ -202,9 +242,17 @@ def test_lost_node_stops_the_survivor_in_one_line_and_both_resume_exactly(tmp_pa
     store = ArtifactStore(root)
     assert store.lookup("pretrain", key) is None
     assert not (root / "pretrain").exists() or not any((root / "pretrain").iterdir())
-    assert [c.name for c in sorted((run_dir / "checkpoints").glob("step_*"))] == ["step_00000003"]
-    lost_losses, _ = _losses(run_dir)  # what the lost attempt logged (steps after 3 are redone on resume)
-    assert 4 in lost_losses
+    # the checkpoints left: every save_steps up to the last step rank 0 logged (the one B froze in may be missing:
+    # its save waits for B), the newest keep_checkpoint_max of them, each complete
+    saved = [int(c.name.removeprefix("step_")) for c in sorted((run_dir / "checkpoints").glob("step_*"))]
+    due = list(range(SAVE_STEPS, max(logged) + 1, SAVE_STEPS))
+    keep = cfg1.checkpoint.keep_checkpoint_max
+    assert saved in (due[-keep:], due[:-1][-keep:]), (saved, logged)
+    for s in saved:
+        load_checkpoint(run_dir / "checkpoints" / f"step_{s:08d}")  # state.json complete, each file its sha256
+    newest = saved[-1]
+    lost_losses, _ = _losses(run_dir)  # what the lost attempt logged (steps after the checkpoint are redone)
+    assert 4 in lost_losses and max(lost_losses) == max(logged)
 
     # host B is back (same address); both commands again
     _ip("-n", ns_b, "link", "set", veth_b, "up")
@@ -221,22 +269,22 @@ def test_lost_node_stops_the_survivor_in_one_line_and_both_resume_exactly(tmp_pa
     paths = [Path(o.strip().splitlines()[-1]) for o in outs]
     assert paths[0] == paths[1] == root / "pretrain" / key  # both hosts name the one artifact
     rank0 = (run_dir / "msrun_logs" / "node_0" / "worker_0.log").read_text()
-    assert "[train] resumed from step_00000003: step 3" in rank0, rank0[-3000:]
+    assert f"[train] resumed from step_{newest:08d}: step {newest}" in rank0, rank0[-3000:]
 
     ls, vs = _losses(single)
     lr, vr = _losses(paths[0])
-    assert sorted(lr) == list(range(1, 9)) and len(vs) == len(vr) == 3
+    assert sorted(lr) == list(range(1, MAX_STEPS + 1)) and len(vs) == len(vr) == MAX_STEPS // 4 + 1
     assert max(abs(ls[s] - lr[s]) for s in ls) <= 1e-5, (ls, lr)
     assert max(abs(a - b) for a, b in zip(vs, vr)) <= 1e-5, (vs, vr)
     assert {s: lr[s] for s in lost_losses} == lost_losses  # the same layout redoes steps 4.. bit for bit
     a, b = load_weights(single), load_weights(paths[0])
     assert a.keys() == b.keys() and max(float(np.abs(a[k] - b[k]).max()) for k in a) <= 1e-5
     m = store.verify(paths[0])["metrics"]
-    assert m["consumed_samples"] == 64 and m["layout"] == {"data_parallel": 2, "tensor_parallel": 1}
+    assert m["consumed_samples"] == 8 * MAX_STEPS and m["layout"] == {"data_parallel": 2, "tensor_parallel": 1}
     digests = [re.findall(r"parameters sha256 ([0-9a-f]{64})",
                           (run_dir / "msrun_logs" / f"node_{r}" / f"worker_{r}.log").read_text()) for r in (0, 1)]
     assert digests[0] and digests[0] == digests[1], digests  # the replicas agree after the resume
-    print("LOST", json.dumps({"stopped_after_s": round(stopped_after, 1), "error": errors[-1][:200],
+    print("LOST", json.dumps({"lost_after_step": max(logged), "resumed_from": newest, "stopped_after_s": round(stopped_after, 1), "error": errors[-1][:200],
                               "wall_s": round(time.time() - t0, 1)}))
 
 
