@@ -36,16 +36,18 @@ def test_estimate_within_30_percent_of_measured_peak_rss(preset, batch, seq, fus
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("isa", ["native", "avx2"])
+@pytest.mark.parametrize("isa", ["native", "avx2", "no-fused"])
 def test_the_whole_model_step_at_smollm2_135m_within_15_percent(isa, monkeypatch):
     """The whole-model step graph's memory grows faster than its layer count (module doc of the estimator, `graph`):
     at SmolLM2-135M's 30 layers the estimate without that part was 3.30 GB against 4.87 measured (32% under), a
-    validation that passes a run the machine cannot hold. The bound: the fit's worst residual over its ten shapes
-    was 6%; 15% leaves room for another CPU's kernels and allocator, and still fails the old estimate."""
+    validation that passes a run the machine cannot hold; without the fused kernels 5.14 against 5.96 (14% under).
+    The bound: the fits' residual here was under 1%, their worst 6% / 9%; 15% (10% without the kernels) leaves room
+    for another CPU's kernels and allocator, and still fails the old estimates."""
     from model.cpu import cpu_levels
     from model.kernel_ops import train_ops
 
-    if train_ops() is None:
+    fused = isa != "no-fused"
+    if fused and train_ops() is None:
         pytest.skip("no C++ compiler: the fused kernels cannot be built here")
     if isa == "avx2" and "avx2" not in cpu_levels():
         pytest.skip("this CPU has no AVX2")
@@ -53,13 +55,13 @@ def test_the_whole_model_step_at_smollm2_135m_within_15_percent(isa, monkeypatch
         monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # estimate reads the same cap (model.cpu.matmul_isa)
         monkeypatch.setenv("MSLLM_KERNEL_ISA", "avx2")
     out = subprocess.run([sys.executable, "scripts/measure_rss.py", "--preset", "smollm2-135m", "--batch", "2",
-                          "--seq", "128", "--steps", "2", "--validate", "later"], capture_output=True, text=True, cwd=REPO,
-                         timeout=900)
+                          "--seq", "128", "--steps", "2", "--validate", "later", *([] if fused else ["--no-fused"])],
+                         capture_output=True, text=True, cwd=REPO, timeout=900)
     assert out.returncode == 0, out.stderr[-2000:]
     line = json.loads(out.stdout.strip().splitlines()[-1])
     measured, phases = line["peak_rss_bytes"], line["phases"]
-    est = estimate(ModelConfig.from_name("smollm2-135m"), micro_batch=2, seq=128).total
-    assert abs(est - measured) / measured < 0.15, (est / GiB, measured / GiB, phases)
+    est = estimate(ModelConfig.from_name("smollm2-135m"), micro_batch=2, seq=128, fused_kernels=fused).total
+    assert abs(est - measured) / measured < (0.15 if fused else 0.10), (est / GiB, measured / GiB, phases)
     # the validation graph compiled after the steps (a resumed run's first) does not raise the peak: the step's
     # compilation heap went back (without it the validation ran at 5.04 GB against the step's 4.87)
     assert phases["validation"]["peak_bytes"] <= phases["first_step"]["peak_bytes"], phases
@@ -77,7 +79,9 @@ def test_the_graph_part_grows_with_depth_and_only_for_the_whole_model_cpu_step(m
     assert graph_bytes(30, trainable_fraction=0.01) < graph_bytes(30)  # no weight-gradient kernels (LoRA)
     assert "graph" not in estimate(cfg, micro_batch=2, seq=128, layerwise=True).parts  # small layer graphs only
     assert "graph" not in estimate(cfg, micro_batch=2, seq=128, backend="Ascend").parts
-    assert "graph" not in estimate(cfg, micro_batch=2, seq=128, fused_kernels=False).parts  # in ACTIVATION_FACTOR
+    # MindSpore's own ops: more kernels per layer, their own fit
+    ops = estimate(cfg, micro_batch=2, seq=128, fused_kernels=False).parts["graph"]
+    assert ops == graph_bytes(30, fused=False) > 2 * graph_bytes(15, fused=False) > 4 * graph_bytes(7, fused=False) > 0
     # a pipeline stage compiles only its own layers
     staged = estimate(cfg, micro_batch=2, seq=128, layout=Layout(pp=2, micro_batch_num=8))
     assert staged.parts["graph"] == graph_bytes(15)

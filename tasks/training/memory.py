@@ -29,10 +29,11 @@ Parts, per device:
   (train.fused_kernels) only the logits and their gradient;
 - runtime: the framework's own resident memory (CPU: the MindSpore process after
   import and graph compilation, measured on this machine; GPU/Ascend: workspace);
-- graph (CPU, the whole-model step, fused fp32 kernels; 2/3 of it with LoRA): what the compiled step graph holds
-  beyond its tensors, per decoder layer (`graph_bytes`): each kernel's own state (a oneDNN MatMul primitive
-  ~0.3-0.8 MB) and what compiling the graph leaves in the C heap, which grows faster than the layer count. It depends on the depth, not on the width or the
-  batch: measured at widths 384 and 576, MLP widths 768 and 1536, 64-512 tokens and 1-30 layers (docs/MEMORY.md).
+- graph (CPU, the whole-model step; 2/3 of it with LoRA): what the compiled step graph holds beyond its tensors,
+  per decoder layer (`graph_bytes`): each kernel's own state (a oneDNN MatMul primitive ~0.3-0.8 MB) and what
+  compiling the graph leaves in the C heap, which grows faster than the layer count. It depends on the depth, not
+  on the width or the batch: measured at widths 384 and 576, MLP widths 768 and 1536, 64-512 tokens and 1-30 layers
+  with the fused fp32 kernels, and 2-30 layers × 64-512 tokens with MindSpore's own ops (docs/MEMORY.md).
 The graph executor on CPU keeps intermediates alive for the whole step; the
 activation term carries a backend factor measured against peak RSS of real runs
 (tests/test_memory.py holds the estimate within 30% of the tiny and small presets, and within 15% of the
@@ -56,10 +57,11 @@ RUNTIME_BYTES = {"CPU": int(0.615 * GiB), "GPU": int(1.0 * GiB), "Ascend": int(2
 # no whole-model graph is compiled, only small layer graphs (measured: tiny 8 x 64, 0.47 GiB peak in all).
 RUNTIME_BYTES_LAYERWISE = {"CPU": int(0.45 * GiB)}
 # Graph-mode executors keep more intermediates than the textbook minimum: on CPU every
-# intermediate of the compiled step keeps its own buffer for the whole step (measured
-# here: peak RSS (VmHWM) of tiny / small / tiny-llama-bench steps, scripts/measure_rss.py).
+# intermediate of the compiled step keeps its own buffer for the whole step (MindSpore's own ops: fitted
+# with GRAPH_PER_LAYER_OPS below, peak RSS (VmHWM), scripts/measure_rss.py; it was 4.8 when fitted alone at 2-6 layers,
+# which put tiny-llama-bench at 8 x 256 41% over and SmolLM2-135M at 2 x 256 12% over).
 # GPU/Ascend reuse memory across the graph; their factor is the textbook 1 (untested here).
-ACTIVATION_FACTOR = {"CPU": 4.8, "GPU": 1.0, "Ascend": 1.0}
+ACTIVATION_FACTOR = {"CPU": 2.24, "GPU": 1.0, "Ascend": 1.0}
 # With the fused CPU kernels (train.fused_kernels, model/train_kernels.cc) softmax, SwiGLU, RMSNorm and the
 # loss keep one buffer each instead of one per element-wise op: measured 1.44 GB (small, 8 × 128) and 1.22 GB
 # (tiny-llama-bench, 8 × 256) against 2.13 and 1.96 GB with MindSpore's own ops.
@@ -70,15 +72,23 @@ ACTIVATION_FACTOR_FUSED = {"CPU": 1.1}
 # 4.91 estimated vs 4.80 measured; with recompute 4.86 vs 5.05). Of 135M's 1.57 GB, 0.64 GB is the compilation's
 # freed heap (the trainer trims it after the first step; the peak keeps it). Without weight gradients (LoRA: frozen
 # projections) the backward has one MatMul per projection instead of two: ~2/3 of the kernels (135M whole-model LoRA:
-# 2.73 GB estimated vs 2.66 measured). Only with the fused fp32 kernels: MindSpore's own ops' ACTIVATION_FACTOR,
-# fitted at 2-6 layers, holds part of it (135M without the kernels: 5.14 GB estimated vs 5.97 measured).
+# 2.73 GB estimated vs 2.66 measured).
 GRAPH_PER_LAYER = int(0.0317e9)
 GRAPH_PER_LAYER_SQ = int(0.00068e9)
+# Without the fused kernels (MindSpore's own ops: more kernels per layer), fitted with ACTIVATION_FACTOR["CPU"]:
+# GRAPH_PER_LAYER_OPS·L + GRAPH_PER_LAYER_SQ_OPS·L² (least squares over eleven shapes of SmolLM2-135M's family, 2-30
+# layers × 2 × 64-512 tokens, peak RSS, AMD EPYC AVX-512, 2026-12-04: within 9.4% of each, 135M at 2 × 128 5.92 GB
+# estimated vs 5.96 measured, where the factor alone had said 5.14; out of the fit, width 384 / MLP 768 at 24 layers
+# 3.54 vs 3.44, small at 8 × 128 2.01 vs 2.13, tiny-llama-bench at 8 × 256 1.97 vs 1.96).
+GRAPH_PER_LAYER_OPS = int(0.0360e9)
+GRAPH_PER_LAYER_SQ_OPS = int(0.00096e9)
 
 
-def graph_bytes(layers: int, trainable_fraction: float = 1.0) -> int:
-    """The whole-model CPU step graph's own memory for `layers` decoder layers (module doc, `graph`)."""
-    full = GRAPH_PER_LAYER * layers + GRAPH_PER_LAYER_SQ * layers * layers
+def graph_bytes(layers: int, trainable_fraction: float = 1.0, fused: bool = True) -> int:
+    """The whole-model CPU step graph's own memory for `layers` decoder layers (module doc, `graph`); `fused`: with
+    the fused fp32 kernels, else MindSpore's own ops."""
+    a, b = (GRAPH_PER_LAYER, GRAPH_PER_LAYER_SQ) if fused else (GRAPH_PER_LAYER_OPS, GRAPH_PER_LAYER_SQ_OPS)
+    full = a * layers + b * layers * layers
     return full if trainable_fraction >= 1.0 else full * 2 // 3
 
 
@@ -201,8 +211,8 @@ def estimate(cfg: ModelConfig, *, micro_batch: int, seq: int, precision: str = "
         # on CPU the graph keeps the recomputed forward's buffers as well: recompute lowers nothing (module doc)
         act = int(activation_bytes(cfg, micro_batch, seq, precision, recompute and backend != "CPU", layout,
                                    fused and not half) * factor)
-        if backend == "CPU" and fused:  # MindSpore's own ops: ACTIVATION_FACTOR holds part of it (GRAPH_PER_LAYER)
-            outputs = {"graph": graph_bytes(-(-cfg.num_layers // layout.pp), trainable_fraction)}
+        if backend == "CPU":
+            outputs = {"graph": graph_bytes(-(-cfg.num_layers // layout.pp), trainable_fraction, fused)}
     return Estimate({
         "parameters": p * 4 + (p * 2 if half else 0),
         "gradients": trainable * DTYPE_BYTES[precision],
