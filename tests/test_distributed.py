@@ -324,6 +324,45 @@ def test_more_layouts_match_single_process(tmp_path, data_artifact, overrides, d
         [f"model.tp{i}-of-{tp}.safetensors" for i in range(tp)] if tp > 1 else ["model.safetensors"])
 
 
+LAYERWISE = "pretrain.train.layerwise=true"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides", [
+    [*DP2],
+    [*DP2, "pretrain.train.loop.micro_batch_size=2", "pretrain.train.loop.gradient_accumulation=2",
+     "parallel.optimizer_shard=true"],
+], ids=["dp2", "dp2-accumulation2-zero1"])
+def test_layer_at_a_time_under_data_parallel_matches_one_process(tmp_path, data_artifact, overrides, capfd):
+    """The layer-at-a-time step under msrun: each rank's layer gradients reduced in its update graph (the norm there
+    too, not on the host) give one process's losses, validation losses and weights (global batch 8 either way)."""
+    from tasks.store.tensors import load_weights
+
+    single, _ = _single(_cfg(LAYERWISE), tmp_path / "single", data_artifact)
+    assert "[train] step: layer at a time\n" in capfd.readouterr().err  # the reference ran that way too
+    root = tmp_path / "parallel"
+    path = pretrain.run(_cfg(LAYERWISE, *overrides), ArtifactStore(root), _copy_data(root, data_artifact),
+                        progress=False)
+    run_dir = root / "runs" / "pretrain" / path.name
+    logs = rank_logs(run_dir / "msrun_logs")
+    assert sorted(logs) == [0, 1] and "[train] step: layer at a time\n" in logs[0].read_text(), logs[0].read_text()
+    ls, lp = _train_losses(single), _train_losses(path)
+    assert sorted(lp) == [1, 2, 3, 4, 5, 6] and max(abs(ls[s] - lp[s]) for s in ls) <= 1e-5, (ls, lp)
+    vs = [r["val_loss"] for r in _metrics(single) if "val_loss" in r]
+    vp = [r["val_loss"] for r in _metrics(path) if "val_loss" in r]
+    assert len(vs) == len(vp) == 3, (vs, vp)
+    if not any(o.startswith("pretrain.train.loop.micro_batch_size=") for o in overrides):
+        # validation reads eval_batches micro batches per rank: the same samples only at the same global micro batch
+        assert max(abs(a - b) for a, b in zip(vs, vp)) <= 1e-5, (vs, vp)
+    a, b = load_weights(single), load_weights(path)
+    assert a.keys() == b.keys() and max(float(np.abs(a[k] - b[k]).max()) for k in a) <= 1e-5
+    digests = [re.findall(r"parameters sha256 ([0-9a-f]{64})", p.read_text()) for p in logs.values()]
+    assert digests[0] and digests[0] == digests[1]  # the replicas agree
+    assert ArtifactStore(root).verify(path)["metrics"]["consumed_samples"] == 48
+    layout = json.loads((complete_checkpoints(run_dir / "checkpoints")[-1] / "state.json").read_text())["layout"]
+    assert ("optimizer_shard" in layout) == ("parallel.optimizer_shard=true" in overrides), layout
+
+
 @pytest.mark.slow
 def test_finetune_data_parallel_matches_single_process(tmp_path):
     """LoRA on response-only instruction data (unequal token counts per rank): 2 × 4 == 1 × 8."""

@@ -45,7 +45,7 @@ from tasks.store.artifacts import ArtifactStore
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
-MAX_STEPS, SAVE_STEPS = 12, 3  # room after step 4: B is frozen within a step or two of it
+MAX_STEPS, SAVE_STEPS = 16, 3  # room after step 4: B is frozen within a step or two of it
 TRAIN = [f"pretrain.train.loop.max_steps={MAX_STEPS}", "pretrain.train.loop.log_steps=1",
          "pretrain.train.loop.eval_steps=4",
          "pretrain.train.loop.eval_batches=2", "pretrain.train.schedule.warmup_steps=2",
@@ -242,12 +242,12 @@ def test_lost_node_stops_the_survivor_in_one_line_and_both_resume_exactly(tmp_pa
     store = ArtifactStore(root)
     assert store.lookup("pretrain", key) is None
     assert not (root / "pretrain").exists() or not any((root / "pretrain").iterdir())
-    # the checkpoints left: every save_steps up to the last step rank 0 logged (the one B froze in may be missing:
-    # its save waits for B), the newest keep_checkpoint_max of them, each complete
+    # the checkpoints left: every save_steps up to the last step rank 0 logged, the newest keep_checkpoint_max of them,
+    # each complete; the last logged step's own save may be missing (it waits for B's barriers)
     saved = [int(c.name.removeprefix("step_")) for c in sorted((run_dir / "checkpoints").glob("step_*"))]
     due = list(range(SAVE_STEPS, max(logged) + 1, SAVE_STEPS))
     keep = cfg1.checkpoint.keep_checkpoint_max
-    assert saved in (due[-keep:], due[:-1][-keep:]), (saved, logged)
+    assert saved in [due[-keep:]] + ([due[:-1][-keep:]] if max(logged) % SAVE_STEPS == 0 else []), (saved, logged)
     for s in saved:
         load_checkpoint(run_dir / "checkpoints" / f"step_{s:08d}")  # state.json complete, each file its sha256
     newest = saved[-1]
@@ -284,7 +284,8 @@ def test_lost_node_stops_the_survivor_in_one_line_and_both_resume_exactly(tmp_pa
     digests = [re.findall(r"parameters sha256 ([0-9a-f]{64})",
                           (run_dir / "msrun_logs" / f"node_{r}" / f"worker_{r}.log").read_text()) for r in (0, 1)]
     assert digests[0] and digests[0] == digests[1], digests  # the replicas agree after the resume
-    print("LOST", json.dumps({"lost_after_step": max(logged), "resumed_from": newest, "stopped_after_s": round(stopped_after, 1), "error": errors[-1][:200],
+    print("LOST", json.dumps({"lost_after_step": max(logged), "resumed_from": newest,
+                              "stopped_after_s": round(stopped_after, 1), "error": errors[-1][:200],
                               "wall_s": round(time.time() - t0, 1)}))
 
 

@@ -37,7 +37,7 @@ Parts, per device:
 The graph executor on CPU keeps intermediates alive for the whole step; the
 activation term carries a backend factor measured against peak RSS of real runs
 (tests/test_memory.py holds the estimate within 30% of the tiny and small presets, and within 15% of the
-SmolLM2-135M whole-model step, whose `graph` part is most of the difference).
+SmolLM2-135M whole-model step, whose `graph` part is most of the difference; within 10% without the fused kernels).
 """
 
 from __future__ import annotations
@@ -62,6 +62,9 @@ RUNTIME_BYTES_LAYERWISE = {"CPU": int(0.45 * GiB)}
 # which put tiny-llama-bench at 8 x 256 41% over and SmolLM2-135M at 2 x 256 12% over).
 # GPU/Ascend reuse memory across the graph; their factor is the textbook 1 (untested here).
 ACTIVATION_FACTOR = {"CPU": 2.24, "GPU": 1.0, "Ascend": 1.0}
+# One layer at a time without the fused kernels (the autodiff layer graphs): its one layer's working set keeps the
+# factor fitted at 2-6 layers, where that step was measured (tests/test_memory.py, within 30% at tiny and small).
+ACTIVATION_FACTOR_LAYER = {"CPU": 4.8}
 # With the fused CPU kernels (train.fused_kernels, model/train_kernels.cc) softmax, SwiGLU, RMSNorm and the
 # loss keep one buffer each instead of one per element-wise op: measured 1.44 GB (small, 8 × 128) and 1.22 GB
 # (tiny-llama-bench, 8 × 256) against 2.13 and 1.96 GB with MindSpore's own ops.
@@ -198,7 +201,8 @@ def estimate(cfg: ModelConfig, *, micro_batch: int, seq: int, precision: str = "
     factor = ACTIVATION_FACTOR_FUSED[backend] if fused else ACTIVATION_FACTOR.get(backend, 1.0)
     outputs, runtime = {}, RUNTIME_BYTES.get(backend, GiB)
     if layerwise and layerwise_applies(layout, trainable_fraction, written_out=fused and not half):
-        one = layer_activation_bytes(cfg, micro_batch, seq, precision, fused_attention=fused and not half) * factor
+        one = layer_activation_bytes(cfg, micro_batch, seq, precision, fused_attention=fused and not half) * (
+            factor if fused else ACTIVATION_FACTOR_LAYER.get(backend, factor))
         act = int(cfg.num_layers * micro_batch * seq * cfg.hidden_size * DTYPE_BYTES[precision] + one)
         if fused and not half:  # the written-out backward reads what the forward kept (no recomputed forward)
             act += cfg.num_layers * layer_saved_bytes(cfg, micro_batch, seq)
