@@ -74,13 +74,20 @@ def _netns_unavailable() -> str | None:
     return None
 
 
-def _kill_netns_processes(ns: str) -> None:
-    out = _ip("netns", "pids", ns, check=False)
-    for pid in out.stdout.split():
+def _netns_pids(ns: str) -> list[int]:
+    return [int(x) for x in _ip("netns", "pids", ns, check=False).stdout.split()]
+
+
+def _signal(pids: list[int], sig: signal.Signals) -> None:
+    for pid in pids:
         try:
-            os.kill(int(pid), signal.SIGKILL)
-        except (ProcessLookupError, ValueError):
+            os.kill(pid, sig)
+        except ProcessLookupError:
             pass
+
+
+def _kill_netns_processes(ns: str) -> None:
+    _signal(_netns_pids(ns), signal.SIGKILL)
 
 
 @pytest.fixture
@@ -166,10 +173,6 @@ def _wait_for_line(pattern: str, glob: str, root: Path, procs: list[subprocess.P
     pytest.fail(f"{pattern!r} did not appear in {glob} within {timeout:.0f}s")
 
 
-def _netns_pids(ns: str) -> list[int]:
-    return [int(x) for x in _ip("netns", "pids", ns, check=False).stdout.split()]
-
-
 def _logged_steps(log: Path) -> list[int]:
     return [int(m) for m in re.findall(r"^\[train\] step +(\d+)/", log.read_text(errors="replace"), re.M)]
 
@@ -208,11 +211,7 @@ def test_lost_node_stops_the_survivor_in_one_line_and_both_resume_exactly(tmp_pa
                                    nodes, timeout=300, poll=0.005)
         # host B is lost: frozen at once (a tiny step takes milliseconds), its cable pulled (nothing reaches A),
         # then every process on it killed
-        for pid in b_pids:
-            try:
-                os.kill(pid, signal.SIGSTOP)
-            except ProcessLookupError:
-                pass
+        _signal(b_pids, signal.SIGSTOP)
         _ip("-n", ns_b, "link", "set", veth_b, "down")
         _kill_netns_processes(ns_b)
         killed_at = time.monotonic()

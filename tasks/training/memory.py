@@ -64,7 +64,7 @@ RUNTIME_BYTES_LAYERWISE = {"CPU": int(0.45 * GiB)}
 ACTIVATION_FACTOR = {"CPU": 2.24, "GPU": 1.0, "Ascend": 1.0}
 # One layer at a time without the fused kernels (the autodiff layer graphs): its one layer's working set keeps the
 # factor fitted at 2-6 layers, where that step was measured (tests/test_memory.py, within 30% at tiny and small).
-ACTIVATION_FACTOR_LAYER = {"CPU": 4.8}
+ACTIVATION_FACTOR_LAYER = {"CPU": 4.8, "GPU": 1.0, "Ascend": 1.0}
 # With the fused CPU kernels (train.fused_kernels, model/train_kernels.cc) softmax, SwiGLU, RMSNorm and the
 # loss keep one buffer each instead of one per element-wise op: measured 1.44 GB (small, 8 × 128) and 1.22 GB
 # (tiny-llama-bench, 8 × 256) against 2.13 and 1.96 GB with MindSpore's own ops.
@@ -198,11 +198,12 @@ def estimate(cfg: ModelConfig, *, micro_batch: int, seq: int, precision: str = "
     # the fused loss keeps the logits and their gradient; where MatMul runs oneDNN's AVX2 path the head's backward
     # also transposes the gradient (model/fused_cells.py FusedHeadMatMul)
     logits = ((3 if matmul_isa() == "avx2" else 2) if fused else 3) * micro_batch * seq * cfg.vocab_size * 4
-    factor = ACTIVATION_FACTOR_FUSED[backend] if fused else ACTIVATION_FACTOR.get(backend, 1.0)
+    layer_at_a_time = layerwise and layerwise_applies(layout, trainable_fraction, written_out=fused and not half)
+    own_ops = ACTIVATION_FACTOR_LAYER if layer_at_a_time else ACTIVATION_FACTOR  # MindSpore's own ops
+    factor = ACTIVATION_FACTOR_FUSED[backend] if fused else own_ops.get(backend, 1.0)
     outputs, runtime = {}, RUNTIME_BYTES.get(backend, GiB)
-    if layerwise and layerwise_applies(layout, trainable_fraction, written_out=fused and not half):
-        one = layer_activation_bytes(cfg, micro_batch, seq, precision, fused_attention=fused and not half) * (
-            factor if fused else ACTIVATION_FACTOR_LAYER.get(backend, factor))
+    if layer_at_a_time:
+        one = layer_activation_bytes(cfg, micro_batch, seq, precision, fused_attention=fused and not half) * factor
         act = int(cfg.num_layers * micro_batch * seq * cfg.hidden_size * DTYPE_BYTES[precision] + one)
         if fused and not half:  # the written-out backward reads what the forward kept (no recomputed forward)
             act += cfg.num_layers * layer_saved_bytes(cfg, micro_batch, seq)
