@@ -75,6 +75,7 @@ if __name__ == "__main__":
         "grad_scale": max(float(np.abs(g).max()) for g in grads_s.values()),
         "param_max_abs_diff": max(float(np.abs(want[k] - after_t[k]).max()) for k in after_t),
         "param_update_max": moved,
+        "param_scale": max(float(np.abs(w).max()) for w in want.values()),
     }
     (out / f"rank{mesh.rank}.json").write_text(json.dumps(result))
     print(json.dumps(result), flush=True)

@@ -1,5 +1,6 @@
 """Shared test helpers: a real (randomly initialised) tiny model artifact, built through the store; the float32
-bound (`fp32_tol`, `decoder_reduction`) that comparisons of two computations of the same math use."""
+bounds (`fp32_tol`, `decoder_reduction`, `logit_tol`, `loglikelihood_tol`, `train_tol`) that comparisons of two
+computations of the same math use: every tolerance in tests/ is one of these or says how it was derived."""
 
 from __future__ import annotations
 
@@ -54,6 +55,118 @@ def decoder_reduction(cfg, t: int) -> int:
     h = cfg.hidden_size
     per_layer = 2 * h + h + cfg.head_dim + 2 * t + h + h + cfg.intermediate_size
     return cfg.num_layers * per_layer + 2 * h
+
+
+def logit_tol(cfg, t: int, max_logit: float, extra: int = 0) -> float:
+    """How far two fp32 computations of one logit of LlamaForCausalLM(cfg) at t keys may differ (another kernel
+    body, batch shape, ISA cap or library): `fp32_tol` of the decoder's reductions (`decoder_reduction`) at the
+    logits' magnitude `max_logit` (the largest |logit| of that forward: the partial sums of the head stay below
+    it, those of the layers' sums are normalised by the RMSNorms before they reach it). `extra`: reductions one side
+    adds on the path (an unmerged LoRA adapter's rank, summed in each adapted projection)."""
+    return fp32_tol(max_logit, decoder_reduction(cfg, t) + extra)
+
+
+def loglikelihood_tol(cfg, t: int, n: int, max_logit: float, ll: float) -> float:
+    """How far two fp32 computations of one loglikelihood request may differ: the sum over its n continuation
+    tokens of log p(token) = z_token - logsumexp(z), each at up to t keys (the request's whole length).
+
+    One term moves by at most the logit's own error plus the log-sum-exp's, which is at most the largest logit
+    error (a softmax-weighted mean of them) plus the rounding of its own sum over the vocabulary V:
+    2 * logit_tol + fp32_tol(max_logit, V). The n terms come from n positions whose roundings are independent
+    (each has its own inputs, its own partial sums), so their errors add as sqrt(n), as fp32_tol's own n
+    roundings do; the float32 sum of the n terms rounds once more per term (fp32_tol(|ll|, n)). The bound grows
+    with the continuation's length and the logits' magnitude, never an absolute figure: a 300-token
+    continuation summing to -330 (SmolLM2-135M, piqa, logits ~30) gets ~0.2, while the defects it is there to
+    catch (a token scored at the wrong position, another token in its place) move a loglikelihood by a nat or
+    more per token; the test of the bound itself is tests/test_smollm2.py test_loglikelihood_bound_*."""
+    term = 2 * logit_tol(cfg, t, max_logit) + fp32_tol(max_logit, cfg.vocab_size)
+    return math.sqrt(n) * term + fp32_tol(abs(ll), n)
+
+
+def train_tol(cfg, t: int, batch_tokens: int, scale: float) -> float:
+    """How far a training run's losses, validation losses, gradients or weights may be from the same run in another
+    layout (data or tensor parallel, gradient accumulation, optimizer sharding, stopped and resumed, layer at a
+    time): the same math with the batch split elsewhere, so the sums that cross the split (the loss's mean over
+    the batch's tokens, each weight gradient's sum over them, the all-reduce, the global norm) add in another
+    order and the shapes pick other kernel blockings.
+
+    A loss passes the decoder's reductions at t keys (`decoder_reduction`), the log-softmax over the vocabulary and
+    the mean over the batch's tokens; a weight's gradient runs the same chain backwards and sums over the same
+    tokens: fp32_tol(scale, decoder_reduction(cfg, t) + V + batch_tokens). `scale` is the magnitude of what is
+    compared (|loss|; the largest |weight| plus the distance the updates can move one, steps * lr: AdamW's
+    update m / (sqrt(v) + eps) is at most ~lr whatever the gradient's scale, so a gradient computed with a
+    relative error moves each step's update by lr times that error, and a weight's rounding is that of a sum of
+    its initial value and its updates). For the `tiny` pipeline (t 64, batch 8 x 64) that is ~2.4e-5 * scale."""
+    return fp32_tol(scale, decoder_reduction(cfg, t) + cfg.vocab_size + batch_tokens)
+
+
+def tiny_train_tol(scale: float) -> float:
+    """`train_tol` for the `tiny` pipeline's runs (preset tiny, seq_length 64, a global batch of 8 sequences)."""
+    from model.config import ModelConfig
+
+    return train_tol(ModelConfig.from_name("tiny"), 64, 8 * 64, scale)
+
+
+def assert_same_scalars(a, b, tol=tiny_train_tol) -> None:
+    """Two runs' losses (dicts step -> loss, or sequences) match within `tol` of their magnitude."""
+    pairs = [(a[s], b[s]) for s in a] if isinstance(a, dict) else list(zip(a, b, strict=True))
+    scale = max(max(abs(x), abs(y)) for x, y in pairs)
+    worst = max(abs(x - y) for x, y in pairs)
+    assert worst <= tol(scale), (a, b, worst, tol(scale))
+
+
+def assert_same_weights(a: dict, b: dict, steps: int, lr: float, tol=tiny_train_tol) -> None:
+    """Two runs' weights (name -> array) match: the scale is the largest |weight| plus steps * lr (`train_tol`)."""
+    import numpy as np
+
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    scale = max(float(np.abs(v).max()) for v in a.values()) + steps * lr
+    worst = max(float(np.abs(a[k] - b[k]).max()) for k in a)
+    assert worst <= tol(scale), (worst, tol(scale))
+
+
+def assert_greedy_agrees(got: list[int], want: list[int], ref_logits, tol, eos_id: int | None = None) -> int:
+    """Two greedy continuations of one prompt (ours, the reference's) are the same tokens, or they part where the
+    reference's logits make the two tokens a near-tie that float32 order decides: there the reference scores its
+    token at most 2 * tol(i) above ours (each logit may be off by tol(i), `logit_tol` at that length); after it
+    nothing more is compared (the two now continue different texts). ref_logits(prefix) -> the reference's next
+    logits after prompt + prefix. A sequence that ended early ended on eos_id. Returns how many tokens agreed."""
+    for i in range(max(len(got), len(want))):
+        a = got[i] if i < len(got) else eos_id
+        b = want[i] if i < len(want) else eos_id
+        if a == b:
+            continue
+        assert a is not None and b is not None, (i, got, want)
+        z = ref_logits(want[:i])
+        assert float(z[b]) - float(z[a]) <= 2 * tol(i), (i, a, b, float(z[b]) - float(z[a]), 2 * tol(i))
+        return i
+    return len(got)
+
+
+def assert_choices_agree(task: str, ours: dict, ref: dict, tols: dict) -> int:
+    """lm-eval multiple-choice documents scored twice (`samples` by doc_id, each with its `arguments` (context,
+    continuation) and `resps` [[(ll, is_greedy)]]): each document's choice (the largest ll, and for acc_norm the
+    largest ll per byte of the continuation, as lm-eval's acc_norm) is the same, or the two choices are a near-tie
+    that the loglikelihoods' own bound admits: under the reference's values they are within the sum of the two
+    requests' bounds (tols[(doc_id, i)]). Returns the number of documents that chose differently, so that a caller
+    comparing accuracies allows exactly that many (each moves an accuracy by 1 / the number of documents)."""
+    flips = 0
+    for d, r in ours.items():
+        a = [float(x[0][0]) for x in r["resps"]]
+        b = [float(x[0][0]) for x in ref[d]["resps"]]
+        if len(a) < 2:
+            continue
+        nbytes = [max(1, len(cont.encode("utf-8"))) for _, cont in r["arguments"]]
+        for norm in ([1] * len(a), nbytes):
+            mine = max(range(len(a)), key=lambda i: a[i] / norm[i])
+            theirs = max(range(len(b)), key=lambda i: b[i] / norm[i])
+            if mine != theirs:
+                gap = b[theirs] / norm[theirs] - b[mine] / norm[mine]
+                room = tols[(d, mine)] / norm[mine] + tols[(d, theirs)] / norm[theirs]
+                assert gap <= room, (task, d, mine, theirs, gap, room)
+                flips += 1
+                break
+    return flips
 
 
 def train_tiny_tokenizer(out: Path, vocab_size: int = 512) -> Path:

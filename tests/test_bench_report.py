@@ -86,6 +86,6 @@ def test_interleaved_sides_time_in_rounds_and_ratios_stay_within_a_round():
     assert out["ours"]["tokens_per_s"] == 8.0 and out["ours"]["peak_rss_bytes"] == 7
     assert out["broken"] == {"error": "exit 3: no such model"} and out["flaky"]["error"].startswith("exit ")
     # rounds 1.1x, 1.1x, 1.2x: the median ratio 1.1 (the ratio of the medians would say 1.2, the mean 1.13)
-    assert abs(train._ratio(out["ours"], out["ref"]) - 1.1) < 1e-12
+    assert abs(train._ratio(out["ours"], out["ref"]) - 1.1) < 1e-12  # float64 quotients of exact inputs: an ulp
     with pytest.raises(SystemExit, match="broken side failed"):
         train._interleaved({"broken": ("fail", [], True)}, cmd, {}, a)

@@ -11,7 +11,7 @@ import pytest
 import yaml
 from mindspore import Tensor
 
-from helpers import REPO, decoder_reduction, fp32_tol, tiny_model_artifact
+from helpers import REPO, decoder_reduction, fp32_tol, loglikelihood_tol, tiny_model_artifact
 
 pytest.importorskip("lm_eval")
 from lm_eval.api.instance import Instance  # noqa: E402
@@ -50,12 +50,9 @@ def logit_scale(lm) -> float:
 
 
 def ll_tol(lm, logit_scale: float, ll: float, n_tokens: int) -> float:
-    """fp32_tol of a log-likelihood that sums `n_tokens` log-softmax terms computed another way (another batch,
-    padding or kernel path): each term's logit passes the decoder's reductions (at up to max_length keys), then
-    the log-sum-exp over the vocabulary; the terms' scale is the logits' plus the log-likelihood's own."""
-    cfg = lm.net.config
-    n = decoder_reduction(cfg, lm.max_length) + cfg.vocab_size + n_tokens
-    return fp32_tol(abs(ll) + n_tokens * logit_scale, n)
+    """A log-likelihood that sums `n_tokens` log-softmax terms computed another way (another batch, padding or kernel
+    path), at up to max_length keys: tests/helpers.py loglikelihood_tol."""
+    return loglikelihood_tol(lm.net.config, lm.max_length, n_tokens, logit_scale, ll)
 
 
 def req(kind: str, *args) -> Instance:
@@ -102,10 +99,11 @@ def test_scorer_splits_calls_by_memory_and_scores_only_what_is_asked(lm):
     tails = tight.score(rows, tails=[3] * len(rows))
     assert (1, full.max_seq_length) in tight.shapes_run and (4, full.max_seq_length) in full.shapes_run
     for (inp, tgt), (lp, greedy), (lp2, greedy2), (lp3, greedy3) in zip(rows, got, split, tails):
-        want = log_softmax(net(Tensor(np.asarray([inp], np.int32))).asnumpy()[0])
+        logits = net(Tensor(np.asarray([inp], np.int32))).asnumpy()[0]
+        want = log_softmax(logits)
         want_lp, want_greedy = want[np.arange(len(inp)), tgt], want.argmax(-1) == np.asarray(tgt)
-        # fp32 logits of magnitude ~10 (init_std 0.3) carry a few ulps through 2 layers; log-softmax adds log(V) ulps
-        tol = 64 * 2.0 ** -24 * (np.abs(want_lp) + 10)
+        # one log-softmax term each, at this row's keys and logits (loglikelihood_tol of one token)
+        tol = loglikelihood_tol(net.config, len(inp), 1, float(np.abs(logits).max()), np.abs(want_lp))
         for a, g in ((lp, greedy), (lp2, greedy2)):
             assert len(a) == len(inp) and (np.abs(a - want_lp) <= tol).all()
             assert ((g == want_greedy) | (np.abs(a - want.max(-1)) <= tol)).all()  # argmax ties within rounding
@@ -367,6 +365,8 @@ def test_eval_report_shows_the_base_models_perplexity_on_the_same_blocks(tmp_pat
     b = res["base_perplexity"]
     assert b["model"] == f"pretrain/{base.name}" and b["chain"] == f"pretrain/{continued.name} ← continued from pretrain/{base.name}"
     assert b["held-out"]["tokens"] == res["perplexity"]["held-out"]["tokens"]  # the same blocks
+    # the same model on the same blocks through the same scorer and batch shapes: the same sums in the same order
+    # (1e-9 relative: float64 formatting, not a float32 bound)
     assert b["held-out"]["perplexity"] == pytest.approx(base_res["perplexity"]["held-out"]["perplexity"], rel=1e-9)
     assert b["held-out"]["perplexity"] != pytest.approx(res["perplexity"]["held-out"]["perplexity"], rel=1e-3)
     assert ArtifactStore.read_manifest(path)["metrics"]["base_perplexity"] == b["held-out"]["perplexity"]

@@ -380,4 +380,6 @@ class TestResumeAtTheEnd:
             m.unlink()
         again = fn()
         got = ArtifactStore.read_manifest(again)["metrics"]
+        # the same run replayed from its checkpoint: the same kernels on the same shapes (1e-5 relative leaves room
+        # for the validation graph's compile-time choices; a wrong resume moves the loss by far more)
         assert got["steps"] == 3 and got["val_loss"] == pytest.approx(val, rel=1e-5)

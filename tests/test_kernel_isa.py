@@ -267,6 +267,7 @@ def test_chunk_attention_matches_the_scalar_reference(isa):
                      np.array([0.125, 2], np.float32), out) == 0
         res[body] = (kc, vc, out)
     np.testing.assert_array_equal(res[isa][1], res["scalar"][1])  # v rows are copied
+    # RoPE is elementwise (k * cos +- k' * sin): two products and a sum, a few roundings of |k|, no reduction
     np.testing.assert_allclose(res[isa][0], res["scalar"][0], rtol=0, atol=4 * U * np.abs(k).max())
     bound = 4 * (hd + start + t) * U * np.abs(v).max()
     assert np.isfinite(res[isa][2]).all() and np.abs(res[isa][2] - res["scalar"][2]).max() <= bound

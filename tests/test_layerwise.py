@@ -90,14 +90,23 @@ def test_layer_at_a_time_equals_the_whole_model_step(tied, fused, lora, cap, mon
     n = decoder_reduction(cfg, 16) + cfg.vocab_size + 64
     for s, ((l1, g1, f1), (l2, g2, f2)) in enumerate(zip(whole, layer), start=1):
         assert f1 and f2
+        # (+ 1.0: the masked mean's terms include the log-sum-exp, ~log V, beside |loss|)
         assert abs(l1 - l2) <= fp32_tol(abs(l1) + 1.0, n), (s, l1, l2)
         # the norm: every gradient's squares summed (another order: the host's float32 dots)
         assert abs(g1 - g2) <= fp32_tol(g1, 2 * n + cfg.num_parameters), (s, g1, g2)
-    # three AdamW updates of lr 1e-2 from gradients that agree to fp32 rounding; a wrong gradient moves a weight by
-    # up to lr per step (AdamW's update is about lr x sign(g) at the first steps)
+    # three AdamW updates of lr 1e-2 from gradients that agree to fp32 rounding. AdamW's update m / (sqrt(v) + eps)
+    # is at most ~lr per step whatever the gradient, so no element can part by more than 2 lr per step (checked for
+    # every element); it is scale-free, so an element's update carries its gradient's relative error, and an element
+    # whose gradient cancelled to near its own rounding carries a large one (measured: one embedding element of
+    # 32768 at 4e-5, 0.4% of lr). So every element within the hard bound, and all but a rare few (under 1% of a
+    # tensor) within the rounding bound: the weight's own rounding (fp32_tol at |w| + 3 lr) plus 3 lr times the
+    # gradient's relative rounding. A wrong gradient moves most elements of a tensor by about lr each step.
+    tight = 3 * 1e-2 * fp32_tol(1.0, n)
     for name, w in w_params.items():
-        np.testing.assert_allclose(l_params[name], w, rtol=0, atol=fp32_tol(np.abs(w).max() + 3e-2, n) + 3e-2 * 1e-3,
-                                   err_msg=name)
+        diff = np.abs(l_params[name] - w)
+        assert diff.max() <= 2 * 1e-2 * 3, (name, diff.max())
+        outside = int((diff > fp32_tol(np.abs(w).max() + 3e-2, n) + tight).sum())
+        assert outside < 0.01 * w.size, (name, outside, w.size, diff.max())
 
 
 @pytest.mark.integration  # ~5 s

@@ -86,7 +86,8 @@ def test_merged_logits_equal_base_plus_adapter_and_merging_twice_changes_nothing
     base_w = {p.name: p.asnumpy() for p in net.get_parameters() if "lora" not in p.name}
     adapter = lora_state_dict(net)
     unmerged = net(IDS).asnumpy()
-    assert np.abs(unmerged - LlamaForCausalLM(CFG, seed=0)(IDS).asnumpy()).max() > 1e-3  # the adapter matters
+    # the adapter matters: it moves the logits by far more than the bound the comparisons below allow
+    assert np.abs(unmerged - LlamaForCausalLM(CFG, seed=0)(IDS).asnumpy()).max() > 100 * _logit_tol(unmerged)
 
     assert merge_lora(net) == 2 * 7
     merged = net(IDS).asnumpy()
@@ -230,7 +231,8 @@ def test_lora_slots_serve_several_adapters_on_one_compiled_network():
         return compiled(plain)(IDS).asnumpy()
 
     want = {name: merged_net(name) for name in (None, "a", "b")}
-    assert np.abs(want["a"] - want[None]).max() > 1e-2 and np.abs(want["b"] - want[None]).max() > 1e-2
+    # each adapter moves the logits by far more than the bound the comparisons below allow
+    assert all(np.abs(want[n] - want[None]).max() > 100 * _logit_tol(want[None]) for n in ("a", "b"))
 
     net = LlamaForCausalLM(CFG, seed=3)
     net.set_train(False)

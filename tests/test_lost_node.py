@@ -15,7 +15,7 @@ starts from the newest of them.
 The survivor (host A, node 0, which hosts MindSpore's scheduler) must stop within a bounded time
 with one line naming the lost rank, its node and host, publish nothing, and not retry (the lost
 node's command is gone); rerunning both commands once B is back resumes from the newest
-checkpoint and ends where an unbroken run ends (losses and weights within 1e-5 of one process,
+checkpoint and ends where an unbroken run ends (losses and weights within train_tol of one process,
 as tests/test_scaleout.py; the steps the lost attempt logged after the checkpoint repeat bit for
 bit).
 
@@ -36,12 +36,12 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from tasks.config.loader import resolve_pipeline
 from tasks.stages import pretrain
 from tasks.store.artifacts import ArtifactStore
+from tests.helpers import assert_same_scalars, assert_same_weights
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -273,11 +273,11 @@ def test_lost_node_stops_the_survivor_in_one_line_and_both_resume_exactly(tmp_pa
     ls, vs = _losses(single)
     lr, vr = _losses(paths[0])
     assert sorted(lr) == list(range(1, MAX_STEPS + 1)) and len(vs) == len(vr) == MAX_STEPS // 4 + 1
-    assert max(abs(ls[s] - lr[s]) for s in ls) <= 1e-5, (ls, lr)
-    assert max(abs(a - b) for a, b in zip(vs, vr)) <= 1e-5, (vs, vr)
+    assert_same_scalars(ls, lr)
+    assert_same_scalars(vs, vr)
     assert {s: lr[s] for s in lost_losses} == lost_losses  # the same layout redoes steps 4.. bit for bit
     a, b = load_weights(single), load_weights(paths[0])
-    assert a.keys() == b.keys() and max(float(np.abs(a[k] - b[k]).max()) for k in a) <= 1e-5
+    assert_same_weights(a, b, steps=MAX_STEPS, lr=3e-3)
     m = store.verify(paths[0])["metrics"]
     assert m["consumed_samples"] == 8 * MAX_STEPS and m["layout"] == {"data_parallel": 2, "tensor_parallel": 1}
     digests = [re.findall(r"parameters sha256 ([0-9a-f]{64})",

@@ -33,7 +33,7 @@ and a child forked from a large parent (pytest with MindSpore loaded) starts wit
 Prints one JSON line (scripts/bench/host.py labels: date, CPU, ISA; `threads`: the CPUs the run may use, which
 MindSpore's defaults take) and appends it to docs/bench/results.jsonl (`--results`, `--tag`); then
 `scripts/bench/report.py` writes docs/BENCHMARKS.md and the smollm2 stage-time table in docs/REAL_MODELS.md.
-`measure()` is what tests/test_pipeline_time.py runs too.
+Whether a run fits the documented time is judged here, by this bench, not by a timed test.
 """
 
 from __future__ import annotations
