@@ -56,7 +56,7 @@ from tasks.stages.evaluate import selection_lines
 from tasks.stages.upstream import eval_selection
 from tasks.store.artifacts import ArtifactStore
 from tasks.store.lineage import lineage_tree, render
-from tasks.store.merge import merge
+from tasks.modeling.merge import merge
 
 
 def _cache_key(context, params: dict[str, Any]) -> str:

@@ -140,7 +140,7 @@ def matmul_isa(cpuinfo: str | None = None, machine: str | None = None, cap: str 
     ONEDNN_MAX_CPU_ISA (`cap`; "AVX2" emulates an AVX2-only CPU, as the benchmarks' --isa avx2 does). "avx512",
     "avx2", "scalar" (a cap below AVX2, or an x86 without it), or "" on other architectures (their oneDNN paths are
     not measured here). The train build asks it where the same product runs faster another way on oneDNN's
-    AVX2 path (tasks/training/build.py `convert`)."""
+    AVX2 path (tasks/modeling/build.py `convert`)."""
     runs = cpu_levels(cpuinfo, machine)
     if _machine(machine) != "x86_64" or not runs:
         return ""

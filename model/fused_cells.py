@@ -1,6 +1,6 @@
 """The cells that run the native training kernels (model/train_kernels.cc through model/kernel_ops.py), each with
 the signature of the plain cell it replaces in model/layers.py / model/llama.py. The model never builds them: the
-build's convert step (tasks/training/build.py `convert`) swaps them in when the one kernel decision says so.
+build's convert step (tasks/modeling/build.py `convert`) swaps them in when the one kernel decision says so.
 
     | plain (model/)                 | fused (here)          |
     |--------------------------------|-----------------------|
@@ -124,7 +124,7 @@ class FusedHeadMatMul(nn.Cell):
     dlogitsᵀ · x on the transposed dlogits (the Transpose kernel), a plain MatMul: the gradient MindSpore derives,
     MatMul(transpose_a)(dlogits, x), runs on oneDNN's AVX2 path at about half speed at [N, V] = [2048, 8192]
     (docs/MINDSPORE_CPU.md). dx = dlogits · W as before. Swapped in only where MatMul runs that path
-    (tasks/training/build.py `convert`): with AVX-512 the transposed-A product is as fast as the plain one and the
+    (tasks/modeling/build.py `convert`): with AVX-512 the transposed-A product is as fast as the plain one and the
     transpose (~10 ms and N·V floats at [2048, 8192]) would cost more than it saves. The weight arrives as a value
     the graph does not assign before the head (the whole-model step; the layer-at-a-time head takes only the
     transpose, tasks/training/layer_grad.py)."""

@@ -38,18 +38,28 @@ see exactly the same context and produce the same tokens.
 
 from __future__ import annotations
 
+import logging
 from typing import Callable, Sequence
 
 import numpy as np
 import mindspore as ms
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
-from model.fused_decode import FusedDecodeStep, build_decode_kernel, chunk_attention_op, decode_threads
+from model.fused_decode import (FusedDecodeStep, build_decode_kernel, chunk_attention_op, decode_disabled_reason,
+                                decode_kernel_path, decode_threads)
 from model.layers import Linear
 from model.llama import MLP, Attention
 from model.lora import LoRALinear, lora_layers
 from model.runtime import dynamic_graph, hidden_states_graph, trim_heap
 from model.sampling import sample_next
+
+log = logging.getLogger("msllm.generate")
+
+
+class DecodeError(RuntimeError):
+    """The decode path chosen when the Generator was built failed in the middle of a sequence. Never answered by a
+    silent switch to a slower path (the speed measured would not be the speed served): the message names the path,
+    the position and the way to choose another path (MSLLM_FUSED_DECODE=0 decodes on MindSpore's kernels)."""
 
 
 class CachedDecoder(nn.Cell):
@@ -176,7 +186,9 @@ class Generator:
 
     `fused=False` keeps decoding on MindSpore's kernels (`CachedDecoder`); `threads` sets the fused
     step's OpenMP threads (default `decode_threads()`: $MSLLM_DECODE_THREADS, else the usable cores, at
-    most 8). `decode_path` says which path decodes: "fused", "decoder" or "functional".
+    most 8). The path is chosen here, once: `decode_path` says which ("fused", "decoder" or "functional") and
+    `decode_reason` why; both are logged (logger "msllm.generate") and reported by the decode benchmarks and the
+    server's /health. A path that fails mid-sequence raises `DecodeError`; it is never swapped for another.
     """
 
     ECHO_HEAD_ROWS = 256
@@ -209,6 +221,14 @@ class Generator:
         supported = CachedDecoder.supports(net)
         lib = build_decode_kernel(fused) if supported else None
         threads = threads or decode_threads()
+        if not supported:
+            self._path_reason = "this network has no in-place KV-cache decoder (CachedDecoder.supports: false)"
+        elif lib is None:
+            off = decode_disabled_reason(fused) or "the kernel did not build here (no C++ compiler, or a failed build)"
+            self._path_reason = f"the fused decode kernel is off: {off}"
+        else:
+            self._path_reason = (f"the fused decode kernel (model/decode_kernel.cc, {decode_kernel_path(fused)} body, "
+                                 f"{threads} threads)")
         self._decoder = CachedDecoder(net, self.max_len, lib, threads) if supported else None
         # The decoder's caches are one set of Parameters: one sequence at a time may use them. Sequences
         # interleaved with it (the server's engine runs several coroutines in turn) take the functional path.
@@ -238,6 +258,15 @@ class Generator:
                 return fused_chunk(tokens, where)
 
             self._fused_prefill = ms.jit(fused_prefill)
+        log.info("[generate] decode path: %s: %s", self.decode_path, self.decode_reason)
+
+    @property
+    def decode_reason(self) -> str:
+        """Why `decode_path` is what it is (chosen when the Generator was built; unmerged LoRA layers move a net from
+        the fused step to the decoder, which applies them)."""
+        if self._decoder is not None and self._fused is not None and self._lora_on():
+            return "unmerged LoRA layers: the fused step reads only the base weights, the decoder applies B·A"
+        return self._path_reason
 
     @property
     def decode_path(self) -> str:
@@ -332,6 +361,15 @@ class Generator:
         starts = list(range(0, n - c, c)) + [n - c]
         return [(np.asarray([ids[s:s + c]], np.int32), s, c - 1) for s in starts]
 
+    def _fused_op(self, op, what: str, pos: int, *args):
+        """One call of the fused prefill/decode op; its failure is a DecodeError naming the path, not a switch."""
+        try:
+            return op(*args)
+        except RuntimeError as exc:  # the op failed to load or run: an error with its reason, never a fallback
+            raise DecodeError(f"the fused {what} step failed at position {pos} ({self.decode_reason}): "
+                              f"{str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}; "
+                              f"MSLLM_FUSED_DECODE=0 decodes on MindSpore's kernels instead") from exc
+
     # Each path is a coroutine: it yields the logits [V] for the next position, and is sent the
     # token chosen there.
 
@@ -350,10 +388,8 @@ class Generator:
                 for x, start, last in self._chunks(ids):  # fixed [1, C] chunks: the same shapes for every prompt
                     logits = None
                     if fused and self._fused_prefill is not None:
-                        try:
-                            logits = self._fused_prefill(Tensor(x), Tensor([start, last], ms.int32))
-                        except RuntimeError:  # as the fused step below; the caches it wrote are the decoder's
-                            self._fused_prefill = None
+                        logits = self._fused_op(self._fused_prefill, "prefill", start, Tensor(x),
+                                                Tensor([start, last], ms.int32))
                     if logits is None:
                         logits = self._decode(Tensor(x), Tensor(start, ms.int32), Tensor(last, ms.int32))
                 logits = logits.asnumpy()[0]
@@ -364,10 +400,7 @@ class Generator:
                     token, at = Tensor([[tok]], ms.int32), Tensor(pos, ms.int32)
                     logits = None
                     if fused and self._fused is not None:
-                        try:
-                            logits = self._fused(token, at)
-                        except RuntimeError:  # the op failed to load or run (it checks its inputs before writing)
-                            self._fused = None
+                        logits = self._fused_op(self._fused, "decode", pos, token, at)
                     if logits is None:
                         logits = self._decode(token, at, zero)
                     logits = logits.asnumpy()[0]

@@ -1,4 +1,4 @@
-"""Whether the native kernels run: THE decision, asked by the build's convert step (tasks/training/build.py) for
+"""Whether the native kernels run: THE decision, asked by the build's convert step (tasks/modeling/build.py) for
 the model and its optimizer, by the memory plan (tasks/training/memory.py) to predict the same, and by the
 decoder (model/generate.py) for the fused decode step.
 
@@ -61,5 +61,5 @@ def enabled(config: bool, capabilities: Capabilities = Capabilities(), kind: str
 def decide(config: bool, device_target: str, compute: str) -> tuple[str, bool]:
     """The training build's decision: (why the model's fused cells do not run, or ''; whether its optimizer may run
     the in-place AdamW, which updates fp32 master weights whatever the compute dtype). Asked by the build's convert
-    step (tasks/training/build.py) and, to predict it, by the memory plan (tasks/training/memory.py)."""
+    step (tasks/modeling/build.py) and, to predict it, by the memory plan (tasks/training/memory.py)."""
     return off_reason(config, Capabilities(device_target, compute)), enabled(config, Capabilities(device_target))

@@ -1,9 +1,8 @@
 """The LLaMA decoder's building blocks, each with its forward and (where autodiff is slow on CPU) its backward:
-RoPE tables and the causal mask, the bias-free projection, the embedding, RMSNorm, SwiGLU and the masked softmax
+RoPE's rotation (its tables: model/rope.py) and the causal mask, the bias-free projection, the embedding, RMSNorm, SwiGLU and the masked softmax
 that model/llama.py puts together. Plain MindSpore: the fused-kernel cells of the same signatures
-(model/fused_cells.py) are swapped in from outside, by the build's convert step (tasks/training/build.py).
+(model/fused_cells.py) are swapped in from outside, by the build's convert step (tasks/modeling/build.py).
 
-    cos, sin = rope_tables(head_dim, max_seq_length, theta)   # [S, hd] each, HF's rotate-half layout
     proj = Linear(weight)                                     # weight [out, in]: one 2-D MatMul on the tokens
     norm = RMSNorm(hidden, eps)                               # norm.normalize(x, weight) does the arithmetic
 
@@ -20,14 +19,6 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 
 _MASKED = -1e9  # additive score for disallowed keys; exp() of it underflows to exactly 0
-
-
-def rope_tables(head_dim: int, max_seq_length: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin tables [max_seq_length, head_dim] for rotate-half RoPE (HF layout)."""
-    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    freqs = np.outer(np.arange(max_seq_length, dtype=np.float64), inv_freq)  # [S, hd/2]
-    angles = np.concatenate([freqs, freqs], axis=-1)                         # [S, hd]
-    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

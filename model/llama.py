@@ -31,14 +31,15 @@ from mindspore import Tensor, nn, ops
 from mindspore.common.initializer import Zero
 
 from model.config import ModelConfig
-from model.layers import Embedding, Linear, MaskedSoftmax, RMSNorm, SwiGLU, causal_mask, rope_tables, rotate_half_matrix
+from model.layers import Embedding, Linear, MaskedSoftmax, RMSNorm, SwiGLU, causal_mask, rotate_half_matrix
+from model.rope import rope_tables
 
 
 class Attention(nn.Cell):
     """Grouped-query causal self-attention with RoPE.
 
     `num_heads` / `num_kv_heads` are the heads this cell computes: all of them, or this rank's share once
-    tensor parallelism slices the projections (tasks/training/parallelize.py sets both).
+    tensor parallelism slices the projections (tasks/modeling/parallelize.py sets both).
     """
 
     def __init__(self, config: ModelConfig, init, compute_dtype=ms.float32):
@@ -156,10 +157,10 @@ class LlamaForCausalLM(nn.Cell):
     `seed` drives a numpy RandomState that draws every weight (normal(0, init_std),
     norms = 1), so the init is reproducible and independent of MindSpore's global seed. `init_weights=False`
     draws nothing and allocates nothing for the projections and the embedding (placeholders the caller assigns
-    before any use: a model artifact's weights, tasks/training/build.py).
+    before any use: a model artifact's weights, tasks/modeling/build.py).
     `compute_dtype` (ms.float32 or ms.float16) is the matmul / residual-stream dtype;
     Parameters stay fp32 either way, logits are always fp32.
-    A plain model: no kernel choice and no parallelism inside. The build sequence (tasks/training/build.py
+    A plain model: no kernel choice and no parallelism inside. The build sequence (tasks/modeling/build.py
     `build_network`: build → convert → parallelize) swaps in the fused-kernel cells (model/fused_cells.py) and
     applies the tensor-parallel plan from outside; inference and export use the plain cells.
     """
@@ -175,7 +176,7 @@ class LlamaForCausalLM(nn.Cell):
         rng = np.random.RandomState(seed)
 
         def init(*shape: int) -> np.ndarray | Tensor:
-            if not init_weights:  # weights assigned next (tasks/training/build.py): a placeholder, nothing allocated
+            if not init_weights:  # weights assigned next (tasks/modeling/build.py): a placeholder, nothing allocated
                 return Tensor(shape=shape, dtype=ms.float32, init=Zero())
             return rng.normal(0.0, config.init_std, size=shape).astype(np.float32)
 

@@ -41,7 +41,7 @@ def main() -> None:
 
     setup_mindspore(host_blocking=True)  # as the trainer
     from model.config import ModelConfig
-    from tasks.training.build import build_network
+    from tasks.modeling.build import build_network
     from tasks.training.layerwise import causal_lm_train_step
     from tasks.training.step import causal_lm_loss_fn, validation_fn
     from tasks.training.hardware import peak_rss_bytes, reset_peak_rss, rss_bytes

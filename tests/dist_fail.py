@@ -7,7 +7,7 @@ if __name__ == "__main__":
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
     import mindspore as ms
 
-    from tasks.training.mesh import Mesh
+    from tasks.runtime.mesh import Mesh
 
     ms.set_device("CPU")
     mesh = Mesh.init(dp=2, tp=1)

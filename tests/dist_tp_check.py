@@ -1,7 +1,7 @@
 """Run under msrun with 2 workers (tests/test_distributed.py): a tensor-parallel tiny LLaMA against one device.
 
 Every rank builds the single-device model and its own tensor-parallel slice from the same seed (both through
-tasks/training/build.py `build_network`, the second with the mesh),
+tasks/modeling/build.py `build_network`, the second with the mesh),
 then compares logits and one AdamW training step (loss, gradient norm, updated parameters
 against the matching slices of the single-device ones). Writes OUT/rank<r>.json.
 """
@@ -17,9 +17,9 @@ if __name__ == "__main__":
 
     from model.config import ModelConfig
     from model.llama import causal_lm_loss
-    from tasks.training.build import build_network
-    from tasks.training.mesh import Mesh
-    from tasks.training.parallelize import shard
+    from tasks.modeling.build import build_network
+    from tasks.runtime.mesh import Mesh
+    from tasks.modeling.parallelize import shard
     from tasks.training.layerwise import causal_lm_train_step
 
     out = Path(sys.argv[1])

@@ -76,7 +76,7 @@ def loglikelihood_tol(cfg, t: int, n: int, max_logit: float, ll: float) -> float
     (each has its own inputs, its own partial sums), so their errors add as sqrt(n), as fp32_tol's own n
     roundings do; the float32 sum of the n terms rounds once more per term (fp32_tol(|ll|, n)). The bound grows
     with the continuation's length and the logits' magnitude, never an absolute figure: a 300-token
-    continuation summing to -330 (SmolLM2-135M, piqa, logits ~30) gets ~0.2, while the defects it is there to
+    continuation summing to -330 (SmolLM2-135M, piqa, logits ~30) gets ~0.26, while the defects it is there to
     catch (a token scored at the wrong position, another token in its place) move a loglikelihood by a nat or
     more per token; the test of the bound itself is tests/test_smollm2.py test_loglikelihood_bound_*."""
     term = 2 * logit_tol(cfg, t, max_logit) + fp32_tol(max_logit, cfg.vocab_size)

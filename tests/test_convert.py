@@ -77,7 +77,7 @@ def case(request, tmp_path_factory, tokenizer):
 def test_logits_match_transformers(case):
     import mindspore as ms
 
-    from tasks.training.build import load_network
+    from tasks.modeling.build import load_network
 
     if case["name"] == "gqa-tied-sharded":
         assert (case["hf_dir"] / "model.safetensors.index.json").is_file()  # really sharded

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tasks.training.parallelize import shard, split_axis, unshard
+from tasks.modeling.parallelize import shard, split_axis, unshard
 from tasks.stages import finetune
 from tasks.stages import pretrain
 from tasks.store.artifacts import ArtifactStore

@@ -177,7 +177,7 @@ def test_onnx_io_names_and_dynamic_axes(env):
 def test_mindir_reloads_with_dynamic_shape(env):
     import mindspore as ms
 
-    from tasks.training.build import load_network
+    from tasks.modeling.build import load_network
 
     net, _ = load_network(env["model"])
     graph = ms.nn.GraphCell(ms.load(str(env["path"] / "model.mindir")))
@@ -190,7 +190,7 @@ def test_mindir_reloads_with_dynamic_shape(env):
 
 def test_onnxruntime_kv_generation_matches_mindspore(env):
     from model.generate import Generator
-    from tasks.training.build import load_network
+    from tasks.modeling.build import load_network
     from tasks.store.model_artifact import load_tokenizer
     from tasks.deploy.onnx_generate import OnnxGenerator, encode_prompt
 
@@ -354,7 +354,7 @@ def test_onnxruntime_genai_greedy_matches_mindspore(env):
     """onnxruntime-genai on the export directory, in a fresh interpreter without MindSpore: the README example,
     and greedy tokens of longer runs on new prompts equal MindSpore's KV-cache generation."""
     from model.generate import Generator
-    from tasks.training.build import load_network
+    from tasks.modeling.build import load_network
     from tasks.store.model_artifact import load_tokenizer
     from tasks.deploy.onnx_generate import GENAI_SNIPPET, encode_prompt
 

@@ -573,7 +573,7 @@ def test_eval_publishes_last_so_a_failed_side_output_is_written_by_the_rerun(tmp
     from tasks.config.loader import resolve_pipeline
     from tasks.stages import evaluate
     from tasks.store.errors import ArtifactError
-    from tasks.training import tensorboard
+    from tasks.store import tensorboard
     from tests.helpers import tiny_model_artifact
 
     root = tmp_path / "art"

@@ -255,7 +255,7 @@ class TestManifestPaths:
 
     def test_finetune_base_outside_the_root_is_not_followed(self, tmp_path):
         from tasks.store.errors import ArtifactError
-        from tasks.store.merge import base_of
+        from tasks.modeling.merge import base_of
         from tests.helpers import tiny_model_artifact
 
         (tmp_path / "elsewhere").mkdir()

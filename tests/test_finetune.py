@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tasks.stages import finetune
-from tasks.store.merge import base_of, merge
+from tasks.modeling.merge import base_of, merge
 from tasks.store.artifacts import ArtifactStore
 from tasks.store.errors import ArtifactError
 from tasks.config.loader import resolve_pipeline
@@ -165,7 +165,7 @@ def test_config_errors_name_the_yaml_path(env):
 
 def test_stage_trains_a_small_adapter_that_names_its_base_and_merges_exactly(env):
     from model.lora import inject_lora
-    from tasks.training.build import load_network
+    from tasks.modeling.build import load_network
     from tasks.store.tensors import assign as _assign
 
     root, base, data = env

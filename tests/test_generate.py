@@ -267,16 +267,45 @@ def test_fused_decode_step_matches_the_decoder_and_the_full_forward(shape):
 
 
 @pytest.mark.integration  # ~5 s: a chunk graph compiled without the kernel (unit tier under 2 minutes)
-def test_without_a_compiler_generation_falls_back_to_the_decoder(net, monkeypatch):
+def test_without_a_compiler_generation_falls_back_to_the_decoder(net, monkeypatch, caplog):
+    """The path is chosen when the Generator is built, with its reason, in the log and on the object."""
     monkeypatch.setenv("CXX", "/nonexistent/g++")
     assert build_decode_kernel() is None
-    g = Generator(net)
-    assert g.decode_path == "decoder"
+    with caplog.at_level("INFO", logger="msllm.generate"):
+        g = Generator(net)
+    assert g.decode_path == "decoder" and g.decode_reason.startswith("the fused decode kernel is off: ")
+    assert f"[generate] decode path: decoder: {g.decode_reason}" in caplog.text
     prompt = ids(7, seed=12)
     assert g.generate(prompt, 12) == g.generate(prompt, 12, use_cache=False)
     monkeypatch.delenv("CXX")
     monkeypatch.setenv("MSLLM_FUSED_DECODE", "0")
-    assert Generator(net).decode_path == "decoder"
+    g = Generator(net)
+    assert g.decode_path == "decoder" and g.decode_reason == "the fused decode kernel is off: MSLLM_FUSED_DECODE=0"
+    assert Generator(net, fused=False).decode_reason == "the fused decode kernel is off: eval.fused_kernels is false"
+
+
+def test_a_fused_step_that_fails_mid_sequence_is_an_error_not_a_slower_path(net):
+    """The fused decode op raising in the middle of a sequence (it failed to load or run) stops that sequence with
+    a DecodeError naming the path, the position and how to choose another; the Generator keeps its path (no silent
+    switch to the decoder: the speed a user measured is the speed they get)."""
+    from model.generate import DecodeError
+
+    g = Generator(net)
+    if g.decode_path != "fused":
+        pytest.skip(f"no fused decode step here: {g.decode_reason}")
+    assert "model/decode_kernel.cc" in g.decode_reason
+    calls = []
+
+    def failing(token, pos):
+        calls.append(int(pos.asnumpy()))
+        raise RuntimeError("CustomOp DecodeStep: injected failure")
+
+    g._fused = failing
+    prompt = ids(7, seed=12)
+    with pytest.raises(DecodeError, match=r"the fused decode step failed at position 7 \(the fused decode kernel .*"
+                                          r"injected failure; MSLLM_FUSED_DECODE=0"):
+        g.generate(prompt, 4)
+    assert calls == [7] and g._fused is failing and g.decode_path == "fused"
 
 
 @pytest.mark.integration  # ~9 s: a LoRA net's decoder and fused step compiled
@@ -366,7 +395,7 @@ def test_generate_benchmark_smoke():
     for k in ("tokens_per_s", "uncached_tokens_per_s", "kv_speedup", "eval_requests_per_s"):
         assert res[k] > 0, k
     assert res["same_tokens"] is True
-    assert res["decode_path"] == ("fused" if build_decode_kernel() else "decoder")
+    assert res["decode_path"] == ("fused" if build_decode_kernel() else "decoder") and res["decode_reason"]  # logged, chosen once
 
 
 @pytest.mark.integration

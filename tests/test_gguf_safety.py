@@ -218,7 +218,7 @@ NAN_LINE = "tensor embed_tokens.weight holds 2 NaN/Inf values"
 
 
 def test_loading_a_non_finite_model_is_refused_naming_the_tensor_and_file(nan_model):
-    from tasks.training.build import load_network
+    from tasks.modeling.build import load_network
     from tasks.store.tensors import CheckpointError, load_weights
 
     for load in (load_weights, load_network):

@@ -32,7 +32,8 @@ ROOMS: tuple[tuple[str, ...], ...] = (
     ("tokenizer",),  # one tokenizer interface (SentencePiece or tokenizer.json)
     ("prompts",),    # prompt formats: the instruction template, chat examples
     ("store",),      # artifacts, lineage, model artifacts, tensor files, the data schema and shard reader
-    ("runtime",),    # child-process supervisor, msrun launch, rank layout
+    ("runtime",),    # child-process supervisor, msrun launch, rank layout (the mesh)
+    ("modeling",),   # building and loading networks, the tensor-parallel split, merging adapters
     ("training", "deploy"),  # the training loop / export formats (ONNX, GGUF) and their checks
     ("stages",),     # the stage table and one module per stage
     ("serving",),    # the HTTP server
@@ -80,7 +81,7 @@ def test_model_imports_neither_tasks_nor_flows(graph):
 
 def test_model_cells_are_plain(graph):
     """The model's cells (model/llama.py, model/layers.py) import nothing kernel- or parallel-related: the build's
-    convert and parallelize steps (tasks/training/build.py, parallelize.py) apply both from outside (issue 34)."""
+    convert and parallelize steps (tasks/modeling/build.py, parallelize.py) apply both from outside (issue 34)."""
     kernel_or_parallel = ("model.kernels", "model.kernel_ops", "model.kernel_build", "model.fused_cells", "model.cpu")
     bad = sorted(f"{m} imports {t}" for m in ("model.llama", "model.layers") for t in graph[m]
                  if t in kernel_or_parallel or "parallel" in t or "mesh" in t)
@@ -88,7 +89,8 @@ def test_model_cells_are_plain(graph):
 
 
 def test_runtime_does_not_import_the_model(graph):
-    """tasks/runtime starts processes; the layout (tasks/training/mesh.py) and the model are the training room's."""
+    """tasks/runtime starts processes and holds the rank layout (tasks/runtime/mesh.py: numpy only); the model is
+    built in tasks/modeling and trained in tasks/training."""
     bad = sorted(f"{m} imports {t}" for m, ts in graph.items() if room_of(m) == "runtime"
                  for t in ts if _layer(t) == "model" or room_of(t) == "training")
     assert bad == []
@@ -126,6 +128,21 @@ def test_cli_reaches_training_and_the_model_only_through_the_stages():
                   for line, m in _imported_modules(p) if forbidden(m)})
     assert bad == [], "go through a stage module (tasks/stages/runner.py, preflight.py):\n  " + "\n  ".join(bad)
     assert forbidden("model.registry") and forbidden("tasks.training") and not forbidden("models.x")
+
+
+def test_inference_never_imports_the_training_room():
+    """Serving, export (tasks/deploy and the export stage), eval and predict (the eval stage's lm_adapter) take their
+    networks from tasks/modeling: no import of tasks.training at any depth (functions included). The room below
+    training cannot reach it either (test_rooms_import_only_lower_rooms), so nothing they import brings it."""
+    def training(module: str) -> bool:
+        return module == "tasks.training" or module.startswith("tasks.training.")
+
+    files = [*(REPO / "tasks" / "serving").rglob("*.py"), *(REPO / "tasks" / "deploy").rglob("*.py"),
+             *(REPO / "tasks" / "stages" / "evaluate").rglob("*.py"), REPO / "tasks" / "stages" / "export.py"]
+    bad = sorted({f"{p.relative_to(REPO)}:{line}: {m}" for p in files for line, m in _imported_modules(p)
+                  if training(m)})
+    assert bad == [], "take the network from tasks/modeling (build_network, load_network, merge):\n  " + "\n  ".join(bad)
+    assert len(files) > 10 and training("tasks.training.trainer") and not training("tasks.training_data")
 
 
 def test_rooms_are_all_ranked(graph):
@@ -199,7 +216,7 @@ def test_child_entry_points_round_trip_by_dotted_name():
     """The supervisor names a child's entry by the function it was handed; the child resolves the name back."""
     from tasks.runtime.supervise import entry_name, entry_point
     from tasks.stages import STAGES, stage_module
-    from tasks.store.merge import code_version as merged_code_version
+    from tasks.modeling.merge import code_version as merged_code_version
     from tasks.stages import code_version
 
     for s in STAGES.values():

@@ -20,7 +20,7 @@ from model.llama import LlamaForCausalLM
 from model.kernel_ops import KernelShapeError, train_ops
 from model.kernel_build import disabled_reason, kernel_path
 from model.fused_cells import FusedSwiGLU
-from tasks.training.build import Kernels, build_network
+from tasks.modeling.build import Kernels, build_network
 
 K = train_ops()
 CXX = shutil.which(os.environ.get("CXX", "g++"))

@@ -11,7 +11,7 @@ from mindspore import Tensor
 
 from helpers import decoder_reduction, fp32_tol
 from model.config import ModelConfig
-from tasks.training.build import build_network
+from tasks.modeling.build import build_network
 from model.cpu import matmul_isa
 from tasks.training.layer_grad import functional_unsupported
 from tasks.training.layerwise import LayerwiseTrainStep, causal_lm_train_step, layerwise_unsupported, train_step
@@ -162,9 +162,9 @@ def test_where_it_cannot_run_the_whole_model_step_runs_and_says_why():
     cfg, built = _net(True)
     net = built.net
     params = net.trainable_params()
-    from tasks.training.parallelize import parallelize_optimizer
+    from tasks.training.optimizer import parallelize_optimizer
     from types import SimpleNamespace
-    from tasks.training.mesh import Mesh
+    from tasks.runtime.mesh import Mesh
 
     train = SimpleNamespace(optimizer=SimpleNamespace(beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0,
                                                       decay_norms_and_biases=False, decay_embeddings=False),

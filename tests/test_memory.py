@@ -183,7 +183,7 @@ def test_each_step_graph_and_the_validation_hand_the_heap_back_once_after_their_
     import mindspore as ms
 
     import model.runtime
-    from tasks.training.build import build_network
+    from tasks.modeling.build import build_network
     from tasks.training.layerwise import causal_lm_train_step
     from tasks.training.step import causal_lm_loss_fn, validation_fn
 

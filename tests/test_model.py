@@ -15,7 +15,7 @@ from helpers import EPS32, decoder_reduction, fp32_tol, train_tol
 from model.config import ModelConfig
 from model.llama import LlamaForCausalLM, causal_lm_loss
 from model.registry import ModelRegistry, build_model, default_registry
-from tasks.training.build import build_network
+from tasks.modeling.build import build_network
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -320,18 +320,18 @@ def test_builtin_model_names_match_the_registry():
     assert sorted(BUILTIN_MODELS) == default_registry().names()
 
 
-# ---- one build sequence (tasks/training/build.py) ---------------------------------------------------------
+# ---- one build sequence (tasks/modeling/build.py) ---------------------------------------------------------
 
 def test_every_stage_gets_its_network_from_the_one_build(monkeypatch, tmp_path):
     """Pretrain (one process, a dp replica, fused and not) and serving/eval (`load_network` of the published
-    weights) all build through tasks.training.build.build_network: the same parameter names and init."""
+    weights) all build through tasks.modeling.build.build_network: the same parameter names and init."""
     import json
 
-    import tasks.training.build as build
+    import tasks.modeling.build as build
     from tasks.config.loader import resolve_pipeline
     from tasks.stages.pretrain import network
     from tasks.store.tensors import save_tensors
-    from tasks.training.mesh import Mesh
+    from tasks.runtime.mesh import Mesh
 
     calls = []
     real = build.build_network
@@ -355,13 +355,13 @@ def test_every_stage_gets_its_network_from_the_one_build(monkeypatch, tmp_path):
 
 
 def test_no_network_is_built_outside_the_build_module():
-    """Package code builds a model only through tasks/training/build.py (which alone calls the registry)."""
+    """Package code builds a model only through tasks/modeling/build.py (which alone calls the registry)."""
     import ast
 
     offenders = []
     for path in [*(REPO / "model").rglob("*.py"), *(REPO / "tasks").rglob("*.py"), *(REPO / "flows").rglob("*.py")]:
         rel = path.relative_to(REPO).as_posix()
-        if rel in ("tasks/training/build.py", "model/registry.py"):
+        if rel in ("tasks/modeling/build.py", "model/registry.py"):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call):

@@ -115,7 +115,7 @@ def onnx_server(onnx_art, tmp_path_factory):
 def reference(model_art):
     """The same artifact in this process: Generator (KV cache) with the tokenizer, as `msllm predict` runs it."""
     from model.generate import Generator
-    from tasks.training.build import load_network
+    from tasks.modeling.build import load_network
     from tasks.store.model_artifact import load_tokenizer
 
     net, _ = load_network(model_art)
@@ -149,6 +149,12 @@ def test_models_and_health(server):
     assert models[0].context_length == 128 and models[0].backend == "mindspore"
     health = json.loads(urllib.request.urlopen(server.url + "/health", timeout=5).read())
     assert health["status"] == "ok" and health["model"] == server.model
+    # how it decodes, chosen once when the model was loaded (model.generate.Generator.decode_path / decode_reason)
+    from model.fused_decode import build_decode_kernel
+
+    want = "fused" if build_decode_kernel() else "decoder"
+    assert health["decode"]["path"] == want and health["decode"]["reason"], health["decode"]
+    assert ("model/decode_kernel.cc" in health["decode"]["reason"]) == (want == "fused")
 
 
 def test_completion_equals_generator_and_is_logged(server, reference):
@@ -544,7 +550,7 @@ def scorer(model_art):
     from mindspore import Tensor
 
     from tasks.stages.evaluate.lm_adapter import TokenScorer
-    from tasks.training.build import load_network
+    from tasks.modeling.build import load_network
     from tests.helpers import loglikelihood_tol
 
     net, _ = load_network(model_art)
@@ -871,7 +877,7 @@ def tiny_lora_finetune(base: Path, seed: int, scale: float = 2.0, rank: int = 4)
 @pytest.fixture(scope="module")
 def lora_pair(model_art):
     """Two finetune artifacts of the tiny base and their merged model artifacts (the finetune stage's merge)."""
-    from tasks.store.merge import merge
+    from tasks.modeling.merge import merge
     from tasks.store.artifacts import ArtifactStore
 
     store = ArtifactStore(model_art.parent.parent)
@@ -882,7 +888,7 @@ def lora_pair(model_art):
 def _greedy_reference(artifact: Path, prompts: list[str], max_tokens: int) -> list[str]:
     """`msllm predict`'s arithmetic on one model artifact: Generator (KV cache), greedy, the completion's text."""
     from model.generate import Generator
-    from tasks.training.build import load_network
+    from tasks.modeling.build import load_network
     from tasks.store.model_artifact import load_tokenizer
 
     net, _ = load_network(artifact)
@@ -935,7 +941,7 @@ def _merged_prompt_logprobs(ft: Path, merged: Path, ids: list[int]) -> tuple[lis
 def _base_of(ft: Path) -> Path:
     """The base model artifact a finetune artifact names (adapter.json `base`)."""
     from tasks.store.artifacts import ArtifactStore
-    from tasks.store.merge import base_of
+    from tasks.modeling.merge import base_of
 
     return base_of(ArtifactStore(ft.parent.parent), ft)
 
@@ -950,7 +956,7 @@ def test_unmerged_adapters_hold_one_base_and_decode_as_their_merged_models(model
     from model.generate import Generator
     from model.lora import is_lora_param
     from tasks.serving.backends import MindSporeBackend
-    from tasks.training.build import load_network
+    from tasks.modeling.build import load_network
     from tasks.store.tensors import load_weights, read_tensors
 
     be = MindSporeBackend(model_art, adapters={n: ft for n, (ft, _) in lora_pair.items()})

@@ -56,7 +56,7 @@ def converted(gguf_file) -> Path:
 @pytest.fixture(scope="module")
 def ms_model(converted):
     from model.runtime import setup_mindspore
-    from tasks.training.build import load_network
+    from tasks.modeling.build import load_network
     from tasks.store.model_artifact import load_tokenizer
 
     setup_mindspore()

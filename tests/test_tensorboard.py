@@ -1,6 +1,6 @@
 """TensorBoard event files: written beside metrics.jsonl, read back with TensorBoard's own EventAccumulator.
 
-The fast tests drive tasks/training/tensorboard.py directly; the slow one trains the tiny pipeline in the
+The fast tests drive tasks/store/tensorboard.py directly; the slow one trains the tiny pipeline in the
 stage's supervised child process, stops it between checkpoints (as if killed), resumes it, and
 checks every scalar of the event file against metrics.jsonl: same steps, no duplicates.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.training import tensorboard as tb
+from tasks.store import tensorboard as tb
 
 REPO = Path(__file__).resolve().parent.parent
 

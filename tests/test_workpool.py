@@ -128,7 +128,7 @@ def _wait_terminal(api: str, run_id: str, timeout: float) -> dict:
 @pytest.mark.slow
 def test_two_workers_run_eval_only_from_prefect_yaml(tmp_path):
     from tasks.store.artifacts import ArtifactStore
-    from tasks.training.tensorboard import read_scalars
+    from tasks.store.tensorboard import read_scalars
     from tests.helpers import tiny_model_artifact
 
     artifacts = tmp_path / "artifacts"

@@ -53,7 +53,7 @@ def test_fused_kernels_false_keeps_the_update_on_mindspores_kernel():
     from model.kernel_ops import zero_ops
     from model.kernels import decide
     from tasks.config.schema import TrainSection
-    from tasks.training.parallelize import parallelize_optimizer
+    from tasks.training.optimizer import parallelize_optimizer
 
     params = _sharded_optimizer(1, 0).params
     zero = SimpleNamespace(zero=True, dp=2, dp_index=1)

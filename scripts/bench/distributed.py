@@ -102,8 +102,8 @@ def worker(a: argparse.Namespace) -> None:
     import mindspore as ms
     from mindspore import nn, ops
 
-    from tasks.training.build import build_network
-    from tasks.training.mesh import Mesh
+    from tasks.modeling.build import build_network
+    from tasks.runtime.mesh import Mesh
     from tasks.training.layerwise import causal_lm_train_step
 
     dp, tp = LAYOUTS[a.layout]

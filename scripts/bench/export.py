@@ -78,7 +78,7 @@ def main() -> None:
     from model.config import ModelConfig
     from model.fused_decode import decode_kernel_path
     from model.generate import Generator
-    from tasks.training.build import build_network
+    from tasks.modeling.build import build_network
     from tasks.deploy.checks import genai_generate
     from tasks.deploy.formats import export_int8
     from tasks.deploy.onnx_decoder import build_decoder, save_model

@@ -51,7 +51,7 @@ def run_variant(variant: str, preset: str, steps: int, warmup: int, batch: int, 
 
     setup_mindspore(seed=0, host_blocking=True)  # as the trainer
     from model.config import ModelConfig
-    from tasks.training.build import build_network
+    from tasks.modeling.build import build_network
     from model.lora import inject_lora, mark_only_lora_trainable, trainable_summary
     from tasks.training.layerwise import causal_lm_train_step
 

@@ -248,7 +248,7 @@ def main() -> None:
     from model.config import ModelConfig
     from model.fused_decode import build_decode_kernel, decode_kernel_path
     from model.generate import Generator
-    from tasks.training.build import build_network
+    from tasks.modeling.build import build_network
     from tasks.stages.evaluate.lm_adapter import MindSporeLM
 
     cfg = ModelConfig.from_name(a.preset)
@@ -265,7 +265,8 @@ def main() -> None:
     gen = fused[counts[-1]]
 
     res: dict = {"bench": "generate", **describe(a.threads), "kernel_body": decode_kernel_path(), "preset": a.preset, "prompt_tokens": a.prompt_tokens, "new_tokens": a.new_tokens,
-                 "batch": 1, "decode_path": gen.decode_path, "rounds": a.rounds, "threads": counts}
+                 "batch": 1, "decode_path": gen.decode_path, "decode_reason": gen.decode_reason, "rounds": a.rounds,
+                 "threads": counts}
     import importlib.util
 
     missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]

@@ -194,7 +194,7 @@ def our_side(a: argparse.Namespace) -> None:
     setup_mindspore()
     from model.fused_decode import decode_kernel_path
     from model.generate import Generator
-    from tasks.training.build import load_network
+    from tasks.modeling.build import load_network
     from tasks.store.model_artifact import load_tokenizer
     from tasks.training.hardware import peak_rss_bytes
 
@@ -206,7 +206,8 @@ def our_side(a: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     for g in gens.values():
         g.compile(PROMPT_TOKENS, NEW_TOKENS)
-    res = {"weights": "fp32", "decode_path": gen.decode_path, "kernel_body": decode_kernel_path(),
+    res = {"weights": "fp32", "decode_path": gen.decode_path, "decode_reason": gen.decode_reason,
+           "kernel_body": decode_kernel_path(),
            "compile_s": round(time.perf_counter() - t0, 1),
            "greedy": gen.generate(json.loads(a.prompt_ids), GREEDY, eos_id=eos)}
     base = json.loads(a.prompt_ids)

@@ -94,7 +94,7 @@ def run_eval_side(a, cfg) -> dict:
         from model.runtime import setup_mindspore
 
         setup_mindspore()
-        from tasks.training.build import build_network
+        from tasks.modeling.build import build_network
         from tasks.stages.evaluate.lm_adapter import TokenScorer
 
         net = build_network("llama", cfg, seed=0).net
@@ -151,7 +151,7 @@ def run_side(a) -> dict:
 
         setup_mindspore()
         from model.generate import Generator
-        from tasks.training.build import build_network
+        from tasks.modeling.build import build_network
 
         net = build_network("llama", cfg, seed=0).net
         net.set_train(False)

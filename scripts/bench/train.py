@@ -76,7 +76,7 @@ def _ms(a: argparse.Namespace) -> dict:
     setup_mindspore(host_blocking=True)  # as the trainer
     from model.config import ModelConfig
     from model.kernel_build import kernel_path
-    from tasks.training.build import build_network
+    from tasks.modeling.build import build_network
     from tasks.training.layerwise import causal_lm_train_step
 
     cfg = ModelConfig.from_name(a.preset)

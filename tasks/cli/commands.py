@@ -6,7 +6,7 @@ tasks/stages/preflight.py's. Stage modules never import this package, and this p
 training room nor the model (tests/test_imports.py).
 
 The lazy boundary: modules that load numpy or MindSpore (the stage modules the runner finds through the stage
-table, tasks.stages.evaluate / export / convert, tasks.store.merge, the serving app) are imported inside the
+table, tasks.stages.evaluate / export / convert, tasks.modeling.merge, the serving app) are imported inside the
 command that uses them, so `msllm --help`, `validate` and `plan` start without them; everything else is imported
 here, at the top.
 """
@@ -101,7 +101,7 @@ def cmd_train(args) -> int:
 
 def cmd_finetune(args) -> int:
     """`msllm finetune`: train (or find) the adapter, merge it; last stdout line = the finetune artifact."""
-    from tasks.store.merge import merge
+    from tasks.modeling.merge import merge
 
     cfg = load(args)
     st = store(args)

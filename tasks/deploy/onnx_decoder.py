@@ -32,7 +32,7 @@ nothing traced is baked in.
 
 The math is model/llama.py's, op for op: RMSNorm x / sqrt(mean(x²) + eps) * w (written as
 Pow → ReduceMean → Add → Sqrt → Div → Mul, the pattern onnxruntime fuses into one kernel),
-rotate-half RoPE from the same cos/sin tables (rope_tables, float64 → float32), q scaled by
+rotate-half RoPE from the same cos/sin tables (model/rope.py rope_tables, numpy only), q scaled by
 head_dim^-0.5 after RoPE, grouped-query attention by folding a KV head's query heads into the
 query axis (no K/V copies), an additive -1e9 mask, SwiGLU, an untied or tied LM head. Plain
 opset-18 ops only.
@@ -49,6 +49,8 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 from sentencepiece import sentencepiece_model_pb2 as pb
 
+from model.rope import rope_tables
+
 OPSET = 18
 MASKED = -1e9  # as model/llama.py: exp() of it underflows to exactly 0
 INPUT_IDS, ATTENTION_MASK, POSITION_IDS, LOGITS = "input_ids", "attention_mask", "position_ids", "logits"
@@ -56,14 +58,6 @@ PAST_KEY, PAST_VALUE = "past_key_values.{}.key", "past_key_values.{}.value"
 PRESENT_KEY, PRESENT_VALUE = "present.{}.key", "present.{}.value"
 _B, _T, _P, _S = "batch_size", "sequence_length", "past_sequence_length", "total_sequence_length"
 _EXTERNAL_ABOVE = 1_800_000_000  # bytes of weights: above this, save_model writes them next to the graph
-
-
-def rope_tables(head_dim: int, max_seq_length: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin [max_seq_length, head_dim], rotate-half layout: model.layers.rope_tables, without MindSpore."""
-    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    freqs = np.outer(np.arange(max_seq_length, dtype=np.float64), inv_freq)
-    angles = np.concatenate([freqs, freqs], axis=-1)
-    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 
 def io_names(num_layers: int) -> tuple[list[str], list[str]]:

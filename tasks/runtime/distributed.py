@@ -16,7 +16,7 @@ MindSpore's TCP backend on CPU. A job of several nodes that loses one (its host 
 it) fails with a `NodeLost` line naming the lost ranks, node and host (`lost_node_report`), which
 the supervisor does not retry.
 
-Inside a worker, each rank's place in the layout is tasks/training/mesh.py's `Mesh` (this room starts
+Inside a worker, each rank's place in the layout is tasks/runtime/mesh.py's `Mesh` (this room starts
 processes; it does not know the model).
 """
 

@@ -34,7 +34,7 @@ manifest), and its base (adapter.json `base`: stage, key, digest) the model arti
 for an export, the model artifact the export was made from (its manifest's first input).
 
 The CLI imports this module (`parse_adapter_flag`), so NumPy, MindSpore and onnx load inside the functions that
-need them (lazy: tasks.store.merge, tasks.serving.backends, the ONNX writer).
+need them (lazy: tasks.modeling.merge, tasks.serving.backends, the ONNX writer).
 """
 
 from __future__ import annotations
@@ -111,8 +111,8 @@ class Adapter:
         return "unmerged" if base_kind == "model" and self.method == "lora" else "merged"
 
     def merged(self) -> Path:
-        """The merged model artifact (tasks.store.merge, cached in the finetune artifact's store)."""
-        from tasks.store.merge import merge
+        """The merged model artifact (tasks.modeling.merge, cached in the finetune artifact's store)."""
+        from tasks.modeling.merge import merge
 
         return merge(ArtifactStore(self.finetune.parent.parent), self.finetune)
 

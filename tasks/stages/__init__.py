@@ -65,7 +65,7 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
     Stage("data", "tasks.stages.data", command="data"),
     Stage("pretrain", "tasks.stages.pretrain", ("data",), child="train", distributed=True, command="train"),
     Stage("finetune", "tasks.stages.finetune", ("pretrain",), child="train", distributed=True, command="finetune"),
-    Stage("merged", "tasks.store.merge", ("finetune",), command="finetune"),  # merge(): below export and serving
+    Stage("merged", "tasks.modeling.merge", ("finetune",), command="finetune"),  # merge(): below export and serving
     Stage("eval", "tasks.stages.evaluate", MODEL_KINDS,
           data_files=("tasks/stages/evaluate/lm_tasks/*.yaml", "tasks/stages/evaluate/lm_tasks/utils.py"),
           command="eval"),

@@ -95,7 +95,7 @@ from model.config import ModelConfig
 from tasks.store.lineage import lineage_data_artifact, lineage_tree, raw_inputs, render
 from tasks.store.data_schema import DataError
 from tasks.store.reader import block_batches
-from tasks.store.merge import merge
+from tasks.modeling.merge import merge
 
 STAGE = "export"
 MODEL_STAGES = MODEL_KINDS  # artifacts holding model.json + weights (the stage table's)
@@ -236,7 +236,7 @@ def _log(progress: bool, msg: str) -> None:
 
 def _export(cfg: PipelineConfig, store: ArtifactStore, model: Path, eval_art: Path | None, key: str,
             inputs: list[dict[str, Any]], section: dict[str, Any], progress: bool) -> Path:
-    from tasks.training.build import load_network  # lazy: MindSpore and onnxruntime, in the export child only
+    from tasks.modeling.build import load_network  # lazy: MindSpore and onnxruntime, in the export child only
     from tasks.deploy.onnx_generate import encode_prompt
 
     ex = cfg.export
@@ -378,7 +378,7 @@ def _export_gguf_checked(out: Path, info: dict[str, Any], weights: dict[str, np.
                          prompts: list[list[int]], ex, ver: dict[str, Any], progress: bool) -> list[str]:
     """Write and verify the GGUF files (tasks/deploy/gguf_export.py); fill ver["gguf"]; return the failures."""
     from tasks.deploy.gguf_export import export_gguf, network_forward  # lazy: gguf and MindSpore
-    from tasks.training.build import build_network
+    from tasks.modeling.build import build_network
 
     _log(progress, f"GGUF {', '.join(ex.gguf_types)} → {out.name}/model.*.gguf (llama.cpp-family runtimes)")
     net = build_network(info.get("name", "llama"), ModelConfig.from_dict(info["model"])).net

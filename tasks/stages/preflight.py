@@ -82,7 +82,7 @@ def forward_check(cfg: PipelineConfig) -> str:
     setup_mindspore()  # before MindSpore's first import: it quiets MindSpore's C++ logs (GLOG_v)
     import mindspore as ms  # the lazy boundary: `msllm validate` without --forward never loads MindSpore
 
-    from tasks.training.build import build_network
+    from tasks.modeling.build import build_network
 
     mc = cfg.model.resolve()
     t0 = time.perf_counter()

@@ -35,7 +35,7 @@ from tasks.store.model_artifact import read_info, write_model
 from tasks.store.tensors import load_weights
 from tasks.tokenizer import files_sha256, tokenizer_files
 from tasks.training.checkpoint import load_checkpoint, newest_checkpoint
-from tasks.training.mesh import Mesh
+from tasks.runtime.mesh import Mesh
 from tasks.training.metrics import add_run_files
 from tasks.training.schedule import budget_line
 from tasks.training.trainer import LoopConfig, fit, run_outcome, resolve_checkpoint
@@ -149,7 +149,7 @@ def replay_data_artifact(store: ArtifactStore, init_from: Path) -> Path:
 
 
 # ----------------------------------------------------------------------------- the child
-# MindSpore loads inside the child's functions only (tasks.training.build, .step): the parent (CLI, flows)
+# MindSpore loads inside the child's functions only (tasks.modeling.build, .step): the parent (CLI, flows)
 # imports this module without it.
 
 
@@ -166,9 +166,9 @@ def train(spec: dict[str, Any]) -> Path | None:
 
 
 def network(cfg: PipelineConfig, init_from: Path | None, mesh: Mesh | None = None):
-    """The model (tasks/training/build.py `Built`): architecture and weights from the init artifact when continuing,
+    """The model (tasks/modeling/build.py `Built`): architecture and weights from the init artifact when continuing,
     else from the config (seeded init); this rank's slice, the fused cells where they run."""
-    from tasks.training.build import build_network  # MindSpore: the child's import (the parent's stays light)
+    from tasks.modeling.build import build_network  # MindSpore: the child's import (the parent's stays light)
 
     pt = cfg.pretrain
     common = dict(seed=pt.seed, precision=pt.train.precision.dtype, fused_kernels=pt.train.fused_kernels, mesh=mesh)
@@ -223,7 +223,7 @@ def _train(cfg: PipelineConfig, store: ArtifactStore, data_artifact: Path, init_
            progress: bool, stop_after: int | None = None, fault_steps: list[int] | None = None,
            mesh: Mesh | None = None, keyed: list | None = None) -> Path | None:
     """`keyed`: the parent's (key, inputs, section) for the manifest; None computes them again (tests)."""
-    from tasks.training.build import log_kernels  # MindSpore: the child's imports (the parent's stay light)
+    from tasks.modeling.build import log_kernels  # MindSpore: the child's imports (the parent's stay light)
     from tasks.training.step import causal_lm_loss_fn
 
     mesh = mesh or Mesh()

@@ -76,7 +76,7 @@ def choose_model(store, pipeline: str, given: str | Path | None = None) -> Model
         p = store.find(str(given))
         m = store.read_manifest(p)
         if m["stage"] == "finetune":
-            from tasks.store.merge import merge  # lazy: NumPy; the CLI imports this module
+            from tasks.modeling.merge import merge  # lazy: NumPy; the CLI imports this module
 
             merged = merge(store, p)
             mm = store.read_manifest(merged)

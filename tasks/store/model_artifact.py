@@ -10,7 +10,7 @@ A model artifact directory holds:
 
     tok = load_tokenizer(path)            # tasks.tokenizer.Tokenizer (either backend)
 
-The network itself is built by tasks/training/build.py (`load_network`), the one place networks are built.
+The network itself is built by tasks/modeling/build.py (`load_network`), the one place networks are built.
 
 Every file is checked against the artifact's manifest before use (tasks.store.published.verify_published).
 """

@@ -78,7 +78,7 @@ class AdamW(nn.Cell):
                  sharded: list[bool] | None = None, tp_group: str | None = None, in_place: bool = True):
         """`sharded` marks tensor-parallel slices; their squared norms are summed over `tp_group`
         so that clipping uses the global gradient norm of the unsplit model. `in_place` (the build's kernel decision,
-        tasks/training/build.py `Kernels.optimizer`): where the kernel library builds, the update is the in-place
+        tasks/modeling/build.py `Kernels.optimizer`): where the kernel library builds, the update is the in-place
         AdamW op (model/train_kernels.cc ZeroAdamW) (the arithmetic of AdamWeightDecay, multi-threaded, the clip
         factor applied inside: no `grad * coef` temporaries)."""
         super().__init__()

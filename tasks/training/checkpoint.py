@@ -17,7 +17,7 @@ records the flat buffer's order (parameter names and shapes), its size and the s
 concatenates the shares, drops the padding and cuts the per-parameter moments back out, bit for
 bit, so any layout (sharded or not, any dp or tp) continues from it. `load_checkpoint(ckpt, tp=, tp_index=)`
 reshards to any layout: it concatenates the slices along each parameter's split axis
-(tasks/training/parallelize.py `split_axis`) and cuts the caller's slice, bit for bit. The data
+(tasks/modeling/parallelize.py `split_axis`) and cuts the caller's slice, bit for bit. The data
 position (`consumed_samples`) is global, so a resume under another data-parallel size
 continues where the run stopped.
 
@@ -199,7 +199,7 @@ def load_checkpoint(ckpt: Path, tp: int = 1, tp_index: int = 0
     Every file read is checked against the sha256 in state.json. The saved slices are
     merged and re-cut only when the saved tensor-parallel size differs from `tp`.
     """
-    from tasks.training.parallelize import shard, unshard  # lazy: MindSpore; the pretrain stage's parent imports this
+    from tasks.modeling.parallelize import shard, unshard  # lazy: MindSpore; the pretrain stage's parent imports this
 
     state = read_state(ckpt)
     saved_tp = int(layout_of(state)["tensor_parallel"])

@@ -49,8 +49,8 @@ from model.lora import is_lora_param
 from model.runtime import actor_thread_branch, weight_slot
 from tasks.training.adamw import AdamW
 from tasks.training.layer_grad import functional_unsupported, layer_functions
-from tasks.training.mesh import Mesh
-from tasks.training.parallelize import parallelize_optimizer
+from tasks.runtime.mesh import Mesh
+from tasks.training.optimizer import parallelize_optimizer
 from tasks.training.step import TrainStep, causal_lm_loss_fn
 
 
@@ -363,7 +363,7 @@ def causal_lm_train_step(net, params: list[Parameter], *, weight_decay: float = 
     the same pieces from its LoopConfig. With a `mesh` (tasks/runtime/distributed.py) the step averages
     gradients over its data-parallel group and clips by the norm over its tensor-parallel slices.
     `in_place=False` keeps the optimizer on MindSpore's own kernels (the build's decision for it:
-    tasks/training/build.py `Kernels.optimizer`; the model's fused cells are the build's too). `layerwise`: the
+    tasks/modeling/build.py `Kernels.optimizer`; the model's fused cells are the build's too). `layerwise`: the
     layer-at-a-time step where it applies (as `train.layerwise: true`), else the whole-model graph.
     """
     mesh = mesh or Mesh()

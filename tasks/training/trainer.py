@@ -9,7 +9,7 @@ network, which parameters train, the loss and the batches:
                  flops_per_token=..., tokens_per_sample=seq, mesh=mesh)
 
 The `train` section travels whole (LitGPT's TrainArgs, torchtitan's job_config): the optimizer and its
-parallel form come from it and the mesh (tasks/training/parallelize.py), the schedule from schedule.py.
+parallel form come from it and the mesh (tasks/modeling/parallelize.py), the schedule from schedule.py.
 
 `batches(start_sample)` yields (input_ids [B, T] int32, labels [B, T] int32, -100 = no loss)
 starting at global sample `start_sample`, so a resumed run sees exactly the data
@@ -35,7 +35,7 @@ import numpy as np
 from tasks.training.checkpoint import load_checkpoint, newest_checkpoint, save_checkpoint
 from tasks.store.tensors import CheckpointError, assign
 from tasks.training.hardware import peak_rss_bytes, resolve_peak_flops
-from tasks.training.mesh import Mesh
+from tasks.runtime.mesh import Mesh
 from tasks.training.metrics import NoBar, append_jsonl, format_record, progress, read_jsonl, write_jsonl
 from tasks.training.schedule import lr_schedule, training_steps
 
@@ -185,7 +185,7 @@ def fit(net, params, loss_fn, train, *, checkpoint, batches: Batches, valid: Cal
     """Train by `train` (a tasks.config.schema.TrainSection: optimizer, schedule, loop, precision, fused_kernels, handed
     whole) and `checkpoint` (the checkpoint section: save_steps when train.loop has none, retention, resume,
     load_checkpoint); `hooks` are the run-time test hooks; `kernels` the build's kernel decision
-    (tasks/training/build.py `Kernels`: the optimizer's in-place AdamW; None: MindSpore's own). With a distributed `mesh` (tasks/runtime/distributed.py) every rank calls this with its own slice of the
+    (tasks/modeling/build.py `Kernels`: the optimizer's in-place AdamW; None: MindSpore's own). With a distributed `mesh` (tasks/runtime/distributed.py) every rank calls this with its own slice of the
     model and `batches` yielding its own data shard; rank 0 writes the metrics, replica 0 the checkpoints.
 
     Raises NonFiniteError when the run cannot produce a trustworthy model: `max_nonfinite_steps` non-finite
@@ -205,7 +205,7 @@ class _Run:
                  tokens_per_sample: int, mesh, hooks: LoopConfig, valid: Callable[[], Iterator] | None,
                  in_place: bool):
         from tasks.training.layerwise import train_step
-        from tasks.training.parallelize import parallelize_optimizer
+        from tasks.training.optimizer import parallelize_optimizer
         from tasks.training.step import DynamicLossScale, validation_fn
 
         self.params, self.checkpoint, self.run_dir, self.meta, self.mesh, self.hooks, self.valid = \
@@ -234,7 +234,7 @@ class _Run:
     def start(self) -> None:
         """Resume (the mirror image of the save in `loop`), open the metrics sinks, validate the starting point."""
         from tasks.training.adamw import UpdateGuard
-        from tasks.training.tensorboard import open_run
+        from tasks.store.tensorboard import open_run
 
         mesh, o = self.mesh, self.o
         self.st, self.history = _resume(self.checkpoint, self.fp16, mesh, self.ckpt_root, self.params, self.optimizer,

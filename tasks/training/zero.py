@@ -1,7 +1,7 @@
 """ZeRO-1: AdamW with its state split over the data-parallel ranks (`ShardedAdamW`).
 
 Same arithmetic as tasks/training/adamw.py `AdamW`; applied to a model and optimizer by
-tasks/training/parallelize.py when parallel.optimizer_shard is set.
+tasks/modeling/parallelize.py when parallel.optimizer_shard is set.
 """
 
 from __future__ import annotations

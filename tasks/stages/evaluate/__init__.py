@@ -285,7 +285,7 @@ def _evaluate(cfg: PipelineConfig, store: ArtifactStore, model_artifact: Path, d
 
 def _write_events(cfg: PipelineConfig, store: ArtifactStore, key: str, model_artifact: Path, metrics: dict[str, Any]) -> None:
     """The scores as TensorBoard scalars in runs/eval/<key>/ (beside the training runs), at the model's step."""
-    from tasks.training.tensorboard import write_eval
+    from tasks.store.tensorboard import write_eval
 
     m = store.read_manifest(model_artifact)
     scores = {k: v for k, v in metrics.items() if k != "eval_seconds"}

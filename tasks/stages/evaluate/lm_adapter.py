@@ -44,7 +44,7 @@ from model.generate import Generator
 from model.runtime import dynamic_graph, hidden_states_graph, setup_mindspore
 from tasks.runtime.progress import progress_bar
 from tasks.store.model_artifact import load_tokenizer
-from tasks.training.build import load_network
+from tasks.modeling.build import load_network
 
 MODEL_NAME = "msllm"
 

@@ -1,7 +1,7 @@
-"""The finetune stage: LoRA or full fine-tuning of a model artifact (merging the result: tasks/store/merge.py).
+"""The finetune stage: LoRA or full fine-tuning of a model artifact (merging the result: tasks/modeling/merge.py).
 
     path = run(cfg, store, base_artifact)     # supervised child process, cached by content
-    merged = merge(store, path)               # tasks.store.merge: a model artifact (stage `merged`) for eval/export
+    merged = merge(store, path)               # tasks.modeling.merge: a model artifact (stage `merged`) for eval/export
 
 Data: tasks/stages/finetune/data.py (formats, template, packing, the batch stream). Settings:
 `finetune.train`, the `train` shape of every stage, handed whole to `fit`; it takes from pretrain.train
@@ -37,7 +37,7 @@ from model.config import ModelConfig
 from model.runtime import setup_mindspore
 from tasks.store.model_artifact import load_tokenizer, read_info
 from tasks.store.tensors import load_weights, save_tensors
-from tasks.training.mesh import Mesh
+from tasks.runtime.mesh import Mesh
 from tasks.training.metrics import add_run_files
 from tasks.training.trainer import LoopConfig, fit, run_outcome
 from tasks.runtime.supervise import supervise
@@ -127,10 +127,10 @@ def train(spec: dict[str, Any]) -> Path | None:
 
 
 def network(cfg: PipelineConfig, base: Path, info: dict[str, Any]):
-    """`info`: the base's model.json. (the base model with LoRA injected or every weight trainable (tasks/training/build.py `Built`), its
+    """`info`: the base's model.json. (the base model with LoRA injected or every weight trainable (tasks/modeling/build.py `Built`), its
     trainable params, the LoRA modules). fp32 compute: LoRALinear is fp32 (train.precision sets loss scaling)."""
     from model.lora import inject_lora, mark_only_lora_trainable  # MindSpore: the child's imports
-    from tasks.training.build import build_network
+    from tasks.modeling.build import build_network
 
     ft = cfg.finetune
     built = build_network(info.get("name", "llama"), ModelConfig.from_dict(info["model"]), seed=ft.seed,
@@ -165,7 +165,7 @@ def _train(cfg: PipelineConfig, store: ArtifactStore, base: Path, key: str, prog
            keyed: list | None = None) -> Path | None:
     """`keyed`: the parent's (key, inputs, section) for the manifest; None computes them again (tests)."""
     from model.lora import trainable_summary  # MindSpore: the child's imports
-    from tasks.training.build import log_kernels
+    from tasks.modeling.build import log_kernels
     from tasks.training.step import causal_lm_loss_fn
 
     mesh = mesh or Mesh()

@@ -14,7 +14,7 @@ The steps, each once, in this order:
    fused_kernels setting); where it says yes and the kernel library builds, the fused cells (model/fused_cells.py)
    replace the plain ones of the same signature (the LM head's MatMul too, where MindSpore's MatMul runs oneDNN's
    AVX2 path: model.cpu.matmul_isa), and the optimizer is told (`Kernels.optimizer`);
-3. parallelize: the tensor-parallel plan (tasks/training/parallelize.py TP_PLAN) for this rank of the mesh.
+3. parallelize: the tensor-parallel plan (tasks/modeling/parallelize.py TP_PLAN) for this rank of the mesh.
 
 Pretraining (new and continued), finetuning, the memory measurement, eval, serving and export all get their
 network here, so the parameter names and the init are the same everywhere (tests/test_model.py checks it).
@@ -42,8 +42,8 @@ from model.llama import MLP, Attention
 from model.registry import build_model
 from tasks.store.model_artifact import read_info
 from tasks.store.tensors import assign, load_weights
-from tasks.training.mesh import Mesh
-from tasks.training.parallelize import parallelize
+from tasks.runtime.mesh import Mesh
+from tasks.modeling.parallelize import parallelize
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""This process's place in a dp × tp layout of ranks (the mesh that tasks/training/parallelize.py applies to a
+"""This process's place in a dp × tp layout of ranks (the mesh that tasks/modeling/parallelize.py applies to a
 model), and the collectives the trainer needs outside the train step.
 
     mesh = Mesh.init(dp=2, tp=1, optimizer_shard=True)   # inside an msrun job: joins it, creates the groups
@@ -6,7 +6,7 @@ model), and the collectives the trainer needs outside the train step.
     mesh.dp_index, mesh.tp_index, mesh.zero                # which data replica / tensor slice, ZeRO-1 on?
 
 The runtime (tasks/runtime/) starts the ranks; it does not know the model. This module knows the layout; the
-tensor-parallel plan by parameter name is tasks/training/parallelize.py's. MindSpore loads inside the methods that
+tensor-parallel plan by parameter name is tasks/modeling/parallelize.py's. MindSpore loads inside the methods that
 talk to other ranks (lazy): the training stages' parents import this module (a `Mesh()` needs no MindSpore).
 """
 

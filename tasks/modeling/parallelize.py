@@ -1,9 +1,13 @@
 """Parallelism applied from outside the model, in one place (torchtitan's `parallelize`), from a `Mesh`
-(tasks/training/mesh.py: dp × tp ranks, optimizer_shard):
+(tasks/runtime/mesh.py: dp × tp ranks, optimizer_shard):
 
     parallelize(net, mesh)                                  # tensor parallel: TP_PLAN slices, copy/reduce per block
-    optimizer = parallelize_optimizer(params, train, mesh, in_place=kernels.optimizer)
+    optimizer = parallelize_optimizer(params, train, mesh, in_place=kernels.optimizer)  # tasks/training/optimizer.py
     step = TrainStep(loss_fn, params, optimizer, dp_group=mesh.dp_group, dp=mesh.dp)   # DP gradient reduction
+
+The network's split lives here, beside the build (tasks/modeling/build.py), so that inference (eval, serving,
+export) builds its network without the training room; the optimizer's (AdamW over the slices, ZeRO-1) is
+tasks/training/optimizer.py.
 
 - tensor parallel (Megatron-style, on MindSpore's collectives: CPU, GPU and Ascend): `TP_PLAN` names, by
   projection, how each weight is split. Column-parallel q/k/v and gate/up keep whole heads / hidden units per rank
@@ -27,8 +31,6 @@ from __future__ import annotations
 import numpy as np
 from mindspore import Tensor, nn, ops
 
-from tasks.training.adamw import AdamW, decays
-from tasks.training.zero import ShardedAdamW
 
 TP_PLAN: dict[str, str] = {
     "q_proj": "col", "k_proj": "col", "v_proj": "col",   # whole query / KV heads per rank
@@ -156,20 +158,3 @@ def parallelize(net: nn.Cell, mesh) -> nn.Cell:
         p.name = names[id(p)]
     net.tensor_parallel = t
     return net
-
-
-def parallelize_optimizer(params, train, mesh, in_place: bool, decay_mask: list[bool] | None = None):
-    """The optimizer over `params` for this rank of `mesh`, from a `train` section (tasks.config.schema.TrainSection,
-    or anything with .optimizer and .loop.grad_clip). `in_place`: the build's kernel decision for the optimizer
-    (tasks/training/build.py `Kernels.optimizer`). `decay_mask` defaults to the optimizer section's rule (norms,
-    biases and embeddings undecayed unless it says otherwise)."""
-    o = train.optimizer
-    if decay_mask is None:
-        decay_mask = [decays(p.name, decay_norms_and_biases=o.decay_norms_and_biases,
-                             decay_embeddings=o.decay_embeddings) for p in params]
-    common = dict(beta1=o.beta1, beta2=o.beta2, eps=o.eps, weight_decay=o.weight_decay,
-                  grad_clip=train.loop.grad_clip, decay_mask=decay_mask)
-    if getattr(mesh, "zero", False):
-        return ShardedAdamW(params, dp=mesh.dp, dp_index=mesh.dp_index, in_place=in_place, **common)
-    sharded = [mesh.tp > 1 and split_axis(p.name) is not None for p in params]
-    return AdamW(params, sharded=sharded, tp_group=mesh.tp_group, in_place=in_place, **common)

@@ -53,7 +53,7 @@ def merge(store: ArtifactStore, finetune_artifact: Path) -> Path:
 
     LoRA: W + (alpha / rank) · B A per adapted module (`model.lora.merge_adapter`); full
     fine-tuning: the trained weights. Tokenizer and model.json come from the base, so
-    `tasks.training.build.load_network` loads it like any pretrain artifact.
+    `tasks.modeling.build.load_network` loads it like any pretrain artifact.
     """
     ft = store.inside(finetune_artifact)
     m = store.read_manifest(ft)

@@ -1,0 +1,149 @@
+"""Every path that computes the LLaMA decoder, against the one definition of its math (model/reference.py, numpy
+float64), on the same random layer (grouped-query heads, norm weights apart from 1) and the same inputs: the training
+cells, their fused kernels, the written-out layer forward of the layer-at-a-time step, the KV-cache decode paths
+(functional, the decoder's MindSpore kernels, the fused decode kernel) and the ONNX graph. Each within the float32
+bound of its reductions against float64 (tests/helpers.py fp32_tol / logit_tol); a wrong term (RoPE's sign, a
+missing scale or residual, another kv head, a norm without its weight) is off by the values' own size."""
+
+from __future__ import annotations
+
+import numpy as np
+import mindspore as ms
+import pytest
+from mindspore import Tensor
+
+from helpers import decoder_reduction, fp32_tol, logit_tol
+from model import reference
+from model.config import ModelConfig
+
+CFG = ModelConfig.from_name("tiny", init_std=0.1)  # 2 layers, 4 query heads over 2 kv heads, head_dim 16
+T = 20
+
+
+def _net(fused: bool = False):
+    """The build's network (fused cells where asked and built), its norm weights drawn apart from 1; (net, weights,
+    the kernel decision)."""
+    from tasks.modeling.build import build_network
+
+    built = build_network("llama", CFG, seed=0, fused_kernels=fused)
+    rng = np.random.default_rng(3)
+    for p in built.net.get_parameters():
+        if p.name.endswith("layernorm.weight") or p.name == "norm.weight":
+            p.set_data(Tensor(rng.uniform(0.5, 1.5, p.shape).astype(np.float32)))
+    built.net.set_train(False)
+    return built.net, {p.name: p.asnumpy() for p in built.net.get_parameters()}, built.kernels
+
+
+def _ids(n: int, seed: int = 1) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(0, CFG.vocab_size, n)]
+
+
+def _layer_tol(y: np.ndarray, t: int) -> float:
+    """One layer's output in float32 against float64: its reductions at t keys (a 1-layer decoder's, less the head)."""
+    one = ModelConfig.from_dict({**CFG.to_dict(), "num_layers": 1})
+    return fp32_tol(float(np.abs(y).max()), decoder_reduction(one, t))
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["plain-cells", "fused-kernels"])
+def test_training_cells_equal_the_reference(fused):
+    net, weights, kernels = _net(fused)
+    if fused and not kernels.fused:
+        pytest.skip(f"the fused kernels do not run here: {kernels.model}")
+    ids = _ids(T)
+    x, cos, sin, mask = net.layer_inputs(Tensor(np.asarray([ids], np.int32)))
+    y = net.layers[0](x, cos, sin, mask).asnumpy()[0]
+    want, _ = reference.decoder_layer(x.asnumpy()[0].astype(np.float64), reference.layer_weights(weights, 0), CFG,
+                                      np.arange(T))
+    np.testing.assert_allclose(y, want, rtol=0, atol=_layer_tol(want, T))
+    logits = net(Tensor(np.asarray([ids], np.int32))).asnumpy()[0]
+    ref, _ = reference.forward(ids, weights, CFG)
+    np.testing.assert_allclose(logits, ref, rtol=0, atol=logit_tol(CFG, T, float(np.abs(ref).max())))
+
+
+@pytest.mark.integration  # ~5 s: the layer's forward and the prologue compiled
+def test_written_out_layer_forward_equals_the_reference():
+    """tasks/training/layer_grad.py's forward (the layer-at-a-time step's; its backward is held to autodiff by
+    tests/test_layerwise.py) on one layer's weights as graph inputs."""
+    from tasks.training.layer_grad import functional_unsupported, layer_functions
+    from tasks.training.layerwise import _Graph, _prologue
+
+    net, weights, _ = _net(True)
+    fn = layer_functions(net)
+    if fn is None:
+        pytest.skip(f"the written-out layer needs the fused kernels: {functional_unsupported(net)}")
+    flag = Tensor(0, ms.int32)
+    ids = _ids(T, seed=2)
+    (x, cos, sin, _), _ = ms.jit(_Graph(net, _prologue))(Tensor(np.asarray([ids], np.int32)), flag)
+    y, *_ = fn.forward(x, cos, sin, flag, *[Tensor(p.asnumpy()) for _, p in net.layers[1].parameters_and_names()])
+    want, _ = reference.decoder_layer(x.asnumpy()[0].astype(np.float64), reference.layer_weights(weights, 1), CFG,
+                                      np.arange(T))
+    np.testing.assert_allclose(y.asnumpy()[0], want, rtol=0, atol=_layer_tol(want, T))
+
+
+def test_the_reference_cache_equals_its_full_forward():
+    """The definition's own KV cache: a prompt, then tokens one at a time against the cache, give the full
+    forward's logits (float64: to its rounding)."""
+    _, weights, _ = _net()
+    ids = _ids(12, seed=4)
+    full, _ = reference.forward(ids, weights, CFG)
+    got, cache = reference.forward(ids[:7], weights, CFG)
+    rows = [got]
+    for t in ids[7:]:
+        step, cache = reference.forward([t], weights, CFG, cache)
+        rows.append(step)
+    np.testing.assert_allclose(np.concatenate(rows), full, rtol=0, atol=1e-12 * np.abs(full).max())
+
+
+@pytest.mark.integration  # ~10 s: each path's prefill and decode graphs compiled
+def test_kv_cache_decode_paths_equal_the_reference():
+    """A 9-token prompt, then 4 tokens through the cache, on every decode path this machine has: the functional
+    cache (LlamaForCausalLM.forward_cached, the server's interleaved sequences), the decoder's MindSpore kernels
+    (CachedDecoder) and the fused decode kernel (model/decode_kernel.cc)."""
+    from model.generate import Generator
+
+    net, weights, _ = _net()
+    prompt, sent = _ids(9, seed=5), _ids(4, seed=6)
+    ref, _ = reference.forward(prompt + sent, weights, CFG)
+    want = ref[len(prompt) - 1:]                                                      # [5, V]
+    tols = [logit_tol(CFG, len(prompt) + i, float(np.abs(r).max())) for i, r in enumerate(want)]
+
+    def check(name, rows):
+        for i, (got, w, tol) in enumerate(zip(rows, want, tols)):
+            np.testing.assert_allclose(got, w, rtol=0, atol=tol, err_msg=f"{name}, step {i}")
+
+    k, v = net.init_cache(1, 64)
+    rows, at = [], 0
+    for chunk in [prompt] + [[t] for t in sent]:
+        logits, k, v = net.forward_cached(Tensor(np.asarray([chunk], np.int32)), Tensor(at, ms.int32), k, v)
+        rows.append(logits.asnumpy()[0, -1])
+        at += len(chunk)
+    check("functional", rows)
+    paths = {"decoder": Generator(net, fused=False)}
+    fused = Generator(net)
+    if fused.decode_path == "fused":
+        paths["fused"] = fused
+    for name, gen in paths.items():
+        assert gen.decode_path == name, gen.decode_reason
+        steps = gen._cached_steps(prompt)
+        rows = [next(steps)] + [steps.send(t) for t in sent]
+        steps.close()
+        check(name, rows)
+
+
+@pytest.mark.integration  # ~3 s: the graph written and run on onnxruntime
+def test_onnx_graph_equals_the_reference(tmp_path):
+    """tasks/deploy/onnx_decoder.py's graph (written from the weights, run by onnxruntime without MindSpore): the
+    prompt's logits, then tokens through its past/present key-value inputs."""
+    from tasks.deploy.onnx_decoder import build_decoder, save_model
+    from tasks.deploy.onnx_generate import OnnxGenerator
+
+    _, weights, _ = _net()
+    save_model(build_decoder(CFG, weights), tmp_path / "model.onnx")
+    gen = OnnxGenerator(tmp_path / "model.onnx", threads=1)
+    prompt, sent = _ids(9, seed=7), _ids(4, seed=8)
+    ref, _ = reference.forward(prompt + sent, weights, CFG)
+    logits, state = gen.prefill([prompt])
+    rows = [logits[0]] + [gen.step(state, [t])[0] for t in sent]
+    for i, (got, w) in enumerate(zip(rows, ref[len(prompt) - 1:])):
+        np.testing.assert_allclose(got, w, rtol=0, atol=logit_tol(CFG, len(prompt) + i, float(np.abs(w).max())),
+                                   err_msg=f"step {i}")
