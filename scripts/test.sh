@@ -44,8 +44,8 @@ tier() {
   [ "$rc" -eq 0 ] || status=1
 }
 tier "unit tier" pytest -m "not slow and not integration"
-tier "integration tests" pytest -m "integration and not slow"
-tier "slow integration tests" pytest -m slow --ignore=tests/test_smollm2.py
+tier "integration tests" pytest -m "integration and not slow" --durations=15
+tier "slow integration tests" pytest -m slow --ignore=tests/test_smollm2.py --durations=15
 # the real model in a process of its own: a MindSpore network, a transformers one and lm-eval's, ~2 GB each
 tier "slow: SmolLM2-135M against transformers" pytest -m slow tests/test_smollm2.py
 # the CPU-sensitive tests again as an AVX2-only CPU sums: natively with every library capped at AVX2 (any x86_64
