@@ -8,7 +8,8 @@
 The paths that compute this math for speed, each with its own kernels and layouts, are held equal to it by
 tests/test_decoder_paths.py on the same random layer and inputs, within the float32 bound of their reductions:
 the training cells (model/llama.py) and their fused kernels (model/fused_cells.py, model/train_kernels.cc), the
-written-out layer forward of the layer-at-a-time step (tasks/training/layer_grad.py), the KV-cache decoders and the
+written-out layer forward and backward of the layer-at-a-time step (tasks/training/layer_grad.py; the backward against
+this forward's central differences along a random direction), the KV-cache decoders and the
 fused decode kernel (model/generate.py, model/decode_kernel.cc), and the ONNX graph writer
 (tasks/deploy/onnx_decoder.py). A new attention, norm or position encoding is written here first, then in each of
 those, and the test says which path does not follow yet.

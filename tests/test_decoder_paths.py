@@ -80,6 +80,52 @@ def test_written_out_layer_forward_equals_the_reference():
     np.testing.assert_allclose(y.asnumpy()[0], want, rtol=0, atol=_layer_tol(want, T))
 
 
+@pytest.mark.integration  # ~6 s: the layer's forward, backward and the prologue compiled
+def test_written_out_layer_backward_equals_the_reference_derivative():
+    """The layer-at-a-time step's written-out backward against the definition's own derivative: along a random
+    direction u of the input and every weight, <dx, u_x> + <dw, u_w> equals the central difference of
+    <reference layer(x + e u), dy> (float64, e = 1e-4 of the values' scale: its truncation error ~e^2, far below
+    the float32 bound)."""
+    from tasks.training.layer_grad import functional_unsupported, layer_functions
+    from tasks.training.layerwise import _Graph, _prologue
+
+    net, _, _ = _net(True)
+    fn = layer_functions(net)
+    if fn is None:
+        pytest.skip(f"the written-out layer needs the fused kernels: {functional_unsupported(net)}")
+    flag = Tensor(0, ms.int32)
+    ids = _ids(T, seed=9)
+    (x, cos, sin, _), _ = ms.jit(_Graph(net, _prologue))(Tensor(np.asarray([ids], np.int32)), flag)
+    named = list(net.layers[1].parameters_and_names())
+    ws = [Tensor(p.asnumpy()) for _, p in named]
+    y, *saved, _ = fn.forward(x, cos, sin, flag, *ws)
+    rng = np.random.default_rng(10)
+    dy = rng.normal(size=y.shape).astype(np.float32)
+    dx, *dws, _ = fn.backward(x, cos, sin, flag, Tensor(dy), *saved, *ws)
+    names = [n for n, _ in named]
+    assert len(dws) == len(names)
+    x0 = x.asnumpy()[0].astype(np.float64)
+    w0 = {n: p.asnumpy().astype(np.float64) for n, p in named}
+    ux = rng.normal(size=x0.shape)
+    uw = {n: rng.normal(size=w.shape) for n, w in w0.items()}
+    parts = [float((dx.asnumpy()[0] * ux).sum())] + [float((g.asnumpy() * uw[n]).sum()) for n, g in zip(names, dws)]
+    analytic = sum(parts)
+
+    def f(e: float) -> float:
+        out, _ = reference.decoder_layer(x0 + e * ux, {n: w0[n] + e * uw[n] for n in names}, CFG, np.arange(T))
+        return float((out * dy[0]).sum())
+
+    e = 1e-4
+    numeric = (f(e) - f(-e)) / (2 * e)
+    # the float32 gradients' own sums: the layer's reductions forward and back, then the inner product's terms
+    terms = float(np.abs(dx.asnumpy()[0] * ux).sum() + sum(np.abs(g.asnumpy() * uw[n]).sum() for n, g in zip(names, dws)))
+    n = 2 * decoder_reduction(ModelConfig.from_dict({**CFG.to_dict(), "num_layers": 1}), T) + x0.size + \
+        sum(w.size for w in w0.values())
+    assert abs(analytic - numeric) <= fp32_tol(terms, n), (analytic, numeric, fp32_tol(terms, n))
+    # the bound catches a wrong term: without any one part (dx, or one weight's gradient) the sum leaves it
+    assert all(abs(analytic - part - numeric) > fp32_tol(terms, n) for part in parts), (parts, fp32_tol(terms, n))
+
+
 def test_the_reference_cache_equals_its_full_forward():
     """The definition's own KV cache: a prompt, then tokens one at a time against the cache, give the full
     forward's logits (float64: to its rounding)."""
