@@ -182,7 +182,7 @@ def _add_model_routes(app: FastAPI, engine: Engine, model_id: str, served: dict[
     async def health():
         ok = all(sv.engine.alive() for sv in served.values())
         return JSONResponse({"status": "ok" if ok else "stopping", "model": model_id, "models": list(served),
-                             "backend": backend.kind, "decode": backend.decode,
+                             "backend": backend.kind, "decode": backend.decode_info,
                              "batched": engine.batched, "active": engine.active, "peak_active": engine.peak_active,
                              "queued": engine.queued()}, status_code=200 if ok else 503)
 

@@ -2,7 +2,7 @@
 
     backend = load_backend(path)       # export artifact -> onnxruntime, model artifact -> MindSpore
     backend.kind, backend.context_length, backend.vocab_size, backend.eos_id, backend.tokenizer
-    backend.decode                     # {"path": ..., "reason": ...}: how it decodes, chosen once at load (/health)
+    backend.decode_info                # {"path": ..., "reason": ...}: how it decodes, chosen once at load (/health)
     backend.prompt_style               # how chat requests are rendered: the artifact's prompt_style.json
     backend.warmup()                   # compile / run once so the first request is not the slow one
     steps = backend.steps(prompt_ids)  # a coroutine: yields the logits [V] for the next position
@@ -87,7 +87,7 @@ class MindSporeBackend:
         self.eos_id = int(self.tokenizer.eos_id())
 
     @property
-    def decode(self) -> dict[str, str]:
+    def decode_info(self) -> dict[str, str]:
         """The Generator's decode path and why (chosen when it was built; a failure mid-sequence is an error)."""
         return {"path": self.generator.decode_path, "reason": self.generator.decode_reason}
 
@@ -213,8 +213,8 @@ class OnnxBackend:
         self._state = None  # KVState of the running batch, rows in the order of self._rows
         self._rows: list = []
         self._dead: set = set()
-        self.decode = {"path": "onnxruntime", "reason": f"an export artifact: {self.path / 'model.onnx'} on "
-                                                        "onnxruntime's CPU execution provider, batched decode"}
+        self.decode_info = {"path": "onnxruntime", "reason": f"an export artifact: {self.path / 'model.onnx'} on "
+                                                             "onnxruntime's CPU execution provider, batched decode"}
 
     # ---- continuous batching: each sequence is prefilled alone (batch 1, exactly as `OnnxGenerator`), then
     # joins the running batch, left-padded to the batch's cache length (attention_mask 0 over the padding,
