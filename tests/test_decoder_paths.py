@@ -60,10 +60,9 @@ def test_training_cells_equal_the_reference(fused):
     np.testing.assert_allclose(logits, ref, rtol=0, atol=logit_tol(CFG, T, float(np.abs(ref).max())))
 
 
-@pytest.mark.integration  # ~5 s: the layer's forward and the prologue compiled
-def test_written_out_layer_forward_equals_the_reference():
-    """tasks/training/layer_grad.py's forward (the layer-at-a-time step's; its backward is held to autodiff by
-    tests/test_layerwise.py) on one layer's weights as graph inputs."""
+def _written_out(seed: int):
+    """The fused build, the layer-at-a-time step's compiled layer functions (skipped where they do not apply) and a
+    layer input from its prologue: (net, weights, fn, (x, cos, sin), flag)."""
     from tasks.training.layer_grad import functional_unsupported, layer_functions
     from tasks.training.layerwise import _Graph, _prologue
 
@@ -72,8 +71,15 @@ def test_written_out_layer_forward_equals_the_reference():
     if fn is None:
         pytest.skip(f"the written-out layer needs the fused kernels: {functional_unsupported(net)}")
     flag = Tensor(0, ms.int32)
-    ids = _ids(T, seed=2)
-    (x, cos, sin, _), _ = ms.jit(_Graph(net, _prologue))(Tensor(np.asarray([ids], np.int32)), flag)
+    (x, cos, sin, _), _ = ms.jit(_Graph(net, _prologue))(Tensor(np.asarray([_ids(T, seed=seed)], np.int32)), flag)
+    return net, weights, fn, (x, cos, sin), flag
+
+
+@pytest.mark.integration  # ~5 s: the layer's forward and the prologue compiled
+def test_written_out_layer_forward_equals_the_reference():
+    """tasks/training/layer_grad.py's forward (the layer-at-a-time step's; its backward: the next test, and against
+    autodiff tests/test_layerwise.py) on one layer's weights as graph inputs."""
+    net, weights, fn, (x, cos, sin), flag = _written_out(seed=2)
     y, *_ = fn.forward(x, cos, sin, flag, *[Tensor(p.asnumpy()) for _, p in net.layers[1].parameters_and_names()])
     want, _ = reference.decoder_layer(x.asnumpy()[0].astype(np.float64), reference.layer_weights(weights, 1), CFG,
                                       np.arange(T))
@@ -86,16 +92,7 @@ def test_written_out_layer_backward_equals_the_reference_derivative():
     direction u of the input and every weight, <dx, u_x> + <dw, u_w> equals the central difference of
     <reference layer(x + e u), dy> (float64, e = 1e-4 of the values' scale: its truncation error ~e^2, far below
     the float32 bound)."""
-    from tasks.training.layer_grad import functional_unsupported, layer_functions
-    from tasks.training.layerwise import _Graph, _prologue
-
-    net, _, _ = _net(True)
-    fn = layer_functions(net)
-    if fn is None:
-        pytest.skip(f"the written-out layer needs the fused kernels: {functional_unsupported(net)}")
-    flag = Tensor(0, ms.int32)
-    ids = _ids(T, seed=9)
-    (x, cos, sin, _), _ = ms.jit(_Graph(net, _prologue))(Tensor(np.asarray([ids], np.int32)), flag)
+    net, _, fn, (x, cos, sin), flag = _written_out(seed=9)
     named = list(net.layers[1].parameters_and_names())
     ws = [Tensor(p.asnumpy()) for _, p in named]
     y, *saved, _ = fn.forward(x, cos, sin, flag, *ws)
