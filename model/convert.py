@@ -19,7 +19,7 @@ this module needs numpy only.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
@@ -68,6 +68,27 @@ def nonfinite(name: str, arr: Any) -> str | None:
         return None
     n = int(ok.size - np.count_nonzero(ok))
     return f"tensor {name} holds {n} NaN/Inf value{'' if n == 1 else 's'} (of {ok.size})"
+
+
+def held_layers(names: Iterable[str], prefix: str) -> list[int]:
+    """The layer indices a file's tensor names hold (`prefix`<i>.…: "model.layers." in HF files, "blk." in GGUF)."""
+    held = set()
+    for name in names:
+        if name.startswith(prefix):
+            index = name[len(prefix):].split(".", 1)[0]
+            if index.isdigit():
+                held.add(int(index))
+    return sorted(held)
+
+
+def check_layer_count(claimed: int, names: Iterable[str], prefix: str, claim: str, fix: str) -> None:
+    """A layer count read from a file (config.json's num_hidden_layers, GGUF's llama.block_count) against the layers
+    its tensors hold, before anything is sized by the claim: a crafted count of 10^9 beside one layer's tensors
+    must be one error, not 10^9 expected keys built in memory. `claim` names where the count was read."""
+    held = held_layers(names, prefix)
+    if len(held) != claimed or (held and held[-1] != claimed - 1):
+        which = f"{len(held)} ({prefix}{held[0]} … {prefix}{held[-1]})" if held else "none"
+        raise ConversionError(f"{claim}={claimed} layers, but the tensors hold {which}; the two disagree: {fix}")
 
 
 def key_pairs(cfg: ModelConfig) -> list[tuple[str, str, tuple[int, ...]]]:

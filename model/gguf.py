@@ -23,7 +23,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q, GGUFValueType, quants
 
 from model.config import ModelConfig
-from model.convert import key_pairs, nonfinite
+from model.convert import ConversionError, check_layer_count, key_pairs, nonfinite
 
 ARCH = "llama"
 # Weight types this reads (the dequantizer knows more; these are what llama-architecture files use and are tested).
@@ -265,6 +265,10 @@ def read_gguf(path: str | Path, opened: tuple[Any, dict[str, Any]] | None = None
     cfg = config_from_meta(meta, str(p))
     by_name = {t.name: t for t in reader.tensors}
     cfg.tie_embeddings = "output.weight" not in by_name
+    try:
+        check_layer_count(cfg.num_layers, by_name, "blk.", f"{p}: llama.block_count", "download or convert it again")
+    except ConversionError as exc:
+        raise GGUFError(str(exc)) from None
     pairs = _pairs(cfg)
     missing = [g for g, _ in pairs if g not in by_name]
     if missing:

@@ -324,6 +324,10 @@ CASES = {
     "head_count 0": ({}, _set("llama.attention.head_count", 0),
                      "llama.attention.head_count=0 must be a positive whole number"),
     "block_count 0": ({}, _set("llama.block_count", 0), "llama.block_count=0 must be a positive whole number"),
+    # before: the expected tensor list built for every claimed layer, killed at 4 GB after ~50 s (issue 53)
+    "block_count 10^9": ({}, _set("llama.block_count", 10**9),
+                         "llama.block_count=1000000000 layers, but the tensors hold 1 (blk.0 … blk.0)"),
+    "block_count 2": ({}, _set("llama.block_count", 2), "llama.block_count=2 layers, but the tensors hold 1"),
     "head_count_kv 3": ({}, _set("llama.attention.head_count_kv", 3),
                         "llama.attention.head_count=2 is not a multiple of llama.attention.head_count_kv=3"),
     "NaN rope base": ({}, _set("llama.rope.freq_base", np.nan),
@@ -361,3 +365,22 @@ def test_hf_json_files_that_are_not_objects_are_one_line(tmp_path, tok_dir, caps
     line = _one_line(err)
     assert rc == 1 and str(d / name) in line and words in line, line
     assert _left_behind(tmp_path / "a") == []
+
+
+@pytest.mark.parametrize("layers", [10**9, 10**6, 2])
+def test_hf_config_claiming_more_layers_than_its_tensors_is_one_line(tmp_path, tok_dir, capsys, layers):
+    """config.json's num_hidden_layers against the layers the safetensors hold, before anything is sized by it.
+    Before: 10^9 (or 10^6) layers beside one layer's tensors ran at 100% CPU past 4 GB of RSS until killed."""
+    import resource
+
+    d = _hf_dir(tmp_path, tok_dir)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": layers}))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rc, err = _convert(capsys, tmp_path / "a", "--from-hf", str(d))
+    line = _one_line(err)
+    assert rc == 1 and str(d / "config.json") in line, line
+    assert f"num_hidden_layers={layers} layers, but the tensors hold 1 (model.layers.0 … model.layers.0)" in line, line
+    assert _left_behind(tmp_path / "a") == []
+    # bounded work: the process's peak grew by less than 100 MB (the tiny model is ~100 KB)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100 * 1024, "the claim was sized"

@@ -437,3 +437,36 @@ def test_a_chat_rendering_longer_than_the_context_can_hold_stops_there(server):
         "model": server.model, "messages": [{"role": "user", "content": "x" * (ctx * piece + 1)}]})
     assert status == 400 and out["error"]["param"] == "messages", out
     assert f"context of {ctx} tokens" in out["error"]["message"]
+
+
+@pytest.mark.integration
+def test_a_deeply_nested_body_is_a_400_without_a_traceback(server):
+    """A prompt nesting 200,000 arrays (past json's own recursion limit) and one nesting 100 (under it, but deeper
+    than any OpenAI request): 400 naming the depth limit, on every JSON endpoint, no traceback in the server log.
+    Before: HTTP 500 "internal error: RecursionError" and two tracebacks (issue 53)."""
+    from tasks.serving.bodies import MAX_JSON_DEPTH
+
+    for depth in (200_000, 100, MAX_JSON_DEPTH + 1):
+        nested = b"[" * depth + b"1" + b"]" * depth
+        for path in ("/v1/completions", "/v1/chat/completions", "/tokenize"):
+            body = b'{"model": "%s", "prompt": %s}' % (server.model.encode(), nested)
+            status, out, _ = _request(server, path, body)
+            assert status == 400, (depth, path, status, out)
+            assert f"more than {MAX_JSON_DEPTH} levels deep" in out["error"]["message"], out
+    # the deepest body a client sends (chat content parts; token-id lists) is still read
+    status, out, _ = _post(server, "/tokenize", {"prompt": [[1, 2, 3]]})
+    assert status != 400 or "levels deep" not in out["error"]["message"], out
+    assert "Traceback" not in server.log() and "RecursionError" not in server.log()
+    assert _request(server, "/health")[0] == 200
+
+
+def test_json_depth_counts_levels_without_recursion():
+    from tasks.serving.bodies import MAX_JSON_DEPTH, json_depth
+
+    assert [json_depth(v, 32) for v in (1, {}, {"a": 1}, {"prompt": [[1, 2]]}, [[[]]])] == [0, 1, 1, 3, 3]
+    chat = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
+    assert json_depth(chat, MAX_JSON_DEPTH) == 5
+    deep: list = []
+    for _ in range(100_000):  # far past Python's recursion limit: counted level by level, stopping past the limit
+        deep = [deep]
+    assert json_depth(deep, MAX_JSON_DEPTH) == MAX_JSON_DEPTH + 1

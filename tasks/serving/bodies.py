@@ -47,15 +47,40 @@ async def respond(content: Any) -> JSONResponse:
     return await run_in_threadpool(JSONResponse, content)
 
 
+MAX_JSON_DEPTH = 32
+"""How deeply a request body may nest arrays and objects. The deepest valid body is a chat request whose message
+content is a list of parts, or a prompt that is a list of token-id lists: 4 or 5 levels. Past Python's own limit
+(~1,000 levels) json.loads raises RecursionError; below it, a deep body would still recurse through validation."""
+
+
+def json_depth(value: Any, limit: int) -> int:
+    """How deeply `value` nests lists and dicts (a scalar: 0), level by level without recursion, stopping past
+    `limit`: O(the values in the levels it reads)."""
+    depth, level = 0, [value]
+    while depth <= limit:
+        containers = [x for x in level if isinstance(x, (list, dict))]
+        if not containers:
+            return depth
+        depth += 1
+        level = [v for x in containers for v in (x.values() if isinstance(x, dict) else x)]
+    return depth
+
+
 def decode_json(raw: bytes) -> Any:
-    """A body's bytes as a JSON object; ApiError 400 for anything else."""
+    """A body's bytes as a JSON object; ApiError 400 for anything else (a body nesting past MAX_JSON_DEPTH too)."""
+    deep = ApiError(400, f"the request body nests arrays or objects more than {MAX_JSON_DEPTH} levels deep; "
+                         f"an OpenAI request needs at most 5")
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"the request body is not valid JSON ({exc}); send a JSON object with "
                             f"Content-Type: application/json") from None
+    except RecursionError:  # deeper than the decoder's own recursion limit
+        raise deep from None
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type_name(body)}")
+    if json_depth(body, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+        raise deep
     return body
 
 

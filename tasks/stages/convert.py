@@ -37,7 +37,8 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
-from model.convert import ConversionError, config_from_hf, config_to_hf, hf_to_native, native_to_hf, nonfinite
+from model.convert import (ConversionError, check_layer_count, config_from_hf, config_to_hf, hf_to_native,
+                           native_to_hf, nonfinite)
 from tasks.store.artifacts import ArtifactStore, raw_file_input
 from tasks.store.model_artifact import model_config, read_info, write_model
 from tasks.store.tensors import load_weights, read_tensors
@@ -153,6 +154,8 @@ def _convert_hf(hf_dir: Path, store: ArtifactStore, pipeline: str | None, key: s
     except TokenizerError as exc:
         raise ConversionError(str(exc)) from None
     hf_tensors = read_hf_tensors(hf_dir)
+    check_layer_count(cfg.num_layers, hf_tensors, "model.layers.", f"{hf_dir / 'config.json'}: num_hidden_layers",
+                      "re-download or re-save the checkpoint")
     weights = hf_to_native(hf_tensors, cfg)
     source = {"format": "hf", "dir": str(hf_dir.resolve()), "dtype": _source_dtype(hf_tensors)}
     with store.build(STAGE, key, pipeline=pipeline, config=config, inputs=inputs, code=code_version(STAGE)) as b:
