@@ -128,9 +128,10 @@ def assert_same_weights(a: dict, b: dict, steps: int, lr: float, tol=tiny_train_
 def assert_greedy_agrees(got: list[int], want: list[int], ref_logits, tol, eos_id: int | None = None) -> int:
     """Two greedy continuations of one prompt (ours, the reference's) are the same tokens, or they part where the
     reference's logits make the two tokens a near-tie that float32 order decides: there the reference scores its
-    token at most 2 * tol(i) above ours (each logit may be off by tol(i), `logit_tol` at that length); after it
+    token at most 2 * tol above ours (each logit may be off by tol, `logit_tol` at that length); after it
     nothing more is compared (the two now continue different texts). ref_logits(prefix) -> the reference's next
-    logits after prompt + prefix. A sequence that ended early ended on eos_id. Returns how many tokens agreed."""
+    logits after prompt + prefix; tol(i, z) -> the bound at step i given those logits z (computed once, here). A
+    sequence that ended early ended on eos_id. Returns how many tokens agreed."""
     for i in range(max(len(got), len(want))):
         a = got[i] if i < len(got) else eos_id
         b = want[i] if i < len(want) else eos_id
@@ -138,7 +139,8 @@ def assert_greedy_agrees(got: list[int], want: list[int], ref_logits, tol, eos_i
             continue
         assert a is not None and b is not None, (i, got, want)
         z = ref_logits(want[:i])
-        assert float(z[b]) - float(z[a]) <= 2 * tol(i), (i, a, b, float(z[b]) - float(z[a]), 2 * tol(i))
+        bound = tol(i, z)
+        assert float(z[b]) - float(z[a]) <= 2 * bound, (i, a, b, float(z[b]) - float(z[a]), 2 * bound)
         return i
     return len(got)
 

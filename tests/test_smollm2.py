@@ -94,6 +94,17 @@ def logit_scale(ms_model) -> float:
     return max(float(np.abs(_ms_logits(net, ids)).max()) for ids in _prompt_ids(tok))
 
 
+def _agrees_with_transformers(hf_model, cfg, ids, got, want, eos_id) -> int:
+    """assert_greedy_agrees against transformers' logits after `ids`, each step's bound logit_tol at its length."""
+    def ref_logits(prefix):
+        return _hf_logits(hf_model, ids + prefix)[-1]
+
+    def tol(i, z):
+        return logit_tol(cfg, len(ids) + i, float(np.abs(z).max()))
+
+    return assert_greedy_agrees(got, want, ref_logits, tol, eos_id=eos_id)
+
+
 def _prompt_ids(tok) -> list[list[int]]:
     chat = tok.encode(tok.render_chat([{"role": "user", "content": "What is the capital of France?"}]))
     return [tok.prompt_ids(p) for p in PROMPTS] + [chat]
@@ -128,14 +139,7 @@ def test_logits_and_greedy_tokens_equal_transformers(ms_model, hf_model):
     for ids in [prompts[0], prompts[1], prompts[-1]]:  # greedy, up to 32 or EOS
         want = hf_model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)[0][len(ids):].tolist()
         got = gen.generate(ids, 32, eos_id=tok.eos_id())
-
-        def ref_logits(prefix, ids=ids):
-            return _hf_logits(hf_model, ids + prefix)[-1]
-
-        def tol(i, ids=ids):
-            return logit_tol(net.config, len(ids) + i, float(np.abs(ref_logits(want[:i])).max()))
-
-        agreed.append(assert_greedy_agrees(got, want, ref_logits, tol, eos_id=tok.eos_id()))
+        agreed.append(_agrees_with_transformers(hf_model, net.config, ids, got, want, tok.eos_id()))
     assert max(agreed) == 32  # at least one prompt runs the full 32 tokens alike
 
 
@@ -238,14 +242,7 @@ def test_chat_through_msllm_serve_answers_as_transformers(converted, hf_model, m
             want = [t for t in want if t != tok.eos_id()]
             content = got.choices[0].message.content
             if content != tok.decode(want):  # a near-tie that fp32 order decided, or a defect: the tokens say which
-
-                def ref_logits(prefix, ids=ids):
-                    return _hf_logits(hf_model, ids + prefix)[-1]
-
-                def tol(i, ids=ids, want=want):
-                    return logit_tol(ms_model[0].config, len(ids) + i, float(np.abs(ref_logits(want[:i])).max()))
-
-                assert_greedy_agrees(tok.encode(content), want, ref_logits, tol, eos_id=tok.eos_id())
+                _agrees_with_transformers(hf_model, ms_model[0].config, ids, tok.encode(content), want, tok.eos_id())
         assert "Paris" in client.chat.completions.create(
             model=srv.model, messages=[{"role": "user", "content": questions[0]}], temperature=0,
             max_tokens=24).choices[0].message.content
