@@ -5,8 +5,8 @@ environment does not set it already): Prefect's embedded server must answer with
 PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, 20 s by default. Its first start on a fresh PREFECT_HOME creates
 and migrates its SQLite database: 16 s on an idle 2-core machine, over 20 s on a busy one, where the flow then
 fails before it runs ("Timed out while attempting to connect to ephemeral Prefect API server"). Prefect reads its
-settings once, when it is first imported (docs/PIPELINE.md, "Orchestration"), so this must run before `import prefect`; the
-variable also reaches child processes.
+settings once, when it is first imported (docs/PIPELINE.md, "Orchestration"), so this must run before `import prefect`;
+the variable also reaches child processes.
 """
 
 import os

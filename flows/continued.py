@@ -26,11 +26,11 @@ from pathlib import Path
 from prefect import flow
 
 from flows import stages
+from tasks.config.loader import resolve_pipeline
 from tasks.stages.runner import prepare
 from tasks.stages.upstream import ModelChoice, chain_base
 from tasks.store.artifacts import ArtifactStore
 from tasks.store.disk import sha256_file
-from tasks.config.loader import resolve_pipeline
 from tasks.store.lineage import lineage_tree, raw_inputs
 
 CORPUS_SUFFIXES = (".txt", ".jsonl", ".json", ".jsonl.gz", ".parquet")
@@ -61,16 +61,25 @@ def inbox_of(cfg, pipeline: str, artifacts: str, inbox: str | None) -> Path:
 
 @flow(name="continued-pretraining", log_prints=True, result_serializer="json")
 @stages.cancellable
-def continued_pretraining(pipeline: str = "demo", config: str = "pipelines.yaml", overrides: list[str] | None = None,
-                          artifacts: str = "artifacts", inbox: str | None = None, base_model: str | None = None) -> dict[str, str]:
+def continued_pretraining(
+    pipeline: str = "demo",
+    config: str = "pipelines.yaml",
+    overrides: list[str] | None = None,
+    artifacts: str = "artifacts",
+    inbox: str | None = None,
+    base_model: str | None = None,
+) -> dict[str, str]:
     """Continue pretraining on the inbox's new corpora, then finetune, eval and export; returns {stage: artifact path}
     (empty when there was nothing to do)."""
     artifacts = str(Path(artifacts).resolve())
     cfg = resolve_pipeline(str(Path(config).resolve()), pipeline, list(overrides or []))  # once per flow run
     inbox_dir = inbox_of(cfg, pipeline, artifacts, inbox)
     if not inbox_dir.is_dir():
-        print(f"inbox {inbox_dir} is not a directory; nothing to do (create it, or set pipelines.{pipeline}.continued.inbox"
-              " or the deployment's inbox parameter)")
+        print(
+            f"inbox {inbox_dir} is not a directory; nothing to do (create it, or set "
+            f"pipelines.{pipeline}.continued.inbox"
+            " or the deployment's inbox parameter)"
+        )
         return {}
     store = ArtifactStore(artifacts)
     fresh = new_corpora(inbox_dir, consumed_sha256(store, pipeline))
@@ -79,15 +88,18 @@ def continued_pretraining(pipeline: str = "demo", config: str = "pipelines.yaml"
         return {}
     base = base_model or (str(b) if (b := chain_base(store, pipeline)) else None)
     if base is None:
-        print(f"no pretrain artifact of pipeline '{pipeline}' to continue from; nothing done: run full-pipeline "
-              f"(or `msllm train --pipeline {pipeline}`) first, or pass base_model=")
+        print(
+            f"no pretrain artifact of pipeline '{pipeline}' to continue from; nothing done: run full-pipeline "
+            f"(or `msllm train --pipeline {pipeline}`) first, or pass base_model="
+        )
         return {}
     srcs = [str(p) for p in fresh]
     print(f"continuing {base} on {len(srcs)} new corpus file(s): {', '.join(Path(s).name for s in srcs)}")
     ccfg = cfg.for_continued(srcs)  # the continued section's data and training settings
     out = {"data": stages.run_stage(stages.data_task, prepare("data", store, ccfg, tokenizer_model=base))}
-    out["pretrain"] = stages.run_stage(stages.pretrain_task, prepare("pretrain", store, ccfg, data_artifact=out["data"],
-                                                                     init_from=base))
+    out["pretrain"] = stages.run_stage(
+        stages.pretrain_task, prepare("pretrain", store, ccfg, data_artifact=out["data"], init_from=base)
+    )
     model, why = out["pretrain"], "the model this continued-pretraining run built (no finetune in this pipeline)"
     if cfg.finetune.sources:
         ft = stages.run_stage(stages.finetune_task, prepare("finetune", store, cfg, base_artifact=out["pretrain"]))

@@ -14,10 +14,10 @@ from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 from prefect_dask import DaskTaskRunner
 
+from tasks.config.schema import PipelineConfig
 from tasks.stages.data.tokenizer import tokenize_chunk
 from tasks.stages.runner import prepare
 from tasks.store.artifacts import ArtifactStore
-from tasks.config.schema import PipelineConfig
 
 
 @task(name="tokenize-chunk", cache_policy=NO_CACHE, persist_result=False, result_serializer="json")
@@ -38,8 +38,14 @@ def data_dask_flow(cfg_json: dict, artifacts: str, tokenizer_model: str | None =
 def dask_runner(cfg: PipelineConfig):
     if cfg.data.dask_address:
         return DaskTaskRunner(address=cfg.data.dask_address)
-    return DaskTaskRunner(cluster_kwargs={"n_workers": cfg.data.num_workers, "threads_per_worker": 1,
-                                          "processes": True, "dashboard_address": None})
+    return DaskTaskRunner(
+        cluster_kwargs={
+            "n_workers": cfg.data.num_workers,
+            "threads_per_worker": 1,
+            "processes": True,
+            "dashboard_address": None,
+        }
+    )
 
 
 def run_on_dask(cfg: PipelineConfig, artifacts: str, tokenizer_model: str | None = None) -> str:

@@ -19,17 +19,22 @@ from pathlib import Path
 from prefect import flow
 
 from flows import stages
+from tasks.config.loader import resolve_pipeline
+from tasks.config.schema import ConfigError
 from tasks.stages.runner import prepare
 from tasks.stages.upstream import ModelChoice
 from tasks.store.artifacts import ArtifactStore
-from tasks.config.loader import resolve_pipeline
-from tasks.config.schema import ConfigError
 
 
 @flow(name="full-pipeline", log_prints=True, result_serializer="json")
 @stages.cancellable
-def full_pipeline(pipeline: str = "demo", config: str = "pipelines.yaml", overrides: list[str] | None = None,
-                  artifacts: str = "artifacts", init_from: str | None = None) -> dict[str, str]:
+def full_pipeline(
+    pipeline: str = "demo",
+    config: str = "pipelines.yaml",
+    overrides: list[str] | None = None,
+    artifacts: str = "artifacts",
+    init_from: str | None = None,
+) -> dict[str, str]:
     """Run every stage of a named pipeline; returns {stage: artifact path}.
 
     init_from: the model to start pretraining from (default: the pipeline's pretrain.init_from): a model artifact,
@@ -47,14 +52,16 @@ def full_pipeline(pipeline: str = "demo", config: str = "pipelines.yaml", overri
         out["data"] = run_on_dask(cfg, str(store.root), init_from)
     else:  # the base artifact's tokenizer files, when continuing one
         out["data"] = stages.run_stage(stages.data_task, prepare("data", store, cfg, tokenizer_model=init_from))
-    out["pretrain"] = stages.run_stage(stages.pretrain_task, prepare("pretrain", store, cfg, data_artifact=out["data"],
-                                                                     init_from=init_from))
+    out["pretrain"] = stages.run_stage(
+        stages.pretrain_task, prepare("pretrain", store, cfg, data_artifact=out["data"], init_from=init_from)
+    )
     model = out["pretrain"]
     if cfg.continued.sources:
         ccfg = cfg.for_continued([str(cfg.resolve_path(s)) for s in cfg.continued.sources])
         out["continued_data"] = stages.run_stage(stages.data_task, prepare("data", store, ccfg, tokenizer_model=model))
-        out["continued_pretrain"] = stages.run_stage(stages.pretrain_task, prepare(
-            "pretrain", store, ccfg, data_artifact=out["continued_data"], init_from=model))
+        out["continued_pretrain"] = stages.run_stage(
+            stages.pretrain_task, prepare("pretrain", store, ccfg, data_artifact=out["continued_data"], init_from=model)
+        )
         model = out["continued_pretrain"]
     if cfg.finetune.sources:
         ft = stages.run_stage(stages.finetune_task, prepare("finetune", store, cfg, base_artifact=model))
@@ -83,8 +90,9 @@ def main(argv: list[str] | None = None) -> int:
         print("error: invalid pipeline:\n  " + "\n  ".join(exc.errors), file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    out = full_pipeline(pipeline=cfg.name, config=a.config, overrides=a.overrides, artifacts=a.artifacts,
-                        init_from=a.init_from)
+    out = full_pipeline(
+        pipeline=cfg.name, config=a.config, overrides=a.overrides, artifacts=a.artifacts, init_from=a.init_from
+    )
     print(f"\nfull-pipeline '{cfg.name}' finished in {time.perf_counter() - t0:.1f}s")
     for stage, path in out.items():
         print(f"  {stage:<20} {path}")

@@ -24,35 +24,53 @@ from tasks.store.artifacts import ArtifactStore
 from tasks.store.lineage import lineage_data_artifact
 
 
-def _setup(pipeline: str, config: str, overrides: list[str] | None,
-           artifacts: str) -> tuple[PipelineConfig, ArtifactStore]:
+def _setup(
+    pipeline: str, config: str, overrides: list[str] | None, artifacts: str
+) -> tuple[PipelineConfig, ArtifactStore]:
     """The pipeline config, resolved once for the flow run (validated before any compute), and the store."""
     return resolve_pipeline(str(Path(config).resolve()), pipeline, list(overrides or [])), ArtifactStore(artifacts)
 
 
 @flow(name="data-stage", log_prints=True, result_serializer="json")
 @stages.cancellable
-def data_flow(pipeline: str = "demo", config: str = "pipelines.yaml", overrides: list[str] | None = None,
-              artifacts: str = "artifacts", tokenizer_model: str | None = None) -> str:
+def data_flow(
+    pipeline: str = "demo",
+    config: str = "pipelines.yaml",
+    overrides: list[str] | None = None,
+    artifacts: str = "artifacts",
+    tokenizer_model: str | None = None,
+) -> str:
     cfg, store = _setup(pipeline, config, overrides, artifacts)
     return stages.run_stage(stages.data_task, prepare("data", store, cfg, tokenizer_model=tokenizer_model))
 
 
 @flow(name="pretrain-stage", log_prints=True, result_serializer="json")
 @stages.cancellable
-def pretrain_flow(pipeline: str = "demo", config: str = "pipelines.yaml", overrides: list[str] | None = None,
-                  artifacts: str = "artifacts", data_artifact: str | None = None, init_from: str | None = None) -> str:
+def pretrain_flow(
+    pipeline: str = "demo",
+    config: str = "pipelines.yaml",
+    overrides: list[str] | None = None,
+    artifacts: str = "artifacts",
+    data_artifact: str | None = None,
+    init_from: str | None = None,
+) -> str:
     cfg, store = _setup(pipeline, config, overrides, artifacts)
     data_artifact = upstream(store, "pretrain", cfg.name, data_artifact)  # given, or the stage table's default
     init_from = stages.resolve_init(store, cfg.name, init_from)  # a GGUF file / HF directory: converted
-    return stages.run_stage(stages.pretrain_task, prepare("pretrain", store, cfg, data_artifact=data_artifact,
-                                                          init_from=init_from))
+    return stages.run_stage(
+        stages.pretrain_task, prepare("pretrain", store, cfg, data_artifact=data_artifact, init_from=init_from)
+    )
 
 
 @flow(name="finetune-stage", log_prints=True, result_serializer="json")
 @stages.cancellable
-def finetune_flow(pipeline: str = "demo", config: str = "pipelines.yaml", overrides: list[str] | None = None,
-                  artifacts: str = "artifacts", base_artifact: str | None = None) -> dict[str, str]:
+def finetune_flow(
+    pipeline: str = "demo",
+    config: str = "pipelines.yaml",
+    overrides: list[str] | None = None,
+    artifacts: str = "artifacts",
+    base_artifact: str | None = None,
+) -> dict[str, str]:
     cfg, store = _setup(pipeline, config, overrides, artifacts)
     base_artifact = upstream(store, "finetune", cfg.name, base_artifact)
     return stages.run_stage(stages.finetune_task, prepare("finetune", store, cfg, base_artifact=base_artifact))
@@ -60,8 +78,14 @@ def finetune_flow(pipeline: str = "demo", config: str = "pipelines.yaml", overri
 
 @flow(name="eval-stage", log_prints=True, result_serializer="json")
 @stages.cancellable
-def eval_flow(pipeline: str = "demo", config: str = "pipelines.yaml", overrides: list[str] | None = None,
-              artifacts: str = "artifacts", model_artifact: str | None = None, data_artifact: str | None = None) -> str:
+def eval_flow(
+    pipeline: str = "demo",
+    config: str = "pipelines.yaml",
+    overrides: list[str] | None = None,
+    artifacts: str = "artifacts",
+    model_artifact: str | None = None,
+    data_artifact: str | None = None,
+) -> str:
     """Evaluate a model artifact (default: the model tasks.stages.upstream.choose_model names, with its reason)."""
     cfg, store = _setup(pipeline, config, overrides, artifacts)
     choice = choose_model(store, cfg.name, model_artifact)
@@ -73,8 +97,14 @@ def eval_flow(pipeline: str = "demo", config: str = "pipelines.yaml", overrides:
 
 @flow(name="export-stage", log_prints=True, result_serializer="json")
 @stages.cancellable
-def export_flow(pipeline: str = "demo", config: str = "pipelines.yaml", overrides: list[str] | None = None,
-                artifacts: str = "artifacts", model_artifact: str | None = None, eval_artifact: str | None = None) -> str:
+def export_flow(
+    pipeline: str = "demo",
+    config: str = "pipelines.yaml",
+    overrides: list[str] | None = None,
+    artifacts: str = "artifacts",
+    model_artifact: str | None = None,
+    eval_artifact: str | None = None,
+) -> str:
     """Export a model artifact (default: the model tasks.stages.upstream.choose_model names) to MindIR + ONNX."""
     cfg, store = _setup(pipeline, config, overrides, artifacts)
     choice = choose_model(store, cfg.name, model_artifact)
@@ -82,9 +112,15 @@ def export_flow(pipeline: str = "demo", config: str = "pipelines.yaml", override
     if eval_artifact is None:
         found = matching_eval(store, choice.path, cfg.name)
         eval_artifact = str(found) if found else None
-    return stages.run_stage(stages.export_task, prepare("export", store, cfg, model_artifact=choice.path,
-                                                        eval_artifact=eval_artifact))
+    return stages.run_stage(
+        stages.export_task, prepare("export", store, cfg, model_artifact=choice.path, eval_artifact=eval_artifact)
+    )
 
 
-STAGE_FLOWS = {"data": data_flow, "pretrain": pretrain_flow, "finetune": finetune_flow, "eval": eval_flow,
-               "export": export_flow}
+STAGE_FLOWS = {
+    "data": data_flow,
+    "pretrain": pretrain_flow,
+    "finetune": finetune_flow,
+    "eval": eval_flow,
+    "export": export_flow,
+}

@@ -49,14 +49,14 @@ from prefect.exceptions import TerminationSignal
 from prefect.states import Cancelled
 
 from tasks.config.schema import PipelineConfig
+from tasks.modeling.merge import merge
 from tasks.runtime.supervise import is_permanent
 from tasks.stages import runner
-from tasks.stages.runner import StageCall, prepare
 from tasks.stages.evaluate import selection_lines
+from tasks.stages.runner import StageCall, prepare
 from tasks.stages.upstream import eval_selection
 from tasks.store.artifacts import ArtifactStore
 from tasks.store.lineage import lineage_tree, render
-from tasks.modeling.merge import merge
 
 
 def _cache_key(context, params: dict[str, Any]) -> str:
@@ -190,7 +190,7 @@ def run_stage(task_obj, call: StageCall, **options):
         raise RunCancelled(state.message or f"{call.stage} was cancelled")
     result = state.result()  # raises the task's own error when it failed
     if state.name == "Cached":
-        for path in (result.values() if isinstance(result, dict) else [result]):
+        for path in result.values() if isinstance(result, dict) else [result]:
             publish_cached(path)
     return result
 
@@ -294,13 +294,17 @@ def publish_metrics(stage: str, path: str | Path) -> None:
     """The stage's manifest metrics as a Prefect table artifact."""
     m = ArtifactStore.read_manifest(path)
     rows = _metrics_table(m)
-    create_table_artifact(key=_slug(f"{stage}-metrics"), table=rows,
-                          description=f"{stage} artifact {m['key']} ({path})")
+    create_table_artifact(
+        key=_slug(f"{stage}-metrics"), table=rows, description=f"{stage} artifact {m['key']} ({path})"
+    )
 
 
 def _metrics_table(m: dict[str, Any]) -> list[dict[str, str]]:
-    return [{"metric": k, "value": (f"{v:.6g}" if isinstance(v, float) else str(v))}
-            for k, v in m.get("metrics", {}).items() if not isinstance(v, (dict, list))]
+    return [
+        {"metric": k, "value": (f"{v:.6g}" if isinstance(v, float) else str(v))}
+        for k, v in m.get("metrics", {}).items()
+        if not isinstance(v, (dict, list))
+    ]
 
 
 def publish_cached(path: str | Path) -> None:
@@ -308,11 +312,14 @@ def publish_cached(path: str | Path) -> None:
     m = ArtifactStore.read_manifest(path)
     publish_metrics(m["stage"], path)
     rows = "\n".join(f"| {r['metric']} | {r['value']} |" for r in _metrics_table(m))
-    md = (f"# {m['stage']}: cached\n\nNothing ran: the artifact for this stage's inputs already exists.\n\n"
-          f"- stage: `{m['stage']}`\n- key: `{m['key']}`\n- artifact: [{path}]({Path(path).resolve().as_uri()})\n"
-          f"- created: {m.get('created')}\n\n| metric | value |\n|---|---|\n{rows}\n")
-    create_markdown_artifact(key=_slug(f"{m['stage']}-cached"), markdown=md,
-                             description=f"cached {m['stage']} artifact {m['key']}")
+    md = (
+        f"# {m['stage']}: cached\n\nNothing ran: the artifact for this stage's inputs already exists.\n\n"
+        f"- stage: `{m['stage']}`\n- key: `{m['key']}`\n- artifact: [{path}]({Path(path).resolve().as_uri()})\n"
+        f"- created: {m.get('created')}\n\n| metric | value |\n|---|---|\n{rows}\n"
+    )
+    create_markdown_artifact(
+        key=_slug(f"{m['stage']}-cached"), markdown=md, description=f"cached {m['stage']} artifact {m['key']}"
+    )
 
 
 def publish_eval_report(path: str | Path, pipeline: str, selection: dict[str, str] | None) -> None:
@@ -330,6 +337,7 @@ def publish_lineage(store: ArtifactStore, path: str | Path) -> str:
     """The lineage of an artifact as a Prefect markdown artifact (a nested list and tables; Prefect's markdown
     renders no mermaid); returns the text tree."""
     tree = lineage_tree(store, path)
-    create_markdown_artifact(key=_slug(f"lineage-{tree['stage']}"), markdown=render(tree, "markdown"),
-                             description=f"lineage of {path}")
+    create_markdown_artifact(
+        key=_slug(f"lineage-{tree['stage']}"), markdown=render(tree, "markdown"), description=f"lineage of {path}"
+    )
     return render(tree, "text")

@@ -13,9 +13,9 @@ never stored, so they cannot drift from the fields.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any, Mapping
-
+from typing import Any
 
 SCORING_MAX_BYTES = 1 << 30
 """The activations one eval scoring call may hold (`ModelConfig.scoring_rows`). The dynamic-shape graph's pool
@@ -52,8 +52,15 @@ class ModelConfig:
     """Standard deviation of the normal init of embedding and projection weights."""
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                     "num_heads", "num_kv_heads", "max_seq_length"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "max_seq_length",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
@@ -65,11 +72,9 @@ class ModelConfig:
         if not isinstance(self.tie_embeddings, bool):
             raise ValueError(f"ModelConfig.tie_embeddings must be a bool, got {self.tie_embeddings!r}")
         if self.hidden_size % self.num_heads != 0:
-            raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by "
-                             f"num_heads ({self.num_heads})")
+            raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})")
         if self.num_heads % self.num_kv_heads != 0:
-            raise ValueError(f"num_heads ({self.num_heads}) must be divisible by "
-                             f"num_kv_heads ({self.num_kv_heads})")
+            raise ValueError(f"num_heads ({self.num_heads}) must be divisible by num_kv_heads ({self.num_kv_heads})")
         if self.head_dim % 2 != 0:
             raise ValueError(f"head_dim (hidden_size / num_heads = {self.head_dim}) must be even for RoPE")
 
@@ -83,8 +88,8 @@ class ModelConfig:
     @property
     def _layer_matmul_params(self) -> int:
         h, kv = self.hidden_size, self.num_kv_heads * self.head_dim
-        attn = 2 * h * h + 2 * h * kv             # q, o: [h, h]; k, v: [kv, h]
-        mlp = 3 * h * self.intermediate_size      # gate, up, down
+        attn = 2 * h * h + 2 * h * kv  # q, o: [h, h]; k, v: [kv, h]
+        mlp = 3 * h * self.intermediate_size  # gate, up, down
         return attn + mlp
 
     @property
@@ -136,7 +141,7 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
+    def from_dict(cls, d: Mapping[str, Any]) -> ModelConfig:
         """Build from a dict of fields; unknown keys raise ValueError naming the key."""
         known = {f.name for f in fields(cls)}
         for key in d:
@@ -145,7 +150,7 @@ class ModelConfig:
         return cls(**dict(d))
 
     @classmethod
-    def from_name(cls, name: str, **overrides: Any) -> "ModelConfig":
+    def from_name(cls, name: str, **overrides: Any) -> ModelConfig:
         """Preset `name` from PRESETS, with fields replaced by `overrides`."""
         if name not in PRESETS:
             raise ValueError(f"unknown model preset {name!r}; available: {sorted(PRESETS)}")
@@ -154,27 +159,81 @@ class ModelConfig:
 
 PRESETS: dict[str, dict[str, Any]] = {
     # Unit tests: compiles and runs in seconds.
-    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=172, num_layers=2,
-                 num_heads=4, num_kv_heads=2, max_seq_length=128),
+    "tiny": dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=172,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        max_seq_length=128,
+    ),
     # Demo model trained on 2 CPU cores: ~20.8M parameters, the cheapest shape we
     # found inside the 20-50M target (hidden 384 / 6 layers is only ~12.6M).
-    "small": dict(vocab_size=4096, hidden_size=512, intermediate_size=1376, num_layers=6,
-                  num_heads=8, num_kv_heads=2, max_seq_length=512),
+    "small": dict(
+        vocab_size=4096,
+        hidden_size=512,
+        intermediate_size=1376,
+        num_layers=6,
+        num_heads=8,
+        num_kv_heads=2,
+        max_seq_length=512,
+    ),
     # Shapes used for the MindSpore vs PyTorch throughput comparison.
-    "tiny-llama-bench": dict(vocab_size=8192, hidden_size=256, intermediate_size=688,
-                             num_layers=4, num_heads=8, num_kv_heads=4, max_seq_length=256),
+    "tiny-llama-bench": dict(
+        vocab_size=8192,
+        hidden_size=256,
+        intermediate_size=688,
+        num_layers=4,
+        num_heads=8,
+        num_kv_heads=4,
+        max_seq_length=256,
+    ),
     # SmolLM2-135M (the `smollm2` pipeline's real model, converted from its GGUF; built and trained on CPU).
-    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
-                         num_heads=9, num_kv_heads=3, max_seq_length=8192, rope_theta=100000.0, norm_eps=1e-5,
-                         tie_embeddings=True),
+    "smollm2-135m": dict(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        max_seq_length=8192,
+        rope_theta=100000.0,
+        norm_eps=1e-5,
+        tie_embeddings=True,
+    ),
     # SmolLM2-360M's shape (random weights here: the memory and speed benches, the slow tier's 360M run).
-    "smollm2-360m": dict(vocab_size=49152, hidden_size=960, intermediate_size=2560, num_layers=32,
-                         num_heads=15, num_kv_heads=5, max_seq_length=8192, rope_theta=100000.0, norm_eps=1e-5,
-                         tie_embeddings=True),
+    "smollm2-360m": dict(
+        vocab_size=49152,
+        hidden_size=960,
+        intermediate_size=2560,
+        num_layers=32,
+        num_heads=15,
+        num_kv_heads=5,
+        max_seq_length=8192,
+        rope_theta=100000.0,
+        norm_eps=1e-5,
+        tie_embeddings=True,
+    ),
     # Real shapes, for the memory estimator (never built on CPU).
-    "llama2-7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
-                      num_layers=32, num_heads=32, num_kv_heads=32, max_seq_length=4096),
-    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                      num_layers=32, num_heads=32, num_kv_heads=8, max_seq_length=8192,
-                      rope_theta=500000.0, norm_eps=1e-5),
+    "llama2-7b": dict(
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=32,
+        max_seq_length=4096,
+    ),
+    "llama3-8b": dict(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        max_seq_length=8192,
+        rope_theta=500000.0,
+        norm_eps=1e-5,
+    ),
 }

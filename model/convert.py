@@ -19,7 +19,8 @@ this module needs numpy only.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import numpy as np
 
@@ -29,23 +30,47 @@ from model.config import ModelConfig
 _Shape = Callable[[ModelConfig], tuple[int, ...]]
 KEY_TABLE: list[tuple[str, str, _Shape]] = [
     ("model.embed_tokens.weight", "embed_tokens.weight", lambda c: (c.vocab_size, c.hidden_size)),
-    ("model.layers.{i}.self_attn.q_proj.weight", "layers.{i}.self_attn.q_proj.weight",
-     lambda c: (c.num_heads * c.head_dim, c.hidden_size)),
-    ("model.layers.{i}.self_attn.k_proj.weight", "layers.{i}.self_attn.k_proj.weight",
-     lambda c: (c.num_kv_heads * c.head_dim, c.hidden_size)),
-    ("model.layers.{i}.self_attn.v_proj.weight", "layers.{i}.self_attn.v_proj.weight",
-     lambda c: (c.num_kv_heads * c.head_dim, c.hidden_size)),
-    ("model.layers.{i}.self_attn.o_proj.weight", "layers.{i}.self_attn.o_proj.weight",
-     lambda c: (c.hidden_size, c.num_heads * c.head_dim)),
-    ("model.layers.{i}.mlp.gate_proj.weight", "layers.{i}.mlp.gate_proj.weight",
-     lambda c: (c.intermediate_size, c.hidden_size)),
-    ("model.layers.{i}.mlp.up_proj.weight", "layers.{i}.mlp.up_proj.weight",
-     lambda c: (c.intermediate_size, c.hidden_size)),
-    ("model.layers.{i}.mlp.down_proj.weight", "layers.{i}.mlp.down_proj.weight",
-     lambda c: (c.hidden_size, c.intermediate_size)),
+    (
+        "model.layers.{i}.self_attn.q_proj.weight",
+        "layers.{i}.self_attn.q_proj.weight",
+        lambda c: (c.num_heads * c.head_dim, c.hidden_size),
+    ),
+    (
+        "model.layers.{i}.self_attn.k_proj.weight",
+        "layers.{i}.self_attn.k_proj.weight",
+        lambda c: (c.num_kv_heads * c.head_dim, c.hidden_size),
+    ),
+    (
+        "model.layers.{i}.self_attn.v_proj.weight",
+        "layers.{i}.self_attn.v_proj.weight",
+        lambda c: (c.num_kv_heads * c.head_dim, c.hidden_size),
+    ),
+    (
+        "model.layers.{i}.self_attn.o_proj.weight",
+        "layers.{i}.self_attn.o_proj.weight",
+        lambda c: (c.hidden_size, c.num_heads * c.head_dim),
+    ),
+    (
+        "model.layers.{i}.mlp.gate_proj.weight",
+        "layers.{i}.mlp.gate_proj.weight",
+        lambda c: (c.intermediate_size, c.hidden_size),
+    ),
+    (
+        "model.layers.{i}.mlp.up_proj.weight",
+        "layers.{i}.mlp.up_proj.weight",
+        lambda c: (c.intermediate_size, c.hidden_size),
+    ),
+    (
+        "model.layers.{i}.mlp.down_proj.weight",
+        "layers.{i}.mlp.down_proj.weight",
+        lambda c: (c.hidden_size, c.intermediate_size),
+    ),
     ("model.layers.{i}.input_layernorm.weight", "layers.{i}.input_layernorm.weight", lambda c: (c.hidden_size,)),
-    ("model.layers.{i}.post_attention_layernorm.weight", "layers.{i}.post_attention_layernorm.weight",
-     lambda c: (c.hidden_size,)),
+    (
+        "model.layers.{i}.post_attention_layernorm.weight",
+        "layers.{i}.post_attention_layernorm.weight",
+        lambda c: (c.hidden_size,),
+    ),
     ("model.norm.weight", "norm.weight", lambda c: (c.hidden_size,)),
     ("lm_head.weight", "lm_head.weight", lambda c: (c.vocab_size, c.hidden_size)),  # absent when tied
 ]
@@ -75,7 +100,7 @@ def held_layers(names: Iterable[str], prefix: str) -> list[int]:
     held = set()
     for name in names:
         if name.startswith(prefix):
-            index = name[len(prefix):].split(".", 1)[0]
+            index = name[len(prefix) :].split(".", 1)[0]
             if index.isdigit():
                 held.add(int(index))
     return sorted(held)
@@ -103,8 +128,9 @@ def key_pairs(cfg: ModelConfig) -> list[tuple[str, str, tuple[int, ...]]]:
     return out
 
 
-def _convert(src: dict[str, np.ndarray], pairs: list[tuple[str, str, tuple[int, ...]]],
-             dtype: np.dtype, what: str) -> dict[str, np.ndarray]:
+def _convert(
+    src: dict[str, np.ndarray], pairs: list[tuple[str, str, tuple[int, ...]]], dtype: np.dtype, what: str
+) -> dict[str, np.ndarray]:
     """Rename src by pairs (src key -> dst key), checking presence, shape and dtype; every key used once."""
     missing = [s for s, _, _ in pairs if s not in src]
     if missing:
@@ -134,8 +160,9 @@ def hf_to_native(hf_tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict[st
         head = hf.pop(TIED_HF_KEY)
         embed = hf.get(EMBED_HF_KEY)
         if embed is not None and not (head.shape == embed.shape and np.array_equal(head, embed)):
-            raise ConversionError(f"HF checkpoint: {TIED_HF_KEY}: differs from {EMBED_HF_KEY} but "
-                                  "tie_word_embeddings is true")
+            raise ConversionError(
+                f"HF checkpoint: {TIED_HF_KEY}: differs from {EMBED_HF_KEY} but tie_word_embeddings is true"
+            )
     return _convert(hf, key_pairs(cfg), np.dtype(np.float32), "HF checkpoint")
 
 
@@ -160,8 +187,10 @@ def _rope_theta(hf: dict[str, Any]) -> float:
     for where, d in (("rope_parameters", params), ("rope_scaling", scaling)):
         kind = d.get("rope_type", d.get("type"))
         if kind not in _SUPPORTED_ROPE:
-            raise ConversionError(f"config.json: {where}.rope_type={kind!r} is not supported (only plain RoPE, "
-                                  f"rope_type 'default'); this checkpoint needs rope scaling we do not implement")
+            raise ConversionError(
+                f"config.json: {where}.rope_type={kind!r} is not supported (only plain RoPE, "
+                f"rope_type 'default'); this checkpoint needs rope scaling we do not implement"
+            )
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
     return float(theta)
 
@@ -178,15 +207,23 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
             raise ConversionError(f"config.json: missing {field}")
     heads = hf["num_attention_heads"]
     cfg = ModelConfig(
-        vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], intermediate_size=hf["intermediate_size"],
-        num_layers=hf["num_hidden_layers"], num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
-        max_seq_length=hf.get("max_position_embeddings", 2048), rope_theta=_rope_theta(hf),
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        max_seq_length=hf.get("max_position_embeddings", 2048),
+        rope_theta=_rope_theta(hf),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         init_std=float(hf.get("initializer_range", 0.02)),
     )
     if hf.get("head_dim") not in (None, cfg.head_dim):
-        raise ConversionError(f"config.json: head_dim={hf['head_dim']} differs from hidden_size / num_attention_heads "
-                              f"= {cfg.head_dim}; not supported")
+        raise ConversionError(
+            f"config.json: head_dim={hf['head_dim']} differs from hidden_size / num_attention_heads "
+            f"= {cfg.head_dim}; not supported"
+        )
     return cfg
 
 

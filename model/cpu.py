@@ -19,10 +19,11 @@ import os
 import platform
 from dataclasses import dataclass
 
+
 @dataclass(frozen=True)
 class Level:
     name: str
-    machine: str           # platform.machine() family: "x86_64" or "aarch64"
+    machine: str  # platform.machine() family: "x86_64" or "aarch64"
     flags: tuple[str, ...]
     cpu_flags: frozenset[str]  # what /proc/cpuinfo must list for code built with `flags` to run
 
@@ -31,11 +32,15 @@ _X86_V2 = {"cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3"}
 _X86_V3 = _X86_V2 | {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"}  # abm: LZCNT
 _X86_V4 = _X86_V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
 LEVELS = {  # best first per machine
-    "x86_64": (Level("avx512", "x86_64", ("-march=x86-64-v4",), frozenset(_X86_V4)),
-               Level("avx2", "x86_64", ("-march=x86-64-v3",), frozenset(_X86_V3)),
-               Level("scalar", "x86_64", ("-march=x86-64", "-DMSLLM_SCALAR"), frozenset())),
-    "aarch64": (Level("neon", "aarch64", ("-march=armv8.2-a",), frozenset({"asimd", "fp", "atomics", "asimdrdm"})),
-                Level("scalar", "aarch64", ("-march=armv8-a", "-DMSLLM_SCALAR"), frozenset())),
+    "x86_64": (
+        Level("avx512", "x86_64", ("-march=x86-64-v4",), frozenset(_X86_V4)),
+        Level("avx2", "x86_64", ("-march=x86-64-v3",), frozenset(_X86_V3)),
+        Level("scalar", "x86_64", ("-march=x86-64", "-DMSLLM_SCALAR"), frozenset()),
+    ),
+    "aarch64": (
+        Level("neon", "aarch64", ("-march=armv8.2-a",), frozenset({"asimd", "fp", "atomics", "asimdrdm"})),
+        Level("scalar", "aarch64", ("-march=armv8-a", "-DMSLLM_SCALAR"), frozenset()),
+    ),
 }
 ISA_NAMES = ("avx512", "avx2", "neon", "scalar")
 
@@ -54,11 +59,23 @@ def _read_cpuinfo() -> str:
 
 
 # /proc/cpuinfo's x86 vector flags by the name NumPy's runtime dispatch gives the same CPUID (+ XGETBV) bit
-_CPUID_NAMES = {"avx": "AVX", "f16c": "F16C", "fma": "FMA3", "avx2": "AVX2", "avx512f": "AVX512F",
-                "avx512cd": "AVX512CD", "avx512bw": "AVX512BW", "avx512dq": "AVX512DQ", "avx512vl": "AVX512VL",
-                "avx512_vnni": "AVX512VNNI", "avx512ifma": "AVX512IFMA", "avx512vbmi": "AVX512VBMI",
-                "avx512_vbmi2": "AVX512VBMI2", "avx512_bitalg": "AVX512BITALG",
-                "avx512_vpopcntdq": "AVX512VPOPCNTDQ"}
+_CPUID_NAMES = {
+    "avx": "AVX",
+    "f16c": "F16C",
+    "fma": "FMA3",
+    "avx2": "AVX2",
+    "avx512f": "AVX512F",
+    "avx512cd": "AVX512CD",
+    "avx512bw": "AVX512BW",
+    "avx512dq": "AVX512DQ",
+    "avx512vl": "AVX512VL",
+    "avx512_vnni": "AVX512VNNI",
+    "avx512ifma": "AVX512IFMA",
+    "avx512vbmi": "AVX512VBMI",
+    "avx512_vbmi2": "AVX512VBMI2",
+    "avx512_bitalg": "AVX512BITALG",
+    "avx512_vpopcntdq": "AVX512VPOPCNTDQ",
+}
 
 
 def _cpuid_lacks() -> set[str]:
@@ -114,7 +131,9 @@ def cpu_levels(cpuinfo: str | None = None, machine: str | None = None) -> tuple[
     return tuple(lv.name for lv in levels if lv.cpu_flags <= have)
 
 
-def select_isa(override: str | None = None, cpuinfo: str | None = None, machine: str | None = None) -> tuple[str | None, str]:
+def select_isa(
+    override: str | None = None, cpuinfo: str | None = None, machine: str | None = None
+) -> tuple[str | None, str]:
     """(level, "") to build, or (None, why not). `override` (default $MSLLM_KERNEL_ISA) forces a level."""
     override = os.environ.get("MSLLM_KERNEL_ISA", "") if override is None else override
     m = _machine(machine)

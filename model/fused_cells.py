@@ -16,8 +16,8 @@ Forward and backward are one fused kernel each; the math matches MindSpore's own
 
 from __future__ import annotations
 
-import numpy as np
 import mindspore as ms
+import numpy as np
 from mindspore import Tensor, nn, ops
 
 
@@ -51,8 +51,6 @@ class _RMSNormKernel(nn.Cell):
 
     def bprop(self, x, weight, out, dout):
         return self.backward_op(x, weight, self.eps, dout)
-
-
 
 
 class FusedCausalSoftmax(nn.Cell):

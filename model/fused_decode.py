@@ -3,8 +3,8 @@
     lib = build_decode_kernel(fused=True)       # the compiled library, or None (decision, no g++, failed build)
     step = FusedDecodeStep(decoder, lib, decode_threads())                 # one token through the whole model
     chunk = FusedDecodeStep(decoder, lib, threads, prefill=True)          # a prompt chunk through the whole model
-    attn = chunk_attention_op(lib)              # RoPE + cache write + attention of one layer (CachedDecoder's chunk graph)
-    decode_kernel_path()                        # "avx512" / "avx2" / "neon" / "scalar", or "off: <why>"
+    attn = chunk_attention_op(lib)              # RoPE + cache write + attention of one layer (CachedDecoder's chunk
+    graph) decode_kernel_path() # "avx512" / "avx2" / "neon" / "scalar", or "off: <why>"
 
 Whether they run is model.kernels.off_reason(..., kind="decode"): eval.fused_kernels, MSLLM_FUSED_DECODE and
 MSLLM_FUSED_KERNELS. The ops read the net's own Parameters and write the caches in place.
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
 import mindspore as ms
+import numpy as np
 from mindspore import Tensor, nn, ops
 from mindspore.ops import signature as sig
 
@@ -64,8 +64,10 @@ def _decode_dtypes(*dtypes):
     for i, t in enumerate(dtypes):
         want = ms.int32 if i < 2 else ms.float32
         if dtype_of(t) != want:
-            raise KernelShapeError(f"fused kernel DecodeStep: operand {i} must be {want}, got {dtype_of(t)} "
-                                   f"(an fp32 model and int32 token/position)")
+            raise KernelShapeError(
+                f"fused kernel DecodeStep: operand {i} must be {want}, got {dtype_of(t)} "
+                f"(an fp32 model and int32 token/position)"
+            )
     return ms.float32
 
 
@@ -78,12 +80,14 @@ def _decode_op(lib: str, vocab: int, n_layers: int, name: str = "DecodeStep"):
     writes = range(8 + 9 * n_layers, n_in)
 
     class WholeModelStep(ops.Custom):
-        __mindspore_signature__ = tuple(sig.make_sig(f"x{i}", sig.sig_rw.RW_WRITE if i in writes else sig.sig_rw.RW_READ)
-                                        for i in range(n_in))
+        __mindspore_signature__ = tuple(
+            sig.make_sig(f"x{i}", sig.sig_rw.RW_WRITE if i in writes else sig.sig_rw.RW_READ) for i in range(n_in)
+        )
 
         def __init__(self):
-            super().__init__(f"{lib}:{name}", out_shape=lambda *shapes: [1, vocab],
-                             out_dtype=_decode_dtypes, func_type="aot")
+            super().__init__(
+                f"{lib}:{name}", out_shape=lambda *shapes: [1, vocab], out_dtype=_decode_dtypes, func_type="aot"
+            )
             self.add_prim_attr("side_effect_mem", True)
 
     return WholeModelStep()
@@ -95,12 +99,22 @@ def chunk_attention_op(lib: str):
     the chunk's RoPE'd k and its v into the caches at slots start.. (declared RW_WRITE + side_effect_mem on them,
     as `_decode_op`), then query i attends slots 0..start+i. Shapes and dtypes are checked when the graph is
     inferred (the kernel checks again)."""
+
     def shape(q, k, v, start, cos, sin, kc, vc, consts):
-        if (len(q) != 2 or len(kc) != 3 or list(kc) != list(vc) or q[1] % kc[2] or (q[1] // kc[2]) % kc[0]
-                or list(k) != [q[0], kc[0] * kc[2]] or list(v) != list(k)):
-            raise KernelShapeError(f"fused kernel ChunkAttention: q [T, heads * head_dim], k and v [T, n_kv * head_dim]"
-                                   f" and caches [n_kv, S, head_dim] expected, got {list(q)}, {list(k)}, {list(v)},"
-                                   f" {list(kc)}, {list(vc)}")
+        if (
+            len(q) != 2
+            or len(kc) != 3
+            or list(kc) != list(vc)
+            or q[1] % kc[2]
+            or (q[1] // kc[2]) % kc[0]
+            or list(k) != [q[0], kc[0] * kc[2]]
+            or list(v) != list(k)
+        ):
+            raise KernelShapeError(
+                f"fused kernel ChunkAttention: q [T, heads * head_dim], k and v [T, n_kv * head_dim]"
+                f" and caches [n_kv, S, head_dim] expected, got {list(q)}, {list(k)}, {list(v)},"
+                f" {list(kc)}, {list(vc)}"
+            )
         return list(q)
 
     def dtype(*dtypes):
@@ -111,8 +125,9 @@ def chunk_attention_op(lib: str):
         return ms.float32
 
     class ChunkAttention(ops.Custom):
-        __mindspore_signature__ = tuple(sig.make_sig(f"x{i}", sig.sig_rw.RW_WRITE if i in (6, 7) else sig.sig_rw.RW_READ)
-                                        for i in range(9))
+        __mindspore_signature__ = tuple(
+            sig.make_sig(f"x{i}", sig.sig_rw.RW_WRITE if i in (6, 7) else sig.sig_rw.RW_READ) for i in range(9)
+        )
 
         def __init__(self):
             super().__init__(f"{lib}:ChunkAttention", out_shape=shape, out_dtype=dtype, func_type="aot")
@@ -151,9 +166,17 @@ class FusedDecodeStep(nn.Cell):
         args = (token, pos, self.consts, net.embed_tokens.weight, net.norm.weight, head, net.rope_cos, net.rope_sin)
         for layer in net.layers:
             a, m = layer.self_attn, layer.mlp
-            args = args + (layer.input_layernorm.weight, a.q_proj.weight, a.k_proj.weight, a.v_proj.weight,
-                           a.o_proj.weight, layer.post_attention_layernorm.weight, m.gate_proj.weight,
-                           m.up_proj.weight, m.down_proj.weight)
+            args = args + (
+                layer.input_layernorm.weight,
+                a.q_proj.weight,
+                a.k_proj.weight,
+                a.v_proj.weight,
+                a.o_proj.weight,
+                layer.post_attention_layernorm.weight,
+                m.gate_proj.weight,
+                m.up_proj.weight,
+                m.down_proj.weight,
+            )
         for i in range(len(net.layers)):
             args = args + (dec.k_cache[i],)
         for i in range(len(net.layers)):

@@ -9,9 +9,9 @@ The cached path, for an fp32 single-device net with plain projections (`CachedDe
 writes the prompt into per-layer K/V cache Parameters [n_kv, S, head_dim] (S = max_len) in fixed-size
 chunks of `prefill_chunk` (64) tokens through ONE static graph (`CachedDecoder` at T = C; `_chunks`), whose
 RoPE, cache write and attention are one custom op per layer over slots 0..position (`ChunkAttention`,
-model/decode_kernel.cc) where the kernel builds: neither its buffers nor its work grow with the prompt or with S, and no prompt length
-compiles anything new. (A dynamic-length graph held 24 GB at a 2000-token SmolLM2 prompt and a static graph
-per 32-token bucket kept every bucket's buffers; see docs/MINDSPORE_CPU.md, "Memory".) It then decodes each token
+model/decode_kernel.cc) where the kernel builds: neither its buffers nor its work grow with the prompt or with S, and no
+prompt length compiles anything new. (A dynamic-length graph held 24 GB at a 2000-token SmolLM2 prompt and a static
+graph per 32-token bucket kept every bucket's buffers; see docs/MINDSPORE_CPU.md, "Memory".) It then decodes each token
 with ONE MindSpore custom op, `FusedDecodeStep` (model/decode_kernel.cc, built with g++ on first use:
 every layer's RMSNorm, projections, RoPE, attention over the cache and SwiGLU MLP, plus the LM head,
 with AVX-512 GEMVs over OpenMP threads; it reads the net's own Parameters, so weights updated in place
@@ -27,8 +27,8 @@ caches go in and out as values (through `mindspore.mutable`; a plain tuple of Te
 constant and recompiles on every new value); its prompt pass takes the same fixed-size chunks (one static
 graph, the LM head on the last row only). Each
 decode step compiles once: the position is a Tensor. The uncached path recomputes the full forward over
-the whole sequence each step (also jit-compiled, right-padded to a multiple of `bucket`, one compilation per bucket): the reference for
-tests and the `kv_speedup` baseline of `scripts/bench/generate.py`.
+the whole sequence each step (also jit-compiled, right-padded to a multiple of `bucket`, one compilation per bucket):
+the reference for tests and the `kv_speedup` baseline of `scripts/bench/generate.py`.
 
 Token ids in, token ids out: no tokenizer here (stop strings are the caller's
 `stop` callback). A sequence never grows past S tokens: the prompt keeps its last
@@ -39,14 +39,20 @@ see exactly the same context and produce the same tokens.
 from __future__ import annotations
 
 import logging
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
-import numpy as np
 import mindspore as ms
+import numpy as np
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
-from model.fused_decode import (FusedDecodeStep, build_decode_kernel, chunk_attention_op, decode_disabled_reason,
-                                decode_kernel_path, decode_threads)
+from model.fused_decode import (
+    FusedDecodeStep,
+    build_decode_kernel,
+    chunk_attention_op,
+    decode_disabled_reason,
+    decode_kernel_path,
+    decode_threads,
+)
 from model.layers import Linear
 from model.llama import MLP, Attention
 from model.lora import LoRALinear, lora_layers
@@ -83,12 +89,26 @@ class CachedDecoder(nn.Cell):
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.n_rep = c.num_heads // c.num_kv_heads
         self.max_len = max_len
-        self.k_cache = ParameterTuple([Parameter(Tensor(np.zeros((c.num_kv_heads, max_len, c.head_dim), np.float32)),
-                                                    name=f"decoder_k_cache.{i}", requires_grad=False)
-                                          for i in range(c.num_layers)])
-        self.v_cache = ParameterTuple([Parameter(Tensor(np.zeros((c.num_kv_heads, max_len, c.head_dim), np.float32)),
-                                                    name=f"decoder_v_cache.{i}", requires_grad=False)
-                                          for i in range(c.num_layers)])
+        self.k_cache = ParameterTuple(
+            [
+                Parameter(
+                    Tensor(np.zeros((c.num_kv_heads, max_len, c.head_dim), np.float32)),
+                    name=f"decoder_k_cache.{i}",
+                    requires_grad=False,
+                )
+                for i in range(c.num_layers)
+            ]
+        )
+        self.v_cache = ParameterTuple(
+            [
+                Parameter(
+                    Tensor(np.zeros((c.num_kv_heads, max_len, c.head_dim), np.float32)),
+                    name=f"decoder_v_cache.{i}",
+                    requires_grad=False,
+                )
+                for i in range(c.num_layers)
+            ]
+        )
         self.scores_matmul = ops.BatchMatMul(transpose_b=True)
         self.values_matmul = ops.BatchMatMul()
         self.head_matmul = ops.MatMul(transpose_b=True)
@@ -96,8 +116,9 @@ class CachedDecoder(nn.Cell):
         # With the decode kernel's library: a prompt chunk's RoPE, cache write and attention as one op per layer over
         # slots 0..position (ChunkAttention), instead of ~20 kernels with [heads, T, S] scores over every slot
         self.chunk_attention = chunk_attention_op(lib) if lib else None
-        self.attention_consts = Tensor(np.array([net.layers[0].self_attn.scale if len(net.layers) else 1.0, threads],
-                                                np.float32))
+        self.attention_consts = Tensor(
+            np.array([net.layers[0].self_attn.scale if len(net.layers) else 1.0, threads], np.float32)
+        )
 
     @staticmethod
     def supports(net) -> bool:
@@ -125,20 +146,29 @@ class CachedDecoder(nn.Cell):
 
     def _run(self, input_ids: Tensor, start_pos: Tensor, last: Tensor, single: bool) -> Tensor:
         net = self.net
-        x = ops.gather(net.embed_tokens.weight, input_ids.reshape(-1), 0)              # [T, H]
+        x = ops.gather(net.embed_tokens.weight, input_ids.reshape(-1), 0)  # [T, H]
         if self.chunk_attention is not None and not single:  # RoPE, cache write and attention: one op per layer
             for i, layer in enumerate(net.layers):
                 attn = layer.self_attn
                 h = layer.input_layernorm(x)
-                out = self.chunk_attention(attn.q_proj(h), attn.k_proj(h), attn.v_proj(h), start_pos, net.rope_cos,
-                                           net.rope_sin, self.k_cache[i], self.v_cache[i], self.attention_consts)
+                out = self.chunk_attention(
+                    attn.q_proj(h),
+                    attn.k_proj(h),
+                    attn.v_proj(h),
+                    start_pos,
+                    net.rope_cos,
+                    net.rope_sin,
+                    self.k_cache[i],
+                    self.v_cache[i],
+                    self.attention_consts,
+                )
                 x = x + attn.o_proj(out)
                 x = x + layer.mlp(layer.post_attention_layernorm(x))
         else:
             x = self._layers(x, start_pos, single)
-        x = net.norm(ops.gather(x, last.reshape(1), 0))                               # [1, H]
+        x = net.norm(ops.gather(x, last.reshape(1), 0))  # [1, H]
         if net.tie_embeddings:
-            return self.head_matmul(x, net.embed_tokens.weight)                       # [1, V]
+            return self.head_matmul(x, net.embed_tokens.weight)  # [1, V]
         return net.lm_head(x)
 
     def _layers(self, x: Tensor, start_pos: Tensor, single: bool) -> Tensor:
@@ -147,8 +177,8 @@ class CachedDecoder(nn.Cell):
         net = self.net
         t = x.shape[0]
         nh, nkv, hd, s = self.num_heads, self.num_kv_heads, self.head_dim, self.max_len
-        positions = start_pos + ops.arange(t, dtype=ms.int32)                         # [T]
-        cos = ops.gather(net.rope_cos, positions, 0).reshape(t, 1, hd)                # [T, 1, hd]
+        positions = start_pos + ops.arange(t, dtype=ms.int32)  # [T]
+        cos = ops.gather(net.rope_cos, positions, 0).reshape(t, 1, hd)  # [T, 1, hd]
         sin = ops.gather(net.rope_sin, positions, 0).reshape(t, 1, hd)
         mask = (ops.arange(s, dtype=ms.int32).reshape(1, -1) > positions.reshape(-1, 1)).astype(ms.float32) * -1e9
         # cache rows written: (kv head h, slot start_pos + i) for h, i -> [nkv * T, 2]
@@ -163,12 +193,14 @@ class CachedDecoder(nn.Cell):
             v = attn.v_proj(h)
             q = (q.reshape(t, nh, hd) * cos + attn.rotate_matmul(q, attn.rotate).reshape(t, nh, hd) * sin) * attn.scale
             k = k.reshape(t, nkv, hd) * cos + attn.rotate_matmul(k, attn.rotate).reshape(t, nkv, hd) * sin
-            kc = self.scatter(self.k_cache[i], rows, self._heads_first(k.reshape(t, nkv * hd), t, nkv, single).reshape(nkv * t, hd))
+            kc = self.scatter(
+                self.k_cache[i], rows, self._heads_first(k.reshape(t, nkv * hd), t, nkv, single).reshape(nkv * t, hd)
+            )
             vc = self.scatter(self.v_cache[i], rows, self._heads_first(v, t, nkv, single).reshape(nkv * t, hd))
             qh = self._heads_first(q.reshape(t, nh * hd), t, nh, single).reshape(nkv, self.n_rep * t, hd)
-            scores = self.scores_matmul(qh, kc).reshape(nh, t, s) + mask               # [nh, T, S]
+            scores = self.scores_matmul(qh, kc).reshape(nh, t, s) + mask  # [nh, T, S]
             probs = ops.softmax(scores.reshape(nh * t, s), -1).reshape(nkv, self.n_rep * t, s)
-            out = self.values_matmul(probs, vc).reshape(nh, t, hd)                    # [nh, T, hd]
+            out = self.values_matmul(probs, vc).reshape(nh, t, hd)  # [nh, T, hd]
             if single:
                 out = out.reshape(1, nh * hd)
             else:
@@ -194,14 +226,22 @@ class Generator:
     ECHO_HEAD_ROWS = 256
     """Prompt positions per LM-head call of `prompt_logits` (its [rows, V] logits: 50 MB at SmolLM2's vocabulary)."""
 
-    def __init__(self, net, bucket: int = 32, max_len: int | None = None, fused: bool = True,
-                 threads: int | None = None, prefill_chunk: int = PREFILL_CHUNK):
+    def __init__(
+        self,
+        net,
+        bucket: int = 32,
+        max_len: int | None = None,
+        fused: bool = True,
+        threads: int | None = None,
+        prefill_chunk: int = PREFILL_CHUNK,
+    ):
         self.net = net
         self.bucket = bucket
         self.max_len = max_len or net.config.max_seq_length  # cache slots S
         self.prefill_chunk = max(1, min(prefill_chunk, self.max_len))  # prompt tokens per prefill call (_chunks)
         if self.max_len > net.config.max_seq_length:
             raise ValueError(f"max_len {self.max_len} exceeds the model's max_seq_length {net.config.max_seq_length}")
+
         # Plain closures, not `ms.jit(net.forward_cached)`: jit on a bound method of a Cell binds that
         # method as the Cell's graph, and a later `net(ids)` inside another jit function fails.
         def step(input_ids, start_pos, k_caches, v_caches):
@@ -227,8 +267,9 @@ class Generator:
             off = decode_disabled_reason(fused) or "the kernel did not build here (no C++ compiler, or a failed build)"
             self._path_reason = f"the fused decode kernel is off: {off}"
         else:
-            self._path_reason = (f"the fused decode kernel (model/decode_kernel.cc, {decode_kernel_path(fused)} body, "
-                                 f"{threads} threads)")
+            self._path_reason = (
+                f"the fused decode kernel (model/decode_kernel.cc, {decode_kernel_path(fused)} body, {threads} threads)"
+            )
         self._decoder = CachedDecoder(net, self.max_len, lib, threads) if supported else None
         # The decoder's caches are one set of Parameters: one sequence at a time may use them. Sequences
         # interleaved with it (the server's engine runs several coroutines in turn) take the functional path.
@@ -244,7 +285,9 @@ class Generator:
         # with fused=False, on the decoder's MindSpore kernels. Both write the same caches.
         self._fused = None
         self._fused_prefill = None  # prompt chunks as one op (FusedDecodeStep with prefill=True), where _fused is
-        self._lora = [layer for _, layer in lora_layers(net)]  # the fused step ignores their updates (see _cached_steps)
+        self._lora = [
+            layer for _, layer in lora_layers(net)
+        ]  # the fused step ignores their updates (see _cached_steps)
         if lib is not None:
             fused_step = FusedDecodeStep(self._decoder, lib, threads)
 
@@ -279,10 +322,19 @@ class Generator:
     def _lora_on(self) -> bool:
         return any(not layer.merged for layer in self._lora)
 
-    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int = 64, *, temperature: float = 0.0,
-                 top_k: int | None = None, top_p: float | None = None, seed: int | None = 0,
-                 eos_id: int | None = None, stop: Callable[[list[int]], bool] | None = None,
-                 use_cache: bool = True) -> list[int]:
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int = 64,
+        *,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = 0,
+        eos_id: int | None = None,
+        stop: Callable[[list[int]], bool] | None = None,
+        use_cache: bool = True,
+    ) -> list[int]:
         """New token ids after `prompt_ids` (the prompt is not included).
 
         Stops after max_new_tokens, at eos_id (included in the output), when
@@ -292,7 +344,7 @@ class Generator:
         """
         if not len(prompt_ids):
             raise ValueError("generate: the prompt is empty; pass at least one token id (e.g. BOS or EOS)")
-        ids = [int(t) for t in prompt_ids][-(self.max_len - 1):]
+        ids = [int(t) for t in prompt_ids][-(self.max_len - 1) :]
         budget = min(max_new_tokens, self.max_len - len(ids))
         rng = np.random.default_rng(seed)
         next_logits = self._cached_steps(ids) if use_cache else self._uncached_steps(ids)
@@ -333,12 +385,14 @@ class Generator:
         if "prompt_hidden" not in self._graphs:
             self._graphs["prompt_hidden"], _ = hidden_states_graph(self.net)
             self._graphs["prompt_head"] = dynamic_graph(
-                self.net, head, Tensor(shape=[1, None, self.net.config.hidden_size], dtype=self.net.compute_dtype))
-        x = self._graphs["prompt_hidden"](Tensor(np.asarray([ids], np.int32)))      # [1, T, H]
+                self.net, head, Tensor(shape=[1, None, self.net.config.hidden_size], dtype=self.net.compute_dtype)
+            )
+        x = self._graphs["prompt_hidden"](Tensor(np.asarray([ids], np.int32)))  # [1, T, H]
         out = np.empty((len(ids), self.net.config.vocab_size), np.float32)
         for start in range(0, len(ids), self.ECHO_HEAD_ROWS):
-            out[start:start + self.ECHO_HEAD_ROWS] = self._graphs["prompt_head"](
-                x[:, start:start + self.ECHO_HEAD_ROWS]).asnumpy()[0]
+            out[start : start + self.ECHO_HEAD_ROWS] = self._graphs["prompt_head"](
+                x[:, start : start + self.ECHO_HEAD_ROWS]
+            ).asnumpy()[0]
         return out
 
     def _compiled(self, name: str) -> None:
@@ -359,16 +413,18 @@ class Generator:
             x[0, :n] = ids
             return [(x, 0, n - 1)]
         starts = list(range(0, n - c, c)) + [n - c]
-        return [(np.asarray([ids[s:s + c]], np.int32), s, c - 1) for s in starts]
+        return [(np.asarray([ids[s : s + c]], np.int32), s, c - 1) for s in starts]
 
     def _fused_op(self, op, what: str, pos: int, *args):
         """One call of the fused prefill/decode op; its failure is a DecodeError naming the path, not a switch."""
         try:
             return op(*args)
         except RuntimeError as exc:  # the op failed to load or run: an error with its reason, never a fallback
-            raise DecodeError(f"the fused {what} step failed at position {pos} ({self.decode_reason}): "
-                              f"{str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}; "
-                              f"MSLLM_FUSED_DECODE=0 decodes on MindSpore's kernels instead") from exc
+            raise DecodeError(
+                f"the fused {what} step failed at position {pos} ({self.decode_reason}): "
+                f"{str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}; "
+                f"MSLLM_FUSED_DECODE=0 decodes on MindSpore's kernels instead"
+            ) from exc
 
     # Each path is a coroutine: it yields the logits [V] for the next position, and is sent the
     # token chosen there.
@@ -388,8 +444,9 @@ class Generator:
                 for x, start, last in self._chunks(ids):  # fixed [1, C] chunks: the same shapes for every prompt
                     logits = None
                     if fused and self._fused_prefill is not None:
-                        logits = self._fused_op(self._fused_prefill, "prefill", start, Tensor(x),
-                                                Tensor([start, last], ms.int32))
+                        logits = self._fused_op(
+                            self._fused_prefill, "prefill", start, Tensor(x), Tensor([start, last], ms.int32)
+                        )
                     if logits is None:
                         logits = self._decode(Tensor(x), Tensor(start, ms.int32), Tensor(last, ms.int32))
                 logits = logits.asnumpy()[0]
@@ -411,8 +468,9 @@ class Generator:
                 self._decoder_busy = False
         k, v = self.net.init_cache(1, self.max_len)
         for x, start, last in self._chunks(ids):
-            logits, k, v = self._chunk_step(Tensor(x), Tensor(start, ms.int32), Tensor(last, ms.int32),
-                                            ms.mutable(k), ms.mutable(v))
+            logits, k, v = self._chunk_step(
+                Tensor(x), Tensor(start, ms.int32), Tensor(last, ms.int32), ms.mutable(k), ms.mutable(v)
+            )
         pos = n
         tok = yield logits.asnumpy()[0, 0]
         while True:

@@ -20,7 +20,8 @@ from typing import Any
 
 import gguf
 import numpy as np
-from gguf import GGMLQuantizationType as Q, GGUFValueType, quants
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFValueType, quants
 
 from model.config import ModelConfig
 from model.convert import ConversionError, check_layer_count, key_pairs, nonfinite
@@ -58,7 +59,7 @@ def _pairs(cfg: ModelConfig) -> list[tuple[str, str]]:
     for g, ours in TENSORS:
         if g == "output.weight" and cfg.tie_embeddings:
             continue
-        for i in (range(cfg.num_layers) if "{i}" in g else [None]):
+        for i in range(cfg.num_layers) if "{i}" in g else [None]:
             out.append((g.format(i=i), ours.format(i=i)))
     return out
 
@@ -78,8 +79,10 @@ def read_metadata(path: str | Path):
     try:
         reader = gguf.GGUFReader(str(p), "r")
     except (ValueError, IndexError, KeyError, OSError, EOFError) as exc:
-        raise GGUFError(f"{p}: not a readable GGUF file ({type(exc).__name__}: {str(exc)[:160]}); "
-                        "the file is truncated or not GGUF: download it again") from None
+        raise GGUFError(
+            f"{p}: not a readable GGUF file ({type(exc).__name__}: {str(exc)[:160]}); "
+            "the file is truncated or not GGUF: download it again"
+        ) from None
     meta: dict[str, Any] = {}
     for k, f in reader.fields.items():
         try:
@@ -99,9 +102,11 @@ def _undecodable(p: Path, key: str, field) -> str:
             str(field.parts[i].tobytes(), encoding="utf-8")
         except UnicodeDecodeError as exc:
             where = f"{key}[{n}]" if array else key
-            return (f"{p}: metadata {where} is not valid UTF-8 (byte {exc.start}: "
-                    f"{field.parts[i].tobytes()[:40]!r}); the file is corrupt or was written by a broken "
-                    "converter: download or convert it again")
+            return (
+                f"{p}: metadata {where} is not valid UTF-8 (byte {exc.start}: "
+                f"{field.parts[i].tobytes()[:40]!r}); the file is corrupt or was written by a broken "
+                "converter: download or convert it again"
+            )
         except (AttributeError, TypeError):
             break
     return f"{p}: metadata {key} cannot be decoded; the file is corrupt: download it again"
@@ -118,20 +123,26 @@ def _check_layout(p: Path, reader) -> None:
     for t in reader.tensors:
         rel = int(t.data_offset) - start
         if rel < 0 or rel % align:
-            raise GGUFError(f"{p}: tensor {t.name} has data offset {rel} (relative to the data section), not a "
-                            f"multiple of the alignment {align} (general.alignment); the file is corrupt or "
-                            "crafted: download or convert it again")
+            raise GGUFError(
+                f"{p}: tensor {t.name} has data offset {rel} (relative to the data section), not a "
+                f"multiple of the alignment {align} (general.alignment); the file is corrupt or "
+                "crafted: download or convert it again"
+            )
         end = int(t.data_offset) + int(t.n_bytes)
         if end > size:
-            raise GGUFError(f"{p}: tensor {t.name} ends at byte {end} but the file has "
-                            f"{size} bytes; the file is truncated: download it again")
+            raise GGUFError(
+                f"{p}: tensor {t.name} ends at byte {end} but the file has "
+                f"{size} bytes; the file is truncated: download it again"
+            )
         spans.append((int(t.data_offset), end, len(spans), t.name))
     spans.sort()
     for a, b in zip(spans, spans[1:]):
         if b[0] < a[1]:
             (s1, e1, _, n1), (s0, e0, _, n0) = sorted((a, b), key=lambda x: -x[2])  # the one listed later first
-            raise GGUFError(f"{p}: tensor {n1} (bytes {s1}-{e1}) overlaps tensor {n0} (bytes {s0}-{e0}); the file "
-                            "is corrupt or crafted: download or convert it again")
+            raise GGUFError(
+                f"{p}: tensor {n1} (bytes {s1}-{e1}) overlaps tensor {n0} (bytes {s0}-{e0}); the file "
+                "is corrupt or crafted: download or convert it again"
+            )
 
 
 def _f32(v) -> float:
@@ -167,27 +178,41 @@ def config_from_meta(meta: dict[str, Any], where: str) -> ModelConfig:
     hidden = whole("embedding_length")
     kv = whole("attention.head_count_kv", heads)
     if hidden % heads or (hidden // heads) % 2:
-        raise GGUFError(f"{where}: {ARCH}.embedding_length={hidden} is not an even multiple of "
-                        f"{ARCH}.attention.head_count={heads} (the head size must be a whole, even number); {fix}")
+        raise GGUFError(
+            f"{where}: {ARCH}.embedding_length={hidden} is not an even multiple of "
+            f"{ARCH}.attention.head_count={heads} (the head size must be a whole, even number); {fix}"
+        )
     if heads % kv:
-        raise GGUFError(f"{where}: {ARCH}.attention.head_count={heads} is not a multiple of "
-                        f"{ARCH}.attention.head_count_kv={kv}; {fix}")
+        raise GGUFError(
+            f"{where}: {ARCH}.attention.head_count={heads} is not a multiple of "
+            f"{ARCH}.attention.head_count_kv={kv}; {fix}"
+        )
     rot = meta.get(f"{ARCH}.rope.dimension_count")
     if rot is not None and rot != hidden // heads:
-        raise GGUFError(f"{where}: {ARCH}.rope.dimension_count={_short(rot)} differs from the head size "
-                        f"{hidden // heads} (partial RoPE is not supported)")
+        raise GGUFError(
+            f"{where}: {ARCH}.rope.dimension_count={_short(rot)} differs from the head size "
+            f"{hidden // heads} (partial RoPE is not supported)"
+        )
     if meta.get(f"{ARCH}.rope.scaling.type") not in (None, "none"):
-        raise GGUFError(f"{where}: {ARCH}.rope.scaling.type={meta[f'{ARCH}.rope.scaling.type']!r} is not supported "
-                        "(only plain RoPE)")
+        raise GGUFError(
+            f"{where}: {ARCH}.rope.scaling.type={meta[f'{ARCH}.rope.scaling.type']!r} is not supported "
+            "(only plain RoPE)"
+        )
     tokens = meta.get("tokenizer.ggml.tokens")
     if f"{ARCH}.vocab_size" not in meta and not isinstance(tokens, list):
         raise GGUFError(f"{where}: neither {ARCH}.vocab_size nor tokenizer.ggml.tokens is present")
-    fields = dict(vocab_size=whole("vocab_size", len(tokens) if isinstance(tokens, list) else None),
-                  hidden_size=hidden, intermediate_size=whole("feed_forward_length"),
-                  num_layers=whole("block_count"), num_heads=heads, num_kv_heads=kv,
-                  max_seq_length=whole("context_length", 2048), rope_theta=positive("rope.freq_base", 10000.0),
-                  norm_eps=positive("attention.layer_norm_rms_epsilon", 1e-5),
-                  tie_embeddings=False)  # decided from the tensors by read_gguf
+    fields = dict(
+        vocab_size=whole("vocab_size", len(tokens) if isinstance(tokens, list) else None),
+        hidden_size=hidden,
+        intermediate_size=whole("feed_forward_length"),
+        num_layers=whole("block_count"),
+        num_heads=heads,
+        num_kv_heads=kv,
+        max_seq_length=whole("context_length", 2048),
+        rope_theta=positive("rope.freq_base", 10000.0),
+        norm_eps=positive("attention.layer_norm_rms_epsilon", 1e-5),
+        tie_embeddings=False,
+    )  # decided from the tensors by read_gguf
     try:
         return ModelConfig(**fields)
     except ValueError as exc:  # what the checks above missed, still one line naming the file
@@ -207,8 +232,10 @@ def tokenizer_problem(meta: dict[str, Any], where: str) -> str | None:
 
     The tokens must be distinct strings, token_type one entry per token, each merge "a b" with a, b and ab
     among the tokens (what a BPE tokenizer.json needs to load), and every special token id inside the vocabulary."""
-    fix = "the file's vocabulary is corrupt: download it again, or convert the model's Hugging Face directory " \
-          "with --from-hf"
+    fix = (
+        "the file's vocabulary is corrupt: download it again, or convert the model's Hugging Face directory "
+        "with --from-hf"
+    )
     key = "tokenizer.ggml.tokens"
     tokens = meta.get(key)
     if tokens is None:
@@ -255,8 +282,9 @@ def tokenizer_problem(meta: dict[str, Any], where: str) -> str | None:
     return None
 
 
-def read_gguf(path: str | Path, opened: tuple[Any, dict[str, Any]] | None = None
-              ) -> tuple[dict[str, Any], ModelConfig, dict[str, np.ndarray], dict[str, str]]:
+def read_gguf(
+    path: str | Path, opened: tuple[Any, dict[str, Any]] | None = None
+) -> tuple[dict[str, Any], ModelConfig, dict[str, np.ndarray], dict[str, str]]:
     """(metadata, config, our float32 weights by parameter name, {tensor: source type}) of a llama GGUF file.
 
     opened: what `read_metadata(path)` returned, when the caller already read it (the file is parsed once)."""
@@ -309,8 +337,15 @@ def _shape_table(cfg: ModelConfig) -> list[tuple[str, str, tuple[int, ...]]]:
     return key_pairs(cfg)
 
 
-def write_gguf(path: str | Path, cfg: ModelConfig, weights: dict[str, np.ndarray], tokenizer_meta: dict[str, Any],
-               qtype: str = "F16", name: str = "msllm", extra_meta: dict[str, Any] | None = None) -> dict[str, str]:
+def write_gguf(
+    path: str | Path,
+    cfg: ModelConfig,
+    weights: dict[str, np.ndarray],
+    tokenizer_meta: dict[str, Any],
+    qtype: str = "F16",
+    name: str = "msllm",
+    extra_meta: dict[str, Any] | None = None,
+) -> dict[str, str]:
     """Write a llama GGUF: 1-D tensors (norms) in F32, matrices in `qtype` (F32, F16 or Q8_0; a matrix whose row
     length is not a multiple of Q8_0's block stays F16). Returns {tensor: written type}.
 
@@ -330,8 +365,13 @@ def write_gguf(path: str | Path, cfg: ModelConfig, weights: dict[str, np.ndarray
     w.add_layer_norm_rms_eps(float(cfg.norm_eps))
     w.add_rope_dimension_count(cfg.head_dim)
     w.add_vocab_size(cfg.vocab_size)
-    w.add_file_type({"F32": gguf.LlamaFileType.ALL_F32, "F16": gguf.LlamaFileType.MOSTLY_F16,
-                     "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[qtype])
+    w.add_file_type(
+        {
+            "F32": gguf.LlamaFileType.ALL_F32,
+            "F16": gguf.LlamaFileType.MOSTLY_F16,
+            "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+        }[qtype]
+    )
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     for k, v in {**tokenizer_meta, **(extra_meta or {})}.items():
         _add_kv(w, k, v)

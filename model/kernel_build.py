@@ -43,10 +43,10 @@ _FORMAT = "msllm-kernel-build-2"
 
 @dataclass(frozen=True)
 class KernelBuild:
-    source: str            # file name, e.g. "train_kernels.cc"
-    lib: str | None        # the verified library, or None
-    isa: str | None        # the level built (or that would have been)
-    reason: str = ""       # why there is no library
+    source: str  # file name, e.g. "train_kernels.cc"
+    lib: str | None  # the verified library, or None
+    isa: str | None  # the level built (or that would have been)
+    reason: str = ""  # why there is no library
 
     @property
     def path(self) -> str:
@@ -91,9 +91,11 @@ def _private_cache(cache: Path) -> str:
     if not stat.S_ISDIR(st.st_mode):
         return f"kernel cache {cache} is not a directory; set MSLLM_KERNEL_CACHE to a private directory"
     if st.st_uid != os.geteuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        return (f"kernel cache {cache} is writable by other users (mode {stat.S_IMODE(st.st_mode):o}, owner uid "
-                f"{st.st_uid}, we are {os.geteuid()}): a library planted there would run in this process; "
-                f"`chmod go-w {cache}` (as its owner) or set MSLLM_KERNEL_CACHE to a private directory")
+        return (
+            f"kernel cache {cache} is writable by other users (mode {stat.S_IMODE(st.st_mode):o}, owner uid "
+            f"{st.st_uid}, we are {os.geteuid()}): a library planted there would run in this process; "
+            f"`chmod go-w {cache}` (as its owner) or set MSLLM_KERNEL_CACHE to a private directory"
+        )
     return ""
 
 
@@ -110,14 +112,16 @@ def exported_functions(source: Path) -> list[str]:
     return sorted(set(re.findall(r'extern\s+"C"[^;{(]*?\b([A-Za-z_]\w*)\s*\(', source.read_text())))
 
 
-_CHECK = ("import ctypes, sys\n"
-          "lib = ctypes.CDLL(sys.argv[1])\n"
-          "for name in sys.argv[3:]:\n"
-          "    getattr(lib, name)\n"
-          "isa = lib.MsllmKernelIsa\n"
-          "isa.restype = ctypes.c_char_p\n"
-          "got = isa().decode()\n"
-          "sys.exit(0 if got == sys.argv[2] else 'built for ' + got + ', expected ' + sys.argv[2])\n")
+_CHECK = (
+    "import ctypes, sys\n"
+    "lib = ctypes.CDLL(sys.argv[1])\n"
+    "for name in sys.argv[3:]:\n"
+    "    getattr(lib, name)\n"
+    "isa = lib.MsllmKernelIsa\n"
+    "isa.restype = ctypes.c_char_p\n"
+    "got = isa().decode()\n"
+    "sys.exit(0 if got == sys.argv[2] else 'built for ' + got + ', expected ' + sys.argv[2])\n"
+)
 
 
 def _verify(lib: Path, isa: str, symbols: list[str]) -> str:
@@ -127,8 +131,9 @@ def _verify(lib: Path, isa: str, symbols: list[str]) -> str:
         with open(lib, "rb") as f:
             if f.read(4) != b"\x7fELF":
                 return "not an ELF file"
-        r = subprocess.run([sys.executable, "-I", "-c", _CHECK, str(lib), isa, *symbols],
-                           capture_output=True, text=True, timeout=120)
+        r = subprocess.run(
+            [sys.executable, "-I", "-c", _CHECK, str(lib), isa, *symbols], capture_output=True, text=True, timeout=120
+        )
     except (OSError, subprocess.SubprocessError) as exc:
         return f"cannot be checked ({exc})"
     if r.returncode != 0:
@@ -177,8 +182,11 @@ def build_kernel(source: Path, openmp: bool = False, isa: str | None = None) -> 
 def _cache_key(source: Path, openmp: bool, isa: str, cxx: str) -> str:
     """16 hex digits over the source and header bytes, the level's flags, OpenMP, the compiler and its version."""
     h = hashlib.sha256(_FORMAT.encode())
-    for part in (source.read_bytes(), *(p.read_bytes() for p in HEADERS),
-                 "\0".join([cxx, str(_compiler_version(cxx)), *FLAGS, *level(isa).flags, f"openmp={openmp}"]).encode()):
+    for part in (
+        source.read_bytes(),
+        *(p.read_bytes() for p in HEADERS),
+        "\0".join([cxx, str(_compiler_version(cxx)), *FLAGS, *level(isa).flags, f"openmp={openmp}"]).encode(),
+    ):
         h.update(len(part).to_bytes(8, "little") + part)
     return h.hexdigest()[:16]
 
@@ -188,8 +196,9 @@ def _build(source: Path, openmp: bool, isa: str | None, why: str, cxx: str | Non
     if isa is None:
         return KernelBuild(name, None, None, why)
     if cxx is None:
-        return KernelBuild(name, None, isa, f"no C++ compiler ({os.environ.get('CXX', 'g++')} is not on PATH; "
-                                             f"install g++ or set CXX)")
+        return KernelBuild(
+            name, None, isa, f"no C++ compiler ({os.environ.get('CXX', 'g++')} is not on PATH; install g++ or set CXX)"
+        )
     if not source.is_file():
         return KernelBuild(name, None, isa, f"{source} does not exist")
     version = _compiler_version(cxx)
@@ -215,20 +224,27 @@ def _build(source: Path, openmp: bool, isa: str | None, why: str, cxx: str | Non
     os.close(fd)
     try:
         err = ""
-        for extra in ((["-fopenmp"], []) if openmp else ([],)):
+        for extra in (["-fopenmp"], []) if openmp else ([],):
             try:
-                r = subprocess.run([cxx, *flags, *extra, f"-I{HERE}", str(source), "-o", tmp], capture_output=True,
-                                   text=True, timeout=600)
+                r = subprocess.run(
+                    [cxx, *flags, *extra, f"-I{HERE}", str(source), "-o", tmp],
+                    capture_output=True,
+                    text=True,
+                    timeout=600,
+                )
             except (OSError, subprocess.SubprocessError) as exc:
                 return KernelBuild(name, None, isa, f"{cxx} did not run: {exc}")
             if r.returncode == 0:
                 break
             err = _stderr_tail(r.stderr)
         else:
-            return KernelBuild(name, None, isa, f"{Path(cxx).name} failed to build {name} ({' '.join(lv.flags)}): {err}")
+            return KernelBuild(
+                name, None, isa, f"{Path(cxx).name} failed to build {name} ({' '.join(lv.flags)}): {err}"
+            )
         if bad := _verify(Path(tmp), isa, symbols):
-            return KernelBuild(name, None, isa, f"{Path(cxx).name} exited 0 but its output for {name} {bad}; "
-                                                f"check the compiler (CXX)")
+            return KernelBuild(
+                name, None, isa, f"{Path(cxx).name} exited 0 but its output for {name} {bad}; check the compiler (CXX)"
+            )
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         digest = _sha256(Path(tmp))

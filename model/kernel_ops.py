@@ -21,8 +21,12 @@ from mindspore.ops import signature as sig
 
 from model.kernel_build import TRAIN_SOURCE, build, disabled_reason
 
-KERNEL_ERRORS = {1: "wrong number of operands", 2: "wrong dtype (float32 tensors, int32 labels/offsets/tokens)",
-                 3: "operand shapes do not match", 4: "a token or position out of range"}
+KERNEL_ERRORS = {
+    1: "wrong number of operands",
+    2: "wrong dtype (float32 tensors, int32 labels/offsets/tokens)",
+    3: "operand shapes do not match",
+    4: "a token or position out of range",
+}
 
 
 class KernelShapeError(ValueError):
@@ -46,8 +50,12 @@ def _f32(op: str, names: str, dtypes) -> None:
 
 def _check_causal(op, *shapes):
     _need(len(shapes[0]) == 3, op, f"scores must be [N, T, S], got shape {list(shapes[0])}")
-    _need(shapes[0][1] <= shapes[0][2], op, f"T = {shapes[0][1]} queries exceed S = {shapes[0][2]} keys "
-                                            f"(the queries are the last T of the S positions: T <= S)")
+    _need(
+        shapes[0][1] <= shapes[0][2],
+        op,
+        f"T = {shapes[0][1]} queries exceed S = {shapes[0][2]} keys "
+        f"(the queries are the last T of the S positions: T <= S)",
+    )
     for s in shapes[1:]:
         _need(list(s) == list(shapes[0]), op, f"operands must have one shape, got {list(shapes[0])} and {list(s)}")
     return shapes[0]
@@ -142,12 +150,17 @@ def train_ops() -> SimpleNamespace | None:
     lib = None if disabled_reason() else build(TRAIN_SOURCE)
     ns = None
     if lib is not None:
+
         def op(name, shape_check, shape_out, dtype_names, dtype_out):
             def dt_check(op_name, *dts):
                 _f32(op_name, dtype_names, dts)
 
-            return ops.Custom(f"{lib}:{name}", out_shape=_shape_fn(name, shape_check, shape_out),
-                              out_dtype=_dtype_fn(name, dt_check, dtype_out), func_type="aot")
+            return ops.Custom(
+                f"{lib}:{name}",
+                out_shape=_shape_fn(name, shape_check, shape_out),
+                out_dtype=_dtype_fn(name, dt_check, dtype_out),
+                func_type="aot",
+            )
 
         ns = SimpleNamespace(
             lib=lib,
@@ -156,20 +169,32 @@ def train_ops() -> SimpleNamespace | None:
             swiglu=op("SwiGLU", _check_same, lambda g, u: g, "gate up", lambda g, u: g),
             swiglu_grad=op("SwiGLUGrad", _check_same, lambda g, u, d: (g, g), "gate up dout", lambda g, u, d: (g, g)),
             rms_norm=op("RMSNorm", _check_rms, lambda x, w, e: x, "x weight eps", lambda x, w, e: x),
-            rms_norm_grad=op("RMSNormGrad", _check_rms, lambda x, w, e, d: (x, w), "x weight eps dy",
-                             lambda x, w, e, d: (x, w)),
-            causal_attention=op("CausalAttention", _check_attention, lambda q, k, v: (q, q[:3]), "q k v",
-                                lambda q, k, v: (q, q)),
-            causal_attention_grad=op("CausalAttentionGrad", _check_attention,
-                                     lambda q, k, v, o, lse, d: (q, k, k), "q k v out lse dout",
-                                     lambda q, k, v, o, lse, d: (q, q, q)),
+            rms_norm_grad=op(
+                "RMSNormGrad", _check_rms, lambda x, w, e, d: (x, w), "x weight eps dy", lambda x, w, e, d: (x, w)
+            ),
+            causal_attention=op(
+                "CausalAttention", _check_attention, lambda q, k, v: (q, q[:3]), "q k v", lambda q, k, v: (q, q)
+            ),
+            causal_attention_grad=op(
+                "CausalAttentionGrad",
+                _check_attention,
+                lambda q, k, v, o, lse, d: (q, k, k),
+                "q k v out lse dout",
+                lambda q, k, v, o, lse, d: (q, q, q),
+            ),
             transpose=op("Transpose", _check_2d, lambda x: [x[1], x[0]], "x", lambda x: x),
             cross_entropy=ops.Custom(
-                f"{lib}:CrossEntropy", out_shape=_shape_fn("CrossEntropy", _check_ce, lambda x, y: ([x[0]], [x[0]])),
-                out_dtype=_dtype_fn("CrossEntropy", _dt_ce, lambda x, y: (x, x)), func_type="aot"),
+                f"{lib}:CrossEntropy",
+                out_shape=_shape_fn("CrossEntropy", _check_ce, lambda x, y: ([x[0]], [x[0]])),
+                out_dtype=_dtype_fn("CrossEntropy", _dt_ce, lambda x, y: (x, x)),
+                func_type="aot",
+            ),
             cross_entropy_grad=ops.Custom(
-                f"{lib}:CrossEntropyGrad", out_shape=_shape_fn("CrossEntropyGrad", _check_ce, lambda x, y, lse, d: x),
-                out_dtype=_dtype_fn("CrossEntropyGrad", _dt_ce, lambda x, y, lse, d: x), func_type="aot"),
+                f"{lib}:CrossEntropyGrad",
+                out_shape=_shape_fn("CrossEntropyGrad", _check_ce, lambda x, y, lse, d: x),
+                out_dtype=_dtype_fn("CrossEntropyGrad", _dt_ce, lambda x, y, lse, d: x),
+                func_type="aot",
+            ),
         )
     _train_ops.append(ns)
     return ns
@@ -191,6 +216,7 @@ def zero_ops() -> SimpleNamespace | None:
     lib = None if disabled_reason() else build(TRAIN_SOURCE)
     ns = None
     if lib is not None:
+
         class ZeroAdamW(ops.Custom):
             """Declared as writing param, m and v (RW_WRITE, side_effect_mem), as MindSpore's own AdamWeightDecay:
             without it a graph run under the PYNATIVE context (mindspore.jit) hands the kernel a copy of a
@@ -198,13 +224,17 @@ def zero_ops() -> SimpleNamespace | None:
             every earlier read of those Parameters in the graph (auto-monad)."""
 
             __mindspore_signature__ = (
-                sig.make_sig("param", sig.sig_rw.RW_WRITE), sig.make_sig("grad"),
-                sig.make_sig("m", sig.sig_rw.RW_WRITE), sig.make_sig("v", sig.sig_rw.RW_WRITE),
-                *(sig.make_sig(n) for n in ("offset", "lr", "beta1", "beta2", "eps", "decay", "coef", "apply")))
+                sig.make_sig("param", sig.sig_rw.RW_WRITE),
+                sig.make_sig("grad"),
+                sig.make_sig("m", sig.sig_rw.RW_WRITE),
+                sig.make_sig("v", sig.sig_rw.RW_WRITE),
+                *(sig.make_sig(n) for n in ("offset", "lr", "beta1", "beta2", "eps", "decay", "coef", "apply")),
+            )
 
             def __init__(self):
-                super().__init__(f"{lib}:ZeroAdamW", out_shape=lambda *s: [1], out_dtype=lambda *t: t[0],
-                                 func_type="aot")
+                super().__init__(
+                    f"{lib}:ZeroAdamW", out_shape=lambda *s: [1], out_dtype=lambda *t: t[0], func_type="aot"
+                )
                 self.add_prim_attr("side_effect_mem", True)
 
         ns = SimpleNamespace(lib=lib, adamw=ZeroAdamW())

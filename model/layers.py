@@ -1,7 +1,7 @@
 """The LLaMA decoder's building blocks, each with its forward and (where autodiff is slow on CPU) its backward:
-RoPE's rotation (its tables: model/rope.py) and the causal mask, the bias-free projection, the embedding, RMSNorm, SwiGLU and the masked softmax
-that model/llama.py puts together. Plain MindSpore: the fused-kernel cells of the same signatures
-(model/fused_cells.py) are swapped in from outside, by the build's convert step (tasks/modeling/build.py).
+RoPE's rotation (its tables: model/rope.py) and the causal mask, the bias-free projection, the embedding, RMSNorm,
+SwiGLU and the masked softmax that model/llama.py puts together. Plain MindSpore: the fused-kernel cells of the same
+signatures (model/fused_cells.py) are swapped in from outside, by the build's convert step (tasks/modeling/build.py).
 
     proj = Linear(weight)                                     # weight [out, in]: one 2-D MatMul on the tokens
     norm = RMSNorm(hidden, eps)                               # norm.normalize(x, weight) does the arithmetic
@@ -14,8 +14,8 @@ is named `weight`: the model's attribute path makes the full name (layers.0.self
 
 from __future__ import annotations
 
-import numpy as np
 import mindspore as ms
+import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
 _MASKED = -1e9  # additive score for disallowed keys; exp() of it underflows to exactly 0
@@ -31,8 +31,8 @@ def rotate_half_matrix(head_dim: int) -> np.ndarray:
     """R [hd, hd] with x @ R == cat(-x2, x1) exactly (entries 0 and ±1: every output is one input)."""
     half = head_dim // 2
     r = np.zeros((head_dim, head_dim), np.float32)
-    r[np.arange(half) + half, np.arange(half)] = -1.0   # out[:half] = -x2
-    r[np.arange(half), np.arange(half) + half] = 1.0    # out[half:] = x1
+    r[np.arange(half) + half, np.arange(half)] = -1.0  # out[:half] = -x2
+    r[np.arange(half), np.arange(half) + half] = 1.0  # out[half:] = x1
     return r
 
 
@@ -60,7 +60,9 @@ class Linear(nn.Cell):
     def construct(self, x: Tensor) -> Tensor:
         # x: [..., in] -> [N, in] @ [out, in]^T -> [..., out]
         if self.half:  # fp32 master weight, low-precision matmul; output stays in compute_dtype
-            y = self.matmul(x.reshape(-1, x.shape[-1]).astype(self.compute_dtype), self.weight.astype(self.compute_dtype))
+            y = self.matmul(
+                x.reshape(-1, x.shape[-1]).astype(self.compute_dtype), self.weight.astype(self.compute_dtype)
+            )
         else:
             y = self.matmul(x.reshape(-1, x.shape[-1]), self.weight)
         return y.reshape(x.shape[:-1] + (self.out_features,))
@@ -101,11 +103,11 @@ class RMSNormFunction(nn.Cell):
 
     def construct(self, x: Tensor, weight: Tensor) -> Tensor:
         shape = x.shape
-        x2 = x.reshape(-1, self.hidden_size)                                   # [N, H]
+        x2 = x.reshape(-1, self.hidden_size)  # [N, H]
         if self.half:  # normalise in fp32, hand back the compute dtype
             x2 = x2.astype(ms.float32)
-        mean_sq = self.sum_matmul(x2 * x2, self.ones) / self.hidden_size       # [N, 1]
-        y = x2 * (1.0 / ops.sqrt(mean_sq + self.eps)) * weight                 # [N, H]
+        mean_sq = self.sum_matmul(x2 * x2, self.ones) / self.hidden_size  # [N, 1]
+        y = x2 * (1.0 / ops.sqrt(mean_sq + self.eps)) * weight  # [N, H]
         if self.half:
             y = y.astype(self.compute_dtype)
         return y.reshape(shape)
@@ -143,10 +145,10 @@ class MaskedSoftmax(nn.Cell):
     def construct(self, scores: Tensor, mask: Tensor) -> Tensor:
         s = scores.shape[-1]
         if self.half:  # mask and softmax in fp32, probabilities back to the compute dtype
-            scores = scores.astype(ms.float32) + mask                          # [N, T, S]
+            scores = scores.astype(ms.float32) + mask  # [N, T, S]
             return ops.softmax(scores.reshape(-1, s), -1).astype(self.compute_dtype)
-        scores = scores + mask                                                 # [N, T, S]
-        return ops.softmax(scores.reshape(-1, s), -1)                          # [N*T, S]
+        scores = scores + mask  # [N, T, S]
+        return ops.softmax(scores.reshape(-1, s), -1)  # [N*T, S]
 
 
 class SwiGLU(nn.Cell):
@@ -158,6 +160,6 @@ class SwiGLU(nn.Cell):
 
     def bprop(self, gate, up, out, dout):
         s = ops.sigmoid(gate)
-        a = gate * s                                       # silu(gate)
+        a = gate * s  # silu(gate)
         # d silu(g) / dg = s + g * s * (1 - s) = s * (1 + g - a)
         return dout * up * (s * (1.0 + gate - a)), dout * a

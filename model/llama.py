@@ -25,8 +25,8 @@ causal mask, RoPE's cos/sin), the loss is the fused LogSoftmax kernel plus a gat
 
 from __future__ import annotations
 
-import numpy as np
 import mindspore as ms
+import numpy as np
 from mindspore import Tensor, nn, ops
 from mindspore.common.initializer import Zero
 
@@ -49,12 +49,12 @@ class Attention(nn.Cell):
         h, hd = config.hidden_size, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, hd
         self.n_rep = config.num_heads // config.num_kv_heads
-        self.scale = hd ** -0.5
+        self.scale = hd**-0.5
         self.q_proj = Linear(init(config.num_heads * hd, h), compute_dtype)
         self.k_proj = Linear(init(config.num_kv_heads * hd, h), compute_dtype)
         self.v_proj = Linear(init(config.num_kv_heads * hd, h), compute_dtype)
         self.o_proj = Linear(init(h, config.num_heads * hd), compute_dtype)
-        self.softmax = MaskedSoftmax(compute_dtype)        # the training forward's (causal) softmax
+        self.softmax = MaskedSoftmax(compute_dtype)  # the training forward's (causal) softmax
         self.fused = None  # the training forward's fused attention, where the build swaps one in (FusedCausalAttention)
         self.cache_softmax = MaskedSoftmax(compute_dtype)  # the KV-cache path's (mask over the cache slots)
         self.scores_matmul = ops.BatchMatMul(transpose_b=True)
@@ -67,26 +67,35 @@ class Attention(nn.Cell):
         if self.fused is not None:  # one kernel for scores, causal softmax and values (model/fused_cells.py)
             b, nh, t, hd = q.shape
             out = ops.transpose(self.fused(q, k, v)[0], (0, 2, 1, 3)).reshape(b, t, nh * hd)  # [B, T, nh*hd]
-            return self.o_proj(out)                                                # [B, T, H]
-        return self._attend(q, k, v, mask, self.softmax)                         # [B, T, H]
+            return self.o_proj(out)  # [B, T, H]
+        return self._attend(q, k, v, mask, self.softmax)  # [B, T, H]
 
-    def construct_cached(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, src: Tensor, written: Tensor,
-                         k_cache: Tensor, v_cache: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def construct_cached(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        mask: Tensor,
+        src: Tensor,
+        written: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """Attention of x's T tokens over a fixed-size cache [B, nkv, S, hd] that they are written into.
 
         Cache slot j takes the new token src[j] where written[j] (one gather + select keeps the
         cache shape fixed, so a jit-compiled step never recompiles); mask is [T, S].
         """
         q, k, v = self._qkv(x, cos, sin)
-        place = written.reshape(1, 1, -1, 1)                                      # [1, 1, S, 1]
-        k_cache = ops.where(place, ops.gather(k, src, 2), k_cache)               # [B, nkv, S, hd]
-        v_cache = ops.where(place, ops.gather(v, src, 2), v_cache)               # [B, nkv, S, hd]
+        place = written.reshape(1, 1, -1, 1)  # [1, 1, S, 1]
+        k_cache = ops.where(place, ops.gather(k, src, 2), k_cache)  # [B, nkv, S, hd]
+        v_cache = ops.where(place, ops.gather(v, src, 2), v_cache)  # [B, nkv, S, hd]
         return self._attend(q, k_cache, v_cache, mask, self.cache_softmax), k_cache, v_cache
 
     def _qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         b, t, h = x.shape
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
-        q = ops.transpose(self.q_proj(x).reshape(b, t, nh, hd), (0, 2, 1, 3))   # [B, nh, T, hd]
+        q = ops.transpose(self.q_proj(x).reshape(b, t, nh, hd), (0, 2, 1, 3))  # [B, nh, T, hd]
         k = ops.transpose(self.k_proj(x).reshape(b, t, nkv, hd), (0, 2, 1, 3))  # [B, nkv, T, hd]
         v = ops.transpose(self.v_proj(x).reshape(b, t, nkv, hd), (0, 2, 1, 3))  # [B, nkv, T, hd]
         return self._rope(q, cos, sin) * self.scale, self._rope(k, cos, sin), v
@@ -105,13 +114,13 @@ class Attention(nn.Cell):
         nkv = self.num_kv_heads
         # GQA without copying K/V: query heads h*n_rep..h*n_rep+n_rep-1 share kv head h,
         # so fold them into the query-length axis of their kv head.
-        q = q.reshape(b, nkv, self.n_rep * t, hd)                                 # [B, nkv, rep*T, hd]
-        scores = self.scores_matmul(q, k)                                         # [B, nkv, rep*T, S]
+        q = q.reshape(b, nkv, self.n_rep * t, hd)  # [B, nkv, rep*T, hd]
+        scores = self.scores_matmul(q, k)  # [B, nkv, rep*T, S]
         s = scores.shape[-1]
-        probs = softmax(scores.reshape(b * nh, t, s), mask)                       # [B*nh(*T), (T,) S]
+        probs = softmax(scores.reshape(b * nh, t, s), mask)  # [B*nh(*T), (T,) S]
         out = self.values_matmul(probs.reshape(b, nkv, self.n_rep * t, s), v).reshape(b, nh, t, hd)  # [B, nh, T, hd]
-        out = ops.transpose(out, (0, 2, 1, 3)).reshape(b, t, nh * hd)             # [B, T, nh*hd]
-        return self.o_proj(out)                                                   # [B, T, H]
+        out = ops.transpose(out, (0, 2, 1, 3)).reshape(b, t, nh * hd)  # [B, T, nh*hd]
+        return self.o_proj(out)  # [B, T, H]
 
 
 class MLP(nn.Cell):
@@ -141,13 +150,23 @@ class DecoderLayer(nn.Cell):
 
     def construct(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)  # [B, T, H]
-        return x + self.mlp(self.post_attention_layernorm(x))            # [B, T, H]
+        return x + self.mlp(self.post_attention_layernorm(x))  # [B, T, H]
 
-    def construct_cached(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, src: Tensor, written: Tensor,
-                         k_cache: Tensor, v_cache: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        a, k_cache, v_cache = self.self_attn.construct_cached(self.input_layernorm(x), cos, sin, mask, src, written,
-                                                              k_cache, v_cache)
-        x = x + a                                                        # [B, T, H]
+    def construct_cached(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        mask: Tensor,
+        src: Tensor,
+        written: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        a, k_cache, v_cache = self.self_attn.construct_cached(
+            self.input_layernorm(x), cos, sin, mask, src, written, k_cache, v_cache
+        )
+        x = x + a  # [B, T, H]
         return x + self.mlp(self.post_attention_layernorm(x)), k_cache, v_cache
 
 
@@ -165,8 +184,9 @@ class LlamaForCausalLM(nn.Cell):
     applies the tensor-parallel plan from outside; inference and export use the plain cells.
     """
 
-    def __init__(self, config: ModelConfig, seed: int | None = None, compute_dtype=ms.float32, *,
-                 init_weights: bool = True):
+    def __init__(
+        self, config: ModelConfig, seed: int | None = None, compute_dtype=ms.float32, *, init_weights: bool = True
+    ):
         super().__init__()
         if compute_dtype not in (ms.float32, ms.float16):
             raise ValueError(f"compute_dtype must be mindspore.float32 or mindspore.float16, got {compute_dtype}")
@@ -200,55 +220,59 @@ class LlamaForCausalLM(nn.Cell):
             layer.recompute()
 
     def construct(self, input_ids: Tensor) -> Tensor:
-        return self.head_logits(self.hidden_states(input_ids))        # [B, T, V]
+        return self.head_logits(self.hidden_states(input_ids))  # [B, T, V]
 
     def hidden_states(self, input_ids: Tensor) -> Tensor:
         """The last decoder layer's output [B, T, H] (before the final norm): `head_logits` of it is `construct`.
         Callers that need only some positions' logits (the eval scorer) run the head on those rows alone."""
         x, cos, sin, mask = self.layer_inputs(input_ids)
         for layer in self.layers:
-            x = layer(x, cos, sin, mask)                               # [B, T, H]
+            x = layer(x, cos, sin, mask)  # [B, T, H]
         return x
 
     def layer_inputs(self, input_ids: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """What every decoder layer of `hidden_states` takes: (embeddings [B, T, H], cos [T, hd], sin [T, hd],
         the causal mask [B*nh, T, T], or a 0-d zero where the softmax applies it itself)."""
         b, t = input_ids.shape
-        positions = ops.arange(t, dtype=ms.int32)                      # [T]
-        cos = ops.gather(self.rope_cos, positions, 0)                  # [T, hd]
-        sin = ops.gather(self.rope_sin, positions, 0)                  # [T, hd]
+        positions = ops.arange(t, dtype=ms.int32)  # [T]
+        cos = ops.gather(self.rope_cos, positions, 0)  # [T, hd]
+        sin = ops.gather(self.rope_sin, positions, 0)  # [T, hd]
         attn = self.layers[0].self_attn
-        heads = attn.num_heads                                         # the heads the cell computes (its slice)
+        heads = attn.num_heads  # the heads the cell computes (its slice)
         if attn.softmax.applies_mask:  # a fused causal softmax (model/fused_cells.py): no mask to build
             mask = ops.zeros((), ms.float32)
         else:
-            mask = ops.broadcast_to(ops.stop_gradient(causal_mask(positions, positions)), (b * heads, t, t))  # [B*nh, T, T]
-        return self.embed_tokens(input_ids), cos, sin, mask            # [B, T, H], ...
+            mask = ops.broadcast_to(
+                ops.stop_gradient(causal_mask(positions, positions)), (b * heads, t, t)
+            )  # [B*nh, T, T]
+        return self.embed_tokens(input_ids), cos, sin, mask  # [B, T, H], ...
 
     def head_logits(self, x: Tensor) -> Tensor:
         """Logits [B, T, V] of decoder outputs x [B, T, H]: the final norm, then the LM head (tied or not)."""
         b, t, _ = x.shape
-        x = self.norm(x)                                               # [B, T, H]
+        x = self.norm(x)  # [B, T, H]
         if self.half:
             if self.tie_embeddings:
                 logits = self.tied_matmul(x.reshape(b * t, -1), self.embed_tokens.weight.astype(self.compute_dtype))
-                return logits.reshape(b, t, -1).astype(ms.float32)     # [B, T, V]
-            return self.lm_head(x).astype(ms.float32)                  # [B, T, V]
+                return logits.reshape(b, t, -1).astype(ms.float32)  # [B, T, V]
+            return self.lm_head(x).astype(ms.float32)  # [B, T, V]
         if self.tie_embeddings:
             logits = self.tied_matmul(x.reshape(b * t, -1), self.embed_tokens.weight)
-            return logits.reshape(b, t, -1)                            # [B, T, V]
-        return self.lm_head(x)                                         # [B, T, V]
+            return logits.reshape(b, t, -1)  # [B, T, V]
+        return self.lm_head(x)  # [B, T, V]
 
     def init_cache(self, batch_size: int, max_len: int | None = None) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
-        """Zeroed KV caches for `forward_cached`: per layer one K and one V of [B, n_kv, max_len, head_dim] (compute dtype)."""
+        """Zeroed KV caches for `forward_cached`: per layer one K and one V of [B, n_kv, max_len, head_dim] (compute
+        dtype)."""
         c = self.config
         shape = (batch_size, c.num_kv_heads, max_len or c.max_seq_length, c.head_dim)
         k = tuple(ops.zeros(shape, self.compute_dtype) for _ in range(c.num_layers))
         v = tuple(ops.zeros(shape, self.compute_dtype) for _ in range(c.num_layers))
         return k, v
 
-    def forward_cached(self, input_ids: Tensor, start_pos: Tensor, k_caches: tuple, v_caches: tuple,
-                       last: Tensor | None = None) -> tuple[Tensor, tuple, tuple]:
+    def forward_cached(
+        self, input_ids: Tensor, start_pos: Tensor, k_caches: tuple, v_caches: tuple, last: Tensor | None = None
+    ) -> tuple[Tensor, tuple, tuple]:
         """Logits of input_ids [B, T] at positions start_pos.. (a 0-d int32 Tensor), attending to the cache.
 
         Writes the tokens' K/V into cache slots start_pos..start_pos+T-1 and returns
@@ -260,23 +284,23 @@ class LlamaForCausalLM(nn.Cell):
         """
         b, t = input_ids.shape
         s = k_caches[0].shape[2]
-        positions = start_pos + ops.arange(t, dtype=ms.int32)          # [T]
-        slots = ops.arange(s, dtype=ms.int32)                          # [S]
-        cos = ops.gather(self.rope_cos, positions, 0)                  # [T, hd]
-        sin = ops.gather(self.rope_sin, positions, 0)                  # [T, hd]
-        mask = causal_mask(positions, slots)                           # [T, S]
-        offset = slots - start_pos                                     # [S]: which new token goes to slot j
-        written = ops.logical_and(offset >= 0, offset < t)             # [S]
-        src = ops.clip(offset, 0, t - 1)                               # [S]
-        x = self.embed_tokens(input_ids)                               # [B, T, H]
+        positions = start_pos + ops.arange(t, dtype=ms.int32)  # [T]
+        slots = ops.arange(s, dtype=ms.int32)  # [S]
+        cos = ops.gather(self.rope_cos, positions, 0)  # [T, hd]
+        sin = ops.gather(self.rope_sin, positions, 0)  # [T, hd]
+        mask = causal_mask(positions, slots)  # [T, S]
+        offset = slots - start_pos  # [S]: which new token goes to slot j
+        written = ops.logical_and(offset >= 0, offset < t)  # [S]
+        src = ops.clip(offset, 0, t - 1)  # [S]
+        x = self.embed_tokens(input_ids)  # [B, T, H]
         new_k, new_v = (), ()
         for i, layer in enumerate(self.layers):
             x, k, v = layer.construct_cached(x, cos, sin, mask, src, written, k_caches[i], v_caches[i])
             new_k = new_k + (k,)
             new_v = new_v + (v,)
         if last is not None:  # a prompt chunk: only the row whose logits are wanted goes through the head
-            x = ops.gather(x, last.reshape(1), 1)                      # [B, 1, H]
-        return self.head_logits(x), new_k, new_v                       # [B, T or 1, V], caches
+            x = ops.gather(x, last.reshape(1), 1)  # [B, 1, H]
+        return self.head_logits(x), new_k, new_v  # [B, T or 1, V], caches
 
     def loss(self, input_ids: Tensor, labels: Tensor) -> Tensor:
         """Mean next-token cross-entropy; labels[b, t] is the target of position t (-100 = ignored)."""
@@ -302,12 +326,12 @@ def causal_lm_loss(logits: Tensor, labels: Tensor, ignore_index: int = -100) -> 
     logit-sized intermediates.
     """
     vocab = logits.shape[-1]
-    logits = logits.reshape(-1, vocab).astype(ms.float32)                      # [N, V]
-    labels = labels.reshape(-1)                                                # [N]
-    keep = labels != ignore_index                                              # [N]
+    logits = logits.reshape(-1, vocab).astype(ms.float32)  # [N, V]
+    labels = labels.reshape(-1)  # [N]
+    keep = labels != ignore_index  # [N]
     safe_labels = ops.select(keep, labels, ops.zeros_like(labels))
-    logp = ops.log_softmax(logits, -1)                                         # [N, V]
+    logp = ops.log_softmax(logits, -1)  # [N, V]
     target = ops.gather_elements(logp, 1, safe_labels.reshape(-1, 1)).reshape(-1)  # [N]
-    nll = ops.select(keep, -target, ops.zeros_like(target))                    # [N]
+    nll = ops.select(keep, -target, ops.zeros_like(target))  # [N]
     count = keep.astype(ms.float32).sum()
     return nll.sum() / ops.maximum(count, 1.0)

@@ -1,11 +1,10 @@
-"""LoRA: low-rank adapters on the model's dense projections, and merging them back.
+r"""LoRA: low-rank adapters on the model's dense projections, and merging them back.
 
     names = inject_lora(net, ["q_proj", "v_proj"], rank=8, alpha=16)   # or a regex: r"layers\.[01]\..*proj"
     params = mark_only_lora_trainable(net)       # only lora_A / lora_B keep requires_grad
     print(trainable_summary(net).line())         # trainable params: 16,384 || all params: ... || trainable: 0.08%
-    ...train `params`...
-    adapter = lora_state_dict(net)               # {"layers.0.self_attn.q_proj.lora_A": [r, in], ...lora_B: [out, r]}
-    merged = merge_adapter(base_weights, adapter, scaling=alpha / rank)   # numpy, no network needed
+    ...train `params`... adapter = lora_state_dict(net) # {"layers.0.self_attn.q_proj.lora_A": [r, in], ...lora_B: [out,
+    r]} merged = merge_adapter(base_weights, adapter, scaling=alpha / rank) # numpy, no network needed
     merge_lora(net); unmerge_lora(net)           # in place on a network (idempotent)
     slots = LoRASlots(net, {"a": (adapter_a, scaling_a), ...})   # many adapters on one base, unmerged
     slots.use("a"); ...; slots.use(None)         # the net computes with adapter a's update; the base again
@@ -29,11 +28,11 @@ scaling·B on the host, written into those layers' Parameters before a call (`us
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
-import numpy as np
 import mindspore as ms
+import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
 from model.layers import Linear
@@ -55,10 +54,10 @@ def _hash_uniform(x: Tensor, salt: float) -> Tensor:
     draws the same mask for the same weights and batch, so resume stays exact.
     """
     n, d = x.shape
-    rows = ops.arange(n, dtype=ms.float32).reshape(-1, 1)   # [N, 1]
-    cols = ops.arange(d, dtype=ms.float32).reshape(1, -1)   # [1, in]
+    rows = ops.arange(n, dtype=ms.float32).reshape(-1, 1)  # [N, 1]
+    cols = ops.arange(d, dtype=ms.float32).reshape(1, -1)  # [1, in]
     v = ops.sin(x * 12.9898 + rows * 78.233 + cols * 37.719 + salt) * 43758.5453
-    return ops.stop_gradient(v - ops.floor(v))             # [N, in]
+    return ops.stop_gradient(v - ops.floor(v))  # [N, in]
 
 
 class LoRALinear(nn.Cell):
@@ -82,15 +81,15 @@ class LoRALinear(nn.Cell):
         self.merged = False  # a Python constant under jit: merge before compiling an inference graph
 
     def construct(self, x: Tensor) -> Tensor:
-        x2 = x.reshape(-1, x.shape[-1])                                     # [N, in]
-        y = self.matmul(x2, self.weight)                                    # [N, out]
+        x2 = x.reshape(-1, x.shape[-1])  # [N, in]
+        y = self.matmul(x2, self.weight)  # [N, out]
         if not self.merged:
             h = x2
             if self.training and self.dropout > 0:
                 keep = (_hash_uniform(x2, self.salt) >= self.dropout).astype(x2.dtype)
                 h = x2 * keep / (1.0 - self.dropout)
-            low = self.matmul(h, self.lora_A)                               # [N, r]
-            y = y + self.matmul(low, self.lora_B) * self.scaling           # [N, out]
+            low = self.matmul(h, self.lora_A)  # [N, r]
+            y = y + self.matmul(low, self.lora_B) * self.scaling  # [N, out]
         return y.reshape(x.shape[:-1] + (self.out_features,))
 
     def delta(self) -> np.ndarray:
@@ -143,13 +142,15 @@ def match_targets(module_names: Iterable[str], target_modules: str | Sequence[st
             raise ValueError(f"LoRA target_modules {target_modules!r} is not a valid regex: {exc}") from None
         picked = [n for n in names if rx.search(n)]
     if not picked:
-        raise ValueError(f"LoRA target_modules {target_modules!r} match no projection; "
-                         f"candidates look like {names[:4]}")
+        raise ValueError(
+            f"LoRA target_modules {target_modules!r} match no projection; candidates look like {names[:4]}"
+        )
     return picked
 
 
-def inject_lora(net: nn.Cell, target_modules: str | Sequence[str], rank: int, alpha: float,
-                dropout: float = 0.0, seed: int = 0) -> list[str]:
+def inject_lora(
+    net: nn.Cell, target_modules: str | Sequence[str], rank: int, alpha: float, dropout: float = 0.0, seed: int = 0
+) -> list[str]:
     """Replace every `Linear` selected by `target_modules` with a `LoRALinear`; returns their names.
 
     Each adapter's A is drawn from its own RandomState(seed + index in module order),
@@ -200,15 +201,18 @@ class TrainableSummary:
         return self.trainable / max(self.total, 1)
 
     def line(self) -> str:
-        return (f"trainable params: {self.trainable:,} || all params: {self.total:,} || "
-                f"trainable: {100 * self.share:.4f}%")
+        return (
+            f"trainable params: {self.trainable:,} || all params: {self.total:,} || trainable: {100 * self.share:.4f}%"
+        )
 
 
 def trainable_summary(net: nn.Cell) -> TrainableSummary:
     """Trainable and total parameter counts (LoRA parameters count towards the total)."""
     params = list(net.get_parameters())
-    return TrainableSummary(trainable=sum(int(np.prod(p.shape)) for p in params if p.requires_grad),
-                            total=sum(int(np.prod(p.shape)) for p in params))
+    return TrainableSummary(
+        trainable=sum(int(np.prod(p.shape)) for p in params if p.requires_grad),
+        total=sum(int(np.prod(p.shape)) for p in params),
+    )
 
 
 def lora_state_dict(net: nn.Cell) -> dict[str, np.ndarray]:
@@ -298,8 +302,10 @@ class LoRASlots:
                 if f"{m}.{LORA_A}" not in ad or f"{m}.{LORA_B}" not in ad:
                     raise ValueError(f"adapter {name} has only one half of {m} (needs {LORA_A} and {LORA_B})")
                 if f"{m}.weight" not in weights:
-                    raise ValueError(f"adapter {name}: module {m} has no base weight {m}.weight; the adapter belongs "
-                                     f"to another model")
+                    raise ValueError(
+                        f"adapter {name}: module {m} has no base weight {m}.weight; the adapter belongs "
+                        f"to another model"
+                    )
                 modules.add(m)
         rank = max(a.shape[0] for ad, _ in adapters.values() for k, a in ad.items() if k.endswith("." + LORA_A))
         pattern = "^(" + "|".join(re.escape(m) for m in sorted(modules)) + ")$"
@@ -307,8 +313,13 @@ class LoRASlots:
         self.net = net
         self.rank = rank
         self.layers = lora_layers(net)
-        zeros = [(Tensor(np.zeros((rank, layer.in_features), np.float32)),
-                  Tensor(np.zeros((layer.out_features, rank), np.float32))) for _, layer in self.layers]
+        zeros = [
+            (
+                Tensor(np.zeros((rank, layer.in_features), np.float32)),
+                Tensor(np.zeros((layer.out_features, rank), np.float32)),
+            )
+            for _, layer in self.layers
+        ]
         self._values: dict[str | None, list[tuple[Tensor, Tensor]]] = {None: zeros}
         for name, (ad, scaling) in adapters.items():
             vals = []
@@ -317,10 +328,16 @@ class LoRASlots:
                     vals.append(zero)
                     continue
                 a, b = ad[f"{m}.{LORA_A}"], ad[f"{m}.{LORA_B}"]
-                if a.ndim != 2 or b.ndim != 2 or b.shape[1] != a.shape[0] or (b.shape[0], a.shape[1]) != (
-                        layer.out_features, layer.in_features):
-                    raise ValueError(f"adapter {name} {m}: A {a.shape} and B {b.shape} do not fit base weight "
-                                     f"{(layer.out_features, layer.in_features)}")
+                if (
+                    a.ndim != 2
+                    or b.ndim != 2
+                    or b.shape[1] != a.shape[0]
+                    or (b.shape[0], a.shape[1]) != (layer.out_features, layer.in_features)
+                ):
+                    raise ValueError(
+                        f"adapter {name} {m}: A {a.shape} and B {b.shape} do not fit base weight "
+                        f"{(layer.out_features, layer.in_features)}"
+                    )
                 pa = np.zeros((rank, layer.in_features), np.float32)
                 pb = np.zeros((layer.out_features, rank), np.float32)
                 pa[: a.shape[0]] = a
@@ -348,5 +365,11 @@ class LoRASlots:
     def adapter_nbytes(self) -> int:
         """Bytes of the adapters' A and scaling·B held beside the net (padded to the slots' rank)."""
         zeros = self._values[None]
-        return sum(4 * (int(np.prod(a.shape)) + int(np.prod(b.shape))) for n, vals in self._values.items()
-                   if n is not None for ab, zero in zip(vals, zeros) if ab is not zero for a, b in [ab])
+        return sum(
+            4 * (int(np.prod(a.shape)) + int(np.prod(b.shape)))
+            for n, vals in self._values.items()
+            if n is not None
+            for ab, zero in zip(vals, zeros)
+            if ab is not zero
+            for a, b in [ab]
+        )

@@ -22,15 +22,24 @@ the LM head tied to the embedding or not. Batch 1, numpy only (no MindSpore).
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
 from model.rope import rope_tables
 
-LAYER_WEIGHTS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-                 "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
-                 "input_layernorm.weight", "post_attention_layernorm.weight")
+LAYER_WEIGHTS = (
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+)
 
 
 def layer_weights(weights: Mapping[str, np.ndarray], i: int) -> dict[str, np.ndarray]:
@@ -44,29 +53,36 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
 
 def rope(x: np.ndarray, positions: np.ndarray, config: Any) -> np.ndarray:
     """Rotate x [heads, T, hd] by its positions' angles (rotate-half layout)."""
-    cos, sin = (t.astype(np.float64)[positions] for t in
-                rope_tables(config.head_dim, int(positions.max()) + 1, config.rope_theta))
+    cos, sin = (
+        t.astype(np.float64)[positions]
+        for t in rope_tables(config.head_dim, int(positions.max()) + 1, config.rope_theta)
+    )
     half = config.head_dim // 2
     rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return x * cos + rotated * sin
 
 
-def attention(x: np.ndarray, w: Mapping[str, np.ndarray], config: Any, positions: np.ndarray,
-              cache: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
+def attention(
+    x: np.ndarray,
+    w: Mapping[str, np.ndarray],
+    config: Any,
+    positions: np.ndarray,
+    cache: tuple[np.ndarray, np.ndarray] | None = None,
+) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
     """Attention of x [T, H] at `positions` over the cache's keys/values [nkv, P, hd] (positions 0..P-1) and its own;
     returns ([T, H], the cache with its keys/values appended)."""
     t, nh, nkv, hd = x.shape[0], config.num_heads, config.num_kv_heads, config.head_dim
-    q = (x @ w["self_attn.q_proj.weight"].T).reshape(t, nh, hd).transpose(1, 0, 2)     # [nh, T, hd]
-    k = (x @ w["self_attn.k_proj.weight"].T).reshape(t, nkv, hd).transpose(1, 0, 2)    # [nkv, T, hd]
+    q = (x @ w["self_attn.q_proj.weight"].T).reshape(t, nh, hd).transpose(1, 0, 2)  # [nh, T, hd]
+    k = (x @ w["self_attn.k_proj.weight"].T).reshape(t, nkv, hd).transpose(1, 0, 2)  # [nkv, T, hd]
     v = (x @ w["self_attn.v_proj.weight"].T).reshape(t, nkv, hd).transpose(1, 0, 2)
-    q, k = rope(q, positions, config) * hd ** -0.5, rope(k, positions, config)
+    q, k = rope(q, positions, config) * hd**-0.5, rope(k, positions, config)
     if cache is not None:
         k, v = np.concatenate([cache[0], k], axis=1), np.concatenate([cache[1], v], axis=1)
     key_pos = np.arange(k.shape[1])
     out = np.empty((nh, t, hd))
     for h in range(nh):
         g = h // (nh // nkv)
-        scores = q[h] @ k[g].T                                                          # [T, S]
+        scores = q[h] @ k[g].T  # [T, S]
         scores = np.where(key_pos[None, :] > positions[:, None], -np.inf, scores)
         p = np.exp(scores - scores.max(-1, keepdims=True))
         out[h] = (p / p.sum(-1, keepdims=True)) @ v[g]
@@ -78,16 +94,22 @@ def mlp(x: np.ndarray, w: Mapping[str, np.ndarray]) -> np.ndarray:
     return (gate / (1.0 + np.exp(-gate)) * up) @ w["mlp.down_proj.weight"].T
 
 
-def decoder_layer(x: np.ndarray, w: Mapping[str, np.ndarray], config: Any, positions: np.ndarray,
-                  cache: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
+def decoder_layer(
+    x: np.ndarray,
+    w: Mapping[str, np.ndarray],
+    config: Any,
+    positions: np.ndarray,
+    cache: tuple[np.ndarray, np.ndarray] | None = None,
+) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
     """One pre-norm block on x [T, H]: (y [T, H], the layer's cache with these positions' keys/values appended)."""
     a, cache = attention(rms_norm(x, w["input_layernorm.weight"], config.norm_eps), w, config, positions, cache)
     x = x + a
     return x + mlp(rms_norm(x, w["post_attention_layernorm.weight"], config.norm_eps), w), cache
 
 
-def forward(ids, weights: Mapping[str, np.ndarray], config: Any,
-            cache: list[tuple[np.ndarray, np.ndarray]] | None = None) -> tuple[np.ndarray, list]:
+def forward(
+    ids, weights: Mapping[str, np.ndarray], config: Any, cache: list[tuple[np.ndarray, np.ndarray]] | None = None
+) -> tuple[np.ndarray, list]:
     """Logits [T, V] of token ids [T] that follow the cache's positions (none: from position 0), and the cache."""
     start = 0 if not cache else cache[0][0].shape[1]
     positions = np.arange(start, start + len(ids))

@@ -24,8 +24,7 @@ class ModelRegistry:
     def register(self, name: str, cls: type) -> None:
         """Register `cls` under `name`; a name can be used only once."""
         if name in self._models:
-            raise ValueError(f"'{name}' is already used by {_qualname(self._models[name])}, "
-                             f"pick another name.")
+            raise ValueError(f"'{name}' is already used by {_qualname(self._models[name])}, pick another name.")
         self._models[name] = cls
 
     def get(self, name: str) -> type:

@@ -14,5 +14,5 @@ def rope_tables(head_dim: int, max_seq_length: int, theta: float) -> tuple[np.nd
     """cos, sin tables [max_seq_length, head_dim] for rotate-half RoPE (HF layout): angles in float64, rounded once."""
     inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     freqs = np.outer(np.arange(max_seq_length, dtype=np.float64), inv_freq)  # [S, hd/2]
-    angles = np.concatenate([freqs, freqs], axis=-1)                         # [S, hd]
+    angles = np.concatenate([freqs, freqs], axis=-1)  # [S, hd]
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)

@@ -13,8 +13,9 @@ import os
 _DONE = False
 
 
-def setup_mindspore(device: str = "CPU", graph_mode: bool = False, seed: int | None = None,
-                    host_blocking: bool = False) -> None:
+def setup_mindspore(
+    device: str = "CPU", graph_mode: bool = False, seed: int | None = None, host_blocking: bool = False
+) -> None:
     """Select the device and mode. Idempotent within a process (MindSpore's context is process-global).
 
     graph_mode=True switches the whole process to GRAPH_MODE; training compiles its step
@@ -121,8 +122,11 @@ def layerwise_hidden_states(net):
     import mindspore as ms
 
     params = [tuple(p for _, p in layer.parameters_and_names()) for layer in net.layers]
-    if any([(p.name.split(".", 2)[-1], p.shape, p.dtype) for p in ps] !=
-           [(p.name.split(".", 2)[-1], p.shape, p.dtype) for p in params[0]] for ps in params[1:]):
+    if any(
+        [(p.name.split(".", 2)[-1], p.shape, p.dtype) for p in ps]
+        != [(p.name.split(".", 2)[-1], p.shape, p.dtype) for p in params[0]]
+        for ps in params[1:]
+    ):
         return None
     template, targets, load = weight_slot(net.layers[0])
 
@@ -136,10 +140,15 @@ def layerwise_hidden_states(net):
     masks = net.layers[0].self_attn.softmax.applies_mask
     hd = net.config.head_dim
     table = net.rope_cos.dtype
-    step = dynamic_graph(template, layer_step, ms.Tensor(shape=[None, None, net.config.hidden_size], dtype=net.compute_dtype),
-                         ms.Tensor(shape=[None, hd], dtype=table), ms.Tensor(shape=[None, hd], dtype=table),
-                         ms.Tensor(shape=[] if masks else [None, None, None], dtype=ms.float32),
-                         *[ms.Tensor(shape=p.shape, dtype=p.dtype) for p in targets])
+    step = dynamic_graph(
+        template,
+        layer_step,
+        ms.Tensor(shape=[None, None, net.config.hidden_size], dtype=net.compute_dtype),
+        ms.Tensor(shape=[None, hd], dtype=table),
+        ms.Tensor(shape=[None, hd], dtype=table),
+        ms.Tensor(shape=[] if masks else [None, None, None], dtype=ms.float32),
+        *[ms.Tensor(shape=p.shape, dtype=p.dtype) for p in targets],
+    )
 
     def run(ids):
         x, cos, sin, mask = first(ids)

@@ -13,8 +13,13 @@ from __future__ import annotations
 import numpy as np
 
 
-def sample_next(logits: np.ndarray, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-                rng: np.random.Generator | None = None) -> int:
+def sample_next(
+    logits: np.ndarray,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    rng: np.random.Generator | None = None,
+) -> int:
     """The next token id from one row of logits [V].
 
     temperature 0 (or below) is greedy argmax. Otherwise logits / temperature, keep

@@ -43,10 +43,12 @@ def main() -> int:
         return 2
     mc = cfg.model.resolve()
     print(f"== pipeline '{cfg.name}': {cfg.description}")
-    print(f"   model {cfg.model.preset}: {mc.num_parameters / 1e6:.1f}M parameters, vocab {mc.vocab_size}, "
-          f"{mc.num_layers} layers; data {cfg.data.sources} → seq {cfg.data.seq_length}; "
-          f"pretrain {cfg.pretrain.train.loop.max_steps} steps; continued on {cfg.continued.sources or '-'} "
-          f"({cfg.continued.train.loop.max_steps} steps)")
+    print(
+        f"   model {cfg.model.preset}: {mc.num_parameters / 1e6:.1f}M parameters, vocab {mc.vocab_size}, "
+        f"{mc.num_layers} layers; data {cfg.data.sources} → seq {cfg.data.seq_length}; "
+        f"pretrain {cfg.pretrain.train.loop.max_steps} steps; continued on {cfg.continued.sources or '-'} "
+        f"({cfg.continued.train.loop.max_steps} steps)"
+    )
 
     from flows.full_pipeline import full_pipeline
 
@@ -59,33 +61,51 @@ def main() -> int:
     print(f"\n== full-pipeline '{cfg.name}' finished in {wall / 60:.1f} min; artifacts:")
     for stage, path in out.items():
         m = ArtifactStore.read_manifest(path)
-        print(f"   {stage:<20} {Path(path).relative_to(Path(a.artifacts).resolve().parent) if Path(path).is_absolute() else path}"
-              f"  ({_du(Path(path)) / 1e6:.1f} MB)")
+        print(
+            f"   {stage:<20} "
+            f"{Path(path).relative_to(Path(a.artifacts).resolve().parent) if Path(path).is_absolute() else path}"
+            f"  ({_du(Path(path)) / 1e6:.1f} MB)"
+        )
         met = m.get("metrics", {})
         if "val_loss" in met and (Path(path) / "metrics.jsonl").is_file():
             before = met.get("initial_val_loss")
             what = "response-only val loss" if m["stage"] == "finetune" else "val loss"
             ent = f" (unigram entropy of the corpus {met['unigram_entropy']:.3f})" if "unigram_entropy" in met else ""
-            print(f"   {'':<20} {what} {before:.3f} → {met['val_loss']:.3f} nats/token{ent}; "
-                  f"loss curve: {Path(path) / 'loss_curve.png'}")
+            print(
+                f"   {'':<20} {what} {before:.3f} → {met['val_loss']:.3f} nats/token{ent}; "
+                f"loss curve: {Path(path) / 'loss_curve.png'}"
+            )
             rows = [json.loads(x) for x in (Path(path) / "metrics.jsonl").read_text().splitlines()]
             curve = [f"{r['step']}:{r['loss']:.2f}" for r in rows if "grad_norm" in r]
             if curve:
                 step = max(1, len(curve) // 8)
-                print(f"   {'':<20} train loss by step: {' '.join(curve[::step] + ([curve[-1]] if (len(curve) - 1) % step else []))}")
+                print(
+                    f"   {'':<20} train loss by step: "
+                    f"{' '.join(curve[::step] + ([curve[-1]] if (len(curve) - 1) % step else []))}"
+                )
         if m["stage"] == "eval":
-            tasks = ", ".join(f"{k.removeprefix('local_').split('.')[0]} {v:.2f}" for k, v in met.items() if k.endswith(".acc"))
-            print(f"   {'':<20} held-out perplexity {met.get('perplexity', float('nan')):.1f}, "
-                  f"bits/byte {met.get('bits_per_byte', float('nan')):.3f}; acc: {tasks}; report: {Path(path) / 'report.md'}")
+            tasks = ", ".join(
+                f"{k.removeprefix('local_').split('.')[0]} {v:.2f}" for k, v in met.items() if k.endswith(".acc")
+            )
+            print(
+                f"   {'':<20} held-out perplexity {met.get('perplexity', float('nan')):.1f}, "
+                f"bits/byte {met.get('bits_per_byte', float('nan')):.3f}; acc: {tasks}; report: "
+                f"{Path(path) / 'report.md'}"
+            )
         if m["stage"] == "export":
             v = m.get("verification", {})
-            print(f"   {'':<20} MindIR max |Δlogit| {v.get('mindir_max_abs_diff')}, ONNX {v.get('onnx_max_abs_diff'):.2e}, "
-                  f"greedy tokens match: {v.get('greedy_tokens_match')}; model card: {Path(path) / 'MODEL_CARD.md'}")
+            print(
+                f"   {'':<20} MindIR max |Δlogit| {v.get('mindir_max_abs_diff')}, ONNX "
+                f"{v.get('onnx_max_abs_diff'):.2e}, "
+                f"greedy tokens match: {v.get('greedy_tokens_match')}; model card: {Path(path) / 'MODEL_CARD.md'}"
+            )
     print(f"\nfinal artifact: {list(out.values())[-1]}")
     print(f"lineage of it:  .venv/bin/msllm lineage {list(out.values())[-1]} --format text|json|mermaid|dot")
     runs = Path(a.artifacts).resolve() / "runs"
-    print(f"training curves: .venv/bin/tensorboard --logdir {os.path.relpath(runs)}   "
-          f"(every pretrain/finetune/eval run of every pipeline; http://localhost:6006)")
+    print(
+        f"training curves: .venv/bin/tensorboard --logdir {os.path.relpath(runs)}   "
+        f"(every pretrain/finetune/eval run of every pipeline; http://localhost:6006)"
+    )
     return 0
 
 

@@ -32,15 +32,15 @@ MAX_WORDS = 40
 
 def rst_to_text(s: str) -> str:
     """Plain text from a reStructuredText fragment: roles, links, literals, references, emphasis."""
-    s = re.sub(r":pep:`(?:[^`<]*<)?(\d+)>?`", r"PEP \1", s)            # :pep:`8` / :pep:`title <8>`
+    s = re.sub(r":pep:`(?:[^`<]*<)?(\d+)>?`", r"PEP \1", s)  # :pep:`8` / :pep:`title <8>`
     s = re.sub(r":\w+(?::\w+)*:`([^`<]*?)\s*(?:<[^`>]*>)?`", r"\1", s)  # :func:`x`, :ref:`text <target>`
-    s = re.sub(r"`([^`<]+?)\s*<[^`>]+>`__?", r"\1", s)                  # `text <url>`_
-    s = re.sub(r"``([^`]+)``", r"\1", s)                                # ``literal``
-    s = re.sub(r"`([^`]+)`_{0,2}", r"\1", s)                            # `ref`_ / `interpreted`
-    s = re.sub(r"\s*\[[^\]\s]+\]_", "", s)                              # citations [1]_
-    s = re.sub(r"(?<![\w*])(\*\*?)(\S|\S[^*]*?\S)\1(?![\w*])", r"\2", s)   # *emphasis*, **strong**
-    s = re.sub(r"\b([A-Za-z0-9][\w-]*[A-Za-z0-9])_(?=\W|$)", r"\1", s)    # reference_ (not __dunder__)
-    s = re.sub(r"\\(\S)", r"\1", s.replace("\\ ", ""))                  # escapes: \*\*kwargs, Group\ s
+    s = re.sub(r"`([^`<]+?)\s*<[^`>]+>`__?", r"\1", s)  # `text <url>`_
+    s = re.sub(r"``([^`]+)``", r"\1", s)  # ``literal``
+    s = re.sub(r"`([^`]+)`_{0,2}", r"\1", s)  # `ref`_ / `interpreted`
+    s = re.sub(r"\s*\[[^\]\s]+\]_", "", s)  # citations [1]_
+    s = re.sub(r"(?<![\w*])(\*\*?)(\S|\S[^*]*?\S)\1(?![\w*])", r"\2", s)  # *emphasis*, **strong**
+    s = re.sub(r"\b([A-Za-z0-9][\w-]*[A-Za-z0-9])_(?=\W|$)", r"\1", s)  # reference_ (not __dunder__)
+    s = re.sub(r"\\(\S)", r"\1", s.replace("\\ ", ""))  # escapes: \*\*kwargs, Group\ s
     return re.sub(r"\s+", " ", s).strip()
 
 
@@ -55,7 +55,11 @@ def abstract_of(text: str) -> str | None:
     if not m:
         return None
     for para in re.split(r"\n\s*\n", m.group(1)):
-        if para.strip() and not para.lstrip().startswith(("..", "::", "*", "-", "|", ">>>")) and not para.startswith(" "):
+        if (
+            para.strip()
+            and not para.lstrip().startswith(("..", "::", "*", "-", "|", ">>>"))
+            and not para.startswith(" ")
+        ):
             return rst_to_text(para)
     return None
 

@@ -28,12 +28,22 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--recompute", action="store_true")
     ap.add_argument("--layerwise", action="store_true", help="the step one decoder layer at a time (train.layerwise)")
-    ap.add_argument("--validate", choices=["start", "later"],
-                    help="the trainer's validation loss (tasks/training/step.py validation_fn) before the first step "
-                         "(a fresh run's step 0) or after the steps (a resumed run's first)")
-    ap.add_argument("--set", action="append", default=[], metavar="FIELD=INT",
-                    help="a ModelConfig field of the preset replaced, e.g. --set num_layers=15")
-    ap.add_argument("--no-fused", action="store_true", help="MindSpore's own ops only (pretrain.train.fused_kernels: false)")
+    ap.add_argument(
+        "--validate",
+        choices=["start", "later"],
+        help="the trainer's validation loss (tasks/training/step.py validation_fn) before the first step "
+        "(a fresh run's step 0) or after the steps (a resumed run's first)",
+    )
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=INT",
+        help="a ModelConfig field of the preset replaced, e.g. --set num_layers=15",
+    )
+    ap.add_argument(
+        "--no-fused", action="store_true", help="MindSpore's own ops only (pretrain.train.fused_kernels: false)"
+    )
     a = ap.parse_args()
     import numpy as np
 
@@ -42,9 +52,9 @@ def main() -> None:
     setup_mindspore(host_blocking=True)  # as the trainer
     from model.config import ModelConfig
     from tasks.modeling.build import build_network
+    from tasks.training.hardware import peak_rss_bytes, reset_peak_rss, rss_bytes
     from tasks.training.layerwise import causal_lm_train_step
     from tasks.training.step import causal_lm_loss_fn, validation_fn
-    from tasks.training.hardware import peak_rss_bytes, reset_peak_rss, rss_bytes
 
     phases, reset = {}, []
 
@@ -80,8 +90,21 @@ def main() -> None:
         step([(ids[:, :-1], ids[:, 1:])], 1e-4, a.steps + 1)
         phase("step_after_validation")
     top = max(v["peak_bytes"] for v in phases.values())
-    print(json.dumps({"preset": a.preset, "set": a.set, "batch": a.batch, "seq": a.seq, "recompute": a.recompute,
-                      "layerwise": a.layerwise, "peak_rss_bytes": top, "phases": phases, "phase_reset": all(reset)}))
+    print(
+        json.dumps(
+            {
+                "preset": a.preset,
+                "set": a.set,
+                "batch": a.batch,
+                "seq": a.seq,
+                "recompute": a.recompute,
+                "layerwise": a.layerwise,
+                "peak_rss_bytes": top,
+                "phases": phases,
+                "phase_reset": all(reset),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

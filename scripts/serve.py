@@ -54,12 +54,18 @@ def schedules(config: str, only: str | None = None) -> dict[str, tuple[str, str]
     return out
 
 
-def deployments(pipeline: str, config: str, artifacts: str, cron: str | None = None, inbox: str | None = None,
-                all_pipelines: bool = False):
+def deployments(
+    pipeline: str,
+    config: str,
+    artifacts: str,
+    cron: str | None = None,
+    inbox: str | None = None,
+    all_pipelines: bool = False,
+):
     """The deployments of `pipeline` (its schedule's among them); with all_pipelines, every pipeline's schedule."""
-    import flows  # noqa: F401  (its Prefect defaults must be set before Prefect is imported)
     from prefect.schedules import Cron
 
+    import flows  # noqa: F401  (its Prefect defaults must be set before Prefect is imported)
     from flows import stage_flows
     from flows.continued import continued_pretraining
     from flows.full_pipeline import full_pipeline
@@ -76,8 +82,11 @@ def deployments(pipeline: str, config: str, artifacts: str, cron: str | None = N
         crons[pipeline] = (cron, "UTC")
     for name, (expr, tz) in crons.items():
         p = {"pipeline": name, "config": config, "artifacts": artifacts, **(extra if name == pipeline else {})}
-        out.append(continued_pretraining.to_deployment(name=f"scheduled-{name}", parameters=p,
-                                                       schedule=Cron(expr, timezone=tz)))
+        out.append(
+            continued_pretraining.to_deployment(
+                name=f"scheduled-{name}", parameters=p, schedule=Cron(expr, timezone=tz)
+            )
+        )
     return out
 
 
@@ -111,8 +120,12 @@ class _Stopper:
         runner = self.runner
         if runner is None or not getattr(runner, "started", False):
             self._exit(f"{name} while starting: stopped")
-        print(f"serve: {name}: terminating {len(runs)} flow run(s), then stopping the runner "
-              f"(at most {self.timeout:g} s)", file=sys.stderr, flush=True)
+        print(
+            f"serve: {name}: terminating {len(runs)} flow run(s), then stopping the runner "
+            f"(at most {self.timeout:g} s)",
+            file=sys.stderr,
+            flush=True,
+        )
         runner.stopping = True  # submit no new runs
         threading.Thread(target=self._stop, name="serve-stop", daemon=True).start()
 
@@ -164,8 +177,12 @@ def serve(deps: list, stop_timeout: float) -> None:
     for d in deps:
         runner.add_deployment(d)
     names = [f"{d.flow_name}/{d.name}" for d in deps]
-    print(f"Serving {len(deps)} deployments on {PREFECT_API_URL.value() or 'the ephemeral API'}:\n  " + "\n  ".join(names)
-          + f"\nTo trigger one: prefect deployment run '{names[0]}'. Stop with Ctrl-C or SIGTERM.", flush=True)
+    print(
+        f"Serving {len(deps)} deployments on {PREFECT_API_URL.value() or 'the ephemeral API'}:\n  "
+        + "\n  ".join(names)
+        + f"\nTo trigger one: prefect deployment run '{names[0]}'. Stop with Ctrl-C or SIGTERM.",
+        flush=True,
+    )
     stopper.runner = runner
     asyncio.run(runner.start())
     print("serve: stopped", file=sys.stderr, flush=True)
@@ -173,20 +190,33 @@ def serve(deps: list, stop_timeout: float) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--pipeline", default="demo",
-                    help="the pipeline whose deployments to register (default demo); the on-demand ones run any "
-                         "pipeline with `prefect deployment run ... --param pipeline=NAME`")
-    ap.add_argument("--all-pipelines", action="store_true",
-                    help="also register continued-pretraining/scheduled-<name> for every pipeline of --config whose "
-                         "continued.schedule is set (as prefect.yaml does), not only --pipeline's")
+    ap.add_argument(
+        "--pipeline",
+        default="demo",
+        help="the pipeline whose deployments to register (default demo); the on-demand ones run any "
+        "pipeline with `prefect deployment run ... --param pipeline=NAME`",
+    )
+    ap.add_argument(
+        "--all-pipelines",
+        action="store_true",
+        help="also register continued-pretraining/scheduled-<name> for every pipeline of --config whose "
+        "continued.schedule is set (as prefect.yaml does), not only --pipeline's",
+    )
     ap.add_argument("--config", default=str(REPO / "pipelines.yaml"))
     ap.add_argument("--artifacts", default=str(REPO / "artifacts"))
-    ap.add_argument("--cron", default=os.environ.get("MSLLM_CONTINUED_CRON") or None,
-                    help="a schedule for --pipeline's continued-pretraining/scheduled-<pipeline> (default: its "
-                         "continued.schedule in the config)")
+    ap.add_argument(
+        "--cron",
+        default=os.environ.get("MSLLM_CONTINUED_CRON") or None,
+        help="a schedule for --pipeline's continued-pretraining/scheduled-<pipeline> (default: its "
+        "continued.schedule in the config)",
+    )
     ap.add_argument("--inbox", default=None, help="inbox directory (default: the pipeline's continued.inbox)")
-    ap.add_argument("--stop-timeout", type=float, default=4.0,
-                    help="seconds from SIGTERM/SIGINT to exit; flow runs still running then are killed (default 4)")
+    ap.add_argument(
+        "--stop-timeout",
+        type=float,
+        default=4.0,
+        help="seconds from SIGTERM/SIGINT to exit; flow runs still running then are killed (default 4)",
+    )
     a = ap.parse_args()
     _Stopper(a.stop_timeout).install()  # quiet, prompt exit while importing and registering
     serve(deployments(a.pipeline, a.config, a.artifacts, a.cron or None, a.inbox, a.all_pipelines), a.stop_timeout)

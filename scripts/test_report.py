@@ -22,7 +22,7 @@ def counts(report: Path) -> dict[str, int]:
         if not f.is_file():
             continue
         root = ET.parse(f).getroot()
-        for suite in ([root] if root.tag == "testsuite" else root.iter("testsuite")):
+        for suite in [root] if root.tag == "testsuite" else root.iter("testsuite"):
             n, fail, err, skip = (int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped"))
             out["passed"] += n - fail - err - skip
             out["failed"] += fail + err

@@ -40,11 +40,13 @@ def chat_spans(tok, messages: list[dict[str, str]], where: str) -> tuple[str, li
         if m["role"] != "assistant":
             continue
         head = tok.render_chat(messages[:k], add_generation_prompt=True)
-        through = tok.render_chat(messages[:k + 1], add_generation_prompt=False)
+        through = tok.render_chat(messages[: k + 1], add_generation_prompt=False)
         if not (through.startswith(head) and full.startswith(through)):
-            raise TokenizerError(f"{where}: the chat template does not render the conversation as a growing prefix "
-                                 "(each turn appended to the previous ones), so the assistant's tokens cannot be "
-                                 "located; use a template that does, or finetune.format: text")
+            raise TokenizerError(
+                f"{where}: the chat template does not render the conversation as a growing prefix "
+                "(each turn appended to the previous ones), so the assistant's tokens cannot be "
+                "located; use a template that does, or finetune.format: text"
+            )
         spans.append((len(head), len(through)))
     return full, spans
 
@@ -108,13 +110,15 @@ def to_segments(record: Any, where: str) -> list[tuple[str, str]]:
         return segments
     prompt, response = record.get("prompt"), record.get("response")
     if not isinstance(prompt, str) or not isinstance(response, str):
-        raise ValueError(f"{where}: expected string fields 'prompt' and 'response' (or chat 'messages'); "
-                         f"got keys {sorted(record)}")
+        raise ValueError(
+            f"{where}: expected string fields 'prompt' and 'response' (or chat 'messages'); got keys {sorted(record)}"
+        )
     return [*_turn(prompt), (response, RESPONSE)]
 
 
-def encode_segments(sp, segments: list[tuple[str, str]], eos_id: int, max_tokens: int | None = None
-                    ) -> tuple[list[int], list[bool], bool]:
+def encode_segments(
+    sp, segments: list[tuple[str, str]], eos_id: int, max_tokens: int | None = None
+) -> tuple[list[int], list[bool], bool]:
     """(token ids, per token whether it is trained, whether a prompt was shortened).
 
     Each segment is encoded on its own (so the prompt/response boundary is exact) and
@@ -122,14 +126,16 @@ def encode_segments(sp, segments: list[tuple[str, str]], eos_id: int, max_tokens
     total exceeds `max_tokens`, prompt segments lose tokens from their end, first
     prompt first; whatever is still too long is left for `pack_example` to cut.
     """
-    encoded = [list(ids) + ([eos_id] if kind == RESPONSE else [])
-               for (_, kind), ids in zip(segments, sp.encode_batch([text for text, _ in segments]))]
+    encoded = [
+        list(ids) + ([eos_id] if kind == RESPONSE else [])
+        for (_, kind), ids in zip(segments, sp.encode_batch([text for text, _ in segments]))
+    ]
     excess = sum(map(len, encoded)) - max_tokens if max_tokens is not None else 0
     shortened = excess > 0
     for ids, (_, kind) in zip(encoded, segments):
         if excess > 0 and kind == PROMPT:
             cut = min(excess, len(ids))
-            del ids[len(ids) - cut:]
+            del ids[len(ids) - cut :]
             excess -= cut
     tokens = [t for ids in encoded for t in ids]
     trained = [kind == RESPONSE for ids, (_, kind) in zip(encoded, segments) for _ in ids]
@@ -171,11 +177,13 @@ def check_prompt_style(data: Any, tok, where: str) -> str:
     if style not in STYLES:
         raise TokenizerError(f"{where}: style must be one of {', '.join(STYLES)}, got {style!r}; rebuild the artifact")
     if style == "chat_template" and tok.chat_template is None:
-        raise TokenizerError(f"{where}: style chat_template but the artifact's tokenizer has no chat template; "
-                             "rebuild the artifact")
+        raise TokenizerError(
+            f"{where}: style chat_template but the artifact's tokenizer has no chat template; rebuild the artifact"
+        )
     if style == "instruction" and (data.get("prompt"), data.get("system")) != (PROMPT_TEMPLATE, SYSTEM_TEMPLATE):
-        raise TokenizerError(f"{where}: an instruction template other than this version's "
-                             f"({PROMPT_TEMPLATE!r}); rebuild the artifact")
+        raise TokenizerError(
+            f"{where}: an instruction template other than this version's ({PROMPT_TEMPLATE!r}); rebuild the artifact"
+        )
     return style
 
 
@@ -188,8 +196,9 @@ def chat_prompt_ids(tok, messages: list[tuple[str, str]], style: str | None = No
     if style is None:
         style = "chat_template" if tok.chat_template is not None else "instruction"
     if style == "chat_template":
-        return tok.encode(tok.render_chat([{"role": r, "content": c} for r, c in messages], add_generation_prompt=True,
-                                          **limits))
+        return tok.encode(
+            tok.render_chat([{"role": r, "content": c} for r, c in messages], add_generation_prompt=True, **limits)
+        )
     # to_segments wants an assistant turn to train on: add an empty one and drop it again.
     record = {"messages": [{"role": r, "content": c} for r, c in messages] + [{"role": "assistant", "content": ""}]}
     segments = to_segments(record, "messages")[:-1]

@@ -27,9 +27,10 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+from collections.abc import Iterable, Sequence
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -74,14 +75,16 @@ def copy_tokenizer_files(src: str | Path, dst: str | Path) -> list[str]:
     return [f.name for f in files]
 
 
-def load_tokenizer(path: str | Path) -> "Tokenizer":
+def load_tokenizer(path: str | Path) -> Tokenizer:
     """The tokenizer of a directory (its tokenizer.model, else its tokenizer.json), or of one file."""
     p = Path(path)
     if p.is_dir():
         files = tokenizer_files(p)
         if not files:
-            raise TokenizerError(f"{p}: no {HF_FILE} or {SP_FILE}; pass a model, data or export artifact "
-                                 "(or a directory with the model's tokenizer files)")
+            raise TokenizerError(
+                f"{p}: no {HF_FILE} or {SP_FILE}; pass a model, data or export artifact "
+                "(or a directory with the model's tokenizer files)"
+            )
         return HFTokenizer(p / HF_FILE) if files[0].name == HF_FILE else SentencePieceTokenizer(p / SP_FILE)
     if not p.is_file():
         raise TokenizerError(f"{p}: tokenizer file not found")
@@ -153,10 +156,18 @@ class Tokenizer:
 
     def info(self) -> dict[str, Any]:
         """What model.json records about the tokenizer (ids, size, files, digest)."""
-        return {"type": self.kind, "files": [f.name for f in self.files], "vocab_size": self.vocab_size,
-                "bos_id": self.bos_id(), "eos_id": self.eos_id(), "pad_id": self.pad_id(), "unk_id": self.unk_id(),
-                "pad_fill_id": self.pad_fill_id(), "chat_template": self.chat_template is not None,
-                "sha256": self.sha256}
+        return {
+            "type": self.kind,
+            "files": [f.name for f in self.files],
+            "vocab_size": self.vocab_size,
+            "bos_id": self.bos_id(),
+            "eos_id": self.eos_id(),
+            "pad_id": self.pad_id(),
+            "unk_id": self.unk_id(),
+            "pad_fill_id": self.pad_fill_id(),
+            "chat_template": self.chat_template is not None,
+            "sha256": self.sha256,
+        }
 
     # ---- chat
     def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True, **limits: Any) -> str:
@@ -164,9 +175,15 @@ class Tokenizer:
         the template fails to render or passes a limit; `limits`: `tasks.chat_template.render_chat_template`'s)."""
         if self.chat_template is None:
             raise TokenizerError(f"{self.files[0]}: the tokenizer has no chat template")
-        return render_template(self.chat_template, messages, add_generation_prompt,
-                               bos_token=self._piece_or_empty(self.bos_id()),
-                               eos_token=self._piece_or_empty(self.eos_id()), where=str(self.files[0].parent), **limits)
+        return render_template(
+            self.chat_template,
+            messages,
+            add_generation_prompt,
+            bos_token=self._piece_or_empty(self.bos_id()),
+            eos_token=self._piece_or_empty(self.eos_id()),
+            where=str(self.files[0].parent),
+            **limits,
+        )
 
     def _piece_or_empty(self, i: int) -> str:
         return self.id_to_piece(i) if i >= 0 else ""
@@ -186,7 +203,9 @@ class SentencePieceTokenizer(Tokenizer):
         try:
             self.sp = spm.SentencePieceProcessor(model_file=str(self.path))
         except (RuntimeError, OSError) as exc:
-            raise TokenizerError(f"{self.path}: not a SentencePiece model ({exc}); point at a tokenizer.model") from None
+            raise TokenizerError(
+                f"{self.path}: not a SentencePiece model ({exc}); point at a tokenizer.model"
+            ) from None
         sp = self.sp
         self._special = {"bos": sp.bos_id(), "eos": sp.eos_id(), "pad": sp.pad_id(), "unk": sp.unk_id()}
 
@@ -225,9 +244,13 @@ class SentencePieceTokenizer(Tokenizer):
         proto = pb.ModelProto()
         proto.ParseFromString(self.path.read_bytes())
         ts, ns = proto.trainer_spec, proto.normalizer_spec
-        return {"model_type": pb.TrainerSpec.ModelType.Name(ts.model_type).lower(), "byte_fallback": ts.byte_fallback,
-                "add_dummy_prefix": ns.add_dummy_prefix, "normalization": ns.name,
-                "character_coverage": round(ts.character_coverage, 6)}
+        return {
+            "model_type": pb.TrainerSpec.ModelType.Name(ts.model_type).lower(),
+            "byte_fallback": ts.byte_fallback,
+            "add_dummy_prefix": ns.add_dummy_prefix,
+            "normalization": ns.name,
+            "character_coverage": round(ts.character_coverage, 6),
+        }
 
 
 # ----------------------------------------------------------------------------- tokenizer.json
@@ -269,21 +292,28 @@ class HFTokenizer(Tokenizer):
 
         self.path = Path(path)
         d = self.path.parent
-        self.files = [d / f for f in TOKENIZER_FILES if f != SP_FILE and (d / f).is_file()] if \
-            self.path.name == HF_FILE else [self.path]
+        self.files = (
+            [d / f for f in TOKENIZER_FILES if f != SP_FILE and (d / f).is_file()]
+            if self.path.name == HF_FILE
+            else [self.path]
+        )
         try:
             self.tok = _Tok.from_file(str(self.path))
         except Exception as exc:  # tokenizers raises a bare Exception on a bad file
-            raise TokenizerError(f"{self.path}: not a Hugging Face tokenizer.json ({str(exc)[:200]}); "
-                                 "re-save the tokenizer with transformers or tokenizers") from None
+            raise TokenizerError(
+                f"{self.path}: not a Hugging Face tokenizer.json ({str(exc)[:200]}); "
+                "re-save the tokenizer with transformers or tokenizers"
+            ) from None
         cfg_path = d / HF_CONFIG
         try:
             self.config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
         except json.JSONDecodeError as exc:
             raise TokenizerError(f"{cfg_path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
         if not isinstance(self.config, dict):
-            raise TokenizerError(f"{cfg_path}: holds a JSON {_json_kind(self.config)}, not an object; it should map "
-                                 "bos_token, eos_token, chat_template, ... to values: re-save the tokenizer")
+            raise TokenizerError(
+                f"{cfg_path}: holds a JSON {_json_kind(self.config)}, not an object; it should map "
+                "bos_token, eos_token, chat_template, ... to values: re-save the tokenizer"
+            )
         self._special = {}
         for name in ("bos", "eos", "pad", "unk"):
             text = _token_text(self.config.get(f"{name}_token"))
@@ -360,8 +390,13 @@ class HFTokenizer(Tokenizer):
 # ----------------------------------------------------------------------------- chat templates
 
 
-def render_template(template: str, messages: list[dict[str, str]], add_generation_prompt: bool = True,
-                    where: str = "chat template", **extra: Any) -> str:
+def render_template(
+    template: str,
+    messages: list[dict[str, str]],
+    add_generation_prompt: bool = True,
+    where: str = "chat template",
+    **extra: Any,
+) -> str:
     """Render a Hugging Face chat template (Jinja, sandboxed, as transformers renders it), within a time and a size
     limit (`tasks.chat_template.render_chat_template`, which takes `max_chars`, `max_chars_why` and `seconds` too)."""
     from tasks.chat_template import render_chat_template
@@ -374,8 +409,12 @@ def check_chat_template(tok: Tokenizer) -> None:
     rendering (tasks.chat_template), fails here, not at serve time."""
     if tok.chat_template is None:
         return
-    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
-            {"role": "assistant", "content": "a"}, {"role": "user", "content": "v"}]
+    msgs = [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "u"},
+        {"role": "assistant", "content": "a"},
+        {"role": "user", "content": "v"},
+    ]
     tok.render_chat(msgs, add_generation_prompt=True)
 
 
@@ -396,14 +435,18 @@ def hf_files_from_gguf(meta: dict[str, Any], where: str) -> dict[str, Any]:
     model = meta.get("tokenizer.ggml.model")
     if model != "gpt2":
         what = " (a SentencePiece vocabulary)" if model == "llama" else ""
-        raise TokenizerError(f"{where}: tokenizer.ggml.model={model!r}{what}; GGUF import rebuilds byte-level BPE "
-                             "('gpt2') tokenizers only: convert the model's Hugging Face directory (with its "
-                             "tokenizer.model or tokenizer.json) with --from-hf instead")
+        raise TokenizerError(
+            f"{where}: tokenizer.ggml.model={model!r}{what}; GGUF import rebuilds byte-level BPE "
+            "('gpt2') tokenizers only: convert the model's Hugging Face directory (with its "
+            "tokenizer.model or tokenizer.json) with --from-hf instead"
+        )
     pre = meta.get("tokenizer.ggml.pre", "default")
     if pre not in _PRE_DIGITS | _PRE_GPT2:
-        raise TokenizerError(f"{where}: tokenizer.ggml.pre={pre!r} is not a pre-tokenizer this converts "
-                             f"(known: {', '.join(sorted(_PRE_DIGITS | _PRE_GPT2))}); convert the Hugging Face "
-                             "directory with --from-hf instead")
+        raise TokenizerError(
+            f"{where}: tokenizer.ggml.pre={pre!r} is not a pre-tokenizer this converts "
+            f"(known: {', '.join(sorted(_PRE_DIGITS | _PRE_GPT2))}); convert the Hugging Face "
+            "directory with --from-hf instead"
+        )
     from model.gguf import tokenizer_problem
 
     if problem := tokenizer_problem(meta, where):  # one line naming the key, not a KeyError / IndexError
@@ -411,40 +454,76 @@ def hf_files_from_gguf(meta: dict[str, Any], where: str) -> dict[str, Any]:
     tokens = list(meta["tokenizer.ggml.tokens"])
     types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
     merges = list(meta.get("tokenizer.ggml.merges") or [])
-    added = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
-              "special": True} for i, (t, k) in enumerate(zip(tokens, types)) if k == _GGUF_CONTROL]
+    added = [
+        {
+            "id": i,
+            "content": t,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
+        for i, (t, k) in enumerate(zip(tokens, types))
+        if k == _GGUF_CONTROL
+    ]
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
-    pre_tok = ({"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True}, byte_level]}
-               if pre in _PRE_DIGITS else byte_level)
+    pre_tok = (
+        {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True}, byte_level]}
+        if pre in _PRE_DIGITS
+        else byte_level
+    )
     tokenizer_json = {
-        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
-        "pre_tokenizer": pre_tok, "post_processor": {**byte_level, "trim_offsets": False},
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": added,
+        "normalizer": None,
+        "pre_tokenizer": pre_tok,
+        "post_processor": {**byte_level, "trim_offsets": False},
         "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
-        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
-                  "vocab": {t: i for i, t in enumerate(tokens)}, "merges": [m.split(" ", 1) for m in merges]},
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": False,
+            "vocab": {t: i for i, t in enumerate(tokens)},
+            "merges": [m.split(" ", 1) for m in merges],
+        },
     }
     if meta.get("tokenizer.ggml.add_bos_token") and meta.get("tokenizer.ggml.bos_token_id") is not None:
         bos = tokens[int(meta["tokenizer.ggml.bos_token_id"])]
         bid = int(meta["tokenizer.ggml.bos_token_id"])
-        tokenizer_json["post_processor"] = {"type": "TemplateProcessing",
-                                            "single": [{"SpecialToken": {"id": bos, "type_id": 0}},
-                                                       {"Sequence": {"id": "A", "type_id": 0}}],
-                                            "pair": [{"SpecialToken": {"id": bos, "type_id": 0}},
-                                                     {"Sequence": {"id": "A", "type_id": 0}},
-                                                     {"SpecialToken": {"id": bos, "type_id": 1}},
-                                                     {"Sequence": {"id": "B", "type_id": 1}}],
-                                            "special_tokens": {bos: {"id": bos, "ids": [bid], "tokens": [bos]}}}
+        tokenizer_json["post_processor"] = {
+            "type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [
+                {"SpecialToken": {"id": bos, "type_id": 0}},
+                {"Sequence": {"id": "A", "type_id": 0}},
+                {"SpecialToken": {"id": bos, "type_id": 1}},
+                {"Sequence": {"id": "B", "type_id": 1}},
+            ],
+            "special_tokens": {bos: {"id": bos, "ids": [bid], "tokens": [bos]}},
+        }
 
     def tok_for(key):
         i = meta.get(f"tokenizer.ggml.{key}_token_id")
         return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
 
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
-              "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-              "model_max_length": int(meta.get("llama.context_length", 2048)),
-              "bos_token": tok_for("bos"), "eos_token": tok_for("eos"), "unk_token": tok_for("unknown"),
-              "pad_token": tok_for("padding")}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "clean_up_tokenization_spaces": False,
+        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        "model_max_length": int(meta.get("llama.context_length", 2048)),
+        "bos_token": tok_for("bos"),
+        "eos_token": tok_for("eos"),
+        "unk_token": tok_for("unknown"),
+        "pad_token": tok_for("padding"),
+    }
     if meta.get("tokenizer.chat_template"):
         config["chat_template"] = meta["tokenizer.chat_template"]
     return {HF_FILE: tokenizer_json, HF_CONFIG: config}

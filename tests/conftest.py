@@ -14,9 +14,25 @@ import flows  # noqa: F401  (Prefect's embedded-server startup timeout, set befo
 ms.set_device("CPU")  # must run once, before the first MindSpore op
 
 INTEGRATION_MODULES = {
-    "test_distributed", "test_flows", "test_pretrain", "test_finetune", "test_export", "test_serving",
-    "test_precision", "test_faults_training", "test_convert", "test_dask", "test_server", "test_tensorboard",
-    "test_workpool", "test_scaleout", "test_install", "test_eval", "test_data", "test_lora", "test_memory",
+    "test_distributed",
+    "test_flows",
+    "test_pretrain",
+    "test_finetune",
+    "test_export",
+    "test_serving",
+    "test_precision",
+    "test_faults_training",
+    "test_convert",
+    "test_dask",
+    "test_server",
+    "test_tensorboard",
+    "test_workpool",
+    "test_scaleout",
+    "test_install",
+    "test_eval",
+    "test_data",
+    "test_lora",
+    "test_memory",
     "test_zero",
 }
 

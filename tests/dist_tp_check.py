@@ -12,14 +12,14 @@ from pathlib import Path
 
 if __name__ == "__main__":
     sys.path[0] = str(Path(__file__).resolve().parent.parent)  # the repo, not tests/
-    import numpy as np
     import mindspore as ms
+    import numpy as np
 
     from model.config import ModelConfig
     from model.llama import causal_lm_loss
     from tasks.modeling.build import build_network
-    from tasks.runtime.mesh import Mesh
     from tasks.modeling.parallelize import shard
+    from tasks.runtime.mesh import Mesh
     from tasks.training.layerwise import causal_lm_train_step
 
     out = Path(sys.argv[1])
@@ -66,11 +66,14 @@ if __name__ == "__main__":
     want_g = shard(grads_s, 2, mesh.tp_index)
     moved = max(float(np.abs(after_s[k] - full0[k]).max()) for k in after_s)
     result = {
-        "rank": mesh.rank, "init_equal": bool(init_equal), "names_equal": names_equal,
+        "rank": mesh.rank,
+        "init_equal": bool(init_equal),
+        "names_equal": names_equal,
         "local_shapes": {k: list(v.shape) for k, v in mine0.items() if "layers.0." in k},
         "logits_max_abs_diff": float(np.abs(logits_single - logits_tp).max()),
         "logits_scale": float(np.abs(logits_single).max()),
-        "loss": [loss_s, loss_t], "grad_norm": [gnorm_s, gnorm_t],
+        "loss": [loss_s, loss_t],
+        "grad_norm": [gnorm_s, gnorm_t],
         "grad_max_abs_diff": max(float(np.abs(want_g[k] - grads_t[k]).max()) for k in grads_t),
         "grad_scale": max(float(np.abs(g).max()) for g in grads_s.values()),
         "param_max_abs_diff": max(float(np.abs(want[k] - after_t[k]).max()) for k in after_t),

@@ -22,9 +22,11 @@ def load_bench(name: str):
     sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)
     return mod
+
+
 SHAKESPEARE = REPO / "data/corpora/tinyshakespeare.txt"
 
-EPS32 = 2.0 ** -23
+EPS32 = 2.0**-23
 """float32 machine epsilon (np.finfo(np.float32).eps): the spacing of float32 numbers at 1."""
 
 
@@ -178,9 +180,18 @@ def train_tiny_tokenizer(out: Path, vocab_size: int = 512) -> Path:
     text = SHAKESPEARE.read_text(encoding="utf-8")[:200_000]
     buf = io.BytesIO()
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter([ln for ln in text.splitlines() if ln.strip()]), model_writer=buf,
-        vocab_size=vocab_size, model_type="bpe", byte_fallback=True, character_coverage=1.0,
-        pad_id=0, unk_id=1, bos_id=2, eos_id=3, num_threads=1, minloglevel=2,
+        sentence_iterator=iter([ln for ln in text.splitlines() if ln.strip()]),
+        model_writer=buf,
+        vocab_size=vocab_size,
+        model_type="bpe",
+        byte_fallback=True,
+        character_coverage=1.0,
+        pad_id=0,
+        unk_id=1,
+        bos_id=2,
+        eos_id=3,
+        num_threads=1,
+        minloglevel=2,
     )
     out.write_bytes(buf.getvalue())
     return out
@@ -196,7 +207,11 @@ def tiny_model_artifact(root: Path, preset: str = "tiny", seed: int = 0, **overr
 
     store = ArtifactStore(root)
     mc = ModelConfig.from_name(preset, **overrides)
-    tok = train_tiny_tokenizer(Path(root) / "tok.model", mc.vocab_size) if not (Path(root) / "tok.model").exists() else Path(root) / "tok.model"
+    tok = (
+        train_tiny_tokenizer(Path(root) / "tok.model", mc.vocab_size)
+        if not (Path(root) / "tok.model").exists()
+        else Path(root) / "tok.model"
+    )
     sp = SentencePieceTokenizer(tok)
     net = LlamaForCausalLM(mc, seed=seed)
     key = store.key("pretrain", {"preset": preset, "seed": seed, **overrides}, [], "test")
@@ -204,18 +219,28 @@ def tiny_model_artifact(root: Path, preset: str = "tiny", seed: int = 0, **overr
     if hit:
         return hit
     with store.build("pretrain", key, pipeline="test", config={"preset": preset}, inputs=[], code="test") as b:
-        write_model(b.dir, name="llama", config=mc, weights={p.name: p.asnumpy() for p in net.trainable_params()},
-                    tokenizer_model=tok, tokenizer_info=tokenizer_info(sp), seq_length=mc.max_seq_length)
+        write_model(
+            b.dir,
+            name="llama",
+            config=mc,
+            weights={p.name: p.asnumpy() for p in net.trainable_params()},
+            tokenizer_model=tok,
+            tokenizer_info=tokenizer_info(sp),
+            seq_length=mc.max_seq_length,
+        )
     return b.path
 
 
-CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-          "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
-def train_tiny_hf_tokenizer(out_dir: Path, vocab_size: int = 512, chat_template: str | None = CHATML,
-                            digits: bool = True) -> Path:
+def train_tiny_hf_tokenizer(
+    out_dir: Path, vocab_size: int = 512, chat_template: str | None = CHATML, digits: bool = True
+) -> Path:
     """A byte-level BPE tokenizer.json (SmolLM2's layout: digits split one by one, then GPT-2's byte-level
     regex; <|endoftext|> 0, <|im_start|> 1 (BOS), <|im_end|> 2 (EOS, pad)) trained on ~200 KB of Shakespeare,
     with tokenizer_config.json and, unless None, a ChatML chat template. Returns the directory."""
@@ -226,17 +251,61 @@ def train_tiny_hf_tokenizer(out_dir: Path, vocab_size: int = 512, chat_template:
     out_dir.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.BPE())
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-                         if digits else byte_level)
+    tok.pre_tokenizer = (
+        pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level]) if digits else byte_level
+    )
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIALS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     text = SHAKESPEARE.read_text(encoding="utf-8")[:200_000]
     tok.train_from_iterator([p for p in text.split("\n\n") if p.strip()], trainer=trainer)
     tok.save(str(out_dir / "tokenizer.json"))
-    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
-           "pad_token": "<|im_end|>", "unk_token": "<|endoftext|>", "clean_up_tokenization_spaces": False}
+    cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|im_start|>",
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|im_end|>",
+        "unk_token": "<|endoftext|>",
+        "clean_up_tokenization_spaces": False,
+    }
     if chat_template is not None:
         cfg["chat_template"] = chat_template
     (out_dir / "tokenizer_config.json").write_text(json.dumps(cfg), encoding="utf-8")
     return out_dir
+
+
+# The inputs each stage takes, in the order its module's `run` names them (tasks/stages/runner.py `prepare`).
+_STAGE_INPUTS = {
+    "data": ("tokenizer_model",),
+    "pretrain": ("data_artifact", "init_from"),
+    "finetune": ("base_artifact",),
+    "eval": ("model_artifact", "data_artifact"),
+    "export": ("model_artifact", "eval_artifact"),
+    "convert": ("source", "pipeline", "kind"),
+}
+
+
+def run_stage(name: str, cfg, store, *inputs, **kw) -> Path:
+    """Stage `name` run as the CLI and the flows run it: through the stage runner, which checks the machine and
+    computes the key once (`prepare(name, store, cfg, **inputs).run(**options)`). `inputs` are positional in the
+    stage's order (or named); every other keyword is a run option (progress, isolate, retries, inject, ...)."""
+    from tasks.stages.runner import prepare
+
+    names = _STAGE_INPUTS[name]
+    named = dict(zip(names, inputs))
+    named.update({k: kw.pop(k) for k in list(kw) if k in names})
+    return prepare(name, store, cfg, **named).run(**kw)
+
+
+def convert_hf(hf_dir, store, pipeline: str | None = None) -> Path:
+    """The convert stage on a Hugging Face directory, through the stage runner."""
+    return run_stage("convert", None, store, Path(hf_dir), pipeline, "hf", progress=False)
+
+
+def convert_gguf(gguf_file, store, pipeline: str | None = None) -> Path:
+    """The convert stage on a GGUF file, through the stage runner."""
+    return run_stage("convert", None, store, Path(gguf_file), pipeline, "gguf", progress=False)

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from tasks.store.artifacts import ArtifactStore, raw_file_input
-from tasks.store.errors import ArtifactError
 from tasks.store.disk import sha256_file
+from tasks.store.errors import ArtifactError
+from tests.helpers import convert_hf, run_stage
 
 
 def test_key_depends_on_content_not_path(tmp_path):
@@ -147,8 +148,8 @@ def test_rebuild_commands_are_the_stage_tables():
 
 
 def test_altered_weights_are_refused_on_load_naming_file_digests_and_command(tmp_path):
-    from tasks.store.published import verify_published
     from tasks.store.model_artifact import read_info
+    from tasks.store.published import verify_published
     from tasks.store.tensors import load_weights
 
     art = _published_model(tmp_path / "art")
@@ -184,9 +185,15 @@ def test_read_tensors_reads_what_safetensors_wrote_and_refuses_a_bad_header(tmp_
     from tasks.store.tensors import CheckpointError, read_tensors
 
     rng = np.random.default_rng(0)
-    arrays = {"f32": rng.normal(size=(3, 5)).astype(np.float32), "f16": rng.normal(size=7).astype(np.float16),
-              "f64": np.array(2.5, np.float64), "i64": np.arange(6, dtype=np.int64).reshape(2, 3),
-              "u8": np.arange(4, dtype=np.uint8), "b": np.array([True, False]), "empty": np.zeros((0, 4), np.float32)}
+    arrays = {
+        "f32": rng.normal(size=(3, 5)).astype(np.float32),
+        "f16": rng.normal(size=7).astype(np.float16),
+        "f64": np.array(2.5, np.float64),
+        "i64": np.arange(6, dtype=np.int64).reshape(2, 3),
+        "u8": np.arange(4, dtype=np.uint8),
+        "b": np.array([True, False]),
+        "empty": np.zeros((0, 4), np.float32),
+    }
     f = tmp_path / "t.safetensors"
     save_file(arrays, str(f), metadata={"k": "v"})
     got, lib = read_tensors(f, "x"), load_file(str(f))
@@ -197,15 +204,15 @@ def test_read_tensors_reads_what_safetensors_wrote_and_refuses_a_bad_header(tmp_
     def with_header(name, edit):
         raw = f.read_bytes()
         n = struct.unpack("<Q", raw[:8])[0]
-        header = _json.loads(raw[8:8 + n])
+        header = _json.loads(raw[8 : 8 + n])
         edit(header)
         h = _json.dumps(header).encode()
         bad = tmp_path / name
-        bad.write_bytes(struct.pack("<Q", len(h)) + h + raw[8 + n:])
+        bad.write_bytes(struct.pack("<Q", len(h)) + h + raw[8 + n :])
         return bad
 
     def past_end(h):
-        h["f32"]["data_offsets"][1] += 10 ** 6
+        h["f32"]["data_offsets"][1] += 10**6
 
     def overlap(h):
         h["f16"]["data_offsets"] = list(h["f32"]["data_offsets"])
@@ -214,8 +221,11 @@ def test_read_tensors_reads_what_safetensors_wrote_and_refuses_a_bad_header(tmp_
     def shape(h):
         h["f32"]["shape"] = [3, 6]
 
-    for bad in (with_header("end.safetensors", past_end), with_header("overlap.safetensors", overlap),
-                with_header("shape.safetensors", shape)):
+    for bad in (
+        with_header("end.safetensors", past_end),
+        with_header("overlap.safetensors", overlap),
+        with_header("shape.safetensors", shape),
+    ):
         with pytest.raises(CheckpointError, match=rf"^{bad}: not a readable safetensors file .*rerun it$"):
             read_tensors(bad, "rerun it")
 
@@ -232,12 +242,18 @@ def test_read_tensors_holds_the_weights_once_while_it_reads(tmp_path):
 
     f = tmp_path / "w.safetensors"
     save_file({f"w{i}": np.full((1 << 22,), i, np.float32) for i in range(16)}, str(f))  # 16 x 16 MiB
-    code = ("import sys; sys.path.insert(0, sys.argv[2])\n"
-            "from tasks.store.tensors import read_tensors\n"
-            "hwm = lambda: int([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1]) * 1024\n"
-            "before = hwm(); w = read_tensors(sys.argv[1], 'x'); print(hwm() - before, sum(a.nbytes for a in w.values()))")
-    out = subprocess.run([sys.executable, "-c", code, str(f), str(Path(__file__).resolve().parents[1])],
-                         capture_output=True, text=True, check=True).stdout.split()
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[2])\n"
+        "from tasks.store.tensors import read_tensors\n"
+        "hwm = lambda: int([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1]) * 1024\n"
+        "before = hwm(); w = read_tensors(sys.argv[1], 'x'); print(hwm() - before, sum(a.nbytes for a in w.values()))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(f), str(Path(__file__).resolve().parents[1])],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     grew, size = int(out[0]), int(out[1])
     assert size == 16 << 24 and grew <= 1.25 * size, (grew, size)
 
@@ -257,7 +273,9 @@ def test_altered_onnx_is_refused_by_the_server_backend_and_the_standalone_script
     _flip_byte(b.path / "model.onnx")
     with pytest.raises(ArtifactError, match=r"model.onnx: sha256 differs.*`msllm export --pipeline tiny`"):
         OnnxBackend(b.path)  # before onnxruntime reads a byte of it
-    with pytest.raises(onnx_generate.ExportChanged, match=rf"model.onnx: sha256 differs.*expected {digests['model.onnx']}"):
+    with pytest.raises(
+        onnx_generate.ExportChanged, match=rf"model.onnx: sha256 differs.*expected {digests['model.onnx']}"
+    ):
         onnx_generate.check_export(b.path)
     # a copy of the export without its manifest is still checked, by export.json's digests
     copy = tmp_path / "copied"
@@ -289,8 +307,9 @@ def _identical_run(root: str, key: str, tag: str, barrier, out) -> None:
     from tasks.runtime.supervise import supervise
 
     barrier.wait(timeout=60)
-    path = supervise("pretrain", ArtifactStore(root), key, {"root": root, "key": key, "tag": tag}, _slow_child,
-                     isolate=False)
+    path = supervise(
+        "pretrain", ArtifactStore(root), key, {"root": root, "key": key, "tag": tag}, _slow_child, isolate=False
+    )
     out.put((tag, str(path)))
 
 
@@ -321,10 +340,13 @@ def test_lock_is_released_when_its_holder_is_killed(tmp_path):
 
     root = tmp_path / "art"
     key = ArtifactStore.key("pretrain", {}, [], "kill")
-    code = (f"import time; from tasks.store.artifacts import ArtifactStore as S\n"
-            f"with S({str(root)!r}).lock('pretrain', {key!r}):\n    print('held', flush=True); time.sleep(60)")
-    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
-                              cwd=Path(__file__).resolve().parent.parent)
+    code = (
+        f"import time; from tasks.store.artifacts import ArtifactStore as S\n"
+        f"with S({str(root)!r}).lock('pretrain', {key!r}):\n    print('held', flush=True); time.sleep(60)"
+    )
+    holder = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parent.parent
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         holder.kill()  # kill -9: no cleanup code runs
@@ -372,10 +394,15 @@ def test_read_only_root_is_one_line_and_leaves_nothing(tmp_path, monkeypatch, wh
 
     real_open, real_mkdir = _os.open, Path.mkdir
     if where == "lock":
-        monkeypatch.setattr(_os, "open", lambda p, *a, **k: refuse(p) if str(p).endswith(".lock") else real_open(p, *a, **k))
+        monkeypatch.setattr(
+            _os, "open", lambda p, *a, **k: refuse(p) if str(p).endswith(".lock") else real_open(p, *a, **k)
+        )
     elif where == "mkdir":
-        monkeypatch.setattr(Path, "mkdir", lambda self, *a, **k: refuse(self) if self.name.startswith(".tmp-")
-                            else real_mkdir(self, *a, **k))
+        monkeypatch.setattr(
+            Path,
+            "mkdir",
+            lambda self, *a, **k: refuse(self) if self.name.startswith(".tmp-") else real_mkdir(self, *a, **k),
+        )
     else:
         monkeypatch.setattr(_os, "rename", refuse)
     with pytest.raises(ArtifactError) as ei:
@@ -452,8 +479,12 @@ def test_artifact_root_that_is_a_file_says_not_a_directory(tmp_path):
     assert f"{f} is not a directory" in str(ei.value) and "permission denied" not in str(ei.value), str(ei.value)
     repo = Path(__file__).resolve().parent.parent
     for arg, what in ((str(f), "is a file"), (str(f / "x"), f"lies under {f}, a file")):
-        out = subprocess.run([sys.executable, "-m", "tasks.cli", "train", "--pipeline", "tiny", "--artifacts", arg],
-                             capture_output=True, text=True, cwd=repo)
+        out = subprocess.run(
+            [sys.executable, "-m", "tasks.cli", "train", "--pipeline", "tiny", "--artifacts", arg],
+            capture_output=True,
+            text=True,
+            cwd=repo,
+        )
         assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
         assert f"--artifacts: {arg}: not a directory ({what})" in out.stderr, out.stderr
 
@@ -477,7 +508,7 @@ def test_two_identical_data_runs_compute_once(tmp_path, capfd):
     out: dict[str, Path] = {}
 
     def run(name: str) -> None:
-        out[name] = data.run(cfg, ArtifactStore(store.root), progress=True)
+        out[name] = run_stage("data", cfg, ArtifactStore(store.root), progress=True)
 
     first = threading.Thread(target=run, args=("first",))
     first.start()
@@ -506,18 +537,22 @@ def test_a_conversion_waiting_for_an_identical_one_uses_what_it_published(tmp_pa
     import time
 
     from helpers import tiny_model_artifact
+
     from tasks.stages import convert
 
     (tmp_path / "src").mkdir()
     hf_dir = convert.to_hf(tiny_model_artifact(tmp_path / "src"), tmp_path / "hf")
-    key = convert.from_hf(hf_dir, ArtifactStore(tmp_path / "probe")).name  # a content key: the same in any store
+    key = convert_hf(hf_dir, ArtifactStore(tmp_path / "probe")).name  # a content key: the same in any store
     store = ArtifactStore(tmp_path / "art")
     reads = []
     real_read = convert.read_hf_tensors
-    monkeypatch.setattr(convert, "read_hf_tensors", lambda d: reads.append(threading.current_thread().name) or real_read(d))
+    monkeypatch.setattr(
+        convert, "read_hf_tensors", lambda d: reads.append(threading.current_thread().name) or real_read(d)
+    )
     out: dict[str, Path] = {}
-    second = threading.Thread(target=lambda: out.update(second=convert.from_hf(hf_dir, ArtifactStore(store.root))),
-                              name="second")
+    second = threading.Thread(
+        target=lambda: out.update(second=convert_hf(hf_dir, ArtifactStore(store.root))), name="second"
+    )
     err = ""
     with store.lock("convert", key):  # the first run has started converting
         second.start()
@@ -526,7 +561,7 @@ def test_a_conversion_waiting_for_an_identical_one_uses_what_it_published(tmp_pa
             assert time.monotonic() < deadline and second.is_alive(), err
             time.sleep(0.02)
             err += capfd.readouterr().err
-        out["first"] = convert.from_hf(hf_dir, store)
+        out["first"] = convert_hf(hf_dir, store)
     second.join()
     err += capfd.readouterr().err
     assert out["first"] == out["second"] == store.lookup("convert", key)

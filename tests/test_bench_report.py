@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 from helpers import load_bench
 
@@ -22,11 +21,28 @@ def test_record_appends_the_printed_line_with_its_tag(tmp_path, capsys):
 
 
 def test_render_one_table_per_bench_newest_first_with_nested_figures():
-    rows = [{"bench": "train", "date": "2026-12-01", "cpu": "X", "cpu_isa": "avx512", "threads": 2,
-             "tokens_per_s": 100.0, "hf": {"sdpa": {"tokens_per_s": 50.0}, "compile": {"error": "a | b"}}},
-            {"bench": "train", "date": "2026-12-02", "cpu": "X", "cpu_isa": "avx512", "emulated_isa": "avx2",
-             "threads": 2, "tokens_per_s": 80.0, "hf": {"sdpa": {"tokens_per_s": 40.0}}},
-            {"bench": "other", "date": "2026-12-02", "figure": 3, "nested": {"x": 1}}]
+    rows = [
+        {
+            "bench": "train",
+            "date": "2026-12-01",
+            "cpu": "X",
+            "cpu_isa": "avx512",
+            "threads": 2,
+            "tokens_per_s": 100.0,
+            "hf": {"sdpa": {"tokens_per_s": 50.0}, "compile": {"error": "a | b"}},
+        },
+        {
+            "bench": "train",
+            "date": "2026-12-02",
+            "cpu": "X",
+            "cpu_isa": "avx512",
+            "emulated_isa": "avx2",
+            "threads": 2,
+            "tokens_per_s": 80.0,
+            "hf": {"sdpa": {"tokens_per_s": 40.0}},
+        },
+        {"bench": "other", "date": "2026-12-02", "figure": 3, "nested": {"x": 1}},
+    ]
     md = report.render(rows, "r.jsonl")
     train = md.split("## train")[1].split("## ")[0]
     body = [x for x in train.splitlines() if x.startswith("| 2026")]
@@ -79,8 +95,12 @@ def test_interleaved_sides_time_in_rounds_and_ratios_stay_within_a_round():
                 del sys.modules[name]
     a = argparse.Namespace(rounds=3, batch=2, seq=4)
     cmd = lambda kind, extra: [sys.executable, "-c", _WORKER, kind]  # noqa: E731  (kind: the worker's step times)
-    specs = {"ours": ("1.0,2.0,1.0", [], True), "ref": ("1.1,2.2,1.2", [], True), "broken": ("fail", [], False),
-             "flaky": ("1.0,-1,1.0", [], False)}  # flaky: a compile side that dies in the second round
+    specs = {
+        "ours": ("1.0,2.0,1.0", [], True),
+        "ref": ("1.1,2.2,1.2", [], True),
+        "broken": ("fail", [], False),
+        "flaky": ("1.0,-1,1.0", [], False),
+    }  # flaky: a compile side that dies in the second round
     out = train._interleaved(specs, cmd, {}, a)
     assert out["ours"]["rounds_step_s"] == [1.0, 2.0, 1.0] and out["ours"]["step_s"] == 1.0
     assert out["ours"]["tokens_per_s"] == 8.0 and out["ours"]["peak_rss_bytes"] == 7

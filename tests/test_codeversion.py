@@ -12,8 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from tasks.store.codeversion import (PACKAGES, CodeVersionError, code_version, dynamic_imports, import_closure,
-                               import_graph, native_sources)
+from tasks.store.codeversion import (
+    PACKAGES,
+    CodeVersionError,
+    code_version,
+    dynamic_imports,
+    import_closure,
+    import_graph,
+    native_sources,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 LM_TASK_FILES = ["tasks/stages/evaluate/lm_tasks/*.yaml", "tasks/stages/evaluate/lm_tasks/utils.py"]
@@ -42,15 +49,26 @@ def test_data_closure_holds_the_config_it_is_passed(repo_copy):
 def test_pretrain_closure_follows_function_level_imports(repo_copy):
     closure = import_closure("tasks.stages.pretrain", repo_copy)
     # the MindRecord reader, the loop and the model are reached (some only through imports inside functions)
-    for rel in ("tasks/stages/pretrain.py", "tasks/store/reader.py", "tasks/training/trainer.py", "tasks/training/step.py", "tasks/training/adamw.py", "tasks/training/checkpoint.py",
-                "model/__init__.py", "model/llama.py", "model/config.py"):
+    for rel in (
+        "tasks/stages/pretrain.py",
+        "tasks/store/reader.py",
+        "tasks/training/trainer.py",
+        "tasks/training/step.py",
+        "tasks/training/adamw.py",
+        "tasks/training/checkpoint.py",
+        "model/__init__.py",
+        "model/llama.py",
+        "model/config.py",
+    ):
         assert rel in closure
     assert "tasks/deploy/onnx_generate.py" not in closure
     assert "flows/stages.py" not in closure
     assert closure == sorted(closure)
 
 
-@pytest.mark.parametrize("rel", ["tasks/store/reader.py", "tasks/training/trainer.py", "model/llama.py", "model/__init__.py"])
+@pytest.mark.parametrize(
+    "rel", ["tasks/store/reader.py", "tasks/training/trainer.py", "model/llama.py", "model/__init__.py"]
+)
 def test_edit_inside_the_closure_changes_the_version(repo_copy, rel):
     before = code_version("tasks.stages.pretrain", root=repo_copy)
     _edit(repo_copy / rel)
@@ -58,8 +76,9 @@ def test_edit_inside_the_closure_changes_the_version(repo_copy, rel):
 
 
 @pytest.mark.parametrize("rel", ["model/train_kernels.cc", "model/decode_kernel.cc", "model/simd.h"])
-@pytest.mark.parametrize("module", ["tasks.stages.pretrain", "tasks.stages.finetune", "tasks.stages.evaluate",
-                                    "tasks.stages.export"])
+@pytest.mark.parametrize(
+    "module", ["tasks.stages.pretrain", "tasks.stages.finetune", "tasks.stages.evaluate", "tasks.stages.export"]
+)
 def test_edit_of_a_native_kernel_source_changes_the_version(repo_copy, rel, module):
     # model/kernel_build.py compiles these at run time: every stage that can run them is keyed by them
     assert rel in native_sources(module, repo_copy)
@@ -80,7 +99,9 @@ def test_missing_native_source_is_an_error(repo_copy):
         code_version("tasks.stages.pretrain", root=repo_copy)
 
 
-@pytest.mark.parametrize("rel", ["tasks/deploy/onnx_generate.py", "flows/full_pipeline.py", "tasks/stages/evaluate/lm_tasks/utils.py"])
+@pytest.mark.parametrize(
+    "rel", ["tasks/deploy/onnx_generate.py", "flows/full_pipeline.py", "tasks/stages/evaluate/lm_tasks/utils.py"]
+)
 def test_edit_outside_the_closure_keeps_the_version(repo_copy, rel):
     before = code_version("tasks.stages.pretrain", root=repo_copy)
     _edit(repo_copy / rel)
@@ -113,7 +134,9 @@ def test_missing_data_file_is_an_error(repo_copy):
 
 def test_import_of_a_missing_module_is_an_error(repo_copy):
     _edit(repo_copy / "tasks/training/trainer.py", "\n\ndef later():\n    import tasks.training.no_such_module\n")
-    with pytest.raises(CodeVersionError, match=r"tasks/training/trainer\.py:\d+: .*no module tasks\.training\.no_such_module"):
+    with pytest.raises(
+        CodeVersionError, match=r"tasks/training/trainer\.py:\d+: .*no module tasks\.training\.no_such_module"
+    ):
         code_version("tasks.stages.pretrain", root=repo_copy)
     # a stage that does not reach the broken file is unaffected
     code_version("tasks.stages.data", root=repo_copy)
@@ -123,7 +146,7 @@ def test_import_of_a_missing_module_is_an_error(repo_copy):
 
 def test_deleting_an_imported_module_is_an_error(repo_copy):
     code_version("tasks.stages.pretrain", root=repo_copy)  # parses (and caches) every file of the closure
-    (repo_copy / "tasks/training/step.py").unlink()           # the importers' bytes are unchanged
+    (repo_copy / "tasks/training/step.py").unlink()  # the importers' bytes are unchanged
     with pytest.raises(CodeVersionError, match=r"no module tasks\.training\.step"):
         code_version("tasks.stages.pretrain", root=repo_copy)
 
@@ -141,11 +164,13 @@ def _write(root: Path, files: dict[str, str]) -> None:
 
 
 def test_every_import_form_is_an_edge(tmp_path):
-    _write(tmp_path, {
-        "model/__init__.py": "from model.config import C\n",
-        "model/config.py": "C = 1\n",
-        "model/heavy.py": "import numpy\n",
-        "tasks/a.py": """
+    _write(
+        tmp_path,
+        {
+            "model/__init__.py": "from model.config import C\n",
+            "model/config.py": "C = 1\n",
+            "model/heavy.py": "import numpy\n",
+            "tasks/a.py": """
             from __future__ import annotations
             import json
             import tasks.b
@@ -171,15 +196,27 @@ def test_every_import_form_is_an_edge(tmp_path):
                 def m(self):
                     from model.heavy import numpy
             """,
-        **{f"tasks/{m}.py": "" for m in ("b", "c", "e", "f", "h", "typing_only", "runtime_branch")},
-        "tasks/sub/__init__.py": "from .d import thing\n",
-        "tasks/sub/d.py": "thing = 1\n",
-        "tasks/sub/g.py": "",
-        "flows/__init__.py": "",
-    })
+            **{f"tasks/{m}.py": "" for m in ("b", "c", "e", "f", "h", "typing_only", "runtime_branch")},
+            "tasks/sub/__init__.py": "from .d import thing\n",
+            "tasks/sub/d.py": "thing = 1\n",
+            "tasks/sub/g.py": "",
+            "flows/__init__.py": "",
+        },
+    )
     graph = import_graph(tmp_path)
-    assert graph["tasks.a"] == {"tasks.b", "tasks.c", "tasks.sub", "tasks.sub.d", "tasks.runtime_branch", "tasks.e",
-                                "tasks.f", "tasks.sub.g", "tasks.h", "model", "model.heavy"}
+    assert graph["tasks.a"] == {
+        "tasks.b",
+        "tasks.c",
+        "tasks.sub",
+        "tasks.sub.d",
+        "tasks.runtime_branch",
+        "tasks.e",
+        "tasks.f",
+        "tasks.sub.g",
+        "tasks.h",
+        "model",
+        "model.heavy",
+    }
     # a type-only import is no run-time edge (no cycle), but its code is in the closure: callers pass its objects in
     assert import_graph(tmp_path, typing=True)["tasks.a"] == graph["tasks.a"] | {"tasks.typing_only"}
     assert "tasks/typing_only.py" in import_closure("tasks.a", tmp_path)

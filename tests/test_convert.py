@@ -20,9 +20,9 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from model.convert import ConversionError, config_from_hf, hf_to_native, key_pairs, native_to_hf  # noqa: E402
+from tasks.stages.convert import read_hf_tensors, to_hf  # noqa: E402
 from tasks.store.artifacts import ArtifactStore  # noqa: E402
-from tasks.stages.convert import from_hf, read_hf_tensors, to_hf  # noqa: E402
-from tests.helpers import logit_tol, train_tiny_tokenizer  # noqa: E402
+from tests.helpers import convert_hf, logit_tol, train_tiny_tokenizer  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 VOCAB = 512
@@ -30,10 +30,16 @@ VOCAB = 512
 CASES = {
     # name: (LlamaConfig overrides, save dtype, max_shard_size)
     "mha-untied": (dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False), torch.float32, None),
-    "gqa-tied-sharded": (dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-                              rms_norm_eps=1e-5), torch.float32, "100KB"),
-    "gqa-bf16": (dict(num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False,
-                      rope_theta=500000.0), torch.bfloat16, None),
+    "gqa-tied-sharded": (
+        dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, rms_norm_eps=1e-5),
+        torch.float32,
+        "100KB",
+    ),
+    "gqa-bf16": (
+        dict(num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False, rope_theta=500000.0),
+        torch.bfloat16,
+        None,
+    ),
 }
 
 
@@ -46,9 +52,16 @@ def _hf_model(overrides: dict, seed: int):
     """A random LlamaForCausalLM in eval mode whose weights (norms too) are far from the default init."""
     overrides = dict(overrides)
     theta = overrides.pop("rope_theta", 10000.0)
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                   max_position_embeddings=64, rope_parameters={"rope_type": "default", "rope_theta": theta},
-                                   attn_implementation="eager", **overrides)
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        max_position_embeddings=64,
+        rope_parameters={"rope_type": "default", "rope_theta": theta},
+        attn_implementation="eager",
+        **overrides,
+    )
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
@@ -66,12 +79,19 @@ def case(request, tmp_path_factory, tokenizer):
     model.to(dtype).save_pretrained(hf_dir, max_shard_size=shard or "5GB")
     # The reference reads the saved (maybe bf16-rounded) weights into fp32, as the converter does;
     # a fresh load also recomputes RoPE's inv_freq in fp32 (model.to(bf16) rounded that buffer).
-    model = transformers.LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32,
-                                                          attn_implementation="eager").eval()
+    model = transformers.LlamaForCausalLM.from_pretrained(
+        hf_dir, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     shutil.copy(tokenizer, hf_dir / "tokenizer.model")
     store = ArtifactStore(hf_dir.parent / "artifacts")
-    return {"name": request.param, "model": model, "dtype": dtype, "hf_dir": hf_dir, "store": store,
-            "artifact": from_hf(hf_dir, store, pipeline="test")}
+    return {
+        "name": request.param,
+        "model": model,
+        "dtype": dtype,
+        "hf_dir": hf_dir,
+        "store": store,
+        "artifact": convert_hf(hf_dir, store, pipeline="test"),
+    }
 
 
 def test_logits_match_transformers(case):
@@ -105,7 +125,7 @@ def test_artifact_is_self_describing_with_tokenizer_lineage(case):
     tok_sha = sha256_file(case["hf_dir"] / "tokenizer.model")
     assert any(i["path"].endswith("tokenizer.model") and i["sha256"] == tok_sha for i in m["inputs"])
     assert sha256_file(case["artifact"] / "tokenizer.model") == tok_sha
-    assert from_hf(case["hf_dir"], case["store"]) == case["artifact"]  # cached by content
+    assert convert_hf(case["hf_dir"], case["store"]) == case["artifact"]  # cached by content
 
 
 def test_round_trip_is_exact_and_loads_in_transformers(case, tmp_path):
@@ -123,8 +143,9 @@ def test_round_trip_is_exact_and_loads_in_transformers(case, tmp_path):
         assert np.array_equal(back[k2].astype(np.float32), v.to(case["dtype"]).float().numpy()), k
     assert (out / "tokenizer.model").read_bytes() == (case["hf_dir"] / "tokenizer.model").read_bytes()
 
-    reloaded = transformers.LlamaForCausalLM.from_pretrained(out, dtype=torch.float32,
-                                                             attn_implementation="eager").eval()
+    reloaded = transformers.LlamaForCausalLM.from_pretrained(
+        out, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     ids = torch.tensor(np.random.default_rng(1).integers(0, VOCAB, size=(1, 32)))
     with torch.no_grad():
         assert torch.equal(reloaded(ids).logits, case["model"](ids).logits)
@@ -136,9 +157,18 @@ def test_round_trip_is_exact_and_loads_in_transformers(case, tmp_path):
 
 
 def _tiny_hf():
-    cfg = config_from_hf(dict(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
-                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
-                              tie_word_embeddings=False))
+    cfg = config_from_hf(
+        dict(
+            vocab_size=32,
+            hidden_size=16,
+            intermediate_size=24,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=16,
+            tie_word_embeddings=False,
+        )
+    )
     rng = np.random.default_rng(0)
     native = {p: rng.normal(size=s).astype(np.float32) for _, p, s in key_pairs(cfg)}
     return cfg, native_to_hf(native, cfg), native
@@ -168,8 +198,11 @@ def test_extra_key_is_named():
 def test_wrong_shape_is_named():
     cfg, hf, _ = _tiny_hf()
     hf["model.layers.0.self_attn.k_proj.weight"] = np.zeros((16, 16), np.float32)  # MHA-shaped k in a GQA model
-    with pytest.raises(ConversionError, match=r"model\.layers\.0\.self_attn\.k_proj\.weight: shape \(16, 16\) "
-                                              r"expected \(8, 16\)"):
+    with pytest.raises(
+        ConversionError,
+        match=r"model\.layers\.0\.self_attn\.k_proj\.weight: shape \(16, 16\) "
+        r"expected \(8, 16\)",
+    ):
         hf_to_native(hf, cfg)
 
 
@@ -185,13 +218,16 @@ def test_tied_lm_head_copy_is_accepted_only_when_equal():
         hf_to_native(hf, cfg)
 
 
-@pytest.mark.parametrize("field,value,msg", [
-    ("rope_scaling", {"rope_type": "llama3", "factor": 8.0}, "rope_scaling.rope_type='llama3'"),
-    ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4}, "rope_parameters.rope_type='yarn'"),
-    ("hidden_act", "gelu", "hidden_act='gelu'"),
-    ("attention_bias", True, "attention_bias=True"),
-    ("head_dim", 8, "head_dim=8"),
-])
+@pytest.mark.parametrize(
+    "field,value,msg",
+    [
+        ("rope_scaling", {"rope_type": "llama3", "factor": 8.0}, "rope_scaling.rope_type='llama3'"),
+        ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4}, "rope_parameters.rope_type='yarn'"),
+        ("hidden_act", "gelu", "hidden_act='gelu'"),
+        ("attention_bias", True, "attention_bias=True"),
+        ("head_dim", 8, "head_dim=8"),
+    ],
+)
 def test_unsupported_config_is_rejected(field, value, msg):
     hf = dict(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4)
     with pytest.raises(ConversionError, match=re.escape(msg)):
@@ -210,7 +246,7 @@ def test_directory_without_tokenizer_is_refused(case, tmp_path):
     shutil.copytree(case["hf_dir"], d)
     (d / "tokenizer.model").unlink()
     with pytest.raises(FileNotFoundError, match="no tokenizer.model"):
-        from_hf(d, ArtifactStore(tmp_path / "a"))
+        convert_hf(d, ArtifactStore(tmp_path / "a"))
 
 
 # ----------------------------------------------------------------------------- into the pipeline
@@ -247,9 +283,24 @@ def test_converted_model_runs_through_continued_pretraining_eval_and_export(case
         pytest.skip("one case is enough")
     from tasks import cli
 
-    common = ["--config", str(REPO / "pipelines.yaml"), "--pipeline", "tiny", "--artifacts", str(case["store"].root),
-              "--set", f"pretrain.init_from={case['artifact']}", "--set", "pretrain.train.loop.max_steps=4",
-              "--set", "pretrain.train.loop.eval_steps=2", "--set", "checkpoint.save_steps=2", "--set", "eval.limit=4"]
+    common = [
+        "--config",
+        str(REPO / "pipelines.yaml"),
+        "--pipeline",
+        "tiny",
+        "--artifacts",
+        str(case["store"].root),
+        "--set",
+        f"pretrain.init_from={case['artifact']}",
+        "--set",
+        "pretrain.train.loop.max_steps=4",
+        "--set",
+        "pretrain.train.loop.eval_steps=2",
+        "--set",
+        "checkpoint.save_steps=2",
+        "--set",
+        "eval.limit=4",
+    ]
 
     def run(*argv: str) -> Path:
         assert cli.main([*argv, *common]) == 0, capsys.readouterr().err
@@ -292,7 +343,7 @@ def test_a_tokenizer_json_directory_converts_and_round_trips(case, tmp_path):
 
     d = _hf_tokenizer_dir(case, tmp_path)
     store = ArtifactStore(tmp_path / "a")
-    art = from_hf(d, store)
+    art = convert_hf(d, store)
     tok = read_info(art)["tokenizer"]
     assert tok["type"] == "hf" and tok["chat_template"] and (tok["bos_id"], tok["eos_id"]) == (1, 2)
     assert not (art / "tokenizer.model").exists()
@@ -301,7 +352,7 @@ def test_a_tokenizer_json_directory_converts_and_round_trips(case, tmp_path):
     cfg = json.loads((d / "tokenizer_config.json").read_text())
     cfg["chat_template"] = cfg["chat_template"].replace("<|im_start|>", "<|im_start|> ")
     (d / "tokenizer_config.json").write_text(json.dumps(cfg))
-    assert from_hf(d, store) != art
+    assert convert_hf(d, store) != art
     out = to_hf(art, tmp_path / "back")  # transformers loads weights and tokenizer
     ref = transformers.AutoTokenizer.from_pretrained(out)
     text = "Hello, world: 12 CJK 你好 😀"
@@ -321,7 +372,7 @@ def test_a_bad_tokenizer_json_is_one_clear_error_and_leaves_nothing(case, tmp_pa
         msg = "the chat template fails to render"
     store = ArtifactStore(tmp_path / "a")
     with pytest.raises(ConversionError, match=re.escape(msg)):
-        from_hf(d, store)
+        convert_hf(d, store)
     assert _left_behind(store) == []
 
 
@@ -338,7 +389,7 @@ def test_gguf_of_another_architecture_or_truncated_via_the_cli(case, tmp_path, c
     from tasks.store.tensors import load_weights
 
     store = ArtifactStore(tmp_path / "a")
-    art = from_hf(_hf_tokenizer_dir(case, tmp_path), ArtifactStore(tmp_path / "src"))  # a tokenizer.json model
+    art = convert_hf(_hf_tokenizer_dir(case, tmp_path), ArtifactStore(tmp_path / "src"))  # a tokenizer.json model
     w = gguf.GGUFWriter(str(tmp_path / "qwen.gguf"), "qwen2")
     w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
@@ -346,10 +397,18 @@ def test_gguf_of_another_architecture_or_truncated_via_the_cli(case, tmp_path, c
     write_gguf(good, model_config(art), load_weights(art), tokenizer_meta(load_tokenizer(art)), qtype="F16")
     (tmp_path / "cut.gguf").write_bytes(good.read_bytes()[:-4096])
     sp_vocab = tmp_path / "sp.gguf"  # a SentencePiece vocabulary (Llama 2's kind): not rebuilt, said so
-    write_gguf(sp_vocab, model_config(case["artifact"]), load_weights(case["artifact"]),
-               tokenizer_meta(load_tokenizer(case["artifact"])), qtype="F32")
-    for f, words in (("qwen.gguf", "general.architecture='qwen2'; only 'llama'"), ("cut.gguf", "truncated"),
-                     ("sp.gguf", "tokenizer.ggml.model='llama' (a SentencePiece vocabulary)")):
+    write_gguf(
+        sp_vocab,
+        model_config(case["artifact"]),
+        load_weights(case["artifact"]),
+        tokenizer_meta(load_tokenizer(case["artifact"])),
+        qtype="F32",
+    )
+    for f, words in (
+        ("qwen.gguf", "general.architecture='qwen2'; only 'llama'"),
+        ("cut.gguf", "truncated"),
+        ("sp.gguf", "tokenizer.ggml.model='llama' (a SentencePiece vocabulary)"),
+    ):
         assert cli.main(["convert", "--artifacts", str(store.root), "--from-gguf", str(tmp_path / f)]) == 1
         err = capsys.readouterr().err
         assert words in err and f in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
@@ -358,10 +417,14 @@ def test_gguf_of_another_architecture_or_truncated_via_the_cli(case, tmp_path, c
     assert cli.main(["convert", "--artifacts", str(store.root), "--from-gguf", str(good)]) == 0
     back = Path(capsys.readouterr().out.strip().splitlines()[-1])
     src = load_weights(art)
-    assert all(np.array_equal(v, src[k].astype(np.float16).astype(np.float32)) if v.ndim == 2 else
-               np.array_equal(v, src[k]) for k, v in load_weights(back).items())
-    assert ArtifactStore.read_manifest(back)["inputs"][0]["sha256"] == __import__("hashlib").sha256(
-        good.read_bytes()).hexdigest()  # keyed by the file's bytes: lineage reaches it
+    assert all(
+        np.array_equal(v, src[k].astype(np.float16).astype(np.float32)) if v.ndim == 2 else np.array_equal(v, src[k])
+        for k, v in load_weights(back).items()
+    )
+    assert (
+        ArtifactStore.read_manifest(back)["inputs"][0]["sha256"]
+        == __import__("hashlib").sha256(good.read_bytes()).hexdigest()
+    )  # keyed by the file's bytes: lineage reaches it
 
 
 @pytest.mark.slow
@@ -378,11 +441,34 @@ def test_a_tokenizer_json_model_runs_through_every_stage_and_serves_chat(case, t
 
     d = _hf_tokenizer_dir(case, tmp_path)
     root = tmp_path / "art"
-    common = ["--config", str(REPO / "pipelines.yaml"), "--pipeline", "tiny", "--artifacts", str(root),
-              "--set", f"pretrain.init_from={d}", "--set", "pretrain.train.loop.max_steps=4", "--set", "pretrain.train.loop.eval_steps=2",
-              "--set", "checkpoint.save_steps=2", "--set", "eval.limit=4", "--set", "finetune.train.loop.max_steps=4",
-              "--set", "finetune.train.loop.eval_steps=2", "--set", "finetune.train.loop.save_steps=2",
-              "--set", "export.formats=[onnx, gguf]", "--set", "export.gguf_types=[F16]"]
+    common = [
+        "--config",
+        str(REPO / "pipelines.yaml"),
+        "--pipeline",
+        "tiny",
+        "--artifacts",
+        str(root),
+        "--set",
+        f"pretrain.init_from={d}",
+        "--set",
+        "pretrain.train.loop.max_steps=4",
+        "--set",
+        "pretrain.train.loop.eval_steps=2",
+        "--set",
+        "checkpoint.save_steps=2",
+        "--set",
+        "eval.limit=4",
+        "--set",
+        "finetune.train.loop.max_steps=4",
+        "--set",
+        "finetune.train.loop.eval_steps=2",
+        "--set",
+        "finetune.train.loop.save_steps=2",
+        "--set",
+        "export.formats=[onnx, gguf]",
+        "--set",
+        "export.gguf_types=[F16]",
+    ]
 
     def run(*argv: str) -> Path:
         assert cli.main([*argv, *common]) == 0, capsys.readouterr().err

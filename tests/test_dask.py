@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from tasks.stages import data
-from tasks.store.artifacts import ArtifactStore
 from tasks.config.loader import resolve_pipeline
+from tasks.store.artifacts import ArtifactStore
+from tests.helpers import run_stage
 
 REPO = Path(__file__).resolve().parent.parent
 OVERRIDES = ["data.chunk_documents=1500", "data.num_workers=2", "data.executor=dask"]
@@ -30,11 +30,15 @@ print("PATH " + run_on_dask(cfg, args["artifacts"]))
 @pytest.mark.slow
 def test_dask_mapped_tokenization_matches_local_pool(tmp_path):
     cfg = resolve_pipeline(REPO / "pipelines.yaml", "tiny", OVERRIDES)
-    local = data.run(cfg, ArtifactStore(tmp_path / "local"), progress=False)
+    local = run_stage("data", cfg, ArtifactStore(tmp_path / "local"), progress=False)
     env = dict(os.environ, PREFECT_HOME=str(tmp_path / "ph"), PREFECT_SERVER_ANALYTICS_ENABLED="false", GLOG_v="3")
     env.pop("PREFECT_API_URL", None)
-    arg = json.dumps({"config": str(REPO / "pipelines.yaml"), "overrides": OVERRIDES, "artifacts": str(tmp_path / "dask")})
-    out = subprocess.run([sys.executable, "-c", DRIVER, arg], capture_output=True, text=True, cwd=REPO, env=env, timeout=900)
+    arg = json.dumps(
+        {"config": str(REPO / "pipelines.yaml"), "overrides": OVERRIDES, "artifacts": str(tmp_path / "dask")}
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", DRIVER, arg], capture_output=True, text=True, cwd=REPO, env=env, timeout=900
+    )
     line = next((ln for ln in out.stdout.splitlines() if ln.startswith("PATH ")), None)
     assert out.returncode == 0 and line, out.stderr[-4000:]
     dask_art = Path(line[5:])

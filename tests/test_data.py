@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tasks.config.loader import resolve_pipeline
 from tasks.stages import data
 from tasks.stages.data.cleaning import Cleaner
 from tasks.stages.data.plan import plan_chunks
@@ -25,9 +26,9 @@ from tasks.stages.data.schema import SKIP_REASONS
 from tasks.stages.data.sources import read_documents, resolve_sources
 from tasks.stages.data.tokenizer import tokenize_chunk, train_tokenizer
 from tasks.store.artifacts import ArtifactStore
-from tasks.config.loader import resolve_pipeline
 from tasks.store.data_schema import DataError
 from tasks.store.reader import data_info, num_blocks, open_blocks, rank_order
+from tests.helpers import run_stage
 
 REPO = Path(__file__).resolve().parent.parent
 PIPELINES = REPO / "pipelines.yaml"
@@ -36,7 +37,9 @@ SHAKESPEARE = REPO / "data/corpora/tinyshakespeare.txt"
 
 def make_cfg(sources, *overrides: str, check_files: bool = False):
     srcs = [str(s) for s in sources]
-    return resolve_pipeline(PIPELINES, "tiny", [f"data.sources={json.dumps(srcs)}", *overrides], check_files=check_files)
+    return resolve_pipeline(
+        PIPELINES, "tiny", [f"data.sources={json.dumps(srcs)}", *overrides], check_files=check_files
+    )
 
 
 def paragraphs(n: int, start: int = 0) -> list[str]:
@@ -82,7 +85,7 @@ def tok512(shakespeare) -> Path:
 
 
 def run_small(cfg, tmp_path: Path, tok: Path | None, **kw) -> Path:
-    return data.run(cfg, ArtifactStore(tmp_path / "art"), tokenizer_model=tok, progress=False, **kw)
+    return run_stage("data", cfg, ArtifactStore(tmp_path / "art"), tokenizer_model=tok, progress=False, **kw)
 
 
 # ----------------------------------------------------------------------------- end to end
@@ -99,8 +102,11 @@ def test_end_to_end_tiny_shakespeare(shakespeare):
     for split in ("train", "valid"):  # every token of a split lands in a block or in the counted tail
         assert met["tokens"][split] == met["blocks"][split] * 65 + met["tail_tokens_dropped"][split]
     assert {f["path"] for f in m["files"]} >= {
-        "tokenizer.model", "tokenizer_info.json", "train/train-00000-of-00002.mindrecord",
-        "train/train-00001-of-00002.mindrecord.db", "valid/valid-00000-of-00001.mindrecord",
+        "tokenizer.model",
+        "tokenizer_info.json",
+        "train/train-00000-of-00002.mindrecord",
+        "train/train-00001-of-00002.mindrecord.db",
+        "valid/valid-00000-of-00001.mindrecord",
     }
     assert m["inputs"][0]["sha256"] == hashlib.sha256(SHAKESPEARE.read_bytes()).hexdigest()
     info = data_info(shakespeare)
@@ -136,7 +142,7 @@ def test_cache_hit_returns_existing_artifact(shakespeare, monkeypatch):
 
     monkeypatch.setattr(data, "plan_chunks", boom)
     cfg = resolve_pipeline(PIPELINES, "tiny", ["data.num_workers=1", "data.chunk_documents=50"])  # output-neutral keys
-    assert data.run(cfg, ArtifactStore(shakespeare.parent.parent), progress=False) == shakespeare
+    assert run_stage("data", cfg, ArtifactStore(shakespeare.parent.parent), progress=False) == shakespeare
 
 
 def test_byte_identical_for_any_workers_and_chunking(tmp_path):
@@ -165,8 +171,9 @@ def test_two_ranks_read_every_block_once_per_epoch(shakespeare):
     assert len(np.unique(both)) == len(both) == 2 * (n // 2)  # every block at most once, all but n % 2
     assert not np.array_equal(rank_order(n, 0, seed=7, num_shards=2), rank_order(n, 1, seed=7, num_shards=2))
     S = next(s for s in range(2, n + 1) if n % s == 0)  # when num_shards divides n: every block exactly once
-    assert np.array_equal(np.sort(np.concatenate([rank_order(n, 5, seed=7, num_shards=S, shard_id=r) for r in range(S)])),
-                          np.arange(n))
+    assert np.array_equal(
+        np.sort(np.concatenate([rank_order(n, 5, seed=7, num_shards=S, shard_id=r) for r in range(S)])), np.arange(n)
+    )
 
 
 def test_resume_at_offset_reproduces_the_stream(shakespeare):
@@ -176,8 +183,9 @@ def test_resume_at_offset_reproduces_the_stream(shakespeare):
     ref = [next(full) for _ in range(40)]
     assert 40 * B > 2 * (n // S)
     k = 13
-    resumed = open_blocks(shakespeare, "valid", batch_size=B, num_shards=S, shard_id=1, seed=3, shuffle=True,
-                          start_sample=k * B * S)
+    resumed = open_blocks(
+        shakespeare, "valid", batch_size=B, num_shards=S, shard_id=1, seed=3, shuffle=True, start_sample=k * B * S
+    )
     for want in ref[k:]:
         got = next(resumed)
         for key in ("input_ids", "loss_mask", "index"):
@@ -189,7 +197,9 @@ def test_reader_batch_larger_than_split(shakespeare, tmp_path):
     it = open_blocks(shakespeare, "valid", batch_size=n + 5)
     b1, b2 = next(it), next(it)
     assert b1["input_ids"].shape == (n + 5, 65)
-    assert np.array_equal(b1["index"], np.arange(n + 5) % n) and np.array_equal(b2["index"], np.arange(n + 5, 2 * n + 10) % n)
+    assert np.array_equal(b1["index"], np.arange(n + 5) % n) and np.array_equal(
+        b2["index"], np.arange(n + 5, 2 * n + 10) % n
+    )
 
 
 def test_corrupt_or_truncated_shard_is_named(shakespeare, tmp_path):
@@ -254,20 +264,32 @@ def test_cleaning_counts_every_drop():
         c.add(t)
     s = c.stats
     assert c.kept == ["hello world", "fine print"]  # NFKC folds the ligature
-    assert s.skipped == {"binary": 1, "invalid_utf8": 1, "mostly_invalid": 0, "empty": 1, "whitespace": 1,
-                         "too_short": 1, "too_long": 1, "duplicate": 1}
+    assert s.skipped == {
+        "binary": 1,
+        "invalid_utf8": 1,
+        "mostly_invalid": 0,
+        "empty": 1,
+        "whitespace": 1,
+        "too_short": 1,
+        "too_long": 1,
+        "duplicate": 1,
+    }
     assert s.seen == s.kept + sum(s.skipped.values()) == 9
     r = Cleaner(CleanSection(invalid_utf8="replace"))
     r.add(bad)
     r.add(json.loads('"lone \\ud800 surrogate"'))
-    assert r.kept == ["caf\ufffd au lait", "lone \ufffd\ufffd\ufffd surrogate"] and r.stats.repaired["invalid_utf8"] == 2
+    assert (
+        r.kept == ["caf\ufffd au lait", "lone \ufffd\ufffd\ufffd surrogate"] and r.stats.repaired["invalid_utf8"] == 2
+    )
 
 
 def test_validation_split_is_by_document(tmp_path):
     src = write_txt(tmp_path / "c.txt", paragraphs(200))
     plan = plan_chunks(make_cfg([src], "data.validation_documents=17", "data.chunk_documents=50"), tmp_path / "w")
-    texts = {s: [json.loads(ln) for c in plan.chunks if c["split"] == s for ln in open(c["text_path"], encoding="utf-8")]
-             for s in ("train", "valid")}
+    texts = {
+        s: [json.loads(ln) for c in plan.chunks if c["split"] == s for ln in open(c["text_path"], encoding="utf-8")]
+        for s in ("train", "valid")
+    }
     assert len(texts["valid"]) == 17 and len(texts["train"]) == 183
     assert not set(texts["valid"]) & set(texts["train"])
     assert [c["documents"] for c in plan.chunks] == [50, 50, 50, 33, 17]
@@ -277,7 +299,9 @@ def test_tail_pad_is_masked(tmp_path, tok512):
     import sentencepiece as spm
 
     src = write_txt(tmp_path / "c.txt", paragraphs(60))
-    art = run_small(make_cfg([src], "data.tail=pad", "data.num_shards=1", "data.validation_documents=3"), tmp_path, tok512)
+    art = run_small(
+        make_cfg([src], "data.tail=pad", "data.num_shards=1", "data.validation_documents=3"), tmp_path, tok512
+    )
     met = ArtifactStore.read_manifest(art)["metrics"]
     pad = spm.SentencePieceProcessor(model_file=str(tok512)).pad_id()
     for split in ("train", "valid"):
@@ -325,8 +349,15 @@ def test_tokenize_chunk_is_a_pure_path_function(tmp_path, tok512):
 
     docs = ["ROMEO:\nHello there.", "JULIET:\n  Good night."]
     (tmp_path / "c.jsonl").write_text("\n".join(json.dumps(d) for d in docs) + "\n", encoding="utf-8")
-    spec = {"split": "train", "index": 0, "documents": 2, "bytes": 40, "text_path": str(tmp_path / "c.jsonl"),
-            "tokens_path": str(tmp_path / "c.tokens.npy"), "tokenizer": str(tok512)}
+    spec = {
+        "split": "train",
+        "index": 0,
+        "documents": 2,
+        "bytes": 40,
+        "text_path": str(tmp_path / "c.jsonl"),
+        "tokens_path": str(tmp_path / "c.tokens.npy"),
+        "tokenizer": str(tok512),
+    }
     summary = json.loads(Path(tokenize_chunk(spec)).read_text())
     stream = np.load(summary["tokens_path"], allow_pickle=False)
     sp = spm.SentencePieceProcessor(model_file=str(tok512))
@@ -412,7 +443,9 @@ def test_invalid_utf8_replace_or_skip(tmp_path, tok512):
 def test_too_few_blocks_for_shards(tmp_path, tok512):
     write_txt(tmp_path / "c.txt", paragraphs(6))
     with pytest.raises(DataError, match=r"lower data.num_shards"):
-        run_small(make_cfg([tmp_path / "c.txt"], "data.num_shards=500", "data.validation_documents=1"), tmp_path, tok512)
+        run_small(
+            make_cfg([tmp_path / "c.txt"], "data.num_shards=500", "data.validation_documents=1"), tmp_path, tok512
+        )
 
 
 def test_fast_mindrecord_writer_matches_public_api(tmp_path, monkeypatch):
@@ -426,8 +459,13 @@ def test_fast_mindrecord_writer_matches_public_api(tmp_path, monkeypatch):
         w = data.shards._SplitWriter(tmp_path / str(fast), "train", 2, 64)
         w._put(ids, mask)
         w.close("drop", 3, tmp_path / str(fast))
-        digests.append([hashlib.sha256((tmp_path / str(fast) / f).read_bytes()).hexdigest()
-                        for rel in w.files for f in (rel, rel + ".db")])
+        digests.append(
+            [
+                hashlib.sha256((tmp_path / str(fast) / f).read_bytes()).hexdigest()
+                for rel in w.files
+                for f in (rel, rel + ".db")
+            ]
+        )
     assert digests[0] == digests[1]
 
 

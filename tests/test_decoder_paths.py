@@ -7,12 +7,12 @@ missing scale or residual, another kv head, a norm without its weight) is off by
 
 from __future__ import annotations
 
-import numpy as np
 import mindspore as ms
+import numpy as np
 import pytest
+from helpers import decoder_reduction, fp32_tol, logit_tol
 from mindspore import Tensor
 
-from helpers import decoder_reduction, fp32_tol, logit_tol
 from model import reference
 from model.config import ModelConfig
 
@@ -52,8 +52,9 @@ def test_training_cells_equal_the_reference(fused):
     ids = _ids(T)
     x, cos, sin, mask = net.layer_inputs(Tensor(np.asarray([ids], np.int32)))
     y = net.layers[0](x, cos, sin, mask).asnumpy()[0]
-    want, _ = reference.decoder_layer(x.asnumpy()[0].astype(np.float64), reference.layer_weights(weights, 0), CFG,
-                                      np.arange(T))
+    want, _ = reference.decoder_layer(
+        x.asnumpy()[0].astype(np.float64), reference.layer_weights(weights, 0), CFG, np.arange(T)
+    )
     np.testing.assert_allclose(y, want, rtol=0, atol=_layer_tol(want, T))
     logits = net(Tensor(np.asarray([ids], np.int32))).asnumpy()[0]
     ref, _ = reference.forward(ids, weights, CFG)
@@ -81,8 +82,9 @@ def test_written_out_layer_forward_equals_the_reference():
     autodiff tests/test_layerwise.py) on one layer's weights as graph inputs."""
     net, weights, fn, (x, cos, sin), flag = _written_out(seed=2)
     y, *_ = fn.forward(x, cos, sin, flag, *[Tensor(p.asnumpy()) for _, p in net.layers[1].parameters_and_names()])
-    want, _ = reference.decoder_layer(x.asnumpy()[0].astype(np.float64), reference.layer_weights(weights, 1), CFG,
-                                      np.arange(T))
+    want, _ = reference.decoder_layer(
+        x.asnumpy()[0].astype(np.float64), reference.layer_weights(weights, 1), CFG, np.arange(T)
+    )
     np.testing.assert_allclose(y.asnumpy()[0], want, rtol=0, atol=_layer_tol(want, T))
 
 
@@ -115,9 +117,14 @@ def test_written_out_layer_backward_equals_the_reference_derivative():
     e = 1e-4
     numeric = (f(e) - f(-e)) / (2 * e)
     # the float32 gradients' own sums: the layer's reductions forward and back, then the inner product's terms
-    terms = float(np.abs(dx.asnumpy()[0] * ux).sum() + sum(np.abs(g.asnumpy() * uw[n]).sum() for n, g in zip(names, dws)))
-    n = 2 * decoder_reduction(ModelConfig.from_dict({**CFG.to_dict(), "num_layers": 1}), T) + x0.size + \
-        sum(w.size for w in w0.values())
+    terms = float(
+        np.abs(dx.asnumpy()[0] * ux).sum() + sum(np.abs(g.asnumpy() * uw[n]).sum() for n, g in zip(names, dws))
+    )
+    n = (
+        2 * decoder_reduction(ModelConfig.from_dict({**CFG.to_dict(), "num_layers": 1}), T)
+        + x0.size
+        + sum(w.size for w in w0.values())
+    )
     assert abs(analytic - numeric) <= fp32_tol(terms, n), (analytic, numeric, fp32_tol(terms, n))
     # the bound catches a wrong term: without any one part (dx, or one weight's gradient) the sum leaves it
     assert all(abs(analytic - part - numeric) > fp32_tol(terms, n) for part in parts), (parts, fp32_tol(terms, n))
@@ -135,7 +142,7 @@ def test_the_reference_cache_equals_its_full_forward():
         step, cache = reference.forward([t], weights, CFG, cache)
         rows.append(step)
     # float64 both ways: fp32_tol's argument with float64's epsilon (2^-52 instead of 2^-23)
-    tol = fp32_tol(float(np.abs(full).max()), decoder_reduction(CFG, 12)) * 2.0 ** -29
+    tol = fp32_tol(float(np.abs(full).max()), decoder_reduction(CFG, 12)) * 2.0**-29
     np.testing.assert_allclose(np.concatenate(rows), full, rtol=0, atol=tol)
 
 
@@ -149,7 +156,7 @@ def test_kv_cache_decode_paths_equal_the_reference():
     net, weights, _ = _net()
     prompt, sent = _ids(9, seed=5), _ids(4, seed=6)
     ref, _ = reference.forward(prompt + sent, weights, CFG)
-    want = ref[len(prompt) - 1:]                                                      # [5, V]
+    want = ref[len(prompt) - 1 :]  # [5, V]
     tols = [logit_tol(CFG, len(prompt) + i, float(np.abs(r).max())) for i, r in enumerate(want)]
 
     def check(name, rows):
@@ -189,6 +196,7 @@ def test_onnx_graph_equals_the_reference(tmp_path):
     ref, _ = reference.forward(prompt + sent, weights, CFG)
     logits, state = gen.prefill([prompt])
     rows = [logits[0]] + [gen.step(state, [t])[0] for t in sent]
-    for i, (got, w) in enumerate(zip(rows, ref[len(prompt) - 1:])):
-        np.testing.assert_allclose(got, w, rtol=0, atol=logit_tol(CFG, len(prompt) + i, float(np.abs(w).max())),
-                                   err_msg=f"step {i}")
+    for i, (got, w) in enumerate(zip(rows, ref[len(prompt) - 1 :])):
+        np.testing.assert_allclose(
+            got, w, rtol=0, atol=logit_tol(CFG, len(prompt) + i, float(np.abs(w).max())), err_msg=f"step {i}"
+        )

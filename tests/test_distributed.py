@@ -8,24 +8,22 @@ from __future__ import annotations
 import json
 import re
 import socket
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tasks.modeling.parallelize import shard, split_axis, unshard
-from tasks.stages import finetune
-from tasks.stages import pretrain
-from tasks.store.artifacts import ArtifactStore
-from tasks.training.checkpoint import _publish, complete_checkpoints, load_checkpoint, save_checkpoint, shard_files
-from tasks.store.tensors import save_tensors
+from model.config import ModelConfig
 from tasks.config.loader import resolve_pipeline
 from tasks.config.schema import ParallelSection
+from tasks.modeling.parallelize import shard, split_axis, unshard
 from tasks.runtime.distributed import rank_logs, run_msrun
 from tasks.runtime.supervise import StageFailed
-from model.config import ModelConfig
-from tests.helpers import assert_same_scalars, assert_same_weights, train_tol
+from tasks.stages import pretrain
+from tasks.store.artifacts import ArtifactStore
+from tasks.store.tensors import save_tensors
+from tasks.training.checkpoint import _publish, complete_checkpoints, load_checkpoint, save_checkpoint, shard_files
+from tests.helpers import assert_same_scalars, assert_same_weights, run_stage, train_tol
 
 TINY = ModelConfig.from_name("tiny")
 
@@ -39,22 +37,33 @@ def free_port() -> int:
 
 
 def _cfg(*overrides: str):
-    base = ["pretrain.train.loop.max_steps=6", "pretrain.train.loop.log_steps=1", "pretrain.train.loop.eval_steps=3", "pretrain.train.loop.eval_batches=2",
-            "pretrain.train.schedule.warmup_steps=2", "pretrain.train.loop.micro_batch_size=8", "checkpoint.save_steps=3",
-            "checkpoint.keep_checkpoint_max=3", f"parallel.master_port={free_port()}"]
+    base = [
+        "pretrain.train.loop.max_steps=6",
+        "pretrain.train.loop.log_steps=1",
+        "pretrain.train.loop.eval_steps=3",
+        "pretrain.train.loop.eval_batches=2",
+        "pretrain.train.schedule.warmup_steps=2",
+        "pretrain.train.loop.micro_batch_size=8",
+        "checkpoint.save_steps=3",
+        "checkpoint.keep_checkpoint_max=3",
+        f"parallel.master_port={free_port()}",
+    ]
     return resolve_pipeline(REPO / "pipelines.yaml", "tiny", [*base, *overrides])
 
 
-DP2 = ["parallel.data_parallel=2", "parallel.device_num=2", "pretrain.train.loop.micro_batch_size=4"]  # same global batch 8
+DP2 = [
+    "parallel.data_parallel=2",
+    "parallel.device_num=2",
+    "pretrain.train.loop.micro_batch_size=4",
+]  # same global batch 8
 TP2 = ["parallel.tensor_parallel=2", "parallel.device_num=2"]
 
 
 @pytest.fixture(scope="module")
 def data_artifact(tmp_path_factory) -> Path:
-    from tasks.stages import data
 
     root = tmp_path_factory.mktemp("data_root")
-    return data.run(_cfg(), ArtifactStore(root), progress=False)
+    return run_stage("data", _cfg(), ArtifactStore(root), progress=False)
 
 
 def _metrics(path: Path) -> list[dict]:
@@ -97,15 +106,22 @@ def test_split_axes_cover_the_megatron_layout():
     assert split_axis("adam_m.layers.0.mlp.up_proj.weight") == 0
     assert split_axis("adam_v.layers.1.self_attn.o_proj.weight") == 1
     assert split_axis("layers.0.mlp.down_proj.weight") == 1
-    for name in ("embed_tokens.weight", "lm_head.weight", "norm.weight", "layers.0.input_layernorm.weight",
-                 "layers.0.mlp.down_proj.lora_A.weight"):
+    for name in (
+        "embed_tokens.weight",
+        "lm_head.weight",
+        "norm.weight",
+        "layers.0.input_layernorm.weight",
+        "layers.0.mlp.down_proj.lora_A.weight",
+    ):
         assert split_axis(name) is None, name
 
 
 def test_shard_then_unshard_is_bit_exact():
     full = _tiny_arrays()
     parts = [shard(full, 2, r) for r in range(2)]
-    assert parts[0]["layers.0.self_attn.q_proj.weight"].shape[0] * 2 == full["layers.0.self_attn.q_proj.weight"].shape[0]
+    assert (
+        parts[0]["layers.0.self_attn.q_proj.weight"].shape[0] * 2 == full["layers.0.self_attn.q_proj.weight"].shape[0]
+    )
     assert parts[1]["layers.0.mlp.down_proj.weight"].shape[1] * 2 == full["layers.0.mlp.down_proj.weight"].shape[1]
     assert not np.array_equal(parts[0]["layers.0.mlp.gate_proj.weight"], parts[1]["layers.0.mlp.gate_proj.weight"])
     back = unshard(parts)
@@ -129,13 +145,16 @@ def _write_tp_checkpoint(root: Path, step: int, weights, opt, state, tp: int) ->
 def test_checkpoint_reshards_tp2_to_tp1_and_back_bit_for_bit(tmp_path):
     weights = _tiny_arrays(0)
     opt = {f"adam_m.{k}": v * 0.5 for k, v in _tiny_arrays(1).items()}
-    opt.update({f"adam_v.{k}": v ** 2 for k, v in _tiny_arrays(2).items()})
+    opt.update({f"adam_v.{k}": v**2 for k, v in _tiny_arrays(2).items()})
     state = {"consumed_samples": 96, "updates": 12, "skipped_steps": 0}
     full = save_checkpoint(tmp_path / "full", 12, weights, opt, state, keep=3)
     sharded = _write_tp_checkpoint(tmp_path / "tp2", 12, weights, opt, state, tp=2)
     assert sorted(p.name for p in sharded.glob("*.safetensors")) == [
-        "model.tp0-of-2.safetensors", "model.tp1-of-2.safetensors",
-        "optimizer.tp0-of-2.safetensors", "optimizer.tp1-of-2.safetensors"]
+        "model.tp0-of-2.safetensors",
+        "model.tp1-of-2.safetensors",
+        "optimizer.tp0-of-2.safetensors",
+        "optimizer.tp1-of-2.safetensors",
+    ]
     # tp=2 -> tp=1: merged equals the unsharded checkpoint, bit for bit
     w1, o1, st = load_checkpoint(sharded, tp=1)
     wf, of, _ = load_checkpoint(full, tp=1)
@@ -149,7 +168,10 @@ def test_checkpoint_reshards_tp2_to_tp1_and_back_bit_for_bit(tmp_path):
         from_tp2 = load_checkpoint(sharded, tp=2, tp_index=r)
         for i in (0, 1):
             assert all(from_full[i][k].tobytes() == from_tp2[i][k].tobytes() for k in from_full[i])
-        assert from_full[0]["layers.1.mlp.down_proj.weight"].shape == (64, weights["layers.1.mlp.down_proj.weight"].shape[1] // 2)
+        assert from_full[0]["layers.1.mlp.down_proj.weight"].shape == (
+            64,
+            weights["layers.1.mlp.down_proj.weight"].shape[1] // 2,
+        )
 
 
 def test_corrupt_slice_is_named(tmp_path):
@@ -168,12 +190,23 @@ def test_unsupported_layouts_are_config_errors():
     from tasks.config.schema import ConfigError
 
     for overrides, needle in (
-        (["parallel.pipeline_parallel=2", "parallel.device_num=2"],  # pipeline stages are not built: plan-only
-         "parallel.pipeline_parallel: moved to plan.pipeline_parallel (pipeline stages are not built"),
-        (["parallel.data_parallel=2", "parallel.tensor_parallel=2", "parallel.device_num=4",
-          "parallel.optimizer_shard=true"], "optimizer_shard: optimizer sharding (ZeRO-1) is built for data parallel only"),
-        (["parallel.data_parallel=3", "parallel.device_num=3", "parallel.node_num=2"],
-         "device_num=3 does not split evenly over node_num=2"),
+        (
+            ["parallel.pipeline_parallel=2", "parallel.device_num=2"],  # pipeline stages are not built: plan-only
+            "parallel.pipeline_parallel: moved to plan.pipeline_parallel (pipeline stages are not built",
+        ),
+        (
+            [
+                "parallel.data_parallel=2",
+                "parallel.tensor_parallel=2",
+                "parallel.device_num=4",
+                "parallel.optimizer_shard=true",
+            ],
+            "optimizer_shard: optimizer sharding (ZeRO-1) is built for data parallel only",
+        ),
+        (
+            ["parallel.data_parallel=3", "parallel.device_num=3", "parallel.node_num=2"],
+            "device_num=3 does not split evenly over node_num=2",
+        ),
     ):
         with pytest.raises(ConfigError) as exc:
             resolve_pipeline(REPO / "pipelines.yaml", "tiny", overrides)
@@ -184,9 +217,12 @@ def test_unsupported_layouts_are_config_errors():
 
 
 def test_tensor_parallel_logits_and_train_step_match_one_device(tmp_path):
-    err = run_msrun([str(REPO / "tests" / "dist_tp_check.py"), str(tmp_path)],
-                    ParallelSection(tensor_parallel=2, device_num=2, master_port=free_port()), tmp_path / "logs",
-                    relay=False)
+    err = run_msrun(
+        [str(REPO / "tests" / "dist_tp_check.py"), str(tmp_path)],
+        ParallelSection(tensor_parallel=2, device_num=2, master_port=free_port()),
+        tmp_path / "logs",
+        relay=False,
+    )
     assert err is None, err
     for r in (0, 1):
         res = json.loads((tmp_path / f"rank{r}.json").read_text())
@@ -212,7 +248,7 @@ def test_data_parallel_matches_single_process(tmp_path, data_artifact):
     root = tmp_path / "dp2"
     store = ArtifactStore(root)
     cfg = _cfg(*DP2)
-    path = pretrain.run(cfg, store, _copy_data(root, data_artifact), progress=False)
+    path = run_stage("pretrain", cfg, store, _copy_data(root, data_artifact), progress=False)
     ls, ld = _train_losses(single), _train_losses(path)
     assert sorted(ld) == [1, 2, 3, 4, 5, 6]
     assert_same_scalars(ls, ld)
@@ -236,9 +272,12 @@ def test_data_parallel_matches_single_process(tmp_path, data_artifact):
 
 
 def test_rank_failure_names_the_rank_and_stops_the_job(tmp_path):
-    err = run_msrun([str(REPO / "tests" / "dist_fail.py")],
-                    ParallelSection(data_parallel=2, device_num=2, master_port=free_port(), cluster_timeout=60),
-                    tmp_path / "logs", relay=False)
+    err = run_msrun(
+        [str(REPO / "tests" / "dist_fail.py")],
+        ParallelSection(data_parallel=2, device_num=2, master_port=free_port(), cluster_timeout=60),
+        tmp_path / "logs",
+        relay=False,
+    )
     assert err is not None
     head = err.splitlines()[0]
     assert head == "rank 1: the corpus shard of rank 1 is unreadable (injected)", err
@@ -251,7 +290,7 @@ def test_finetune_rejects_tensor_parallel_before_training(tmp_path):
     base = tiny_model_artifact(tmp_path)
     cfg = _cfg(*TP2)
     with pytest.raises(ValueError, match="fine-tuning runs data parallel only.*parallel.tensor_parallel=1"):
-        finetune.run(cfg, ArtifactStore(tmp_path), base, progress=False)
+        run_stage("finetune", cfg, ArtifactStore(tmp_path), base, progress=False)
 
 
 def _stopped_after_3(root: Path, data_artifact: Path, overrides: list[str]) -> Path:
@@ -259,7 +298,7 @@ def _stopped_after_3(root: Path, data_artifact: Path, overrides: list[str]) -> P
     cfg = _cfg(*overrides)
     store = ArtifactStore(root)
     with pytest.raises(StageFailed, match="stopped before the end"):
-        pretrain.run(cfg, store, _copy_data(root, data_artifact), progress=False, inject={"stop_after": 3})
+        run_stage("pretrain", cfg, store, _copy_data(root, data_artifact), progress=False, inject={"stop_after": 3})
     key, _, _ = pretrain.stage_key(cfg, store, root / "data" / data_artifact.name, None)
     return root / "runs" / "pretrain" / key / "checkpoints"
 
@@ -293,8 +332,13 @@ def test_tensor_parallel_checkpoint_resumes_under_another_layout(tmp_path, data_
     _single(_cfg(), tmp_path / "b1", data_artifact, stop_after=3)
     ck1 = complete_checkpoints(next((tmp_path / "b1" / "runs" / "pretrain").iterdir()) / "checkpoints")[-1]
     root2 = tmp_path / "b2"
-    path = pretrain.run(_cfg(*TP2, f"checkpoint.load_checkpoint={ck1}"), ArtifactStore(root2),
-                        _copy_data(root2, data_artifact), progress=False)
+    path = run_stage(
+        "pretrain",
+        _cfg(*TP2, f"checkpoint.load_checkpoint={ck1}"),
+        ArtifactStore(root2),
+        _copy_data(root2, data_artifact),
+        progress=False,
+    )
     lb = _train_losses(path)
     assert_same_scalars(ls, lb)
     assert ArtifactStore(root2).verify(path)["metrics"]["consumed_samples"] == 48
@@ -310,39 +354,72 @@ def test_cache_key_follows_the_layout_not_the_rendezvous(tmp_path, data_artifact
     base = key()
     assert key("parallel.master_port=9001", "parallel.cluster_timeout=30") == base
     assert key("parallel.data_parallel=2", "parallel.device_num=2") != base
-    assert key("parallel.tensor_parallel=2", "parallel.device_num=2") != key("parallel.data_parallel=2", "parallel.device_num=2")
+    assert key("parallel.tensor_parallel=2", "parallel.device_num=2") != key(
+        "parallel.data_parallel=2", "parallel.device_num=2"
+    )
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("overrides, dp, tp", [
-    # 4 ranks: groups dp_0/dp_1 and tp_0/tp_1
-    (["parallel.data_parallel=2", "parallel.tensor_parallel=2", "parallel.device_num=4", "pretrain.train.loop.micro_batch_size=4"], 2, 2),
-    # gradients reduced once per step, after accumulating 2 micro batches of 2
-    (["parallel.data_parallel=2", "parallel.device_num=2", "pretrain.train.loop.micro_batch_size=2", "pretrain.train.loop.gradient_accumulation=2"], 2, 1),
-], ids=["dp2xtp2", "dp2-accumulation2"])
+@pytest.mark.parametrize(
+    "overrides, dp, tp",
+    [
+        # 4 ranks: groups dp_0/dp_1 and tp_0/tp_1
+        (
+            [
+                "parallel.data_parallel=2",
+                "parallel.tensor_parallel=2",
+                "parallel.device_num=4",
+                "pretrain.train.loop.micro_batch_size=4",
+            ],
+            2,
+            2,
+        ),
+        # gradients reduced once per step, after accumulating 2 micro batches of 2
+        (
+            [
+                "parallel.data_parallel=2",
+                "parallel.device_num=2",
+                "pretrain.train.loop.micro_batch_size=2",
+                "pretrain.train.loop.gradient_accumulation=2",
+            ],
+            2,
+            1,
+        ),
+    ],
+    ids=["dp2xtp2", "dp2-accumulation2"],
+)
 def test_more_layouts_match_single_process(tmp_path, data_artifact, overrides, dp, tp):
     """Global batch 8 either way: the same per-step losses and data position as one process."""
     single, _ = _single(_cfg(), tmp_path / "single", data_artifact)
     root = tmp_path / "parallel"
-    path = pretrain.run(_cfg(*overrides), ArtifactStore(root), _copy_data(root, data_artifact), progress=False)
+    path = run_stage("pretrain", _cfg(*overrides), ArtifactStore(root), _copy_data(root, data_artifact), progress=False)
     ls, lp = _train_losses(single), _train_losses(path)
     assert_same_scalars(ls, lp)
     assert ArtifactStore(root).verify(path)["metrics"]["consumed_samples"] == 48
     ck = complete_checkpoints(root / "runs" / "pretrain" / path.name / "checkpoints")[-1]
     assert json.loads((ck / "state.json").read_text())["layout"] == {"data_parallel": dp, "tensor_parallel": tp}
     assert sorted(p.name for p in ck.glob("model*.safetensors")) == (
-        [f"model.tp{i}-of-{tp}.safetensors" for i in range(tp)] if tp > 1 else ["model.safetensors"])
+        [f"model.tp{i}-of-{tp}.safetensors" for i in range(tp)] if tp > 1 else ["model.safetensors"]
+    )
 
 
 LAYERWISE = "pretrain.train.layerwise=true"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("overrides", [
-    [*DP2],
-    [*DP2, "pretrain.train.loop.micro_batch_size=2", "pretrain.train.loop.gradient_accumulation=2",
-     "parallel.optimizer_shard=true"],
-], ids=["dp2", "dp2-accumulation2-zero1"])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [*DP2],
+        [
+            *DP2,
+            "pretrain.train.loop.micro_batch_size=2",
+            "pretrain.train.loop.gradient_accumulation=2",
+            "parallel.optimizer_shard=true",
+        ],
+    ],
+    ids=["dp2", "dp2-accumulation2-zero1"],
+)
 def test_layer_at_a_time_under_data_parallel_matches_one_process(tmp_path, data_artifact, overrides, capfd):
     """The layer-at-a-time step under msrun: each rank's layer gradients reduced in its update graph (the norm there
     too, not on the host) give one process's losses, validation losses and weights (global batch 8 either way)."""
@@ -351,8 +428,9 @@ def test_layer_at_a_time_under_data_parallel_matches_one_process(tmp_path, data_
     single, _ = _single(_cfg(LAYERWISE), tmp_path / "single", data_artifact)
     assert "[train] step: layer at a time\n" in capfd.readouterr().err  # the reference ran that way too
     root = tmp_path / "parallel"
-    path = pretrain.run(_cfg(LAYERWISE, *overrides), ArtifactStore(root), _copy_data(root, data_artifact),
-                        progress=False)
+    path = run_stage(
+        "pretrain", _cfg(LAYERWISE, *overrides), ArtifactStore(root), _copy_data(root, data_artifact), progress=False
+    )
     run_dir = root / "runs" / "pretrain" / path.name
     logs = rank_logs(run_dir / "msrun_logs")
     assert sorted(logs) == [0, 1] and "[train] step: layer at a time\n" in logs[0].read_text(), logs[0].read_text()
@@ -382,15 +460,25 @@ def test_finetune_data_parallel_matches_single_process(tmp_path):
 
     (tmp_path / "base").mkdir()
     base = tiny_model_artifact(tmp_path / "base")
-    common = ["finetune.train.loop.max_steps=4", "finetune.train.loop.log_steps=1", "finetune.train.loop.eval_steps=2", "finetune.train.schedule.warmup_steps=1"]
-    one = finetune.run(_cfg(*common), ArtifactStore(tmp_path / "base"), base, progress=False, isolate=False)
+    common = [
+        "finetune.train.loop.max_steps=4",
+        "finetune.train.loop.log_steps=1",
+        "finetune.train.loop.eval_steps=2",
+        "finetune.train.schedule.warmup_steps=1",
+    ]
+    one = run_stage("finetune", _cfg(*common), ArtifactStore(tmp_path / "base"), base, progress=False, isolate=False)
     root = tmp_path / "dp2"
     store = ArtifactStore(root)
     import shutil
 
     shutil.copytree(base, root / "pretrain" / base.name)
-    two = finetune.run(_cfg(*common, "parallel.data_parallel=2", "parallel.device_num=2", "finetune.train.loop.micro_batch_size=4"),
-                       store, root / "pretrain" / base.name, progress=False)
+    two = run_stage(
+        "finetune",
+        _cfg(*common, "parallel.data_parallel=2", "parallel.device_num=2", "finetune.train.loop.micro_batch_size=4"),
+        store,
+        root / "pretrain" / base.name,
+        progress=False,
+    )
     l1, l2 = _train_losses(one), _train_losses(two)
     assert sorted(l2) == [1, 2, 3, 4]
     assert_same_scalars(l1, l2)

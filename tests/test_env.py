@@ -34,9 +34,11 @@ def test_importing_flows_gives_prefects_embedded_server_time_to_start():
     """Prefect's embedded server gets 20 s to answer by default; its first start (a fresh SQLite database, migrated)
     took 16 s on an idle 2-core machine and over 20 s in CI, failing the flow before it ran. Importing `flows`
     raises the default before Prefect reads its settings, and leaves a value the environment sets alone."""
-    code = ("import flows\n"  # what every flow module imports first
-            "from prefect.settings import get_current_settings\n"
-            "print(get_current_settings().server.ephemeral.startup_timeout_seconds)")
+    code = (
+        "import flows\n"  # what every flow module imports first
+        "from prefect.settings import get_current_settings\n"
+        "print(get_current_settings().server.ephemeral.startup_timeout_seconds)"
+    )
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"}
     repo = str(Path(__file__).resolve().parent.parent)
     for given, expected in ((None, "120"), ("7", "7")):

@@ -9,22 +9,23 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from helpers import REPO, decoder_reduction, fp32_tol, loglikelihood_tol, run_stage, tiny_model_artifact
 from mindspore import Tensor
-
-from helpers import REPO, decoder_reduction, fp32_tol, loglikelihood_tol, tiny_model_artifact
 
 pytest.importorskip("lm_eval")
 from lm_eval.api.instance import Instance  # noqa: E402
 
 from model.llama import causal_lm_loss  # noqa: E402
+from tasks.cli import main  # noqa: E402
+from tasks.config.loader import resolve_pipeline  # noqa: E402
 from tasks.stages import evaluate  # noqa: E402
 from tasks.stages.evaluate import lm_adapter, perplexity  # noqa: E402
 from tasks.store.artifacts import ArtifactStore  # noqa: E402
-from tasks.cli import main  # noqa: E402
-from tasks.config.loader import resolve_pipeline  # noqa: E402
 
-TEXT = ("ROMEO: But soft, what light through yonder window breaks? It is the east, and Juliet is the sun. "
-        "Arise, fair sun, and kill the envious moon, who is already sick and pale with grief.")
+TEXT = (
+    "ROMEO: But soft, what light through yonder window breaks? It is the east, and Juliet is the sun. "
+    "Arise, fair sun, and kill the envious moon, who is already sick and pale with grief."
+)
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +46,7 @@ def lm(artifact):
 @pytest.fixture(scope="module")
 def logit_scale(lm) -> float:
     """The largest |logit| of this model on TEXT (~10 at init_std 0.3): the scale of a log-softmax term."""
-    ids = [lm.eot_token_id] + lm.sp.encode(TEXT)[:lm.max_length - 1]
+    ids = [lm.eot_token_id] + lm.sp.encode(TEXT)[: lm.max_length - 1]
     return float(np.abs(lm.net(Tensor(np.asarray([ids], np.int32))).asnumpy()).max())
 
 
@@ -70,11 +71,11 @@ def direct_loglikelihood(lm, context: str, continuation: str) -> tuple[float, bo
     sp, eos, L = lm.sp, lm.eot_token_id, lm.max_length
     if context:
         whole, ctx = [eos] + sp.encode(context + continuation), [eos] + sp.encode(context)
-        cont = whole[len(ctx):]
+        cont = whole[len(ctx) :]
     else:
         ctx, cont = [eos], sp.encode(continuation)
         whole = ctx + cont
-    whole = whole[-(L + 1):]
+    whole = whole[-(L + 1) :]
     logp = log_softmax(lm.net(Tensor(np.asarray([whole[:-1]], np.int32))).asnumpy()[0])
     n = len(cont)
     rows = np.arange(len(whole) - 1 - n, len(whole) - 1)
@@ -89,8 +90,10 @@ def test_scorer_splits_calls_by_memory_and_scores_only_what_is_asked(lm):
     net = lm.net
     rng = np.random.default_rng(3)
     lengths = [net.config.max_seq_length, 40, 33, 7, 7, 1]
-    rows = [(list(rng.integers(3, net.config.vocab_size, n)), list(rng.integers(3, net.config.vocab_size, n)))
-            for n in lengths]
+    rows = [
+        (list(rng.integers(3, net.config.vocab_size, n)), list(rng.integers(3, net.config.vocab_size, n)))
+        for n in lengths
+    ]
     full = lm_adapter.TokenScorer(net, batch_size=4)
     one_row = full.max_seq_length * full.bytes_per_token(full.max_seq_length)
     tight = lm_adapter.TokenScorer(net, batch_size=4, max_bytes=one_row)  # the longest row alone per call
@@ -98,7 +101,7 @@ def test_scorer_splits_calls_by_memory_and_scores_only_what_is_asked(lm):
     got, split = full.score(rows), tight.score(rows)
     tails = tight.score(rows, tails=[3] * len(rows))
     assert (1, full.max_seq_length) in tight.shapes_run and (4, full.max_seq_length) in full.shapes_run
-    for (inp, tgt), (lp, greedy), (lp2, greedy2), (lp3, greedy3) in zip(rows, got, split, tails):
+    for (inp, tgt), (lp, greedy), (lp2, greedy2), (lp3, _greedy3) in zip(rows, got, split, tails):
         logits = net(Tensor(np.asarray([inp], np.int32))).asnumpy()[0]
         want = log_softmax(logits)
         want_lp, want_greedy = want[np.arange(len(inp)), tgt], want.argmax(-1) == np.asarray(tgt)
@@ -115,6 +118,7 @@ def test_scorer_runs_the_decoder_one_layer_at_a_time_as_the_whole_decoder_does(l
     not every layer's: docs/MEMORY.md), each call loading that layer's own weights: the same outputs as the
     whole-decoder graph for every shape, and the net's weights untouched."""
     import mindspore as ms
+
     from model.runtime import dynamic_graph, layerwise_hidden_states
 
     net = lm.net
@@ -138,9 +142,15 @@ def test_scorer_runs_the_decoder_one_layer_at_a_time_as_the_whole_decoder_does(l
 
 def test_loglikelihood_equals_sum_of_log_softmax_of_the_logits(lm, logit_scale):
     long_context = " ".join([TEXT] * 4)  # > max_length tokens: truncated from the left
-    pairs = [("ROMEO:", " But soft"), ("Question: What is the east?\nAnswer:", " Juliet is the sun."),
-             ("", "Arise, fair sun"), ("It is the ", "east"), (long_context, " and pale with grief."),
-             ("a", " b"), (TEXT[:60], TEXT[60:140])]
+    pairs = [
+        ("ROMEO:", " But soft"),
+        ("Question: What is the east?\nAnswer:", " Juliet is the sun."),
+        ("", "Arise, fair sun"),
+        ("It is the ", "east"),
+        (long_context, " and pale with grief."),
+        ("a", " b"),
+        (TEXT[:60], TEXT[60:140]),
+    ]
     assert len(lm.tok_encode(long_context)) > lm.max_length
     got = lm.loglikelihood([req("loglikelihood", c, x) for c, x in pairs])  # one call: mixed lengths, padded batches
     assert len(lm.scorer.shapes_run) >= 2
@@ -159,15 +169,16 @@ def test_is_greedy_true_for_the_models_own_continuation(lm):
         logits = lm.net(Tensor(np.asarray([ids], np.int32))).asnumpy()[0, -1]
         ids.append(int(np.argmax(logits)))
     cont_ids = ids[-3:]
-    (ll, greedy), = lm._loglikelihood_tokens([(None, ids[:-3], cont_ids)])
+    ((ll, greedy),) = lm._loglikelihood_tokens([(None, ids[:-3], cont_ids)])
     assert greedy and ll < 0
 
 
 def test_trailing_context_space_moves_to_the_continuation(lm, logit_scale):
     ctx, cont = lm._encode_pair("It is the ", "east")
     assert (ctx, cont) == lm._encode_pair("It is the", " east")  # the same tokens, split at the same place
-    (a, ga), (b, gb) = lm.loglikelihood([req("loglikelihood", "It is the ", "east"),
-                                         req("loglikelihood", "It is the", " east")])
+    (a, ga), (b, gb) = lm.loglikelihood(
+        [req("loglikelihood", "It is the ", "east"), req("loglikelihood", "It is the", " east")]
+    )
     # Two rows of one batch: equal on AVX-512, but with oneDNN capped at AVX2 the rows' MatMul blocking differs
     # and they came out -28.418428 and -28.418430 (float32 sums in another order), so the bound, not ==.
     assert ga == gb and abs(a - b) <= ll_tol(lm, logit_scale, a, len(cont)), (a, b)
@@ -225,9 +236,14 @@ def test_register_is_idempotent_and_simple_evaluate_takes_the_name(artifact):
     lm_adapter.register()
     assert get_model("msllm") is lm_adapter.MindSporeLM
     assert get_model("dummy") is not None  # the harness's own models stay reachable
-    res = lm_eval.simple_evaluate(model="msllm", model_args=f"pretrained={artifact},batch_size=4",
-                                  tasks=["local_arc_easy"], limit=2, task_manager=evaluate.task_manager(["local_arc_easy"]),
-                                  bootstrap_iters=10)
+    res = lm_eval.simple_evaluate(
+        model="msllm",
+        model_args=f"pretrained={artifact},batch_size=4",
+        tasks=["local_arc_easy"],
+        limit=2,
+        task_manager=evaluate.task_manager(["local_arc_easy"]),
+        bootstrap_iters=10,
+    )
     assert 0.0 <= res["results"]["local_arc_easy"]["acc,none"] <= 1.0
 
 
@@ -272,12 +288,19 @@ def _yaml(path: Path) -> dict:
 HARNESS = Path(__import__("lm_eval").__file__).parent / "tasks"
 
 
-@pytest.mark.parametrize("local, harness", [
-    ("local_arc_easy", "arc/arc_easy.yaml"), ("local_arc_challenge", "arc/arc_challenge.yaml"),
-    ("local_piqa", "piqa/piqa.yaml"), ("local_boolq", "super_glue/boolq/default.yaml"),
-    ("local_lambada_openai", "lambada/lambada_openai.yaml"), ("local_truthfulqa_mc1", "truthfulqa/truthfulqa_mc1.yaml"),
-    ("local_truthfulqa_mc2", "truthfulqa/truthfulqa_mc2.yaml"), ("local_winogrande", "winogrande/default.yaml"),
-])
+@pytest.mark.parametrize(
+    "local, harness",
+    [
+        ("local_arc_easy", "arc/arc_easy.yaml"),
+        ("local_arc_challenge", "arc/arc_challenge.yaml"),
+        ("local_piqa", "piqa/piqa.yaml"),
+        ("local_boolq", "super_glue/boolq/default.yaml"),
+        ("local_lambada_openai", "lambada/lambada_openai.yaml"),
+        ("local_truthfulqa_mc1", "truthfulqa/truthfulqa_mc1.yaml"),
+        ("local_truthfulqa_mc2", "truthfulqa/truthfulqa_mc2.yaml"),
+        ("local_winogrande", "winogrande/default.yaml"),
+    ],
+)
 def test_local_task_prompts_mirror_the_harness(local, harness):
     ours, theirs = _yaml(evaluate.LOCAL_TASKS / f"{local}.yaml"), _yaml(HARNESS / harness)
     fields = ["output_type", "doc_to_text", "doc_to_target", "doc_to_choice", "num_fewshot", "target_delimiter"]
@@ -300,7 +323,9 @@ def test_local_loaders_reproduce_the_source_records():
     piqa = utils.read_piqa(root)
     assert len(piqa) == 1838 and {r["label"] for r in piqa} == {0, 1}
     tqa = utils.read_truthfulqa(root)
-    assert len(tqa) == 817 and all(r["mc1_targets"]["labels"][0] == 1 and sum(r["mc1_targets"]["labels"]) == 1 for r in tqa)
+    assert len(tqa) == 817 and all(
+        r["mc1_targets"]["labels"][0] == 1 and sum(r["mc1_targets"]["labels"]) == 1 for r in tqa
+    )
     assert tqa[0]["question"].startswith("What is the smallest country in the world")
     for name in ("arc_easy", "arc_challenge", "piqa", "boolq", "winogrande", "lambada_openai", "truthfulqa_mc"):
         assert (root / name / "SOURCE.txt").is_file()
@@ -312,11 +337,19 @@ def test_local_loaders_reproduce_the_source_records():
 def test_eval_stage_writes_the_artifact_and_caches(root, artifact, tmp_path):
     text = tmp_path / "sample.txt"
     text.write_text(TEXT * 3, encoding="utf-8")
-    cfg = resolve_pipeline(REPO / "pipelines.yaml", "tiny", [
-        "eval.tasks=[local_piqa, local_boolq]", "eval.limit=2", "eval.max_new_tokens=5", "eval.prompts=['ROMEO:']",
-        f"eval.perplexity_files=['{text}']"])
+    cfg = resolve_pipeline(
+        REPO / "pipelines.yaml",
+        "tiny",
+        [
+            "eval.tasks=[local_piqa, local_boolq]",
+            "eval.limit=2",
+            "eval.max_new_tokens=5",
+            "eval.prompts=['ROMEO:']",
+            f"eval.perplexity_files=['{text}']",
+        ],
+    )
     store = ArtifactStore(root)
-    path = evaluate.run(cfg, store, artifact, progress=False)
+    path = run_stage("eval", cfg, store, artifact, progress=False)
     m = store.verify(path)
     assert m["stage"] == "eval" and m["inputs"][0]["key"] == artifact.name
     for k in ("local_piqa.acc", "local_boolq.acc", "sample.txt.perplexity", "sample.txt.bits_per_byte"):
@@ -329,7 +362,7 @@ def test_eval_stage_writes_the_artifact_and_caches(root, artifact, tmp_path):
     assert [g["prompt"] for g in gens] == ["ROMEO:"]
     report = (path / "report.md").read_text()
     assert "## Perplexity" in report and "local_piqa" in report and "ROMEO:" in report
-    assert evaluate.run(cfg, store, artifact, progress=False) == path  # cache hit
+    assert run_stage("eval", cfg, store, artifact, progress=False) == path  # cache hit
     table = evaluate.compare_table(path, path)
     assert "| local_piqa.acc |" in table and "+0.0000" in table
 
@@ -340,30 +373,49 @@ def test_eval_report_shows_the_base_models_perplexity_on_the_same_blocks(tmp_pat
     has no base) shows no such row and gives the same figure."""
     from model.config import ModelConfig
     from model.llama import LlamaForCausalLM
-    from tasks.stages import data
     from tasks.store.model_artifact import load_tokenizer, write_model
 
-    cfg = resolve_pipeline(REPO / "pipelines.yaml", "tiny", ["eval.tasks=[]", "eval.prompts=[]", "eval.heldout_blocks=6"])
+    cfg = resolve_pipeline(
+        REPO / "pipelines.yaml", "tiny", ["eval.tasks=[]", "eval.prompts=[]", "eval.heldout_blocks=6"]
+    )
     store = ArtifactStore(tmp_path)
-    held_out = data.run(cfg, store, progress=False)
+    held_out = run_stage("data", cfg, store, progress=False)
     mc, tok = ModelConfig.from_name("tiny", init_std=0.3), load_tokenizer(held_out)
 
     def model(seed: int, *inputs: Path) -> Path:
-        with store.build("pretrain", f"{seed:020d}", pipeline="tiny", config={"seed": seed},
-                         inputs=[store.input_ref(i) for i in inputs], code="test") as b:
-            write_model(b.dir, name="llama", config=mc, tokenizer_model=held_out, tokenizer_info=tok.info(),
-                        weights={p.name: p.asnumpy() for p in LlamaForCausalLM(mc, seed=seed).trainable_params()},
-                        seq_length=mc.max_seq_length)
+        with store.build(
+            "pretrain",
+            f"{seed:020d}",
+            pipeline="tiny",
+            config={"seed": seed},
+            inputs=[store.input_ref(i) for i in inputs],
+            code="test",
+        ) as b:
+            write_model(
+                b.dir,
+                name="llama",
+                config=mc,
+                tokenizer_model=held_out,
+                tokenizer_info=tok.info(),
+                weights={p.name: p.asnumpy() for p in LlamaForCausalLM(mc, seed=seed).trainable_params()},
+                seq_length=mc.max_seq_length,
+            )
         return b.path
 
     base = model(0, held_out)
     continued = model(1, held_out, base)  # as pretrain with init_from records it: data, then the model
-    assert perplexity.base_chain(store, continued) == [(base, "continued from")] and perplexity.base_chain(store, base) == []
-    path = evaluate.run(cfg, store, continued, held_out, progress=False)
-    own = evaluate.run(cfg, store, base, held_out, progress=False)
+    assert (
+        perplexity.base_chain(store, continued) == [(base, "continued from")]
+        and perplexity.base_chain(store, base) == []
+    )
+    path = run_stage("eval", cfg, store, continued, held_out, progress=False)
+    own = run_stage("eval", cfg, store, base, held_out, progress=False)
     res, base_res = (json.loads((p / "results.json").read_text()) for p in (path, own))
     b = res["base_perplexity"]
-    assert b["model"] == f"pretrain/{base.name}" and b["chain"] == f"pretrain/{continued.name} ← continued from pretrain/{base.name}"
+    assert (
+        b["model"] == f"pretrain/{base.name}"
+        and b["chain"] == f"pretrain/{continued.name} ← continued from pretrain/{base.name}"
+    )
     assert b["held-out"]["tokens"] == res["perplexity"]["held-out"]["tokens"]  # the same blocks
     # the same model on the same blocks through the same scorer and batch shapes: the same sums in the same order
     # (1e-9 relative: float64 formatting, not a float32 bound)
@@ -372,7 +424,10 @@ def test_eval_report_shows_the_base_models_perplexity_on_the_same_blocks(tmp_pat
     assert ArtifactStore.read_manifest(path)["metrics"]["base_perplexity"] == b["held-out"]["perplexity"]
     report = (path / "report.md").read_text()
     rows = [ln for ln in report.splitlines() if ln.startswith("| held-out |")]
-    assert [r.split(" | ")[1] for r in rows] == [f"evaluated: `pretrain/{continued.name}`", f"base: `pretrain/{base.name}`"]
+    assert [r.split(" | ")[1] for r in rows] == [
+        f"evaluated: `pretrain/{continued.name}`",
+        f"base: `pretrain/{base.name}`",
+    ]
     assert rows[1].split(" | ")[4] == evaluate._fmt(b["held-out"]["perplexity"])
     assert "chain started from" in report and "base:" not in (own / "report.md").read_text()
     assert "base_perplexity" not in base_res
@@ -382,8 +437,25 @@ def test_cli_eval_compare_and_predict(root, artifact, tmp_path, capsys):
     common = ["--config", str(REPO / "pipelines.yaml"), "--pipeline", "tiny", "--artifacts", str(root)]
     paths = []
     for seed in (0, 1):
-        assert main(["eval", *common, "--from", str(artifact), "--set", "eval.tasks=[local_winogrande]",
-                     "--set", "eval.limit=2", "--set", "eval.max_new_tokens=4", "--set", f"eval.seed={seed}"]) == 0
+        assert (
+            main(
+                [
+                    "eval",
+                    *common,
+                    "--from",
+                    str(artifact),
+                    "--set",
+                    "eval.tasks=[local_winogrande]",
+                    "--set",
+                    "eval.limit=2",
+                    "--set",
+                    "eval.max_new_tokens=4",
+                    "--set",
+                    f"eval.seed={seed}",
+                ]
+            )
+            == 0
+        )
         out = capsys.readouterr().out.strip().splitlines()
         assert out[-2].startswith("# eval artifact") and "local_winogrande.acc=" in out[-2]
         paths.append(out[-1])
@@ -395,7 +467,10 @@ def test_cli_eval_compare_and_predict(root, artifact, tmp_path, capsys):
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("JULIET:\nTo be\n")
-    assert main(["predict", *common, "--from", str(artifact), "--set", "eval.max_new_tokens=4", "ROMEO:", f"@{prompts}"]) == 0
+    assert (
+        main(["predict", *common, "--from", str(artifact), "--set", "eval.max_new_tokens=4", "ROMEO:", f"@{prompts}"])
+        == 0
+    )
     out = capsys.readouterr().out
     assert out.startswith("ROMEO:") and "\nJULIET:" in out and "\nTo be" in out and out.count("-" * 40) == 2
 

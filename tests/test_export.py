@@ -1,4 +1,5 @@
-"""Export stage (tasks/stages/export.py): MindIR + the KV-cache ONNX decoder + onnxruntime-genai files (+ int8), verified.
+"""Export stage (tasks/stages/export.py): MindIR + the KV-cache ONNX decoder + onnxruntime-genai files (+ int8),
+verified.
 
 One real export (child process, as the CLI runs it) of a tiny random model is shared by most
 tests. The model artifact descends from a real `tiny` data artifact, so its tokenizer is the
@@ -16,17 +17,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tasks.deploy.model_card import model_card, read_eval
-from tasks.deploy.checks import ExportCheckFailed
-from tasks.deploy.formats import export_onnx
-from tasks.stages import export
-from tasks.store.artifacts import ArtifactStore
-from tests.helpers import logit_tol
-from tasks.store.errors import ArtifactError
 from tasks.config.loader import resolve_pipeline
 from tasks.config.schema import ConfigError
+from tasks.deploy.checks import ExportCheckFailed
+from tasks.deploy.formats import export_onnx
+from tasks.deploy.model_card import model_card, read_eval
 from tasks.runtime.supervise import StageFailed
-from tests.helpers import tiny_model_artifact
+from tasks.stages import export
+from tasks.store.artifacts import ArtifactStore
+from tasks.store.errors import ArtifactError
+from tests.helpers import logit_tol, run_stage, tiny_model_artifact
 
 REPO = Path(__file__).resolve().parent.parent
 SETS = ["export.batch_size=2", "export.seq_length=24", "export.int8=true"]
@@ -45,24 +45,29 @@ def model_from_data(store: ArtifactStore, data: Path, seed: int = 0) -> Path:
     mc = ModelConfig.from_name("tiny")
     sp = load_tokenizer(data)
     net = LlamaForCausalLM(mc, seed=seed)
-    with store.build("pretrain", f"{seed:020d}", pipeline="test", config={"seed": seed},
-                     inputs=[store.input_ref(data)], code="test") as b:
-        write_model(b.dir, name="llama", config=mc, weights={p.name: p.asnumpy() for p in net.trainable_params()},
-                    tokenizer_model=data / "tokenizer.model", tokenizer_info=tokenizer_info(sp),
-                    seq_length=mc.max_seq_length)
+    with store.build(
+        "pretrain", f"{seed:020d}", pipeline="test", config={"seed": seed}, inputs=[store.input_ref(data)], code="test"
+    ) as b:
+        write_model(
+            b.dir,
+            name="llama",
+            config=mc,
+            weights={p.name: p.asnumpy() for p in net.trainable_params()},
+            tokenizer_model=data / "tokenizer.model",
+            tokenizer_info=tokenizer_info(sp),
+            seq_length=mc.max_seq_length,
+        )
     return b.path
 
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    from tasks.stages import data
 
     root = tmp_path_factory.mktemp("export_root")
     store = ArtifactStore(root)
-    model = model_from_data(store, data.run(_cfg(), store, progress=False))
-    path = export.run(_cfg(), store, model, progress=False)
-    return {"root": root, "store": store, "model": model, "path": path,
-            "manifest": ArtifactStore.read_manifest(path)}
+    model = model_from_data(store, run_stage("data", _cfg(), store, progress=False))
+    path = run_stage("export", _cfg(), store, model, progress=False)
+    return {"root": root, "store": store, "model": model, "path": path, "manifest": ArtifactStore.read_manifest(path)}
 
 
 def test_verified_export_recorded_in_manifest(env):
@@ -86,16 +91,33 @@ def test_verified_export_recorded_in_manifest(env):
         assert m["metrics"][k] == v[k]
     assert json.loads((path / "export.json").read_text())["verification"] == v
     names = {f["path"] for f in m["files"]}
-    assert {"model.mindir", "model.onnx", "model.int8.onnx", "genai_config.json", "tokenizer.json",
-            "tokenizer_config.json", "tokenizer.model", "model.json", "MODEL_CARD.md", "onnx_generate.py", "sampling.py"} <= names
+    assert {
+        "model.mindir",
+        "model.onnx",
+        "model.int8.onnx",
+        "genai_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "tokenizer.model",
+        "model.json",
+        "MODEL_CARD.md",
+        "onnx_generate.py",
+        "sampling.py",
+    } <= names
     assert (path / "tokenizer.model").read_bytes() == (env["model"] / "tokenizer.model").read_bytes()
     # how the model is asked travels with it: the model artifact's record, which the export's server reads
     assert (path / "prompt_style.json").read_bytes() == (env["model"] / "prompt_style.json").read_bytes()
     assert m["inputs"][0]["key"] == ArtifactStore.read_manifest(env["model"])["key"]
     env["store"].verify(path)  # every file matches its recorded sha256
     card = (path / "MODEL_CARD.md").read_text()
-    for heading in ("## Model", "## Files", "## Verification", "## Lineage", "## Generate with onnxruntime only",
-                    "## Generate with onnxruntime-genai"):
+    for heading in (
+        "## Model",
+        "## Files",
+        "## Verification",
+        "## Lineage",
+        "## Generate with onnxruntime only",
+        "## Generate with onnxruntime-genai",
+    ):
         assert heading in card
     assert "0.16M" in card and "## Evaluation" not in card and "single-token steps" in card
 
@@ -129,11 +151,23 @@ def test_genai_tokenizer_warning_names_the_tokenizer_json_the_model_has(tmp_path
     tok, mc = load_tokenizer(tok_dir), ModelConfig.from_name("tiny")
     store = ArtifactStore(tmp_path / "art")
     with store.build("pretrain", "0" * 20, pipeline="test", config={}, inputs=[], code="test") as b:
-        write_model(b.dir, name="llama", config=mc, tokenizer_model=tok_dir, tokenizer_info=tok.info(),
-                    weights={p.name: p.asnumpy() for p in LlamaForCausalLM(mc, seed=0).trainable_params()},
-                    seq_length=mc.max_seq_length)
-    path = export.run(_cfg("export.formats=[onnx]", "export.int8=false", "export.prompts=['ROMEO: Hello']"), store,
-                      b.path, isolate=False, progress=True)
+        write_model(
+            b.dir,
+            name="llama",
+            config=mc,
+            tokenizer_model=tok_dir,
+            tokenizer_info=tok.info(),
+            weights={p.name: p.asnumpy() for p in LlamaForCausalLM(mc, seed=0).trainable_params()},
+            seq_length=mc.max_seq_length,
+        )
+    path = run_stage(
+        "export",
+        _cfg("export.formats=[onnx]", "export.int8=false", "export.prompts=['ROMEO: Hello']"),
+        store,
+        b.path,
+        isolate=False,
+        progress=True,
+    )
     err = capsys.readouterr().err
     g = ArtifactStore.read_manifest(path)["verification"]["genai"]
     first = g["tokenizer_first_mismatch"]
@@ -190,9 +224,9 @@ def test_mindir_reloads_with_dynamic_shape(env):
 
 def test_onnxruntime_kv_generation_matches_mindspore(env):
     from model.generate import Generator
+    from tasks.deploy.onnx_generate import OnnxGenerator, encode_prompt
     from tasks.modeling.build import load_network
     from tasks.store.model_artifact import load_tokenizer
-    from tasks.deploy.onnx_generate import OnnxGenerator, encode_prompt
 
     net, _ = load_network(env["model"])
     sp = load_tokenizer(env["model"])
@@ -205,7 +239,8 @@ def test_onnxruntime_kv_generation_matches_mindspore(env):
 
 
 def test_onnx_generation_needs_no_mindspore(env):
-    """The README snippet (KV cache), tasks.deploy.onnx_generate and the artifact's copy of it, in a fresh interpreter."""
+    """The README snippet (KV cache), tasks.deploy.onnx_generate and the artifact's copy of it, in a fresh
+    interpreter."""
     from tasks.deploy.onnx_generate import SNIPPET
 
     code = f"""
@@ -246,10 +281,21 @@ def test_rerun_is_a_cache_hit_and_cli_prints_the_path(env, monkeypatch, capsys):
         raise AssertionError("a cached export must not start a child")
 
     monkeypatch.setattr(supervise, "run_child", no_child)
-    assert export.run(_cfg(), env["store"], env["model"]) == env["path"]
-    rc = cli.main(["export", "--config", str(REPO / "pipelines.yaml"), "--pipeline", "tiny",
-                   *[a for s in SETS for a in ("--set", s)], "--artifacts", str(env["root"]),
-                   "--from", str(env["model"])])
+    assert run_stage("export", _cfg(), env["store"], env["model"]) == env["path"]
+    rc = cli.main(
+        [
+            "export",
+            "--config",
+            str(REPO / "pipelines.yaml"),
+            "--pipeline",
+            "tiny",
+            *[a for s in SETS for a in ("--set", s)],
+            "--artifacts",
+            str(env["root"]),
+            "--from",
+            str(env["model"]),
+        ]
+    )
     out = capsys.readouterr().out.strip().splitlines()
     assert rc == 0 and out[-1] == str(env["path"])
     assert "onnx_max_abs_diff" in out[-2] and "greedy_tokens_match=True" in out[-2]
@@ -258,8 +304,9 @@ def test_rerun_is_a_cache_hit_and_cli_prints_the_path(env, monkeypatch, capsys):
 def test_cli_without_a_model_artifact_says_what_to_run(tmp_path, capsys):
     from tasks import cli
 
-    rc = cli.main(["export", "--config", str(REPO / "pipelines.yaml"), "--pipeline", "tiny",
-                   "--artifacts", str(tmp_path)])
+    rc = cli.main(
+        ["export", "--config", str(REPO / "pipelines.yaml"), "--pipeline", "tiny", "--artifacts", str(tmp_path)]
+    )
     assert rc == 1 and "msllm train --pipeline tiny" in capsys.readouterr().err
 
 
@@ -274,7 +321,7 @@ def test_mismatching_onnx_fails_the_stage_and_leaves_no_artifact(env, monkeypatc
     cfg = _cfg("export.max_new_tokens=4", "export.int8=false", "export.formats=[onnx]")  # another key
     key = export.stage_key(cfg, env["store"], env["model"])[0]
     with pytest.raises(ExportCheckFailed, match=r"ONNX max \|logit diff\| .* > export.atol 0.0001") as e:
-        export.run(cfg, env["store"], env["model"], isolate=False, progress=False)
+        run_stage("export", cfg, env["store"], env["model"], isolate=False, progress=False)
     assert "greedy tokens differ" in str(e.value) and "onnxruntime_genai" in str(e.value)
     assert env["store"].lookup("export", key) is None
     assert not [p for p in (env["root"] / "export").iterdir() if p.name.startswith(".tmp")]  # no temp dir left
@@ -287,19 +334,21 @@ def test_failed_check_in_the_child_fails_the_stage(env):
     cfg = _cfg("export.atol=1.0e-12", "export.formats=[onnx]", "export.max_new_tokens=1", "export.int8=false")
     key = export.stage_key(cfg, env["store"], env["model"])[0]
     with pytest.raises(StageFailed) as e:
-        export.run(cfg, env["store"], env["model"], progress=False)
+        run_stage("export", cfg, env["store"], env["model"], progress=False)
     assert str(e.value).startswith("export verification failed: ONNX max |logit diff|")
     assert env["store"].lookup("export", key) is None
 
 
 def test_settings_the_model_cannot_take_are_config_errors(env):
     short = tiny_model_artifact(env["root"], max_seq_length=32)  # the pipeline's own model would allow 64
-    with pytest.raises(ConfigError, match=r"pipelines.tiny.export.seq_length: 64 exceeds the model's max_seq_length=32"):
-        export.run(_cfg("export.seq_length=64"), env["store"], short)
+    with pytest.raises(
+        ConfigError, match=r"pipelines.tiny.export.seq_length: 64 exceeds the model's max_seq_length=32"
+    ):
+        run_stage("export", _cfg("export.seq_length=64"), env["store"], short)
     with pytest.raises(ConfigError, match=r"export.seq_length: 8; the ONNX checks need at least 13 positions"):
-        export.run(_cfg("export.seq_length=8"), env["store"], short)
+        run_stage("export", _cfg("export.seq_length=8"), env["store"], short)
     with pytest.raises(ConfigError, match=r"export.int8: true needs the onnx format"):
-        export.run(_cfg("export.formats=[mindir]"), env["store"], short)
+        run_stage("export", _cfg("export.formats=[mindir]"), env["store"], short)
     with pytest.raises(ConfigError, match=r"export.prompts"):
         _cfg("export.prompts=[]")
 
@@ -311,7 +360,9 @@ def test_finetune_artifact_is_merged_before_export(env):
     from tasks.store.tensors import load_weights
 
     store, base = env["store"], env["model"]
-    with store.build("finetune", "f" * 20, pipeline="test", config={}, inputs=[store.input_ref(base)], code="test") as b:
+    with store.build(
+        "finetune", "f" * 20, pipeline="test", config={}, inputs=[store.input_ref(base)], code="test"
+    ) as b:
         (b.dir / "adapter.json").write_text(json.dumps({"method": "full", "base": store.input_ref(base)}))
         save_file(load_weights(base), str(b.dir / "adapter.safetensors"))
     merged = export.resolve_model(store, b.path)
@@ -324,10 +375,22 @@ def test_finetune_artifact_is_merged_before_export(env):
 
 def test_eval_results_reach_the_model_card(env, tmp_path):
     store, model = env["store"], env["model"]
-    results = {"results": {"local_arc_easy": {"alias": "arc", "acc,none": 0.25, "acc_stderr,none": 0.04,
-                                              "acc_norm,none": 0.3, "odd,none": "n/a"}, "broken": 3},
-               "perplexity": {"held-out": {"tokens": 1000, "bytes": 4000, "perplexity": 12.5, "bits_per_byte": 0.9},
-                              "bad": None}}
+    results = {
+        "results": {
+            "local_arc_easy": {
+                "alias": "arc",
+                "acc,none": 0.25,
+                "acc_stderr,none": 0.04,
+                "acc_norm,none": 0.3,
+                "odd,none": "n/a",
+            },
+            "broken": 3,
+        },
+        "perplexity": {
+            "held-out": {"tokens": 1000, "bytes": 4000, "perplexity": 12.5, "bits_per_byte": 0.9},
+            "bad": None,
+        },
+    }
     with store.build("eval", "e" * 20, pipeline="test", config={}, inputs=[store.input_ref(model)], code="test") as b:
         (b.dir / "results.json").write_text(json.dumps(results))
     assert export.matching_eval(store, model) == b.path
@@ -339,9 +402,16 @@ def test_eval_results_reach_the_model_card(env, tmp_path):
 
     ver = env["manifest"]["verification"]
     lineage = {"text": "pretrain/abc", "raw": [{"path": "/data/corpus.txt", "size": 10, "sha256": "ab" * 32}]}
-    card = model_card(info=json.loads((model / "model.json").read_text()), parameters=123, pipeline="tiny",
-                             model_ref=store.input_ref(model), verification=ver, lineage=lineage,
-                             evaluation=read_eval(b.path), artifact_path=env["path"])
+    card = model_card(
+        info=json.loads((model / "model.json").read_text()),
+        parameters=123,
+        pipeline="tiny",
+        model_ref=store.input_ref(model),
+        verification=ver,
+        lineage=lineage,
+        evaluation=read_eval(b.path),
+        artifact_path=env["path"],
+    )
     assert "| held-out | 1000 | 12.5 | 0.9 |" in card
     assert "| local_arc_easy | acc | 0.25 | 0.04 |" in card and "| local_arc_easy | acc_norm | 0.3 | – |" in card
     assert "| /data/corpus.txt | 10 | `" + "ab" * 32 + "` |" in card
@@ -354,9 +424,9 @@ def test_onnxruntime_genai_greedy_matches_mindspore(env):
     """onnxruntime-genai on the export directory, in a fresh interpreter without MindSpore: the README example,
     and greedy tokens of longer runs on new prompts equal MindSpore's KV-cache generation."""
     from model.generate import Generator
+    from tasks.deploy.onnx_generate import GENAI_SNIPPET, encode_prompt
     from tasks.modeling.build import load_network
     from tasks.store.model_artifact import load_tokenizer
-    from tasks.deploy.onnx_generate import GENAI_SNIPPET, encode_prompt
 
     net, _ = load_network(env["model"])
     sp = load_tokenizer(env["model"])

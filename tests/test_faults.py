@@ -24,8 +24,9 @@ from pathlib import Path
 import pytest
 
 from tasks.store.artifacts import ArtifactStore
-from tasks.store.published import MANIFEST
 from tasks.store.disk import atomic_write_json
+from tasks.store.published import MANIFEST
+from tests.helpers import run_stage
 
 REPO = Path(__file__).resolve().parent.parent
 PIPELINES = REPO / "pipelines.yaml"
@@ -43,11 +44,24 @@ def _art(root: Path, stage: str, name: str, inputs: list[dict], digest: str | No
     key = _key(name)
     path = root / stage / key
     digest = digest or hashlib.sha256(f"payload of {name}".encode()).hexdigest()
-    atomic_write_json(path / MANIFEST, {
-        "schema_version": 1, "stage": stage, "key": key, "pipeline": "fault", "created": "2025-01-01T00:00:00+00:00",
-        "config": {"name": name}, "inputs": inputs, "code": {"stage_version": "test", "git_commit": None},
-        "environment": {}, "metrics": {"loss": 1.5}, "files": [], "digest": digest, "complete": True,
-    })
+    atomic_write_json(
+        path / MANIFEST,
+        {
+            "schema_version": 1,
+            "stage": stage,
+            "key": key,
+            "pipeline": "fault",
+            "created": "2025-01-01T00:00:00+00:00",
+            "config": {"name": name},
+            "inputs": inputs,
+            "code": {"stage_version": "test", "git_commit": None},
+            "environment": {},
+            "metrics": {"loss": 1.5},
+            "files": [],
+            "digest": digest,
+            "complete": True,
+        },
+    )
     return {"kind": "artifact", "stage": stage, "key": key, "digest": digest, "path": str(path)}
 
 
@@ -122,8 +136,10 @@ class TestLineage:
         assert [c["stage"] for c in tree["inputs"]] == ["pretrain", "eval"]
         assert tree["inputs"][0] == lineage_tree(store, pre["path"])  # first occurrence: the full subtree
         ev_node = tree["inputs"][1]
-        assert [(c["kind"], c["key"]) for c in ev_node["inputs"]] == [("artifact-ref", pre["key"]),
-                                                                     ("artifact-ref", data["key"])]
+        assert [(c["kind"], c["key"]) for c in ev_node["inputs"]] == [
+            ("artifact-ref", pre["key"]),
+            ("artifact-ref", data["key"]),
+        ]
         assert ev_node["inputs"][0]["path"] == str(Path(pre["path"]).resolve())
         assert raw_inputs(tree) == raw_inputs(lineage_tree(store, pre["path"]))
         text = render(tree, "text")
@@ -173,8 +189,13 @@ class TestLineage:
         from tasks.store.lineage import lineage_tree, render
 
         root = tmp_path / "art"
-        a_ref = {"kind": "artifact", "stage": "pretrain", "key": _key("a"), "digest": "x",
-                 "path": str(root / "pretrain" / _key("a"))}
+        a_ref = {
+            "kind": "artifact",
+            "stage": "pretrain",
+            "key": _key("a"),
+            "digest": "x",
+            "path": str(root / "pretrain" / _key("a")),
+        }
         b = _art(root, "pretrain", "b", [a_ref])
         a = _art(root, "pretrain", "a", [b, {"kind": "artifact"}, "junk"])
         tree = lineage_tree(ArtifactStore(root), a["path"])
@@ -234,12 +255,15 @@ def _main(argv: list[str]) -> tuple[int, str, str]:
 class TestYaml:
     SRC = str(REPO / "data/corpora/tinyshakespeare.txt")
 
-    @pytest.mark.parametrize("lr,min_lr,wd,want", [
-        ("1e-3", "1.0e-5", "1E-2", (1e-3, 1e-5, 1e-2)),
-        ("1.0e-3", "0", "0.1", (1e-3, 0.0, 0.1)),          # plain forms are unchanged (ints stay ints → floats by schema)
-        ("+2e-4", "1.5e-6", "1e0", (2e-4, 1.5e-6, 1.0)),
-        ("3.0E-3", ".5e-5", "1_0e-2", (3e-3, 5e-6, 0.1)),
-    ])
+    @pytest.mark.parametrize(
+        "lr,min_lr,wd,want",
+        [
+            ("1e-3", "1.0e-5", "1E-2", (1e-3, 1e-5, 1e-2)),
+            ("1.0e-3", "0", "0.1", (1e-3, 0.0, 0.1)),  # plain forms are unchanged (ints stay ints → floats by schema)
+            ("+2e-4", "1.5e-6", "1e0", (2e-4, 1.5e-6, 1.0)),
+            ("3.0E-3", ".5e-5", "1_0e-2", (3e-3, 5e-6, 0.1)),
+        ],
+    )
     def test_exponent_floats_in_the_file(self, tmp_path, lr, min_lr, wd, want):
         from tasks.config.loader import resolve_pipeline
 
@@ -255,16 +279,27 @@ class TestYaml:
         cfg = resolve_pipeline(path, "t", ["pretrain.train.optimizer.lr=1.0e6", "pretrain.train.optimizer.min_lr=2e-5"])
         assert cfg.pretrain.train.optimizer.lr == 1.0e6 and cfg.pretrain.train.optimizer.min_lr == 2e-5
         assert parse_override("a={x: 1e-3, y: [2E5, 7]}")[1] == {"x": 1e-3, "y": [2e5, 7]}
-        for text, value in (("10", 10), ("0x10", 16), ("1e", "1e"), ("e5", "e5"), ("1.2.3", "1.2.3"),
-                            ("v1e3", "v1e3"), ("1e-3x", "1e-3x"), (".inf", float("inf"))):
+        for text, value in (
+            ("10", 10),
+            ("0x10", 16),
+            ("1e", "1e"),
+            ("e5", "e5"),
+            ("1.2.3", "1.2.3"),
+            ("v1e3", "v1e3"),
+            ("1e-3x", "1e-3x"),
+            (".inf", float("inf")),
+        ):
             assert parse_override(f"a={text}")[1] == value, text
 
-    @pytest.mark.parametrize("text,key,line", [
-        ("pipelines:\n  t:\n    model: {name: llama}\n    model: {preset: tiny}\n", "model", 4),
-        ("pipelines:\n  t:\n    pretrain:\n      max_steps: 5\n      max_steps: 50\n", "max_steps", 5),
-        ("default: t\npipelines:\n  t: {}\ndefault: u\n", "default", 4),
-        ("pipelines:\n  t:\n    data: {seq_length: 64, seq_length: 128}\n", "seq_length", 3),
-    ])
+    @pytest.mark.parametrize(
+        "text,key,line",
+        [
+            ("pipelines:\n  t:\n    model: {name: llama}\n    model: {preset: tiny}\n", "model", 4),
+            ("pipelines:\n  t:\n    pretrain:\n      max_steps: 5\n      max_steps: 50\n", "max_steps", 5),
+            ("default: t\npipelines:\n  t: {}\ndefault: u\n", "default", 4),
+            ("pipelines:\n  t:\n    data: {seq_length: 64, seq_length: 128}\n", "seq_length", 3),
+        ],
+    )
     def test_duplicate_key_names_key_and_line(self, tmp_path, text, key, line):
         from tasks.config.loader import read_pipelines_file
         from tasks.config.schema import ConfigError
@@ -283,15 +318,21 @@ class TestYaml:
 
         with pytest.raises(ConfigError, match=r"--set a=\{x: 1, x: 2\}: duplicate key 'x'"):
             parse_override("a={x: 1, x: 2}")
-        path = _write_yaml(tmp_path, "pipelines:\n  t: &b {model: {name: llama}}\n  u:\n    <<: *b\n    model: {name: x}\n")
+        path = _write_yaml(
+            tmp_path, "pipelines:\n  t: &b {model: {name: llama}}\n  u:\n    <<: *b\n    model: {name: x}\n"
+        )
         assert read_pipelines_file(path)["pipelines"]["u"] == {"model": {"name": "x"}}
 
-    @pytest.mark.parametrize("payload", [
-        bytes(random.Random(0).randrange(256) for _ in range(4096)),
-        b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\x00\x00\x00\x10" + bytes(range(256)),
-        b"pipelines:\n  t: {}\n\x00\x00\x00\x00",
-        bytes(random.Random(1).randrange(0x80, 0x100) for _ in range(2048)),
-    ], ids=["random", "png", "nul", "high-bytes"])
+    @pytest.mark.parametrize(
+        "payload",
+        [
+            bytes(random.Random(0).randrange(256) for _ in range(4096)),
+            b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\x00\x00\x00\x10" + bytes(range(256)),
+            b"pipelines:\n  t: {}\n\x00\x00\x00\x00",
+            bytes(random.Random(1).randrange(0x80, 0x100) for _ in range(2048)),
+        ],
+        ids=["random", "png", "nul", "high-bytes"],
+    )
     def test_binary_config_is_a_config_error(self, tmp_path, payload):
         bad = tmp_path / "weird.yaml"
         bad.write_bytes(payload)
@@ -302,17 +343,29 @@ class TestYaml:
     def test_binary_config_through_the_real_command(self, tmp_path):
         bad = tmp_path / "logo.png"
         bad.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4)
-        out = subprocess.run([sys.executable, "-m", "tasks.cli", "plan", "--config", str(bad)], cwd=REPO,
-                             capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            [sys.executable, "-m", "tasks.cli", "plan", "--config", str(bad)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert out.returncode == 2 and str(bad) in out.stderr and "Traceback" not in out.stderr, out.stderr
         assert "not a text file" in out.stderr
 
-    @pytest.mark.parametrize("args,arg", [
-        (["--devices", "0"], "--devices"), (["--devices", "-3"], "--devices"), (["--devices", "two"], "--devices"),
-        (["--device-memory", "lots"], "--device-memory"), (["--device-memory", "0GiB"], "--device-memory"),
-        (["--device-memory=-4GiB"], "--device-memory"), (["--device-memory", "infGiB"], "--device-memory"),
-        (["--device-memory", "nan"], "--device-memory"),
-    ])
+    @pytest.mark.parametrize(
+        "args,arg",
+        [
+            (["--devices", "0"], "--devices"),
+            (["--devices", "-3"], "--devices"),
+            (["--devices", "two"], "--devices"),
+            (["--device-memory", "lots"], "--device-memory"),
+            (["--device-memory", "0GiB"], "--device-memory"),
+            (["--device-memory=-4GiB"], "--device-memory"),
+            (["--device-memory", "infGiB"], "--device-memory"),
+            (["--device-memory", "nan"], "--device-memory"),
+        ],
+    )
     def test_plan_arguments(self, args, arg):
         rc, _, err = _main(["plan", "--config", str(PIPELINES), "--pipeline", "tiny", *args])
         assert rc == 2, err
@@ -320,23 +373,25 @@ class TestYaml:
         assert ("positive whole number" if arg == "--devices" else "e.g. 32GiB") in err, err
 
     def test_plan_accepts_good_arguments(self):
-        rc, out, err = _main(["plan", "--config", str(PIPELINES), "--pipeline", "tiny", "--devices", "2",
-                              "--device-memory", "1.5GiB"])
+        rc, out, err = _main(
+            ["plan", "--config", str(PIPELINES), "--pipeline", "tiny", "--devices", "2", "--device-memory", "1.5GiB"]
+        )
         assert rc == 0 and "layouts for 2 device(s) × 1.5 GiB" in out, err
 
     def test_mostly_invalid_documents_are_dropped(self):
         from tasks.config.schema import CleanSection
-        from tasks.stages.data.schema import SKIP_REASONS
         from tasks.stages.data.cleaning import Cleaner
+        from tasks.stages.data.schema import SKIP_REASONS
 
         rng = random.Random(0)
-        garbage = bytes(rng.randrange(0x80, 0x100) if rng.random() > 0.05 else rng.randrange(0x61, 0x7b)
-                        for _ in range(3000))
+        garbage = bytes(
+            rng.randrange(0x80, 0x100) if rng.random() > 0.05 else rng.randrange(0x61, 0x7B) for _ in range(3000)
+        )
         cases = [
-            (garbage.decode("utf-8", "surrogateescape"), False),                     # binary, no NUL bytes
-            (("ab" + "\udcff" * 3) * 50, False),                                     # 60% invalid bytes
-            (("abc" + "\udcff" * 2) * 50, True),                                     # 40%: repaired and kept
-            ("A clean paragraph of text. " * 5 + "\ufffd" * 200, False),             # already-replaced garbage
+            (garbage.decode("utf-8", "surrogateescape"), False),  # binary, no NUL bytes
+            (("ab" + "\udcff" * 3) * 50, False),  # 60% invalid bytes
+            (("abc" + "\udcff" * 2) * 50, True),  # 40%: repaired and kept
+            ("A clean paragraph of text. " * 5 + "\ufffd" * 200, False),  # already-replaced garbage
             ("Un texte propre, accentué — et un � égaré.", True),
         ]
         c = Cleaner(CleanSection(min_chars=1))
@@ -347,19 +402,19 @@ class TestYaml:
         assert c.stats.seen == c.stats.kept + sum(c.stats.skipped.values())
 
     def test_mostly_invalid_file_is_counted_in_the_manifest(self, tmp_path):
-        from tasks.stages import data
         from tasks.config.loader import resolve_pipeline
         from tests.helpers import SHAKESPEARE, train_tiny_tokenizer
 
         paras = [p for p in SHAKESPEARE.read_text(encoding="utf-8").split("\n\n") if len(p) >= 200][:60]
         (tmp_path / "good.txt").write_text("\n\n".join(paras) + "\n", encoding="utf-8")
         rng = random.Random(2)
-        (tmp_path / "blob.txt").write_bytes(bytes(rng.randrange(0x80, 0x100) if rng.random() > 0.03 else 0x20
-                                                  for _ in range(20_000)))
+        (tmp_path / "blob.txt").write_bytes(
+            bytes(rng.randrange(0x80, 0x100) if rng.random() > 0.03 else 0x20 for _ in range(20_000))
+        )
         sources = json.dumps([str(tmp_path / "good.txt"), str(tmp_path / "blob.txt")])
         cfg = resolve_pipeline(PIPELINES, "tiny", [f"data.sources={sources}", "data.num_shards=1"], check_files=False)
         tok = train_tiny_tokenizer(tmp_path / "tok.model", 512)
-        art = data.run(cfg, ArtifactStore(tmp_path / "art"), tokenizer_model=tok, progress=False)
+        art = run_stage("data", cfg, ArtifactStore(tmp_path / "art"), tokenizer_model=tok, progress=False)
         met = ArtifactStore.read_manifest(art)["metrics"]
         assert met["documents_skipped"]["mostly_invalid"] == 1 and met["documents_kept"] == len(paras)
         assert met["documents_repaired"]["invalid_utf8"] == 0
@@ -389,10 +444,12 @@ class TestLeftovers:
             mine = root / "pretrain" / f".tmp-{key}-{os.getpid()}-12345678"
             # pid reused: the live process started after this dir was last written, so it is not its builder
             reused = root / "eval" / f".tmp-{key}-{live.pid}-feedface"
-            other = [root / "runs" / "pretrain" / key / "checkpoints" / ".tmp-step_00000010-dist",
-                     root / "data" / f".tmp-{key}-{_dead_pid()}-0badc0de@{foreign}",  # another host's build
-                     root / "data" / ".tmp-step_00000010-ab12cd",  # not a build dir of the store: left alone
-                     root / "data" / ".tmp-notakey-1-2"]
+            other = [
+                root / "runs" / "pretrain" / key / "checkpoints" / ".tmp-step_00000010-dist",
+                root / "data" / f".tmp-{key}-{_dead_pid()}-0badc0de@{foreign}",  # another host's build
+                root / "data" / ".tmp-step_00000010-ab12cd",  # not a build dir of the store: left alone
+                root / "data" / ".tmp-notakey-1-2",
+            ]
             for d in (dead_dir, dead_here, live_dir, mine, reused, *other):
                 d.mkdir(parents=True)
                 (d / "part.bin").write_bytes(b"x" * 10)
@@ -423,19 +480,38 @@ class TestLeftovers:
 
         cfg = _tiny_config(tmp_path)
         port, api, env = server_env(tmp_path)
-        server = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                                  env=env, stdout=open(tmp_path / "server.log", "w"), stderr=subprocess.STDOUT,
-                                  start_new_session=True)
+        server = subprocess.Popen(
+            [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+            env=env,
+            stdout=open(tmp_path / "server.log", "w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         took, orphans = {}, {}
         try:
             _wait_health(api, 120)
             for sig, busy in [(s, b) for b in (False, True) for s in (signal.SIGTERM, signal.SIGINT)]:
                 case = f"{sig.name}{'-busy' if busy else ''}"
                 log = tmp_path / f"serve-{case}.log"
-                serve = subprocess.Popen([sys.executable, "scripts/serve.py", "--pipeline", "tiny", "--config", str(cfg),
-                                          "--artifacts", str(tmp_path / f"art-{case}"), "--cron", ""],
-                                         cwd=REPO, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+                serve = subprocess.Popen(
+                    [
+                        sys.executable,
+                        "scripts/serve.py",
+                        "--pipeline",
+                        "tiny",
+                        "--config",
+                        str(cfg),
+                        "--artifacts",
+                        str(tmp_path / f"art-{case}"),
+                        "--cron",
+                        "",
+                    ],
+                    cwd=REPO,
+                    env=env,
+                    stdout=open(log, "w"),
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
                 try:
                     t0 = time.time()
                     while "trigger" not in log.read_text() and serve.poll() is None and time.time() - t0 < 120:
@@ -444,8 +520,13 @@ class TestLeftovers:
                     assert serve.poll() is None, log.read_text()[-3000:]
                     kids: list = []
                     if busy:  # a data flow run with its worker pool
-                        subprocess.run([PREFECT, "deployment", "run", "data-stage/data-only"], env=env,
-                                       capture_output=True, timeout=120, check=True)
+                        subprocess.run(
+                            [PREFECT, "deployment", "run", "data-stage/data-only"],
+                            env=env,
+                            capture_output=True,
+                            timeout=120,
+                            check=True,
+                        )
                         t0 = time.time()  # until the flow run's process pool is up
                         while len(kids) < 2 and serve.poll() is None and time.time() - t0 < 120:
                             time.sleep(0.5)
@@ -473,7 +554,8 @@ class TestLeftovers:
         assert all(t < 5 for t in took.values()) and not any(orphans.values()), (took, orphans)
 
 
-# ============================================================================= issue 27: what is loaded is what was published
+# ============================================================================= issue 27: what is loaded is what was
+# published
 
 
 @pytest.mark.integration
@@ -489,11 +571,24 @@ def test_predict_and_serve_refuse_altered_weights(tmp_path):
     raw[-7] ^= 0x40  # one weight's exponent bit: same size, other numbers
     f.write_bytes(bytes(raw))
     env = dict(os.environ, GLOG_v="3")
-    for argv in (["predict", "--config", str(PIPELINES), "--pipeline", "tiny", "--artifacts", str(root),
-                  "--from", str(art), "ROMEO:"],
-                 ["serve", "--config", str(PIPELINES), "--artifacts", str(root), str(art), "--port", "0"]):
-        out = subprocess.run([sys.executable, "-m", "tasks.cli", *argv], cwd=REPO, env=env, capture_output=True,
-                             text=True, timeout=300)
+    for argv in (
+        [
+            "predict",
+            "--config",
+            str(PIPELINES),
+            "--pipeline",
+            "tiny",
+            "--artifacts",
+            str(root),
+            "--from",
+            str(art),
+            "ROMEO:",
+        ],
+        ["serve", "--config", str(PIPELINES), "--artifacts", str(root), str(art), "--port", "0"],
+    ):
+        out = subprocess.run(
+            [sys.executable, "-m", "tasks.cli", *argv], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+        )
         assert out.returncode == 1, (argv[0], out.stdout[-2000:], out.stderr[-2000:])
         assert f"{f}: sha256 differs from the manifest" in out.stderr and "Traceback" not in out.stderr, out.stderr
         assert "msllm train" in out.stderr and out.stdout.strip() == "", out.stdout
@@ -511,17 +606,20 @@ class TestResumeAfterKill:
         assert _read_jsonl(f) == [{"step": 1, "loss": 2.5}]
         assert "dropped 1 partial line" in capsys.readouterr().err
 
-    @pytest.mark.parametrize("history,want", [
-        ([{"step": 4, "loss": 2.0}, {"step": 5, "loss": 1.5, "val_loss": 1.7}], (1.5, 1.7)),  # everything there
-        ([{"step": 4, "loss": 2.0}], (2.0, None)),  # the last record was torn away: val_loss measured again
-        ([], (float("nan"), None)),  # metrics.jsonl lost entirely
-    ])
+    @pytest.mark.parametrize(
+        "history,want",
+        [
+            ([{"step": 4, "loss": 2.0}, {"step": 5, "loss": 1.5, "val_loss": 1.7}], (1.5, 1.7)),  # everything there
+            ([{"step": 4, "loss": 2.0}], (2.0, None)),  # the last record was torn away: val_loss measured again
+            ([], (float("nan"), None)),  # metrics.jsonl lost entirely
+        ],
+    )
     def test_final_losses_of_a_run_resumed_at_its_end(self, history, want):
         import math
 
-        from tasks.training.trainer import _final_from_history
+        from tasks.training.outcome import final_from_history
 
-        loss, val = _final_from_history(history, 5, float("nan"), None)
+        loss, val = final_from_history(history, 5, float("nan"), None)
         assert val == want[1] and (loss == want[0] or (math.isnan(loss) and math.isnan(want[0])))
 
 
@@ -530,9 +628,24 @@ class TestMachineLimits:
     1000000000000` validated and its child grew to 18 GB."""
 
     def test_plan_for_a_trillion_devices_answers_at_once(self):
-        out = subprocess.run([sys.executable, "-m", "tasks.cli", "plan", "--config", str(PIPELINES), "--pipeline",
-                              "tiny", "--devices", "1000000000000"], cwd=REPO, capture_output=True, text=True,
-                             timeout=60)
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "tasks.cli",
+                "plan",
+                "--config",
+                str(PIPELINES),
+                "--pipeline",
+                "tiny",
+                "--devices",
+                "1000000000000",
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert out.returncode == 0 and "layouts for 1000000000000 device(s)" in out.stdout, out.stderr[-2000:]
 
     def test_candidate_layouts_do_not_grow_with_the_device_count(self):
@@ -545,11 +658,22 @@ class TestMachineLimits:
         assert time.perf_counter() - t0 < 0.5 and len(lays) <= 2 * 8 * mc.num_layers
         assert {(x.dp, x.tp, x.pp) for x in candidate_layouts(mc, 8)} >= {(8, 1, 1), (4, 2, 1), (2, 2, 2), (4, 1, 2)}
 
-    @pytest.mark.parametrize("overrides,key,fix", [
-        (["pretrain.train.loop.micro_batch_size=1000000000000"], "pretrain.train.loop.micro_batch_size", "lower pretrain.train.loop.micro_batch_size"),
-        (["finetune.train.loop.micro_batch_size=1000000000000"], "finetune.train.loop.micro_batch_size", "lower finetune.train.loop.micro_batch_size"),
-        (["parallel.data_parallel=100000", "parallel.device_num=100000"], "parallel.device_num", "fewer ranks"),
-    ])
+    @pytest.mark.parametrize(
+        "overrides,key,fix",
+        [
+            (
+                ["pretrain.train.loop.micro_batch_size=1000000000000"],
+                "pretrain.train.loop.micro_batch_size",
+                "lower pretrain.train.loop.micro_batch_size",
+            ),
+            (
+                ["finetune.train.loop.micro_batch_size=1000000000000"],
+                "finetune.train.loop.micro_batch_size",
+                "lower finetune.train.loop.micro_batch_size",
+            ),
+            (["parallel.data_parallel=100000", "parallel.device_num=100000"], "parallel.device_num", "fewer ranks"),
+        ],
+    )
     def test_validation_refuses_what_no_machine_here_can_hold(self, overrides, key, fix):
         from tasks.config.loader import resolve_pipeline
         from tasks.training.memory import GiB, machine_fit_errors
@@ -559,8 +683,16 @@ class TestMachineLimits:
         assert len(errs) == 1 and errs[0].startswith(f"pipelines.tiny.{key}:") and "GiB by the memory plan" in errs[0]
         assert "this machine has 16.0 GiB" in errs[0] and fix in errs[0], errs
         assert machine_fit_errors(resolve_pipeline(PIPELINES, "tiny"), "p", machine_bytes=16 * GiB) == []
-        rc, out, err = _main(["validate", "--config", str(PIPELINES), "--pipeline", "tiny",
-                              *[a for o in overrides for a in ("--set", o)]])
+        rc, out, err = _main(
+            [
+                "validate",
+                "--config",
+                str(PIPELINES),
+                "--pipeline",
+                "tiny",
+                *[a for o in overrides for a in ("--set", o)],
+            ]
+        )
         assert rc == 2 and f"pipelines.tiny.{key}" in err and "Traceback" not in err, err
 
 
@@ -571,16 +703,16 @@ def test_eval_publishes_last_so_a_failed_side_output_is_written_by_the_rerun(tmp
     import errno
 
     from tasks.config.loader import resolve_pipeline
-    from tasks.stages import evaluate
-    from tasks.store.errors import ArtifactError
     from tasks.store import tensorboard
+    from tasks.store.errors import ArtifactError
     from tests.helpers import tiny_model_artifact
 
     root = tmp_path / "art"
     root.mkdir()
     model = tiny_model_artifact(root)
-    cfg = resolve_pipeline(PIPELINES, "tiny", ["eval.tasks=[]", "eval.prompts=[]", "eval.perplexity_files=[]"],
-                           check_files=False)
+    cfg = resolve_pipeline(
+        PIPELINES, "tiny", ["eval.tasks=[]", "eval.prompts=[]", "eval.perplexity_files=[]"], check_files=False
+    )
     store = ArtifactStore(root)
     real = tensorboard.write_eval
 
@@ -588,11 +720,13 @@ def test_eval_publishes_last_so_a_failed_side_output_is_written_by_the_rerun(tmp
         raise PermissionError(errno.EROFS, "Read-only file system", str(run_dir))
 
     monkeypatch.setattr(tensorboard, "write_eval", read_only)
-    with pytest.raises(ArtifactError, match=r"runs/eval/\w+: cannot write \(read-only file system\); nothing was published"):
-        evaluate.run(cfg, store, model, None, progress=False)
+    with pytest.raises(
+        ArtifactError, match=r"runs/eval/\w+: cannot write \(read-only file system\); nothing was published"
+    ):
+        run_stage("eval", cfg, store, model, None, progress=False)
     assert store.list("eval") == []  # nothing published, so the rerun is not a cache hit
     assert not (root / "eval").exists() or not [p for p in (root / "eval").iterdir() if p.name.startswith(".tmp-")]
     monkeypatch.setattr(tensorboard, "write_eval", real)
-    path = evaluate.run(cfg, store, model, None, progress=False)
+    path = run_stage("eval", cfg, store, model, None, progress=False)
     key = store.read_manifest(path)["key"]
     assert tensorboard.event_files(root / "runs" / "eval" / key), "the rerun wrote no TensorBoard event file"

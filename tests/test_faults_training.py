@@ -13,20 +13,29 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tasks.runtime.supervise import StageFailed
-from tasks.stages import pretrain
-from tasks.store.artifacts import ArtifactStore
-from tasks.store.disk import atomic_write_json, sha256_file
-from tasks.training.checkpoint import complete_checkpoints, is_good, load_checkpoint
-from tasks.store.tensors import CheckpointError
 from tasks.config.loader import resolve_pipeline
 from tasks.config.schema import ConfigError
-from tasks.training.trainer import NonFiniteError
+from tasks.runtime.supervise import StageFailed
+from tasks.stages import pretrain
+from tasks.stages.runner import prepare
+from tasks.store.artifacts import ArtifactStore
+from tasks.store.disk import atomic_write_json, sha256_file
+from tasks.store.tensors import CheckpointError
+from tasks.training.checkpoint import complete_checkpoints, is_good, load_checkpoint
+from tasks.training.outcome import NonFiniteError
+from tests.helpers import run_stage
 
 REPO = Path(__file__).resolve().parent.parent
-BASE = ["pretrain.train.loop.max_steps=6", "pretrain.train.loop.log_steps=1", "pretrain.train.loop.eval_steps=3", "pretrain.train.loop.eval_batches=2",
-        "pretrain.train.schedule.warmup_steps=0", "pretrain.train.loop.micro_batch_size=4", "checkpoint.save_steps=1",
-        "checkpoint.keep_checkpoint_max=2"]
+BASE = [
+    "pretrain.train.loop.max_steps=6",
+    "pretrain.train.loop.log_steps=1",
+    "pretrain.train.loop.eval_steps=3",
+    "pretrain.train.loop.eval_batches=2",
+    "pretrain.train.schedule.warmup_steps=0",
+    "pretrain.train.loop.micro_batch_size=4",
+    "checkpoint.save_steps=1",
+    "checkpoint.keep_checkpoint_max=2",
+]
 
 
 def _cfg(*overrides: str):
@@ -35,16 +44,17 @@ def _cfg(*overrides: str):
 
 @pytest.fixture(scope="module")
 def data_artifact(tmp_path_factory) -> Path:
-    from tasks.stages import data
 
-    return data.run(_cfg(), ArtifactStore(tmp_path_factory.mktemp("fault_data")), progress=False)
+    return run_stage("data", _cfg(), ArtifactStore(tmp_path_factory.mktemp("fault_data")), progress=False)
 
 
 def _train(cfg, root: Path, data_art: Path, init_from: Path | None = None, **kw):
     store = ArtifactStore(root)
-    key, _, _ = pretrain.stage_key(cfg, store, data_art, init_from)
-    run_dir = store.root / "runs" / "pretrain" / key
-    return (lambda: pretrain._train(cfg, store, data_art, init_from, key, progress=False, **kw)), run_dir
+    keyed = prepare("pretrain", store, cfg, data_artifact=data_art, init_from=init_from).keyed
+    run_dir = store.root / "runs" / "pretrain" / keyed[0]
+    return (
+        lambda: pretrain._train(cfg, store, data_art, init_from, keyed[0], progress=False, keyed=keyed, **kw)
+    ), run_dir
 
 
 def _all_finite(ckpt: Path) -> bool:
@@ -62,8 +72,15 @@ def _copy_data(data_artifact: Path, root: Path) -> Path:
 
 
 class TestNonFiniteTraining:
-    @pytest.mark.parametrize("override", ["pretrain.train.optimizer.lr=.inf", "pretrain.train.precision.loss_scale=.inf",
-                                          "pretrain.train.optimizer.lr=.nan", "eval.temperature=.inf"])
+    @pytest.mark.parametrize(
+        "override",
+        [
+            "pretrain.train.optimizer.lr=.inf",
+            "pretrain.train.precision.loss_scale=.inf",
+            "pretrain.train.optimizer.lr=.nan",
+            "eval.temperature=.inf",
+        ],
+    )
     def test_every_float_must_be_finite(self, override):
         with pytest.raises(ConfigError, match=r"is not a finite number"):
             _cfg(override)
@@ -98,8 +115,15 @@ class TestNonFiniteTraining:
         del ms
 
     def test_huge_lr_run_stops_without_a_nonfinite_checkpoint(self, tmp_path, data_artifact):
-        fn, run_dir = _train(_cfg("pretrain.train.optimizer.lr=1e38", "pretrain.train.optimizer.min_lr=0",
-                                  "pretrain.train.loop.max_nonfinite_steps=3"), tmp_path, data_artifact)
+        fn, run_dir = _train(
+            _cfg(
+                "pretrain.train.optimizer.lr=1e38",
+                "pretrain.train.optimizer.min_lr=0",
+                "pretrain.train.loop.max_nonfinite_steps=3",
+            ),
+            tmp_path,
+            data_artifact,
+        )
         with pytest.raises(NonFiniteError, match=r"3 consecutive non-finite steps.*last good checkpoint is none"):
             fn()
         ckpts = complete_checkpoints(run_dir / "checkpoints")
@@ -124,36 +148,56 @@ class TestNonFiniteTraining:
         assert json.loads((out / "manifest.json").read_text())["metrics"]["skipped_steps"] == 0
 
     def test_fp16_run_that_never_updates_is_not_published(self, tmp_path, data_artifact):
-        fn, _ = _train(_cfg("pretrain.train.precision.dtype=fp16", "pretrain.train.loop.max_steps=3", "pretrain.train.loop.eval_steps=3"), tmp_path,
-                       data_artifact, fault_steps=[1, 2, 3])
+        fn, _ = _train(
+            _cfg(
+                "pretrain.train.precision.dtype=fp16",
+                "pretrain.train.loop.max_steps=3",
+                "pretrain.train.loop.eval_steps=3",
+            ),
+            tmp_path,
+            data_artifact,
+            fault_steps=[1, 2, 3],
+        )
         with pytest.raises(NonFiniteError, match=r"no update was applied in 3 steps: every step overflowed in fp16"):
             fn()
         assert ArtifactStore(tmp_path).list("pretrain") == []
 
     def test_nonfinite_final_validation_loss_is_not_published(self, tmp_path, data_artifact):
         """lr 1e30 passes the update guard (weights ~1e30 are finite) but the model then computes NaN."""
-        fn, _ = _train(_cfg("pretrain.train.optimizer.lr=1e30", "pretrain.train.optimizer.min_lr=0", "pretrain.train.loop.max_steps=2",
-                            "pretrain.train.loop.eval_steps=2"), tmp_path, data_artifact)
+        fn, _ = _train(
+            _cfg(
+                "pretrain.train.optimizer.lr=1e30",
+                "pretrain.train.optimizer.min_lr=0",
+                "pretrain.train.loop.max_steps=2",
+                "pretrain.train.loop.eval_steps=2",
+            ),
+            tmp_path,
+            data_artifact,
+        )
         with pytest.raises(NonFiniteError, match=r"final validation loss is nan"):
             fn()
         assert ArtifactStore(tmp_path).list("pretrain") == []
 
     def test_eval_of_a_model_with_nonfinite_logits_fails(self, tmp_path):
         from tasks.stages import evaluate
-        from tests.helpers import tiny_model_artifact
-
         from tasks.store.tensors import CheckpointError
+        from tests.helpers import tiny_model_artifact
 
         good = tiny_model_artifact(tmp_path)
         store = ArtifactStore(tmp_path)
         from safetensors.numpy import load_file, save_file
 
-        cfg = resolve_pipeline(REPO / "pipelines.yaml", "tiny",
-                               ["eval.tasks=[local_boolq]", "eval.limit=4", f"eval.perplexity_files=[{REPO}/README.md]"])
+        cfg = resolve_pipeline(
+            REPO / "pipelines.yaml",
+            "tiny",
+            ["eval.tasks=[local_boolq]", "eval.limit=4", f"eval.perplexity_files=[{REPO}/README.md]"],
+        )
         # the final norm's weights finite but at float32's edge: every weight loads, the logits overflow to inf and
         # the eval's own check refuses them; NaN weights are refused earlier, when the model loads, naming the tensor
-        for value, key, error, match in ((3e38, "f" * 20, evaluate.EvalError, r"non-finite"),
-                                         (np.nan, "e" * 20, CheckpointError, r"norm\.weight.*NaN/Inf")):
+        for value, key, error, match in (
+            (3e38, "f" * 20, evaluate.EvalError, r"non-finite"),
+            (np.nan, "e" * 20, CheckpointError, r"norm\.weight.*NaN/Inf"),
+        ):
             w = load_file(str(good / "model.safetensors"))
             w["norm.weight"][:] = value
             with store.build("pretrain", key, pipeline="test", config={}, inputs=[], code="test") as b:
@@ -162,7 +206,7 @@ class TestNonFiniteTraining:
                         shutil.copy2(f, b.dir / f.name)
                 save_file(w, str(b.dir / "model.safetensors"))
             with pytest.raises(error, match=match):
-                evaluate.run(cfg, store, b.path, progress=False)
+                run_stage("eval", cfg, store, b.path, progress=False)
             assert store.list("eval") == []
 
 
@@ -190,15 +234,15 @@ class TestCheckpointLoading:
             assign(params, arrays, "ckpt")
 
     def test_checkpoint_trained_with_another_tokenizer_is_refused(self, tmp_path, data_artifact):
-        from tasks.stages import data
 
         fn, run_a = _train(_cfg("pretrain.train.loop.max_steps=1"), tmp_path / "a", data_artifact)
         fn()
         other_cfg = _cfg("data.tokenizer.model_type=unigram")
-        other = data.run(other_cfg, ArtifactStore(tmp_path / "b"), progress=False)
+        other = run_stage("data", other_cfg, ArtifactStore(tmp_path / "b"), progress=False)
         ck = complete_checkpoints(run_a / "checkpoints")[-1]
-        fn2, run_b = _train(_cfg("data.tokenizer.model_type=unigram", f"checkpoint.load_checkpoint={ck}"),
-                            tmp_path / "b", other)
+        fn2, run_b = _train(
+            _cfg("data.tokenizer.model_type=unigram", f"checkpoint.load_checkpoint={ck}"), tmp_path / "b", other
+        )
         with pytest.raises(CheckpointError, match=r"trained with tokenizer sha256 \w+… but this run's data"):
             fn2()
         assert not (run_b / "metrics.jsonl").exists() or not (run_b / "metrics.jsonl").read_text().strip()
@@ -232,8 +276,14 @@ class TestManifestPaths:
         for suffix in ("", ".db"):
             shutil.copy2(art / (rel + suffix), outside / (Path(rel).name + suffix))
         m["data"]["splits"]["train"]["files"][0] = str(outside / Path(rel).name)
-        m["files"] += [{"path": str(outside / (Path(rel).name + s)), "size": (outside / (Path(rel).name + s)).stat().st_size,
-                        "sha256": sha256_file(outside / (Path(rel).name + s))} for s in ("", ".db")]
+        m["files"] += [
+            {
+                "path": str(outside / (Path(rel).name + s)),
+                "size": (outside / (Path(rel).name + s)).stat().st_size,
+                "sha256": sha256_file(outside / (Path(rel).name + s)),
+            }
+            for s in ("", ".db")
+        ]
         atomic_write_json(art / "manifest.json", m)
         with pytest.raises(DataError, match=r"points outside the artifact"):
             next(open_blocks(art, "train", batch_size=2, seed=0))
@@ -254,8 +304,8 @@ class TestManifestPaths:
             pretrain.replay_data_artifact(ArtifactStore(root), base)
 
     def test_finetune_base_outside_the_root_is_not_followed(self, tmp_path):
-        from tasks.store.errors import ArtifactError
         from tasks.modeling.merge import base_of
+        from tasks.store.errors import ArtifactError
         from tests.helpers import tiny_model_artifact
 
         (tmp_path / "elsewhere").mkdir()
@@ -263,8 +313,9 @@ class TestManifestPaths:
         root = tmp_path / "root"
         (root / "finetune" / "abc").mkdir(parents=True)
         m = ArtifactStore.read_manifest(outside)
-        (root / "finetune" / "abc" / "adapter.json").write_text(json.dumps(
-            {"base": {"stage": "pretrain", "key": m["key"], "digest": m["digest"], "path": str(outside)}}))
+        (root / "finetune" / "abc" / "adapter.json").write_text(
+            json.dumps({"base": {"stage": "pretrain", "key": m["key"], "digest": m["digest"], "path": str(outside)}})
+        )
         with pytest.raises(ArtifactError, match=r"is gone"):
             base_of(ArtifactStore(root), root / "finetune" / "abc")
 
@@ -274,8 +325,12 @@ class TestManifestPaths:
 
 class TestOneMessage:
     def test_unknown_model_name_is_a_config_error(self):
-        out = subprocess.run([sys.executable, "-m", "tasks.cli", "validate", "--pipeline", "tiny",
-                              "--set", "model.name=lama"], capture_output=True, text=True, cwd=REPO)
+        out = subprocess.run(
+            [sys.executable, "-m", "tasks.cli", "validate", "--pipeline", "tiny", "--set", "model.name=lama"],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+        )
         assert out.returncode == 2 and "Traceback" not in out.stderr
         assert "pipelines.tiny.model.name: unknown model 'lama'; did you mean 'llama'?" in out.stderr
 
@@ -286,7 +341,7 @@ class TestOneMessage:
         cfg = _cfg()
         cfg.model.name = "lama"  # bypasses validation: the registry raises KeyError in the child
         with pytest.raises(StageFailed) as ei:
-            pretrain.run(cfg, store, data_copy, progress=False, retries=2)
+            run_stage("pretrain", cfg, store, data_copy, progress=False, retries=2)
         err = capfd.readouterr().err
         assert ei.value.permanent and str(ei.value).startswith("unknown model 'lama'; registered models")
         assert "Traceback" not in err and "unknown model" not in err  # the one line is the caller's to print
@@ -301,11 +356,10 @@ class TestOneMessage:
         f = base / "model.safetensors"
         f.write_bytes(f.read_bytes()[:500])
         with pytest.raises(StageFailed) as ei:
-            pretrain.run(_cfg(), store, data_copy, init_from=base, progress=False, retries=1)
+            run_stage("pretrain", _cfg(), store, data_copy, init_from=base, progress=False, retries=1)
         err = capfd.readouterr().err
         assert ei.value.permanent and f"{f}: sha256 differs from the manifest" in str(ei.value)  # checked on load
         assert "Traceback" not in err and "retrying" not in err
-
 
     def test_full_disk_is_one_line_and_not_retried(self, tmp_path, data_artifact, capfd):
         """Training onto a full disk (a real tmpfs with room for the data and not for a checkpoint): the
@@ -317,7 +371,9 @@ class TestOneMessage:
             pytest.skip("needs root to mount a small tmpfs (the full disk)")
         mnt = tmp_path / "small"
         mnt.mkdir()
-        if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        if subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)], capture_output=True
+        ).returncode:
             pytest.skip("cannot mount a tmpfs here (no CAP_SYS_ADMIN)")
         try:
             root = mnt / "art"
@@ -327,8 +383,14 @@ class TestOneMessage:
             # room for the spec, logs and the weights (0.6 MB), not for the AdamW moments (1.25 MB) beside them
             subprocess.run(["mount", "-o", f"remount,size={used + (1 << 20)}", str(mnt)], check=True)
             with pytest.raises(StageFailed) as ei:
-                pretrain.run(_cfg("pretrain.train.loop.max_steps=2", "checkpoint.save_steps=1"), ArtifactStore(root),
-                             data_copy, progress=False, retries=2)
+                run_stage(
+                    "pretrain",
+                    _cfg("pretrain.train.loop.max_steps=2", "checkpoint.save_steps=1"),
+                    ArtifactStore(root),
+                    data_copy,
+                    progress=False,
+                    retries=2,
+                )
             err = capfd.readouterr().err
             msg = str(ei.value)
             assert ei.value.permanent and "\n" not in msg, msg
@@ -351,7 +413,9 @@ class TestNoImpossibleFigure:
         theo, how = hardware.theoretical_peak_flops()
         peak = hardware.resolve_peak_flops()
         assert theo > 1e9 and "cores ×" in how and peak.flops == theo and peak.achievable == 1e6
-        fn, run_dir = _train(_cfg("pretrain.train.loop.max_steps=3", "pretrain.train.loop.eval_steps=3"), tmp_path, data_artifact)
+        fn, run_dir = _train(
+            _cfg("pretrain.train.loop.max_steps=3", "pretrain.train.loop.eval_steps=3"), tmp_path, data_artifact
+        )
         fn()
         rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
         mfus = [r["mfu"] for r in rows if "mfu" in r]
@@ -369,7 +433,9 @@ class TestResumeAtTheEnd:
         `unsupported format string passed to NoneType.__format__` (val_loss None) instead of publishing."""
         root = tmp_path / "art"
         data_copy = _copy_data(data_artifact, root)
-        fn, run_dir = _train(_cfg("pretrain.train.loop.max_steps=3", "pretrain.train.loop.eval_steps=2"), root, data_copy)
+        fn, run_dir = _train(
+            _cfg("pretrain.train.loop.max_steps=3", "pretrain.train.loop.eval_steps=2"), root, data_copy
+        )
         first = fn()
         val = ArtifactStore.read_manifest(first)["metrics"]["val_loss"]
         shutil.rmtree(first)  # as if the kill came just before the rename into place

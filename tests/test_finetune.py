@@ -9,17 +9,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tasks.stages import finetune
-from tasks.modeling.merge import base_of, merge
-from tasks.store.artifacts import ArtifactStore
-from tasks.store.errors import ArtifactError
 from tasks.config.loader import resolve_pipeline
 from tasks.config.schema import ConfigError
-from tasks.runtime.supervise import StageFailed
+from tasks.modeling.merge import base_of, merge
 from tasks.prompts import encode_segments, prompt_ids, to_segments
-from tasks.stages.finetune.data import (IGNORE, Examples, example_batches, instruction_examples, pack_example,
-                                        text_examples)
-from tests.helpers import decoder_reduction, fp32_tol, tiny_model_artifact
+from tasks.runtime.supervise import StageFailed
+from tasks.stages.finetune.data import (
+    IGNORE,
+    Examples,
+    example_batches,
+    instruction_examples,
+    pack_example,
+    text_examples,
+)
+from tasks.store.artifacts import ArtifactStore
+from tasks.store.errors import ArtifactError
+from tests.helpers import decoder_reduction, fp32_tol, run_stage, tiny_model_artifact
 
 REPO = Path(__file__).resolve().parent.parent
 COLOURS = ["red", "green", "blue", "white"]
@@ -45,12 +50,23 @@ def sp(env):
 
 
 def _cfg(data: Path, *overrides: str):
-    base = [f"finetune.sources=[{data}]", "finetune.train.loop.max_steps=12", "finetune.train.loop.micro_batch_size=4",
-            "finetune.seq_length=64", "finetune.train.optimizer.lr=1.0e-2", "finetune.train.schedule.warmup_steps=2", "finetune.train.loop.log_steps=1",
-            "finetune.train.loop.eval_steps=6", "finetune.train.loop.eval_batches=2", "finetune.train.loop.save_steps=6",
-            "finetune.validation_fraction=0.2", "finetune.lora.rank=4",
-            # a random tiny model's lm_head caps its logits, so the toy task adapts it too (a regex)
-            "finetune.lora.target_modules=q_proj|v_proj|lm_head", "pretrain.train.loop.peak_flops=1.0e+11"]
+    base = [
+        f"finetune.sources=[{data}]",
+        "finetune.train.loop.max_steps=12",
+        "finetune.train.loop.micro_batch_size=4",
+        "finetune.seq_length=64",
+        "finetune.train.optimizer.lr=1.0e-2",
+        "finetune.train.schedule.warmup_steps=2",
+        "finetune.train.loop.log_steps=1",
+        "finetune.train.loop.eval_steps=6",
+        "finetune.train.loop.eval_batches=2",
+        "finetune.train.loop.save_steps=6",
+        "finetune.validation_fraction=0.2",
+        "finetune.lora.rank=4",
+        # a random tiny model's lm_head caps its logits, so the toy task adapts it too (a regex)
+        "finetune.lora.target_modules=q_proj|v_proj|lm_head",
+        "pretrain.train.loop.peak_flops=1.0e+11",
+    ]
     return resolve_pipeline(REPO / "pipelines.yaml", "tiny", [*base, *overrides])
 
 
@@ -63,9 +79,11 @@ def test_loss_is_masked_to_the_response_on_a_crafted_example(sp):
     from model.llama import causal_lm_loss
 
     eos, pad, T = sp.eos_id(), sp.pad_id(), 48
-    tokens, trained, short = encode_segments(sp, to_segments({"prompt": "Who loves Juliet?", "response": "Romeo"}, "x"), eos)
-    p = prompt_ids(sp, "Who loves Juliet?")           # what generation feeds the model
-    r = sp.encode("Romeo") + [eos]                    # the response, closed by EOS
+    tokens, trained, short = encode_segments(
+        sp, to_segments({"prompt": "Who loves Juliet?", "response": "Romeo"}, "x"), eos
+    )
+    p = prompt_ids(sp, "Who loves Juliet?")  # what generation feeds the model
+    r = sp.encode("Romeo") + [eos]  # the response, closed by EOS
     assert tokens == p + r and trained == [False] * len(p) + [True] * len(r) and not short
     assert sp.decode(p).startswith("### Instruction:") and sp.decode(p).rstrip().endswith("### Response:")
 
@@ -88,9 +106,15 @@ def test_loss_is_masked_to_the_response_on_a_crafted_example(sp):
 
 def test_chat_messages_train_on_every_assistant_turn_only(sp):
     eos = sp.eos_id()
-    rec = {"messages": [{"role": "system", "content": "Speak like a king."}, {"role": "user", "content": "Hail"},
-                        {"role": "assistant", "content": "Good morrow"}, {"role": "user", "content": "Farewell"},
-                        {"role": "assistant", "content": "Adieu"}]}
+    rec = {
+        "messages": [
+            {"role": "system", "content": "Speak like a king."},
+            {"role": "user", "content": "Hail"},
+            {"role": "assistant", "content": "Good morrow"},
+            {"role": "user", "content": "Farewell"},
+            {"role": "assistant", "content": "Adieu"},
+        ]
+    }
     tokens, trained, _ = encode_segments(sp, to_segments(rec, "x"), eos)
     ids, labels, _ = pack_example(tokens, trained, 160, sp.pad_id())
     answers, cur = [], []
@@ -110,8 +134,11 @@ def test_chat_messages_train_on_every_assistant_turn_only(sp):
 def test_long_examples_lose_prompt_tokens_first_and_keep_the_response(sp, tmp_path):
     f = tmp_path / "long.jsonl"
     long_prompt = " ".join(["the king is dead, long live the king"] * 30)
-    rows = [{"prompt": long_prompt, "response": "Hamlet"}, {"prompt": "short", "response": "Lear"},
-            {"prompt": "x", "response": " ".join(["very long answer"] * 40)}]
+    rows = [
+        {"prompt": long_prompt, "response": "Hamlet"},
+        {"prompt": "short", "response": "Lear"},
+        {"prompt": "x", "response": " ".join(["very long answer"] * 40)},
+    ]
     f.write_text("".join(json.dumps(r) + "\n" for r in rows))
     ex, stats = instruction_examples([f], sp, 40, sp.eos_id(), sp.pad_id())
     assert stats["examples"] == 3 and stats["shortened_prompts"] == 2 and stats["truncated_responses"] == 1
@@ -123,7 +150,9 @@ def test_long_examples_lose_prompt_tokens_first_and_keep_the_response(sp, tmp_pa
 
 
 def test_batches_resume_at_any_sample_and_reshuffle_each_epoch():
-    ex = Examples(np.arange(10, dtype=np.int32)[:, None].repeat(3, 1), np.arange(10, dtype=np.int32)[:, None].repeat(3, 1))
+    ex = Examples(
+        np.arange(10, dtype=np.int32)[:, None].repeat(3, 1), np.arange(10, dtype=np.int32)[:, None].repeat(3, 1)
+    )
     full = list(islice(example_batches(ex, 4, seed=7), 6))  # 24 samples: 2.4 epochs
     resumed = list(islice(example_batches(ex, 4, seed=7, start_sample=8), 4))
     for (a, b), (c, d) in zip(full[2:], resumed):
@@ -150,12 +179,17 @@ def test_config_errors_name_the_yaml_path(env):
     root, base, data = env
     store = ArtifactStore(root)
     with pytest.raises(ConfigError, match=r"finetune\.seq_length: 4096 exceeds the base model's max_seq_length=128"):
-        finetune.run(_cfg(data, "finetune.seq_length=4096"), store, base, isolate=False)
+        run_stage("finetune", _cfg(data, "finetune.seq_length=4096"), store, base, isolate=False)
     with pytest.raises(ConfigError, match=r"finetune\.sources: empty"):
-        finetune.run(_cfg(data, "finetune.sources=[]"), store, base, isolate=False)
+        run_stage("finetune", _cfg(data, "finetune.sources=[]"), store, base, isolate=False)
     with pytest.raises(ConfigError, match=r"finetune\.sources\[0\]: .*plain text"):
-        finetune.run(_cfg(data, f"finetune.sources=[{REPO / 'data/corpora/tinyshakespeare.txt'}]"), store, base,
-                     isolate=False)
+        run_stage(
+            "finetune",
+            _cfg(data, f"finetune.sources=[{REPO / 'data/corpora/tinyshakespeare.txt'}]"),
+            store,
+            base,
+            isolate=False,
+        )
     with pytest.raises(ConfigError, match=r"finetune\.train\.schedule\.warmup_steps: 20 > max_steps=12"):
         _cfg(data, "finetune.train.schedule.warmup_steps=20")  # now at load, like every train section's rules
 
@@ -172,17 +206,26 @@ def test_stage_trains_a_small_adapter_that_names_its_base_and_merges_exactly(env
     store = ArtifactStore(root)
     base_manifest = store.verify(base)
     cfg = _cfg(data)
-    path = finetune.run(cfg, store, base, isolate=False, progress=False)
+    path = run_stage("finetune", cfg, store, base, isolate=False, progress=False)
 
-    assert {f.name for f in path.iterdir()} == {"adapter.safetensors", "adapter.json", "metrics.jsonl",
-                                               "loss_curve.png", "manifest.json"}
+    assert {f.name for f in path.iterdir()} == {
+        "adapter.safetensors",
+        "adapter.json",
+        "metrics.jsonl",
+        "loss_curve.png",
+        "manifest.json",
+    }
     m = store.read_manifest(path)
     met, ad = m["metrics"], json.loads((path / "adapter.json").read_text())
     from model.kernel_build import kernel_path
 
     assert met["native_kernels"] == kernel_path()
-    assert ad["base"] == {"stage": "pretrain", "key": base_manifest["key"], "digest": base_manifest["digest"],
-                          "path": str(base)}
+    assert ad["base"] == {
+        "stage": "pretrain",
+        "key": base_manifest["key"],
+        "digest": base_manifest["digest"],
+        "path": str(base),
+    }
     assert ad["method"] == "lora" and ad["scaling"] == 16.0 / 4 and len(ad["modules"]) == 2 * 2 + 1
     assert {i.get("digest") or i.get("sha256") for i in m["inputs"]} >= {base_manifest["digest"]}
     assert any(i.get("kind") == "file" and i["path"] == str(data.resolve()) for i in m["inputs"])
@@ -193,7 +236,7 @@ def test_stage_trains_a_small_adapter_that_names_its_base_and_merges_exactly(env
     assert met["final_train_loss"] < met["first_loss"]
     store.verify(base)  # the base artifact is untouched
 
-    assert finetune.run(cfg, store, base, isolate=False) == path  # cache hit, no training
+    assert run_stage("finetune", cfg, store, base, isolate=False) == path  # cache hit, no training
 
     merged = merge(store, path)
     assert merge(store, path) == merged  # cached; merging twice gives the same artifact
@@ -207,7 +250,11 @@ def test_stage_trains_a_small_adapter_that_names_its_base_and_merges_exactly(env
 
     net_b, _ = load_network(base)  # base + the adapter, unmerged, as the stage trained it
     inject_lora(net_b, ad["target_modules"], ad["rank"], ad["alpha"])
-    _assign([p for p in net_b.get_parameters() if "lora_" in p.name], load_file(str(path / "adapter.safetensors")), "adapter")
+    _assign(
+        [p for p in net_b.get_parameters() if "lora_" in p.name],
+        load_file(str(path / "adapter.safetensors")),
+        "adapter",
+    )
     ids = ms.Tensor(np.random.default_rng(0).integers(0, 512, (2, 20)).astype(np.int32))
     want = net_b(ids).asnumpy()  # merged W + s·B·A against W x + s·B(A x): float32 sums in another order
     tol = fp32_tol(np.abs(want).max(), decoder_reduction(net_b.config, 20) + ad["rank"])
@@ -223,12 +270,15 @@ def test_lora_one_layer_at_a_time_trains_the_same_adapter(env, capfd):
     itself at rounding level, which moves the loss by that g x lr: inside the same bound. (A constant factor on one
     gradient leaves AdamW's update as it was: tests/test_layerwise.py compares the gradient norms too.)"""
     from tasks.store.model_artifact import model_config
+
     root, base, data = env
     losses = {}
     for layerwise in (False, True):
         store = ArtifactStore(root)
-        cfg = _cfg(data, "finetune.lora.target_modules=q_proj|v_proj", f"finetune.train.layerwise={str(layerwise).lower()}")
-        path = finetune.run(cfg, store, base, isolate=False, progress=False)
+        cfg = _cfg(
+            data, "finetune.lora.target_modules=q_proj|v_proj", f"finetune.train.layerwise={str(layerwise).lower()}"
+        )
+        path = run_stage("finetune", cfg, store, base, isolate=False, progress=False)
         err = capfd.readouterr().err
         assert ("[train] step: layer at a time" in err) == layerwise, err[-2000:]
         rows = [json.loads(x) for x in (path / "metrics.jsonl").read_text().splitlines()]
@@ -248,7 +298,7 @@ def test_merge_refuses_a_base_that_changed(env, tmp_path):
 
     root, base, data = env
     store = ArtifactStore(root)
-    path = finetune.run(_cfg(data), store, base, isolate=False, progress=False)  # cached from the test above
+    path = run_stage("finetune", _cfg(data), store, base, isolate=False, progress=False)  # cached from the test above
     moved = store.root / "pretrain" / (base.name + "0")
     shutil.copytree(base, moved)
     ad = json.loads((path / "adapter.json").read_text())
@@ -259,7 +309,9 @@ def test_merge_refuses_a_base_that_changed(env, tmp_path):
     # a finetune artifact whose recorded base is now a different artifact
     fake = tmp_path / "ft"
     fake.mkdir()
-    (fake / "adapter.json").write_text(json.dumps({**ad, "base": {**ad["base"], "key": moved.name, "path": str(moved)}}))
+    (fake / "adapter.json").write_text(
+        json.dumps({**ad, "base": {**ad["base"], "key": moved.name, "path": str(moved)}})
+    )
     with pytest.raises(ArtifactError, match="has changed"):
         base_of(store, fake)
     shutil.rmtree(moved)
@@ -271,11 +323,22 @@ def test_merge_refuses_a_base_that_changed(env, tmp_path):
 def test_resume_gives_identical_losses(env, tmp_path):
     root, base, data = env
     # with LoRA dropout on: its masks are a function of the input, so a resumed run replays them
-    cfg = _cfg(data, "finetune.train.loop.max_steps=8", "finetune.train.loop.save_steps=4", "finetune.train.loop.eval_steps=4", "finetune.lora.dropout=0.1")
+    cfg = _cfg(
+        data,
+        "finetune.train.loop.max_steps=8",
+        "finetune.train.loop.save_steps=4",
+        "finetune.train.loop.eval_steps=4",
+        "finetune.lora.dropout=0.1",
+    )
 
     def losses(store_root: Path) -> list:
-        rows = [json.loads(x) for x in next((store_root / "runs" / "finetune").iterdir()).joinpath("metrics.jsonl")
-                .read_text().splitlines()]
+        rows = [
+            json.loads(x)
+            for x in next((store_root / "runs" / "finetune").iterdir())
+            .joinpath("metrics.jsonl")
+            .read_text()
+            .splitlines()
+        ]
         return [(r["step"], r.get("loss"), r.get("val_loss")) for r in rows]
 
     import shutil
@@ -283,11 +346,32 @@ def test_resume_gives_identical_losses(env, tmp_path):
     for d in ("a", "b"):
         (tmp_path / d / "pretrain").mkdir(parents=True)
         shutil.copytree(base, tmp_path / d / "pretrain" / base.name)
-    a = finetune.run(cfg, ArtifactStore(tmp_path / "a"), tmp_path / "a/pretrain" / base.name, isolate=False, progress=False)
+    a = run_stage(
+        "finetune",
+        cfg,
+        ArtifactStore(tmp_path / "a"),
+        tmp_path / "a/pretrain" / base.name,
+        isolate=False,
+        progress=False,
+    )
     with pytest.raises(StageFailed, match="stop_after"):
-        finetune.run(cfg, ArtifactStore(tmp_path / "b"), tmp_path / "b/pretrain" / base.name, isolate=False,
-                     progress=False, inject={"stop_after": 4})
-    b = finetune.run(cfg, ArtifactStore(tmp_path / "b"), tmp_path / "b/pretrain" / base.name, isolate=False, progress=False)
+        run_stage(
+            "finetune",
+            cfg,
+            ArtifactStore(tmp_path / "b"),
+            tmp_path / "b/pretrain" / base.name,
+            isolate=False,
+            progress=False,
+            inject={"stop_after": 4},
+        )
+    b = run_stage(
+        "finetune",
+        cfg,
+        ArtifactStore(tmp_path / "b"),
+        tmp_path / "b/pretrain" / base.name,
+        isolate=False,
+        progress=False,
+    )
     assert losses(tmp_path / "a") == losses(tmp_path / "b")  # bit-identical per-step losses
     assert (a / "adapter.safetensors").read_bytes() == (b / "adapter.safetensors").read_bytes()
 
@@ -301,9 +385,15 @@ def test_full_finetuning_on_plain_text_stores_and_merges_every_weight(env):
     root, base, _ = env
     store = ArtifactStore(root)
     text = REPO / "data/corpora/tinyshakespeare.txt"
-    cfg = _cfg(text, "finetune.method=full", "finetune.format=text", "finetune.train.loop.max_steps=3", "finetune.train.optimizer.lr=1.0e-3",
-               "finetune.validation_fraction=0.01")
-    path = finetune.run(cfg, store, base, isolate=False, progress=False)
+    cfg = _cfg(
+        text,
+        "finetune.method=full",
+        "finetune.format=text",
+        "finetune.train.loop.max_steps=3",
+        "finetune.train.optimizer.lr=1.0e-3",
+        "finetune.validation_fraction=0.01",
+    )
+    path = run_stage("finetune", cfg, store, base, isolate=False, progress=False)
     met = store.read_manifest(path)["metrics"]
     assert met["trainable_share"] == 1.0 and met["method"] == "full" and met["loss_on"] == "all tokens"
     assert met["documents"] == 1 and met["val_loss"] < met["initial_val_loss"]
@@ -318,11 +408,29 @@ def test_cli_runs_the_stage_in_a_child_and_prints_merged_then_finetune_path(env,
     from tasks.cli import main
 
     root, base, data = env
-    overrides = [f"finetune.sources=[{data}]", "finetune.train.loop.max_steps=4", "finetune.train.loop.micro_batch_size=4",
-                 "finetune.seq_length=64", "finetune.train.schedule.warmup_steps=1", "finetune.train.loop.log_steps=2", "finetune.train.loop.eval_steps=4",
-                 "finetune.train.loop.eval_batches=1", "pretrain.train.loop.peak_flops=1.0e+11", "finetune.seed=3"]
-    argv = ["finetune", "--config", str(REPO / "pipelines.yaml"), "--pipeline", "tiny", "--artifacts", str(root),
-            "--from", str(base)] + [a for o in overrides for a in ("--set", o)]
+    overrides = [
+        f"finetune.sources=[{data}]",
+        "finetune.train.loop.max_steps=4",
+        "finetune.train.loop.micro_batch_size=4",
+        "finetune.seq_length=64",
+        "finetune.train.schedule.warmup_steps=1",
+        "finetune.train.loop.log_steps=2",
+        "finetune.train.loop.eval_steps=4",
+        "finetune.train.loop.eval_batches=1",
+        "pretrain.train.loop.peak_flops=1.0e+11",
+        "finetune.seed=3",
+    ]
+    argv = [
+        "finetune",
+        "--config",
+        str(REPO / "pipelines.yaml"),
+        "--pipeline",
+        "tiny",
+        "--artifacts",
+        str(root),
+        "--from",
+        str(base),
+    ] + [a for o in overrides for a in ("--set", o)]
     assert main(argv) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     ft_path, merged_path = Path(lines[-1]), Path(lines[-2])

@@ -11,7 +11,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -49,17 +48,31 @@ print("REPORT " + json.dumps(report))
 
 
 def _drive(tmp_path: Path, config: Path, runs: list[list[str]], init_from: Path | None = None) -> list[dict]:
-    env = dict(os.environ, PREFECT_HOME=str(tmp_path / "prefect_home"), PREFECT_SERVER_ANALYTICS_ENABLED="false",
-               PREFECT_API_URL="", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", GLOG_v="3",
-               PREFECT_LOGGING_LEVEL="WARNING")
+    env = dict(
+        os.environ,
+        PREFECT_HOME=str(tmp_path / "prefect_home"),
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        PREFECT_API_URL="",
+        HF_DATASETS_OFFLINE="1",
+        HF_HUB_OFFLINE="1",
+        GLOG_v="3",
+        PREFECT_LOGGING_LEVEL="WARNING",
+    )
     env.pop("PREFECT_API_URL")
-    arg = json.dumps({"config": str(config), "artifacts": str(tmp_path / "artifacts"), "runs": runs,
-                      "init_from": str(init_from) if init_from else None})
-    out = subprocess.run([sys.executable, "-c", DRIVER, arg], capture_output=True, text=True, cwd=REPO, env=env,
-                         timeout=1200)
+    arg = json.dumps(
+        {
+            "config": str(config),
+            "artifacts": str(tmp_path / "artifacts"),
+            "runs": runs,
+            "init_from": str(init_from) if init_from else None,
+        }
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", DRIVER, arg], capture_output=True, text=True, cwd=REPO, env=env, timeout=1200
+    )
     line = next((ln for ln in out.stdout.splitlines() if ln.startswith("REPORT ")), None)
     assert out.returncode == 0 and line, (out.stdout[-3000:], out.stderr[-5000:])
-    return json.loads(line[len("REPORT "):])
+    return json.loads(line[len("REPORT ") :])
 
 
 def _tiny_config(tmp_path: Path) -> Path:
@@ -88,7 +101,9 @@ def test_rerun_is_cached_and_edits_rerun_only_what_changed(tmp_path):
     assert again["result"] == first["result"]
     assert again["wall"] < 60, again["wall"]
     # editing only the eval section reruns only eval
-    assert {k: v for k, v in edited["tasks"].items() if k != "eval"} == {k: ["Cached"] for k in edited["tasks"] if k != "eval"}
+    assert {k: v for k, v in edited["tasks"].items() if k != "eval"} == {
+        k: ["Cached"] for k in edited["tasks"] if k != "eval"
+    }
     assert edited["tasks"]["eval"] == ["Completed"], edited
     assert edited["result"]["pretrain"] == first["result"]["pretrain"]
     assert edited["result"]["eval"] != first["result"]["eval"]
@@ -111,8 +126,15 @@ def test_convert_is_a_cached_task_with_its_metrics_artifact(tmp_path):
     (tmp_path / "src").mkdir()
     hf_dir = to_hf(tiny_model_artifact(tmp_path / "src"), tmp_path / "hf-llama")  # config.json, safetensors, tokenizer
     cfg = _tiny_config(tmp_path)
-    quick = ["finetune.train.loop.max_steps=2", "finetune.train.loop.eval_steps=2", "finetune.train.loop.save_steps=2",
-             "eval.tasks=[local_piqa]", "eval.limit=2", "export.formats=[onnx]", "export.int8=false"]
+    quick = [
+        "finetune.train.loop.max_steps=2",
+        "finetune.train.loop.eval_steps=2",
+        "finetune.train.loop.save_steps=2",
+        "eval.tasks=[local_piqa]",
+        "eval.limit=2",
+        "export.formats=[onnx]",
+        "export.int8=false",
+    ]
     first, again = _drive(tmp_path, cfg, [quick, quick], init_from=hf_dir)
     assert first["flow"] == "Completed" and all(s == ["Completed"] for s in first["tasks"].values()), first
     assert list(first["tasks"])[:3] == ["convert", "data", "pretrain"], first["tasks"]
@@ -171,7 +193,8 @@ for _ in range(2):
     counts.clear()
     state = full_pipeline(pipeline="tiny", config=args["config"], artifacts=args["artifacts"], return_state=True)
     with get_client(sync_client=True) as c:
-        trs = c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
+        run_id = state.state_details.flow_run_id
+        trs = c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id])))
     report.append({"flow": state.name, "counts": dict(counts), "error": None if state.is_completed() else
                    str(state.result(raise_on_failure=False)),
                    "tasks": {tr.name.rsplit("-", 1)[0]: tr.state.name for tr in trs}})
@@ -184,15 +207,21 @@ def test_a_flow_run_computes_each_stage_key_once(tmp_path):
     its task: the Prefect cache key reads it, the stage's run gets it. Stage work is stubbed (the keys are real);
     the rerun is Cached throughout, again with one key per stage."""
     config = _tiny_config(tmp_path)
-    env = dict(os.environ, PREFECT_HOME=str(tmp_path / "ph"), PREFECT_SERVER_ANALYTICS_ENABLED="false",
-               PREFECT_LOGGING_LEVEL="WARNING", GLOG_v="3")
+    env = dict(
+        os.environ,
+        PREFECT_HOME=str(tmp_path / "ph"),
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        PREFECT_LOGGING_LEVEL="WARNING",
+        GLOG_v="3",
+    )
     env.pop("PREFECT_API_URL", None)
     arg = json.dumps({"config": str(config), "artifacts": str(tmp_path / "artifacts")})
-    out = subprocess.run([sys.executable, "-c", COUNT_DRIVER, arg], capture_output=True, text=True, cwd=REPO,
-                         env=env, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-c", COUNT_DRIVER, arg], capture_output=True, text=True, cwd=REPO, env=env, timeout=600
+    )
     line = next((ln for ln in out.stdout.splitlines() if ln.startswith("REPORT ")), None)
     assert out.returncode == 0 and line, (out.stdout[-3000:], out.stderr[-5000:])
-    first, again = json.loads(line[len("REPORT "):])
+    first, again = json.loads(line[len("REPORT ") :])
     stages = {"data", "pretrain", "finetune", "eval", "export"}
     assert first["flow"] == "Completed", first
     assert first["counts"] == {**{s: 1 for s in stages}, **{f"{s}.run": 1 for s in stages}, "machine": 2}, first
@@ -205,7 +234,8 @@ FAIL_DRIVER = r"""
 import json, sys
 from flows.full_pipeline import full_pipeline
 args = json.loads(sys.argv[1])
-state = full_pipeline(pipeline="tiny", config=args["config"], overrides=[], artifacts=args["artifacts"], return_state=True)
+state = full_pipeline(pipeline="tiny", config=args["config"], overrides=[], artifacts=args["artifacts"],
+return_state=True)
 exc = state.result(raise_on_failure=False)
 print("REPORT " + json.dumps({"state": state.name, "error": str(exc)}))
 """
@@ -221,15 +251,21 @@ def test_failing_stage_fails_the_flow_with_its_own_error_and_leaves_no_artifact(
     doc = yaml.safe_load(cfg.read_text())
     doc["pipelines"]["tiny"]["data"]["sources"] = [str(bad)]
     cfg.write_text(yaml.safe_dump(doc))
-    env = dict(os.environ, PREFECT_HOME=str(tmp_path / "ph"), PREFECT_SERVER_ANALYTICS_ENABLED="false", GLOG_v="3",
-               PREFECT_LOGGING_LEVEL="WARNING")
+    env = dict(
+        os.environ,
+        PREFECT_HOME=str(tmp_path / "ph"),
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        GLOG_v="3",
+        PREFECT_LOGGING_LEVEL="WARNING",
+    )
     env.pop("PREFECT_API_URL", None)
     arg = json.dumps({"config": str(cfg), "artifacts": str(tmp_path / "artifacts")})
-    out = subprocess.run([sys.executable, "-c", FAIL_DRIVER, arg], capture_output=True, text=True, cwd=REPO, env=env,
-                         timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-c", FAIL_DRIVER, arg], capture_output=True, text=True, cwd=REPO, env=env, timeout=600
+    )
     line = next((ln for ln in out.stdout.splitlines() if ln.startswith("REPORT ")), None)
     assert line, out.stderr[-4000:]
-    rep = json.loads(line[len("REPORT "):])
+    rep = json.loads(line[len("REPORT ") :])
     assert rep["state"] == "Failed"
     assert "corpus.jsonl.gz" in rep["error"] and "gzip" in rep["error"].lower(), rep["error"]
     from tasks.store.artifacts import ArtifactStore
@@ -247,8 +283,13 @@ def test_full_pipeline_runs_data_parallel_through_msrun(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     config = _tiny_config(tmp_path)
-    dp2 = ["parallel.data_parallel=2", "parallel.device_num=2", f"parallel.master_port={port}",
-           "pretrain.train.loop.micro_batch_size=4", "finetune.train.loop.micro_batch_size=4"]
+    dp2 = [
+        "parallel.data_parallel=2",
+        "parallel.device_num=2",
+        f"parallel.master_port={port}",
+        "pretrain.train.loop.micro_batch_size=4",
+        "finetune.train.loop.micro_batch_size=4",
+    ]
     (run,) = _drive(tmp_path, config, [dp2])
     assert run["flow"] == "Completed", run
     assert all(states == ["Completed"] for states in run["tasks"].values()), run["tasks"]

@@ -5,16 +5,16 @@ from __future__ import annotations
 import os
 import shutil
 
-import numpy as np
 import mindspore as ms
+import numpy as np
 import pytest
 from mindspore import Tensor
 
 from model.config import ModelConfig
 from model.fused_decode import build_decode_kernel, decode_disabled_reason, decode_kernel_path
 from model.generate import Generator
-from model.sampling import sample_next
 from model.llama import LlamaForCausalLM
+from model.sampling import sample_next
 from tests.helpers import logit_tol
 
 
@@ -67,9 +67,14 @@ def test_prompt_logits_equal_the_full_forward_at_any_length(net, gen, monkeypatc
         gen.prompt_logits([])
 
 
-@pytest.mark.parametrize("chunk,fused", [  # the unit tier runs chunk 8 on the fused op (the default 64 in other tests)
-    (8, True), pytest.param(64, True, marks=pytest.mark.integration),
-    pytest.param(8, False, marks=pytest.mark.integration)])  # ~7 s: the chunk graph
+@pytest.mark.parametrize(
+    "chunk,fused",
+    [  # the unit tier runs chunk 8 on the fused op (the default 64 in other tests)
+        (8, True),
+        pytest.param(64, True, marks=pytest.mark.integration),
+        pytest.param(8, False, marks=pytest.mark.integration),
+    ],
+)  # ~7 s: the chunk graph
 def test_prefill_runs_in_fixed_chunks_for_any_prompt_length(net, chunk, fused):
     """The prompt pass is fixed-size chunks (no graph, and no buffer, per prompt length): at lengths below one
     chunk, on its edge, across it, over several chunks (the last one overlapping the one before) and up to the
@@ -92,8 +97,12 @@ def test_prefill_runs_in_fixed_chunks_for_any_prompt_length(net, chunk, fused):
             steps.close()
             full = net(Tensor(np.asarray([prompt + [tok]], np.int32))).asnumpy()[0]
             # the decoder's fp32 sums at n + 1 keys, reordered (logit_tol)
-            np.testing.assert_allclose(first, full[n - 1], rtol=0, atol=logit_tol(net.config, n, np.abs(full[n - 1]).max()))
-            np.testing.assert_allclose(second, full[n], rtol=0, atol=logit_tol(net.config, n + 1, np.abs(full[n]).max()))
+            np.testing.assert_allclose(
+                first, full[n - 1], rtol=0, atol=logit_tol(net.config, n, np.abs(full[n - 1]).max())
+            )
+            np.testing.assert_allclose(
+                second, full[n], rtol=0, atol=logit_tol(net.config, n + 1, np.abs(full[n]).max())
+            )
     gen._decoder_busy = False
 
 
@@ -114,7 +123,7 @@ def test_chunk_attention_op_matches_rope_cache_write_and_masked_attention():
     cos, sin = np.cos(np.concatenate([ang, ang], 1)), np.sin(np.concatenate([ang, ang], 1))
 
     def rope(x, p):  # rotate-half, as model/layers.py
-        rot = np.concatenate([-x[hd // 2:], x[:hd // 2]])
+        rot = np.concatenate([-x[hd // 2 :], x[: hd // 2]])
         return x * cos[p] + rot * sin[p]
 
     for t, start in ((1, 0), (5, 0), (7, 20), (16, 48)):
@@ -124,13 +133,22 @@ def test_chunk_attention_op_matches_rope_cache_write_and_masked_attention():
         kc0 = rng.standard_normal((nkv, s, hd)).astype(np.float32)
         vc0 = rng.standard_normal((nkv, s, hd)).astype(np.float32)
         kc, vc = ms.Parameter(Tensor(kc0.copy()), name="kc"), ms.Parameter(Tensor(vc0.copy()), name="vc")
-        got = op(Tensor(q), Tensor(k), Tensor(v), Tensor(start, ms.int32), Tensor(cos.astype(np.float32)),
-                 Tensor(sin.astype(np.float32)), kc, vc, Tensor(np.array([scale, 2], np.float32))).asnumpy()
+        got = op(
+            Tensor(q),
+            Tensor(k),
+            Tensor(v),
+            Tensor(start, ms.int32),
+            Tensor(cos.astype(np.float32)),
+            Tensor(sin.astype(np.float32)),
+            kc,
+            vc,
+            Tensor(np.array([scale, 2], np.float32)),
+        ).asnumpy()
         want_k, want_v = kc0.astype(np.float64), vc0.astype(np.float64)
         for i in range(t):
             for g in range(nkv):
-                want_k[g, start + i] = rope(k[i, g * hd:(g + 1) * hd].astype(np.float64), start + i)
-                want_v[g, start + i] = v[i, g * hd:(g + 1) * hd]
+                want_k[g, start + i] = rope(k[i, g * hd : (g + 1) * hd].astype(np.float64), start + i)
+                want_v[g, start + i] = v[i, g * hd : (g + 1) * hd]
         # one rounding per RoPE term: a few ulps of |k| ~ 1; untouched slots stay exactly as they were
         np.testing.assert_allclose(kc.asnumpy(), want_k, rtol=0, atol=8 * np.finfo(np.float32).eps * np.abs(k).max())
         np.testing.assert_array_equal(vc.asnumpy(), want_v.astype(np.float32))
@@ -138,24 +156,50 @@ def test_chunk_attention_op_matches_rope_cache_write_and_masked_attention():
         for i in range(t):
             for h in range(nkv * n_rep):
                 g = h // n_rep
-                qh = rope(q[i, h * hd:(h + 1) * hd].astype(np.float64), start + i) * scale
-                sc = want_k[g, :start + i + 1] @ qh
+                qh = rope(q[i, h * hd : (h + 1) * hd].astype(np.float64), start + i) * scale
+                sc = want_k[g, : start + i + 1] @ qh
                 p = np.exp(sc - sc.max())
-                want[i, h] = (p / p.sum()) @ want_v[g, :start + i + 1]
+                want[i, h] = (p / p.sum()) @ want_v[g, : start + i + 1]
         # fp32 dot products of hd terms and sums of up to s terms, with |v| ~ 1: ~s * eps of the output scale
         np.testing.assert_allclose(got.reshape(t, -1, hd), want, rtol=0, atol=s * np.finfo(np.float32).eps * 4)
     from model.kernel_ops import KernelShapeError
 
     with pytest.raises(KernelShapeError, match=r"ChunkAttention: q \[T, heads \* head_dim\], k and v"):  # k of one head
-        op(Tensor(q), Tensor(k[:, :hd]), Tensor(v), Tensor(0, ms.int32), Tensor(cos.astype(np.float32)),
-           Tensor(sin.astype(np.float32)), kc, vc, Tensor(np.array([scale, 1], np.float32))).asnumpy()
+        op(
+            Tensor(q),
+            Tensor(k[:, :hd]),
+            Tensor(v),
+            Tensor(0, ms.int32),
+            Tensor(cos.astype(np.float32)),
+            Tensor(sin.astype(np.float32)),
+            kc,
+            vc,
+            Tensor(np.array([scale, 1], np.float32)),
+        ).asnumpy()
     with pytest.raises(KernelShapeError, match=r"ChunkAttention: operand 3 must be Int32"):  # a float start
-        op(Tensor(q), Tensor(k), Tensor(v), Tensor(0.0, ms.float32), Tensor(cos.astype(np.float32)),
-           Tensor(sin.astype(np.float32)), kc, vc, Tensor(np.array([scale, 1], np.float32))).asnumpy()
+        op(
+            Tensor(q),
+            Tensor(k),
+            Tensor(v),
+            Tensor(0.0, ms.float32),
+            Tensor(cos.astype(np.float32)),
+            Tensor(sin.astype(np.float32)),
+            kc,
+            vc,
+            Tensor(np.array([scale, 1], np.float32)),
+        ).asnumpy()
     with pytest.raises(RuntimeError):
-        op(Tensor(np.zeros((8, nkv * n_rep * hd), np.float32)), Tensor(np.zeros((8, nkv * hd), np.float32)),
-           Tensor(np.zeros((8, nkv * hd), np.float32)), Tensor(s - 4, ms.int32), Tensor(cos.astype(np.float32)),
-           Tensor(sin.astype(np.float32)), kc, vc, Tensor(np.array([scale, 1], np.float32))).asnumpy()
+        op(
+            Tensor(np.zeros((8, nkv * n_rep * hd), np.float32)),
+            Tensor(np.zeros((8, nkv * hd), np.float32)),
+            Tensor(np.zeros((8, nkv * hd), np.float32)),
+            Tensor(s - 4, ms.int32),
+            Tensor(cos.astype(np.float32)),
+            Tensor(sin.astype(np.float32)),
+            kc,
+            vc,
+            Tensor(np.array([scale, 1], np.float32)),
+        ).asnumpy()
 
 
 @pytest.mark.integration  # ~11 s: a forward graph per bucket
@@ -193,7 +237,7 @@ def test_stops_at_eos_stop_callback_budget_and_cache_size(gen, net):
     greedy = gen.generate(prompt, 12)
     eos = greedy[4]
     first = greedy.index(eos)
-    assert gen.generate(prompt, 12, eos_id=eos) == greedy[:first + 1]  # EOS included, then stop
+    assert gen.generate(prompt, 12, eos_id=eos) == greedy[: first + 1]  # EOS included, then stop
     assert gen.generate(prompt, 12, stop=lambda new: len(new) == 3) == greedy[:3]
     assert gen.generate(prompt, 5) == greedy[:5]
     s = net.config.max_seq_length  # 128: the sequence never grows past the cache
@@ -224,8 +268,10 @@ def test_fast_decoder_keeps_parameter_names_and_follows_weight_changes():
     assert after != before
 
 
-needs_kernel = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None or bool(decode_disabled_reason()),
-                                  reason="no C++ compiler (or MSLLM_FUSED_DECODE/MSLLM_FUSED_KERNELS=0)")
+needs_kernel = pytest.mark.skipif(
+    shutil.which(os.environ.get("CXX", "g++")) is None or bool(decode_disabled_reason()),
+    reason="no C++ compiler (or MSLLM_FUSED_DECODE/MSLLM_FUSED_KERNELS=0)",
+)
 
 
 @needs_kernel
@@ -235,13 +281,18 @@ def test_the_decode_step_builds_where_a_compiler_exists():
 
 
 @needs_kernel
-@pytest.mark.parametrize("shape", [
-    dict(init_std=0.3),                                                          # tiny: untied head, hd 16
-    # the other shapes compile the same graphs again (~11 s each): integration tier
-    pytest.param(dict(init_std=0.3, tie_embeddings=True), marks=pytest.mark.integration),              # tied head
-    pytest.param(dict(init_std=0.3, hidden_size=48, num_heads=4, num_kv_heads=1, intermediate_size=100),
-                 marks=pytest.mark.integration),                                                     # hd 12: scalar tails
-])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        dict(init_std=0.3),  # tiny: untied head, hd 16
+        # the other shapes compile the same graphs again (~11 s each): integration tier
+        pytest.param(dict(init_std=0.3, tie_embeddings=True), marks=pytest.mark.integration),  # tied head
+        pytest.param(
+            dict(init_std=0.3, hidden_size=48, num_heads=4, num_kv_heads=1, intermediate_size=100),
+            marks=pytest.mark.integration,
+        ),  # hd 12: scalar tails
+    ],
+)
 def test_fused_decode_step_matches_the_decoder_and_the_full_forward(shape):
     """The one-op decode step and prompt chunk (model/decode_kernel.cc), on one thread and on more threads than
     cores: logits of every step equal the plain forward's, and its greedy tokens equal the MindSpore-kernel
@@ -262,8 +313,9 @@ def test_fused_decode_step_matches_the_decoder_and_the_full_forward(shape):
         got = [next(steps)] + [steps.send(t) for t in new[:-1]]
         steps.close()
         tol = logit_tol(model.config, len(full), np.abs(full).max())
-        np.testing.assert_allclose(np.stack(got), full[len(prompt) - 1:-1], rtol=0, atol=tol,
-                                   err_msg=f"threads={threads}, chunk={chunk}")
+        np.testing.assert_allclose(
+            np.stack(got), full[len(prompt) - 1 : -1], rtol=0, atol=tol, err_msg=f"threads={threads}, chunk={chunk}"
+        )
 
 
 @pytest.mark.integration  # ~5 s: a chunk graph compiled without the kernel (unit tier under 2 minutes)
@@ -302,8 +354,11 @@ def test_a_fused_step_that_fails_mid_sequence_is_an_error_not_a_slower_path(net)
 
     g._fused = failing
     prompt = ids(7, seed=12)
-    with pytest.raises(DecodeError, match=r"the fused decode step failed at position 7 \(the fused decode kernel .*"
-                                          r"injected failure; MSLLM_FUSED_DECODE=0"):
+    with pytest.raises(
+        DecodeError,
+        match=r"the fused decode step failed at position 7 \(the fused decode kernel .*"
+        r"injected failure; MSLLM_FUSED_DECODE=0",
+    ):
         g.generate(prompt, 4)
     assert calls == [7] and g._fused is failing and g.decode_path == "fused"
 
@@ -325,7 +380,7 @@ def test_a_lora_net_decodes_on_the_decoder_and_takes_the_fused_step_only_for_bas
     for p in model.get_parameters():
         if p.name.endswith(("q_proj.weight", "v_proj.weight")):
             out_f, in_f = p.shape
-            adapter[p.name[:-6] + "lora_A"] = rng.normal(0, in_f ** -0.5, (4, in_f)).astype(np.float32)
+            adapter[p.name[:-6] + "lora_A"] = rng.normal(0, in_f**-0.5, (4, in_f)).astype(np.float32)
             adapter[p.name[:-6] + "lora_B"] = rng.normal(0, 1.0, (out_f, 4)).astype(np.float32)
     slots = LoRASlots(model, {"a": (adapter, 2.0)})
     g = Generator(model)
@@ -389,13 +444,20 @@ def test_generate_benchmark_smoke():
     from pathlib import Path
 
     script = Path(__file__).resolve().parent.parent / "scripts" / "bench" / "generate.py"
-    out = subprocess.run([sys.executable, str(script), "--preset", "tiny", "--new-tokens", "8", "--requests", "8", "--results", ""],
-                         capture_output=True, text=True, check=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, str(script), "--preset", "tiny", "--new-tokens", "8", "--requests", "8", "--results", ""],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
     res = json.loads(out.stdout.strip().splitlines()[-1])
     for k in ("tokens_per_s", "uncached_tokens_per_s", "kv_speedup", "eval_requests_per_s"):
         assert res[k] > 0, k
     assert res["same_tokens"] is True
-    assert res["decode_path"] == ("fused" if build_decode_kernel() else "decoder") and res["decode_reason"]  # logged, chosen once
+    assert (
+        res["decode_path"] == ("fused" if build_decode_kernel() else "decoder") and res["decode_reason"]
+    )  # logged, chosen once
 
 
 @pytest.mark.integration
@@ -408,8 +470,13 @@ def test_memory_benchmark_smoke():
     from pathlib import Path
 
     script = Path(__file__).resolve().parent.parent / "scripts" / "bench" / "memory.py"
-    out = subprocess.run([sys.executable, str(script), "--preset", "tiny", "--context", "128", "--requests", "10",
-                          "--results", ""], capture_output=True, text=True, check=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, str(script), "--preset", "tiny", "--context", "128", "--requests", "10", "--results", ""],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=600,
+    )
     res = json.loads(out.stdout.strip().splitlines()[-1])
     cfg = ModelConfig.from_name("tiny")
     kv = 2 * cfg.num_layers * cfg.num_kv_heads * 128 * (cfg.hidden_size // cfg.num_heads) * 4 / 1e9
@@ -436,15 +503,33 @@ def test_serve_memory_benchmark_smoke(tmp_path):
 
     model = tiny_model_artifact(tmp_path)
     script = Path(__file__).resolve().parent.parent / "scripts" / "bench" / "serve_memory.py"
-    out = subprocess.run([sys.executable, str(script), "--model", str(model), "--longest", "100", "--new-tokens", "6",
-                          "--requests", "10", "--hf-requests", "5", "--results", ""],
-                         capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            "--model",
+            str(model),
+            "--longest",
+            "100",
+            "--new-tokens",
+            "6",
+            "--requests",
+            "10",
+            "--hf-requests",
+            "5",
+            "--results",
+            "",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
     cfg = ModelConfig.from_name("tiny")
     kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.max_seq_length * cfg.head_dim * 4 / 1e9
     assert res["context"] == cfg.max_seq_length and res["kv_cache_gb"] == round(kv, 3)
-    assert res["budget_gb"] == round(res["weights_gb"] + round(kv, 3) + 2 ** 30 / 1e9, 3)
+    assert res["budget_gb"] == round(res["weights_gb"] + round(kv, 3) + 2**30 / 1e9, 3)
     for side, n in (("mindspore", 10), ("onnxruntime", 10), ("hf", 5)):
         r = res[side]
         assert [x["prompt_tokens"] for x in r["ladder"]] == [16, 64, 100], side

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.helpers import train_tiny_hf_tokenizer
+from tests.helpers import run_stage, train_tiny_hf_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -39,16 +39,28 @@ def tmeta(tok_dir) -> dict:
 def _cfg(vocab: int):
     from model.config import ModelConfig
 
-    return ModelConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
-                       num_kv_heads=1, max_seq_length=32, tie_embeddings=False)
+    return ModelConfig(
+        vocab_size=vocab,
+        hidden_size=16,
+        intermediate_size=32,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        max_seq_length=32,
+        tie_embeddings=False,
+    )
 
 
 def _weights(cfg, seed: int = 0) -> dict[str, np.ndarray]:
     from model.convert import key_pairs
 
     rng = np.random.default_rng(seed)
-    return {ours: (1.0 + 0.1 * rng.standard_normal(shape) if len(shape) == 1 else
-                   0.1 * rng.standard_normal(shape)).astype(np.float32) for _, ours, shape in key_pairs(cfg)}
+    return {
+        ours: (1.0 + 0.1 * rng.standard_normal(shape) if len(shape) == 1 else 0.1 * rng.standard_normal(shape)).astype(
+            np.float32
+        )
+        for _, ours, shape in key_pairs(cfg)
+    }
 
 
 def _gguf(path: Path, tmeta: dict, *, weights=None, qtype: str = "F32", **meta_changes) -> Path:
@@ -133,8 +145,11 @@ def test_a_tensor_laid_over_another_is_refused(tmp_path, tmeta):
         _tensor(r, "blk.0.attn_k.weight").field.parts[-1][0] = _tensor(r, "token_embd.weight").field.parts[-1][0]
 
     _patch(f, overlay)
-    with pytest.raises(GGUFError, match=r"overlap\.gguf: tensor blk\.0\.attn_k\.weight .*overlaps tensor "
-                                        r"token_embd\.weight"):
+    with pytest.raises(
+        GGUFError,
+        match=r"overlap\.gguf: tensor blk\.0\.attn_k\.weight .*overlaps tensor "
+        r"token_embd\.weight",
+    ):
         read_gguf(f)
 
 
@@ -209,8 +224,15 @@ def nan_model(tmp_path_factory, tok_dir) -> Path:
     store = ArtifactStore(tmp_path_factory.mktemp("nan") / "artifacts")
     key = store.key("convert", {"nan": True}, [], "test")
     with store.build("convert", key, pipeline="tiny", config={}, inputs=[], code="test") as b:
-        write_model(b.dir, name="llama", config=cfg, weights=w, tokenizer_model=tok_dir, tokenizer_info=tok.info(),
-                    seq_length=cfg.max_seq_length)
+        write_model(
+            b.dir,
+            name="llama",
+            config=cfg,
+            weights=w,
+            tokenizer_model=tok_dir,
+            tokenizer_info=tok.info(),
+            seq_length=cfg.max_seq_length,
+        )
     return b.path
 
 
@@ -230,8 +252,18 @@ def test_predict_refuses_a_non_finite_model_in_one_line(nan_model, capsys):
     """Before: predict answered "⁇ ⁇ ⁇" with exit 0."""
     from tasks import cli
 
-    argv = ["predict", "--config", str(REPO / "pipelines.yaml"), "--pipeline", "tiny",
-            "--artifacts", str(nan_model.parent.parent), "--from", str(nan_model), "Hello"]
+    argv = [
+        "predict",
+        "--config",
+        str(REPO / "pipelines.yaml"),
+        "--pipeline",
+        "tiny",
+        "--artifacts",
+        str(nan_model.parent.parent),
+        "--from",
+        str(nan_model),
+        "Hello",
+    ]
     assert cli.main(argv) == 1
     err = capsys.readouterr().err
     errors = [ln for ln in err.strip().splitlines() if ln.startswith("error:")]
@@ -244,8 +276,23 @@ def test_serve_refuses_a_non_finite_model_in_one_line(nan_model):
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-m", "tasks.cli", "serve", "--artifacts", str(nan_model.parent.parent),
-                        str(nan_model), "--port", "0"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tasks.cli",
+            "serve",
+            "--artifacts",
+            str(nan_model.parent.parent),
+            str(nan_model),
+            "--port",
+            "0",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     errors = [ln for ln in r.stderr.strip().splitlines() if ln.startswith("error:")]
     assert r.returncode == 1 and len(errors) == 1, r.stderr
     assert NAN_LINE in errors[0] and "model.safetensors" in errors[0] and "Traceback" not in r.stderr, r.stderr
@@ -254,13 +301,12 @@ def test_serve_refuses_a_non_finite_model_in_one_line(nan_model):
 def test_export_refuses_a_non_finite_model_naming_the_tensor(nan_model):
     """Before: "max |Δlogit| nan > nan"."""
     from tasks.config.loader import resolve_pipeline
-    from tasks.stages import export
     from tasks.store.artifacts import ArtifactStore
     from tasks.store.tensors import CheckpointError
 
     cfg = resolve_pipeline(REPO / "pipelines.yaml", "tiny", ["export.formats=[gguf]"])
     with pytest.raises(CheckpointError, match=re.escape(NAN_LINE)):
-        export.run(cfg, ArtifactStore(nan_model.parent.parent), nan_model, progress=False, isolate=False)
+        run_stage("export", cfg, ArtifactStore(nan_model.parent.parent), nan_model, progress=False, isolate=False)
 
 
 def test_the_export_check_names_the_tensor_when_logits_are_not_finite(tmp_path):
@@ -278,8 +324,11 @@ def test_the_export_check_names_the_tensor_when_logits_are_not_finite(tmp_path):
     assert np.isfinite(Reference(net)(x)).all()
     norm = params["norm.weight"]
     norm.set_data(ms.Tensor(np.full(norm.shape, 3.4e38, np.float32)))
-    with pytest.raises(ExportCheckFailed, match=r"MindSpore's logits are NaN/Inf though every weight is finite: "
-                                                r"the largest, \|3\.4e\+38\| in norm\.weight"):
+    with pytest.raises(
+        ExportCheckFailed,
+        match=r"MindSpore's logits are NaN/Inf though every weight is finite: "
+        r"the largest, \|3\.4e\+38\| in norm\.weight",
+    ):
         Reference(net)(x)
     w = params["layers.0.mlp.up_proj.weight"]
     bad = w.asnumpy()
@@ -295,6 +344,7 @@ def test_the_export_check_names_the_tensor_when_logits_are_not_finite(tmp_path):
 def _set(key: str, value):
     def fn(r):
         r.fields[key].parts[-1][0] = value
+
     return fn
 
 
@@ -302,39 +352,64 @@ def _bad_utf8_token(i: int):
     def fn(r):
         f = r.fields["tokenizer.ggml.tokens"]
         f.parts[f.data[i]][0] = 0xFF
+
     return fn
 
 
 CASES = {
     # name: (tokenizer metadata changes, in-place patch, words of the one line)
-    "no tokens": ({"tokenizer__ggml__tokens": None}, None,
-                  "metadata tokenizer.ggml.tokens is missing"),
-    "int merges": ({"tokenizer__ggml__merges": [1, 2, 3]}, None,
-                   "tokenizer.ggml.merges[0] is 1, not a string"),
-    "merge of unknown tokens": ({"tokenizer__ggml__merges": ["zz qq"]}, None,
-                                "tokenizer.ggml.merges[0] 'zz qq': 'zz' is not in tokenizer.ggml.tokens"),
-    "int tokens": ({"tokenizer__ggml__tokens": list(range(300))}, None,
-                   "tokenizer.ggml.tokens[0] is 0, not a string"),
-    "short token types": ({"tokenizer__ggml__token_type": [1, 1, 3]}, None,
-                          "tokenizer.ggml.token_type has 3 entries, tokenizer.ggml.tokens 300"),
-    "bos 10^6": ({"tokenizer__ggml__add_bos_token": True}, _set("tokenizer.ggml.bos_token_id", 10**6),
-                 "tokenizer.ggml.bos_token_id=1000000 is outside the vocabulary (300 tokens)"),
-    "eos 10^6": ({}, _set("tokenizer.ggml.eos_token_id", 10**6),
-                 "tokenizer.ggml.eos_token_id=1000000 is outside the vocabulary (300 tokens)"),
-    "head_count 0": ({}, _set("llama.attention.head_count", 0),
-                     "llama.attention.head_count=0 must be a positive whole number"),
+    "no tokens": ({"tokenizer__ggml__tokens": None}, None, "metadata tokenizer.ggml.tokens is missing"),
+    "int merges": ({"tokenizer__ggml__merges": [1, 2, 3]}, None, "tokenizer.ggml.merges[0] is 1, not a string"),
+    "merge of unknown tokens": (
+        {"tokenizer__ggml__merges": ["zz qq"]},
+        None,
+        "tokenizer.ggml.merges[0] 'zz qq': 'zz' is not in tokenizer.ggml.tokens",
+    ),
+    "int tokens": ({"tokenizer__ggml__tokens": list(range(300))}, None, "tokenizer.ggml.tokens[0] is 0, not a string"),
+    "short token types": (
+        {"tokenizer__ggml__token_type": [1, 1, 3]},
+        None,
+        "tokenizer.ggml.token_type has 3 entries, tokenizer.ggml.tokens 300",
+    ),
+    "bos 10^6": (
+        {"tokenizer__ggml__add_bos_token": True},
+        _set("tokenizer.ggml.bos_token_id", 10**6),
+        "tokenizer.ggml.bos_token_id=1000000 is outside the vocabulary (300 tokens)",
+    ),
+    "eos 10^6": (
+        {},
+        _set("tokenizer.ggml.eos_token_id", 10**6),
+        "tokenizer.ggml.eos_token_id=1000000 is outside the vocabulary (300 tokens)",
+    ),
+    "head_count 0": (
+        {},
+        _set("llama.attention.head_count", 0),
+        "llama.attention.head_count=0 must be a positive whole number",
+    ),
     "block_count 0": ({}, _set("llama.block_count", 0), "llama.block_count=0 must be a positive whole number"),
     # before: the expected tensor list built for every claimed layer, killed at 4 GB after ~50 s (issue 53)
-    "block_count 10^9": ({}, _set("llama.block_count", 10**9),
-                         "llama.block_count=1000000000 layers, but the tensors hold 1 (blk.0 … blk.0)"),
+    "block_count 10^9": (
+        {},
+        _set("llama.block_count", 10**9),
+        "llama.block_count=1000000000 layers, but the tensors hold 1 (blk.0 … blk.0)",
+    ),
     "block_count 2": ({}, _set("llama.block_count", 2), "llama.block_count=2 layers, but the tensors hold 1"),
-    "head_count_kv 3": ({}, _set("llama.attention.head_count_kv", 3),
-                        "llama.attention.head_count=2 is not a multiple of llama.attention.head_count_kv=3"),
-    "NaN rope base": ({}, _set("llama.rope.freq_base", np.nan),
-                      "llama.rope.freq_base=nan must be a positive finite number"),
+    "head_count_kv 3": (
+        {},
+        _set("llama.attention.head_count_kv", 3),
+        "llama.attention.head_count=2 is not a multiple of llama.attention.head_count_kv=3",
+    ),
+    "NaN rope base": (
+        {},
+        _set("llama.rope.freq_base", np.nan),
+        "llama.rope.freq_base=nan must be a positive finite number",
+    ),
     "invalid UTF-8 token": ({}, _bad_utf8_token(100), "tokenizer.ggml.tokens[100] is not valid UTF-8"),
-    "duplicate token": ({"tokenizer__ggml__tokens": ["<|endoftext|>"] * 2 + [f"t{i}" for i in range(298)]}, None,
-                        "tokenizer.ggml.tokens[1] '<|endoftext|>' repeats tokenizer.ggml.tokens[0]"),
+    "duplicate token": (
+        {"tokenizer__ggml__tokens": ["<|endoftext|>"] * 2 + [f"t{i}" for i in range(298)]},
+        None,
+        "tokenizer.ggml.tokens[1] '<|endoftext|>' repeats tokenizer.ggml.tokens[0]",
+    ),
 }
 
 
@@ -353,10 +428,13 @@ def test_bad_gguf_metadata_is_one_line_naming_the_key_and_file(tmp_path, tmeta, 
     assert _left_behind(tmp_path / "a") == []
 
 
-@pytest.mark.parametrize("name,content,words", [
-    ("tokenizer_config.json", [1, 2], "tokenizer_config.json: holds a JSON array, not an object"),
-    ("config.json", ["llama"], "config.json: holds a JSON array, not an object"),
-])
+@pytest.mark.parametrize(
+    "name,content,words",
+    [
+        ("tokenizer_config.json", [1, 2], "tokenizer_config.json: holds a JSON array, not an object"),
+        ("config.json", ["llama"], "config.json: holds a JSON array, not an object"),
+    ],
+)
 def test_hf_json_files_that_are_not_objects_are_one_line(tmp_path, tok_dir, capsys, name, content, words):
     """Before: AttributeError ('list' object has no attribute 'get')."""
     d = _hf_dir(tmp_path, tok_dir)

@@ -4,9 +4,8 @@ rooms of tasks/ import only rooms below them (ROOMS), never a private name of an
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import ast
+from pathlib import Path
 
 import pytest
 
@@ -25,20 +24,20 @@ KNOWN_DYNAMIC = {
 # The rooms, lowest first; a room imports only rooms of lower tiers (never a sibling of its own tier).
 # Each room is a top-level module or package: model/, flows/, or tasks/<room>.
 ROOMS: tuple[tuple[str, ...], ...] = (
-    ("model",),      # MindSpore only: the decoder, LoRA, generation, weight conversion
-    ("config",),     # the pipelines.yaml schema
+    ("model",),  # MindSpore only: the decoder, LoRA, generation, weight conversion
+    ("config",),  # the pipelines.yaml schema
     ("tokenizer_error",),  # the tokenizer's error class, raised by the two rooms above it
-    ("chat_template",),    # a model's Jinja chat template rendered in a sandbox, within time and size limits
+    ("chat_template",),  # a model's Jinja chat template rendered in a sandbox, within time and size limits
     ("tokenizer",),  # one tokenizer interface (SentencePiece or tokenizer.json)
-    ("prompts",),    # prompt formats: the instruction template, chat examples
-    ("store",),      # artifacts, lineage, model artifacts, tensor files, the data schema and shard reader
-    ("runtime",),    # child-process supervisor, msrun launch, rank layout (the mesh)
-    ("modeling",),   # building and loading networks, the tensor-parallel split, merging adapters
+    ("prompts",),  # prompt formats: the instruction template, chat examples
+    ("store",),  # artifacts, lineage, model artifacts, tensor files, the data schema and shard reader
+    ("runtime",),  # child-process supervisor, msrun launch, rank layout (the mesh)
+    ("modeling",),  # building and loading networks, the tensor-parallel split, merging adapters
     ("training", "deploy"),  # the training loop / export formats (ONNX, GGUF) and their checks
-    ("stages",),     # the stage table and one module per stage
-    ("serving",),    # the HTTP server
-    ("cli",),        # the command line
-    ("flows",),      # Prefect flows
+    ("stages",),  # the stage table and one module per stage
+    ("serving",),  # the HTTP server
+    ("cli",),  # the command line
+    ("flows",),  # Prefect flows
 )
 TIER = {room: i for i, tier in enumerate(ROOMS) for room in tier}
 
@@ -59,20 +58,26 @@ def _layer(module: str) -> str:
 
 
 def _violations(graph: dict[str, set[str]], src: str, forbidden: set[str]) -> list[str]:
-    return sorted(f"{m} imports {t}" for m, ts in graph.items() if _layer(m) == src
-                  for t in ts if _layer(t) in forbidden)
+    return sorted(
+        f"{m} imports {t}" for m, ts in graph.items() if _layer(m) == src for t in ts if _layer(t) in forbidden
+    )
 
 
 def test_graph_covers_every_module(graph):
-    files = {p.relative_to(REPO).with_suffix("").as_posix().removesuffix("/__init__").replace("/", ".")
-             for pkg in PACKAGES for p in (REPO / pkg).rglob("*.py") if "__pycache__" not in p.parts}
+    files = {
+        p.relative_to(REPO).with_suffix("").as_posix().removesuffix("/__init__").replace("/", ".")
+        for pkg in PACKAGES
+        for p in (REPO / pkg).rglob("*.py")
+        if "__pycache__" not in p.parts
+    }
     assert set(graph) == files
 
 
 def test_no_import_cycles(graph):
     cycles = import_cycles(graph)
     assert not cycles, "import cycles (each group's modules, then one shortest chain through it):\n" + "\n".join(
-        f"  {', '.join(c)}\n    " + " → ".join(shortest_cycle(graph, c[0])) for c in cycles)
+        f"  {', '.join(c)}\n    " + " → ".join(shortest_cycle(graph, c[0])) for c in cycles
+    )
 
 
 def test_model_imports_neither_tasks_nor_flows(graph):
@@ -83,16 +88,25 @@ def test_model_cells_are_plain(graph):
     """The model's cells (model/llama.py, model/layers.py) import nothing kernel- or parallel-related: the build's
     convert and parallelize steps (tasks/modeling/build.py, parallelize.py) apply both from outside (issue 34)."""
     kernel_or_parallel = ("model.kernels", "model.kernel_ops", "model.kernel_build", "model.fused_cells", "model.cpu")
-    bad = sorted(f"{m} imports {t}" for m in ("model.llama", "model.layers") for t in graph[m]
-                 if t in kernel_or_parallel or "parallel" in t or "mesh" in t)
+    bad = sorted(
+        f"{m} imports {t}"
+        for m in ("model.llama", "model.layers")
+        for t in graph[m]
+        if t in kernel_or_parallel or "parallel" in t or "mesh" in t
+    )
     assert bad == []
 
 
 def test_runtime_does_not_import_the_model(graph):
     """tasks/runtime starts processes and holds the rank layout (tasks/runtime/mesh.py: numpy only); the model is
     built in tasks/modeling and trained in tasks/training."""
-    bad = sorted(f"{m} imports {t}" for m, ts in graph.items() if room_of(m) == "runtime"
-                 for t in ts if _layer(t) == "model" or room_of(t) == "training")
+    bad = sorted(
+        f"{m} imports {t}"
+        for m, ts in graph.items()
+        if room_of(m) == "runtime"
+        for t in ts
+        if _layer(t) == "model" or room_of(t) == "training"
+    )
     assert bad == []
 
 
@@ -102,8 +116,13 @@ def test_tasks_never_import_flows(graph):
 
 def test_nothing_imports_the_cli(graph):
     """Stages (and every other room) are imported by the CLI, never the other way round."""
-    users = sorted(m for m, ts in graph.items() if not m.startswith("tasks.cli")
-                   for t in ts if t == "tasks.cli" or t.startswith("tasks.cli."))
+    users = sorted(
+        m
+        for m, ts in graph.items()
+        if not m.startswith("tasks.cli")
+        for t in ts
+        if t == "tasks.cli" or t.startswith("tasks.cli.")
+    )
     assert users == []
 
 
@@ -121,11 +140,18 @@ def _imported_modules(path: Path) -> list[tuple[int, str]]:
 def test_cli_reaches_training_and_the_model_only_through_the_stages():
     """tasks/cli imports neither tasks.training nor model (plan, convert and validate --forward included): the
     stage runner and tasks/stages/preflight.py stand between them (issue 34)."""
+
     def forbidden(module: str) -> bool:
         return module in ("model", "tasks.training") or module.startswith(("model.", "tasks.training."))
 
-    bad = sorted({f"{p.relative_to(REPO)}:{line}: {m}" for p in (REPO / "tasks" / "cli").rglob("*.py")
-                  for line, m in _imported_modules(p) if forbidden(m)})
+    bad = sorted(
+        {
+            f"{p.relative_to(REPO)}:{line}: {m}"
+            for p in (REPO / "tasks" / "cli").rglob("*.py")
+            for line, m in _imported_modules(p)
+            if forbidden(m)
+        }
+    )
     assert bad == [], "go through a stage module (tasks/stages/runner.py, preflight.py):\n  " + "\n  ".join(bad)
     assert forbidden("model.registry") and forbidden("tasks.training") and not forbidden("models.x")
 
@@ -134,15 +160,40 @@ def test_inference_never_imports_the_training_room():
     """Serving, export (tasks/deploy and the export stage), eval and predict (the eval stage's lm_adapter) take their
     networks from tasks/modeling: no import of tasks.training at any depth (functions included). The room below
     training cannot reach it either (test_rooms_import_only_lower_rooms), so nothing they import brings it."""
+
     def training(module: str) -> bool:
         return module == "tasks.training" or module.startswith("tasks.training.")
 
-    files = [*(REPO / "tasks" / "serving").rglob("*.py"), *(REPO / "tasks" / "deploy").rglob("*.py"),
-             *(REPO / "tasks" / "stages" / "evaluate").rglob("*.py"), REPO / "tasks" / "stages" / "export.py"]
-    bad = sorted({f"{p.relative_to(REPO)}:{line}: {m}" for p in files for line, m in _imported_modules(p)
-                  if training(m)})
-    assert bad == [], "take the network from tasks/modeling (build_network, load_network, merge):\n  " + "\n  ".join(bad)
+    files = [
+        *(REPO / "tasks" / "serving").rglob("*.py"),
+        *(REPO / "tasks" / "deploy").rglob("*.py"),
+        *(REPO / "tasks" / "stages" / "evaluate").rglob("*.py"),
+        REPO / "tasks" / "stages" / "export.py",
+    ]
+    bad = sorted(
+        {f"{p.relative_to(REPO)}:{line}: {m}" for p in files for line, m in _imported_modules(p) if training(m)}
+    )
+    assert bad == [], "take the network from tasks/modeling (build_network, load_network, merge):\n  " + "\n  ".join(
+        bad
+    )
     assert len(files) > 10 and training("tasks.training.trainer") and not training("tasks.training_data")
+
+
+def test_generators_come_from_the_modeling_room():
+    """One generator factory (tasks/modeling/build.py `generator`): the package builds model.generate.Generator there
+    only, so the decode path is chosen, logged and reported one way. (Benchmarks and tests may build their own.)"""
+    built = sorted(
+        f"{p.relative_to(REPO)}:{node.lineno}"
+        for top in ("tasks", "flows")
+        for p in (REPO / top).rglob("*.py")
+        for node in ast.walk(ast.parse(p.read_text(encoding="utf-8")))
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Generator"
+    )
+    assert built == [f"tasks/modeling/build.py:{_line_of(REPO / 'tasks/modeling/build.py', 'return Generator(')}"]
+
+
+def _line_of(path: Path, text: str) -> int:
+    return next(n for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if text in line)
 
 
 def test_rooms_are_all_ranked(graph):
@@ -151,9 +202,12 @@ def test_rooms_are_all_ranked(graph):
 
 def test_rooms_import_only_lower_rooms(graph):
     """Zero upward (or sideways) arrows: each edge between rooms goes to a lower tier."""
-    bad = sorted(f"{m} ({room_of(m)}) imports {t} ({room_of(t)})" for m, ts in graph.items() for t in ts
-                 if room_of(m) != room_of(t) and "tasks" not in (room_of(m), room_of(t))
-                 and TIER[room_of(t)] >= TIER[room_of(m)])
+    bad = sorted(
+        f"{m} ({room_of(m)}) imports {t} ({room_of(t)})"
+        for m, ts in graph.items()
+        for t in ts
+        if room_of(m) != room_of(t) and "tasks" not in (room_of(m), room_of(t)) and TIER[room_of(t)] >= TIER[room_of(m)]
+    )
     assert bad == [], "move the helper down to the lower room both use:\n  " + "\n  ".join(bad)
 
 
@@ -162,16 +216,29 @@ def _private_uses(path: Path, module: str) -> list[str]:
     tree = ast.parse(path.read_text(encoding="utf-8"))
     here, out, aliases = room_of(module), [], {}
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module and not node.level and room_of(node.module) != here \
-                and node.module.split(".")[0] in ("model", "tasks", "flows"):
-            out += [f"{module}: from {node.module} import {a.name}" for a in node.names
-                    if a.name.startswith("_") and not a.name.startswith("__")]
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.module
+            and not node.level
+            and room_of(node.module) != here
+            and node.module.split(".")[0] in ("model", "tasks", "flows")
+        ):
+            out += [
+                f"{module}: from {node.module} import {a.name}"
+                for a in node.names
+                if a.name.startswith("_") and not a.name.startswith("__")
+            ]
             aliases.update({a.asname or a.name: f"{node.module}.{a.name}" for a in node.names})
         elif isinstance(node, ast.Import):
             aliases.update({a.asname: a.name for a in node.names if a.asname})
     for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases \
-                and node.attr.startswith("_") and not node.attr.startswith("__"):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in aliases
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+        ):
             target = aliases[node.value.id]
             if target.split(".")[0] in ("model", "tasks", "flows") and room_of(target) != here:
                 out.append(f"{module}: {target}.{node.attr}")
@@ -189,12 +256,17 @@ def test_no_private_name_crosses_rooms(graph):
 
 def test_no_stage_imports_another_stage(graph):
     """Helpers two stages share live below both (store/, training/, ...), not in one of them."""
+
     def stage_of(m):
         parts = m.split(".")
         return parts[2] if len(parts) > 2 and parts[:2] == ["tasks", "stages"] else None
 
-    bad = sorted(f"{m} imports {t}" for m, ts in graph.items() for t in ts
-                 if stage_of(m) and stage_of(t) and stage_of(m) != stage_of(t))
+    bad = sorted(
+        f"{m} imports {t}"
+        for m, ts in graph.items()
+        for t in ts
+        if stage_of(m) and stage_of(t) and stage_of(m) != stage_of(t)
+    )
     assert bad == []
 
 
@@ -202,10 +274,14 @@ def test_stage_table_modules_exist_and_expose_the_stage_api():
     from tasks.stages import STAGES
 
     for s in STAGES.values():
-        assert (REPO / (s.module.replace(".", "/") + ".py")).is_file() or \
-            (REPO / s.module.replace(".", "/") / "__init__.py").is_file(), s.module
-        src = ((REPO / (s.module.replace(".", "/") + ".py")) if (REPO / (s.module.replace(".", "/") + ".py")).is_file()
-               else REPO / s.module.replace(".", "/") / "__init__.py").read_text()
+        assert (REPO / (s.module.replace(".", "/") + ".py")).is_file() or (
+            REPO / s.module.replace(".", "/") / "__init__.py"
+        ).is_file(), s.module
+        src = (
+            (REPO / (s.module.replace(".", "/") + ".py"))
+            if (REPO / (s.module.replace(".", "/") + ".py")).is_file()
+            else REPO / s.module.replace(".", "/") / "__init__.py"
+        ).read_text()
         for fn in ("def run(", "def stage_key(") if s.name not in ("merged", "convert") else ("def ",):
             assert fn in src, (s.module, fn)
         if s.child:
@@ -214,10 +290,9 @@ def test_stage_table_modules_exist_and_expose_the_stage_api():
 
 def test_child_entry_points_round_trip_by_dotted_name():
     """The supervisor names a child's entry by the function it was handed; the child resolves the name back."""
-    from tasks.runtime.supervise import entry_name, entry_point
-    from tasks.stages import STAGES, stage_module
     from tasks.modeling.merge import code_version as merged_code_version
-    from tasks.stages import code_version
+    from tasks.runtime.supervise import entry_name, entry_point
+    from tasks.stages import STAGES, code_version, stage_module
 
     for s in STAGES.values():
         if s.child:
@@ -231,8 +306,10 @@ def test_child_entry_points_round_trip_by_dotted_name():
 def test_no_unlisted_dynamic_imports():
     found = {(d.module, d.code) for d in dynamic_imports(REPO)}
     new = sorted(found - KNOWN_DYNAMIC)
-    assert not new, ("imports by a computed name hide an edge from the graph (and from code versions); import by "
-                     "literal name, or list the import in KNOWN_DYNAMIC with a why: " + ", ".join(map(str, new)))
+    assert not new, (
+        "imports by a computed name hide an edge from the graph (and from code versions); import by "
+        "literal name, or list the import in KNOWN_DYNAMIC with a why: " + ", ".join(map(str, new))
+    )
 
 
 def test_cycle_finder():
@@ -284,8 +361,12 @@ def _defined_names(tree: ast.Module) -> set[str]:
 def _reexport_imports() -> list[str]:
     """Every `from M import n` (module level or in a function) of the project's source and tests where M is a
     project module that does not define n itself (nor has a submodule n)."""
-    files = {p.relative_to(REPO).with_suffix("").as_posix().removesuffix("/__init__").replace("/", "."): p
-             for d in SOURCE_DIRS for p in (REPO / d).rglob("*.py") if "__pycache__" not in p.parts}
+    files = {
+        p.relative_to(REPO).with_suffix("").as_posix().removesuffix("/__init__").replace("/", "."): p
+        for d in SOURCE_DIRS
+        for p in (REPO / d).rglob("*.py")
+        if "__pycache__" not in p.parts
+    }
     trees = {m: ast.parse(p.read_text(encoding="utf-8")) for m, p in files.items()}
     defined = {m: _defined_names(t) for m, t in trees.items()}
 
@@ -309,8 +390,11 @@ def _reexport_imports() -> list[str]:
             src = source_of(module, node)
             if src is None or src in REEXPORTS_ALLOWED:
                 continue
-            bad += [f"{files[module].relative_to(REPO)}:{node.lineno}: from {node.module or '.'} import {a.name}"
-                    for a in node.names if a.name not in defined[src] and f"{src}.{a.name}" not in files]
+            bad += [
+                f"{files[module].relative_to(REPO)}:{node.lineno}: from {node.module or '.'} import {a.name}"
+                for a in node.names
+                if a.name not in defined[src] and f"{src}.{a.name}" not in files
+            ]
     return sorted(bad)
 
 
@@ -326,8 +410,12 @@ def test_python_embedded_in_shell_scripts_imports_names_where_they_are_defined()
     the AST test above does not see it, and CI's capped-AVX2 step broke on a removed re-export there."""
     import re
 
-    files = {p.relative_to(REPO).with_suffix("").as_posix().removesuffix("/__init__").replace("/", "."): p
-             for d in ("model", "tasks", "flows") for p in (REPO / d).rglob("*.py") if "__pycache__" not in p.parts}
+    files = {
+        p.relative_to(REPO).with_suffix("").as_posix().removesuffix("/__init__").replace("/", "."): p
+        for d in ("model", "tasks", "flows")
+        for p in (REPO / d).rglob("*.py")
+        if "__pycache__" not in p.parts
+    }
     defined = {m: _defined_names(ast.parse(p.read_text(encoding="utf-8"))) for m, p in files.items()}
     pattern = re.compile(r"from ((?:model|tasks|flows)(?:\.\w+)*) import ([\w, ]+)")
     bad = []
@@ -341,9 +429,11 @@ def test_python_embedded_in_shell_scripts_imports_names_where_they_are_defined()
 
 
 def test_reexport_check_sees_through_blocks_and_submodules():
-    tree = ast.parse("import os\nfrom a import b\nif os:\n    X = 1\n    def f(): pass\nelse:\n    class K: pass\n"
-                     "try:\n    import c\nexcept ImportError:\n    c = None\nfor i, (j, k) in []: pass\n"
-                     "with open(0) as fh: pass\n_T: int = 0\n")
+    tree = ast.parse(
+        "import os\nfrom a import b\nif os:\n    X = 1\n    def f(): pass\nelse:\n    class K: pass\n"
+        "try:\n    import c\nexcept ImportError:\n    c = None\nfor i, (j, k) in []: pass\n"
+        "with open(0) as fh: pass\n_T: int = 0\n"
+    )
     assert _defined_names(tree) == {"X", "f", "K", "c", "i", "j", "k", "fh", "_T"}
 
 
@@ -351,19 +441,38 @@ def test_reexport_check_sees_through_blocks_and_submodules():
 
 # Third-party packages too slow to load where a light module does not need them yet (measured: `import tasks.cli` takes
 # ~0.25 s and loads none of them; times on the 2-core dev machine, after NumPy where the package needs it).
-HEAVY = {"mindspore",  # 1.5 s
-         "numpy",  # 0.1 s: the CLI does not load it (ml_dtypes and safetensors.numpy load it too: NEEDS_NUMPY)
-         "lm_eval", "datasets", "torch", "transformers",  # ~1 s each (lm_eval with its task index)
-         "prefect", "prefect_dask",  # 1.5 s; Dask +0.5 s over Prefect
-         "matplotlib", "fastapi", "uvicorn", "onnx", "onnxruntime", "onnxruntime_genai",  # 0.1-0.4 s
-         "gguf", "tensorboard", "jinja2", "tqdm", "psutil", "sentencepiece", "tokenizers"}  # 10-170 ms
+HEAVY = {
+    "mindspore",  # 1.5 s
+    "numpy",  # 0.1 s: the CLI does not load it (ml_dtypes and safetensors.numpy load it too: NEEDS_NUMPY)
+    "lm_eval",
+    "datasets",
+    "torch",
+    "transformers",  # ~1 s each (lm_eval with its task index)
+    "prefect",
+    "prefect_dask",  # 1.5 s; Dask +0.5 s over Prefect
+    "matplotlib",
+    "fastapi",
+    "uvicorn",
+    "onnx",
+    "onnxruntime",
+    "onnxruntime_genai",  # 0.1-0.4 s
+    "gguf",
+    "tensorboard",
+    "jinja2",
+    "tqdm",
+    "psutil",
+    "sentencepiece",
+    "tokenizers",
+}  # 10-170 ms
 NEEDS_NUMPY = {"ml_dtypes", "safetensors"}
 
 # Modules that must import fast and without MindSpore, and everything they import at module level: there an import
 # of a heavy package (or of a project module that loads one at its top) stays inside the function that needs it.
 LIGHT_ROOTS = {
-    "tasks.cli", "tasks.config",  # `msllm` and config validation: pipelines.yaml checked in milliseconds
-    "model.config", "model.registry",  # the config schema checks model names without MindSpore
+    "tasks.cli",
+    "tasks.config",  # `msllm` and config validation: pipelines.yaml checked in milliseconds
+    "model.config",
+    "model.registry",  # the config schema checks model names without MindSpore
     "tasks.stages",  # the stage table; each stage module (STAGES) too: the CLI and the flows import its run/stage_key
     "tasks.deploy.onnx_generate",  # needs numpy + onnxruntime only (its copy in an export artifact runs standalone)
     "tasks.deploy.checks",  # onnxruntime-genai's checks run without MindSpore
@@ -383,8 +492,12 @@ def _module_imports() -> tuple[dict[str, Path], dict[str, tuple[set[str], list[t
     """{module: path}, {module: (module-level targets, [(line, module, targets) of each import in a function])};
     targets include parent packages (importing a.b.c runs a and a.b) and `from a import sub` submodules. Imports
     under `if TYPE_CHECKING:` never run and are skipped."""
-    files = {p.relative_to(REPO).with_suffix("").as_posix().removesuffix("/__init__").replace("/", "."): p
-             for pkg in PACKAGES for p in (REPO / pkg).rglob("*.py") if "__pycache__" not in p.parts}
+    files = {
+        p.relative_to(REPO).with_suffix("").as_posix().removesuffix("/__init__").replace("/", "."): p
+        for pkg in PACKAGES
+        for p in (REPO / pkg).rglob("*.py")
+        if "__pycache__" not in p.parts
+    }
     out = {}
     for mod, path in files.items():
         top: set[str] = set()
@@ -395,16 +508,21 @@ def _module_imports() -> tuple[dict[str, Path], dict[str, tuple[set[str], list[t
                 names = [a.name for a in node.names]
             else:
                 package = mod.split(".")[: None if path.name == "__init__.py" else -1]
-                base = node.module if not node.level else ".".join(
-                    package[: len(package) - node.level + 1] + ([node.module] if node.module else []))
+                base = (
+                    node.module
+                    if not node.level
+                    else ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else []))
+                )
                 names = [base] + [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in files]
             name = names[1] if len(names) > 1 else names[0]  # `from pkg import submodule` names the submodule
             return name, {".".join(n.split(".")[:i]) for n in names for i in range(1, n.count(".") + 2)}
 
         def visit(node: ast.AST, in_function: bool) -> None:
             for child in ast.iter_child_nodes(node):
-                if isinstance(child, ast.If) and "TYPE_CHECKING" in (getattr(child.test, "id", None),
-                                                                     getattr(child.test, "attr", None)):
+                if isinstance(child, ast.If) and "TYPE_CHECKING" in (
+                    getattr(child.test, "id", None),
+                    getattr(child.test, "attr", None),
+                ):
                     continue
                 if isinstance(child, (ast.Import, ast.ImportFrom)):
                     name, ts = targets(child)
@@ -460,8 +578,10 @@ def test_imports_are_at_module_top_except_the_lazy_boundary(lazy_import_report):
     bad, light, _ = lazy_import_report
     todo = {b.split(":")[0] for b in bad} & LAZY_TODO_FILES
     bad = [b for b in bad if b.split(":")[0] not in LAZY_TODO_FILES]
-    assert bad == [], ("move these imports to the module's top (or, for a real lazy boundary, add the package to HEAVY "
-                       "or the pair to LAZY_ALLOWED with the reason):\n  " + "\n  ".join(bad))
+    assert bad == [], (
+        "move these imports to the module's top (or, for a real lazy boundary, add the package to HEAVY "
+        "or the pair to LAZY_ALLOWED with the reason):\n  " + "\n  ".join(bad)
+    )
     assert todo == LAZY_TODO_FILES, f"no lazy imports left to fix in {sorted(LAZY_TODO_FILES - todo)}: remove them"
     assert {"tasks.cli", "tasks.stages.pretrain", "tasks.store.artifacts", "model.config"} <= light
 

@@ -38,11 +38,17 @@ def _run(cmd: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: 
 def _tracked_package_files() -> set[str]:
     """The packages' files as git tracks them (every file under them, without git)."""
     try:
-        out = subprocess.run(["git", "-C", str(REPO), "ls-files", *PACKAGES], capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            ["git", "-C", str(REPO), "ls-files", *PACKAGES], capture_output=True, text=True, check=True
+        )
         files = out.stdout.splitlines()
     except (OSError, subprocess.CalledProcessError):
-        files = [p.relative_to(REPO).as_posix() for pkg in PACKAGES for p in (REPO / pkg).rglob("*")
-                 if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc"]
+        files = [
+            p.relative_to(REPO).as_posix()
+            for pkg in PACKAGES
+            for p in (REPO / pkg).rglob("*")
+            if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc"
+        ]
     return {f for f in files if (REPO / f).is_file()}
 
 
@@ -55,8 +61,22 @@ def test_wheel_installs_and_runs_outside_the_repo(tmp_path):
     for pkg in PACKAGES:
         shutil.copytree(REPO / pkg, src / pkg, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     dist = tmp_path / "dist"
-    build_log = _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-v",
-                      "-w", str(dist), str(src)], cwd=tmp_path)
+    build_log = _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "-v",
+            "-w",
+            str(dist),
+            str(src),
+        ],
+        cwd=tmp_path,
+    )
     assert "deprecat" not in build_log.lower(), [ln for ln in build_log.splitlines() if "eprecat" in ln]
     (wheel,) = dist.glob("msllm-*.whl")
     members = set(zipfile.ZipFile(wheel).namelist())
@@ -70,24 +90,55 @@ def test_wheel_installs_and_runs_outside_the_repo(tmp_path):
     venv = tmp_path / "venv"
     _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], cwd=tmp_path)
     py = venv / "bin" / "python"
-    site = Path(_run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd=tmp_path).strip())
+    site = Path(
+        _run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd=tmp_path).strip()
+    )
     (site / "_msllm_test_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    _run([sys.executable, "-m", "pip", "--python", str(py), "install", "--no-index", "-q",
-          "-c", str(REPO / "requirements.lock"), str(wheel)], cwd=tmp_path)
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(py),
+            "install",
+            "--no-index",
+            "-q",
+            "-c",
+            str(REPO / "requirements.lock"),
+            str(wheel),
+        ],
+        cwd=tmp_path,
+    )
 
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MSLLM_ARTIFACTS", "VIRTUAL_ENV")}
     env.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", GLOG_v="3", PATH=f"{venv / 'bin'}{os.pathsep}{env['PATH']}")
     work = tmp_path / "work"  # outside the repo
     work.mkdir()
-    probe = json.loads(_run([str(py), "-c", (
-        "import json, tasks, tasks.cli, model, flows, tasks.stages.evaluate as ev, tasks.runtime.distributed as d\n"
-        "print(json.dumps({'tasks': list(tasks.__path__), 'cli': tasks.cli.__file__, 'model': model.__file__,"
-        " 'flows': flows.__file__, 'lm_tasks': len(list(ev.LOCAL_TASKS.glob('*.yaml'))),"
-        " 'worker': d.WORKER.is_file()}))")], cwd=work, env=env))
+    probe = json.loads(
+        _run(
+            [
+                str(py),
+                "-c",
+                (
+                    "import json, tasks, tasks.cli, model, flows, tasks.stages.evaluate as ev, "
+                    "tasks.runtime.distributed as d\n"
+                    "print(json.dumps({'tasks': list(tasks.__path__), 'cli': tasks.cli.__file__,"
+                    " 'model': model.__file__,"
+                    " 'flows': flows.__file__, 'lm_tasks': len(list(ev.LOCAL_TASKS.glob('*.yaml'))),"
+                    " 'worker': d.WORKER.is_file()}))"
+                ),
+            ],
+            cwd=work,
+            env=env,
+        )
+    )
     assert probe["tasks"] == [str(site / "tasks")], probe
     for key in ("cli", "model", "flows"):
         assert Path(probe[key]).is_relative_to(site), probe
-    assert probe["lm_tasks"] == len(list((REPO / "tasks/stages/evaluate/lm_tasks").glob("*.yaml"))) > 0  # package data shipped
+    assert (
+        probe["lm_tasks"] == len(list((REPO / "tasks/stages/evaluate/lm_tasks").glob("*.yaml"))) > 0
+    )  # package data shipped
     assert probe["worker"], "the msrun worker script is not in the installed package"
 
     # 3. the CLI, from a directory outside the repo: a starter project from the package, then every stage it needs
@@ -102,19 +153,39 @@ def test_wheel_installs_and_runs_outside_the_repo(tmp_path):
     manifest = json.loads((art / "manifest.json").read_text())
     assert manifest["stage"] == "data"
     assert (art / "tokenizer.model").is_file() and list((art / "train").glob("*.mindrecord"))
-    short = ["--set", "pretrain.train.loop.max_steps=3", "--set", "pretrain.train.loop.eval_steps=3",
-             "--set", "checkpoint.save_steps=3", "--set", "pretrain.train.schedule.warmup_steps=1"]
+    short = [
+        "--set",
+        "pretrain.train.loop.max_steps=3",
+        "--set",
+        "pretrain.train.loop.eval_steps=3",
+        "--set",
+        "checkpoint.save_steps=3",
+        "--set",
+        "pretrain.train.schedule.warmup_steps=1",
+    ]
     out = _run([msllm_bin, "train", *short], cwd=proj, env=env, timeout=900)
     model = Path(out.strip().splitlines()[-1])
     assert model.parent == proj / "artifacts" / "pretrain"
-    r = subprocess.run([msllm_bin, "eval", "--set", "eval.tasks=[local_arc_easy, local_boolq]", "--set", "eval.limit=2"],
-                       cwd=proj, env=env, capture_output=True, text=True, timeout=900)
+    r = subprocess.run(
+        [msllm_bin, "eval", "--set", "eval.tasks=[local_arc_easy, local_boolq]", "--set", "eval.limit=2"],
+        cwd=proj,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     ev = Path(r.stdout.strip().splitlines()[-1])
     m = json.loads((ev / "manifest.json").read_text())
     assert 0.0 <= m["metrics"]["local_arc_easy.acc"] <= 1.0 and "local_boolq.acc" in m["metrics"]
     assert m["model_choice"]["artifact"] == f"pretrain/{model.name}" and f"model pretrain/{model.name}" in r.stderr
     # a closed pipe is not an error
-    r = subprocess.run(["bash", "-c", f"{msllm_bin} lineage {ev} --format json | head -1; exit ${{PIPESTATUS[0]}}"],
-                       cwd=proj, env=env, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        ["bash", "-c", f"{msllm_bin} lineage {ev} --format json | head -1; exit ${{PIPESTATUS[0]}}"],
+        cwd=proj,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode in (0, 141) and "rror" not in r.stderr, r.stderr

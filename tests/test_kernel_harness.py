@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from model.kernel_build import FLAGS, HERE, TRAIN_SOURCE
 from model.cpu import LEVELS, cpu_levels
+from model.kernel_build import FLAGS, HERE, TRAIN_SOURCE
 
 pytestmark = pytest.mark.integration
 HARNESS = Path(__file__).with_name("native") / "kernel_harness.cc"
@@ -44,8 +44,10 @@ def _passed(r: subprocess.CompletedProcess) -> None:
     assert r.returncode == 0 and last.endswith(" passed, 0 failed"), r.stdout + r.stderr
 
 
-@pytest.mark.skipif(not (CROSS and QEMU), reason="needs aarch64-linux-gnu-g++ and qemu-aarch64 "
-                                                   "(apt-get install g++-aarch64-linux-gnu qemu-user)")
+@pytest.mark.skipif(
+    not (CROSS and QEMU),
+    reason="needs aarch64-linux-gnu-g++ and qemu-aarch64 (apt-get install g++-aarch64-linux-gnu qemu-user)",
+)
 def test_neon_body_matches_scalar_under_qemu(tmp_path):
     cmd = _harness(CROSS, "aarch64", "neon", tmp_path)
     sysroot = "/usr/aarch64-linux-gnu"

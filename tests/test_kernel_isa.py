@@ -18,16 +18,17 @@ import numpy as np
 import pytest
 
 import model.kernel_build as kernel_build  # the build cache's private memo and helpers
-
-from model.kernel_build import DECODE_SOURCE, TRAIN_SOURCE, build_kernel, kernel_path
 from model.cpu import cpu_levels, matmul_isa, select_isa
+from model.kernel_build import DECODE_SOURCE, TRAIN_SOURCE, build_kernel, kernel_path
 
 CXX = shutil.which(os.environ.get("CXX", "g++"))
 needs_cxx = pytest.mark.skipif(CXX is None, reason="no C++ compiler: the native kernels cannot be built here")
-U = 2.0 ** -24  # float32 unit roundoff
+U = 2.0**-24  # float32 unit roundoff
 
-X86_AVX512 = ("processor\t: 0\nflags\t\t: fpu sse2 ssse3 cx16 sse4_1 sse4_2 movbe popcnt xsave avx f16c lahf_lm abm "
-              "fma bmi1 avx2 bmi2 avx512f avx512dq avx512cd avx512bw avx512vl avx512_vnni\n")
+X86_AVX512 = (
+    "processor\t: 0\nflags\t\t: fpu sse2 ssse3 cx16 sse4_1 sse4_2 movbe popcnt xsave avx f16c lahf_lm abm "
+    "fma bmi1 avx2 bmi2 avx512f avx512dq avx512cd avx512bw avx512vl avx512_vnni\n"
+)
 X86_AVX2 = X86_AVX512.split("avx512f")[0] + "\n"  # a Zen 2 / Haswell: v3, no AVX-512
 X86_OLD = "flags\t\t: fpu sse2 ssse3 sse4_1 sse4_2 popcnt\n"
 ARM = "processor\t: 0\nFeatures\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm\n"
@@ -47,10 +48,10 @@ def test_probe_parses_cpuinfo_into_levels():
 def test_matmul_isa_is_the_cpus_level_capped_as_onednn_caps_it():
     assert matmul_isa(X86_AVX512, "x86_64", "") == "avx512"
     assert matmul_isa(X86_AVX512, "x86_64", "avx512_core_vnni") == "avx512"
-    assert matmul_isa(X86_AVX512, "x86_64", "AVX2") == "avx2"          # the benchmarks' --isa avx2
+    assert matmul_isa(X86_AVX512, "x86_64", "AVX2") == "avx2"  # the benchmarks' --isa avx2
     assert matmul_isa(X86_AVX512, "x86_64", "AVX2_VNNI") == "avx2"
-    assert matmul_isa(X86_AVX2, "x86_64", "") == "avx2"                # an AVX2-only CPU
-    assert matmul_isa(X86_AVX2, "x86_64", "AVX512_CORE") == "avx2"     # a cap above the CPU changes nothing
+    assert matmul_isa(X86_AVX2, "x86_64", "") == "avx2"  # an AVX2-only CPU
+    assert matmul_isa(X86_AVX2, "x86_64", "AVX512_CORE") == "avx2"  # a cap above the CPU changes nothing
     assert matmul_isa(X86_AVX512, "x86_64", "SSE41") == "scalar"
     assert matmul_isa(X86_OLD, "x86_64", "") == "scalar"
     assert matmul_isa(ARM, "aarch64", "") == ""
@@ -69,14 +70,21 @@ def test_override_forces_a_level_the_cpu_runs_and_refuses_others():
 
 # ----------------------------------------------------------------------------- calling the kernels directly
 
+
 def _call(lib: str, name: str, *arrays: np.ndarray) -> int:
     """Call an aot kernel as MindSpore does: int f(nparam, params, ndims, shapes, dtypes, stream, extra)."""
     fn = getattr(ctypes.CDLL(lib), name)
     n = len(arrays)
     shapes = [(ctypes.c_int64 * max(a.ndim, 1))(*a.shape) for a in arrays]
-    return fn(n, (ctypes.c_void_p * n)(*[a.ctypes.data for a in arrays]), (ctypes.c_int * n)(*[a.ndim for a in arrays]),
-              (ctypes.POINTER(ctypes.c_int64) * n)(*[ctypes.cast(s, ctypes.POINTER(ctypes.c_int64)) for s in shapes]),
-              (ctypes.c_char_p * n)(*[str(a.dtype).encode() for a in arrays]), None, None)
+    return fn(
+        n,
+        (ctypes.c_void_p * n)(*[a.ctypes.data for a in arrays]),
+        (ctypes.c_int * n)(*[a.ndim for a in arrays]),
+        (ctypes.POINTER(ctypes.c_int64) * n)(*[ctypes.cast(s, ctypes.POINTER(ctypes.c_int64)) for s in shapes]),
+        (ctypes.c_char_p * n)(*[str(a.dtype).encode() for a in arrays]),
+        None,
+        None,
+    )
 
 
 def _lib(isa: str, source: Path = TRAIN_SOURCE, openmp: bool = False) -> str:
@@ -89,32 +97,49 @@ QEMU = shutil.which("qemu-x86_64")
 
 
 @pytest.mark.integration
-@pytest.mark.skipif(os.uname().machine != "x86_64" or QEMU is None,
-                    reason="needs an x86_64 host with qemu-x86_64 (Debian's qemu-user)")
+@pytest.mark.skipif(
+    os.uname().machine != "x86_64" or QEMU is None, reason="needs an x86_64 host with qemu-x86_64 (Debian's qemu-user)"
+)
 def test_probe_follows_cpuid_where_cpuinfo_is_the_hosts():
     """Under qemu-user /proc/cpuinfo is the host's (AVX-512 here, perhaps) but CPUID is the emulated AVX2 core's:
     the probe must not pick a body that would fault (the run below would die of SIGILL in the kernel call)."""
     import subprocess
     import sys
 
-    code = ("import ctypes, numpy as np, sys; sys.path.insert(0, sys.argv[1])\n"
-            "from model.cpu import cpu_levels\n"
-            "from model.kernel_build import build_kernel, TRAIN_SOURCE\n"
-            "b = build_kernel(TRAIN_SOURCE)\n"
-            "x = np.zeros((1, 4, 40), np.float32); y = np.full_like(x, np.nan); arrays = (x, y)\n"
-            "shapes = [(ctypes.c_int64 * 3)(*a.shape) for a in arrays]\n"
-            "rc = ctypes.CDLL(b.lib).CausalSoftmax(2, (ctypes.c_void_p * 2)(*[a.ctypes.data for a in arrays]), "
-            "(ctypes.c_int * 2)(3, 3), (ctypes.POINTER(ctypes.c_int64) * 2)(*[ctypes.cast(s, "
-            "ctypes.POINTER(ctypes.c_int64)) for s in shapes]), (ctypes.c_char_p * 2)(b'float32', b'float32'), "
-            "None, None)\n"
-            # keys end-aligned; a row of zeros softmaxes to 1/40 each: exp(0) = 1 exactly, one sum of 40 ones (exact)
-            # and a division, so an ulp or two of 1/40, inside allclose's 1e-5 relative whatever the order
-            "assert rc == 0 and np.allclose(y[0, 3], 1 / 40) and (y[0, 0, 37:] == 0).all(), (rc, y[0])\n"
-            "print(','.join(cpu_levels()), b.isa, flush=True)\n")
+    code = (
+        "import ctypes, numpy as np, sys; sys.path.insert(0, sys.argv[1])\n"
+        "from model.cpu import cpu_levels\n"
+        "from model.kernel_build import build_kernel, TRAIN_SOURCE\n"
+        "b = build_kernel(TRAIN_SOURCE)\n"
+        "x = np.zeros((1, 4, 40), np.float32); y = np.full_like(x, np.nan); arrays = (x, y)\n"
+        "shapes = [(ctypes.c_int64 * 3)(*a.shape) for a in arrays]\n"
+        "rc = ctypes.CDLL(b.lib).CausalSoftmax(2, (ctypes.c_void_p * 2)(*[a.ctypes.data for a in arrays]), "
+        "(ctypes.c_int * 2)(3, 3), (ctypes.POINTER(ctypes.c_int64) * 2)(*[ctypes.cast(s, "
+        "ctypes.POINTER(ctypes.c_int64)) for s in shapes]), (ctypes.c_char_p * 2)(b'float32', b'float32'), "
+        "None, None)\n"
+        # keys end-aligned; a row of zeros softmaxes to 1/40 each: exp(0) = 1 exactly, one sum of 40 ones (exact)
+        # and a division, so an ulp or two of 1/40, inside allclose's 1e-5 relative whatever the order
+        "assert rc == 0 and np.allclose(y[0, 3], 1 / 40) and (y[0, 0, 37:] == 0).all(), (rc, y[0])\n"
+        "print(','.join(cpu_levels()), b.isa, flush=True)\n"
+    )
     python = os.path.realpath(getattr(sys, "_base_executable", sys.executable))  # the ELF, not a venv shim
-    r = subprocess.run([QEMU, "-cpu", "EPYC-Milan", "-0", sys.executable, python, "-c",
-                        code, str(Path(__file__).resolve().parents[1])], capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "MSLLM_KERNEL_ISA": ""})
+    r = subprocess.run(
+        [
+            QEMU,
+            "-cpu",
+            "EPYC-Milan",
+            "-0",
+            sys.executable,
+            python,
+            "-c",
+            code,
+            str(Path(__file__).resolve().parents[1]),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "MSLLM_KERNEL_ISA": ""},
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     levels, isa = r.stdout.split()
     assert levels == "avx2,scalar" and isa == "avx2"
@@ -177,7 +202,7 @@ def test_every_body_matches_the_scalar_reference(isa):
     assert (np.abs(y - ry) <= 2 * (hh + 6) * U * np.abs(ry)).all()
     (dx, dw), (rdx, rdw) = both("RMSNormGrad", [xs, w, eps, dy], [(xs.shape, np.float32), ((hh,), np.float32)])
     inv = 1 / np.sqrt((xs.astype(np.float64) ** 2).mean(-1, keepdims=True))
-    terms = inv * np.abs(dy * w) + inv * np.abs(xs) * inv ** 2 * np.abs(dy * w * xs).mean(-1, keepdims=True)
+    terms = inv * np.abs(dy * w) + inv * np.abs(xs) * inv**2 * np.abs(dy * w * xs).mean(-1, keepdims=True)
     assert (np.abs(dx - rdx) <= 2 * (2 * hh + 10) * U * terms).all()
     assert (np.abs(dw - rdw) <= 2 * (n + hh + 10) * U * (np.abs(dy * xs) * inv).sum(0)).all()
 
@@ -216,14 +241,20 @@ def test_every_body_matches_the_scalar_reference(isa):
     # causal attention [B, nh, T, hd] over [B, nkv, S, hd]: GQA, T past one 64-query block, hd 20 (vector tails)
     b, nh, nkv, t, s, hd = 2, 4, 2, 70, 73, 20
     q = (rng.standard_normal((b, nh, t, hd)) * 0.5).astype(np.float32)
-    k, v, = rng.standard_normal((2, b, nkv, s, hd)).astype(np.float32)
+    (
+        k,
+        v,
+    ) = rng.standard_normal((2, b, nkv, s, hd)).astype(np.float32)
     (o, lse), (ro, rlse) = both("CausalAttention", [q, k, v], [(q.shape, np.float32), ((b, nh, t), np.float32)])
     mag = np.abs(q).max() * np.abs(k).max() * hd  # |scores| bound: exp's argument is off by eps x this
     assert np.abs(o - ro).max() <= 4 * (hd + s + mag) * U * np.abs(v).max()
     assert np.abs(lse - rlse).max() <= 4 * (hd + s + mag) * U * (1 + np.abs(rlse).max())
     do = rng.standard_normal(q.shape).astype(np.float32)
-    grads = both("CausalAttentionGrad", [q, k, v, ro, rlse, do], [(q.shape, np.float32), (k.shape, np.float32),
-                                                                   (k.shape, np.float32)])
+    grads = both(
+        "CausalAttentionGrad",
+        [q, k, v, ro, rlse, do],
+        [(q.shape, np.float32), (k.shape, np.float32), (k.shape, np.float32)],
+    )
     bound = 4 * (2 * hd + 2 * s + t * 2 + mag) * U * np.abs(do).max() * (1 + mag) * t
     for got, want in zip(*grads):
         assert np.abs(got - want).max() <= bound * max(np.abs(v).max(), np.abs(k).max(), np.abs(q).max())
@@ -265,8 +296,23 @@ def test_chunk_attention_matches_the_scalar_reference(isa):
         kc, vc = caches[0].copy(), caches[1].copy()
         out = np.full((t, nkv * n_rep * hd), np.nan, np.float32)
         lib = _lib(body, DECODE_SOURCE, openmp=True)
-        assert _call(lib, "ChunkAttention", q, k, v, np.array(start, np.int32), cos, sin, kc, vc,
-                     np.array([0.125, 2], np.float32), out) == 0
+        assert (
+            _call(
+                lib,
+                "ChunkAttention",
+                q,
+                k,
+                v,
+                np.array(start, np.int32),
+                cos,
+                sin,
+                kc,
+                vc,
+                np.array([0.125, 2], np.float32),
+                out,
+            )
+            == 0
+        )
         res[body] = (kc, vc, out)
     np.testing.assert_array_equal(res[isa][1], res["scalar"][1])  # v rows are copied
     # RoPE is elementwise (k * cos +- k' * sin): two products and a sum, a few roundings of |k|, no reduction
@@ -285,8 +331,17 @@ def _whole_model(rng, L=2, V=37, H=40, nh=4, nkv=2, hd=10, F=52, S=24):
     ones = lambda n: (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)  # noqa: E731
     weights = [w(V, H) * np.sqrt(H), ones(H), w(V, H), cos, sin]
     for _ in range(L):
-        weights += [ones(H), w(nh * hd, H), w(nkv * hd, H), w(nkv * hd, H), w(H, nh * hd), ones(H), w(F, H), w(F, H),
-                    w(H, F)]
+        weights += [
+            ones(H),
+            w(nh * hd, H),
+            w(nkv * hd, H),
+            w(nkv * hd, H),
+            w(H, nh * hd),
+            ones(H),
+            w(F, H),
+            w(F, H),
+            w(H, F),
+        ]
     return weights, rng.standard_normal((2, L, nkv, S, hd)).astype(np.float32)
 
 
@@ -302,7 +357,7 @@ def test_prefill_step_matches_decode_steps_and_the_scalar_body(isa):
     rng = np.random.default_rng(7)
     weights, caches = _whole_model(rng)
     L, S, V, H, F = 2, caches.shape[3], weights[0].shape[0], weights[0].shape[1], 52
-    consts = np.array([1e-5, 10 ** -0.5, 3], np.float32)
+    consts = np.array([1e-5, 10**-0.5, 3], np.float32)
     start, T = 3, 7  # a chunk after three cached slots; T = 7: a partial 4-token block
     tokens = rng.integers(0, V, (1, T)).astype(np.int32)
 
@@ -316,8 +371,20 @@ def test_prefill_step_matches_decode_steps_and_the_scalar_body(isa):
         kv, out = caches.copy(), []
         for i in range(T):
             logits = np.full((1, V), np.nan, np.float32)
-            assert _call(lib, "DecodeStep", tokens[:, i:i + 1].copy(), np.array(start + i, np.int32), consts, *weights,
-                         *kv[0], *kv[1], logits) == 0
+            assert (
+                _call(
+                    lib,
+                    "DecodeStep",
+                    tokens[:, i : i + 1].copy(),
+                    np.array(start + i, np.int32),
+                    consts,
+                    *weights,
+                    *kv[0],
+                    *kv[1],
+                    logits,
+                )
+                == 0
+            )
             out.append(logits[0])
         return kv, np.stack(out)
 
@@ -328,17 +395,22 @@ def test_prefill_step_matches_decode_steps_and_the_scalar_body(isa):
         rc, kv, logits = prefill(lib, last)
         assert rc == 0 and np.isfinite(logits).all()
         np.testing.assert_array_equal(kv[:, :, :, :start], caches[:, :, :, :start])  # slots before the chunk
-        np.testing.assert_array_equal(kv[:, :, :, start + T:], caches[:, :, :, start + T:])  # and after it
+        np.testing.assert_array_equal(kv[:, :, :, start + T :], caches[:, :, :, start + T :])  # and after it
         assert np.abs(kv - kv_dec).max() <= bound(kv_dec)
         assert np.abs(logits[0] - logits_dec[last]).max() <= bound(logits_dec[last])
         rc, kv_s, logits_s = prefill(_lib("scalar", DECODE_SOURCE, openmp=True), last)
         assert rc == 0 and np.abs(logits - logits_s).max() <= bound(logits_s) and np.abs(kv - kv_s).max() <= bound(kv_s)
-    for rc, kv, logits in (prefill(lib, T), prefill(lib, -1), prefill(lib, 0, at=S - T + 1),
-                           prefill(lib, 0, toks=np.where(np.arange(T) == 2, V, tokens).astype(np.int32))):
+    for rc, kv, logits in (
+        prefill(lib, T),
+        prefill(lib, -1),
+        prefill(lib, 0, at=S - T + 1),
+        prefill(lib, 0, toks=np.where(np.arange(T) == 2, V, tokens).astype(np.int32)),
+    ):
         assert rc == 4 and np.array_equal(kv, caches) and np.isnan(logits).all()
 
 
 # ----------------------------------------------------------------------------- operand checks in the kernels
+
 
 @needs_cxx
 @pytest.mark.parametrize("isa", cpu_levels())
@@ -348,7 +420,7 @@ def test_kernels_refuse_bad_operands_before_touching_memory(isa):
     # T > S: the queries would index keys past the row; an error, not an out-of-bounds write
     assert _call(lib, "CausalSoftmax", f32(2, 9, 5), f32(2, 9, 5)) == 3
     assert _call(lib, "SoftmaxGrad", f32(2, 9, 5), f32(2, 9, 5), f32(2, 9, 5)) == 3
-    assert _call(lib, "CausalSoftmax", f32(2, 5, 9), f32(2, 5, 8)) == 3       # output smaller than input
+    assert _call(lib, "CausalSoftmax", f32(2, 5, 9), f32(2, 5, 8)) == 3  # output smaller than input
     assert _call(lib, "CausalSoftmax", f32(2, 5, 9).astype(np.float64), f32(2, 5, 9)) == 2
     assert _call(lib, "RMSNorm", f32(4, 8), f32(7), f32(1), f32(4, 8)) == 3  # weight of the wrong width
     assert _call(lib, "RMSNormGrad", f32(4, 8), f32(8), f32(1), f32(4, 7), f32(4, 8), f32(8)) == 3
@@ -357,16 +429,23 @@ def test_kernels_refuse_bad_operands_before_touching_memory(isa):
     assert _call(lib, "CrossEntropy", f32(4, 8), np.zeros(4, np.float32), f32(4), f32(4)) == 2  # labels not int32
     assert _call(lib, "CrossEntropy", f32(4, 8), np.zeros(5, np.int32), f32(4), f32(4)) == 3
     assert _call(lib, "SwiGLU", f32(4), f32(4)) == 1
-    assert _call(lib, "Transpose", f32(4, 8), f32(4, 8)) == 3                 # the output not [C, R]
-    assert _call(lib, "CausalAttention", f32(1, 3, 4, 8), f32(1, 2, 4, 8), f32(1, 2, 4, 8), f32(1, 3, 4, 8),
-                 f32(1, 3, 4)) == 3                                           # 3 query heads on 2 kv heads
-    assert _call(lib, "CausalAttention", f32(1, 2, 5, 8), f32(1, 2, 4, 8), f32(1, 2, 4, 8), f32(1, 2, 5, 8),
-                 f32(1, 2, 5)) == 3                                           # T > S
-    assert _call(lib, "CausalAttention", f32(1, 2, 4, 8), f32(1, 2, 4, 8), f32(1, 2, 4, 8), f32(1, 2, 4, 8),
-                 f32(1, 2, 3)) == 3                                           # lse too small
+    assert _call(lib, "Transpose", f32(4, 8), f32(4, 8)) == 3  # the output not [C, R]
+    assert (
+        _call(lib, "CausalAttention", f32(1, 3, 4, 8), f32(1, 2, 4, 8), f32(1, 2, 4, 8), f32(1, 3, 4, 8), f32(1, 3, 4))
+        == 3
+    )  # 3 query heads on 2 kv heads
+    assert (
+        _call(lib, "CausalAttention", f32(1, 2, 5, 8), f32(1, 2, 4, 8), f32(1, 2, 4, 8), f32(1, 2, 5, 8), f32(1, 2, 5))
+        == 3
+    )  # T > S
+    assert (
+        _call(lib, "CausalAttention", f32(1, 2, 4, 8), f32(1, 2, 4, 8), f32(1, 2, 4, 8), f32(1, 2, 4, 8), f32(1, 2, 3))
+        == 3
+    )  # lse too small
 
 
 # ----------------------------------------------------------------------------- the build cache
+
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
@@ -376,7 +455,11 @@ def cache(tmp_path, monkeypatch):
     return d
 
 
-SMALL = '#include "simd.h"\nextern "C" const char *MsllmKernelIsa() { return MSLLM_ISA; }\nextern "C" int Two() { return 2; }\n'
+SMALL = (
+    '#include "simd.h"\n'
+    'extern "C" const char *MsllmKernelIsa() { return MSLLM_ISA; }\n'
+    'extern "C" int Two() { return 2; }\n'
+)
 
 
 @pytest.fixture
@@ -416,16 +499,20 @@ def test_a_missing_checksum_is_rebuilt_too(cache, small_source):
 
 def _fake_cxx(tmp_path: Path, body: str) -> Path:
     p = tmp_path / "fake-g++"
-    p.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo 'fake-g++ 0.1'; exit 0; fi\n"
-                 "for a; do out=$a; done\n" + body)  # the last argument is after -o
+    p.write_text(
+        "#!/bin/sh\nif [ \"$1\" = --version ]; then echo 'fake-g++ 0.1'; exit 0; fi\nfor a; do out=$a; done\n" + body
+    )  # the last argument is after -o
     p.chmod(0o755)
     return p
 
 
-@pytest.mark.parametrize("body,why", [
-    ('head -c 4096 /dev/urandom > "$out"; exit 0\n', "not an ELF file"),
-    ('printf "\\177ELF garbage" > "$out"; exit 0\n', "does not load"),
-])
+@pytest.mark.parametrize(
+    "body,why",
+    [
+        ('head -c 4096 /dev/urandom > "$out"; exit 0\n', "not an ELF file"),
+        ('printf "\\177ELF garbage" > "$out"; exit 0\n', "does not load"),
+    ],
+)
 def test_a_compiler_that_writes_garbage_is_not_loaded(cache, small_source, tmp_path, monkeypatch, body, why):
     monkeypatch.setenv("CXX", str(_fake_cxx(tmp_path, body)))
     b = build_kernel(small_source, isa="scalar")
@@ -466,7 +553,7 @@ def test_a_cache_others_can_write_is_refused(cache, small_source):
 
 
 def test_the_compiler_version_is_in_the_cache_key(cache, small_source, tmp_path, monkeypatch):
-    cxx = _fake_cxx(tmp_path, 'exit 1\n')
+    cxx = _fake_cxx(tmp_path, "exit 1\n")
     monkeypatch.setenv("CXX", str(cxx))
     key = lambda: kernel_build._cache_key(small_source, False, "scalar", str(cxx))  # noqa: E731
     kernel_build._compiler_versions.clear()

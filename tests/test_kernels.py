@@ -1,4 +1,5 @@
-"""The fused train-step kernels (model/train_kernels.cc via model/kernel_ops.py and the cells of model/fused_cells.py) against MindSpore's own ops.
+"""The fused train-step kernels (model/train_kernels.cc via model/kernel_ops.py and the cells of model/fused_cells.py)
+against MindSpore's own ops.
 
 Skipped only where no C++ compiler exists (or MSLLM_FUSED_KERNELS=0 says so); where one exists and the
 kernels do not build, they fail. The model then runs MindSpore's own ops, which the fallback test checks.
@@ -9,23 +10,25 @@ from __future__ import annotations
 import os
 import shutil
 
-import numpy as np
 import mindspore as ms
+import numpy as np
 import pytest
+from helpers import decoder_reduction, fp32_tol
 from mindspore import Tensor
 
-from helpers import decoder_reduction, fp32_tol
 from model.config import ModelConfig
-from model.llama import LlamaForCausalLM
-from model.kernel_ops import KernelShapeError, train_ops
-from model.kernel_build import disabled_reason, kernel_path
 from model.fused_cells import FusedSwiGLU
+from model.kernel_build import disabled_reason, kernel_path
+from model.kernel_ops import KernelShapeError, train_ops
+from model.llama import LlamaForCausalLM
 from tasks.modeling.build import Kernels, build_network
 
 K = train_ops()
 CXX = shutil.which(os.environ.get("CXX", "g++"))
-needs_kernels = pytest.mark.skipif(CXX is None or bool(disabled_reason()),
-                                   reason="no C++ compiler (or MSLLM_FUSED_KERNELS=0): the fused kernels cannot run here")
+needs_kernels = pytest.mark.skipif(
+    CXX is None or bool(disabled_reason()),
+    reason="no C++ compiler (or MSLLM_FUSED_KERNELS=0): the fused kernels cannot run here",
+)
 
 
 @needs_kernels
@@ -57,7 +60,7 @@ def test_bad_operands_are_a_clear_error_not_a_write_out_of_bounds():
 
 def _ref_causal_softmax(x: np.ndarray) -> np.ndarray:
     n, t, s = x.shape
-    keep = np.arange(s)[None, :] <= np.arange(t)[:, None] + (s - t)           # [T, S]
+    keep = np.arange(s)[None, :] <= np.arange(t)[:, None] + (s - t)  # [T, S]
     z = np.where(keep, x.astype(np.float64), -np.inf)
     e = np.exp(z - z.max(-1, keepdims=True))
     return e / e.sum(-1, keepdims=True)
@@ -70,7 +73,9 @@ def threads(request, monkeypatch):
 
 
 @needs_kernels
-@pytest.mark.parametrize("t,s", [(37, 37), (5, 21), (64, 64)])  # odd widths hit the scalar tails; S > T: queries at the end
+@pytest.mark.parametrize(
+    "t,s", [(37, 37), (5, 21), (64, 64)]
+)  # odd widths hit the scalar tails; S > T: queries at the end
 def test_causal_softmax_and_its_gradient(t, s, threads):
     rng = np.random.default_rng(t * s)
     x = (rng.standard_normal((3, t, s)) * 4).astype(np.float32)
@@ -111,13 +116,13 @@ def test_rms_norm_and_its_gradient(n, h, threads):
     dy = rng.standard_normal((n, h)).astype(np.float32)
     e = Tensor(np.array([eps], np.float32))
     xd = x.astype(np.float64)
-    inv = 1 / np.sqrt((xd ** 2).mean(-1, keepdims=True) + eps)
+    inv = 1 / np.sqrt((xd**2).mean(-1, keepdims=True) + eps)
     y = xd * inv * w
     assert np.abs(K.rms_norm(Tensor(x), Tensor(w), e).asnumpy() - y).max() <= fp32_tol(np.abs(y).max(), h)
     dx, dw = (a.asnumpy() for a in K.rms_norm_grad(Tensor(x), Tensor(w), e, Tensor(dy)))
     g = dy * w
-    want_dx = inv * g - xd * inv ** 3 * (g * xd).mean(-1, keepdims=True)
-    scale_dx = np.abs(inv * g).max() + np.abs(xd * inv ** 3 * (g * xd).mean(-1, keepdims=True)).max()
+    want_dx = inv * g - xd * inv**3 * (g * xd).mean(-1, keepdims=True)
+    scale_dx = np.abs(inv * g).max() + np.abs(xd * inv**3 * (g * xd).mean(-1, keepdims=True)).max()
     assert np.abs(dx - want_dx).max() <= fp32_tol(scale_dx, h)
     assert (np.abs(dw - (dy * xd * inv).sum(0)) <= fp32_tol(np.abs(dy * xd * inv).sum(0), n + h)).all()
 
@@ -127,14 +132,16 @@ def test_cross_entropy_and_its_gradient(threads):
     rng = np.random.default_rng(5)
     x = (rng.standard_normal((9, 37)) * 5).astype(np.float32)
     y = rng.integers(0, 37, 9).astype(np.int32)
-    y[[2, 7]] = -100                                              # ignored rows: nll 0, gradient 0
+    y[[2, 7]] = -100  # ignored rows: nll 0, gradient 0
     d = rng.standard_normal(9).astype(np.float32)
     nll, lse = (a.asnumpy() for a in K.cross_entropy(Tensor(x), Tensor(y)))
     xd = x.astype(np.float64)
     want_lse = np.log(np.exp(xd - xd.max(-1, keepdims=True)).sum(-1)) + xd.max(-1)
     keep = y >= 0
     assert np.abs(lse - want_lse).max() <= fp32_tol(np.abs(xd).max(), 37)
-    assert np.abs(nll - np.where(keep, want_lse - xd[np.arange(9), np.maximum(y, 0)], 0)).max() <= fp32_tol(np.abs(xd).max(), 37)
+    assert np.abs(nll - np.where(keep, want_lse - xd[np.arange(9), np.maximum(y, 0)], 0)).max() <= fp32_tol(
+        np.abs(xd).max(), 37
+    )
     got = K.cross_entropy_grad(Tensor(x), Tensor(y), Tensor(lse), Tensor(d)).asnumpy()
     want = np.exp(xd - want_lse[:, None])
     want[np.arange(9), np.maximum(y, 0)] -= 1
@@ -144,7 +151,7 @@ def test_cross_entropy_and_its_gradient(threads):
 
 @needs_kernels
 @pytest.mark.parametrize("r,c", [(128, 192), (130, 70), (1, 5), (64, 1)])  # whole 64 x 64 tiles (AVX2's 8 x 8
-def test_transpose_moves_every_element_exactly(r, c, threads):              # register blocks), tails, a row, a column
+def test_transpose_moves_every_element_exactly(r, c, threads):  # register blocks), tails, a row, a column
     x = np.random.default_rng(4).standard_normal((r, c)).astype(np.float32)
     np.testing.assert_array_equal(K.transpose(Tensor(x)).asnumpy(), x.T)
 
@@ -163,8 +170,10 @@ def test_head_matmul_gradients_through_the_transpose_match_mindspores(tied, monk
     x, w, g = (rng.standard_normal(s).astype(np.float32) for s in ((n, h), (v, h), (n, v)))
     cell, plain = FusedHeadMatMul(K), ms.ops.MatMul(transpose_b=True)
     np.testing.assert_array_equal(cell(Tensor(x), Tensor(w)).asnumpy(), plain(Tensor(x), Tensor(w)).asnumpy())
-    grads = [ms.grad(lambda a, b, f=f: (f(a, b) * Tensor(g)).sum(), grad_position=(0, 1))(Tensor(x), Tensor(w))
-             for f in (cell, plain)]
+    grads = [
+        ms.grad(lambda a, b, f=f: (f(a, b) * Tensor(g)).sum(), grad_position=(0, 1))(Tensor(x), Tensor(w))
+        for f in (cell, plain)
+    ]
     (dx, dw), (want_dx, want_dw) = ([t.asnumpy() for t in pair] for pair in grads)
     assert np.abs(dx - want_dx).max() <= fp32_tol(np.abs(g).sum(1).max() * np.abs(w).max(), v)
     assert np.abs(dw - want_dw).max() <= fp32_tol(np.abs(g).sum(0).max() * np.abs(x).max(), n)
@@ -214,7 +223,8 @@ def test_causal_attention_and_its_gradient(b, nh, nkv, t, s, hd, threads):
     np.testing.assert_array_equal(out2[:, :, :-1], out[:, :, :-1])
     cell = FusedCausalAttention(K)
     grads = ms.grad(lambda a, c, d: (cell(a, c, d)[0] * Tensor(g)).sum(), grad_position=(0, 1, 2))(
-        Tensor(q), Tensor(k), Tensor(v))
+        Tensor(q), Tensor(k), Tensor(v)
+    )
     dq, dk, dv = (a.asnumpy() for a in grads)
     gd, rep = g.astype(np.float64), nh // nkv
     dp = gd @ vv.transpose(0, 1, 3, 2)
@@ -232,7 +242,7 @@ def test_results_do_not_depend_on_the_thread_count(monkeypatch):
     rng = np.random.default_rng(3)
     x, dy = rng.standard_normal((2, 301, 48)).astype(np.float32)
     w, e = Tensor(np.ones(48, np.float32)), Tensor(np.array([1e-6], np.float32))
-    q = rng.standard_normal((3, 6, 32, 16)).astype(np.float32)     # 3 query heads on each kv head (GQA): the
+    q = rng.standard_normal((3, 6, 32, 16)).astype(np.float32)  # 3 query heads on each kv head (GQA): the
     kv = rng.standard_normal((2, 3, 2, 32, 16)).astype(np.float32)  # attention's dk and dv sum over them; 6 units
     dout = Tensor(rng.standard_normal(q.shape).astype(np.float32))
     outs = []
@@ -241,8 +251,16 @@ def test_results_do_not_depend_on_the_thread_count(monkeypatch):
         dx, dw = K.rms_norm_grad(Tensor(x), w, e, Tensor(dy))
         att, lse = K.causal_attention(Tensor(q), Tensor(kv[0]), Tensor(kv[1]))
         grads = K.causal_attention_grad(Tensor(q), Tensor(kv[0]), Tensor(kv[1]), att, lse, dout)
-        outs.append((dx.asnumpy(), dw.asnumpy(), K.causal_softmax(Tensor(np.stack([x[:48], x[48:96]]))).asnumpy(),
-                     att.asnumpy(), lse.asnumpy(), *(a.asnumpy() for a in grads)))
+        outs.append(
+            (
+                dx.asnumpy(),
+                dw.asnumpy(),
+                K.causal_softmax(Tensor(np.stack([x[:48], x[48:96]]))).asnumpy(),
+                att.asnumpy(),
+                lse.asnumpy(),
+                *(a.asnumpy() for a in grads),
+            )
+        )
     for other in outs[1:]:
         for a, b in zip(outs[0], other):
             np.testing.assert_array_equal(a, b)

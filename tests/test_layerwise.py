@@ -3,16 +3,15 @@ losses, gradient norms and updates, with the fused cells; where it cannot run, t
 
 from __future__ import annotations
 
+import mindspore as ms
 import numpy as np
 import pytest
-
-import mindspore as ms
+from helpers import decoder_reduction, fp32_tol
 from mindspore import Tensor
 
-from helpers import decoder_reduction, fp32_tol
 from model.config import ModelConfig
-from tasks.modeling.build import build_network
 from model.cpu import matmul_isa
+from tasks.modeling.build import build_network
 from tasks.training.layer_grad import functional_unsupported
 from tasks.training.layerwise import LayerwiseTrainStep, causal_lm_train_step, layerwise_unsupported, train_step
 from tasks.training.step import TrainStep, causal_lm_loss_fn
@@ -30,10 +29,17 @@ def _net(tied: bool, fused: bool = True):
 
 
 @pytest.mark.integration  # ~10 s each: both steps compiled
-@pytest.mark.parametrize("tied,fused,lora,cap", [(True, True, False, ""), (False, True, False, ""),
-                                                 (True, False, False, ""), (True, True, True, ""),
-                                                 (False, True, False, "AVX2")],
-                         ids=["tied", "untied", "tied-builtin-ops", "lora", "untied-avx2-head"])
+@pytest.mark.parametrize(
+    "tied,fused,lora,cap",
+    [
+        (True, True, False, ""),
+        (False, True, False, ""),
+        (True, False, False, ""),
+        (True, True, True, ""),
+        (False, True, False, "AVX2"),
+    ],
+    ids=["tied", "untied", "tied-builtin-ops", "lora", "untied-avx2-head"],
+)
 def test_layer_at_a_time_equals_the_whole_model_step(tied, fused, lora, cap, monkeypatch):
     """Three steps of two masked micro-batches (accumulation, token weights, clipping active), then a non-finite
     step (loss scale 0) that must change nothing: the same loss and gradient norm each step, the same weights.
@@ -63,8 +69,9 @@ def test_layer_at_a_time_equals_the_whole_model_step(tied, fused, lora, cap, mon
                     p.set_data(Tensor(rng.normal(0, 0.05, p.shape).astype(np.float32)))
             base = {p.name: p.asnumpy().copy() for p in net.trainable_params()}
             params = mark_only_lora_trainable(net)
-        step = causal_lm_train_step(net, params, accumulation=2, grad_clip=0.5,
-                                    in_place=built.kernels.optimizer, layerwise=layerwise)
+        step = causal_lm_train_step(
+            net, params, accumulation=2, grad_clip=0.5, in_place=built.kernels.optimizer, layerwise=layerwise
+        )
         assert isinstance(step, LayerwiseTrainStep) == layerwise
         if layerwise:
             assert (step.fn is not None) == built.kernels.fused, functional_unsupported(net)
@@ -146,8 +153,11 @@ def test_written_out_layer_backward_equals_autodiff():
             return self.layer(x, cos, sin, mask)
 
         def construct(self, x, cos, sin, mask, dy, flag):
-            return self.run(x, cos, sin, mask), self.grad(self.run, self.weights)(x, cos, sin, mask, dy), \
-                actor_thread_branch(flag)
+            return (
+                self.run(x, cos, sin, mask),
+                self.grad(self.run, self.weights)(x, cos, sin, mask, dy),
+                actor_thread_branch(flag),
+            )
 
     y_ref, ((dx_ref, *_), dws_ref), _ = ms.jit(Reference())(x, cos, sin, mask, dy, flag)
     n = decoder_reduction(ModelConfig.from_dict({**cfg.to_dict(), "num_layers": 1}), 16) + 2 * 32  # + backward's
@@ -162,13 +172,17 @@ def test_where_it_cannot_run_the_whole_model_step_runs_and_says_why():
     cfg, built = _net(True)
     net = built.net
     params = net.trainable_params()
-    from tasks.training.optimizer import parallelize_optimizer
     from types import SimpleNamespace
-    from tasks.runtime.mesh import Mesh
 
-    train = SimpleNamespace(optimizer=SimpleNamespace(beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0,
-                                                      decay_norms_and_biases=False, decay_embeddings=False),
-                            loop=SimpleNamespace(grad_clip=1.0))
+    from tasks.runtime.mesh import Mesh
+    from tasks.training.optimizer import parallelize_optimizer
+
+    train = SimpleNamespace(
+        optimizer=SimpleNamespace(
+            beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, decay_norms_and_biases=False, decay_embeddings=False
+        ),
+        loop=SimpleNamespace(grad_clip=1.0),
+    )
     subset = [p for p in params if "layers.0." in p.name]  # as LoRA: a part of the model trained
     opt = parallelize_optimizer(subset, train, Mesh(), False)
     step, how = train_step(net, causal_lm_loss_fn(net), subset, opt, layerwise=True)
@@ -206,9 +220,17 @@ def test_layer_at_a_time_memory_stays_flat_after_the_first_step():
     """A compiled graph keeps its last call's inputs alive until its next call (docs/MINDSPORE_CPU.md, "Memory"):
     with fresh gradient arrays every step, the update graph held the previous step's while the next step made its
     own, and the process grew by a set of gradients after the first step. The step's arrays are allocated once."""
-    cfg = ModelConfig.from_dict({**ModelConfig.from_name("tiny").to_dict(), "vocab_size": 49152, "hidden_size": 512,
-                                 "intermediate_size": 1024, "num_heads": 8, "num_kv_heads": 8,
-                                 "tie_embeddings": False})
+    cfg = ModelConfig.from_dict(
+        {
+            **ModelConfig.from_name("tiny").to_dict(),
+            "vocab_size": 49152,
+            "hidden_size": 512,
+            "intermediate_size": 1024,
+            "num_heads": 8,
+            "num_kv_heads": 8,
+            "tie_embeddings": False,
+        }
+    )
     built = build_network("llama", cfg, seed=0, fused_kernels=True)
     net = built.net
     grad_bytes = sum(int(np.prod(p.shape)) * 4 for p in net.trainable_params())

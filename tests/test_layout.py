@@ -1,6 +1,7 @@
-"""The layout table (docs/ARCHITECTURE.md, "## Layout") is the tree as it is: every folder of tracked source files is in it
-(directly or under a listed parent that names it), and every path it lists exists. The prose names files and config
-keys that exist, and the package code stays in small pieces (files of at most 450 lines, functions of at most 80)."""
+"""The layout table (docs/ARCHITECTURE.md, "## Layout") is the tree as it is: every folder of tracked source files is
+in it (directly or under a listed parent that names it), and every path it lists exists. The prose names files and
+config keys that exist, and the package code stays in small pieces (formatted files of at most 600 lines, functions
+of at most 100)."""
 
 from __future__ import annotations
 
@@ -34,13 +35,19 @@ def test_every_listed_path_exists():
 def test_every_source_folder_and_top_level_entry_is_listed():
     listed = {p.rstrip("/") for p in _table()}
     files = _tracked()
-    tops = {f.split("/", 1)[0] for f in files if f not in ("README.md", ".gitignore", "pyproject.toml",
-                                                          "requirements.lock")}
+    tops = {
+        f.split("/", 1)[0] for f in files if f not in ("README.md", ".gitignore", "pyproject.toml", "requirements.lock")
+    }
     assert sorted(t for t in tops if t not in listed and not any(p.startswith(t + "/") for p in listed)) == []
     # every package folder under tasks/ is a room of the table (or a sub-folder a row names)
     rooms = {str(Path(f).parent) for f in files if f.startswith("tasks/") and f.endswith((".py", ".yaml"))}
-    unlisted = sorted(r for r in rooms if r not in listed and not any(q.startswith(r + "/") for q in listed) and not any(
-        r.startswith(p + "/") and f"`{r[len(p) + 1:].split('/')[0]}/`" in _row(p) for p in listed))
+    unlisted = sorted(
+        r
+        for r in rooms
+        if r not in listed
+        and not any(q.startswith(r + "/") for q in listed)
+        and not any(r.startswith(p + "/") and f"`{r[len(p) + 1 :].split('/')[0]}/`" in _row(p) for p in listed)
+    )
     assert unlisted == []
 
 
@@ -54,16 +61,21 @@ def _row(path: str) -> str:
 
 _PROSE = ("README.md", "pipelines.yaml", "prefect.yaml")
 _PROSE_DIRS = ("docs/", "tasks/", "model/", "flows/", "scripts/", "data/")
-_PATH = re.compile(r"(?<![\w./-])((?:tasks|model|flows|scripts|docs|tests)/[\w./-]*?(?:\.(?:py|md|yaml|yml|cc|h|sh|json|jsonl"
-                   r"|txt|toml)|/))(?![\w/*<{-])")
+_PATH = re.compile(
+    r"(?<![\w./-])((?:tasks|model|flows|scripts|docs|tests)/[\w./-]*?(?:\.(?:py|md|yaml|yml|cc|h|sh|json|jsonl"
+    r"|txt|toml)|/))(?![\w/*<{-])"
+)
 _KEY_SECTIONS = ("pretrain", "finetune", "continued", "checkpoint", "parallel", "eval")
 _KEY = re.compile(r"(?<![\w./-])(" + "|".join(_KEY_SECTIONS) + r")((?:\.[a-z_][a-z0-9_]*)+)(?![\w(/-])")
 
 
 def _prose_files() -> list[str]:
     """The docs, the configs and every source file outside tests/ (docstrings and comments are prose too)."""
-    return [f for f in _tracked() if f in _PROSE or (f.startswith(_PROSE_DIRS) and
-                                                      f.endswith((".md", ".py", ".yaml", ".sh", ".cc", ".h")))]
+    return [
+        f
+        for f in _tracked()
+        if f in _PROSE or (f.startswith(_PROSE_DIRS) and f.endswith((".md", ".py", ".yaml", ".sh", ".cc", ".h")))
+    ]
 
 
 def test_docs_and_docstrings_name_files_that_exist():
@@ -89,8 +101,14 @@ def _config_key_exists(parts: list[str]) -> bool:
         field = model.model_fields.get(p)
         if field is None:
             return False
-        model = next((a for a in (field.annotation, *typing.get_args(field.annotation))
-                      if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        model = next(
+            (
+                a
+                for a in (field.annotation, *typing.get_args(field.annotation))
+                if isinstance(a, type) and issubclass(a, BaseModel)
+            ),
+            None,
+        )
     return True
 
 
@@ -109,11 +127,14 @@ def test_docs_and_docstrings_name_config_keys_that_exist():
     assert stale == []
 
 
-
 # ----------------------------------------------------------------------------- sizes
 
-MAX_FILE_LINES = 450
-MAX_FUNCTION_LINES = 80
+# Lines as `ruff format` writes them (tests/test_lint.py holds the tree formatted), so no file or function can be
+# kept under a limit by packing statements onto lines: the only way under is splitting along a concept. The limits
+# were 450 and 80 when lines were packed by hand to ~120 characters; formatted, the same code takes ~1.3× the lines
+# (tasks/training/trainer.py 448 → 611), hence 600 and 100: guidance for where to split, not a target.
+MAX_FILE_LINES = 600
+MAX_FUNCTION_LINES = 100
 _SIZED = ("model", "tasks", "flows")
 
 

@@ -2,19 +2,29 @@
 
 from __future__ import annotations
 
+import mindspore as ms
 import numpy as np
 import pytest
-
-import mindspore as ms
+from helpers import decoder_reduction, fp32_tol
 from mindspore import Tensor
 
-from helpers import decoder_reduction, fp32_tol
 from model.config import ModelConfig
 from model.llama import LlamaForCausalLM, causal_lm_loss
-from model.lora import (LoRALinear, LoRASlots, inject_lora, lora_layers, lora_state_dict, mark_only_lora_trainable, match_targets,
-                        merge_adapter, merge_lora, trainable_summary, unmerge_lora)
+from model.lora import (
+    LoRALinear,
+    LoRASlots,
+    inject_lora,
+    lora_layers,
+    lora_state_dict,
+    mark_only_lora_trainable,
+    match_targets,
+    merge_adapter,
+    merge_lora,
+    trainable_summary,
+    unmerge_lora,
+)
 from tasks.config.schema import CheckpointSection, TrainSection
-from tasks.training.trainer import LoopConfig, fit
+from tasks.training.trainer import Sinks, TrainData, Trainee, fit
 
 CFG = ModelConfig.from_name("tiny")
 IDS = Tensor(np.random.default_rng(0).integers(0, CFG.vocab_size, (2, 24)).astype(np.int32))
@@ -53,8 +63,13 @@ def test_injected_adapter_starts_as_exact_noop_with_stable_names():
 
 
 def test_target_modules_names_comma_string_and_regex():
-    names = ["layers.0.self_attn.q_proj", "layers.0.self_attn.v_proj", "layers.0.mlp.up_proj",
-             "layers.1.self_attn.q_proj", "lm_head"]
+    names = [
+        "layers.0.self_attn.q_proj",
+        "layers.0.self_attn.v_proj",
+        "layers.0.mlp.up_proj",
+        "layers.1.self_attn.q_proj",
+        "lm_head",
+    ]
     assert match_targets(names, ["q_proj"]) == ["layers.0.self_attn.q_proj", "layers.1.self_attn.q_proj"]
     assert match_targets(names, "q_proj,v_proj") == names[:2] + [names[3]]
     assert match_targets(names, r"layers\.1\..*proj$") == ["layers.1.self_attn.q_proj"]
@@ -76,8 +91,9 @@ def test_only_lora_trainable_and_the_printed_count():
     s = trainable_summary(net)
     expect = sum(2 * (layer.in_features + layer.out_features) for _, layer in lora_layers(net))
     assert s.trainable == expect and s.total == CFG.num_parameters + expect
-    assert s.line() == (f"trainable params: {expect:,} || all params: {s.total:,} || "
-                        f"trainable: {100 * expect / s.total:.4f}%")
+    assert s.line() == (
+        f"trainable params: {expect:,} || all params: {s.total:,} || trainable: {100 * expect / s.total:.4f}%"
+    )
 
 
 def test_merged_logits_equal_base_plus_adapter_and_merging_twice_changes_nothing():
@@ -108,7 +124,9 @@ def test_merged_logits_equal_base_plus_adapter_and_merging_twice_changes_nothing
     b_, a_ = adapter[w[:-6] + "lora_B"].astype(np.float64), adapter[w[:-6] + "lora_A"].astype(np.float64)
     ref = base_w[w].astype(np.float64) + 2.0 * b_ @ a_
     # float32 against float64: a sum over the rank (4), then the add, at the scale of its terms
-    assert (np.abs(q.weight.asnumpy() - ref) <= fp32_tol(np.abs(base_w[w]) + 2.0 * np.abs(b_) @ np.abs(a_), 4 + 1)).all()
+    assert (
+        np.abs(q.weight.asnumpy() - ref) <= fp32_tol(np.abs(base_w[w]) + 2.0 * np.abs(b_) @ np.abs(a_), 4 + 1)
+    ).all()
     np.testing.assert_array_equal(merge_adapter(full, {}, 2.0)[w], full[w])  # an empty adapter merges nothing
 
     plain = LlamaForCausalLM(CFG, seed=5)  # a plain model with the merged state dict
@@ -140,10 +158,10 @@ def test_dropout_is_a_deterministic_function_of_the_input_and_off_in_eval():
 
     rng = np.random.default_rng(0)
     layer = LoRALinear(Linear(rng.standard_normal((16, 32)).astype(np.float32)), rank=32, alpha=32, dropout=0.5, seed=3)
-    layer.lora_A.set_data(Tensor(np.eye(32, dtype=np.float32)))          # A = I, B = I[:16]: the LoRA path
-    layer.lora_B.set_data(Tensor(np.eye(16, 32, dtype=np.float32)))      # passes x[:, :16] (dropped) through
+    layer.lora_A.set_data(Tensor(np.eye(32, dtype=np.float32)))  # A = I, B = I[:16]: the LoRA path
+    layer.lora_B.set_data(Tensor(np.eye(16, 32, dtype=np.float32)))  # passes x[:, :16] (dropped) through
     x = Tensor(rng.standard_normal((64, 32)).astype(np.float32))
-    base = (x.asnumpy() @ layer.weight.asnumpy().T)
+    base = x.asnumpy() @ layer.weight.asnumpy().T
     layer.set_train(True)
     a, b = layer(x).asnumpy(), layer(x).asnumpy()
     np.testing.assert_array_equal(a, b)  # same input, same mask: resume replays it exactly
@@ -176,13 +194,27 @@ def test_lora_training_keeps_base_bit_identical_and_lowers_the_loss(tmp_path):
     def loss_fn(a, b):
         return causal_lm_loss(net(a), b)
 
-    train = TrainSection.model_validate({
-        "optimizer": {"lr": 1e-2, "min_lr": 1e-3, "weight_decay": 0.0}, "schedule": {"warmup_steps": 2},
-        "loop": {"max_steps": 25, "micro_batch_size": 8, "log_steps": 1, "eval_steps": 1000, "save_steps": 25,
-                 "peak_flops": 1e11}})
-    result = fit(net, params, loss_fn, train, checkpoint=CheckpointSection(), hooks=LoopConfig(progress=False),
-                 batches=batches, valid=None, run_dir=tmp_path, meta={"seed": 0}, flops_per_token=1.0,
-                 tokens_per_sample=32)
+    train = TrainSection.model_validate(
+        {
+            "optimizer": {"lr": 1e-2, "min_lr": 1e-3, "weight_decay": 0.0},
+            "schedule": {"warmup_steps": 2},
+            "loop": {
+                "max_steps": 25,
+                "micro_batch_size": 8,
+                "log_steps": 1,
+                "eval_steps": 1000,
+                "save_steps": 25,
+                "peak_flops": 1e11,
+            },
+        }
+    )
+    result = fit(
+        Trainee(net, params, loss_fn, flops_per_token=1.0),
+        train,
+        TrainData(batches, None, 32),
+        Sinks(tmp_path, {"seed": 0}, progress=False),
+        checkpoint=CheckpointSection(),
+    )
     losses = [r["loss"] for r in result.history if "grad_norm" in r]
     assert losses[-1] < losses[0] - 3.0, losses  # 6.25 -> 1.11 when written
     for p in net.get_parameters():
@@ -214,12 +246,15 @@ def test_lora_slots_serve_several_adapters_on_one_compiled_network():
     base = LlamaForCausalLM(CFG, seed=3)
     base.set_train(False)
     base_w = {p.name: p.asnumpy() for p in base.get_parameters()}
-    ads = {"a": (_random_adapter(base_w, ("q_proj", "v_proj"), 4, 1), 2.0),
-           "b": (_random_adapter(base_w, ("q_proj", "o_proj", "down_proj"), 2, 2), 0.5)}
+    ads = {
+        "a": (_random_adapter(base_w, ("q_proj", "v_proj"), 4, 1), 2.0),
+        "b": (_random_adapter(base_w, ("q_proj", "o_proj", "down_proj"), 2, 2), 0.5),
+    }
 
     def compiled(model):
         def forward(ids):
             return model(ids)
+
         return ms.jit(forward)
 
     def merged_net(name):
@@ -252,9 +287,15 @@ def test_lora_slots_serve_several_adapters_on_one_compiled_network():
     assert len(base_params) == len(base_w) == len(params) - 2 * len(slots.layers)  # the base weights once
     for p in base_params:
         np.testing.assert_array_equal(p.asnumpy(), base_w[p.name])
-    padded = sum(4 * (4 * layer.in_features + layer.out_features * 4) for m, layer in slots.layers
-                 if m + ".lora_A" in ads["a"][0]) + sum(4 * (4 * layer.in_features + layer.out_features * 4)
-                                                         for m, layer in slots.layers if m + ".lora_A" in ads["b"][0])
+    padded = sum(
+        4 * (4 * layer.in_features + layer.out_features * 4)
+        for m, layer in slots.layers
+        if m + ".lora_A" in ads["a"][0]
+    ) + sum(
+        4 * (4 * layer.in_features + layer.out_features * 4)
+        for m, layer in slots.layers
+        if m + ".lora_A" in ads["b"][0]
+    )
     assert slots.adapter_nbytes() == padded
 
 
@@ -262,6 +303,7 @@ def test_set_data_does_not_reach_a_compiled_graph_but_copy_does():
     """Why `LoRASlots.use` copies in place: `copy_` writes the storage a compiled graph reads; after a graph is
     compiled, `Parameter.set_data` swaps the Parameter's tensor and the graph keeps reading the old one (MindSpore
     2.x on CPU), so never set_data a served network's LoRA Parameters."""
+
     class Net(ms.nn.Cell):
         def __init__(self):
             super().__init__()
@@ -282,6 +324,8 @@ def test_set_data_does_not_reach_a_compiled_graph_but_copy_does():
     n.p.copy_(Tensor(np.full((2, 2), 5.0, np.float32)))
     assert (f(x).asnumpy() == 5.0).all()
     n.p.set_data(Tensor(np.full((2, 2), 3.0, np.float32)))
-    assert (f(x).asnumpy() == 5.0).all()  # still the old values: if this fails, set_data would do (the docstring is stale)
+    assert (
+        f(x).asnumpy() == 5.0
+    ).all()  # still the old values: if this fails, set_data would do (the docstring is stale)
     n.p.copy_(Tensor(np.full((2, 2), 7.0, np.float32)))
     assert (f(x).asnumpy() == 5.0).all()  # and the Parameter is cut off from the graph for good: copy_ lands elsewhere

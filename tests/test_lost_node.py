@@ -41,19 +41,27 @@ import pytest
 from tasks.config.loader import resolve_pipeline
 from tasks.stages import pretrain
 from tasks.store.artifacts import ArtifactStore
-from tests.helpers import assert_same_scalars, assert_same_weights
+from tests.helpers import assert_same_scalars, assert_same_weights, run_stage
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 MAX_STEPS, SAVE_STEPS = 16, 3  # room after step 4: B is frozen within a step or two of it
-TRAIN = [f"pretrain.train.loop.max_steps={MAX_STEPS}", "pretrain.train.loop.log_steps=1",
-         "pretrain.train.loop.eval_steps=4",
-         "pretrain.train.loop.eval_batches=2", "pretrain.train.schedule.warmup_steps=2",
-         "pretrain.train.loop.micro_batch_size=8", f"checkpoint.save_steps={SAVE_STEPS}"]
-DP2_TWO_NODES = ["parallel.data_parallel=2", "parallel.device_num=2", "pretrain.train.loop.micro_batch_size=4",
-                 "parallel.node_num=2"]
+TRAIN = [
+    f"pretrain.train.loop.max_steps={MAX_STEPS}",
+    "pretrain.train.loop.log_steps=1",
+    "pretrain.train.loop.eval_steps=4",
+    "pretrain.train.loop.eval_batches=2",
+    "pretrain.train.schedule.warmup_steps=2",
+    "pretrain.train.loop.micro_batch_size=8",
+    f"checkpoint.save_steps={SAVE_STEPS}",
+]
+DP2_TWO_NODES = [
+    "parallel.data_parallel=2",
+    "parallel.device_num=2",
+    "pretrain.train.loop.micro_batch_size=4",
+    "parallel.node_num=2",
+]
 LOST_WITHIN_S = 120  # MindSpore's heartbeat timeout (MS_NODE_TIMEOUT, 30 s) + stopping the job, with room on 2 cores
-
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -126,10 +134,13 @@ def two_hosts():
 
 @pytest.fixture
 def data_artifact(tmp_path) -> Path:
-    from tasks.stages import data
 
-    return data.run(resolve_pipeline(REPO / "pipelines.yaml", "tiny", TRAIN), ArtifactStore(tmp_path / "data_root"),
-                    progress=False)
+    return run_stage(
+        "data",
+        resolve_pipeline(REPO / "pipelines.yaml", "tiny", TRAIN),
+        ArtifactStore(tmp_path / "data_root"),
+        progress=False,
+    )
 
 
 def _losses(run_or_artifact: Path) -> tuple[dict[int, float], list[float]]:
@@ -141,18 +152,47 @@ def _start_nodes(hosts, root: Path, data: Path, port: int, logs: Path, attempt: 
     env = dict(os.environ, GLOG_v="3", PATH=f"{BIN}:{os.environ['PATH']}")
     nodes = []
     for rank, h in ((0, "a"), (1, "b")):
-        sets = [*TRAIN, *DP2_TWO_NODES, f"parallel.node_rank={rank}", f"parallel.master_addr={hosts['addr']['a']}",
-                f"parallel.master_port={port}"]
-        cmd = ["ip", "netns", "exec", hosts["ns"][h], sys.executable, "-m", "tasks.cli", "train", "--pipeline", "tiny",
-               "--artifacts", str(root), "--from", str(data)]
+        sets = [
+            *TRAIN,
+            *DP2_TWO_NODES,
+            f"parallel.node_rank={rank}",
+            f"parallel.master_addr={hosts['addr']['a']}",
+            f"parallel.master_port={port}",
+        ]
+        cmd = [
+            "ip",
+            "netns",
+            "exec",
+            hosts["ns"][h],
+            sys.executable,
+            "-m",
+            "tasks.cli",
+            "train",
+            "--pipeline",
+            "tiny",
+            "--artifacts",
+            str(root),
+            "--from",
+            str(data),
+        ]
         cmd += [x for s in sets for x in ("--set", s)]
-        nodes.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, text=True,
-                                      stderr=open(logs / f"{attempt}-node{rank}.log", "w"), start_new_session=True))
+        nodes.append(
+            subprocess.Popen(
+                cmd,
+                cwd=REPO,
+                env=env,
+                stdout=subprocess.PIPE,
+                text=True,
+                stderr=open(logs / f"{attempt}-node{rank}.log", "w"),
+                start_new_session=True,
+            )
+        )
     return nodes
 
 
-def _wait_for_line(pattern: str, glob: str, root: Path, procs: list[subprocess.Popen], timeout: float,
-                   poll: float = 0.1) -> Path:
+def _wait_for_line(
+    pattern: str, glob: str, root: Path, procs: list[subprocess.Popen], timeout: float, poll: float = 0.1
+) -> Path:
     """The first file under root matching glob with a line matching pattern; each file read from where it was left."""
     deadline = time.monotonic() + timeout
     seen: dict[Path, tuple[int, str]] = {}  # file -> (bytes read, its unfinished last line)
@@ -166,7 +206,7 @@ def _wait_for_line(pattern: str, glob: str, root: Path, procs: list[subprocess.P
             text = carry + chunk.decode(errors="replace")
             if rx.search(text):
                 return path
-            seen[path] = (offset + len(chunk), text[text.rfind("\n") + 1:])
+            seen[path] = (offset + len(chunk), text[text.rfind("\n") + 1 :])
         if any(p.poll() is not None for p in procs):
             pytest.fail(f"a node exited before {pattern!r} appeared in {glob}: {[p.returncode for p in procs]}")
         time.sleep(poll)
@@ -180,9 +220,9 @@ def _logged_steps(log: Path) -> list[int]:
 @pytest.mark.slow
 @pytest.mark.integration
 def test_lost_node_stops_the_survivor_in_one_line_and_both_resume_exactly(tmp_path, two_hosts, data_artifact):
-    from tests.test_distributed import free_port
     from tasks.store.tensors import load_weights
     from tasks.training.checkpoint import load_checkpoint
+    from tests.test_distributed import free_port
 
     t0 = time.time()
     cfg1 = resolve_pipeline(REPO / "pipelines.yaml", "tiny", TRAIN)
@@ -204,11 +244,16 @@ def test_lost_node_stops_the_survivor_in_one_line_and_both_resume_exactly(tmp_pa
     try:
         # B's processes, taken while the ranks compile their first step (no hurry there; rank 0 gets here only
         # once every rank joined the cluster)
-        _wait_for_line(r"^\[train\] step: ", "runs/pretrain/*/msrun_logs/node_0/worker_0.log", root, nodes,
-                       timeout=300)
+        _wait_for_line(r"^\[train\] step: ", "runs/pretrain/*/msrun_logs/node_0/worker_0.log", root, nodes, timeout=300)
         b_pids = _netns_pids(ns_b)
-        rank0_log = _wait_for_line(r"^\[train\] step +4/", "runs/pretrain/*/msrun_logs/node_0/worker_0.log", root,
-                                   nodes, timeout=300, poll=0.005)
+        rank0_log = _wait_for_line(
+            r"^\[train\] step +4/",
+            "runs/pretrain/*/msrun_logs/node_0/worker_0.log",
+            root,
+            nodes,
+            timeout=300,
+            poll=0.005,
+        )
         # host B is lost: frozen at once (a tiny step takes milliseconds), its cable pulled (nothing reaches A),
         # then every process on it killed
         _signal(b_pids, signal.SIGSTOP)
@@ -232,8 +277,9 @@ def test_lost_node_stops_the_survivor_in_one_line_and_both_resume_exactly(tmp_pa
     errors = [ln for ln in err0.splitlines() if ln.startswith("error:")]
     # the command's own report (its last error line): naming the lost rank, its node and host (its address on the veth)
     assert errors, err0[-3000:]
-    assert re.match(rf"error: rank 1 \(node 1, host [^)]*\b{re.escape(two_hosts['addr']['b'])}\) lost: no heartbeat",
-                    errors[-1]), errors[-1]
+    assert re.match(
+        rf"error: rank 1 \(node 1, host [^)]*\b{re.escape(two_hosts['addr']['b'])}\) lost: no heartbeat", errors[-1]
+    ), errors[-1]
     assert "resumes from its newest checkpoint" in errors[-1]
     assert stopped_after <= LOST_WITHIN_S, f"the survivor took {stopped_after:.0f}s to stop"
     assert "retrying" not in err0  # no second attempt waiting for a node whose command is gone
@@ -280,12 +326,25 @@ def test_lost_node_stops_the_survivor_in_one_line_and_both_resume_exactly(tmp_pa
     assert_same_weights(a, b, steps=MAX_STEPS, lr=3e-3)
     m = store.verify(paths[0])["metrics"]
     assert m["consumed_samples"] == 8 * MAX_STEPS and m["layout"] == {"data_parallel": 2, "tensor_parallel": 1}
-    digests = [re.findall(r"parameters sha256 ([0-9a-f]{64})",
-                          (run_dir / "msrun_logs" / f"node_{r}" / f"worker_{r}.log").read_text()) for r in (0, 1)]
+    digests = [
+        re.findall(
+            r"parameters sha256 ([0-9a-f]{64})", (run_dir / "msrun_logs" / f"node_{r}" / f"worker_{r}.log").read_text()
+        )
+        for r in (0, 1)
+    ]
     assert digests[0] and digests[0] == digests[1], digests  # the replicas agree after the resume
-    print("LOST", json.dumps({"lost_after_step": max(logged), "resumed_from": newest,
-                              "stopped_after_s": round(stopped_after, 1), "error": errors[-1][:200],
-                              "wall_s": round(time.time() - t0, 1)}))
+    print(
+        "LOST",
+        json.dumps(
+            {
+                "lost_after_step": max(logged),
+                "resumed_from": newest,
+                "stopped_after_s": round(stopped_after, 1),
+                "error": errors[-1][:200],
+                "wall_s": round(time.time() - t0, 1),
+            }
+        ),
+    )
 
 
 # ----------------------------------------------------------------------------- reading the logs (unit tier)
@@ -318,8 +377,9 @@ def _two_node_logs(tmp_path: Path, rank1_log: str) -> Path:
     (logs / "node_1").mkdir()
     (logs / "node_0" / "scheduler.log").write_text(SCHEDULER_TIMED_OUT)
     (logs / "node_0" / "worker_0.log").write_text(RANK_COLLECTIVE_FAILED)
-    (logs / "node_1" / "node.json").write_text(json.dumps({"node_rank": 1, "hostname": "gpu7", "address": "10.0.0.2",
-                                                             "ranks": [1]}))
+    (logs / "node_1" / "node.json").write_text(
+        json.dumps({"node_rank": 1, "hostname": "gpu7", "address": "10.0.0.2", "ranks": [1]})
+    )
     (logs / "node_1" / "worker_1.log").write_text(rank1_log)
     return logs / "node_0"
 

@@ -16,22 +16,42 @@ from tasks.training.memory import GiB, Layout, estimate, layer_saved_bytes, plan
 REPO = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("fused,layerwise", [(True, False), (False, False), (True, True)],
-                         ids=["fused-kernels", "builtin-ops", "layer-at-a-time"])
+@pytest.mark.parametrize(
+    "fused,layerwise",
+    [(True, False), (False, False), (True, True)],
+    ids=["fused-kernels", "builtin-ops", "layer-at-a-time"],
+)
 @pytest.mark.parametrize("preset,batch,seq", [("tiny", 8, 64), ("small", 8, 128)])
 def test_estimate_within_30_percent_of_measured_peak_rss(preset, batch, seq, fused, layerwise):
     from model.kernel_ops import train_ops
 
     if fused and train_ops() is None:
         pytest.skip("no C++ compiler: the fused kernels cannot be built here")
-    out = subprocess.run([sys.executable, "scripts/measure_rss.py", "--preset", preset, "--batch", str(batch),
-                          "--seq", str(seq), "--steps", "2", *([] if fused else ["--no-fused"]),
-                          *(["--layerwise"] if layerwise else [])],
-                         capture_output=True, text=True, cwd=REPO, timeout=600)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "scripts/measure_rss.py",
+            "--preset",
+            preset,
+            "--batch",
+            str(batch),
+            "--seq",
+            str(seq),
+            "--steps",
+            "2",
+            *([] if fused else ["--no-fused"]),
+            *(["--layerwise"] if layerwise else []),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     measured = json.loads(out.stdout.strip().splitlines()[-1])["peak_rss_bytes"]
-    est = estimate(ModelConfig.from_name(preset), micro_batch=batch, seq=seq, fused_kernels=fused,
-                   layerwise=layerwise).total
+    est = estimate(
+        ModelConfig.from_name(preset), micro_batch=batch, seq=seq, fused_kernels=fused, layerwise=layerwise
+    ).total
     assert abs(est - measured) / measured < 0.30, (est / GiB, measured / GiB)
 
 
@@ -54,9 +74,27 @@ def test_the_whole_model_step_at_smollm2_135m_within_15_percent(isa, monkeypatch
     if isa == "avx2":  # as an AVX2-only CPU runs it (oneDNN's AVX2 path, the head's transposed gradient); the
         monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # estimate reads the same cap (model.cpu.matmul_isa)
         monkeypatch.setenv("MSLLM_KERNEL_ISA", "avx2")
-    out = subprocess.run([sys.executable, "scripts/measure_rss.py", "--preset", "smollm2-135m", "--batch", "2",
-                          "--seq", "128", "--steps", "2", "--validate", "later", *([] if fused else ["--no-fused"])],
-                         capture_output=True, text=True, cwd=REPO, timeout=900)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "scripts/measure_rss.py",
+            "--preset",
+            "smollm2-135m",
+            "--batch",
+            "2",
+            "--seq",
+            "128",
+            "--steps",
+            "2",
+            "--validate",
+            "later",
+            *([] if fused else ["--no-fused"]),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=900,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     line = json.loads(out.stdout.strip().splitlines()[-1])
     measured, phases = line["peak_rss_bytes"], line["phases"]
@@ -92,7 +130,9 @@ def test_estimate_responds_to_layout_and_recompute():
     base = estimate(cfg, micro_batch=1, seq=4096, precision="bf16", backend="Ascend")
     tp = estimate(cfg, micro_batch=1, seq=4096, precision="bf16", backend="Ascend", layout=Layout(tp=8))
     rc = estimate(cfg, micro_batch=1, seq=4096, precision="bf16", backend="Ascend", recompute=True)
-    shard = estimate(cfg, micro_batch=1, seq=4096, precision="bf16", backend="Ascend", layout=Layout(dp=8, optimizer_shard=True))
+    shard = estimate(
+        cfg, micro_batch=1, seq=4096, precision="bf16", backend="Ascend", layout=Layout(dp=8, optimizer_shard=True)
+    )
     assert tp.parts["parameters"] < base.parts["parameters"] / 4
     assert rc.parts["activations"] < base.parts["activations"] / 5
     assert shard.parts["optimizer"] == base.parts["optimizer"] // 8
@@ -101,17 +141,50 @@ def test_estimate_responds_to_layout_and_recompute():
 
 
 def test_plan_recommends_a_fitting_layout_for_7b_on_8x32gib():
-    rows = plan(ModelConfig.from_name("llama2-7b"), devices=8, device_memory=32 * GiB, micro_batch=1, seq=4096,
-                precision="bf16", backend="Ascend")
+    rows = plan(
+        ModelConfig.from_name("llama2-7b"),
+        devices=8,
+        device_memory=32 * GiB,
+        micro_batch=1,
+        seq=4096,
+        precision="bf16",
+        backend="Ascend",
+    )
     layout, mode, est, fits = rows[0]
     assert fits and est.total <= 32 * GiB and layout.devices == 8
     assert not any(r[3] for r in rows if r[0] == Layout(dp=8) and r[1] == "off")  # plain DP cannot hold 7B + AdamW
     assert not any(r[1] == "layerwise" for r in rows)  # the layer-at-a-time step is offered on CPU only
     cli = subprocess.run(
-        [sys.executable, "-m", "tasks.cli", "plan", "--pipeline", "demo", "--set", "model.preset=llama2-7b",
-         "--set", "model.vocab_size=32000", "--set", "data.tokenizer.vocab_size=32000", "--set", "data.seq_length=4096",
-         "--set", "pretrain.train.loop.micro_batch_size=1", "--set", "parallel.device_target=Ascend", "--set", "pretrain.train.precision.dtype=bf16",
-         "--devices", "8", "--device-memory", "32GiB"], capture_output=True, text=True, cwd=REPO)
+        [
+            sys.executable,
+            "-m",
+            "tasks.cli",
+            "plan",
+            "--pipeline",
+            "demo",
+            "--set",
+            "model.preset=llama2-7b",
+            "--set",
+            "model.vocab_size=32000",
+            "--set",
+            "data.tokenizer.vocab_size=32000",
+            "--set",
+            "data.seq_length=4096",
+            "--set",
+            "pretrain.train.loop.micro_batch_size=1",
+            "--set",
+            "parallel.device_target=Ascend",
+            "--set",
+            "pretrain.train.precision.dtype=bf16",
+            "--devices",
+            "8",
+            "--device-memory",
+            "32GiB",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
     assert cli.returncode == 0, cli.stderr
     assert "DOES NOT FIT" in cli.stdout and "recommendation: parallel:" in cli.stdout
 
@@ -131,8 +204,10 @@ def test_layer_at_a_time_in_the_estimate_and_the_cpu_plan():
     # tensor parallel: the whole step; LoRA: layer at a time with the written-out functions (fused fp32), else whole
     for other in (dict(layout=Layout(tp=2)), dict(trainable_fraction=0.05, fused_kernels=False)):
         assert estimate(cfg, **kw, **other, layerwise=True).parts == estimate(cfg, **kw, **other).parts
-    lora, lora_lw = estimate(cfg, **kw, trainable_fraction=0.05), estimate(cfg, **kw, trainable_fraction=0.05,
-                                                                             layerwise=True)
+    lora, lora_lw = (
+        estimate(cfg, **kw, trainable_fraction=0.05),
+        estimate(cfg, **kw, trainable_fraction=0.05, layerwise=True),
+    )
     assert lora_lw.parts["activations"] == lw.parts["activations"] and lora_lw.total < lora.total
     assert estimate(cfg, **kw, recompute=True).parts == whole.parts  # CPU
     assert estimate(cfg, **kw, recompute=True, backend="GPU").total < estimate(cfg, **kw, backend="GPU").total
@@ -163,15 +238,17 @@ def test_validation_names_train_layerwise_where_it_would_fit():
     pipelines = REPO / "pipelines.yaml"
     cfg = resolve_pipeline(pipelines, "tiny", ["pretrain.train.loop.micro_batch_size=512"])
     mc, ptr = cfg.model.resolve(), cfg.pretrain.train
-    kw = dict(micro_batch=512, seq=cfg.pretrain.seq_length, precision=ptr.precision.dtype,
-              fused_kernels=ptr.fused_kernels)
+    kw = dict(
+        micro_batch=512, seq=cfg.pretrain.seq_length, precision=ptr.precision.dtype, fused_kernels=ptr.fused_kernels
+    )
     whole, lw = estimate(mc, **kw).total, estimate(mc, **kw, layerwise=True).total
     assert lw < whole
     errs = machine_fit_errors(cfg, "pipelines.tiny", machine_bytes=(lw + whole) // 2)
     assert len(errs) == 1 and errs[0].startswith("pipelines.tiny.pretrain.train.layerwise: false"), errs
     assert "set pretrain.train.layerwise: true" in errs[0]
-    on = resolve_pipeline(pipelines, "tiny", ["pretrain.train.loop.micro_batch_size=512",
-                                              "pretrain.train.layerwise=true"])
+    on = resolve_pipeline(
+        pipelines, "tiny", ["pretrain.train.loop.micro_batch_size=512", "pretrain.train.layerwise=true"]
+    )
     assert machine_fit_errors(on, "pipelines.tiny", machine_bytes=(lw + whole) // 2) == []
 
 
@@ -179,7 +256,8 @@ def test_validation_names_train_layerwise_where_it_would_fit():
 def test_each_step_graph_and_the_validation_hand_the_heap_back_once_after_their_first_call(accumulation, monkeypatch):
     """A graph's first call compiles it and frees the compilation's temporaries into malloc's arenas; the trainer
     hands them back (`trim_heap`) once per graph, so that the validation graph compiled later does not stack on them
-    (at SmolLM2-135M: 0.64 GB; the slow 135M test above measures it). Counted, not timed: once per graph, never per step."""
+    (at SmolLM2-135M: 0.64 GB; the slow 135M test above measures it). Counted, not timed: once per graph, never per
+    step."""
     import mindspore as ms
 
     import model.runtime

@@ -6,12 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import mindspore as ms
+import numpy as np
 import pytest
+from helpers import EPS32, decoder_reduction, fp32_tol, train_tol
 from mindspore import Tensor, nn
 
-from helpers import EPS32, decoder_reduction, fp32_tol, train_tol
 from model.config import ModelConfig
 from model.llama import LlamaForCausalLM, causal_lm_loss
 from model.registry import ModelRegistry, build_model, default_registry
@@ -34,6 +34,7 @@ def params_np(model) -> dict[str, np.ndarray]:
 
 # ---- numpy reference, written from the LLaMA paper / HF semantics, not from model/llama.py ----
 
+
 def np_rmsnorm(x, w, eps):
     return x / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + eps) * w
 
@@ -44,7 +45,7 @@ def np_rope(x, theta):
     inv_freq = 1.0 / theta ** (np.arange(0, hd, 2) / hd)
     ang = np.arange(t)[:, None] * inv_freq[None, :]
     cos, sin = np.cos(np.concatenate([ang, ang], -1)), np.sin(np.concatenate([ang, ang], -1))
-    rotated = np.concatenate([-x[..., hd // 2:], x[..., :hd // 2]], -1)
+    rotated = np.concatenate([-x[..., hd // 2 :], x[..., : hd // 2]], -1)
     return x * cos + rotated * sin
 
 
@@ -70,8 +71,7 @@ def np_forward(ids, p, cfg):
     x = p["embed_tokens.weight"][ids]
     for i in range(cfg.num_layers):
         pre = f"layers.{i}."
-        x = x + np_attention(np_rmsnorm(x, p[pre + "input_layernorm.weight"], cfg.norm_eps),
-                             p, pre + "self_attn.", cfg)
+        x = x + np_attention(np_rmsnorm(x, p[pre + "input_layernorm.weight"], cfg.norm_eps), p, pre + "self_attn.", cfg)
         h = np_rmsnorm(x, p[pre + "post_attention_layernorm.weight"], cfg.norm_eps)
         gate, up = h @ p[pre + "mlp.gate_proj.weight"].T, h @ p[pre + "mlp.up_proj.weight"].T
         x = x + (gate / (1 + np.exp(-gate)) * up) @ p[pre + "mlp.down_proj.weight"].T
@@ -91,6 +91,7 @@ def np_cross_entropy(logits, labels, ignore_index=-100):
 
 # ---- model ------------------------------------------------------------------
 
+
 def test_forward_shape_and_dtype():
     model = LlamaForCausalLM(tiny(), seed=0)
     logits = model(Tensor(random_ids((2, 16))))
@@ -106,13 +107,14 @@ def test_causality():
     a, b = model(Tensor(ids)).asnumpy(), model(Tensor(changed)).asnumpy()
     # the same shapes through the same kernels, so the earlier positions would be bit-identical; the bound only
     # allows a kernel that blocks its rows by content (none does), far below what a leak moves (next line)
-    np.testing.assert_allclose(a[:, :8], b[:, :8], rtol=0, atol=fp32_tol(np.abs(a).max(), decoder_reduction(model.config, 16)))
+    np.testing.assert_allclose(
+        a[:, :8], b[:, :8], rtol=0, atol=fp32_tol(np.abs(a).max(), decoder_reduction(model.config, 16))
+    )
     # the change does reach later positions, by far more than the bound above
     assert np.abs(a[:, 8:] - b[:, 8:]).max() > 100 * fp32_tol(np.abs(a).max(), decoder_reduction(model.config, 16))
 
 
-@pytest.mark.parametrize("num_kv_heads, tie", [(4, False), (2, False), (1, True)],
-                         ids=["mha", "gqa", "mqa-tied"])
+@pytest.mark.parametrize("num_kv_heads, tie", [(4, False), (2, False), (1, True)], ids=["mha", "gqa", "mqa-tied"])
 def test_matches_numpy_reference(num_kv_heads, tie):
     # init_std 0.3 makes attention far from uniform, so RoPE, masking and head mapping matter
     cfg = tiny(num_kv_heads=num_kv_heads, tie_embeddings=tie, init_std=0.3)
@@ -122,7 +124,9 @@ def test_matches_numpy_reference(num_kv_heads, tie):
     actual = model(Tensor(ids)).asnumpy()
     assert np.abs(expected).max() > 1.0
     # float32 MindSpore against a float64 reference: the decoder's reductions at 24 keys, at the logits' scale
-    np.testing.assert_allclose(actual, expected, rtol=0, atol=fp32_tol(np.abs(expected).max(), decoder_reduction(cfg, 24)))
+    np.testing.assert_allclose(
+        actual, expected, rtol=0, atol=fp32_tol(np.abs(expected).max(), decoder_reduction(cfg, 24))
+    )
 
 
 def test_loss_matches_numpy_and_ignores_masked_positions():
@@ -172,8 +176,7 @@ def test_parameter_count_and_tied_head(tie):
 def test_deterministic_init():
     a, b, c = (params_np(LlamaForCausalLM(tiny(), seed=s)) for s in (7, 7, 8))
     assert all(np.array_equal(a[k], b[k]) for k in a)
-    assert not np.array_equal(a["layers.0.self_attn.q_proj.weight"],
-                              c["layers.0.self_attn.q_proj.weight"])
+    assert not np.array_equal(a["layers.0.self_attn.q_proj.weight"], c["layers.0.self_attn.q_proj.weight"])
     assert np.all(a["norm.weight"] == 1.0)
 
 
@@ -192,7 +195,7 @@ def test_a_build_with_weights_moves_them_in_instead_of_drawing_and_copying():
     ids = random_ids((2, 9))
     assert np.array_equal(net(Tensor(ids)).asnumpy(), LlamaForCausalLM(tiny(), seed=3)(Tensor(ids)).asnumpy())
     optimizer = nn.AdamWeightDecay(net.trainable_params(), learning_rate=1e-2)
-    grad_fn = ms.value_and_grad(lambda i, l: net.loss(i, l), None, optimizer.parameters)
+    grad_fn = ms.value_and_grad(lambda i, lab: net.loss(i, lab), None, optimizer.parameters)
     _, grads = grad_fn(Tensor(ids[:, :-1]), Tensor(ids[:, 1:]))
     optimizer(grads)
     after = params_np(net)
@@ -241,6 +244,7 @@ def test_jit_train_step_lowers_loss_and_recompute_matches():
 
 # ---- config -----------------------------------------------------------------
 
+
 def test_presets_sizes():
     assert 20e6 <= ModelConfig.from_name("small").num_parameters <= 50e6
     assert ModelConfig.from_name("llama2-7b").num_parameters == pytest.approx(6.74e9, rel=0.01)
@@ -267,15 +271,18 @@ def test_config_rejects_unknown_key():
         ModelConfig.from_name("huge")
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ({"num_layers": 0}, "num_layers must be a positive int"),
-    ({"hidden_size": 64.0}, "hidden_size must be a positive int"),
-    ({"num_kv_heads": 3}, "num_heads \\(4\\) must be divisible by num_kv_heads \\(3\\)"),
-    ({"num_heads": 5, "num_kv_heads": 5}, "hidden_size \\(64\\) must be divisible by num_heads"),
-    ({"norm_eps": 0.0}, "norm_eps must be a positive finite number"),
-    ({"rope_theta": float("nan")}, "rope_theta must be a positive finite number"),  # NaN passed `value <= 0`
-    ({"norm_eps": float("inf")}, "norm_eps must be a positive finite number"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"num_layers": 0}, "num_layers must be a positive int"),
+        ({"hidden_size": 64.0}, "hidden_size must be a positive int"),
+        ({"num_kv_heads": 3}, "num_heads \\(4\\) must be divisible by num_kv_heads \\(3\\)"),
+        ({"num_heads": 5, "num_kv_heads": 5}, "hidden_size \\(64\\) must be divisible by num_heads"),
+        ({"norm_eps": 0.0}, "norm_eps must be a positive finite number"),
+        ({"rope_theta": float("nan")}, "rope_theta must be a positive finite number"),  # NaN passed `value <= 0`
+        ({"norm_eps": float("inf")}, "norm_eps must be a positive finite number"),
+    ],
+)
 def test_config_validation(overrides, message):
     with pytest.raises(ValueError, match=message):
         tiny(**overrides)
@@ -283,12 +290,12 @@ def test_config_validation(overrides, message):
 
 # ---- registry ---------------------------------------------------------------
 
+
 def test_registry_duplicate_name_message():
     registry = default_registry()
     with pytest.raises(ValueError) as err:
         registry.register("llama", dict)
-    assert str(err.value) == ("'llama' is already used by model.llama.LlamaForCausalLM, "
-                              "pick another name.")
+    assert str(err.value) == ("'llama' is already used by model.llama.LlamaForCausalLM, pick another name.")
 
 
 def test_registry_unknown_name_lists_names():
@@ -309,8 +316,9 @@ def test_default_registry_is_fresh_and_builds():
 
 
 def test_config_and_registry_import_without_mindspore():
-    code = ("import sys, model, model.config, model.registry; "
-            "assert 'mindspore' not in sys.modules, 'mindspore imported'")
+    code = (
+        "import sys, model, model.config, model.registry; assert 'mindspore' not in sys.modules, 'mindspore imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -322,6 +330,7 @@ def test_builtin_model_names_match_the_registry():
 
 # ---- one build sequence (tasks/modeling/build.py) ---------------------------------------------------------
 
+
 def test_every_stage_gets_its_network_from_the_one_build(monkeypatch, tmp_path):
     """Pretrain (one process, a dp replica, fused and not) and serving/eval (`load_network` of the published
     weights) all build through tasks.modeling.build.build_network: the same parameter names and init."""
@@ -329,9 +338,9 @@ def test_every_stage_gets_its_network_from_the_one_build(monkeypatch, tmp_path):
 
     import tasks.modeling.build as build
     from tasks.config.loader import resolve_pipeline
+    from tasks.runtime.mesh import Mesh
     from tasks.stages.pretrain import network
     from tasks.store.tensors import save_tensors
-    from tasks.runtime.mesh import Mesh
 
     calls = []
     real = build.build_network

@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
 from tasks.stages.upstream import NoUpstream, choose_model, model_change_note, upstream
 from tasks.store.artifacts import ArtifactStore
@@ -120,20 +119,35 @@ def scheduled_then_eval_only(tmp_path_factory):
     inbox = tmp / "inbox"
     inbox.mkdir()
     (inbox / "peps.txt").write_text((REPO / "data/corpora/tinyshakespeare.txt").read_text()[300_000:360_000])
-    overrides = ["eval.tasks=[local_arc_easy]", "eval.limit=4", "continued.train.loop.max_steps=4",
-                 "continued.train.schedule.warmup_steps=1", "finetune.train.loop.max_steps=2",
-                 "finetune.train.loop.eval_steps=2", "finetune.train.loop.save_steps=2",
-                 "finetune.train.schedule.warmup_steps=1"]
-    env = dict(os.environ, PREFECT_HOME=str(tmp / "ph"), PREFECT_SERVER_ANALYTICS_ENABLED="false",
-               HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", GLOG_v="3", PREFECT_LOGGING_LEVEL="INFO")
+    overrides = [
+        "eval.tasks=[local_arc_easy]",
+        "eval.limit=4",
+        "continued.train.loop.max_steps=4",
+        "continued.train.schedule.warmup_steps=1",
+        "finetune.train.loop.max_steps=2",
+        "finetune.train.loop.eval_steps=2",
+        "finetune.train.loop.save_steps=2",
+        "finetune.train.schedule.warmup_steps=1",
+    ]
+    env = dict(
+        os.environ,
+        PREFECT_HOME=str(tmp / "ph"),
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        HF_DATASETS_OFFLINE="1",
+        HF_HUB_OFFLINE="1",
+        GLOG_v="3",
+        PREFECT_LOGGING_LEVEL="INFO",
+    )
     env.pop("PREFECT_API_URL", None)
-    arg = json.dumps({"config": str(cfg), "artifacts": str(tmp / "artifacts"), "inbox": str(inbox),
-                      "overrides": overrides})
-    r = subprocess.run([sys.executable, "-c", DRIVER, arg], capture_output=True, text=True, cwd=REPO, env=env,
-                       timeout=1800)
+    arg = json.dumps(
+        {"config": str(cfg), "artifacts": str(tmp / "artifacts"), "inbox": str(inbox), "overrides": overrides}
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", DRIVER, arg], capture_output=True, text=True, cwd=REPO, env=env, timeout=1800
+    )
     line = next((ln for ln in r.stdout.splitlines() if ln.startswith("REPORT ")), None)
     assert r.returncode == 0 and line, f"driver exited {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
-    return json.loads(line[len("REPORT "):]), ArtifactStore(tmp / "artifacts")
+    return json.loads(line[len("REPORT ") :]), ArtifactStore(tmp / "artifacts")
 
 
 @pytest.mark.slow
@@ -171,7 +185,7 @@ def test_eval_only_after_scheduled_run_evaluates_what_it_exported(scheduled_then
 @pytest.mark.slow
 def test_eval_of_another_model_says_the_model_changed(scheduled_then_eval_only):
     rep, store = scheduled_then_eval_only
-    other, prev = rep["eval_other"], rep["eval_only"]
+    other, _prev = rep["eval_other"], rep["eval_only"]
     assert other["state"] == "Completed", other
     base = Path(rep["continued"]["result"]["pretrain"])
     merged = Path(rep["continued"]["result"]["merged"])

@@ -1,4 +1,5 @@
-"""The ONNX decoder written from the weights (tasks/deploy/onnx_decoder.py) and its KV-cache generator (tasks/deploy/onnx_generate.py).
+"""The ONNX decoder written from the weights (tasks/deploy/onnx_decoder.py) and its KV-cache generator
+(tasks/deploy/onnx_generate.py).
 
 Every check runs the graph in onnxruntime against the MindSpore network with the same
 weights (`tiny`, random init): logits at many (batch, sequence, past) shapes, present → past
@@ -16,10 +17,10 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-
 from helpers import decoder_reduction, fp32_tol
-from tasks.deploy.onnx_decoder import build_decoder, check_model, genai_config, hf_tokenizer_files, io_names, save_model
+
 from model.sampling import sample_next
+from tasks.deploy.onnx_decoder import build_decoder, check_model, genai_config, hf_tokenizer_files, io_names, save_model
 from tasks.deploy.onnx_generate import OnnxGenerator
 
 REPO = Path(__file__).resolve().parent.parent
@@ -69,8 +70,10 @@ def test_graph_is_valid_and_every_data_axis_is_dynamic(tiny):
     check_model(tiny["path"])  # onnx.checker full check, with shape inference
     ins, outs = io_names(2)
     assert [i.name for i in m.graph.input] == ins and [o.name for o in m.graph.output] == outs
-    dims = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
-            for v in [*m.graph.input, *m.graph.output]}
+    dims = {
+        v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
+        for v in [*m.graph.input, *m.graph.output]
+    }
     assert dims["input_ids"] == ["batch_size", "sequence_length"]
     assert dims["attention_mask"] == ["batch_size", "total_sequence_length"]
     assert dims["past_key_values.1.value"] == ["batch_size", 2, "past_sequence_length", 16]
@@ -94,7 +97,7 @@ def test_logits_match_mindspore_at_dynamic_batch_prompt_and_past(tiny, batch, pr
     head = L - prompt  # slots of the past (left padding included)
     ids, mask = np.zeros((batch, L), np.int64), np.zeros((batch, L), np.int64)
     for i, r in enumerate(rows):
-        ids[i, L - len(r):], mask[i, L - len(r):] = r, 1
+        ids[i, L - len(r) :], mask[i, L - len(r) :] = r, 1
     pos = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
     past_kv = gen.empty_past(batch)
     if head:
@@ -103,7 +106,7 @@ def test_logits_match_mindspore_at_dynamic_batch_prompt_and_past(tiny, batch, pr
     assert logits.shape == (batch, prompt, 512) and present["past_key_values.0.key"].shape == (batch, 2, L, 16)
     for i, r in enumerate(rows):
         real = min(prompt, len(r))  # the chunk's last `real` positions are this row's tokens
-        assert np.abs(logits[i, prompt - real:] - want[i][len(r) - real:]).max() <= _tol(tiny["net"], want[i])
+        assert np.abs(logits[i, prompt - real :] - want[i][len(r) - real :]).max() <= _tol(tiny["net"], want[i])
 
 
 def test_single_token_steps_feed_present_back_as_past(tiny):
@@ -113,7 +116,9 @@ def test_single_token_steps_feed_present_back_as_past(tiny):
     gen = tiny["gen"]
     last, state = gen.prefill(rows)
     net = tiny["net"]
-    assert np.abs(last[0] - want[0][3]).max() <= _tol(net, want[0]) and np.abs(last[1] - want[1][1]).max() <= _tol(net, want[1])
+    assert np.abs(last[0] - want[0][3]).max() <= _tol(net, want[0]) and np.abs(last[1] - want[1][1]).max() <= _tol(
+        net, want[1]
+    )
     for k, toks in enumerate(steps):
         logits = gen.step(state, toks)
         assert state.length == 4 + k + 1
@@ -160,8 +165,9 @@ def test_tied_embeddings_and_a_missing_weight():
     sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     ids = np.array([[3, 4, 5, 6]], np.int64)
     past = {i.name: np.zeros((1, 2, 0, 16), np.float32) for i in sess.get_inputs() if i.name.startswith("past")}
-    got = sess.run(["logits"], {"input_ids": ids, "attention_mask": np.ones_like(ids),
-                                "position_ids": np.arange(4)[None], **past})[0]
+    got = sess.run(
+        ["logits"], {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.arange(4)[None], **past}
+    )[0]
     want = _ms_logits(net, [[3, 4, 5, 6]])[0]
     assert np.abs(got[0] - want).max() <= _tol(net, want)
     del w["layers.1.mlp.up_proj.weight"]
@@ -214,23 +220,34 @@ draws = [g["sample_next"](logits, 0.9, 8, 0.9, rng) for _ in range(5)]
 print(json.dumps({"draws": draws, "loaded": sorted(m for m in ("model", "tasks", "mindspore") if m in sys.modules)}))
 """
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=120
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
     logits = np.random.default_rng(0).normal(size=64)
     rng = np.random.default_rng(3)
     assert out == {"draws": [sample_next(logits, 0.9, 8, 0.9, rng) for _ in range(5)], "loaded": []}
-    res = subprocess.run([sys.executable, "onnx_generate.py", "--help"], cwd=tmp_path, capture_output=True, text=True,
-                         env=env, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "onnx_generate.py", "--help"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert res.returncode == 0 and "onnxruntime only" in res.stdout, res.stderr[-2000:]
 
 
 def test_not_a_cache_decoder_is_a_clear_error(tmp_path):
     from onnx import TensorProto, helper
 
-    g = helper.make_graph([helper.make_node("Identity", ["input_ids"], ["logits"])], "g",
-                          [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, 4])],
-                          [helper.make_tensor_value_info("logits", TensorProto.INT64, [1, 4])])
+    g = helper.make_graph(
+        [helper.make_node("Identity", ["input_ids"], ["logits"])],
+        "g",
+        [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, 4])],
+        [helper.make_tensor_value_info("logits", TensorProto.INT64, [1, 4])],
+    )
     onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)]), str(tmp_path / "old.onnx"))
     with pytest.raises(ValueError, match="not a KV-cache decoder.*re-export it with `msllm export`"):
         OnnxGenerator(tmp_path / "old.onnx")
@@ -270,8 +287,14 @@ def _data_stage_tokenizer(tmp_path: Path) -> Path:
 
     lines = [ln for ln in SHAKESPEARE.read_text(encoding="utf-8")[:200_000].splitlines() if ln.strip()]
     buf = io.BytesIO()
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=buf, vocab_size=512, model_type="bpe",
-                                   character_coverage=1.0, **_SPM_OPTIONS)
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines),
+        model_writer=buf,
+        vocab_size=512,
+        model_type="bpe",
+        character_coverage=1.0,
+        **_SPM_OPTIONS,
+    )
     (tmp_path / "tokenizer.model").write_bytes(buf.getvalue())
     return tmp_path / "tokenizer.model"
 
@@ -287,13 +310,21 @@ def test_tokenizer_files_give_sentencepiece_ids(tiny, tmp_path):
     (tmp_path / "tokenizer.json").write_text(json.dumps(tok_json), encoding="utf-8")
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(tok_cfg), encoding="utf-8")
     (tmp_path / "model.onnx").symlink_to(tiny["path"])
-    (tmp_path / "genai_config.json").write_text(json.dumps(genai_config(tiny["net"].config.to_dict(), eos_id=2,
-                                                                        bos_id=1, pad_id=3)))
+    (tmp_path / "genai_config.json").write_text(
+        json.dumps(genai_config(tiny["net"].config.to_dict(), eos_id=2, bos_id=1, pad_id=3))
+    )
     hf = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
     genai = og.Tokenizer(og.Model(str(tmp_path)))
     text = SHAKESPEARE.read_text(encoding="utf-8")[300_000:400_000]  # not the tokenizer's training text
-    lines = ["'That I can't, 'tis so; they'll've done it.", "a  b   c\n\n\td", "naïve café — “quotes” ✓ 日本語",
-             " leading space", "12345 and 6.7", "", "ROMEO:"]
+    lines = [
+        "'That I can't, 'tis so; they'll've done it.",
+        "a  b   c\n\n\td",
+        "naïve café — “quotes” ✓ 日本語",
+        " leading space",
+        "12345 and 6.7",
+        "",
+        "ROMEO:",
+    ]
     for s in [text, *lines]:
         want = sp.encode(s)
         assert hf.encode(s).ids == want and [int(t) for t in genai.encode(s)] == want, s[:60]
@@ -311,8 +342,9 @@ def test_a_unigram_tokenizer_gets_no_tokenizer_files(tmp_path):
 
     lines = [ln for ln in SHAKESPEARE.read_text(encoding="utf-8")[:100_000].splitlines() if ln.strip()]
     buf = io.BytesIO()
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=buf, vocab_size=300, model_type="unigram",
-                                   minloglevel=2)
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_writer=buf, vocab_size=300, model_type="unigram", minloglevel=2
+    )
     with pytest.raises(ValueError, match="UNIGRAM SentencePiece model; .* BPE models only"):
         hf_tokenizer_files(buf.getvalue())
     info = {"model": _net().config.to_dict(), "tokenizer": {"eos_id": 2, "bos_id": 1, "pad_id": -1}}

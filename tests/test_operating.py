@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 from tasks.cli import main
 
@@ -41,8 +40,8 @@ def test_init_writes_a_starter_whose_tiny_is_the_repos_tiny(tmp_path, capsys):
 @pytest.mark.integration  # ~7 s: two CLI processes (the unit tier stays under 2 minutes)
 def test_closed_pipe_is_silent(tmp_path):
     """`msllm lineage … | head -1`: no 'Broken pipe' error; exit 141 (SIGPIPE's status, as a shell shows it)."""
-    from tests.test_model_choice import _art
     from tasks.store.artifacts import ArtifactStore
+    from tests.test_model_choice import _art
 
     store = ArtifactStore(tmp_path / "artifacts")
     data = _art(store, "data", "d", [])
@@ -50,17 +49,19 @@ def test_closed_pipe_is_silent(tmp_path):
     for i in range(300):  # a long lineage: more than a pipe buffer of text
         arts.append(_art(store, "pretrain", f"P{i}", [arts[-1]]))
     env = dict(os.environ, PYTHONPATH=str(REPO), GLOG_v="3")
-    cmd = (f"{sys.executable} -m tasks.cli lineage {arts[-1]} --artifacts {tmp_path / 'artifacts'} --format json "
-           f"| head -c 10 >/dev/null; echo \"rc=${{PIPESTATUS[0]}}\"")
+    cmd = (
+        f"{sys.executable} -m tasks.cli lineage {arts[-1]} --artifacts {tmp_path / 'artifacts'} --format json "
+        f'| head -c 10 >/dev/null; echo "rc=${{PIPESTATUS[0]}}"'
+    )
     r = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
     assert "Broken pipe" not in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert r.stdout.strip() in ("rc=0", "rc=141"), (r.stdout, r.stderr)
 
 
 def test_lineage_markdown_is_a_list_and_tables_not_mermaid(tmp_path):
-    from tests.test_model_choice import _art
     from tasks.store.artifacts import ArtifactStore, raw_file_input
     from tasks.store.lineage import lineage_tree, render
+    from tests.test_model_choice import _art
 
     store = ArtifactStore(tmp_path)
     corpus = tmp_path / "c.txt"
@@ -110,14 +111,20 @@ print("REPORT " + json.dumps(fl()))
 def test_dill_globals_detection_stays_out_of_the_log(tmp_path):
     """Prefect's log_prints logs dill's `dis.dis` capture (and dill then sees no globals); inside our tasks the
     redirect wins. `bare` shows the Prefect behaviour the wrapper exists for."""
-    env = dict(os.environ, PREFECT_HOME=str(tmp_path / "ph"), PREFECT_SERVER_ANALYTICS_ENABLED="false",
-               PYTHONPATH=str(REPO), PREFECT_LOGGING_LEVEL="INFO")
+    env = dict(
+        os.environ,
+        PREFECT_HOME=str(tmp_path / "ph"),
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        PYTHONPATH=str(REPO),
+        PREFECT_LOGGING_LEVEL="INFO",
+    )
     env.pop("PREFECT_API_URL", None)
-    r = subprocess.run([sys.executable, "-c", DILL_FLOW], capture_output=True, text=True, env=env, cwd=tmp_path,
-                       timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", DILL_FLOW], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300
+    )
     line = next((ln for ln in r.stdout.splitlines() if ln.startswith("REPORT ")), None)
     assert line, r.stderr[-3000:]
-    rep = json.loads(line[len("REPORT "):])
+    rep = json.loads(line[len("REPORT ") :])
     assert rep["wrapped"] == ["G", "len"]
     assert rep["bare"] != rep["wrapped"]  # Prefect's print patch swallowed dill's capture
     logged = [ln for ln in (r.stdout + r.stderr).splitlines() if "LOAD_GLOBAL" in ln]

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
+import mindspore as ms
 import numpy as np
 import pytest
-
-import mindspore as ms
-from mindspore import Parameter, Tensor, ops
-
 from helpers import decoder_reduction, fp32_tol
+from mindspore import Parameter, Tensor
+
 from model.config import ModelConfig
 from model.llama import LlamaForCausalLM
 from tasks.training.adamw import AdamW, decays
-from tasks.training.schedule import lr_at
 from tasks.training.layerwise import causal_lm_train_step
+from tasks.training.schedule import lr_at
 
 
 def test_lr_schedule_shapes():
@@ -55,7 +54,13 @@ def test_adamw_matches_numpy_reference():
     p = Parameter(Tensor(p0), name="w")
     opt = AdamW([p], beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, grad_clip=1.0, decay_mask=[True])
     for t, g in enumerate(grads, start=1):
-        opt((Tensor(g),), Tensor(0.01, ms.float32), Tensor(float(t), ms.float32), Tensor(1.0, ms.float32), Tensor(True, ms.bool_))
+        opt(
+            (Tensor(g),),
+            Tensor(0.01, ms.float32),
+            Tensor(float(t), ms.float32),
+            Tensor(1.0, ms.float32),
+            Tensor(True, ms.bool_),
+        )
     ref = _numpy_adamw(p0.astype(np.float64), grads, 0.01, 0.9, 0.95, 1e-8, 0.1, 1.0)
     # float32 against float64 over 3 steps: each sums the 15 squares of the clip norm, the rest is elementwise
     # (a few ulps of the weights and of lr x the moment ratio)
@@ -66,7 +71,9 @@ def test_nonfinite_gradient_skips_the_update():
     p = Parameter(Tensor(np.ones((2, 2), np.float32)), name="w")
     opt = AdamW([p], beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, grad_clip=None, decay_mask=[True])
     g = np.array([[np.nan, 1.0], [1.0, 1.0]], np.float32)
-    gnorm, finite = opt((Tensor(g),), Tensor(0.1, ms.float32), Tensor(1.0, ms.float32), Tensor(1.0, ms.float32), Tensor(True, ms.bool_))
+    gnorm, finite = opt(
+        (Tensor(g),), Tensor(0.1, ms.float32), Tensor(1.0, ms.float32), Tensor(1.0, ms.float32), Tensor(True, ms.bool_)
+    )
     assert not bool(finite.asnumpy())
     np.testing.assert_array_equal(p.asnumpy(), np.ones((2, 2), np.float32))
     np.testing.assert_array_equal(opt.exp_avg[0].asnumpy(), np.zeros((2, 2), np.float32))

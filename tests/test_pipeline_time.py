@@ -11,9 +11,7 @@ test_convert_is_a_cached_task_with_its_metrics_artifact.
 
 from __future__ import annotations
 
-
 import pytest
-
 from helpers import REPO, load_bench
 
 DOC = REPO / "docs" / "REAL_MODELS.md"
@@ -21,11 +19,23 @@ DOC = REPO / "docs" / "REAL_MODELS.md"
 report = load_bench("report")
 bench = load_bench("pipeline")
 
-ROW = {"bench": "pipeline", "date": "2026-12-03", "cpu": "Intel(R) Xeon(R) Processor", "cpu_isa": "avx512",
-       "threads": 2, "pipeline": "smollm2", "overrides": [], "init_from": None,
-       "eval": {"limit": 5, "tasks": ["local"], "heldout_blocks": 32}, "total_s": 901.0, "process_s": 930.0,
-       "stages": {"convert": 12.0, "data": 30.0, "pretrain": 240.0, "finetune": 200.0, "eval": 300.0, "export": 110.0},
-       "outside_tasks_s": 9.0, "peak_rss_gb": 6.1, "loadavg_before": 0.2}
+ROW = {
+    "bench": "pipeline",
+    "date": "2026-12-03",
+    "cpu": "Intel(R) Xeon(R) Processor",
+    "cpu_isa": "avx512",
+    "threads": 2,
+    "pipeline": "smollm2",
+    "overrides": [],
+    "init_from": None,
+    "eval": {"limit": 5, "tasks": ["local"], "heldout_blocks": 32},
+    "total_s": 901.0,
+    "process_s": 930.0,
+    "stages": {"convert": 12.0, "data": 30.0, "pretrain": 240.0, "finetune": 200.0, "eval": 300.0, "export": 110.0},
+    "outside_tasks_s": 9.0,
+    "peak_rss_gb": 6.1,
+    "loadavg_before": 0.2,
+}
 DOC_TEXT = "# x\n\nbefore\n\n<!-- pipeline-times:begin -->\nold\n<!-- pipeline-times:end -->\n\nafter\n"
 
 
@@ -34,8 +44,11 @@ def test_the_stage_time_table_round_trips_through_the_doc(tmp_path):
     doc.write_text(DOC_TEXT)
     assert report.write_pipeline_times(doc, [ROW]) == ROW
     text = doc.read_text()
-    assert text.startswith("# x\n\nbefore\n\n<!-- pipeline-times:begin -->\n") and text.endswith(
-        "<!-- pipeline-times:end -->\n\nafter\n") and "old" not in text
+    assert (
+        text.startswith("# x\n\nbefore\n\n<!-- pipeline-times:begin -->\n")
+        and text.endswith("<!-- pipeline-times:end -->\n\nafter\n")
+        and "old" not in text
+    )
     assert "| pretrain | 4.0 |" in text and "| finetune (LoRA, then the merge) | 3.3 |" in text
     assert "`eval.limit: 5` documents per task of `eval.tasks: [local]`" in text and "avx512" in text
     assert report.stated_total_s(text) == pytest.approx(15.0 * 60)  # 901 s shown as 15.0 minutes
@@ -44,8 +57,10 @@ def test_the_stage_time_table_round_trips_through_the_doc(tmp_path):
 
 
 def test_a_hand_written_table_and_not_measured_yet():
-    table = ("<!-- pipeline-times:begin -->\n| stage | minutes |\n|---|---|\n| eval | 9.5 |\n"
-             "| **total (the flow run)** | **14.25** |\n<!-- pipeline-times:end -->")
+    table = (
+        "<!-- pipeline-times:begin -->\n| stage | minutes |\n|---|---|\n| eval | 9.5 |\n"
+        "| **total (the flow run)** | **14.25** |\n<!-- pipeline-times:end -->"
+    )
     assert report.stated_total_s(table) == pytest.approx(14.25 * 60)
     assert report.stated_total_s(f"{report.TIMES_BEGIN}\n{report.pipeline_times_md(None)}\n{report.TIMES_END}") is None
     with pytest.raises(ValueError, match="pipeline-times:begin"):
@@ -56,8 +71,15 @@ def test_a_hand_written_table_and_not_measured_yet():
 
 def test_the_doc_table_comes_from_the_newest_shipped_smollm2_run():
     older, newer = {**ROW, "total_s": 800.0}, {**ROW, "total_s": 850.0}
-    rows = [older, newer, {**ROW, "tag": "smoke"}, {**ROW, "overrides": ["eval.limit=null"]},
-            {**ROW, "pipeline": "tiny"}, {**ROW, "init_from": "x.gguf"}, {"bench": "train", "pipeline": "smollm2"}]
+    rows = [
+        older,
+        newer,
+        {**ROW, "tag": "smoke"},
+        {**ROW, "overrides": ["eval.limit=null"]},
+        {**ROW, "pipeline": "tiny"},
+        {**ROW, "init_from": "x.gguf"},
+        {"bench": "train", "pipeline": "smollm2"},
+    ]
     assert report.pipeline_times_row(rows) is newer
     assert report.pipeline_times_row(rows[2:]) is None
 
@@ -67,12 +89,18 @@ def test_the_shipped_doc_has_the_block():
 
 
 def test_stage_times_and_the_convert_checks_from_task_runs():
-    runs = {"flow": {"state": "Completed", "s": 100.0},
-            "tasks": [{"id": "c", "name": "convert", "state": "Completed", "s": 3.04},
-                      {"id": "d", "name": "data", "state": "Completed", "s": 10.0},
-                      {"id": "d2", "name": "data", "state": "Cached", "s": 0.5}],
-            "artifacts": [{"key": "convert-metrics", "type": "table", "task_run_id": "c"},
-                          {"key": "lineage-export", "type": "markdown", "task_run_id": None}]}
+    runs = {
+        "flow": {"state": "Completed", "s": 100.0},
+        "tasks": [
+            {"id": "c", "name": "convert", "state": "Completed", "s": 3.04},
+            {"id": "d", "name": "data", "state": "Completed", "s": 10.0},
+            {"id": "d2", "name": "data", "state": "Cached", "s": 0.5},
+        ],
+        "artifacts": [
+            {"key": "convert-metrics", "type": "table", "task_run_id": "c"},
+            {"key": "lineage-export", "type": "markdown", "task_run_id": None},
+        ],
+    }
     times, states = bench.stage_times(runs)
     assert times == {"convert": 3.0, "data": 10.0, "data_2": 0.5} and states["data_2"] == "Cached"
     assert bench.convert_checks(runs) == {"convert_task_run": True, "convert_artifact": True}

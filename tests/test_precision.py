@@ -5,27 +5,35 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import mindspore as ms
 import numpy as np
 import pytest
 
-import mindspore as ms
-
 from model.config import ModelConfig
 from model.llama import LlamaForCausalLM, causal_lm_loss
-from tasks.stages import pretrain
-from tasks.store.artifacts import ArtifactStore
-from tasks.training.checkpoint import load_checkpoint
 from tasks.config.loader import resolve_pipeline
+from tasks.stages import pretrain
+from tasks.stages.runner import prepare
+from tasks.store.artifacts import ArtifactStore
 from tasks.training.adamw import AdamW, decays
+from tasks.training.checkpoint import load_checkpoint
 from tasks.training.step import DynamicLossScale, TrainStep
+from tests.helpers import run_stage
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def _step_fn(net):
     params = net.trainable_params()
-    opt = AdamW(params, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, grad_clip=1.0,
-                decay_mask=[decays(q.name, decay_norms_and_biases=False, decay_embeddings=False) for q in params])
+    opt = AdamW(
+        params,
+        beta1=0.9,
+        beta2=0.95,
+        eps=1e-8,
+        weight_decay=0.1,
+        grad_clip=1.0,
+        decay_mask=[decays(q.name, decay_norms_and_biases=False, decay_embeddings=False) for q in params],
+    )
 
     def loss_fn(ids, labels):
         return causal_lm_loss(net(ids), labels)
@@ -45,7 +53,7 @@ def _fp16_tol(cfg, scale: float) -> float:
     as sqrt(ops): 4 * eps16 * sqrt(ops) of the logits' magnitude (2.0 ** -10 the spacing of float16 at 1). For
     the tiny preset (2 layers) ~1.6e-2 of max |logit|, above the 7e-4 measured and far below a wrong op (O(1))."""
     ops = 7 * cfg.num_layers + 2
-    return 4 * 2.0 ** -10 * (ops + 1) ** 0.5 * scale
+    return 4 * 2.0**-10 * (ops + 1) ** 0.5 * scale
 
 
 def test_fp16_model_keeps_fp32_weights_and_logits_close_to_fp32():
@@ -129,25 +137,32 @@ def test_dynamic_scale_doubles_after_window_finite_steps():
 
 
 def _cfg(*overrides: str):
-    base = ["pretrain.train.loop.max_steps=6", "pretrain.train.loop.log_steps=1", "pretrain.train.loop.eval_steps=3", "pretrain.train.loop.eval_batches=2",
-            "pretrain.train.schedule.warmup_steps=2", "pretrain.train.loop.micro_batch_size=4", "checkpoint.save_steps=3",
-            "checkpoint.keep_checkpoint_max=2", "pretrain.train.precision.dtype=fp16"]
+    base = [
+        "pretrain.train.loop.max_steps=6",
+        "pretrain.train.loop.log_steps=1",
+        "pretrain.train.loop.eval_steps=3",
+        "pretrain.train.loop.eval_batches=2",
+        "pretrain.train.schedule.warmup_steps=2",
+        "pretrain.train.loop.micro_batch_size=4",
+        "checkpoint.save_steps=3",
+        "checkpoint.keep_checkpoint_max=2",
+        "pretrain.train.precision.dtype=fp16",
+    ]
     return resolve_pipeline(REPO / "pipelines.yaml", "tiny", [*base, *overrides])
 
 
 @pytest.fixture(scope="module")
 def data_artifact(tmp_path_factory) -> Path:
-    from tasks.stages import data
 
     root = tmp_path_factory.mktemp("data_root")
-    return data.run(_cfg(), ArtifactStore(root), progress=False)
+    return run_stage("data", _cfg(), ArtifactStore(root), progress=False)
 
 
 def _train(cfg, root: Path, data_art: Path, **kw):
     store = ArtifactStore(root)
-    key, _, _ = pretrain.stage_key(cfg, store, data_art, None)
-    out = pretrain._train(cfg, store, data_art, None, key, progress=False, **kw)
-    return out, store.root / "runs" / "pretrain" / key
+    keyed = prepare("pretrain", store, cfg, data_artifact=data_art).keyed  # the child's body, in this process
+    out = pretrain._train(cfg, store, data_art, None, keyed[0], progress=False, keyed=keyed, **kw)
+    return out, store.root / "runs" / "pretrain" / keyed[0]
 
 
 def _rows(run_dir: Path) -> list[dict]:
@@ -157,14 +172,20 @@ def _rows(run_dir: Path) -> list[dict]:
 def test_fp16_pretrain_overflows_are_not_faults_and_scale_grows(tmp_path, data_artifact):
     # S starts absurdly high: the first steps overflow (halving S each time) without tripping
     # max_nonfinite_steps=2; then S doubles after every 2 finite steps
-    cfg = _cfg("pretrain.train.loop.max_steps=30", "pretrain.train.precision.loss_scale=1099511627776", "pretrain.train.precision.loss_scale_window=2",
-               "pretrain.train.loop.max_nonfinite_steps=2", "checkpoint.save_steps=30", "pretrain.train.loop.eval_steps=30")
+    cfg = _cfg(
+        "pretrain.train.loop.max_steps=30",
+        "pretrain.train.precision.loss_scale=1099511627776",
+        "pretrain.train.precision.loss_scale_window=2",
+        "pretrain.train.loop.max_nonfinite_steps=2",
+        "checkpoint.save_steps=30",
+        "pretrain.train.loop.eval_steps=30",
+    )
     out, run_dir = _train(cfg, tmp_path / "ovf", data_artifact)
     m = json.loads((out / "manifest.json").read_text())["metrics"]
     rows = [r for r in _rows(run_dir) if "grad_norm" in r]
     n = next(i for i, r in enumerate(rows) if np.isfinite(r["grad_norm"]))  # overflows before the first update
     assert m["skipped_steps"] == 0 and 5 <= n <= m["overflow_steps"] < 30 and m["precision"] == "fp16"
-    assert [r["loss_scale"] for r in rows[:n + 1]] == [2.0 ** (40 - i) for i in range(n + 1)]
+    assert [r["loss_scale"] for r in rows[: n + 1]] == [2.0 ** (40 - i) for i in range(n + 1)]
     assert all(np.isfinite(r["loss"]) for r in rows)
     # afterwards S hovers at the fp16 limit: an overflow halves it, 2 finite steps double it
     grew = 0

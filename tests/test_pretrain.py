@@ -8,34 +8,43 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tasks.config.loader import resolve_pipeline
 from tasks.runtime.supervise import StageFailed
 from tasks.stages import pretrain
 from tasks.store.artifacts import ArtifactStore
 from tasks.training.checkpoint import complete_checkpoints, load_checkpoint
-from tasks.config.loader import resolve_pipeline
-from tasks.training.trainer import NonFiniteError
+from tasks.training.outcome import NonFiniteError
+from tests.helpers import run_stage
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def _cfg(*overrides: str):
-    base = ["pretrain.train.loop.max_steps=6", "pretrain.train.loop.log_steps=1", "pretrain.train.loop.eval_steps=3", "pretrain.train.loop.eval_batches=2",
-            "pretrain.train.schedule.warmup_steps=2", "pretrain.train.loop.micro_batch_size=4", "checkpoint.save_steps=3",
-            "checkpoint.keep_checkpoint_max=2"]
+    base = [
+        "pretrain.train.loop.max_steps=6",
+        "pretrain.train.loop.log_steps=1",
+        "pretrain.train.loop.eval_steps=3",
+        "pretrain.train.loop.eval_batches=2",
+        "pretrain.train.schedule.warmup_steps=2",
+        "pretrain.train.loop.micro_batch_size=4",
+        "checkpoint.save_steps=3",
+        "checkpoint.keep_checkpoint_max=2",
+    ]
     return resolve_pipeline(REPO / "pipelines.yaml", "tiny", [*base, *overrides])
 
 
 @pytest.fixture(scope="module")
 def data_artifact(tmp_path_factory) -> Path:
-    from tasks.stages import data
 
     root = tmp_path_factory.mktemp("data_root")
-    return data.run(_cfg(), ArtifactStore(root), progress=False)
+    return run_stage("data", _cfg(), ArtifactStore(root), progress=False)
 
 
 def _losses(run_dir: Path) -> list[tuple[int, float]]:
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [(r["step"], r["loss"]) for r in rows if "grad_norm" in r] + [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+    return [(r["step"], r["loss"]) for r in rows if "grad_norm" in r] + [
+        (r["step"], r["val_loss"]) for r in rows if "val_loss" in r
+    ]
 
 
 def _train(cfg, root: Path, data_art: Path, **kw):
@@ -115,13 +124,13 @@ def test_stage_runs_in_child_retries_by_resuming_and_caches(tmp_path, data_artif
     key, _, _ = pretrain.stage_key(cfg, store, data_copy, None)
     spec_dir = root / "runs" / "pretrain" / key
     # first attempt stops after 3 steps (as if killed); the retry resumes from step 3
-    path = pretrain.run(cfg, store, data_copy, retries=1, progress=False, inject={"stop_after": 3})
+    path = run_stage("pretrain", cfg, store, data_copy, retries=1, progress=False, inject={"stop_after": 3})
     err = capfd.readouterr().err
     assert "resumed from step_00000003" in err
     assert path.is_dir() and store.verify(path)["metrics"]["steps"] == 6
     assert (spec_dir / "checkpoints").is_dir()
     # an unchanged rerun is a cache hit: no child, same path
-    assert pretrain.run(cfg, store, data_copy, progress=False) == path
+    assert run_stage("pretrain", cfg, store, data_copy, progress=False) == path
 
 
 def test_child_error_is_reported_on_top(tmp_path, data_artifact):
@@ -134,7 +143,7 @@ def test_child_error_is_reported_on_top(tmp_path, data_artifact):
     cfg = _cfg()
     cfg.model.vocab_size = 1024  # bypasses validation: the tokenizer has 512 pieces
     with pytest.raises(StageFailed) as ei:
-        pretrain.run(cfg, store, data_copy, progress=False)
+        run_stage("pretrain", cfg, store, data_copy, progress=False)
     first = str(ei.value).splitlines()[0]
     assert first.startswith("tokenizer of") and "vocab_size is 1024" in first
     assert store.list("pretrain") == []

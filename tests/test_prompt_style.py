@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-
 from helpers import train_tiny_hf_tokenizer, train_tiny_tokenizer
+
 from model.config import ModelConfig
 from tasks.prompts import PROMPT_STYLE_FILE, chat_prompt_ids, style_record
 from tasks.serving.parsing import parse_request
@@ -23,8 +23,15 @@ MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conten
 def _artifact(out, tokenizer_model):
     mc = ModelConfig.from_name("tiny")
     out.mkdir(parents=True)
-    write_model(out, name="llama", config=mc, weights={"w": np.zeros(1, np.float32)}, tokenizer_model=tokenizer_model,
-                tokenizer_info={}, seq_length=64)
+    write_model(
+        out,
+        name="llama",
+        config=mc,
+        weights={"w": np.zeros(1, np.float32)},
+        tokenizer_model=tokenizer_model,
+        tokenizer_info={},
+        seq_length=64,
+    )
     return out, load_tokenizer(out)
 
 
@@ -50,12 +57,15 @@ def test_model_artifacts_record_their_prompt_style_and_the_server_renders_by_it(
     assert _served_ids(sp_art, sp) == chat_prompt_ids(sp, turns, "instruction")
 
 
-@pytest.mark.parametrize("content, why", [
-    ("{", "not JSON"),
-    ('{"style": "alpaca"}', "style must be one of chat_template, instruction"),
-    ('{"style": "chat_template"}', "has no chat template"),
-    ('{"style": "instruction", "prompt": "Q: {prompt}\\nA: ", "system": ""}', "other than this version's"),
-])
+@pytest.mark.parametrize(
+    "content, why",
+    [
+        ("{", "not JSON"),
+        ('{"style": "alpaca"}', "style must be one of chat_template, instruction"),
+        ('{"style": "chat_template"}', "has no chat template"),
+        ('{"style": "instruction", "prompt": "Q: {prompt}\\nA: ", "system": ""}', "other than this version's"),
+    ],
+)
 def test_a_bad_prompt_style_record_is_one_error_naming_the_file(tmp_path, content, why):
     art, sp = _artifact(tmp_path / "sp", train_tiny_tokenizer(tmp_path / "tok.model", 512))
     (art / PROMPT_STYLE_FILE).write_text(content)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tasks.store.artifacts import ArtifactStore
+from tests.helpers import run_stage
 
 REPO = Path(__file__).resolve().parent.parent
 PIPELINES = REPO / "pipelines.yaml"
@@ -42,7 +43,6 @@ def counts(monkeypatch) -> Counter:
         if hasattr(mod, "stage_key"):
             monkeypatch.setattr(mod, "stage_key", _counting(c, name, mod.stage_key))
     check = _counting(c, "machine", runner.machine_fit_errors)
-    monkeypatch.setattr(stage_module("pretrain"), "machine_fit_errors", check)  # its own check (a direct `run` call)
     monkeypatch.setattr(runner, "machine_fit_errors", check)
     return c
 
@@ -71,8 +71,8 @@ def test_cli_train_checks_the_machine_once_and_computes_the_key_once(tmp_path, m
 
 
 def test_stage_run_takes_the_key_prepare_computed(tmp_path, monkeypatch, counts):
-    """prepare → StageCall.run: the stage module's run gets `keyed` and computes nothing again; a direct `run`
-    call (no runner) checks the machine and keys itself."""
+    """prepare → StageCall.run: the stage module's run gets `keyed` and computes nothing again; it cannot be run
+    without one (no second key, no second machine check)."""
     from tasks.config.loader import resolve_pipeline
     from tasks.stages import pretrain
     from tasks.stages.runner import prepare
@@ -81,14 +81,19 @@ def test_stage_run_takes_the_key_prepare_computed(tmp_path, monkeypatch, counts)
     data = _stub(store, "data", "d" * 16)
     cfg = resolve_pipeline(PIPELINES, "tiny", [])
     handed = []
-    monkeypatch.setattr(pretrain, "supervise", lambda stage, store_, key, *a, **kw:
-                        handed.append(key) or _stub(store_, stage, key, model=True))
+    monkeypatch.setattr(
+        pretrain,
+        "supervise",
+        lambda stage, store_, key, *a, **kw: handed.append(key) or _stub(store_, stage, key, model=True),
+    )
     call = prepare("pretrain", store, cfg, data_artifact=data)
     assert counts == {"pretrain": 1, "machine": 1} and call.cached() is None
     path = call.run(progress=False)
     assert counts == {"pretrain": 1, "machine": 1} and handed == [call.key] and path == call.cached()
-    assert pretrain.run(cfg, store, data, progress=False) == path
+    assert run_stage("pretrain", cfg, store, data, progress=False) == path  # through the runner again: a hit
     assert counts == {"pretrain": 2, "machine": 2} and handed == [call.key]
+    with pytest.raises(TypeError, match="keyed"):
+        pretrain.run(cfg, store, data, progress=False)
 
 
 def test_resolve_init_converts_a_source_once_and_finds_an_artifact(tmp_path, monkeypatch, counts):
@@ -104,8 +109,7 @@ def test_resolve_init_converts_a_source_once_and_finds_an_artifact(tmp_path, mon
     store = ArtifactStore(tmp_path / "art")
     converted = []
 
-    def from_hf(hf_dir, store_, pipeline=None, *, keyed=None):
-        assert keyed is not None, "convert.run computed the key again"
+    def from_hf(hf_dir, store_, pipeline=None, *, keyed):
         converted.append(keyed[0])
         return _stub(store_, "convert", keyed[0], keyed[1], model=True)
 

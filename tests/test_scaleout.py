@@ -16,7 +16,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -24,26 +23,36 @@ from pathlib import Path
 
 import pytest
 
-from tasks.stages import data
+from tasks.config.loader import resolve_pipeline
 from tasks.stages import pretrain
 from tasks.store.artifacts import ArtifactStore
-from tasks.config.loader import resolve_pipeline
+from tests.helpers import assert_same_scalars, run_stage
 from tests.test_distributed import free_port
-from tests.helpers import assert_same_scalars
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 DATA = ["data.chunk_documents=1500", "data.num_workers=2", "data.executor=dask"]  # as tests/test_dask.py
-TRAIN = ["pretrain.train.loop.max_steps=6", "pretrain.train.loop.log_steps=1", "pretrain.train.loop.eval_steps=3", "pretrain.train.loop.eval_batches=2",
-         "pretrain.train.schedule.warmup_steps=2", "pretrain.train.loop.micro_batch_size=8", "checkpoint.save_steps=3"]
-DP2 = ["parallel.data_parallel=2", "parallel.device_num=2", "pretrain.train.loop.micro_batch_size=4"]  # same global batch 8
+TRAIN = [
+    "pretrain.train.loop.max_steps=6",
+    "pretrain.train.loop.log_steps=1",
+    "pretrain.train.loop.eval_steps=3",
+    "pretrain.train.loop.eval_batches=2",
+    "pretrain.train.schedule.warmup_steps=2",
+    "pretrain.train.loop.micro_batch_size=8",
+    "checkpoint.save_steps=3",
+]
+DP2 = [
+    "parallel.data_parallel=2",
+    "parallel.device_num=2",
+    "pretrain.train.loop.micro_batch_size=4",
+]  # same global batch 8
 
 
 @pytest.fixture(scope="module")
 def local_data(tmp_path_factory) -> Path:
     """The tiny data artifact built by the local process pool (the reference bytes)."""
     cfg = resolve_pipeline(REPO / "pipelines.yaml", "tiny", DATA)
-    return data.run(cfg, ArtifactStore(tmp_path_factory.mktemp("local")), progress=False)
+    return run_stage("data", cfg, ArtifactStore(tmp_path_factory.mktemp("local")), progress=False)
 
 
 from tasks.serving.health import stop_group as _stop  # noqa: E402
@@ -58,16 +67,44 @@ def test_data_stage_on_a_dask_cluster_started_by_address(tmp_path, local_data):
     t0 = time.time()
     port = free_port()
     address = f"tcp://127.0.0.1:{port}"
-    env = dict(os.environ, PREFECT_HOME=str(tmp_path / "ph"), PREFECT_SERVER_ANALYTICS_ENABLED="false", GLOG_v="3",
-               PYTHONPATH=str(REPO), PATH=f"{BIN}:{os.environ['PATH']}")
+    env = dict(
+        os.environ,
+        PREFECT_HOME=str(tmp_path / "ph"),
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        GLOG_v="3",
+        PYTHONPATH=str(REPO),
+        PATH=f"{BIN}:{os.environ['PATH']}",
+    )
     env.pop("PREFECT_API_URL", None)
     procs = []
     try:
-        for name, cmd in (("scheduler", ["scheduler", "--host", "127.0.0.1", "--port", str(port), "--no-dashboard"]),
-                          ("worker", ["worker", address, "--nworkers", "2", "--nthreads", "1", "--no-dashboard",
-                                      "--local-directory", str(tmp_path / "dask-space")])):
-            procs.append(subprocess.Popen([str(BIN / "dask"), *cmd], cwd=tmp_path, env=env, start_new_session=True,
-                                          stdout=open(tmp_path / f"{name}.log", "w"), stderr=subprocess.STDOUT))
+        for name, cmd in (
+            ("scheduler", ["scheduler", "--host", "127.0.0.1", "--port", str(port), "--no-dashboard"]),
+            (
+                "worker",
+                [
+                    "worker",
+                    address,
+                    "--nworkers",
+                    "2",
+                    "--nthreads",
+                    "1",
+                    "--no-dashboard",
+                    "--local-directory",
+                    str(tmp_path / "dask-space"),
+                ],
+            ),
+        ):
+            procs.append(
+                subprocess.Popen(
+                    [str(BIN / "dask"), *cmd],
+                    cwd=tmp_path,
+                    env=env,
+                    start_new_session=True,
+                    stdout=open(tmp_path / f"{name}.log", "w"),
+                    stderr=subprocess.STDOUT,
+                )
+            )
             if name == "scheduler":
                 deadline = time.time() + 60
                 while "Scheduler at:" not in (tmp_path / "scheduler.log").read_text() and time.time() < deadline:
@@ -76,10 +113,16 @@ def test_data_stage_on_a_dask_cluster_started_by_address(tmp_path, local_data):
             client.wait_for_workers(2, timeout=120)
             worker_pids = set(client.run(os.getpid).values())
         assert len(worker_pids) == 2 and os.getpid() not in worker_pids
-        arg = json.dumps({"config": str(REPO / "pipelines.yaml"), "overrides": [*DATA, f"data.dask_address={address}"],
-                          "artifacts": str(tmp_path / "dask")})
-        out = subprocess.run([sys.executable, "-c", DRIVER, arg], capture_output=True, text=True, cwd=REPO, env=env,
-                             timeout=900)
+        arg = json.dumps(
+            {
+                "config": str(REPO / "pipelines.yaml"),
+                "overrides": [*DATA, f"data.dask_address={address}"],
+                "artifacts": str(tmp_path / "dask"),
+            }
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", DRIVER, arg], capture_output=True, text=True, cwd=REPO, env=env, timeout=900
+        )
         line = next((ln for ln in out.stdout.splitlines() if ln.startswith("PATH ")), None)
         assert out.returncode == 0 and line, out.stderr[-4000:]
         worker_log = (tmp_path / "worker.log").read_text()
@@ -91,7 +134,9 @@ def test_data_stage_on_a_dask_cluster_started_by_address(tmp_path, local_data):
     a, b = ArtifactStore.read_manifest(local_data), ArtifactStore.read_manifest(Path(line[5:]))
     assert a["key"] == b["key"] and a["digest"] == b["digest"]
     assert [(f["path"], f["sha256"]) for f in a["files"]] == [(f["path"], f["sha256"]) for f in b["files"]]
-    print("DASK", json.dumps({"files": len(a["files"]), "digest": a["digest"][:16], "wall_s": round(time.time() - t0, 1)}))
+    print(
+        "DASK", json.dumps({"files": len(a["files"]), "digest": a["digest"][:16], "wall_s": round(time.time() - t0, 1)})
+    )
 
 
 def test_nodes_other_than_0_run_msrun_without_a_scheduler(tmp_path):
@@ -134,12 +179,27 @@ def test_two_msrun_nodes_on_one_machine_match_one_process(tmp_path, local_data):
     env = dict(os.environ, GLOG_v="3", PATH=f"{BIN}:{os.environ['PATH']}")
     nodes = []
     for rank in (0, 1):
-        sets = [*TRAIN, *DP2, "parallel.node_num=2", f"parallel.node_rank={rank}", f"parallel.master_port={port}",
-                "parallel.cluster_timeout=120"]
+        sets = [
+            *TRAIN,
+            *DP2,
+            "parallel.node_num=2",
+            f"parallel.node_rank={rank}",
+            f"parallel.master_port={port}",
+            "parallel.cluster_timeout=120",
+        ]
         cmd = [str(BIN / "msllm"), "train", "--pipeline", "tiny", "--artifacts", str(root), "--from", str(shared_data)]
         cmd += [x for s in sets for x in ("--set", s)]
-        nodes.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=open(tmp_path / f"node{rank}.log", "w"),
-                                      text=True, start_new_session=True))
+        nodes.append(
+            subprocess.Popen(
+                cmd,
+                cwd=REPO,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=open(tmp_path / f"node{rank}.log", "w"),
+                text=True,
+                start_new_session=True,
+            )
+        )
     try:
         outs = [p.communicate(timeout=600)[0] for p in nodes]
     finally:
@@ -164,4 +224,7 @@ def test_two_msrun_nodes_on_one_machine_match_one_process(tmp_path, local_data):
     assert digests[0] and digests[0] == digests[1], digests
     assert not (run_dir / "msrun_logs" / "node_1" / "worker_0.log").exists()  # node 1 ran rank 1 only
     loss_diff, val_diff = max(abs(ls[s] - ln[s]) for s in ls), max(abs(a - b) for a, b in zip(vs, vn))
-    print("NODES", json.dumps({"max_loss_diff": loss_diff, "max_val_diff": val_diff, "wall_s": round(time.time() - t0, 1)}))
+    print(
+        "NODES",
+        json.dumps({"max_loss_diff": loss_diff, "max_val_diff": val_diff, "wall_s": round(time.time() - t0, 1)}),
+    )

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -48,13 +47,21 @@ def server_env(tmp_path: Path) -> tuple[int, str, dict[str, str]]:
     clients (a private PREFECT_HOME under tmp_path, offline, this virtualenv's scripts first on PATH)."""
     port = _free_port()
     api = f"http://127.0.0.1:{port}/api"
-    env = dict(os.environ, PREFECT_HOME=str(tmp_path / "home"), PREFECT_API_URL=api,
-               PREFECT_SERVER_ANALYTICS_ENABLED="false", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", GLOG_v="3",
-               PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    env = dict(
+        os.environ,
+        PREFECT_HOME=str(tmp_path / "home"),
+        PREFECT_API_URL=api,
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        HF_DATASETS_OFFLINE="1",
+        HF_HUB_OFFLINE="1",
+        GLOG_v="3",
+        PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+    )
     return port, api, env
 
 
 from tasks.serving.health import stop_group  # noqa: E402
+
 _stop = stop_group
 
 
@@ -66,8 +73,13 @@ def _task_names(api: str, flow_run_id: str) -> list[str]:
 
 
 def _run_deployment(env: dict, name: str, timeout: int = 900) -> str:
-    out = subprocess.run([PREFECT, "deployment", "run", name, "--watch", "--watch-timeout", str(timeout)],
-                         capture_output=True, text=True, env=env, timeout=timeout + 60)
+    out = subprocess.run(
+        [PREFECT, "deployment", "run", name, "--watch", "--watch-timeout", str(timeout)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout + 60,
+    )
     text = out.stdout + out.stderr
     assert out.returncode == 0 and "Completed" in text, text[-4000:]
     run_id = next(ln.split()[-1] for ln in text.splitlines() if "UUID:" in ln)
@@ -80,15 +92,34 @@ def test_deployments_on_a_real_server(tmp_path):
     port, api, env = server_env(tmp_path)
     procs = []
     try:
-        server = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                                  env=env, stdout=open(tmp_path / "server.log", "w"), stderr=subprocess.STDOUT,
-                                  start_new_session=True)
+        server = subprocess.Popen(
+            [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+            env=env,
+            stdout=open(tmp_path / "server.log", "w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         procs.append(server)
         _wait_health(api, 120)
-        serve = subprocess.Popen([sys.executable, "scripts/serve.py", "--pipeline", "tiny", "--config", str(cfg),
-                                  "--artifacts", str(tmp_path / "artifacts"), "--cron", ""],
-                                 cwd=REPO, env=env, stdout=open(tmp_path / "serve.log", "w"), stderr=subprocess.STDOUT,
-                                 start_new_session=True)
+        serve = subprocess.Popen(
+            [
+                sys.executable,
+                "scripts/serve.py",
+                "--pipeline",
+                "tiny",
+                "--config",
+                str(cfg),
+                "--artifacts",
+                str(tmp_path / "artifacts"),
+                "--cron",
+                "",
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=open(tmp_path / "serve.log", "w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         procs.append(serve)
         t0 = time.time()
         while time.time() - t0 < 120:
@@ -111,8 +142,11 @@ STAGE_ONLY = ("eval-stage", "eval-only", "eval")
 
 
 def _api(api: str, path: str, body: dict | None = None):
-    req = urllib.request.Request(api + path, data=json.dumps(body).encode() if body is not None else None,
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        api + path,
+        data=json.dumps(body).encode() if body is not None else None,
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=10) as r:
         return json.loads(r.read())
 
@@ -127,27 +161,48 @@ def test_cancelling_a_flow_run_ends_it_and_its_task_cancelled(tmp_path):
     port, api, env = server_env(tmp_path)
     procs = []
     try:
-        server = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                                  env=env, stdout=open(tmp_path / "server.log", "w"), stderr=subprocess.STDOUT,
-                                  start_new_session=True)
+        server = subprocess.Popen(
+            [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+            env=env,
+            stdout=open(tmp_path / "server.log", "w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         procs.append(server)
         _wait_health(api, 120)
         log = tmp_path / "serve.log"
-        serve = subprocess.Popen([sys.executable, "scripts/serve.py", "--pipeline", "tiny", "--config", str(cfg),
-                                  "--artifacts", str(tmp_path / "artifacts")], cwd=REPO, env=env,
-                                 stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+        serve = subprocess.Popen(
+            [
+                sys.executable,
+                "scripts/serve.py",
+                "--pipeline",
+                "tiny",
+                "--config",
+                str(cfg),
+                "--artifacts",
+                str(tmp_path / "artifacts"),
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=open(log, "w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         procs.append(serve)
         t0 = time.time()
         while "trigger" not in log.read_text() and serve.poll() is None and time.time() - t0 < 120:
             time.sleep(0.5)
-        out = subprocess.run([PREFECT, "deployment", "run", "data-stage/data-only"], capture_output=True, text=True,
-                             env=env, timeout=120)
+        out = subprocess.run(
+            [PREFECT, "deployment", "run", "data-stage/data-only"], capture_output=True, text=True, env=env, timeout=120
+        )
         run_id = next(ln.split()[-1] for ln in out.stdout.splitlines() if "UUID:" in ln)
         t0 = time.time()
         while time.time() - t0 < 300:  # until the data task runs, its pool started
             tasks = _api(api, "/task_runs/filter", {"flow_runs": {"id": {"any_": [run_id]}}})
-            if any((t["state"] or {}).get("type") == "RUNNING" for t in tasks) and \
-                    len(psutil.Process(serve.pid).children(recursive=True)) >= 2:
+            if (
+                any((t["state"] or {}).get("type") == "RUNNING" for t in tasks)
+                and len(psutil.Process(serve.pid).children(recursive=True)) >= 2
+            ):
                 break
             time.sleep(0.5)
         else:
@@ -184,7 +239,7 @@ def _documented_commands(heading: str) -> list[str]:
     import re
 
     text = (REPO / "docs" / "PIPELINE.md").read_text(encoding="utf-8")
-    section = text[text.index(heading):].split("\n#", 1)[0]
+    section = text[text.index(heading) :].split("\n#", 1)[0]
     lines = []
     for block in re.findall(r"```\n(.*?)```", section, re.S):
         lines += [re.sub(r"\s+#\s.*$", "", ln).strip() for ln in block.replace("\\\n", " ").splitlines()]
@@ -206,15 +261,33 @@ def test_the_documented_prefect_cli_parameter_commands_run_as_documented(tmp_pat
     (cwd / "params.json").write_text(json.dumps({"overrides": ['eval.tasks=["local_arc_easy"]', "eval.limit=5"]}))
     procs, outputs, runs = [], [], []
     try:
-        server = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                                  env=env, stdout=open(tmp_path / "server.log", "w"), stderr=subprocess.STDOUT,
-                                  start_new_session=True)
+        server = subprocess.Popen(
+            [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+            env=env,
+            stdout=open(tmp_path / "server.log", "w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         procs.append(server)
         _wait_health(api, 120)
         log = tmp_path / "serve.log"
-        serve = subprocess.Popen([sys.executable, "scripts/serve.py", "--pipeline", "tiny", "--config", str(cfg),
-                                  "--artifacts", str(tmp_path / "artifacts")], cwd=REPO, env=env,
-                                 stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+        serve = subprocess.Popen(
+            [
+                sys.executable,
+                "scripts/serve.py",
+                "--pipeline",
+                "tiny",
+                "--config",
+                str(cfg),
+                "--artifacts",
+                str(tmp_path / "artifacts"),
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=open(log, "w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         procs.append(serve)
         t0 = time.time()
         while "trigger" not in log.read_text() and serve.poll() is None and time.time() - t0 < 120:

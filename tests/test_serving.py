@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import assert_choices_agree, logit_tol, tiny_model_artifact
+from tests.helpers import assert_choices_agree, logit_tol, run_stage, tiny_model_artifact
 
 openai = pytest.importorskip("openai")
 
@@ -45,9 +45,23 @@ class Server:
         self.log_path = log_dir / f"serve-{self.port}.log"
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tasks.cli", "serve", *([str(artifact)] if artifact else []), "--host", "127.0.0.1",
-             "--port", str(self.port), *extra], cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
-            start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "tasks.cli",
+                "serve",
+                *([str(artifact)] if artifact else []),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                *extra,
+            ],
+            cwd=REPO,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         from tasks.serving.health import ServerDied, wait_healthy
 
         try:
@@ -90,15 +104,17 @@ def onnx_art(model_art, tmp_path_factory):
     model.json), written by tasks.deploy.onnx_decoder as the export stage writes it."""
     import shutil
 
-    from tasks.store.tensors import load_weights
-    from tasks.store.model_artifact import read_info
     from tasks.deploy.onnx_decoder import build_decoder, save_model
+    from tasks.store.model_artifact import read_info
+    from tasks.store.tensors import load_weights
 
     out = tmp_path_factory.mktemp("serve_export") / "export" / "tinykv"
     out.mkdir(parents=True)
     info = read_info(model_art)
-    save_model(build_decoder(info["model"], load_weights(model_art), metadata={"eos_id": info["tokenizer"]["eos_id"]}),
-               out / "model.onnx")
+    save_model(
+        build_decoder(info["model"], load_weights(model_art), metadata={"eos_id": info["tokenizer"]["eos_id"]}),
+        out / "model.onnx",
+    )
     for f in ("tokenizer.model", "model.json"):
         shutil.copy2(model_art / f, out / f)
     return out
@@ -125,7 +141,7 @@ def reference(model_art):
     def complete(prompt_ids: list[int], max_tokens: int, **kw) -> tuple[str, list[int]]:
         new = gen.generate(prompt_ids, max_tokens, eos_id=sp.eos_id(), **kw)
         head = [t for t in prompt_ids if t != sp.eos_id()]
-        text = sp.decode(head + [t for t in new if t != sp.eos_id()])[len(sp.decode(head)):]
+        text = sp.decode(head + [t for t in new if t != sp.eos_id()])[len(sp.decode(head)) :]
         return text, new
 
     return sp, complete
@@ -165,7 +181,11 @@ def test_completion_equals_generator_and_is_logged(server, reference):
     want, new = complete(ids, 24)
     assert r.object == "text_completion" and r.choices[0].text == want
     assert r.choices[0].finish_reason == ("stop" if new[-1] == sp.eos_id() else "length")
-    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (len(ids), len(new), len(ids) + len(new))
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (
+        len(ids),
+        len(new),
+        len(ids) + len(new),
+    )
     line = next(ln for ln in server.log().splitlines() if r.id in ln)  # one log line per request
     m = re.search(r"in=(\d+) out=(\d+) ttft=([\d.]+)s tok/s=([\d.]+)", line)
     assert m and (int(m[1]), int(m[2])) == (len(ids), len(new)) and float(m[4]) > 0
@@ -185,29 +205,37 @@ def test_chat_uses_the_finetune_instruction_template(server, reference):
     from tasks.prompts import prompt_ids
 
     sp, complete = reference
-    r = server.client().chat.completions.create(model=server.model, messages=[{"role": "user", "content": "Who loves Juliet?"}],
-                                                max_tokens=12, temperature=0)
+    r = server.client().chat.completions.create(
+        model=server.model, messages=[{"role": "user", "content": "Who loves Juliet?"}], max_tokens=12, temperature=0
+    )
     ids = prompt_ids(sp, "Who loves Juliet?")  # what the finetune stage trains on, up to the response
     want, new = complete(ids, 12)
     assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
     assert r.choices[0].message.content == want
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), len(new))
     # a system message and earlier turns render through the same template
-    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-            {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Bye"}]
+    msgs = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": "Bye"},
+    ]
     r2 = server.client().chat.completions.create(model=server.model, messages=msgs, max_tokens=4, temperature=0)
     from tasks.prompts import chat_prompt_ids
 
     ids2 = chat_prompt_ids(sp, [(m["role"], m["content"]) for m in msgs])
     assert r2.usage.prompt_tokens == len(ids2) and ids2.count(sp.eos_id()) == 1  # the earlier answer closed by EOS
-    assert " ".join(sp.decode(ids2).split()) == ("### System: Be brief. ### Instruction: Hi ### Response: Hello "
-                                                 "### Instruction: Bye ### Response:")  # (this tokenizer folds newlines)
+    assert " ".join(sp.decode(ids2).split()) == (
+        "### System: Be brief. ### Instruction: Hi ### Response: Hello ### Instruction: Bye ### Response:"
+    )  # (this tokenizer folds newlines)
 
 
 def test_streaming_matches_the_full_response(server):
     client = server.client()
     full = client.completions.create(model=server.model, prompt="KING:", max_tokens=20, temperature=0)
-    chunks = list(client.completions.create(model=server.model, prompt="KING:", max_tokens=20, temperature=0, stream=True))
+    chunks = list(
+        client.completions.create(model=server.model, prompt="KING:", max_tokens=20, temperature=0, stream=True)
+    )
     assert len(chunks) > 2 and all(c.object == "text_completion" for c in chunks)
     assert "".join(c.choices[0].text for c in chunks) == full.choices[0].text
     assert [c.choices[0].finish_reason for c in chunks[:-1]] == [None] * (len(chunks) - 1)
@@ -216,8 +244,16 @@ def test_streaming_matches_the_full_response(server):
 
     msgs = [{"role": "user", "content": "Speak."}]
     full = client.chat.completions.create(model=server.model, messages=msgs, max_tokens=20, temperature=0)
-    chunks = list(client.chat.completions.create(model=server.model, messages=msgs, max_tokens=20, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=server.model,
+            messages=msgs,
+            max_tokens=20,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant" and all(c.object == "chat.completion.chunk" for c in chunks)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == full.choices[0].message.content
     assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == full.usage.total_tokens  # include_usage
@@ -230,10 +266,15 @@ def test_stop_sequences_cut_the_text_before_them(server):
     assert len(full) > 12, full
     stop = full[8:11]  # a string the completion is known to contain
     cut = full[: full.find(stop)]
-    r = client.completions.create(model=server.model, prompt="HAMLET:", max_tokens=40, temperature=0, stop=[stop, "\x00never"])
+    r = client.completions.create(
+        model=server.model, prompt="HAMLET:", max_tokens=40, temperature=0, stop=[stop, "\x00never"]
+    )
     assert r.choices[0].text == cut and r.choices[0].finish_reason == "stop"
-    chunks = list(client.completions.create(model=server.model, prompt="HAMLET:", max_tokens=40, temperature=0,
-                                            stop=stop, stream=True))
+    chunks = list(
+        client.completions.create(
+            model=server.model, prompt="HAMLET:", max_tokens=40, temperature=0, stop=stop, stream=True
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks) == cut and chunks[-1].choices[0].finish_reason == "stop"
     assert r.usage.completion_tokens < 40
 
@@ -268,20 +309,27 @@ def test_bad_completion_requests_get_openai_errors(server, change, status, param
 
 def test_bad_chat_requests_name_the_field(server):
     client = server.client()
-    for msgs, param in (([], "messages"), ([{"role": "robot", "content": "x"}], "messages[0].role"),
-                        ([{"role": "user", "content": 5}], "messages[0].content"),
-                        ([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}], "messages[1].role"),
-                        ([{"role": "user", "content": "word " * 400}], "messages")):
+    for msgs, param in (
+        ([], "messages"),
+        ([{"role": "robot", "content": "x"}], "messages[0].role"),
+        ([{"role": "user", "content": 5}], "messages[0].content"),
+        ([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}], "messages[1].role"),
+        ([{"role": "user", "content": "word " * 400}], "messages"),
+    ):
         with pytest.raises(openai.BadRequestError) as exc:
             client.chat.completions.create(model=server.model, messages=msgs, max_tokens=4)
         assert exc.value.param == param, (msgs, exc.value.message)
     with pytest.raises(openai.BadRequestError) as exc:
-        client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "x"}],
-                                       max_completion_tokens=100000)
+        client.chat.completions.create(
+            model=server.model, messages=[{"role": "user", "content": "x"}], max_completion_tokens=100000
+        )
     assert exc.value.param == "max_completion_tokens"
     msg = [{"role": "user", "content": "x"}]
-    for extra, param in (({"echo": True}, "echo"), ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-                         ({"top_logprobs": 2}, "top_logprobs")):
+    for extra, param in (
+        ({"echo": True}, "echo"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+    ):
         with pytest.raises(openai.BadRequestError) as exc:
             client.chat.completions.create(model=server.model, messages=msg, max_tokens=2, extra_body=extra)
         assert exc.value.param == param and param in exc.value.message, exc.value.message
@@ -289,21 +337,31 @@ def test_bad_chat_requests_name_the_field(server):
 
 def test_malformed_bodies_and_routes_and_the_server_survives(server):
     status, body = _post(server.url + "/v1/completions", b'{"model": "x", "prompt": ')
-    assert status == 400 and "not valid JSON" in body["error"]["message"] and body["error"]["type"] == "invalid_request_error"
+    assert (
+        status == 400
+        and "not valid JSON" in body["error"]["message"]
+        and body["error"]["type"] == "invalid_request_error"
+    )
     status, body = _post(server.url + "/v1/chat/completions", b"[1, 2]")
     assert status == 400 and "JSON object" in body["error"]["message"]
     status, body = _post(server.url + "/v1/completions", b"\xff\xfe")
     assert status == 400 and "error" in body
     status, body = _post(server.url + "/v1/completions", json.dumps({"prompt": "x"}).encode())
     assert status == 400 and body["error"]["param"] == "model"
-    status, body = _post(server.url + "/v1/completions", f'{{"model": "{server.model}", "prompt": "x", '
-                         f'"temperature": NaN}}'.encode())
+    status, body = _post(
+        server.url + "/v1/completions", f'{{"model": "{server.model}", "prompt": "x", "temperature": NaN}}'.encode()
+    )
     assert status == 400 and body["error"]["param"] == "temperature" and "finite" in body["error"]["message"]
     status, body = _post(server.url + "/v1/engines", b"{}")
     assert status == 404 and "/v1" in body["error"]["message"]
     with pytest.raises(openai.NotFoundError):
         server.client().models.retrieve("nope")
-    assert server.client().completions.create(model=server.model, prompt="Still here", max_tokens=2).usage.completion_tokens == 2
+    assert (
+        server.client()
+        .completions.create(model=server.model, prompt="Still here", max_tokens=2)
+        .usage.completion_tokens
+        == 2
+    )
 
 
 def test_a_body_over_the_default_limit_is_a_413_at_once(server):
@@ -331,11 +389,15 @@ def test_a_client_that_goes_away_mid_stream_frees_its_slot(server):
     while f"{rid} client went away" not in server.log() and time.time() - t0 < 20:
         time.sleep(0.2)
     assert f"{rid} client went away" in server.log()
-    while json.loads(urllib.request.urlopen(server.url + "/health", timeout=5).read())["active"] and time.time() - t0 < 20:
+    while (
+        json.loads(urllib.request.urlopen(server.url + "/health", timeout=5).read())["active"] and time.time() - t0 < 20
+    ):
         time.sleep(0.2)
     assert json.loads(urllib.request.urlopen(server.url + "/health", timeout=5).read())["active"] == 0
     assert f"{rid} 200" not in server.log()  # it was stopped, not run to the end
-    assert server.client().completions.create(model=server.model, prompt="Next", max_tokens=3).usage.completion_tokens == 3
+    assert (
+        server.client().completions.create(model=server.model, prompt="Next", max_tokens=3).usage.completion_tokens == 3
+    )
 
 
 def test_text_stream_holds_back_possible_stop_strings(reference):
@@ -378,8 +440,15 @@ def test_onnxruntime_backend_matches_onnx_generator_and_mindspore(onnx_server, o
     ms = server.client().completions.create(model=server.model, **greedy)
     ort = onnx_server.client().completions.create(model=onnx_server.model, **greedy)
     assert ort.choices[0].text == ms.choices[0].text  # same weights, same tokens on both backends
-    chunks = list(onnx_server.client().chat.completions.create(
-        model=onnx_server.model, messages=[{"role": "user", "content": "Hi"}], max_tokens=8, temperature=0, stream=True))
+    chunks = list(
+        onnx_server.client().chat.completions.create(
+            model=onnx_server.model,
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+        )
+    )
     assert chunks[-1].choices[0].finish_reason in ("length", "stop") and chunks[-1].usage.prompt_tokens > 5
 
 
@@ -388,14 +457,14 @@ def test_default_artifact_is_the_pipelines_newest_export(model_art, tmp_path):
     """`msllm serve --pipeline tiny` with no ARTIFACT serves the newest export of the pipeline on onnxruntime."""
     import sentencepiece as spm
 
-    from tasks.stages import export
-    from tasks.store.artifacts import ArtifactStore
     from tasks.config.loader import resolve_pipeline
     from tasks.deploy.onnx_generate import OnnxGenerator, decode_completion
+    from tasks.store.artifacts import ArtifactStore
 
     root = model_art.parent.parent  # the store model_art lives in
-    path = export.run(resolve_pipeline(REPO / "pipelines.yaml", "tiny", []), ArtifactStore(root), model_art,
-                      progress=False)
+    path = run_stage(
+        "export", resolve_pipeline(REPO / "pipelines.yaml", "tiny", []), ArtifactStore(root), model_art, progress=False
+    )
     srv = Server(None, tmp_path, "--pipeline", "tiny", "--artifacts", str(root))
     try:
         card = srv.client().models.list().data[0]
@@ -419,9 +488,12 @@ def test_serving_a_fixed_shape_onnx_export_says_to_re_export(onnx_art, tmp_path,
     old = tmp_path / "export" / "old"
     old.mkdir(parents=True)
     shutil.copy2(onnx_art / "tokenizer.model", old / "tokenizer.model")
-    graph = helper.make_graph([helper.make_node("Cast", ["input_ids"], ["logits"], to=TensorProto.FLOAT)], "old",
-                              [helper.make_tensor_value_info("input_ids", TensorProto.INT32, [1, 16])],
-                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, 16])])
+    graph = helper.make_graph(
+        [helper.make_node("Cast", ["input_ids"], ["logits"], to=TensorProto.FLOAT)],
+        "old",
+        [helper.make_tensor_value_info("input_ids", TensorProto.INT32, [1, 16])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, 16])],
+    )
     onnx.save_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), str(old / "model.onnx"))
     from tasks.cli import main
 
@@ -438,7 +510,10 @@ def test_serving_a_fixed_shape_onnx_export_says_to_re_export(onnx_art, tmp_path,
 def test_32_concurrent_streaming_clients_match_single_client_tokens(backend, request):
     server = request.getfixturevalue("server" if backend == "mindspore" else "onnx_server")
     prompts = ["ROMEO:", "JULIET:", "To be", "KING:", "What is", "Enter", "My lord", "O"]
-    params = [dict(temperature=0) if i % 2 == 0 else dict(temperature=0.8, seed=i, extra_body={"top_k": 50}) for i in range(32)]
+    params = [
+        dict(temperature=0) if i % 2 == 0 else dict(temperature=0.8, seed=i, extra_body={"top_k": 50})
+        for i in range(32)
+    ]
     jobs = [(prompts[i % len(prompts)], params[i]) for i in range(32)]
     client = server.client()
     single = [client.completions.create(model=server.model, prompt=p, max_tokens=24, **kw) for p, kw in jobs]
@@ -541,6 +616,7 @@ def test_cli_serve_rejects_a_directory_that_is_no_artifact(tmp_path, capsys):
 
 # ----------------------------------------------------------------------------- logprobs, prompt arrays, metrics
 
+
 @pytest.fixture(scope="module")
 def scorer(model_art):
     """log p(ids[t] | ids[:t]) from the eval stage's own scorer (lm_adapter.TokenScorer), the reference; score.tol(ids)
@@ -549,8 +625,8 @@ def scorer(model_art):
     import numpy as np
     from mindspore import Tensor
 
-    from tasks.stages.evaluate.lm_adapter import TokenScorer
     from tasks.modeling.build import load_network
+    from tasks.stages.evaluate.lm_adapter import TokenScorer
     from tests.helpers import loglikelihood_tol
 
     net, _ = load_network(model_art)
@@ -596,19 +672,28 @@ def test_echo_logprobs_equal_the_eval_scorer(backend, request, reference, scorer
     lp = r.choices[0].logprobs
     assert len(lp.token_logprobs) == len(ids) + 4 and r.choices[0].text.startswith(text)
     # the chosen token's value is the same float as its entry in the top list (no arithmetic between the two)
-    assert all(abs(max(top.values()) - t) < 1e-12 for t, top in zip(lp.token_logprobs[len(ids):], lp.top_logprobs[len(ids):]))
+    assert all(
+        abs(max(top.values()) - t) < 1e-12 for t, top in zip(lp.token_logprobs[len(ids) :], lp.top_logprobs[len(ids) :])
+    )
     hot = client.completions.create(model=srv.model, prompt=text, max_tokens=1, logprobs=5, temperature=1.7, seed=3)
     tok_lp = hot.choices[0].logprobs.token_logprobs[0]
     first = hot.choices[0].logprobs.tokens[0]
     # the sampled token's logprob under the model's own distribution: the reference scorer on prompt + that token
-    sampled = [t for t in range(sp.vocab_size) if sp.decode(ids + [t])[len(sp.decode(ids)):] == first]
-    assert any(abs(scorer([sp.eos_id()] + ids + [t])[-1] - tok_lp) <= scorer.tol([sp.eos_id()] + ids + [t])
-               for t in sampled), (first, tok_lp)
+    sampled = [t for t in range(sp.vocab_size) if sp.decode(ids + [t])[len(sp.decode(ids)) :] == first]
+    assert any(
+        abs(scorer([sp.eos_id()] + ids + [t])[-1] - tok_lp) <= scorer.tol([sp.eos_id()] + ids + [t]) for t in sampled
+    ), (first, tok_lp)
 
 
 def test_chat_logprobs_in_openais_chat_shape(server):
-    r = server.client().chat.completions.create(model=server.model, messages=[{"role": "user", "content": "Speak."}],
-                                                max_tokens=5, temperature=0, logprobs=True, top_logprobs=3)
+    r = server.client().chat.completions.create(
+        model=server.model,
+        messages=[{"role": "user", "content": "Speak."}],
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
     content = r.choices[0].logprobs.content
     assert len(content) == r.usage.completion_tokens == 5
     for c in content:
@@ -616,8 +701,9 @@ def test_chat_logprobs_in_openais_chat_shape(server):
         # greedy: the most likely; the same float reported twice (no arithmetic between the two)
         assert c.logprob == pytest.approx(c.top_logprobs[0].logprob, abs=1e-12)
         assert [a.logprob for a in c.top_logprobs] == sorted((a.logprob for a in c.top_logprobs), reverse=True)
-    plain = server.client().chat.completions.create(model=server.model, messages=[{"role": "user", "content": "Speak."}],
-                                                    max_tokens=5, temperature=0)
+    plain = server.client().chat.completions.create(
+        model=server.model, messages=[{"role": "user", "content": "Speak."}], max_tokens=5, temperature=0
+    )
     assert plain.choices[0].logprobs is None and plain.choices[0].message.content == r.choices[0].message.content
 
 
@@ -640,8 +726,10 @@ def test_prompt_arrays_answer_each_prompt_as_alone(backend, request, reference):
     sp, _ = reference
     client = srv.client()
     prompts = ["ROMEO:", "JULIET: O", "To be, or not"]
-    alone = [client.completions.create(model=srv.model, prompt=p, max_tokens=10, temperature=0).choices[0].text
-             for p in prompts]
+    alone = [
+        client.completions.create(model=srv.model, prompt=p, max_tokens=10, temperature=0).choices[0].text
+        for p in prompts
+    ]
     r = client.completions.create(model=srv.model, prompt=prompts, max_tokens=10, temperature=0)
     assert [c.index for c in r.choices] == [0, 1, 2] and [c.text for c in r.choices] == alone
     r = client.completions.create(model=srv.model, prompt=[sp.encode(p) for p in prompts], max_tokens=10, temperature=0)
@@ -651,15 +739,18 @@ def test_prompt_arrays_answer_each_prompt_as_alone(backend, request, reference):
     r = client.completions.create(model=srv.model, prompt=prompts[:2], max_tokens=8, temperature=1.0, seed=11, n=2)
     assert [c.index for c in r.choices] == [0, 1, 2, 3]
     for i, c in enumerate(r.choices):
-        single = client.completions.create(model=srv.model, prompt=prompts[i // 2], max_tokens=8, temperature=1.0,
-                                           seed=11 + i % 2)
+        single = client.completions.create(
+            model=srv.model, prompt=prompts[i // 2], max_tokens=8, temperature=1.0, seed=11 + i % 2
+        )
         assert c.text == single.choices[0].text
     assert r.usage.prompt_tokens == sum(len(sp.encode(p)) + 1 for p in prompts[:2])  # once per prompt, not per choice
 
 
 def test_tokenizer_endpoints_are_vllms(server, reference):
     sp, _ = reference
-    status, body = _post(server.url + "/tokenize", json.dumps({"prompt": "ROMEO: speak", "add_special_tokens": False}).encode())
+    status, body = _post(
+        server.url + "/tokenize", json.dumps({"prompt": "ROMEO: speak", "add_special_tokens": False}).encode()
+    )
     assert status == 200 and body["tokens"] == sp.encode("ROMEO: speak") and body["max_model_len"] == 128
     status, body = _post(server.url + "/tokenize", json.dumps({"prompt": "ROMEO: speak"}).encode())
     assert body["tokens"] == [sp.eos_id()] + sp.encode("ROMEO: speak")
@@ -694,8 +785,9 @@ def test_metrics_during_load(server):
         seen = set()
 
         async def one(i):
-            stream = await client.completions.create(model=server.model, prompt=f"LEAR {i}:", max_tokens=max_tokens,
-                                                     temperature=0, stream=True)
+            stream = await client.completions.create(
+                model=server.model, prompt=f"LEAR {i}:", max_tokens=max_tokens, temperature=0, stream=True
+            )
             n = 0
             async for c in stream:
                 n += len(c.choices) and bool(c.choices[0].text)
@@ -719,7 +811,10 @@ def test_metrics_during_load(server):
     def delta(name, labels=m):
         return after[name].get(labels, 0.0) - before.get(name, {}).get(labels, 0.0)
 
-    assert delta("msllm_requests_total", (("endpoint", "/v1/completions"), ("model", server.model), ("status", "200"))) == n_req
+    assert (
+        delta("msllm_requests_total", (("endpoint", "/v1/completions"), ("model", server.model), ("status", "200")))
+        == n_req
+    )
     assert delta("vllm:time_to_first_token_seconds_count") == n_req
     assert delta("vllm:e2e_request_latency_seconds_count") == n_req
     gen = delta("vllm:generation_tokens_total")
@@ -727,7 +822,10 @@ def test_metrics_during_load(server):
     assert delta("vllm:inter_token_latency_seconds_count") == gen - n_req  # one gap between consecutive tokens
     assert after["vllm:num_requests_running"][m] == 0 and after["vllm:num_requests_waiting"][m] == 0
     _post(server.url + "/v1/completions", json.dumps({"model": "nope", "prompt": "x"}).encode())
-    assert _scrape(server.url)["msllm_requests_total"][(("endpoint", "/v1/completions"), ("model", ""), ("status", "404"))] >= 1
+    assert (
+        _scrape(server.url)["msllm_requests_total"][(("endpoint", "/v1/completions"), ("model", ""), ("status", "404"))]
+        >= 1
+    )
 
 
 # ----------------------------------------------------------------------------- lm-eval's own client against the server
@@ -747,7 +845,7 @@ def ll_bound(lm, context: str, continuation: str, ll: float) -> float:
     from tests.helpers import loglikelihood_tol
 
     ctx, cont = lm._encode_pair(context, continuation)
-    whole = (list(ctx) + list(cont))[-(lm.max_length + 1):][:-1]
+    whole = (list(ctx) + list(cont))[-(lm.max_length + 1) :][:-1]
     scale = float(np.abs(lm.net(Tensor(np.asarray([whole], np.int32))).asnumpy()).max())
     return loglikelihood_tol(lm.net.config, len(whole), len(cont), scale, ll)
 
@@ -763,15 +861,46 @@ def test_lm_eval_local_completions_equals_msllm_eval(server, model_art, tmp_path
 
     tasks_copy = tmp_path / "my_tasks"
     shutil.copytree(LOCAL_TASKS, tasks_copy)
-    env = {**os.environ, "MSLLM_BENCHMARKS": str(REPO / "tasks/stages/evaluate/benchmarks"), "HF_DATASETS_OFFLINE": "1",
-           "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "PYTHONPATH": ""}
-    args = (f"base_url={server.url}/v1/completions,model={server.model},tokenizer_backend=remote,"
-            f"max_length=127")  # 126 tokens + the server's document prefix + 1 generated = the model's 128
+    env = {
+        **os.environ,
+        "MSLLM_BENCHMARKS": str(REPO / "tasks/stages/evaluate/benchmarks"),
+        "HF_DATASETS_OFFLINE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "HF_HOME": str(tmp_path / "hf"),
+        "PYTHONPATH": "",
+    }
+    args = (
+        f"base_url={server.url}/v1/completions,model={server.model},tokenizer_backend=remote,"
+        f"max_length=127"
+    )  # 126 tokens + the server's document prefix + 1 generated = the model's 128
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args", args,
-                           "--tasks", ",".join(LM_TASKS), "--include_path", str(tasks_copy), "--limit", str(LM_LIMIT),
-                           "--log_samples", "--output_path", str(out), "--seed", "0"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1200)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lm_eval",
+            "--model",
+            "local-completions",
+            "--model_args",
+            args,
+            "--tasks",
+            ",".join(LM_TASKS),
+            "--include_path",
+            str(tasks_copy),
+            "--limit",
+            str(LM_LIMIT),
+            "--log_samples",
+            "--output_path",
+            str(out),
+            "--seed",
+            "0",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     theirs = {}
     for f in out.rglob("samples_*.jsonl"):
@@ -796,8 +925,9 @@ def test_lm_eval_local_completions_equals_msllm_eval(server, model_art, tmp_path
                 assert t["filtered_resps"] == r["filtered_resps"]
                 continue
             assert len(r["resps"]) == len(t["resps"])
-            for i, ((ctx, cont), (a, ga), (b, gb)) in enumerate(zip(r["arguments"], (x[0] for x in r["resps"]),
-                                                                    (x[0] for x in t["resps"]))):
+            for i, ((ctx, cont), (a, ga), (b, gb)) in enumerate(
+                zip(r["arguments"], (x[0] for x in r["resps"]), (x[0] for x in t["resps"]))
+            ):
                 # lm-eval's sample log writes its values as strings ('-206.87...', 'False')
                 tol = tols[(doc_id, i)] = ll_bound(lm, ctx, cont, float(a))
                 assert abs(float(a) - float(b)) <= tol and str(ga) == str(gb), (task, doc_id, a, b, tol)
@@ -805,9 +935,16 @@ def test_lm_eval_local_completions_equals_msllm_eval(server, model_art, tmp_path
                 n_ll += 1
         # the same choice per document, or a near-tie within the bounds; each such document moves an accuracy
         # by 1 / LM_LIMIT (accuracies are means of 0/1: equal otherwise, up to their float64 sum's rounding)
-        flips = 0 if task == "local_lambada_greedy" else assert_choices_agree(
-            task, mine, {d: {"resps": [[(float(x[0][0]), x[0][1])] for x in t["resps"]]} for d, t in theirs[task].items()},
-            tols)
+        flips = (
+            0
+            if task == "local_lambada_greedy"
+            else assert_choices_agree(
+                task,
+                mine,
+                {d: {"resps": [[(float(x[0][0]), x[0][1])] for x in t["resps"]]} for d, t in theirs[task].items()},
+                tols,
+            )
+        )
         for metric, value in ours["results"][task].items():
             if "," in metric and "stderr" not in metric:
                 assert abs(results[task][metric] - value) <= flips / LM_LIMIT + 1e-12, (task, metric)
@@ -826,11 +963,19 @@ def test_task_utils_import_from_a_shallow_directory():
     d = Path(tempfile.mkdtemp(dir="/tmp"))
     try:
         shutil.copy2(LOCAL_TASKS / "utils.py", d / "utils.py")
-        code = ("import utils\ntry:\n    utils.benchmarks_dir()\nexcept FileNotFoundError as e:\n    print('ERR', e)\n"
-                "print(len(utils.READERS['arc_easy'](utils.benchmarks_dir(__import__('sys').argv[1]))))")
+        code = (
+            "import utils\ntry:\n    utils.benchmarks_dir()\nexcept FileNotFoundError as e:\n    print('ERR', e)\n"
+            "print(len(utils.READERS['arc_easy'](utils.benchmarks_dir(__import__('sys').argv[1]))))"
+        )
         env = {k: v for k, v in os.environ.items() if k != "MSLLM_BENCHMARKS"}
-        proc = subprocess.run([sys.executable, "-c", code, str(REPO / "tasks/stages/evaluate/benchmarks")], cwd=d, env=env,
-                              capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(
+            [sys.executable, "-c", code, str(REPO / "tasks/stages/evaluate/benchmarks")],
+            cwd=d,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert proc.returncode == 0, proc.stderr
         assert "ERR" in proc.stdout and "MSLLM_BENCHMARKS" in proc.stdout and int(proc.stdout.split()[-1]) > 0
     finally:
@@ -866,11 +1011,23 @@ def tiny_lora_finetune(base: Path, seed: int, scale: float = 2.0, rank: int = 4)
     info = read_info(base)
     with store.build("finetune", key, pipeline="test", config={"seed": seed}, inputs=[ref], code="test") as b:
         save_tensors(b.dir / "adapter.safetensors", weights)
-        atomic_write_json(b.dir / "adapter.json", {
-            "method": "lora", "rank": rank, "alpha": float(rank), "scaling": 1.0, "dropout": 0.0,
-            "target_modules": list(targets), "modules": modules, "format": "text", "template": None,
-            "seq_length": info["model"]["max_seq_length"], "base": {k: ref[k] for k in ("stage", "key", "digest", "path")},
-            "model": {"name": info.get("name", "llama"), "config": info["model"]}})
+        atomic_write_json(
+            b.dir / "adapter.json",
+            {
+                "method": "lora",
+                "rank": rank,
+                "alpha": float(rank),
+                "scaling": 1.0,
+                "dropout": 0.0,
+                "target_modules": list(targets),
+                "modules": modules,
+                "format": "text",
+                "template": None,
+                "seq_length": info["model"]["max_seq_length"],
+                "base": {k: ref[k] for k in ("stage", "key", "digest", "path")},
+                "model": {"name": info.get("name", "llama"), "config": info["model"]},
+            },
+        )
     return b.path
 
 
@@ -899,7 +1056,7 @@ def _greedy_reference(artifact: Path, prompts: list[str], max_tokens: int) -> li
         ids = [sp.eos_id()] + sp.encode(p)
         new = gen.generate(ids, max_tokens, eos_id=sp.eos_id(), temperature=0.0)
         head = [t for t in ids if t != sp.eos_id()]
-        out.append(sp.decode(head + [t for t in new if t != sp.eos_id()])[len(sp.decode(head)):])
+        out.append(sp.decode(head + [t for t in new if t != sp.eos_id()])[len(sp.decode(head)) :])
     return out
 
 
@@ -930,8 +1087,9 @@ def _merged_prompt_logprobs(ft: Path, merged: Path, ids: list[int]) -> tuple[lis
     for k in ad:
         if k.endswith(".lora_A"):
             m = k[: -len(".lora_A")]
-            w64[m + ".weight"] = w64[m + ".weight"] + cfg["scaling"] * (ad[m + ".lora_B"].astype(np.float64)
-                                                                      @ ad[k].astype(np.float64))
+            w64[m + ".weight"] = w64[m + ".weight"] + cfg["scaling"] * (
+                ad[m + ".lora_B"].astype(np.float64) @ ad[k].astype(np.float64)
+            )
     mc = ModelConfig.from_dict(read_info(merged)["model"])
     lp64 = log_softmax(np_forward(np.asarray([ids]), w64, mc)[0])[rows - 1, np.asarray(ids)[rows]]
     err = float(np.abs(lp32 - lp64).max())
@@ -940,8 +1098,8 @@ def _merged_prompt_logprobs(ft: Path, merged: Path, ids: list[int]) -> tuple[lis
 
 def _base_of(ft: Path) -> Path:
     """The base model artifact a finetune artifact names (adapter.json `base`)."""
-    from tasks.store.artifacts import ArtifactStore
     from tasks.modeling.merge import base_of
+    from tasks.store.artifacts import ArtifactStore
 
     return base_of(ArtifactStore(ft.parent.parent), ft)
 
@@ -955,8 +1113,8 @@ def test_unmerged_adapters_hold_one_base_and_decode_as_their_merged_models(model
 
     from model.generate import Generator
     from model.lora import is_lora_param
-    from tasks.serving.backends import MindSporeBackend
     from tasks.modeling.build import load_network
+    from tasks.serving.backends import MindSporeBackend
     from tasks.store.tensors import load_weights, read_tensors
 
     be = MindSporeBackend(model_art, adapters={n: ft for n, (ft, _) in lora_pair.items()})
@@ -968,7 +1126,9 @@ def test_unmerged_adapters_hold_one_base_and_decode_as_their_merged_models(model
     params = list(be.net.get_parameters())
     held = sum(p.asnumpy().nbytes for p in params if not is_lora_param(p.name))
     slots = sum(p.asnumpy().nbytes for p in params if is_lora_param(p.name))
-    adapters = sum(a.nbytes for ft, _ in lora_pair.values() for a in read_tensors(ft / "adapter.safetensors", "").values())
+    adapters = sum(
+        a.nbytes for ft, _ in lora_pair.values() for a in read_tensors(ft / "adapter.safetensors", "").values()
+    )
     assert held == base_bytes  # not 3 * base_bytes, as merged serving holds
     assert be.slots.adapter_nbytes() == adapters  # same rank and targets here: nothing padded
     assert slots == adapters // 2 and held + slots + adapters < 1.2 * base_bytes
@@ -1010,8 +1170,10 @@ def test_adapters_are_served_as_their_own_models_each_equal_to_its_merged_model(
     from concurrent.futures import ThreadPoolExecutor
 
     prompts, max_tokens = ["ROMEO: speak", "JULIET:", "To be"], 20
-    want = {"base": _greedy_reference(model_art, prompts, max_tokens),
-            **{name: _greedy_reference(merged, prompts, max_tokens) for name, (_, merged) in lora_pair.items()}}
+    want = {
+        "base": _greedy_reference(model_art, prompts, max_tokens),
+        **{name: _greedy_reference(merged, prompts, max_tokens) for name, (_, merged) in lora_pair.items()},
+    }
     assert want["lora-a"] != want["base"] and want["lora-b"] != want["base"] and want["lora-a"] != want["lora-b"]
     srv = Server(model_art, tmp_path, *[f"--adapter={n}={ft}" for n, (ft, _) in lora_pair.items()])
     try:
@@ -1019,7 +1181,7 @@ def test_adapters_are_served_as_their_own_models_each_equal_to_its_merged_model(
         cards = {m.id: m.model_dump() for m in srv.client().models.list().data}
         assert list(cards) == [base_id, "lora-a", "lora-b"]
         assert "adapter_mode" not in cards[base_id]
-        for name, (ft, merged) in lora_pair.items():
+        for name, (ft, _merged) in lora_pair.items():
             c = cards[name]
             assert (c["parent"], c["base"], c["adapter_mode"]) == (base_id, base_id, "unmerged")
             assert c["finetune"] == f"finetune/{ft.name}" and c["artifact"] == str(ft) and c["backend"] == "mindspore"
@@ -1049,19 +1211,26 @@ def test_adapters_are_served_as_their_own_models_each_equal_to_its_merged_model(
 
         # /metrics: every per-request series by model id
         m = _scrape(srv.url)
-        for who, name in ids.items():
+        for name in ids.values():
             assert m["msllm_requests_total"][(("endpoint", "/v1/completions"), ("model", name), ("status", "200"))] == 6
             assert m["vllm:time_to_first_token_seconds_count"][(("engine", "0"), ("model_name", name))] == 6
             assert m["vllm:num_requests_running"][(("engine", "0"), ("model_name", name))] == 0
         assert m["msllm_requests_total"][(("endpoint", "/v1/completions"), ("model", ""), ("status", "404"))] == 1
 
-        # echo: an adapter's prompt logprobs equal its merged model's within the derived fp32 bound (and are not the base's)
+        # echo: an adapter's prompt logprobs equal its merged model's within the derived fp32 bound (and are not the
+        # base's)
         from tasks.store.model_artifact import load_tokenizer
 
         sp, text = load_tokenizer(model_art), "ROMEO: speak to me of love"
         prompt_ids = [sp.eos_id()] + sp.encode(text)
-        echo = {who: client.completions.create(model=ids[who], prompt=text, max_tokens=0, echo=True, logprobs=0,
-                                               temperature=0).choices[0].logprobs.token_logprobs for who in ids}
+        echo = {
+            who: client.completions.create(
+                model=ids[who], prompt=text, max_tokens=0, echo=True, logprobs=0, temperature=0
+            )
+            .choices[0]
+            .logprobs.token_logprobs
+            for who in ids
+        }
         for who in ("lora-a", "lora-b"):
             ref, tol = _merged_prompt_logprobs(*lora_pair[who], prompt_ids)
             assert len(echo[who]) == len(ref) == len(prompt_ids) - 1  # the prefix is conditioning, not echoed
@@ -1128,8 +1297,10 @@ def test_adapters_on_an_export_base_run_on_onnxruntime_alone(published_export, l
 
     ft_a, merged_a = lora_pair["lora-a"]
     info = read_info(merged_a)
-    save_model(build_decoder(info["model"], load_weights(merged_a), metadata={"eos_id": info["tokenizer"]["eos_id"]}),
-               tmp_path / "merged.onnx")
+    save_model(
+        build_decoder(info["model"], load_weights(merged_a), metadata={"eos_id": info["tokenizer"]["eos_id"]}),
+        tmp_path / "merged.onnx",
+    )
     gens = {"lora-a": OnnxGenerator(tmp_path / "merged.onnx"), "base": OnnxGenerator(published_export / "model.onnx")}
     sp = spm.SentencePieceProcessor(model_file=str(published_export / "tokenizer.model"))
     srv = Server(published_export, tmp_path, f"--adapter=lora-a={ft_a}")

@@ -5,8 +5,7 @@ than --max-queue a 400, not a 503.
 
 The unit tests run the functions themselves; the `integration` ones a real `msllm serve` child (tests/test_serving.py's
 Server) on a tiny model artifact with a tokenizer.json and a chat template, and `msllm convert --from-hf` on a tiny
-transformers directory.
-"""
+transformers directory."""
 
 from __future__ import annotations
 
@@ -23,8 +22,9 @@ from tests.helpers import CHATML, train_tiny_hf_tokenizer
 # ----------------------------------------------------------------------------- adapter names (unit)
 
 
-@pytest.mark.parametrize("name", ["../../../../tmp/x/TRAV", "/tmp/x/ABS", "a/b", "..", ".", ".hidden", "a\\b", "ü",
-                                  "a:b", "x" * 256])
+@pytest.mark.parametrize(
+    "name", ["../../../../tmp/x/TRAV", "/tmp/x/ABS", "a/b", "..", ".", ".hidden", "a\\b", "ü", "a:b", "x" * 256]
+)
 def test_an_adapter_name_that_is_not_a_plain_model_id_is_refused(name):
     from tasks.serving.adapters import parse_adapter_flag
 
@@ -89,8 +89,12 @@ def test_a_bad_max_body_size_is_a_usage_error(capsys):
 
 # ----------------------------------------------------------------------------- chat templates (unit)
 
-MSGS = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
-        {"role": "assistant", "content": "a"}, {"role": "user", "content": "v"}]
+MSGS = [
+    {"role": "system", "content": "s"},
+    {"role": "user", "content": "u"},
+    {"role": "assistant", "content": "a"},
+    {"role": "user", "content": "v"},
+]
 
 # Templates that would spin or build a value the size of memory: (template, the limit it passes). Each one is
 # refused before the value is built (a pre-check on the operation) or as soon as it is (doubling: 2× the limit).
@@ -104,16 +108,31 @@ RUNAWAY = {
     "format_map width": ("{{ '{x:>999999999}'.format_map({'x': 1}) }}", "size"),
     "center": ("{{ 'a'|center(999999999) }}", "size"),
     "ljust": ("{{ 'a'.ljust(999999999) }}", "size"),
-    "replace squaring": ("{% set ns = namespace(x='aaaa') %}{% for i in range(10) %}"
-                         "{% set ns.x = ns.x.replace('a', ns.x) %}{% endfor %}{{ ns.x|length }}", "size"),
-    "~ doubling": ("{% set ns = namespace(x='aaaa') %}{% for i in range(60) %}{% set ns.x = ns.x ~ ns.x %}"
-                   "{% endfor %}{{ ns.x|length }}", "size"),
-    "+ doubling": ("{% set ns = namespace(x='aaaa') %}{% for i in range(60) %}{% set ns.x = ns.x + ns.x %}"
-                   "{% endfor %}{{ ns.x|length }}", "size"),
-    "join doubling": ("{% set ns = namespace(x='aaaa') %}{% for i in range(60) %}{% set ns.x = [ns.x, ns.x]|join %}"
-                      "{% endfor %}{{ ns.x|length }}", "size"),
-    "str.join doubling": ("{% set ns = namespace(x='aaaa') %}{% for i in range(60) %}"
-                          "{% set ns.x = ''.join([ns.x, ns.x]) %}{% endfor %}{{ ns.x|length }}", "size"),
+    "replace squaring": (
+        "{% set ns = namespace(x='aaaa') %}{% for i in range(10) %}"
+        "{% set ns.x = ns.x.replace('a', ns.x) %}{% endfor %}{{ ns.x|length }}",
+        "size",
+    ),
+    "~ doubling": (
+        "{% set ns = namespace(x='aaaa') %}{% for i in range(60) %}{% set ns.x = ns.x ~ ns.x %}"
+        "{% endfor %}{{ ns.x|length }}",
+        "size",
+    ),
+    "+ doubling": (
+        "{% set ns = namespace(x='aaaa') %}{% for i in range(60) %}{% set ns.x = ns.x + ns.x %}"
+        "{% endfor %}{{ ns.x|length }}",
+        "size",
+    ),
+    "join doubling": (
+        "{% set ns = namespace(x='aaaa') %}{% for i in range(60) %}{% set ns.x = [ns.x, ns.x]|join %}"
+        "{% endfor %}{{ ns.x|length }}",
+        "size",
+    ),
+    "str.join doubling": (
+        "{% set ns = namespace(x='aaaa') %}{% for i in range(60) %}"
+        "{% set ns.x = ''.join([ns.x, ns.x]) %}{% endfor %}{{ ns.x|length }}",
+        "size",
+    ),
     "tojson indent": ("{{ [1, [2, [3]]]|tojson(indent=999999999) }}", "size"),
     "indent": ("{{ 'a\\nb\\nc'|indent(999999999) }}", "size"),
     "wordwrap": ("{{ ('a ' * 10)|wordwrap(1, wrapstring='b' * 100) }}", "size"),
@@ -121,8 +140,10 @@ RUNAWAY = {
     "translate": ("{{ ('aaaaa' ~ 'aaaaa').translate({97: 'c'|center(100)}) }}", "size"),
     "lipsum": ("{{ lipsum(99999, max=99999)|length }}", "size"),
     "output": ("{% for i in range(99999) %}a long line of text{% endfor %}", "size"),
-    "exponential macro": ("{% macro f(n) %}{% if n > 0 %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}"
-                          "{{ f(60) }}", "time"),
+    "exponential macro": (
+        "{% macro f(n) %}{% if n > 0 %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(60) }}",
+        "time",
+    ),
 }
 
 
@@ -155,7 +176,8 @@ REAL_SHAPES = {
         "{{- '<|start_header_id|>system<|end_header_id|>\\n\\n' + system + '<|eot_id|>' }}"
         "{%- for message in messages %}{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + "
         "message['content'] | trim + '<|eot_id|>' }}{%- endfor %}"
-        "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"),
+        "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+    ),
     "alternation check": (
         "{%- set loop_messages = messages[1:] if messages[0]['role'] == 'system' else messages %}"
         "{%- set users = loop_messages | selectattr('role', 'equalto', 'user') | list %}"
@@ -165,13 +187,15 @@ REAL_SHAPES = {
         "{{- raise_exception('roles must alternate') }}{%- endif %}{%- endfor %}"
         "{{- bos_token }}[{{ users|length }} users]{%- for m in loop_messages %}{%- if m['role'] == 'user' %}"
         "{{- '[INST]' + m['content'] + '[/INST]' }}{%- else %}{{- m['content'].split('</think>')[-1] + eos_token }}"
-        "{%- endif %}{%- endfor %}{{- (messages[:1] | tojson(indent=2)) if messages[0]['role'] == 'system' }}"),
+        "{%- endif %}{%- endfor %}{{- (messages[:1] | tojson(indent=2)) if messages[0]['role'] == 'system' }}"
+    ),
     "namespace": (
         "{%- set ns = namespace(system='', n=0) %}{%- for m in messages %}{%- if m['role'] == 'system' %}"
         "{%- set ns.system = m['content'] %}{%- endif %}{%- set ns.n = ns.n + 1 %}{%- endfor %}"
         "{{ bos_token }}{{ ns.system }}{%- for m in messages if m['role'] != 'system' %}"
         "{{ '<|' ~ m['role'] ~ '|>' ~ m['content'] ~ ('%s' % eos_token) }}{%- endfor %}"
-        "{{ '<|assistant|>' if add_generation_prompt }}{{ '{}/{}'.format(ns.n, messages|length) }}"),
+        "{{ '<|assistant|>' if add_generation_prompt }}{{ '{}/{}'.format(ns.n, messages|length) }}"
+    ),
 }
 
 
@@ -181,17 +205,22 @@ def test_templates_of_real_shapes_render_as_transformers_renders_them(shape, hf_
 
     from tasks.chat_template import render_chat_template
 
-    ref = PreTrainedTokenizerFast(tokenizer_file=str(hf_tok / "tokenizer.json"), bos_token="<|im_start|>",
-                                  eos_token="<|im_end|>")
+    ref = PreTrainedTokenizerFast(
+        tokenizer_file=str(hf_tok / "tokenizer.json"), bos_token="<|im_start|>", eos_token="<|im_end|>"
+    )
     for n in (2, 401):
         msgs = [{"role": "system", "content": " Be brief. "}] + [
             {"role": ("user", "assistant")[i % 2], "content": f"turn {i}: " + "words and more words " * (i % 7)}
-            for i in range(n)]
+            for i in range(n)
+        ]
         for gen in (True, False):
-            want = ref.apply_chat_template(msgs, chat_template=REAL_SHAPES[shape], tokenize=False,
-                                           add_generation_prompt=gen)
-            assert render_chat_template(REAL_SHAPES[shape], msgs, gen, bos_token="<|im_start|>",
-                                        eos_token="<|im_end|>") == want
+            want = ref.apply_chat_template(
+                msgs, chat_template=REAL_SHAPES[shape], tokenize=False, add_generation_prompt=gen
+            )
+            assert (
+                render_chat_template(REAL_SHAPES[shape], msgs, gen, bos_token="<|im_start|>", eos_token="<|im_end|>")
+                == want
+            )
 
 
 @pytest.fixture(scope="module")
@@ -232,12 +261,19 @@ def test_the_convert_time_check_refuses_the_issues_templates(name, tmp_path, hf_
 def test_convert_from_hf_refuses_a_runaway_template_in_one_line(name, tmp_path, hf_tok, capsys):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from tasks.cli import main
     from tasks.chat_template import TEMPLATE_SECONDS
+    from tasks.cli import main
 
     hf = tmp_path / "hf"
-    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg = transformers.LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(cfg).save_pretrained(hf)
     _with_template(hf_tok, tmp_path / "tok", RUNAWAY[name][0])
@@ -267,11 +303,24 @@ def test_convert_from_gguf_refuses_a_runaway_template_naming_its_key(tmp_path, h
     from tasks.tokenizer import load_tokenizer
 
     tmeta = tokenizer_meta(load_tokenizer(_with_template(hf_tok, tmp_path / "tok", RUNAWAY["string * n"][0])))
-    cfg = ModelConfig(vocab_size=len(tmeta["tokenizer.ggml.tokens"]), hidden_size=16, intermediate_size=32,
-                      num_layers=1, num_heads=2, num_kv_heads=1, max_seq_length=32, tie_embeddings=False)
+    cfg = ModelConfig(
+        vocab_size=len(tmeta["tokenizer.ggml.tokens"]),
+        hidden_size=16,
+        intermediate_size=32,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        max_seq_length=32,
+        tie_embeddings=False,
+    )
     rng = np.random.default_rng(0)
-    write_gguf(tmp_path / "m.gguf", cfg, {ours: (0.1 * rng.standard_normal(shape)).astype(np.float32)
-                                          for _, ours, shape in key_pairs(cfg)}, tmeta, qtype="F32")
+    write_gguf(
+        tmp_path / "m.gguf",
+        cfg,
+        {ours: (0.1 * rng.standard_normal(shape)).astype(np.float32) for _, ours, shape in key_pairs(cfg)},
+        tmeta,
+        qtype="F32",
+    )
     capsys.readouterr()
     assert main(["convert", "--from-gguf", str(tmp_path / "m.gguf"), "--artifacts", str(tmp_path / "a")]) == 1
     err = capsys.readouterr().err.strip()
@@ -281,9 +330,11 @@ def test_convert_from_gguf_refuses_a_runaway_template_naming_its_key(tmp_path, h
 
 # ----------------------------------------------------------------------------- the server (integration)
 
-TRAPS = ("{% if messages[-1]['content'] == 'grow' %}{{ (messages[-1]['content'] * 30000000)|length }}"
-         "{% elif messages[-1]['content'] == 'spin' %}{% for i in range(99999) %}{% for j in range(99999) %}"
-         "{% endfor %}{% endfor %}{% else %}" + CHATML + "{% endif %}")
+TRAPS = (
+    "{% if messages[-1]['content'] == 'grow' %}{{ (messages[-1]['content'] * 30000000)|length }}"
+    "{% elif messages[-1]['content'] == 'spin' %}{% for i in range(99999) %}{% for j in range(99999) %}"
+    "{% endfor %}{% endfor %}{% else %}" + CHATML + "{% endif %}"
+)
 MAX_QUEUE = 4
 MAX_BODY = 2 * 2**20
 
@@ -307,8 +358,15 @@ def hf_model(tmp_path_factory, hf_tok):
     store = ArtifactStore(root / "artifacts")
     key = store.key("pretrain", {"preset": "tiny", "tokenizer": "traps"}, [], "test")
     with store.build("pretrain", key, pipeline="test", config={"preset": "tiny"}, inputs=[], code="test") as b:
-        write_model(b.dir, name="llama", config=mc, weights={p.name: p.asnumpy() for p in net.trainable_params()},
-                    tokenizer_model=tok_dir, tokenizer_info=tok.info(), seq_length=mc.max_seq_length)
+        write_model(
+            b.dir,
+            name="llama",
+            config=mc,
+            weights={p.name: p.asnumpy() for p in net.trainable_params()},
+            tokenizer_model=tok_dir,
+            tokenizer_info=tok.info(),
+            seq_length=mc.max_seq_length,
+        )
     return b.path
 
 
@@ -316,14 +374,21 @@ def hf_model(tmp_path_factory, hf_tok):
 def server(hf_model, tmp_path_factory):
     from tests.test_serving import Server
 
-    srv = Server(hf_model, tmp_path_factory.mktemp("limits_logs"), "--max-queue", str(MAX_QUEUE),
-                 "--max-body-size", str(MAX_BODY))
+    srv = Server(
+        hf_model,
+        tmp_path_factory.mktemp("limits_logs"),
+        "--max-queue",
+        str(MAX_QUEUE),
+        "--max-body-size",
+        str(MAX_BODY),
+    )
     yield srv
     srv.stop()
 
 
-def _request(srv, path: str, body: bytes | None = None, *, chunked: bool = False, timeout: float = 120
-             ) -> tuple[int, dict, float]:
+def _request(
+    srv, path: str, body: bytes | None = None, *, chunked: bool = False, timeout: float = 120
+) -> tuple[int, dict, float]:
     """(status, JSON body, seconds) of one request on its own connection; a chunked body is sent in 64 KB chunks."""
     conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=timeout)
     t0 = time.perf_counter()
@@ -331,8 +396,13 @@ def _request(srv, path: str, body: bytes | None = None, *, chunked: bool = False
         if body is None:
             conn.request("GET", path)
         elif chunked:
-            conn.request("POST", path, body=(body[i:i + 65536] for i in range(0, len(body), 65536)),
-                         headers={"Content-Type": "application/json"}, encode_chunked=True)
+            conn.request(
+                "POST",
+                path,
+                body=(body[i : i + 65536] for i in range(0, len(body), 65536)),
+                headers={"Content-Type": "application/json"},
+                encode_chunked=True,
+            )
         else:
             conn.request("POST", path, body=body, headers={"Content-Type": "application/json"})
         r = conn.getresponse()
@@ -396,8 +466,9 @@ def test_more_sequences_than_the_queue_holds_is_a_400_naming_max_queue(server):
     assert f"--max-queue {MAX_QUEUE}" in out["error"]["message"] and "retry" not in out["error"]["message"]
     status, out, _ = _post(server, "/v1/completions", {**base, "prompt": "To be", "n": MAX_QUEUE + 1})
     assert status == 400 and out["error"]["param"] == "n" and f"--max-queue {MAX_QUEUE}" in out["error"]["message"]
-    status, out, _ = _post(server, "/v1/chat/completions", {**base, "n": MAX_QUEUE + 1,
-                                                            "messages": [{"role": "user", "content": "hi"}]})
+    status, out, _ = _post(
+        server, "/v1/chat/completions", {**base, "n": MAX_QUEUE + 1, "messages": [{"role": "user", "content": "hi"}]}
+    )
     assert status == 400 and out["error"]["param"] == "n"
     status, out, _ = _post(server, "/v1/completions", {**base, "prompt": ["To be"] * MAX_QUEUE})
     assert status == 200 and len(out["choices"]) == MAX_QUEUE  # as many as the queue holds: served
@@ -406,8 +477,16 @@ def test_more_sequences_than_the_queue_holds_is_a_400_naming_max_queue(server):
 @pytest.mark.integration
 def test_a_runaway_chat_template_is_a_400_for_that_request_and_the_server_goes_on(server):
     def chat(content: str):
-        return _post(server, "/v1/chat/completions", {"model": server.model, "max_tokens": 2, "temperature": 0,
-                                                      "messages": [{"role": "user", "content": content}]})
+        return _post(
+            server,
+            "/v1/chat/completions",
+            {
+                "model": server.model,
+                "max_tokens": 2,
+                "temperature": 0,
+                "messages": [{"role": "user", "content": content}],
+            },
+        )
 
     status, out, took = chat("grow")
     assert status == 400 and out["error"]["param"] == "messages", out
@@ -433,8 +512,11 @@ def test_a_chat_rendering_longer_than_the_context_can_hold_stops_there(server):
     ctx = card["context_length"]
     tok = load_tokenizer(Path(card["artifact"]))
     piece = max(len(tok.id_to_piece(i)) for i in range(tok.vocab_size))
-    status, out, _ = _post(server, "/v1/chat/completions", {
-        "model": server.model, "messages": [{"role": "user", "content": "x" * (ctx * piece + 1)}]})
+    status, out, _ = _post(
+        server,
+        "/v1/chat/completions",
+        {"model": server.model, "messages": [{"role": "user", "content": "x" * (ctx * piece + 1)}]},
+    )
     assert status == 400 and out["error"]["param"] == "messages", out
     assert f"context of {ctx} tokens" in out["error"]["message"]
 

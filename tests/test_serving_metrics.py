@@ -20,16 +20,70 @@ openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.integration
 
 # what vLLM's dashboard (examples/online_serving/prometheus_grafana/grafana.json) and its docs name
-HISTOGRAMS = ["vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds",
-              "vllm:request_decode_time_seconds", "vllm:request_inference_time_seconds",
-              "vllm:request_prompt_tokens", "vllm:request_generation_tokens", "vllm:request_params_max_tokens"]
-TOKEN_HISTOGRAMS = ["vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
-                    "vllm:time_per_output_token_seconds", "vllm:request_time_per_output_token_seconds"]
+HISTOGRAMS = [
+    "vllm:e2e_request_latency_seconds",
+    "vllm:request_queue_time_seconds",
+    "vllm:request_prefill_time_seconds",
+    "vllm:request_decode_time_seconds",
+    "vllm:request_inference_time_seconds",
+    "vllm:request_prompt_tokens",
+    "vllm:request_generation_tokens",
+    "vllm:request_params_max_tokens",
+]
+TOKEN_HISTOGRAMS = [
+    "vllm:time_to_first_token_seconds",
+    "vllm:inter_token_latency_seconds",
+    "vllm:time_per_output_token_seconds",
+    "vllm:request_time_per_output_token_seconds",
+]
 # vLLM's bucket boundaries (vllm/v1/metrics/loggers.py)
-VLLM_TTFT = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
-             80.0, 160.0, 640.0, 2560.0]
-VLLM_LATENCY = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
-                960.0, 1920.0, 7680.0]
+VLLM_TTFT = [
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+]
+VLLM_LATENCY = [
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+]
 
 
 def parse(text: str) -> tuple[dict[str, str], dict[str, dict[tuple, float]]]:
@@ -88,19 +142,29 @@ def test_vllm_metric_families_count_exactly_the_requests_sent(model_art, tmp_pat
         r = client.completions.create(model=model, prompt="ROMEO:", max_tokens=12, temperature=0, stop=[stop])
         assert r.choices[0].finish_reason == "stop"
         seqs.append(("stop", r.usage.prompt_tokens, r.usage.completion_tokens, 12))
-        r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Speak."}], max_tokens=6,
-                                           temperature=0)
+        r = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "Speak."}], max_tokens=6, temperature=0
+        )
         seqs.append((r.choices[0].finish_reason, r.usage.prompt_tokens, r.usage.completion_tokens, 6))
         # streamed: the usage comes in the last chunk
-        chunks = list(client.completions.create(model=model, prompt="JULIET:", max_tokens=7, temperature=0, stream=True,
-                                                stream_options={"include_usage": True}))
+        chunks = list(
+            client.completions.create(
+                model=model,
+                prompt="JULIET:",
+                max_tokens=7,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
         finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
         usage = chunks[-1].usage
         seqs.append((finish[0], usage.prompt_tokens, usage.completion_tokens, 7))
         # n = 2: two engine sequences (vLLM counts each), the prompt prefilled for each (the usage counts it once);
         # each choice's tokens from its logprobs
-        r = client.completions.create(model=model, prompt="HAMLET:", max_tokens=4, temperature=1.0, seed=5, n=2,
-                                      logprobs=0)
+        r = client.completions.create(
+            model=model, prompt="HAMLET:", max_tokens=4, temperature=1.0, seed=5, n=2, logprobs=0
+        )
         assert r.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in r.choices)
         for c in r.choices:
             seqs.append((c.finish_reason, r.usage.prompt_tokens, len(c.logprobs.tokens), 4))
@@ -138,14 +202,18 @@ def test_vllm_metric_families_count_exactly_the_requests_sent(model_art, tmp_pat
         assert s["vllm:request_inference_time_seconds"] == pytest.approx(p + d, rel=1e-9, abs=1e-9)
         assert m["vllm:num_requests_running"][lab] == 0 and m["vllm:num_requests_waiting"][lab] == 0
         # our own names stay only where vLLM has none: HTTP responses by route and status
-        assert m["msllm_requests_total"][(("endpoint", "/v1/completions"), ("model", model), ("status", "200"))] == completions_calls
+        assert (
+            m["msllm_requests_total"][(("endpoint", "/v1/completions"), ("model", model), ("status", "200"))]
+            == completions_calls
+        )
         assert "msllm_prompt_tokens_total" not in m and "msllm_time_to_first_token_seconds_count" not in m
     finally:
         srv.stop()
 
 
 def test_aborted_sequences_count_as_abort(model_art):
-    """A sequence cancelled at its 3rd token (or the token event that passes 3) and one cancelled while queued: request_success{abort} 2, the tokens
+    """A sequence cancelled at its 3rd token (or the token event that passes 3) and one cancelled while queued:
+    request_success{abort} 2, the tokens
     the first prefilled and generated in the token counters, neither in the latency histograms."""
     from tasks.serving.app import Served
     from tasks.serving.backends import load_backend
@@ -179,13 +247,18 @@ def test_aborted_sequences_count_as_abort(model_art):
         assert done.wait(120)
         # a third request that finishes: after it, both aborts have been handled (FIFO, one worker thread)
         finished = threading.Event()
-        engine.submit(prompt, Sampling(max_tokens=2, temperature=0),
-                      lambda ev: finished.set() if ev["type"] in ("done", "error") else None)
+        engine.submit(
+            prompt,
+            Sampling(max_tokens=2, temperature=0),
+            lambda ev: finished.set() if ev["type"] in ("done", "error") else None,
+        )
         assert finished.wait(120)
         _, m = parse(metrics.render()[0].decode())
         lab = (("engine", "0"), ("model_name", "tiny"))
         assert m["vllm:request_success_total"][key(**dict(lab), finished_reason="abort")] == 2
-        done_reasons = sum(m["vllm:request_success_total"][key(**dict(lab), finished_reason=r)] for r in ("stop", "length"))
+        done_reasons = sum(
+            m["vllm:request_success_total"][key(**dict(lab), finished_reason=r)] for r in ("stop", "length")
+        )
         assert done_reasons == 1
         last_gen = m["vllm:request_generation_tokens_sum"][lab]  # the finished one alone
         assert m["vllm:generation_tokens_total"][lab] == at_cancel[0] + last_gen  # the abort's tokens too

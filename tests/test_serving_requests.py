@@ -32,10 +32,18 @@ BAD = [
     ({**CHAT, "messages": [3]}, True, "messages[0]", "object"),
     ({**CHAT, "messages": [{"role": "robot", "content": "x"}]}, True, "messages[0].role", "'robot'"),
     ({**CHAT, "messages": [{"role": "user", "content": 5}]}, True, "messages[0].content", "a number"),
-    ({**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, True, "messages[0].content[0]",
-     "text parts"),
-    ({**CHAT, "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}, True,
-     "messages[1].role", "the user's"),
+    (
+        {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+        True,
+        "messages[0].content[0]",
+        "text parts",
+    ),
+    (
+        {**CHAT, "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]},
+        True,
+        "messages[1].role",
+        "the user's",
+    ),
     ({**CHAT, "echo": True}, True, "echo", "chat"),
     ({**CHAT, "top_logprobs": 2}, True, "top_logprobs", "logprobs: true"),
     ({**CHAT, "logprobs": True, "top_logprobs": 21}, True, "top_logprobs", "between 0 and 20"),
@@ -54,15 +62,41 @@ def test_a_bad_field_is_a_400_naming_it(body, chat, param, words):
 
 
 def test_good_bodies_parse_and_null_is_the_default():
-    req = parse_body({**BASE, "n": 2.0, "temperature": 0, "top_p": None, "stop": ["\n", ""], "user": "u",
-                      "presence_penalty": 0, "tool_choice": "none", "stream": True,
-                      "stream_options": {"include_usage": True}}, chat=False)
+    req = parse_body(
+        {
+            **BASE,
+            "n": 2.0,
+            "temperature": 0,
+            "top_p": None,
+            "stop": ["\n", ""],
+            "user": "u",
+            "presence_penalty": 0,
+            "tool_choice": "none",
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+        chat=False,
+    )
     assert isinstance(req, CompletionRequest)
-    assert (req.n, req.temperature, req.top_p, req.stops, req.stream_options.include_usage) == (2, 0.0, 1.0, ["\n"], True)
-    chat = parse_body({**CHAT, "messages": [{"role": "developer", "content": [{"type": "text", "text": "a"},
-                                                                              {"type": "text", "text": "b"}]},
-                                            {"role": "user", "content": "q"}], "logprobs": True,
-                       "top_logprobs": 3}, chat=True)
+    assert (req.n, req.temperature, req.top_p, req.stops, req.stream_options.include_usage) == (
+        2,
+        0.0,
+        1.0,
+        ["\n"],
+        True,
+    )
+    chat = parse_body(
+        {
+            **CHAT,
+            "messages": [
+                {"role": "developer", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                {"role": "user", "content": "q"},
+            ],
+            "logprobs": True,
+            "top_logprobs": 3,
+        },
+        chat=True,
+    )
     assert isinstance(chat, ChatRequest)
     assert [m.turn for m in chat.messages] == [("system", "ab"), ("user", "q")] and chat.top_logprobs == 3
 

@@ -13,14 +13,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.helpers import assert_choices_agree, assert_greedy_agrees, logit_tol, loglikelihood_tol
+from tests.helpers import assert_choices_agree, assert_greedy_agrees, convert_gguf, logit_tol, loglikelihood_tol
 from tests.test_serving import Server
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parent.parent
-PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, 12 dragons",
-           "PEP 8 recommends 4 spaces per indentation level because"]
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, 12 dragons",
+    "PEP 8 recommends 4 spaces per indentation level because",
+]
 TASKS = ["local_arc_easy", "local_piqa", "local_boolq", "local_winogrande"]
 LIMIT = 40
 CHANCE = {"local_arc_easy": 0.25, "local_piqa": 0.5}  # where a 135M model scores above chance
@@ -42,11 +46,11 @@ def converted(gguf_file) -> Path:
     artifacts of older code versions are removed, so the cache holds one (~0.55 GB)."""
     import shutil
 
-    from tasks.stages.convert import STAGE, from_gguf
+    from tasks.stages.convert import STAGE
     from tasks.store.artifacts import ArtifactStore
 
     store = ArtifactStore(gguf_file.resolve().parent / "smollm2-test-store")
-    path = from_gguf(gguf_file, store)
+    path = convert_gguf(gguf_file, store)
     for old in (store.root / STAGE).iterdir():
         if old.is_dir() and old.name != path.name and not old.name.startswith("."):
             shutil.rmtree(old, ignore_errors=True)
@@ -68,8 +72,9 @@ def hf_model(gguf_file):
     import torch
     import transformers
 
-    m = transformers.AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name,
-                                                          dtype=torch.float32)
+    m = transformers.AutoModelForCausalLM.from_pretrained(
+        gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32
+    )
     return m.eval()
 
 
@@ -96,6 +101,7 @@ def logit_scale(ms_model) -> float:
 
 def _agrees_with_transformers(hf_model, cfg, ids, got, want, eos_id) -> int:
     """assert_greedy_agrees against transformers' logits after `ids`, each step's bound logit_tol at its length."""
+
     def ref_logits(prefix):
         return _hf_logits(hf_model, ids + prefix)[-1]
 
@@ -137,7 +143,7 @@ def test_logits_and_greedy_tokens_equal_transformers(ms_model, hf_model):
     gen = Generator(net, max_len=256)
     agreed = []
     for ids in [prompts[0], prompts[1], prompts[-1]]:  # greedy, up to 32 or EOS
-        want = hf_model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)[0][len(ids):].tolist()
+        want = hf_model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)[0][len(ids) :].tolist()
         got = gen.generate(ids, 32, eos_id=tok.eos_id())
         agreed.append(_agrees_with_transformers(hf_model, net.config, ids, got, want, tok.eos_id()))
     assert max(agreed) == 32  # at least one prompt runs the full 32 tokens alike
@@ -174,8 +180,9 @@ def test_eval_loglikelihoods_equal_lm_eval_hf_on_the_same_weights(converted, ms_
         tols = {}
         for d, r in mine.items():
             assert r["arguments"] == ref[d]["arguments"]  # the same requests
-            for i, ((ctx, cont), (a, ga), (b, gb)) in enumerate(zip(r["arguments"], (x[0] for x in r["resps"]),
-                                                                    (x[0] for x in ref[d]["resps"]))):
+            for i, ((ctx, cont), (a, _ga), (b, _gb)) in enumerate(
+                zip(r["arguments"], (x[0] for x in r["resps"]), (x[0] for x in ref[d]["resps"]))
+            ):
                 c_ids, k_ids = lm._encode_pair(ctx, cont)
                 t = min(len(c_ids) + len(k_ids), lm.max_length)
                 tol = tols[(d, i)] = loglikelihood_tol(cfg, t, len(k_ids), logit_scale, float(a))
@@ -238,13 +245,18 @@ def test_chat_through_msllm_serve_answers_as_transformers(converted, hf_model, m
             msgs = [{"role": "user", "content": q}]
             got = client.chat.completions.create(model=srv.model, messages=msgs, temperature=0, max_tokens=24)
             ids = tok.encode(tok.render_chat(msgs))
-            want = hf_model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0][len(ids):].tolist()
+            want = hf_model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0][len(ids) :].tolist()
             want = [t for t in want if t != tok.eos_id()]
             content = got.choices[0].message.content
             if content != tok.decode(want):  # a near-tie that fp32 order decided, or a defect: the tokens say which
                 _agrees_with_transformers(hf_model, ms_model[0].config, ids, tok.encode(content), want, tok.eos_id())
-        assert "Paris" in client.chat.completions.create(
-            model=srv.model, messages=[{"role": "user", "content": questions[0]}], temperature=0,
-            max_tokens=24).choices[0].message.content
+        assert (
+            "Paris"
+            in client.chat.completions.create(
+                model=srv.model, messages=[{"role": "user", "content": questions[0]}], temperature=0, max_tokens=24
+            )
+            .choices[0]
+            .message.content
+        )
     finally:
         srv.stop()

@@ -11,8 +11,14 @@ import pytest
 
 from tests.helpers import CHATML, SHAKESPEARE, train_tiny_hf_tokenizer, train_tiny_tokenizer
 
-TEXTS = ["Hello, world!", "  leading spaces\n\nand blank lines\t tab", "digits 12345 and 3.14159, x86",
-         "CJK 你好世界, emoji 😀👍🏽, naïve café", "<|im_start|>user\nhi<|im_end|>\n", "don't I'll we're"]
+TEXTS = [
+    "Hello, world!",
+    "  leading spaces\n\nand blank lines\t tab",
+    "digits 12345 and 3.14159, x86",
+    "CJK 你好世界, emoji 😀👍🏽, naïve café",
+    "<|im_start|>user\nhi<|im_end|>\n",
+    "don't I'll we're",
+]
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +86,10 @@ def test_chat_template_renders_like_transformers(hf_dir):
     for gen in (True, False):
         want = ref.apply_chat_template(msgs, chat_template=CHATML, tokenize=False, add_generation_prompt=gen)
         assert tok.render_chat(msgs, add_generation_prompt=gen) == want
-    assert tok.encode(tok.render_chat(msgs)) == ref.apply_chat_template(msgs, chat_template=CHATML, tokenize=True,
-                                                                        add_generation_prompt=True)["input_ids"]
+    assert (
+        tok.encode(tok.render_chat(msgs))
+        == ref.apply_chat_template(msgs, chat_template=CHATML, tokenize=True, add_generation_prompt=True)["input_ids"]
+    )
 
 
 def test_a_template_that_fails_to_render_is_one_clear_error(tmp_path):
@@ -137,7 +145,8 @@ def _tiny(vocab: int, tie: bool):
 
 @pytest.mark.parametrize("tie", [True, False])
 def test_gguf_weights_round_trip_per_type(tmp_path, hf_dir, tie):
-    from gguf import GGMLQuantizationType as Q, quants
+    from gguf import GGMLQuantizationType as Q
+    from gguf import quants
 
     from model.gguf import read_gguf, write_gguf
     from tasks.deploy.gguf_export import _gguf_name, tokenizer_meta

@@ -53,14 +53,16 @@ def test_prefect_yaml_declares_the_served_deployments():
     for d in served:
         y = declared[(d.flow_name, d.name)]
         assert y["work_pool"]["name"] == POOL
-        assert {k: v for k, v in y["parameters"].items() if k not in ("config", "artifacts")} == \
-            {k: v for k, v in d.parameters.items() if k not in ("config", "artifacts")}
+        assert {k: v for k, v in y["parameters"].items() if k not in ("config", "artifacts")} == {
+            k: v for k, v in d.parameters.items() if k not in ("config", "artifacts")
+        }
         assert set(y["parameters"]) == set(d.parameters)
         crons = [(s.schedule.cron, s.schedule.timezone) for s in d.schedules or []]
         assert [(s["cron"], s.get("timezone")) for s in y.get("schedules", [])] == crons, d.name
     # one scheduled deployment per pipeline that asks for it in pipelines.yaml, and only those
-    assert sorted(n for _, n in declared if n.startswith("scheduled-")) == \
-        sorted(f"scheduled-{p}" for p in serve.schedules(str(REPO / "pipelines.yaml")))
+    assert sorted(n for _, n in declared if n.startswith("scheduled-")) == sorted(
+        f"scheduled-{p}" for p in serve.schedules(str(REPO / "pipelines.yaml"))
+    )
     assert doc["definitions"]["work_pool"]["job_variables"]["env"]["HF_HUB_OFFLINE"] == "1"
 
 
@@ -76,9 +78,15 @@ def test_serve_registers_the_deployments_of_its_pipeline_only(tmp_path):
     def names(deps):
         return sorted(f"{d.flow_name}/{d.name}" for d in deps)
 
-    on_demand = ["continued-pretraining/continued", "data-stage/data-only", "eval-stage/eval-only",
-                 "export-stage/export-only", "finetune-stage/finetune-only", "full-pipeline/full-pipeline",
-                 "pretrain-stage/pretrain-only"]
+    on_demand = [
+        "continued-pretraining/continued",
+        "data-stage/data-only",
+        "eval-stage/eval-only",
+        "export-stage/export-only",
+        "finetune-stage/finetune-only",
+        "full-pipeline/full-pipeline",
+        "pretrain-stage/pretrain-only",
+    ]
     smol = serve.deployments("smollm2", str(config), "artifacts")
     assert names(smol) == on_demand and all(d.parameters["pipeline"] == "smollm2" and not d.schedules for d in smol)
     tiny = serve.deployments("tiny", str(config), "artifacts")
@@ -88,18 +96,23 @@ def test_serve_registers_the_deployments_of_its_pipeline_only(tmp_path):
     cron = serve.deployments("smollm2", str(config), "artifacts", cron="0 4 * * *")
     assert [(d.name, d.schedules[0].schedule.cron) for d in cron if d.schedules] == [("scheduled-smollm2", "0 4 * * *")]
     every = serve.deployments("smollm2", str(config), "artifacts", all_pipelines=True)
-    assert names(every) == sorted([*on_demand, "continued-pretraining/scheduled-demo",
-                                   "continued-pretraining/scheduled-tiny"])
-    assert {d.name: d.parameters["pipeline"] for d in every if d.schedules} == {"scheduled-demo": "demo",
-                                                                                "scheduled-tiny": "tiny"}
-    out = subprocess.run([sys.executable, "scripts/serve.py", "--help"], cwd=REPO, capture_output=True, text=True,
-                         timeout=60)
+    assert names(every) == sorted(
+        [*on_demand, "continued-pretraining/scheduled-demo", "continued-pretraining/scheduled-tiny"]
+    )
+    assert {d.name: d.parameters["pipeline"] for d in every if d.schedules} == {
+        "scheduled-demo": "demo",
+        "scheduled-tiny": "tiny",
+    }
+    out = subprocess.run(
+        [sys.executable, "scripts/serve.py", "--help"], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0 and "--all-pipelines" in out.stdout and "--param pipeline=NAME" in out.stdout
 
 
 def _api(url: str, body: dict | None = None):
-    req = urllib.request.Request(url, data=json.dumps(body).encode() if body is not None else None,
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode() if body is not None else None, headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=10) as r:
         return json.loads(r.read())
 
@@ -136,22 +149,41 @@ def test_two_workers_run_eval_only_from_prefect_yaml(tmp_path):
     model = tiny_model_artifact(artifacts)  # a real (random) tiny model artifact in the shared root
     port = _free_port()
     api = f"http://127.0.0.1:{port}/api"
-    env = dict(os.environ, PREFECT_HOME=str(tmp_path / "home"), PREFECT_API_URL=api,
-               PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_WORKER_QUERY_SECONDS="2", GLOG_v="3",
-               PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    env = dict(
+        os.environ,
+        PREFECT_HOME=str(tmp_path / "home"),
+        PREFECT_API_URL=api,
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        PREFECT_WORKER_QUERY_SECONDS="2",
+        GLOG_v="3",
+        PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+    )
     logs = {}
     procs: list[subprocess.Popen] = []
 
     def start(name: str, *args: str) -> subprocess.Popen:
         logs[name] = tmp_path / f"{name}.log"
-        p = subprocess.Popen([PREFECT, *args], cwd=REPO, env=env, stdout=open(logs[name], "w"),
-                             stderr=subprocess.STDOUT, start_new_session=True)
+        p = subprocess.Popen(
+            [PREFECT, *args],
+            cwd=REPO,
+            env=env,
+            stdout=open(logs[name], "w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         procs.append(p)
         return p
 
     def cli(*args: str, timeout: int = 120) -> str:
-        out = subprocess.run([PREFECT, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
-                             stdin=subprocess.DEVNULL)
+        out = subprocess.run(
+            [PREFECT, *args],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            stdin=subprocess.DEVNULL,
+        )
         assert out.returncode == 0, (args, out.stdout[-3000:], out.stderr[-3000:])
         return out.stdout
 
@@ -169,8 +201,12 @@ def test_two_workers_run_eval_only_from_prefect_yaml(tmp_path):
         assert Path(step["directory"]) == REPO  # no pull section: the directory `prefect deploy` ran in
         for w in ("worker-a", "worker-b"):
             start(w, "worker", "start", "--pool", POOL, "--name", w, "--limit", "1")
-        params = {"pipeline": "tiny", "config": str(REPO / "pipelines.yaml"), "artifacts": str(artifacts),
-                  "model_artifact": str(model)}
+        params = {
+            "pipeline": "tiny",
+            "config": str(REPO / "pipelines.yaml"),
+            "artifacts": str(artifacts),
+            "model_artifact": str(model),
+        }
         run_ids = []
         for limit in (3, 4):  # two different eval keys, submitted together: one per worker
             p = dict(params, overrides=["eval.tasks=[local_arc_easy]", f"eval.limit={limit}"])
@@ -178,16 +214,25 @@ def test_two_workers_run_eval_only_from_prefect_yaml(tmp_path):
             run_ids.append(re.search(r"UUID:\s*([0-9a-f-]{36})", out).group(1))
         runs = [_wait_terminal(api, r, 600) for r in run_ids]
         states = {r["id"]: [s["name"] for s in _api(f"{api}/flow_run_states/?flow_run_id={r['id']}")] for r in runs}
-        assert all(r["state"]["type"] == "COMPLETED" for r in runs), (states, *(logs[w].read_text()[-3000:] for w in logs))
+        assert all(r["state"]["type"] == "COMPLETED" for r in runs), (
+            states,
+            *(logs[w].read_text()[-3000:] for w in logs),
+        )
         # Both workers may start to submit the same run ("submitting flow run ..."); the one whose
         # Pending proposal the server refuses logs "Aborted submission" and drops it. What a worker
         # really ran is what it handed to its infrastructure, logged by the run's name.
         names = {r["name"]: r["id"] for r in runs}
-        taken = {w: [names.get(n, n) for n in re.findall(r"Flow run '([^']+)' submitted to infrastructure",
-                                                          logs[w].read_text())]
-                 for w in ("worker-a", "worker-b")}
-        assert sorted(sum(taken.values(), [])) == sorted(run_ids) and all(len(v) == 1 for v in taken.values()), \
-            (taken, *(logs[w].read_text()[-3000:] for w in ("worker-a", "worker-b")))
+        taken = {
+            w: [
+                names.get(n, n)
+                for n in re.findall(r"Flow run '([^']+)' submitted to infrastructure", logs[w].read_text())
+            ]
+            for w in ("worker-a", "worker-b")
+        }
+        assert sorted(sum(taken.values(), [])) == sorted(run_ids) and all(len(v) == 1 for v in taken.values()), (
+            taken,
+            *(logs[w].read_text()[-3000:] for w in ("worker-a", "worker-b")),
+        )
         assert all(_task_names(api, r) == ["eval"] for r in run_ids)
     finally:
         for p in reversed(procs):  # workers first, while the server still answers
@@ -214,18 +259,37 @@ def test_prefect_yaml_deploys_on_another_port_and_the_ui_finds_its_api(tmp_path)
     port = _free_port()
     assert port != 4200
     api = f"http://127.0.0.1:{port}/api"
-    env = dict(os.environ, PREFECT_HOME=str(tmp_path / "home"), PREFECT_SERVER_API_PORT=str(port), PREFECT_API_URL=api,
-               PREFECT_SERVER_ANALYTICS_ENABLED="false", PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    env = dict(
+        os.environ,
+        PREFECT_HOME=str(tmp_path / "home"),
+        PREFECT_SERVER_API_PORT=str(port),
+        PREFECT_API_URL=api,
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+    )
     env.pop("PREFECT_UI_API_URL", None)
     log = tmp_path / "server.log"
-    server = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1"], cwd=REPO, env=env,
-                              stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    server = subprocess.Popen(
+        [PREFECT, "server", "start", "--host", "127.0.0.1"],
+        cwd=REPO,
+        env=env,
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         _wait_health(api, 120)
 
         def cli(*args: str, timeout: int = 300) -> str:
-            out = subprocess.run([PREFECT, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
-                                 stdin=subprocess.DEVNULL)
+            out = subprocess.run(
+                [PREFECT, *args],
+                cwd=REPO,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                stdin=subprocess.DEVNULL,
+            )
             assert out.returncode == 0, (args, out.stdout[-3000:], out.stderr[-3000:])
             return out.stdout
 

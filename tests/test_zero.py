@@ -1,8 +1,8 @@
 """Optimizer-state sharding (ZeRO-1, `parallel.optimizer_shard: true`) under data parallel, on CPU under msrun.
 
 Each data-parallel rank keeps the AdamW moments of its 1/dp share of the flat, padded parameter buffer and
-updates that share of the parameters in place (model/train_kernels.cc ZeroAdamW; without a compiler: an fp32 master copy of
-the share and MindSpore's AdamWeightDecay); the updated shares are AllGathered back into the parameters.
+updates that share of the parameters in place (model/train_kernels.cc ZeroAdamW; without a compiler: an fp32 master copy
+of the share and MindSpore's AdamWeightDecay); the updated shares are AllGathered back into the parameters.
 Checked here: the same per-step losses as dp=2 without sharding and as one process with the same global
 batch; replicas bit-identical; checkpoints hold the shares and reshard bit for bit; resume across
 layouts; the planner's per-rank estimate against the measured per-rank peak RSS.
@@ -17,15 +17,30 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tasks.stages import pretrain
-from tasks.store.artifacts import ArtifactStore
-from tasks.training.checkpoint import (_publish, complete_checkpoints, flatten_moments, load_checkpoint, save_checkpoint,
-                                      unflatten_moments, zero_files)
-from tasks.store.tensors import save_tensors
 from tasks.runtime.distributed import rank_logs
-from tests.helpers import assert_same_scalars, assert_same_weights, fp32_tol
-from tests.test_distributed import (DP2, _copy_data, _metrics, _single, _stopped_after_3, _tiny_arrays,  # noqa: F401
-                                    _train_losses, _cfg, data_artifact)
+from tasks.store.artifacts import ArtifactStore
+from tasks.store.tensors import save_tensors
+from tasks.training.checkpoint import (
+    _publish,
+    complete_checkpoints,
+    flatten_moments,
+    load_checkpoint,
+    save_checkpoint,
+    unflatten_moments,
+    zero_files,
+)
+from tests.helpers import assert_same_scalars, assert_same_weights, fp32_tol, run_stage
+from tests.test_distributed import (  # noqa: F401
+    DP2,
+    _cfg,
+    _copy_data,
+    _metrics,
+    _single,
+    _stopped_after_3,
+    _tiny_arrays,
+    _train_losses,
+    data_artifact,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 ZERO = [*DP2, "parallel.optimizer_shard=true"]
@@ -40,14 +55,25 @@ def _sharded_optimizer(dp: int, dp_index: int, chunk_elements: int = 4 * 2**20, 
     from tasks.training.zero import ShardedAdamW
 
     params = LlamaForCausalLM(ModelConfig.from_name("tiny"), seed=0).trainable_params()
-    return ShardedAdamW(params, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, grad_clip=1.0,
-                        decay_mask=[True] * len(params), dp=dp, dp_index=dp_index, chunk_elements=chunk_elements,
-                        in_place=in_place)
+    return ShardedAdamW(
+        params,
+        beta1=0.9,
+        beta2=0.95,
+        eps=1e-8,
+        weight_decay=0.1,
+        grad_clip=1.0,
+        decay_mask=[True] * len(params),
+        dp=dp,
+        dp_index=dp_index,
+        chunk_elements=chunk_elements,
+        in_place=in_place,
+    )
 
 
 def test_fused_kernels_false_keeps_the_update_on_mindspores_kernel():
-    """pretrain.train.fused_kernels: false means no custom op at all, in ZeRO-1's update as in AdamW's (the trainer used to
-    build ShardedAdamW in place whatever the key said): the build's one decision (model.kernels.decide) tells both."""
+    """pretrain.train.fused_kernels: false means no custom op at all, in ZeRO-1's update as in AdamW's (the trainer used
+    to build ShardedAdamW in place whatever the key said): the build's one decision (model.kernels.decide) tells
+    both."""
     from types import SimpleNamespace
 
     from model.kernel_ops import zero_ops
@@ -68,7 +94,7 @@ def test_fused_kernels_false_keeps_the_update_on_mindspores_kernel():
 
 def _moments() -> dict[str, np.ndarray]:
     opt = {f"adam_m.{k}": v * 0.5 for k, v in _tiny_arrays(1).items()}
-    opt.update({f"adam_v.{k}": v ** 2 for k, v in _tiny_arrays(2).items()})
+    opt.update({f"adam_v.{k}": v**2 for k, v in _tiny_arrays(2).items()})
     return opt
 
 
@@ -91,7 +117,7 @@ def test_shares_cover_the_flat_buffer_once():
     covered = np.zeros(numel, np.int32)
     for o in opts:
         for i, a, b in o.segments:
-            covered[o.offsets[i] + a:o.offsets[i] + b] += 1
+            covered[o.offsets[i] + a : o.offsets[i] + b] += 1
         assert sum(b - a for _, a, b in o.segments) + o.pad == shard
     assert (covered == 1).all()
     assert [o.pad for o in opts] == [0] * 6 + [7 * shard - numel]
@@ -120,8 +146,11 @@ def test_persistent_state_is_the_share_only():
             assert sum(int(np.prod(p.shape)) for p in state) == (2 if o.in_place else 3) * owned
             # its Parameters are the model's own plus the share state: no full-size buffer of its own
             own = {id(p) for p in o.params}
-            assert all(id(p) in own or p.name.startswith(("adam_m.", "adam_v.", "zero_master."))
-                       for p in o.get_parameters() if isinstance(p, Parameter))
+            assert all(
+                id(p) in own or p.name.startswith(("adam_m.", "adam_v.", "zero_master."))
+                for p in o.get_parameters()
+                if isinstance(p, Parameter)
+            )
         assert sum(sum(b - a for _, a, b in o.segments) for o in opts) == numel
 
 
@@ -135,7 +164,7 @@ def test_chunked_shares_cover_the_buffer_and_round_trip():
         covered = np.zeros(opts[0].numel, np.int32)
         for o in opts:
             for i, a, b in o.segments:
-                covered[o.offsets[i] + a:o.offsets[i] + b] += 1
+                covered[o.offsets[i] + a : o.offsets[i] + b] += 1
         assert (covered == 1).all()
         layout = opts[0].layout()
         shares = flatten_moments(opt, layout)
@@ -154,7 +183,10 @@ def test_zero_checkpoint_reshards_bit_for_bit(tmp_path):
     state = {"consumed_samples": 96, "updates": 12, "skipped_steps": 0}
     ck = _write_zero_checkpoint(tmp_path / "zero", 12, weights, opt, state, layout)
     assert sorted(p.name for p in ck.glob("*.safetensors")) == [
-        "model.safetensors", "optimizer.dp0-of-2.safetensors", "optimizer.dp1-of-2.safetensors"]
+        "model.safetensors",
+        "optimizer.dp0-of-2.safetensors",
+        "optimizer.dp1-of-2.safetensors",
+    ]
     w, o, st = load_checkpoint(ck)  # sharded -> one process, unsharded
     assert st["layout"]["optimizer_shard"]["shard_numel"] == layout["shard_numel"]
     assert o.keys() == opt.keys() and all(o[k].tobytes() == opt[k].tobytes() for k in opt)
@@ -190,8 +222,16 @@ def test_optimizer_shard_is_a_data_parallel_layout():
     cfg = resolve_pipeline(REPO / "pipelines.yaml", "tiny", ZERO)
     assert cfg.parallel.optimizer_shard
     with pytest.raises(ConfigError) as exc:
-        resolve_pipeline(REPO / "pipelines.yaml", "tiny", ["parallel.data_parallel=2", "parallel.tensor_parallel=2",
-                                                           "parallel.device_num=4", "parallel.optimizer_shard=true"])
+        resolve_pipeline(
+            REPO / "pipelines.yaml",
+            "tiny",
+            [
+                "parallel.data_parallel=2",
+                "parallel.tensor_parallel=2",
+                "parallel.device_num=4",
+                "parallel.optimizer_shard=true",
+            ],
+        )
     assert "parallel.optimizer_shard: optimizer sharding (ZeRO-1) is built for data parallel only" in str(exc.value)
     assert unsupported(Layout(dp=2, optimizer_shard=True), "CPU") is None
     assert "not built" in unsupported(Layout(dp=2, tp=2, optimizer_shard=True), "CPU")
@@ -220,8 +260,15 @@ def test_in_place_update_matches_adamw():
     assert o.in_place and len(o.master) == 0
     before = [p.asnumpy().copy() for p in o.params]
     ref_params = [ms.Parameter(Tensor(b.copy()), name=f"ref.{p.name}") for p, b in zip(o.params, before)]
-    ref = AdamW(ref_params, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, grad_clip=1.0,
-                decay_mask=[True] * len(ref_params))
+    ref = AdamW(
+        ref_params,
+        beta1=0.9,
+        beta2=0.95,
+        eps=1e-8,
+        weight_decay=0.1,
+        grad_clip=1.0,
+        decay_mask=[True] * len(ref_params),
+    )
     rng = np.random.default_rng(0)
     n_elements = sum(b.size for b in before)
 
@@ -262,8 +309,9 @@ def _peak_rss(run_dir: Path) -> list[int]:
 
 
 def test_zero_matches_unsharded_and_one_process(tmp_path, data_artifact):
-    """dp=2 sharded == dp=2 unsharded == 1 process with global batch 8, per step within train_tol (tests/helpers.py); replicas bit-identical;
-    every rank wrote its optimizer share; plan's per-rank estimate within 30% of each rank's peak RSS."""
+    """dp=2 sharded == dp=2 unsharded == 1 process with global batch 8, per step within train_tol (tests/helpers.py);
+    replicas bit-identical; every rank wrote its optimizer share; plan's per-rank estimate within 30% of each rank's
+    peak RSS."""
     from model.config import ModelConfig
     from tasks.store.tensors import load_weights
     from tasks.training.memory import Layout, estimate
@@ -272,7 +320,9 @@ def test_zero_matches_unsharded_and_one_process(tmp_path, data_artifact):
     runs = {}
     for name, overrides in (("dp2", DP2), ("zero", ZERO)):
         root = tmp_path / name
-        path = pretrain.run(_cfg(*overrides), ArtifactStore(root), _copy_data(root, data_artifact), progress=False)
+        path = run_stage(
+            "pretrain", _cfg(*overrides), ArtifactStore(root), _copy_data(root, data_artifact), progress=False
+        )
         runs[name] = (path, root / "runs" / "pretrain" / path.name)
     ls, ld, lz = _train_losses(single), _train_losses(runs["dp2"][0]), _train_losses(runs["zero"][0])
     assert sorted(lz) == [1, 2, 3, 4, 5, 6]
@@ -302,8 +352,12 @@ def test_zero_matches_unsharded_and_one_process(tmp_path, data_artifact):
     assert_same_weights(oz, od, steps=0, lr=0.0)
     # memory: plan's per-rank estimate against each rank's measured peak RSS (VmHWM)
     cfg = _cfg(*ZERO)
-    est = estimate(ModelConfig.from_name("tiny"), micro_batch=4, seq=cfg.pretrain.seq_length or cfg.data.seq_length,
-                   layout=Layout(dp=2, optimizer_shard=True)).total
+    est = estimate(
+        ModelConfig.from_name("tiny"),
+        micro_batch=4,
+        seq=cfg.pretrain.seq_length or cfg.data.seq_length,
+        layout=Layout(dp=2, optimizer_shard=True),
+    ).total
     for rss in _peak_rss(runs["zero"][1]):
         assert abs(est - rss) / rss < 0.30, (est, rss)
 
@@ -315,12 +369,20 @@ def test_zero_accumulation_and_nonfinite_step_match_one_process(tmp_path, data_a
     single, _ = _single(_cfg(), tmp_path / "single", data_artifact, fault_steps=[2])
     root = tmp_path / "zero"
     cfg = _cfg(*ZERO, "pretrain.train.loop.micro_batch_size=2", "pretrain.train.loop.gradient_accumulation=2")
-    path = pretrain.run(cfg, ArtifactStore(root), _copy_data(root, data_artifact), progress=False,
-                        inject={"fault_steps": [2]})
+    path = run_stage(
+        "pretrain",
+        cfg,
+        ArtifactStore(root),
+        _copy_data(root, data_artifact),
+        progress=False,
+        inject={"fault_steps": [2]},
+    )
     ls, lz = _train_losses(single), _train_losses(path)
     assert_same_scalars({s: ls[s] for s in ls if s != 2}, lz)
     mz, ms_ = _metrics(path), _metrics(single)
-    assert [r["skipped_steps"] for r in mz if "skipped_steps" in r] == [r["skipped_steps"] for r in ms_ if "skipped_steps" in r]
+    assert [r["skipped_steps"] for r in mz if "skipped_steps" in r] == [
+        r["skipped_steps"] for r in ms_ if "skipped_steps" in r
+    ]
     assert max(r.get("skipped_steps", 0) for r in mz) == 1
     assert ArtifactStore(root).verify(path)["metrics"]["consumed_samples"] == 48
 
@@ -336,7 +398,7 @@ def test_zero_checkpoint_resumes_under_every_layout(tmp_path, data_artifact):
     assert sorted(p.name for p in ck.glob("optimizer*")) == zero_files(2)
     # (a) the same layout resumes its own run
     root = tmp_path / "zero"
-    path = pretrain.run(_cfg(*ZERO), ArtifactStore(root), root / "data" / data_artifact.name, progress=False)
+    path = run_stage("pretrain", _cfg(*ZERO), ArtifactStore(root), root / "data" / data_artifact.name, progress=False)
     la = _train_losses(path)
     assert sorted(la) == [1, 2, 3, 4, 5, 6]
     assert_same_scalars(ls, la)
@@ -348,8 +410,13 @@ def test_zero_checkpoint_resumes_under_every_layout(tmp_path, data_artifact):
     _single(_cfg(), tmp_path / "c1", data_artifact, stop_after=3)
     ck1 = complete_checkpoints(next((tmp_path / "c1" / "runs" / "pretrain").iterdir()) / "checkpoints")[-1]
     root2 = tmp_path / "c2"
-    path = pretrain.run(_cfg(*ZERO, f"checkpoint.load_checkpoint={ck1}"), ArtifactStore(root2),
-                        _copy_data(root2, data_artifact), progress=False)
+    path = run_stage(
+        "pretrain",
+        _cfg(*ZERO, f"checkpoint.load_checkpoint={ck1}"),
+        ArtifactStore(root2),
+        _copy_data(root2, data_artifact),
+        progress=False,
+    )
     lc = _train_losses(path)
     assert_same_scalars(ls, lc)
     assert ArtifactStore(root2).verify(path)["metrics"]["consumed_samples"] == 48
@@ -366,9 +433,26 @@ def test_distributed_benchmark_runs_the_trainers_kernels_and_sharding_keeps_the_
     from model.kernel_ops import train_ops
 
     script = REPO / "scripts" / "bench" / "distributed.py"
-    out = subprocess.run([sys.executable, str(script), "--preset", "tiny", "--steps", "2", "--warmup", "1",
-                          "--layouts", "dp2,dp2zero", "--comm-repeats", "2"],
-                         capture_output=True, text=True, timeout=600, cwd=REPO)
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            "--preset",
+            "tiny",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--layouts",
+            "dp2,dp2zero",
+            "--comm-repeats",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["fused_kernels"] is (train_ops() is not None)

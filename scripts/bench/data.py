@@ -47,8 +47,11 @@ def baseline(files: list[Path], model: Path, seq: int, workers: int, cache: Path
     parts = []
     for f in files:
         if f.name.endswith(".txt"):
-            parts.append(datasets.load_dataset("text", data_files=[str(f)], sample_by="paragraph", split="train",
-                                               cache_dir=str(cache)))
+            parts.append(
+                datasets.load_dataset(
+                    "text", data_files=[str(f)], sample_by="paragraph", split="train", cache_dir=str(cache)
+                )
+            )
         else:
             ds = datasets.load_dataset("json", data_files=[str(f)], split="train", cache_dir=str(cache))
             parts.append(ds.select_columns(["text"]))
@@ -66,8 +69,14 @@ def baseline(files: list[Path], model: Path, seq: int, workers: int, cache: Path
     blocks = flat[: n * (seq + 1)].reshape(n, seq + 1)
     dt = time.perf_counter() - t0
     mb = sum(len(t.encode("utf-8")) for t in corpus["text"]) / 1e6
-    return {"seconds": round(dt, 3), "mb": round(mb, 3), "tokens": int(len(flat)), "blocks": int(len(blocks)),
-            "mb_per_s": round(mb / dt, 3), "tokens_per_s": round(len(flat) / dt)}
+    return {
+        "seconds": round(dt, 3),
+        "mb": round(mb, 3),
+        "tokens": int(len(flat)),
+        "blocks": int(len(blocks)),
+        "mb_per_s": round(mb / dt, 3),
+        "tokens_per_s": round(len(flat) / dt),
+    }
 
 
 def reader(artifact: Path, batch: int, seq: int, n_blocks: int) -> dict:
@@ -81,8 +90,12 @@ def reader(artifact: Path, batch: int, seq: int, n_blocks: int) -> dict:
         seen += len(next(it)["input_ids"])
     bps = seen / (time.perf_counter() - t0)
     trainer = TRAINER_TOKENS_PER_S / seq
-    return {"blocks_per_s": round(bps), "batch_size": batch, "trainer_blocks_per_s": round(trainer, 1),
-            "ratio_to_trainer": round(bps / trainer)}
+    return {
+        "blocks_per_s": round(bps),
+        "batch_size": batch,
+        "trainer_blocks_per_s": round(trainer, 1),
+        "ratio_to_trainer": round(bps / trainer),
+    }
 
 
 def main() -> int:
@@ -96,20 +109,25 @@ def main() -> int:
     import datasets
     import mindspore.dataset  # noqa: F401  (steady state: imported before timing)
 
+    from tasks.config.loader import resolve_pipeline
     from tasks.stages import data
     from tasks.stages.data.plan import plan_chunks
     from tasks.stages.data.tokenizer import train_tokenizer
     from tasks.store.artifacts import ArtifactStore
-    from tasks.config.loader import resolve_pipeline
 
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity_error()
     files = [CORPORA[c] for c in args.corpora]
     load = round(os.getloadavg()[0], 2)
-    cfg = resolve_pipeline(REPO / "pipelines.yaml", "demo", [
-        f"data.sources={json.dumps([str(f) for f in files])}", f"data.num_workers={args.workers}",
-        "data.tokenizer.character_coverage=0.9995",
-    ])
+    cfg = resolve_pipeline(
+        REPO / "pipelines.yaml",
+        "demo",
+        [
+            f"data.sources={json.dumps([str(f) for f in files])}",
+            f"data.num_workers={args.workers}",
+            "data.tokenizer.character_coverage=0.9995",
+        ],
+    )
     seq = cfg.data.seq_length
     with tempfile.TemporaryDirectory(prefix="bench-data-") as tmp:
         tmp = Path(tmp)
@@ -127,16 +145,33 @@ def main() -> int:
             base = b if base is None or b["seconds"] < base["seconds"] else base
         met = ArtifactStore.read_manifest(art)["metrics"]
         tokens = met["tokens"]["train"] + met["tokens"]["valid"]
-        ours = {"seconds": round(ours_s, 3), "mb": met["raw_text_mb"], "tokens": tokens,
-                "blocks": met["blocks"]["train"] + met["blocks"]["valid"], "mb_per_s": round(met["raw_text_mb"] / ours_s, 3),
-                "tokens_per_s": round(tokens / ours_s), "phases_s": met["seconds"]}
+        ours = {
+            "seconds": round(ours_s, 3),
+            "mb": met["raw_text_mb"],
+            "tokens": tokens,
+            "blocks": met["blocks"]["train"] + met["blocks"]["valid"],
+            "mb_per_s": round(met["raw_text_mb"] / ours_s, 3),
+            "tokens_per_s": round(tokens / ours_s),
+            "phases_s": met["seconds"],
+        }
 
         read = reader(art, cfg.pretrain.train.loop.micro_batch_size, seq, args.reader_blocks)
-    print(json.dumps({
-        "bench": "data", "loadavg": load, "corpora": args.corpora, "workers": args.workers, "vocab_size": cfg.data.tokenizer.vocab_size,
-        "seq_length": seq, "ours": ours, "baseline_hf_map": base,
-        "throughput_vs_baseline": round(ours["mb_per_s"] / base["mb_per_s"], 2), "reader": read,
-    }))
+    print(
+        json.dumps(
+            {
+                "bench": "data",
+                "loadavg": load,
+                "corpora": args.corpora,
+                "workers": args.workers,
+                "vocab_size": cfg.data.tokenizer.vocab_size,
+                "seq_length": seq,
+                "ours": ours,
+                "baseline_hf_map": base,
+                "throughput_vs_baseline": round(ours["mb_per_s"] / base["mb_per_s"], 2),
+                "reader": read,
+            }
+        )
+    )
     return 0
 
 

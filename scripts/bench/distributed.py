@@ -21,8 +21,8 @@ dp2 the gradient all-reduce (a jit'd `DistributedGradReducer` over gradient-shap
 dp2zero the gradient all-reduce as its step issues it (one AllReduce per gradient, chained) plus the
 parameter rebuild as the step runs it (one small graph per chunk: AllGather + assign; `param_rebuild_s`
 also times one AllGather of the whole share and an AllReduce of zero-padded shares, what a data-parallel
-group that is not the world group would need), tp2 the 4 × num_layers activation AllReduces of [batch, seq, hidden] one step performs
-(2 forward + 2 backward per layer) plus the grad-norm scalar; each averaged over `--comm-repeats`.
+group that is not the world group would need), tp2 the 4 × num_layers activation AllReduces of [batch, seq, hidden] one
+step performs (2 forward + 2 backward per layer) plus the grad-norm scalar; each averaged over `--comm-repeats`.
 `comm_share` = comm seconds per step / step seconds. Prints one JSON line (progress on stderr).
 
     python scripts/bench/distributed.py [--preset tiny-llama-bench] [--batch 8] [--seq 256] [--steps 25] [--warmup 2]
@@ -60,8 +60,15 @@ BENCH_PRESETS = {
     # ~84M parameters, where the AdamW moments (8 bytes per parameter) are hundreds of MB: the per-rank memory
     # saving of optimizer sharding stands clear of the runtime's own ~1 GB. Run it at a short sequence, e.g.
     # --preset zero-bench --batch 4 --seq 64 --steps 3 --warmup 1 --layouts dp2,dp2zero
-    "zero-bench": dict(vocab_size=8192, hidden_size=1024, intermediate_size=2816, num_layers=6,
-                       num_heads=16, num_kv_heads=4, max_seq_length=256),
+    "zero-bench": dict(
+        vocab_size=8192,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_layers=6,
+        num_heads=16,
+        num_kv_heads=4,
+        max_seq_length=256,
+    ),
 }
 
 
@@ -123,7 +130,7 @@ def worker(a: argparse.Namespace) -> None:
     data = rng.integers(0, cfg.vocab_size, (total, micro, seq + 1)).astype(np.int32)
     batches = [[(d[:, :-1], d[:, 1:])] for d in data]
 
-    log = (lambda msg: print(f"[{a.layout} rank {mesh.rank}] {msg}", file=sys.stderr, flush=True))
+    log = lambda msg: print(f"[{a.layout} rank {mesh.rank}] {msg}", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     for s in range(a.warmup):
         step_fn(batches[s], 1e-4, s + 1)
@@ -159,8 +166,10 @@ def worker(a: argparse.Namespace) -> None:
         comm = _time_comm(reduce_grads, (grads,), a.comm_repeats)
         del grads
         n_bytes = sum(int(np.prod(p.shape)) * 4 for p in params)
-        log(f"gradient all-reduce ({len(params)} tensors, {n_bytes / 1e6:.1f} MB"
-            f"{', chained' if a.layout == 'dp2zero' else ''}): {comm * 1e3:.1f} ms")
+        log(
+            f"gradient all-reduce ({len(params)} tensors, {n_bytes / 1e6:.1f} MB"
+            f"{', chained' if a.layout == 'dp2zero' else ''}): {comm * 1e3:.1f} ms"
+        )
     if a.layout == "dp2zero":
         from mindspore.communication import GlobalComm
 
@@ -183,11 +192,18 @@ def worker(a: argparse.Namespace) -> None:
         mesh.barrier()
         padded_s = _time_comm(all_reduce_padded, (ms.Tensor(np.zeros(shard * mesh.dp, np.float32)),), a.comm_repeats)
         comm += step_rebuild_s
-        rebuild = {"step_rebuild": step_rebuild_s, "allgather": gather_s, "allreduce_zero_padded": padded_s,
-                   "shard_elements": shard, "chunks": len(step_fn.optimizer.chunks)}
-        log(f"parameter rebuild of {shard} elements per rank: as the step runs it ({len(step_fn.optimizer.chunks)} "
+        rebuild = {
+            "step_rebuild": step_rebuild_s,
+            "allgather": gather_s,
+            "allreduce_zero_padded": padded_s,
+            "shard_elements": shard,
+            "chunks": len(step_fn.optimizer.chunks),
+        }
+        log(
+            f"parameter rebuild of {shard} elements per rank: as the step runs it ({len(step_fn.optimizer.chunks)} "
             f"chunks, AllGather + assign) {step_rebuild_s * 1e3:.1f} ms; one AllGather of the whole share "
-            f"{gather_s * 1e3:.1f} ms, AllReduce of zero-padded shares {padded_s * 1e3:.1f} ms")
+            f"{gather_s * 1e3:.1f} ms, AllReduce of zero-padded shares {padded_s * 1e3:.1f} ms"
+        )
     elif a.layout == "tp2":
         all_reduce = ops.AllReduce(group=mesh.tp_group)
         n = 4 * cfg.num_layers  # per layer: attention + MLP outputs forward, their inputs' gradients backward
@@ -207,11 +223,22 @@ def worker(a: argparse.Namespace) -> None:
         act = _time_comm(activations, (x,), a.comm_repeats)
         scalar = _time_comm(grad_norm, (ms.Tensor(np.zeros((1,), np.float32)),), a.comm_repeats)
         comm = act + scalar
-        log(f"{n} activation all-reduces of {[micro, seq, cfg.hidden_size]}: {act * 1e3:.1f} ms, "
-            f"grad-norm scalar: {scalar * 1e3:.2f} ms")
+        log(
+            f"{n} activation all-reduces of {[micro, seq, cfg.hidden_size]}: {act * 1e3:.1f} ms, "
+            f"grad-norm scalar: {scalar * 1e3:.2f} ms"
+        )
     mesh.barrier()
-    out = {"rank": mesh.rank, "fused_kernels": built.kernels.fused, "step_s": step_s, "wall_s": dt,
-           "warmup_s": warmup_s, "loss": loss, "comm_s_per_step": comm, "param_rebuild_s": rebuild, "peak_rss_bytes": train_rss}
+    out = {
+        "rank": mesh.rank,
+        "fused_kernels": built.kernels.fused,
+        "step_s": step_s,
+        "wall_s": dt,
+        "warmup_s": warmup_s,
+        "loss": loss,
+        "comm_s_per_step": comm,
+        "param_rebuild_s": rebuild,
+        "peak_rss_bytes": train_rss,
+    }
     (Path(a.out) / f"{a.layout}_rank{mesh.rank}.json").write_text(json.dumps(out))
 
 
@@ -237,8 +264,11 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--comm-repeats", type=int, default=10)
     ap.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated subset of " + ",".join(LAYOUTS))
-    ap.add_argument("--no-fused", action="store_true",
-                    help="MindSpore's own ops only (pretrain.train.fused_kernels: false; a machine without g++)")
+    ap.add_argument(
+        "--no-fused",
+        action="store_true",
+        help="MindSpore's own ops only (pretrain.train.fused_kernels: false; a machine without g++)",
+    )
     # a worker's own flags: none may be a prefix of one of msrun's (--worker_num, --rank_table_file, ...),
     # since msrun's argparse reads abbreviations from the script's arguments too
     ap.add_argument("--run-layout", dest="layout", choices=list(LAYOUTS), default=None, help=argparse.SUPPRESS)
@@ -261,17 +291,35 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="bench_distributed_"))
     out = tmp / "out"
     out.mkdir()
-    common = ["--preset", a.preset, "--batch", str(a.batch), "--seq", str(a.seq), "--steps", str(a.steps),
-              "--warmup", str(a.warmup), "--comm-repeats", str(a.comm_repeats), "--out", str(out),
-              *(["--no-fused"] if a.no_fused else [])]
+    common = [
+        "--preset",
+        a.preset,
+        "--batch",
+        str(a.batch),
+        "--seq",
+        str(a.seq),
+        "--steps",
+        str(a.steps),
+        "--warmup",
+        str(a.warmup),
+        "--comm-repeats",
+        str(a.comm_repeats),
+        "--out",
+        str(out),
+        *(["--no-fused"] if a.no_fused else []),
+    ]
     me = str(Path(__file__).resolve())
     cpus = os.cpu_count() or 1
     ports = dict(zip(("dp2", "dp2zero", "tp2"), _free_ports(3)))
     res, wall = {}, {}
     for layout in layouts:
         dp, tp = LAYOUTS[layout]
-        print(f"[bench] {layout}: preset {a.preset}, global batch {a.batch} × seq {seq}, "
-              f"{a.warmup} warm-up + {a.steps} steps", file=sys.stderr, flush=True)
+        print(
+            f"[bench] {layout}: preset {a.preset}, global batch {a.batch} × seq {seq}, "
+            f"{a.warmup} warm-up + {a.steps} steps",
+            file=sys.stderr,
+            flush=True,
+        )
         t0 = time.perf_counter()
         args = [me, "--run-layout", layout, *common]
         if layout == "dp1":
@@ -286,11 +334,16 @@ def main() -> None:
             sys.exit(1)
         wall[layout] = time.perf_counter() - t0
         ranks = [json.loads(p.read_text()) for p in sorted(out.glob(f"{layout}_rank*.json"))]
-        res[layout] = {"rank0": next(r for r in ranks if r["rank"] == 0),
-                       "peak_rss_bytes": max(r["peak_rss_bytes"] for r in ranks),
-                       "rank_peak_rss_bytes": [r["peak_rss_bytes"] for r in sorted(ranks, key=lambda r: r["rank"])]}
-        print(f"[bench] {layout}: {res[layout]['rank0']['step_s']:.3f} s/step ({wall[layout]:.0f}s in all)",
-              file=sys.stderr, flush=True)
+        res[layout] = {
+            "rank0": next(r for r in ranks if r["rank"] == 0),
+            "peak_rss_bytes": max(r["peak_rss_bytes"] for r in ranks),
+            "rank_peak_rss_bytes": [r["peak_rss_bytes"] for r in sorted(ranks, key=lambda r: r["rank"])],
+        }
+        print(
+            f"[bench] {layout}: {res[layout]['rank0']['step_s']:.3f} s/step ({wall[layout]:.0f}s in all)",
+            file=sys.stderr,
+            flush=True,
+        )
     shutil.rmtree(tmp, ignore_errors=True)
 
     tokens = a.batch * seq
@@ -299,25 +352,39 @@ def main() -> None:
     multi = [k for k in ("dp2", "dp2zero", "tp2") if k in res]
     from tasks.training.memory import Layout, estimate
 
-    out = {"bench": "distributed", "preset": a.preset, "params": cfg_params(cfg), "global_batch": a.batch, "seq": seq,
-           "steps": a.steps, "warmup": a.warmup, "cpu_count": cpus,
-           "fused_kernels": all(v["rank0"]["fused_kernels"] for v in res.values()),
-           "tokens_per_s": {k: round(v, 1) for k, v in tps.items()},
-           "step_s": {k: round(v["step_s"], 4) for k, v in r0.items()},
-           "comm_s_per_step": {k: round(r0[k]["comm_s_per_step"], 5) for k in multi},
-           "comm_share": {k: round(r0[k]["comm_s_per_step"] / r0[k]["step_s"], 3) for k in multi}}
+    out = {
+        "bench": "distributed",
+        "preset": a.preset,
+        "params": cfg_params(cfg),
+        "global_batch": a.batch,
+        "seq": seq,
+        "steps": a.steps,
+        "warmup": a.warmup,
+        "cpu_count": cpus,
+        "fused_kernels": all(v["rank0"]["fused_kernels"] for v in res.values()),
+        "tokens_per_s": {k: round(v, 1) for k, v in tps.items()},
+        "step_s": {k: round(v["step_s"], 4) for k, v in r0.items()},
+        "comm_s_per_step": {k: round(r0[k]["comm_s_per_step"], 5) for k in multi},
+        "comm_share": {k: round(r0[k]["comm_s_per_step"] / r0[k]["step_s"], 3) for k in multi},
+    }
     if "dp1" in res:
         out["speedup"] = {k: round(tps[k] / tps["dp1"], 3) for k in multi}
     for k in ("dp2", "dp2zero"):
         if k in res:
             out.setdefault("rank_peak_rss_bytes", {})[k] = res[k]["rank_peak_rss_bytes"]
-            est = estimate(cfg, micro_batch=a.batch // 2, seq=seq, layout=Layout(dp=2, optimizer_shard=k == "dp2zero"),
-                           fused_kernels=not a.no_fused)
+            est = estimate(
+                cfg,
+                micro_batch=a.batch // 2,
+                seq=seq,
+                layout=Layout(dp=2, optimizer_shard=k == "dp2zero"),
+                fused_kernels=not a.no_fused,
+            )
             out.setdefault("plan_estimate_bytes", {})[k] = est.total
             out.setdefault("plan_error", {})[k] = round(est.total / max(res[k]["rank_peak_rss_bytes"]) - 1, 3)
     if "dp2zero" in res:
-        out["dp2zero_param_rebuild_s"] = {k: (round(v, 5) if isinstance(v, float) else v)
-                                          for k, v in r0["dp2zero"]["param_rebuild_s"].items()}
+        out["dp2zero_param_rebuild_s"] = {
+            k: (round(v, 5) if isinstance(v, float) else v) for k, v in r0["dp2zero"]["param_rebuild_s"].items()
+        }
     if "dp2" in res and "dp2zero" in res:
         saving = max(res["dp2"]["rank_peak_rss_bytes"]) - max(res["dp2zero"]["rank_peak_rss_bytes"])
         n = out["params"]
@@ -326,16 +393,24 @@ def main() -> None:
         # fallback path, whose fp32 master share takes back 2N
         out["zero_rss_saving_of_4n"] = round(saving / (4 * n), 3)
         out["zero_rss_saving_of_2n"] = round(saving / (2 * n), 3)
-    print(json.dumps({**out,
-        "warmup_s": {k: round(v["warmup_s"], 1) for k, v in r0.items()},
-        "loss": {k: round(v["loss"], 4) for k, v in r0.items()},
-        "peak_rss_bytes": {k: v["peak_rss_bytes"] for k, v in res.items()},
-        "wall_s": {k: round(v, 1) for k, v in wall.items()},
-        "note": (f"{cpus} cores: dp1 is one process with {cpus} threads; dp2/dp2zero/tp2 are 2 msrun workers sharing the same "
-                 f"cores (OMP_NUM_THREADS={max(1, cpus // 2)} each), so the ideal speedup here is at most ~1x. "
-                 "comm_s_per_step is timed alone after training (no overlap with compute); peak_rss_bytes is "
-                 "per process (max over ranks), VmHWM after the training steps (before the communication timing)."),
-    }))
+    print(
+        json.dumps(
+            {
+                **out,
+                "warmup_s": {k: round(v["warmup_s"], 1) for k, v in r0.items()},
+                "loss": {k: round(v["loss"], 4) for k, v in r0.items()},
+                "peak_rss_bytes": {k: v["peak_rss_bytes"] for k, v in res.items()},
+                "wall_s": {k: round(v, 1) for k, v in wall.items()},
+                "note": (
+                    f"{cpus} cores: dp1 is one process with {cpus} threads; dp2/dp2zero/tp2 are 2 msrun workers "
+                    "sharing the same "
+                    f"cores (OMP_NUM_THREADS={max(1, cpus // 2)} each), so the ideal speedup here is at most ~1x. "
+                    "comm_s_per_step is timed alone after training (no overlap with compute); peak_rss_bytes is "
+                    "per process (max over ranks), VmHWM after the training steps (before the communication timing)."
+                ),
+            }
+        )
+    )
 
 
 def cfg_params(cfg) -> int:

@@ -1,4 +1,5 @@
-"""Decode speed of the exported model, side by side: MindSpore vs onnxruntime (fp32, int8) vs onnxruntime-genai, all with a KV cache.
+"""Decode speed of the exported model, side by side: MindSpore vs onnxruntime (fp32, int8) vs onnxruntime-genai, all
+with a KV cache.
 
 A random-init model of `--preset` (default `small`, the demo's shape) is exported the way the
 export stage does it (tasks/deploy/onnx_decoder.py from the weights; `tasks.deploy.formats.export_int8`;
@@ -54,8 +55,12 @@ def _rates(gen_fn, n: int, repeats: int) -> dict:
     prefill = _median_s(lambda: gen_fn(1), repeats)
     total = _median_s(lambda: gen_fn(n), repeats)
     decode = (total - prefill) / (n - 1)
-    return {"prefill_ms": round(prefill * 1e3, 2), "decode_ms_per_token": round(decode * 1e3, 3),
-            "decode_tokens_per_s": round(1 / decode, 1) if decode > 0 else None, "total_s": round(total, 3)}
+    return {
+        "prefill_ms": round(prefill * 1e3, 2),
+        "decode_ms_per_token": round(decode * 1e3, 3),
+        "decode_tokens_per_s": round(1 / decode, 1) if decode > 0 else None,
+        "total_s": round(total, 3),
+    }
 
 
 def main() -> None:
@@ -78,23 +83,36 @@ def main() -> None:
     from model.config import ModelConfig
     from model.fused_decode import decode_kernel_path
     from model.generate import Generator
-    from tasks.modeling.build import build_network
     from tasks.deploy.checks import genai_generate
     from tasks.deploy.formats import export_int8
     from tasks.deploy.onnx_decoder import build_decoder, save_model
     from tasks.deploy.onnx_generate import OnnxGenerator
+    from tasks.modeling.build import build_network
 
     cfg = ModelConfig.from_name(a.preset)
     p, n = a.prompt_tokens, a.new_tokens
     max_len = p + n
     if max_len > cfg.max_seq_length or n < 2 or p < 1:
-        raise SystemExit(f"need prompt + new tokens ({p} + {n}) <= {a.preset}'s max_seq_length {cfg.max_seq_length}, "
-                         "a prompt token and at least 2 new tokens")
+        raise SystemExit(
+            f"need prompt + new tokens ({p} + {n}) <= {a.preset}'s max_seq_length {cfg.max_seq_length}, "
+            "a prompt token and at least 2 new tokens"
+        )
     net = build_network("llama", cfg, seed=0).net
     net.set_train(False)
     prompt = [int(x) for x in np.random.default_rng(0).integers(3, cfg.vocab_size, p)]
-    res: dict = {"bench": "export", **describe(a.threads), "kernel_body": decode_kernel_path(), "preset": a.preset, "parameters": cfg.num_parameters, "prompt_tokens": p,
-                 "new_tokens": n, "batch": 1, "repeats": a.repeats, "threads": a.threads, "cpus": os.cpu_count()}
+    res: dict = {
+        "bench": "export",
+        **describe(a.threads),
+        "kernel_body": decode_kernel_path(),
+        "preset": a.preset,
+        "parameters": cfg.num_parameters,
+        "prompt_tokens": p,
+        "new_tokens": n,
+        "batch": 1,
+        "repeats": a.repeats,
+        "threads": a.threads,
+        "cpus": os.cpu_count(),
+    }
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
         weights = {q.name: q.asnumpy() for q in net.trainable_params()}
@@ -114,15 +132,21 @@ def main() -> None:
 
         ms_gen = Generator(net, max_len=max_len)
         ms_gen.compile(p, n)
-        ort = {k: OnnxGenerator(d / f, threads=a.threads, max_len=max_len)
-               for k, f in (("fp32", "model.onnx"), ("int8", "model.int8.onnx"))}
+        ort = {
+            k: OnnxGenerator(d / f, threads=a.threads, max_len=max_len)
+            for k, f in (("fp32", "model.onnx"), ("int8", "model.int8.onnx"))
+        }
         genai_model = og.Model(str(d))
 
         def genai(k: int) -> list[int]:
             return genai_generate(genai_model, prompt, k, hold_eos=True)
 
-        runs = {"mindspore": lambda k: ms_gen.generate(prompt, k), "onnx_fp32": lambda k: ort["fp32"].generate(prompt, k),
-                "onnx_int8": lambda k: ort["int8"].generate(prompt, k), "genai": genai}
+        runs = {
+            "mindspore": lambda k: ms_gen.generate(prompt, k),
+            "onnx_fp32": lambda k: ort["fp32"].generate(prompt, k),
+            "onnx_int8": lambda k: ort["int8"].generate(prompt, k),
+            "genai": genai,
+        }
         tokens = {}
         for name, fn in runs.items():
             res[name] = _rates(fn, n, a.repeats)
@@ -143,8 +167,8 @@ def main() -> None:
 
 
 def _write_genai_config(d: Path, model_config: dict, threads: int | None) -> None:
-    from tasks.store.disk import atomic_write_json
     from tasks.deploy.onnx_decoder import genai_config
+    from tasks.store.disk import atomic_write_json
 
     cfg = genai_config(model_config, eos_id=2, bos_id=1, pad_id=0)
     if threads:

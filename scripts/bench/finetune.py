@@ -14,7 +14,8 @@ process, one after the other, so its peak RSS is its own (MindSpore keeps graph 
         layer at a time (`lora_layerwise`), at the issue-33 shape
 
 The line is labelled with the CPU and ISA (scripts/bench/host.py) and appended to docs/bench/results.jsonl
-(`--results`, `--tag`; scripts/bench/report.py writes docs/BENCHMARKS.md). Output fields per variant: trainable_params, trainable_share, step_s (mean over
+(`--results`, `--tag`; scripts/bench/report.py writes docs/BENCHMARKS.md). Output fields per variant: trainable_params,
+trainable_share, step_s (mean over
 `steps` after `warmup` steps, compile excluded), tokens_per_s, first_step_s
 (compile + one step), peak_rss_bytes (whole process) and rss_before_train_bytes
 (model built, nothing compiled); `lora_vs_full` holds the ratios.
@@ -43,16 +44,17 @@ def _rss() -> int:
     return peak_rss_bytes()
 
 
-def run_variant(variant: str, preset: str, steps: int, warmup: int, batch: int, seq: int, rank: int,
-                targets: str) -> dict:
+def run_variant(
+    variant: str, preset: str, steps: int, warmup: int, batch: int, seq: int, rank: int, targets: str
+) -> dict:
     import numpy as np
 
     from model.runtime import setup_mindspore
 
     setup_mindspore(seed=0, host_blocking=True)  # as the trainer
     from model.config import ModelConfig
-    from tasks.modeling.build import build_network
     from model.lora import inject_lora, mark_only_lora_trainable, trainable_summary
+    from tasks.modeling.build import build_network
     from tasks.training.layerwise import causal_lm_train_step
 
     cfg = ModelConfig.from_name(preset)
@@ -65,14 +67,19 @@ def run_variant(variant: str, preset: str, steps: int, warmup: int, batch: int, 
     else:
         params = net.trainable_params()
     summary = trainable_summary(net)
-    step = causal_lm_train_step(net, params, weight_decay=0.0, in_place=built.kernels.optimizer,
-                                layerwise=variant == "lora_layerwise")
+    step = causal_lm_train_step(
+        net, params, weight_decay=0.0, in_place=built.kernels.optimizer, layerwise=variant == "lora_layerwise"
+    )
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, seq + 1)).astype(np.int32)
     micro = [(ids[:, :-1], ids[:, 1:])]
     steps_done = iter(range(1, 1 << 30))
-    return {"step": type(step).__name__, "trainable_params": summary.trainable, "total_params": summary.total,
-            "trainable_share": round(summary.share, 6),
-            **_timed(lambda: step(micro, 1e-4, next(steps_done))[0], steps, warmup, batch * seq)}
+    return {
+        "step": type(step).__name__,
+        "trainable_params": summary.trainable,
+        "total_params": summary.total,
+        "trainable_share": round(summary.share, 6),
+        **_timed(lambda: step(micro, 1e-4, next(steps_done))[0], steps, warmup, batch * seq),
+    }
 
 
 def _timed(one, steps: int, warmup: int, tokens: int) -> dict:
@@ -88,9 +95,15 @@ def _timed(one, steps: int, warmup: int, tokens: int) -> dict:
     for _ in range(steps):
         loss = one()
     dt = (time.perf_counter() - t0) / max(steps, 1)
-    return {"step_s": round(dt, 4), "tokens_per_s": round(tokens / dt, 1), "first_step_s": round(first_step_s, 2),
-            "peak_rss_bytes": _rss(), "rss_before_train_bytes": rss_before, "first_loss": round(first_loss, 4),
-            "last_loss": round(loss, 4)}
+    return {
+        "step_s": round(dt, 4),
+        "tokens_per_s": round(tokens / dt, 1),
+        "first_step_s": round(first_step_s, 2),
+        "peak_rss_bytes": _rss(),
+        "rss_before_train_bytes": rss_before,
+        "first_loss": round(first_loss, 4),
+        "last_loss": round(loss, 4),
+    }
 
 
 def run_hf_lora(preset: str, steps: int, warmup: int, batch: int, seq: int, rank: int, targets: str) -> dict:
@@ -141,8 +154,12 @@ def run_hf_lora(preset: str, steps: int, warmup: int, batch: int, seq: int, rank
         return float(loss.detach())
 
     trainable, total = sum(p.numel() for p in params), sum(p.numel() for p in model.parameters())
-    return {"trainable_params": trainable, "total_params": total, "trainable_share": round(trainable / total, 6),
-            **_timed(one, steps, warmup, batch * seq)}
+    return {
+        "trainable_params": trainable,
+        "total_params": total,
+        "trainable_share": round(trainable / total, 6),
+        **_timed(one, steps, warmup, batch * seq),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,14 +172,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--targets", default="q_proj,v_proj")
     ap.add_argument("--threads", type=int, default=2, help="threads of every variant (OMP_NUM_THREADS, torch)")
-    ap.add_argument("--layerwise", action="store_true",
-                    help="also LoRA one decoder layer at a time (train.layerwise: true), as `lora_layerwise`")
-    ap.add_argument("--variant", choices=["lora", "full", "hf_lora", "lora_layerwise"],
-                    help=argparse.SUPPRESS)  # the per-variant child
+    ap.add_argument(
+        "--layerwise",
+        action="store_true",
+        help="also LoRA one decoder layer at a time (train.layerwise: true), as `lora_layerwise`",
+    )
+    ap.add_argument(
+        "--variant", choices=["lora", "full", "hf_lora", "lora_layerwise"], help=argparse.SUPPRESS
+    )  # the per-variant child
     add_record_args(ap)
     a = ap.parse_args(argv)
-    knobs = dict(preset=a.preset, steps=a.steps, warmup=max(1, a.warmup), batch=a.batch, seq=a.seq, rank=a.rank,
-                 targets=a.targets)
+    knobs = dict(
+        preset=a.preset,
+        steps=a.steps,
+        warmup=max(1, a.warmup),
+        batch=a.batch,
+        seq=a.seq,
+        rank=a.rank,
+        targets=a.targets,
+    )
     if a.variant:
         print(json.dumps(run_hf_lora(**knobs) if a.variant == "hf_lora" else run_variant(a.variant, **knobs)))
         return 0
@@ -178,16 +206,22 @@ def main(argv: list[str] | None = None) -> int:
     lo, fu, ref = out["lora"], out["full"], out["hf_lora"]
     for v in (lo, fu, ref, *((out["lora_layerwise"],) if a.layerwise else ())):
         v["peak_rss_gb"] = round(v["peak_rss_bytes"] / 1e9, 3)
-    out["lora_vs_full"] = {"step_time": round(lo["step_s"] / fu["step_s"], 3),
-                           "peak_rss": round(lo["peak_rss_bytes"] / fu["peak_rss_bytes"], 3),
-                           "trainable_params": round(lo["trainable_params"] / fu["trainable_params"], 6)}
-    out["lora_vs_hf_lora"] = {"speed": round(ref["step_s"] / lo["step_s"], 3),
-                              "peak_rss": round(lo["peak_rss_bytes"] / ref["peak_rss_bytes"], 3),
-                              "trainable_params": round(lo["trainable_params"] / ref["trainable_params"], 6)}
+    out["lora_vs_full"] = {
+        "step_time": round(lo["step_s"] / fu["step_s"], 3),
+        "peak_rss": round(lo["peak_rss_bytes"] / fu["peak_rss_bytes"], 3),
+        "trainable_params": round(lo["trainable_params"] / fu["trainable_params"], 6),
+    }
+    out["lora_vs_hf_lora"] = {
+        "speed": round(ref["step_s"] / lo["step_s"], 3),
+        "peak_rss": round(lo["peak_rss_bytes"] / ref["peak_rss_bytes"], 3),
+        "trainable_params": round(lo["trainable_params"] / ref["trainable_params"], 6),
+    }
     if a.layerwise:
         lw = out["lora_layerwise"]
-        out["lora_layerwise_vs_hf_lora"] = {"speed": round(ref["step_s"] / lw["step_s"], 3),
-                                            "peak_rss": round(lw["peak_rss_bytes"] / ref["peak_rss_bytes"], 3)}
+        out["lora_layerwise_vs_hf_lora"] = {
+            "speed": round(ref["step_s"] / lw["step_s"], 3),
+            "peak_rss": round(lw["peak_rss_bytes"] / ref["peak_rss_bytes"], 3),
+        }
     record(out, a)
     return 0
 

@@ -172,7 +172,7 @@ def _hf_side(a: argparse.Namespace) -> None:
             t0 = time.perf_counter()
             out = model.generate(prompt, max_new_tokens=a.new_tokens, min_new_tokens=a.new_tokens, **kw)
             dt = time.perf_counter() - t0
-            new = out[0, prompt.shape[1]:].tolist()
+            new = out[0, prompt.shape[1] :].tolist()
             print(json.dumps({"tokens_per_s": len(new) / dt, "tokens": new}), flush=True)
 
 
@@ -189,12 +189,31 @@ class _HFWorker:
             weights = os.path.join(tmp, "weights.safetensors")
             save_file(native_to_hf({p.name: p.asnumpy() for p in net.get_parameters()}, net.config), weights)
             env = dict(os.environ, OMP_NUM_THREADS=str(max(int(t) for t in a.threads.split(","))), GLOG_v="3")
-            self.proc = subprocess.Popen([sys.executable, __file__, "--side", "hf", "--preset", a.preset,
-                                          "--weights", weights, "--prompt", json.dumps(prompt),
-                                          "--new-tokens", str(a.new_tokens), "--threads", str(a.threads),
-                                          "--hf-attn", a.hf_attn],
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
-                                         env=env)
+            self.proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    __file__,
+                    "--side",
+                    "hf",
+                    "--preset",
+                    a.preset,
+                    "--weights",
+                    weights,
+                    "--prompt",
+                    json.dumps(prompt),
+                    "--new-tokens",
+                    str(a.new_tokens),
+                    "--threads",
+                    str(a.threads),
+                    "--hf-attn",
+                    a.hf_attn,
+                ],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=self.log,
+                text=True,
+                env=env,
+            )
             self.info = self._read()  # the weights are loaded once this line arrives
 
     def _read(self) -> dict:
@@ -202,8 +221,10 @@ class _HFWorker:
         if not line:
             self.proc.wait()
             self.log.seek(0)
-            raise SystemExit(f"the HF side failed (exit {self.proc.returncode}); install the `reference` extra or "
-                             f"pass --no-hf:\n{self.log.read()[-3000:]}")
+            raise SystemExit(
+                f"the HF side failed (exit {self.proc.returncode}); install the `reference` extra or "
+                f"pass --no-hf:\n{self.log.read()[-3000:]}"
+            )
         return json.loads(line)
 
     def run(self, threads: int) -> dict:
@@ -222,8 +243,11 @@ def main() -> None:
     ap.add_argument("--preset", default="small")
     ap.add_argument("--prompt-tokens", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=256)
-    ap.add_argument("--threads", default="1,2",
-                    help="thread counts for the fused decode step, PyTorch (HF) and numpy's GEMV, comma-separated")
+    ap.add_argument(
+        "--threads",
+        default="1,2",
+        help="thread counts for the fused decode step, PyTorch (HF) and numpy's GEMV, comma-separated",
+    )
     ap.add_argument("--rounds", type=int, default=3, help="interleaved timed rounds of HF, fused and decoder")
     ap.add_argument("--requests", type=int, default=256, help="eval requests; 0 skips the eval part")
     ap.add_argument("--batch-size", type=int, default=8)
@@ -253,8 +277,10 @@ def main() -> None:
 
     cfg = ModelConfig.from_name(a.preset)
     if a.prompt_tokens + a.new_tokens > cfg.max_seq_length:
-        raise SystemExit(f"prompt + new tokens ({a.prompt_tokens + a.new_tokens}) exceed {a.preset}'s "
-                         f"max_seq_length {cfg.max_seq_length}")
+        raise SystemExit(
+            f"prompt + new tokens ({a.prompt_tokens + a.new_tokens}) exceed {a.preset}'s "
+            f"max_seq_length {cfg.max_seq_length}"
+        )
     net = build_network("llama", cfg, seed=0).net
     net.set_train(False)
     rng = np.random.default_rng(0)
@@ -264,9 +290,19 @@ def main() -> None:
     plain = Generator(net, fused=False)
     gen = fused[counts[-1]]
 
-    res: dict = {"bench": "generate", **describe(a.threads), "kernel_body": decode_kernel_path(), "preset": a.preset, "prompt_tokens": a.prompt_tokens, "new_tokens": a.new_tokens,
-                 "batch": 1, "decode_path": gen.decode_path, "decode_reason": gen.decode_reason, "rounds": a.rounds,
-                 "threads": counts}
+    res: dict = {
+        "bench": "generate",
+        **describe(a.threads),
+        "kernel_body": decode_kernel_path(),
+        "preset": a.preset,
+        "prompt_tokens": a.prompt_tokens,
+        "new_tokens": a.new_tokens,
+        "batch": 1,
+        "decode_path": gen.decode_path,
+        "decode_reason": gen.decode_reason,
+        "rounds": a.rounds,
+        "threads": counts,
+    }
     import importlib.util
 
     missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
@@ -319,13 +355,16 @@ def main() -> None:
     if hf is not None:
         best["hf"], hf_key = best_of("hf")
         ours = tps[best_of("cached")[1]]
-        res.update(hf_tokens_per_s=round(best["hf"], 2), hf_best_threads=int(hf_key.split("@")[1]),
-                   speedup_vs_hf=round(best["cached"] / best["hf"], 2),
-                   speedup_vs_hf_rounds=[round(x / max(tps[f"hf@{t}"][i] for t in counts), 2)
-                                         for i, x in enumerate(ours)],
-                   hf_same_tokens_prefix=next((i for i, (x, y) in enumerate(zip(tokens[f"cached@{counts[-1]}"],
-                                                                                 tokens["hf"])) if x != y),
-                                              len(tokens["hf"])))
+        res.update(
+            hf_tokens_per_s=round(best["hf"], 2),
+            hf_best_threads=int(hf_key.split("@")[1]),
+            speedup_vs_hf=round(best["cached"] / best["hf"], 2),
+            speedup_vs_hf_rounds=[round(x / max(tps[f"hf@{t}"][i] for t in counts), 2) for i, x in enumerate(ours)],
+            hf_same_tokens_prefix=next(
+                (i for i, (x, y) in enumerate(zip(tokens[f"cached@{counts[-1]}"], tokens["hf"])) if x != y),
+                len(tokens["hf"]),
+            ),
+        )
     if "decoder" in tps:
         best["decoder"] = max(tps["decoder"])
         res["decoder_tokens_per_s"] = round(best["decoder"], 2)
@@ -335,10 +374,15 @@ def main() -> None:
 
     bw = {f"{pre}{impl}": v for pre, rb in benches.items() for impl, v in rb.bytes_per_s().items()}
     limit_by, limit = max(bw.items(), key=lambda kv: kv[1])
-    res.update(decode_ms_per_token=round(1000 / best["cached"], 2), weight_mb_per_token=round(per_token / 1e6, 1),
-               l3_mb=round(l3 / 2**20), bandwidth_gb_per_s={k: round(v / 1e9, 1) for k, v in bw.items()},
-               bandwidth_limit_by=limit_by, bandwidth_limit_gb_per_s=round(limit / 1e9, 1),
-               bandwidth_limit_tokens_per_s=round(limit / per_token, 1))
+    res.update(
+        decode_ms_per_token=round(1000 / best["cached"], 2),
+        weight_mb_per_token=round(per_token / 1e6, 1),
+        l3_mb=round(l3 / 2**20),
+        bandwidth_gb_per_s={k: round(v / 1e9, 1) for k, v in bw.items()},
+        bandwidth_limit_by=limit_by,
+        bandwidth_limit_gb_per_s=round(limit / 1e9, 1),
+        bandwidth_limit_tokens_per_s=round(limit / per_token, 1),
+    )
     over = []
     for name, key in (("cached", ""), ("decoder", "decoder_"), ("hf", "hf_")):
         if name in best:
@@ -347,8 +391,10 @@ def main() -> None:
                 over.append(f"{name} {best[name]:.1f} tokens/s = {frac:.2f}x")
             res[f"{key}fraction_of_bandwidth_limit"] = round(min(frac, 1.0), 3)
     if over:  # a path faster than the limit: the limit under-measures this machine, so its fractions are not real
-        res["bandwidth_note"] = (f"LIMIT TOO LOW: {', '.join(over)} the limit {limit / 1e9:.1f} GB/s "
-                                 f"({limit_by}); fractions clipped to 1, read none of them as measured")
+        res["bandwidth_note"] = (
+            f"LIMIT TOO LOW: {', '.join(over)} the limit {limit / 1e9:.1f} GB/s "
+            f"({limit_by}); fractions clipped to 1, read none of them as measured"
+        )
         print(f"[generate] WARNING {res['bandwidth_note']}", file=sys.stderr, flush=True)
     res["kv_speedup"] = round(best["cached"] / res["uncached_tokens_per_s"], 2)  # secondary: vs our own uncached path
     res["same_tokens"] = all(v == tokens["uncached"] for k, v in tokens.items() if k != "hf")
@@ -357,8 +403,14 @@ def main() -> None:
         record(res, a)
         return
     lm = MindSporeLM(net=net, tokenizer=None, eot_token_id=2, batch_size=a.batch_size, progress=False)
-    reqs = [(None, [int(t) for t in rng.integers(3, cfg.vocab_size, int(rng.integers(20, 101)))],
-             [int(t) for t in rng.integers(3, cfg.vocab_size, int(rng.integers(1, 13)))]) for _ in range(a.requests)]
+    reqs = [
+        (
+            None,
+            [int(t) for t in rng.integers(3, cfg.vocab_size, int(rng.integers(20, 101)))],
+            [int(t) for t in rng.integers(3, cfg.vocab_size, int(rng.integers(1, 13)))],
+        )
+        for _ in range(a.requests)
+    ]
     t0 = time.perf_counter()
     lm._loglikelihood_tokens(reqs)  # warm-up: compiles the scorer's two graphs
     res["eval_compile_s"] = round(time.perf_counter() - t0, 2)
@@ -366,8 +418,12 @@ def main() -> None:
     lm._loglikelihood_tokens(reqs)
     dt = time.perf_counter() - t0
     n_tok = sum(min(len(c) + len(x), lm.max_length + 1) - 1 for _, c, x in reqs)
-    res.update(eval_requests_per_s=round(a.requests / dt, 2), eval_tokens_per_s=round(n_tok / dt, 1),
-               eval_batch_size=a.batch_size, eval_shapes=sorted(lm.scorer.shapes_run))
+    res.update(
+        eval_requests_per_s=round(a.requests / dt, 2),
+        eval_tokens_per_s=round(n_tok / dt, 1),
+        eval_batch_size=a.batch_size,
+        eval_shapes=sorted(lm.scorer.shapes_run),
+    )
     record(res, a)
 
 

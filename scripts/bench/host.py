@@ -45,9 +45,13 @@ _MARK = "MSLLM_BENCH_EMULATED_ISA"  # set once the environment is applied: the r
 
 
 def add_isa_arg(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--isa", choices=["avx512", "avx2"], default=None,
-                    help="kernel body and library ISA cap for every process of the run (avx2: emulate an "
-                         "AVX2-only CPU; scripts/bench/host.py says what is and is not emulated)")
+    ap.add_argument(
+        "--isa",
+        choices=["avx512", "avx2"],
+        default=None,
+        help="kernel body and library ISA cap for every process of the run (avx2: emulate an "
+        "AVX2-only CPU; scripts/bench/host.py says what is and is not emulated)",
+    )
 
 
 def isa_env(isa: str) -> dict[str, str]:
@@ -55,8 +59,13 @@ def isa_env(isa: str) -> dict[str, str]:
     if isa == "avx512":
         return {"MSLLM_KERNEL_ISA": "avx512"}  # the libraries' own best already is AVX-512 on such a CPU
     if isa == "avx2":
-        env = {"MSLLM_KERNEL_ISA": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2",
-               "MKL_ENABLE_INSTRUCTIONS": "AVX2", "OPENBLAS_CORETYPE": "Haswell"}
+        env = {
+            "MSLLM_KERNEL_ISA": "avx2",
+            "ONEDNN_MAX_CPU_ISA": "AVX2",
+            "ATEN_CPU_CAPABILITY": "avx2",
+            "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+            "OPENBLAS_CORETYPE": "Haswell",
+        }
         try:
             from numpy.core._multiarray_umath import __cpu_dispatch__
         except ImportError:  # another numpy layout: its own SIMD stays as it is
@@ -94,6 +103,11 @@ def effective_flags() -> set[str]:
 def describe(threads: int | str | None) -> dict:
     """The labels every benchmark line carries."""
     levels = cpu_levels()
-    return {"date": datetime.date.today().isoformat(), "cpu": cpu_model(), "cpu_isa": levels[0] if levels else None,
-            "emulated_isa": emulated_isa(), "kernel_isa_setting": os.environ.get("MSLLM_KERNEL_ISA") or "auto",
-            "threads": threads}
+    return {
+        "date": datetime.date.today().isoformat(),
+        "cpu": cpu_model(),
+        "cpu_isa": levels[0] if levels else None,
+        "emulated_isa": emulated_isa(),
+        "kernel_isa_setting": os.environ.get("MSLLM_KERNEL_ISA") or "auto",
+        "threads": threads,
+    }

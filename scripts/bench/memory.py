@@ -15,7 +15,8 @@ and it must stay flat: no growth per new prompt length or per request. This benc
 
 Each side runs in a process of its own (so each peak is its own, VmHWM), one after the other (never
 side by side: the machine has two cores): this project's `Generator` (the decode path the server's
-MindSpore backend uses: chunked prefill, each chunk one fused op (PrefillStep), then the fused decode op) and HF transformers
+MindSpore backend uses: chunked prefill, each chunk one fused op (PrefillStep), then the fused decode op) and HF
+transformers
 `LlamaForCausalLM.generate` (PyTorch, sdpa, its dynamic cache) on the same prompts (`--no-hf` skips it).
 Prints one JSON line labelled with the CPU and ISA (scripts/bench/host.py) and appends it to
 docs/bench/results.jsonl (scripts/bench/report.py writes docs/BENCHMARKS.md from it).
@@ -43,7 +44,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-GIB = 1024 ** 3
+GIB = 1024**3
 
 
 def _rss_gb() -> float:
@@ -111,19 +112,26 @@ def run_eval_side(a, cfg) -> dict:
         loaded = _rss_gb()
         with torch.no_grad():
             for b in range(0, len(rows), a.batch_size):
-                batch = rows[b:b + a.batch_size]
+                batch = rows[b : b + a.batch_size]
                 t = max(len(ids) - 1 for ids, _ in batch)
                 inp = torch.zeros((len(batch), t), dtype=torch.long)
                 for r, (ids, _) in enumerate(batch):
-                    inp[r, :len(ids) - 1] = torch.tensor(ids[:-1])
+                    inp[r, : len(ids) - 1] = torch.tensor(ids[:-1])
                 logp = F.log_softmax(hf(inp).logits, dim=-1)
                 for r, (ids, tail) in enumerate(batch):
                     n = len(ids) - 1
                     # the continuation's log-likelihood, as lm-eval computes it (the value itself is not kept)
-                    logp[r, n - tail:n].gather(-1, torch.tensor(ids[n - tail + 1:]).unsqueeze(-1)).sum()
+                    logp[r, n - tail : n].gather(-1, torch.tensor(ids[n - tail + 1 :]).unsqueeze(-1)).sum()
         path = "hf forward + log_softmax"
-    return {"side": a.side, "path": path, "loaded_rss_gb": round(loaded, 3), "requests": len(rows),
-            "batch_size": a.batch_size, "s": round(time.perf_counter() - t0, 1), "peak_rss_gb": round(_peak_gb(), 3)}
+    return {
+        "side": a.side,
+        "path": path,
+        "loaded_rss_gb": round(loaded, 3),
+        "requests": len(rows),
+        "batch_size": a.batch_size,
+        "s": round(time.perf_counter() - t0, 1),
+        "peak_rss_gb": round(_peak_gb(), 3),
+    }
 
 
 def _hf_model(a, cfg):
@@ -168,15 +176,22 @@ def run_side(a) -> dict:
 
         def generate(p):
             with torch.no_grad():
-                out = hf.generate(torch.tensor([p]), max_new_tokens=a.new_tokens, min_new_tokens=a.new_tokens,
-                                  do_sample=False, pad_token_id=0)
-            return out[0, len(p):].tolist()
+                out = hf.generate(
+                    torch.tensor([p]),
+                    max_new_tokens=a.new_tokens,
+                    min_new_tokens=a.new_tokens,
+                    do_sample=False,
+                    pad_token_id=0,
+                )
+            return out[0, len(p) :].tolist()
+
     res = {"side": a.side, "decode_path": path, "loaded_rss_gb": round(_rss_gb(), 3), "ladder": []}
     for p in ladder:
         t0 = time.perf_counter()
         generate(p)
-        res["ladder"].append({"prompt_tokens": len(p), "s": round(time.perf_counter() - t0, 2),
-                              "rss_gb": round(_rss_gb(), 3)})
+        res["ladder"].append(
+            {"prompt_tokens": len(p), "s": round(time.perf_counter() - t0, 2), "rss_gb": round(_rss_gb(), 3)}
+        )
     first = max(1, len(requests) // 10)
     t0 = time.perf_counter()
     for i, p in enumerate(requests):
@@ -196,12 +211,18 @@ def main() -> None:
     from report import add_record_args, record
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--stage", choices=["decode", "eval"], default="decode",
-                    help="decode: the server's decode path; eval: the loglikelihood scorer")
+    ap.add_argument(
+        "--stage",
+        choices=["decode", "eval"],
+        default="decode",
+        help="decode: the server's decode path; eval: the loglikelihood scorer",
+    )
     ap.add_argument("--preset", default="smollm2-135m")
     ap.add_argument("--batch-size", type=int, default=8, help="eval: rows per call (eval.batch_size)")
     ap.add_argument("--eval-max-len", type=int, default=500, help="eval: longest context, tokens")
-    ap.add_argument("--max-bytes", type=int, default=None, help="eval: TokenScorer's activation cap per call (default: its own)")
+    ap.add_argument(
+        "--max-bytes", type=int, default=None, help="eval: TokenScorer's activation cap per call (default: its own)"
+    )
     ap.add_argument("--context", type=int, default=2048, help="decode: KV cache slots (the server's context)")
     ap.add_argument("--new-tokens", type=int, default=8)
     ap.add_argument("--requests", type=int, default=200)
@@ -223,23 +244,52 @@ def main() -> None:
     weights_gb = cfg.num_parameters * 4 / 1e9
     kv_gb = 2 * cfg.num_layers * cfg.num_kv_heads * a.context * cfg.head_dim * 4 / 1e9
     budget_gb = weights_gb + kv_gb + GIB / 1e9
-    res = {"bench": "memory", **describe(threads=a.threads), "stage": a.stage, "preset": a.preset,
-           "requests": a.requests, "weights_gb": round(weights_gb, 3)}
+    res = {
+        "bench": "memory",
+        **describe(threads=a.threads),
+        "stage": a.stage,
+        "preset": a.preset,
+        "requests": a.requests,
+        "weights_gb": round(weights_gb, 3),
+    }
     if a.stage == "decode":
-        res.update(context=a.context, new_tokens=a.new_tokens, kv_cache_gb=round(kv_gb, 3), budget_gb=round(budget_gb, 3))
+        res.update(
+            context=a.context, new_tokens=a.new_tokens, kv_cache_gb=round(kv_gb, 3), budget_gb=round(budget_gb, 3)
+        )
     else:
         from tasks.stages.evaluate.lm_adapter import TokenScorer
 
         res.update(batch_size=a.batch_size, eval_max_len=a.eval_max_len, max_bytes=a.max_bytes or TokenScorer.MAX_BYTES)
     sides = ["ours"] + ([] if a.no_hf else ["hf"])
     for side in sides:
-        args = [sys.executable, __file__, "--side", side, "--stage", a.stage, "--preset", a.preset,
-                "--context", str(a.context), "--new-tokens", str(a.new_tokens), "--requests", str(a.requests),
-                "--threads", str(a.threads), "--batch-size", str(a.batch_size), "--eval-max-len", str(a.eval_max_len),
-                *(["--max-bytes", str(a.max_bytes)] if a.max_bytes else [])]
+        args = [
+            sys.executable,
+            __file__,
+            "--side",
+            side,
+            "--stage",
+            a.stage,
+            "--preset",
+            a.preset,
+            "--context",
+            str(a.context),
+            "--new-tokens",
+            str(a.new_tokens),
+            "--requests",
+            str(a.requests),
+            "--threads",
+            str(a.threads),
+            "--batch-size",
+            str(a.batch_size),
+            "--eval-max-len",
+            str(a.eval_max_len),
+            *(["--max-bytes", str(a.max_bytes)] if a.max_bytes else []),
+        ]
         out = subprocess.run(args, capture_output=True, text=True, env=os.environ)
         if out.returncode:
-            res[side] = {"error": out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"exit {out.returncode}"}
+            res[side] = {
+                "error": out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"exit {out.returncode}"
+            }
             print(out.stderr[-3000:], file=sys.stderr)
             continue
         res[side] = json.loads(out.stdout.strip().splitlines()[-1])

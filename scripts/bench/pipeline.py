@@ -69,15 +69,19 @@ def pipeline_config(pipeline: str, config: str | Path = "pipelines.yaml", overri
     return resolve_pipeline(str((REPO / config).resolve()), pipeline, list(overrides))
 
 
-def missing_input(pipeline: str, config: str | Path = "pipelines.yaml", overrides: list[str] | tuple = (),
-                  init_from: str | None = None) -> str | None:
+def missing_input(
+    pipeline: str,
+    config: str | Path = "pipelines.yaml",
+    overrides: list[str] | tuple = (),
+    init_from: str | None = None,
+) -> str | None:
     """One line when the file the pipeline starts from (init_from, e.g. smollm2's GGUF) is missing; else None.
     A fresh artifact root holds no artifact, so init_from can only be a file or directory here. Another invalid
     setting raises the loader's ConfigError."""
     from tasks.config.schema import ConfigError
 
     try:
-        cfg = pipeline_config(pipeline, config, overrides)
+        pipeline_config(pipeline, config, overrides)
     except ConfigError as exc:  # the loader checks pretrain.init_from's file itself, naming the fetch script
         if missing := [e for e in exc.errors if ".init_from:" in e and "does not exist" in e]:
             return missing[0]
@@ -158,29 +162,43 @@ def _run_flow(cmd: list[str], env: dict, log: Path, timeout: float | None) -> tu
 def read_runs(prefect_home: Path, timeout: float = 300) -> dict:
     """The flow run and its task runs and artifacts, as the Prefect client reads them from that PREFECT_HOME's
     embedded server (in a child process: `--read-prefect`)."""
-    r = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--read-prefect", str(prefect_home)],
-                       cwd=REPO, env=_env(prefect_home), capture_output=True, text=True, timeout=timeout)
+    r = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), "--read-prefect", str(prefect_home)],
+        cwd=REPO,
+        env=_env(prefect_home),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RUNS ")), None)
     if r.returncode or line is None:
         raise BenchError(f"reading the flow run from {prefect_home} failed: {(r.stderr or r.stdout).strip()[-800:]}")
-    return json.loads(line[len("RUNS "):])
+    return json.loads(line[len("RUNS ") :])
 
 
 def _read_prefect() -> dict:
     """In the reading process: the newest `full-pipeline` flow run, its task runs (by start) and its artifacts."""
-    import flows  # noqa: F401  (the embedded server's startup timeout, before Prefect loads)
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import (ArtifactFilter, ArtifactFilterFlowRunId, FlowFilter, FlowFilterName,
-                                                FlowRunFilter, FlowRunFilterId)
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        FlowFilter,
+        FlowFilterName,
+        FlowRunFilter,
+        FlowRunFilterId,
+    )
     from prefect.client.schemas.sorting import FlowRunSort
+
+    import flows  # noqa: F401  (the embedded server's startup timeout, before Prefect loads)
 
     def span(run) -> dict:
         s = (run.end_time - run.start_time).total_seconds() if run.start_time and run.end_time else None
         return {"state": run.state.name if run.state else None, "start": str(run.start_time), "s": s}
 
     with get_client(sync_client=True) as c:
-        runs = c.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=[FLOW])),
-                                sort=FlowRunSort.START_TIME_DESC, limit=1)
+        runs = c.read_flow_runs(
+            flow_filter=FlowFilter(name=FlowFilterName(any_=[FLOW])), sort=FlowRunSort.START_TIME_DESC, limit=1
+        )
         if not runs:
             raise SystemExit(f"no {FLOW} flow run in this PREFECT_HOME")
         fr = runs[0]
@@ -188,9 +206,13 @@ def _read_prefect() -> dict:
         trs = sorted(c.read_task_runs(flow_run_filter=only), key=lambda t: t.start_time or t.expected_start_time)
         arts = c.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[fr.id])))
     tasks = [{"id": str(t.id), "name": t.name.rsplit("-", 1)[0], **span(t)} for t in trs]
-    return {"flow": {"id": str(fr.id), **span(fr)}, "tasks": tasks,
-            "artifacts": [{"key": a.key, "type": a.type, "task_run_id": str(a.task_run_id) if a.task_run_id else None}
-                          for a in arts]}
+    return {
+        "flow": {"id": str(fr.id), **span(fr)},
+        "tasks": tasks,
+        "artifacts": [
+            {"key": a.key, "type": a.type, "task_run_id": str(a.task_run_id) if a.task_run_id else None} for a in arts
+        ],
+    }
 
 
 def stage_times(runs: dict) -> tuple[dict[str, float], dict[str, str]]:
@@ -214,9 +236,16 @@ def convert_checks(runs: dict) -> dict[str, bool]:
     return {"convert_task_run": bool(ids), "convert_artifact": art}
 
 
-def measure(pipeline: str = "smollm2", *, config: str = "pipelines.yaml", overrides: list[str] | tuple = (),
-            artifacts: str | Path | None = None, init_from: str | None = None, keep: bool = False,
-            timeout: float | None = None) -> dict:
+def measure(
+    pipeline: str = "smollm2",
+    *,
+    config: str = "pipelines.yaml",
+    overrides: list[str] | tuple = (),
+    artifacts: str | Path | None = None,
+    init_from: str | None = None,
+    keep: bool = False,
+    timeout: float | None = None,
+) -> dict:
     """Run `pipeline` through `python -m flows.full_pipeline` in a fresh artifact root and PREFECT_HOME; returns the
     figures of the bench's JSON line (without the host labels). Raises BenchError with one line on a missing input
     or an invalid pipeline, an artifact root that is not empty, or a failed or timed-out run (the flow's log is kept
@@ -236,10 +265,19 @@ def measure(pipeline: str = "smollm2", *, config: str = "pipelines.yaml", overri
         shutil.rmtree(work)
         raise BenchError(f"--artifacts {art} is not empty: its artifacts would be cached; name a new directory")
     log, home = work / "flow.log", work / "prefect_home"
-    cmd = [sys.executable, "-m", "flows.full_pipeline", "--pipeline", pipeline,
-           "--config", str((REPO / config).resolve()), "--artifacts", str(art),
-           *[x for o in overrides for x in ("--set", o)],
-           *(["--init-from", str(Path(init_from).resolve())] if init_from else [])]
+    cmd = [
+        sys.executable,
+        "-m",
+        "flows.full_pipeline",
+        "--pipeline",
+        pipeline,
+        "--config",
+        str((REPO / config).resolve()),
+        "--artifacts",
+        str(art),
+        *[x for o in overrides for x in ("--set", o)],
+        *(["--init-from", str(Path(init_from).resolve())] if init_from else []),
+    ]
     print(f"[pipeline bench] {' '.join(cmd[1:])}\n[pipeline bench] log: {log}", file=sys.stderr, flush=True)
     load = os.getloadavg()[0]
     try:
@@ -253,12 +291,22 @@ def measure(pipeline: str = "smollm2", *, config: str = "pipelines.yaml", overri
         raise BenchError(f"the flow run ended {runs['flow']['state']}; log kept: {log}")
     times, states = stage_times(runs)
     total = runs["flow"]["s"]
-    res = {"bench": "pipeline", "pipeline": pipeline, "overrides": overrides, "init_from": init_from,
-           "eval": {"limit": cfg.eval.limit, "tasks": list(cfg.eval.tasks), "heldout_blocks": cfg.eval.heldout_blocks},
-           "total_s": round(total, 1), "process_s": round(process_s, 1), "stages": times,
-           "outside_tasks_s": round(total - sum(v for v in times.values() if v), 1), "states": states,
-           "all_ran": all(s == "Completed" for s in states.values()), **convert_checks(runs),
-           "peak_rss_gb": round(peak / 1e9, 2), "loadavg_before": round(load, 2)}
+    res = {
+        "bench": "pipeline",
+        "pipeline": pipeline,
+        "overrides": overrides,
+        "init_from": init_from,
+        "eval": {"limit": cfg.eval.limit, "tasks": list(cfg.eval.tasks), "heldout_blocks": cfg.eval.heldout_blocks},
+        "total_s": round(total, 1),
+        "process_s": round(process_s, 1),
+        "stages": times,
+        "outside_tasks_s": round(total - sum(v for v in times.values() if v), 1),
+        "states": states,
+        "all_ran": all(s == "Completed" for s in states.values()),
+        **convert_checks(runs),
+        "peak_rss_gb": round(peak / 1e9, 2),
+        "loadavg_before": round(load, 2),
+    }
     if keep:
         res["kept"] = str(work)
     else:  # the temp dir (with its artifacts, PREFECT_HOME and log); an --artifacts DIR stays where it was named
@@ -278,15 +326,25 @@ def main() -> None:
     ap.add_argument("--config", default="pipelines.yaml")
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="passed to the flow (--set K=V)")
     ap.add_argument("--init-from", default=None, help="passed to the flow")
-    ap.add_argument("--artifacts", default=None,
-                    help="a new (or empty) artifact root, kept afterwards (default: one in a temp dir, removed)")
+    ap.add_argument(
+        "--artifacts",
+        default=None,
+        help="a new (or empty) artifact root, kept afterwards (default: one in a temp dir, removed)",
+    )
     ap.add_argument("--keep", action="store_true", help="keep the temp dir (artifacts, PREFECT_HOME, flow.log)")
     ap.add_argument("--timeout", type=float, default=None, help="stop the run after this many seconds")
     add_record_args(ap)
     a = ap.parse_args()
     try:
-        res = measure(a.pipeline, config=a.config, overrides=a.overrides, artifacts=a.artifacts,
-                      init_from=a.init_from, keep=a.keep, timeout=a.timeout)
+        res = measure(
+            a.pipeline,
+            config=a.config,
+            overrides=a.overrides,
+            artifacts=a.artifacts,
+            init_from=a.init_from,
+            keep=a.keep,
+            timeout=a.timeout,
+        )
     except BenchError as exc:
         raise SystemExit(f"pipeline bench: {exc}") from None
     record({"bench": "pipeline", **describe(len(os.sched_getaffinity(0))), **res}, a)

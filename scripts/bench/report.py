@@ -24,83 +24,190 @@ RESULTS = REPO / "docs" / "bench" / "results.jsonl"
 OUT = REPO / "docs" / "BENCHMARKS.md"
 REAL_MODELS = REPO / "docs" / "REAL_MODELS.md"
 
-LABELS = [("date", "date"), ("tag", "tag"), ("cpu", "CPU"), ("cpu_isa", "ISA"), ("emulated_isa", "emulated"),
-          ("kernel_isa_setting", "MSLLM_KERNEL_ISA"), ("threads", "threads")]
+LABELS = [
+    ("date", "date"),
+    ("tag", "tag"),
+    ("cpu", "CPU"),
+    ("cpu_isa", "ISA"),
+    ("emulated_isa", "emulated"),
+    ("kernel_isa_setting", "MSLLM_KERNEL_ISA"),
+    ("threads", "threads"),
+]
 # Per bench: (dotted key in the JSON line, column title). A bench not listed gets its scalar fields.
 COLUMNS: dict[str, list[tuple[str, str]]] = {
-    "train": [("preset", "preset"), ("batch", "batch"), ("seq", "seq"), ("kernel_body", "kernel body"),
-              ("tokens_per_s", "tokens/s"), ("hf.sdpa.tokens_per_s", "HF sdpa"), ("ratio", "× sdpa"),
-              ("hf.eager.tokens_per_s", "HF eager"), ("ratio_vs_eager", "× eager"),
-              ("hf.compile.tokens_per_s", "HF compile"), ("ratio_vs_compile", "× compile"),
-              ("hf.compile.error", "compile error"), ("mfu", "MFU"), ("hf.sdpa.mfu", "HF sdpa MFU"),
-              ("peak_gflops", "MFU denominator GFLOP/s"), ("peak_rss_gb", "peak RSS GB"),
-              ("hf.sdpa.peak_rss_gb", "HF sdpa RSS GB"), ("rss_ratio", "RSS ×"),
-              ("ms_layerwise.tokens_per_s", "layer at a time tokens/s"),
-              ("ms_layerwise.ratio_vs_compile", "its × compile"), ("ms_layerwise.peak_rss_gb", "its RSS GB"),
-              ("ms_layerwise.rss_ratio", "its RSS × sdpa")],
-    "generate": [("preset", "preset"), ("new_tokens", "new tokens"), ("decode_path", "decode"),
-                 ("kernel_body", "kernel body"), ("tokens_per_s", "tokens/s"), ("hf_tokens_per_s", "HF tokens/s"),
-                 ("speedup_vs_hf", "× HF"), ("bandwidth_limit_tokens_per_s", "limit tokens/s"),
-                 ("bandwidth_limit_by", "limit from"), ("fraction_of_bandwidth_limit", "of limit"),
-                 ("hf_fraction_of_bandwidth_limit", "HF of limit"), ("decoder_tokens_per_s", "decoder tokens/s"),
-                 ("eval_requests_per_s", "eval req/s")],
-    "memory": [("stage", "stage"), ("preset", "preset"), ("context", "KV slots"), ("requests", "requests"),
-               ("batch_size", "batch"), ("max_bytes", "scorer cap bytes"),
-               ("ours.decode_path", "decode"), ("weights_gb", "weights GB"), ("kv_cache_gb", "KV GB"),
-               ("budget_gb", "budget GB (w + KV + 1 GiB)"), ("ours.loaded_rss_gb", "loaded RSS GB"),
-               ("peak_rss_gb", "peak RSS GB"), ("growth_gb", "growth over last 9/10 GB"),
-               ("within_budget", "within budget"), ("hf.loaded_rss_gb", "HF loaded GB"),
-               ("hf.peak_rss_gb", "HF peak GB"), ("hf.growth_gb", "HF growth GB"), ("rss_vs_hf", "RSS × HF"),
-               ("ours.requests_s", "requests s"), ("hf.requests_s", "HF requests s"), ("ours.s", "eval s"),
-               ("hf.s", "HF eval s")],
-    "serve-memory": [("model", "model"), ("context", "KV slots"), ("longest", "longest prompt"),
-                     ("requests", "requests"), ("weights_gb", "weights GB"), ("kv_cache_gb", "KV GB"),
-                     ("budget_gb", "budget GB (w + KV + 1 GiB)"),
-                     *[(f"{b}.{k}", f"{t}: {c}") for b, t in (("mindspore", "MindSpore"), ("onnxruntime", "onnxruntime"))
-                       for k, c in (("loaded_rss_gb", "loaded GB"), ("peak_rss_gb", "peak GB"),
-                                    ("growth_gb", "growth over last 9/10 GB"), ("within_budget", "within budget"),
-                                    ("rss_vs_hf", "RSS × HF"), ("decode_tokens_per_s", "decode tokens/s"),
-                                    ("decode_vs_hf", "× HF"), ("same_text", "same greedy text"),
-                                    ("requests_s", "requests s"))],
-                     ("hf.loaded_rss_gb", "HF loaded GB"), ("hf.peak_rss_gb", "HF peak GB"),
-                     ("hf.growth_gb", "HF growth GB"), ("hf.requests", "HF requests"),
-                     ("hf.decode_tokens_per_s", "HF decode tokens/s"), ("mindspore.of", "ladder prompts")],
-    "export": [("preset", "preset"), ("mindspore.decode_tokens_per_s", "MindSpore"),
-               ("onnx_fp32.decode_tokens_per_s", "onnxruntime fp32"), ("onnx_int8.decode_tokens_per_s", "int8"),
-               ("genai.decode_tokens_per_s", "genai"), ("onnx_vs_mindspore_decode", "fp32 × MS"),
-               ("int8_vs_fp32_decode", "int8 × fp32"), ("genai_vs_mindspore_decode", "genai × MS")],
-    "finetune": [("preset", "preset"), ("batch", "batch"), ("seq", "seq"), ("lora.trainable_params", "LoRA trainable"),
-                 ("lora.tokens_per_s", "LoRA tokens/s"), ("lora.peak_rss_gb", "LoRA peak RSS GB"),
-                 ("full.tokens_per_s", "full tokens/s"), ("full.peak_rss_gb", "full peak RSS GB"),
-                 ("lora_vs_full.peak_rss", "LoRA RSS × full"), ("hf_lora.tokens_per_s", "HF LoRA tokens/s"),
-                 ("hf_lora.peak_rss_gb", "HF LoRA peak RSS GB"), ("lora_vs_hf_lora.speed", "LoRA × HF speed"),
-                 ("lora_vs_hf_lora.peak_rss", "LoRA RSS × HF"),
-                 ("lora_layerwise.tokens_per_s", "LoRA layer at a time tokens/s"),
-                 ("lora_layerwise.peak_rss_gb", "its RSS GB"), ("lora_layerwise_vs_hf_lora.speed", "its × HF speed"),
-                 ("lora_layerwise_vs_hf_lora.peak_rss", "its RSS × HF")],
-    "llamacpp": [("preset", "preset"), ("llamacpp", "llama.cpp"),
-                 ("F16.tokens_per_s", "F16 tokens/s"), ("F16.pp_tokens_per_s", "F16 pp128 tokens/s"),
-                 ("F16.peak_rss_gb", "F16 RSS GB"), ("Q8_0.tokens_per_s", "Q8_0 tokens/s"),
-                 ("Q8_0.pp_tokens_per_s", "Q8_0 pp128 tokens/s"), ("Q8_0.peak_rss_gb", "Q8_0 RSS GB"),
-                 ("ours.decode_path", "ours: decode"), ("ours.tokens_per_s", "ours tokens/s (fp32)"),
-                 ("ours.pp_tokens_per_s", "ours pp128 tokens/s"), ("ours.peak_rss_gb", "ours RSS GB"),
-                 ("F16.ours_vs_llamacpp", "ours × F16"), ("Q8_0.ours_vs_llamacpp", "ours × Q8_0"),
-                 ("F16.same_prefix", "same greedy tokens F16"), ("Q8_0.same_prefix", "same greedy tokens Q8_0"),
-                 ("greedy_tokens", "of")],
-    "pipeline": [("pipeline", "pipeline"), ("overrides", "overrides"), ("init_from", "init_from"),
-                 ("eval.limit", "eval.limit"), ("eval.tasks", "eval.tasks"), ("stages.convert", "convert s"),
-                 ("stages.data", "data s"), ("stages.pretrain", "pretrain s"), ("stages.data_2", "continued data s"),
-                 ("stages.pretrain_2", "continued pretrain s"), ("stages.finetune", "finetune (+ merge) s"),
-                 ("stages.eval", "eval s"), ("stages.export", "export s"), ("outside_tasks_s", "outside tasks s"),
-                 ("total_s", "total s (flow run)"), ("process_s", "process s"), ("peak_rss_gb", "peak RSS GB (tree)"),
-                 ("all_ran", "nothing cached"), ("convert_task_run", "convert task run"),
-                 ("convert_artifact", "convert artifact"), ("loadavg_before", "load before")],
+    "train": [
+        ("preset", "preset"),
+        ("batch", "batch"),
+        ("seq", "seq"),
+        ("kernel_body", "kernel body"),
+        ("tokens_per_s", "tokens/s"),
+        ("hf.sdpa.tokens_per_s", "HF sdpa"),
+        ("ratio", "× sdpa"),
+        ("hf.eager.tokens_per_s", "HF eager"),
+        ("ratio_vs_eager", "× eager"),
+        ("hf.compile.tokens_per_s", "HF compile"),
+        ("ratio_vs_compile", "× compile"),
+        ("hf.compile.error", "compile error"),
+        ("mfu", "MFU"),
+        ("hf.sdpa.mfu", "HF sdpa MFU"),
+        ("peak_gflops", "MFU denominator GFLOP/s"),
+        ("peak_rss_gb", "peak RSS GB"),
+        ("hf.sdpa.peak_rss_gb", "HF sdpa RSS GB"),
+        ("rss_ratio", "RSS ×"),
+        ("ms_layerwise.tokens_per_s", "layer at a time tokens/s"),
+        ("ms_layerwise.ratio_vs_compile", "its × compile"),
+        ("ms_layerwise.peak_rss_gb", "its RSS GB"),
+        ("ms_layerwise.rss_ratio", "its RSS × sdpa"),
+    ],
+    "generate": [
+        ("preset", "preset"),
+        ("new_tokens", "new tokens"),
+        ("decode_path", "decode"),
+        ("kernel_body", "kernel body"),
+        ("tokens_per_s", "tokens/s"),
+        ("hf_tokens_per_s", "HF tokens/s"),
+        ("speedup_vs_hf", "× HF"),
+        ("bandwidth_limit_tokens_per_s", "limit tokens/s"),
+        ("bandwidth_limit_by", "limit from"),
+        ("fraction_of_bandwidth_limit", "of limit"),
+        ("hf_fraction_of_bandwidth_limit", "HF of limit"),
+        ("decoder_tokens_per_s", "decoder tokens/s"),
+        ("eval_requests_per_s", "eval req/s"),
+    ],
+    "memory": [
+        ("stage", "stage"),
+        ("preset", "preset"),
+        ("context", "KV slots"),
+        ("requests", "requests"),
+        ("batch_size", "batch"),
+        ("max_bytes", "scorer cap bytes"),
+        ("ours.decode_path", "decode"),
+        ("weights_gb", "weights GB"),
+        ("kv_cache_gb", "KV GB"),
+        ("budget_gb", "budget GB (w + KV + 1 GiB)"),
+        ("ours.loaded_rss_gb", "loaded RSS GB"),
+        ("peak_rss_gb", "peak RSS GB"),
+        ("growth_gb", "growth over last 9/10 GB"),
+        ("within_budget", "within budget"),
+        ("hf.loaded_rss_gb", "HF loaded GB"),
+        ("hf.peak_rss_gb", "HF peak GB"),
+        ("hf.growth_gb", "HF growth GB"),
+        ("rss_vs_hf", "RSS × HF"),
+        ("ours.requests_s", "requests s"),
+        ("hf.requests_s", "HF requests s"),
+        ("ours.s", "eval s"),
+        ("hf.s", "HF eval s"),
+    ],
+    "serve-memory": [
+        ("model", "model"),
+        ("context", "KV slots"),
+        ("longest", "longest prompt"),
+        ("requests", "requests"),
+        ("weights_gb", "weights GB"),
+        ("kv_cache_gb", "KV GB"),
+        ("budget_gb", "budget GB (w + KV + 1 GiB)"),
+        *[
+            (f"{b}.{k}", f"{t}: {c}")
+            for b, t in (("mindspore", "MindSpore"), ("onnxruntime", "onnxruntime"))
+            for k, c in (
+                ("loaded_rss_gb", "loaded GB"),
+                ("peak_rss_gb", "peak GB"),
+                ("growth_gb", "growth over last 9/10 GB"),
+                ("within_budget", "within budget"),
+                ("rss_vs_hf", "RSS × HF"),
+                ("decode_tokens_per_s", "decode tokens/s"),
+                ("decode_vs_hf", "× HF"),
+                ("same_text", "same greedy text"),
+                ("requests_s", "requests s"),
+            )
+        ],
+        ("hf.loaded_rss_gb", "HF loaded GB"),
+        ("hf.peak_rss_gb", "HF peak GB"),
+        ("hf.growth_gb", "HF growth GB"),
+        ("hf.requests", "HF requests"),
+        ("hf.decode_tokens_per_s", "HF decode tokens/s"),
+        ("mindspore.of", "ladder prompts"),
+    ],
+    "export": [
+        ("preset", "preset"),
+        ("mindspore.decode_tokens_per_s", "MindSpore"),
+        ("onnx_fp32.decode_tokens_per_s", "onnxruntime fp32"),
+        ("onnx_int8.decode_tokens_per_s", "int8"),
+        ("genai.decode_tokens_per_s", "genai"),
+        ("onnx_vs_mindspore_decode", "fp32 × MS"),
+        ("int8_vs_fp32_decode", "int8 × fp32"),
+        ("genai_vs_mindspore_decode", "genai × MS"),
+    ],
+    "finetune": [
+        ("preset", "preset"),
+        ("batch", "batch"),
+        ("seq", "seq"),
+        ("lora.trainable_params", "LoRA trainable"),
+        ("lora.tokens_per_s", "LoRA tokens/s"),
+        ("lora.peak_rss_gb", "LoRA peak RSS GB"),
+        ("full.tokens_per_s", "full tokens/s"),
+        ("full.peak_rss_gb", "full peak RSS GB"),
+        ("lora_vs_full.peak_rss", "LoRA RSS × full"),
+        ("hf_lora.tokens_per_s", "HF LoRA tokens/s"),
+        ("hf_lora.peak_rss_gb", "HF LoRA peak RSS GB"),
+        ("lora_vs_hf_lora.speed", "LoRA × HF speed"),
+        ("lora_vs_hf_lora.peak_rss", "LoRA RSS × HF"),
+        ("lora_layerwise.tokens_per_s", "LoRA layer at a time tokens/s"),
+        ("lora_layerwise.peak_rss_gb", "its RSS GB"),
+        ("lora_layerwise_vs_hf_lora.speed", "its × HF speed"),
+        ("lora_layerwise_vs_hf_lora.peak_rss", "its RSS × HF"),
+    ],
+    "llamacpp": [
+        ("preset", "preset"),
+        ("llamacpp", "llama.cpp"),
+        ("F16.tokens_per_s", "F16 tokens/s"),
+        ("F16.pp_tokens_per_s", "F16 pp128 tokens/s"),
+        ("F16.peak_rss_gb", "F16 RSS GB"),
+        ("Q8_0.tokens_per_s", "Q8_0 tokens/s"),
+        ("Q8_0.pp_tokens_per_s", "Q8_0 pp128 tokens/s"),
+        ("Q8_0.peak_rss_gb", "Q8_0 RSS GB"),
+        ("ours.decode_path", "ours: decode"),
+        ("ours.tokens_per_s", "ours tokens/s (fp32)"),
+        ("ours.pp_tokens_per_s", "ours pp128 tokens/s"),
+        ("ours.peak_rss_gb", "ours RSS GB"),
+        ("F16.ours_vs_llamacpp", "ours × F16"),
+        ("Q8_0.ours_vs_llamacpp", "ours × Q8_0"),
+        ("F16.same_prefix", "same greedy tokens F16"),
+        ("Q8_0.same_prefix", "same greedy tokens Q8_0"),
+        ("greedy_tokens", "of"),
+    ],
+    "pipeline": [
+        ("pipeline", "pipeline"),
+        ("overrides", "overrides"),
+        ("init_from", "init_from"),
+        ("eval.limit", "eval.limit"),
+        ("eval.tasks", "eval.tasks"),
+        ("stages.convert", "convert s"),
+        ("stages.data", "data s"),
+        ("stages.pretrain", "pretrain s"),
+        ("stages.data_2", "continued data s"),
+        ("stages.pretrain_2", "continued pretrain s"),
+        ("stages.finetune", "finetune (+ merge) s"),
+        ("stages.eval", "eval s"),
+        ("stages.export", "export s"),
+        ("outside_tasks_s", "outside tasks s"),
+        ("total_s", "total s (flow run)"),
+        ("process_s", "process s"),
+        ("peak_rss_gb", "peak RSS GB (tree)"),
+        ("all_ran", "nothing cached"),
+        ("convert_task_run", "convert task run"),
+        ("convert_artifact", "convert artifact"),
+        ("loadavg_before", "load before"),
+    ],
 }
 
 
 def add_record_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--results", default=str(RESULTS),
-                    help="append the JSON line to this file ('' appends nowhere); docs/BENCHMARKS.md is made from it")
+    ap.add_argument(
+        "--results",
+        default=str(RESULTS),
+        help="append the JSON line to this file ('' appends nowhere); docs/BENCHMARKS.md is made from it",
+    )
     ap.add_argument("--tag", default="", help="a label stored with the line, e.g. 'smoke' for a smoke run")
 
 
@@ -132,18 +239,26 @@ def _cell(v) -> str:
 
 
 def render(rows: list[dict], source: str) -> str:
-    out = ["# Benchmarks", "",
-           f"Written by `scripts/bench/report.py` from `{source}` (one JSON line per run, appended by the scripts",
-           "in `scripts/bench/`); do not edit by hand. Rows tagged `smoke` are tiny smoke runs that only show the",
-           "scripts work: their figures are not measurements. `emulated`: the ISA a run emulated with `--isa`",
-           "(scripts/bench/host.py says what that covers). Newest first.", ""]
+    out = [
+        "# Benchmarks",
+        "",
+        f"Written by `scripts/bench/report.py` from `{source}` (one JSON line per run, appended by the scripts",
+        "in `scripts/bench/`); do not edit by hand. Rows tagged `smoke` are tiny smoke runs that only show the",
+        "scripts work: their figures are not measurements. `emulated`: the ISA a run emulated with `--isa`",
+        "(scripts/bench/host.py says what that covers). Newest first.",
+        "",
+    ]
     if not rows:
-        out += ["No results yet: run a bench (e.g. `python scripts/bench/train.py`), then "
-                "`python scripts/bench/report.py`.", ""]
+        out += [
+            "No results yet: run a bench (e.g. `python scripts/bench/train.py`), then "
+            "`python scripts/bench/report.py`.",
+            "",
+        ]
     for bench in sorted({r.get("bench", "?") for r in rows}):
         mine = [r for r in rows if r.get("bench") == bench][::-1]
-        cols = COLUMNS.get(bench) or [(k, k) for k in mine[0]
-                                      if k not in {"bench", *dict(LABELS)} and not isinstance(mine[0][k], (dict, list))]
+        cols = COLUMNS.get(bench) or [
+            (k, k) for k in mine[0] if k not in {"bench", *dict(LABELS)} and not isinstance(mine[0][k], (dict, list))
+        ]
         cols = LABELS + [c for c in cols if any(_get(r, c[0]) is not None for r in mine)]
         out += [f"## {bench}", "", "| " + " | ".join(t for _, t in cols) + " |", "|" + "---|" * len(cols)]
         out += ["| " + " | ".join(_cell(_get(r, k)) for k, _ in cols) + " |" for r in mine]
@@ -155,17 +270,29 @@ def render(rows: list[dict], source: str) -> str:
 
 TIMES_BEGIN, TIMES_END = "<!-- pipeline-times:begin -->", "<!-- pipeline-times:end -->"
 TIMES_PIPELINE = "smollm2"
-NOT_MEASURED = ("Not measured yet: run `.venv/bin/python scripts/bench/pipeline.py`, then "
-                "`.venv/bin/python scripts/bench/report.py`.")
-STAGE_TITLES = {"finetune": "finetune (LoRA, then the merge)", "data_2": "continued data",
-                "pretrain_2": "continued pretrain"}
+NOT_MEASURED = (
+    "Not measured yet: run `.venv/bin/python scripts/bench/pipeline.py`, then "
+    "`.venv/bin/python scripts/bench/report.py`."
+)
+STAGE_TITLES = {
+    "finetune": "finetune (LoRA, then the merge)",
+    "data_2": "continued data",
+    "pretrain_2": "continued pretrain",
+}
 _TOTAL = re.compile(r"^\|\s*\*\*total[^|]*\|\s*\*\*([0-9]+(?:\.[0-9]+)?)\*\*", re.M)
 
 
 def pipeline_times_row(rows: list[dict], pipeline: str = TIMES_PIPELINE) -> dict | None:
     """The newest `pipeline` line for `pipeline` as shipped: not a smoke run, no --set overrides, no --init-from."""
-    mine = [r for r in rows if r.get("bench") == "pipeline" and r.get("pipeline") == pipeline
-            and r.get("tag") != "smoke" and not r.get("overrides") and not r.get("init_from")]
+    mine = [
+        r
+        for r in rows
+        if r.get("bench") == "pipeline"
+        and r.get("pipeline") == pipeline
+        and r.get("tag") != "smoke"
+        and not r.get("overrides")
+        and not r.get("init_from")
+    ]
     return mine[-1] if mine else None
 
 
@@ -184,18 +311,25 @@ def pipeline_times_md(row: dict | None) -> str:
     budget = f"`eval.limit: {limit}` documents per task of `eval.tasks: [{tasks}]`"
     if ev.get("heldout_blocks") is not None:
         budget += f", `eval.heldout_blocks: {ev['heldout_blocks']}`"
-    lines = [head,
-             f"Measured by `scripts/bench/pipeline.py` on {row.get('date')}: the `{row.get('pipeline')}` pipeline as "
-             f"shipped, every stage run (a fresh artifact root), on {row.get('cpu')} ({row.get('cpu_isa')}), "
-             f"{row.get('threads')} threads (load average {row.get('loadavg_before')} before the run). Eval budget: "
-             f"{budget}.", "",
-             "| stage | minutes |", "|---|---|"]
+    lines = [
+        head,
+        f"Measured by `scripts/bench/pipeline.py` on {row.get('date')}: the `{row.get('pipeline')}` pipeline as "
+        f"shipped, every stage run (a fresh artifact root), on {row.get('cpu')} ({row.get('cpu_isa')}), "
+        f"{row.get('threads')} threads (load average {row.get('loadavg_before')} before the run). Eval budget: "
+        f"{budget}.",
+        "",
+        "| stage | minutes |",
+        "|---|---|",
+    ]
     lines += [f"| {STAGE_TITLES.get(k, k)} | {_minutes(v)} |" for k, v in (row.get("stages") or {}).items()]
-    lines += [f"| outside the tasks (config, stage keys, lineage) | {_minutes(row.get('outside_tasks_s'))} |",
-              f"| **total (the flow run)** | **{_minutes(row.get('total_s'))}** |", "",
-              f"Peak RSS of the whole run (the flow process and every child, summed, sampled every 0.5 s): "
-              f"{row.get('peak_rss_gb')} GB. The process took {_minutes(row.get('process_s'))} minutes (Prefect's "
-              "embedded server starting on a fresh database included)."]
+    lines += [
+        f"| outside the tasks (config, stage keys, lineage) | {_minutes(row.get('outside_tasks_s'))} |",
+        f"| **total (the flow run)** | **{_minutes(row.get('total_s'))}** |",
+        "",
+        f"Peak RSS of the whole run (the flow process and every child, summed, sampled every 0.5 s): "
+        f"{row.get('peak_rss_gb')} GB. The process took {_minutes(row.get('process_s'))} minutes (Prefect's "
+        "embedded server starting on a fresh database included).",
+    ]
     return "\n".join(lines)
 
 
@@ -230,8 +364,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--results", default=str(RESULTS))
     ap.add_argument("--out", default=str(OUT))
-    ap.add_argument("--real-models", default=str(REAL_MODELS),
-                    help="the doc whose pipeline-times block gets the smollm2 stage times ('' writes none)")
+    ap.add_argument(
+        "--real-models",
+        default=str(REAL_MODELS),
+        help="the doc whose pipeline-times block gets the smollm2 stage times ('' writes none)",
+    )
     a = ap.parse_args()
     path = Path(a.results)
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []

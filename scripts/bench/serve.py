@@ -17,8 +17,9 @@ Per level: requests/s and output tokens/s over the wall time, p50/p95 time to fi
 (request sent -> first text chunk) and inter-token latency (the gaps between a stream's
 chunks, pooled over all requests). Prints one JSON line.
 
-    python scripts/bench/serve.py [--preset small] [--backends onnxruntime,onnxruntime-interleaved,mindspore] [--concurrency 1,8,32]
-    python scripts/bench/serve.py --preset tiny --new-tokens 8 --concurrency 1,4 --rounds 1   # smoke
+    python scripts/bench/serve.py [--preset small] [--backends onnxruntime,onnxruntime-interleaved,mindspore]
+    [--concurrency 1,8,32] python scripts/bench/serve.py --preset tiny --new-tokens 8 --concurrency 1,4 --rounds 1 #
+    smoke
 
 With `--guidellm BIN --guidellm-tokenizer HF_DIR` (guidellm 0.8.1 installed in its own venv: docs/SERVING.md,
 "Load testing with guidellm"), each level is also run by guidellm against the same server (its synthetic prompts of
@@ -33,7 +34,6 @@ import asyncio
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -63,11 +63,11 @@ def _free_port() -> int:
 
 def make_artifacts(preset: str, root: Path, backends: list[str]) -> dict[str, Path]:
     """{backend: artifact dir} for a random-init model of `preset`."""
-    from tasks.store.tensors import load_weights
-    from tasks.store.model_artifact import read_info
-    from tests.helpers import tiny_model_artifact  # the store-format model artifact the tests use
-
     import mindspore as ms
+
+    from tasks.store.model_artifact import read_info
+    from tasks.store.tensors import load_weights
+    from tests.helpers import tiny_model_artifact  # the store-format model artifact the tests use
 
     ms.set_device("CPU")
     model = tiny_model_artifact(root, preset=preset)
@@ -78,8 +78,10 @@ def make_artifacts(preset: str, root: Path, backends: list[str]) -> dict[str, Pa
         exp = root / "export" / f"{preset}-kv"
         exp.mkdir(parents=True, exist_ok=True)
         info = read_info(model)
-        save_model(build_decoder(info["model"], load_weights(model), metadata={"eos_id": info["tokenizer"]["eos_id"]}),
-                   exp / "model.onnx")
+        save_model(
+            build_decoder(info["model"], load_weights(model), metadata={"eos_id": info["tokenizer"]["eos_id"]}),
+            exp / "model.onnx",
+        )
         for f in ("tokenizer.model", "model.json"):
             shutil.copy2(model / f, exp / f)
         out["onnxruntime"] = exp
@@ -92,9 +94,24 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log_path, "wb")
         t0 = time.perf_counter()
-        self.proc = subprocess.Popen([sys.executable, "-m", "tasks.cli", "serve", str(artifact), "--port", str(self.port),
-                                      "--max-active", str(max_active), *extra], cwd=REPO, stdout=self.log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tasks.cli",
+                "serve",
+                str(artifact),
+                "--port",
+                str(self.port),
+                "--max-active",
+                str(max_active),
+                *extra,
+            ],
+            cwd=REPO,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         from tasks.serving.health import ServerDied, wait_healthy
 
         try:
@@ -145,21 +162,49 @@ async def _level(url: str, model: str, concurrency: int, rounds: int, prompt: li
     itl = [b - a for r in done for a, b in zip(r["stamps"], r["stamps"][1:])]
     out_tokens = sum(r["tokens"] for r in done)
     ms = lambda x: None if x is None else round(1000 * x, 2)  # noqa: E731
-    return {"clients": concurrency, "requests": len(done), "wall_s": round(wall, 2),
-            "requests_per_s": round(len(done) / wall, 3), "output_tokens_per_s": round(out_tokens / wall, 1),
-            "ttft_p50_ms": ms(_percentile(ttft, 0.5)), "ttft_p95_ms": ms(_percentile(ttft, 0.95)),
-            "itl_p50_ms": ms(_percentile(itl, 0.5)), "itl_p95_ms": ms(_percentile(itl, 0.95)),
-            "mean_output_tokens": round(out_tokens / len(done), 1)}
+    return {
+        "clients": concurrency,
+        "requests": len(done),
+        "wall_s": round(wall, 2),
+        "requests_per_s": round(len(done) / wall, 3),
+        "output_tokens_per_s": round(out_tokens / wall, 1),
+        "ttft_p50_ms": ms(_percentile(ttft, 0.5)),
+        "ttft_p95_ms": ms(_percentile(ttft, 0.95)),
+        "itl_p50_ms": ms(_percentile(itl, 0.5)),
+        "itl_p95_ms": ms(_percentile(itl, 0.95)),
+        "mean_output_tokens": round(out_tokens / len(done), 1),
+    }
 
 
-def guidellm_level(bin_: str, tokenizer: str, url: str, model: str, concurrency: int, requests: int,
-                   prompt_tokens: int, new_tokens: int, out: Path) -> dict:
+def guidellm_level(
+    bin_: str,
+    tokenizer: str,
+    url: str,
+    model: str,
+    concurrency: int,
+    requests: int,
+    prompt_tokens: int,
+    new_tokens: int,
+    out: Path,
+) -> dict:
     """One guidellm 0.8.1 run (the docs/SERVING.md recipe) at `concurrency` streams; its medians and request count."""
-    cmd = [bin_, "run", "--backend", f"kind=openai_http,target={url},model={model},request_format=/v1/completions",
-           "--tokenizer", f"kind=hf_auto,model={tokenizer}",
-           "--data", f"kind=synthetic_text,prompt_tokens={prompt_tokens},output_tokens={new_tokens}",
-           "--profile", f"kind=concurrent,streams={concurrency}", "--constraint", f"kind=max_requests,count={requests}",
-           "--output", f"kind=json,path={out}", "--disable-console"]
+    cmd = [
+        bin_,
+        "run",
+        "--backend",
+        f"kind=openai_http,target={url},model={model},request_format=/v1/completions",
+        "--tokenizer",
+        f"kind=hf_auto,model={tokenizer}",
+        "--data",
+        f"kind=synthetic_text,prompt_tokens={prompt_tokens},output_tokens={new_tokens}",
+        "--profile",
+        f"kind=concurrent,streams={concurrency}",
+        "--constraint",
+        f"kind=max_requests,count={requests}",
+        "--output",
+        f"kind=json,path={out}",
+        "--disable-console",
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["(no output)"]
@@ -169,29 +214,42 @@ def guidellm_level(bin_: str, tokenizer: str, url: str, model: str, concurrency:
     def median(key: str) -> float | None:
         return (m.get(key) or {}).get("successful", {}).get("median")
 
-    return {"requests": m["request_totals"], "requests_per_s": median("requests_per_second"),
-            "output_tokens_per_s": median("output_tokens_per_second"), "ttft_ms_p50": median("time_to_first_token_ms"),
-            "itl_ms_p50": median("inter_token_latency_ms"), "request_latency_s_p50": median("request_latency")}
+    return {
+        "requests": m["request_totals"],
+        "requests_per_s": median("requests_per_second"),
+        "output_tokens_per_s": median("output_tokens_per_second"),
+        "ttft_ms_p50": median("time_to_first_token_ms"),
+        "itl_ms_p50": median("inter_token_latency_ms"),
+        "request_latency_s_p50": median("request_latency"),
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="small")
     ap.add_argument("--artifact", default=None, help="serve this export or model artifact instead of a random-init one")
-    ap.add_argument("--backends", default="onnxruntime,onnxruntime-interleaved,mindspore",
-                    help="onnxruntime (batched decoding), onnxruntime-interleaved (--no-batching), mindspore")
+    ap.add_argument(
+        "--backends",
+        default="onnxruntime,onnxruntime-interleaved,mindspore",
+        help="onnxruntime (batched decoding), onnxruntime-interleaved (--no-batching), mindspore",
+    )
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--rounds", type=int, default=2, help="requests each client sends one after another")
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--keep", action="store_true", help="keep the temporary artifacts and server logs")
     ap.add_argument("--guidellm", default=None, help="a guidellm 0.8.1 executable: run each level with it too")
-    ap.add_argument("--guidellm-tokenizer", default=None, help="HF tokenizer directory for guidellm's prompts "
-                                                                "(`msllm convert --to-hf` of the served model)")
+    ap.add_argument(
+        "--guidellm-tokenizer",
+        default=None,
+        help="HF tokenizer directory for guidellm's prompts (`msllm convert --to-hf` of the served model)",
+    )
     a = ap.parse_args()
     if a.guidellm and not (shutil.which(a.guidellm) and a.guidellm_tokenizer):
-        raise SystemExit(f"--guidellm {a.guidellm}: not an executable, or no --guidellm-tokenizer; see docs/SERVING.md, "
-                         "\"Load testing with guidellm\"")
+        raise SystemExit(
+            f"--guidellm {a.guidellm}: not an executable, or no --guidellm-tokenizer; see docs/SERVING.md, "
+            '"Load testing with guidellm"'
+        )
 
     import numpy as np
 
@@ -205,25 +263,46 @@ def main() -> None:
         else:
             arts = make_artifacts(a.preset, tmp, [b.split("-")[0] for b in a.backends.split(",")])
             arts = {b: arts[b.split("-")[0]] for b in a.backends.split(",")}
-        res: dict = {"bench": "serve", "preset": None if a.artifact else a.preset, "artifact": a.artifact,
-                     "prompt_tokens": a.prompt_tokens, "new_tokens": a.new_tokens, "rounds": a.rounds,
-                     "cpus": os.cpu_count(), "backends": {}}
+        res: dict = {
+            "bench": "serve",
+            "preset": None if a.artifact else a.preset,
+            "artifact": a.artifact,
+            "prompt_tokens": a.prompt_tokens,
+            "new_tokens": a.new_tokens,
+            "rounds": a.rounds,
+            "cpus": os.cpu_count(),
+            "backends": {},
+        }
         for backend, art in arts.items():
-            srv = ServerProcess(art, tmp / f"serve-{backend}.log", max(levels),
-                                *(["--no-batching"] if backend.endswith("-interleaved") else []))
+            srv = ServerProcess(
+                art,
+                tmp / f"serve-{backend}.log",
+                max(levels),
+                *(["--no-batching"] if backend.endswith("-interleaved") else []),
+            )
             try:
                 info = json.loads(urllib.request.urlopen(srv.url + "/v1/models").read())["data"][0]
                 if a.prompt_tokens + a.new_tokens > info["context_length"]:
-                    raise SystemExit(f"prompt + new tokens ({a.prompt_tokens} + {a.new_tokens}) exceed the context "
-                                     f"{info['context_length']}")
+                    raise SystemExit(
+                        f"prompt + new tokens ({a.prompt_tokens} + {a.new_tokens}) exceed the context "
+                        f"{info['context_length']}"
+                    )
                 prompt = [int(t) for t in np.random.default_rng(0).integers(4, 200, a.prompt_tokens)]
                 out = {"startup_s": round(srv.startup_s, 1)}
                 for c in levels:
                     out[f"c{c}"] = asyncio.run(_level(srv.url, srv.model, c, a.rounds, prompt, a.new_tokens))
                     if a.guidellm:
                         out[f"c{c}"]["guidellm"] = guidellm_level(
-                            a.guidellm, a.guidellm_tokenizer, srv.url, srv.model, c, c * a.rounds, a.prompt_tokens,
-                            a.new_tokens, tmp / f"guidellm-{backend}-c{c}.json")
+                            a.guidellm,
+                            a.guidellm_tokenizer,
+                            srv.url,
+                            srv.model,
+                            c,
+                            c * a.rounds,
+                            a.prompt_tokens,
+                            a.new_tokens,
+                            tmp / f"guidellm-{backend}-c{c}.json",
+                        )
                 res["backends"][backend] = out
             finally:
                 srv.stop()

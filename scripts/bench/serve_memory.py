@@ -10,8 +10,7 @@ same model (SmolLM2-135M-Instruct: scripts/fetch_smollm2.sh's GGUF converted by 
    greedy tokens each: the text, decode tokens/s (each prompt also asked for 1 token: the difference
    of the two requests' times is the other tokens' decode, measured the same way on the HF side;
    `decode_tokens_per_s` is the shortest prompt's, whose prefill varies least), and the server's RSS
-   after each;
-2. `requests`: `--requests` prompts of random lengths (log-uniform over 1..`--longest`, so short and
+   after each; 2. `requests`: `--requests` prompts of random lengths (log-uniform over 1..`--longest`, so short and
    long ones both come often; seeded), `--request-tokens` greedy tokens each: the server's RSS after
    the first tenth and at the end (`growth_gb`: what the last nine tenths added) and its peak (VmHWM).
 
@@ -46,7 +45,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-GIB = 1024 ** 3
+GIB = 1024**3
 
 
 def proc_gb(pid: int | str, field: str) -> float:
@@ -72,12 +71,14 @@ def fetch_model(a) -> Path:
     """The convert artifact of scripts/fetch_smollm2.sh's GGUF (converted once into `a.artifacts`)."""
     r = subprocess.run(["bash", "scripts/fetch_smollm2.sh"], cwd=REPO, capture_output=True, text=True)
     if r.returncode:
-        raise SystemExit(f"scripts/fetch_smollm2.sh failed (exit {r.returncode}): "
-                         f"{(r.stderr.strip().splitlines() or [''])[-1]}")
-    from tasks.stages.convert import from_gguf
+        raise SystemExit(
+            f"scripts/fetch_smollm2.sh failed (exit {r.returncode}): {(r.stderr.strip().splitlines() or [''])[-1]}"
+        )
+    from tasks.stages.runner import prepare
     from tasks.store.artifacts import ArtifactStore
 
-    return from_gguf(REPO / r.stdout.strip().splitlines()[-1], ArtifactStore(a.artifacts))
+    gguf = REPO / r.stdout.strip().splitlines()[-1]
+    return prepare("convert", ArtifactStore(a.artifacts), source=gguf).run(progress=False)
 
 
 def random_model(preset: str, tokenizer_of: Path, root: Path) -> Path:
@@ -96,8 +97,15 @@ def random_model(preset: str, tokenizer_of: Path, root: Path) -> Path:
     key = store.key("pretrain", {"preset": preset, "seed": 0}, [], "bench")
     weights = {p.name: p.asnumpy() for p in LlamaForCausalLM(cfg, seed=0).trainable_params()}
     with store.build("pretrain", key, pipeline="bench", config={"preset": preset}, inputs=[], code="bench") as b:
-        write_model(b.dir, name="llama", config=cfg, weights=weights, tokenizer_model=tokenizer_of,
-                    tokenizer_info=read_info(tokenizer_of)["tokenizer"], seq_length=cfg.max_seq_length)
+        write_model(
+            b.dir,
+            name="llama",
+            config=cfg,
+            weights=weights,
+            tokenizer_model=tokenizer_of,
+            tokenizer_info=read_info(tokenizer_of)["tokenizer"],
+            seq_length=cfg.max_seq_length,
+        )
     return b.path
 
 
@@ -111,8 +119,9 @@ def write_export(model: Path, out: Path) -> Path:
 
     out.mkdir(parents=True, exist_ok=True)
     info, tok = read_info(model), load_tokenizer(model)
-    save_model(build_decoder(info["model"], load_weights(model), metadata={"eos_id": int(tok.eos_id())}),
-               out / "model.onnx")
+    save_model(
+        build_decoder(info["model"], load_weights(model), metadata={"eos_id": int(tok.eos_id())}), out / "model.onnx"
+    )
     copy_tokenizer_files(model, out)
     shutil.copy2(model / "model.json", out / "model.json")
     (out / PROMPT_STYLE_FILE).write_text(json.dumps(style_record(load_prompt_style(model, tok))))
@@ -144,16 +153,28 @@ def serve_side(a, backend: str, artifact: Path, ladder, requests, log: Path) -> 
     pid = srv.proc.pid
     try:
         info = json.loads(urllib.request.urlopen(srv.url + "/v1/models").read())["data"][0]
-        res = {"backend": backend, "startup_s": round(srv.startup_s, 1), "context_length": info["context_length"],
-               "loaded_rss_gb": round(proc_gb(pid, "VmRSS"), 3), "ladder": []}
+        res = {
+            "backend": backend,
+            "startup_s": round(srv.startup_s, 1),
+            "context_length": info["context_length"],
+            "loaded_rss_gb": round(proc_gb(pid, "VmRSS"), 3),
+            "ladder": [],
+        }
         body = {"model": srv.model, "temperature": 0}
         with httpx.Client(timeout=1800) as c:
             for p in ladder:
                 _, _, first_s = _complete(c, srv.url, {**body, "prompt": p, "max_tokens": 1})
                 text, n, total_s = _complete(c, srv.url, {**body, "prompt": p, "max_tokens": a.new_tokens})
-                res["ladder"].append({"prompt_tokens": len(p), "text": text, "tokens": n, "ttft_s": round(first_s, 3),
-                                      "decode_tokens_per_s": decode_rate(n, total_s, first_s),
-                                      "rss_gb": round(proc_gb(pid, "VmRSS"), 3)})
+                res["ladder"].append(
+                    {
+                        "prompt_tokens": len(p),
+                        "text": text,
+                        "tokens": n,
+                        "ttft_s": round(first_s, 3),
+                        "decode_tokens_per_s": decode_rate(n, total_s, first_s),
+                        "rss_gb": round(proc_gb(pid, "VmRSS"), 3),
+                    }
+                )
             first = max(1, len(requests) // 10)
             t0 = time.perf_counter()
             for i, p in enumerate(requests):
@@ -203,20 +224,26 @@ def hf_side(a) -> dict:
         p = completion_prompt(tok, prefix, p)[0]
         t0 = time.perf_counter()
         with torch.no_grad():
-            out = hf.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, eos_token_id=eos,
-                              pad_token_id=eos)
-        ids = out[0, len(p):].tolist()
-        return (ids[:ids.index(eos)] if eos in ids else ids), time.perf_counter() - t0
+            out = hf.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, eos_token_id=eos, pad_token_id=eos)
+        ids = out[0, len(p) :].tolist()
+        return (ids[: ids.index(eos)] if eos in ids else ids), time.perf_counter() - t0
 
     res = {"side": "hf sdpa", "loaded_rss_gb": round(proc_gb("self", "VmRSS"), 3), "ladder": []}
     gen(ladder[0], 2)  # warm-up (the server warms up before it reports healthy)
     for p in ladder:
         _, first_s = gen(p, 1)
         ids, total_s = gen(p, a.new_tokens)
-        res["ladder"].append({"prompt_tokens": len(p), "text": tok.decode(ids), "tokens": len(ids),
-                              "ttft_s": round(first_s, 3), "decode_tokens_per_s": decode_rate(len(ids), total_s, first_s),
-                              "rss_gb": round(proc_gb("self", "VmRSS"), 3)})
-    reqs = requests[:a.hf_requests]
+        res["ladder"].append(
+            {
+                "prompt_tokens": len(p),
+                "text": tok.decode(ids),
+                "tokens": len(ids),
+                "ttft_s": round(first_s, 3),
+                "decode_tokens_per_s": decode_rate(len(ids), total_s, first_s),
+                "rss_gb": round(proc_gb("self", "VmRSS"), 3),
+            }
+        )
+    reqs = requests[: a.hf_requests]
     first = max(1, len(reqs) // 10)
     t0 = time.perf_counter()
     for i, p in enumerate(reqs):
@@ -237,12 +264,20 @@ def main() -> None:
     from report import add_record_args, record
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="a model artifact (default: SmolLM2-135M-Instruct, fetched and "
-                                                   "converted)")
-    ap.add_argument("--preset", default=None, help="serve a random-weight model of this shape instead (e.g. "
-                                                    "smollm2-360m), with the tokenizer of --model / SmolLM2-135M")
-    ap.add_argument("--artifacts", default=os.environ.get("MSLLM_ARTIFACTS", str(REPO / "artifacts")),
-                    help="artifact store for the convert artifact (msllm's default)")
+    ap.add_argument(
+        "--model", default=None, help="a model artifact (default: SmolLM2-135M-Instruct, fetched and converted)"
+    )
+    ap.add_argument(
+        "--preset",
+        default=None,
+        help="serve a random-weight model of this shape instead (e.g. "
+        "smollm2-360m), with the tokenizer of --model / SmolLM2-135M",
+    )
+    ap.add_argument(
+        "--artifacts",
+        default=os.environ.get("MSLLM_ARTIFACTS", str(REPO / "artifacts")),
+        help="artifact store for the convert artifact (msllm's default)",
+    )
     ap.add_argument("--backends", default="mindspore,onnxruntime")
     ap.add_argument("--longest", type=int, default=2000, help="the longest prompt, tokens")
     ap.add_argument("--new-tokens", type=int, default=32, help="greedy tokens per ladder prompt")
@@ -281,12 +316,22 @@ def main() -> None:
         a.model = str(model)
         cfg = ModelConfig.from_dict(read_info(model)["model"])
         if a.longest + a.new_tokens > cfg.max_seq_length:
-            ap.error(f"--longest {a.longest} + --new-tokens {a.new_tokens} exceed the model's context {cfg.max_seq_length}")
+            ap.error(
+                f"--longest {a.longest} + --new-tokens {a.new_tokens} exceed the model's context {cfg.max_seq_length}"
+            )
         ladder, requests = lengths(a, cfg.vocab_size)
         weights_gb = cfg.num_parameters * 4 / 1e9
-        res: dict = {"bench": "serve-memory", **describe(threads=a.threads), "model": model_label, "preset": a.preset,
-                     "longest": a.longest, "new_tokens": a.new_tokens, "requests": a.requests,
-                     "request_tokens": a.request_tokens, "weights_gb": round(weights_gb, 3)}
+        res: dict = {
+            "bench": "serve-memory",
+            **describe(threads=a.threads),
+            "model": model_label,
+            "preset": a.preset,
+            "longest": a.longest,
+            "new_tokens": a.new_tokens,
+            "requests": a.requests,
+            "request_tokens": a.request_tokens,
+            "weights_gb": round(weights_gb, 3),
+        }
         arts = {"mindspore": model}
         if "onnxruntime" in backends:
             arts["onnxruntime"] = write_export(model, tmp / "export")
@@ -294,9 +339,26 @@ def main() -> None:
             res[b] = serve_side(a, b, arts[b], ladder, requests, tmp / f"serve-{b}.log")
             print(f"# {b}: peak {res[b]['peak_rss_gb']} GB, {res[b]['requests_s']} s", file=sys.stderr, flush=True)
         if not a.no_hf:
-            args = [sys.executable, __file__, "--side", "hf", "--model", a.model, "--longest", str(a.longest),
-                    "--new-tokens", str(a.new_tokens), "--requests", str(a.requests), "--request-tokens",
-                    str(a.request_tokens), "--hf-requests", str(a.hf_requests), "--threads", str(a.threads)]
+            args = [
+                sys.executable,
+                __file__,
+                "--side",
+                "hf",
+                "--model",
+                a.model,
+                "--longest",
+                str(a.longest),
+                "--new-tokens",
+                str(a.new_tokens),
+                "--requests",
+                str(a.requests),
+                "--request-tokens",
+                str(a.request_tokens),
+                "--hf-requests",
+                str(a.hf_requests),
+                "--threads",
+                str(a.threads),
+            ]
             out = subprocess.run(args, capture_output=True, text=True, env=os.environ)
             if out.returncode:
                 print(out.stderr[-3000:], file=sys.stderr)

@@ -61,10 +61,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from host import add_isa_arg, apply_isa, describe, effective_flags  # noqa: E402  (scripts/bench/)
 from report import add_record_args, record  # noqa: E402
+
 from tasks.training.hardware import best_time, peak_rss_bytes  # noqa: E402  (after the sys.path insert)
 
 PRESET = "tiny-llama-bench"
-SHAPES = {"tiny-llama-bench": (8, 256), "smollm2-135m": (2, 128), "smollm2-360m": (2, 128)}  # (micro batch, seq) per preset; else 8 × 256
+SHAPES = {
+    "tiny-llama-bench": (8, 256),
+    "smollm2-135m": (2, 128),
+    "smollm2-360m": (2, 128),
+}  # (micro batch, seq) per preset; else 8 × 256
 SGEMM_N = 2048
 
 
@@ -82,16 +87,20 @@ def _ms(a: argparse.Namespace) -> dict:
     cfg = ModelConfig.from_name(a.preset)
     built = build_network("llama", cfg, seed=0, fused_kernels=not a.no_fused)  # as the trainer builds it
     net = built.net
-    step = causal_lm_train_step(net, net.trainable_params(), in_place=built.kernels.optimizer,
-                                layerwise=a.layerwise_side)
+    step = causal_lm_train_step(
+        net, net.trainable_params(), in_place=built.kernels.optimizer, layerwise=a.layerwise_side
+    )
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (a.batch, a.seq + 1)).astype(np.int32)
     batch = [(ids[:, :-1], ids[:, 1:])]
     steps = iter(range(1, 1 << 30))
     for _ in range(a.warmup):
         step(batch, 1e-4, next(steps))
-    info = {"fused_kernels": built.kernels.fused, "step": type(step).__name__,
-            "kernel_body": kernel_path() if built.kernels.fused else built.kernels.model,
-            "flops_per_token": cfg.flops_per_token(a.seq)}
+    info = {
+        "fused_kernels": built.kernels.fused,
+        "step": type(step).__name__,
+        "kernel_body": kernel_path() if built.kernels.fused else built.kernels.model,
+        "flops_per_token": cfg.flops_per_token(a.seq),
+    }
     if not a.profile:
         return _timed(a, lambda: step(batch, 1e-4, next(steps))[0], info)
     from mindspore.profiler import Profiler
@@ -106,6 +115,7 @@ def _timed(a: argparse.Namespace, one, info: dict, extra=None) -> dict:
     """`info` and the timing of `one()` (a warmed-up step returning its loss): `--steps` steps, then peak RSS and
     `extra()`. `--worker` (`--rounds`): a JSON line {"ready"}, then for each "run" on stdin `--steps` steps and a
     line with their step_s, until "done": then the result (peak RSS over every round)."""
+
     def run() -> tuple[float, float]:
         t0 = time.perf_counter()
         for _ in range(a.steps):
@@ -124,8 +134,13 @@ def _timed(a: argparse.Namespace, one, info: dict, extra=None) -> dict:
             return {**info, "error": "no round ran"}
     else:
         step_s, loss = run()
-    res = {**info, "tokens_per_s": a.batch * a.seq / step_s, "peak_rss_bytes": peak_rss_bytes(), "loss": loss,
-           "step_s": step_s}
+    res = {
+        **info,
+        "tokens_per_s": a.batch * a.seq / step_s,
+        "peak_rss_bytes": peak_rss_bytes(),
+        "loss": loss,
+        "step_s": step_s,
+    }
     return {**res, **(extra() if extra else {})}
 
 
@@ -171,7 +186,10 @@ def _torch(a: argparse.Namespace) -> dict:
     except Exception as exc:  # noqa: BLE001  (only a compiled step gets here: reported, not fatal)
         if not a.compile:
             raise
-        return {**info, "error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}"}
+        return {
+            **info,
+            "error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}",
+        }
     if a.compile:
         info["compile_s"] = time.perf_counter() - t0  # the first step: tracing, inductor codegen, g++
     for _ in range(a.warmup - 1):
@@ -194,15 +212,20 @@ def _peak(a: argparse.Namespace) -> dict:
     setup_mindspore()  # the MindSpore sgemm runs through its MatMul (oneDNN), as the train step
     theo, how = theoretical_peak_flops(effective_flags())
     m = np.random.default_rng(0).standard_normal((SGEMM_N, SGEMM_N)).astype(np.float32)
-    return {"theoretical": theo, "theoretical_how": how, "mindspore": measure_peak_flops(n=SGEMM_N, repeats=3),
-            "numpy": 2 * SGEMM_N**3 / best_time(lambda: m @ m)}
+    return {
+        "theoretical": theo,
+        "theoretical_how": how,
+        "mindspore": measure_peak_flops(n=SGEMM_N, repeats=3),
+        "numpy": 2 * SGEMM_N**3 / best_time(lambda: m @ m),
+    }
 
 
 # ---- interleaved sides ---------------------------------------------------------------------------
 
 
 def _json_line(p: subprocess.Popen, command: str | None = None) -> dict | None:
-    """The next JSON line a worker prints (other output skipped), after sending it `command`; None when it has exited."""
+    """The next JSON line a worker prints (other output skipped), after sending it `command`; None when it has
+    exited."""
     try:
         if command:
             p.stdin.write(command + "\n"), p.stdin.flush()
@@ -232,8 +255,14 @@ def _interleaved(specs: dict, cmd, env: dict, a: argparse.Namespace) -> dict:
     try:
         for name, (kind, extra, fatal) in specs.items():
             err = tempfile.TemporaryFile("w+")
-            p = subprocess.Popen(cmd(kind, [*extra, "--worker"]), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                 stderr=err, text=True, env=env)
+            p = subprocess.Popen(
+                cmd(kind, [*extra, "--worker"]),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+                env=env,
+            )
             procs[name] = (p, err, fatal)
             first = _json_line(p)
             if first is None or "ready" not in first:  # exited, or an error line (a compile failure) instead
@@ -253,7 +282,12 @@ def _interleaved(specs: dict, cmd, env: dict, a: argparse.Namespace) -> dict:
                 continue
             p.wait()
             step_s = statistics.median(times[name])
-            out[name] = {**res, "step_s": step_s, "tokens_per_s": a.batch * a.seq / step_s, "rounds_step_s": times[name]}
+            out[name] = {
+                **res,
+                "step_s": step_s,
+                "tokens_per_s": a.batch * a.seq / step_s,
+                "rounds_step_s": times[name],
+            }
     finally:
         for p, _, _ in procs.values():
             if p.poll() is None:
@@ -273,8 +307,24 @@ def _ratio(x: dict, y: dict) -> float:
 _MATMUL = {"MatMul", "MatMulExt", "Dense"}
 _BATCHMATMUL = {"BatchMatMul", "BatchMatMulExt"}
 _SOFTMAX = {"Softmax", "SoftmaxGrad", "LogSoftmax", "LogSoftmaxGrad"}
-_MOVEMENT = {"Transpose", "Concat", "Split", "Slice", "StridedSlice", "Tile", "Reshape", "BroadcastTo", "Gather",
-             "GatherD", "GatherDGradV2", "UnsortedSegmentSum", "TensorScatterAdd", "ScatterNd", "Cast", "Stack"}
+_MOVEMENT = {
+    "Transpose",
+    "Concat",
+    "Split",
+    "Slice",
+    "StridedSlice",
+    "Tile",
+    "Reshape",
+    "BroadcastTo",
+    "Gather",
+    "GatherD",
+    "GatherDGradV2",
+    "UnsortedSegmentSum",
+    "TensorScatterAdd",
+    "ScatterNd",
+    "Cast",
+    "Stack",
+}
 _OPTIMIZER = {"AdamWeightDecay", "Adam", "ApplyAdam"}
 
 
@@ -320,7 +370,7 @@ def profile_breakdown(out_dir: str, steps: int, step_wall_s: float, top: int = 1
     by_cat: collections.Counter = collections.Counter()
     by_op: collections.Counter = collections.Counter()
     for s in range(steps):
-        ev, fw = events[s * per:(s + 1) * per], framework[s * per:(s + 1) * per]
+        ev, fw = events[s * per : (s + 1) * per], framework[s * per : (s + 1) * per]
         last_grad = max((i for i, e in enumerate(ev) if e[2].startswith(("Gradients", "Expand/_Softmax"))), default=per)
         for i, ((_, dur, name), rec) in enumerate(zip(ev, fw)):
             op = rec[0]
@@ -332,10 +382,13 @@ def profile_breakdown(out_dir: str, steps: int, step_wall_s: float, top: int = 1
     op_ms = sum(by_cat.values())
     wall_ms = step_wall_s * 1e3
     by_cat["host gaps"] = max(0.0, wall_ms - op_ms)
-    return {"step_ms": round(wall_ms, 1), "op_ms": round(op_ms, 1),
-            "categories_ms": {k: round(v, 1) for k, v in by_cat.most_common()},
-            "categories_share": {k: round(v / wall_ms, 3) for k, v in by_cat.most_common()},
-            "top_ops_ms": {k: round(v, 2) for k, v in by_op.most_common(top)}}
+    return {
+        "step_ms": round(wall_ms, 1),
+        "op_ms": round(op_ms, 1),
+        "categories_ms": {k: round(v, 1) for k, v in by_cat.most_common()},
+        "categories_share": {k: round(v / wall_ms, 3) for k, v in by_cat.most_common()},
+        "top_ops_ms": {k: round(v, 2) for k, v in by_op.most_common(top)},
+    }
 
 
 def main() -> None:
@@ -346,21 +399,36 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=None, help="micro batch (default: per preset, SHAPES)")
     ap.add_argument("--seq", type=int, default=None, help="sequence length (default: per preset, SHAPES)")
     ap.add_argument("--threads", type=int, default=2, help="threads of every side (OMP_NUM_THREADS, torch)")
-    ap.add_argument("--hf", default="sdpa,eager,compile",
-                    help="HF baselines, comma-separated, of sdpa (always run), eager, compile")
-    ap.add_argument("--profile", metavar="DIR", default=None,
-                    help="profile the MindSpore side into DIR and print its breakdown (no baseline)")
-    ap.add_argument("--layerwise", action="store_true",
-                    help="also run the step one decoder layer at a time (train.layerwise: true), as `ms_layerwise`")
+    ap.add_argument(
+        "--hf", default="sdpa,eager,compile", help="HF baselines, comma-separated, of sdpa (always run), eager, compile"
+    )
+    ap.add_argument(
+        "--profile",
+        metavar="DIR",
+        default=None,
+        help="profile the MindSpore side into DIR and print its breakdown (no baseline)",
+    )
+    ap.add_argument(
+        "--layerwise",
+        action="store_true",
+        help="also run the step one decoder layer at a time (train.layerwise: true), as `ms_layerwise`",
+    )
     ap.add_argument("--layerwise-side", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--no-fused", action="store_true",
-                    help="MindSpore's own ops only (pretrain.train.fused_kernels: false; a machine without g++)")
+    ap.add_argument(
+        "--no-fused",
+        action="store_true",
+        help="MindSpore's own ops only (pretrain.train.fused_kernels: false; a machine without g++)",
+    )
     add_isa_arg(ap)
     add_record_args(ap)
-    ap.add_argument("--rounds", type=int, default=1,
-                    help="every side alive at once, timed in turn this many rounds (each ratio the median of the "
-                         "rounds' ratios): drift of a shared machine between sides becomes drift between rounds; "
-                         "needs the sides' memory at once (tiny and 135M: yes; the 360M shape: no)")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="every side alive at once, timed in turn this many rounds (each ratio the median of the "
+        "rounds' ratios): drift of a shared machine between sides becomes drift between rounds; "
+        "needs the sides' memory at once (tiny and 135M: yes; the 360M shape: no)",
+    )
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--side", choices=["ms", "torch", "peak"], default=None, help=argparse.SUPPRESS)
     ap.add_argument("--attn", default="sdpa", help=argparse.SUPPRESS)
@@ -375,8 +443,21 @@ def main() -> None:
     apply_isa(a.isa)  # re-execs under the emulated CPU's environment; the children inherit it
     baselines = ["sdpa", *(b for b in ("eager", "compile") if b in a.hf.split(","))]
     env = dict(os.environ, GLOG_v="3", OMP_NUM_THREADS=str(a.threads))
-    common = ["--steps", str(a.steps), "--warmup", str(a.warmup), "--preset", a.preset, "--batch", str(a.batch),
-              "--seq", str(a.seq), "--threads", str(a.threads), *(["--no-fused"] if a.no_fused else [])]
+    common = [
+        "--steps",
+        str(a.steps),
+        "--warmup",
+        str(a.warmup),
+        "--preset",
+        a.preset,
+        "--batch",
+        str(a.batch),
+        "--seq",
+        str(a.seq),
+        "--threads",
+        str(a.threads),
+        *(["--no-fused"] if a.no_fused else []),
+    ]
 
     def cmd(name: str, extra) -> list[str]:
         return [sys.executable, __file__, "--side", name, *common, *extra]
@@ -385,21 +466,37 @@ def main() -> None:
         out = subprocess.run(cmd(name, extra), capture_output=True, text=True, env=env)
         if out.returncode:
             if fatal:
-                raise SystemExit(f"the {name} {' '.join(extra)} side failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
+                raise SystemExit(
+                    f"the {name} {' '.join(extra)} side failed (exit {out.returncode}):\n{out.stderr[-3000:]}"
+                )
             tail = [ln for ln in out.stderr.strip().splitlines() if ln.strip()][-1:] or [""]
             return {"error": f"exit {out.returncode}: {tail[0][:300]}"}
         return json.loads(out.stdout.strip().splitlines()[-1])
 
     if a.profile:
         ms_ = side("ms", ["--profile", os.path.abspath(a.profile)])
-        print(json.dumps({"bench": "train_profile", "preset": a.preset, "batch": a.batch, "seq": a.seq,
-                          "steps": a.steps, "tokens_per_s": round(ms_["tokens_per_s"], 1), **ms_["profile"]}))
+        print(
+            json.dumps(
+                {
+                    "bench": "train_profile",
+                    "preset": a.preset,
+                    "batch": a.batch,
+                    "seq": a.seq,
+                    "steps": a.steps,
+                    "tokens_per_s": round(ms_["tokens_per_s"], 1),
+                    **ms_["profile"],
+                }
+            )
+        )
         return
-    specs = {"ms": ("ms", [], True), **({"layerwise": ("ms", ["--layerwise-side"], True)} if a.layerwise else {}),
-             "sdpa": ("torch", ["--attn", "sdpa", "--sgemm"], True),
-             **({"eager": ("torch", ["--attn", "eager"], True)} if "eager" in baselines else {}),
-             # a compile failure is a result
-             **({"compile": ("torch", ["--attn", "sdpa", "--compile"], False)} if "compile" in baselines else {})}
+    specs = {
+        "ms": ("ms", [], True),
+        **({"layerwise": ("ms", ["--layerwise-side"], True)} if a.layerwise else {}),
+        "sdpa": ("torch", ["--attn", "sdpa", "--sgemm"], True),
+        **({"eager": ("torch", ["--attn", "eager"], True)} if "eager" in baselines else {}),
+        # a compile failure is a result
+        **({"compile": ("torch", ["--attn", "sdpa", "--compile"], False)} if "compile" in baselines else {}),
+    }
     if a.rounds > 1:
         runs = _interleaved(specs, cmd, env, a)
     else:
@@ -409,16 +506,24 @@ def main() -> None:
     peak = side("peak")
     fpt = ms_["flops_per_token"]
     measured = {"mindspore": peak["mindspore"], "numpy": peak["numpy"], "torch": hf["sdpa"]["sgemm_flops"]}
-    denominator, peak_how = max((peak["theoretical"], f"theoretical: {peak['theoretical_how']}"),
-                                *((v, f"measured {k} sgemm {SGEMM_N}³ (above the theoretical "
-                                      f"{peak['theoretical'] / 1e9:.1f} GFLOP/s)") for k, v in measured.items()))
+    denominator, peak_how = max(
+        (peak["theoretical"], f"theoretical: {peak['theoretical_how']}"),
+        *(
+            (v, f"measured {k} sgemm {SGEMM_N}³ (above the theoretical {peak['theoretical'] / 1e9:.1f} GFLOP/s)")
+            for k, v in measured.items()
+        ),
+    )
 
     def figures(r: dict) -> dict:
         if "error" in r:
             return {"error": r["error"]}
-        out = {"tokens_per_s": round(r["tokens_per_s"], 1), "step_s": round(r["step_s"], 3),
-               "mfu": round(r["tokens_per_s"] * fpt / denominator, 4), "peak_rss_gb": round(r["peak_rss_bytes"] / 1e9, 2),
-               "loss": round(r["loss"], 4)}
+        out = {
+            "tokens_per_s": round(r["tokens_per_s"], 1),
+            "step_s": round(r["step_s"], 3),
+            "mfu": round(r["tokens_per_s"] * fpt / denominator, 4),
+            "peak_rss_gb": round(r["peak_rss_bytes"] / 1e9, 2),
+            "loss": round(r["loss"], 4),
+        }
         if "rounds_step_s" in r:
             out["rounds_step_s"] = [round(v, 3) for v in r["rounds_step_s"]]
         for k in ("attn", "cpu_capability", "compile_s"):
@@ -426,21 +531,39 @@ def main() -> None:
                 out[k] = round(r[k], 1) if isinstance(r[k], float) else r[k]
         return out
 
-    res = {"bench": "train", **describe(a.threads), "preset": a.preset, "batch": a.batch, "seq": a.seq,
-           "steps": a.steps, "rounds": a.rounds, "fused_kernels": ms_["fused_kernels"], "kernel_body": ms_["kernel_body"],
-           "step": ms_["step"], **figures(ms_), "hf": {k: figures(v) for k, v in hf.items()}}
+    res = {
+        "bench": "train",
+        **describe(a.threads),
+        "preset": a.preset,
+        "batch": a.batch,
+        "seq": a.seq,
+        "steps": a.steps,
+        "rounds": a.rounds,
+        "fused_kernels": ms_["fused_kernels"],
+        "kernel_body": ms_["kernel_body"],
+        "step": ms_["step"],
+        **figures(ms_),
+        "hf": {k: figures(v) for k, v in hf.items()},
+    }
     if layerwise is not None:
-        res["ms_layerwise"] = {**figures(layerwise), "ratio_vs_compile": round(
-            _ratio(layerwise, hf["compile"]), 3) if "tokens_per_s" in hf.get("compile", {}) else None,
-            "rss_ratio": round(layerwise["peak_rss_bytes"] / hf["sdpa"]["peak_rss_bytes"], 2)}
+        res["ms_layerwise"] = {
+            **figures(layerwise),
+            "ratio_vs_compile": round(_ratio(layerwise, hf["compile"]), 3)
+            if "tokens_per_s" in hf.get("compile", {})
+            else None,
+            "rss_ratio": round(layerwise["peak_rss_bytes"] / hf["sdpa"]["peak_rss_bytes"], 2),
+        }
     for k, v in hf.items():
         if "tokens_per_s" in v:
             suffix = "" if k == "sdpa" else f"_vs_{k}"
             res[f"ratio{suffix}"] = round(_ratio(ms_, v), 3)
             res[f"rss_ratio{suffix}"] = round(ms_["peak_rss_bytes"] / v["peak_rss_bytes"], 2)
-    res.update(peak_gflops=round(denominator / 1e9, 1), peak_how=peak_how,
-               theoretical_gflops=round(peak["theoretical"] / 1e9, 1),
-               sgemm_gflops={k: round(v / 1e9, 1) for k, v in measured.items()})
+    res.update(
+        peak_gflops=round(denominator / 1e9, 1),
+        peak_how=peak_how,
+        theoretical_gflops=round(peak["theoretical"] / 1e9, 1),
+        sgemm_gflops={k: round(v / 1e9, 1) for k, v in measured.items()},
+    )
     record(res, a)
 
 

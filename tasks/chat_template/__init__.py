@@ -19,8 +19,17 @@ from jinja2.filters import make_attrgetter
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import pass_environment, pass_eval_context
 
-from tasks.chat_template.sizes import (arg, as_int, format_size, mul_size, percent_size, pow_size, replace_size,
-                                       str_method_size, value_size)
+from tasks.chat_template.sizes import (
+    arg,
+    as_int,
+    format_size,
+    mul_size,
+    percent_size,
+    pow_size,
+    replace_size,
+    str_method_size,
+    value_size,
+)
 from tasks.tokenizer_error import TokenizerError
 
 # ----------------------------------------------------------------------------- chat templates, within limits
@@ -121,14 +130,20 @@ def _with_ticks(source: str, filename: str):
     tree = ast.parse(source, filename)
     for node in ast.walk(tree):
         if isinstance(node, (ast.For, ast.While, ast.FunctionDef)):
-            node.body.insert(0, ast.copy_location(ast.Expr(ast.Call(
-                ast.Attribute(ast.Name("environment", ast.Load()), "tick", ast.Load()), [], [])), node.body[0]))
+            node.body.insert(
+                0,
+                ast.copy_location(
+                    ast.Expr(ast.Call(ast.Attribute(ast.Name("environment", ast.Load()), "tick", ast.Load()), [], [])),
+                    node.body[0],
+                ),
+            )
     return compile(ast.fix_missing_locations(tree), filename, "exec")
 
 
 def _bounded_class():
     """The sandbox's class: every operator, call and str.format sized, and a time check in every loop and function
     of a compiled template."""
+
     class Codegen(CodeGenerator):
         def visit_Concat(self, node, frame):  # `a ~ b`: sized after
             self.write("environment.sized(")
@@ -188,11 +203,14 @@ def _bounded_class():
             def bounded(*args, **kwargs):
                 b = _budget()
                 if value.__name__ == "format_map":
-                    b.need(format_size(fmt, (), dict(args[0]) if args and isinstance(args[0], dict) else {},
-                                       b.max_chars), "str.format_map()")
+                    b.need(
+                        format_size(fmt, (), dict(args[0]) if args and isinstance(args[0], dict) else {}, b.max_chars),
+                        "str.format_map()",
+                    )
                 else:
                     b.need(format_size(fmt, args, kwargs, b.max_chars), "str.format()")
                 return b.check(f(*args, **kwargs), "str.format()")
+
             return bounded
 
     return Bounded
@@ -204,6 +222,7 @@ def _text(v: Any) -> str:
 
 def _size_filters(env) -> None:
     """Every filter but join, sum and tojson sized: before it runs where it can outgrow its input, else after."""
+
     def sized_filter(name: str, estimate=None):
         f = env.filters[name]
 
@@ -215,15 +234,20 @@ def _size_filters(env) -> None:
             else:
                 b.tick()
             return b.check(f(*args, **kwargs), f"the {name} filter")
+
         return bounded
 
     estimates = {
         "center": lambda cap, a, k: max(len(_text(a[0])), as_int(arg(a, k, 1, "width", 80))),
-        "indent": lambda cap, a, k: len(_text(a[0])) + (_text(a[0]).count("\n") + 1) * (
-            len(w) if isinstance(w := arg(a, k, 1, "width", 4), str) else max(as_int(w), 0)),
+        "indent": lambda cap, a, k: (
+            len(_text(a[0]))
+            + (_text(a[0]).count("\n") + 1)
+            * (len(w) if isinstance(w := arg(a, k, 1, "width", 4), str) else max(as_int(w), 0))
+        ),
         "wordwrap": lambda cap, a, k: len(_text(a[1])) * (1 + len(_text(arg(a, k, 4, "wrapstring", None) or "\n"))),
-        "replace": lambda cap, a, k: replace_size(_text(a[1]), _text(arg(a, k, 2, "old", "")),
-                                                  _text(arg(a, k, 3, "new", "")), arg(a, k, 4, "count")),
+        "replace": lambda cap, a, k: replace_size(
+            _text(a[1]), _text(arg(a, k, 2, "old", "")), _text(arg(a, k, 3, "new", "")), arg(a, k, 4, "count")
+        ),
         "format": lambda cap, a, k: percent_size(_text(a[0]), k or tuple(a[1:]), cap),
         "batch": lambda cap, a, k: as_int(arg(a, k, 1, "linecount", 0)),
         "slice": lambda cap, a, k: max([as_int(x) for x in (*a, *k.values())] or [0]),
@@ -235,6 +259,7 @@ def _size_filters(env) -> None:
 
 def _linear_filters(env) -> None:
     """join, sum and tojson written again, each sized as it builds its result (and sum in linear time)."""
+
     @pass_eval_context
     def join(eval_ctx, value, d="", attribute=None):
         """Jinja's join, its items sized first (a list of large strings joins into a larger one)."""
@@ -264,8 +289,9 @@ def _linear_filters(env) -> None:
         b = _budget()
         b.need(len(indent) if isinstance(indent, str) else as_int(indent), "the tojson filter's indent")
         out, n = [], 0
-        for piece in json.JSONEncoder(indent=indent, ensure_ascii=ensure_ascii, separators=separators,
-                                      sort_keys=sort_keys).iterencode(x):
+        for piece in json.JSONEncoder(
+            indent=indent, ensure_ascii=ensure_ascii, separators=separators, sort_keys=sort_keys
+        ).iterencode(x):
             n += len(piece)
             b.need(n, "the tojson filter")
             out.append(piece)
@@ -276,6 +302,7 @@ def _linear_filters(env) -> None:
 
 def _bound_globals(env) -> None:
     """transformers' raise_exception, and Jinja's lipsum sized before it runs."""
+
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
 
@@ -301,9 +328,17 @@ def template_char_limit(template: str, messages: list[dict[str, Any]], extra: di
     return (len(template) + text + 1) * (len(messages) + 1)
 
 
-def render_chat_template(template: str, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                         where: str = "chat template", *, max_chars: int | None = None, max_chars_why: str = "",
-                         seconds: float | None = None, **extra: Any) -> str:
+def render_chat_template(
+    template: str,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    where: str = "chat template",
+    *,
+    max_chars: int | None = None,
+    max_chars_why: str = "",
+    seconds: float | None = None,
+    **extra: Any,
+) -> str:
     """Render a Hugging Face chat template (Jinja, sandboxed, as transformers renders it) within the limits above.
 
     `max_chars` lowers the character limit (the server passes what its context can hold; `max_chars_why` says that in
@@ -311,8 +346,10 @@ def render_chat_template(template: str, messages: list[dict[str, Any]], add_gene
     naming `where` and the `chat_template` key."""
     fix = "fix chat_template.jinja or tokenizer_config.json's chat_template"  # the phrase convert rewrites for a GGUF
     limit = template_char_limit(template, messages, extra)
-    why = (f"({len(template)} characters of template + the messages' text + 1) × ({len(messages)} messages + 1): a "
-           f"chat template renders each message once")
+    why = (
+        f"({len(template)} characters of template + the messages' text + 1) × ({len(messages)} messages + 1): a "
+        f"chat template renders each message once"
+    )
     if max_chars is not None and max_chars < limit:
         limit, why = max_chars, max_chars_why or "the limit given"
     seconds = TEMPLATE_SECONDS if seconds is None else seconds
@@ -337,15 +374,20 @@ def render_chat_template(template: str, messages: list[dict[str, Any]], add_gene
             raise TemplateLimitError(
                 f"{where}: the chat template did not finish rendering {len(messages)} message(s) within its time "
                 f"limit of {seconds:g} s (a chat template renders a conversation in milliseconds: this one loops "
-                f"far longer, e.g. over range()); {fix}") from None
+                f"far longer, e.g. over range()); {fix}"
+            ) from None
         made = "its output reached" if hit.what == "its output" else f"{hit.what} would make a value of"
         raise TemplateLimitError(
             f"{where}: the chat template passed its size limit of {limit:,} characters for these {len(messages)} "
-            f"message(s): {made} {hit.size:,} characters (the limit: {why}); {fix}") from None
+            f"message(s): {made} {hit.size:,} characters (the limit: {why}); {fix}"
+        ) from None
     except jinja2.exceptions.TemplateError as exc:
-        raise TokenizerError(f"{where}: the chat template fails to render ({type(exc).__name__}: {exc}); {fix}") from None
+        raise TokenizerError(
+            f"{where}: the chat template fails to render ({type(exc).__name__}: {exc}); {fix}"
+        ) from None
     except Exception as exc:  # a template is code: any error inside it is the template's
-        raise TokenizerError(f"{where}: the chat template fails to render ({type(exc).__name__}: {exc}); {fix}") from None
+        raise TokenizerError(
+            f"{where}: the chat template fails to render ({type(exc).__name__}: {exc}); {fix}"
+        ) from None
     finally:
         _STATE.budget = previous
-

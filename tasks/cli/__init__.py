@@ -19,8 +19,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from tasks.cli import commands
 from tasks.cli.common import StageError
@@ -32,10 +32,20 @@ from tasks.serving.adapters import parse_adapter_flag
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default="pipelines.yaml", help="pipelines file (default: ./pipelines.yaml)")
     p.add_argument("--pipeline", default=None, help="pipeline name (default: the file's `default:`)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a key, e.g. --set pretrain.train.loop.max_steps=100 (repeatable; VALUE is YAML)")
-    p.add_argument("--artifacts", default=os.environ.get("MSLLM_ARTIFACTS", "artifacts"), type=_artifact_root,
-                   help="artifact root (default: ./artifacts)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a key, e.g. --set pretrain.train.loop.max_steps=100 (repeatable; VALUE is YAML)",
+    )
+    p.add_argument(
+        "--artifacts",
+        default=os.environ.get("MSLLM_ARTIFACTS", "artifacts"),
+        type=_artifact_root,
+        help="artifact root (default: ./artifacts)",
+    )
 
 
 def _artifact_root(text: str) -> str:
@@ -46,15 +56,22 @@ def _artifact_root(text: str) -> str:
     probe = next((q for q in (p, *p.parents) if q.exists()), None)
     if probe is not None and not probe.is_dir():
         what = "is a file" if probe == p else f"lies under {probe}, a file"
-        raise argparse.ArgumentTypeError(f"{text}: not a directory ({what}); pass --artifacts DIR naming a "
-                                         "directory (created if missing), e.g. --artifacts artifacts")
+        raise argparse.ArgumentTypeError(
+            f"{text}: not a directory ({what}); pass --artifacts DIR naming a "
+            "directory (created if missing), e.g. --artifacts artifacts"
+        )
     return text
 
 
 def _stage(p: argparse.ArgumentParser) -> None:
     _common(p)
-    p.add_argument("--from", dest="from_", default=None, metavar="PATH",
-                   help="upstream artifact (default: the newest one of this pipeline)")
+    p.add_argument(
+        "--from",
+        dest="from_",
+        default=None,
+        metavar="PATH",
+        help="upstream artifact (default: the newest one of this pipeline)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -88,8 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("convert", help="HF LLaMA directory or GGUF file ⇄ model artifact")
     _common(p)
-    p.add_argument("--from-hf", default=None, metavar="DIR",
-                   help="a Hugging Face LlamaForCausalLM directory (tokenizer.model or tokenizer.json)")
+    p.add_argument(
+        "--from-hf",
+        default=None,
+        metavar="DIR",
+        help="a Hugging Face LlamaForCausalLM directory (tokenizer.model or tokenizer.json)",
+    )
     p.add_argument("--from-gguf", default=None, metavar="FILE", help="a llama GGUF file (dequantized to float32)")
     p.add_argument("--to-hf", nargs=2, default=None, metavar=("ARTIFACT", "DIR"))
 
@@ -105,25 +126,50 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--model-name", default=None, help="model id clients send (default: <stage>/<key>)")
     p.add_argument("--max-active", type=int, default=32, help="sequences decoded in turn; the rest queue")
-    p.add_argument("--max-queue", type=int, default=256,
-                   help="sequences waiting before 503 (a request of more prompts × n than this is a 400)")
-    p.add_argument("--max-body-size", type=_body_size, default=None, metavar="SIZE",
-                   help="largest request body read, e.g. 8MiB, 512MB or bytes; larger is a 413 (default: 8MiB)")
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=256,
+        help="sequences waiting before 503 (a request of more prompts × n than this is a 400)",
+    )
+    p.add_argument(
+        "--max-body-size",
+        type=_body_size,
+        default=None,
+        metavar="SIZE",
+        help="largest request body read, e.g. 8MiB, 512MB or bytes; larger is a 413 (default: 8MiB)",
+    )
     p.add_argument("--drain-timeout", type=float, default=8.0, help="seconds SIGTERM waits for requests in flight")
-    p.add_argument("--no-batching", dest="batching", action="store_false",
-                   help="onnxruntime: decode the active sequences one call each instead of one batched call")
-    p.add_argument("--adapter", dest="adapters", action="append", default=[], type=_adapter, metavar="NAME=FINETUNE",
-                   help="also serve a LoRA finetune of ARTIFACT as model NAME (repeatable; FINETUNE: the finetune "
-                        "artifact's directory or stage/key). On a model artifact (MindSpore) unmerged: one copy of "
-                        "the base weights, each adapter's A/B applied per request; on an export (onnxruntime), and "
-                        "for a full finetune, merged into a copy of the base weights")
+    p.add_argument(
+        "--no-batching",
+        dest="batching",
+        action="store_false",
+        help="onnxruntime: decode the active sequences one call each instead of one batched call",
+    )
+    p.add_argument(
+        "--adapter",
+        dest="adapters",
+        action="append",
+        default=[],
+        type=_adapter,
+        metavar="NAME=FINETUNE",
+        help="also serve a LoRA finetune of ARTIFACT as model NAME (repeatable; FINETUNE: the finetune "
+        "artifact's directory or stage/key). On a model artifact (MindSpore) unmerged: one copy of "
+        "the base weights, each adapter's A/B applied per request; on an export (onnxruntime), and "
+        "for a full finetune, merged into a copy of the base weights",
+    )
 
     p = sub.add_parser("plan", help="memory estimate and parallel layout")
     _common(p)
-    p.add_argument("--device-memory", type=_device_memory, default="32GiB",
-                   help="memory per device, e.g. 32GiB, 80GB, 512MiB (default: 32GiB)")
-    p.add_argument("--devices", type=_device_count, default=None,
-                   help="devices to plan for (default: parallel.device_num)")
+    p.add_argument(
+        "--device-memory",
+        type=_device_memory,
+        default="32GiB",
+        help="memory per device, e.g. 32GiB, 80GB, 512MiB (default: 32GiB)",
+    )
+    p.add_argument(
+        "--devices", type=_device_count, default=None, help="devices to plan for (default: parallel.device_num)"
+    )
     return ap
 
 
@@ -158,7 +204,9 @@ def _device_count(text: str) -> int:
     except ValueError:
         n = 0
     if n < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a device count; give a positive whole number, e.g. --devices 8")
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a device count; give a positive whole number, e.g. --devices 8"
+        )
     return n
 
 

@@ -8,8 +8,7 @@ training room nor the model (tests/test_imports.py).
 The lazy boundary: modules that load numpy or MindSpore (the stage modules the runner finds through the stage
 table, tasks.stages.evaluate / export / convert, tasks.modeling.merge, the serving app) are imported inside the
 command that uses them, so `msllm --help`, `validate` and `plan` start without them; everything else is imported
-here, at the top.
-"""
+here, at the top."""
 
 from __future__ import annotations
 
@@ -36,8 +35,9 @@ def cmd_init(args) -> int:
         raise StageError(f"{STARTER}: the starter files are missing from this installation; reinstall msllm")
     clash = [dest / f.relative_to(STARTER) for f in files if (dest / f.relative_to(STARTER)).exists()]
     if clash and not args.force:
-        raise StageError(f"{clash[0]} exists (and {len(clash) - 1} more); pass --force to overwrite, or choose "
-                         "another directory")
+        raise StageError(
+            f"{clash[0]} exists (and {len(clash) - 1} more); pass --force to overwrite, or choose another directory"
+        )
     for f in files:
         out = dest / f.relative_to(STARTER)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -168,8 +168,15 @@ def cmd_predict(args) -> int:
     ev = cfg.eval
     lm = MindSporeLM(pretrained=model, max_gen_toks=ev.max_new_tokens, progress=False, fused_kernels=ev.fused_kernels)
     for i, prompt in enumerate(prompts):
-        completion = lm.generate_text(prompt, until=ev.stop, max_gen_toks=ev.max_new_tokens, temperature=ev.temperature,
-                                      top_k=ev.top_k, top_p=ev.top_p, seed=ev.seed)
+        completion = lm.generate_text(
+            prompt,
+            until=ev.stop,
+            max_gen_toks=ev.max_new_tokens,
+            temperature=ev.temperature,
+            top_k=ev.top_k,
+            top_p=ev.top_p,
+            seed=ev.seed,
+        )
         if i:
             print("-" * 40)
         print(prompt + completion, flush=True)
@@ -188,8 +195,10 @@ def cmd_export(args) -> int:
     choice = choose_model(st, cfg.name, args.from_)  # the rule: tasks/stages/upstream.py
     model = choice.path
     ev = export.matching_eval(st, model, cfg.name)
-    print(f"[export] {choice.line()}" + (f"; eval {ev}" if ev else " (no eval artifact: card without results)"),
-          file=sys.stderr)
+    print(
+        f"[export] {choice.line()}" + (f"; eval {ev}" if ev else " (no eval artifact: card without results)"),
+        file=sys.stderr,
+    )
     path = runner.prepare("export", st, cfg, model_artifact=model, eval_artifact=ev).run()
     print_metrics(path)
     print(path)
@@ -232,11 +241,23 @@ def cmd_serve(args) -> int:
         st = store(args)
         artifact = export_of_choice(st, cfg.name)
         if artifact is None:
-            raise StageError(f"no export artifact for pipeline '{cfg.name}' under {st.root}; run `msllm export "
-                             f"--pipeline {cfg.name}` first, or pass an artifact: msllm serve artifacts/merged/<key>")
-    return serve(artifact, args.host, args.port, model_name=args.model_name, max_active=args.max_active,
-                 max_queue=args.max_queue, drain_timeout=args.drain_timeout, batching=args.batching,
-                 adapters=args.adapters, store=store(args), max_body=args.max_body_size or MAX_BODY)
+            raise StageError(
+                f"no export artifact for pipeline '{cfg.name}' under {st.root}; run `msllm export "
+                f"--pipeline {cfg.name}` first, or pass an artifact: msllm serve artifacts/merged/<key>"
+            )
+    return serve(
+        artifact,
+        args.host,
+        args.port,
+        model_name=args.model_name,
+        max_active=args.max_active,
+        max_queue=args.max_queue,
+        drain_timeout=args.drain_timeout,
+        batching=args.batching,
+        adapters=args.adapters,
+        store=store(args),
+        max_body=args.max_body_size or MAX_BODY,
+    )
 
 
 def export_of_choice(st, pipeline: str) -> Path | None:
@@ -256,9 +277,11 @@ def export_of_choice(st, pipeline: str) -> Path | None:
         return None
     p, m = exports[-1]
     what = f"{choice.ref} ({choice.reason})" if choice else "the pipeline's model"
-    print(f"[serve] note: no export of {what}; serving the pipeline's newest export export/{p.name} "
-          f"(of {model_of_eval(m)}); run `msllm export --pipeline {pipeline}` to export the chosen model",
-          file=sys.stderr)
+    print(
+        f"[serve] note: no export of {what}; serving the pipeline's newest export export/{p.name} "
+        f"(of {model_of_eval(m)}); run `msllm export --pipeline {pipeline}` to export the chosen model",
+        file=sys.stderr,
+    )
     return p
 
 

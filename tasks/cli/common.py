@@ -35,5 +35,7 @@ def upstream(args, st, stage: str, pipeline: str) -> Path:
 def print_metrics(path: Path) -> None:
     m = json.loads((Path(path) / "manifest.json").read_text())
     shown = {k: v for k, v in m.get("metrics", {}).items() if not isinstance(v, (dict, list))}
-    print(f"# {m['stage']} artifact {m['key']}: " + ", ".join(
-        f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in shown.items()))
+    print(
+        f"# {m['stage']} artifact {m['key']}: "
+        + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in shown.items())
+    )

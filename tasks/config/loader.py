@@ -20,10 +20,24 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from tasks.config.rules import check_pipeline
-from tasks.config.schema import (FINETUNE_DEFAULTS, FINETUNE_INHERITS, _YAML_KEYS_EXCLUDED, ConfigError,
-                                 PipelineConfig, _suggest)
-from tasks.config.yaml12 import (MAX_ALIAS_NODES, MAX_FILE_BYTES, MAX_SET_BYTES, AliasBombError, DuplicateKeyError,
-                                 _deep_merge, _yaml11_hint, load_yaml)
+from tasks.config.schema import (
+    _YAML_KEYS_EXCLUDED,
+    FINETUNE_DEFAULTS,
+    FINETUNE_INHERITS,
+    ConfigError,
+    PipelineConfig,
+    _suggest,
+)
+from tasks.config.yaml12 import (
+    MAX_ALIAS_NODES,
+    MAX_FILE_BYTES,
+    MAX_SET_BYTES,
+    AliasBombError,
+    DuplicateKeyError,
+    _deep_merge,
+    _yaml11_hint,
+    load_yaml,
+)
 
 
 def _model_at(loc: tuple, root: type[BaseModel] = PipelineConfig) -> type[BaseModel] | None:
@@ -64,18 +78,28 @@ def read_pipelines_file(path: str | os.PathLike) -> dict[str, Any]:
     with p.open("rb") as fh:  # read one byte past the cap, never the whole of a huge file
         data = fh.read(MAX_FILE_BYTES + 1)
     if len(data) > MAX_FILE_BYTES:
-        raise ConfigError([f"{p}: {p.stat().st_size:,} bytes, over the {MAX_FILE_BYTES // 1024} KiB limit for a "
-                           "pipelines file; keep long text (descriptions, source lists) in files the pipeline "
-                           "names, such as data.sources globs"])
+        raise ConfigError(
+            [
+                f"{p}: {p.stat().st_size:,} bytes, over the {MAX_FILE_BYTES // 1024} KiB limit for a "
+                "pipelines file; keep long text (descriptions, source lists) in files the pipeline "
+                "names, such as data.sources globs"
+            ]
+        )
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ConfigError([f"{p}: not a text file (invalid UTF-8 at byte {exc.start}); --config must name a "
-                           "YAML pipelines file such as pipelines.yaml"]) from None
+        raise ConfigError(
+            [
+                f"{p}: not a text file (invalid UTF-8 at byte {exc.start}); --config must name a "
+                "YAML pipelines file such as pipelines.yaml"
+            ]
+        ) from None
     try:
         raw = load_yaml(text)
     except DuplicateKeyError as exc:
-        raise ConfigError([f"{p}:{exc.line}: duplicate key '{exc.key}' (first at line {exc.first}); keep one of them"]) from None
+        raise ConfigError(
+            [f"{p}:{exc.line}: duplicate key '{exc.key}' (first at line {exc.first}); keep one of them"]
+        ) from None
     except AliasBombError as exc:
         raise ConfigError([f"{p}:{exc.line}: alias *{exc.anchor} {exc.why}; {_ALIAS_FIX}"]) from None
     except yaml.YAMLError as exc:
@@ -98,7 +122,9 @@ def _raw_pipeline(raw: dict, name: str, seen: tuple[str, ...] = ()) -> dict:
         where = f"pipelines.{seen[-1]}.base" if seen else "--pipeline"
         raise ConfigError([f"{where}: no pipeline named '{name}';{hint} defined: {', '.join(sorted(pipes))}"])
     if name in seen:
-        raise ConfigError([f"pipelines.{name}.base: circular 'base:' chain {' -> '.join([*seen, name])}; remove one link"])
+        raise ConfigError(
+            [f"pipelines.{name}.base: circular 'base:' chain {' -> '.join([*seen, name])}; remove one link"]
+        )
     body = pipes[name]
     if body is None:
         body = {}
@@ -194,21 +220,41 @@ def inherit_train(body: dict) -> dict:
 
 
 MOVED = {
-    **{f"pretrain.{k}": f"pretrain.train.loop.{k}" for k in (
-        "max_steps", "max_tokens", "micro_batch_size", "gradient_accumulation", "grad_clip", "log_steps",
-        "eval_steps", "eval_batches", "max_nonfinite_steps", "peak_flops")},
-    "pretrain.optimizer": "pretrain.train.optimizer", "pretrain.schedule": "pretrain.train.schedule",
-    "pretrain.precision": "pretrain.train.precision.dtype", "pretrain.loss_scale": "pretrain.train.precision.loss_scale",
+    **{
+        f"pretrain.{k}": f"pretrain.train.loop.{k}"
+        for k in (
+            "max_steps",
+            "max_tokens",
+            "micro_batch_size",
+            "gradient_accumulation",
+            "grad_clip",
+            "log_steps",
+            "eval_steps",
+            "eval_batches",
+            "max_nonfinite_steps",
+            "peak_flops",
+        )
+    },
+    "pretrain.optimizer": "pretrain.train.optimizer",
+    "pretrain.schedule": "pretrain.train.schedule",
+    "pretrain.precision": "pretrain.train.precision.dtype",
+    "pretrain.loss_scale": "pretrain.train.precision.loss_scale",
     "pretrain.loss_scale_window": "pretrain.train.precision.loss_scale_window",
     "pretrain.fused_kernels": "pretrain.train.fused_kernels",
-    **{f"finetune.{k}": f"finetune.train.loop.{k}" for k in (
-        "max_steps", "micro_batch_size", "log_steps", "eval_steps", "eval_batches", "save_steps")},
-    "finetune.lr": "finetune.train.optimizer.lr", "finetune.min_lr": "finetune.train.optimizer.min_lr",
+    **{
+        f"finetune.{k}": f"finetune.train.loop.{k}"
+        for k in ("max_steps", "micro_batch_size", "log_steps", "eval_steps", "eval_batches", "save_steps")
+    },
+    "finetune.lr": "finetune.train.optimizer.lr",
+    "finetune.min_lr": "finetune.train.optimizer.min_lr",
     "finetune.weight_decay": "finetune.train.optimizer.weight_decay",
-    "finetune.warmup_steps": "finetune.train.schedule.warmup_steps", "finetune.decay": "finetune.train.schedule.decay",
-    "continued.max_steps": "continued.train.loop.max_steps", "continued.lr": "continued.train.optimizer.lr",
+    "finetune.warmup_steps": "finetune.train.schedule.warmup_steps",
+    "finetune.decay": "finetune.train.schedule.decay",
+    "continued.max_steps": "continued.train.loop.max_steps",
+    "continued.lr": "continued.train.optimizer.lr",
     "continued.warmup_steps": "continued.train.schedule.warmup_steps",
-    "parallel.pipeline_parallel": "plan.pipeline_parallel", "parallel.micro_batch_num": "plan.micro_batch_num",
+    "parallel.pipeline_parallel": "plan.pipeline_parallel",
+    "parallel.micro_batch_num": "plan.micro_batch_num",
 }
 """Keys of the shape before issue 26 -> where they live now. An old key is an error naming its new home,
 never reinterpreted (pipeline stages are not built: their two keys only inform `msllm plan`)."""
@@ -222,20 +268,28 @@ def moved_key_errors(body: dict, prefix: str) -> list[str]:
         sec = body.get(section)
         if isinstance(sec, dict) and key in sec:
             why = " (pipeline stages are not built; only `msllm plan` estimates them)" if section == "parallel" else ""
-            errs.append(f"{prefix}.{old}: moved to {new}{why}; write `{new}` instead "
-                        f"(one `train` section per stage; pipelines.yaml says what inherits)")
+            errs.append(
+                f"{prefix}.{old}: moved to {new}{why}; write `{new}` instead "
+                f"(one `train` section per stage; pipelines.yaml says what inherits)"
+            )
     return errs
 
 
-_ALIAS_FIX = (f"aliases may add at most {MAX_ALIAS_NODES:,} nodes (a 'billion laughs' of nested aliases is refused); "
-              "write the values out or use fewer levels of aliases")
+_ALIAS_FIX = (
+    f"aliases may add at most {MAX_ALIAS_NODES:,} nodes (a 'billion laughs' of nested aliases is refused); "
+    "write the values out or use fewer levels of aliases"
+)
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
     """`a.b.c=VALUE` -> (['a','b','c'], yaml-parsed VALUE)."""
     if len(item.encode("utf-8", "surrogatepass")) > MAX_SET_BYTES:
-        raise ConfigError([f"--set {item.partition('=')[0][:80]}: {len(item):,} characters, over the {MAX_SET_BYTES // 1024} KiB "
-                           "limit for one --set value; put long values in the pipelines file"])
+        raise ConfigError(
+            [
+                f"--set {item.partition('=')[0][:80]}: {len(item):,} characters, over the {MAX_SET_BYTES // 1024} KiB "
+                "limit for one --set value; put long values in the pipelines file"
+            ]
+        )
     if "=" not in item:
         raise ConfigError([f"--set {item}: expected dotted.key=VALUE, e.g. --set pretrain.train.loop.max_steps=100"])
     key, _, value = item.partition("=")
@@ -274,7 +328,9 @@ def default_pipeline_name(raw: dict, path: str | os.PathLike = "pipelines.yaml")
     if name is None:
         return "demo" if "demo" in raw["pipelines"] else sorted(raw["pipelines"])[0]
     if name not in raw["pipelines"]:
-        raise ConfigError([f"default: '{name}' is not a pipeline in {path}; defined: {', '.join(sorted(raw['pipelines']))}"])
+        raise ConfigError(
+            [f"default: '{name}' is not a pipeline in {path}; defined: {', '.join(sorted(raw['pipelines']))}"]
+        )
     return name
 
 
@@ -296,8 +352,10 @@ def resolve_pipeline(
         if cleared:
             used = next(k for k in BUDGET_KEYS if k != cleared)
             value = _loop_of(given, section)[used]
-            notes.append(f"--set {section}.train.loop.{used}={value} replaces {prefix}.{section}.train.loop.{cleared} "
-                         f"of {path}: training stops after {value} {'steps' if used == 'max_steps' else 'tokens'}")
+            notes.append(
+                f"--set {section}.train.loop.{used}={value} replaces {prefix}.{section}.train.loop.{cleared} "
+                f"of {path}: training stops after {value} {'steps' if used == 'max_steps' else 'tokens'}"
+            )
     body = apply_overrides(body, overrides)
     if moved := moved_key_errors(body, prefix):
         raise ConfigError(moved)
@@ -324,7 +382,7 @@ def _inherited_once(prefix: str, errors: list[str]) -> list[str]:
     for e in errors:
         for section in ("continued", "finetune"):
             head = f"{prefix}.{section}.train."
-            if e.startswith(head) and f"{prefix}.pretrain.train.{e[len(head):]}" in errors:
+            if e.startswith(head) and f"{prefix}.pretrain.train.{e[len(head) :]}" in errors:
                 break
         else:
             out.append(e)

@@ -37,8 +37,10 @@ def _model_rules(cfg: PipelineConfig, prefix: str) -> tuple[list[str], ModelConf
     """The model name and preset resolve to a ModelConfig (the other rules need it)."""
     errs: list[str] = []
     if cfg.model.name not in BUILTIN_MODELS:
-        errs.append(f"{prefix}.model.name: unknown model '{cfg.model.name}'; "
-                    f"{_suggest(cfg.model.name, sorted(BUILTIN_MODELS)).replace('valid keys', 'registered models')}")
+        errs.append(
+            f"{prefix}.model.name: unknown model '{cfg.model.name}'; "
+            f"{_suggest(cfg.model.name, sorted(BUILTIN_MODELS)).replace('valid keys', 'registered models')}"
+        )
     if cfg.model.preset not in PRESETS:
         errs.append(
             f"{prefix}.model.preset: unknown preset '{cfg.model.preset}'; "
@@ -59,7 +61,8 @@ def _layout_rules(cfg: PipelineConfig, prefix: str, mc: ModelConfig) -> list[str
     par = cfg.parallel
     if mc.num_heads % mc.num_kv_heads:
         errs.append(
-            f"{prefix}.model.num_kv_heads: num_heads={mc.num_heads} is not divisible by num_kv_heads={mc.num_kv_heads}; "
+            f"{prefix}.model.num_kv_heads: num_heads={mc.num_heads} is not divisible by "
+            f"num_kv_heads={mc.num_kv_heads}; "
             "choose num_kv_heads that divides num_heads"
         )
     if mc.num_heads % par.tensor_parallel or mc.num_kv_heads % par.tensor_parallel:
@@ -69,7 +72,8 @@ def _layout_rules(cfg: PipelineConfig, prefix: str, mc: ModelConfig) -> list[str
         )
     elif mc.intermediate_size % par.tensor_parallel:
         errs.append(
-            f"{prefix}.parallel.tensor_parallel: {par.tensor_parallel} must divide intermediate_size={mc.intermediate_size}"
+            f"{prefix}.parallel.tensor_parallel: {par.tensor_parallel} must divide "
+            f"intermediate_size={mc.intermediate_size}"
         )
     prod = par.data_parallel * par.tensor_parallel
     if prod != par.device_num:
@@ -85,17 +89,23 @@ def _layout_rules(cfg: PipelineConfig, prefix: str, mc: ModelConfig) -> list[str
             f"set micro_batch_num >= {pl.pipeline_parallel} so every stage has work"
         )
     if pl.pipeline_parallel > mc.num_layers:
-        errs.append(f"{prefix}.plan.pipeline_parallel: {pl.pipeline_parallel} stages for {mc.num_layers} layers; "
-                    f"use at most {mc.num_layers}")
+        errs.append(
+            f"{prefix}.plan.pipeline_parallel: {pl.pipeline_parallel} stages for {mc.num_layers} layers; "
+            f"use at most {mc.num_layers}"
+        )
     if par.node_rank >= par.node_num:
         errs.append(f"{prefix}.parallel.node_rank: {par.node_rank} must be < node_num={par.node_num}")
     if par.device_num % par.node_num:
-        errs.append(f"{prefix}.parallel.node_num: device_num={par.device_num} does not split evenly over "
-                    f"node_num={par.node_num} nodes; make device_num a multiple of node_num")
+        errs.append(
+            f"{prefix}.parallel.node_num: device_num={par.device_num} does not split evenly over "
+            f"node_num={par.node_num} nodes; make device_num a multiple of node_num"
+        )
     if par.optimizer_shard and par.data_parallel > 1 and par.tensor_parallel > 1:
-        errs.append(f"{prefix}.parallel.optimizer_shard: optimizer sharding (ZeRO-1) is built for data parallel "
-                    f"only, not with tensor_parallel={par.tensor_parallel}; set tensor_parallel: 1 or "
-                    "optimizer_shard: false")
+        errs.append(
+            f"{prefix}.parallel.optimizer_shard: optimizer sharding (ZeRO-1) is built for data parallel "
+            f"only, not with tensor_parallel={par.tensor_parallel}; set tensor_parallel: 1 or "
+            "optimizer_shard: false"
+        )
     return errs
 
 
@@ -138,12 +148,16 @@ def train_errors(train, where: str, device_target: str = "CPU") -> list[str]:
     if loop.max_steps is None and loop.max_tokens is None:
         errs.append(f"{where}.loop.max_steps: set max_steps or max_tokens")
     if loop.max_steps is not None and loop.max_tokens is not None:
-        errs.append(f"{where}.loop.max_tokens: both {key}.loop.max_steps ({loop.max_steps}) and {key}.loop.max_tokens "
-                    f"({loop.max_tokens}) are set; keep one of them (max_steps counts optimizer steps, max_tokens "
-                    "training tokens)")
+        errs.append(
+            f"{where}.loop.max_tokens: both {key}.loop.max_steps ({loop.max_steps}) and {key}.loop.max_tokens "
+            f"({loop.max_tokens}) are set; keep one of them (max_steps counts optimizer steps, max_tokens "
+            "training tokens)"
+        )
     if loop.max_steps is not None and train.schedule.warmup_steps > loop.max_steps:
-        errs.append(f"{where}.schedule.warmup_steps: {train.schedule.warmup_steps} > max_steps={loop.max_steps}; "
-                    "warmup must fit in the run")
+        errs.append(
+            f"{where}.schedule.warmup_steps: {train.schedule.warmup_steps} > max_steps={loop.max_steps}; "
+            "warmup must fit in the run"
+        )
     if o.min_lr is not None and o.min_lr > o.lr:
         errs.append(f"{where}.optimizer.min_lr: {o.min_lr} > lr={o.lr}; min_lr must be <= lr")
     if train.precision.dtype == "bf16" and device_target == "CPU":
@@ -165,10 +179,14 @@ def _schedule_rules(cfg: PipelineConfig, prefix: str, mc: ModelConfig) -> list[s
             if e.replace(f"{prefix}.{section}.train", f"{prefix}.pretrain.train", 1) not in errs:
                 errs.append(e)
     if cfg.finetune.train.precision.dtype != "fp32":
-        errs.append(f"{prefix}.finetune.train.precision.dtype: fine-tuning trains in fp32 (the base model loads "
-                    "in fp32); remove it or set fp32")
+        errs.append(
+            f"{prefix}.finetune.train.precision.dtype: fine-tuning trains in fp32 (the base model loads "
+            "in fp32); remove it or set fp32"
+        )
     if cfg.pretrain.replay_ratio > 0 and not cfg.pretrain.init_from:
-        errs.append(f"{prefix}.pretrain.replay_ratio: replay needs pretrain.init_from (the model whose data is replayed)")
+        errs.append(
+            f"{prefix}.pretrain.replay_ratio: replay needs pretrain.init_from (the model whose data is replayed)"
+        )
     return errs
 
 
@@ -185,7 +203,9 @@ def _lora_rules(cfg: PipelineConfig, prefix: str, mc: ModelConfig) -> list[str]:
                     f"{_suggest(m, sorted(valid_mods)).replace('valid keys', 'modules')}"
                 )
     if cfg.data.validation_fraction == 0 and cfg.data.validation_documents is None:
-        errs.append(f"{prefix}.data.validation_fraction: 0 leaves no held-out split; set a fraction > 0 or validation_documents")
+        errs.append(
+            f"{prefix}.data.validation_fraction: 0 leaves no held-out split; set a fraction > 0 or validation_documents"
+        )
     return errs
 
 
@@ -196,10 +216,12 @@ def _eval_rules(cfg: PipelineConfig, prefix: str, mc: ModelConfig) -> list[str]:
     if cfg.eval.batch_size <= cap:
         return []
     t = min(cfg.data.seq_length, mc.max_seq_length)
-    return [f"{prefix}.eval.batch_size: {cfg.eval.batch_size} rows per scoring call, but this model's scorer holds "
-            f"at most {cap} rows in its {SCORING_MAX_BYTES >> 30} GiB of activations (even of one token; "
-            f"{mc.scoring_rows(t, cfg.eval.batch_size)} of data.seq_length={t}) and would clamp it to that; "
-            f"set eval.batch_size at most {cap}"]
+    return [
+        f"{prefix}.eval.batch_size: {cfg.eval.batch_size} rows per scoring call, but this model's scorer holds "
+        f"at most {cap} rows in its {SCORING_MAX_BYTES >> 30} GiB of activations (even of one token; "
+        f"{mc.scoring_rows(t, cfg.eval.batch_size)} of data.seq_length={t}) and would clamp it to that; "
+        f"set eval.batch_size at most {cap}"
+    ]
 
 
 def _file_rules(cfg: PipelineConfig, prefix: str) -> list[str]:
@@ -209,19 +231,28 @@ def _file_rules(cfg: PipelineConfig, prefix: str) -> list[str]:
         errs.append(f"{prefix}.data.sources: empty; list at least one corpus file, directory or glob")
     for i, src in enumerate(cfg.data.sources):
         if not src.startswith("hf:") and not expand_source(cfg, src):
-            errs.append(f"{prefix}.data.sources[{i}]: '{src}' matches no file (looked in {cfg.resolve_path(src)}); fix the path")
+            errs.append(
+                f"{prefix}.data.sources[{i}]: '{src}' matches no file (looked in {cfg.resolve_path(src)}); fix the path"
+            )
     for key, val in (
         ("data.tokenizer.path", cfg.data.tokenizer.path),
         ("checkpoint.load_checkpoint", cfg.checkpoint.load_checkpoint),
         ("pretrain.init_from", cfg.pretrain.init_from),
     ):
         if val and not cfg.resolve_path(val).exists():
-            fix = ("fetch the model first (bash scripts/fetch_smollm2.sh fetches SmolLM2 for the smollm2 pipeline) or "
-                   "fix the path" if str(val).endswith(".gguf") else "fix the path")
+            fix = (
+                "fetch the model first (bash scripts/fetch_smollm2.sh fetches SmolLM2 for the smollm2 pipeline) or "
+                "fix the path"
+                if str(val).endswith(".gguf")
+                else "fix the path"
+            )
             errs.append(f"{prefix}.{key}: '{val}' does not exist (looked in {cfg.resolve_path(val)}); {fix}")
     for i, src in enumerate(cfg.continued.sources):
         if not expand_source(cfg, src):
-            errs.append(f"{prefix}.continued.sources[{i}]: '{src}' matches no file (looked in {cfg.resolve_path(src)}); fix the path")
+            errs.append(
+                f"{prefix}.continued.sources[{i}]: '{src}' matches no file (looked in {cfg.resolve_path(src)}); fix "
+                "the path"
+            )
     for i, src in enumerate(cfg.finetune.sources):
         if not expand_source(cfg, src):
             errs.append(f"{prefix}.finetune.sources[{i}]: '{src}' matches no file; fix the path")
@@ -229,5 +260,3 @@ def _file_rules(cfg: PipelineConfig, prefix: str) -> list[str]:
         if not cfg.resolve_path(src).is_file():
             errs.append(f"{prefix}.eval.perplexity_files[{i}]: '{src}' is not a file; fix the path")
     return errs
-
-

@@ -207,15 +207,25 @@ class TrainSection(_Section):
     without the fused fp32 kernels) the whole-model step runs and the log says why."""
 
 
-FINETUNE_INHERITS = ("optimizer.beta1", "optimizer.beta2", "optimizer.eps", "loop.grad_clip",
-                     "loop.max_nonfinite_steps", "loop.peak_flops", "fused_kernels", "layerwise")
+FINETUNE_INHERITS = (
+    "optimizer.beta1",
+    "optimizer.beta2",
+    "optimizer.eps",
+    "loop.grad_clip",
+    "loop.max_nonfinite_steps",
+    "loop.peak_flops",
+    "fused_kernels",
+    "layerwise",
+)
 """The keys of pretrain.train that finetune.train takes when it does not set them: how AdamW and the loop
 behave on this machine, not what the run learns. Everything else (learning rate, schedule, budget, batch,
 precision, ...) comes from finetune.train or FINETUNE_DEFAULTS, never from pretrain."""
 
-FINETUNE_DEFAULTS = {"optimizer": {"lr": 1e-3, "weight_decay": 0.0},
-                     "schedule": {"warmup_steps": 5},
-                     "loop": {"max_steps": 50, "eval_batches": 4, "save_steps": 50}}
+FINETUNE_DEFAULTS = {
+    "optimizer": {"lr": 1e-3, "weight_decay": 0.0},
+    "schedule": {"warmup_steps": 5},
+    "loop": {"max_steps": 50, "eval_batches": 4, "save_steps": 50},
+}
 """finetune.train's defaults where they differ from TrainSection's (LoRA: a higher lr, no weight decay)."""
 
 
@@ -339,7 +349,8 @@ class EvalSection(_Section):
     top_p: float | None = Field(None, gt=0, le=1)
     seed: int = 0
     stop: list[str] = Field(default_factory=list)
-    """Stop strings for the sample generations and `msllm predict` (the text is cut before the first one; EOS always stops)."""
+    """Stop strings for the sample generations and `msllm predict` (the text is cut before the first one; EOS always
+    stops)."""
     fused_kernels: bool = True
     """Decode (eval samples, lm-eval generation, `msllm predict`) with the fused decode kernel
     (model/decode_kernel.cc) where model.kernels.enabled(..., kind="decode") allows; false keeps MindSpore's
@@ -358,7 +369,8 @@ class ExportSection(_Section):
     seq_length: int = Field(32, gt=0)
     atol: float = Field(1e-4, gt=0)
     prompts: list[str] = Field(default_factory=lambda: ["ROMEO:", "To be, or not", "The king"], min_length=1)
-    """Fixed prompts of the export check: logits of MindSpore vs the reloaded MindIR and onnxruntime, and greedy tokens."""
+    """Fixed prompts of the export check: logits of MindSpore vs the reloaded MindIR and onnxruntime, and greedy
+    tokens."""
     max_new_tokens: int = Field(8, gt=0)
     """Greedy tokens per prompt that onnxruntime must reproduce (at most seq_length minus the prompt's length)."""
     int8: bool = False
@@ -388,7 +400,7 @@ class PipelineConfig(_Section):
     """What resolving chose that the user should see (e.g. which training budget a `--set` replaced)."""
 
     @model_validator(mode="after")
-    def _one_value_per_setting(self) -> "PipelineConfig":
+    def _one_value_per_setting(self) -> PipelineConfig:
         """Defaults that come from another section are filled here, once, so every reader sees one value:
         pretrain.seq_length from data.seq_length, each train.loop.save_steps from checkpoint.save_steps."""
         if self.pretrain.seq_length is None:
@@ -407,7 +419,7 @@ class PipelineConfig(_Section):
         par = self.section("parallel")
         return {k: par[k] for k in LAYOUT_KEYS}
 
-    def for_continued(self, sources: list[str]) -> "PipelineConfig":
+    def for_continued(self, sources: list[str]) -> PipelineConfig:
         """The config of a continued-pretraining run on `sources` (base tokenizer kept by the caller):
         pretrain with continued.train (already pretrain.train with continued's settings on top)."""
         c = self.model_copy(deep=True)
@@ -423,4 +435,3 @@ class PipelineConfig(_Section):
 
 
 _YAML_KEYS_EXCLUDED = {"name", "base_dir", "notes"}
-

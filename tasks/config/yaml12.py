@@ -18,8 +18,10 @@ def _yaml11_hint(value: Any) -> str:
     if not isinstance(value, str):
         return ""
     if _SEXAGESIMAL.match(value):
-        return (f" ('{value}' is text: pipelines files are read as YAML 1.2, which has no base-60 numbers; "
-                "write the number itself)")
+        return (
+            f" ('{value}' is text: pipelines files are read as YAML 1.2, which has no base-60 numbers; "
+            "write the number itself)"
+        )
     if value.lower() in _YAML11_BOOLS:
         return f" ('{value}' is text: pipelines files are read as YAML 1.2, where booleans are true and false)"
     return ""
@@ -91,12 +93,16 @@ class Loader(yaml.SafeLoader):
             if target is not None:  # an undefined alias: the base class says so
                 size = self._sizes.get(id(target))
                 if size is None:  # the anchored node is still open: the alias is inside it
-                    raise AliasBombError(event.start_mark.line + 1, event.anchor,
-                                         "refers to a node that contains it (a recursive structure)")
+                    raise AliasBombError(
+                        event.start_mark.line + 1,
+                        event.anchor,
+                        "refers to a node that contains it (a recursive structure)",
+                    )
                 self._alias_nodes += size
                 if self._alias_nodes > MAX_ALIAS_NODES:
-                    raise AliasBombError(event.start_mark.line + 1, event.anchor,
-                                         f"expands the document past {MAX_ALIAS_NODES:,} nodes")
+                    raise AliasBombError(
+                        event.start_mark.line + 1, event.anchor, f"expands the document past {MAX_ALIAS_NODES:,} nodes"
+                    )
             return super().compose_node(parent, index)
         node = super().compose_node(parent, index)
         if isinstance(node, yaml.SequenceNode):
@@ -144,21 +150,35 @@ Loader.yaml_implicit_resolvers = {
     ch: [(tag, rx) for tag, rx in resolvers if tag in _KEEP]
     for ch, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
-Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
-                             list("tTfF"))
-Loader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(r"""^(?:
+Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
+Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:int",
+    re.compile(
+        r"""^(?:
       [-+]?[0-9][0-9_]*
     | [-+]?0[xX][0-9a-fA-F][0-9a-fA-F_]*
-    | [-+]?0[oO][0-7][0-7_]*)$""", re.X), list("-+0123456789"))
-Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"""^(?:
+    | [-+]?0[oO][0-7][0-7_]*)$""",
+        re.X,
+    ),
+    list("-+0123456789"),
+)
+Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"""^(?:
       [-+]?[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?
     | [-+]?[0-9][0-9_]*[eE][-+]?[0-9]+
     | [-+]?\.[0-9][0-9_]*(?:[eE][-+]?[0-9]+)?
     | [-+]?\.(?:inf|Inf|INF)
-    | \.(?:nan|NaN|NAN))$""", re.X), list("-+0123456789."))
+    | \.(?:nan|NaN|NAN))$""",
+        re.X,
+    ),
+    list("-+0123456789."),
+)
 
 
 def load_yaml(text: str) -> Any:
     """Parse YAML with `Loader` (safe: plain data only)."""
     return yaml.load(text, Loader=Loader)  # noqa: S506  (Loader is a yaml.SafeLoader)
-

@@ -15,16 +15,17 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 
 from model.convert import nonfinite
 
-STEPS = 8            # single-token steps (present → past) of the ONNX check
-CHUNK = 3            # tokens per row of the batched check over a past
-SPEED_TOKENS = 32    # decode steps timed per model for the int8 speed comparison
+STEPS = 8  # single-token steps (present → past) of the ONNX check
+CHUNK = 3  # tokens per row of the batched check over a past
+SPEED_TOKENS = 32  # decode steps timed per model for the int8 speed comparison
 
 
 class ExportCheckFailed(RuntimeError):
@@ -61,13 +62,17 @@ def check_finite_logits(logits: np.ndarray, weights: Iterable[tuple[str, np.ndar
     largest = (0.0, "?")
     for name, w in weights:
         if bad := nonfinite(name, w):
-            raise ExportCheckFailed(f"export verification failed: {what}'s logits are NaN/Inf: {bad}; this model "
-                                    "cannot be exported: rebuild it, or convert it again from a good source")
+            raise ExportCheckFailed(
+                f"export verification failed: {what}'s logits are NaN/Inf: {bad}; this model "
+                "cannot be exported: rebuild it, or convert it again from a good source"
+            )
         if w.size:
             largest = max(largest, (float(np.abs(w).max()), name))
-    raise ExportCheckFailed(f"export verification failed: {what}'s logits are NaN/Inf though every weight is finite: "
-                            f"the largest, |{largest[0]:.2g}| in {largest[1]}, overflows float32 arithmetic; this "
-                            "model cannot be exported: rebuild it, or convert it again from a good source")
+    raise ExportCheckFailed(
+        f"export verification failed: {what}'s logits are NaN/Inf though every weight is finite: "
+        f"the largest, |{largest[0]:.2g}| in {largest[1]}, overflows float32 arithmetic; this "
+        "model cannot be exported: rebuild it, or convert it again from a good source"
+    )
 
 
 def verify_mindir(path: Path, reference: Reference, batches: list[np.ndarray]) -> float:
@@ -88,10 +93,10 @@ def onnx_checks(gen, reference: Reference, prompts: list[list[int]], vocab_size:
     max_abs_diff.
     """
     rng = np.random.default_rng(0)
-    batch = prompts if len(prompts) > 1 else [prompts[0], prompts[0][len(prompts[0]) // 2:]]  # batch > 1, padded
+    batch = prompts if len(prompts) > 1 else [prompts[0], prompts[0][len(prompts[0]) // 2 :]]  # batch > 1, padded
     ext = [[int(t) for t in rng.integers(0, vocab_size, CHUNK + STEPS)] for _ in batch]
     rows = [p + e for p, e in zip(batch, ext)]
-    ref = reference(token_batches(rows, len(rows), max(map(len, rows)))[0])        # [n, L, V]
+    ref = reference(token_batches(rows, len(rows), max(map(len, rows)))[0])  # [n, L, V]
     out: list[dict[str, Any]] = []
 
     def record(check: str, b: int, t: int, past: int, d: float) -> None:
@@ -101,32 +106,47 @@ def onnx_checks(gen, reference: Reference, prompts: list[list[int]], vocab_size:
         return np.ones((b, n), np.int64)
 
     # each prompt alone, no past
-    for i, p in enumerate(batch[:len(prompts)]):
+    for i, p in enumerate(batch[: len(prompts)]):
         logits, _ = gen.forward(np.array([p]), ones(1, len(p)), np.arange(len(p))[None], gen.empty_past(1))
-        record("one prompt, no past", 1, len(p), 0, max_abs_diff(logits[0], ref[i, :len(p)]))
+        record("one prompt, no past", 1, len(p), 0, max_abs_diff(logits[0], ref[i, : len(p)]))
     # one row as a past (its prompt) plus everything after it in one call
     p0, r0 = batch[0], rows[0]
     _, past = gen.forward(np.array([p0]), ones(1, len(p0)), np.arange(len(p0))[None], gen.empty_past(1))
-    rest = r0[len(p0):]
+    rest = r0[len(p0) :]
     logits, _ = gen.forward(np.array([rest]), ones(1, len(r0)), np.arange(len(p0), len(r0))[None], past)
-    record("one prompt as the past, the rest in one call", 1, len(rest), len(p0),
-           max_abs_diff(logits[0], ref[0, len(p0):len(r0)]))
+    record(
+        "one prompt as the past, the rest in one call",
+        1,
+        len(rest),
+        len(p0),
+        max_abs_diff(logits[0], ref[0, len(p0) : len(r0)]),
+    )
     # all prompts left-padded in one batch, no past
     n, t = len(batch), max(map(len, batch))
     ids, mask = np.zeros((n, t), np.int64), np.zeros((n, t), np.int64)
     for i, p in enumerate(batch):
-        ids[i, t - len(p):], mask[i, t - len(p):] = p, 1
+        ids[i, t - len(p) :], mask[i, t - len(p) :] = p, 1
     pos = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
     logits, past = gen.forward(ids, mask, pos, gen.empty_past(n))
-    record("batch, left-padded, no past", n, t, 0,
-           max(max_abs_diff(logits[i, t - len(p):], ref[i, :len(p)]) for i, p in enumerate(batch)))
+    record(
+        "batch, left-padded, no past",
+        n,
+        t,
+        0,
+        max(max_abs_diff(logits[i, t - len(p) :], ref[i, : len(p)]) for i, p in enumerate(batch)),
+    )
     # the batch continues with a chunk of CHUNK tokens per row over its past
     lens = np.array([len(p) for p in batch])
     chunk = np.array([e[:CHUNK] for e in ext], np.int64)
     mask = np.concatenate([mask, ones(n, CHUNK)], axis=1)
     logits, past = gen.forward(chunk, mask, lens[:, None] + np.arange(CHUNK)[None], past)
-    record("batch, left-padded, a chunk over the past", n, CHUNK, t,
-           max(max_abs_diff(logits[i], ref[i, lens[i]:lens[i] + CHUNK]) for i in range(n)))
+    record(
+        "batch, left-padded, a chunk over the past",
+        n,
+        CHUNK,
+        t,
+        max(max_abs_diff(logits[i], ref[i, lens[i] : lens[i] + CHUNK]) for i in range(n)),
+    )
     # STEPS single-token steps, present fed back as past
     d = 0.0
     for s in range(STEPS):
@@ -139,19 +159,27 @@ def onnx_checks(gen, reference: Reference, prompts: list[list[int]], vocab_size:
     return out
 
 
-def greedy_pairs(gen, net, sp, prompts: list[tuple[str, list[int]]], max_new_tokens: int,
-                 seq_length: int) -> list[dict[str, Any]]:
+def greedy_pairs(
+    gen, net, sp, prompts: list[tuple[str, list[int]]], max_new_tokens: int, seq_length: int
+) -> list[dict[str, Any]]:
     """Greedy tokens per prompt from MindSpore's generator and from onnxruntime's (`gen`), over the same window."""
-    from model.generate import Generator
     from tasks.deploy.onnx_generate import decode_completion
+    from tasks.modeling.build import generator
 
-    ms_gen, eos = Generator(net, max_len=seq_length), sp.eos_id()
+    ms_gen, eos = generator(net, max_len=seq_length), sp.eos_id()
     out = []
     for text, ids in prompts:
         want = ms_gen.generate(ids, max_new_tokens, eos_id=eos)
         got = gen.generate(ids, max_new_tokens, eos_id=eos)
-        out.append({"prompt": text, "prompt_ids": ids, "mindspore": want, "onnxruntime": got,
-                    "completion": decode_completion(sp, ids, got)})
+        out.append(
+            {
+                "prompt": text,
+                "prompt_ids": ids,
+                "mindspore": want,
+                "onnxruntime": got,
+                "completion": decode_completion(sp, ids, got),
+            }
+        )
     return out
 
 
@@ -166,15 +194,17 @@ def token_batches(rows: list[list[int]], batch: int, length: int) -> list[np.nda
     out = []
     for start in range(0, len(rows), batch):
         x = np.zeros((batch, length), np.int32)
-        for i, r in enumerate(rows[start:start + batch]):
-            x[i, :len(r)] = r[:length]
+        for i, r in enumerate(rows[start : start + batch]):
+            x[i, : len(r)] = r[:length]
         out.append(x)
     return out
 
 
 def max_abs_diff(a: np.ndarray, b: np.ndarray) -> float:
     if a.shape != b.shape:
-        raise ExportCheckFailed(f"export verification failed: logits of shape {list(a.shape)}, expected {list(b.shape)}")
+        raise ExportCheckFailed(
+            f"export verification failed: logits of shape {list(a.shape)}, expected {list(b.shape)}"
+        )
     return float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64))))
 
 
@@ -194,23 +224,34 @@ def genai_generate(model, ids: list[int], max_new_tokens: int, hold_eos: bool = 
     gen.append_tokens(ids)
     while not gen.is_done():
         gen.generate_next_token()
-    return [int(t) for t in gen.get_sequence(0)[len(ids):]]
+    return [int(t) for t in gen.get_sequence(0)[len(ids) :]]
 
 
-def verify_genai(out: Path, sp, texts: list[str], greedy: list[dict[str, Any]], max_new_tokens: int,
-                 seq_length: int) -> dict[str, Any]:
-    """onnxruntime-genai on the export directory: greedy tokens per prompt (added to `greedy` rows) and tokenizer ids."""
+def verify_genai(
+    out: Path, sp, texts: list[str], greedy: list[dict[str, Any]], max_new_tokens: int, seq_length: int
+) -> dict[str, Any]:
+    """onnxruntime-genai on the export directory: greedy tokens per prompt (added to `greedy` rows) and tokenizer
+    ids."""
     import onnxruntime_genai as og
 
     model = og.Model(str(out))
     for g in greedy:  # the window of model.generate.Generator(max_len=seq_length)
-        ids = g["prompt_ids"][-(seq_length - 1):]
+        ids = g["prompt_ids"][-(seq_length - 1) :]
         g["onnxruntime_genai"] = genai_generate(model, ids, min(max_new_tokens, seq_length - len(ids)))
-    res = {"greedy_tokens_match": all(g["mindspore"] == g["onnxruntime_genai"] for g in greedy),
-           "version": og.__version__}
+    res = {
+        "greedy_tokens_match": all(g["mindspore"] == g["onnxruntime_genai"] for g in greedy),
+        "version": og.__version__,
+    }
     if not (out / "tokenizer.json").is_file():
-        return {**res, "tokenizer_ids_match": None, "tokenizer_texts": 0, "tokenizer_tokens": 0,
-                "tokenizer_first_mismatch": None, "text_prefix": "", "decode_matches": None}
+        return {
+            **res,
+            "tokenizer_ids_match": None,
+            "tokenizer_texts": 0,
+            "tokenizer_tokens": 0,
+            "tokenizer_first_mismatch": None,
+            "text_prefix": "",
+            "decode_matches": None,
+        }
     tok = og.Tokenizer(model)
     # onnxruntime-genai 0.18 does not add SentencePiece's dummy prefix ("▁" before the text) with this
     # tokenizer.json: for a model that has one, the equivalent of sp.encode(text) is tok.encode(" " + text)
@@ -221,11 +262,19 @@ def verify_genai(out: Path, sp, texts: list[str], greedy: list[dict[str, Any]], 
         tokens += len(want)
         if want != got and first is None:
             at = next((i for i, (a, c) in enumerate(zip(want, got)) if a != c), min(len(want), len(got)))
-            first = {"text": text[max(0, at - 40):at + 80], "model": want[at:at + 8], "genai": got[at:at + 8]}
-    decoded = all(tok.decode(g["mindspore"]) in (sp.decode(g["mindspore"]), prefix + sp.decode(g["mindspore"]))
-                  for g in greedy)
-    return {**res, "tokenizer_ids_match": first is None, "tokenizer_texts": len(texts), "tokenizer_tokens": tokens,
-            "tokenizer_first_mismatch": first, "text_prefix": prefix, "decode_matches": decoded}
+            first = {"text": text[max(0, at - 40) : at + 80], "model": want[at : at + 8], "genai": got[at : at + 8]}
+    decoded = all(
+        tok.decode(g["mindspore"]) in (sp.decode(g["mindspore"]), prefix + sp.decode(g["mindspore"])) for g in greedy
+    )
+    return {
+        **res,
+        "tokenizer_ids_match": first is None,
+        "tokenizer_texts": len(texts),
+        "tokenizer_tokens": tokens,
+        "tokenizer_first_mismatch": first,
+        "text_prefix": prefix,
+        "decode_matches": decoded,
+    }
 
 
 # ----------------------------------------------------------------------------- int8
@@ -233,10 +282,10 @@ def verify_genai(out: Path, sp, texts: list[str], greedy: list[dict[str, Any]], 
 
 def perplexity(gen, ids: np.ndarray, labels: np.ndarray) -> float:
     """exp(mean NLL) of `labels` (aligned with `ids`; -100 skipped) under an OnnxGenerator's full forward."""
-    logits = gen.logits([list(r) for r in ids]).astype(np.float64)          # [B, T, V]
+    logits = gen.logits([list(r) for r in ids]).astype(np.float64)  # [B, T, V]
     keep = labels != -100
     z = logits - logits.max(axis=-1, keepdims=True)
-    lse = np.log(np.exp(z).sum(axis=-1))                                      # [B, T]
+    lse = np.log(np.exp(z).sum(axis=-1))  # [B, T]
     target = np.take_along_axis(z, np.where(keep, labels, 0)[..., None], axis=-1)[..., 0]
     return float(np.exp(((lse - target) * keep).sum() / max(int(keep.sum()), 1)))
 
@@ -261,8 +310,16 @@ def decode_speeds(gens: list, prompt: list[int], n: int, rounds: int = 3) -> lis
     return [round(b, 1) for b in best]
 
 
-def int8_report(out: Path, fp32, reference: Reference, prompts: list[list[int]], greedy: list[dict[str, Any]],
-                heldout: tuple[np.ndarray, np.ndarray] | None, data: Path | None, ex) -> dict[str, Any]:
+def int8_report(
+    out: Path,
+    fp32,
+    reference: Reference,
+    prompts: list[list[int]],
+    greedy: list[dict[str, Any]],
+    heldout: tuple[np.ndarray, np.ndarray] | None,
+    data: Path | None,
+    ex,
+) -> dict[str, Any]:
     """Size, decode speed, perplexity change, logit difference and greedy agreement of model.int8.onnx vs fp32."""
     from tasks.deploy.onnx_generate import OnnxGenerator
 
@@ -271,7 +328,7 @@ def int8_report(out: Path, fp32, reference: Reference, prompts: list[list[int]],
     x = token_batches(prompts, len(prompts), max(map(len, prompts)))[0]
     ref = reference(x)
     got = q.logits([list(p) for p in prompts])
-    diff = max(max_abs_diff(got[i, :len(p)], ref[i, :len(p)]) for i, p in enumerate(prompts))
+    diff = max(max_abs_diff(got[i, : len(p)], ref[i, : len(p)]) for i, p in enumerate(prompts))
     q_greedy = [q.generate(g["prompt_ids"], ex.max_new_tokens, eos_id=fp32.eos_id) for g in greedy]
     if heldout is not None:
         ids, labels = heldout
@@ -283,15 +340,25 @@ def int8_report(out: Path, fp32, reference: Reference, prompts: list[list[int]],
         ids = np.zeros((len(rows), t), np.int64)
         labels = np.full((len(rows), t), -100, np.int64)
         for i, r in enumerate(rows):
-            ids[i, :len(r) - 1], labels[i, :len(r) - 1] = r[:-1], r[1:]
+            ids[i, : len(r) - 1], labels[i, : len(r) - 1] = r[:-1], r[1:]
         source = "the export prompts and MindSpore's greedy continuations (no data artifact in the store)"
     p32, p8 = perplexity(fp32, ids, labels), perplexity(q, ids, labels)
     n = max(2, min(SPEED_TOKENS, ex.seq_length - len(prompts[0])))
     s32, s8 = decode_speeds([fp32, q], prompts[0], n)
-    return {"file": "model.int8.onnx",  # "method" and "quantization": tasks/deploy/formats.py, added by the stage
-            "bytes": q_bytes, "fp32_bytes": fp32_bytes, "size_ratio": round(q_bytes / fp32_bytes, 4),
-            "max_abs_diff": diff, "greedy_tokens_match": all(a == g["mindspore"] for a, g in zip(q_greedy, greedy)),
-            "greedy": q_greedy, "perplexity": p8, "fp32_perplexity": p32,
-            "perplexity_change_pct": round(100.0 * (p8 - p32) / p32, 4), "perplexity_source": source,
-            "decode_tokens_per_s": s8, "fp32_decode_tokens_per_s": s32, "speed_tokens": n,
-            "speedup": round(s8 / s32, 3) if s32 else None}
+    return {
+        "file": "model.int8.onnx",  # "method" and "quantization": tasks/deploy/formats.py, added by the stage
+        "bytes": q_bytes,
+        "fp32_bytes": fp32_bytes,
+        "size_ratio": round(q_bytes / fp32_bytes, 4),
+        "max_abs_diff": diff,
+        "greedy_tokens_match": all(a == g["mindspore"] for a, g in zip(q_greedy, greedy)),
+        "greedy": q_greedy,
+        "perplexity": p8,
+        "fp32_perplexity": p32,
+        "perplexity_change_pct": round(100.0 * (p8 - p32) / p32, 4),
+        "perplexity_source": source,
+        "decode_tokens_per_s": s8,
+        "fp32_decode_tokens_per_s": s32,
+        "speed_tokens": n,
+        "speedup": round(s8 / s32, 3) if s32 else None,
+    }

@@ -28,13 +28,15 @@ def export_mindir(net, path: Path) -> None:
     """MindIR with a dynamic [batch, seq] int32 input; `path` ends in .mindir."""
     import mindspore as ms
 
-    ms.export(net, ms.Tensor(shape=[None, None], dtype=ms.int32), file_name=str(path.with_suffix("")),
-              file_format="MINDIR")
+    ms.export(
+        net, ms.Tensor(shape=[None, None], dtype=ms.int32), file_name=str(path.with_suffix("")), file_format="MINDIR"
+    )
     os.chmod(path, 0o644)  # MindSpore writes it owner-read-only
 
 
-def export_onnx(info: dict[str, Any], weights: dict[str, np.ndarray], path: Path,
-                meta: dict[str, str] | None = None) -> dict[str, Any]:
+def export_onnx(
+    info: dict[str, Any], weights: dict[str, np.ndarray], path: Path, meta: dict[str, str] | None = None
+) -> dict[str, Any]:
     """The KV-cache decoder (tasks/deploy/onnx_decoder.py) from `weights`, saved at `path` and checked.
 
     Returns {"onnx_opset", "onnx_bytes"}; ExportCheckFailed when onnx.checker rejects the file.
@@ -55,13 +57,18 @@ def onnx_io(model_config: dict[str, Any]) -> dict[str, Any]:
     hd = model_config["hidden_size"] // model_config["num_heads"]
     kv = f"float32 [batch, {nkv}, {{}}, {hd}]"
     return {
-        "inputs": {"input_ids": "int64 [batch, sequence]", "attention_mask": "int64 [batch, past + sequence] "
-                   "(1 = token, 0 = padding)", "position_ids": "int64 [batch, sequence]",
-                   **{f"past_key_values.{i}.{n}": kv.format("past") for i in range(L) for n in ("key", "value")}},
-        "outputs": {"logits": f"float32 [batch, sequence, {model_config['vocab_size']}]",
-                    **{f"present.{i}.{n}": kv.format("past + sequence") for i in range(L) for n in ("key", "value")}},
+        "inputs": {
+            "input_ids": "int64 [batch, sequence]",
+            "attention_mask": "int64 [batch, past + sequence] (1 = token, 0 = padding)",
+            "position_ids": "int64 [batch, sequence]",
+            **{f"past_key_values.{i}.{n}": kv.format("past") for i in range(L) for n in ("key", "value")},
+        },
+        "outputs": {
+            "logits": f"float32 [batch, sequence, {model_config['vocab_size']}]",
+            **{f"present.{i}.{n}": kv.format("past + sequence") for i in range(L) for n in ("key", "value")},
+        },
         "cache": "feed present.{i}.key/value back as past_key_values.{i}.key/value; a first call takes past of "
-                 "length 0; batches are left-padded with position_ids counting real tokens",
+        "length 0; batches are left-padded with position_ids counting real tokens",
     }
 
 
@@ -70,14 +77,21 @@ def onnx_io(model_config: dict[str, Any]) -> dict[str, Any]:
 # products saturates (255 * 127 * 2 > 32767): on AVX2-only CPUs the logits moved by 0.08 where VNNI gave
 # < 0.05. reduce_range keeps |weights| <= 64 (2 * 255 * 64 < 32767: no saturation on any path), and
 # per-channel scales win back the bit (one scale per output column instead of one per matrix).
-INT8_OPTIONS = {"weight_type": "QInt8", "per_channel": True, "reduce_range": True, "op_types_to_quantize": ["MatMul"],
-                "extra_options": {"MatMulConstBOnly": True}}
+INT8_OPTIONS = {
+    "weight_type": "QInt8",
+    "per_channel": True,
+    "reduce_range": True,
+    "op_types_to_quantize": ["MatMul"],
+    "extra_options": {"MatMulConstBOnly": True},
+}
 
 
 def int8_method() -> str:
     """How export_int8 quantizes, for the export manifest."""
-    return ("onnxruntime.quantization.quantize_dynamic, QInt8 weights per channel with reduce_range (7-bit: no "
-            "u8 x s8 saturation without VNNI), MatMul with constant B only")
+    return (
+        "onnxruntime.quantization.quantize_dynamic, QInt8 weights per channel with reduce_range (7-bit: no "
+        "u8 x s8 saturation without VNNI), MatMul with constant B only"
+    )
 
 
 def export_int8(src: Path, dst: Path) -> None:
@@ -100,8 +114,12 @@ def write_genai_files(out: Path, info: dict[str, Any], model_dir: Path) -> str |
     tok = info.get("tokenizer", {})
     eos = tok.get("eos_id", 2)
     pad = tok.get("pad_id", -1)
-    atomic_write_json(out / "genai_config.json", genai_config(info["model"], eos_id=eos, bos_id=tok.get("bos_id", 1),
-                                                              pad_id=pad if pad is not None and pad >= 0 else eos))
+    atomic_write_json(
+        out / "genai_config.json",
+        genai_config(
+            info["model"], eos_id=eos, bos_id=tok.get("bos_id", 1), pad_id=pad if pad is not None and pad >= 0 else eos
+        ),
+    )
     if not (model_dir / SP_FILE).is_file():
         for f in (HF_FILE, HF_CONFIG):
             if (model_dir / f).is_file():

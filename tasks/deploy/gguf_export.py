@@ -5,22 +5,24 @@
 Each file (`model.f16.gguf`, `model.q8_0.gguf`) holds the llama.* metadata, the tokenizer (tokenizer.ggml.*:
 a SentencePiece model as llama.cpp's `llama` vocabulary with scores and token types; a byte-level BPE
 tokenizer.json as its `gpt2` vocabulary with merges and its pre-tokenizer name; the chat template) and the
-weights (model/gguf.py). The check reads each file back with the `gguf` package's reader (see `export_gguf`): the weights must equal the
-type's rounding done in memory bit for bit, the logits of the read-back weights must stay within a bound derived
-from the type's rounding and the logits' scale (the quantization's effect is reported), and the tokenizer read
-back must encode the check texts to the same ids.
+weights (model/gguf.py). The check reads each file back with the `gguf` package's reader (see `export_gguf`): the
+weights must equal the type's rounding done in memory bit for bit, the logits of the read-back weights must stay within
+a bound derived from the type's rounding and the logits' scale (the quantization's effect is reported), and the
+tokenizer read back must encode the check texts to the same ids.
 """
 
 from __future__ import annotations
 
 import json
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import mindspore as ms
 import numpy as np
-from gguf import GGMLQuantizationType as Q, quants
+from gguf import GGMLQuantizationType as Q
+from gguf import quants
 
 from model.config import ModelConfig
 from model.gguf import TENSORS, read_gguf, write_gguf
@@ -42,10 +44,15 @@ def _sp_meta(tok) -> dict[str, Any]:
     sp = tok.sp
     n = sp.get_piece_size()
     types = [2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i) else 1 for i in range(n)]
-    meta = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": [sp.id_to_piece(i) for i in range(n)],
-            "tokenizer.ggml.scores": [float(sp.get_score(i)) for i in range(n)], "tokenizer.ggml.token_type": types,
-            "tokenizer.ggml.add_bos_token": False, "tokenizer.ggml.add_eos_token": False,
-            "tokenizer.ggml.add_space_prefix": bool(tok.model_proto().get("add_dummy_prefix", False))}
+    meta = {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": [sp.id_to_piece(i) for i in range(n)],
+        "tokenizer.ggml.scores": [float(sp.get_score(i)) for i in range(n)],
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.add_bos_token": False,
+        "tokenizer.ggml.add_eos_token": False,
+        "tokenizer.ggml.add_space_prefix": bool(tok.model_proto().get("add_dummy_prefix", False)),
+    }
     return meta
 
 
@@ -54,8 +61,10 @@ def _hf_meta(tok) -> dict[str, Any]:
     spec = json.loads(tok.tok.to_str())
     model = spec.get("model", {})
     if model.get("type") != "BPE" or not tok._byte_level():
-        raise TokenizerError(f"{tok.path}: a {model.get('type')} tokenizer.json that is not byte-level BPE; GGUF "
-                             "export writes byte-level BPE (gpt2) and SentencePiece vocabularies only")
+        raise TokenizerError(
+            f"{tok.path}: a {model.get('type')} tokenizer.json that is not byte-level BPE; GGUF "
+            "export writes byte-level BPE (gpt2) and SentencePiece vocabularies only"
+        )
     pre = spec.get("pre_tokenizer") or {}
     parts = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
     kinds = [p.get("type") for p in parts]
@@ -64,17 +73,23 @@ def _hf_meta(tok) -> dict[str, Any]:
     elif kinds == ["ByteLevel"] and parts[0].get("use_regex", True):
         pre_name = "gpt-2"
     else:
-        raise TokenizerError(f"{tok.path}: pre-tokenizer {kinds} has no llama.cpp equivalent this exporter knows "
-                             "(known: ByteLevel, Digits + ByteLevel)")
+        raise TokenizerError(
+            f"{tok.path}: pre-tokenizer {kinds} has no llama.cpp equivalent this exporter knows "
+            "(known: ByteLevel, Digits + ByteLevel)"
+        )
     n = tok.vocab_size
     tokens = [tok.tok.id_to_token(i) or f"[PAD{i}]" for i in range(n)]
     special = {t.content for t in tok.tok.get_added_tokens_decoder().values() if t.special}
     merges = model.get("merges", [])
     merges = [m if isinstance(m, str) else " ".join(m) for m in merges]
-    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre_name, "tokenizer.ggml.tokens": tokens,
-            "tokenizer.ggml.token_type": [3 if t in special else 1 for t in tokens],
-            "tokenizer.ggml.merges": merges,
-            "tokenizer.ggml.add_bos_token": tok.encode_own("a") != tok.encode("a")}
+    meta = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": pre_name,
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": [3 if t in special else 1 for t in tokens],
+        "tokenizer.ggml.merges": merges,
+        "tokenizer.ggml.add_bos_token": tok.encode_own("a") != tok.encode("a"),
+    }
     return meta
 
 
@@ -101,21 +116,27 @@ def rounded_weights(weights: dict[str, np.ndarray], written: dict[str, str]) -> 
     out = {}
     for k, v in weights.items():
         kind = written.get(_gguf_name(k), "F32")
-        out[k] = (v if kind == "F32" else v.astype(np.float16).astype(np.float32) if kind == "F16"
-                  else _q8_0_round(v))
+        out[k] = v if kind == "F32" else v.astype(np.float16).astype(np.float32) if kind == "F16" else _q8_0_round(v)
     return out
 
 
 # Relative rounding of one weight: F16 keeps an 11-bit significand (2^-11); Q8_0 rounds each block of 32 to 1/127 of
 # its largest magnitude, at most half a step (2^-8 of the block's scale). The logits may move by a few times that
 # through 30 layers of sums; a wrong layout (say, Q/K rows in the wrong order) moves them by the logits' own scale.
-WEIGHT_RTOL = {"F16": 2.0 ** -11, "Q8_0": 2.0 ** -8}
+WEIGHT_RTOL = {"F16": 2.0**-11, "Q8_0": 2.0**-8}
 HEADROOM = 16
 
 
-def export_gguf(out: Path, info: dict[str, Any], weights: dict[str, np.ndarray], tok, types: list[str],
-                forward: Callable[[dict[str, np.ndarray], list[int]], np.ndarray], prompts: list[list[int]],
-                texts: list[str]) -> dict[str, Any]:
+def export_gguf(
+    out: Path,
+    info: dict[str, Any],
+    weights: dict[str, np.ndarray],
+    tok,
+    types: list[str],
+    forward: Callable[[dict[str, np.ndarray], list[int]], np.ndarray],
+    prompts: list[list[int]],
+    texts: list[str],
+) -> dict[str, Any]:
     """Write and verify one GGUF file per type; returns the report (files, diffs, tokenizer check, failures).
 
     Checks: (1) every tensor read back from the file (gguf's reader, dequantized) equals, bit for bit, the same
@@ -138,13 +159,20 @@ def export_gguf(out: Path, info: dict[str, Any], weights: dict[str, np.ndarray],
         expect = rounded_weights(weights, written)
         differ = sorted(k for k in weights if not np.array_equal(back[k], expect[k]))
         diff = max(float(np.abs(forward(back, p) - r).max()) for p, r in zip(prompts, ref))
-        entry = {"file": path.name, "bytes": path.stat().st_size, "tensor_types": sorted(set(written.values())),
-                 "weights_equal_rounding": not differ, "max_abs_diff": diff, "logit_scale": scale,
-                 "relative_diff": diff / scale if scale else None,
-                 "bound": HEADROOM * WEIGHT_RTOL[t] * scale}
+        entry = {
+            "file": path.name,
+            "bytes": path.stat().st_size,
+            "tensor_types": sorted(set(written.values())),
+            "weights_equal_rounding": not differ,
+            "max_abs_diff": diff,
+            "logit_scale": scale,
+            "relative_diff": diff / scale if scale else None,
+            "bound": HEADROOM * WEIGHT_RTOL[t] * scale,
+        }
         if differ:
-            report["failures"].append(f"GGUF {t}: {len(differ)} tensors read back differ from their {t} rounding "
-                                      f"(first: {differ[0]})")
+            report["failures"].append(
+                f"GGUF {t}: {len(differ)} tensors read back differ from their {t} rounding (first: {differ[0]})"
+            )
         if not diff <= entry["bound"]:
             report["failures"].append(f"GGUF {t}: max |Δlogit| {diff:.3g} > {entry['bound']:.3g}")
         entry["tokenizer_ids_match"] = _tokenizer_roundtrip(meta, tok, texts, out, t)
@@ -172,7 +200,7 @@ def _gguf_name(ours: str) -> str:
         if "{i}" in o:
             head, tail = o.split("{i}")
             if ours.startswith(head) and ours.endswith(tail):
-                return g.replace("{i}", ours[len(head):len(ours) - len(tail)])
+                return g.replace("{i}", ours[len(head) : len(ours) - len(tail)])
     return ours
 
 

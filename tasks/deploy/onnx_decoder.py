@@ -5,8 +5,7 @@ model artifact's weights, in the layout the ONNX Runtime ecosystem uses for deco
 onnxruntime, onnxruntime-genai (`genai_config`) and Hugging Face-style KV-cache loops all run it.
 
     model = build_decoder(config, weights)            # config: ModelConfig fields; weights: name -> [out, in] array
-    save_model(model, "model.onnx")
-    cfg = genai_config(config, eos_id=2, bos_id=1, pad_id=3)        # genai_config.json
+    save_model(model, "model.onnx") cfg = genai_config(config, eos_id=2, bos_id=1, pad_id=3) # genai_config.json
     tok_json, tok_cfg = hf_tokenizer_files(open("tokenizer.model", "rb").read())
 
 Inputs and outputs (L = num_layers, nkv = num_kv_heads, hd = head_dim; every axis named here
@@ -41,8 +40,9 @@ opset-18 ops only.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 import onnx
@@ -92,17 +92,26 @@ class _Graph:
 
 def _cfg(config: Mapping[str, Any] | Any) -> dict[str, Any]:
     c = dict(config) if isinstance(config, Mapping) else dict(config.to_dict())
-    need = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
-            "max_seq_length")
+    need = (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_layers",
+        "num_heads",
+        "num_kv_heads",
+        "max_seq_length",
+    )
     missing = [k for k in need if k not in c]
     if missing:
-        raise ValueError(f"model config lacks {missing}; pass ModelConfig.to_dict() (model.json's \"model\")")
+        raise ValueError(f'model config lacks {missing}; pass ModelConfig.to_dict() (model.json\'s "model")')
     c.setdefault("rope_theta", 10000.0)
     c.setdefault("norm_eps", 1e-5)
     c.setdefault("tie_embeddings", False)
     if c["hidden_size"] % c["num_heads"] or c["num_heads"] % c["num_kv_heads"]:
-        raise ValueError(f"hidden_size {c['hidden_size']}, num_heads {c['num_heads']}, num_kv_heads "
-                         f"{c['num_kv_heads']}: heads must divide hidden_size and kv heads must divide heads")
+        raise ValueError(
+            f"hidden_size {c['hidden_size']}, num_heads {c['num_heads']}, num_kv_heads "
+            f"{c['num_kv_heads']}: heads must divide hidden_size and kv heads must divide heads"
+        )
     return c
 
 
@@ -115,8 +124,9 @@ def _weight(weights: Mapping[str, np.ndarray], name: str, shape: tuple[int, ...]
     return w
 
 
-def build_decoder(config: Mapping[str, Any] | Any, weights: Mapping[str, np.ndarray], *,
-                  metadata: Mapping[str, str] | None = None) -> onnx.ModelProto:
+def build_decoder(
+    config: Mapping[str, Any] | Any, weights: Mapping[str, np.ndarray], *, metadata: Mapping[str, str] | None = None
+) -> onnx.ModelProto:
     """The decoder with a KV cache (see the module docstring) from LlamaForCausalLM weights ([out, in] each).
 
     `config` is a ModelConfig or its dict; `metadata` goes into the model's metadata_props
@@ -126,7 +136,7 @@ def build_decoder(config: Mapping[str, Any] | Any, weights: Mapping[str, np.ndar
     g = _Graph()
     embed = _shared_constants(g, c, weights)
     d = _Decoder(g, c, weights)
-    x = g.op("Gather", ["embed_tokens.weight", INPUT_IDS], "embeddings", axis=0)           # [B, T, H]
+    x = g.op("Gather", ["embed_tokens.weight", INPUT_IDS], "embeddings", axis=0)  # [B, T, H]
     for i in range(c["num_layers"]):
         x = d.layer(i, x)
     h = d.rms_norm(x, "norm.weight", "final_norm")
@@ -151,7 +161,7 @@ def _shared_constants(g: _Graph, c: dict[str, Any], weights: Mapping[str, np.nda
     g.const("rope.sin", sin)
     g.const("eps", np.asarray(c["norm_eps"], np.float32))
     g.const("two", np.asarray(2.0, np.float32))
-    g.const("scale", np.asarray(hd ** -0.5, np.float32))
+    g.const("scale", np.asarray(hd**-0.5, np.float32))
     g.const("zero_f", np.asarray(0.0, np.float32))
     g.const("masked_f", np.asarray(MASKED, np.float32))
     g.i64("axes_last", [-1])
@@ -164,8 +174,8 @@ def _shared_constants(g: _Graph, c: dict[str, Any], weights: Mapping[str, np.nda
     g.const("one_s", np.asarray(1, np.int64))
     g.i64("shape_q", [0, 0, nh, hd])
     g.i64("shape_kv", [0, 0, nkv, hd])
-    g.i64("shape_fold", [0, nkv, -1, 0])      # [B, nh, T, X] -> [B, nkv, rep*T, X]: a KV head's query heads
-    g.i64("shape_unfold", [0, nh, -1, 0])     # [B, nkv, rep*T, X] -> [B, nh, T, X]
+    g.i64("shape_fold", [0, nkv, -1, 0])  # [B, nh, T, X] -> [B, nkv, rep*T, X]: a KV head's query heads
+    g.i64("shape_unfold", [0, nh, -1, 0])  # [B, nkv, rep*T, X] -> [B, nh, T, X]
     g.i64("shape_merge", [0, 0, nh * hd])
     return embed
 
@@ -180,12 +190,14 @@ class _Decoder:
         t_len = g.op("Squeeze", [g.op("Shape", [INPUT_IDS], start=1, end=2), "zero_i"], "seq_len")
         s_len = g.op("Squeeze", [g.op("Shape", [ATTENTION_MASK], start=1, end=2), "zero_i"], "total_len")
         p_len = g.op("Sub", [s_len, t_len], "past_len")
-        q_slots = g.op("Range", [p_len, s_len, "one_s"], "query_slots")                    # [T]
-        k_slots = g.op("Range", ["zero_s", s_len, "one_s"], "key_slots")                   # [S]
-        causal = g.op("LessOrEqual", [g.op("Unsqueeze", [k_slots, "axes_0"]),
-                                      g.op("Unsqueeze", [q_slots, "axes_last"])], "causal")  # [T, S]
-        real = g.op("Unsqueeze", [g.op("Cast", [ATTENTION_MASK], to=TensorProto.BOOL), "axes_12"],
-                    "real_keys")                                                            # [B, 1, 1, S]
+        q_slots = g.op("Range", [p_len, s_len, "one_s"], "query_slots")  # [T]
+        k_slots = g.op("Range", ["zero_s", s_len, "one_s"], "key_slots")  # [S]
+        causal = g.op(
+            "LessOrEqual", [g.op("Unsqueeze", [k_slots, "axes_0"]), g.op("Unsqueeze", [q_slots, "axes_last"])], "causal"
+        )  # [T, S]
+        real = g.op(
+            "Unsqueeze", [g.op("Cast", [ATTENTION_MASK], to=TensorProto.BOOL), "axes_12"], "real_keys"
+        )  # [B, 1, 1, S]
         self.mask = g.op("Where", [g.op("And", [causal, real]), "zero_f", "masked_f"], "attn_mask")  # [B, 1, T, S]
         # RoPE angles of each token [B, 1, T, hd]
         self.cos_t = g.op("Unsqueeze", [g.op("Gather", ["rope.cos", POSITION_IDS], axis=0), "axes_1"], "cos")
@@ -223,24 +235,24 @@ class _Decoder:
         k = linear(h, p + "self_attn.k_proj.weight", (nkv * hd, H))
         v = linear(h, p + "self_attn.v_proj.weight", (nkv * hd, H))
         perm = [0, 2, 1, 3]
-        q = g.op("Transpose", [g.op("Reshape", [q, "shape_q"])], perm=perm)                # [B, nh, T, hd]
-        k = g.op("Transpose", [g.op("Reshape", [k, "shape_kv"])], perm=perm)               # [B, nkv, T, hd]
-        v = g.op("Transpose", [g.op("Reshape", [v, "shape_kv"])], perm=perm)               # [B, nkv, T, hd]
+        q = g.op("Transpose", [g.op("Reshape", [q, "shape_q"])], perm=perm)  # [B, nh, T, hd]
+        k = g.op("Transpose", [g.op("Reshape", [k, "shape_kv"])], perm=perm)  # [B, nkv, T, hd]
+        v = g.op("Transpose", [g.op("Reshape", [v, "shape_kv"])], perm=perm)  # [B, nkv, T, hd]
         q = g.op("Mul", [self.rope(q), "scale"], f"l{i}.q")
         k = self.rope(k)
-        k_all = g.op("Concat", [PAST_KEY.format(i), k], PRESENT_KEY.format(i), axis=2)     # [B, nkv, S, hd]
+        k_all = g.op("Concat", [PAST_KEY.format(i), k], PRESENT_KEY.format(i), axis=2)  # [B, nkv, S, hd]
         v_all = g.op("Concat", [PAST_VALUE.format(i), v], PRESENT_VALUE.format(i), axis=2)
-        qf = g.op("Reshape", [q, "shape_fold"])                                            # [B, nkv, rep*T, hd]
-        scores = g.op("MatMul", [qf, g.op("Transpose", [k_all], perm=[0, 1, 3, 2])])       # [B, nkv, rep*T, S]
-        scores = g.op("Add", [g.op("Reshape", [scores, "shape_unfold"]), self.mask])       # [B, nh, T, S]
-        probs = g.op("Reshape", [g.op("Softmax", [scores], axis=-1), "shape_fold"])        # [B, nkv, rep*T, S]
-        ctx = g.op("Reshape", [g.op("MatMul", [probs, v_all]), "shape_unfold"])            # [B, nh, T, hd]
-        ctx = g.op("Reshape", [g.op("Transpose", [ctx], perm=perm), "shape_merge"])        # [B, T, H]
+        qf = g.op("Reshape", [q, "shape_fold"])  # [B, nkv, rep*T, hd]
+        scores = g.op("MatMul", [qf, g.op("Transpose", [k_all], perm=[0, 1, 3, 2])])  # [B, nkv, rep*T, S]
+        scores = g.op("Add", [g.op("Reshape", [scores, "shape_unfold"]), self.mask])  # [B, nh, T, S]
+        probs = g.op("Reshape", [g.op("Softmax", [scores], axis=-1), "shape_fold"])  # [B, nkv, rep*T, S]
+        ctx = g.op("Reshape", [g.op("MatMul", [probs, v_all]), "shape_unfold"])  # [B, nh, T, hd]
+        ctx = g.op("Reshape", [g.op("Transpose", [ctx], perm=perm), "shape_merge"])  # [B, T, H]
         x = g.op("Add", [x, linear(ctx, p + "self_attn.o_proj.weight", (H, nh * hd))], f"l{i}.resid_attn")
         h = self.rms_norm(x, p + "post_attention_layernorm.weight", f"l{i}.mlp_in")
         gate = linear(h, p + "mlp.gate_proj.weight", (F, H))
         up = linear(h, p + "mlp.up_proj.weight", (F, H))
-        act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])              # silu(gate) * up
+        act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])  # silu(gate) * up
         x = g.op("Add", [x, linear(act, p + "mlp.down_proj.weight", (H, F))], f"l{i}.out")
         return x
 
@@ -249,22 +261,43 @@ def _model(g: _Graph, c: dict[str, Any], metadata: Mapping[str, str] | None) -> 
     """The graph's inputs and outputs (dynamic axes named), the model around it, and its metadata."""
     V, L, nkv, hd = c["vocab_size"], c["num_layers"], c["num_kv_heads"], c["hidden_size"] // c["num_heads"]
     f32, i64 = TensorProto.FLOAT, TensorProto.INT64
-    inputs = [helper.make_tensor_value_info(INPUT_IDS, i64, [_B, _T]),
-              helper.make_tensor_value_info(ATTENTION_MASK, i64, [_B, _S]),
-              helper.make_tensor_value_info(POSITION_IDS, i64, [_B, _T])]
+    inputs = [
+        helper.make_tensor_value_info(INPUT_IDS, i64, [_B, _T]),
+        helper.make_tensor_value_info(ATTENTION_MASK, i64, [_B, _S]),
+        helper.make_tensor_value_info(POSITION_IDS, i64, [_B, _T]),
+    ]
     outputs = [helper.make_tensor_value_info(LOGITS, f32, [_B, _T, V])]
     for i in range(L):
         for past, present in ((PAST_KEY, PRESENT_KEY), (PAST_VALUE, PRESENT_VALUE)):
             inputs.append(helper.make_tensor_value_info(past.format(i), f32, [_B, nkv, _P, hd]))
             outputs.append(helper.make_tensor_value_info(present.format(i), f32, [_B, nkv, _S, hd]))
     graph = helper.make_graph(g.nodes, "llama_decoder_kv_cache", inputs, outputs, initializer=g.inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="msllm",
-                              doc_string="LLaMA decoder with a KV cache: input_ids, attention_mask, position_ids, "
-                                         "past_key_values.{i}.key/value -> logits, present.{i}.key/value")
+    model = helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", OPSET)],
+        producer_name="msllm",
+        doc_string="LLaMA decoder with a KV cache: input_ids, attention_mask, position_ids, "
+        "past_key_values.{i}.key/value -> logits, present.{i}.key/value",
+    )
     model.ir_version = 8  # readable by every onnxruntime since 1.10
-    arch = {k: c[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                              "num_kv_heads", "max_seq_length", "rope_theta", "norm_eps", "tie_embeddings")}
-    helper.set_model_props(model, {"model_config": json.dumps(arch), **{k: str(v) for k, v in (metadata or {}).items()}})
+    arch = {
+        k: c[k]
+        for k in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "max_seq_length",
+            "rope_theta",
+            "norm_eps",
+            "tie_embeddings",
+        )
+    }
+    helper.set_model_props(
+        model, {"model_config": json.dumps(arch), **{k: str(v) for k, v in (metadata or {}).items()}}
+    )
     return model
 
 
@@ -281,8 +314,14 @@ def save_model(model: onnx.ModelProto, path: str | Path) -> list[Path]:
     p = Path(path)
     big = sum(t.ByteSize() for t in model.graph.initializer) > _EXTERNAL_ABOVE
     if big:
-        onnx.save_model(model, str(p), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=p.name + ".data", size_threshold=1024)
+        onnx.save_model(
+            model,
+            str(p),
+            save_as_external_data=True,
+            all_tensors_to_one_file=True,
+            location=p.name + ".data",
+            size_threshold=1024,
+        )
         return [p, p.with_name(p.name + ".data")]
     onnx.save_model(model, str(p))
     return [p]
@@ -299,8 +338,15 @@ def arch_of(model: onnx.ModelProto) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- onnxruntime-genai files
 
 
-def genai_config(config: Mapping[str, Any] | Any, *, eos_id: int, bos_id: int, pad_id: int,
-                 filename: str = "model.onnx", context_length: int | None = None) -> dict[str, Any]:
+def genai_config(
+    config: Mapping[str, Any] | Any,
+    *,
+    eos_id: int,
+    bos_id: int,
+    pad_id: int,
+    filename: str = "model.onnx",
+    context_length: int | None = None,
+) -> dict[str, Any]:
     """genai_config.json for onnxruntime-genai's "llama" decoder type, over the graph build_decoder writes.
 
     past and present are separate buffers (`past_present_share_buffer: false`): plain Concat
@@ -311,23 +357,50 @@ def genai_config(config: Mapping[str, Any] | Any, *, eos_id: int, bos_id: int, p
     ctx = int(context_length or c["max_seq_length"])
     return {
         "model": {
-            "bos_token_id": int(bos_id), "eos_token_id": int(eos_id), "pad_token_id": int(pad_id),
-            "context_length": ctx, "type": "llama", "vocab_size": int(c["vocab_size"]),
+            "bos_token_id": int(bos_id),
+            "eos_token_id": int(eos_id),
+            "pad_token_id": int(pad_id),
+            "context_length": ctx,
+            "type": "llama",
+            "vocab_size": int(c["vocab_size"]),
             "decoder": {
                 "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
-                "filename": filename, "head_size": c["hidden_size"] // c["num_heads"],
-                "hidden_size": c["hidden_size"], "num_attention_heads": c["num_heads"],
-                "num_hidden_layers": c["num_layers"], "num_key_value_heads": c["num_kv_heads"],
-                "inputs": {"input_ids": INPUT_IDS, "attention_mask": ATTENTION_MASK, "position_ids": POSITION_IDS,
-                           "past_key_names": "past_key_values.%d.key", "past_value_names": "past_key_values.%d.value"},
-                "outputs": {"logits": LOGITS, "present_key_names": "present.%d.key",
-                            "present_value_names": "present.%d.value"},
+                "filename": filename,
+                "head_size": c["hidden_size"] // c["num_heads"],
+                "hidden_size": c["hidden_size"],
+                "num_attention_heads": c["num_heads"],
+                "num_hidden_layers": c["num_layers"],
+                "num_key_value_heads": c["num_kv_heads"],
+                "inputs": {
+                    "input_ids": INPUT_IDS,
+                    "attention_mask": ATTENTION_MASK,
+                    "position_ids": POSITION_IDS,
+                    "past_key_names": "past_key_values.%d.key",
+                    "past_value_names": "past_key_values.%d.value",
+                },
+                "outputs": {
+                    "logits": LOGITS,
+                    "present_key_names": "present.%d.key",
+                    "present_value_names": "present.%d.value",
+                },
             },
         },
-        "search": {"diversity_penalty": 0.0, "do_sample": False, "early_stopping": True, "length_penalty": 1.0,
-                   "max_length": ctx, "min_length": 0, "no_repeat_ngram_size": 0, "num_beams": 1,
-                   "num_return_sequences": 1, "past_present_share_buffer": False, "repetition_penalty": 1.0,
-                   "temperature": 1.0, "top_k": 1, "top_p": 1.0},
+        "search": {
+            "diversity_penalty": 0.0,
+            "do_sample": False,
+            "early_stopping": True,
+            "length_penalty": 1.0,
+            "max_length": ctx,
+            "min_length": 0,
+            "no_repeat_ngram_size": 0,
+            "num_beams": 1,
+            "num_return_sequences": 1,
+            "past_present_share_buffer": False,
+            "repetition_penalty": 1.0,
+            "temperature": 1.0,
+            "top_k": 1,
+            "top_p": 1.0,
+        },
     }
 
 
@@ -337,8 +410,12 @@ SPACE = "\u2581"  # SentencePiece's whitespace symbol
 # (onnxruntime-genai's tokenizer): with no pre-tokenizer it splits English contractions ('s, 't,
 # 're, 've, 'm, 'll, 'd) off before BPE, which SentencePiece does not ("'That" -> "'", "T", "hat"
 # instead of "'", "That"); a Split on a literal string turns that off.
-NO_SPLIT = {"type": "Split", "pattern": {"String": "<msllm: no pre-tokenizer split>"}, "behavior": "Isolated",
-            "invert": False}
+NO_SPLIT = {
+    "type": "Split",
+    "pattern": {"String": "<msllm: no pre-tokenizer split>"},
+    "behavior": "Isolated",
+    "invert": False,
+}
 
 
 def hf_tokenizer_files(model_bytes: bytes) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -357,15 +434,95 @@ def hf_tokenizer_files(model_bytes: bytes) -> tuple[dict[str, Any], dict[str, An
     proto.ParseFromString(model_bytes)
     ts, ns = proto.trainer_spec, proto.normalizer_spec
     if ts.model_type != pb.TrainerSpec.BPE:
-        raise ValueError(f"tokenizer.model is a {pb.TrainerSpec.ModelType.Name(ts.model_type)} SentencePiece model; "
-                         "the onnxruntime-genai tokenizer files are written for BPE models only")
+        raise ValueError(
+            f"tokenizer.model is a {pb.TrainerSpec.ModelType.Name(ts.model_type)} SentencePiece model; "
+            "the onnxruntime-genai tokenizer files are written for BPE models only"
+        )
     pieces = [(p.piece, p.type) for p in proto.pieces]
     vocab = {piece: i for i, (piece, _) in enumerate(pieces)}
     normal = pb.ModelProto.SentencePiece.NORMAL
     user = pb.ModelProto.SentencePiece.USER_DEFINED
-    # merges: every split of a NORMAL piece into two pieces of the vocab, ranked by the merged piece's id
-    # (= score order in a BPE model), then by the parts' ids, as transformers' SentencePieceExtractor does
-    merges: list[tuple[int, int, int, str, str]] = []
+    merges = _bpe_merges(pieces, vocab)
+    special = [
+        (i, piece)
+        for i, (piece, kind) in enumerate(pieces)
+        if kind not in (normal, user) and not (piece.startswith("<0x") and len(piece) == 6)
+    ]  # control + unknown, not the byte pieces
+    unk = next((piece for piece, kind in pieces if kind == pb.ModelProto.SentencePiece.UNKNOWN), None)
+    norm, dec = _normalizer_and_decoder(ns)
+    tok_json = {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": [
+            {
+                "id": i,
+                "content": piece,
+                "single_word": False,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "special": True,
+            }
+            for i, piece in special
+        ],
+        "normalizer": {"type": "Sequence", "normalizers": norm},
+        "pre_tokenizer": NO_SPLIT,
+        "post_processor": None,
+        "decoder": {"type": "Sequence", "decoders": dec},
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": unk,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": True,
+            "byte_fallback": bool(ts.byte_fallback),
+            "ignore_merges": False,
+            "vocab": vocab,
+            "merges": [[a, b] for *_, a, b in merges],
+        },
+    }
+    return tok_json, _tokenizer_config(pieces, ts, ns, special)
+
+
+def _tokenizer_config(pieces: list[tuple[str, int]], ts, ns, special: list[tuple[int, str]]) -> dict[str, Any]:
+    """tokenizer_config.json of HF's LLaMA tokenizer for these pieces: no BOS/EOS added, the special pieces."""
+
+    def piece_or_none(i: int) -> str | None:
+        return pieces[i][0] if 0 <= i < len(pieces) else None
+
+    return {
+        "tokenizer_class": "LlamaTokenizer",
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "legacy": True,
+        "add_prefix_space": bool(ns.add_dummy_prefix),
+        "clean_up_tokenization_spaces": False,
+        "bos_token": piece_or_none(ts.bos_id),
+        "eos_token": piece_or_none(ts.eos_id),
+        "unk_token": piece_or_none(ts.unk_id),
+        "pad_token": piece_or_none(ts.pad_id),
+        "model_max_length": 1_000_000_000,
+        "added_tokens_decoder": {
+            str(i): {
+                "content": piece,
+                "lstrip": False,
+                "normalized": False,
+                "rstrip": False,
+                "single_word": False,
+                "special": True,
+            }
+            for i, piece in special
+        },
+    }
+
+
+def _bpe_merges(pieces: list[tuple[str, int]], vocab: dict[str, int]) -> list[tuple[int, int, int, str, str]]:
+    """Every split of a NORMAL piece into two NORMAL pieces of the vocab, ranked by the merged piece's id (= score
+    order in a BPE model), then by the parts' ids, as transformers' SentencePieceExtractor does."""
+    normal = pb.ModelProto.SentencePiece.NORMAL
+    merges = []
     for piece, kind in pieces:
         if kind != normal or len(piece) < 2:
             continue
@@ -373,41 +530,23 @@ def hf_tokenizer_files(model_bytes: bytes) -> tuple[dict[str, Any], dict[str, An
             a, b = piece[:cut], piece[cut:]
             if a in vocab and b in vocab and pieces[vocab[a]][1] == normal and pieces[vocab[b]][1] == normal:
                 merges.append((vocab[piece], vocab[a], vocab[b], a, b))
-    merges.sort()
-    special = [(i, piece) for i, (piece, kind) in enumerate(pieces) if kind not in (normal, user)
-               and not (piece.startswith("<0x") and len(piece) == 6)]  # control + unknown, not the byte pieces
-    unk = next((piece for piece, kind in pieces if kind == pb.ModelProto.SentencePiece.UNKNOWN), None)
+    return sorted(merges)
+
+
+def _normalizer_and_decoder(ns) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The normalizers (NFKC where the model normalizes so, the dummy prefix, " " → "▁") and the decoders that undo
+    them, for a SentencePiece normalizer spec."""
     norm: list[dict[str, Any]] = []
     if ns.name.lower().startswith("nmt_nfkc") or ns.name.lower() == "nfkc":
         norm.append({"type": "NFKC"})
     if ns.add_dummy_prefix:
         norm.append({"type": "Prepend", "prepend": SPACE})
     norm.append({"type": "Replace", "pattern": {"String": " "}, "content": SPACE})
-    dec: list[dict[str, Any]] = [{"type": "Replace", "pattern": {"String": SPACE}, "content": " "},
-                                 {"type": "ByteFallback"}, {"type": "Fuse"}]
+    dec: list[dict[str, Any]] = [
+        {"type": "Replace", "pattern": {"String": SPACE}, "content": " "},
+        {"type": "ByteFallback"},
+        {"type": "Fuse"},
+    ]
     if ns.add_dummy_prefix:
         dec.append({"type": "Strip", "content": " ", "start": 1, "stop": 0})
-    tok_json = {
-        "version": "1.0", "truncation": None, "padding": None,
-        "added_tokens": [{"id": i, "content": piece, "single_word": False, "lstrip": False, "rstrip": False,
-                          "normalized": False, "special": True} for i, piece in special],
-        "normalizer": {"type": "Sequence", "normalizers": norm}, "pre_tokenizer": NO_SPLIT, "post_processor": None,
-        "decoder": {"type": "Sequence", "decoders": dec},
-        "model": {"type": "BPE", "dropout": None, "unk_token": unk, "continuing_subword_prefix": None,
-                  "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": bool(ts.byte_fallback),
-                  "ignore_merges": False, "vocab": vocab, "merges": [[a, b] for *_, a, b in merges]},
-    }
-
-    def piece_or_none(i: int) -> str | None:
-        return pieces[i][0] if 0 <= i < len(pieces) else None
-
-    tok_cfg = {
-        "tokenizer_class": "LlamaTokenizer", "add_bos_token": False, "add_eos_token": False, "legacy": True,
-        "add_prefix_space": bool(ns.add_dummy_prefix), "clean_up_tokenization_spaces": False,
-        "bos_token": piece_or_none(ts.bos_id), "eos_token": piece_or_none(ts.eos_id),
-        "unk_token": piece_or_none(ts.unk_id), "pad_token": piece_or_none(ts.pad_id),
-        "model_max_length": 1_000_000_000,
-        "added_tokens_decoder": {str(i): {"content": piece, "lstrip": False, "normalized": False, "rstrip": False,
-                                          "single_word": False, "special": True} for i, piece in special},
-    }
-    return tok_json, tok_cfg
+    return norm, dec

@@ -38,9 +38,9 @@ import argparse
 import hashlib
 import json
 import sys
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import onnxruntime as ort
@@ -57,7 +57,7 @@ else:  # the copy in an export artifact (run as a script, or by path): sampling.
 
 # The few-line example of docs/PIPELINE.md (the export stage also writes it into MODEL_CARD.md, and a
 # test runs it in a fresh interpreter). ART is the export artifact directory.
-SNIPPET = '''\
+SNIPPET = """\
 import numpy as np, onnxruntime as ort, sentencepiece as spm
 
 sess = ort.InferenceSession(f"{ART}/model.onnx")
@@ -77,9 +77,9 @@ for _ in range(64):
     new, feed = new + [tok], [tok]
     past = dict(zip(past, out[1:]))                  # present → past
 print(sp.decode(ids[1:] + new))
-'''
+"""
 
-GENAI_SNIPPET = '''\
+GENAI_SNIPPET = """\
 import json, onnxruntime_genai as og
 
 model = og.Model(ART)                                # genai_config.json + model.onnx + tokenizer.json
@@ -93,7 +93,7 @@ gen.append_tokens(ids)
 while not gen.is_done():
     gen.generate_next_token()
 print(tok.decode(gen.get_sequence(0)[1:]))
-'''
+"""
 
 
 @dataclass
@@ -128,8 +128,13 @@ class OnnxGenerator:
     # order, so a chunk over the cache of the ones before it is the same attention).
     prefill_chunk = 256
 
-    def __init__(self, model_path: str | Path, threads: int | None = None, max_len: int | None = None,
-                 providers: Sequence[str] = ("CPUExecutionProvider",)):
+    def __init__(
+        self,
+        model_path: str | Path,
+        threads: int | None = None,
+        max_len: int | None = None,
+        providers: Sequence[str] = ("CPUExecutionProvider",),
+    ):
         opts = ort.SessionOptions()
         if threads:
             opts.intra_op_num_threads = threads
@@ -139,9 +144,11 @@ class OnnxGenerator:
         need = {"input_ids", "attention_mask", "position_ids"}
         self.past_names = [n for n in inputs if n.startswith("past_key_values.")]
         if not need <= set(inputs) or not self.past_names:
-            raise ValueError(f"{model_path}: not a KV-cache decoder (inputs {sorted(inputs)}); expected input_ids, "
-                             "attention_mask, position_ids and past_key_values.{i}.key/value: re-export it with "
-                             "`msllm export` (tasks/deploy/onnx_decoder.py)")
+            raise ValueError(
+                f"{model_path}: not a KV-cache decoder (inputs {sorted(inputs)}); expected input_ids, "
+                "attention_mask, position_ids and past_key_values.{i}.key/value: re-export it with "
+                "`msllm export` (tasks/deploy/onnx_decoder.py)"
+            )
         self.present_names = ["present." + n.removeprefix("past_key_values.") for n in self.past_names]
         shape = inputs[self.past_names[0]].shape  # [batch, kv_heads, past, head_dim]
         self.kv_heads, self.head_dim = int(shape[1]), int(shape[3])
@@ -158,11 +165,16 @@ class OnnxGenerator:
 
     # ------------------------------------------------------------------ model calls
 
-    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
-                past: dict[str, np.ndarray]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    def forward(
+        self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray, past: dict[str, np.ndarray]
+    ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """One model call: (logits [B, T, V], present as the next call's past)."""
-        feed = {"input_ids": np.asarray(input_ids, np.int64), "attention_mask": np.asarray(attention_mask, np.int64),
-                "position_ids": np.asarray(position_ids, np.int64), **past}
+        feed = {
+            "input_ids": np.asarray(input_ids, np.int64),
+            "attention_mask": np.asarray(attention_mask, np.int64),
+            "position_ids": np.asarray(position_ids, np.int64),
+            **past,
+        }
         out = self.session.run(self.output_names, feed)
         return out[0], dict(zip(self.past_names, out[1:]))
 
@@ -178,13 +190,17 @@ class OnnxGenerator:
         ids = np.zeros((b, t), np.int64)
         mask = np.zeros((b, t), np.int64)
         for i, r in enumerate(rows):
-            ids[i, t - len(r):] = r
-            mask[i, t - len(r):] = 1
+            ids[i, t - len(r) :] = r
+            mask[i, t - len(r) :] = 1
         positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
         past = self.empty_past(b)
         for c in range(0, t, self.prefill_chunk):  # chunks: each call's logits [B, C, V] and scores [B, nh, C, S]
-            logits, past = self.forward(ids[:, c:c + self.prefill_chunk], mask[:, :c + self.prefill_chunk],
-                                        positions[:, c:c + self.prefill_chunk], past)
+            logits, past = self.forward(
+                ids[:, c : c + self.prefill_chunk],
+                mask[:, : c + self.prefill_chunk],
+                positions[:, c : c + self.prefill_chunk],
+                past,
+            )
         return logits[:, -1], KVState(past, mask, mask.sum(axis=1).astype(np.int64))
 
     def step(self, state: KVState, tokens: Sequence[int]) -> np.ndarray:
@@ -206,8 +222,8 @@ class OnnxGenerator:
         ids = np.zeros((b, t), np.int64)
         mask = np.zeros((b, t), np.int64)
         for i, r in enumerate(rows):
-            ids[i, :len(r)] = r
-            mask[i, :len(r)] = 1
+            ids[i, : len(r)] = r
+            mask[i, : len(r)] = 1
         positions = np.broadcast_to(np.arange(t, dtype=np.int64), (b, t))
         return self.forward(ids, mask, positions, self.empty_past(b))[0]
 
@@ -216,12 +232,21 @@ class OnnxGenerator:
     def _window(self, prompt_ids: Sequence[int], max_new_tokens: int) -> tuple[list[int], int]:
         if not len(prompt_ids):
             raise ValueError("generate: the prompt is empty; pass at least one token id (e.g. EOS)")
-        ids = [int(t) for t in prompt_ids][-(self.max_len - 1):] if self.max_len > 1 else [int(prompt_ids[-1])]
+        ids = [int(t) for t in prompt_ids][-(self.max_len - 1) :] if self.max_len > 1 else [int(prompt_ids[-1])]
         return ids, max(0, min(max_new_tokens, self.max_len - len(ids)))
 
-    def stream(self, prompt_ids: Sequence[int], max_new_tokens: int = 64, *, temperature: float = 0.0,
-               top_k: int | None = None, top_p: float | None = None, seed: int | None = 0,
-               eos_id: int | None = None, stop: Callable[[list[int]], bool] | None = None) -> Iterator[int]:
+    def stream(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int = 64,
+        *,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = 0,
+        eos_id: int | None = None,
+        stop: Callable[[list[int]], bool] | None = None,
+    ) -> Iterator[int]:
         """Yield the new token ids one at a time (as `generate` returns them; see the module docstring)."""
         ids, budget = self._window(prompt_ids, max_new_tokens)
         if budget == 0:
@@ -244,9 +269,17 @@ class OnnxGenerator:
         """
         return list(self.stream(prompt_ids, max_new_tokens, **kwargs))
 
-    def generate_batch(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 64, *,
-                       temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-                       seed: int | None = 0, eos_id: int | None = None) -> list[list[int]]:
+    def generate_batch(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int = 64,
+        *,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = 0,
+        eos_id: int | None = None,
+    ) -> list[list[int]]:
         """New token ids for several prompts decoded together (left-padded; one call per step for all rows).
 
         Greedy rows equal `generate` of each prompt alone. Sampling draws every row from one
@@ -334,7 +367,7 @@ def decode_completion(sp, prompt_ids: Sequence[int], new_ids: Sequence[int]) -> 
     head = [int(t) for t in prompt_ids if t != eos]
     new = [int(t) for t in new_ids if t != eos]
     prefix, full = sp.decode(head), sp.decode(head + new)
-    return full[len(prefix):] if full.startswith(prefix) else sp.decode(new)
+    return full[len(prefix) :] if full.startswith(prefix) else sp.decode(new)
 
 
 class ExportChanged(ValueError):
@@ -348,8 +381,10 @@ def check_export(artifact: str | Path, names: Sequence[str] = ("model.onnx", "to
     (a hand-built one) is not checked."""
     art = Path(artifact)
     recorded: dict[str, str] = {}
-    for meta, read in (("manifest.json", lambda d: {f["path"]: f["sha256"] for f in d.get("files", [])}),
-                       ("export.json", lambda d: dict(d.get("digests") or {}))):
+    for meta, read in (
+        ("manifest.json", lambda d: {f["path"]: f["sha256"] for f in d.get("files", [])}),
+        ("export.json", lambda d: dict(d.get("digests") or {})),
+    ):
         try:
             recorded.update(read(json.loads((art / meta).read_text(encoding="utf-8"))))
         except (OSError, ValueError, TypeError, KeyError, AttributeError):
@@ -363,9 +398,11 @@ def check_export(artifact: str | Path, names: Sequence[str] = ("model.onnx", "to
             while block := f.read(1 << 20):
                 h.update(block)
         if h.hexdigest() != want:
-            raise ExportChanged(f"{art / name}: sha256 differs from the export's record: expected {want}, the file has "
-                                f"{h.hexdigest()}; it changed after it was exported (corrupt or edited): copy the export "
-                                "again, or rebuild it with `msllm export`")
+            raise ExportChanged(
+                f"{art / name}: sha256 differs from the export's record: expected {want}, the file has "
+                f"{h.hexdigest()}; it changed after it was exported (corrupt or edited): copy the export "
+                "again, or rebuild it with `msllm export`"
+            )
 
 
 def generate_text(artifact: str | Path, prompt: str, max_new_tokens: int = 64, **kwargs) -> str:
@@ -391,11 +428,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
     art = Path(a.artifact)
-    if not (art / "model.onnx").is_file() or not ((art / "tokenizer.model").is_file() or
-                                                  (art / "tokenizer.json").is_file()):
-        print(f"error: {art}: no model.onnx and tokenizer (tokenizer.model or tokenizer.json); pass an export "
-              "artifact directory "
-              "(the path `msllm export` prints)", file=sys.stderr)
+    if not (art / "model.onnx").is_file() or not (
+        (art / "tokenizer.model").is_file() or (art / "tokenizer.json").is_file()
+    ):
+        print(
+            f"error: {art}: no model.onnx and tokenizer (tokenizer.model or tokenizer.json); pass an export "
+            "artifact directory "
+            "(the path `msllm export` prints)",
+            file=sys.stderr,
+        )
         return 2
     try:
         check_export(art)
@@ -403,8 +444,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     for p in a.prompts:
-        print(p + generate_text(art, p, a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
-                                seed=a.seed))
+        print(
+            p
+            + generate_text(
+                art, p, a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed
+            )
+        )
     return 0
 
 

@@ -5,6 +5,7 @@
     built.kernels.model          # "avx512" / "avx2" / "neon" / "scalar", or "off: <why>" (logged; in the manifest)
     built.kernels.optimizer      # whether the optimizer runs the in-place AdamW kernel (parallelize_optimizer)
     net, info = load_network(artifact_dir)   # a model artifact's network, plain, eval mode (eval, serving, export)
+    gen = generator(net, fused=True)         # its generator: the decode path chosen once, logged with its reason
 
 The steps, each once, in this order:
 
@@ -32,18 +33,25 @@ from mindspore import nn
 
 from model.config import ModelConfig
 from model.cpu import matmul_isa
-from model.fused_cells import (FusedCausalAttention, FusedCausalLMLoss, FusedCausalSoftmax, FusedHeadMatMul,
-                               FusedRMSNorm, FusedSwiGLU)
+from model.fused_cells import (
+    FusedCausalAttention,
+    FusedCausalLMLoss,
+    FusedCausalSoftmax,
+    FusedHeadMatMul,
+    FusedRMSNorm,
+    FusedSwiGLU,
+)
+from model.generate import Generator
 from model.kernel_build import kernel_path
 from model.kernel_ops import train_ops
 from model.kernels import decide
 from model.layers import RMSNorm
 from model.llama import MLP, Attention
 from model.registry import build_model
+from tasks.modeling.parallelize import parallelize
+from tasks.runtime.mesh import Mesh
 from tasks.store.model_artifact import read_info
 from tasks.store.tensors import assign, load_weights
-from tasks.runtime.mesh import Mesh
-from tasks.modeling.parallelize import parallelize
 
 
 @dataclass(frozen=True)
@@ -101,9 +109,17 @@ def convert(net: nn.Cell, fused_kernels: bool, device: str | None = None) -> Ker
     return Kernels(kernel_path(), optimizer)
 
 
-def build_network(name: str, config: ModelConfig, *, seed: int | None = 0, precision: str = "fp32",
-                  fused_kernels: bool = False, mesh: Mesh | None = None,
-                  weights: dict[str, Any] | None = None, source: str = "") -> Built:
+def build_network(
+    name: str,
+    config: ModelConfig,
+    *,
+    seed: int | None = 0,
+    precision: str = "fp32",
+    fused_kernels: bool = False,
+    mesh: Mesh | None = None,
+    weights: dict[str, Any] | None = None,
+    source: str = "",
+) -> Built:
     """build → (full weights) → convert → parallelize: the network every stage trains or runs. `weights` (full,
     unsplit, by parameter name) come from `source` (named in a mismatch error) and move into the network (popped
     from the dict); `mesh` defaults to one process."""
@@ -123,10 +139,24 @@ def load_network(path: str | Path, *, seed: int = 0) -> tuple[nn.Cell, dict[str,
     """(the plain network of model artifact `path` with its weights, in eval mode; its model.json) for inference:
     eval, serving, export (their decoding kernels are the decode step's, model/generate.py)."""
     info = read_info(path)
-    built = build_network(info.get("name", "llama"), ModelConfig.from_dict(info["model"]), seed=seed,
-                          weights=load_weights(path), source=str(path))
+    built = build_network(
+        info.get("name", "llama"),
+        ModelConfig.from_dict(info["model"]),
+        seed=seed,
+        weights=load_weights(path),
+        source=str(path),
+    )
     built.net.set_train(False)
     return built.net, info
+
+
+def generator(net: nn.Cell, *, fused: bool = True, max_len: int | None = None):
+    """THE generator of a network, for every place that generates (eval's lm-eval adapter and `msllm predict`, the
+    MindSpore serving backend, the export check, the benchmarks): model/generate.py `Generator`, whose decode and
+    prefill path (fused kernel, MindSpore graph) is chosen once, here, logged with its reason (`msllm.generate`) and
+    kept as `decode_path` / `decode_reason` for /health and the decode bench. `fused=False`: MindSpore's own ops
+    (eval.fused_kernels: false); `max_len`: cache slots (default: the model's max_seq_length)."""
+    return Generator(net, max_len=max_len, fused=fused)
 
 
 def log_kernels(kernels: Kernels, stage: str) -> str:

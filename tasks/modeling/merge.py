@@ -16,10 +16,10 @@ from pathlib import Path
 
 from model.config import ModelConfig
 from tasks.store.artifacts import ArtifactStore
-from tasks.store.errors import ArtifactError
-from tasks.store.published import verify_published
 from tasks.store.codeversion import stage_code_version
+from tasks.store.errors import ArtifactError
 from tasks.store.model_artifact import read_info, write_model
+from tasks.store.published import verify_published
 from tasks.store.tensors import load_weights, read_tensors
 
 MERGED = "merged"
@@ -41,11 +41,15 @@ def base_of(store: ArtifactStore, finetune_artifact: Path) -> Path:
             continue
         if c.is_dir() and store.is_complete(c):
             if store.read_manifest(c)["digest"] != ref["digest"]:
-                raise ArtifactError(f"{c}: the base of {finetune_artifact} has changed (digest differs from "
-                                    f"adapter.json); rerun the finetune stage on it")
+                raise ArtifactError(
+                    f"{c}: the base of {finetune_artifact} has changed (digest differs from "
+                    f"adapter.json); rerun the finetune stage on it"
+                )
             return store.inside(c)
-    raise ArtifactError(f"base artifact {ref['stage']}/{ref['key']} of {finetune_artifact} is gone "
-                        f"(looked in {candidates[0]} and {ref['path']}); rebuild it, then rerun merge")
+    raise ArtifactError(
+        f"base artifact {ref['stage']}/{ref['key']} of {finetune_artifact} is gone "
+        f"(looked in {candidates[0]} and {ref['path']}); rebuild it, then rerun merge"
+    )
 
 
 def merge(store: ArtifactStore, finetune_artifact: Path) -> Path:
@@ -85,11 +89,27 @@ def _merge(store: ArtifactStore, key: str, m: dict, adapter_cfg: dict, ft: Path,
         if set(trained) != set(base_w) or any(trained[k].shape != base_w[k].shape for k in base_w):
             raise ArtifactError(f"{ft}: its weights do not match the base model's names and shapes")
         weights = trained
-    with store.build(MERGED, key, pipeline=m.get("pipeline"), config={"finetune": m["key"], "method": adapter_cfg["method"]},
-                     inputs=inputs, code=code_version()) as b:
-        write_model(b.dir, name=info.get("name", "llama"), config=ModelConfig.from_dict(info["model"]), weights=weights,
-                    tokenizer_model=base, tokenizer_info=info["tokenizer"],
-                    seq_length=info.get("seq_length"), extra={"merged_from": {"finetune": m["key"], "base": adapter_cfg["base"]["key"]}})
-        b.metrics.update(method=adapter_cfg["method"], merged_modules=len(adapter_cfg.get("modules", [])),
-                         finetune_val_loss=m["metrics"].get("val_loss"))
+    with store.build(
+        MERGED,
+        key,
+        pipeline=m.get("pipeline"),
+        config={"finetune": m["key"], "method": adapter_cfg["method"]},
+        inputs=inputs,
+        code=code_version(),
+    ) as b:
+        write_model(
+            b.dir,
+            name=info.get("name", "llama"),
+            config=ModelConfig.from_dict(info["model"]),
+            weights=weights,
+            tokenizer_model=base,
+            tokenizer_info=info["tokenizer"],
+            seq_length=info.get("seq_length"),
+            extra={"merged_from": {"finetune": m["key"], "base": adapter_cfg["base"]["key"]}},
+        )
+        b.metrics.update(
+            method=adapter_cfg["method"],
+            merged_modules=len(adapter_cfg.get("modules", [])),
+            finetune_val_loss=m["metrics"].get("val_loss"),
+        )
     return b.path

@@ -31,11 +31,13 @@ from __future__ import annotations
 import numpy as np
 from mindspore import Tensor, nn, ops
 
-
 TP_PLAN: dict[str, str] = {
-    "q_proj": "col", "k_proj": "col", "v_proj": "col",   # whole query / KV heads per rank
-    "o_proj": "row",                                      # this rank's heads' share of the output
-    "gate_proj": "col", "up_proj": "col",                # f/tp hidden units per rank
+    "q_proj": "col",
+    "k_proj": "col",
+    "v_proj": "col",  # whole query / KV heads per rank
+    "o_proj": "row",  # this rank's heads' share of the output
+    "gate_proj": "col",
+    "up_proj": "col",  # f/tp hidden units per rank
     "down_proj": "row",
 }
 """How tensor parallelism splits each projection's [out, in] weight: "col" (column-parallel) by output rows
@@ -138,8 +140,10 @@ def parallelize(net: nn.Cell, mesh) -> nn.Cell:
         return net
     cfg, t = net.config, mesh.tp
     if cfg.num_kv_heads % t or cfg.intermediate_size % t:
-        raise ValueError(f"tensor_parallel={t} must divide num_kv_heads={cfg.num_kv_heads} "
-                         f"and intermediate_size={cfg.intermediate_size}")
+        raise ValueError(
+            f"tensor_parallel={t} must divide num_kv_heads={cfg.num_kv_heads} "
+            f"and intermediate_size={cfg.intermediate_size}"
+        )
     names = {id(p): p.name for p in net.get_parameters()}
     for layer in net.layers:
         for block in (layer.self_attn, layer.mlp):

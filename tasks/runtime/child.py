@@ -1,4 +1,5 @@
-"""The child process of a supervised stage: `python -m tasks.runtime.child --stage NAME --entry MODULE:FUNC --child spec.json`.
+"""The child process of a supervised stage: `python -m tasks.runtime.child --stage NAME --entry MODULE:FUNC --child
+spec.json`.
 
 The entry point is named by its dotted path (the stage table's `Stage.entry`, e.g. `tasks.stages.pretrain:train`,
 resolved by `supervise.entry_point`),

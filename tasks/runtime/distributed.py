@@ -52,10 +52,18 @@ def msrun_command(parallel, log_dir: Path, script: list[str]) -> list[str]:
     if parallel.node_rank > 0:  # node 0 hosts the scheduler, even when master_addr is also this host's
         msrun = [sys.executable, str(MSRUN_NODE)]
     local = parallel.device_num // parallel.node_num
-    return [*msrun, f"--worker_num={parallel.device_num}", f"--local_worker_num={local}",
-            f"--master_addr={parallel.master_addr}", f"--master_port={parallel.master_port}",
-            f"--node_rank={parallel.node_rank}", f"--log_dir={log_dir}", "--join=True",
-            f"--cluster_time_out={parallel.cluster_timeout}", *script]
+    return [
+        *msrun,
+        f"--worker_num={parallel.device_num}",
+        f"--local_worker_num={local}",
+        f"--master_addr={parallel.master_addr}",
+        f"--master_port={parallel.master_port}",
+        f"--node_rank={parallel.node_rank}",
+        f"--log_dir={log_dir}",
+        "--join=True",
+        f"--cluster_time_out={parallel.cluster_timeout}",
+        *script,
+    ]
 
 
 def _path_env() -> str:
@@ -74,7 +82,8 @@ def check_port(parallel) -> None:
         except OSError:
             raise RuntimeError(
                 f"parallel.master_port: port {parallel.master_port} on {parallel.master_addr} is in use "
-                "(another msrun job?); set parallel.master_port to a free port") from None
+                "(another msrun job?); set parallel.master_port to a free port"
+            ) from None
 
 
 def launch(stage: str, entry: str, spec_path: Path, parallel, log_dir: Path, relay: bool = True) -> str | None:
@@ -84,11 +93,18 @@ def launch(stage: str, entry: str, spec_path: Path, parallel, log_dir: Path, rel
     On a node other than 0 (`parallel.node_rank > 0`) success also waits for rank 0 (on node 0) to
     publish the artifact into the shared root, so that every node's command returns its path.
     """
-    err = run_msrun([str(WORKER), "--stage", stage, "--entry", entry, "--child", str(spec_path)], parallel, log_dir,
-                    label=stage, relay=relay)
+    err = run_msrun(
+        [str(WORKER), "--stage", stage, "--entry", entry, "--child", str(spec_path)],
+        parallel,
+        log_dir,
+        label=stage,
+        relay=relay,
+    )
     if isinstance(err, NodeLost):
-        return NodeLost(f"{err}; nothing was published: once every node is up, rerun the same command on each and "
-                        f"{stage} resumes from its newest checkpoint ({Path(spec_path).parent / 'checkpoints'})")
+        return NodeLost(
+            f"{err}; nothing was published: once every node is up, rerun the same command on each and "
+            f"{stage} resumes from its newest checkpoint ({Path(spec_path).parent / 'checkpoints'})"
+        )
     if err is None and parallel.node_rank > 0:
         err = wait_published(stage, spec_path, timeout=parallel.cluster_timeout, node=parallel.node_rank)
     return err
@@ -102,9 +118,11 @@ def wait_published(stage: str, spec_path: Path, timeout: float, node: int) -> st
         if store.lookup(stage, spec["key"]) is not None:
             return None
         time.sleep(1.0)
-    return (f"node {node}: this node's ranks finished but node 0 did not publish "
-            f"{stage}/{spec['key']} under {spec['root']} within {timeout:.0f}s (parallel.cluster_timeout); see node 0's "
-            "log, and check that every node sees the same artifact root (a shared filesystem)")
+    return (
+        f"node {node}: this node's ranks finished but node 0 did not publish "
+        f"{stage}/{spec['key']} under {spec['root']} within {timeout:.0f}s (parallel.cluster_timeout); see node 0's "
+        "log, and check that every node sees the same artifact root (a shared filesystem)"
+    )
 
 
 def run_msrun(script: list[str], parallel, log_dir: Path, *, label: str = "msrun", relay: bool = True) -> str | None:
@@ -121,14 +139,25 @@ def run_msrun(script: list[str], parallel, log_dir: Path, *, label: str = "msrun
     if parallel.node_num > 1:  # who this node is, for the other nodes' reports should it be lost
         _write_node_file(log_dir, parallel)
     threads = max(1, (os.cpu_count() or 1) // max(1, parallel.device_num // parallel.node_num))
-    env = {**os.environ, "PATH": _path_env(), "PYTHONUNBUFFERED": "1", "GLOG_v": os.environ.get("GLOG_v", "3"),
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-           "OMP_NUM_THREADS": str(threads), **held_locks_env()}  # rank 0 publishes under the parent's build lock
+    env = {
+        **os.environ,
+        "PATH": _path_env(),
+        "PYTHONUNBUFFERED": "1",
+        "GLOG_v": os.environ.get("GLOG_v", "3"),
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        "OMP_NUM_THREADS": str(threads),
+        **held_locks_env(),
+    }  # rank 0 publishes under the parent's build lock
     cmd = msrun_command(parallel, log_dir, script)
-    print(f"[{label}] msrun: {parallel.device_num} workers ({parallel.device_num // parallel.node_num} on this node), "
-          f"logs in {log_dir}", file=sys.stderr, flush=True)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=str(REPO),
-                            start_new_session=True)  # its own process group: a failed job is stopped as a whole
+    print(
+        f"[{label}] msrun: {parallel.device_num} workers ({parallel.device_num // parallel.node_num} on this node), "
+        f"logs in {log_dir}",
+        file=sys.stderr,
+        flush=True,
+    )
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=str(REPO), start_new_session=True
+    )  # its own process group: a failed job is stopped as a whole
     first = log_dir / f"worker_{parallel.node_rank * (parallel.device_num // parallel.node_num)}.log"
     pos, partial = 0, b""
     msrun_out = b""
@@ -173,8 +202,12 @@ def _grace(log_dir: Path, parallel) -> float:
     scheduler has not yet named a lost node, long enough for its heartbeat verdict (MS_NODE_TIMEOUT):
     that verdict is what names the lost rank.
     """
-    if (parallel.node_num > 1 and parallel.node_rank == 0 and not _timed_out_ranks(log_dir)
-            and any(_collective_failed(_tail(p, 60)) for p in rank_logs(log_dir).values())):
+    if (
+        parallel.node_num > 1
+        and parallel.node_rank == 0
+        and not _timed_out_ranks(log_dir)
+        and any(_collective_failed(_tail(p, 60)) for p in rank_logs(log_dir).values())
+    ):
         return FAIL_GRACE_S + node_timeout()
     return FAIL_GRACE_S
 
@@ -243,10 +276,15 @@ SCHEDULER_LOG = "scheduler.log"
 
 def _write_node_file(log_dir: Path, parallel) -> None:
     local = parallel.device_num // parallel.node_num
-    atomic_write_json(log_dir / NODE_FILE, {
-        "node_rank": parallel.node_rank, "hostname": socket.gethostname(),
-        "address": _address_towards(parallel.master_addr),
-        "ranks": list(range(parallel.node_rank * local, (parallel.node_rank + 1) * local))})
+    atomic_write_json(
+        log_dir / NODE_FILE,
+        {
+            "node_rank": parallel.node_rank,
+            "hostname": socket.gethostname(),
+            "address": _address_towards(parallel.master_addr),
+            "ranks": list(range(parallel.node_rank * local, (parallel.node_rank + 1) * local)),
+        },
+    )
 
 
 def _address_towards(host: str) -> str | None:
@@ -260,15 +298,18 @@ def _address_towards(host: str) -> str | None:
 
 
 def node_timeout() -> float:
-    """MindSpore's heartbeat timeout (MS_NODE_TIMEOUT, seconds; 30 unless set): when the scheduler declares a node lost."""
+    """MindSpore's heartbeat timeout (MS_NODE_TIMEOUT, seconds; 30 unless set): when the scheduler declares a node
+    lost."""
     try:
         return max(1.0, float(os.environ.get("MS_NODE_TIMEOUT", "30")))
     except ValueError:
         return 30.0
 
 
-COLLECTIVE_FAILURE = re.compile(r"wait receiving .* failed|Launch kernel failed: \S*(AllReduce|AllGather|ReduceScatter|"
-                                r"Broadcast|Barrier|Send|Receive)")
+COLLECTIVE_FAILURE = re.compile(
+    r"wait receiving .* failed|Launch kernel failed: \S*(AllReduce|AllGather|ReduceScatter|"
+    r"Broadcast|Barrier|Send|Receive)"
+)
 """What a rank logs when a collective's peer stopped answering (MindSpore's CPU backend)."""
 
 
@@ -292,7 +333,7 @@ def _timed_out_ranks(log_dir: Path) -> list[int]:
 
 
 def _node_desc(log_dir: Path, node: int, fallback_host: str | None = None) -> str:
-    """"node 1, host NAME ADDRESS" from that node's node.json (on the shared root), else what is known."""
+    """ "node 1, host NAME ADDRESS" from that node's node.json (on the shared root), else what is known."""
     try:
         info = json.loads((log_dir.parent / f"node_{node}" / NODE_FILE).read_text())
         host = " ".join(dict.fromkeys(x for x in (info.get("hostname"), info.get("address")) if x))
@@ -342,13 +383,17 @@ def lost_node_report(log_dir: Path, parallel) -> NodeLost | None:
         for r in lost:
             by_node.setdefault(r // local, []).append(r)
         parts = [f"{_ranks_text(rs)} ({_node_desc(log_dir, n)}) lost" for n, rs in sorted(by_node.items())]
-        return NodeLost(f"{'; '.join(parts)}: no heartbeat from it for MS_NODE_TIMEOUT={timeout:g}s (its host died or "
-                        "the network to it is down); the job on this node was stopped")
+        return NodeLost(
+            f"{'; '.join(parts)}: no heartbeat from it for MS_NODE_TIMEOUT={timeout:g}s (its host died or "
+            "the network to it is down); the job on this node was stopped"
+        )
     if _scheduler_answers(parallel.master_addr, parallel.master_port) is not None:
         return None  # node 0 is up (its job may have failed on its own: that is its ranks' error to report)
-    return NodeLost(f"{_ranks_text(list(range(local)))} ({_node_desc(log_dir, 0, parallel.master_addr)}) lost: "
-                    f"the scheduler at {parallel.master_addr}:{parallel.master_port} no longer answers (node 0's host "
-                    "died, or the network between it and this node is down); the job on this node was stopped")
+    return NodeLost(
+        f"{_ranks_text(list(range(local)))} ({_node_desc(log_dir, 0, parallel.master_addr)}) lost: "
+        f"the scheduler at {parallel.master_addr}:{parallel.master_port} no longer answers (node 0's host "
+        "died, or the network between it and this node is down); the job on this node was stopped"
+    )
 
 
 def rank_logs(log_dir: Path) -> dict[int, Path]:
@@ -375,9 +420,14 @@ def _error_line(lines: list[str]) -> str | None:
         return None
     err = lines[errs[-1]].removeprefix("error:").strip()
     if not err:  # MindSpore's message starts on the next line, after a banner ("- Kernel error:")
-        err = next((ln.strip() for ln in lines[errs[-1] + 1:]
-                    if ln.strip() and not ln.lstrip().startswith(("-", "[")) and not ln.rstrip().endswith(":")),
-                   "(an empty error message)")
+        err = next(
+            (
+                ln.strip()
+                for ln in lines[errs[-1] + 1 :]
+                if ln.strip() and not ln.lstrip().startswith(("-", "[")) and not ln.rstrip().endswith(":")
+            ),
+            "(an empty error message)",
+        )
     return err
 
 
@@ -389,16 +439,24 @@ def failure_report(log_dir: Path, rc: int, msrun_out: str) -> str:
         lines = _tail(path)
         err = _error_line(lines)
         stopped = any(STOPPED_MARK in ln for ln in lines)
-        status.append(f"  rank {rank}: {'error: ' + err if err else ('stopped early' if stopped else 'no error in its log')}"
-                      f" ({path})")
+        status.append(
+            f"  rank {rank}: {'error: ' + err if err else ('stopped early' if stopped else 'no error in its log')}"
+            f" ({path})"
+        )
         if err and failing is None:
             failing = (rank, err, lines)
     if failing is None and logs and all(STOPPED_MARK in "\n".join(_tail(p)) for p in logs.values()):
         return "all ranks stopped before the end (stop_after)\n" + "\n".join(status)
     if failing is None:
         tail = [ln for ln in msrun_out.splitlines() if ln.strip()][-20:]
-        return (f"msrun exited with code {rc} and no rank logged an error (cluster start failed? see "
-                f"{log_dir / 'scheduler.log'})\n" + "\n".join(status) + "\n--- msrun ---\n" + "\n".join(tail))
+        return (
+            f"msrun exited with code {rc} and no rank logged an error (cluster start failed? see "
+            f"{log_dir / 'scheduler.log'})\n" + "\n".join(status) + "\n--- msrun ---\n" + "\n".join(tail)
+        )
     rank, err, lines = failing
-    return (f"rank {rank}: {err}\n--- last lines of rank {rank}'s log ({logs[rank]}) ---\n" + "\n".join(lines)
-            + "\n--- all ranks ---\n" + "\n".join(status))
+    return (
+        f"rank {rank}: {err}\n--- last lines of rank {rank}'s log ({logs[rank]}) ---\n"
+        + "\n".join(lines)
+        + "\n--- all ranks ---\n"
+        + "\n".join(status)
+    )

@@ -64,15 +64,17 @@ class Mesh:
         return self.dp_index == 0
 
     @classmethod
-    def init(cls, dp: int, tp: int, optimizer_shard: bool = False) -> "Mesh":
+    def init(cls, dp: int, tp: int, optimizer_shard: bool = False) -> Mesh:
         """Join the job msrun started (mindspore.communication.init) and create this rank's groups."""
         from mindspore.communication import GlobalComm, create_group, get_group_size, get_rank, init
 
         init()
         world, rank = get_group_size(), get_rank()
         if world != dp * tp:
-            raise RuntimeError(f"msrun started {world} workers but parallel.data_parallel × tensor_parallel = "
-                               f"{dp}×{tp} = {dp * tp}; set parallel.device_num to match")
+            raise RuntimeError(
+                f"msrun started {world} workers but parallel.data_parallel × tensor_parallel = "
+                f"{dp}×{tp} = {dp * tp}; set parallel.device_num to match"
+            )
         d, t = rank // tp, rank % tp
         dp_group = tp_group = None
         if dp > 1:
@@ -115,8 +117,10 @@ class Mesh:
         mine = np.frombuffer(bytes.fromhex(digest), dtype=np.int32).reshape(1, -1)
         # over the world group (the only one AllGather supports on CPU); row r is rank r's digest
         everyone = ops.AllGather(group=GlobalComm.WORLD_COMM_GROUP)(ms.Tensor(mine)).asnumpy()
-        replicas = everyone[self.tp_index::self.tp]  # the ranks holding the same slice as this one
+        replicas = everyone[self.tp_index :: self.tp]  # the ranks holding the same slice as this one
         if not (replicas == mine).all():
-            raise RuntimeError(f"data-parallel replicas diverged: rank {self.rank}'s parameters differ from another "
-                               f"replica's (sha256 {digest[:16]}…); gradients were not averaged identically")
+            raise RuntimeError(
+                f"data-parallel replicas diverged: rank {self.rank}'s parameters differ from another "
+                f"replica's (sha256 {digest[:16]}…); gradients were not averaged identically"
+            )
         return digest

@@ -14,12 +14,31 @@ import sys
 NON_TTY_INTERVAL_S = 30.0
 
 
-def progress_bar(iterable=None, *, total: int | None = None, desc: str, enabled: bool = True, unit: str = "it",
-                 initial: int = 0, unit_scale: bool = False, leave: bool = False):
+def progress_bar(
+    iterable=None,
+    *,
+    total: int | None = None,
+    desc: str,
+    enabled: bool = True,
+    unit: str = "it",
+    initial: int = 0,
+    unit_scale: bool = False,
+    leave: bool = False,
+):
     from tqdm import tqdm  # lazy: ~40 ms; stage modules import this (via the data plan, training/metrics.py)
 
     interactive = sys.stderr.isatty()
-    return tqdm(iterable, total=total, desc=desc, unit=unit, unit_scale=unit_scale, initial=initial,
-                disable=not enabled, file=sys.stderr, leave=leave, dynamic_ncols=interactive,
-                mininterval=0.5 if interactive else NON_TTY_INTERVAL_S,
-                maxinterval=10.0 if interactive else 10 * NON_TTY_INTERVAL_S)
+    return tqdm(
+        iterable,
+        total=total,
+        desc=desc,
+        unit=unit,
+        unit_scale=unit_scale,
+        initial=initial,
+        disable=not enabled,
+        file=sys.stderr,
+        leave=leave,
+        dynamic_ncols=interactive,
+        mininterval=0.5 if interactive else NON_TTY_INTERVAL_S,
+        maxinterval=10.0 if interactive else 10 * NON_TTY_INTERVAL_S,
+    )

@@ -1,4 +1,5 @@
-"""Running a heavy stage in a supervised child process (`python -m tasks.runtime.child --stage S --entry M:F --child spec.json`).
+"""Running a heavy stage in a supervised child process (`python -m tasks.runtime.child --stage S --entry M:F --child
+spec.json`).
 
 MindSpore's context is process-global and a crash or OOM must not take the caller (a
 Prefect flow) down. The parent writes a JSON spec, streams the child's output as it
@@ -19,13 +20,14 @@ import os
 import subprocess
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from tasks.runtime.distributed import STOPPED_MARK, NodeLost, launch
 from tasks.store.artifacts import ArtifactStore
-from tasks.store.errors import STORAGE_ERRNOS, ArtifactError, as_os_error, storage_error
 from tasks.store.disk import atomic_write_json
+from tasks.store.errors import STORAGE_ERRNOS, ArtifactError, as_os_error, storage_error
 from tasks.store.locks import held_locks_env
 
 STOPPED_EARLY = 75  # child exit code: stopped on request before max_steps, checkpoints kept
@@ -53,8 +55,7 @@ def is_permanent(exc: BaseException) -> bool:
     (an unknown key or name), TypeError and AttributeError are bugs or bad input too, and so is a storage
     fault (`storage_fault`: no space, quota, read-only, permission, not a directory), which the same write
     hits again. Any other OSError, MemoryError, a kill, or a framework RuntimeError may be transient and
-    is retried.
-    """
+    is retried."""
     flag = getattr(exc, "permanent", None)
     if flag is not None:
         return bool(flag)
@@ -87,15 +88,19 @@ def entry_name(fn) -> str:
 
 
 def run_child(stage: str, entry: str, spec_path: Path) -> str | None:
-    """Run `python -m tasks.runtime.child --stage STAGE --entry ENTRY --child spec`, relaying its output as it comes (progress bars included).
+    """Run `python -m tasks.runtime.child --stage STAGE --entry ENTRY --child spec`, relaying its output as it comes
+    (progress bars included).
 
     Returns None on success, else the child's own error line on top of its last log lines.
     """
     env = {**CHILD_ENV, **os.environ, "GLOG_v": os.environ.get("GLOG_v", "3"), **held_locks_env()}
     module = f"the {stage} child"
-    proc = subprocess.Popen([sys.executable, "-m", "tasks.runtime.child", "--stage", stage, "--entry", entry,
-                             "--child", str(spec_path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tasks.runtime.child", "--stage", stage, "--entry", entry, "--child", str(spec_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
     assert proc.stdout is not None
     tail, pending = b"", b""
     out = sys.stderr.buffer
@@ -134,9 +139,18 @@ def _read_failure(run_dir: Path) -> dict[str, Any]:
         return {}
 
 
-def supervise(stage: str, store: ArtifactStore, key: str, spec: dict[str, Any],
-              child_fn: Callable[[dict[str, Any]], Path | None], *, retries: int = 0, isolate: bool = True,
-              inject: dict | None = None, parallel=None) -> Path:
+def supervise(
+    stage: str,
+    store: ArtifactStore,
+    key: str,
+    spec: dict[str, Any],
+    child_fn: Callable[[dict[str, Any]], Path | None],
+    *,
+    retries: int = 0,
+    isolate: bool = True,
+    inject: dict | None = None,
+    parallel=None,
+) -> Path:
     """Run `child_fn(spec)` in `python -m tasks.runtime.child --stage STAGE` (or in-process), retrying failures.
 
     The child finds `child_fn` again by its dotted name (`entry_name`), so `child_fn` must be a
@@ -149,24 +163,46 @@ def supervise(stage: str, store: ArtifactStore, key: str, spec: dict[str, Any],
     """
     distributed = parallel is not None and parallel.device_num > 1
     if distributed and not isolate:
-        raise ValueError(f"{stage}: parallel.device_num={parallel.device_num} runs ranks under msrun; "
-                         "it cannot run in-process (isolate=False)")
+        raise ValueError(
+            f"{stage}: parallel.device_num={parallel.device_num} runs ranks under msrun; "
+            "it cannot run in-process (isolate=False)"
+        )
     # One build per key: a second identical run waits here for the first, then returns what it published
     # (never two children training in one run directory). The child inherits the lock (held_locks_env).
     # Nodes other than 0 of a multi-node run take no lock: their ranks are part of node 0's build.
     follower = distributed and parallel.node_rank > 0
-    with (contextlib.nullcontext() if follower else store.lock(stage, key)):
+    with contextlib.nullcontext() if follower else store.lock(stage, key):
         hit = store.lookup(stage, key)
         if hit is not None:
             print(f"[{stage}] {hit} is published (built by another process meanwhile); using it", file=sys.stderr)
             return hit
-        return _supervise(stage, store, key, spec, child_fn, retries=retries, isolate=isolate, inject=inject,
-                          parallel=parallel, distributed=distributed)
+        return _supervise(
+            stage,
+            store,
+            key,
+            spec,
+            child_fn,
+            retries=retries,
+            isolate=isolate,
+            inject=inject,
+            parallel=parallel,
+            distributed=distributed,
+        )
 
 
-def _supervise(stage: str, store: ArtifactStore, key: str, spec: dict[str, Any],
-               child_fn: Callable[[dict[str, Any]], Path | None], *, retries: int, isolate: bool,
-               inject: dict | None, parallel, distributed: bool) -> Path:
+def _supervise(
+    stage: str,
+    store: ArtifactStore,
+    key: str,
+    spec: dict[str, Any],
+    child_fn: Callable[[dict[str, Any]], Path | None],
+    *,
+    retries: int,
+    isolate: bool,
+    inject: dict | None,
+    parallel,
+    distributed: bool,
+) -> Path:
     if not isolate:
         out = child_fn({**spec, **(inject or {})})
         if out is None:
@@ -216,8 +252,10 @@ def child_main(child_fn: Callable[[dict[str, Any]], Path | None], argv: list[str
         msg = text if known else f"{type(exc).__name__}: {text}"
         print(f"error: {msg}", file=sys.stderr, flush=True)
         try:
-            atomic_write_json(Path(args.child).parent / FAILURE_FILE,
-                              {"error": msg, "type": type(exc).__name__, "permanent": permanent})
+            atomic_write_json(
+                Path(args.child).parent / FAILURE_FILE,
+                {"error": msg, "type": type(exc).__name__, "permanent": permanent},
+            )
         except OSError:
             pass
         return PERMANENT if permanent else 1

@@ -73,9 +73,13 @@ def parse_adapter_flag(text: str) -> AdapterSpec:
     name, sep, ref = text.partition("=")
     name, ref = name.strip(), ref.strip()
     if not sep or not name or not ref:
-        raise ValueError(f"{FLAG} {text!r}: expected NAME=FINETUNE_ARTIFACT, e.g. {FLAG} sonnets=artifacts/finetune/<key>")
+        raise ValueError(
+            f"{FLAG} {text!r}: expected NAME=FINETUNE_ARTIFACT, e.g. {FLAG} sonnets=artifacts/finetune/<key>"
+        )
     if any(c.isspace() for c in name):
-        raise ValueError(f"{FLAG} {text!r}: the name {name!r} has whitespace; clients send it as `model`, pick one without")
+        raise ValueError(
+            f"{FLAG} {text!r}: the name {name!r} has whitespace; clients send it as `model`, pick one without"
+        )
     check_name(name, f"{FLAG} {text!r}")
     return AdapterSpec(name, ref)
 
@@ -84,12 +88,19 @@ def check_name(name: str, where: str) -> None:
     """ValueError naming the flag unless `name` is a safe model id and a single directory name (NAME)."""
     if NAME.fullmatch(name):
         return
-    why = ("is a path (it has '/'); the name is a model id, not where the adapter is" if "/" in name or "\\" in name
-           else "starts with '.'" if name.startswith(".")
-           else f"is {len(name)} characters long, more than 255" if len(name) > 255 and NAME.fullmatch(name[:255])
-           else "has characters other than letters, digits, '-', '_' and '.'")
-    raise ValueError(f"{where}: the adapter name {name!r} {why}; name it with letters, digits, '-', '_' and '.' "
-                     f"(not starting with '.', at most 255 characters), e.g. {FLAG} sonnets=artifacts/finetune/<key>")
+    why = (
+        "is a path (it has '/'); the name is a model id, not where the adapter is"
+        if "/" in name or "\\" in name
+        else "starts with '.'"
+        if name.startswith(".")
+        else f"is {len(name)} characters long, more than 255"
+        if len(name) > 255 and NAME.fullmatch(name[:255])
+        else "has characters other than letters, digits, '-', '_' and '.'"
+    )
+    raise ValueError(
+        f"{where}: the adapter name {name!r} {why}; name it with letters, digits, '-', '_' and '.' "
+        f"(not starting with '.', at most 255 characters), e.g. {FLAG} sonnets=artifacts/finetune/<key>"
+    )
 
 
 @dataclass(frozen=True)
@@ -106,7 +117,7 @@ class Adapter:
         return f"{self.finetune.parent.name}/{self.finetune.name}"
 
     def mode(self, base_kind: str) -> str:
-        """"unmerged" (a LoRA adapter over a model artifact: applied per sequence on the one base network) or
+        """ "unmerged" (a LoRA adapter over a model artifact: applied per sequence on the one base network) or
         "merged" (an export base, or a full finetune: a full copy of the weights); see the module docstring."""
         return "unmerged" if base_kind == "model" and self.method == "lora" else "merged"
 
@@ -127,15 +138,23 @@ class Adapter:
         check_name(self.name, f"{FLAG} {self.name}")
         out = tmp / self.name
         if out.resolve().parent != Path(tmp).resolve():
-            raise ValueError(f"{FLAG} {self.name}: the adapter's directory {out} is not directly under the server's "
-                             f"temporary directory {tmp}; name the adapter with letters, digits, '-', '_' and '.'")
+            raise ValueError(
+                f"{FLAG} {self.name}: the adapter's directory {out} is not directly under the server's "
+                f"temporary directory {tmp}; name the adapter with letters, digits, '-', '_' and '.'"
+            )
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-        proc = subprocess.run([sys.executable, "-m", "tasks.serving.adapters", str(self.finetune), str(base), str(out)],
-                              capture_output=True, text=True, env=env)
+        proc = subprocess.run(
+            [sys.executable, "-m", "tasks.serving.adapters", str(self.finetune), str(base), str(out)],
+            capture_output=True,
+            text=True,
+            env=env,
+        )
         if proc.returncode != 0:
             tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
-            raise RuntimeError(f"{FLAG} {self.name}: merging {self.finetune_id} and writing it as an ONNX decoder like "
-                               f"{base.name} failed: {tail}")
+            raise RuntimeError(
+                f"{FLAG} {self.name}: merging {self.finetune_id} and writing it as an ONNX decoder like "
+                f"{base.name} failed: {tail}"
+            )
         return out
 
 
@@ -147,14 +166,18 @@ def model_ref_of(base: Path) -> dict[str, Any]:
     try:
         m = ArtifactStore.read_manifest(base)
     except ArtifactError:
-        raise ValueError(f"{FLAG} needs a published BASE to check adapters against, but {base} has no manifest.json; "
-                         f"pass the artifact directory `msllm train`, `msllm export` or `msllm convert` printed") from None
+        raise ValueError(
+            f"{FLAG} needs a published BASE to check adapters against, but {base} has no manifest.json; "
+            f"pass the artifact directory `msllm train`, `msllm export` or `msllm convert` printed"
+        ) from None
     if kind == "model":
         return {"stage": m["stage"], "key": m["key"], "digest": m["digest"]}
     models = [i for i in m.get("inputs", []) if i.get("kind") == "artifact" and i.get("stage") != "eval"]
     if not models:
-        raise ValueError(f"{base}: its manifest names no model artifact it was exported from, so {FLAG} cannot check "
-                         f"which base the adapters need; pass that model artifact as BASE instead")
+        raise ValueError(
+            f"{base}: its manifest names no model artifact it was exported from, so {FLAG} cannot check "
+            f"which base the adapters need; pass that model artifact as BASE instead"
+        )
     return {k: models[0][k] for k in ("stage", "key", "digest")}
 
 
@@ -169,8 +192,10 @@ def check_adapters(base: Path, specs: list[AdapterSpec], base_id: str, store=Non
         check_name(s.name, f"{FLAG} {s.name}={s.ref}")
         if s.name in names:
             what = "the base model's id" if s.name == base_id else "another adapter's name"
-            raise ValueError(f"{FLAG} {s.name}={s.ref}: the name '{s.name}' is already {what}; every served model "
-                             f"needs its own id (rename the adapter{', or the base with --model-name' if s.name == base_id else ''})")
+            raise ValueError(
+                f"{FLAG} {s.name}={s.ref}: the name '{s.name}' is already {what}; every served model "
+                f"needs its own id (rename the adapter{', or the base with --model-name' if s.name == base_id else ''})"
+            )
         names.append(s.name)
     want = model_ref_of(base)
     out = []
@@ -182,10 +207,14 @@ def check_adapters(base: Path, specs: list[AdapterSpec], base_id: str, store=Non
         except ArtifactError as exc:
             raise ValueError(f"{where}: {exc}; pass the finetune artifact directory `msllm finetune` printed") from None
         if ft is None or not ft.is_dir():
-            raise ValueError(f"{where}: no such directory; pass the finetune artifact directory `msllm finetune` printed")
+            raise ValueError(
+                f"{where}: no such directory; pass the finetune artifact directory `msllm finetune` printed"
+            )
         if not (ft / "adapter.json").is_file():
-            raise ValueError(f"{where}: not a finetune artifact (no adapter.json); pass the finetune artifact "
-                             f"(artifacts/finetune/<key>), not a model or an export")
+            raise ValueError(
+                f"{where}: not a finetune artifact (no adapter.json); pass the finetune artifact "
+                f"(artifacts/finetune/<key>), not a model or an export"
+            )
         try:
             m = ArtifactStore.read_manifest(ft)
         except ArtifactError as exc:
@@ -195,10 +224,12 @@ def check_adapters(base: Path, specs: list[AdapterSpec], base_id: str, store=Non
         cfg = json.loads((ft / "adapter.json").read_text())
         got = cfg["base"]
         if (got["key"], got["digest"]) != (want["key"], want["digest"]):
-            raise ValueError(f"{where}: this adapter was trained on {got['stage']}/{got['key']}, but BASE {base} "
-                             f"{'is' if artifact_kind(base) == 'model' else 'was exported from'} "
-                             f"{want['stage']}/{want['key']}; serve it over its own base (msllm serve "
-                             f"artifacts/{got['stage']}/{got['key']} {FLAG} {s.name}=...) or drop it")
+            raise ValueError(
+                f"{where}: this adapter was trained on {got['stage']}/{got['key']}, but BASE {base} "
+                f"{'is' if artifact_kind(base) == 'model' else 'was exported from'} "
+                f"{want['stage']}/{want['key']}; serve it over its own base (msllm serve "
+                f"artifacts/{got['stage']}/{got['key']} {FLAG} {s.name}=...) or drop it"
+            )
         out.append(Adapter(s.name, ft, cfg.get("method", "lora"), f"{got['stage']}/{got['key']}"))
     return out
 
@@ -209,12 +240,15 @@ def export_onnx_like(merged: Path, export: Path, out: Path) -> Path:
 
     from tasks.deploy.formats import export_onnx
     from tasks.store.model_artifact import read_info
-    from tasks.tokenizer import tokenizer_files
     from tasks.store.tensors import load_weights
+    from tasks.tokenizer import tokenizer_files
 
     out.mkdir()  # in the server's temporary directory, which exists: never a directory chain of its own
-    meta = {p.key: p.value for p in onnx.load(str(export / "model.onnx"), load_external_data=False).metadata_props
-            if p.key != "model_config"}  # the architecture comes from the merged model itself
+    meta = {
+        p.key: p.value
+        for p in onnx.load(str(export / "model.onnx"), load_external_data=False).metadata_props
+        if p.key != "model_config"
+    }  # the architecture comes from the merged model itself
     export_onnx(read_info(merged), load_weights(merged), out / "model.onnx", meta)
     for f in [*tokenizer_files(export), merged / "model.json"]:
         shutil.copy2(f, out / f.name)

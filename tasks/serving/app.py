@@ -65,8 +65,9 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -90,6 +91,7 @@ log = logging.getLogger("msllm.serve")
 # lm-eval sends to /tokenize for rolling loglikelihoods (wikitext's are under 100 KB).
 MAX_BODY = 8 * 2**20
 
+
 class Served:
     """One model id of the server: its engine, the engine's name for its backend (None: the engine's default
     model), the artifact it came from, extra /v1/models fields (an adapter's `base`, `adapter_mode`, ...)."""
@@ -111,8 +113,14 @@ class Served:
         return self.engine.running(self.model)
 
 
-def build_app(engine: Engine, model_id: str, artifact: Path | str, *, adapters: dict[str, Served] | None = None,
-              max_body: int = MAX_BODY) -> FastAPI:
+def build_app(
+    engine: Engine,
+    model_id: str,
+    artifact: Path | str,
+    *,
+    adapters: dict[str, Served] | None = None,
+    max_body: int = MAX_BODY,
+) -> FastAPI:
     """The app serving `engine`'s default model as `model_id`, and each of `adapters` (id -> Served, e.g.
     `Served(engine, merged, model="a", base=model_id, adapter_mode="merged")`) as its own model id; request bodies
     of more than `max_body` bytes are a 413."""
@@ -156,10 +164,17 @@ def _add_metrics(app: FastAPI, engine: Engine, served: dict[str, Served]) -> Non
 
 def _add_error_handlers(app: FastAPI) -> None:
     """Starlette's errors (an unknown route, ...) and any crash of a handler in OpenAI's error shape."""
+
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
-        msg = (f"no route {request.method} {request.url.path}; the API is under /v1 (completions, chat/completions, "
-               f"models)") if exc.status_code == 404 else str(exc.detail)
+        msg = (
+            (
+                f"no route {request.method} {request.url.path}; the API is under /v1 (completions, chat/completions, "
+                f"models)"
+            )
+            if exc.status_code == 404
+            else str(exc.detail)
+        )
         return _error(ApiError(exc.status_code, msg), f"{request.method} {request.url.path}")
 
     @app.exception_handler(Exception)
@@ -175,16 +190,34 @@ def _add_model_routes(app: FastAPI, engine: Engine, model_id: str, served: dict[
 
     def model_card(name: str) -> dict[str, Any]:
         sv = served[name]
-        return {"id": name, "object": "model", "created": created, "owned_by": "msllm", "backend": sv.backend.kind,
-                "context_length": sv.backend.context_length, "artifact": str(sv.artifact), **sv.card}
+        return {
+            "id": name,
+            "object": "model",
+            "created": created,
+            "owned_by": "msllm",
+            "backend": sv.backend.kind,
+            "context_length": sv.backend.context_length,
+            "artifact": str(sv.artifact),
+            **sv.card,
+        }
 
     @app.get("/health")
     async def health():
         ok = all(sv.engine.alive() for sv in served.values())
-        return JSONResponse({"status": "ok" if ok else "stopping", "model": model_id, "models": list(served),
-                             "backend": backend.kind, "decode": backend.decode_info,
-                             "batched": engine.batched, "active": engine.active, "peak_active": engine.peak_active,
-                             "queued": engine.queued()}, status_code=200 if ok else 503)
+        return JSONResponse(
+            {
+                "status": "ok" if ok else "stopping",
+                "model": model_id,
+                "models": list(served),
+                "backend": backend.kind,
+                "decode": backend.decode_info,
+                "batched": engine.batched,
+                "active": engine.active,
+                "peak_active": engine.peak_active,
+                "queued": engine.queued(),
+            },
+            status_code=200 if ok else 503,
+        )
 
     @app.get("/v1/models")
     async def models():
@@ -193,9 +226,15 @@ def _add_model_routes(app: FastAPI, engine: Engine, model_id: str, served: dict[
     @app.get("/v1/models/{name:path}")
     async def model(name: str):
         if name not in served:
-            return _error(ApiError(404, f"model '{name}' does not exist; this server serves "
-                                        f"{', '.join(repr(m) for m in served)}", "model", code="model_not_found"),
-                          f"GET /v1/models/{name}")
+            return _error(
+                ApiError(
+                    404,
+                    f"model '{name}' does not exist; this server serves {', '.join(repr(m) for m in served)}",
+                    "model",
+                    code="model_not_found",
+                ),
+                f"GET /v1/models/{name}",
+            )
         return model_card(name)
 
 
@@ -216,9 +255,16 @@ def _add_tokenizer_routes(app: FastAPI, sv: Served, max_body: int) -> None:
         # prefix_token_id): the document prefix where there is one ([EOS] for a SentencePiece model trained here,
         # whose training stream never holds BOS), else the tokenizer's BOS.
         bos = doc_start[0] if doc_start else tok.bos_id()
-        return {"tokenizer_class": tok.kind, "eos_token": piece(tok.eos_id()), "bos_token": piece(bos),
-                "pad_token": piece(tok.pad_id()), "unk_token": piece(tok.unk_id()), "chat_template": tok.chat_template,
-                "model_max_length": backend.context_length, "document_prefix": doc_start}
+        return {
+            "tokenizer_class": tok.kind,
+            "eos_token": piece(tok.eos_id()),
+            "bos_token": piece(bos),
+            "pad_token": piece(tok.pad_id()),
+            "unk_token": piece(tok.unk_id()),
+            "chat_template": tok.chat_template,
+            "model_max_length": backend.context_length,
+            "document_prefix": doc_start,
+        }
 
     def encode_text(text: str, add_special_tokens: bool) -> list[int]:
         specials = {tok.id_to_piece(i): i for i in (tok.eos_id(), tok.bos_id(), tok.pad_id(), tok.unk_id()) if i >= 0}
@@ -257,6 +303,7 @@ def _add_tokenizer_routes(app: FastAPI, sv: Served, max_body: int) -> None:
 
 def _add_generation_routes(app: FastAPI, served: dict[str, Served], max_body: int) -> None:
     """POST /v1/completions and /v1/chat/completions."""
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await _generate(request, served, max_body, chat=False)
@@ -280,8 +327,11 @@ async def _generate(request: Request, served: dict[str, Served], max_body: int, 
         sv = served[name]
         # tokenizing (and rendering a chat template) off the event loop; more sequences than the queue ever
         # holds is a 400 before any of it
-        p = await run_in_threadpool(lambda: parse_request(body, chat=chat, model_id=name, backend=sv.backend,
-                                                          prefix=sv.prefix, max_jobs=sv.engine.max_queue))
+        p = await run_in_threadpool(
+            lambda: parse_request(
+                body, chat=chat, model_id=name, backend=sv.backend, prefix=sv.prefix, max_jobs=sv.engine.max_queue
+            )
+        )
         jobs = p.jobs()
 
         def emitter(i: int):
@@ -290,6 +340,7 @@ async def _generate(request: Request, served: dict[str, Served], max_body: int, 
                     loop.call_soon_threadsafe(events.put_nowait, (i, ev))
                 except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
                     pass
+
             return emit
 
         try:
@@ -302,18 +353,25 @@ async def _generate(request: Request, served: dict[str, Served], max_body: int, 
     except ApiError as exc:
         return _error(exc, endpoint)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-    meta = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": name}
+    meta = {
+        "id": rid,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": name,
+    }
     fmt = Choices(sv, p, jobs, chat)
     if p.stream:
-        return StreamingResponse(stream_choices(reqs, events, meta, fmt, p.include_usage, rid, endpoint),
-                                 media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            stream_choices(reqs, events, meta, fmt, p.include_usage, rid, endpoint),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
     return await _whole_response(reqs, events, meta, fmt, len(jobs), rid, endpoint)
 
 
-async def _whole_response(reqs: list, events: asyncio.Queue, meta: dict[str, Any], fmt: Choices, n_jobs: int,
-                          rid: str, endpoint: str):
+async def _whole_response(
+    reqs: list, events: asyncio.Queue, meta: dict[str, Any], fmt: Choices, n_jobs: int, rid: str, endpoint: str
+):
     """A response that is not streamed: every choice's events gathered until each is done."""
     texts: list[list[str]] = [[] for _ in range(n_jobs)]
     done: list[dict[str, Any] | None] = [None] * n_jobs
@@ -344,13 +402,26 @@ def default_model_id(artifact: Path) -> str:
 def configure_logging() -> None:
     root = logging.getLogger()
     if not root.handlers:
-        logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logging.basicConfig(
+            level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
     logging.getLogger("msllm.serve").setLevel(logging.INFO)
 
 
-def serve(artifact: str | Path, host: str = "127.0.0.1", port: int = 8000, *, model_name: str | None = None,
-          max_active: int = 32, max_queue: int = 256, drain_timeout: float = 8.0, batching: bool = True,
-          adapters: Sequence[AdapterSpec] = (), store=None, max_body: int = MAX_BODY) -> int:
+def serve(
+    artifact: str | Path,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    *,
+    model_name: str | None = None,
+    max_active: int = 32,
+    max_queue: int = 256,
+    drain_timeout: float = 8.0,
+    batching: bool = True,
+    adapters: Sequence[AdapterSpec] = (),
+    store=None,
+    max_body: int = MAX_BODY,
+) -> int:
     """Load the artifact (and each adapter, unmerged or merged: tasks/serving/adapters.py), serve until
     SIGTERM/SIGINT, drain, return 0. `store` resolves adapter references that are not directories."""
     artifact = Path(artifact).resolve()
@@ -366,36 +437,81 @@ def serve(artifact: str | Path, host: str = "127.0.0.1", port: int = 8000, *, mo
         engine: Engine
         # The engine loads in this order, in its thread: the base first, so an unmerged adapter's loader
         # finds the base's backend (the one network holding every adapter's A/B).
-        loaders = {model_id: (lambda: MindSporeBackend(artifact, adapters=unmerged)) if unmerged else
-                   (lambda: load_backend(artifact)),
-                   **{a.name: (lambda n=a.name: engine.backends[model_id].adapter(n)) if a.name in unmerged else
-                      (lambda d=dirs[a.name]: load_backend(d)) for a in checked}}
+        loaders = {
+            model_id: (lambda: MindSporeBackend(artifact, adapters=unmerged))
+            if unmerged
+            else (lambda: load_backend(artifact)),
+            **{
+                a.name: (lambda n=a.name: engine.backends[model_id].adapter(n))
+                if a.name in unmerged
+                else (lambda d=dirs[a.name]: load_backend(d))
+                for a in checked
+            },
+        }
         engine = Engine(loaders, max_active=max_active, max_queue=max_queue, batching=batching)
         engine.start()
         b = engine.backend
-        log.info("loaded %s on %s in %.1fs: model '%s', context %d tokens, vocabulary %d, %s of up to %d sequences",
-                 artifact, b.kind, time.perf_counter() - t0, model_id, b.context_length, b.vocab_size,
-                 "batched decoding" if engine.batched else "interleaved decoding", max_active)
+        log.info(
+            "loaded %s on %s in %.1fs: model '%s', context %d tokens, vocabulary %d, %s of up to %d sequences",
+            artifact,
+            b.kind,
+            time.perf_counter() - t0,
+            model_id,
+            b.context_length,
+            b.vocab_size,
+            "batched decoding" if engine.batched else "interleaved decoding",
+            max_active,
+        )
         for a in checked:
             if a.name in unmerged:
-                log.info("adapter '%s': %s (lora) unmerged on the base network (rank %d slots, %d modules), "
-                         "decoded on the MindSpore decoder", a.name, a.finetune_id, b.slots.rank, len(b.slots.layers))
+                log.info(
+                    "adapter '%s': %s (lora) unmerged on the base network (rank %d slots, %d modules), "
+                    "decoded on the MindSpore decoder",
+                    a.name,
+                    a.finetune_id,
+                    b.slots.rank,
+                    len(b.slots.layers),
+                )
             else:
-                log.info("adapter '%s': %s (%s) merged into the base, served from %s", a.name, a.finetune_id,
-                         a.method, dirs[a.name])
-        served = {a.name: Served(engine, a.finetune if a.name in unmerged else dirs[a.name], model=a.name,
-                                 parent=model_id, base=model_id, adapter_mode=a.mode(kind), finetune=a.finetune_id,
-                                 method=a.method) for a in checked}
-        return _run(build_app(engine, model_id, artifact, adapters=served, max_body=max_body), engine, host, port,
-                    drain_timeout)
+                log.info(
+                    "adapter '%s': %s (%s) merged into the base, served from %s",
+                    a.name,
+                    a.finetune_id,
+                    a.method,
+                    dirs[a.name],
+                )
+        served = {
+            a.name: Served(
+                engine,
+                a.finetune if a.name in unmerged else dirs[a.name],
+                model=a.name,
+                parent=model_id,
+                base=model_id,
+                adapter_mode=a.mode(kind),
+                finetune=a.finetune_id,
+                method=a.method,
+            )
+            for a in checked
+        }
+        return _run(
+            build_app(engine, model_id, artifact, adapters=served, max_body=max_body), engine, host, port, drain_timeout
+        )
     finally:
         tmp.cleanup()
 
 
 def _run(app: FastAPI, engine: Engine, host: str, port: int, drain_timeout: float) -> int:
     """uvicorn until SIGTERM/SIGINT, then the drain; 0, or 1 when the server never started."""
-    config = uvicorn.Config(app, host=host, port=port, access_log=False, log_config=None, lifespan="off",
-                            timeout_graceful_shutdown=drain_timeout, timeout_keep_alive=5)
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        access_log=False,
+        log_config=None,
+        lifespan="off",
+        timeout_graceful_shutdown=drain_timeout,
+        timeout_keep_alive=5,
+    )
     server = uvicorn.Server(config)
     # uvicorn handles SIGTERM/SIGINT while it runs and re-raises the signal once it has drained; with the
     # default handler that re-raise would kill the process (exit -15) before the engine is stopped.

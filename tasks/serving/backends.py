@@ -24,38 +24,45 @@ Every backend also names its sampler, `backend.sample_next` (the same arithmetic
 LoRA adapters unmerged (MindSpore only): `MindSporeBackend(path, adapters={"a": finetune_dir, ...})` holds the
 base weights once and each adapter's A and B (`model.lora.LoRASlots`); `backend.adapter("a")` is a backend of
 its own (the same interface, the same network) whose every call runs with adapter a's update, and the base
-backend's calls with none.
-"""
+backend's calls with none."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Generator
 from pathlib import Path
-from typing import Generator
 
 import numpy as np
-import json
-from tasks.store.published import verify_published
-from tasks.store.tensors import read_tensors
+
 from model.runtime import setup_mindspore
 from model.sampling import sample_next
 from tasks.store.model_artifact import load_prompt_style, load_tokenizer
-from tasks.tokenizer import load_tokenizer as read_tokenizer, tokenizer_files
+from tasks.store.published import verify_published
+from tasks.store.tensors import read_tensors
+from tasks.tokenizer import load_tokenizer as read_tokenizer
+from tasks.tokenizer import tokenizer_files
 
 
 def artifact_kind(path: str | Path) -> str:
     """'export' or 'model' by the files of the directory; ValueError naming what is missing."""
     p = Path(path)
     if not p.is_dir():
-        raise ValueError(f"{path}: not a directory; pass an export artifact or a model artifact (pretrain, merged, convert)")
+        raise ValueError(
+            f"{path}: not a directory; pass an export artifact or a model artifact (pretrain, merged, convert)"
+        )
     if (p / "export.json").is_file() or (p / "model.onnx").is_file():
         return "export"
     if (p / "model.json").is_file() and (p / "model.safetensors").is_file():
         return "model"
     if (p / "adapter.json").is_file():
-        raise ValueError(f"{path}: a finetune artifact holds only the LoRA adapter; serve its merged artifact "
-                         f"(`msllm finetune` prints it) or an export of it")
-    raise ValueError(f"{path}: neither an export artifact (export.json, model.onnx) nor a model artifact "
-                     f"(model.json, model.safetensors)")
+        raise ValueError(
+            f"{path}: a finetune artifact holds only the LoRA adapter; serve its merged artifact "
+            f"(`msllm finetune` prints it) or an export of it"
+        )
+    raise ValueError(
+        f"{path}: neither an export artifact (export.json, model.onnx) nor a model artifact "
+        f"(model.json, model.safetensors)"
+    )
 
 
 class MindSporeBackend:
@@ -70,8 +77,7 @@ class MindSporeBackend:
     def __init__(self, path: str | Path, adapters: dict[str, Path] | None = None):
 
         setup_mindspore()
-        from model.generate import Generator  # lazy: MindSpore (an export is served on onnxruntime alone)
-        from tasks.modeling.build import load_network
+        from tasks.modeling.build import generator, load_network  # lazy: MindSpore (an export needs onnxruntime only)
 
         self.path = Path(path)
         net, self.info = load_network(path)
@@ -80,7 +86,7 @@ class MindSporeBackend:
         self.prompt_style = load_prompt_style(path, self.tokenizer)  # how chat requests are rendered
         # before the Generator: its compiled graphs then hold the LoRA layers, and serve every adapter
         self.slots = _lora_slots(net, adapters) if adapters else None
-        self.generator = Generator(net, fused=True)  # eval.fused_kernels' default; model.kernels.off_reason decides
+        self.generator = generator(net, fused=True)  # eval.fused_kernels' default; model.kernels.off_reason decides
         self.sample_next = sample_next
         self.context_length = int(self.generator.max_len)
         self.vocab_size = int(net.config.vocab_size)
@@ -130,7 +136,7 @@ class MindSporeBackend:
         s.send(self.eos_id)
         s.close()
 
-    def adapter(self, name: str) -> "AdapterBackend":
+    def adapter(self, name: str) -> AdapterBackend:
         """Adapter `name`'s backend: this network, with its update on every call."""
         if self.slots is None or name not in self.slots.names:
             raise KeyError(f"no unmerged adapter {name!r} on {self.path}")
@@ -155,7 +161,8 @@ class AdapterBackend:
         return self.base.prompt_logits(ids, self.name)
 
     def warmup(self) -> None:
-        """Compile the decoder's decode step (the path an adapter's tokens take; the base may have taken the fused one)."""
+        """Compile the decoder's decode step (the path an adapter's tokens take; the base may have taken the fused
+        one)."""
         self.base.warmup(self.name)
 
 
@@ -168,9 +175,13 @@ def _lora_slots(net, adapters: dict[str, Path]):
     for name, ft in adapters.items():
         cfg = json.loads(verify_published(Path(ft) / "adapter.json").read_text())
         if cfg.get("method", "lora") != "lora":
-            raise ValueError(f"adapter {name}: {ft} is a {cfg.get('method')} finetune (full weights), not LoRA; "
-                             f"serve its merged artifact")
-        weights = read_tensors(verify_published(Path(ft) / "adapter.safetensors"), f"rerun the finetune stage ({ft} is damaged)")
+            raise ValueError(
+                f"adapter {name}: {ft} is a {cfg.get('method')} finetune (full weights), not LoRA; "
+                f"serve its merged artifact"
+            )
+        weights = read_tensors(
+            verify_published(Path(ft) / "adapter.safetensors"), f"rerun the finetune stage ({ft} is damaged)"
+        )
         loaded[name] = (weights, float(cfg["scaling"]))
     return LoRASlots(net, loaded)
 
@@ -200,7 +211,9 @@ class OnnxBackend:
         self.path = Path(path)
         if not (self.path / "model.onnx").is_file() or not tokenizer_files(self.path):
             missing = "model.onnx" if not (self.path / "model.onnx").is_file() else "tokenizer.model or tokenizer.json"
-            raise ValueError(f"{path}: no {missing}; pass an export artifact directory (the path `msllm export` prints)")
+            raise ValueError(
+                f"{path}: no {missing}; pass an export artifact directory (the path `msllm export` prints)"
+            )
         for f in (self.path / "model.onnx", *tokenizer_files(self.path)):
             verify_published(f)  # what is served is what the export published
         self.generator = OnnxGenerator(self.path / "model.onnx", threads=threads)  # ValueError for a pre-KV export
@@ -213,8 +226,11 @@ class OnnxBackend:
         self._state = None  # KVState of the running batch, rows in the order of self._rows
         self._rows: list = []
         self._dead: set = set()
-        self.decode_info = {"path": "onnxruntime", "reason": f"an export artifact: {self.path / 'model.onnx'} on "
-                                                             "onnxruntime's CPU execution provider, batched decode"}
+        self.decode_info = {
+            "path": "onnxruntime",
+            "reason": f"an export artifact: {self.path / 'model.onnx'} on "
+            "onnxruntime's CPU execution provider, batched decode",
+        }
 
     # ---- continuous batching: each sequence is prefilled alone (batch 1, exactly as `OnnxGenerator`), then
     # joins the running batch, left-padded to the batch's cache length (attention_mask 0 over the padding,
@@ -232,10 +248,13 @@ class OnnxBackend:
 
             a, b = self._state, state
             n = max(a.length, b.length)
-            past = {k: np.concatenate([_left_pad(a.past[k], n - a.length, 2), _left_pad(b.past[k], n - b.length, 2)])
-                    for k in a.past}
-            mask = np.concatenate([_left_pad(a.attention_mask, n - a.length, 1),
-                                   _left_pad(b.attention_mask, n - b.length, 1)])
+            past = {
+                k: np.concatenate([_left_pad(a.past[k], n - a.length, 2), _left_pad(b.past[k], n - b.length, 2)])
+                for k in a.past
+            }
+            mask = np.concatenate(
+                [_left_pad(a.attention_mask, n - a.length, 1), _left_pad(b.attention_mask, n - b.length, 1)]
+            )
             self._state = KVState(past, mask, np.concatenate([a.positions, b.positions]))
             self._rows.append(key)
         return logits[0]

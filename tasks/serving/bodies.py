@@ -14,9 +14,13 @@ from tasks.serving.requests import ApiError, type_name
 
 
 def _too_large(size: str, limit: int) -> ApiError:
-    return ApiError(413, f"the request body is {size} bytes, more than this server reads ({limit:,} bytes, "
-                         f"--max-body-size); send a smaller request (split a prompt array over several requests), "
-                         f"or start the server with a larger --max-body-size", code="request_too_large")
+    return ApiError(
+        413,
+        f"the request body is {size} bytes, more than this server reads ({limit:,} bytes, "
+        f"--max-body-size); send a smaller request (split a prompt array over several requests), "
+        f"or start the server with a larger --max-body-size",
+        code="request_too_large",
+    )
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -68,13 +72,17 @@ def json_depth(value: Any, limit: int) -> int:
 
 def decode_json(raw: bytes) -> Any:
     """A body's bytes as a JSON object; ApiError 400 for anything else (a body nesting past MAX_JSON_DEPTH too)."""
-    deep = ApiError(400, f"the request body nests arrays or objects more than {MAX_JSON_DEPTH} levels deep; "
-                         f"an OpenAI request needs at most 5")
+    deep = ApiError(
+        400,
+        f"the request body nests arrays or objects more than {MAX_JSON_DEPTH} levels deep; "
+        f"an OpenAI request needs at most 5",
+    )
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"the request body is not valid JSON ({exc}); send a JSON object with "
-                            f"Content-Type: application/json") from None
+        raise ApiError(
+            400, f"the request body is not valid JSON ({exc}); send a JSON object with Content-Type: application/json"
+        ) from None
     except RecursionError:  # deeper than the decoder's own recursion limit
         raise deep from None
     if not isinstance(body, dict):

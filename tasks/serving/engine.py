@@ -21,8 +21,8 @@ worker thread: MindSpore is not thread-safe in general. Several models (a base a
 adapters, `msllm serve --adapter`) share that thread, the queue and `max_active`: each
 sequence runs on its request's backend, and a batched round makes one call per backend. Unmerged
 adapters are backends over the base's one network (tasks/serving/backends.py `AdapterBackend`): each of
-their calls puts its adapter in place first, which is exact because MindSpore sequences take one call each. Up to `max_active` sequences run
-at once (the rest wait in the queue, FIFO); each round gives every one of them a token, so
+their calls puts its adapter in place first, which is exact because MindSpore sequences take one call each. Up to
+`max_active` sequences run at once (the rest wait in the queue, FIFO); each round gives every one of them a token, so
 a new request gets its first token after at most one round instead of waiting for every
 earlier request to finish. A newly admitted sequence is prefilled alone. Then either:
   - batched (a backend with `batched = True`, onnxruntime): one `decode` call per round for
@@ -47,8 +47,9 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -80,8 +81,13 @@ class Request:
     _ids = 0
     _lock = threading.Lock()
 
-    def __init__(self, prompt_ids: Sequence[int], sampling: Sampling, emit: Callable[[dict[str, Any]], None],
-                 model: str | None = None):
+    def __init__(
+        self,
+        prompt_ids: Sequence[int],
+        sampling: Sampling,
+        emit: Callable[[dict[str, Any]], None],
+        model: str | None = None,
+    ):
         with Request._lock:
             Request._ids += 1
             self.number = Request._ids
@@ -126,8 +132,13 @@ class _Seq:
 
 
 class Engine:
-    def __init__(self, load_backend: Callable[[], Any] | Mapping[str, Callable[[], Any]], max_active: int = 32,
-                 max_queue: int = 256, batching: bool = True):
+    def __init__(
+        self,
+        load_backend: Callable[[], Any] | Mapping[str, Callable[[], Any]],
+        max_active: int = 32,
+        max_queue: int = 256,
+        batching: bool = True,
+    ):
         if max_active < 1 or max_queue < 1:
             raise ValueError("max_active and max_queue must be at least 1")
         # name -> loader; the first is the default model (a bare loader is the one model, named "")
@@ -175,15 +186,22 @@ class Engine:
 
     # ---- requests
 
-    def submit(self, prompt_ids: Sequence[int], sampling: Sampling, emit: Callable[[dict[str, Any]], None],
-               model: str | None = None) -> Request:
+    def submit(
+        self,
+        prompt_ids: Sequence[int],
+        sampling: Sampling,
+        emit: Callable[[dict[str, Any]], None],
+        model: str | None = None,
+    ) -> Request:
         model = self.default_model if model is None else model
         if model not in self._loaders:
             raise ValueError(f"this engine runs {sorted(self._loaders)}, not {model!r}")
         if self._stopping:
             raise Busy("the server is shutting down")
         if self._queue.qsize() >= self.max_queue:
-            raise Busy(f"{self._queue.qsize()} requests are already waiting (--max-queue {self.max_queue}); retry later")
+            raise Busy(
+                f"{self._queue.qsize()} requests are already waiting (--max-queue {self.max_queue}); retry later"
+            )
         req = Request(prompt_ids, sampling, emit, model)
         self._queue.put(req)
         return req
@@ -275,18 +293,33 @@ class Engine:
         budget = min(s.max_tokens, backend.context_length - len(req.prompt_ids))
         try:
             if budget < 1 and not (s.max_tokens == 0 and s.echo_from is not None):
-                raise ValueError(f"no room for new tokens: the prompt has {len(req.prompt_ids)} tokens and the "
-                                 f"context {backend.context_length}")
-            prompt_lp = ([] if s.echo_from is None else
-                         prompt_logprobs(backend, req.prompt_ids, s.echo_from, s.logprobs or 0))
+                raise ValueError(
+                    f"no room for new tokens: the prompt has {len(req.prompt_ids)} tokens and the "
+                    f"context {backend.context_length}"
+                )
+            prompt_lp = (
+                [] if s.echo_from is None else prompt_logprobs(backend, req.prompt_ids, s.echo_from, s.logprobs or 0)
+            )
             if s.max_tokens == 0:  # echo alone: the prompt scored, nothing generated
                 now = time.perf_counter()
                 req.t_first = now
                 self._finished(req, "length", 0, [], now)
-                req.emit({"type": "done", "finish_reason": "length", "text": "", "prompt_tokens": len(req.prompt_ids),
-                          "completion_tokens": 0, "queue_s": req.t_start - req.t_arrival, "ttft_s": now - req.t_arrival,
-                          "total_s": now - req.t_arrival, "decode_s": now - req.t_start, "prompt_logprobs": prompt_lp,
-                          "logprobs": [], "token_gaps": []})
+                req.emit(
+                    {
+                        "type": "done",
+                        "finish_reason": "length",
+                        "text": "",
+                        "prompt_tokens": len(req.prompt_ids),
+                        "completion_tokens": 0,
+                        "queue_s": req.t_start - req.t_arrival,
+                        "ttft_s": now - req.t_arrival,
+                        "total_s": now - req.t_arrival,
+                        "decode_s": now - req.t_start,
+                        "prompt_logprobs": prompt_lp,
+                        "logprobs": [],
+                        "token_gaps": [],
+                    }
+                )
                 return None
             seq = _Seq(req, backend, budget, self.batched)
             seq.prompt_logprobs = prompt_lp
@@ -303,11 +336,18 @@ class Engine:
         req.outcome = reason
         if not self.listeners:
             return
-        stats = {"finish_reason": reason, "generation_tokens": generated, "max_tokens": req.sampling.max_tokens,
-                 # prompt tokens count once prefilled (the first token came), as vLLM counts them
-                 "prompt_tokens": len(req.prompt_ids) if req.t_first is not None else 0,
-                 "t_arrival": req.t_arrival, "t_start": req.t_start, "t_first": req.t_first,
-                 "t_finish": time.perf_counter() if now is None else now, "gaps": list(gaps)}
+        stats = {
+            "finish_reason": reason,
+            "generation_tokens": generated,
+            "max_tokens": req.sampling.max_tokens,
+            # prompt tokens count once prefilled (the first token came), as vLLM counts them
+            "prompt_tokens": len(req.prompt_ids) if req.t_first is not None else 0,
+            "t_arrival": req.t_arrival,
+            "t_start": req.t_start,
+            "t_first": req.t_first,
+            "t_finish": time.perf_counter() if now is None else now,
+            "gaps": list(gaps),
+        }
         for fn in self.listeners:
             try:
                 fn(req.model, stats)
@@ -373,18 +413,35 @@ class Engine:
         full = len(seq.new) >= seq.budget
         delta, hit = seq.text.update(seq.new, final=eos or full)
         if delta:
-            req.emit({"type": "token", "text": delta, "tokens": len(seq.new) - seq.emitted,
-                      "logprobs": seq.logprobs[seq.emitted:len(seq.new)],
-                      "prompt_logprobs": seq.prompt_logprobs if seq.emitted == 0 else None})
+            req.emit(
+                {
+                    "type": "token",
+                    "text": delta,
+                    "tokens": len(seq.new) - seq.emitted,
+                    "logprobs": seq.logprobs[seq.emitted : len(seq.new)],
+                    "prompt_logprobs": seq.prompt_logprobs if seq.emitted == 0 else None,
+                }
+            )
             seq.emitted = len(seq.new)
         if not (eos or hit or full):
             return True
         now = time.perf_counter()
         self._finished(req, "stop" if eos or hit else "length", len(seq.new), seq.gaps, now)
-        req.emit({"type": "done", "finish_reason": req.outcome, "text": seq.text.text,
-                  "prompt_tokens": len(req.prompt_ids), "completion_tokens": len(seq.new),
-                  "queue_s": req.t_start - req.t_arrival, "ttft_s": req.t_first - req.t_arrival,
-                  "total_s": now - req.t_arrival, "decode_s": now - req.t_start,
-                  "prompt_logprobs": seq.prompt_logprobs, "logprobs": seq.logprobs,
-                  "unsent_logprobs": seq.logprobs[seq.emitted:], "token_gaps": seq.gaps})
+        req.emit(
+            {
+                "type": "done",
+                "finish_reason": req.outcome,
+                "text": seq.text.text,
+                "prompt_tokens": len(req.prompt_ids),
+                "completion_tokens": len(seq.new),
+                "queue_s": req.t_start - req.t_arrival,
+                "ttft_s": req.t_first - req.t_arrival,
+                "total_s": now - req.t_arrival,
+                "decode_s": now - req.t_start,
+                "prompt_logprobs": seq.prompt_logprobs,
+                "logprobs": seq.logprobs,
+                "unsent_logprobs": seq.logprobs[seq.emitted :],
+                "token_gaps": seq.gaps,
+            }
+        )
         return False

@@ -10,7 +10,8 @@ sequence has nothing before it: its logprob is None.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 

@@ -45,23 +45,94 @@ their own requests, and nothing else in the process leaks into the page.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 # vLLM's bucket boundaries (seconds), kept exactly: dashboards and recording rules summing `le` across servers
 # expect them. A tiny CPU model's ~1 ms token gaps all fall in the first ITL bucket (0.01 s).
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
-               80.0)
-REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-                           240.0, 480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+REQUEST_LATENCY_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 FINISH_REASONS = ("stop", "length", "abort")  # vLLM's FinishReason values, each series present from the start
 ENGINE = "0"
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/tokenize",
-          "/detokenize", "/tokenizer_info")
+ROUTES = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/models",
+    "/health",
+    "/metrics",
+    "/tokenize",
+    "/detokenize",
+    "/tokenizer_info",
+)
 
 
 def buckets_1_2_5(max_value: int) -> tuple[int, ...]:
@@ -79,20 +150,29 @@ class ServerMetrics:
     def __init__(self, backend: str, models: Mapping[str, Any]):
         self.registry = r = CollectorRegistry(auto_describe=True)
         labels = ["model_name", "engine"]
-        self.requests = Counter("msllm_requests", "HTTP responses by route, status code and served model",
-                                ["endpoint", "status", "model"], registry=r)
-        waiting = Gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", labels,
-                        registry=r)
-        running = Gauge("vllm:num_requests_running", "Number of requests in model execution batches.", labels,
-                        registry=r)
+        self.requests = Counter(
+            "msllm_requests",
+            "HTTP responses by route, status code and served model",
+            ["endpoint", "status", "model"],
+            registry=r,
+        )
+        waiting = Gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", labels, registry=r)
+        running = Gauge(
+            "vllm:num_requests_running", "Number of requests in model execution batches.", labels, registry=r
+        )
         for name, model in models.items():
             waiting.labels(name, ENGINE).set_function(model.queued)
             running.labels(name, ENGINE).set_function(model.running)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", labels, registry=r)
-        self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.", labels,
-                                         registry=r)
-        self.success = Counter("vllm:request_success", "Count of successfully processed requests.",
-                               labels + ["finished_reason"], registry=r)
+        self.generation_tokens = Counter(
+            "vllm:generation_tokens", "Number of generation tokens processed.", labels, registry=r
+        )
+        self.success = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            labels + ["finished_reason"],
+            registry=r,
+        )
 
         def hist(name: str, doc: str, buckets) -> Histogram:
             return Histogram(name, doc, labels, buckets=buckets, registry=r)
@@ -100,39 +180,70 @@ class ServerMetrics:
         ctx = max((getattr(m.backend, "context_length", 0) for m in models.values()), default=0) or 1
         tokens = buckets_1_2_5(ctx)
         self.request_prompt_tokens = hist("vllm:request_prompt_tokens", "Number of prefill tokens processed.", tokens)
-        self.request_generation_tokens = hist("vllm:request_generation_tokens",
-                                              "Number of generation tokens processed.", tokens)
-        self.max_tokens = hist("vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.",
-                               tokens)
-        self.ttft = hist("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-                         TTFT_BUCKETS)
-        self.itl = hist("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
-                        ITL_BUCKETS)
-        self.tpot = hist("vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds.",
-                         ITL_BUCKETS)
-        self.request_tpot = hist("vllm:request_time_per_output_token_seconds",
-                                 "Histogram of time_per_output_token_seconds per request.", ITL_BUCKETS)
-        self.e2e = hist("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
-                        REQUEST_LATENCY_BUCKETS)
-        self.queue = hist("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
-                          REQUEST_LATENCY_BUCKETS)
-        self.inference = hist("vllm:request_inference_time_seconds",
-                              "Histogram of time spent in RUNNING phase for request.", REQUEST_LATENCY_BUCKETS)
-        self.prefill = hist("vllm:request_prefill_time_seconds",
-                            "Histogram of time spent in PREFILL phase for request.", REQUEST_LATENCY_BUCKETS)
-        self.decode = hist("vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.",
-                           REQUEST_LATENCY_BUCKETS)
+        self.request_generation_tokens = hist(
+            "vllm:request_generation_tokens", "Number of generation tokens processed.", tokens
+        )
+        self.max_tokens = hist(
+            "vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.", tokens
+        )
+        self.ttft = hist(
+            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS
+        )
+        self.itl = hist("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
+        self.tpot = hist(
+            "vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds.", ITL_BUCKETS
+        )
+        self.request_tpot = hist(
+            "vllm:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.",
+            ITL_BUCKETS,
+        )
+        self.e2e = hist(
+            "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", REQUEST_LATENCY_BUCKETS
+        )
+        self.queue = hist(
+            "vllm:request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.inference = hist(
+            "vllm:request_inference_time_seconds",
+            "Histogram of time spent in RUNNING phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.prefill = hist(
+            "vllm:request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.decode = hist(
+            "vllm:request_decode_time_seconds",
+            "Histogram of time spent in DECODE phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
         for name in models:  # every served model's series present (at 0) before its first request, as vLLM's
             for c in (self.prompt_tokens, self.generation_tokens):
                 c.labels(name, ENGINE)
             for reason in FINISH_REASONS:
                 self.success.labels(name, ENGINE, reason)
-            for h in (self.request_prompt_tokens, self.request_generation_tokens, self.max_tokens, self.ttft,
-                      self.itl, self.tpot, self.request_tpot, self.e2e, self.queue, self.inference, self.prefill,
-                      self.decode):
+            for h in (
+                self.request_prompt_tokens,
+                self.request_generation_tokens,
+                self.max_tokens,
+                self.ttft,
+                self.itl,
+                self.tpot,
+                self.request_tpot,
+                self.e2e,
+                self.queue,
+                self.inference,
+                self.prefill,
+                self.decode,
+            ):
                 h.labels(name, ENGINE)
         Info("msllm_backend", "what serves the models", registry=r).info(
-            {"backend": backend, "models": ",".join(models)})
+            {"backend": backend, "models": ",".join(models)}
+        )
 
     def request(self, path: str, status: int, model: str = "") -> None:
         # a bounded label set: unknown paths (404s) share one label; `model` is a served id or ""

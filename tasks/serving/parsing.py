@@ -10,13 +10,14 @@ alike) start with the model's document prefix (`completion_prompt`).
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import replace
 from functools import lru_cache
-from typing import Any, Collection
+from typing import Any
 
+from tasks.prompts import chat_prompt_ids
 from tasks.serving.engine import Sampling
 from tasks.serving.requests import ApiError, ChatRequest, CompletionRequest, parse_body, type_name
-from tasks.prompts import chat_prompt_ids
 from tasks.tokenizer_error import TokenizerError
 
 
@@ -44,7 +45,7 @@ def completion_prompt(tok, prefix: list[int] | None, prompt: str | list[int]) ->
             return list(tok.prompt_ids(prompt)), 0
         return prefix + list(tok.encode(prompt)), len(prefix)
     ids = [int(t) for t in prompt]
-    if prefix and ids[:len(prefix)] != prefix:
+    if prefix and ids[: len(prefix)] != prefix:
         return prefix + ids, len(prefix)
     return ids, 0
 
@@ -59,8 +60,18 @@ class Prompt:
 class Parsed:
     """A validated request: prompts, choices per prompt, sampling, streaming and logprobs options."""
 
-    def __init__(self, prompts: list[Prompt], sampling: Sampling, stream: bool, include_usage: bool, *, n: int = 1,
-                 echo: bool = False, logprobs: int | None = None, model: str = ""):
+    def __init__(
+        self,
+        prompts: list[Prompt],
+        sampling: Sampling,
+        stream: bool,
+        include_usage: bool,
+        *,
+        n: int = 1,
+        echo: bool = False,
+        logprobs: int | None = None,
+        model: str = "",
+    ):
         self.prompts, self.sampling, self.stream, self.include_usage = prompts, sampling, stream, include_usage
         self.n, self.echo, self.logprobs, self.model = n, echo, logprobs, model
 
@@ -88,8 +99,9 @@ def requested_model(body: Any, served: Collection[str]) -> str:
         raise ApiError(400, "model is required: the served model's id (GET /v1/models lists it)", "model")
     if model not in served:
         names = ", ".join(f"'{m}'" for m in served)
-        raise ApiError(404, f"model '{model}' does not exist; this server serves {names}", "model",
-                       code="model_not_found")
+        raise ApiError(
+            404, f"model '{model}' does not exist; this server serves {names}", "model", code="model_not_found"
+        )
     return model
 
 
@@ -119,8 +131,12 @@ def prompts(prompt: Any, backend, prefix: list[int] | None) -> list[Prompt]:
         return [one(prompt, "prompt")]
     if isinstance(prompt, list) and prompt:
         return [one(v, f"prompt[{i}]") for i, v in enumerate(prompt)]
-    raise ApiError(400, f"prompt must be a string, an array of token ids, or a non-empty array of either, got "
-                        f"{type_name(prompt) if prompt != [] else 'an empty array'}", "prompt")
+    raise ApiError(
+        400,
+        f"prompt must be a string, an array of token ids, or a non-empty array of either, got "
+        f"{type_name(prompt) if prompt != [] else 'an empty array'}",
+        "prompt",
+    )
 
 
 def _is_ids(v: Any) -> bool:
@@ -130,16 +146,27 @@ def _is_ids(v: Any) -> bool:
 def check_sequences(req: CompletionRequest | ChatRequest, max_jobs: int) -> None:
     """A request whose prompts × n exceed what the engine ever holds waiting (--max-queue) can never be queued
     whole: a 400 naming the limit (a full queue is the engine's 503, worth a retry; this is not)."""
-    prompts_ = (len(req.prompt) if isinstance(req, CompletionRequest) and isinstance(req.prompt, list) and req.prompt
-                and not _is_ids(req.prompt) else 1)
+    prompts_ = (
+        len(req.prompt)
+        if isinstance(req, CompletionRequest)
+        and isinstance(req.prompt, list)
+        and req.prompt
+        and not _is_ids(req.prompt)
+        else 1
+    )
     count = prompts_ * req.n
     if count > max_jobs:
         param = "prompt" if prompts_ > 1 else "n"
-        raise ApiError(400, f"{param}: this request asks for {count} sequences ({prompts_} prompt"
-                            f"{'s' if prompts_ > 1 else ''} × n={req.n}), more than this server ever queues at once "
-                            f"(--max-queue {max_jobs}), so it could never be accepted whole; send at most {max_jobs} "
-                            f"per request (split the prompts over several requests), or start the server with a "
-                            f"larger --max-queue", param, code="too_many_sequences")
+        raise ApiError(
+            400,
+            f"{param}: this request asks for {count} sequences ({prompts_} prompt"
+            f"{'s' if prompts_ > 1 else ''} × n={req.n}), more than this server ever queues at once "
+            f"(--max-queue {max_jobs}), so it could never be accepted whole; send at most {max_jobs} "
+            f"per request (split the prompts over several requests), or start the server with a "
+            f"larger --max-queue",
+            param,
+            code="too_many_sequences",
+        )
 
 
 @lru_cache(maxsize=16)
@@ -149,8 +176,15 @@ def longest_piece(tok) -> int:
     return max((len(tok.id_to_piece(i)) for i in range(tok.vocab_size)), default=1)
 
 
-def parse_request(body: Any, *, chat: bool, model_id: str | Collection[str], backend,
-                  prefix: list[int] | None = None, max_jobs: int | None = None) -> Parsed:
+def parse_request(
+    body: Any,
+    *,
+    chat: bool,
+    model_id: str | Collection[str],
+    backend,
+    prefix: list[int] | None = None,
+    max_jobs: int | None = None,
+) -> Parsed:
     """Validate an OpenAI request body against the served model; ApiError naming the field on the first problem.
     `max_jobs`: the engine's --max-queue (more sequences than that in one request is a 400, before any
     tokenization)."""
@@ -166,8 +200,11 @@ def parse_request(body: Any, *, chat: bool, model_id: str | Collection[str], bac
             # a rendering longer than the context can hold is refused as it grows (tasks.chat_template's size limit)
             style = backend.prompt_style  # the artifact's (tasks/prompts.py): chat template or instruction
             piece = longest_piece(sp) if style == "chat_template" else 1
-            cap = dict(max_chars=ctx * piece, max_chars_why=f"more than the model's context of {ctx} tokens can hold, "
-                                                            f"at most {piece} characters a token; shorten the messages")
+            cap = dict(
+                max_chars=ctx * piece,
+                max_chars_why=f"more than the model's context of {ctx} tokens can hold, "
+                f"at most {piece} characters a token; shorten the messages",
+            )
             ps, field = [Prompt(chat_prompt_ids(sp, [m.turn for m in req.messages], style, **cap), 0, None)], "messages"
         except TokenizerError as exc:  # the model's template refused the conversation (e.g. its raise_exception)
             raise ApiError(400, f"messages: {exc}", "messages") from None
@@ -178,9 +215,13 @@ def parse_request(body: Any, *, chat: bool, model_id: str | Collection[str], bac
     where = field if len(ps) == 1 else f"{field}[{ps.index(longest)}]"
     n_ids = len(longest.ids)
     if n_ids > ctx or (n_ids == ctx and not echo):
-        raise ApiError(400, f"{where}: the prompt is {n_ids} tokens but the model's context is {ctx} tokens, "
-                            f"and at least one must be left for the completion; shorten the {field}", where,
-                       code="context_length_exceeded")
+        raise ApiError(
+            400,
+            f"{where}: the prompt is {n_ids} tokens but the model's context is {ctx} tokens, "
+            f"and at least one must be left for the completion; shorten the {field}",
+            where,
+            code="context_length_exceeded",
+        )
     room = ctx - n_ids
     mt_name = "max_completion_tokens" if chat and req.max_completion_tokens is not None else "max_tokens"
     max_tokens = getattr(req, mt_name)
@@ -188,14 +229,27 @@ def parse_request(body: Any, *, chat: bool, model_id: str | Collection[str], bac
     if max_tokens is None:
         max_tokens = room if chat else min(16, room)
     elif max_tokens < lo:
-        raise ApiError(400, f"{mt_name} must be at least {lo}, got {max_tokens}"
-                            f"{'' if chat or echo else ' (0 only with echo: true)'}", mt_name)
+        raise ApiError(
+            400,
+            f"{mt_name} must be at least {lo}, got {max_tokens}{'' if chat or echo else ' (0 only with echo: true)'}",
+            mt_name,
+        )
     if max_tokens > room:
-        raise ApiError(400, f"{mt_name} is {max_tokens} but the model's context is {ctx} tokens and the prompt "
-                            f"uses {n_ids}; set {mt_name} to at most {room}", mt_name,
-                       code="context_length_exceeded")
-    sampling = Sampling(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                        top_k=req.top_k if req.top_k and req.top_k > 0 else None, seed=req.seed, stop=req.stops,
-                        logprobs=logprobs)
+        raise ApiError(
+            400,
+            f"{mt_name} is {max_tokens} but the model's context is {ctx} tokens and the prompt "
+            f"uses {n_ids}; set {mt_name} to at most {room}",
+            mt_name,
+            code="context_length_exceeded",
+        )
+    sampling = Sampling(
+        max_tokens=max_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k if req.top_k and req.top_k > 0 else None,
+        seed=req.seed,
+        stop=req.stops,
+        logprobs=logprobs,
+    )
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return Parsed(ps, sampling, req.stream, include_usage, n=req.n, echo=echo, logprobs=logprobs, model=model)

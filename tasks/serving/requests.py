@@ -12,7 +12,7 @@ the request field in `param` and in the message (pydantic's first error, reworde
 from __future__ import annotations
 
 import math
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 from annotated_types import Ge, Gt, Le
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, ValidationError, field_validator
@@ -23,8 +23,9 @@ MAX_N = 16  # choices per prompt
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type_: str | None = None):
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None, type_: str | None = None
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type_ or ("invalid_request_error" if status < 500 else "server_error")
@@ -35,7 +36,8 @@ class ApiError(Exception):
 
 def type_name(v: Any) -> str:
     return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
-        type(v), "a number")
+        type(v), "a number"
+    )
 
 
 # ----------------------------------------------------------------------------- the models
@@ -46,13 +48,21 @@ def _whole(v: Any) -> Any:
     return int(v) if isinstance(v, float) and v.is_integer() else v
 
 
-Int = Union[int, None]  # strict: no strings, no booleans; a whole float is its integer
-Number = Union[float, None]  # finite; an integer is its float
+Int = int | None  # strict: no strings, no booleans; a whole float is its integer
+Number = float | None  # finite; an integer is its float
 
 # fields whose non-default values this server cannot honour: refused, never silently ignored
-NEUTRAL: dict[str, tuple] = {"presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": ({},),
-                             "best_of": (1,), "suffix": ("",), "tools": ([],), "functions": ([],),
-                             "tool_choice": ("none", "auto"), "function_call": ("none", "auto")}
+NEUTRAL: dict[str, tuple] = {
+    "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0),
+    "logit_bias": ({},),
+    "best_of": (1,),
+    "suffix": ("",),
+    "tools": ([],),
+    "functions": ([],),
+    "tool_choice": ("none", "auto"),
+    "function_call": ("none", "auto"),
+}
 
 
 class StreamOptions(BaseModel):
@@ -77,8 +87,17 @@ class _Request(BaseModel):
     stop: StrictStr | list[StrictStr] | None = None
     response_format: dict[str, Any] | None = None
 
-    @field_validator("n", "max_tokens", "top_k", "seed", "logprobs", "top_logprobs", "max_completion_tokens",
-                     mode="before", check_fields=False)
+    @field_validator(
+        "n",
+        "max_tokens",
+        "top_k",
+        "seed",
+        "logprobs",
+        "top_logprobs",
+        "max_completion_tokens",
+        mode="before",
+        check_fields=False,
+    )
     @classmethod
     def _integers(cls, v: Any) -> Any:
         return _whole(v)
@@ -101,8 +120,7 @@ class _Request(BaseModel):
                 raise ApiError(400, f"{name} is not supported by this server; remove it", name)
         rf = self.response_format
         if rf is not None and rf.get("type") != "text":
-            raise ApiError(400, "response_format: only {\"type\": \"text\"} is supported by this server",
-                           "response_format")
+            raise ApiError(400, 'response_format: only {"type": "text"} is supported by this server', "response_format")
         if isinstance(self.stop, list) and len(self.stop) > MAX_STOP:
             raise ApiError(400, f"stop has {len(self.stop)} sequences; at most {MAX_STOP} are allowed", "stop")
         if self.stream_options is not None and not self.stream:
@@ -156,14 +174,19 @@ class ChatRequest(_Request):
     def checks(self) -> None:
         super().checks()
         if self.echo is not None:
-            raise ApiError(400, "echo is not supported with chat completions (it is a /v1/completions field); "
-                                "remove it", "echo")
+            raise ApiError(
+                400, "echo is not supported with chat completions (it is a /v1/completions field); remove it", "echo"
+            )
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError(400, "top_logprobs requires logprobs: true", "top_logprobs")
         j = len(self.messages) - 1
         if self.messages[-1].turn[0] != "user":
-            raise ApiError(400, f"messages[{j}].role is '{self.messages[-1].turn[0]}'; the last message must be the "
-                                f"user's (the model answers it)", f"messages[{j}].role")
+            raise ApiError(
+                400,
+                f"messages[{j}].role is '{self.messages[-1].turn[0]}'; the last message must be the "
+                f"user's (the model answers it)",
+                f"messages[{j}].role",
+            )
 
 
 class TokenizeRequest(BaseModel):
@@ -232,15 +255,22 @@ def api_error(exc: ValidationError, model: type[BaseModel], body: dict[str, Any]
         j = loc[1]
         where, m = f"messages[{j}]", body["messages"][j]
         if loc[2] == "role":
-            return ApiError(400, f"{where}.role must be 'system', 'user' or 'assistant', got {m.get('role')!r}",
-                            f"{where}.role")
+            return ApiError(
+                400, f"{where}.role must be 'system', 'user' or 'assistant', got {m.get('role')!r}", f"{where}.role"
+            )
         content = m.get("content")
         parts = [x["loc"][4] for x in errs if len(x["loc"]) > 4 and tuple(x["loc"][:3]) == tuple(loc[:3])]
         if isinstance(content, list) and parts:
-            return ApiError(400, f"{where}.content[{parts[0]}]: only text parts ({{\"type\": \"text\", \"text\": ...}}) "
-                                 "are supported", f"{where}.content[{parts[0]}]")
-        return ApiError(400, f"{where}.content must be a string or an array of text parts, got "
-                             f"{type_name(content)}", f"{where}.content")
+            return ApiError(
+                400,
+                f'{where}.content[{parts[0]}]: only text parts ({{"type": "text", "text": ...}}) are supported',
+                f"{where}.content[{parts[0]}]",
+            )
+        return ApiError(
+            400,
+            f"{where}.content must be a string or an array of text parts, got {type_name(content)}",
+            f"{where}.content",
+        )
     if name == "messages":
         where = f"messages[{loc[1]}]"
         return ApiError(400, f"{where} must be an object with 'role' and 'content', got {type_name(value)}", where)
@@ -249,19 +279,25 @@ def api_error(exc: ValidationError, model: type[BaseModel], body: dict[str, Any]
     if name == "stream_options" and len(loc) == 1:
         return ApiError(400, f"stream_options must be an object, got {type_name(value)}", "stream_options")
     if name == "response_format":
-        return ApiError(400, "response_format: only {\"type\": \"text\"} is supported by this server", "response_format")
+        return ApiError(400, 'response_format: only {"type": "text"} is supported by this server', "response_format")
     raw = body.get(name) if len(loc) == 1 else value
     ann = model.model_fields[name].annotation if name in model.model_fields else None
     if kind in ("greater_than_equal", "greater_than", "less_than_equal", "less_than"):
         lo, hi, open_ = _bounds(model, name)
-        rng = (f"at least {_fmt(lo)}" if hi is None else f"above {_fmt(lo)} and at most {_fmt(hi)}" if open_
-               else f"between {_fmt(lo)} and {_fmt(hi)}")
+        rng = (
+            f"at least {_fmt(lo)}"
+            if hi is None
+            else f"above {_fmt(lo)} and at most {_fmt(hi)}"
+            if open_
+            else f"between {_fmt(lo)} and {_fmt(hi)}"
+        )
         return ApiError(400, f"{param} must be {rng}, got {raw}", param)
     if kind in ("bool_type",) or ann is bool:
         return ApiError(400, f"{param} must be true or false, got {type_name(raw)}", param)
     if ann == Number:
-        return ApiError(400, f"{param} must be a finite number, got {raw if isinstance(raw, float) else type_name(raw)}",
-                        param)
+        return ApiError(
+            400, f"{param} must be a finite number, got {raw if isinstance(raw, float) else type_name(raw)}", param
+        )
     if ann == Int:
         return ApiError(400, f"{param} must be an integer, got {type_name(raw)}", param)
     if ann is str:

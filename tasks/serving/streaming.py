@@ -15,7 +15,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 from tasks.serving.engine import Sampling
 from tasks.serving.logprobs import LogProb
@@ -48,16 +49,17 @@ class TokenText:
         if not head:
             return self.tok.decode([t])
         a, b = self.tok.decode(head), self.tok.decode(head + [t])
-        return b[len(a):] if b.startswith(a) else self.tok.decode([t])
+        return b[len(a) :] if b.startswith(a) else self.tok.decode([t])
 
     def run(self, context: Sequence[int], ids: Sequence[int]) -> list[str]:
         full = list(context) + list(ids)
         c = len(context)
-        return [self.after(full[max(0, c + i - _WINDOW):c + i], t) for i, t in enumerate(ids)]
+        return [self.after(full[max(0, c + i - _WINDOW) : c + i], t) for i, t in enumerate(ids)]
 
 
-def completion_logprobs(tt: TokenText, context: Sequence[int], entries: Sequence[LogProb], offset: int,
-                        k: int) -> dict[str, Any]:
+def completion_logprobs(
+    tt: TokenText, context: Sequence[int], entries: Sequence[LogProb], offset: int, k: int
+) -> dict[str, Any]:
     """OpenAI's completions `logprobs` for `entries` (tokens after `context`): tokens, token_logprobs,
     top_logprobs (the k most likely plus the chosen token, as OpenAI: up to k + 1; None where the logprob is None),
     text_offset (from `offset`)."""
@@ -71,14 +73,18 @@ def completion_logprobs(tt: TokenText, context: Sequence[int], entries: Sequence
         if e.logprob is None:
             tops.append(None)
             continue
-        head = full[max(0, len(context) + i - _WINDOW):len(context) + i]
+        head = full[max(0, len(context) + i - _WINDOW) : len(context) + i]
         top: dict[str, float] = {}
         for t, lp in e.top[:k]:
             top.setdefault(tt.after(head, t), lp)
         top.setdefault(text, e.logprob)
         tops.append(top)
-    return {"tokens": texts, "token_logprobs": [e.logprob for e in entries], "top_logprobs": tops,
-            "text_offset": offsets}
+    return {
+        "tokens": texts,
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
 
 
 def chat_logprobs(tt: TokenText, context: Sequence[int], entries: Sequence[LogProb], k: int) -> list[dict[str, Any]]:
@@ -88,10 +94,16 @@ def chat_logprobs(tt: TokenText, context: Sequence[int], entries: Sequence[LogPr
     full = list(context) + ids
     out = []
     for i, (e, text) in enumerate(zip(entries, texts)):
-        head = full[max(0, len(context) + i - _WINDOW):len(context) + i]
+        head = full[max(0, len(context) + i - _WINDOW) : len(context) + i]
         alts = [(tt.after(head, t), lp) for t, lp in e.top[:k]]
-        out.append({"token": text, "logprob": e.logprob, "bytes": list(text.encode("utf-8")),
-                    "top_logprobs": [{"token": a, "logprob": lp, "bytes": list(a.encode("utf-8"))} for a, lp in alts]})
+        out.append(
+            {
+                "token": text,
+                "logprob": e.logprob,
+                "bytes": list(text.encode("utf-8")),
+                "top_logprobs": [{"token": a, "logprob": lp, "bytes": list(a.encode("utf-8"))} for a, lp in alts],
+            }
+        )
     return out
 
 
@@ -110,7 +122,7 @@ class Choices:
         prompt = self.jobs[i][0]
         if prompt.text is not None:
             return prompt.text
-        return self.sv.backend.tokenizer.decode(prompt.ids[prompt.start:])
+        return self.sv.backend.tokenizer.decode(prompt.ids[prompt.start :])
 
     def _completion_lp(self, i: int, prompt_lp: list[LogProb], gen_lp: list[LogProb], offset: int) -> dict[str, Any]:
         """Completions `logprobs` of echoed prompt tokens then generated ones, text offsets from `offset`."""
@@ -118,12 +130,16 @@ class Choices:
         k, tt = self.p.logprobs or 0, self.sv.text
         parts = []
         if prompt_lp:
-            parts.append(completion_logprobs(tt, prompt.ids[:prompt.start], prompt_lp, offset, k))
+            parts.append(completion_logprobs(tt, prompt.ids[: prompt.start], prompt_lp, offset, k))
             offset += sum(len(t) for t in parts[-1]["tokens"])
         if gen_lp:
-            parts.append(completion_logprobs(tt, prompt.ids + [e.token for e in self.sent_before(i)], gen_lp, offset, k))
-        return {key: [x for part in parts for x in part[key]]
-                for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+            parts.append(
+                completion_logprobs(tt, prompt.ids + [e.token for e in self.sent_before(i)], gen_lp, offset, k)
+            )
+        return {
+            key: [x for part in parts for x in part[key]]
+            for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+        }
 
     def sent_before(self, i: int) -> list[LogProb]:
         return getattr(self, "_history", {}).get(i, [])
@@ -135,8 +151,12 @@ class Choices:
             lp = None
             if k is not None:
                 lp = {"content": chat_logprobs(self.sv.text, self.jobs[i][0].ids, done["logprobs"], k), "refusal": None}
-            return {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                    "finish_reason": finish}
+            return {
+                "index": i,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": lp,
+                "finish_reason": finish,
+            }
         if self.p.echo:
             echo = self.echo_text(i)
             text = echo + text
@@ -156,14 +176,22 @@ class Choices:
     def start_chunks(self) -> list[dict[str, Any]]:
         """What goes first: the assistant role (chat), the echoed prompt (completions with echo)."""
         out = []
-        for i, (prompt, _) in enumerate(self.jobs):
+        for i, (_prompt, _) in enumerate(self.jobs):
             if self.chat:
-                out.append({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                            "finish_reason": None})
+                out.append(
+                    {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                )
         return out
 
-    def chunk(self, i: int, text: str | None, entries: list[LogProb] | None, finish: str | None = None,
-              prompt_lp: list[LogProb] | None = None, echo: str | None = None) -> dict[str, Any]:
+    def chunk(
+        self,
+        i: int,
+        text: str | None,
+        entries: list[LogProb] | None,
+        finish: str | None = None,
+        prompt_lp: list[LogProb] | None = None,
+        echo: str | None = None,
+    ) -> dict[str, Any]:
         k = self.p.logprobs
         prompt = self.jobs[i][0]
         if self.chat:
@@ -188,23 +216,37 @@ class Choices:
 
 
 def _usage(done: dict[str, Any]) -> dict[str, int]:
-    return {"prompt_tokens": done["prompt_tokens"], "completion_tokens": done["completion_tokens"],
-            "total_tokens": done["prompt_tokens"] + done["completion_tokens"]}
+    return {
+        "prompt_tokens": done["prompt_tokens"],
+        "completion_tokens": done["completion_tokens"],
+        "total_tokens": done["prompt_tokens"] + done["completion_tokens"],
+    }
 
 
 def log_done(rid: str, endpoint: str, done: dict[str, Any]) -> None:
     out = done["completion_tokens"]
     rate = out / done["decode_s"] if done["decode_s"] > 0 else 0.0
-    log.info("%s %s 200 in=%d out=%d ttft=%.3fs tok/s=%.1f queue=%.3fs total=%.3fs finish=%s", endpoint, rid,
-             done["prompt_tokens"], out, done["ttft_s"], rate, done["queue_s"], done["total_s"], done["finish_reason"])
+    log.info(
+        "%s %s 200 in=%d out=%d ttft=%.3fs tok/s=%.1f queue=%.3fs total=%.3fs finish=%s",
+        endpoint,
+        rid,
+        done["prompt_tokens"],
+        out,
+        done["ttft_s"],
+        rate,
+        done["queue_s"],
+        done["total_s"],
+        done["finish_reason"],
+    )
 
 
 def _sse(obj: Any) -> bytes:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
 
 
-async def stream_choices(reqs: list, events: asyncio.Queue, meta: dict[str, Any], fmt: Choices, include_usage: bool,
-                  rid: str, endpoint: str) -> AsyncIterator[bytes]:
+async def stream_choices(
+    reqs: list, events: asyncio.Queue, meta: dict[str, Any], fmt: Choices, include_usage: bool, rid: str, endpoint: str
+) -> AsyncIterator[bytes]:
     meta = {**meta, "object": "chat.completion.chunk" if fmt.chat else "text_completion"}
     n = len(reqs)
     done: list[dict[str, Any] | None] = [None] * n
@@ -225,8 +267,14 @@ async def stream_choices(reqs: list, events: asyncio.Queue, meta: dict[str, Any]
             if not echoed[i] and ev["type"] in ("token", "done"):
                 echoed[i] = True
                 if ev["type"] == "token":  # the echoed prompt (and its logprobs) before the first token
-                    yield _sse({**meta, "choices": [fmt.chunk(i, None, None, prompt_lp=ev.get("prompt_logprobs"),
-                                                              echo=fmt.echo_text(i))]})
+                    yield _sse(
+                        {
+                            **meta,
+                            "choices": [
+                                fmt.chunk(i, None, None, prompt_lp=ev.get("prompt_logprobs"), echo=fmt.echo_text(i))
+                            ],
+                        }
+                    )
                 else:
                     extra = {"echo": fmt.echo_text(i), "prompt_lp": ev.get("prompt_logprobs")}
             if ev["type"] == "token":

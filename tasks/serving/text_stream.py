@@ -9,7 +9,7 @@ contains a tail that could still become a stop string, nor an incomplete UTF-8 c
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 _HEAD_TOKENS = 8  # prompt tokens decoded with the completion, so its first piece keeps its leading space
 
@@ -30,7 +30,7 @@ class TextStream:
         if not self.head:
             return self.sp.decode(new)
         full = self.sp.decode(self.head + new)
-        return full[len(self.head_text):] if full.startswith(self.head_text) else self.sp.decode(new)
+        return full[len(self.head_text) :] if full.startswith(self.head_text) else self.sp.decode(new)
 
     def update(self, new_ids: Sequence[int], final: bool) -> tuple[str, bool]:
         """(text to hand out now, whether a stop string was hit). After a hit, `self.text` is the final text."""
@@ -38,7 +38,7 @@ class TextStream:
         hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
         if hits:
             self.text = text[: min(hits)]
-            delta, self.sent = self.text[self.sent:], len(self.text)
+            delta, self.sent = self.text[self.sent :], len(self.text)
             return delta, True
         self.text = text
         end = len(text)
@@ -49,5 +49,5 @@ class TextStream:
             end -= hold
         if end <= self.sent:
             return "", False
-        delta, self.sent = text[self.sent:end], end
+        delta, self.sent = text[self.sent : end], end
         return delta, False

@@ -3,7 +3,7 @@
     from tasks.stages import STAGES, stage_module, code_version
     from tasks.stages.upstream import upstream
     STAGES["pretrain"].module            # 'tasks.stages.pretrain'
-    stage_module("pretrain").run(...)    # the module: stage_key(...) and run(...)
+    stage_module("pretrain").stage_key(...)  # the module: stage_key(...) and run(..., keyed=...)
     code_version("eval")                 # hash of every project file the eval stage imports (+ its data files)
     upstream(store, "export", "demo")    # the newest artifact export would read, or a clear error
     from tasks.stages.runner import prepare
@@ -12,8 +12,9 @@
 The CLI (`tasks/cli`) and the Prefect flows (`flows/`) run every stage through the stage runner
 (`tasks/stages/runner.py`); it, the child-process supervisor and the msrun worker (`tasks/runtime`)
 and the cache keys read this table; no stage module is found by building its name from a string
-anywhere else. A stage module exposes `stage_key(...)` and `run(..., keyed=None)` (`keyed`: the
-runner's `stage_key` result, so the key is computed once) and knows nothing about the command
+anywhere else. A stage module exposes `stage_key(...)` and `run(..., keyed=...)` (`keyed`: the
+runner's `stage_key` result: the key is computed once and the machine checked once, there; tests run stages
+through the runner too) and knows nothing about the command
 line; one that trains in a child process
 exposes the child entry point named by `child` (`python -m tasks.runtime.child --stage NAME --entry MODULE:FUNC`;
 the runtime finds it by that dotted name, `Stage.entry`, and never imports this table).
@@ -61,17 +62,24 @@ class Stage:
         return f"{self.module}:{self.child}" if self.child else None
 
 
-STAGES: dict[str, Stage] = {s.name: s for s in (
-    Stage("data", "tasks.stages.data", command="data"),
-    Stage("pretrain", "tasks.stages.pretrain", ("data",), child="train", distributed=True, command="train"),
-    Stage("finetune", "tasks.stages.finetune", ("pretrain",), child="train", distributed=True, command="finetune"),
-    Stage("merged", "tasks.modeling.merge", ("finetune",), command="finetune"),  # merge(): below export and serving
-    Stage("eval", "tasks.stages.evaluate", MODEL_KINDS,
-          data_files=("tasks/stages/evaluate/lm_tasks/*.yaml", "tasks/stages/evaluate/lm_tasks/utils.py"),
-          command="eval"),
-    Stage("export", "tasks.stages.export", MODEL_KINDS, child="export", command="export"),
-    Stage("convert", "tasks.stages.convert", command="convert --from-hf DIR"),
-)}
+STAGES: dict[str, Stage] = {
+    s.name: s
+    for s in (
+        Stage("data", "tasks.stages.data", command="data"),
+        Stage("pretrain", "tasks.stages.pretrain", ("data",), child="train", distributed=True, command="train"),
+        Stage("finetune", "tasks.stages.finetune", ("pretrain",), child="train", distributed=True, command="finetune"),
+        Stage("merged", "tasks.modeling.merge", ("finetune",), command="finetune"),  # merge(): below export and serving
+        Stage(
+            "eval",
+            "tasks.stages.evaluate",
+            MODEL_KINDS,
+            data_files=("tasks/stages/evaluate/lm_tasks/*.yaml", "tasks/stages/evaluate/lm_tasks/utils.py"),
+            command="eval",
+        ),
+        Stage("export", "tasks.stages.export", MODEL_KINDS, child="export", command="export"),
+        Stage("convert", "tasks.stages.convert", command="convert --from-hf DIR"),
+    )
+}
 
 
 class UnknownStage(ValueError):
@@ -90,12 +98,11 @@ def stage_module(name: str) -> ModuleType:
     return importlib.import_module(stage(name).module)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def code_version(name: str) -> str:
     """16 hex digits: the stage name + every source file its module imports + its declared data files."""
     s = stage(name)
     return stage_code_version(name, s.module, s.data_files, root=REPO)
 
 
-__all__ = ["STAGES", "Stage", "stage", "stage_module", "code_version",
-           "MODEL_KINDS"]
+__all__ = ["STAGES", "Stage", "stage", "stage_module", "code_version", "MODEL_KINDS"]

@@ -1,8 +1,8 @@
 """The convert stage: a Hugging Face LLaMA directory or a GGUF file <-> a model artifact.
 
-    path = from_hf("hf/TinyLlama", store)          # <root>/convert/<key>/, a model artifact (like pretrain's)
-    path = from_gguf("SmolLM2-135M-Instruct.Q4_1.gguf", store)   # dequantized to float32
-    to_hf(path, "out/hf-llama")                    # config.json + model.safetensors + the tokenizer files
+    path = prepare("convert", store, source=Path("hf/TinyLlama")).run()   # <root>/convert/<key>/, a model artifact
+    path = prepare("convert", store, source=Path("SmolLM2.Q4_1.gguf")).run()  # dequantized to float32
+    to_hf(path, "out/hf-llama")   # config.json + model.safetensors + the tokenizer files
 
     msllm convert --from-hf DIR                    # prints the artifact path last
     msllm convert --from-gguf FILE
@@ -15,8 +15,8 @@ tokenizer_config.json for its special tokens, and the chat template in
 chat_template.jinja or tokenizer_config.json). A GGUF file carries all of it
 (llama.* metadata, tokenizer.ggml.*, tokenizer.chat_template; model/gguf.py
 reads it). The artifact is keyed by the sha256 of those raw files (recorded as
-its inputs, so lineage reaches them) and the stage's code; it can be continued-pretrained (`pretrain.init_from`), finetuned,
-evaluated and exported like any pretrain artifact. The key mapping, config
+its inputs, so lineage reaches them) and the stage's code; it can be continued-pretrained (`pretrain.init_from`),
+finetuned, evaluated and exported like any pretrain artifact. The key mapping, config
 translation and shape checks live in model/convert.py.
 """
 
@@ -37,14 +37,26 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
-from model.convert import (ConversionError, check_layer_count, config_from_hf, config_to_hf, hf_to_native,
-                           native_to_hf, nonfinite)
+from model.convert import (
+    ConversionError,
+    check_layer_count,
+    config_from_hf,
+    config_to_hf,
+    hf_to_native,
+    native_to_hf,
+    nonfinite,
+)
+from tasks.stages import code_version
 from tasks.store.artifacts import ArtifactStore, raw_file_input
 from tasks.store.model_artifact import model_config, read_info, write_model
 from tasks.store.tensors import load_weights, read_tensors
-from tasks.stages import code_version
-from tasks.tokenizer import (check_chat_template, copy_tokenizer_files, hf_files_from_gguf, load_tokenizer,
-                             tokenizer_files)
+from tasks.tokenizer import (
+    check_chat_template,
+    copy_tokenizer_files,
+    hf_files_from_gguf,
+    load_tokenizer,
+    tokenizer_files,
+)
 from tasks.tokenizer_error import TokenizerError
 
 STAGE = "convert"
@@ -69,7 +81,9 @@ def weight_files(hf_dir: Path) -> list[Path]:
             if not (hf_dir / s).is_file():
                 raise FileNotFoundError(f"{hf_dir / INDEX} lists {s}, which is missing")
         return [hf_dir / s for s in shards]
-    hint = " (pickle .bin checkpoints are not read: re-save with safe_serialization)" if any(hf_dir.glob("*.bin")) else ""
+    hint = (
+        " (pickle .bin checkpoints are not read: re-save with safe_serialization)" if any(hf_dir.glob("*.bin")) else ""
+    )
     raise FileNotFoundError(f"{hf_dir}: no model.safetensors or {INDEX}{hint}")
 
 
@@ -101,8 +115,10 @@ def _json_object(path: Path) -> dict:
         raise ConversionError(f"{path}: not valid JSON ({exc}); re-download or re-save it") from None
     if not isinstance(value, dict):
         kind = {list: "array", str: "string", bool: "boolean", int: "number", float: "number"}.get(type(value), "null")
-        raise ConversionError(f"{path}: holds a JSON {kind}, not an object; a Hugging Face config.json maps "
-                              "model_type, hidden_size, ... to values: re-download or re-save it")
+        raise ConversionError(
+            f"{path}: holds a JSON {kind}, not an object; a Hugging Face config.json maps "
+            "model_type, hidden_size, ... to values: re-download or re-save it"
+        )
     return value
 
 
@@ -117,24 +133,27 @@ def _source_dtype(tensors: dict[str, np.ndarray]) -> str:
 def _check_tokenizer(tok, vocab_size: int, where: Path) -> None:
     """The tokenizer must fit the embedding and its chat template must render (before anything is written)."""
     if tok.vocab_size > vocab_size:
-        raise ConversionError(f"{where}: the tokenizer has {tok.vocab_size} tokens but the model's vocab_size is "
-                              f"{vocab_size}; this is not the model's tokenizer")
+        raise ConversionError(
+            f"{where}: the tokenizer has {tok.vocab_size} tokens but the model's vocab_size is "
+            f"{vocab_size}; this is not the model's tokenizer"
+        )
     if tok.eos_id() < 0:
-        raise ConversionError(f"{where}: the tokenizer names no EOS token (eos_token in tokenizer_config.json); "
-                              "generation could not stop: add it")
+        raise ConversionError(
+            f"{where}: the tokenizer names no EOS token (eos_token in tokenizer_config.json); "
+            "generation could not stop: add it"
+        )
     check_chat_template(tok)
 
 
-def from_hf(hf_dir: str | os.PathLike, store: ArtifactStore, pipeline: str | None = None, *,
-            keyed: tuple | None = None) -> Path:
+def from_hf(hf_dir: str | os.PathLike, store: ArtifactStore, pipeline: str | None = None, *, keyed: tuple) -> Path:
     """The convert artifact of an HF LLaMA directory, converting it unless the store already has it.
 
     The tokenizer is the directory's tokenizer.model (SentencePiece) or, without one, its tokenizer.json with
     tokenizer_config.json and chat_template.jinja where present; generation_config.json is kept too.
-    `keyed`: `stage_key(store, hf_dir, "hf")`, when the caller computed it (`run`).
+    `keyed`: `stage_key(store, hf_dir, "hf")`, from `run`.
     """
     hf_dir = Path(hf_dir)
-    key, inputs, config = keyed or stage_key(store, hf_dir, "hf")
+    key, inputs, config = keyed
     tok_files, gen_cfg = tokenizer_files(hf_dir), hf_dir / "generation_config.json"
     hit = store.lookup(STAGE, key)
     if hit is not None:
@@ -143,8 +162,16 @@ def from_hf(hf_dir: str | os.PathLike, store: ArtifactStore, pipeline: str | Non
         return hit or _convert_hf(hf_dir, store, pipeline, key, inputs, config, tok_files, gen_cfg)
 
 
-def _convert_hf(hf_dir: Path, store: ArtifactStore, pipeline: str | None, key: str, inputs: list, config: dict,
-                tok_files: list, gen_cfg: Path) -> Path:
+def _convert_hf(
+    hf_dir: Path,
+    store: ArtifactStore,
+    pipeline: str | None,
+    key: str,
+    inputs: list,
+    config: dict,
+    tok_files: list,
+    gen_cfg: Path,
+) -> Path:
     """Convert the HF directory and publish its artifact `key` (under the stage lock: `from_hf`)."""
     hf_config = _json_object(hf_dir / "config.json")
     cfg = config_from_hf(hf_config)
@@ -154,27 +181,39 @@ def _convert_hf(hf_dir: Path, store: ArtifactStore, pipeline: str | None, key: s
     except TokenizerError as exc:
         raise ConversionError(str(exc)) from None
     hf_tensors = read_hf_tensors(hf_dir)
-    check_layer_count(cfg.num_layers, hf_tensors, "model.layers.", f"{hf_dir / 'config.json'}: num_hidden_layers",
-                      "re-download or re-save the checkpoint")
+    check_layer_count(
+        cfg.num_layers,
+        hf_tensors,
+        "model.layers.",
+        f"{hf_dir / 'config.json'}: num_hidden_layers",
+        "re-download or re-save the checkpoint",
+    )
     weights = hf_to_native(hf_tensors, cfg)
     source = {"format": "hf", "dir": str(hf_dir.resolve()), "dtype": _source_dtype(hf_tensors)}
     with store.build(STAGE, key, pipeline=pipeline, config=config, inputs=inputs, code=code_version(STAGE)) as b:
-        write_model(b.dir, name="llama", config=cfg, weights=weights, tokenizer_model=hf_dir,
-                    tokenizer_info=tok.info(), seq_length=cfg.max_seq_length, extra={"source": source})
+        write_model(
+            b.dir,
+            name="llama",
+            config=cfg,
+            weights=weights,
+            tokenizer_model=hf_dir,
+            tokenizer_info=tok.info(),
+            seq_length=cfg.max_seq_length,
+            extra={"source": source},
+        )
         if gen_cfg.is_file():
             shutil.copy2(gen_cfg, b.dir / gen_cfg.name)
         b.metrics.update(parameters=cfg.num_parameters, source_dtype=source["dtype"], tensors=len(hf_tensors))
     return b.path
 
 
-def from_gguf(gguf_file: str | os.PathLike, store: ArtifactStore, pipeline: str | None = None, *,
-              keyed: tuple | None = None) -> Path:
+def from_gguf(gguf_file: str | os.PathLike, store: ArtifactStore, pipeline: str | None = None, *, keyed: tuple) -> Path:
     """The convert artifact of a llama GGUF file: weights dequantized to float32 (F32, F16, BF16, Q8_0, Q4_0, Q4_1,
     ...), the config from its llama.* metadata, the tokenizer rebuilt as a tokenizer.json from tokenizer.ggml.*
     (with the chat template). Keyed by the file's sha256 (its raw input, so lineage reaches it); `keyed`:
-    `stage_key(store, gguf_file, "gguf")`, when the caller computed it (`run`)."""
+    `stage_key(store, gguf_file, "gguf")`, from `run`."""
     src = Path(gguf_file)
-    key, inputs, config = keyed or stage_key(store, src, "gguf")
+    key, inputs, config = keyed
     hit = store.lookup(STAGE, key)
     if hit is not None:
         return hit
@@ -205,14 +244,30 @@ def _convert_gguf(src: Path, store: ArtifactStore, pipeline: str | None, key: st
             meta, cfg, weights, types = read_gguf(src, opened)  # dequantized, every value finite
         except GGUFError as exc:
             raise ConversionError(str(exc)) from None
-        source = {"format": "gguf", "file": str(src.resolve()), "name": meta.get("general.name"),
-                  "tensor_types": dict(sorted(Counter(types.values()).items())), "dtype": "float32"}
-        with store.build(STAGE, key, pipeline=pipeline, config=config, inputs=inputs,
-                         code=code_version(STAGE)) as b:
-            write_model(b.dir, name="llama", config=cfg, weights=weights, tokenizer_model=tok_dir,
-                        tokenizer_info=tok.info(), seq_length=cfg.max_seq_length, extra={"source": source})
-            b.metrics.update(parameters=cfg.num_parameters, source_dtype="gguf", tensors=len(types),
-                             tensor_types=source["tensor_types"])
+        source = {
+            "format": "gguf",
+            "file": str(src.resolve()),
+            "name": meta.get("general.name"),
+            "tensor_types": dict(sorted(Counter(types.values()).items())),
+            "dtype": "float32",
+        }
+        with store.build(STAGE, key, pipeline=pipeline, config=config, inputs=inputs, code=code_version(STAGE)) as b:
+            write_model(
+                b.dir,
+                name="llama",
+                config=cfg,
+                weights=weights,
+                tokenizer_model=tok_dir,
+                tokenizer_info=tok.info(),
+                seq_length=cfg.max_seq_length,
+                extra={"source": source},
+            )
+            b.metrics.update(
+                parameters=cfg.num_parameters,
+                source_dtype="gguf",
+                tensors=len(types),
+                tensor_types=source["tensor_types"],
+            )
     return b.path
 
 
@@ -247,8 +302,10 @@ def source_files(source: Path, kind: str) -> list[Path]:
         raise FileNotFoundError(f"{source}: no config.json; pass a Hugging Face LlamaForCausalLM directory")
     tok_files = tokenizer_files(source)
     if not tok_files:
-        raise FileNotFoundError(f"{source}: no tokenizer.model or tokenizer.json; the artifact needs the tokenizer "
-                                "the weights were trained with (copy it into the directory)")
+        raise FileNotFoundError(
+            f"{source}: no tokenizer.model or tokenizer.json; the artifact needs the tokenizer "
+            "the weights were trained with (copy it into the directory)"
+        )
     gen_cfg = source / "generation_config.json"
     files = [source / "config.json", *weight_files(source), *tok_files] + ([gen_cfg] if gen_cfg.is_file() else [])
     if (source / INDEX).is_file() and not (source / "model.safetensors").is_file():
@@ -256,31 +313,40 @@ def source_files(source: Path, kind: str) -> list[Path]:
     return files
 
 
-def stage_key(store: ArtifactStore, source: str | os.PathLike,
-              kind: str | None = None) -> tuple[str, list[dict[str, Any]], dict[str, Any]]:
+def stage_key(
+    store: ArtifactStore, source: str | os.PathLike, kind: str | None = None
+) -> tuple[str, list[dict[str, Any]], dict[str, Any]]:
     """(key, inputs, config) of the convert artifact of a GGUF file or an HF directory (`kind`: "gguf" or "hf",
     default source_kind's): keyed by the sha256 of the raw files it reads and the stage's code."""
     source = Path(source)
     kind = kind or source_kind(source)
     if kind not in ("gguf", "hf"):
-        raise FileNotFoundError(f"{source}: neither a .gguf file nor a Hugging Face directory (config.json); "
-                                "nothing to convert")
+        raise FileNotFoundError(
+            f"{source}: neither a .gguf file nor a Hugging Face directory (config.json); nothing to convert"
+        )
     inputs = [raw_file_input(f) for f in source_files(source, kind)]
     config = {"from": kind}
     return store.key(STAGE, config, inputs, code_version(STAGE)), inputs, config
 
 
-def run(store: ArtifactStore, source: str | os.PathLike, pipeline: str | None = None, progress: bool = True, *,
-        kind: str | None = None, keyed: tuple | None = None) -> Path:
+def run(
+    store: ArtifactStore,
+    source: str | os.PathLike,
+    pipeline: str | None = None,
+    progress: bool = True,
+    *,
+    kind: str | None = None,
+    keyed: tuple,
+) -> Path:
     """The convert artifact of a GGUF file or an HF directory (converted unless the store has it), with a log
     line on stderr saying what it read and what it wrote (`progress`).
 
-    kind: "gguf" or "hf" (default: `source_kind`'s). keyed: what `stage_key` returned for these arguments, when the
-    caller computed it (the stage runner, tasks/stages/runner.py); None computes it here."""
+    kind: "gguf" or "hf" (default: `source_kind`'s). keyed: what `stage_key` returned for these arguments,
+    from the stage runner (tasks/stages/runner.py), which resolved the inputs, checked the machine and computed it
+    once."""
     log = (lambda msg: print(f"convert: {msg}", file=sys.stderr, flush=True)) if progress else (lambda msg: None)
     source = Path(source)
     kind = kind or source_kind(source)
-    keyed = keyed or stage_key(store, source, kind)
     key = keyed[0]
     hit = store.lookup(STAGE, key)
     if hit is not None:
@@ -291,8 +357,10 @@ def run(store: ArtifactStore, source: str | os.PathLike, pipeline: str | None = 
     t0 = time.perf_counter()
     path = (from_gguf if kind == "gguf" else from_hf)(source, store, pipeline=pipeline, keyed=keyed)
     m = ArtifactStore.read_manifest(path)["metrics"]
-    log(f"wrote {path}: {m.get('parameters', 0) / 1e6:.1f}M parameters from {m.get('source_dtype')} "
-        f"({m.get('tensors')} tensors) in {time.perf_counter() - t0:.1f}s")
+    log(
+        f"wrote {path}: {m.get('parameters', 0) / 1e6:.1f}M parameters from {m.get('source_dtype')} "
+        f"({m.get('tensors')} tensors) in {time.perf_counter() - t0:.1f}s"
+    )
     return path
 
 
@@ -319,8 +387,16 @@ def to_hf(artifact: str | os.PathLike, out_dir: str | os.PathLike, dtype: str | 
     hf = native_to_hf(load_weights(artifact), cfg, _np_dtype(dtype))
     hf_config = config_to_hf(cfg, dtype)
     tok = info.get("tokenizer", {})
-    hf_config.update({k: (v if v is not None and v >= 0 else None) for k, v in (
-        ("bos_token_id", tok.get("bos_id")), ("eos_token_id", tok.get("eos_id")), ("pad_token_id", tok.get("pad_id")))})
+    hf_config.update(
+        {
+            k: (v if v is not None and v >= 0 else None)
+            for k, v in (
+                ("bos_token_id", tok.get("bos_id")),
+                ("eos_token_id", tok.get("eos_id")),
+                ("pad_token_id", tok.get("pad_id")),
+            )
+        }
+    )
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.parent / f".tmp-{out_dir.name}-{uuid.uuid4().hex[:8]}"

@@ -1,4 +1,5 @@
-"""The export stage: a model artifact → verified MindIR and ONNX (KV cache, dynamic shapes), runnable by onnxruntime-genai.
+"""The export stage: a model artifact → verified MindIR and ONNX (KV cache, dynamic shapes), runnable by
+onnxruntime-genai.
 
     path = run(cfg, store, model_artifact)                          # cached by content, like every stage
     path = run(cfg, store, model_artifact, eval_artifact=ev)        # the card also shows ev's results
@@ -62,56 +63,50 @@ Artifact payload:
     sampling.py           a copy of model/sampling.py (numpy only), which onnx_generate.py imports
 manifest: `verification` (as in export.json) and metrics mindir_max_abs_diff, onnx_max_abs_diff,
 greedy_tokens_match, genai_greedy_tokens_match, genai_tokenizer_ids_match, onnx_bytes, int8_* (when on),
-parameters, export_seconds.
-"""
+parameters, export_seconds."""
 
 from __future__ import annotations
 
 import shutil
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
+from model.runtime import setup_mindspore
 from tasks.config.schema import ConfigError, PipelineConfig
-from tasks.deploy.checks import (CHUNK, STEPS, ExportCheckFailed, Reference, divergence, greedy_pairs, int8_report,
-                                 onnx_checks, token_batches, verify_genai, verify_mindir)
-from tasks.deploy.formats import (INT8_OPTIONS, export_int8, export_mindir, export_onnx, int8_method, onnx_io,
-                                  write_genai_files)
-from tasks.deploy.model_card import model_card, read_eval, tokenizer_name
+from tasks.deploy.checked import GENAI_FILES, PROMPT_FORMAT, gguf_checked, log, mindir_checked, onnx_checked
+from tasks.deploy.checks import (
+    CHUNK,
+    STEPS,
+    ExportCheckFailed,
+    Reference,
+)
+from tasks.deploy.formats import (
+    onnx_io,
+)
+from tasks.deploy.model_card import model_card, read_eval
+from tasks.modeling.merge import merge
+from tasks.prompts import PROMPT_STYLE_FILE, style_record
+from tasks.runtime.supervise import supervise
 from tasks.stages import MODEL_KINDS, code_version
 from tasks.store.artifacts import ArtifactStore
-from tasks.store.errors import ArtifactError
 from tasks.store.disk import atomic_write_json, sha256_file
-from tasks.prompts import PROMPT_STYLE_FILE, style_record
-from tasks.store.model_artifact import read_info, load_prompt_style, load_tokenizer, model_config
-from tasks.runtime.supervise import supervise
-from model.runtime import setup_mindspore
+from tasks.store.errors import ArtifactError
+from tasks.store.lineage import lineage_tree, raw_inputs, render
+from tasks.store.model_artifact import load_prompt_style, load_tokenizer, model_config, read_info
 from tasks.store.tensors import load_weights
 from tasks.tokenizer import copy_tokenizer_files, tokenizer_files
-from model.config import ModelConfig
-from tasks.store.lineage import lineage_data_artifact, lineage_tree, raw_inputs, render
-from tasks.store.data_schema import DataError
-from tasks.store.reader import block_batches
-from tasks.modeling.merge import merge
 
 STAGE = "export"
 MODEL_STAGES = MODEL_KINDS  # artifacts holding model.json + weights (the stage table's)
 MINDIR_INPUT, OUTPUT_NAME = "input_ids", "logits"
-PROMPT_FORMAT = ("[eos_id] + sentencepiece ids for a SentencePiece model (EOS starts a document, as in pretraining "
-                 "and eval); the tokenizer's own encoding (tokenizer.json with its special tokens) otherwise")
-MIN_SEQ_LENGTH = 2 + CHUNK + STEPS   # a prompt of 2 tokens, the chunk and the steps
-HELDOUT_BLOCKS = 8   # held-out blocks of the int8 perplexity comparison
-GENAI_FILES = ("genai_config.json", "tokenizer.json", "tokenizer_config.json")
-# fixed lines for the tokenizer check: contractions, punctuation, digits, newlines, non-ASCII
-TOKENIZER_SAMPLES = ["'That I can't, 'tis so; they'll've done it.", "KING HENRY VI:\nWhat, 12 or 345 men?",
-                     "Ay, me!  Two  spaces,\ttabs\tand\n\nblank lines.", "naïve café — “quotes” ✓ 日本語"]
+MIN_SEQ_LENGTH = 2 + CHUNK + STEPS  # a prompt of 2 tokens, the chunk and the steps
 _REPO = Path(__file__).resolve().parents[2]
 # copied into the artifact (name there: source): the standalone generator and the one sampling rule it imports
-_GENERATE_SCRIPTS = {"onnx_generate.py": _REPO / "tasks" / "deploy" / "onnx_generate.py",
-                     "sampling.py": _REPO / "model" / "sampling.py"}
+_GENERATE_SCRIPTS = {
+    "onnx_generate.py": _REPO / "tasks" / "deploy" / "onnx_generate.py",
+    "sampling.py": _REPO / "model" / "sampling.py",
+}
 
 
 # ----------------------------------------------------------------------------- keys and inputs
@@ -122,21 +117,24 @@ def resolve_model(store: ArtifactStore, path: str | Path) -> Path:
     p = store.inside(path)
     stage = store.read_manifest(p)["stage"]
     if stage == "finetune":
-
         return merge(store, p)
     if stage not in MODEL_STAGES or not (p / "model.json").is_file():
-        raise ArtifactError(f"{p}: a {stage} artifact, not a model; export takes a pretrain, merged, convert or "
-                            "finetune artifact")
+        raise ArtifactError(
+            f"{p}: a {stage} artifact, not a model; export takes a pretrain, merged, convert or finetune artifact"
+        )
     return p
 
 
-def stage_key(cfg: PipelineConfig, store: ArtifactStore, model_artifact: Path,
-              eval_artifact: Path | None = None) -> tuple[str, list[dict[str, Any]], dict[str, Any]]:
+def stage_key(
+    cfg: PipelineConfig, store: ArtifactStore, model_artifact: Path, eval_artifact: Path | None = None
+) -> tuple[str, list[dict[str, Any]], dict[str, Any]]:
     """(content key, inputs, config section) of exporting `model_artifact` (a model, not a finetune artifact)."""
     inputs = [store.input_ref(model_artifact)]
     if inputs[0]["stage"] == "finetune":
-        raise ArtifactError(f"{model_artifact}: a finetune artifact; pass its merged model "
-                            "(tasks.stages.finetune.merge, or export.run, which merges)")
+        raise ArtifactError(
+            f"{model_artifact}: a finetune artifact; pass its merged model "
+            "(tasks.stages.finetune.merge, or export.run, which merges)"
+        )
     if eval_artifact is not None:
         inputs.append(store.input_ref(eval_artifact))
     section = cfg.section(STAGE)
@@ -151,15 +149,19 @@ def check(cfg: PipelineConfig, info: dict[str, Any]) -> None:
     if ex.seq_length > max_len:
         errs.append(f"{p}.seq_length: {ex.seq_length} exceeds the model's max_seq_length={max_len}; lower it")
     if ex.seq_length < MIN_SEQ_LENGTH:
-        errs.append(f"{p}.seq_length: {ex.seq_length}; the ONNX checks need at least {MIN_SEQ_LENGTH} positions "
-                    f"(a 2-token prompt, a {CHUNK}-token chunk and {STEPS} single-token steps); raise it")
+        errs.append(
+            f"{p}.seq_length: {ex.seq_length}; the ONNX checks need at least {MIN_SEQ_LENGTH} positions "
+            f"(a 2-token prompt, a {CHUNK}-token chunk and {STEPS} single-token steps); raise it"
+        )
     if not ex.formats:
         errs.append(f"{p}.formats: empty; list mindir and/or onnx")
     if ex.int8 and "onnx" not in ex.formats:
         errs.append(f"{p}.int8: true needs the onnx format; add onnx to {p}.formats or set int8: false")
     if info.get("name", "llama") != "llama":
-        errs.append(f"{p}.formats: the model is a {info.get('name')!r} model; the ONNX decoder is written for "
-                    "llama models only: export it as mindir")
+        errs.append(
+            f"{p}.formats: the model is a {info.get('name')!r} model; the ONNX decoder is written for "
+            "llama models only: export it as mindir"
+        )
     if errs:
         raise ConfigError(errs)
 
@@ -170,30 +172,43 @@ def _check_eval(store: ArtifactStore, eval_artifact: Path, model: Path) -> None:
         raise ArtifactError(f"{eval_artifact}: a {m['stage']} artifact, not an eval artifact")
     key = store.read_manifest(model)["key"]
     if not any(i.get("kind") == "artifact" and i.get("key") == key for i in m.get("inputs", [])):
-        raise ArtifactError(f"{eval_artifact} evaluated another model than {model}; pass the eval artifact of "
-                            "the model being exported (or none)")
+        raise ArtifactError(
+            f"{eval_artifact} evaluated another model than {model}; pass the eval artifact of "
+            "the model being exported (or none)"
+        )
 
 
 def matching_eval(store: ArtifactStore, model: Path, pipeline: str | None = None) -> Path | None:
     """The newest eval artifact whose inputs include `model` (None when it was never evaluated)."""
     key = store.read_manifest(model)["key"]
-    hits = [p for p, m in store.list("eval", pipeline)
-            if any(i.get("kind") == "artifact" and i.get("key") == key for i in m.get("inputs", []))]
+    hits = [
+        p
+        for p, m in store.list("eval", pipeline)
+        if any(i.get("kind") == "artifact" and i.get("key") == key for i in m.get("inputs", []))
+    ]
     return hits[-1] if hits else None
 
 
 # ----------------------------------------------------------------------------- supervisor (parent)
 
 
-def run(cfg: PipelineConfig, store: ArtifactStore, model_artifact: Path, *, eval_artifact: Path | None = None,
-        keyed: tuple | None = None, progress: bool = True, isolate: bool = True) -> Path:
+def run(
+    cfg: PipelineConfig,
+    store: ArtifactStore,
+    model_artifact: Path,
+    *,
+    eval_artifact: Path | None = None,
+    keyed: tuple,
+    progress: bool = True,
+    isolate: bool = True,
+) -> Path:
     """Return the verified export artifact of this model, exporting it in a child process if needed.
 
     Raises ConfigError for settings the model cannot take, and ExportCheckFailed (in
     process) or tasks.runtime.supervise.StageFailed (from the child, message starting with the
     check that failed) when an exported model does not match; no artifact is written then.
     `isolate=False` exports in this process (tests). `keyed`: what `stage_key` returned for these arguments,
-    when the caller computed it (the stage runner, tasks/stages/runner.py); None computes it here.
+    from the stage runner (tasks/stages/runner.py), which resolved the inputs, checked the machine and computed it once.
     """
 
     model = resolve_model(store, model_artifact)
@@ -201,12 +216,18 @@ def run(cfg: PipelineConfig, store: ArtifactStore, model_artifact: Path, *, eval
     eval_art = store.inside(eval_artifact) if eval_artifact is not None else None
     if eval_art is not None:
         _check_eval(store, eval_art, model)
-    key = (keyed or stage_key(cfg, store, model, eval_art))[0]
+    key = keyed[0]
     hit = store.lookup(STAGE, key)
     if hit is not None:
         return hit
-    spec = {"config": cfg.model_dump(mode="json"), "root": str(store.root), "model": str(model),
-            "eval": str(eval_art) if eval_art else None, "key": key, "progress": progress}
+    spec = {
+        "config": cfg.model_dump(mode="json"),
+        "root": str(store.root),
+        "model": str(model),
+        "eval": str(eval_art) if eval_art else None,
+        "key": key,
+        "progress": progress,
+    }
     return supervise(STAGE, store, key, spec, export, isolate=isolate)
 
 
@@ -227,204 +248,141 @@ def export(spec: dict[str, Any]) -> Path:
     return _export(cfg, store, model, eval_art, key, inputs, section, spec.get("progress", True))
 
 
-def _log(progress: bool, msg: str) -> None:
-    if progress:
-        print(f"[export] {msg}", file=sys.stderr, flush=True)
-
-
-
-
-def _export(cfg: PipelineConfig, store: ArtifactStore, model: Path, eval_art: Path | None, key: str,
-            inputs: list[dict[str, Any]], section: dict[str, Any], progress: bool) -> Path:
-    from tasks.modeling.build import load_network  # lazy: MindSpore and onnxruntime, in the export child only
+def _export(
+    cfg: PipelineConfig,
+    store: ArtifactStore,
+    model: Path,
+    eval_art: Path | None,
+    key: str,
+    inputs: list[dict[str, Any]],
+    section: dict[str, Any],
+    progress: bool,
+) -> Path:
     from tasks.deploy.onnx_generate import encode_prompt
+    from tasks.modeling.build import load_network  # lazy: MindSpore and onnxruntime, in the export child only
 
     ex = cfg.export
     t0 = time.perf_counter()
     info = read_info(model)
     sp = load_tokenizer(model)
-    prompts = [encode_prompt(sp, p)[-ex.seq_length:] for p in ex.prompts]
+    prompts = [encode_prompt(sp, p)[-ex.seq_length :] for p in ex.prompts]
     reference = Reference(load_network(model)[0])
-    fixed = token_batches(prompts, ex.batch_size, ex.seq_length)  # one of the MindIR check shapes [B, T]
-    ver: dict[str, Any] = {"atol": ex.atol, "prompts": list(ex.prompts), "prompt_format": PROMPT_FORMAT,
-                           "mindir_max_abs_diff": None, "onnx_max_abs_diff": None, "onnx_checker": None,
-                           "greedy_tokens_match": None, "max_new_tokens": ex.max_new_tokens,
-                           "window": ex.seq_length, "shapes": {}}
+    ver: dict[str, Any] = {
+        "atol": ex.atol,
+        "prompts": list(ex.prompts),
+        "prompt_format": PROMPT_FORMAT,
+        "mindir_max_abs_diff": None,
+        "onnx_max_abs_diff": None,
+        "onnx_checker": None,
+        "greedy_tokens_match": None,
+        "max_new_tokens": ex.max_new_tokens,
+        "window": ex.seq_length,
+        "shapes": {},
+    }
     failures: list[str] = []
     with store.build(STAGE, key, pipeline=cfg.name, config=section, inputs=inputs, code=code_version(STAGE)) as b:
         if "mindir" in ex.formats:
-            _log(progress, f"MindIR (dynamic [batch, seq]) → {b.dir.name}/model.mindir")
-            export_mindir(load_network(model)[0], b.dir / "model.mindir")  # a fresh Cell per export
-            # the export shape, each prompt at its own length, all prompts in one batch: dynamic both ways
-            checks = fixed + [token_batches([p], 1, len(p))[0] for p in prompts] + \
-                token_batches(prompts, len(prompts), max(map(len, prompts)))
-            diff = verify_mindir(b.dir / "model.mindir", reference, checks)
-            ver["mindir_max_abs_diff"] = diff
-            ver["shapes"]["mindir"] = {"exported": [None, None], "checked": sorted({x.shape for x in checks})}
-            _log(progress, f"MindIR max |Δlogit| {diff:.3g} at shapes {ver['shapes']['mindir']['checked']}")
-            if not diff <= ex.atol:
-                failures.append(f"MindIR max |logit diff| {diff:.3g} > export.atol {ex.atol:g}")
+            failures += mindir_checked(b.dir, model, reference, prompts, ex, ver, progress)
         if "onnx" in ex.formats:
-            failures += _export_onnx_checked(b.dir, info, load_weights(model), model, store, sp, prompts, reference,
-                                             ex, ver, progress)
+            failures += onnx_checked(
+                b.dir, info, load_weights(model), model, store, sp, prompts, reference, ex, ver, progress
+            )
         if "gguf" in ex.formats:
-            failures += _export_gguf_checked(b.dir, info, load_weights(model), sp, prompts, ex, ver, progress)
+            failures += gguf_checked(b.dir, info, load_weights(model), sp, prompts, ex, ver, progress)
         if failures:
             raise ExportCheckFailed("export verification failed: " + "; ".join(failures))
 
-        copy_tokenizer_files(model, b.dir)
-        shutil.copy2(model / "model.json", b.dir / "model.json")
-        # how the model is asked (tasks/prompts.py), for the server of this export: the model's own record
-        atomic_write_json(b.dir / PROMPT_STYLE_FILE, style_record(load_prompt_style(model, sp)))
-        for name, src in _GENERATE_SCRIPTS.items():
-            shutil.copy2(src, b.dir / name)
         mc = model_config(model)
-        files = [f for f in ("model.mindir", "model.onnx", "model.int8.onnx", "model.f16.gguf", "model.q8_0.gguf",
-                             *GENAI_FILES) if (b.dir / f).is_file()]
-        # the export carries its own digests, so the standalone onnx_generate.py checks a copied export too
-        digests = {f: sha256_file(b.dir / f) for f in sorted({*files, *(t.name for t in tokenizer_files(b.dir)),
-                                                               "model.json"})}
-        atomic_write_json(b.dir / "export.json", {
-            "mindir": {"inputs": {MINDIR_INPUT: "int32 [batch, seq] token ids"},
-                       "outputs": {OUTPUT_NAME: "float32 [batch, seq, vocab]"}},
-            "onnx": onnx_io(mc.to_dict()) if "onnx" in ex.formats else None,
-            "files": files, "digests": digests, "tokenizer": info.get("tokenizer", {}), "prompt_format": PROMPT_FORMAT,
-            "verification": ver})
+        _write_export_files(b.dir, model, info, sp, mc, ex, ver)
         evaluation = read_eval(eval_art) if eval_art is not None else None
-        card = model_card(info=info, parameters=mc.num_parameters, model_ref=inputs[0], pipeline=cfg.name,
-                          verification=ver, lineage=_lineage(store, model), evaluation=evaluation,
-                          artifact_path=b.path)
+        card = model_card(
+            info=info,
+            parameters=mc.num_parameters,
+            model_ref=inputs[0],
+            pipeline=cfg.name,
+            verification=ver,
+            lineage=_lineage(store, model),
+            evaluation=evaluation,
+            artifact_path=b.path,
+        )
         (b.dir / "MODEL_CARD.md").write_text(card, encoding="utf-8")
         b.extra["verification"] = ver
-        genai, int8 = ver.get("genai") or {}, ver.get("int8") or {}
-        b.metrics.update(
-            mindir_max_abs_diff=ver["mindir_max_abs_diff"], onnx_max_abs_diff=ver["onnx_max_abs_diff"],
-            greedy_tokens_match=ver["greedy_tokens_match"], onnx_kv_steps=ver.get("onnx_kv_steps"),
-            onnx_bytes=ver.get("onnx_bytes"), genai_greedy_tokens_match=genai.get("greedy_tokens_match"),
-            genai_tokenizer_ids_match=genai.get("tokenizer_ids_match"), atol=ex.atol,
-            **{f"int8_{k}": int8.get(k) for k in ("bytes", "size_ratio", "max_abs_diff", "greedy_tokens_match",
-                                                   "perplexity", "fp32_perplexity", "perplexity_change_pct",
-                                                   "decode_tokens_per_s", "fp32_decode_tokens_per_s", "speedup")},
-            parameters=mc.num_parameters, export_seconds=round(time.perf_counter() - t0, 1))
+        b.metrics.update(_metrics(ver, ex, mc, time.perf_counter() - t0))
         b.metrics = {k: v for k, v in b.metrics.items() if v is not None}
-    _log(progress, f"wrote {b.path}")
+    log(progress, f"wrote {b.path}")
     return b.path
 
 
-def _export_onnx_checked(out: Path, info: dict[str, Any], weights: dict[str, np.ndarray], model: Path,
-                         store: ArtifactStore, sp, prompts: list[list[int]], reference: "Reference", ex,
-                         ver: dict[str, Any], progress: bool) -> list[str]:
-    """Write and verify model.onnx (+ the genai files, + model.int8.onnx); fill `ver`; return the failures."""
-    from tasks.deploy.onnx_generate import OnnxGenerator  # lazy: onnxruntime
-
-    failures: list[str] = []
-    meta = {"eos_id": str(sp.eos_id()), "prompt_format": PROMPT_FORMAT}
-    _log(progress, f"ONNX decoder (KV cache, dynamic batch/sequence/past) → {out.name}/model.onnx")
-    ver.update(export_onnx(info, weights, out / "model.onnx", meta))
-    ver["onnx_checker"] = "passed"  # export_onnx raises otherwise
-    gen = OnnxGenerator(out / "model.onnx", max_len=ex.seq_length)
-    room = ex.seq_length - CHUNK - STEPS  # each checked row (prompt + chunk + steps) fits the window
-    ver["onnx_checks"] = onnx_checks(gen, reference, [p[-room:] for p in prompts], info["model"]["vocab_size"])
-    ver["onnx_kv_steps"] = STEPS
-    diff = max(c["max_abs_diff"] for c in ver["onnx_checks"])
-    ver["onnx_max_abs_diff"] = diff
-    ver["shapes"]["onnx"] = {"exported": ["batch_size", "sequence_length", "past_sequence_length"],
-                             "checked": [[c["batch"], c["sequence"], c["past"]] for c in ver["onnx_checks"]]}
-    _log(progress, f"onnxruntime max |Δlogit| {diff:.3g} over {len(ver['onnx_checks'])} (batch, sequence, past) "
-                   f"checks incl. {STEPS} single-token steps")
-    if not diff <= ex.atol:
-        worst = max(ver["onnx_checks"], key=lambda c: c["max_abs_diff"])
-        failures.append(f"ONNX max |logit diff| {diff:.3g} > export.atol {ex.atol:g} (worst: {worst['check']})")
-    ver["greedy"] = greedy_pairs(gen, reference.net, sp, list(zip(ex.prompts, prompts)), ex.max_new_tokens,
-                                 ex.seq_length)
-    ver["greedy_tokens_match"] = all(g["mindspore"] == g["onnxruntime"] for g in ver["greedy"])
-    failures += [divergence(g, "onnxruntime") for g in ver["greedy"] if g["mindspore"] != g["onnxruntime"]]
-    _log(progress, f"greedy tokens onnxruntime (KV cache) == MindSpore: {ver['greedy_tokens_match']} "
-                   f"({len(prompts)} prompts, up to {ex.max_new_tokens} tokens)")
-
-    data = _heldout_data(store, model)
-    heldout = _heldout_rows(data) if data is not None else None
-    no_tokenizer = write_genai_files(out, info, model)
-    if no_tokenizer:
-        _log(progress, f"onnxruntime-genai: no tokenizer files ({no_tokenizer}); genai generates from token ids")
-    texts = [*ex.prompts, *TOKENIZER_SAMPLES, *(_decode_rows(sp, heldout[0]) if heldout else [])]
-    ver["genai"] = verify_genai(out, sp, texts, ver["greedy"], ex.max_new_tokens, ex.seq_length)
-    g = ver["genai"]
-    g["tokenizer_files"] = "not written: " + no_tokenizer if no_tokenizer else "tokenizer.json, tokenizer_config.json"
-    name = tokenizer_name(info)
-    _log(progress, f"onnxruntime-genai: greedy tokens == MindSpore: {g['greedy_tokens_match']}; tokenizer ids == "
-                   f"{name} on {g['tokenizer_texts']} texts ({g['tokenizer_tokens']} tokens): "
-                   f"{g['tokenizer_ids_match']}")
-    failures += [divergence(x, "onnxruntime_genai") for x in ver["greedy"] if x["mindspore"] != x["onnxruntime_genai"]]
-    if g["tokenizer_ids_match"] is False:
-        first = g["tokenizer_first_mismatch"]
-        _log(progress, f"warning: onnxruntime-genai's tokenizer differs from {name} on {first['text']!r}: ids "
-                       f"{first['model']} there, {first['genai']} in genai (its greedy tokens from ids are unaffected)")
-
-    if ex.int8:
-        _log(progress, f"int8 (dynamic quantization) → {out.name}/model.int8.onnx")
-        export_int8(out / "model.onnx", out / "model.int8.onnx")
-        ver["int8"] = {"method": int8_method(), "quantization": INT8_OPTIONS,
-                       **int8_report(out, gen, reference, prompts, ver["greedy"], heldout, data, ex)}
-        q = ver["int8"]
-        _log(progress, f"int8: {q['bytes'] / 1e6:.1f} MB ({q['size_ratio']:.2f}× fp32), decode "
-                       f"{q['decode_tokens_per_s']} vs fp32 {q['fp32_decode_tokens_per_s']} tokens/s, perplexity "
-                       f"{q['perplexity']:.4g} vs fp32 {q['fp32_perplexity']:.4g} "
-                       f"({q['perplexity_change_pct']:+.2f}%, {q['perplexity_source']})")
-    return failures
+def _write_export_files(out: Path, model: Path, info: dict[str, Any], sp, mc, ex, ver: dict[str, Any]) -> None:
+    """Beside the checked model files: the tokenizer, model.json, the prompt style, the generate scripts, and
+    export.json (I/O names, files, their digests, the verification)."""
+    copy_tokenizer_files(model, out)
+    shutil.copy2(model / "model.json", out / "model.json")
+    # how the model is asked (tasks/prompts.py), for the server of this export: the model's own record
+    atomic_write_json(out / PROMPT_STYLE_FILE, style_record(load_prompt_style(model, sp)))
+    for name, src in _GENERATE_SCRIPTS.items():
+        shutil.copy2(src, out / name)
+    files = [
+        f
+        for f in (
+            "model.mindir",
+            "model.onnx",
+            "model.int8.onnx",
+            "model.f16.gguf",
+            "model.q8_0.gguf",
+            *GENAI_FILES,
+        )
+        if (out / f).is_file()
+    ]
+    # the export carries its own digests, so the standalone onnx_generate.py checks a copied export too
+    digests = {f: sha256_file(out / f) for f in sorted({*files, *(t.name for t in tokenizer_files(out)), "model.json"})}
+    atomic_write_json(
+        out / "export.json",
+        {
+            "mindir": {
+                "inputs": {MINDIR_INPUT: "int32 [batch, seq] token ids"},
+                "outputs": {OUTPUT_NAME: "float32 [batch, seq, vocab]"},
+            },
+            "onnx": onnx_io(mc.to_dict()) if "onnx" in ex.formats else None,
+            "files": files,
+            "digests": digests,
+            "tokenizer": info.get("tokenizer", {}),
+            "prompt_format": PROMPT_FORMAT,
+            "verification": ver,
+        },
+    )
 
 
-def _export_gguf_checked(out: Path, info: dict[str, Any], weights: dict[str, np.ndarray], tok,
-                         prompts: list[list[int]], ex, ver: dict[str, Any], progress: bool) -> list[str]:
-    """Write and verify the GGUF files (tasks/deploy/gguf_export.py); fill ver["gguf"]; return the failures."""
-    from tasks.deploy.gguf_export import export_gguf, network_forward  # lazy: gguf and MindSpore
-    from tasks.modeling.build import build_network
-
-    _log(progress, f"GGUF {', '.join(ex.gguf_types)} → {out.name}/model.*.gguf (llama.cpp-family runtimes)")
-    net = build_network(info.get("name", "llama"), ModelConfig.from_dict(info["model"])).net
-    net.set_train(False)
-    rep = export_gguf(out, info, weights, tok, list(ex.gguf_types), network_forward(net), prompts,
-                      [*ex.prompts, *TOKENIZER_SAMPLES])
-    ver["gguf"] = rep
-    for t, e in rep["files"].items():
-        _log(progress, f"GGUF {t}: {e['bytes'] / 1e6:.1f} MB, max |Δlogit| {e['max_abs_diff']:.3g} (bound "
-                       f"{e['bound']:.3g}), tokenizer read back == model's: {e['tokenizer_ids_match']}")
-    return rep["failures"]
+_INT8_METRICS = (
+    "bytes",
+    "size_ratio",
+    "max_abs_diff",
+    "greedy_tokens_match",
+    "perplexity",
+    "fp32_perplexity",
+    "perplexity_change_pct",
+    "decode_tokens_per_s",
+    "fp32_decode_tokens_per_s",
+    "speedup",
+)
 
 
-def _heldout_data(store: ArtifactStore, model: Path) -> Path | None:
-
-    try:
-        return lineage_data_artifact(store, model)
-    except (ArtifactError, OSError, ValueError, KeyError):
-        return None
-
-
-def _heldout_rows(data: Path) -> tuple[np.ndarray, np.ndarray] | None:
-    """(input_ids [B, T], labels [B, T], -100 = not counted) of the first HELDOUT_BLOCKS valid blocks, or None."""
-
-    try:
-        for ids, labels in block_batches(data, "valid", HELDOUT_BLOCKS, 10**9, seed=0, repeat=False):
-            return ids, labels
-    except (DataError, ArtifactError, OSError, ValueError, RuntimeError):  # unreadable or empty: the prompts instead
-        return None
-    return None
-
-
-def _decode_rows(sp, ids: np.ndarray) -> list[str]:
-    """The documents in token rows (split at EOS, padding dropped) as text."""
-    skip = {sp.eos_id(), sp.pad_id(), sp.bos_id()}
-    out = []
-    for row in ids:
-        doc: list[int] = []
-        for t in [*row.tolist(), sp.eos_id()]:
-            if t == sp.eos_id():
-                if doc:
-                    out.append(sp.decode(doc))
-                doc = []
-            elif t not in skip:
-                doc.append(int(t))
-    return out
+def _metrics(ver: dict[str, Any], ex, mc, seconds: float) -> dict[str, Any]:
+    """The manifest's metrics of an export: its checks' figures (None where a format was not exported)."""
+    genai, int8 = ver.get("genai") or {}, ver.get("int8") or {}
+    return dict(
+        mindir_max_abs_diff=ver["mindir_max_abs_diff"],
+        onnx_max_abs_diff=ver["onnx_max_abs_diff"],
+        greedy_tokens_match=ver["greedy_tokens_match"],
+        onnx_kv_steps=ver.get("onnx_kv_steps"),
+        onnx_bytes=ver.get("onnx_bytes"),
+        genai_greedy_tokens_match=genai.get("greedy_tokens_match"),
+        genai_tokenizer_ids_match=genai.get("tokenizer_ids_match"),
+        atol=ex.atol,
+        **{f"int8_{k}": int8.get(k) for k in _INT8_METRICS},
+        parameters=mc.num_parameters,
+        export_seconds=round(seconds, 1),
+    )
 
 
 def _lineage(store: ArtifactStore, model: Path) -> dict[str, Any]:

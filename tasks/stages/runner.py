@@ -11,16 +11,18 @@
 `cfg.for_continued(...)`) and the stage's inputs under the names the stage module's `run` gives them. It resolves
 the input paths inside the store, refuses what this machine cannot hold for the training stages (`check_machine`,
 before any compute), and computes the stage key once (the stage module's `stage_key`). `StageCall.run` hands that
-result down as `keyed=`, so the stage's `run` does not compute it again; a direct `run` call (tests) computes and
-checks for itself. Stage modules are found through the stage table (`tasks.stages.stage_module`): this module
+result down as `keyed=` (required: a stage never computes its key or checks the machine a second time, and tests
+run stages through here as the CLI does: tests/helpers.py `run_stage`). Stage modules are found through the stage table
+(`tasks.stages.stage_module`): this module
 imports none of them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from tasks.config.schema import ConfigError, PipelineConfig
 from tasks.stages import stage, stage_module
@@ -72,12 +74,14 @@ def prepare(name: str, store: ArtifactStore, cfg: PipelineConfig | None = None, 
         stage(name)  # UnknownStage for a name the table lacks
         raise ValueError(f"stage {name!r} is not run by the stage runner (the finetune stage publishes it)")
     args, keyed = _PREPARE[name](store, cfg, **inputs)
-    return StageCall(name, {"store": store, **args} if name == "convert" else {"cfg": cfg, "store": store, **args},
-                     keyed)
+    return StageCall(
+        name, {"store": store, **args} if name == "convert" else {"cfg": cfg, "store": store, **args}, keyed
+    )
 
 
-def resolve_init(store: ArtifactStore, pipeline: str, init_from: str | Path | None,
-                 run: Callable[[StageCall], Any] = StageCall.run) -> Path | None:
+def resolve_init(
+    store: ArtifactStore, pipeline: str, init_from: str | Path | None, run: Callable[[StageCall], Any] = StageCall.run
+) -> Path | None:
     """The model artifact pretraining starts from (and whose tokenizer a continued run's data stage reuses):
     a GGUF file or a Hugging Face directory through the convert stage (cached like every stage; `run` runs its
     call: a flow passes its Prefect task), anything else looked up in the store (a path, stage/key or key)."""
@@ -132,6 +136,10 @@ def _convert(store, cfg, source, pipeline=None, kind=None):
 
 
 _PREPARE: dict[str, Callable[..., tuple[dict[str, Any], tuple]]] = {
-    "data": _data, "pretrain": _pretrain, "finetune": _finetune, "eval": _eval, "export": _export,
+    "data": _data,
+    "pretrain": _pretrain,
+    "finetune": _finetune,
+    "eval": _eval,
+    "export": _export,
     "convert": _convert,
 }

@@ -52,7 +52,7 @@ class ModelChoice:
         return {"artifact": self.ref, "path": str(self.path), "rule": self.rule, "reason": self.reason}
 
     @classmethod
-    def of(cls, store, path: str | Path, rule: str, reason: str) -> "ModelChoice":
+    def of(cls, store, path: str | Path, rule: str, reason: str) -> ModelChoice:
         m = store.read_manifest(path)
         return cls(Path(path), m["stage"], m["key"], rule, reason)
 
@@ -61,8 +61,11 @@ class ModelChoice:
 
 
 def _input_keys(manifest: dict, stage_: str | None = None) -> set[str]:
-    return {i.get("key") for i in manifest.get("inputs", [])
-            if isinstance(i, dict) and i.get("kind") == "artifact" and (stage_ is None or i.get("stage") == stage_)}
+    return {
+        i.get("key")
+        for i in manifest.get("inputs", [])
+        if isinstance(i, dict) and i.get("kind") == "artifact" and (stage_ is None or i.get("stage") == stage_)
+    }
 
 
 def chain_base(store, pipeline: str) -> Path | None:
@@ -80,36 +83,54 @@ def choose_model(store, pipeline: str, given: str | Path | None = None) -> Model
 
             merged = merge(store, p)
             mm = store.read_manifest(merged)
-            return ModelChoice(merged, "merged", mm["key"], "given",
-                               f"given (finetune/{m['key']}): its merged model")
+            return ModelChoice(merged, "merged", mm["key"], "given", f"given (finetune/{m['key']}): its merged model")
         return ModelChoice(p, m["stage"], m["key"], "given", "given explicitly (--from / model_artifact=)")
     base = chain_base(store, pipeline)
     if base is None:
-        raise NoUpstream(f"no model (pretrain or convert) artifact for pipeline '{pipeline}' under {store.root}; run "
-                         f"`msllm {STAGES['pretrain'].command} --pipeline {pipeline}` first or pass --from PATH")
+        raise NoUpstream(
+            f"no model (pretrain or convert) artifact for pipeline '{pipeline}' under {store.root}; run "
+            f"`msllm {STAGES['pretrain'].command} --pipeline {pipeline}` first or pass --from PATH"
+        )
     bm = store.read_manifest(base)
     tunes = {m["key"] for _, m in store.list("finetune", pipeline) if bm["key"] in _input_keys(m)}
     merged = [(p, m) for p, m in store.list("merged", pipeline) if _input_keys(m, "finetune") & tunes]
     if merged:
         p, m = merged[-1]
-        return ModelChoice(p, "merged", m["key"], "finetune-of-newest-base",
-                           f"the newest finetune (merged) of the pipeline's newest {bm['stage']} artifact "
-                           f"{bm['stage']}/{bm['key']}")
-    return ModelChoice(base, bm["stage"], bm["key"], "newest-base",
-                       f"the pipeline's newest {bm['stage']} artifact; no finetune of it exists "
-                       f"(run `msllm finetune --pipeline {pipeline}` to finetune it)")
+        return ModelChoice(
+            p,
+            "merged",
+            m["key"],
+            "finetune-of-newest-base",
+            f"the newest finetune (merged) of the pipeline's newest {bm['stage']} artifact {bm['stage']}/{bm['key']}",
+        )
+    return ModelChoice(
+        base,
+        bm["stage"],
+        bm["key"],
+        "newest-base",
+        f"the pipeline's newest {bm['stage']} artifact; no finetune of it exists "
+        f"(run `msllm finetune --pipeline {pipeline}` to finetune it)",
+    )
 
 
 def model_of_eval(manifest: dict) -> str | None:
     """`stage/key` of the model an eval artifact evaluated (its first non-data artifact input)."""
-    ref = next((i for i in manifest.get("inputs", []) if isinstance(i, dict) and i.get("kind") == "artifact"
-                and i.get("stage") != "data"), None)
+    ref = next(
+        (
+            i
+            for i in manifest.get("inputs", [])
+            if isinstance(i, dict) and i.get("kind") == "artifact" and i.get("stage") != "data"
+        ),
+        None,
+    )
     return f"{ref['stage']}/{ref['key']}" if ref else None
 
 
 def previous_eval(store, pipeline: str, exclude: Path | None = None) -> tuple[Path, str | None] | None:
     """The pipeline's newest eval artifact (other than `exclude`) and the model it evaluated."""
-    evals = [(p, m) for p, m in store.list("eval", pipeline) if exclude is None or p.resolve() != Path(exclude).resolve()]
+    evals = [
+        (p, m) for p, m in store.list("eval", pipeline) if exclude is None or p.resolve() != Path(exclude).resolve()
+    ]
     if not evals:
         return None
     p, m = evals[-1]
@@ -121,8 +142,10 @@ def model_change_note(store, pipeline: str, choice: ModelChoice, exclude: Path |
     prev = previous_eval(store, pipeline, exclude)
     if prev is None or prev[1] is None or prev[1] == choice.ref:
         return None
-    return (f"the model changed: the previous eval report of pipeline '{pipeline}' (eval/{prev[0].name}) evaluated "
-            f"{prev[1]}; this one evaluates {choice.ref} ({choice.reason})")
+    return (
+        f"the model changed: the previous eval report of pipeline '{pipeline}' (eval/{prev[0].name}) evaluated "
+        f"{prev[1]}; this one evaluates {choice.ref} ({choice.reason})"
+    )
 
 
 def eval_selection(store, pipeline: str, choice: ModelChoice) -> dict[str, str]:
@@ -150,6 +173,8 @@ def upstream(store, name: str, pipeline: str, given: str | Path | None = None) -
         found = store.newest(kinds[0], pipeline)
     if found is None:
         first = STAGES[kinds[0]]
-        raise NoUpstream(f"no {kinds[0]} artifact for pipeline '{pipeline}' under {store.root}; run "
-                         f"`msllm {first.command} --pipeline {pipeline}` first or pass --from PATH")
+        raise NoUpstream(
+            f"no {kinds[0]} artifact for pipeline '{pipeline}' under {store.root}; run "
+            f"`msllm {first.command} --pipeline {pipeline}` first or pass --from PATH"
+        )
     return found

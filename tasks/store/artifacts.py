@@ -4,7 +4,8 @@ A stage asks the store for its content key, looks it up, and otherwise builds
 the artifact in a temporary directory beside the final one:
 
     store = ArtifactStore("artifacts")
-    key = store.key("data", cfg.section("data"), inputs=[raw_file_input(p) for p in files], code=tasks.stages.code_version("data"))
+    key = store.key("data", cfg.section("data"), inputs=[raw_file_input(p) for p in files],
+    code=tasks.stages.code_version("data"))
     hit = store.lookup("data", key)
     if hit is None:
         with store.build("data", key, pipeline="demo", config=..., inputs=...) as b:
@@ -45,9 +46,10 @@ import platform
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from tasks.store.disk import atomic_write_json, canonical_json, fsync_dir, sha256_file
 from tasks.store.errors import STORAGE_ERRNOS, ArtifactError, storage_error, tree_size
@@ -133,8 +135,11 @@ class ArtifactStore:
         with self.lock(stage, key):
             hit = self.lookup(stage, key)
             if hit is not None:
-                print(f"[{stage}] {hit} is published (built by another process meanwhile); using it",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"[{stage}] {hit} is published (built by another process meanwhile); using it",
+                    file=sys.stderr,
+                    flush=True,
+                )
             yield hit
 
     # -- keys
@@ -205,7 +210,11 @@ class ArtifactStore:
             return p
         if "/" in ref.strip("/") and (self.root / ref).is_dir():
             return self.find(str(self.root / ref))
-        hits = [q for s in self.root.iterdir() if s.is_dir() for q in s.iterdir() if q.name.startswith(ref)] if self.root.is_dir() else []
+        hits = (
+            [q for s in self.root.iterdir() if s.is_dir() for q in s.iterdir() if q.name.startswith(ref)]
+            if self.root.is_dir()
+            else []
+        )
         hits = [h for h in hits if self.is_complete(h)]
         if len(hits) != 1:
             raise ArtifactError(f"{ref}: {'no' if not hits else 'several'} artifacts match under {self.root}")
@@ -226,7 +235,13 @@ class ArtifactStore:
     def input_ref(path: str | os.PathLike) -> dict[str, Any]:
         """An input that is another artifact, identified by its digest."""
         m = ArtifactStore.read_manifest(path)
-        return {"kind": "artifact", "stage": m["stage"], "key": m["key"], "digest": m["digest"], "path": str(Path(path).resolve())}
+        return {
+            "kind": "artifact",
+            "stage": m["stage"],
+            "key": m["key"],
+            "digest": m["digest"],
+            "path": str(Path(path).resolve()),
+        }
 
     # -- writing
     @contextlib.contextmanager
@@ -245,7 +260,9 @@ class ArtifactStore:
             if not self._cleaned:
                 self._cleaned = True
                 if n := clean_stale(self.root):
-                    print(f"[artifacts] removed {n} build dir(s) left under {self.root} by killed builds", file=sys.stderr)
+                    print(
+                        f"[artifacts] removed {n} build dir(s) left under {self.root} by killed builds", file=sys.stderr
+                    )
             tmp = final.parent / build_dir_name(key)
             b = Build(dir=tmp, path=final)
             try:
@@ -262,8 +279,17 @@ class ArtifactStore:
                 if tmp.exists():
                     shutil.rmtree(tmp, ignore_errors=True)
 
-    def _publish(self, b: Build, stage: str, key: str, *, pipeline: str | None, config: Any,
-                 inputs: list[dict[str, Any]], code: str) -> None:
+    def _publish(
+        self,
+        b: Build,
+        stage: str,
+        key: str,
+        *,
+        pipeline: str | None,
+        config: Any,
+        inputs: list[dict[str, Any]],
+        code: str,
+    ) -> None:
         """fsync the payload, write the manifest last, rename the build directory into place (the last step)."""
         tmp, final = b.dir, b.path
         files = []
@@ -280,7 +306,7 @@ class ArtifactStore:
             "stage": stage,
             "key": key,
             "pipeline": pipeline,
-            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="microseconds"),
+            "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="microseconds"),
             "config": config,
             "inputs": inputs,
             "code": {"stage_version": code, "git_commit": git_commit()},

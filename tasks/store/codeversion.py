@@ -9,9 +9,10 @@ compiles `model/*.cc` at run time, so every stage whose imports reach it is keye
 plus the data files the stage declares (the lm-eval task YAMLs, say):
 
     import_closure("tasks.stages.pretrain")            # ['model/__init__.py', ..., 'tasks/stages/pretrain.py', ...]
-    code_version("tasks.stages.evaluate", data_files=["tasks/stages/evaluate/lm_tasks/*.yaml", "tasks/stages/evaluate/lm_tasks/utils.py"])
-    native_sources("tasks.stages.pretrain")             # ['model/decode_kernel.cc', 'model/simd.h', 'model/train_kernels.cc']
-    import_graph()                              # {'tasks.cli': {'tasks.config', ...}, ...}
+    code_version("tasks.stages.evaluate", data_files=["tasks/stages/evaluate/lm_tasks/*.yaml",
+    "tasks/stages/evaluate/lm_tasks/utils.py"])
+    native_sources("tasks.stages.pretrain")             # ['model/decode_kernel.cc', 'model/simd.h',
+    'model/train_kernels.cc'] import_graph() # {'tasks.cli': {'tasks.config', ...}, ...}
     import_cycles(import_graph())               # [['tasks.cli', 'tasks.stages.export', ...]] (one list per cycle)
 
 What counts as an import: `import a.b` (a and a.b), `from a import b` (a, and a.b when
@@ -26,7 +27,8 @@ computed are invisible (`dynamic_imports()` lists them, so a test can hold them 
 known set).
 
 A project import that resolves to no file, a declared data file or native source that
-does not exist, a `NATIVE_SOURCES` that is not a literal tuple of file names, or a file that does not parse is an error (`CodeVersionError`), never a silent skip.
+does not exist, a `NATIVE_SOURCES` that is not a literal tuple of file names, or a file that does not parse is an error
+(`CodeVersionError`), never a silent skip.
 Standard library only: the CLI and the flows call this without MindSpore.
 """
 
@@ -35,9 +37,9 @@ from __future__ import annotations
 import ast
 import glob
 import hashlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 PACKAGES = ("model", "tasks", "flows")
 REPO = Path(__file__).resolve().parents[2]  # the repo root, or site-packages for an installed wheel
@@ -97,7 +99,9 @@ class _Project:
                     self.namespaces.add(".".join(parts))
         self._parsed: dict[str, _Parsed] = {}
         # a parse checks imports against the module set, so a cached parse is valid for that set only
-        self._layout = hashlib.sha256("\n".join(sorted(self.files) + ["|"] + sorted(self.namespaces)).encode()).hexdigest()
+        self._layout = hashlib.sha256(
+            "\n".join(sorted(self.files) + ["|"] + sorted(self.namespaces)).encode()
+        ).hexdigest()
 
     def rel(self, path: Path) -> str:
         return path.relative_to(self.root).as_posix()
@@ -165,8 +169,9 @@ class _ImportVisitor(ast.NodeVisitor):
         for anc in _ancestry(module):
             if not self.project.exists(anc):
                 rel = anc.replace(".", "/")
-                self._fail(node, what, f"no module {anc} under {self.project.root} "
-                                       f"(neither {rel}.py nor {rel}/__init__.py)")
+                self._fail(
+                    node, what, f"no module {anc} under {self.project.root} (neither {rel}.py nor {rel}/__init__.py)"
+                )
         (self.typing_imports if self.in_typing else self.imports).add(module)
 
     def _from(self, node: ast.AST, base: str, names: Iterable[str], what: str) -> None:
@@ -180,8 +185,12 @@ class _ImportVisitor(ast.NodeVisitor):
             if self.project.exists(sub):
                 (self.typing_imports if self.in_typing else self.imports).add(sub)
             elif base in self.project.namespaces:  # a namespace package has no attributes, only submodules
-                self._fail(node, what, f"no module {sub} under {self.project.root} "
-                                       f"(neither {sub.replace('.', '/')}.py nor {sub.replace('.', '/')}/__init__.py)")
+                self._fail(
+                    node,
+                    what,
+                    f"no module {sub} under {self.project.root} "
+                    f"(neither {sub.replace('.', '/')}.py nor {sub.replace('.', '/')}/__init__.py)",
+                )
 
     def _relative(self, node: ast.AST, level: int, module: str | None, what: str) -> str:
         parts = self.package.split(".") if self.package else []
@@ -194,7 +203,8 @@ class _ImportVisitor(ast.NodeVisitor):
     def visit_If(self, node: ast.If) -> None:
         t = node.test
         if (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
-                isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING"):
+            isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING"
+        ):
             outer, self.in_typing = self.in_typing, True
             for child in node.body:  # never runs: type-only imports
                 self.visit(child)
@@ -237,7 +247,9 @@ class _ImportVisitor(ast.NodeVisitor):
                     return
                 level = len(target) - len(target.lstrip("."))
                 parts = pkg.value.split(".")
-                target = ".".join(parts[: len(parts) - (level - 1)] + ([target.lstrip(".")] if target.lstrip(".") else []))
+                target = ".".join(
+                    parts[: len(parts) - (level - 1)] + ([target.lstrip(".")] if target.lstrip(".") else [])
+                )
             self._require(node, target, what)
             return
         # __import__(name, globals, locals, fromlist, level)
@@ -260,22 +272,33 @@ def _parse(project: _Project, name: str, path: Path, data: bytes) -> _Parsed:
     v.visit(tree)
     v.imports.discard(name)
     v.typing_imports.discard(name)
-    return _Parsed(frozenset(v.imports), frozenset(v.typing_imports - v.imports), tuple(v.dynamic),
-                   _native_sources(project, path, tree))
+    return _Parsed(
+        frozenset(v.imports),
+        frozenset(v.typing_imports - v.imports),
+        tuple(v.dynamic),
+        _native_sources(project, path, tree),
+    )
 
 
 def _native_sources(project: _Project, path: Path, tree: ast.Module) -> tuple[str, ...]:
     """The module-level `NATIVE_SOURCES = ("a.cc", ...)` of a module: names of files beside it."""
     for node in tree.body:
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        targets = (
+            node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        )
         if not any(isinstance(t, ast.Name) and t.id == "NATIVE_SOURCES" for t in targets):
             continue
         v = node.value
-        names = ([e.value for e in v.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)]
-                 if isinstance(v, (ast.Tuple, ast.List)) else None)
+        names = (
+            [e.value for e in v.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+            if isinstance(v, (ast.Tuple, ast.List))
+            else None
+        )
         if names is None or len(names) != len(v.elts) or any("/" in n or n in ("", ".", "..") for n in names):
-            raise CodeVersionError(f"{project.rel(path)}:{node.lineno}: NATIVE_SOURCES must be a literal tuple of file "
-                                   f"names beside the module (it keys every stage that imports it)")
+            raise CodeVersionError(
+                f"{project.rel(path)}:{node.lineno}: NATIVE_SOURCES must be a literal tuple of file "
+                f"names beside the module (it keys every stage that imports it)"
+            )
         return tuple(names)
     return ()
 
@@ -302,8 +325,10 @@ def _closure_modules(project: _Project, modules: Iterable[str]) -> set[str]:
     for m in modules:
         if m not in project.files:
             rel = m.replace(".", "/")
-            raise CodeVersionError(f"module {m} is not a file under {project.root} (neither {rel}.py nor "
-                                   f"{rel}/__init__.py); name a module of {', '.join(PACKAGES)}")
+            raise CodeVersionError(
+                f"module {m} is not a file under {project.root} (neither {rel}.py nor "
+                f"{rel}/__init__.py); name a module of {', '.join(PACKAGES)}"
+            )
         todo.append(m)
     while todo:
         m = todo.pop()
@@ -332,14 +357,18 @@ def data_file_paths(data_files: Iterable[str], root: str | Path = REPO) -> list[
         if glob.has_magic(pattern):
             hits = [p for p in sorted(root.glob(pattern)) if p.is_file()]
             if not hits:
-                raise CodeVersionError(f"declared data files {pattern!r} match nothing under {root}; "
-                                       f"fix the stage's data_files or restore the files")
+                raise CodeVersionError(
+                    f"declared data files {pattern!r} match nothing under {root}; "
+                    f"fix the stage's data_files or restore the files"
+                )
             out.update(p.relative_to(root).as_posix() for p in hits)
         else:
             p = root / pattern
             if not p.is_file():
-                raise CodeVersionError(f"declared data file {pattern} does not exist under {root}; "
-                                       f"fix the stage's data_files or restore the file")
+                raise CodeVersionError(
+                    f"declared data file {pattern} does not exist under {root}; "
+                    f"fix the stage's data_files or restore the file"
+                )
             out.add(Path(pattern).as_posix())
     return sorted(out)
 
@@ -353,8 +382,10 @@ def native_sources(modules: str | Iterable[str], root: str | Path = REPO) -> lis
         for fname in project.parsed(m).native:
             p = project.files[m].parent / fname
             if not p.is_file():
-                raise CodeVersionError(f"{project.rel(project.files[m])}: NATIVE_SOURCES names {fname}, which does not "
-                                       f"exist beside it; fix NATIVE_SOURCES or restore the file")
+                raise CodeVersionError(
+                    f"{project.rel(project.files[m])}: NATIVE_SOURCES names {fname}, which does not "
+                    f"exist beside it; fix NATIVE_SOURCES or restore the file"
+                )
             out.add(project.rel(p))
     return sorted(out)
 
@@ -363,8 +394,9 @@ def code_version(modules: str | Iterable[str], data_files: Iterable[str] = (), r
     """sha256 (hex) over the relative path and bytes of every file in the import closure, the native sources its
     modules build, and the data files."""
     root = Path(root).resolve()
-    files = sorted(set(import_closure(modules, root)) | set(native_sources(modules, root))
-                   | set(data_file_paths(data_files, root)))
+    files = sorted(
+        set(import_closure(modules, root)) | set(native_sources(modules, root)) | set(data_file_paths(data_files, root))
+    )
     h = hashlib.sha256(_FORMAT)
     for rel in files:
         data = (root / rel).read_bytes()

@@ -1,9 +1,9 @@
 """The data artifact's schema, shared by its writer (the data stage) and its reader (tasks/store/reader.py).
 
-    DATA_SCHEMA_VERSION   bumped when the stored layout changes; a reader refuses other versions with a hint
-    SPLITS                the splits every data artifact holds
-    COLUMNS               the MindRecord columns of a packed block
-    DataError             bad input, settings or files of a data artifact; the message names the file and the fix
+DATA_SCHEMA_VERSION   bumped when the stored layout changes; a reader refuses other versions with a hint
+SPLITS                the splits every data artifact holds
+COLUMNS               the MindRecord columns of a packed block
+DataError             bad input, settings or files of a data artifact; the message names the file and the fix
 """
 
 from __future__ import annotations

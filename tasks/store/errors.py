@@ -19,8 +19,9 @@ class ArtifactError(RuntimeError):
     permanent = True  # rerunning the stage that reads it cannot repair it (tasks/runtime/supervise.is_permanent)
 
 
-STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM,
-                            errno.ENOTDIR})
+STORAGE_ERRNOS = frozenset(
+    {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR}
+)
 """OSErrors of the storage itself: the same write fails again on retry until someone frees space, fixes access
 or names a directory."""
 
@@ -71,17 +72,25 @@ def storage_error(exc: OSError, path: str | os.PathLike, need: int | None = None
             free = "free space unknown"
         needs = f", the build had written {_size(need)} and needs more" if need else ""
         what = "disk quota exceeded" if exc.errno == errno.EDQUOT else "no space left on the device"
-        return ArtifactError(f"{p}: {what} ({free}{needs}); nothing was published: free space there or pass "
-                             "--artifacts DIR on a disk with room")
+        return ArtifactError(
+            f"{p}: {what} ({free}{needs}); nothing was published: free space there or pass "
+            "--artifacts DIR on a disk with room"
+        )
     if exc.errno == errno.ENOTDIR:
         probe = next((q for q in (p, *p.parents) if q.exists()), None)
         where = f"{probe} is not a directory" if probe is not None and not probe.is_dir() else "not a directory"
-        return ArtifactError(f"{p}: cannot write ({where}); nothing was published: the artifact root must be a "
-                             "directory: pass --artifacts DIR naming a directory (created if missing)")
+        return ArtifactError(
+            f"{p}: cannot write ({where}); nothing was published: the artifact root must be a "
+            "directory: pass --artifacts DIR naming a directory (created if missing)"
+        )
     if exc.errno == errno.EFBIG:
-        return ArtifactError(f"{p}: cannot write (file too large for this file system or the process's file size "
-                             "limit, ulimit -f); nothing was published: raise the limit or pass --artifacts DIR on "
-                             "another file system")
+        return ArtifactError(
+            f"{p}: cannot write (file too large for this file system or the process's file size "
+            "limit, ulimit -f); nothing was published: raise the limit or pass --artifacts DIR on "
+            "another file system"
+        )
     what = "read-only file system" if exc.errno == errno.EROFS else "permission denied"
-    return ArtifactError(f"{p}: cannot write ({what}); nothing was published: the artifact root must be writable: "
-                         "fix its permissions or pass --artifacts DIR on a writable disk")
+    return ArtifactError(
+        f"{p}: cannot write ({what}); nothing was published: the artifact root must be writable: "
+        "fix its permissions or pass --artifacts DIR on a writable disk"
+    )

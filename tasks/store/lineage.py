@@ -39,8 +39,8 @@ from pathlib import Path
 from typing import Any
 
 from tasks.store.artifacts import ArtifactStore
-from tasks.store.errors import ArtifactError
 from tasks.store.disk import canonical_json
+from tasks.store.errors import ArtifactError
 
 DIGEST_WARNING = "digest differs from the one recorded when this artifact was built"
 MAX_DEPTH = 200  # artifacts deep; a real pipeline is under 10 (keeps rendering within Python's recursion limit)
@@ -56,13 +56,21 @@ def lineage_tree(store: ArtifactStore, path: str | Path) -> dict[str, Any]:
 def _node(store: ArtifactStore, path: Path, done: dict, active: set, depth: int) -> dict[str, Any]:
     m = store.read_manifest(path)
     node: dict[str, Any] = {
-        "kind": "artifact", "stage": str(m.get("stage")), "key": str(m.get("key")), "pipeline": m.get("pipeline"),
-        "path": str(path), "created": m.get("created"), "digest": m["digest"],
+        "kind": "artifact",
+        "stage": str(m.get("stage")),
+        "key": str(m.get("key")),
+        "pipeline": m.get("pipeline"),
+        "path": str(path),
+        "created": m.get("created"),
+        "digest": m["digest"],
         "code": m.get("code") if isinstance(m.get("code"), dict) else {},
         "config_sha256": hashlib.sha256(canonical_json(m.get("config")).encode()).hexdigest()[:16],
         "config": m.get("config"),
-        "metrics": {k: v for k, v in (m.get("metrics") if isinstance(m.get("metrics"), dict) else {}).items()
-                    if isinstance(v, (int, float, str)) or v is None},
+        "metrics": {
+            k: v
+            for k, v in (m.get("metrics") if isinstance(m.get("metrics"), dict) else {}).items()
+            if isinstance(v, (int, float, str)) or v is None
+        },
         "inputs": [],
     }
     done[path] = node
@@ -76,27 +84,53 @@ def _node(store: ArtifactStore, path: Path, done: dict, active: set, depth: int)
 
 def _input(store: ArtifactStore, inp: Any, done: dict, active: set, depth: int) -> dict[str, Any]:
     if not isinstance(inp, dict):
-        return {"kind": "rejected", "stage": "?", "key": "?", "error": f"malformed input {str(inp)[:80]!r}; not followed"}
+        return {
+            "kind": "rejected",
+            "stage": "?",
+            "key": "?",
+            "error": f"malformed input {str(inp)[:80]!r}; not followed",
+        }
     if inp.get("kind") != "artifact":
         return {"kind": "file", "path": inp.get("path"), "size": inp.get("size"), "sha256": inp.get("sha256")}
     stage, key, digest = str(inp.get("stage", "?")), str(inp.get("key", "?")), inp.get("digest")
     if not isinstance(inp.get("path"), str) or not isinstance(digest, str):
-        return {"kind": "rejected", "stage": stage, "key": key,
-                "error": "malformed input (no path or digest); not followed: rebuild the artifact that lists it"}
+        return {
+            "kind": "rejected",
+            "stage": stage,
+            "key": key,
+            "error": "malformed input (no path or digest); not followed: rebuild the artifact that lists it",
+        }
     try:
         p = store.inside(inp["path"])
     except ArtifactError as exc:
-        return {"kind": "rejected", "stage": stage, "key": key, "digest": digest,
-                "error": f"{exc}; not followed (a manifest may only name artifacts of its own store: rebuild the one that lists it)"}
+        return {
+            "kind": "rejected",
+            "stage": stage,
+            "key": key,
+            "digest": digest,
+            "error": f"{exc}; not followed (a manifest may only name artifacts of its own store: "
+            "rebuild the one that lists it)",
+        }
     if p in done or p in active:
-        child = {"kind": "artifact-ref", "ref": "cycle" if p in active else "shown above", "stage": stage, "key": key,
-                 "digest": digest, "path": str(p)}
+        child = {
+            "kind": "artifact-ref",
+            "ref": "cycle" if p in active else "shown above",
+            "stage": stage,
+            "key": key,
+            "digest": digest,
+            "path": str(p),
+        }
         if p in done and done[p]["digest"] != digest:
             child["warning"] = DIGEST_WARNING
         return child
     if depth + 1 >= MAX_DEPTH:
-        return {"kind": "rejected", "stage": stage, "key": key, "digest": digest,
-                "error": f"lineage deeper than {MAX_DEPTH} artifacts; not followed"}
+        return {
+            "kind": "rejected",
+            "stage": stage,
+            "key": key,
+            "digest": digest,
+            "error": f"lineage deeper than {MAX_DEPTH} artifacts; not followed",
+        }
     try:
         child = _node(store, p, done, active, depth + 1)
     except ArtifactError as exc:
@@ -125,10 +159,15 @@ def _label(n: dict[str, Any]) -> str:
         return f"{n['stage']}/{n['key']} [{n['ref']}]{warn}"
     if n["kind"] != "artifact":
         return f"{n['stage']}/{n['key']} [{n['kind']}: {n.get('error', '')}]{warn}"
-    metrics = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in list(n["metrics"].items())[:4])
-    return (f"{n['stage']}/{n['key']} (pipeline {n['pipeline']}, code {n['code'].get('stage_version', '?')}, "
-            f"git {str(n['code'].get('git_commit') or '-')[:8]}, config {n['config_sha256']})"
-            + (f" [{metrics}]" if metrics else "") + warn)
+    metrics = ", ".join(
+        f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in list(n["metrics"].items())[:4]
+    )
+    return (
+        f"{n['stage']}/{n['key']} (pipeline {n['pipeline']}, code {n['code'].get('stage_version', '?')}, "
+        f"git {str(n['code'].get('git_commit') or '-')[:8]}, config {n['config_sha256']})"
+        + (f" [{metrics}]" if metrics else "")
+        + warn
+    )
 
 
 def _nid(n: dict[str, Any]) -> str:
@@ -156,7 +195,9 @@ def _markdown(tree: dict[str, Any]) -> str:
     def rec(n: dict[str, Any], depth: int) -> None:
         pad = "  " * depth + "- "
         if n["kind"] == "file":
-            lines.append(f"{pad}raw file `{Path(str(n['path'])).name}` ({n['size']} B, sha256 `{str(n['sha256'])[:16]}…`)")
+            lines.append(
+                f"{pad}raw file `{Path(str(n['path'])).name}` ({n['size']} B, sha256 `{str(n['sha256'])[:16]}…`)"
+            )
             return
         warn = f" ⚠ {n['warning']}" if n.get("warning") else ""
         if n["kind"] == "artifact-ref":
@@ -166,18 +207,25 @@ def _markdown(tree: dict[str, Any]) -> str:
             lines.append(f"{pad}**{n['stage']}/{str(n['key'])[:12]}** {n['kind']}: {n.get('error', '')}{warn}")
             return
         arts.append(n)
-        metrics = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in list(n["metrics"].items())[:4])
-        lines.append(f"{pad}**{n['stage']}/{str(n['key'])[:12]}** (pipeline {n['pipeline']})" + (f": {metrics}" if metrics else "")
-                     + warn)
+        metrics = ", ".join(
+            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in list(n["metrics"].items())[:4]
+        )
+        lines.append(
+            f"{pad}**{n['stage']}/{str(n['key'])[:12]}** (pipeline {n['pipeline']})"
+            + (f": {metrics}" if metrics else "")
+            + warn
+        )
         for c in n["inputs"]:
             rec(c, depth + 1)
 
     rec(tree, 0)
     lines += ["", "| artifact | pipeline | created | code | git | config |", "|---|---|---|---|---|---|"]
     for n in arts:
-        lines.append(f"| {n['stage']}/`{n['key']}` | {n['pipeline']} | {n['created']} | "
-                     f"`{n['code'].get('stage_version', '?')}` | `{str(n['code'].get('git_commit') or '-')[:8]}` | "
-                     f"`{n['config_sha256']}` |")
+        lines.append(
+            f"| {n['stage']}/`{n['key']}` | {n['pipeline']} | {n['created']} | "
+            f"`{n['code'].get('stage_version', '?')}` | `{str(n['code'].get('git_commit') or '-')[:8]}` | "
+            f"`{n['config_sha256']}` |"
+        )
     raws = raw_inputs(tree)
     if raws:
         lines += ["", "| raw input | bytes | sha256 |", "|---|---:|---|"]
@@ -214,7 +262,9 @@ def render(tree: dict[str, Any], fmt: str = "text") -> str:
         return "\n".join(out)
     out = ["digraph lineage {", "  rankdir=LR;", "  node [shape=box, fontsize=10];"]
     out += [f'  "{k}" [label="{esc(v)}"];' for k, v in nodes.items()]
-    out += [f'  "{a}" -> "{b}" [label="{esc(w)}", color=red];' if w else f'  "{a}" -> "{b}";' for (a, b), w in edges.items()]
+    out += [
+        f'  "{a}" -> "{b}" [label="{esc(w)}", color=red];' if w else f'  "{a}" -> "{b}";' for (a, b), w in edges.items()
+    ]
     return "\n".join([*out, "}"])
 
 

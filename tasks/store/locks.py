@@ -24,8 +24,8 @@ import socket
 import sys
 import threading
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from tasks.store.errors import storage_error
 
@@ -77,8 +77,11 @@ def build_lock(root: Path, stage: str, key: str) -> Iterator[None]:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "?"
-            print(f"[artifacts] {stage}/{key} is being built by another process ({holder}); waiting for it",
-                  file=sys.stderr, flush=True)
+            print(
+                f"[artifacts] {stage}/{key} is being built by another process ({holder}); waiting for it",
+                file=sys.stderr,
+                flush=True,
+            )
             fcntl.flock(fd, fcntl.LOCK_EX)
         with contextlib.suppress(OSError):
             os.ftruncate(fd, 0)

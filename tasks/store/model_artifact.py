@@ -24,19 +24,22 @@ from typing import Any
 
 import numpy as np
 
+from model.config import ModelConfig
+from tasks.prompts import PROMPT_STYLE_FILE, check_prompt_style, prompt_style
 from tasks.store.disk import atomic_write_json
 from tasks.store.published import verify_published
-from tasks.prompts import PROMPT_STYLE_FILE, check_prompt_style, prompt_style
-from tasks.tokenizer_error import TokenizerError
-from model.config import ModelConfig
-from tasks.tokenizer import load_tokenizer as _load, tokenizer_files, copy_tokenizer_files
 from tasks.store.tensors import save_tensors
+from tasks.tokenizer import copy_tokenizer_files, tokenizer_files
+from tasks.tokenizer import load_tokenizer as _load
+from tasks.tokenizer_error import TokenizerError
 
 
 def read_info(path: str | Path) -> dict[str, Any]:
     p = Path(path) / "model.json"
     if not p.is_file():
-        raise FileNotFoundError(f"{path}: no model.json; not a model artifact (pass a pretrain, convert or merged finetune artifact)")
+        raise FileNotFoundError(
+            f"{path}: no model.json; not a model artifact (pass a pretrain, convert or merged finetune artifact)"
+        )
     return json.loads(verify_published(p).read_text())
 
 
@@ -48,7 +51,7 @@ def model_config(path: str | Path):
 def load_tokenizer(path: str | Path):
     """The artifact's tokenizer (tasks.tokenizer.Tokenizer); FileNotFoundError naming the artifact without one."""
 
-    for f in (tokenizer_files(path) if Path(path).is_dir() else [Path(path)]):
+    for f in tokenizer_files(path) if Path(path).is_dir() else [Path(path)]:
         verify_published(f)
     try:
         return _load(path)
@@ -56,8 +59,17 @@ def load_tokenizer(path: str | Path):
         raise FileNotFoundError(str(exc)) from None
 
 
-def write_model(out_dir: Path, *, name: str, config, weights: dict[str, np.ndarray], tokenizer_model: Path,
-                tokenizer_info: dict[str, Any], seq_length: int, extra: dict[str, Any] | None = None) -> None:
+def write_model(
+    out_dir: Path,
+    *,
+    name: str,
+    config,
+    weights: dict[str, np.ndarray],
+    tokenizer_model: Path,
+    tokenizer_info: dict[str, Any],
+    seq_length: int,
+    extra: dict[str, Any] | None = None,
+) -> None:
     """Write a model artifact into `out_dir` (a store build directory): weights, the tokenizer files (of
     `tokenizer_model`: a tokenizer.model file, or a directory holding the model's tokenizer files), model.json and
     prompt_style.json (how the model is asked: tasks/prompts.py `prompt_style`, read back by `load_prompt_style`)."""
@@ -68,8 +80,16 @@ def write_model(out_dir: Path, *, name: str, config, weights: dict[str, np.ndarr
     else:  # a SentencePiece model file, under whatever name it had
         shutil.copy2(tokenizer_model, out_dir / "tokenizer.model")
     atomic_write_json(out_dir / PROMPT_STYLE_FILE, prompt_style(_load(out_dir)))
-    atomic_write_json(out_dir / "model.json", {"name": name, "model": config.to_dict(), "tokenizer": tokenizer_info,
-                                               "seq_length": seq_length, **(extra or {})})
+    atomic_write_json(
+        out_dir / "model.json",
+        {
+            "name": name,
+            "model": config.to_dict(),
+            "tokenizer": tokenizer_info,
+            "seq_length": seq_length,
+            **(extra or {}),
+        },
+    )
 
 
 def load_prompt_style(path: str | Path, tok) -> str:

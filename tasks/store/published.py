@@ -38,8 +38,15 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
 # The msllm command that builds each artifact kind, for "rebuild it" hints. It is the stage table's `command`
 # (tasks/stages/__init__.py), which the store may not import (the stage table imports the store);
 # tests/test_artifacts.py keeps the two equal.
-REBUILD_COMMANDS = {"data": "data", "pretrain": "train", "finetune": "finetune", "merged": "finetune",
-                    "eval": "eval", "export": "export", "convert": "convert --from-hf DIR"}
+REBUILD_COMMANDS = {
+    "data": "data",
+    "pretrain": "train",
+    "finetune": "finetune",
+    "merged": "finetune",
+    "eval": "eval",
+    "export": "export",
+    "convert": "convert --from-hf DIR",
+}
 _VERIFIED: dict[str, tuple] = {}  # resolved path -> stat stamp of a file whose sha256 matched its manifest
 
 
@@ -88,20 +95,26 @@ def verify_published(path: str | os.PathLike, *, force: bool = False) -> Path:
         return fp
     art = artifact_dir_of(fp)
     if art is None:
-        print(f"[artifacts] warning: {fp.parent} has no {MANIFEST}: not a published artifact, {fp.name} is not "
-              "checked", file=sys.stderr)
+        print(
+            f"[artifacts] warning: {fp.parent} has no {MANIFEST}: not a published artifact, {fp.name} is not checked",
+            file=sys.stderr,
+        )
         return fp
     manifest = read_manifest(art)
     rel = Path(key).relative_to(art).as_posix()
     entry = next((f for f in manifest.get("files", []) if f.get("path") == rel), None)
     if entry is None:
-        raise ArtifactError(f"{fp}: not listed in {art / MANIFEST}, so it was not published with the artifact; "
-                            f"{rebuild_hint(manifest, art)}")
+        raise ArtifactError(
+            f"{fp}: not listed in {art / MANIFEST}, so it was not published with the artifact; "
+            f"{rebuild_hint(manifest, art)}"
+        )
     actual = sha256_file(fp)
     if actual != entry.get("sha256"):
         size = "" if st.st_size == entry.get("size") else f" (size {st.st_size} bytes, published {entry.get('size')})"
-        raise ArtifactError(f"{fp}: sha256 differs from the manifest: {art / MANIFEST} records {entry.get('sha256')}, "
-                            f"the file has {actual}{size}; it changed after it was published (corrupt or edited): "
-                            f"{rebuild_hint(manifest, art)}")
+        raise ArtifactError(
+            f"{fp}: sha256 differs from the manifest: {art / MANIFEST} records {entry.get('sha256')}, "
+            f"the file has {actual}{size}; it changed after it was published (corrupt or edited): "
+            f"{rebuild_hint(manifest, art)}"
+        )
     _VERIFIED[key] = _file_stamp(st)
     return fp

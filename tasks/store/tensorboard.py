@@ -38,8 +38,9 @@ import os
 import socket
 import struct
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from google.protobuf.message import DecodeError
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -51,11 +52,19 @@ from tensorboard.plugins.hparams import metadata, plugin_data_pb2
 
 EVENT_GLOB = "events.out.tfevents.*"
 _TAGS = {
-    "loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm", "loss_scale": "train/loss_scale",
-    "skipped_steps": "train/skipped_steps", "overflow_steps": "train/overflow_steps",
-    "tokens_per_s": "perf/tokens_per_s", "mfu": "perf/mfu", "peak_rss_bytes": "perf/peak_rss_gib",
-    "eta_s": "perf/eta_s", "consumed_samples": "progress/consumed_samples",
-    "val_loss": "val/loss", "val_ppl": "val/ppl",
+    "loss": "train/loss",
+    "lr": "train/lr",
+    "grad_norm": "train/grad_norm",
+    "loss_scale": "train/loss_scale",
+    "skipped_steps": "train/skipped_steps",
+    "overflow_steps": "train/overflow_steps",
+    "tokens_per_s": "perf/tokens_per_s",
+    "mfu": "perf/mfu",
+    "peak_rss_bytes": "perf/peak_rss_gib",
+    "eta_s": "perf/eta_s",
+    "consumed_samples": "progress/consumed_samples",
+    "val_loss": "val/loss",
+    "val_ppl": "val/ppl",
 }
 _SCALE = {"peak_rss_bytes": 1 / 2**30}
 # the config sections that describe a run of each stage (the HPARAMS columns)
@@ -140,16 +149,28 @@ def _hparams_event(hparams: dict[str, bool | float | str], wall_time: float):
         else:
             info.hparams[name].string_value = str(v)
     content = metadata.create_summary_metadata(plugin_data_pb2.HParamsPluginData(session_start_info=info))
-    summary = summary_pb2.Summary(value=[summary_pb2.Summary.Value(
-        tag=metadata.SESSION_START_INFO_TAG, metadata=content, tensor=metadata.NULL_TENSOR)])
+    summary = summary_pb2.Summary(
+        value=[
+            summary_pb2.Summary.Value(
+                tag=metadata.SESSION_START_INFO_TAG, metadata=content, tensor=metadata.NULL_TENSOR
+            )
+        ]
+    )
     return event_pb2.Event(step=0, wall_time=wall_time, summary=summary)
 
 
 def _header_events(wall_time: float):
-    return [event_pb2.Event(wall_time=wall_time, file_version="brain.Event:2",
-                            source_metadata=event_pb2.SourceMetadata(writer="msllm.tasks.tensorboard")),
-            # a TensorBoard already watching this run drops what it read from the replaced files
-            event_pb2.Event(wall_time=wall_time, step=0, session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START))]
+    return [
+        event_pb2.Event(
+            wall_time=wall_time,
+            file_version="brain.Event:2",
+            source_metadata=event_pb2.SourceMetadata(writer="msllm.tasks.tensorboard"),
+        ),
+        # a TensorBoard already watching this run drops what it read from the replaced files
+        event_pb2.Event(
+            wall_time=wall_time, step=0, session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START)
+        ),
+    ]
 
 
 def _frame(data: bytes) -> bytes:
@@ -238,8 +259,9 @@ class _Off:
         pass
 
 
-def open_run(run_dir: Path, history: Iterable[dict[str, Any]], meta: dict[str, Any] | None = None,
-             *, enabled: bool = True) -> RunLog | _Off:
+def open_run(
+    run_dir: Path, history: Iterable[dict[str, Any]], meta: dict[str, Any] | None = None, *, enabled: bool = True
+) -> RunLog | _Off:
     """The run's event file, rewritten to hold exactly `history` (the records metrics.jsonl kept)."""
     if not enabled:
         return _Off()
@@ -249,10 +271,15 @@ def open_run(run_dir: Path, history: Iterable[dict[str, Any]], meta: dict[str, A
 def write_eval(run_dir: Path, scores: dict[str, Any], *, step: int = 0, hparams: dict[str, Any] | None = None) -> Path:
     """One event file of eval scores: tag `eval/<name>` for each finite number in `scores`, at `step`."""
     now = time.time()
-    values = {f"eval/{k}": float(v) for k, v in scores.items()
-              if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))}
+    values = {
+        f"eval/{k}": float(v)
+        for k, v in scores.items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))
+    }
     hp = {"run": f"{Path(run_dir).parent.name}/{Path(run_dir).name}", **flatten(hparams or {})}
-    return _replace_events(Path(run_dir), _header_events(now) + [_hparams_event(hp, now), _scalar_event(step, now, values)])
+    return _replace_events(
+        Path(run_dir), _header_events(now) + [_hparams_event(hp, now), _scalar_event(step, now, values)]
+    )
 
 
 def read_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:

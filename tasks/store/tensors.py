@@ -23,8 +23,8 @@ from safetensors.numpy import load_file, save_file
 
 from model.convert import nonfinite
 from tasks.store.disk import sha256_file
-from tasks.store.published import verify_published
 from tasks.store.errors import STORAGE_ERRNOS, as_os_error, storage_error
+from tasks.store.published import verify_published
 
 
 class CheckpointError(RuntimeError):
@@ -61,8 +61,20 @@ def save_tensors(path: Path, tensors: dict[str, np.ndarray]) -> str:
 
 
 # safetensors dtypes numpy holds as they are; any other (BF16, F8_*) goes through the safetensors library
-_NUMPY_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1",
-                 "U64": "<u8", "U32": "<u4", "U16": "<u2", "U8": "u1", "BOOL": "?"}
+_NUMPY_DTYPES = {
+    "F64": "<f8",
+    "F32": "<f4",
+    "F16": "<f2",
+    "I64": "<i8",
+    "I32": "<i4",
+    "I16": "<i2",
+    "I8": "i1",
+    "U64": "<u8",
+    "U32": "<u4",
+    "U16": "<u2",
+    "U8": "u1",
+    "BOOL": "?",
+}
 _MAX_HEADER = 100 << 20  # the safetensors library's own limit on the JSON header
 
 
@@ -89,11 +101,18 @@ def read_tensors(path: Path, fix: str) -> dict[str, np.ndarray]:
             out, start, last_end = {}, 8 + n, 0
             for k, v in sorted(header.items(), key=lambda kv: kv[1].get("data_offsets", [0])[0]):
                 dtype, shape, (begin, end) = np.dtype(_NUMPY_DTYPES[v["dtype"]]), v["shape"], v["data_offsets"]
-                if not (all(isinstance(d, int) and d >= 0 for d in shape) and isinstance(begin, int)
-                        and isinstance(end, int) and 0 <= begin <= end and start + end <= size
-                        and end - begin == dtype.itemsize * int(np.prod(shape, dtype=np.int64))):
-                    raise ValueError(f"tensor {k!r}: offsets {begin}..{end} do not hold {v['dtype']} {shape} "
-                                     f"within the file's {size - start} data bytes")
+                if not (
+                    all(isinstance(d, int) and d >= 0 for d in shape)
+                    and isinstance(begin, int)
+                    and isinstance(end, int)
+                    and 0 <= begin <= end
+                    and start + end <= size
+                    and end - begin == dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+                ):
+                    raise ValueError(
+                        f"tensor {k!r}: offsets {begin}..{end} do not hold {v['dtype']} {shape} "
+                        f"within the file's {size - start} data bytes"
+                    )
                 if begin < last_end:
                     raise ValueError(f"tensor {k!r} overlaps the tensor before it")
                 last_end = end
@@ -106,16 +125,19 @@ def read_tensors(path: Path, fix: str) -> dict[str, np.ndarray]:
     except Exception as exc:  # safetensors raises SafetensorError (not an OSError/ValueError) on bad bytes
         if type(exc).__name__ != "SafetensorError" and not isinstance(exc, (OSError, ValueError, KeyError, TypeError)):
             raise
-        raise CheckpointError(f"{path}: not a readable safetensors file ({exc}); it is truncated or corrupt: "
-                              f"{fix}") from None
+        raise CheckpointError(
+            f"{path}: not a readable safetensors file ({exc}); it is truncated or corrupt: {fix}"
+        ) from None
 
 
 def load_weights(path: Path) -> dict[str, np.ndarray]:
     """Weights from a `model.safetensors` file or an artifact directory holding one, checked against its manifest."""
     p = Path(path)
     if p.is_dir() and (p / "state.json").is_file():
-        raise CheckpointError(f"{path}: a training checkpoint, not a model artifact; read it with "
-                              "tasks.training.checkpoint.load_checkpoint")
+        raise CheckpointError(
+            f"{path}: a training checkpoint, not a model artifact; read it with "
+            "tasks.training.checkpoint.load_checkpoint"
+        )
     if p.is_dir():
         p = p / "model.safetensors"
     if not p.is_file():
@@ -130,8 +152,9 @@ def check_finite(arrays: dict[str, np.ndarray], where: str | Path) -> None:
     """CheckpointError naming the first tensor holding NaN/Inf (such a model answers garbage to every prompt)."""
     for k, v in arrays.items():
         if bad := nonfinite(k, v):
-            raise CheckpointError(f"{where}: {bad}; this model cannot run: rebuild it, or convert it again from a "
-                                  "good source")
+            raise CheckpointError(
+                f"{where}: {bad}; this model cannot run: rebuild it, or convert it again from a good source"
+            )
 
 
 def assign(params, arrays: dict[str, np.ndarray], what: str, *, strict: bool = True, take: bool = False) -> None:
@@ -143,15 +166,19 @@ def assign(params, arrays: dict[str, np.ndarray], what: str, *, strict: bool = T
 
     missing = [p.name for p in params if p.name not in arrays]
     if missing:
-        raise CheckpointError(f"{what} lacks {missing[:3]}{'…' if len(missing) > 3 else ''}; it belongs to another "
-                              "model (compare its model.json / state.json with this pipeline's model section)")
+        raise CheckpointError(
+            f"{what} lacks {missing[:3]}{'…' if len(missing) > 3 else ''}; it belongs to another "
+            "model (compare its model.json / state.json with this pipeline's model section)"
+        )
     if strict:
         names = {p.name for p in params}
         extra = sorted(k for k in arrays if k not in names)
         if extra:
-            raise CheckpointError(f"{what} holds {len(extra)} tensor(s) this model does not have ({', '.join(extra[:3])}"
-                                  f"{'…' if len(extra) > 3 else ''}); it belongs to another model (e.g. more layers); "
-                                  "point at a checkpoint of this architecture")
+            raise CheckpointError(
+                f"{what} holds {len(extra)} tensor(s) this model does not have ({', '.join(extra[:3])}"
+                f"{'…' if len(extra) > 3 else ''}); it belongs to another model (e.g. more layers); "
+                "point at a checkpoint of this architecture"
+            )
     for p in params:
         if tuple(arrays[p.name].shape) != tuple(p.shape):
             raise CheckpointError(f"{what}: {p.name} has shape {arrays[p.name].shape}, model wants {tuple(p.shape)}")

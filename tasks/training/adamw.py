@@ -73,9 +73,20 @@ class AdamW(nn.Cell):
     parameter on the CPU graph executor (each intermediate keeps its own buffer).
     """
 
-    def __init__(self, params: list[Parameter], *, beta1: float, beta2: float, eps: float,
-                 weight_decay: float, grad_clip: float | None, decay_mask: list[bool],
-                 sharded: list[bool] | None = None, tp_group: str | None = None, in_place: bool = True):
+    def __init__(
+        self,
+        params: list[Parameter],
+        *,
+        beta1: float,
+        beta2: float,
+        eps: float,
+        weight_decay: float,
+        grad_clip: float | None,
+        decay_mask: list[bool],
+        sharded: list[bool] | None = None,
+        tp_group: str | None = None,
+        in_place: bool = True,
+    ):
         """`sharded` marks tensor-parallel slices; their squared norms are summed over `tp_group`
         so that clipping uses the global gradient norm of the unsplit model. `in_place` (the build's kernel decision,
         tasks/modeling/build.py `Kernels.optimizer`): where the kernel library builds, the update is the in-place
@@ -123,15 +134,28 @@ class AdamW(nn.Cell):
             apply = ops.cast(ops.logical_and(finite, allow), ms.float32)
             for i in range(self.n):
                 wd_f = self.wd[i] * bc1 / sbc2
-                done = self.kernel(self.params[i], grads[i], self.exp_avg[i], self.exp_avg_sq[i], self.whole,
-                                   lr_f, b1, b2, eps_f, wd_f, coef, apply)
+                done = self.kernel(
+                    self.params[i],
+                    grads[i],
+                    self.exp_avg[i],
+                    self.exp_avg_sq[i],
+                    self.whole,
+                    lr_f,
+                    b1,
+                    b2,
+                    eps_f,
+                    wd_f,
+                    coef,
+                    apply,
+                )
                 gnorm = ops.depend(gnorm, done)
             return gnorm, finite
         if ops.logical_and(finite, allow):  # a non-finite or refused step leaves parameters and moments untouched
             for i in range(self.n):
                 wd_f = self.wd[i] * bc1 / sbc2
-                self.adam(self.params[i], self.exp_avg[i], self.exp_avg_sq[i], lr_f, b1, b2, eps_f, wd_f,
-                          grads[i] * coef)
+                self.adam(
+                    self.params[i], self.exp_avg[i], self.exp_avg_sq[i], lr_f, b1, b2, eps_f, wd_f, grads[i] * coef
+                )
         return gnorm, finite
 
 
@@ -152,8 +176,7 @@ class UpdateGuard:
     or a weight decay that makes |1 − lr·wd| > 1 and the weights grow geometrically.
     """
 
-    def __init__(self, max_abs_weight: float, *, beta1: float, beta2: float, weight_decay: float,
-                 limit: float = 1e37):
+    def __init__(self, max_abs_weight: float, *, beta1: float, beta2: float, weight_decay: float, limit: float = 1e37):
         self.bound = float(max_abs_weight)
         self.beta1, self.beta2, self.wd, self.limit = beta1, beta2, weight_decay, limit
 

@@ -56,8 +56,16 @@ def zero_files(dp: int) -> list[str]:
     return [f"optimizer.dp{i}-of-{dp}.safetensors" for i in range(dp)]
 
 
-def save_checkpoint(ckpt_root: Path, step: int, weights: dict[str, np.ndarray], optimizer: dict[str, np.ndarray],
-                    state: dict[str, Any], keep: int, mesh=None, opt_shard: dict[str, Any] | None = None) -> Path:
+def save_checkpoint(
+    ckpt_root: Path,
+    step: int,
+    weights: dict[str, np.ndarray],
+    optimizer: dict[str, np.ndarray],
+    state: dict[str, Any],
+    keep: int,
+    mesh=None,
+    opt_shard: dict[str, Any] | None = None,
+) -> Path:
     """Write checkpoint `step` atomically and rotate; with a distributed `mesh` every rank must call it.
 
     `opt_shard` (ZeRO-1: ShardedAdamW.layout()): `optimizer` is this rank's share of the flat moments."""
@@ -91,8 +99,9 @@ def _publish(ckpt_root: Path, tmp: Path, step: int, state: dict[str, Any], files
     return final
 
 
-def _save_distributed(ckpt_root: Path, step: int, weights, optimizer, state, keep: int, mesh,
-                      opt_shard: dict[str, Any] | None = None) -> Path:
+def _save_distributed(
+    ckpt_root: Path, step: int, weights, optimizer, state, keep: int, mesh, opt_shard: dict[str, Any] | None = None
+) -> Path:
     """Replica 0's tensor-parallel ranks write their slices into one temp dir; rank 0 publishes it.
 
     Three barriers: the temp dir is fresh before anyone writes, every slice is on disk before
@@ -120,8 +129,11 @@ def _save_distributed(ckpt_root: Path, step: int, weights, optimizer, state, kee
     final = ckpt_root / f"step_{step:08d}"
     if mesh.rank == 0:
         files: dict[str, str] = {}
-        parts = ([f".files-dp{i}.json" for i in range(mesh.dp)] if opt_shard is not None
-                 else [f".files-tp{i}.json" for i in range(mesh.tp)])
+        parts = (
+            [f".files-dp{i}.json" for i in range(mesh.dp)]
+            if opt_shard is not None
+            else [f".files-tp{i}.json" for i in range(mesh.tp)]
+        )
         for name in parts:
             part = tmp / name
             files.update(json.loads(part.read_text()))
@@ -192,8 +204,9 @@ def layout_of(state: dict[str, Any]) -> dict[str, int]:
     return state.get("layout") or {"data_parallel": 1, "tensor_parallel": 1}
 
 
-def load_checkpoint(ckpt: Path, tp: int = 1, tp_index: int = 0
-                    ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, Any]]:
+def load_checkpoint(
+    ckpt: Path, tp: int = 1, tp_index: int = 0
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, Any]]:
     """(weights, optimizer, state) for tensor-parallel rank `tp_index` of `tp`, whatever layout saved it.
 
     Every file read is checked against the sha256 in state.json. The saved slices are
@@ -209,17 +222,22 @@ def load_checkpoint(ckpt: Path, tp: int = 1, tp_index: int = 0
         if digest is None:
             raise CheckpointError(f"{ckpt}: state.json lists no {fname}; the checkpoint is incomplete")
         if sha256_file(ckpt / fname) != digest:
-            raise CheckpointError(f"{ckpt / fname}: sha256 mismatch (corrupt); delete {ckpt} to resume from an older one")
+            raise CheckpointError(
+                f"{ckpt / fname}: sha256 mismatch (corrupt); delete {ckpt} to resume from an older one"
+            )
         return read_tensors(ckpt / fname, f"delete {ckpt} to resume from an older checkpoint")
 
     zero = layout_of(state).get("optimizer_shard")
     if zero is not None:  # ZeRO-1 shares -> full per-parameter moments (then cut like a tp=1 checkpoint)
         shares = [read(f) for f in zero_files(int(zero["data_parallel"]))]
-        bad = [k for k in ("adam_m", "adam_v") for s in shares
-               if k not in s or s[k].shape != (int(zero["shard_numel"]),)]
+        bad = [
+            k for k in ("adam_m", "adam_v") for s in shares if k not in s or s[k].shape != (int(zero["shard_numel"]),)
+        ]
         if bad:
-            raise CheckpointError(f"{ckpt}: an optimizer share lacks {bad[0]} of {zero['shard_numel']} elements; "
-                                  f"the checkpoint is corrupt: delete {ckpt} to resume from an older one")
+            raise CheckpointError(
+                f"{ckpt}: an optimizer share lacks {bad[0]} of {zero['shard_numel']} elements; "
+                f"the checkpoint is corrupt: delete {ckpt} to resume from an older one"
+            )
         weights, opt = read("model.safetensors"), unflatten_moments(shares, zero)
         return (weights, opt, state) if tp == 1 else (shard(weights, tp, tp_index), shard(opt, tp, tp_index), state)
     if saved_tp == tp:
@@ -245,12 +263,12 @@ def unflatten_moments(shards: list[dict], layout: dict) -> dict:
         pos, p = 0, 0
         for count, numel in _chunks(layout):
             piece = -(-numel // dp)
-            flat = np.concatenate([s[key][pos:pos + piece] for s in shards])[:numel]
+            flat = np.concatenate([s[key][pos : pos + piece] for s in shards])[:numel]
             pos += piece
             o = 0
-            for name, shape in layout["params"][p:p + count]:
+            for name, shape in layout["params"][p : p + count]:
                 n = int(np.prod(shape)) if shape else 1
-                out[f"{key}.{name}"] = flat[o:o + n].reshape(shape).copy()
+                out[f"{key}.{name}"] = flat[o : o + n].reshape(shape).copy()
                 o += n
             p += count
     return out
@@ -265,10 +283,10 @@ def flatten_moments(opt: dict, layout: dict) -> list[dict]:
         p = 0
         for count, numel in _chunks(layout):
             piece = -(-numel // dp)
-            flat = np.concatenate([opt[f"{key}.{name}"].reshape(-1) for name, _ in layout["params"][p:p + count]])
+            flat = np.concatenate([opt[f"{key}.{name}"].reshape(-1) for name, _ in layout["params"][p : p + count]])
             flat = np.concatenate([flat.astype(np.float32), np.zeros(dp * piece - numel, np.float32)])
             for r in range(dp):
-                pieces[r].append(flat[r * piece:(r + 1) * piece])
+                pieces[r].append(flat[r * piece : (r + 1) * piece])
             p += count
         for r in range(dp):
             out[r][key] = np.concatenate(pieces[r])

@@ -81,8 +81,10 @@ def measure_peak_flops(n: int = 2048, repeats: int = 3) -> float:
         def once():
             return compiled(a).asnumpy()  # asnumpy waits for the kernel
     except Exception:  # noqa: BLE001  (no usable MindSpore in this process: numpy's BLAS)
+
         def once():
             return a_np @ a_np
+
     return 2 * n**3 / best_time(once, repeats)
 
 
@@ -101,8 +103,12 @@ def _cpu_ghz() -> tuple[float, str]:
     """The highest clock this machine reports (GHz) and where it was read."""
     cands: list[tuple[float, str]] = []
     try:
-        cands.append((int(Path("/sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq").read_text()) / 1e6,
-                      "cpufreq cpuinfo_max_freq"))
+        cands.append(
+            (
+                int(Path("/sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq").read_text()) / 1e6,
+                "cpufreq cpuinfo_max_freq",
+            )
+        )
     except (OSError, ValueError):
         pass
     try:
@@ -148,8 +154,10 @@ def theoretical_peak_flops(flags: set[str] | None = None) -> tuple[float, str]:
     if ghz <= 0:
         return 0.0, "clock unknown"
     per_cycle = lanes * fma * units
-    how = (f"{cores} cores × {ghz:.2f} GHz ({src}) × {per_cycle} fp32 FLOP/cycle "
-           f"({lanes} lanes{' × FMA' if fma == 2 else ''} × {units} units)")
+    how = (
+        f"{cores} cores × {ghz:.2f} GHz ({src}) × {per_cycle} fp32 FLOP/cycle "
+        f"({lanes} lanes{' × FMA' if fma == 2 else ''} × {units} units)"
+    )
     return cores * ghz * 1e9 * per_cycle, how
 
 
@@ -162,7 +170,8 @@ class PeakFlops:
     def describe(self) -> str:
         s = f"{self.flops / 1e9:.1f} GFLOP/s fp32 per rank ({self.how})"
         if self.achievable:
-            s += f"; measured sgemm {self.achievable / 1e9:.1f} GFLOP/s ({100 * self.achievable / self.flops:.0f}% of it)"
+            share = 100 * self.achievable / self.flops
+            s += f"; measured sgemm {self.achievable / 1e9:.1f} GFLOP/s ({share:.0f}% of it)"
         return s
 
 

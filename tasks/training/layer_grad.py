@@ -13,7 +13,8 @@ its input (GradOperation differentiates the function it runs: a third of the lay
 weights were assigned into a template layer inside every graph call. Here
 the weights are plain graph inputs (no template, no copy) and the backward is written out: every projection's
 gradients are two MatMuls, RoPE's is its transpose, the attention's the fused attention kernel's backward
-(`FusedCausalAttention`; without it, the four BatchMatMuls and the fused softmax's backward), RMSNorm's and SwiGLU's the fused kernels' own backward (model/train_kernels.cc). The same kernels as the
+(`FusedCausalAttention`; without it, the four BatchMatMuls and the fused softmax's backward), RMSNorm's and SwiGLU's the
+fused kernels' own backward (model/train_kernels.cc). The same kernels as the
 model's fused cells (model/fused_cells.py), so the arithmetic is the model's; the gradients equal autodiff's to
 fp32 rounding (tests/test_layerwise.py: one layer against GradOperation, the whole step against the whole-model
 step).
@@ -33,8 +34,7 @@ parameters the backward returns gradients for).
 Applies to the fp32 fused build (the kernels that `FusedRMSNorm`, `FusedCausalSoftmax` and `FusedSwiGLU` run, plain
 `Linear` projections or LoRA adapters on them, the layers' own heads): elsewhere (no kernel library, fp16 compute,
 LoRA dropout) `functional_unsupported` says why and the step keeps the autodiff layer graph (and LoRA the whole-model
-step).
-"""
+step)."""
 
 from __future__ import annotations
 
@@ -43,8 +43,14 @@ from types import SimpleNamespace
 import mindspore as ms
 from mindspore import Tensor, nn, ops
 
-from model.fused_cells import (FusedCausalAttention, FusedCausalLMLoss, FusedCausalSoftmax, FusedHeadMatMul,
-                               FusedRMSNorm, FusedSwiGLU)
+from model.fused_cells import (
+    FusedCausalAttention,
+    FusedCausalLMLoss,
+    FusedCausalSoftmax,
+    FusedHeadMatMul,
+    FusedRMSNorm,
+    FusedSwiGLU,
+)
 from model.layers import Linear
 from model.lora import LORA_A, LORA_B, LoRALinear, is_lora_param
 from model.runtime import actor_thread_branch
@@ -68,8 +74,11 @@ def functional_unsupported(net) -> str | None:
     for layer in net.layers:
         attn, mlp = layer.self_attn, layer.mlp
         cells = (attn.softmax, mlp.swiglu, layer.input_layernorm.normalize, layer.post_attention_layernorm.normalize)
-        if not (isinstance(cells[0], FusedCausalSoftmax) and isinstance(cells[1], FusedSwiGLU)
-                and all(isinstance(c, FusedRMSNorm) for c in cells[2:])):
+        if not (
+            isinstance(cells[0], FusedCausalSoftmax)
+            and isinstance(cells[1], FusedSwiGLU)
+            and all(isinstance(c, FusedRMSNorm) for c in cells[2:])
+        ):
             return "the fused kernels are off"
         projections = _projections(layer)
         for name, p in zip(_PROJ, projections):
@@ -87,8 +96,15 @@ def functional_unsupported(net) -> str | None:
     return None
 
 
-_PROJ = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-         "mlp.up_proj", "mlp.down_proj")
+_PROJ = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 _NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight")
 
 
@@ -122,8 +138,13 @@ class _Ops(nn.Cell):
         self.lora = any(self.adapted)
         self.scaling = next((p.scaling for p in _projections(layer) if isinstance(p, LoRALinear)), 1.0)
         names = _names(self.adapted)
-        self.slots = tuple((names.index(f"{n}.weight"), *((names.index(f"{n}.{LORA_A}"), names.index(f"{n}.{LORA_B}"))
-                                                          if a else (-1, -1))) for n, a in zip(_PROJ, self.adapted))
+        self.slots = tuple(
+            (
+                names.index(f"{n}.weight"),
+                *((names.index(f"{n}.{LORA_A}"), names.index(f"{n}.{LORA_B}")) if a else (-1, -1)),
+            )
+            for n, a in zip(_PROJ, self.adapted)
+        )
         self.norm_slots = (names.index(_NORMS[0]), names.index(_NORMS[1]))
         attn = layer.self_attn
         self.nh, self.nkv, self.hd = attn.num_heads, attn.num_kv_heads, attn.head_dim
@@ -135,9 +156,9 @@ class _Ops(nn.Cell):
         self.attention, self.attention_grad = (fused.forward_op, fused.backward_op) if fused else (None, None)
         self.swiglu, self.swiglu_grad = layer.mlp.swiglu.forward_op, layer.mlp.swiglu.backward_op
         self.rotate = Tensor(attn.rotate.asnumpy())
-        self.mm = ops.MatMul()                       # a @ b
-        self.mm_bt = ops.MatMul(transpose_b=True)    # a @ b^T (a projection: x @ W^T)
-        self.mm_at = ops.MatMul(transpose_a=True)    # a^T @ b (a weight's gradient: dy^T @ x)
+        self.mm = ops.MatMul()  # a @ b
+        self.mm_bt = ops.MatMul(transpose_b=True)  # a @ b^T (a projection: x @ W^T)
+        self.mm_at = ops.MatMul(transpose_a=True)  # a^T @ b (a weight's gradient: dy^T @ x)
         self.bmm = ops.BatchMatMul()
         self.bmm_bt = ops.BatchMatMul(transpose_b=True)
         self.bmm_at = ops.BatchMatMul(transpose_a=True)
@@ -174,7 +195,7 @@ class _Ops(nn.Cell):
         w, a, b = self.slots[i]
         dx = self.mm(dy, ps[w])
         if self.adapted[i]:
-            t = self.mm(dy, ps[b])                                            # [N, r]
+            t = self.mm(dy, ps[b])  # [N, r]
             dx = dx + self.mm(t, ps[a]) * self.scaling
             return dx, (self.mm_at(t, x) * self.scaling, self.mm_at(dy, self.mm_bt(x, ps[a])) * self.scaling)
         if self.lora:
@@ -183,7 +204,7 @@ class _Ops(nn.Cell):
 
     def probs(self, q, k, b, t):
         """The causal attention probabilities [B, nkv, rep·T, T] of the saved queries and keys."""
-        scores = self.bmm_bt(q, k)                                            # [B, nkv, rep·T, T]
+        scores = self.bmm_bt(q, k)  # [B, nkv, rep·T, T]
         return self.softmax(scores.reshape(b * self.nh, t, t)).reshape(b, self.nkv, self.rep * t, t)
 
 
@@ -191,21 +212,21 @@ class _Forward(_Ops):
     def construct(self, x, cos, sin, flag, *ps):
         b, t, h = x.shape
         n1, n2 = ps[self.norm_slots[0]], ps[self.norm_slots[1]]
-        x2 = x.reshape(b * t, h)                                              # [N, H]
+        x2 = x.reshape(b * t, h)  # [N, H]
         a = self.rms(x2, n1, self.eps)
         q = self.rope(self.heads(self.proj(0, a, ps), b, t, self.nh), cos, sin) * self.scale  # [B, nh, T, hd]
-        k = self.rope(self.heads(self.proj(1, a, ps), b, t, self.nkv), cos, sin)              # [B, nkv, T, hd]
-        v = self.heads(self.proj(2, a, ps), b, t, self.nkv)                                   # [B, nkv, T, hd]
+        k = self.rope(self.heads(self.proj(1, a, ps), b, t, self.nkv), cos, sin)  # [B, nkv, T, hd]
+        v = self.heads(self.proj(2, a, ps), b, t, self.nkv)  # [B, nkv, T, hd]
         if self.attention is None:
             q = q.reshape(b, self.nkv, self.rep * t, self.hd)  # GQA: a kv head's query heads along the query axis
             context = self.tokens(self.bmm(self.probs(q, k, b, t), v).reshape(b, self.nh, t, self.hd), b, t, self.nh)
-            lse = ops.zeros((), ms.float32)                    # (the fused attention's; recomputed probs here)
+            lse = ops.zeros((), ms.float32)  # (the fused attention's; recomputed probs here)
         else:
-            out, lse = self.attention(q, k, v)                 # [B, nh, T, hd], [B, nh, T]
+            out, lse = self.attention(q, k, v)  # [B, nh, T, hd], [B, nh, T]
             context = self.tokens(out, b, t, self.nh)
-        mid = x2 + self.proj(3, context, ps)                                  # [N, H]
+        mid = x2 + self.proj(3, context, ps)  # [N, H]
         m = self.rms(mid, n2, self.eps)
-        gate, up = self.proj(4, m, ps), self.proj(5, m, ps)                   # [N, F]
+        gate, up = self.proj(4, m, ps), self.proj(5, m, ps)  # [N, F]
         y = mid + self.proj(6, self.swiglu(gate, up), ps)
         return y.reshape(b, t, h), q, k, v, context, mid, gate, up, lse, actor_thread_branch(flag)
 
@@ -225,19 +246,19 @@ class _Backward(_Ops):
         dmid = dy + dmid
         # attention: mid = x + o_proj(context)
         dctx, go = self.back(3, context, dmid, ps)
-        dc = self.heads(dctx, b, t, self.nh)                                  # [B, nh, T, hd]
+        dc = self.heads(dctx, b, t, self.nh)  # [B, nh, T, hd]
         if self.attention is None:
             dc = dc.reshape(b, self.nkv, self.rep * t, self.hd)
             p = self.probs(q, k, b, t)
-            dv = self.bmm_at(p, dc)                                           # [B, nkv, T, hd]
+            dv = self.bmm_at(p, dc)  # [B, nkv, T, hd]
             ds = self.softmax_grad(p.reshape(b * self.nh, t, t), self.bmm_bt(dc, v).reshape(b * self.nh, t, t))
             ds = ds.reshape(b, self.nkv, self.rep * t, t)
             dq = self.bmm(ds, k).reshape(b, self.nh, t, self.hd) * self.scale
-            dk = self.bmm_at(ds, q)                                           # [B, nkv, T, hd]
+            dk = self.bmm_at(ds, q)  # [B, nkv, T, hd]
         else:
             dq, dk, dv = self.attention_grad(q, k, v, self.heads(context, b, t, self.nh), lse, dc)
             dq = dq * self.scale
-        dq = self.tokens(self.rope_grad(dq, cos, sin), b, t, self.nh)         # [N, nh·hd]
+        dq = self.tokens(self.rope_grad(dq, cos, sin), b, t, self.nh)  # [N, nh·hd]
         dk = self.tokens(self.rope_grad(dk, cos, sin), b, t, self.nkv)
         dv = self.tokens(dv, b, t, self.nkv)
         a = self.rms(x2, n1, self.eps)
@@ -269,9 +290,9 @@ class _Head(nn.Cell):
     def construct(self, x, labels, weight, scale, flag, norm_w, head_w):
         b, t, h = x.shape
         x2 = x.reshape(b * t, h)
-        labels = labels.reshape(-1).astype(ms.int32)                          # [N]
+        labels = labels.reshape(-1).astype(ms.int32)  # [N]
         xn = self.rms(x2, norm_w, self.eps)
-        logits = self.mm_bt(xn, head_w)                                       # [N, V]
+        logits = self.mm_bt(xn, head_w)  # [N, V]
         nll, lse = self.ce(logits, labels)
         count = ops.maximum((labels != -100).astype(ms.float32).sum(), 1.0)
         loss = nll.sum() / count * weight
@@ -281,9 +302,9 @@ class _Head(nn.Cell):
         if self.frozen:
             return loss, dx.reshape(b, t, h), actor_thread_branch(flag)
         if self.transpose is None:
-            dhead = self.mm_at(dlogits, xn)                                   # [V, H]
+            dhead = self.mm_at(dlogits, xn)  # [V, H]
         else:
-            dhead = self.mm(self.transpose(dlogits), xn)                      # [V, H]: no transposed-A MatMul
+            dhead = self.mm(self.transpose(dlogits), xn)  # [V, H]: no transposed-A MatMul
         return loss, dx.reshape(b, t, h), dnorm, dhead, actor_thread_branch(flag)
 
 
@@ -294,7 +315,10 @@ def layer_functions(net) -> SimpleNamespace | None:
     if functional_unsupported(net) is not None:
         return None
     lora = any(_adapted(net.layers[0]))
-    return SimpleNamespace(forward=ms.jit(_Forward(net)), backward=ms.jit(_Backward(net)), head=ms.jit(_Head(net)),
-                           lora=lora, trained=lambda layer: [p for n, p in layer.parameters_and_names()
-                                                             if not lora or is_lora_param(n)])
-
+    return SimpleNamespace(
+        forward=ms.jit(_Forward(net)),
+        backward=ms.jit(_Backward(net)),
+        head=ms.jit(_Head(net)),
+        lora=lora,
+        trained=lambda layer: [p for n, p in layer.parameters_and_names() if not lora or is_lora_param(n)],
+    )

@@ -47,9 +47,9 @@ from mindspore import Parameter, Tensor, nn, ops
 
 from model.lora import is_lora_param
 from model.runtime import actor_thread_branch, weight_slot
+from tasks.runtime.mesh import Mesh
 from tasks.training.adamw import AdamW
 from tasks.training.layer_grad import functional_unsupported, layer_functions
-from tasks.runtime.mesh import Mesh
 from tasks.training.optimizer import parallelize_optimizer
 from tasks.training.step import TrainStep, causal_lm_loss_fn
 
@@ -69,8 +69,9 @@ def layerwise_unsupported(net, params: list[Parameter], mesh=None) -> str | None
         adapters = {id(p) for layer in net.layers for n, p in layer.parameters_and_names() if is_lora_param(n)}
         if {id(p) for p in params} != adapters:
             return "the step trains other parameters than the layers' LoRA adapters (or not all of them)"
-    shapes = [[(p.name.split(".", 2)[-1], p.shape, p.dtype) for _, p in layer.parameters_and_names()]
-              for layer in net.layers]
+    shapes = [
+        [(p.name.split(".", 2)[-1], p.shape, p.dtype) for _, p in layer.parameters_and_names()] for layer in net.layers
+    ]
     if any(s != shapes[0] for s in shapes[1:]):
         return "the layers' parameters differ"
     return None
@@ -124,6 +125,7 @@ def _head_loss(net, x, labels):
 
 def _chunk_forward(load):
     """The layer graph's function: the weights `ws` assigned into the template's layers, then those layers."""
+
     def forward(chunk, x, cos, sin, mask, *ws):
         x = load(x, ws)
         for layer in chunk:
@@ -176,11 +178,20 @@ class LayerwiseTrainStep(TrainStep):
     parallel, allow), the decoder run one layer at a time (module docstring). `eval_loss(ids, labels)` is the
     validation loss through the same layer graph (no whole-model forward graph either)."""
 
-    def __init__(self, net, params: list[Parameter], optimizer: AdamW, accumulation: int = 1,
-                 loss_scale: float = 1.0, dp_group: str | None = None, dp: int = 1):
+    def __init__(
+        self,
+        net,
+        params: list[Parameter],
+        optimizer: AdamW,
+        accumulation: int = 1,
+        loss_scale: float = 1.0,
+        dp_group: str | None = None,
+        dp: int = 1,
+    ):
         self.net, self.params, self._grad_arrays = net, list(params), None
-        super().__init__(None, params, optimizer, accumulation=accumulation, loss_scale=loss_scale,
-                         dp_group=dp_group, dp=dp)
+        super().__init__(
+            None, params, optimizer, accumulation=accumulation, loss_scale=loss_scale, dp_group=dp_group, dp=dp
+        )
 
     def _compile(self, loss_fn, params, optimizer, accumulation, zero, reduce_grads, reduce_loss) -> None:
         net = self.net
@@ -191,7 +202,7 @@ class LayerwiseTrainStep(TrainStep):
         self.flag = Tensor(0, ms.int32)  # the graphs' never-taken branch (model.runtime.actor_thread_branch)
         g = 1 if self.fn is not None else layers_per_graph(len(layers))
         self.layer_params = [tuple(p for _, p in layer.parameters_and_names()) for layer in layers]
-        self.chunks = [sum(self.layer_params[i:i + g], ()) for i in range(0, len(layers), g)]
+        self.chunks = [sum(self.layer_params[i : i + g], ()) for i in range(0, len(layers), g)]
         # LoRA (written-out path only): the adapters train, the base weights, norms, head and embedding are frozen
         self.lora = self.fn is not None and self.fn.lora
         trained = [self.fn.trained(layer) for layer in layers] if self.fn is not None else self.layer_params
@@ -272,8 +283,9 @@ class LayerwiseTrainStep(TrainStep):
 
         xs, saved, cos, sin, mask = self._inputs(ids)
         if self.fn is not None:
-            loss, dx, *head_grads, _ = self.fn.head(xs[-1], Tensor(labels), weight, scale, self.flag,
-                                                    *_views(self.head_weights))  # no head gradients under LoRA
+            loss, dx, *head_grads, _ = self.fn.head(
+                xs[-1], Tensor(labels), weight, scale, self.flag, *_views(self.head_weights)
+            )  # no head gradients under LoRA
         else:
             loss, (dx, head_grads), _ = self._head_grad(xs[-1], Tensor(labels), weight, scale, self.flag)
         xs[-1] = None
@@ -328,10 +340,15 @@ class LayerwiseTrainStep(TrainStep):
         # the unscaled gradient's norm (a loss scale of 0 gives NaN, as 0 / 0 in the graph: the step is skipped)
         norm = (Tensor(_host_norm(acc) / (s * self.k) if s else float("nan"), ms.float32),) if self.host_norm else ()
         grads = tuple(Tensor.from_numpy(a) for a in acc)
-        gnorm, finite, loss = self._apply_grads(Tensor(lr, ms.float32), Tensor(float(step), ms.float32),
-                                                Tensor(s * self.k, ms.float32),
-                                                Tensor(sum(losses) / len(losses), ms.float32),
-                                                Tensor(bool(allow), ms.bool_), *norm, *grads)
+        gnorm, finite, loss = self._apply_grads(
+            Tensor(lr, ms.float32),
+            Tensor(float(step), ms.float32),
+            Tensor(s * self.k, ms.float32),
+            Tensor(sum(losses) / len(losses), ms.float32),
+            Tensor(bool(allow), ms.bool_),
+            *norm,
+            *grads,
+        )
         del grads
         loss = float(loss.asnumpy())
         finite = bool(finite.asnumpy())
@@ -339,8 +356,9 @@ class LayerwiseTrainStep(TrainStep):
         return loss, float(gnorm.asnumpy()), finite and math.isfinite(loss)
 
 
-def train_step(net, loss_fn, params: list[Parameter], optimizer, *, accumulation: int = 1, mesh=None,
-               layerwise: bool = False) -> tuple[TrainStep, str]:
+def train_step(
+    net, loss_fn, params: list[Parameter], optimizer, *, accumulation: int = 1, mesh=None, layerwise: bool = False
+) -> tuple[TrainStep, str]:
     """The step the trainer runs (`train.layerwise`): layer at a time where it applies and `layerwise` is on, else
     the whole-model `TrainStep`. Returns (step, how: "layer at a time", "whole model" or "whole model: <why>")."""
     dp_group, dp = (mesh.dp_group, mesh.dp) if mesh is not None else (None, 1)
@@ -348,19 +366,32 @@ def train_step(net, loss_fn, params: list[Parameter], optimizer, *, accumulation
         return TrainStep(loss_fn, params, optimizer, accumulation=accumulation, dp_group=dp_group, dp=dp), "whole model"
     why = layerwise_unsupported(net, params, mesh)
     if why is None:
-        return LayerwiseTrainStep(net, params, optimizer, accumulation=accumulation, dp_group=dp_group,
-                                  dp=dp), "layer at a time"
-    return TrainStep(loss_fn, params, optimizer, accumulation=accumulation, dp_group=dp_group,
-                     dp=dp), f"whole model: {why}"
+        return LayerwiseTrainStep(
+            net, params, optimizer, accumulation=accumulation, dp_group=dp_group, dp=dp
+        ), "layer at a time"
+    return TrainStep(
+        loss_fn, params, optimizer, accumulation=accumulation, dp_group=dp_group, dp=dp
+    ), f"whole model: {why}"
 
 
-def causal_lm_train_step(net, params: list[Parameter], *, weight_decay: float = 0.1, grad_clip: float | None = 1.0,
-                         beta1: float = 0.9, beta2: float = 0.95, eps: float = 1e-8, accumulation: int = 1,
-                         mesh=None, in_place: bool = True, layerwise: bool = False) -> TrainStep:
+def causal_lm_train_step(
+    net,
+    params: list[Parameter],
+    *,
+    weight_decay: float = 0.1,
+    grad_clip: float | None = 1.0,
+    beta1: float = 0.9,
+    beta2: float = 0.95,
+    eps: float = 1e-8,
+    accumulation: int = 1,
+    mesh=None,
+    in_place: bool = True,
+    layerwise: bool = False,
+) -> TrainStep:
     """A compiled next-token train step for `net` over `params` with AdamW (norms/embeddings not decayed).
 
     What the benchmarks, the memory measurement and the optimizer tests use; the trainer builds
-    the same pieces from its LoopConfig. With a `mesh` (tasks/runtime/distributed.py) the step averages
+    the same pieces from its train section. With a `mesh` (tasks/runtime/distributed.py) the step averages
     gradients over its data-parallel group and clips by the norm over its tensor-parallel slices.
     `in_place=False` keeps the optimizer on MindSpore's own kernels (the build's decision for it:
     tasks/modeling/build.py `Kernels.optimizer`; the model's fused cells are the build's too). `layerwise`: the
@@ -368,9 +399,17 @@ def causal_lm_train_step(net, params: list[Parameter], *, weight_decay: float = 
     """
     mesh = mesh or Mesh()
     train = SimpleNamespace(  # the shape of tasks.config.schema.TrainSection that the optimizer reads
-        optimizer=SimpleNamespace(beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-                                  decay_norms_and_biases=False, decay_embeddings=False),
-        loop=SimpleNamespace(grad_clip=grad_clip))
+        optimizer=SimpleNamespace(
+            beta1=beta1,
+            beta2=beta2,
+            eps=eps,
+            weight_decay=weight_decay,
+            decay_norms_and_biases=False,
+            decay_embeddings=False,
+        ),
+        loop=SimpleNamespace(grad_clip=grad_clip),
+    )
     opt = parallelize_optimizer(params, train, mesh, in_place)
-    return train_step(net, causal_lm_loss_fn(net), params, opt, accumulation=accumulation, mesh=mesh,
-                      layerwise=layerwise)[0]
+    return train_step(
+        net, causal_lm_loss_fn(net), params, opt, accumulation=accumulation, mesh=mesh, layerwise=layerwise
+    )[0]

@@ -147,8 +147,9 @@ def layerwise_applies(layout: Layout, trainable_fraction: float = 1.0, *, writte
     return layout.tp == 1 and layout.pp == 1 and (trainable_fraction >= 1.0 or written_out)
 
 
-def layer_activation_bytes(cfg: ModelConfig, micro_batch: int, seq: int, precision: str, tp: int = 1, *,
-                           fused_attention: bool = False) -> float:
+def layer_activation_bytes(
+    cfg: ModelConfig, micro_batch: int, seq: int, precision: str, tp: int = 1, *, fused_attention: bool = False
+) -> float:
     """What one layer keeps for its backward, for one micro-batch. `fused_attention`: the attention kernel
     (model/fused_cells.py FusedCausalAttention, fused fp32 builds) keeps one log-sum-exp per query and head instead of
     the [B·nh, T, S] scores and probabilities."""
@@ -172,8 +173,15 @@ def layer_saved_bytes(cfg: ModelConfig, micro_batch: int, seq: int) -> int:
     return micro_batch * seq * (3 * h + 2 * kv + 2 * f + cfg.num_heads) * 4
 
 
-def activation_bytes(cfg: ModelConfig, micro_batch: int, seq: int, precision: str, recompute: bool,
-                     layout: Layout, fused_attention: bool = False) -> int:
+def activation_bytes(
+    cfg: ModelConfig,
+    micro_batch: int,
+    seq: int,
+    precision: str,
+    recompute: bool,
+    layout: Layout,
+    fused_attention: bool = False,
+) -> int:
     s, b, h, e = seq, micro_batch, cfg.hidden_size, DTYPE_BYTES[precision]
     full_layer = layer_activation_bytes(cfg, micro_batch, seq, precision, layout.tp, fused_attention=fused_attention)
     layers = -(-cfg.num_layers // layout.pp)
@@ -183,9 +191,19 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq: int, precision: st
     return int(layers * full_layer * in_flight)
 
 
-def estimate(cfg: ModelConfig, *, micro_batch: int, seq: int, precision: str = "fp32", recompute: bool = False,
-             layout: Layout = Layout(), backend: str = "CPU", trainable_fraction: float = 1.0,
-             fused_kernels: bool = True, layerwise: bool = False) -> Estimate:
+def estimate(
+    cfg: ModelConfig,
+    *,
+    micro_batch: int,
+    seq: int,
+    precision: str = "fp32",
+    recompute: bool = False,
+    layout: Layout = Layout(),
+    backend: str = "CPU",
+    trainable_fraction: float = 1.0,
+    fused_kernels: bool = True,
+    layerwise: bool = False,
+) -> Estimate:
     """Bytes per device. `fused_kernels`: train.fused_kernels (they run on CPU, fp32, with a compiler);
     `layerwise`: train.layerwise (ignored where it does not apply, as the trainer ignores it)."""
     p = param_split(cfg, layout)
@@ -210,24 +228,33 @@ def estimate(cfg: ModelConfig, *, micro_batch: int, seq: int, precision: str = "
             runtime = RUNTIME_BYTES_LAYERWISE.get(backend, runtime)
         # the head graph's gradient of the [V, H] head (the embedding when tied) and of the final norm, then one
         # layer's gradients: fresh output buffers until copied into the step's arrays (the `gradients` part)
-        outputs = {"graph_outputs": (cfg.vocab_size * cfg.hidden_size + cfg.hidden_size + layer_params(cfg)) * 4
-                   if trainable_fraction >= 1.0 else trainable // cfg.num_layers * 4}  # LoRA: one layer's adapters
+        outputs = {
+            "graph_outputs": (cfg.vocab_size * cfg.hidden_size + cfg.hidden_size + layer_params(cfg)) * 4
+            if trainable_fraction >= 1.0
+            else trainable // cfg.num_layers * 4
+        }  # LoRA: one layer's adapters
     else:
         # on CPU the graph keeps the recomputed forward's buffers as well: recompute lowers nothing (module doc)
-        act = int(activation_bytes(cfg, micro_batch, seq, precision, recompute and backend != "CPU", layout,
-                                   fused and not half) * factor)
+        act = int(
+            activation_bytes(
+                cfg, micro_batch, seq, precision, recompute and backend != "CPU", layout, fused and not half
+            )
+            * factor
+        )
         if backend == "CPU":
             outputs = {"graph": graph_bytes(-(-cfg.num_layers // layout.pp), trainable_fraction, fused)}
-    return Estimate({
-        "parameters": p * 4 + (p * 2 if half else 0),
-        "gradients": trainable * DTYPE_BYTES[precision],
-        "optimizer": opt,
-        **({"master_share": trainable * 4 // layout.dp} if zero and not in_place else {}),
-        "activations": act,
-        **outputs,
-        "logits": logits,
-        "runtime": runtime,
-    })
+    return Estimate(
+        {
+            "parameters": p * 4 + (p * 2 if half else 0),
+            "gradients": trainable * DTYPE_BYTES[precision],
+            "optimizer": opt,
+            **({"master_share": trainable * 4 // layout.dp} if zero and not in_place else {}),
+            "activations": act,
+            **outputs,
+            "logits": logits,
+            "runtime": runtime,
+        }
+    )
 
 
 MAX_TP = 8  # tensor parallel stays inside one node's fast links
@@ -245,12 +272,15 @@ def candidate_layouts(cfg: ModelConfig, devices: int, global_batch: int | None =
                 continue
             dp = devices // (tp * pp)
             for shard in (False, True) if dp > 1 else (False,):
-                out.append(Layout(dp=dp, tp=tp, pp=pp, micro_batch_num=max(1, 4 * pp if pp > 1 else 1), optimizer_shard=shard))
+                out.append(
+                    Layout(dp=dp, tp=tp, pp=pp, micro_batch_num=max(1, 4 * pp if pp > 1 else 1), optimizer_shard=shard)
+                )
     return out
 
 
 def unsupported(layout: Layout, backend: str) -> str | None:
-    """Why this pipeline cannot run `layout` on `backend` (None when it can): see the README's support matrix (docs/DISTRIBUTED.md in detail)."""
+    """Why this pipeline cannot run `layout` on `backend` (None when it can): see the README's support matrix
+    (docs/DISTRIBUTED.md in detail)."""
     if layout.pp > 1:
         return "pipeline stages: Ascend/GPU only, not built" if backend == "CPU" else "pipeline stages: not built"
     if layout.optimizer_shard and layout.dp > 1 and layout.tp > 1:
@@ -263,13 +293,24 @@ MODES = ("off", "recompute", "layerwise")
 inside the graph; lowers nothing on CPU, module doc), `train.layerwise` (CPU, where `layerwise_applies`: the step one
 layer at a time, ~0.9× the whole-model step's speed at SmolLM2-135M, docs/MEMORY.md "Train")."""
 
-MODE_SETTING = {"off": "pretrain.recompute: false", "recompute": "pretrain.recompute: true",
-                "layerwise": "pretrain.train.layerwise: true"}
+MODE_SETTING = {
+    "off": "pretrain.recompute: false",
+    "recompute": "pretrain.recompute: true",
+    "layerwise": "pretrain.train.layerwise: true",
+}
 """What a plan row's mode is in pipelines.yaml."""
 
 
-def plan(cfg: ModelConfig, *, devices: int, device_memory: int, micro_batch: int, seq: int, precision: str,
-         backend: str = "Ascend") -> list[tuple[Layout, str, Estimate, bool]]:
+def plan(
+    cfg: ModelConfig,
+    *,
+    devices: int,
+    device_memory: int,
+    micro_batch: int,
+    seq: int,
+    precision: str,
+    backend: str = "Ascend",
+) -> list[tuple[Layout, str, Estimate, bool]]:
     """Every candidate (layout, mode of MODES) with its estimate and whether it fits, best first.
 
     Layouts this pipeline can run (`unsupported(...) is None`) come before those it cannot.
@@ -282,14 +323,29 @@ def plan(cfg: ModelConfig, *, devices: int, device_memory: int, micro_batch: int
         for mode in MODES:
             if mode == "layerwise" and (backend != "CPU" or not layerwise_applies(lay, written_out=False)):
                 continue
-            est = estimate(cfg, micro_batch=micro_batch, seq=seq, precision=precision, recompute=mode == "recompute",
-                           layerwise=mode == "layerwise", layout=lay, backend=backend)
+            est = estimate(
+                cfg,
+                micro_batch=micro_batch,
+                seq=seq,
+                precision=precision,
+                recompute=mode == "recompute",
+                layerwise=mode == "layerwise",
+                layout=lay,
+                backend=backend,
+            )
             rows.append((lay, mode, est, est.total <= device_memory))
 
     def rank(r):
         lay, mode, est, fits = r
-        return (not fits, unsupported(lay, backend) is not None, MODES.index(mode), lay.tp * lay.pp, lay.pp,
-                lay.optimizer_shard, est.total)
+        return (
+            not fits,
+            unsupported(lay, backend) is not None,
+            MODES.index(mode),
+            lay.tp * lay.pp,
+            lay.pp,
+            lay.optimizer_shard,
+            est.total,
+        )
 
     rows.sort(key=rank)
     return rows
@@ -325,37 +381,62 @@ def machine_fit_errors(cfg, prefix: str, machine_bytes: int | None = None) -> li
     seq = pt.seq_length
     errs = []
     for key, micro, s, kw in (
-        ("pretrain.train.loop.micro_batch_size", ptr.loop.micro_batch_size, seq,
-         {"precision": ptr.precision.dtype, "recompute": pt.recompute, "layout": lay,
-          "fused_kernels": ptr.fused_kernels, "layerwise": ptr.layerwise}),
-        ("finetune.train.loop.micro_batch_size", ftr.loop.micro_batch_size, ft.seq_length or seq,
-         {"trainable_fraction": 0.05 if ft.method == "lora" else 1.0, "fused_kernels": ftr.fused_kernels,
-          "layerwise": ftr.layerwise}),
+        (
+            "pretrain.train.loop.micro_batch_size",
+            ptr.loop.micro_batch_size,
+            seq,
+            {
+                "precision": ptr.precision.dtype,
+                "recompute": pt.recompute,
+                "layout": lay,
+                "fused_kernels": ptr.fused_kernels,
+                "layerwise": ptr.layerwise,
+            },
+        ),
+        (
+            "finetune.train.loop.micro_batch_size",
+            ftr.loop.micro_batch_size,
+            ft.seq_length or seq,
+            {
+                "trainable_fraction": 0.05 if ft.method == "lora" else 1.0,
+                "fused_kernels": ftr.fused_kernels,
+                "layerwise": ftr.layerwise,
+            },
+        ),
     ):
         stage = key.split(".")[0]
         procs = local if stage == "pretrain" else 1  # the pretrain ranks of this node share its memory
         est = estimate(mc, micro_batch=micro, seq=s, backend="CPU", **kw)
         need = est.total * procs
         if need > have:
-            lw = None if kw["layerwise"] else estimate(mc, micro_batch=micro, seq=s, backend="CPU",
-                                                        **{**kw, "layerwise": True})
+            lw = (
+                None
+                if kw["layerwise"]
+                else estimate(mc, micro_batch=micro, seq=s, backend="CPU", **{**kw, "layerwise": True})
+            )
             lw_need = lw.total * procs if lw is not None else 0
             if lw is not None and lw.total < est.total and lw_need <= have:  # the step one layer at a time fits
-                errs.append(f"{prefix}.{stage}.train.layerwise: false, and {micro} × seq_length {s} with model "
-                            f"{cfg.model.preset} needs about {need / GiB:,.1f} GiB by the memory plan but this machine "
-                            f"has {have / GiB:.1f} GiB; set {stage}.train.layerwise: true (the step one decoder layer "
-                            f"at a time: about {lw_need / GiB:,.1f} GiB, at ~0.9× the speed) or lower {key}")
+                errs.append(
+                    f"{prefix}.{stage}.train.layerwise: false, and {micro} × seq_length {s} with model "
+                    f"{cfg.model.preset} needs about {need / GiB:,.1f} GiB by the memory plan but this machine "
+                    f"has {have / GiB:.1f} GiB; set {stage}.train.layerwise: true (the step one decoder layer "
+                    f"at a time: about {lw_need / GiB:,.1f} GiB, at ~0.9× the speed) or lower {key}"
+                )
                 continue
             ranks = f" × {local} ranks on this node" if procs > 1 else ""
             big = max(est.parts, key=est.parts.get)
             big = "the step graph's own memory, which grows with the layer count" if big == "graph" else big
             if est.total <= have:  # one process fits: the device count is what does not
-                errs.append(f"{prefix}.parallel.device_num: {par.device_num} ranks, {local} on this node, need about "
-                            f"{need / GiB:,.1f} GiB by the memory plan ({est.total / GiB:,.1f} GiB each) but this "
-                            f"machine has {have / GiB:.1f} GiB; use fewer ranks per node (device_num, node_num)")
+                errs.append(
+                    f"{prefix}.parallel.device_num: {par.device_num} ranks, {local} on this node, need about "
+                    f"{need / GiB:,.1f} GiB by the memory plan ({est.total / GiB:,.1f} GiB each) but this "
+                    f"machine has {have / GiB:.1f} GiB; use fewer ranks per node (device_num, node_num)"
+                )
                 continue
-            errs.append(f"{prefix}.{key}: {micro} × seq_length {s} with model {cfg.model.preset} needs about "
-                        f"{need / GiB:,.1f} GiB by the memory plan ({est.total / GiB:,.1f} GiB per process{ranks}, "
-                        f"mostly {big}) but this machine has {have / GiB:.1f} GiB; lower {key}, the sequence "
-                        "length or parallel.device_num (see `msllm plan`)")
+            errs.append(
+                f"{prefix}.{key}: {micro} × seq_length {s} with model {cfg.model.preset} needs about "
+                f"{need / GiB:,.1f} GiB by the memory plan ({est.total / GiB:,.1f} GiB per process{ranks}, "
+                f"mostly {big}) but this machine has {have / GiB:.1f} GiB; lower {key}, the sequence "
+                "length or parallel.device_num (see `msllm plan`)"
+            )
     return errs

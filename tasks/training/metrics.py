@@ -8,10 +8,13 @@ import math
 import shutil
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tasks.runtime.progress import progress_bar
 from tasks.store.disk import atomic_write_bytes
+
+if TYPE_CHECKING:
+    from tasks.training.outcome import FitResult
 
 
 def format_record(r: dict[str, Any], max_steps: int) -> str:
@@ -19,8 +22,13 @@ def format_record(r: dict[str, Any], max_steps: int) -> str:
     if "lr" in r:
         parts.append(f"lr {r['lr']:.2e}")
     if "grad_norm" in r:
-        parts += [f"gnorm {r['grad_norm']:.3f}", f"{r['tokens_per_s']:.0f} tok/s", f"MFU {100 * r['mfu']:.1f}%",
-                  f"rss {r['peak_rss_bytes'] / 2**30:.2f} GiB", f"eta {r['eta_s']:.0f}s"]
+        parts += [
+            f"gnorm {r['grad_norm']:.3f}",
+            f"{r['tokens_per_s']:.0f} tok/s",
+            f"MFU {100 * r['mfu']:.1f}%",
+            f"rss {r['peak_rss_bytes'] / 2**30:.2f} GiB",
+            f"eta {r['eta_s']:.0f}s",
+        ]
     if "val_loss" in r:
         parts.append(f"val_loss {r['val_loss']:.4f} (ppl {r['val_ppl']:.1f})")
     return "[train] " + " | ".join(parts)

@@ -16,10 +16,18 @@ def parallelize_optimizer(params, train, mesh, in_place: bool, decay_mask: list[
     biases and embeddings undecayed unless it says otherwise)."""
     o = train.optimizer
     if decay_mask is None:
-        decay_mask = [decays(p.name, decay_norms_and_biases=o.decay_norms_and_biases,
-                             decay_embeddings=o.decay_embeddings) for p in params]
-    common = dict(beta1=o.beta1, beta2=o.beta2, eps=o.eps, weight_decay=o.weight_decay,
-                  grad_clip=train.loop.grad_clip, decay_mask=decay_mask)
+        decay_mask = [
+            decays(p.name, decay_norms_and_biases=o.decay_norms_and_biases, decay_embeddings=o.decay_embeddings)
+            for p in params
+        ]
+    common = dict(
+        beta1=o.beta1,
+        beta2=o.beta2,
+        eps=o.eps,
+        weight_decay=o.weight_decay,
+        grad_clip=train.loop.grad_clip,
+        decay_mask=decay_mask,
+    )
     if getattr(mesh, "zero", False):
         return ShardedAdamW(params, dp=mesh.dp, dp_index=mesh.dp_index, in_place=in_place, **common)
     sharded = [mesh.tp > 1 and split_axis(p.name) is not None for p in params]

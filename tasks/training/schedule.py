@@ -25,8 +25,7 @@ def lr_schedule(train, max_steps: int):
     o, s = train.optimizer, train.schedule
 
     def at(step: int) -> float:
-        return lr_at(step, lr=o.lr, min_lr=o.final_lr, warmup_steps=s.warmup_steps, max_steps=max_steps,
-                     decay=s.decay)
+        return lr_at(step, lr=o.lr, min_lr=o.final_lr, warmup_steps=s.warmup_steps, max_steps=max_steps, decay=s.decay)
 
     return at
 
@@ -44,5 +43,7 @@ def budget_line(loop, tokens_per_sample: int, where: str = "pretrain.train.loop"
     steps = training_steps(loop, tokens_per_sample)
     if loop.max_steps is not None:
         return f"training budget: {where}.max_steps = {steps} steps"
-    return (f"training budget: {where}.max_tokens = {loop.max_tokens} tokens = {steps} steps of "
-            f"{loop.micro_batch_size * loop.gradient_accumulation} × {tokens_per_sample} tokens")
+    return (
+        f"training budget: {where}.max_tokens = {loop.max_tokens} tokens = {steps} steps of "
+        f"{loop.micro_batch_size * loop.gradient_accumulation} × {tokens_per_sample} tokens"
+    )

@@ -73,8 +73,16 @@ class TrainStep:
     from over-weighting short micro-batches.
     """
 
-    def __init__(self, loss_fn, params: list[Parameter], optimizer: AdamW, accumulation: int = 1,
-                 loss_scale: float = 1.0, dp_group: str | None = None, dp: int = 1):
+    def __init__(
+        self,
+        loss_fn,
+        params: list[Parameter],
+        optimizer: AdamW,
+        accumulation: int = 1,
+        loss_scale: float = 1.0,
+        dp_group: str | None = None,
+        dp: int = 1,
+    ):
         """`dp_group` (data parallel): gradients and the reported loss are averaged over its `dp` ranks
         (MindSpore's `nn.DistributedGradReducer`) before clipping and the update."""
         self.optimizer = optimizer
@@ -87,8 +95,16 @@ class TrainStep:
         # ZeRO-1 (ShardedAdamW): after an applied update, the ranks' updated shares are gathered into the parameters
         self._rebuild = optimizer.rebuild_fn() if hasattr(optimizer, "rebuild_fn") else None
 
-    def _compile(self, loss_fn, params: list[Parameter], optimizer: AdamW, accumulation: int, zero: bool,
-                 reduce_grads, reduce_loss) -> None:
+    def _compile(
+        self,
+        loss_fn,
+        params: list[Parameter],
+        optimizer: AdamW,
+        accumulation: int,
+        zero: bool,
+        reduce_grads,
+        reduce_loss,
+    ) -> None:
         """The compiled graphs: `_fused` (k == 1: the whole step), or `_micro` (accumulate) and `_apply` (update)."""
 
         def scaled_loss(input_ids, labels, scale, weight):
@@ -145,10 +161,13 @@ class TrainStep:
             finite = bool(finite.asnumpy())
             self._rebuild_if(finite and allow)
             return float(loss.asnumpy()), float(gnorm.asnumpy()), finite
-        losses = [float(self._micro(Tensor(ids), Tensor(labels), scale, w).asnumpy())
-                  for (ids, labels), w in zip(micro_batches, weights)]
-        gnorm, finite, loss = self._apply(lr_t, step_t, Tensor(s * self.k, ms.float32),
-                                          Tensor(sum(losses) / len(losses), ms.float32), allow_t)
+        losses = [
+            float(self._micro(Tensor(ids), Tensor(labels), scale, w).asnumpy())
+            for (ids, labels), w in zip(micro_batches, weights)
+        ]
+        gnorm, finite, loss = self._apply(
+            lr_t, step_t, Tensor(s * self.k, ms.float32), Tensor(sum(losses) / len(losses), ms.float32), allow_t
+        )
         loss = float(loss.asnumpy())
         finite = bool(finite.asnumpy())
         self._rebuild_if(finite and allow)
@@ -207,6 +226,7 @@ def _reducers(params: list[Parameter], dp_group: str | None, dp: int, zero: bool
         def reduce_loss(loss):
             return loss_sum(loss) * inv_dp
     else:
+
         def reduce_grads(grads):
             return grads
 
@@ -219,6 +239,7 @@ def _reducers(params: list[Parameter], dp_group: str | None, dp: int, zero: bool
 def causal_lm_loss_fn(net):
     """`loss_fn(input_ids, labels) -> scalar` of a causal LM: what the train step, validation and the
     benchmarks differentiate (pretrain and finetune share it)."""
+
     def loss_fn(ids, labels):  # a def, not a lambda: MindSpore's jit parser needs it on its own line
         return net.loss(ids, labels)  # the model's loss_fn cell: fused cross-entropy where the build swapped it in
 

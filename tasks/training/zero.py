@@ -14,7 +14,6 @@ from mindspore.communication import GlobalComm
 
 from model.kernel_ops import zero_ops
 from tasks.store.tensors import CheckpointError
-
 from tasks.training.adamw import clip_coefficient, folded_adam_scalars, sum_sq
 
 
@@ -45,9 +44,21 @@ class ShardedAdamW(nn.Cell):
     extra peak memory (measured), more than the sharding saves.
     """
 
-    def __init__(self, params: list[Parameter], *, beta1: float, beta2: float, eps: float,
-                 weight_decay: float, grad_clip: float | None, decay_mask: list[bool], dp: int, dp_index: int,
-                 chunk_elements: int = 2**20, in_place: bool = True):
+    def __init__(
+        self,
+        params: list[Parameter],
+        *,
+        beta1: float,
+        beta2: float,
+        eps: float,
+        weight_decay: float,
+        grad_clip: float | None,
+        decay_mask: list[bool],
+        dp: int,
+        dp_index: int,
+        chunk_elements: int = 2**20,
+        in_place: bool = True,
+    ):
         """`in_place=False` forces the master-share path (what runs without a compiler)."""
         super().__init__()
         self.params = ParameterTuple(params)
@@ -89,8 +100,16 @@ class ShardedAdamW(nn.Cell):
         self.names = tuple(p.name for p in params)
 
         def state(prefix: str) -> ParameterTuple:  # lazily zero-initialised (no host copy held, as `clone(init=)`)
-            return ParameterTuple([Parameter(initializer("zeros", (b - a,), ms.float32), name=f"{prefix}.{self.names[i]}",
-                                             requires_grad=False) for i, a, b in segs])
+            return ParameterTuple(
+                [
+                    Parameter(
+                        initializer("zeros", (b - a,), ms.float32),
+                        name=f"{prefix}.{self.names[i]}",
+                        requires_grad=False,
+                    )
+                    for i, a, b in segs
+                ]
+            )
 
         # the in-place kernel (the build's decision, `in_place`) where the kernel library builds
         k = zero_ops() if in_place else None
@@ -123,14 +142,26 @@ class ShardedAdamW(nn.Cell):
             for j in range(self.nseg):
                 wd_f = self.seg_wd[j] * bc1 / sbc2
                 i = self.seg_param[j]
-                done = self.kernel(self.params[i], grads[i], self.exp_avg[j], self.exp_avg_sq[j], self.seg_offset[j],
-                                   lr_f, b1, b2, eps_f, wd_f, coef, apply)
+                done = self.kernel(
+                    self.params[i],
+                    grads[i],
+                    self.exp_avg[j],
+                    self.exp_avg_sq[j],
+                    self.seg_offset[j],
+                    lr_f,
+                    b1,
+                    b2,
+                    eps_f,
+                    wd_f,
+                    coef,
+                    apply,
+                )
                 gnorm = ops.depend(gnorm, done)
             return gnorm, finite
         if ops.logical_and(finite, allow):
             for j in range(self.nseg):
                 wd_f = self.seg_wd[j] * bc1 / sbc2
-                g = ops.reshape(grads[self.seg_param[j]], (-1,))[self.seg_a[j]:self.seg_b[j]]
+                g = ops.reshape(grads[self.seg_param[j]], (-1,))[self.seg_a[j] : self.seg_b[j]]
                 self.adam(self.master[j], self.exp_avg[j], self.exp_avg_sq[j], lr_f, b1, b2, eps_f, wd_f, g * coef)
         return gnorm, finite
 
@@ -161,13 +192,17 @@ class ShardedAdamW(nn.Cell):
                 out = flat[0:1]
                 for i in range(first, end):
                     o = offsets[i] - base
-                    out = ops.depend(out, ops.assign(params[i], ops.reshape(flat[o:o + sizes[i]], shapes[i])))
+                    out = ops.depend(out, ops.assign(params[i], ops.reshape(flat[o : o + sizes[i]], shapes[i])))
                 return out
 
             return rebuild_chunk
 
-        fns = [chunk_fn(first, end, [j for j, (i, _, _) in enumerate(self.segments) if first <= i < end],
-                        self.chunk_pads[c]) for c, (first, end, _) in enumerate(self.chunks)]
+        fns = [
+            chunk_fn(
+                first, end, [j for j, (i, _, _) in enumerate(self.segments) if first <= i < end], self.chunk_pads[c]
+            )
+            for c, (first, end, _) in enumerate(self.chunks)
+        ]
 
         def rebuild():
             out = None
@@ -182,9 +217,13 @@ class ShardedAdamW(nn.Cell):
 
     def layout(self) -> dict:
         """What state.json's layout records so that any layout can rebuild the full moments."""
-        return {"data_parallel": self.dp, "numel": self.numel, "shard_numel": self.shard,
-                "chunks": [[end - first, numel] for first, end, numel in self.chunks],
-                "params": [[name, list(shape)] for name, shape in zip(self.names, self.shapes)]}
+        return {
+            "data_parallel": self.dp,
+            "numel": self.numel,
+            "shard_numel": self.shard,
+            "chunks": [[end - first, numel] for first, end, numel in self.chunks],
+            "params": [[name, list(shape)] for name, shape in zip(self.names, self.shapes)],
+        }
 
     def shard_state(self) -> dict:
         """This rank's share of the flat moment buffers: {"adam_m": [shard], "adam_v": [shard]} (zero-padded)."""
@@ -207,8 +246,9 @@ class ShardedAdamW(nn.Cell):
             for key, ps in (("adam_m", self.exp_avg), ("adam_v", self.exp_avg_sq)):
                 full = opt[f"{key}.{self.names[i]}"]
                 if tuple(full.shape) != self.shapes[i]:
-                    raise CheckpointError(f"{what}: {key}.{self.names[i]} has shape {full.shape}, model wants "
-                                          f"{self.shapes[i]}")
+                    raise CheckpointError(
+                        f"{what}: {key}.{self.names[i]} has shape {full.shape}, model wants {self.shapes[i]}"
+                    )
                 ps[j].set_data(Tensor(full.reshape(-1)[a:b].copy()))
 
     def sync_master(self) -> None:

@@ -15,8 +15,10 @@ if __name__ == "__main__":
     from mindspore.parallel.cluster.process_entity import _api
 
     if not callable(getattr(_api, "_is_local_ip", None)):
-        sys.exit("error: this MindSpore's msrun decides where the scheduler runs differently (no "
-                 "process_entity._api._is_local_ip); update tasks/runtime/launch/msrun_node.py for it")
+        sys.exit(
+            "error: this MindSpore's msrun decides where the scheduler runs differently (no "
+            "process_entity._api._is_local_ip); update tasks/runtime/launch/msrun_node.py for it"
+        )
     _api._is_local_ip = lambda address: False  # only decides whether this msrun starts the scheduler
     from mindspore.parallel.cluster.run import main
 

@@ -68,7 +68,8 @@ Stored schema (`DATA_SCHEMA_VERSION` 1) of the artifact directory:
 Each split is one stream `tokens(doc_1) + [eos] + tokens(doc_2) + [eos] + ...` cut into
 blocks of seq_length + 1 tokens; consecutive blocks do not overlap. The last partial block is
 dropped or padded with `pad_fill_id` (`data.tail`); both are counted. `tokens(doc)` is the
-SentencePiece ids (no BOS), or a tokenizer.json's own encoding (a BOS where its post-processor adds one). Read blocks with
+SentencePiece ids (no BOS), or a tokenizer.json's own encoding (a BOS where its post-processor adds one). Read blocks
+with
 `tasks.store.reader.open_blocks`.
 """
 
@@ -79,19 +80,26 @@ import multiprocessing as mp
 import shutil
 import sys
 import time
+from collections.abc import Callable, Iterable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
-from tasks.store.artifacts import ArtifactStore, raw_file_input
-from tasks.store.disk import atomic_write_json
 from tasks.stages import code_version
 from tasks.stages.data.plan import _postfix, _progress_bar, plan_chunks
 from tasks.stages.data.shards import finalize
 from tasks.stages.data.sources import resolve_sources, source_inputs
-from tasks.stages.data.tokenizer import (check_vocab, chunk_specs, load_tokenizer, tokenize_chunk, tokenizer_info,
-                                         train_tokenizer)
+from tasks.stages.data.tokenizer import (
+    check_vocab,
+    chunk_specs,
+    load_tokenizer,
+    tokenize_chunk,
+    tokenizer_info,
+    train_tokenizer,
+)
+from tasks.store.artifacts import ArtifactStore, raw_file_input
 from tasks.store.data_schema import COLUMNS, DATA_SCHEMA_VERSION, SPLITS, DataError
+from tasks.store.disk import atomic_write_json
 
 if TYPE_CHECKING:
     from tasks.config.schema import PipelineConfig
@@ -132,7 +140,9 @@ def stage_key(cfg: PipelineConfig, store: ArtifactStore, tokenizer_model: Path |
     """
     d = cfg.data
     sources, ignored = resolve_sources(cfg)
-    tok_path = Path(tokenizer_model) if tokenizer_model else (cfg.resolve_path(d.tokenizer.path) if d.tokenizer.path else None)
+    tok_path = (
+        Path(tokenizer_model) if tokenizer_model else (cfg.resolve_path(d.tokenizer.path) if d.tokenizer.path else None)
+    )
     tok_files = None
     if tok_path is not None:
         base = load_tokenizer(tok_path)
@@ -147,18 +157,25 @@ def stage_key(cfg: PipelineConfig, store: ArtifactStore, tokenizer_model: Path |
     return key, inputs, (sources, ignored, tok_files)
 
 
-def run(cfg: PipelineConfig, store: ArtifactStore, tokenizer_model: Path | None = None, progress: bool = True,
-        map_fn: Callable[[Callable, list], Iterable] | None = None, *, keyed: tuple | None = None) -> Path:
+def run(
+    cfg: PipelineConfig,
+    store: ArtifactStore,
+    tokenizer_model: Path | None = None,
+    progress: bool = True,
+    map_fn: Callable[[Callable, list], Iterable] | None = None,
+    *,
+    keyed: tuple,
+) -> Path:
     """Build (or find cached) the data artifact of `cfg`; returns its directory.
 
     `tokenizer_model` overrides `data.tokenizer.path` (continued pretraining passes the base model's).
     `map_fn(tokenize_chunk, specs)` replaces the local process pool (e.g. a Dask client's map); it
-    must yield the results in the order of `specs`. `keyed`: what `stage_key` returned for these arguments, when
-    the caller computed it (the stage runner, tasks/stages/runner.py); None computes it here.
+    must yield the results in the order of `specs`. `keyed`: what `stage_key` returned for these arguments,
+    from the stage runner (tasks/stages/runner.py), which resolved the inputs, checked the machine and computed it once.
     """
     t0 = time.perf_counter()
     log = (lambda msg: print(f"data: {msg}", file=sys.stderr, flush=True)) if progress else (lambda msg: None)
-    key, inputs, (sources, ignored, tok_files) = keyed or stage_key(cfg, store, tokenizer_model)
+    key, inputs, (sources, ignored, tok_files) = keyed
     hit = store.lookup("data", key)
     if hit is not None:
         log(f"cache hit {hit}")
@@ -169,8 +186,19 @@ def run(cfg: PipelineConfig, store: ArtifactStore, tokenizer_model: Path | None 
         return _build(cfg, store, key, inputs, sources, ignored, tok_files, progress, map_fn, log, t0)
 
 
-def _build(cfg: PipelineConfig, store: ArtifactStore, key: str, inputs: list, sources, ignored, tok_files,
-           progress: bool, map_fn, log: Callable[[str], None], t0: float) -> Path:
+def _build(
+    cfg: PipelineConfig,
+    store: ArtifactStore,
+    key: str,
+    inputs: list,
+    sources,
+    ignored,
+    tok_files,
+    progress: bool,
+    map_fn,
+    log: Callable[[str], None],
+    t0: float,
+) -> Path:
     """Compute and publish the data artifact `key` (under its build lock: `run`)."""
     d = cfg.data
     tok_path = tok_files[0] if tok_files else None
@@ -182,8 +210,10 @@ def _build(cfg: PipelineConfig, store: ArtifactStore, key: str, inputs: list, so
         work = b.dir / "_work"
         plan = plan_chunks(cfg, work, sources=sources, progress=progress, tokenizer_sample=tok_path is None)
         st = plan.stats
-        log(f"{st.seen} documents ({st.bytes_seen / 1e6:.1f} MB) from {st.files} file(s): kept {st.kept}, "
-            f"skipped {sum(st.skipped.values())} {({k: v for k, v in st.skipped.items() if v})}")
+        log(
+            f"{st.seen} documents ({st.bytes_seen / 1e6:.1f} MB) from {st.files} file(s): kept {st.kept}, "
+            f"skipped {sum(st.skipped.values())} { ({k: v for k, v in st.skipped.items() if v}) }"
+        )
         t_tok = time.perf_counter()
         info = _place_tokenizer(cfg, b.dir, tok_files, plan, log)
         # The MindRecord writer imports MindSpore (seconds of C++ initialisation). Done here, before the worker pool
@@ -196,11 +226,17 @@ def _build(cfg: PipelineConfig, store: ArtifactStore, key: str, inputs: list, so
         written = _tokenize_and_write(cfg, plan, b.dir, info["pad_fill_id"], progress, map_fn)
         shutil.rmtree(work)
         t_end = time.perf_counter()
-        seconds = {"read_clean": round(plan.seconds, 3), "tokenizer": round(t_tokenize - t_tok, 3),
-                   "tokenize_write": round(t_end - t_tokenize, 3), "total": round(t_end - t0, 3)}
+        seconds = {
+            "read_clean": round(plan.seconds, 3),
+            "tokenizer": round(t_tokenize - t_tok, 3),
+            "tokenize_write": round(t_end - t_tokenize, 3),
+            "total": round(t_end - t0, 3),
+        }
         per = _record(b, cfg, plan, written, info, seconds, t_end - t0, tok_path, ignored)
-    log(f"train {per['blocks']['train']} blocks / valid {per['blocks']['valid']} blocks of {d.seq_length + 1} tokens "
-        f"in {time.perf_counter() - t0:.1f}s")
+    log(
+        f"train {per['blocks']['train']} blocks / valid {per['blocks']['valid']} blocks of {d.seq_length + 1} tokens "
+        f"in {time.perf_counter() - t0:.1f}s"
+    )
     return b.path
 
 
@@ -217,8 +253,10 @@ def _place_tokenizer(cfg: PipelineConfig, out: Path, tok_files, plan, log: Calla
         tok_file = out / ("tokenizer.model" if sp_file else tok_files[0].name)
         source = "reused"
     else:
-        log(f"training a {d.tokenizer.model_type} tokenizer, vocab {d.tokenizer.vocab_size}, "
-            f"on {plan.sample_documents} documents")
+        log(
+            f"training a {d.tokenizer.model_type} tokenizer, vocab {d.tokenizer.vocab_size}, "
+            f"on {plan.sample_documents} documents"
+        )
         train_tokenizer(d.tokenizer, plan.sample_path, tok_file)
         source = "trained"
     tok = load_tokenizer(out)
@@ -245,40 +283,61 @@ def _tokenize_and_write(cfg: PipelineConfig, plan, out: Path, pad_id: int, progr
 
         with contextlib.ExitStack() as stack:
             mapper = map_fn or stack.enter_context(_pool_map(d.num_workers, len(specs)))
-            return finalize(mapper(tokenize_chunk, specs), out, seq_length=d.seq_length,
-                            num_shards=d.num_shards, tail=d.tail, pad_id=pad_id, on_chunk=on_chunk)
+            return finalize(
+                mapper(tokenize_chunk, specs),
+                out,
+                seq_length=d.seq_length,
+                num_shards=d.num_shards,
+                tail=d.tail,
+                pad_id=pad_id,
+                on_chunk=on_chunk,
+            )
 
 
-def _record(b, cfg: PipelineConfig, plan, written: dict, info: dict[str, Any], seconds: dict[str, float],
-            elapsed: float, tok_path: Path | None, ignored) -> dict[str, dict[str, int]]:
+def _record(
+    b,
+    cfg: PipelineConfig,
+    plan,
+    written: dict,
+    info: dict[str, Any],
+    seconds: dict[str, float],
+    elapsed: float,
+    tok_path: Path | None,
+    ignored,
+) -> dict[str, dict[str, int]]:
     """The manifest's metrics (documents, files, text, per-split counts, seconds) and its `data` section; returns
     the per-split counts."""
     d, st = cfg.data, plan.stats
-    per = {k: {s: written[s][k] for s in SPLITS} for k in ("documents", "tokens", "blocks", "tail_tokens_dropped",
-                                                           "tail_tokens_padded")}
-    b.metrics.update({
-        "documents_seen": st.seen,
-        "documents_kept": st.kept,
-        "documents_skipped": dict(st.skipped),
-        "documents_skipped_total": sum(st.skipped.values()),
-        "documents_repaired": dict(st.repaired),
-        "files": st.files,
-        "files_skipped": len(st.skipped_files),
-        "raw_text_mb": round(st.bytes_seen / 1e6, 3),
-        "kept_text_mb": round(st.bytes_kept / 1e6, 3),
-        **per,
-        "tokenizer_sample_documents": plan.sample_documents,
-        "seconds": seconds,
-        "mb_per_s": round(st.bytes_seen / 1e6 / max(elapsed, 1e-9), 3),
-    })
+    per = {
+        k: {s: written[s][k] for s in SPLITS}
+        for k in ("documents", "tokens", "blocks", "tail_tokens_dropped", "tail_tokens_padded")
+    }
+    b.metrics.update(
+        {
+            "documents_seen": st.seen,
+            "documents_kept": st.kept,
+            "documents_skipped": dict(st.skipped),
+            "documents_skipped_total": sum(st.skipped.values()),
+            "documents_repaired": dict(st.repaired),
+            "files": st.files,
+            "files_skipped": len(st.skipped_files),
+            "raw_text_mb": round(st.bytes_seen / 1e6, 3),
+            "kept_text_mb": round(st.bytes_kept / 1e6, 3),
+            **per,
+            "tokenizer_sample_documents": plan.sample_documents,
+            "seconds": seconds,
+            "mb_per_s": round(st.bytes_seen / 1e6 / max(elapsed, 1e-9), 3),
+        }
+    )
     b.extra["data"] = {
         "schema_version": DATA_SCHEMA_VERSION,
         "seq_length": d.seq_length,
         "block_length": d.seq_length + 1,
         "columns": COLUMNS,
         "tail": d.tail,
-        "splits": {s: {k: written[s][k] for k in ("files", "blocks", "shard_blocks", "tokens", "documents")}
-                   for s in SPLITS},
+        "splits": {
+            s: {k: written[s][k] for k in ("files", "blocks", "shard_blocks", "tokens", "documents")} for s in SPLITS
+        },
         "tokenizer": info,
         "tokenizer_source_path": str(tok_path) if tok_path else None,
         "skipped_files": st.skipped_files,

@@ -7,7 +7,6 @@ import unicodedata
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-
 from tasks.stages.data.schema import MAX_REPLACEMENT_FRACTION, SKIP_REASONS
 
 if TYPE_CHECKING:

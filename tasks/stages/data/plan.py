@@ -11,11 +11,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-
 from tasks.runtime.progress import progress_bar
 from tasks.stages.data.cleaning import Cleaner, CleanStats
-from tasks.store.data_schema import DataError
 from tasks.stages.data.sources import Source, _is_binary, read_documents, resolve_sources
+from tasks.store.data_schema import DataError
 
 if TYPE_CHECKING:
     from tasks.config.schema import DataSection, PipelineConfig
@@ -53,18 +52,29 @@ def _validation_mask(n: int, data: DataSection) -> np.ndarray:
     if data.validation_documents is not None:
         k, key = data.validation_documents, "data.validation_documents"
     else:
-        k, key = (max(1, round(data.validation_fraction * n)) if data.validation_fraction > 0 else 0), "data.validation_fraction"
+        k, key = (
+            (max(1, round(data.validation_fraction * n)) if data.validation_fraction > 0 else 0),
+            "data.validation_fraction",
+        )
     if k >= n:
         raise DataError(f"{key}: {k} held-out documents of {n} kept leaves nothing to train on; lower it or add text")
     if k == 0:
-        raise DataError("data.validation_fraction: 0 leaves no held-out split; set a fraction > 0 or validation_documents")
+        raise DataError(
+            "data.validation_fraction: 0 leaves no held-out split; set a fraction > 0 or validation_documents"
+        )
     mask = np.zeros(n, dtype=bool)
     mask[np.random.default_rng(data.seed).choice(n, size=k, replace=False)] = True
     return mask
 
 
-def plan_chunks(cfg: PipelineConfig, work_dir: Path, *, sources: list[Source] | None = None,
-                progress: bool = False, tokenizer_sample: bool = True) -> Plan:
+def plan_chunks(
+    cfg: PipelineConfig,
+    work_dir: Path,
+    *,
+    sources: list[Source] | None = None,
+    progress: bool = False,
+    tokenizer_sample: bool = True,
+) -> Plan:
     """Read and clean every source, hold out validation documents, and write the corpus as chunk
     files (`work_dir/<split>-NNNNN.jsonl`, one JSON string per line) of at most `data.chunk_documents`
     documents / `data.chunk_bytes` bytes, plus (unless `tokenizer_sample=False`) the tokenizer
@@ -116,8 +126,16 @@ def plan_chunks(cfg: PipelineConfig, work_dir: Path, *, sources: list[Source] | 
                 for j in idx[start:stop]:
                     f.write(json.dumps(cleaner.kept[j], ensure_ascii=False))
                     f.write("\n")
-            chunks.append({"split": split, "index": k, "documents": int(stop - start), "bytes": int(nbytes),
-                           "text_path": f"{stem}.jsonl", "tokens_path": f"{stem}.tokens.npy"})
+            chunks.append(
+                {
+                    "split": split,
+                    "index": k,
+                    "documents": int(stop - start),
+                    "bytes": int(nbytes),
+                    "text_path": f"{stem}.jsonl",
+                    "tokens_path": f"{stem}.tokens.npy",
+                }
+            )
             start = stop
     sample_path = work_dir / "tokenizer_sample.txt"
     n_sample = 0

@@ -9,4 +9,3 @@ _SNIFF_BYTES = 8192
 _MR_PAGE_SIZE = 1 << 20  # MindRecord pads every blob page to this size; the default (32 MiB) bloats small shards
 _MR_HEADER_SIZE = 1 << 20  # room for ~6000 page entries (a few GB per shard)
 _WRITE_BATCH = 2048
-

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-
 
 from tasks.stages.data.schema import _MR_HEADER_SIZE, _MR_PAGE_SIZE, _WRITE_BATCH
 from tasks.store.data_schema import SPLITS, DataError
@@ -37,8 +37,13 @@ class _SplitWriter:
             w = FileWriter(str(out_dir / rel), shard_num=1, overwrite=True)
             w.set_page_size(_MR_PAGE_SIZE)
             w.set_header_size(_MR_HEADER_SIZE)
-            w.add_schema({"input_ids": {"type": "int32", "shape": [seq_length + 1]},
-                          "loss_mask": {"type": "int32", "shape": [seq_length]}}, "packed token blocks")
+            w.add_schema(
+                {
+                    "input_ids": {"type": "int32", "shape": [seq_length + 1]},
+                    "loss_mask": {"type": "int32", "shape": [seq_length]},
+                },
+                "packed token blocks",
+            )
             self.writers.append(w)
         self.pending: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(num_shards)]
         self.shard_blocks = [0] * num_shards
@@ -52,8 +57,8 @@ class _SplitWriter:
         for s in range(self.S):
             first = (s - self.blocks) % self.S
             if first < len(blocks):
-                self.pending[s].append((blocks[first::self.S], masks[first::self.S]))
-                self.shard_blocks[s] += len(blocks[first::self.S])
+                self.pending[s].append((blocks[first :: self.S], masks[first :: self.S]))
+                self.shard_blocks[s] += len(blocks[first :: self.S])
                 if sum(len(b) for b, _ in self.pending[s]) >= _WRITE_BATCH:
                     self._flush(s)
         self.blocks += len(blocks)
@@ -71,7 +76,7 @@ class _SplitWriter:
         n = len(buf) // width
         if n:
             self._put(buf[: n * width].reshape(n, width), np.ones((n, self.L), dtype=np.int32))
-        self.carry = buf[n * width:].copy()
+        self.carry = buf[n * width :].copy()
 
     def close(self, tail: str, pad_id: int, out_dir: Path) -> dict[str, Any]:
         r = len(self.carry)
@@ -88,7 +93,10 @@ class _SplitWriter:
             if self.split == "train":
                 fix = "lower data.num_shards or data.seq_length, or add text"
             else:
-                fix = "raise data.validation_fraction (or validation_documents), lower data.seq_length, or set data.tail: pad"
+                fix = (
+                    "raise data.validation_fraction (or validation_documents), lower data.seq_length, "
+                    "or set data.tail: pad"
+                )
             raise DataError(
                 f"{self.split} split: {self.tokens} tokens make {self.blocks} block(s) of {self.L + 1} tokens, "
                 f"too few for {self.S} shard(s); {fix}"
@@ -97,9 +105,17 @@ class _SplitWriter:
             self._flush(s)
             w.commit()
         _check_shards(out_dir, self.files, self.shard_blocks)
-        return {"files": self.files, "blocks": self.blocks, "shard_blocks": self.shard_blocks, "tokens": self.tokens,
-                "documents": self.documents, "bytes": self.bytes, "chunks": self.chunks,
-                "tail_tokens_dropped": self.tail_dropped, "tail_tokens_padded": self.tail_padded}
+        return {
+            "files": self.files,
+            "blocks": self.blocks,
+            "shard_blocks": self.shard_blocks,
+            "tokens": self.tokens,
+            "documents": self.documents,
+            "bytes": self.bytes,
+            "chunks": self.chunks,
+            "tail_tokens_dropped": self.tail_dropped,
+            "tail_tokens_padded": self.tail_padded,
+        }
 
 
 _FAST_WRITE = True
@@ -141,13 +157,23 @@ def _check_shards(out_dir: Path, files: list[str], expected: list[int]) -> None:
         try:
             got = ds.MindDataset(str(out_dir / rel), columns_list=["loss_mask"], shuffle=False).get_dataset_size()
         except RuntimeError as exc:
-            raise DataError(f"{rel}: written but unreadable ({str(exc).strip()[:200]}); raise data.num_shards") from None
+            raise DataError(
+                f"{rel}: written but unreadable ({str(exc).strip()[:200]}); raise data.num_shards"
+            ) from None
         if got != n:
             raise DataError(f"{rel}: holds {got} rows, expected {n}; raise data.num_shards and rerun")
 
 
-def finalize(results: Iterable[str | os.PathLike], out_dir: Path, *, seq_length: int, num_shards: int,
-             tail: str, pad_id: int, on_chunk: Callable[[dict], None] | None = None) -> dict[str, dict[str, Any]]:
+def finalize(
+    results: Iterable[str | os.PathLike],
+    out_dir: Path,
+    *,
+    seq_length: int,
+    num_shards: int,
+    tail: str,
+    pad_id: int,
+    on_chunk: Callable[[dict], None] | None = None,
+) -> dict[str, dict[str, Any]]:
     """Concatenate the chunks' token streams per split (results in plan order: train chunks by index,
     then valid), cut blocks of seq_length + 1 and write the MindRecord shards under `out_dir`.
     Streams: each chunk is written as it arrives. Returns {split: files, blocks, tokens, ...}."""

@@ -8,14 +8,13 @@ import gzip
 import io
 import json
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
-
-
-from tasks.store.artifacts import raw_file_input
+from typing import TYPE_CHECKING, Any
 
 from tasks.stages.data.schema import _SNIFF_BYTES
+from tasks.store.artifacts import raw_file_input
 from tasks.store.data_schema import DataError
 
 if TYPE_CHECKING:
@@ -75,7 +74,9 @@ def resolve_sources(cfg: PipelineConfig) -> tuple[list[Source], list[str]]:
         for top in tops:
             if top.is_dir():
                 files = sorted(
-                    f for f in top.rglob("*") if f.is_file() and not any(s.startswith(".") for s in f.relative_to(top).parts)
+                    f
+                    for f in top.rglob("*")
+                    if f.is_file() and not any(s.startswith(".") for s in f.relative_to(top).parts)
                 )
             else:
                 files = [top]
@@ -84,7 +85,8 @@ def resolve_sources(cfg: PipelineConfig) -> tuple[list[Source], list[str]]:
                 if kind is None:
                     if explicit:
                         raise DataError(
-                            f"{where}: '{f}' is not a supported corpus file; use .txt, .jsonl, .json (each optionally .gz) "
+                            f"{where}: '{f}' is not a supported corpus file; use .txt, .jsonl, .json (each optionally "
+                            ".gz) "
                             "or .parquet, or convert it"
                         )
                     ignored.append(str(f))
@@ -179,7 +181,9 @@ def read_documents(src: Source, data: DataSection) -> Iterator[str]:
                 obj = json.loads(raw)
             except json.JSONDecodeError as exc:
                 if exc.msg != "Extra data":
-                    raise DataError(f"{src.name}:{exc.lineno}: not valid JSON ({exc.msg}, column {exc.colno}); fix the file") from None
+                    raise DataError(
+                        f"{src.name}:{exc.lineno}: not valid JSON ({exc.msg}, column {exc.colno}); fix the file"
+                    ) from None
                 yield from _jsonl(io.BytesIO(raw.encode("utf-8", "surrogateescape")), src.name, data.text_field)
                 return
             records = obj if isinstance(obj, list) else [obj]

@@ -1,4 +1,5 @@
-"""Step 4: train a SentencePiece tokenizer (or reuse a tokenizer.model / tokenizer.json), and tokenize one chunk (the mapped task)."""
+"""Step 4: train a SentencePiece tokenizer (or reuse a tokenizer.model / tokenizer.json), and tokenize one chunk (the
+mapped task)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-
 from tasks.stages.data.plan import Plan
 from tasks.store.data_schema import DataError
 from tasks.tokenizer import load_tokenizer as _load
@@ -23,9 +23,21 @@ if TYPE_CHECKING:
 # ----------------------------------------------------------------------------- tokenizer
 
 _SPM_OPTIONS = dict(
-    byte_fallback=True, normalization_rule_name="identity", remove_extra_whitespaces=False, add_dummy_prefix=False,
-    split_digits=True, allow_whitespace_only_pieces=True, unk_id=0, bos_id=1, eos_id=2, pad_id=3,
-    num_threads=1, input_sentence_size=0, shuffle_input_sentence=False, hard_vocab_limit=True, minloglevel=2,
+    byte_fallback=True,
+    normalization_rule_name="identity",
+    remove_extra_whitespaces=False,
+    add_dummy_prefix=False,
+    split_digits=True,
+    allow_whitespace_only_pieces=True,
+    unk_id=0,
+    bos_id=1,
+    eos_id=2,
+    pad_id=3,
+    num_threads=1,
+    input_sentence_size=0,
+    shuffle_input_sentence=False,
+    hard_vocab_limit=True,
+    minloglevel=2,
     required_chars="\u2581",  # the space symbol: without it, text without spaces (CJK) decodes " " as "▁"
 )
 
@@ -39,16 +51,23 @@ def train_tokenizer(tok: TokenizerSection, sample_path: Path, out: Path) -> Path
         # an iterator rather than input=PATH: the model would record the (temporary) path and differ per run
         with open(sample_path, encoding="utf-8", newline="\n") as f:
             spm.SentencePieceTrainer.train(
-                sentence_iterator=(line.rstrip("\n") for line in f), model_writer=buf, model_type=tok.model_type,
-                vocab_size=tok.vocab_size, character_coverage=tok.character_coverage,
-                max_sentence_length=tok.max_sentence_length, **_SPM_OPTIONS,
+                sentence_iterator=(line.rstrip("\n") for line in f),
+                model_writer=buf,
+                model_type=tok.model_type,
+                vocab_size=tok.vocab_size,
+                character_coverage=tok.character_coverage,
+                max_sentence_length=tok.max_sentence_length,
+                **_SPM_OPTIONS,
             )
     except RuntimeError as exc:
         msg = str(exc).split("] ")[-1].strip()
         if "required_chars" in msg:
             hint = "lower data.tokenizer.character_coverage (e.g. 0.9995) or raise vocab_size"
         elif "too high" in msg or "too large" in msg or "Vocabulary size" in msg:
-            hint = "the sample is too small for this vocab_size; lower data.tokenizer.vocab_size and model.vocab_size, or add text"
+            hint = (
+                "the sample is too small for this vocab_size; lower data.tokenizer.vocab_size and model.vocab_size, "
+                "or add text"
+            )
         else:
             hint = "check data.tokenizer"
         raise DataError(f"data.tokenizer: SentencePiece training failed ({msg}); {hint}") from None
@@ -61,8 +80,10 @@ def load_tokenizer(path: str | os.PathLike):
     missing or unreadable."""
     p = Path(path)
     if not p.exists():
-        raise DataError(f"{p}: tokenizer not found; fix data.tokenizer.path (a tokenizer.model, a tokenizer.json or "
-                        "a directory holding one)")
+        raise DataError(
+            f"{p}: tokenizer not found; fix data.tokenizer.path (a tokenizer.model, a tokenizer.json or "
+            "a directory holding one)"
+        )
     try:
         return _load(p)
     except TokenizerError as exc:
@@ -72,8 +93,12 @@ def load_tokenizer(path: str | os.PathLike):
 def tokenizer_info(tok, source: str) -> dict[str, Any]:
     """What downstream stages need to know about the tokenizer (written as tokenizer_info.json)."""
     extra = tok.model_proto() if tok.kind == "sentencepiece" else {}
-    return {**tok.info(), "source": source, **extra,
-            "document_format": "prompt_ids(document) + [eos_id], documents concatenated"}
+    return {
+        **tok.info(),
+        "source": source,
+        **extra,
+        "document_format": "prompt_ids(document) + [eos_id], documents concatenated",
+    }
 
 
 def check_vocab(cfg: PipelineConfig, vocab: int, tokenizer: str | None) -> None:

@@ -10,8 +10,8 @@ What it measures (`eval` section of pipelines.yaml):
     each document scored in the harness's rolling windows);
   - `eval.tasks` through lm-evaluation-harness with `tasks.stages.evaluate.lm_adapter.MindSporeLM`:
     local task names (`local_arc_easy` …, or the tag `local` for all eight; see
-    tasks/stages/evaluate/lm_tasks/) run offline from tasks/stages/evaluate/benchmarks/ (package data); any other name is passed to the
-    harness's own task index (its dataset must be in the HF cache);
+    tasks/stages/evaluate/lm_tasks/) run offline from tasks/stages/evaluate/benchmarks/ (package data); any other name
+    is passed to the harness's own task index (its dataset must be in the HF cache);
   - completions of `eval.prompts` (greedy or sampled, KV cache).
 
 Artifact payload:
@@ -36,9 +36,9 @@ this module (the stage's `run`, `selection_lines`) before any of them is needed.
 from __future__ import annotations
 
 import json
-import os
 import logging
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -46,11 +46,11 @@ from typing import Any
 
 import numpy as np
 
+from tasks.config.schema import PipelineConfig
+from tasks.stages import code_version
+from tasks.stages.evaluate.perplexity import base_perplexity, documents_perplexity, heldout_perplexity, read_documents
 from tasks.store.artifacts import ArtifactStore, raw_file_input
 from tasks.store.errors import STORAGE_ERRNOS, ArtifactError, storage_error
-from tasks.stages import code_version
-from tasks.config.schema import PipelineConfig
-from tasks.stages.evaluate.perplexity import base_perplexity, documents_perplexity, heldout_perplexity, read_documents
 from tasks.tokenizer import files_sha256, tokenizer_files
 
 STAGE = "eval"
@@ -74,13 +74,16 @@ def check_finite_logits(lm, model_artifact: Path) -> None:
     ids = np.asarray([[lm.eot_token_id] + lm.tok_encode("The quick brown fox")], np.int32)
     logits = lm.net(ms.Tensor(ids)).asnumpy()
     if not np.isfinite(logits).all():
-        raise EvalError(f"{model_artifact}: the model's logits are non-finite (NaN/Inf weights?); no eval artifact "
-                        "is written: retrain it (a stage that published it should have refused; see "
-                        "docs/RELIABILITY.md) or evaluate another model artifact")
+        raise EvalError(
+            f"{model_artifact}: the model's logits are non-finite (NaN/Inf weights?); no eval artifact "
+            "is written: retrain it (a stage that published it should have refused; see "
+            "docs/RELIABILITY.md) or evaluate another model artifact"
+        )
 
 
-def stage_key(cfg: PipelineConfig, store: ArtifactStore, model_artifact: Path,
-              data_artifact: Path | None) -> tuple[str, list[dict[str, Any]]]:
+def stage_key(
+    cfg: PipelineConfig, store: ArtifactStore, model_artifact: Path, data_artifact: Path | None
+) -> tuple[str, list[dict[str, Any]]]:
     inputs = [store.input_ref(model_artifact)] + ([store.input_ref(data_artifact)] if data_artifact else [])
     for f in cfg.eval.perplexity_files:
         p = cfg.resolve_path(f)
@@ -103,7 +106,8 @@ class _QuietCustomDatasetNote(logging.Filter):
 
 
 def task_manager(tasks: list[str]):
-    """A TaskManager over the local tasks, plus lm-eval's own index only when a task needs it (building it takes seconds)."""
+    """A TaskManager over the local tasks, plus lm-eval's own index only when a task needs it (building it takes
+    seconds)."""
     from lm_eval.tasks import TaskManager
 
     local = TaskManager(include_path=str(LOCAL_TASKS), include_defaults=False)
@@ -113,8 +117,10 @@ def task_manager(tasks: list[str]):
     unknown = [t for t in tasks if t not in tm.all_tasks]
     if unknown:
         local_names = ", ".join(sorted(local.all_tasks))
-        raise ValueError(f"eval.tasks: unknown task(s) {unknown}; local tasks: {local_names}; "
-                         f"or a task name of lm-eval (its dataset must be in the HF cache)")
+        raise ValueError(
+            f"eval.tasks: unknown task(s) {unknown}; local tasks: {local_names}; "
+            f"or a task name of lm-eval (its dataset must be in the HF cache)"
+        )
     return tm
 
 
@@ -130,9 +136,18 @@ def run_tasks(lm, tasks: list[str], limit: int | None, seed: int = 0, tm=None) -
     task_logger = logging.getLogger("lm_eval.api.task")
     task_logger.addFilter(note_filter)
     try:
-        return lm_eval.simple_evaluate(model=lm, tasks=list(tasks), limit=limit, task_manager=tm, log_samples=True,
-                                       bootstrap_iters=_BOOTSTRAP_ITERS, random_seed=seed, numpy_random_seed=seed,
-                                       torch_random_seed=seed, fewshot_random_seed=seed)
+        return lm_eval.simple_evaluate(
+            model=lm,
+            tasks=list(tasks),
+            limit=limit,
+            task_manager=tm,
+            log_samples=True,
+            bootstrap_iters=_BOOTSTRAP_ITERS,
+            random_seed=seed,
+            numpy_random_seed=seed,
+            torch_random_seed=seed,
+            fewshot_random_seed=seed,
+        )
     finally:
         task_logger.removeFilter(note_filter)
 
@@ -176,7 +191,10 @@ def perplexities(cfg: PipelineConfig, lm, data_artifact: Path | None, progress: 
         p = cfg.resolve_path(f)
         out[p.name] = documents_perplexity(lm, read_documents(p), progress)
     for name, r in out.items():
-        _log(progress, f"{name}: perplexity {_fmt(r['perplexity'])}, {_fmt(r['bits_per_byte'])} bits/byte ({r['tokens']} tokens)")
+        _log(
+            progress,
+            f"{name}: perplexity {_fmt(r['perplexity'])}, {_fmt(r['bits_per_byte'])} bits/byte ({r['tokens']} tokens)",
+        )
     return out
 
 
@@ -184,26 +202,50 @@ def sample_generations(lm, ev, progress: bool = False) -> list[dict[str, Any]]:
     """Completions of ev.prompts with the eval section's generation settings."""
     out = []
     for prompt in ev.prompts:
-        completion = lm.generate_text(prompt, until=ev.stop, max_gen_toks=ev.max_new_tokens, temperature=ev.temperature,
-                                      top_k=ev.top_k, top_p=ev.top_p, seed=ev.seed)
-        out.append({"prompt": prompt, "completion": completion, "max_new_tokens": ev.max_new_tokens,
-                    "temperature": ev.temperature, "top_k": ev.top_k, "top_p": ev.top_p, "seed": ev.seed})
+        completion = lm.generate_text(
+            prompt,
+            until=ev.stop,
+            max_gen_toks=ev.max_new_tokens,
+            temperature=ev.temperature,
+            top_k=ev.top_k,
+            top_p=ev.top_p,
+            seed=ev.seed,
+        )
+        out.append(
+            {
+                "prompt": prompt,
+                "completion": completion,
+                "max_new_tokens": ev.max_new_tokens,
+                "temperature": ev.temperature,
+                "top_k": ev.top_k,
+                "top_p": ev.top_p,
+                "seed": ev.seed,
+            }
+        )
         _log(progress, f"{prompt!r} -> {completion[:80]!r}")
     return out
 
 
-def run(cfg: PipelineConfig, store: ArtifactStore, model_artifact: Path, data_artifact: Path | None = None,
-        progress: bool = True, selection: dict[str, str] | None = None, *, keyed: tuple | None = None) -> Path:
+def run(
+    cfg: PipelineConfig,
+    store: ArtifactStore,
+    model_artifact: Path,
+    data_artifact: Path | None = None,
+    progress: bool = True,
+    selection: dict[str, str] | None = None,
+    *,
+    keyed: tuple,
+) -> Path:
     """Return the eval artifact of this model (and data artifact), computing it when not cached.
 
     selection: why this model was evaluated (tasks.stages.upstream.ModelChoice.record(), plus a "note"
     when it differs from the previous report's); kept in the manifest as `model_choice` and at the top of
     report.md. Not part of the key: the same model and settings are the same eval, however chosen.
-    `keyed`: what `stage_key` returned for these arguments, when the caller computed it (the stage runner,
-    tasks/stages/runner.py); None computes it here."""
+    `keyed`: what `stage_key` returned for these arguments, from the stage runner (tasks/stages/runner.py), which
+    resolved the inputs, checked the machine and computed it once."""
     model_artifact = store.inside(model_artifact)
     data_artifact = store.inside(data_artifact) if data_artifact else None
-    key, inputs = keyed or stage_key(cfg, store, model_artifact, data_artifact)
+    key, inputs = keyed
     hit = store.lookup(STAGE, key)
     if hit is not None:
         return hit
@@ -215,19 +257,35 @@ def run(cfg: PipelineConfig, store: ArtifactStore, model_artifact: Path, data_ar
         return _evaluate(cfg, store, model_artifact, data_artifact, key, inputs, progress, selection)
 
 
-def _evaluate(cfg: PipelineConfig, store: ArtifactStore, model_artifact: Path, data_artifact: Path | None, key: str,
-              inputs: list[dict[str, Any]], progress: bool, selection: dict[str, str] | None = None) -> Path:
-    if data_artifact is not None and files_sha256(tokenizer_files(data_artifact)) != \
-            files_sha256(tokenizer_files(model_artifact)):
-        raise ValueError(f"{data_artifact} was tokenized with another tokenizer than {model_artifact}; "
-                         "pass the data artifact the model was trained on (or none)")
+def _evaluate(
+    cfg: PipelineConfig,
+    store: ArtifactStore,
+    model_artifact: Path,
+    data_artifact: Path | None,
+    key: str,
+    inputs: list[dict[str, Any]],
+    progress: bool,
+    selection: dict[str, str] | None = None,
+) -> Path:
+    if data_artifact is not None and files_sha256(tokenizer_files(data_artifact)) != files_sha256(
+        tokenizer_files(model_artifact)
+    ):
+        raise ValueError(
+            f"{data_artifact} was tokenized with another tokenizer than {model_artifact}; "
+            "pass the data artifact the model was trained on (or none)"
+        )
     ev = cfg.eval
     tm = task_manager(ev.tasks) if ev.tasks else None  # unknown task names fail here, before any compute
     from tasks.stages.evaluate.lm_adapter import MindSporeLM
 
     t0 = time.perf_counter()
-    lm = MindSporeLM(pretrained=model_artifact, batch_size=ev.batch_size, max_gen_toks=ev.max_new_tokens,
-                     progress=progress, fused_kernels=ev.fused_kernels)
+    lm = MindSporeLM(
+        pretrained=model_artifact,
+        batch_size=ev.batch_size,
+        max_gen_toks=ev.max_new_tokens,
+        progress=progress,
+        fused_kernels=ev.fused_kernels,
+    )
     check_finite_logits(lm, model_artifact)  # before any score: NaN logits give NaN ppl but "accuracy 1.0"
     ppl = perplexities(cfg, lm, data_artifact, progress)
     metrics: dict[str, Any] = {}
@@ -236,24 +294,35 @@ def _evaluate(cfg: PipelineConfig, store: ArtifactStore, model_artifact: Path, d
     for name, row in ppl.items():
         if name != "held-out":
             metrics.update({f"{name}.perplexity": row["perplexity"], f"{name}.bits_per_byte": row["bits_per_byte"]})
-    results: dict[str, Any] = {"results": {}, "configs": {}, "versions": {}, "n-shot": {}, "higher_is_better": {},
-                               "n-samples": {}}
+    results: dict[str, Any] = {
+        "results": {},
+        "configs": {},
+        "versions": {},
+        "n-shot": {},
+        "higher_is_better": {},
+        "n-samples": {},
+    }
     if ev.tasks:
         _log(progress, f"lm-eval tasks {ev.tasks} (limit {ev.limit})")
         results = run_tasks(lm, ev.tasks, ev.limit, ev.seed, tm)
         metrics.update(main_metrics(results))
     bad = sorted(k for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v))
     if bad:
-        raise EvalError(f"{model_artifact}: non-finite scores ({', '.join(f'{k}={metrics[k]}' for k in bad[:4])}); "
-                        "the model is broken (NaN/Inf weights or logits) and no eval artifact is written; "
-                        "evaluate another model artifact")
+        raise EvalError(
+            f"{model_artifact}: non-finite scores ({', '.join(f'{k}={metrics[k]}' for k in bad[:4])}); "
+            "the model is broken (NaN/Inf weights or logits) and no eval artifact is written; "
+            "evaluate another model artifact"
+        )
     generations = sample_generations(lm, ev, progress)
     del lm
     base = base_perplexity(store, model_artifact, data_artifact, ev, progress) if data_artifact is not None else None
     if base and "held-out" in base:
         row = base["held-out"]
-        _log(progress, f"held-out, base model {base['model']}: perplexity {_fmt(row['perplexity'])}, "
-                       f"{_fmt(row['bits_per_byte'])} bits/byte ({row['tokens']} tokens)")
+        _log(
+            progress,
+            f"held-out, base model {base['model']}: perplexity {_fmt(row['perplexity'])}, "
+            f"{_fmt(row['bits_per_byte'])} bits/byte ({row['tokens']} tokens)",
+        )
         metrics.update(base_perplexity=row["perplexity"], base_bits_per_byte=row["bits_per_byte"])
     metrics["eval_seconds"] = round(time.perf_counter() - t0, 1)
 
@@ -264,8 +333,9 @@ def _evaluate(cfg: PipelineConfig, store: ArtifactStore, model_artifact: Path, d
     # side outputs first: publishing is the last step, so a failure here (a read-only run dir) leaves no
     # artifact whose rerun would be a cache hit that never writes them
     _write_events(cfg, store, key, model_artifact, metrics)
-    with store.build(STAGE, key, pipeline=cfg.name, config=cfg.section("eval"), inputs=inputs,
-                     code=code_version(STAGE)) as b:
+    with store.build(
+        STAGE, key, pipeline=cfg.name, config=cfg.section("eval"), inputs=inputs, code=code_version(STAGE)
+    ) as b:
         (b.dir / "results.json").write_text(_dump(results), encoding="utf-8")
         for task, recs in samples.items():
             (b.dir / "samples").mkdir(exist_ok=True)
@@ -275,15 +345,18 @@ def _evaluate(cfg: PipelineConfig, store: ArtifactStore, model_artifact: Path, d
         with open(b.dir / "generations.jsonl", "w", encoding="utf-8") as f:
             for g in generations:
                 f.write(json.dumps(g, ensure_ascii=False) + "\n")
-        (b.dir / "report.md").write_text(render_report(model_artifact, data_artifact, results, generations, ev.limit,
-                                                       selection), encoding="utf-8")
+        (b.dir / "report.md").write_text(
+            render_report(model_artifact, data_artifact, results, generations, ev.limit, selection), encoding="utf-8"
+        )
         if selection:
             b.extra["model_choice"] = dict(selection)
         b.metrics.update({k: v for k, v in metrics.items() if v is not None})
     return b.path
 
 
-def _write_events(cfg: PipelineConfig, store: ArtifactStore, key: str, model_artifact: Path, metrics: dict[str, Any]) -> None:
+def _write_events(
+    cfg: PipelineConfig, store: ArtifactStore, key: str, model_artifact: Path, metrics: dict[str, Any]
+) -> None:
     """The scores as TensorBoard scalars in runs/eval/<key>/ (beside the training runs), at the model's step."""
     from tasks.store.tensorboard import write_eval
 
@@ -291,8 +364,12 @@ def _write_events(cfg: PipelineConfig, store: ArtifactStore, key: str, model_art
     scores = {k: v for k, v in metrics.items() if k != "eval_seconds"}
     run_dir = store.root / "runs" / STAGE / key
     try:
-        write_eval(run_dir, scores, step=int(m.get("metrics", {}).get("steps") or 0),
-                   hparams={"pipeline": cfg.name, "model": f"{m['stage']}/{m['key']}", "eval": cfg.section("eval")})
+        write_eval(
+            run_dir,
+            scores,
+            step=int(m.get("metrics", {}).get("steps") or 0),
+            hparams={"pipeline": cfg.name, "model": f"{m['stage']}/{m['key']}", "eval": cfg.section("eval")},
+        )
     except OSError as exc:
         if exc.errno in STORAGE_ERRNOS:
             raise storage_error(exc, exc.filename or run_dir) from None
@@ -310,8 +387,14 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-def render_report(model_artifact: Path, data_artifact: Path | None, results: dict[str, Any],
-                  generations: list[dict[str, Any]], limit: int | None, selection: dict[str, str] | None = None) -> str:
+def render_report(
+    model_artifact: Path,
+    data_artifact: Path | None,
+    results: dict[str, Any],
+    generations: list[dict[str, Any]],
+    limit: int | None,
+    selection: dict[str, str] | None = None,
+) -> str:
     from lm_eval.utils import make_table
 
     lines = [f"# Evaluation of `{model_artifact.parent.name}/{model_artifact.name}`", ""]
@@ -320,27 +403,49 @@ def render_report(model_artifact: Path, data_artifact: Path | None, results: dic
         lines += [f"Held-out split: `{data_artifact.parent.name}/{data_artifact.name}`", ""]
     if results.get("perplexity"):
         evaluated, base = f"`{model_artifact.parent.name}/{model_artifact.name}`", results.get("base_perplexity")
-        lines += ["## Perplexity", "", "| set | model | tokens | bytes | perplexity | bits/byte |",
-                  "|---|---|---:|---:|---:|---:|"]
+        lines += [
+            "## Perplexity",
+            "",
+            "| set | model | tokens | bytes | perplexity | bits/byte |",
+            "|---|---|---:|---:|---:|---:|",
+        ]
         for name, r in results["perplexity"].items():
-            lines.append(f"| {name} | evaluated: {evaluated} | {r['tokens']} | {r['bytes']} | {_fmt(r['perplexity'])} "
-                         f"| {_fmt(r['bits_per_byte'])} |")
+            lines.append(
+                f"| {name} | evaluated: {evaluated} | {r['tokens']} | {r['bytes']} | {_fmt(r['perplexity'])} "
+                f"| {_fmt(r['bits_per_byte'])} |"
+            )
             if name == "held-out" and base and "held-out" in base:
                 b = base["held-out"]
-                lines.append(f"| held-out | base: `{base['model']}` | {b['tokens']} | {b['bytes']} | "
-                             f"{_fmt(b['perplexity'])} | {_fmt(b['bits_per_byte'])} |")
+                lines.append(
+                    f"| held-out | base: `{base['model']}` | {b['tokens']} | {b['bytes']} | "
+                    f"{_fmt(b['perplexity'])} | {_fmt(b['bits_per_byte'])} |"
+                )
         lines.append("")
         if base:
-            lines += [f"The base model is the one the evaluated model's chain started from ({base['chain']}), "
-                      + ("scored on the same held-out blocks; lower is better." if "held-out" in base
-                         else f"not scored: {base['skipped']}."), ""]
+            lines += [
+                f"The base model is the one the evaluated model's chain started from ({base['chain']}), "
+                + (
+                    "scored on the same held-out blocks; lower is better."
+                    if "held-out" in base
+                    else f"not scored: {base['skipped']}."
+                ),
+                "",
+            ]
     if results.get("results"):
-        lines += [f"## lm-eval tasks ({f'{limit} examples each' if limit else 'all examples'})", "",
-                  make_table(results).strip(), ""]
+        lines += [
+            f"## lm-eval tasks ({f'{limit} examples each' if limit else 'all examples'})",
+            "",
+            make_table(results).strip(),
+            "",
+        ]
     if generations:
         lines += ["## Sample generations", ""]
         for g in generations:
-            settings = "greedy" if not g["temperature"] else f"temperature {g['temperature']}, top_k {g['top_k']}, top_p {g['top_p']}, seed {g['seed']}"
+            settings = (
+                "greedy"
+                if not g["temperature"]
+                else f"temperature {g['temperature']}, top_k {g['top_k']}, top_p {g['top_p']}, seed {g['seed']}"
+            )
             lines += [f"**{g['prompt']}** ({settings})", "", "```", g["prompt"] + g["completion"], "```", ""]
     return "\n".join(lines)
 
@@ -377,8 +482,13 @@ def compare_table(path_a: Path, path_b: Path) -> str:
         ref = next((i for i in m.get("inputs", []) if i.get("kind") == "artifact" and i.get("stage") != "data"), None)
         return f"{ref['stage']}/{ref['key']}" if ref else "?"
 
-    lines = [f"A: eval/{ma['key']} (model {model_of(ma)})", f"B: eval/{mb['key']} (model {model_of(mb)})", "",
-             "| metric | A | B | B − A |", "|---|---:|---:|---:|"]
+    lines = [
+        f"A: eval/{ma['key']} (model {model_of(ma)})",
+        f"B: eval/{mb['key']} (model {model_of(mb)})",
+        "",
+        "| metric | A | B | B − A |",
+        "|---|---:|---:|---:|",
+    ]
     for k in sorted(set(a) | set(b), key=lambda k: (k.count("."), k)):
         va, vb = a.get(k), b.get(k)
         diff = vb - va if isinstance(va, (int, float)) and isinstance(vb, (int, float)) else None

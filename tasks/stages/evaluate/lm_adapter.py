@@ -28,8 +28,9 @@ each was GBs with a 49k vocabulary (docs/MINDSPORE_CPU.md, "Memory").
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import lm_eval.models  # noqa: F401  (built-ins first: the registry loads them only while it is empty)
 import mindspore as ms
@@ -40,11 +41,10 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from mindspore import ops
 
 from model.config import SCORING_MAX_BYTES
-from model.generate import Generator
 from model.runtime import dynamic_graph, hidden_states_graph, setup_mindspore
+from tasks.modeling.build import generator, load_network
 from tasks.runtime.progress import progress_bar
 from tasks.store.model_artifact import load_tokenizer
-from tasks.modeling.build import load_network
 
 MODEL_NAME = "msllm"
 
@@ -63,18 +63,28 @@ class TokenScorer:
         self.shapes_run: set[tuple[int, int]] = set()
 
         def head(net, x, targets):  # [N, H], [N] -> log p(target) [N], target is the argmax [N]
-            x = x.astype(net.compute_dtype).expand_dims(0)                        # as the decoder left it
-            logp = ops.log_softmax(net.head_logits(x).squeeze(0), -1)             # [N, V]
+            x = x.astype(net.compute_dtype).expand_dims(0)  # as the decoder left it
+            logp = ops.log_softmax(net.head_logits(x).squeeze(0), -1)  # [N, V]
             target_logp = ops.gather_elements(logp, 1, targets.expand_dims(-1)).squeeze(-1)
             return target_logp, ops.argmax(logp, -1) == targets
 
-        # [B, T] ids -> [B, T, H]; layers_held: the decoder layers whose activations one call holds (1: a layer at a time)
+        # [B, T] ids -> [B, T, H]; layers_held: the decoder layers whose activations one call holds (1: a layer at a
+        # time)
         self._body, self.layers_held = hidden_states_graph(net)
-        self._head = dynamic_graph(net, head, ms.Tensor(shape=[None, net.config.hidden_size], dtype=ms.float32),
-                                   ms.Tensor(shape=[None], dtype=ms.int32))
+        self._head = dynamic_graph(
+            net,
+            head,
+            ms.Tensor(shape=[None, net.config.hidden_size], dtype=ms.float32),
+            ms.Tensor(shape=[None], dtype=ms.int32),
+        )
 
-    def score(self, rows: Sequence[tuple[Sequence[int], Sequence[int]]], progress: bool = False,
-              desc: str = "scoring", tails: Sequence[int] | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
+    def score(
+        self,
+        rows: Sequence[tuple[Sequence[int], Sequence[int]]],
+        progress: bool = False,
+        desc: str = "scoring",
+        tails: Sequence[int] | None = None,
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
         """For each (input_ids, target_ids) pair of equal length: (log p(target_t | input_≤t) [T], is_argmax [T]);
         with `tails`, only each row's last tails[i] positions (a loglikelihood request's continuation)."""
         order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
@@ -85,7 +95,7 @@ class TokenScorer:
             t = len(rows[order[start]][0])  # the longest row left
             if t == 0 or t > self.max_seq_length:
                 raise ValueError(f"cannot score a sequence of {t} tokens (model max_seq_length {self.max_seq_length})")
-            chunk = order[start:start + self.rows_per_call(t)]
+            chunk = order[start : start + self.rows_per_call(t)]
             start += len(chunk)
             ids = np.zeros((len(chunk), t), np.int32)
             picks, targets, spans = [], [], []
@@ -101,18 +111,19 @@ class TokenScorer:
                 spans.append(n - first)
             hidden = self._body(ms.Tensor(ids)).asnumpy().astype(np.float32, copy=False)  # [B, T, H]
             self.shapes_run.add(ids.shape)
-            x = hidden.reshape(len(chunk) * t, -1)[np.concatenate(picks)]         # [N, H]: the positions asked for
+            x = hidden.reshape(len(chunk) * t, -1)[np.concatenate(picks)]  # [N, H]: the positions asked for
             logp, greedy = self._run_head(x, np.concatenate(targets))
             at = 0
             for i, n in zip(chunk, spans):
-                out[i] = (logp[at:at + n].astype(np.float64), greedy[at:at + n])
+                out[i] = (logp[at : at + n].astype(np.float64), greedy[at : at + n])
                 at += n
             bar.update(len(chunk))
         bar.close()
         return out
 
     def bytes_per_token(self, t: int) -> int:
-        """Activation bytes one token of a length-`t` row holds in the decoder graph (ModelConfig.scoring_bytes_per_token)."""
+        """Activation bytes one token of a length-`t` row holds in the decoder graph
+        (ModelConfig.scoring_bytes_per_token)."""
         return self.net.config.scoring_bytes_per_token(t, self.layers_held)
 
     def rows_per_call(self, t: int) -> int:
@@ -125,7 +136,9 @@ class TokenScorer:
         if not len(x):
             return np.zeros(0, np.float32), np.zeros(0, bool)
         step = max(1, self.max_bytes // (8 * 2 * 4 * self.net.config.vocab_size))
-        parts = [self._head(ms.Tensor(x[a:a + step]), ms.Tensor(targets[a:a + step])) for a in range(0, len(x), step)]
+        parts = [
+            self._head(ms.Tensor(x[a : a + step]), ms.Tensor(targets[a : a + step])) for a in range(0, len(x), step)
+        ]
         return (np.concatenate([p[0].asnumpy() for p in parts]), np.concatenate([p[1].asnumpy() for p in parts]))
 
 
@@ -150,10 +163,20 @@ class MindSporeLM(TemplateLM):
     when only the token-level methods are used, e.g. by benchmarks).
     """
 
-    def __init__(self, pretrained: str | Path | None = None, *, net=None, tokenizer=None, batch_size: int | str | None = 8,
-                 max_length: int | None = None, max_gen_toks: int = 256,
-                 eot_token_id: int | None = None, progress: bool = True, fused_kernels: bool = True,
-                 **_harness_kwargs: Any):
+    def __init__(
+        self,
+        pretrained: str | Path | None = None,
+        *,
+        net=None,
+        tokenizer=None,
+        batch_size: int | str | None = 8,
+        max_length: int | None = None,
+        max_gen_toks: int = 256,
+        eot_token_id: int | None = None,
+        progress: bool = True,
+        fused_kernels: bool = True,
+        **_harness_kwargs: Any,
+    ):
         """`fused_kernels` (eval.fused_kernels): whether generation may decode with the fused decode kernel
         (model.kernels.enabled(..., kind="decode")); the tokens are the same either way."""
         super().__init__()
@@ -222,8 +245,8 @@ class MindSporeLM(TemplateLM):
         """requests: ((context, continuation) or None, context_ids, continuation_ids) -> (sum log p, all greedy)."""
         rows, spans = [], []
         for _, ctx, cont in requests:
-            cont = list(cont)[-self.max_length:]
-            whole = (list(ctx) + cont)[-(self.max_length + 1):]
+            cont = list(cont)[-self.max_length :]
+            whole = (list(ctx) + cont)[-(self.max_length + 1) :]
             rows.append((whole[:-1], whole[1:]))
             spans.append(len(cont))
         scored = self.scorer.score(rows, progress=self.progress and not disable_tqdm, desc="loglikelihood", tails=spans)
@@ -240,8 +263,12 @@ class MindSporeLM(TemplateLM):
         windows, owner = [], []
         for i, req in enumerate(requests):
             tokens = self.tok_encode(req.args[0], add_special_tokens=False)
-            for ctx, cont in map(make_disjoint_window, get_rolling_token_windows(
-                    token_list=tokens, prefix_token=self.prefix_token_id, max_seq_len=self.max_length, context_len=1)):
+            for ctx, cont in map(
+                make_disjoint_window,
+                get_rolling_token_windows(
+                    token_list=tokens, prefix_token=self.prefix_token_id, max_seq_len=self.max_length, context_len=1
+                ),
+            ):
                 windows.append((None, ctx, cont))
                 owner.append(i)
         totals = [0.0] * len(requests)
@@ -256,25 +283,41 @@ class MindSporeLM(TemplateLM):
     @property
     def generator(self):
         if self._generator is None:
-            self._generator = Generator(self.net, fused=self.fused_kernels)
+            self._generator = generator(self.net, fused=self.fused_kernels)
         return self._generator
 
-    def generate_text(self, context: str, *, until: Sequence[str] = (), max_gen_toks: int | None = None,
-                      temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-                      seed: int | None = 0) -> str:
+    def generate_text(
+        self,
+        context: str,
+        *,
+        until: Sequence[str] = (),
+        max_gen_toks: int | None = None,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = 0,
+    ) -> str:
         """The completion of `context`, cut before the first stop string (EOS always stops)."""
         max_gen = int(max_gen_toks or self.max_gen_toks)
         # Keep room for the new tokens inside the trained length, but never less than half of it as
         # context (the cache holds max_seq_length tokens, so long generations still fit).
-        ids = self.tok_encode(context)[-max(self.max_length - max_gen, self.max_length // 2):]
+        ids = self.tok_encode(context)[-max(self.max_length - max_gen, self.max_length // 2) :]
         until = [u for u in until if u]
 
         def hit_stop(new_ids: list[int]) -> bool:
             text = self.tok_decode(new_ids)
             return any(u in text for u in until)
 
-        new = self.generator.generate(ids, max_gen, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                                      eos_id=self.eot_token_id, stop=hit_stop if until else None)
+        new = self.generator.generate(
+            ids,
+            max_gen,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
+            eos_id=self.eot_token_id,
+            stop=hit_stop if until else None,
+        )
         text = self.tok_decode([t for t in new if t != self.eot_token_id])
         for u in until:
             text = text.split(u)[0]
@@ -288,9 +331,15 @@ class MindSporeLM(TemplateLM):
             until = kwargs.pop("until", None) or []
             until = [until] if isinstance(until, str) else list(until)
             temperature = float(kwargs.get("temperature") or 1.0) if kwargs.get("do_sample") else 0.0  # HF's meaning
-            text = self.generate_text(context, until=until, max_gen_toks=kwargs.get("max_gen_toks"),
-                                      temperature=temperature, top_k=kwargs.get("top_k"), top_p=kwargs.get("top_p"),
-                                      seed=kwargs.get("seed", 0))
+            text = self.generate_text(
+                context,
+                until=until,
+                max_gen_toks=kwargs.get("max_gen_toks"),
+                temperature=temperature,
+                top_k=kwargs.get("top_k"),
+                top_p=kwargs.get("top_p"),
+                seed=kwargs.get("seed", 0),
+            )
             self.cache_hook.add_partial("generate_until", (context, req.args[1]), text)
             out.append(text)
         return out
@@ -300,4 +349,3 @@ def register() -> None:
     """Make `simple_evaluate(model="msllm", ...)` work. Idempotent; no import-time side effects."""
     if model_registry.get(MODEL_NAME, None) is not MindSporeLM:
         register_model(MODEL_NAME)(MindSporeLM)
-

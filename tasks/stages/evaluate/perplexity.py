@@ -7,8 +7,9 @@ import gc
 import gzip
 import json
 import math
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 
@@ -29,7 +30,7 @@ def read_documents(path: Path) -> list[str]:
                 if line.strip():
                     rec = json.loads(line)
                     if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
-                        raise ValueError(f"{path}:{n}: expected a JSON object with a \"text\" string")
+                        raise ValueError(f'{path}:{n}: expected a JSON object with a "text" string')
                     docs.append(rec["text"])
             return docs
         return [f.read()]
@@ -37,8 +38,12 @@ def read_documents(path: Path) -> list[str]:
 
 def _ppl_row(total_logprob: float, tokens: int, nbytes: int) -> dict[str, Any]:
     nll = -total_logprob
-    return {"tokens": tokens, "bytes": nbytes, "perplexity": math.exp(nll / tokens) if tokens else None,
-            "bits_per_byte": nll / (math.log(2) * nbytes) if nbytes else None}
+    return {
+        "tokens": tokens,
+        "bytes": nbytes,
+        "perplexity": math.exp(nll / tokens) if tokens else None,
+        "bits_per_byte": nll / (math.log(2) * nbytes) if nbytes else None,
+    }
 
 
 def documents_perplexity(lm, docs: Iterable[str], progress: bool = False) -> dict[str, Any]:
@@ -59,7 +64,7 @@ def documents_perplexity(lm, docs: Iterable[str], progress: bool = False) -> dic
         while a < len(full):
             b = min(a + L, len(full))
             s = max(0, b - 1 - L)
-            rows.append((full[s:b - 1], full[s + 1:b]))
+            rows.append((full[s : b - 1], full[s + 1 : b]))
             spans.append(b - a)
             a = b
     scored = lm.scorer.score(rows, progress=progress, desc="perplexity")
@@ -67,8 +72,9 @@ def documents_perplexity(lm, docs: Iterable[str], progress: bool = False) -> dic
     return _ppl_row(total, tokens, nbytes)
 
 
-def heldout_perplexity(lm, data_artifact: Path, batch_size: int, progress: bool = False,
-                       max_blocks: int | None = None) -> dict[str, Any]:
+def heldout_perplexity(
+    lm, data_artifact: Path, batch_size: int, progress: bool = False, max_blocks: int | None = None
+) -> dict[str, Any]:
     """Perplexity and bits per byte on a data artifact's `valid` blocks (masked targets skipped); the first
     `max_blocks` of them (in shard order) when set."""
     from tasks.stages.evaluate.lm_adapter import token_byte_lengths  # lazy: MindSpore; the eval stage imports this
@@ -101,8 +107,14 @@ def base_chain(store: ArtifactStore, model_artifact: Path) -> list[tuple[Path, s
     seen, current = {store.inside(model_artifact)}, store.inside(model_artifact)
     while len(chain) < 64:
         m = store.read_manifest(current)
-        ref = next((i for i in m.get("inputs", []) if isinstance(i, dict) and i.get("kind") == "artifact"
-                    and i.get("stage") in MODEL_KINDS), None)
+        ref = next(
+            (
+                i
+                for i in m.get("inputs", [])
+                if isinstance(i, dict) and i.get("kind") == "artifact" and i.get("stage") in MODEL_KINDS
+            ),
+            None,
+        )
         if ref is None:
             break
         try:
@@ -117,8 +129,9 @@ def base_chain(store: ArtifactStore, model_artifact: Path) -> list[tuple[Path, s
     return chain
 
 
-def base_perplexity(store: ArtifactStore, model_artifact: Path, data_artifact: Path, ev,
-                    progress: bool = False) -> dict[str, Any] | None:
+def base_perplexity(
+    store: ArtifactStore, model_artifact: Path, data_artifact: Path, ev, progress: bool = False
+) -> dict[str, Any] | None:
     """The held-out perplexity of the model `model_artifact`'s chain started from (base_chain's last) on the same
     blocks of `data_artifact`: {"model", "path", "chain", "held-out": row}, or {"model", "path", "chain",
     "skipped": why} when its tokenizer is not the data's; None for a model with no base."""

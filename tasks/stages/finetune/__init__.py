@@ -22,25 +22,26 @@ weights: `merge()` takes both from the base artifact it names.
 
 from __future__ import annotations
 
-import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
-from tasks.store.artifacts import ArtifactStore, raw_file_input
-from tasks.store.disk import atomic_write_json
-from tasks.stages import code_version
-from tasks.config.schema import ConfigError, PipelineConfig
-from tasks.prompts import TEMPLATE
-from tasks.stages.finetune.data import example_batches, load_data, source_files
 from model.config import ModelConfig
 from model.runtime import setup_mindspore
+from tasks.config.schema import ConfigError, PipelineConfig
+from tasks.prompts import TEMPLATE
+from tasks.runtime.mesh import Mesh
+from tasks.runtime.supervise import supervise
+from tasks.stages import code_version
+from tasks.stages.finetune.data import example_batches, load_data, source_files
+from tasks.store.artifacts import ArtifactStore, raw_file_input
+from tasks.store.disk import atomic_write_json
 from tasks.store.model_artifact import load_tokenizer, read_info
 from tasks.store.tensors import load_weights, save_tensors
-from tasks.runtime.mesh import Mesh
 from tasks.training.metrics import add_run_files
-from tasks.training.trainer import LoopConfig, fit, run_outcome
-from tasks.runtime.supervise import supervise
+from tasks.training.outcome import run_outcome
+from tasks.training.trainer import Hooks, Sinks, TrainData, Trainee, fit
 
 STAGE = "finetune"
 MERGED = "merged"
@@ -65,7 +66,9 @@ def check(cfg: PipelineConfig, info: dict[str, Any]) -> None:
         raise ConfigError(errs)
 
 
-def stage_key(cfg: PipelineConfig, store: ArtifactStore, base: Path) -> tuple[str, list[dict[str, Any]], dict[str, Any]]:
+def stage_key(
+    cfg: PipelineConfig, store: ArtifactStore, base: Path
+) -> tuple[str, list[dict[str, Any]], dict[str, Any]]:
     """Content key over the finetune settings that shape the output, the base's digest and the data bytes."""
     inputs = [store.input_ref(base), *(raw_file_input(f) for f in source_files(cfg))]
     ft = cfg.section("finetune")
@@ -83,15 +86,23 @@ def stage_key(cfg: PipelineConfig, store: ArtifactStore, base: Path) -> tuple[st
 # ----------------------------------------------------------------------------- supervisor (parent)
 
 
-def run(cfg: PipelineConfig, store: ArtifactStore, base_artifact: Path, *, keyed: tuple | None = None,
-        progress: bool = True, isolate: bool = True, retries: int = 0, inject: dict | None = None) -> Path:
+def run(
+    cfg: PipelineConfig,
+    store: ArtifactStore,
+    base_artifact: Path,
+    *,
+    keyed: tuple,
+    progress: bool = True,
+    isolate: bool = True,
+    retries: int = 0,
+    inject: dict | None = None,
+) -> Path:
     """Return the finetune artifact for this base and data, training it in a child process if needed.
 
     `isolate=False` trains in this process (tests). `inject` (tests only) adds
     {"stop_after": k} / {"fault_steps": [...]} to the first attempt, as in pretrain. `keyed`: what `stage_key`
-    returned for these arguments, when the caller computed it (the stage runner, tasks/stages/runner.py); None
-    computes it here.
-    """
+    returned for these arguments, from the stage runner (tasks/stages/runner.py), which resolved the inputs, checked the
+    machine and computed it once."""
 
     base = store.inside(base_artifact)
     check(cfg, read_info(base))
@@ -99,17 +110,23 @@ def run(cfg: PipelineConfig, store: ArtifactStore, base_artifact: Path, *, keyed
         raise ValueError(
             f"parallel.tensor_parallel: {cfg.parallel.tensor_parallel} > 1 is for pretraining; fine-tuning runs data "
             "parallel only (LoRA adapters are not split across ranks); run this stage with "
-            f"--set parallel.tensor_parallel=1 --set parallel.device_num={cfg.parallel.data_parallel}")
-    keyed = keyed or stage_key(cfg, store, base)
+            f"--set parallel.tensor_parallel=1 --set parallel.device_num={cfg.parallel.data_parallel}"
+        )
     key = keyed[0]
     hit = store.lookup(STAGE, key)
     if hit is not None:
         return hit
-    spec = {"config": cfg.model_dump(mode="json"), "root": str(store.root), "base": str(base), "key": key,
-            "keyed": list(keyed),
-            "progress": progress and sys.stderr.isatty()}  # a bar only where a terminal shows it
-    return supervise(STAGE, store, key, spec, train, retries=retries, isolate=isolate, inject=inject,
-                     parallel=cfg.parallel)
+    spec = {
+        "config": cfg.model_dump(mode="json"),
+        "root": str(store.root),
+        "base": str(base),
+        "key": key,
+        "keyed": list(keyed),
+        "progress": progress and sys.stderr.isatty(),
+    }  # a bar only where a terminal shows it
+    return supervise(
+        STAGE, store, key, spec, train, retries=retries, isolate=isolate, inject=inject, parallel=cfg.parallel
+    )
 
 
 # ----------------------------------------------------------------------------- the child
@@ -119,22 +136,40 @@ def train(spec: dict[str, Any]) -> Path | None:
     """Train and publish the artifact (inside the child process, or in-process with isolate=False)."""
     cfg = PipelineConfig.model_validate(spec["config"])
     setup_mindspore(cfg.parallel.device_target, seed=cfg.finetune.seed, host_blocking=True)
-    mesh = (Mesh.init(cfg.parallel.data_parallel, 1, cfg.parallel.optimizer_shard) if cfg.parallel.device_num > 1
-            else Mesh())
-    return _train(cfg, ArtifactStore(spec["root"]), Path(spec["base"]), spec["key"], spec.get("progress", True),
-                  stop_after=spec.get("stop_after"), fault_steps=spec.get("fault_steps", []), mesh=mesh,
-                  keyed=spec.get("keyed"))
+    mesh = (
+        Mesh.init(cfg.parallel.data_parallel, 1, cfg.parallel.optimizer_shard)
+        if cfg.parallel.device_num > 1
+        else Mesh()
+    )
+    return _train(
+        cfg,
+        ArtifactStore(spec["root"]),
+        Path(spec["base"]),
+        spec["key"],
+        spec.get("progress", True),
+        stop_after=spec.get("stop_after"),
+        fault_steps=spec.get("fault_steps", []),
+        mesh=mesh,
+        keyed=spec["keyed"],
+    )
 
 
 def network(cfg: PipelineConfig, base: Path, info: dict[str, Any]):
-    """`info`: the base's model.json. (the base model with LoRA injected or every weight trainable (tasks/modeling/build.py `Built`), its
+    """`info`: the base's model.json. (the base model with LoRA injected or every weight trainable
+    (tasks/modeling/build.py `Built`), its
     trainable params, the LoRA modules). fp32 compute: LoRALinear is fp32 (train.precision sets loss scaling)."""
     from model.lora import inject_lora, mark_only_lora_trainable  # MindSpore: the child's imports
     from tasks.modeling.build import build_network
 
     ft = cfg.finetune
-    built = build_network(info.get("name", "llama"), ModelConfig.from_dict(info["model"]), seed=ft.seed,
-                          fused_kernels=ft.train.fused_kernels, weights=load_weights(base), source=str(base))
+    built = build_network(
+        info.get("name", "llama"),
+        ModelConfig.from_dict(info["model"]),
+        seed=ft.seed,
+        fused_kernels=ft.train.fused_kernels,
+        weights=load_weights(base),
+        source=str(base),
+    )
     net, modules = built.net, []
     if ft.method == "lora":
         lc = ft.lora
@@ -152,7 +187,7 @@ def _batches(cfg: PipelineConfig, data, pad: int, mesh: Mesh):
 
     def batches(start: int) -> Iterator:
         for ids, labels in example_batches(data.train, mb * mesh.dp, ft.seed, start_sample=start, pad_id=pad):
-            yield ids[mesh.dp_index::mesh.dp], labels[mesh.dp_index::mesh.dp]
+            yield ids[mesh.dp_index :: mesh.dp], labels[mesh.dp_index :: mesh.dp]
 
     def valid() -> Iterator:
         return example_batches(data.valid, mb * mesh.dp, ft.seed, repeat=False, shuffle=False, pad_id=pad)
@@ -160,10 +195,19 @@ def _batches(cfg: PipelineConfig, data, pad: int, mesh: Mesh):
     return batches, (valid if data.valid is not None else None)
 
 
-def _train(cfg: PipelineConfig, store: ArtifactStore, base: Path, key: str, progress: bool,
-           stop_after: int | None = None, fault_steps: list[int] | None = None, mesh=None,
-           keyed: list | None = None) -> Path | None:
-    """`keyed`: the parent's (key, inputs, section) for the manifest; None computes them again (tests)."""
+def _train(
+    cfg: PipelineConfig,
+    store: ArtifactStore,
+    base: Path,
+    key: str,
+    progress: bool,
+    stop_after: int | None = None,
+    fault_steps: list[int] | None = None,
+    mesh=None,
+    *,
+    keyed: list,
+) -> Path | None:
+    """`keyed`: the parent's (key, inputs, section), for the manifest."""
     from model.lora import trainable_summary  # MindSpore: the child's imports
     from tasks.modeling.build import log_kernels
     from tasks.training.step import causal_lm_loss_fn
@@ -183,24 +227,48 @@ def _train(cfg: PipelineConfig, store: ArtifactStore, base: Path, key: str, prog
     net.set_train(True)
     batches, valid = _batches(cfg, data, sp.pad_id() if sp.pad_id() >= 0 else sp.eos_id(), mesh)
     run_dir = store.root / "runs" / STAGE / key
-    _, inputs, section = keyed or stage_key(cfg, store, base)
-    meta = {"model": mc.to_dict(), "name": info.get("name", "llama"), "base_artifact": inputs[0]["key"],
-            "method": ft.method, "seed": ft.seed}
+    _, inputs, section = keyed
+    meta = {
+        "model": mc.to_dict(),
+        "name": info.get("name", "llama"),
+        "base_artifact": inputs[0]["key"],
+        "method": ft.method,
+        "seed": ft.seed,
+    }
     # Model FLOPs per token: forward + backward; with LoRA the frozen weights need no weight
     # gradients, so about 4N instead of 6N (the adapters' own matmuls are negligible).
     fpt = mc.flops_per_token(seq) * (4 / 6 if ft.method == "lora" else 1.0)
-    hooks = LoopConfig(progress=progress, stop_after=stop_after, fault_steps=list(fault_steps or []))
-    result = fit(net, params, causal_lm_loss_fn(net), ft.train, checkpoint=cfg.checkpoint, hooks=hooks,
-                 batches=batches, valid=valid, run_dir=run_dir, meta=meta, flops_per_token=fpt, tokens_per_sample=seq,
-                 mesh=mesh, kernels=built.kernels)
+    result = fit(
+        Trainee(net, params, causal_lm_loss_fn(net), fpt, built.kernels),
+        ft.train,
+        TrainData(batches, valid, seq),
+        Sinks(run_dir, meta, progress),
+        checkpoint=cfg.checkpoint,
+        mesh=mesh,
+        hooks=Hooks(list(fault_steps or []), stop_after),
+    )
     if (outcome := run_outcome(result, mesh, run_dir)) is not True:
         return outcome  # stopped on request, or not rank 0: rank 0 publishes
-    return _publish(cfg, store, (key, inputs, section), net, params, modules, info, sp, data, summary, result, seq,
-                    kernels)
+    return _publish(
+        cfg, store, (key, inputs, section), net, params, modules, info, sp, data, summary, result, seq, kernels
+    )
 
 
-def _publish(cfg: PipelineConfig, store: ArtifactStore, keyed: tuple, net, params, modules: list[str],
-             info: dict[str, Any], sp, data, summary, result, seq: int, kernels: str) -> Path:
+def _publish(
+    cfg: PipelineConfig,
+    store: ArtifactStore,
+    keyed: tuple,
+    net,
+    params,
+    modules: list[str],
+    info: dict[str, Any],
+    sp,
+    data,
+    summary,
+    result,
+    seq: int,
+    kernels: str,
+) -> Path:
     """The adapter artifact: adapter.safetensors + adapter.json, the run's files and its metrics."""
     from model.lora import lora_state_dict  # lazy: MindSpore, the child's import
 
@@ -212,25 +280,57 @@ def _publish(cfg: PipelineConfig, store: ArtifactStore, keyed: tuple, net, param
     with store.build(STAGE, key, pipeline=cfg.name, config=section, inputs=inputs, code=code_version(STAGE)) as b:
         weights = lora_state_dict(net) if ft.method == "lora" else {p.name: p.asnumpy() for p in params}
         save_tensors(b.dir / "adapter.safetensors", weights)
-        atomic_write_json(b.dir / "adapter.json", {
-            "method": ft.method,
-            **({"rank": lc.rank, "alpha": lc.alpha, "scaling": lc.alpha / lc.rank, "dropout": lc.dropout,
-                "target_modules": lc.target_modules, "modules": modules} if ft.method == "lora" else {}),
-            "format": ft.format, "template": (("chat_template of the tokenizer" if sp.chat_template else TEMPLATE)
-                                              if ft.format == "instruction" else None), "seq_length": seq,
-            "base": {k: base_ref[k] for k in ("stage", "key", "digest", "path")},
-            "model": {"name": info.get("name", "llama"), "config": net.config.to_dict()},
-        })
-        add_run_files(b.dir, run_dir, result, f"{cfg.name}: {ft.method} fine-tuning ({summary.trainable / 1e6:.3g}M "
-                      f"trainable{', response tokens only' if ft.format == 'instruction' else ''})")
+        atomic_write_json(
+            b.dir / "adapter.json",
+            {
+                "method": ft.method,
+                **(
+                    {
+                        "rank": lc.rank,
+                        "alpha": lc.alpha,
+                        "scaling": lc.alpha / lc.rank,
+                        "dropout": lc.dropout,
+                        "target_modules": lc.target_modules,
+                        "modules": modules,
+                    }
+                    if ft.method == "lora"
+                    else {}
+                ),
+                "format": ft.format,
+                "template": (
+                    ("chat_template of the tokenizer" if sp.chat_template else TEMPLATE)
+                    if ft.format == "instruction"
+                    else None
+                ),
+                "seq_length": seq,
+                "base": {k: base_ref[k] for k in ("stage", "key", "digest", "path")},
+                "model": {"name": info.get("name", "llama"), "config": net.config.to_dict()},
+            },
+        )
+        add_run_files(
+            b.dir,
+            run_dir,
+            result,
+            f"{cfg.name}: {ft.method} fine-tuning ({summary.trainable / 1e6:.3g}M "
+            f"trainable{', response tokens only' if ft.format == 'instruction' else ''})",
+        )
         b.metrics.update(
-            **result.manifest_metrics(), method=ft.method, native_kernels=kernels,
+            **result.manifest_metrics(),
+            method=ft.method,
+            native_kernels=kernels,
             first_loss=train_rows[0]["loss"] if train_rows else None,
             first_loss_step=train_rows[0]["step"] if train_rows else None,
             loss_on="response tokens" if ft.format == "instruction" else "all tokens",
-            trainable_params=summary.trainable, total_params=summary.total, trainable_share=summary.share,
-            adapter_bytes=(b.dir / "adapter.safetensors").stat().st_size, seq_length=seq, **data.stats,
+            trainable_params=summary.trainable,
+            total_params=summary.total,
+            trainable_share=summary.share,
+            adapter_bytes=(b.dir / "adapter.safetensors").stat().st_size,
+            seq_length=seq,
+            **data.stats,
         )
-    print(f"[finetune] validation loss {result.initial_val_loss} -> {result.val_loss} "
-          f"({b.metrics['loss_on']}); adapter {b.metrics['adapter_bytes'] / 1e6:.2f} MB", file=sys.stderr)
+    print(
+        f"[finetune] validation loss {result.initial_val_loss} -> {result.val_loss} "
+        f"({b.metrics['loss_on']}); adapter {b.metrics['adapter_bytes'] / 1e6:.2f} MB",
+        file=sys.stderr,
+    )
     return b.path

@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import gzip
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -73,7 +74,9 @@ def read_records(path: Path) -> list[tuple[str, dict[str, Any]]]:
 FIXED, PROMPT, RESPONSE = "fixed", "prompt", "response"
 
 
-def pack_example(tokens: list[int], trained: list[bool], seq_length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray, bool]:
+def pack_example(
+    tokens: list[int], trained: list[bool], seq_length: int, pad_id: int
+) -> tuple[np.ndarray, np.ndarray, bool]:
     """(input_ids [T], labels [T], truncated): labels[t] = tokens[t+1] where that token is trained, else -100.
 
     Labels are aligned with the inputs (causal_lm_loss does not shift); padding and
@@ -100,7 +103,7 @@ class Examples:
     def __len__(self) -> int:
         return len(self.ids)
 
-    def take(self, idx: np.ndarray) -> "Examples":
+    def take(self, idx: np.ndarray) -> Examples:
         return Examples(self.ids[idx], self.labels[idx])
 
 
@@ -111,7 +114,9 @@ class FinetuneData:
     stats: dict[str, Any] = field(default_factory=dict)
 
 
-def instruction_examples(files: list[Path], sp, seq_length: int, eos_id: int, pad_id: int) -> tuple[Examples, dict[str, Any]]:
+def instruction_examples(
+    files: list[Path], sp, seq_length: int, eos_id: int, pad_id: int
+) -> tuple[Examples, dict[str, Any]]:
     ids, labels, shortened, truncated, dropped, lengths = [], [], 0, 0, 0, []
     for path in files:
         for where, rec in read_records(path):
@@ -132,11 +137,18 @@ def instruction_examples(files: list[Path], sp, seq_length: int, eos_id: int, pa
             ids.append(x)
             labels.append(y)
     if not ids:
-        raise ValueError(f"no usable instruction examples in {[str(f) for f in files]} (dropped {dropped} whose "
-                         f"response did not fit finetune.seq_length={seq_length})")
-    stats = {"examples": len(ids), "shortened_prompts": shortened, "truncated_responses": truncated,
-             "dropped_examples": dropped, "mean_tokens": round(float(np.mean(lengths)), 1),
-             "max_tokens": int(np.max(lengths))}
+        raise ValueError(
+            f"no usable instruction examples in {[str(f) for f in files]} (dropped {dropped} whose "
+            f"response did not fit finetune.seq_length={seq_length})"
+        )
+    stats = {
+        "examples": len(ids),
+        "shortened_prompts": shortened,
+        "truncated_responses": truncated,
+        "dropped_examples": dropped,
+        "mean_tokens": round(float(np.mean(lengths)), 1),
+        "max_tokens": int(np.max(lengths)),
+    }
     return Examples(np.stack(ids), np.stack(labels)), stats
 
 
@@ -152,7 +164,9 @@ def read_documents(path: Path, text_field: str) -> list[str]:
     return docs
 
 
-def text_examples(files: list[Path], sp, seq_length: int, eos_id: int, text_field: str) -> tuple[Examples, dict[str, Any]]:
+def text_examples(
+    files: list[Path], sp, seq_length: int, eos_id: int, text_field: str
+) -> tuple[Examples, dict[str, Any]]:
     """Documents joined with EOS, cut into blocks of seq_length + 1 tokens (the tail is dropped); all trained."""
     docs = [d for f in files for d in read_documents(f, text_field)]
     stream = np.fromiter((t for ids in sp.encode_batch(docs) for t in (*ids, eos_id)), np.int64)
@@ -160,8 +174,10 @@ def text_examples(files: list[Path], sp, seq_length: int, eos_id: int, text_fiel
     if n == 0:
         raise ValueError(f"finetune.sources hold {len(stream)} tokens, fewer than one block of {seq_length + 1}")
     blocks = stream[: n * (seq_length + 1)].reshape(n, seq_length + 1).astype(np.int32)
-    return (Examples(np.ascontiguousarray(blocks[:, :-1]), np.ascontiguousarray(blocks[:, 1:])),
-            {"documents": len(docs), "examples": n, "tokens": int(len(stream))})
+    return (
+        Examples(np.ascontiguousarray(blocks[:, :-1]), np.ascontiguousarray(blocks[:, 1:])),
+        {"documents": len(docs), "examples": n, "tokens": int(len(stream))},
+    )
 
 
 def split(n: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -171,8 +187,15 @@ def split(n: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
     return np.sort(perm[n_valid:]), np.sort(perm[:n_valid])
 
 
-def example_batches(ex: Examples, batch_size: int, seed: int, start_sample: int = 0, repeat: bool = True,
-                    shuffle: bool = True, pad_id: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+def example_batches(
+    ex: Examples,
+    batch_size: int,
+    seed: int,
+    start_sample: int = 0,
+    repeat: bool = True,
+    shuffle: bool = True,
+    pad_id: int = 0,
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """(input_ids [B, T], labels [B, T]) from global sample `start_sample` on.
 
     Sample k is example order_e[k mod n] of epoch e = k // n, where order_e is a
@@ -212,15 +235,18 @@ def load_data(cfg: PipelineConfig, sp, seq_length: int) -> FinetuneData:
     else:
         allx, stats = text_examples(files, sp, seq_length, eos, cfg.data.text_field)
     tr, va = split(len(allx), ft.validation_fraction, ft.seed)
-    stats.update(train_examples=len(tr), valid_examples=len(va),
-                 train_label_tokens=int((allx.labels[tr] != IGNORE).sum()))
+    stats.update(
+        train_examples=len(tr), valid_examples=len(va), train_label_tokens=int((allx.labels[tr] != IGNORE).sum())
+    )
     return FinetuneData(allx.take(tr), allx.take(va) if len(va) else None, stats)
 
 
 def source_files(cfg: PipelineConfig) -> list[Path]:
     """finetune.sources expanded (files, directories, globs) to a sorted, de-duplicated file list."""
     if not cfg.finetune.sources:
-        raise ConfigError([f"pipelines.{cfg.name}.finetune.sources: empty; list the instruction (.jsonl) or text files"])
+        raise ConfigError(
+            [f"pipelines.{cfg.name}.finetune.sources: empty; list the instruction (.jsonl) or text files"]
+        )
     files: list[Path] = []
     for i, src in enumerate(cfg.finetune.sources):
         found = []
@@ -230,14 +256,26 @@ def source_files(cfg: PipelineConfig) -> list[Path]:
             elif p.is_file():
                 found.append(p)
         if not found:
-            raise ConfigError([f"pipelines.{cfg.name}.finetune.sources[{i}]: '{src}' matches no data file "
-                               f"({', '.join(_DATA_SUFFIXES)}); fix the path"])
+            raise ConfigError(
+                [
+                    f"pipelines.{cfg.name}.finetune.sources[{i}]: '{src}' matches no data file "
+                    f"({', '.join(_DATA_SUFFIXES)}); fix the path"
+                ]
+            )
         for p in found:
             if not p.name.endswith(_DATA_SUFFIXES):
-                raise ConfigError([f"pipelines.{cfg.name}.finetune.sources[{i}]: {p.name}: unsupported file type; "
-                                   f"use one of {', '.join(_DATA_SUFFIXES)}"])
+                raise ConfigError(
+                    [
+                        f"pipelines.{cfg.name}.finetune.sources[{i}]: {p.name}: unsupported file type; "
+                        f"use one of {', '.join(_DATA_SUFFIXES)}"
+                    ]
+                )
             if cfg.finetune.format == "instruction" and p.suffix == ".txt":
-                raise ConfigError([f"pipelines.{cfg.name}.finetune.sources[{i}]: {p.name} is plain text but "
-                                   "finetune.format is 'instruction'; set format: text or pass JSON Lines"])
+                raise ConfigError(
+                    [
+                        f"pipelines.{cfg.name}.finetune.sources[{i}]: {p.name} is plain text but "
+                        "finetune.format is 'instruction'; set format: text or pass JSON Lines"
+                    ]
+                )
         files += found
     return sorted({p.resolve() for p in files})

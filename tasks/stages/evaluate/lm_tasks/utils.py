@@ -15,20 +15,20 @@ harness's `preprocess_winogrande` builds from the original records.
 Paths resolve from this file (`../benchmarks`, in a clone and in an installed wheel alike);
 `MSLLM_BENCHMARKS` or a `data_dir` metadata key points elsewhere. Nothing is resolved at import: a
 copy of this file elsewhere (a user's own task folder) imports fine and needs only MSLLM_BENCHMARKS
-or data_dir.
-The harness imports this file by path (not as `tasks.stages.evaluate.lm_tasks.utils`): keep it free of
-project imports.
-"""
+or data_dir. The harness imports this file by path (not as `tasks.stages.evaluate.lm_tasks.utils`): keep it free of
+project imports."""
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import datasets
 import numpy as np
+
 
 def shipped_benchmarks() -> Path | None:
     """`tasks/stages/evaluate/benchmarks` beside this file's folder (a clone or an installed wheel), else None."""
@@ -39,8 +39,10 @@ def shipped_benchmarks() -> Path | None:
 def benchmarks_dir(data_dir: str | os.PathLike | None = None) -> Path:
     found = data_dir or os.environ.get("MSLLM_BENCHMARKS") or shipped_benchmarks()
     if found is None:
-        raise FileNotFoundError(f"{Path(__file__).parent}: no benchmarks directory beside these task files; set "
-                                f"MSLLM_BENCHMARKS to msllm's tasks/stages/evaluate/benchmarks (or a data_dir metadata key)")
+        raise FileNotFoundError(
+            f"{Path(__file__).parent}: no benchmarks directory beside these task files; set "
+            f"MSLLM_BENCHMARKS to msllm's tasks/stages/evaluate/benchmarks (or a data_dir metadata key)"
+        )
     return Path(found)
 
 
@@ -53,8 +55,13 @@ def read_arc(root: Path, name: str) -> list[dict[str, Any]]:
     rows = []
     for r in _jsonl(root / name / f"{name}.jsonl"):
         labels = [chr(ord("A") + i) for i in range(len(r["choices"]))]
-        rows.append({"question": r["query"].removeprefix("Question: "),
-                     "choices": {"text": r["choices"], "label": labels}, "answerKey": labels[r["gold"]]})
+        rows.append(
+            {
+                "question": r["query"].removeprefix("Question: "),
+                "choices": {"text": r["choices"], "label": labels},
+                "answerKey": labels[r["gold"]],
+            }
+        )
     return rows
 
 
@@ -82,8 +89,10 @@ def read_truthfulqa(root: Path) -> list[dict[str, Any]]:
     def targets(d: dict[str, int]) -> dict[str, list]:
         return {"choices": list(d), "labels": [int(v) for v in d.values()]}  # dict order: true answers first
 
-    return [{"question": r["question"], "mc1_targets": targets(r["mc1_targets"]),
-             "mc2_targets": targets(r["mc2_targets"])} for r in data]
+    return [
+        {"question": r["question"], "mc1_targets": targets(r["mc1_targets"]), "mc2_targets": targets(r["mc2_targets"])}
+        for r in data
+    ]
 
 
 READERS: dict[str, Callable[[Path], list[dict[str, Any]]]] = {
@@ -103,7 +112,9 @@ def load(benchmark: str, split: str, data_dir: str | None = None, **_metadata: A
         raise ValueError(f"unknown local benchmark {benchmark!r}; known: {sorted(READERS)}")
     root = benchmarks_dir(data_dir)
     if not root.is_dir():
-        raise FileNotFoundError(f"{root}: benchmark files not found (set MSLLM_BENCHMARKS to msllm's tasks/stages/evaluate/benchmarks)")
+        raise FileNotFoundError(
+            f"{root}: benchmark files not found (set MSLLM_BENCHMARKS to msllm's tasks/stages/evaluate/benchmarks)"
+        )
     return datasets.DatasetDict({split: datasets.Dataset.from_list(READERS[benchmark](root))})
 
 
