@@ -309,3 +309,20 @@ def convert_hf(hf_dir, store, pipeline: str | None = None) -> Path:
 def convert_gguf(gguf_file, store, pipeline: str | None = None) -> Path:
     """The convert stage on a GGUF file, through the stage runner."""
     return run_stage("convert", None, store, Path(gguf_file), pipeline, "gguf", progress=False)
+
+
+def pretrain_child(cfg, root: Path, data_art: Path, init_from: Path | None = None, **kw):
+    """The pretrain child's body (tasks/stages/pretrain.py `_train`), to run in this process, keyed as the stage
+    runner keys it (the data may live outside `root`: the child reads it by path). Returns (a thunk that trains and
+    returns what the child returns, the run dir)."""
+    from tasks.stages import pretrain
+    from tasks.store.artifacts import ArtifactStore
+
+    store = ArtifactStore(root)
+    keyed = pretrain.stage_key(cfg, store, data_art, init_from)
+    run_dir = store.root / "runs" / "pretrain" / keyed[0]
+
+    def train():
+        return pretrain._train(cfg, store, data_art, init_from, keyed[0], progress=False, keyed=keyed, **kw)
+
+    return train, run_dir

@@ -23,7 +23,7 @@ from tasks.stages import pretrain
 from tasks.store.artifacts import ArtifactStore
 from tasks.store.tensors import save_tensors
 from tasks.training.checkpoint import _publish, complete_checkpoints, load_checkpoint, save_checkpoint, shard_files
-from tests.helpers import assert_same_scalars, assert_same_weights, run_stage, train_tol
+from tests.helpers import assert_same_scalars, assert_same_weights, pretrain_child, run_stage, train_tol
 
 TINY = ModelConfig.from_name("tiny")
 
@@ -76,10 +76,8 @@ def _train_losses(path: Path) -> dict[int, float]:
 
 def _single(cfg, root: Path, data_art: Path, **kw):
     """The single-process reference, trained in this process."""
-    store = ArtifactStore(root)
-    key, _, _ = pretrain.stage_key(cfg, store, data_art, None)
-    out = pretrain._train(cfg, store, data_art, None, key, progress=False, **kw)
-    return out, store.root / "runs" / "pretrain" / key
+    train, run_dir = pretrain_child(cfg, root, data_art, **kw)
+    return train(), run_dir
 
 
 def _copy_data(root: Path, data_art: Path) -> Path:

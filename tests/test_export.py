@@ -19,6 +19,7 @@ import pytest
 
 from tasks.config.loader import resolve_pipeline
 from tasks.config.schema import ConfigError
+from tasks.deploy import checked
 from tasks.deploy.checks import ExportCheckFailed
 from tasks.deploy.formats import export_onnx
 from tasks.deploy.model_card import model_card, read_eval
@@ -317,7 +318,7 @@ def test_mismatching_onnx_fails_the_stage_and_leaves_no_artifact(env, monkeypatc
     def other_weights(info, weights, path, *a, **k):
         return orig(info, {n: w + np.float32(0.05) for n, w in weights.items()}, path, *a, **k)
 
-    monkeypatch.setattr(export, "export_onnx", other_weights)
+    monkeypatch.setattr(checked, "export_onnx", other_weights)  # the ONNX writer the export stage checks
     cfg = _cfg("export.max_new_tokens=4", "export.int8=false", "export.formats=[onnx]")  # another key
     key = export.stage_key(cfg, env["store"], env["model"])[0]
     with pytest.raises(ExportCheckFailed, match=r"ONNX max \|logit diff\| .* > export.atol 0.0001") as e:

@@ -17,13 +17,12 @@ from tasks.config.loader import resolve_pipeline
 from tasks.config.schema import ConfigError
 from tasks.runtime.supervise import StageFailed
 from tasks.stages import pretrain
-from tasks.stages.runner import prepare
 from tasks.store.artifacts import ArtifactStore
 from tasks.store.disk import atomic_write_json, sha256_file
 from tasks.store.tensors import CheckpointError
 from tasks.training.checkpoint import complete_checkpoints, is_good, load_checkpoint
 from tasks.training.outcome import NonFiniteError
-from tests.helpers import run_stage
+from tests.helpers import pretrain_child, run_stage
 
 REPO = Path(__file__).resolve().parent.parent
 BASE = [
@@ -49,12 +48,7 @@ def data_artifact(tmp_path_factory) -> Path:
 
 
 def _train(cfg, root: Path, data_art: Path, init_from: Path | None = None, **kw):
-    store = ArtifactStore(root)
-    keyed = prepare("pretrain", store, cfg, data_artifact=data_art, init_from=init_from).keyed
-    run_dir = store.root / "runs" / "pretrain" / keyed[0]
-    return (
-        lambda: pretrain._train(cfg, store, data_art, init_from, keyed[0], progress=False, keyed=keyed, **kw)
-    ), run_dir
+    return pretrain_child(cfg, root, data_art, init_from, **kw)
 
 
 def _all_finite(ckpt: Path) -> bool:

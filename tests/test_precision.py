@@ -12,13 +12,11 @@ import pytest
 from model.config import ModelConfig
 from model.llama import LlamaForCausalLM, causal_lm_loss
 from tasks.config.loader import resolve_pipeline
-from tasks.stages import pretrain
-from tasks.stages.runner import prepare
 from tasks.store.artifacts import ArtifactStore
 from tasks.training.adamw import AdamW, decays
 from tasks.training.checkpoint import load_checkpoint
 from tasks.training.step import DynamicLossScale, TrainStep
-from tests.helpers import run_stage
+from tests.helpers import pretrain_child, run_stage
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -159,10 +157,8 @@ def data_artifact(tmp_path_factory) -> Path:
 
 
 def _train(cfg, root: Path, data_art: Path, **kw):
-    store = ArtifactStore(root)
-    keyed = prepare("pretrain", store, cfg, data_artifact=data_art).keyed  # the child's body, in this process
-    out = pretrain._train(cfg, store, data_art, None, keyed[0], progress=False, keyed=keyed, **kw)
-    return out, store.root / "runs" / "pretrain" / keyed[0]
+    train, run_dir = pretrain_child(cfg, root, data_art, **kw)
+    return train(), run_dir
 
 
 def _rows(run_dir: Path) -> list[dict]:

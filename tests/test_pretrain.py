@@ -14,7 +14,7 @@ from tasks.stages import pretrain
 from tasks.store.artifacts import ArtifactStore
 from tasks.training.checkpoint import complete_checkpoints, load_checkpoint
 from tasks.training.outcome import NonFiniteError
-from tests.helpers import run_stage
+from tests.helpers import pretrain_child, run_stage
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -48,10 +48,8 @@ def _losses(run_dir: Path) -> list[tuple[int, float]]:
 
 
 def _train(cfg, root: Path, data_art: Path, **kw):
-    store = ArtifactStore(root)
-    key, _, _ = pretrain.stage_key(cfg, store, data_art, None)
-    out = pretrain._train(cfg, store, data_art, None, key, progress=False, **kw)
-    return out, store.root / "runs" / "pretrain" / key
+    train, run_dir = pretrain_child(cfg, root, data_art, **kw)
+    return train(), run_dir
 
 
 def test_resume_gives_identical_losses(tmp_path, data_artifact):
