@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <cstring>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
@@ -70,16 +71,76 @@ inline float dot(const float *a, const float *b, int64_t n) {
   return s;
 }
 
+// The weight matrices are float32 or IEEE binary16 (`half`: GGUF's F16, half the bytes a token reads); every
+// product and sum is float32 either way, each binary16 weight widened exactly as it is loaded.
+using half = uint16_t;
+inline float widen(float w) { return w; }
+inline float widen(half w) { return simd::half_to_float(w); }
+#if MSLLM_VW > 0
+inline simd::vf loadw(const float *p) { return simd::loadu(p); }
+inline simd::vf loadw(const half *p) { return simd::load_h(p); }
+#endif
+
+// a . b for binary16 a (dot's order: two vector accumulators, then the tail)
+inline float dot(const half *a, const float *b, int64_t n) {
+  int64_t j = 0;
+  float s = 0.f;
+#if MSLLM_VW > 0
+  constexpr int64_t W = simd::kVW;
+  simd::vf acc0 = simd::zero(), acc1 = simd::zero();
+  for (; j + 2 * W <= n; j += 2 * W) {
+    acc0 = simd::fma(loadw(a + j), simd::loadu(b + j), acc0);
+    acc1 = simd::fma(loadw(a + j + W), simd::loadu(b + j + W), acc1);
+  }
+  for (; j + W <= n; j += W) acc0 = simd::fma(loadw(a + j), simd::loadu(b + j), acc0);
+  s = simd::hsum(acc0 + acc1);
+#endif
+  for (; j < n; ++j) s += widen(a[j]) * b[j];
+  return s;
+}
+
 // y[r] (+)= W[r, :] . x for r in [r0, r1); W row-major [rows, n]. Four rows at a time share each load of x.
 // MindSpore's Parameters are only 16-byte aligned: a 64-byte load from them would straddle two cache lines
 // (half the load throughput), so each row group first takes the floats up to W's next 64-byte boundary with
 // a masked load, then loads W aligned (rows of n % 16 == 0 floats share one alignment).
-inline void gemv_rows(const float *W, const float *x, float *y, int64_t n, int64_t r0, int64_t r1, bool accumulate) {
+// Binary16 W: four rows at a time as well, each vector of a row widened as it is loaded (no alignment step: a
+// 64-byte line holds 32 halves, two AVX-512 vectors).
+template <typename WT>
+inline void gemv_rows(const WT *W, const float *x, float *y, int64_t n, int64_t r0, int64_t r1, bool accumulate) {
   int64_t r = r0;
-#if MSLLM_VW == 16  // AVX-512: the masked loads below have no portable spelling
-  if (n % 16 == 0 && n >= 16 && reinterpret_cast<uintptr_t>(W) % 4 == 0) {
+#if MSLLM_VW > 0
+  if constexpr (std::is_same_v<WT, half>) {
+    constexpr int64_t VW = simd::kVW;
     for (; r + 4 <= r1; r += 4) {
-      const float *w0 = W + r * n, *w1 = w0 + n, *w2 = w1 + n, *w3 = w2 + n;
+      const half *w0 = W + r * n, *w1 = w0 + n, *w2 = w1 + n, *w3 = w2 + n;
+      simd::vf a0 = simd::zero(), a1 = simd::zero(), a2 = simd::zero(), a3 = simd::zero();
+      int64_t j = 0;
+      for (; j + VW <= n; j += VW) {
+        const simd::vf xv = simd::loadu(x + j);
+        a0 = simd::fma(loadw(w0 + j), xv, a0);
+        a1 = simd::fma(loadw(w1 + j), xv, a1);
+        a2 = simd::fma(loadw(w2 + j), xv, a2);
+        a3 = simd::fma(loadw(w3 + j), xv, a3);
+      }
+      float s0 = simd::hsum(a0), s1 = simd::hsum(a1), s2 = simd::hsum(a2), s3 = simd::hsum(a3);
+      for (; j < n; ++j) {
+        s0 += widen(w0[j]) * x[j];
+        s1 += widen(w1[j]) * x[j];
+        s2 += widen(w2[j]) * x[j];
+        s3 += widen(w3[j]) * x[j];
+      }
+      if (accumulate) {
+        y[r] += s0; y[r + 1] += s1; y[r + 2] += s2; y[r + 3] += s3;
+      } else {
+        y[r] = s0; y[r + 1] = s1; y[r + 2] = s2; y[r + 3] = s3;
+      }
+    }
+  }
+#endif
+#if MSLLM_VW == 16  // AVX-512: the masked loads below have no portable spelling
+  if (std::is_same_v<WT, float> && n % 16 == 0 && n >= 16 && reinterpret_cast<uintptr_t>(W) % 4 == 0) {
+    for (; r + 4 <= r1; r += 4) {
+      const float *w0 = reinterpret_cast<const float *>(W) + r * n, *w1 = w0 + n, *w2 = w1 + n, *w3 = w2 + n;
       const int64_t head = ((64 - reinterpret_cast<uintptr_t>(w0) % 64) % 64) / 4;  // 0..15 floats
       const __mmask16 hm = static_cast<__mmask16>((1u << head) - 1), tm = static_cast<__mmask16>((1u << (16 - head)) - 1);
       __m512 xv = _mm512_maskz_loadu_ps(hm, x);
@@ -126,12 +187,13 @@ constexpr int kMR = MSLLM_VW == 8 ? 6 : 12;  // tokens per micro-tile: 2 * kMR a
 // as two vectors per k. Written in order, read from kNR rows at once (writing in order was 1.6x faster on the Xeon
 // than reading in order: the packing is a fifth of a 64-token chunk's work, the GEMM itself 2 flops per element
 // per token).
-inline void pack_panel(const float *W, int64_t n, int64_t r0, int64_t nr, float *P) {
-  const float *rows[kNR];
+template <typename WT>
+inline void pack_panel(const WT *W, int64_t n, int64_t r0, int64_t nr, float *P) {
+  const WT *rows[kNR];
   for (int64_t c = 0; c < kNR; ++c) rows[c] = W + (r0 + (c < nr ? c : 0)) * n;
   for (int64_t k = 0; k < n; ++k) {
     float *p = P + k * kNR;
-    for (int64_t c = 0; c < kNR; ++c) p[c] = c < nr ? rows[c][k] : 0.f;
+    for (int64_t c = 0; c < kNR; ++c) p[c] = c < nr ? widen(rows[c][k]) : 0.f;
   }
 }
 
@@ -182,7 +244,8 @@ inline void micro_rest(int rest, const float *X, int64_t ldx, const float *P, in
 // Y[i, r] (+)= X[i, :] . W[r, :] for tokens i < T and weight rows r in [r0, r1) (W row-major [rows, n], X [T, ldx],
 // Y [T, ldy]): a prompt chunk's projection. Each panel of kNR weight rows is packed k-major once (this thread's
 // scratch, n * kNR floats: L2-resident) and serves every token of the chunk in kMR-token micro-tiles.
-inline void gemm_rows(const float *X, int64_t ldx, int64_t T, const float *W, int64_t n, int64_t r0, int64_t r1,
+template <typename WT>
+inline void gemm_rows(const float *X, int64_t ldx, int64_t T, const WT *W, int64_t n, int64_t r0, int64_t r1,
                       float *Y, int64_t ldy, bool accumulate) {
 #if MSLLM_VW > 0
   thread_local std::vector<float> panel;
@@ -447,9 +510,20 @@ struct Model {
   int64_t V, H, hd, S_rope, qdim, kvdim, F, nh, nkv, n_rep, S;
   float eps, scale;  // consts[0], consts[1]
   int threads;       // consts[2], at least 1
-  const float *embed, *final_norm, *head, *cos_t, *sin_t;
+  const void *embed, *head;  // float32 or binary16 (`half`), as every weight matrix
+  const float *final_norm, *cos_t, *sin_t;
   float *logits;     // the output [1, V]
+  bool half;         // the weight matrices are binary16
 };
+
+// The operands that are weight matrices (embedding, LM head, each layer's q k v o gate up down): all float32 or all
+// float16; every other operand but the token(s) and position(s) is float32.
+bool is_matrix(int i, int n_layers) {
+  if (i == 3 || i == 5) return true;
+  if (i < 8 || i >= 8 + 9 * n_layers) return false;
+  const int k = (i - 8) % 9;
+  return k != 0 && k != 5;
+}
 
 // Checks every operand of a whole-model op but the first two (token(s), position(s)): the count, dtypes, every
 // weight's shape against the embedding's [V, H] and the first layer's sizes, the caches' [nkv, S, hd] and the
@@ -458,8 +532,9 @@ int check_model(int nparam, void **params, int *ndims, int64_t **shapes, const c
   const int n_layers = (nparam - 9) / 11;
   if (n_layers < 1 || 9 + 11 * n_layers != nparam) return 1;
   if (!is_dt(dtypes, 0, "int32") || !is_dt(dtypes, 1, "int32")) return 2;
+  const bool half_w = is_dt(dtypes, 3, "float16");
   for (int i = 2; i < nparam; ++i)
-    if (!is_dt(dtypes, i, "float32")) return 2;
+    if (!is_dt(dtypes, i, half_w && is_matrix(i, n_layers) ? "float16" : "float32")) return 2;
   for (int i = 0; i < nparam; ++i)
     for (int d = 0; d < ndims[i]; ++d)
       if (shapes[i][d] < 0) return 3;
@@ -489,31 +564,30 @@ int check_model(int nparam, void **params, int *ndims, int64_t **shapes, const c
   const float *consts = static_cast<const float *>(params[2]);
   const auto f = [&](int i) { return static_cast<const float *>(params[i]); };
   *m = Model{n_layers, V, H, hd, S_rope, qdim, kvdim, F, qdim / hd, nkv, (qdim / hd) / nkv, S, consts[0], consts[1],
-             consts[2] >= 1.f ? static_cast<int>(consts[2]) : 1, f(3), f(4), f(5), f(6), f(7),
-             static_cast<float *>(params[nparam - 1])};
+             consts[2] >= 1.f ? static_cast<int>(consts[2]) : 1, params[3], params[5], f(4), f(6), f(7),
+             static_cast<float *>(params[nparam - 1]), half_w};
   return 0;
 }
 }  // namespace
 
-extern "C" int DecodeStep(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
-                          void *extra) {
-  (void)stream; (void)extra;
-  Model m;
-  if (const int rc = check_model(nparam, params, ndims, shapes, dtypes, &m)) return rc;
-  if (count(ndims, shapes, 0) != 1 || count(ndims, shapes, 1) != 1) return 3;
+// One token through the whole model, the weight matrices of type WT (float or half); `m` checked by check_model.
+template <typename WT>
+int decode_step(void **params, const Model &m) {
   const int n_layers = m.n_layers;
   const int64_t V = m.V, H = m.H, hd = m.hd, S_rope = m.S_rope, qdim = m.qdim, kvdim = m.kvdim, F = m.F;
   const int64_t nh = m.nh, nkv = m.nkv, n_rep = m.n_rep, S = m.S;
   const int32_t tok = *static_cast<const int32_t *>(params[0]);
   const int64_t pos = *static_cast<const int32_t *>(params[1]);
-  const float eps = m.eps, scale = m.scale, *embed = m.embed, *final_norm = m.final_norm, *head = m.head;
+  const float eps = m.eps, scale = m.scale, *final_norm = m.final_norm;
+  const WT *embed = static_cast<const WT *>(m.embed), *head = static_cast<const WT *>(m.head);
   const float *cos_t = m.cos_t, *sin_t = m.sin_t;
   const int threads = m.threads;
   float *logits = m.logits;
   if (tok < 0 || tok >= V || pos < 0 || pos >= S || pos >= S_rope) return 4;
   const float *cos_p = cos_t + pos * hd, *sin_p = sin_t + pos * hd;
 
-  std::vector<float> x(embed + tok * H, embed + (tok + 1) * H);
+  std::vector<float> x(H);
+  for (int64_t i = 0; i < H; ++i) x[i] = widen(embed[tok * H + i]);
   std::vector<float> q(qdim), kv(2 * kvdim), attn(qdim), act(F), up(F), hn(H * threads), scores(S * threads);
 
 #pragma omp parallel num_threads(threads)
@@ -527,17 +601,18 @@ extern "C" int DecodeStep(int nparam, void **params, int *ndims, int64_t **shape
     float *sc = scores.data() + S * t;  // this thread's attention scores
     int64_t b, e;
     for (int l = 0; l < n_layers; ++l) {
-      const float *const *w = reinterpret_cast<const float *const *>(params + 8 + 9 * l);
+      const auto w = [&](int i) { return static_cast<const float *>(params[8 + 9 * l + i]); };  // the norms
+      const auto wm = [&](int i) { return static_cast<const WT *>(params[8 + 9 * l + i]); };  // the matrices
       float *kc = static_cast<float *>(params[8 + 9 * n_layers + l]);
       float *vc = static_cast<float *>(params[8 + 10 * n_layers + l]);
-      rms_norm(x.data(), w[0], h, H, eps);
+      rms_norm(x.data(), w(0), h, H, eps);
       // q | k | v rows, one range per thread over the three matrices
       split(qdim + 2 * kvdim, t, nt, &b, &e);
-      if (b < qdim) gemv_rows(w[1], h, q.data(), H, b, e < qdim ? e : qdim, false);
+      if (b < qdim) gemv_rows(wm(1), h, q.data(), H, b, e < qdim ? e : qdim, false);
       if (e > qdim && b < qdim + kvdim)
-        gemv_rows(w[2], h, kv.data(), H, (b > qdim ? b : qdim) - qdim, (e < qdim + kvdim ? e : qdim + kvdim) - qdim, false);
+        gemv_rows(wm(2), h, kv.data(), H, (b > qdim ? b : qdim) - qdim, (e < qdim + kvdim ? e : qdim + kvdim) - qdim, false);
       if (e > qdim + kvdim)
-        gemv_rows(w[3], h, kv.data() + kvdim, H, (b > qdim + kvdim ? b : qdim + kvdim) - qdim - kvdim, e - qdim - kvdim, false);
+        gemv_rows(wm(3), h, kv.data() + kvdim, H, (b > qdim + kvdim ? b : qdim + kvdim) - qdim - kvdim, e - qdim - kvdim, false);
 #pragma omp barrier
       // RoPE and the cache write: kv heads split over threads; then attention, q heads split over threads
       split(nkv, t, nt, &b, &e);
@@ -556,16 +631,16 @@ extern "C" int DecodeStep(int nparam, void **params, int *ndims, int64_t **shape
       }
 #pragma omp barrier
       split(H, t, nt, &b, &e);
-      gemv_rows(w[4], attn.data(), x.data(), qdim, b, e, true);  // x += o(attn), rows of x split
+      gemv_rows(wm(4), attn.data(), x.data(), qdim, b, e, true);  // x += o(attn), rows of x split
 #pragma omp barrier
-      rms_norm(x.data(), w[5], h, H, eps);
+      rms_norm(x.data(), w(5), h, H, eps);
       split(F, t, nt, &b, &e);
-      gemv_rows(w[6], h, act.data(), H, b, e, false);  // gate
-      gemv_rows(w[7], h, up.data(), H, b, e, false);   // up
+      gemv_rows(wm(6), h, act.data(), H, b, e, false);  // gate
+      gemv_rows(wm(7), h, up.data(), H, b, e, false);   // up
       for (int64_t r = b; r < e; ++r) act[r] = act[r] / (1.0f + std::exp(-act[r])) * up[r];  // silu(gate) * up
 #pragma omp barrier
       split(H, t, nt, &b, &e);
-      gemv_rows(w[8], act.data(), x.data(), F, b, e, true);  // x += down(act)
+      gemv_rows(wm(8), act.data(), x.data(), F, b, e, true);  // x += down(act)
 #pragma omp barrier
     }
     rms_norm(x.data(), final_norm, h, H, eps);
@@ -575,6 +650,15 @@ extern "C" int DecodeStep(int nparam, void **params, int *ndims, int64_t **shape
   return 0;
 }
 
+extern "C" int DecodeStep(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
+                          void *extra) {
+  (void)stream; (void)extra;
+  Model m;
+  if (const int rc = check_model(nparam, params, ndims, shapes, dtypes, &m)) return rc;
+  if (count(ndims, shapes, 0) != 1 || count(ndims, shapes, 1) != 1) return 3;
+  return m.half ? decode_step<half>(params, m) : decode_step<float>(params, m);
+}
+
 // A prompt chunk (batch 1, T tokens at slots start..start+T-1) through the whole model, as DecodeStep does one
 // token: the operands are DecodeStep's but 0 tokens int32 [1, T] and 1 int32 [2]: start, last (the row whose
 // logits are returned, 0 <= last < T). Writes the chunk's K/V rows into the caches and returns the logits [1, V]
@@ -582,13 +666,9 @@ extern "C" int DecodeStep(int nparam, void **params, int *ndims, int64_t **shape
 // nothing a static MindSpore graph would keep per kernel (~0.5 GB of the 64-token chunk graph at SmolLM2-135M).
 // The projections are GEMMs over the chunk (gemm_rows: every weight row read once per chunk), split by rows over
 // the threads; attention as ChunkAttention.
-extern "C" int PrefillStep(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
-                           void *extra) {
-  (void)stream; (void)extra;
-  Model m;
-  if (const int rc = check_model(nparam, params, ndims, shapes, dtypes, &m)) return rc;
-  const int64_t T = count(ndims, shapes, 0);
-  if (T < 1 || count(ndims, shapes, 1) != 2) return 3;
+// A prompt chunk of T tokens through the whole model, the weight matrices of type WT; `m` checked by check_model.
+template <typename WT>
+int prefill_step(void **params, const Model &m, int64_t T) {
   const int n_layers = m.n_layers;
   const int64_t V = m.V, H = m.H, hd = m.hd, qdim = m.qdim, kvdim = m.kvdim, F = m.F;
   const int32_t *tokens = static_cast<const int32_t *>(params[0]);
@@ -596,13 +676,15 @@ extern "C" int PrefillStep(int nparam, void **params, int *ndims, int64_t **shap
   if (start < 0 || start + T > m.S || start + T > m.S_rope || last < 0 || last >= T) return 4;
   for (int64_t i = 0; i < T; ++i)
     if (tokens[i] < 0 || tokens[i] >= V) return 4;
-  const float eps = m.eps, scale = m.scale, *embed = m.embed, *final_norm = m.final_norm, *head = m.head;
+  const float eps = m.eps, scale = m.scale, *final_norm = m.final_norm;
+  const WT *embed = static_cast<const WT *>(m.embed), *head = static_cast<const WT *>(m.head);
   const int threads = m.threads;
   float *logits = m.logits;
 
   std::vector<float> x(T * H), h(T * H), q(T * qdim), k(T * kvdim), v(T * kvdim), attn(T * qdim), act(T * F),
       up(T * F), qr(T * qdim), kt(m.nkv * hd * (start + T)), scores(4 * (start + T) * threads), hl(H);
-  for (int64_t i = 0; i < T; ++i) std::memcpy(x.data() + i * H, embed + tokens[i] * H, H * sizeof(float));
+  for (int64_t i = 0; i < T; ++i)
+    for (int64_t j = 0; j < H; ++j) x[i * H + j] = widen(embed[tokens[i] * H + j]);
   ChunkAttn c{q.data(), k.data(), v.data(), T, m.nh, m.nkv, hd, m.n_rep, m.S, start, m.cos_t, m.sin_t, scale,
               nullptr, nullptr, qr.data(), kt.data(), attn.data()};
 
@@ -627,20 +709,21 @@ extern "C" int PrefillStep(int nparam, void **params, int *ndims, int64_t **shap
       e = e * blk < rows ? e * blk : rows;
     };
     for (int l = 0; l < n_layers; ++l) {
-      const float *const *w = reinterpret_cast<const float *const *>(params + 8 + 9 * l);
+      const auto w = [&](int i) { return static_cast<const float *>(params[8 + 9 * l + i]); };  // the norms
+      const auto wm = [&](int i) { return static_cast<const WT *>(params[8 + 9 * l + i]); };  // the matrices
       ChunkAttn cl = c;
       cl.kc = static_cast<float *>(params[8 + 9 * n_layers + l]);
       cl.vc = static_cast<float *>(params[8 + 10 * n_layers + l]);
       split(T, t, nt, &b, &e);
-      for (int64_t i = b; i < e; ++i) rms_norm(x.data() + i * H, w[0], h.data() + i * H, H, eps);
+      for (int64_t i = b; i < e; ++i) rms_norm(x.data() + i * H, w(0), h.data() + i * H, H, eps);
 #pragma omp barrier
       rows_of(qdim + 2 * kvdim);  // q | k | v rows, one range per thread over the three matrices
-      if (b < qdim) gemm_rows(h.data(), H, T, w[1], H, b, e < qdim ? e : qdim, q.data(), qdim, false);
+      if (b < qdim) gemm_rows(h.data(), H, T, wm(1), H, b, e < qdim ? e : qdim, q.data(), qdim, false);
       if (e > qdim && b < qdim + kvdim)
-        gemm_rows(h.data(), H, T, w[2], H, (b > qdim ? b : qdim) - qdim, (e < qdim + kvdim ? e : qdim + kvdim) - qdim,
+        gemm_rows(h.data(), H, T, wm(2), H, (b > qdim ? b : qdim) - qdim, (e < qdim + kvdim ? e : qdim + kvdim) - qdim,
                   k.data(), kvdim, false);
       if (e > qdim + kvdim)
-        gemm_rows(h.data(), H, T, w[3], H, (b > qdim + kvdim ? b : qdim + kvdim) - qdim - kvdim, e - qdim - kvdim,
+        gemm_rows(h.data(), H, T, wm(3), H, (b > qdim + kvdim ? b : qdim + kvdim) - qdim - kvdim, e - qdim - kvdim,
                   v.data(), kvdim, false);
 #pragma omp barrier
       cl.write(t, nt);
@@ -650,14 +733,14 @@ extern "C" int PrefillStep(int nparam, void **params, int *ndims, int64_t **shap
       cl.attend(t, nt, sc);
 #pragma omp barrier
       rows_of(H);
-      gemm_rows(attn.data(), qdim, T, w[4], qdim, b, e, x.data(), H, true);  // x += o(attn), columns of x split
+      gemm_rows(attn.data(), qdim, T, wm(4), qdim, b, e, x.data(), H, true);  // x += o(attn), columns of x split
 #pragma omp barrier
       split(T, t, nt, &b, &e);
-      for (int64_t i = b; i < e; ++i) rms_norm(x.data() + i * H, w[5], h.data() + i * H, H, eps);
+      for (int64_t i = b; i < e; ++i) rms_norm(x.data() + i * H, w(5), h.data() + i * H, H, eps);
 #pragma omp barrier
       rows_of(F);
-      gemm_rows(h.data(), H, T, w[6], H, b, e, act.data(), F, false);  // gate
-      gemm_rows(h.data(), H, T, w[7], H, b, e, up.data(), F, false);   // up
+      gemm_rows(h.data(), H, T, wm(6), H, b, e, act.data(), F, false);  // gate
+      gemm_rows(h.data(), H, T, wm(7), H, b, e, up.data(), F, false);   // up
       for (int64_t i = 0; i < T; ++i)
         for (int64_t r = b; r < e; ++r) {
           float &a = act[i * F + r];
@@ -665,7 +748,7 @@ extern "C" int PrefillStep(int nparam, void **params, int *ndims, int64_t **shap
         }
 #pragma omp barrier
       rows_of(H);
-      gemm_rows(act.data(), F, T, w[8], F, b, e, x.data(), H, true);  // x += down(act)
+      gemm_rows(act.data(), F, T, wm(8), F, b, e, x.data(), H, true);  // x += down(act)
 #pragma omp barrier
     }
     if (t == 0) rms_norm(x.data() + last * H, final_norm, hl.data(), H, eps);
@@ -674,6 +757,16 @@ extern "C" int PrefillStep(int nparam, void **params, int *ndims, int64_t **shap
     gemv_rows(head, hl.data(), logits, H, b, e, false);
   }
   return 0;
+}
+
+extern "C" int PrefillStep(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
+                           void *extra) {
+  (void)stream; (void)extra;
+  Model m;
+  if (const int rc = check_model(nparam, params, ndims, shapes, dtypes, &m)) return rc;
+  const int64_t T = count(ndims, shapes, 0);
+  if (T < 1 || count(ndims, shapes, 1) != 2) return 3;
+  return m.half ? prefill_step<half>(params, m, T) : prefill_step<float>(params, m, T);
 }
 
 // A prompt chunk's attention over the in-place cache (CachedDecoder's prefill, one op per layer): RoPE on the

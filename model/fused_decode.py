@@ -59,14 +59,25 @@ def decode_threads() -> int:
     return max(1, min(n, 8))
 
 
+def is_matrix(i: int, n_layers: int) -> bool:
+    """Whether whole-model operand `i` is a weight matrix (embedding, LM head, a layer's q k v o gate up down): the
+    operands `DecodeWeights` may hold in float16 (model/decode_kernel.cc `is_matrix`)."""
+    if i in (3, 5):
+        return True
+    return 8 <= i < 8 + 9 * n_layers and (i - 8) % 9 not in (0, 5)
+
+
 def _decode_dtypes(*dtypes):
-    """The decode op's dtype check (the kernel checks again): token and position int32, the rest float32."""
+    """The decode op's dtype check (the kernel checks again): token and position int32, the weight matrices all
+    float32 or all float16, the rest float32."""
+    n_layers = (len(dtypes) - 8) // 11
+    half = dtype_of(dtypes[3]) == ms.float16
     for i, t in enumerate(dtypes):
-        want = ms.int32 if i < 2 else ms.float32
+        want = ms.int32 if i < 2 else ms.float16 if half and is_matrix(i, n_layers) else ms.float32
         if dtype_of(t) != want:
             raise KernelShapeError(
                 f"fused kernel DecodeStep: operand {i} must be {want}, got {dtype_of(t)} "
-                f"(an fp32 model and int32 token/position)"
+                f"(fp32 or fp16 weight matrices, fp32 norms and caches, int32 token/position)"
             )
     return ms.float32
 
@@ -136,6 +147,42 @@ def chunk_attention_op(lib: str):
     return ChunkAttention()
 
 
+WEIGHT_FORMATS = ("fp32", "fp16")
+"""How the fused decode and prefill steps read the weight matrices: the network's own float32 Parameters, or
+IEEE binary16 copies (`DecodeWeights`: GGUF's F16, half the bytes per token; fp16 rather than bf16 because it keeps
+3 more mantissa bits, GGUF F16 files hold it bit for bit, and every AVX2 CPU widens it in one instruction, F16C)."""
+
+
+class DecodeWeights(nn.Cell):
+    """The weight matrices of `net` (embedding, LM head, each layer's q k v o gate up down) as float16 Parameters, in
+    the fused op's operand order; the norms stay the net's float32 ones. A copy: taken when the Generator is built
+    (weights changed in place later, as LoRA merges do, are not seen; the Generator is rebuilt after a merge)."""
+
+    def __init__(self, net, dtype: str = "fp16"):
+        super().__init__()
+        if dtype != "fp16":
+            raise ValueError(f"decode weights: {dtype!r} is not a stored format (one of {WEIGHT_FORMATS[1:]})")
+
+        def half(p):
+            return ms.Parameter(
+                Tensor(p.asnumpy().astype(np.float16)), name=f"decode_fp16.{p.name}", requires_grad=False
+            )
+
+        self.embed = half(net.embed_tokens.weight)
+        self.head = self.embed if net.tie_embeddings else half(net.lm_head.weight)
+        mats = []
+        for layer in net.layers:
+            a, m = layer.self_attn, layer.mlp
+            mats += [
+                half(w.weight) for w in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
+            ]
+        self.mats = ms.ParameterTuple(mats)
+
+    def nbytes(self) -> int:
+        seen = {id(self.embed): self.embed, id(self.head): self.head, **{id(p): p for p in self.mats}}
+        return sum(int(np.prod(p.shape)) * 2 for p in seen.values())
+
+
 class FusedDecodeStep(nn.Cell):
     """One decode token (batch 1, T = 1) of a `CachedDecoder` as ONE MindSpore custom op (model/decode_kernel.cc);
     with `prefill=True`, a prompt chunk (batch 1, T tokens) the same way (`PrefillStep`).
@@ -149,9 +196,10 @@ class FusedDecodeStep(nn.Cell):
     64-token chunk graph of `CachedDecoder` keeps ~0.5 GB at SmolLM2-135M (docs/MEMORY.md).
     """
 
-    def __init__(self, decoder, lib: str, threads: int, prefill: bool = False):
+    def __init__(self, decoder, lib: str, threads: int, prefill: bool = False, weights: DecodeWeights | None = None):
         super().__init__()
         net = decoder.net
+        self.weights = weights  # None: the net's own float32 matrices
         c = net.config
         object.__setattr__(self, "net", net)
         object.__setattr__(self, "decoder", decoder)
@@ -161,22 +209,22 @@ class FusedDecodeStep(nn.Cell):
         self.op = _decode_op(lib, v, len(net.layers), "PrefillStep" if prefill else "DecodeStep")
 
     def construct(self, token: Tensor, pos: Tensor) -> Tensor:
-        net, dec = self.net, self.decoder
-        head = net.embed_tokens.weight if net.tie_embeddings else net.lm_head.weight
-        args = (token, pos, self.consts, net.embed_tokens.weight, net.norm.weight, head, net.rope_cos, net.rope_sin)
-        for layer in net.layers:
+        net, dec, wt = self.net, self.decoder, self.weights
+        if wt is None:
+            embed = net.embed_tokens.weight
+            head = net.embed_tokens.weight if net.tie_embeddings else net.lm_head.weight
+        else:
+            embed, head = wt.embed, wt.head
+        args = (token, pos, self.consts, embed, net.norm.weight, head, net.rope_cos, net.rope_sin)
+        for i, layer in enumerate(net.layers):
             a, m = layer.self_attn, layer.mlp
-            args = args + (
-                layer.input_layernorm.weight,
-                a.q_proj.weight,
-                a.k_proj.weight,
-                a.v_proj.weight,
-                a.o_proj.weight,
-                layer.post_attention_layernorm.weight,
-                m.gate_proj.weight,
-                m.up_proj.weight,
-                m.down_proj.weight,
-            )
+            if wt is None:
+                mats = (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.o_proj.weight)
+                mats = mats + (m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight)
+            else:
+                mats = wt.mats[7 * i : 7 * i + 7]
+            args = args + (layer.input_layernorm.weight,) + mats[:4] + (layer.post_attention_layernorm.weight,)
+            args = args + mats[4:]
         for i in range(len(net.layers)):
             args = args + (dec.k_cache[i],)
         for i in range(len(net.layers)):

@@ -46,6 +46,8 @@ import numpy as np
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
 from model.fused_decode import (
+    WEIGHT_FORMATS,
+    DecodeWeights,
     FusedDecodeStep,
     build_decode_kernel,
     chunk_attention_op,
@@ -234,7 +236,11 @@ class Generator:
         fused: bool = True,
         threads: int | None = None,
         prefill_chunk: int = PREFILL_CHUNK,
+        weights: str = "fp32",
     ):
+        if weights not in WEIGHT_FORMATS:
+            formats = ", ".join(WEIGHT_FORMATS)
+            raise ValueError(f"weights: {weights!r} is not a decode weight format; use one of {formats}")
         self.net = net
         self.bucket = bucket
         self.max_len = max_len or net.config.max_seq_length  # cache slots S
@@ -270,6 +276,13 @@ class Generator:
             self._path_reason = (
                 f"the fused decode kernel (model/decode_kernel.cc, {decode_kernel_path(fused)} body, {threads} threads)"
             )
+        # the fused steps' weight matrices: the net's fp32 ones, or fp16 copies (where the fused steps run)
+        self.weights = weights if lib is not None else "fp32"
+        self._weights = DecodeWeights(net, weights) if self.weights != "fp32" else None
+        if weights != self.weights:
+            self._path_reason += f"; {weights} weights need it, so the weights stay fp32"
+        elif self._weights is not None:
+            self._path_reason += f", {weights} weight matrices ({self._weights.nbytes() / 1e6:.0f} MB)"
         self._decoder = CachedDecoder(net, self.max_len, lib, threads) if supported else None
         # The decoder's caches are one set of Parameters: one sequence at a time may use them. Sequences
         # interleaved with it (the server's engine runs several coroutines in turn) take the functional path.
@@ -289,13 +302,13 @@ class Generator:
             layer for _, layer in lora_layers(net)
         ]  # the fused step ignores their updates (see _cached_steps)
         if lib is not None:
-            fused_step = FusedDecodeStep(self._decoder, lib, threads)
+            fused_step = FusedDecodeStep(self._decoder, lib, threads, weights=self._weights)
 
             def fused_decode(token, pos):
                 return fused_step(token, pos)
 
             self._fused = ms.jit(fused_decode)
-            fused_chunk = FusedDecodeStep(self._decoder, lib, threads, prefill=True)
+            fused_chunk = FusedDecodeStep(self._decoder, lib, threads, prefill=True, weights=self._weights)
 
             def fused_prefill(tokens, where):
                 return fused_chunk(tokens, where)

@@ -10,7 +10,7 @@
 //
 // vf is the compiler's own vector type (GCC/Clang vector extensions): + - * / work on it directly and
 // v[i] reads a lane, so the kernels' arithmetic is written once. What the operators cannot say portably
-// (unaligned load/store, fused multiply-add, min/max, sqrt) is one intrinsic per level here, and the exp
+// (unaligned load/store, fused multiply-add, min/max, sqrt, widening binary16) is one intrinsic per level here, and the exp
 // polynomial is written once on top of them. With MSLLM_SCALAR the kernels compile only their scalar
 // loops: that body is the reference every other body is tested against (tests/test_kernels.py,
 // tests/native/kernel_harness.cc, also under qemu-aarch64).
@@ -69,6 +69,38 @@ inline vf vmax(vf a, vf b) { return vmaxq_f32(a, b); }
 inline vf vmin(vf a, vf b) { return vminq_f32(a, b); }
 inline vf sqrt(vf a) { return vsqrtq_f32(a); }
 #endif
+
+// IEEE binary16 weights (GGUF's F16): kVW halves widened to floats exactly (F16C on x86-64-v3/v4, NEON's vcvt)
+#if MSLLM_VW == 16
+inline vf load_h(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(p))); }
+#elif MSLLM_VW == 8
+inline vf load_h(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p))); }
+#elif MSLLM_VW == 4
+inline vf load_h(const uint16_t *p) { return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p))); }
+#endif
+
+// One binary16 value as a float, exactly (normals, subnormals, zeros, infinities, NaN): the scalar body's conversion
+// and every body's tail.
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0x1fu) {
+    bits = sign | 0x7f800000u | (man << 13);  // inf / NaN
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112u) << 23) | (man << 13);  // normal: rebias 15 -> 127
+  } else if (man == 0) {
+    bits = sign;  // +-0
+  } else {  // subnormal: man * 2^-24, exact in float
+    const float f = static_cast<float>(man) * 5.9604644775390625e-08f;
+    uint32_t fb;
+    __builtin_memcpy(&fb, &f, 4);
+    bits = sign | fb;
+  }
+  float out;
+  __builtin_memcpy(&out, &bits, 4);
+  return out;
+}
 
 #if MSLLM_VW > 0
 inline vf zero() { return set1(0.0f); }

@@ -182,6 +182,37 @@ def test_kv_cache_decode_paths_equal_the_reference():
         check(name, rows)
 
 
+@pytest.mark.integration  # ~5 s: the fused prefill and decode steps compiled
+def test_fused_decode_with_fp16_weights_equals_the_reference_on_the_rounded_weights():
+    """`Generator(weights="fp16")`: the fused prefill chunk and decode steps read IEEE binary16 copies of the weight
+    matrices and compute in float32, so they equal the definition run on the matrices rounded to binary16 (norms
+    float32) within the same float32 bound as the fp32 path; and they are not the fp32 weights' logits (a step that
+    silently read the fp32 matrices would match those instead)."""
+    from model.fused_decode import is_matrix
+    from model.generate import Generator
+
+    net, weights, _ = _net()
+    gen = Generator(net, weights="fp16")
+    if gen.decode_path != "fused":
+        pytest.skip(f"the fused decode kernel does not run here: {gen.decode_reason}")
+    assert gen.weights == "fp16" and "fp16 weight matrices" in gen.decode_reason
+    matrix = ("_proj.weight", "embed_tokens.weight", "lm_head.weight")
+    rounded = {n: w.astype(np.float16).astype(np.float32) if n.endswith(matrix) else w for n, w in weights.items()}
+    assert is_matrix(3, 2) and is_matrix(9, 2) and not is_matrix(8, 2) and not is_matrix(13, 2)
+    prompt, sent = _ids(9, seed=5), _ids(4, seed=6)
+    want = reference.forward(prompt + sent, rounded, CFG)[0][len(prompt) - 1 :]
+    fp32 = reference.forward(prompt + sent, weights, CFG)[0][len(prompt) - 1 :]
+    steps = gen._cached_steps(prompt)
+    rows = [next(steps)] + [steps.send(t) for t in sent]
+    steps.close()
+    far = 0.0
+    for i, (got, w, w32) in enumerate(zip(rows, want, fp32)):
+        tol = logit_tol(CFG, len(prompt) + i, float(np.abs(w).max()))
+        np.testing.assert_allclose(got, w, rtol=0, atol=tol, err_msg=f"fp16 weights, step {i}")
+        far = max(far, float(np.abs(got - w32).max()) / tol)
+    assert far > 4, f"the fp16 path is within {far:.1f} bounds of the fp32 weights' logits: were the copies read?"
+
+
 @pytest.mark.integration  # ~3 s: the graph written and run on onnxruntime
 def test_onnx_graph_equals_the_reference(tmp_path):
     """tasks/deploy/onnx_decoder.py's graph (written from the weights, run by onnxruntime without MindSpore): the

@@ -171,6 +171,7 @@ def test_models_and_health(server):
     want = "fused" if build_decode_kernel() else "decoder"
     assert health["decode"]["path"] == want and health["decode"]["reason"], health["decode"]
     assert ("model/decode_kernel.cc" in health["decode"]["reason"]) == (want == "fused")
+    assert health["decode"]["weights"] == "fp32"  # msllm serve --weights' default
 
 
 def test_completion_equals_generator_and_is_logged(server, reference):

@@ -255,6 +255,13 @@ def main() -> None:
     ap.add_argument("--hf-attn", default="sdpa", help="HF's attention implementation (default: its own, sdpa)")
     add_isa_arg(ap)
     add_record_args(ap)
+    ap.add_argument(
+        "--fp16",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time the fused step reading binary16 copies of the weight matrices (`Generator(weights='fp16')`, "
+        "`msllm serve --weights fp16`) on every thread count: fp16_tokens_per_s and its bandwidth fraction",
+    )
     ap.add_argument("--side", choices=["hf"], default=None, help=argparse.SUPPRESS)
     ap.add_argument("--weights", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--prompt", default=None, help=argparse.SUPPRESS)
@@ -312,6 +319,8 @@ def main() -> None:
     paths = {**{f"cached@{t}": g for t, g in fused.items()}, "decoder": plain}
     if gen.decode_path != "fused":  # every Generator decodes on MindSpore kernels: time it once
         paths = {f"cached@{counts[-1]}": gen}
+    elif a.fp16:  # the same fused step on binary16 matrices: half the bytes each token reads
+        paths.update({f"fp16@{t}": Generator(net, threads=t, weights="fp16") for t in counts})
     t0 = time.perf_counter()
     for g in paths.values():
         g.compile(len(prompt), a.new_tokens)
@@ -365,6 +374,17 @@ def main() -> None:
                 len(tokens["hf"]),
             ),
         )
+    if any(k.startswith("fp16@") for k in tps):
+        best["fp16"], fp16_key = best_of("fp16")
+        res.update(
+            fp16_tokens_per_s=round(best["fp16"], 2),
+            fp16_best_threads=int(fp16_key.split("@")[1]),
+            fp16_speedup_vs_fp32=round(best["fp16"] / best["cached"], 2),
+            fp16_same_tokens_prefix=next(
+                (i for i, (x, y) in enumerate(zip(tokens[fp16_key], tokens["uncached"])) if x != y),
+                len(tokens["uncached"]),
+            ),
+        )
     if "decoder" in tps:
         best["decoder"] = max(tps["decoder"])
         res["decoder_tokens_per_s"] = round(best["decoder"], 2)
@@ -384,9 +404,9 @@ def main() -> None:
         bandwidth_limit_tokens_per_s=round(limit / per_token, 1),
     )
     over = []
-    for name, key in (("cached", ""), ("decoder", "decoder_"), ("hf", "hf_")):
+    for name, key in (("cached", ""), ("fp16", "fp16_"), ("decoder", "decoder_"), ("hf", "hf_")):
         if name in best:
-            frac = best[name] * per_token / limit
+            frac = best[name] * per_token / limit / (2 if name == "fp16" else 1)  # fp16: 2 bytes a weight
             if frac > 1:
                 over.append(f"{name} {best[name]:.1f} tokens/s = {frac:.2f}x")
             res[f"{key}fraction_of_bandwidth_limit"] = round(min(frac, 1.0), 3)
@@ -397,7 +417,8 @@ def main() -> None:
         )
         print(f"[generate] WARNING {res['bandwidth_note']}", file=sys.stderr, flush=True)
     res["kv_speedup"] = round(best["cached"] / res["uncached_tokens_per_s"], 2)  # secondary: vs our own uncached path
-    res["same_tokens"] = all(v == tokens["uncached"] for k, v in tokens.items() if k != "hf")
+    # the fp32 paths (fp16's rounded weights may part from them: fp16_same_tokens_prefix)
+    res["same_tokens"] = all(v == tokens["uncached"] for k, v in tokens.items() if k != "hf" and "fp16" not in k)
 
     if a.requests <= 0:  # decode only
         record(res, a)

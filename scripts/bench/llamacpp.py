@@ -12,7 +12,8 @@ not a gate: it reports, it asserts nothing about speed or tokens.
    writes model.f16.gguf and model.q8_0.gguf from that artifact, for this run.
 3. Greedy tokens: `llama-completion --temp 0` (32 new tokens, stops at an end-of-generation token) on PROMPT on each
    file; its token ids are read from the session file `--prompt-cache-all` writes (its header holds every token id).
-   Ours: `model.generate.Generator` (greedy, the fp32 artifact, as `msllm serve` loads it) on llama.cpp's prompt ids.
+   Ours: `model.generate.Generator` (greedy, the fp32 artifact, as `msllm serve` loads it; with --weights fp16 the
+   fused steps read binary16 copies of the matrices, as `msllm serve --weights fp16`) on llama.cpp's prompt ids.
    `same_prefix`: how many of the generated ids agree before the first difference (F16/Q8_0 weights and llama.cpp's
    f16/q8 activations vs our fp32 may part late; reported, not asserted).
 4. Speed, on every thread count of --threads (default 1,2; each side's figure is its best thread count's best
@@ -275,13 +276,14 @@ def our_side(a: argparse.Namespace) -> None:
     net, _ = load_network(a.artifact)
     eos = load_tokenizer(a.artifact).eos_id()
     threads = [int(t) for t in a.threads.split(",")]
-    gens = {t: Generator(net, max_len=SLOTS, threads=t) for t in threads}  # one per fused-step thread count
+    # one per fused-step thread count, reading the weight matrices in a.weights (fp32: the net's own)
+    gens = {t: Generator(net, max_len=SLOTS, threads=t, weights=a.weights) for t in threads}
     gen = gens[max(threads)]
     t0 = time.perf_counter()
     for g in gens.values():
         g.compile(PROMPT_TOKENS, NEW_TOKENS)
     res = {
-        "weights": "fp32",
+        "weights": gen.weights,
         "decode_path": gen.decode_path,
         "decode_reason": gen.decode_reason,
         "kernel_body": decode_kernel_path(),
@@ -366,6 +368,12 @@ def main() -> None:
     )
     add_isa_arg(ap)
     add_record_args(ap)
+    ap.add_argument(
+        "--weights",
+        default="fp32,fp16",
+        help="our decode weight formats, comma-separated (model/fused_decode.py WEIGHT_FORMATS): each in a "
+        "process of its own; fp16 is compared with llama.cpp's F16, fp32 is reported beside both",
+    )
     ap.add_argument("--side", choices=["ours"], default=None, help=argparse.SUPPRESS)
     ap.add_argument("--artifact", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--prompt-ids", default=None, help=argparse.SUPPRESS)
@@ -401,39 +409,32 @@ def main() -> None:
         res["prompt_ids_match"] = all(p == ours_prompt for p, _ in runs.values())
         for t, f in files.items():
             res[t] = bench(bins, f, threads, tmp)
-        r = subprocess.run(
-            [
-                sys.executable,
-                __file__,
-                "--side",
-                "ours",
-                "--artifact",
-                str(art),
-                "--prompt-ids",
-                json.dumps(prompt_ids),
-                "--threads",
-                a.threads,
-                "--rounds",
-                str(a.rounds),
-            ],
-            capture_output=True,
-            text=True,
-        )
-        if r.returncode:
-            die(f"our side failed (exit {r.returncode}): {(r.stderr.strip().splitlines() or [''])[-1]}")
-        ours = json.loads(r.stdout.strip().splitlines()[-1])
+        ours = {w: _ours(a, art, prompt_ids, w) for w in a.weights.split(",")}
+    # each llama.cpp format against ours in the same format where we ran it (F16: fp16), else our fp32
+    mine = {"F16": ours.get("fp16"), "Q8_0": ours.get("q8_0")}
     for t, (_, ids) in runs.items():
-        same = next(
-            (i for i, (x, y) in enumerate(zip(ids, ours["greedy"])) if x != y), min(len(ids), len(ours["greedy"]))
-        )
+        o = mine.get(t) or ours.get("fp32") or next(iter(ours.values()))
+        same = next((i for i, (x, y) in enumerate(zip(ids, o["greedy"])) if x != y), min(len(ids), len(o["greedy"])))
         res[t].update(
             greedy=ids,
             greedy_len=len(ids),
             same_prefix=same,
-            ours_vs_llamacpp=round(ours["tokens_per_s"] / res[t]["tokens_per_s"], 3),
+            ours_weights=o["weights"],
+            ours_vs_llamacpp=round(o["tokens_per_s"] / res[t]["tokens_per_s"], 3),
         )
-    res["ours"] = ours
+    res["ours"] = ours.get("fp32") or next(iter(ours.values()))  # the fp32 side, under the name older lines used
+    res["ours_by_weights"] = ours
     record(res, a)
+
+
+def _ours(a: argparse.Namespace, art: Path, prompt_ids: list[int], weights: str) -> dict:
+    """Our side in a process of its own (its VmHWM is ours alone), reading the weight matrices in `weights`."""
+    cmd = [sys.executable, __file__, "--side", "ours", "--artifact", str(art), "--prompt-ids", json.dumps(prompt_ids)]
+    cmd += ["--threads", a.threads, "--rounds", str(a.rounds), "--weights", weights]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode:
+        die(f"our side ({weights}) failed (exit {r.returncode}): {(r.stderr.strip().splitlines() or [''])[-1]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 if __name__ == "__main__":

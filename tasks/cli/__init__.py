@@ -147,6 +147,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="onnxruntime: decode the active sequences one call each instead of one batched call",
     )
     p.add_argument(
+        "--weights",
+        choices=["fp32", "fp16"],
+        default="fp32",
+        help="a model artifact's decode weights (MindSpore's fused decode and prefill steps): fp32, or fp16 (IEEE "
+        "binary16, as GGUF F16: half the bytes each token reads, ~2x the decode speed at SmolLM2-135M; the "
+        "weights stay fp32 where the fused kernel does not run). docs/SERVING.md, 'Weight formats'",
+    )
+    p.add_argument(
         "--adapter",
         dest="adapters",
         action="append",

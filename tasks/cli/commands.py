@@ -257,6 +257,7 @@ def cmd_serve(args) -> int:
         adapters=args.adapters,
         store=store(args),
         max_body=args.max_body_size or MAX_BODY,
+        weights=args.weights,
     )
 
 

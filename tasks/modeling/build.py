@@ -150,13 +150,14 @@ def load_network(path: str | Path, *, seed: int = 0) -> tuple[nn.Cell, dict[str,
     return built.net, info
 
 
-def generator(net: nn.Cell, *, fused: bool = True, max_len: int | None = None):
+def generator(net: nn.Cell, *, fused: bool = True, max_len: int | None = None, weights: str = "fp32"):
     """THE generator of a network, for every place that generates (eval's lm-eval adapter and `msllm predict`, the
     MindSpore serving backend, the export check, the benchmarks): model/generate.py `Generator`, whose decode and
     prefill path (fused kernel, MindSpore graph) is chosen once, here, logged with its reason (`msllm.generate`) and
     kept as `decode_path` / `decode_reason` for /health and the decode bench. `fused=False`: MindSpore's own ops
-    (eval.fused_kernels: false); `max_len`: cache slots (default: the model's max_seq_length)."""
-    return Generator(net, max_len=max_len, fused=fused)
+    (eval.fused_kernels: false); `max_len`: cache slots (default: the model's max_seq_length); `weights`: the fused
+    steps' weight matrices, "fp32" (the net's own) or "fp16" (binary16 copies; model/fused_decode.py)."""
+    return Generator(net, max_len=max_len, fused=fused, weights=weights)
 
 
 def log_kernels(kernels: Kernels, stage: str) -> str:

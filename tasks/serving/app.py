@@ -421,9 +421,11 @@ def serve(
     adapters: Sequence[AdapterSpec] = (),
     store=None,
     max_body: int = MAX_BODY,
+    weights: str = "fp32",
 ) -> int:
     """Load the artifact (and each adapter, unmerged or merged: tasks/serving/adapters.py), serve until
-    SIGTERM/SIGINT, drain, return 0. `store` resolves adapter references that are not directories."""
+    SIGTERM/SIGINT, drain, return 0. `store` resolves adapter references that are not directories; `weights`: a
+    model artifact's decode weights (model/fused_decode.py WEIGHT_FORMATS)."""
     artifact = Path(artifact).resolve()
     kind = artifact_kind(artifact)  # a bad path fails here, before the model is loaded
     model_id = model_name or default_model_id(artifact)
@@ -438,9 +440,9 @@ def serve(
         # The engine loads in this order, in its thread: the base first, so an unmerged adapter's loader
         # finds the base's backend (the one network holding every adapter's A/B).
         loaders = {
-            model_id: (lambda: MindSporeBackend(artifact, adapters=unmerged))
+            model_id: (lambda: MindSporeBackend(artifact, adapters=unmerged, weights=weights))
             if unmerged
-            else (lambda: load_backend(artifact)),
+            else (lambda: load_backend(artifact, weights=weights)),
             **{
                 a.name: (lambda n=a.name: engine.backends[model_id].adapter(n))
                 if a.name in unmerged

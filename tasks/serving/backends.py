@@ -2,7 +2,7 @@
 
     backend = load_backend(path)       # export artifact -> onnxruntime, model artifact -> MindSpore
     backend.kind, backend.context_length, backend.vocab_size, backend.eos_id, backend.tokenizer
-    backend.decode_info                # {"path": ..., "reason": ...}: how it decodes, chosen once at load (/health)
+    backend.decode_info                # {"path", "reason", "weights"}: how it decodes, chosen once at load (/health)
     backend.prompt_style               # how chat requests are rendered: the artifact's prompt_style.json
     backend.warmup()                   # compile / run once so the first request is not the slow one
     steps = backend.steps(prompt_ids)  # a coroutine: yields the logits [V] for the next position
@@ -74,7 +74,7 @@ class MindSporeBackend:
 
     kind = "mindspore"
 
-    def __init__(self, path: str | Path, adapters: dict[str, Path] | None = None):
+    def __init__(self, path: str | Path, adapters: dict[str, Path] | None = None, weights: str = "fp32"):
 
         setup_mindspore()
         from tasks.modeling.build import generator, load_network  # lazy: MindSpore (an export needs onnxruntime only)
@@ -86,7 +86,8 @@ class MindSporeBackend:
         self.prompt_style = load_prompt_style(path, self.tokenizer)  # how chat requests are rendered
         # before the Generator: its compiled graphs then hold the LoRA layers, and serve every adapter
         self.slots = _lora_slots(net, adapters) if adapters else None
-        self.generator = generator(net, fused=True)  # eval.fused_kernels' default; model.kernels.off_reason decides
+        # eval.fused_kernels' default (model.kernels.off_reason decides); `weights`: the fused steps' matrices
+        self.generator = generator(net, fused=True, weights=weights)
         self.sample_next = sample_next
         self.context_length = int(self.generator.max_len)
         self.vocab_size = int(net.config.vocab_size)
@@ -95,7 +96,8 @@ class MindSporeBackend:
     @property
     def decode_info(self) -> dict[str, str]:
         """The Generator's decode path and why (chosen when it was built; a failure mid-sequence is an error)."""
-        return {"path": self.generator.decode_path, "reason": self.generator.decode_reason}
+        g = self.generator
+        return {"path": g.decode_path, "reason": g.decode_reason, "weights": g.weights}
 
     def steps(self, prompt_ids: list[int], adapter: str | None = None) -> Generator[np.ndarray, int, None]:
         # Generator.generate's own coroutine (the prompt in fixed chunks, each one fused op or one static graph;
@@ -186,11 +188,11 @@ def _lora_slots(net, adapters: dict[str, Path]):
     return LoRASlots(net, loaded)
 
 
-def load_backend(path: str | Path):
-    """The backend for an artifact directory (see `artifact_kind`)."""
+def load_backend(path: str | Path, weights: str = "fp32"):
+    """The backend for an artifact directory (see `artifact_kind`); `weights`: a model artifact's decode weights."""
     kind = artifact_kind(path)
     if kind == "model":
-        return MindSporeBackend(path)
+        return MindSporeBackend(path, weights=weights)
     return OnnxBackend(path)
 
 
@@ -230,6 +232,7 @@ class OnnxBackend:
             "path": "onnxruntime",
             "reason": f"an export artifact: {self.path / 'model.onnx'} on "
             "onnxruntime's CPU execution provider, batched decode",
+            "weights": "fp32",
         }
 
     # ---- continuous batching: each sequence is prefilled alone (batch 1, exactly as `OnnxGenerator`), then
