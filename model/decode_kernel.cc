@@ -99,6 +99,62 @@ inline float dot(const half *a, const float *b, int64_t n) {
   return s;
 }
 
+// GGUF's Q8_0: 32 weights as int8 with one binary16 scale d (weight = d * q), 34 bytes, laid out as ggml's
+// block_q8_0; a row of n weights is n / 32 blocks. Each block's 32 products are summed in float32, then added
+// times d.
+struct Q8Block {
+  uint16_t d;
+  int8_t qs[32];
+};
+static_assert(sizeof(Q8Block) == 34, "block_q8_0 is 34 bytes");
+constexpr int64_t kQ8 = 32;
+
+// row r of a row-major matrix of n weights per row (n / 32 blocks for Q8_0)
+template <typename WT>
+inline const WT *row_of(const WT *W, int64_t r, int64_t n) {
+  if constexpr (std::is_same_v<WT, Q8Block>) return W + r * (n / kQ8);
+  else return W + r * n;
+}
+// weight k of a row, as a float
+inline float weight_at(const float *row, int64_t k) { return row[k]; }
+inline float weight_at(const half *row, int64_t k) { return widen(row[k]); }
+inline float weight_at(const Q8Block *row, int64_t k) {
+  return simd::half_to_float(row[k / kQ8].d) * static_cast<float>(row[k / kQ8].qs[k % kQ8]);
+}
+
+#if MSLLM_VW > 0
+// kVW int8 weights as floats
+inline simd::vf load_q(const int8_t *p) {
+#if MSLLM_VW == 16
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p))));
+#elif MSLLM_VW == 8
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(p))));
+#else
+  const float f[4] = {static_cast<float>(p[0]), static_cast<float>(p[1]), static_cast<float>(p[2]),
+                      static_cast<float>(p[3])};
+  return simd::loadu(f);
+#endif
+}
+#endif
+
+// a . x for a row of Q8_0 blocks
+inline float dot(const Q8Block *a, const float *x, int64_t n) {
+  float s = 0.f;
+  for (int64_t k = 0; k < n / kQ8; ++k) {
+    const float *xb = x + k * kQ8;
+    float b = 0.f;
+    int64_t j = 0;
+#if MSLLM_VW > 0
+    simd::vf acc = simd::zero();
+    for (; j + simd::kVW <= kQ8; j += simd::kVW) acc = simd::fma(load_q(a[k].qs + j), simd::loadu(xb + j), acc);
+    b = simd::hsum(acc);
+#endif
+    for (; j < kQ8; ++j) b += static_cast<float>(a[k].qs[j]) * xb[j];
+    s += simd::half_to_float(a[k].d) * b;
+  }
+  return s;
+}
+
 // y[r] (+)= W[r, :] . x for r in [r0, r1); W row-major [rows, n]. Four rows at a time share each load of x.
 // MindSpore's Parameters are only 16-byte aligned: a 64-byte load from them would straddle two cache lines
 // (half the load throughput), so each row group first takes the floats up to W's next 64-byte boundary with
@@ -109,6 +165,34 @@ template <typename WT>
 inline void gemv_rows(const WT *W, const float *x, float *y, int64_t n, int64_t r0, int64_t r1, bool accumulate) {
   int64_t r = r0;
 #if MSLLM_VW > 0
+  if constexpr (std::is_same_v<WT, Q8Block>) {  // four rows at a time, block by block: x's block loaded once
+    constexpr int64_t VW = simd::kVW;
+    const int64_t nb = n / kQ8;
+    for (; r + 4 <= r1; r += 4) {
+      const Q8Block *b0 = W + r * nb, *b1 = b0 + nb, *b2 = b1 + nb, *b3 = b2 + nb;
+      simd::vf a0 = simd::zero(), a1 = simd::zero(), a2 = simd::zero(), a3 = simd::zero();
+      for (int64_t k = 0; k < nb; ++k) {
+        simd::vf s0 = simd::zero(), s1 = simd::zero(), s2 = simd::zero(), s3 = simd::zero();
+        for (int64_t j = 0; j < kQ8; j += VW) {
+          const simd::vf xv = simd::loadu(x + k * kQ8 + j);
+          s0 = simd::fma(load_q(b0[k].qs + j), xv, s0);
+          s1 = simd::fma(load_q(b1[k].qs + j), xv, s1);
+          s2 = simd::fma(load_q(b2[k].qs + j), xv, s2);
+          s3 = simd::fma(load_q(b3[k].qs + j), xv, s3);
+        }
+        a0 = simd::fma(s0, simd::set1(simd::half_to_float(b0[k].d)), a0);
+        a1 = simd::fma(s1, simd::set1(simd::half_to_float(b1[k].d)), a1);
+        a2 = simd::fma(s2, simd::set1(simd::half_to_float(b2[k].d)), a2);
+        a3 = simd::fma(s3, simd::set1(simd::half_to_float(b3[k].d)), a3);
+      }
+      const float s0 = simd::hsum(a0), s1 = simd::hsum(a1), s2 = simd::hsum(a2), s3 = simd::hsum(a3);
+      if (accumulate) {
+        y[r] += s0; y[r + 1] += s1; y[r + 2] += s2; y[r + 3] += s3;
+      } else {
+        y[r] = s0; y[r + 1] = s1; y[r + 2] = s2; y[r + 3] = s3;
+      }
+    }
+  }
   if constexpr (std::is_same_v<WT, half>) {
     constexpr int64_t VW = simd::kVW;
     for (; r + 4 <= r1; r += 4) {
@@ -174,7 +258,7 @@ inline void gemv_rows(const WT *W, const float *x, float *y, int64_t n, int64_t 
   }
 #endif
   for (; r < r1; ++r) {
-    float s = dot(W + r * n, x, n);
+    float s = dot(row_of(W, r, n), x, n);
     y[r] = accumulate ? y[r] + s : s;
   }
 }
@@ -190,10 +274,10 @@ constexpr int kMR = MSLLM_VW == 8 ? 6 : 12;  // tokens per micro-tile: 2 * kMR a
 template <typename WT>
 inline void pack_panel(const WT *W, int64_t n, int64_t r0, int64_t nr, float *P) {
   const WT *rows[kNR];
-  for (int64_t c = 0; c < kNR; ++c) rows[c] = W + (r0 + (c < nr ? c : 0)) * n;
+  for (int64_t c = 0; c < kNR; ++c) rows[c] = row_of(W, r0 + (c < nr ? c : 0), n);
   for (int64_t k = 0; k < n; ++k) {
     float *p = P + k * kNR;
-    for (int64_t c = 0; c < kNR; ++c) p[c] = c < nr ? widen(rows[c][k]) : 0.f;
+    for (int64_t c = 0; c < kNR; ++c) p[c] = c < nr ? weight_at(rows[c], k) : 0.f;
   }
 }
 
@@ -261,7 +345,7 @@ inline void gemm_rows(const float *X, int64_t ldx, int64_t T, const WT *W, int64
 #else
   for (int64_t r = r0; r < r1; ++r)
     for (int64_t i = 0; i < T; ++i) {
-      const float s = dot(W + r * n, X + i * ldx, n);
+      const float s = dot(row_of(W, r, n), X + i * ldx, n);
       float &y = Y[i * ldy + r];
       y = accumulate ? y + s : s;
     }
@@ -510,14 +594,14 @@ struct Model {
   int64_t V, H, hd, S_rope, qdim, kvdim, F, nh, nkv, n_rep, S;
   float eps, scale;  // consts[0], consts[1]
   int threads;       // consts[2], at least 1
-  const void *embed, *head;  // float32 or binary16 (`half`), as every weight matrix
+  const void *embed, *head;  // float32, binary16 (`half`) or Q8_0 blocks, as every weight matrix
   const float *final_norm, *cos_t, *sin_t;
   float *logits;     // the output [1, V]
-  bool half;         // the weight matrices are binary16
+  int wtype;         // the weight matrices: 0 float32, 1 binary16, 2 Q8_0 (uint8 [rows, n / 32 * 34])
 };
 
-// The operands that are weight matrices (embedding, LM head, each layer's q k v o gate up down): all float32 or all
-// float16; every other operand but the token(s) and position(s) is float32.
+// The operands that are weight matrices (embedding, LM head, each layer's q k v o gate up down): all float32, all
+// float16, or all uint8 holding Q8_0 blocks; every other operand but the token(s) and position(s) is float32.
 bool is_matrix(int i, int n_layers) {
   if (i == 3 || i == 5) return true;
   if (i < 8 || i >= 8 + 9 * n_layers) return false;
@@ -532,16 +616,23 @@ int check_model(int nparam, void **params, int *ndims, int64_t **shapes, const c
   const int n_layers = (nparam - 9) / 11;
   if (n_layers < 1 || 9 + 11 * n_layers != nparam) return 1;
   if (!is_dt(dtypes, 0, "int32") || !is_dt(dtypes, 1, "int32")) return 2;
-  const bool half_w = is_dt(dtypes, 3, "float16");
+  const int wtype = is_dt(dtypes, 3, "float16") ? 1 : is_dt(dtypes, 3, "uint8") ? 2 : 0;
+  const char *wdt = wtype == 1 ? "float16" : wtype == 2 ? "uint8" : "float32";
   for (int i = 2; i < nparam; ++i)
-    if (!is_dt(dtypes, i, half_w && is_matrix(i, n_layers) ? "float16" : "float32")) return 2;
+    if (!is_dt(dtypes, i, is_matrix(i, n_layers) ? wdt : "float32")) return 2;
   for (int i = 0; i < nparam; ++i)
     for (int d = 0; d < ndims[i]; ++d)
       if (shapes[i][d] < 0) return 3;
   if (count(ndims, shapes, 2) != 3 || ndims[3] != 2 || ndims[6] != 2 || ndims[9] != 2 || ndims[10] != 2 ||
       ndims[14] != 2)
     return 3;
-  const int64_t V = shapes[3][0], H = shapes[3][1], hd = shapes[6][1], S_rope = shapes[6][0];
+  // a matrix of `cols` weights per row: Q8_0 holds cols / 32 blocks of 34 bytes (cols a multiple of 32)
+  const auto wmat = [&](int i, int64_t rows, int64_t cols) {
+    return wtype == 2 ? cols % kQ8 == 0 && mat(ndims, shapes, i, rows, cols / kQ8 * 34) : mat(ndims, shapes, i, rows, cols);
+  };
+  if (wtype == 2 && shapes[3][1] % 34) return 3;
+  const int64_t V = shapes[3][0], H = wtype == 2 ? shapes[3][1] / 34 * kQ8 : shapes[3][1];
+  const int64_t hd = shapes[6][1], S_rope = shapes[6][0];
   const int64_t qdim = shapes[9][0], kvdim = shapes[10][0], F = shapes[14][0];
   if (V < 1 || H < 1 || hd < 2 || hd > 1024 || hd % 2 || qdim < hd || qdim % hd || kvdim < hd || kvdim % hd ||
       (qdim / hd) % (kvdim / hd) || F < 1)
@@ -549,14 +640,14 @@ int check_model(int nparam, void **params, int *ndims, int64_t **shapes, const c
   const int kc0 = 8 + 9 * n_layers;
   if (ndims[kc0] != 3) return 3;
   const int64_t S = shapes[kc0][1], nkv = kvdim / hd;
-  if (count(ndims, shapes, 4) != H || !mat(ndims, shapes, 5, V, H) || !mat(ndims, shapes, 7, S_rope, hd) ||
+  if (count(ndims, shapes, 4) != H || !wmat(5, V, H) || !mat(ndims, shapes, 7, S_rope, hd) ||
       count(ndims, shapes, nparam - 1) != V)
     return 3;
   for (int l = 0; l < n_layers; ++l) {
     const int w = 8 + 9 * l;
-    if (count(ndims, shapes, w) != H || !mat(ndims, shapes, w + 1, qdim, H) || !mat(ndims, shapes, w + 2, kvdim, H) ||
-        !mat(ndims, shapes, w + 3, kvdim, H) || !mat(ndims, shapes, w + 4, H, qdim) || count(ndims, shapes, w + 5) != H ||
-        !mat(ndims, shapes, w + 6, F, H) || !mat(ndims, shapes, w + 7, F, H) || !mat(ndims, shapes, w + 8, H, F))
+    if (count(ndims, shapes, w) != H || !wmat(w + 1, qdim, H) || !wmat(w + 2, kvdim, H) || !wmat(w + 3, kvdim, H) ||
+        !wmat(w + 4, H, qdim) || count(ndims, shapes, w + 5) != H || !wmat(w + 6, F, H) || !wmat(w + 7, F, H) ||
+        !wmat(w + 8, H, F))
       return 3;
     for (const int c : {kc0 + l, kc0 + n_layers + l})
       if (ndims[c] != 3 || shapes[c][0] != nkv || shapes[c][1] != S || shapes[c][2] != hd) return 3;
@@ -565,7 +656,7 @@ int check_model(int nparam, void **params, int *ndims, int64_t **shapes, const c
   const auto f = [&](int i) { return static_cast<const float *>(params[i]); };
   *m = Model{n_layers, V, H, hd, S_rope, qdim, kvdim, F, qdim / hd, nkv, (qdim / hd) / nkv, S, consts[0], consts[1],
              consts[2] >= 1.f ? static_cast<int>(consts[2]) : 1, params[3], params[5], f(4), f(6), f(7),
-             static_cast<float *>(params[nparam - 1]), half_w};
+             static_cast<float *>(params[nparam - 1]), wtype};
   return 0;
 }
 }  // namespace
@@ -587,7 +678,7 @@ int decode_step(void **params, const Model &m) {
   const float *cos_p = cos_t + pos * hd, *sin_p = sin_t + pos * hd;
 
   std::vector<float> x(H);
-  for (int64_t i = 0; i < H; ++i) x[i] = widen(embed[tok * H + i]);
+  for (int64_t i = 0; i < H; ++i) x[i] = weight_at(row_of(embed, tok, H), i);
   std::vector<float> q(qdim), kv(2 * kvdim), attn(qdim), act(F), up(F), hn(H * threads), scores(S * threads);
 
 #pragma omp parallel num_threads(threads)
@@ -656,7 +747,8 @@ extern "C" int DecodeStep(int nparam, void **params, int *ndims, int64_t **shape
   Model m;
   if (const int rc = check_model(nparam, params, ndims, shapes, dtypes, &m)) return rc;
   if (count(ndims, shapes, 0) != 1 || count(ndims, shapes, 1) != 1) return 3;
-  return m.half ? decode_step<half>(params, m) : decode_step<float>(params, m);
+  if (m.wtype == 2) return decode_step<Q8Block>(params, m);
+  return m.wtype == 1 ? decode_step<half>(params, m) : decode_step<float>(params, m);
 }
 
 // A prompt chunk (batch 1, T tokens at slots start..start+T-1) through the whole model, as DecodeStep does one
@@ -684,7 +776,7 @@ int prefill_step(void **params, const Model &m, int64_t T) {
   std::vector<float> x(T * H), h(T * H), q(T * qdim), k(T * kvdim), v(T * kvdim), attn(T * qdim), act(T * F),
       up(T * F), qr(T * qdim), kt(m.nkv * hd * (start + T)), scores(4 * (start + T) * threads), hl(H);
   for (int64_t i = 0; i < T; ++i)
-    for (int64_t j = 0; j < H; ++j) x[i * H + j] = widen(embed[tokens[i] * H + j]);
+    for (int64_t j = 0; j < H; ++j) x[i * H + j] = weight_at(row_of(embed, tokens[i], H), j);
   ChunkAttn c{q.data(), k.data(), v.data(), T, m.nh, m.nkv, hd, m.n_rep, m.S, start, m.cos_t, m.sin_t, scale,
               nullptr, nullptr, qr.data(), kt.data(), attn.data()};
 
@@ -766,7 +858,8 @@ extern "C" int PrefillStep(int nparam, void **params, int *ndims, int64_t **shap
   if (const int rc = check_model(nparam, params, ndims, shapes, dtypes, &m)) return rc;
   const int64_t T = count(ndims, shapes, 0);
   if (T < 1 || count(ndims, shapes, 1) != 2) return 3;
-  return m.half ? prefill_step<half>(params, m, T) : prefill_step<float>(params, m, T);
+  if (m.wtype == 2) return prefill_step<Q8Block>(params, m, T);
+  return m.wtype == 1 ? prefill_step<half>(params, m, T) : prefill_step<float>(params, m, T);
 }
 
 // A prompt chunk's attention over the in-place cache (CachedDecoder's prefill, one op per layer): RoPE on the

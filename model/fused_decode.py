@@ -71,13 +71,13 @@ def _decode_dtypes(*dtypes):
     """The decode op's dtype check (the kernel checks again): token and position int32, the weight matrices all
     float32 or all float16, the rest float32."""
     n_layers = (len(dtypes) - 8) // 11
-    half = dtype_of(dtypes[3]) == ms.float16
+    matrices = dtype_of(dtypes[3]) if dtype_of(dtypes[3]) in (ms.float16, ms.uint8) else ms.float32
     for i, t in enumerate(dtypes):
-        want = ms.int32 if i < 2 else ms.float16 if half and is_matrix(i, n_layers) else ms.float32
+        want = ms.int32 if i < 2 else matrices if is_matrix(i, n_layers) else ms.float32
         if dtype_of(t) != want:
             raise KernelShapeError(
                 f"fused kernel DecodeStep: operand {i} must be {want}, got {dtype_of(t)} "
-                f"(fp32 or fp16 weight matrices, fp32 norms and caches, int32 token/position)"
+                f"(fp32, fp16 or Q8_0 (uint8) weight matrices, fp32 norms and caches, int32 token/position)"
             )
     return ms.float32
 
@@ -147,26 +147,40 @@ def chunk_attention_op(lib: str):
     return ChunkAttention()
 
 
-WEIGHT_FORMATS = ("fp32", "fp16")
-"""How the fused decode and prefill steps read the weight matrices: the network's own float32 Parameters, or
-IEEE binary16 copies (`DecodeWeights`: GGUF's F16, half the bytes per token; fp16 rather than bf16 because it keeps
-3 more mantissa bits, GGUF F16 files hold it bit for bit, and every AVX2 CPU widens it in one instruction, F16C)."""
+WEIGHT_FORMATS = ("fp32", "fp16", "q8_0")
+"""How the fused decode and prefill steps read the weight matrices: the network's own float32 Parameters, IEEE
+binary16 copies (`DecodeWeights`: GGUF's F16, half the bytes per token; fp16 rather than bf16 because it keeps 3 more
+mantissa bits, GGUF F16 files hold it bit for bit, and every AVX2 CPU widens it in one instruction, F16C), or GGUF's
+Q8_0 blocks (32 int8 weights and one binary16 scale: 1.06 bytes a weight), quantized by gguf-py's reference
+quantizer (llama.cpp's `quantize_row_q8_0_ref`), so the blocks equal a Q8_0 GGUF file's."""
+
+
+def q8_0_blocks(w: np.ndarray) -> np.ndarray:
+    """A float32 matrix [rows, n] (n a multiple of 32) as Q8_0 blocks, uint8 [rows, n / 32 * 34] (ggml's layout)."""
+    import gguf
+    from gguf.quants import quantize
+
+    if w.ndim != 2 or w.shape[1] % 32:
+        raise ValueError(f"Q8_0 weights need rows of a multiple of 32 weights, got a matrix of shape {list(w.shape)}")
+    return quantize(np.ascontiguousarray(w, np.float32), gguf.GGMLQuantizationType.Q8_0)
 
 
 class DecodeWeights(nn.Cell):
-    """The weight matrices of `net` (embedding, LM head, each layer's q k v o gate up down) as float16 Parameters, in
-    the fused op's operand order; the norms stay the net's float32 ones. A copy: taken when the Generator is built
-    (weights changed in place later, as LoRA merges do, are not seen; the Generator is rebuilt after a merge)."""
+    """The weight matrices of `net` (embedding, LM head, each layer's q k v o gate up down) as float16 Parameters or
+    Q8_0 blocks (uint8), in the fused op's operand order; the norms stay the net's float32 ones. A copy: taken when
+    the Generator is built (weights changed in place later, as LoRA merges do, are not seen; the Generator is rebuilt
+    after a merge)."""
 
     def __init__(self, net, dtype: str = "fp16"):
         super().__init__()
-        if dtype != "fp16":
+        if dtype not in WEIGHT_FORMATS[1:]:
             raise ValueError(f"decode weights: {dtype!r} is not a stored format (one of {WEIGHT_FORMATS[1:]})")
+        self.dtype = dtype
 
         def half(p):
-            return ms.Parameter(
-                Tensor(p.asnumpy().astype(np.float16)), name=f"decode_fp16.{p.name}", requires_grad=False
-            )
+            w = p.asnumpy()
+            data = w.astype(np.float16) if dtype == "fp16" else q8_0_blocks(w)
+            return ms.Parameter(Tensor(data), name=f"decode_{dtype}.{p.name}", requires_grad=False)
 
         self.embed = half(net.embed_tokens.weight)
         self.head = self.embed if net.tie_embeddings else half(net.lm_head.weight)
@@ -180,7 +194,7 @@ class DecodeWeights(nn.Cell):
 
     def nbytes(self) -> int:
         seen = {id(self.embed): self.embed, id(self.head): self.head, **{id(p): p for p in self.mats}}
-        return sum(int(np.prod(p.shape)) * 2 for p in seen.values())
+        return sum(int(np.prod(p.shape)) * (2 if self.dtype == "fp16" else 1) for p in seen.values())
 
 
 class FusedDecodeStep(nn.Cell):

@@ -276,13 +276,9 @@ class Generator:
             self._path_reason = (
                 f"the fused decode kernel (model/decode_kernel.cc, {decode_kernel_path(fused)} body, {threads} threads)"
             )
-        # the fused steps' weight matrices: the net's fp32 ones, or fp16 copies (where the fused steps run)
-        self.weights = weights if lib is not None else "fp32"
-        self._weights = DecodeWeights(net, weights) if self.weights != "fp32" else None
-        if weights != self.weights:
-            self._path_reason += f"; {weights} weights need it, so the weights stay fp32"
-        elif self._weights is not None:
-            self._path_reason += f", {weights} weight matrices ({self._weights.nbytes() / 1e6:.0f} MB)"
+        self._weights, why = _decode_weights(net, weights, lib)  # the fused steps' matrices (None: the net's)
+        self.weights = self._weights.dtype if self._weights is not None else "fp32"
+        self._path_reason += why
         self._decoder = CachedDecoder(net, self.max_len, lib, threads) if supported else None
         # The decoder's caches are one set of Parameters: one sequence at a time may use them. Sequences
         # interleaved with it (the server's engine runs several coroutines in turn) take the functional path.
@@ -499,6 +495,20 @@ class Generator:
             x[0, :n] = seq
             tok = yield self._forward(Tensor(x)).asnumpy()[0, n - 1]
             seq.append(tok)
+
+
+def _decode_weights(net, weights: str, lib: str | None) -> tuple[DecodeWeights | None, str]:
+    """The fused steps' weight matrices in `weights` (None: the net's own fp32 ones) and what the decode reason adds:
+    a stored format needs the fused kernel (`lib`), and Q8_0 rows of a multiple of 32 weights."""
+    if weights == "fp32":
+        return None, ""
+    if lib is None:
+        return None, f"; {weights} weights need it, so the weights stay fp32"
+    try:
+        store = DecodeWeights(net, weights)
+    except ValueError as exc:
+        return None, f"; {weights} weights do not fit this model ({exc}), so the weights stay fp32"
+    return store, f", {weights} weight matrices ({store.nbytes() / 1e6:.0f} MB)"
 
 
 def generate(net, prompt_ids: Sequence[int], max_new_tokens: int = 64, **kwargs) -> list[int]:

@@ -20,12 +20,12 @@ CFG = ModelConfig.from_name("tiny", init_std=0.1)  # 2 layers, 4 query heads ove
 T = 20
 
 
-def _net(fused: bool = False):
+def _net(fused: bool = False, cfg: ModelConfig = CFG):
     """The build's network (fused cells where asked and built), its norm weights drawn apart from 1; (net, weights,
     the kernel decision)."""
     from tasks.modeling.build import build_network
 
-    built = build_network("llama", CFG, seed=0, fused_kernels=fused)
+    built = build_network("llama", cfg, seed=0, fused_kernels=fused)
     rng = np.random.default_rng(3)
     for p in built.net.get_parameters():
         if p.name.endswith("layernorm.weight") or p.name == "norm.weight":
@@ -182,35 +182,64 @@ def test_kv_cache_decode_paths_equal_the_reference():
         check(name, rows)
 
 
-@pytest.mark.integration  # ~5 s: the fused prefill and decode steps compiled
-def test_fused_decode_with_fp16_weights_equals_the_reference_on_the_rounded_weights():
-    """`Generator(weights="fp16")`: the fused prefill chunk and decode steps read IEEE binary16 copies of the weight
-    matrices and compute in float32, so they equal the definition run on the matrices rounded to binary16 (norms
-    float32) within the same float32 bound as the fp32 path; and they are not the fp32 weights' logits (a step that
-    silently read the fp32 matrices would match those instead)."""
+def _stored(weights: dict, fmt: str) -> dict:
+    """The weights as the fused steps read them in `fmt`: the matrices rounded to binary16, or quantized to Q8_0 and
+    dequantized (d · q, exact in float32); the norms as they are."""
+    import gguf
+    from gguf.quants import dequantize
+
+    from model.fused_decode import q8_0_blocks
+
+    def stored(w):
+        if fmt == "fp16":
+            return w.astype(np.float16).astype(np.float32)
+        return dequantize(q8_0_blocks(w), gguf.GGMLQuantizationType.Q8_0).astype(np.float32)
+
+    matrix = ("_proj.weight", "embed_tokens.weight", "lm_head.weight")
+    return {n: stored(w) if n.endswith(matrix) else w for n, w in weights.items()}
+
+
+@pytest.mark.integration  # ~5 s per format: the fused prefill and decode steps compiled
+@pytest.mark.parametrize("fmt", ["fp16", "q8_0"])
+def test_fused_decode_with_stored_weights_equals_the_reference_on_them(fmt):
+    """`Generator(weights="fp16" | "q8_0")`: the fused prefill chunk and decode steps read binary16 copies of the
+    weight matrices, or GGUF Q8_0 blocks, and compute in float32: they equal the definition run on the stored weights
+    (rounded to binary16; Q8_0's d · q) within the same float32 bound as the fp32 path, and they are not the fp32
+    weights' logits (a step that silently read the fp32 matrices would match those instead)."""
     from model.fused_decode import is_matrix
     from model.generate import Generator
 
-    net, weights, _ = _net()
-    gen = Generator(net, weights="fp16")
+    cfg = ModelConfig.from_dict({**CFG.to_dict(), "intermediate_size": 160})  # Q8_0: rows of 32-weight blocks
+    net, weights, _ = _net(cfg=cfg)
+    gen = Generator(net, weights=fmt)
     if gen.decode_path != "fused":
         pytest.skip(f"the fused decode kernel does not run here: {gen.decode_reason}")
-    assert gen.weights == "fp16" and "fp16 weight matrices" in gen.decode_reason
-    matrix = ("_proj.weight", "embed_tokens.weight", "lm_head.weight")
-    rounded = {n: w.astype(np.float16).astype(np.float32) if n.endswith(matrix) else w for n, w in weights.items()}
+    assert gen.weights == fmt and f"{fmt} weight matrices" in gen.decode_reason
     assert is_matrix(3, 2) and is_matrix(9, 2) and not is_matrix(8, 2) and not is_matrix(13, 2)
     prompt, sent = _ids(9, seed=5), _ids(4, seed=6)
-    want = reference.forward(prompt + sent, rounded, CFG)[0][len(prompt) - 1 :]
-    fp32 = reference.forward(prompt + sent, weights, CFG)[0][len(prompt) - 1 :]
+    want = reference.forward(prompt + sent, _stored(weights, fmt), cfg)[0][len(prompt) - 1 :]
+    fp32 = reference.forward(prompt + sent, weights, cfg)[0][len(prompt) - 1 :]
     steps = gen._cached_steps(prompt)
     rows = [next(steps)] + [steps.send(t) for t in sent]
     steps.close()
     far = 0.0
     for i, (got, w, w32) in enumerate(zip(rows, want, fp32)):
-        tol = logit_tol(CFG, len(prompt) + i, float(np.abs(w).max()))
-        np.testing.assert_allclose(got, w, rtol=0, atol=tol, err_msg=f"fp16 weights, step {i}")
+        tol = logit_tol(cfg, len(prompt) + i, float(np.abs(w).max()))
+        np.testing.assert_allclose(got, w, rtol=0, atol=tol, err_msg=f"{fmt} weights, step {i}")
         far = max(far, float(np.abs(got - w32).max()) / tol)
-    assert far > 4, f"the fp16 path is within {far:.1f} bounds of the fp32 weights' logits: were the copies read?"
+    assert far > 4, f"the {fmt} path is within {far:.1f} bounds of the fp32 weights' logits: were they read?"
+
+
+def test_q8_0_weights_need_rows_of_32_and_say_so():
+    """A model whose rows are not whole Q8_0 blocks (tiny: MLP 172) keeps fp32 weights, and the decode reason says
+    why; an unknown format is a ValueError naming the formats."""
+    from model.generate import Generator
+
+    net, _, _ = _net()
+    gen = Generator(net, weights="q8_0")
+    assert gen.weights == "fp32" and "q8_0 weights" in gen.decode_reason and "stay fp32" in gen.decode_reason
+    with pytest.raises(ValueError, match="fp32, fp16, q8_0"):
+        Generator(net, weights="q4_0")
 
 
 @pytest.mark.integration  # ~3 s: the graph written and run on onnxruntime

@@ -148,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--weights",
-        choices=["fp32", "fp16"],
+        choices=["fp32", "fp16", "q8_0"],
         default="fp32",
         help="a model artifact's decode weights (MindSpore's fused decode and prefill steps): fp32, or fp16 (IEEE "
         "binary16, as GGUF F16: half the bytes each token reads, ~2x the decode speed at SmolLM2-135M; the "
