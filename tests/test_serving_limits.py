@@ -381,6 +381,8 @@ def server(hf_model, tmp_path_factory):
         str(MAX_QUEUE),
         "--max-body-size",
         str(MAX_BODY),
+        "--head-timeout",
+        str(HEAD_TIMEOUT),
     )
     yield srv
     srv.stop()
@@ -540,6 +542,64 @@ def test_a_deeply_nested_body_is_a_400_without_a_traceback(server):
     assert status != 400 or "levels deep" not in out["error"]["message"], out
     assert "Traceback" not in server.log() and "RecursionError" not in server.log()
     assert _request(server, "/health")[0] == 200
+
+
+HEAD_TIMEOUT = 2.0  # the server fixture's --head-timeout (the default is 10 s)
+
+
+@pytest.mark.integration
+def test_slow_loris_connections_are_closed_and_health_answers(server):
+    """Connections that never finish a request head (half a request line; headers a byte at a time) are closed
+    --head-timeout seconds after they opened, and one idle after its response as well; /health answers throughout,
+    and a client that sends its head at once is not affected. Before: held open for as long as the client liked
+    (issue 53)."""
+    import socket
+
+    def connect() -> socket.socket:
+        c = socket.create_connection(("127.0.0.1", server.port), timeout=HEAD_TIMEOUT * 4)
+        return c
+
+    def closed_within(c: socket.socket, limit: float) -> float:
+        t0 = time.perf_counter()
+        try:
+            while c.recv(4096):  # a server that answered (408, 400) still closes; data before EOF is allowed
+                pass
+        except ConnectionResetError:
+            pass
+        dt = time.perf_counter() - t0
+        assert dt < limit, f"still open after {dt:.1f} s"
+        return dt
+
+    half, trickle = connect(), connect()
+    half.sendall(b"POST /v1/completions HT")
+    t_open = time.perf_counter()
+    for b in b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ":  # one byte every 0.2 s: past the deadline
+        try:
+            trickle.sendall(bytes([b]))
+        except OSError:
+            break
+        time.sleep(0.2)
+        if time.perf_counter() - t_open > HEAD_TIMEOUT * 2:
+            break
+    assert _request(server, "/health")[0] == 200  # served beside them
+    closed_within(half, HEAD_TIMEOUT * 3)
+    closed_within(trickle, HEAD_TIMEOUT * 3)
+    # keep-alive: after a complete response the next head has the same deadline
+    ka = connect()
+    ka.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert ka.recv(4096).startswith(b"HTTP/1.1 200")
+    ka.sendall(b"GET /heal")
+    closed_within(ka, HEAD_TIMEOUT * 3)
+    assert "no complete request head" in server.log() and "Traceback" not in server.log()
+
+
+def test_head_timeout_must_be_positive(capsys):
+    from tasks.cli import main
+
+    for bad in ("0", "-1", "inf", "soon"):
+        with pytest.raises(SystemExit) as exit_:
+            main(["serve", ".", "--head-timeout", bad])
+        assert exit_.value.code == 2 and "--head-timeout" in capsys.readouterr().err
 
 
 def test_json_depth_counts_levels_without_recursion():

@@ -74,6 +74,65 @@ def _stage(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _serve_parser(sub) -> None:
+    """`msllm serve`'s flags (docs/SERVING.md)."""
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming)")
+    _common(p)
+    p.add_argument("artifact", nargs="?", help="export or model artifact (default: the pipeline's newest export)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model-name", default=None, help="model id clients send (default: <stage>/<key>)")
+    p.add_argument("--max-active", type=int, default=32, help="sequences decoded in turn; the rest queue")
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=256,
+        help="sequences waiting before 503 (a request of more prompts × n than this is a 400)",
+    )
+    p.add_argument(
+        "--max-body-size",
+        type=_body_size,
+        default=None,
+        metavar="SIZE",
+        help="largest request body read, e.g. 8MiB, 512MB or bytes; larger is a 413 (default: 8MiB)",
+    )
+    p.add_argument("--drain-timeout", type=float, default=8.0, help="seconds SIGTERM waits for requests in flight")
+    p.add_argument(
+        "--head-timeout",
+        type=_seconds,
+        default=10.0,
+        metavar="SECONDS",
+        help="seconds a client has to send a complete request head (line and headers) after connecting or after "
+        "its previous response; past it the connection is closed (slow-loris clients hold no socket)",
+    )
+    p.add_argument(
+        "--no-batching",
+        dest="batching",
+        action="store_false",
+        help="onnxruntime: decode the active sequences one call each instead of one batched call",
+    )
+    p.add_argument(
+        "--weights",
+        choices=["fp32", "fp16", "q8_0"],
+        default="fp32",
+        help="a model artifact's decode weights (MindSpore's fused decode and prefill steps): fp32, or fp16 (IEEE "
+        "binary16, as GGUF F16: half the bytes each token reads, ~2x the decode speed at SmolLM2-135M; the "
+        "weights stay fp32 where the fused kernel does not run). docs/SERVING.md, 'Weight formats'",
+    )
+    p.add_argument(
+        "--adapter",
+        dest="adapters",
+        action="append",
+        default=[],
+        type=_adapter,
+        metavar="NAME=FINETUNE",
+        help="also serve a LoRA finetune of ARTIFACT as model NAME (repeatable; FINETUNE: the finetune "
+        "artifact's directory or stage/key). On a model artifact (MindSpore) unmerged: one copy of "
+        "the base weights, each adapter's A/B applied per request; on an export (onnxruntime), and "
+        "for a full finetune, merged into a copy of the base weights",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="msllm", description="LLaMA-style LLM pipeline on MindSpore + Prefect")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -119,53 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("artifact")
     p.add_argument("--format", choices=["text", "markdown", "json", "mermaid", "dot"], default="text")
 
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming)")
-    _common(p)
-    p.add_argument("artifact", nargs="?", help="export or model artifact (default: the pipeline's newest export)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--model-name", default=None, help="model id clients send (default: <stage>/<key>)")
-    p.add_argument("--max-active", type=int, default=32, help="sequences decoded in turn; the rest queue")
-    p.add_argument(
-        "--max-queue",
-        type=int,
-        default=256,
-        help="sequences waiting before 503 (a request of more prompts × n than this is a 400)",
-    )
-    p.add_argument(
-        "--max-body-size",
-        type=_body_size,
-        default=None,
-        metavar="SIZE",
-        help="largest request body read, e.g. 8MiB, 512MB or bytes; larger is a 413 (default: 8MiB)",
-    )
-    p.add_argument("--drain-timeout", type=float, default=8.0, help="seconds SIGTERM waits for requests in flight")
-    p.add_argument(
-        "--no-batching",
-        dest="batching",
-        action="store_false",
-        help="onnxruntime: decode the active sequences one call each instead of one batched call",
-    )
-    p.add_argument(
-        "--weights",
-        choices=["fp32", "fp16", "q8_0"],
-        default="fp32",
-        help="a model artifact's decode weights (MindSpore's fused decode and prefill steps): fp32, or fp16 (IEEE "
-        "binary16, as GGUF F16: half the bytes each token reads, ~2x the decode speed at SmolLM2-135M; the "
-        "weights stay fp32 where the fused kernel does not run). docs/SERVING.md, 'Weight formats'",
-    )
-    p.add_argument(
-        "--adapter",
-        dest="adapters",
-        action="append",
-        default=[],
-        type=_adapter,
-        metavar="NAME=FINETUNE",
-        help="also serve a LoRA finetune of ARTIFACT as model NAME (repeatable; FINETUNE: the finetune "
-        "artifact's directory or stage/key). On a model artifact (MindSpore) unmerged: one copy of "
-        "the base weights, each adapter's A/B applied per request; on an export (onnxruntime), and "
-        "for a full finetune, merged into a copy of the base weights",
-    )
+    _serve_parser(sub)
 
     p = sub.add_parser("plan", help="memory estimate and parallel layout")
     _common(p)
@@ -203,6 +216,17 @@ def _positive_bytes(text: str, what: str) -> int:
 def _body_size(text: str) -> int:
     """argparse type of `serve --max-body-size`: a positive size in bytes (bad values exit 2 naming the flag)."""
     return _positive_bytes(text, "a size; give a positive size in bytes or with a unit, e.g. --max-body-size 8MiB")
+
+
+def _seconds(text: str) -> float:
+    """argparse type of `serve --head-timeout`: a positive, finite number of seconds."""
+    try:
+        x = float(text)
+    except ValueError:
+        x = 0.0
+    if not 0 < x < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds; give a positive one, e.g. 10")
+    return x
 
 
 def _device_count(text: str) -> int:

@@ -258,6 +258,7 @@ def cmd_serve(args) -> int:
         store=store(args),
         max_body=args.max_body_size or MAX_BODY,
         weights=args.weights,
+        head_timeout=args.head_timeout,
     )
 
 

@@ -78,6 +78,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tasks.serving.adapters import AdapterSpec, check_adapters
 from tasks.serving.backends import MindSporeBackend, artifact_kind, load_backend
 from tasks.serving.bodies import json_body, respond
+from tasks.serving.connections import HEAD_TIMEOUT, head_deadline_protocol
 from tasks.serving.engine import Busy, Engine, Sampling
 from tasks.serving.metrics import ServerMetrics
 from tasks.serving.parsing import completion_prompt, document_prefix, parse_request, requested_model
@@ -422,6 +423,7 @@ def serve(
     store=None,
     max_body: int = MAX_BODY,
     weights: str = "fp32",
+    head_timeout: float = HEAD_TIMEOUT,
 ) -> int:
     """Load the artifact (and each adapter, unmerged or merged: tasks/serving/adapters.py), serve until
     SIGTERM/SIGINT, drain, return 0. `store` resolves adapter references that are not directories; `weights`: a
@@ -495,19 +497,20 @@ def serve(
             )
             for a in checked
         }
-        return _run(
-            build_app(engine, model_id, artifact, adapters=served, max_body=max_body), engine, host, port, drain_timeout
-        )
+        app = build_app(engine, model_id, artifact, adapters=served, max_body=max_body)
+        return _run(app, engine, host, port, drain_timeout, head_timeout)
     finally:
         tmp.cleanup()
 
 
-def _run(app: FastAPI, engine: Engine, host: str, port: int, drain_timeout: float) -> int:
-    """uvicorn until SIGTERM/SIGINT, then the drain; 0, or 1 when the server never started."""
+def _run(app: FastAPI, engine: Engine, host: str, port: int, drain_timeout: float, head_timeout: float) -> int:
+    """uvicorn until SIGTERM/SIGINT, then the drain; 0, or 1 when the server never started. A request head not
+    complete within `head_timeout` seconds closes its connection (tasks/serving/connections.py: slow-loris)."""
     config = uvicorn.Config(
         app,
         host=host,
         port=port,
+        http=head_deadline_protocol(head_timeout),
         access_log=False,
         log_config=None,
         lifespan="off",
