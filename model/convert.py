@@ -19,6 +19,7 @@ this module needs numpy only.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -185,43 +186,79 @@ def _rope_theta(hf: dict[str, Any]) -> float:
     params = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or {}
     for where, d in (("rope_parameters", params), ("rope_scaling", scaling)):
+        if not isinstance(d, dict):
+            raise ConversionError(f"config.json: {where} must be an object (or null), got {_short(d)}")
         kind = d.get("rope_type", d.get("type"))
         if kind not in _SUPPORTED_ROPE:
             raise ConversionError(
-                f"config.json: {where}.rope_type={kind!r} is not supported (only plain RoPE, "
+                f"config.json: {where}.rope_type={_short(kind)} is not supported (only plain RoPE, "
                 f"rope_type 'default'); this checkpoint needs rope scaling we do not implement"
             )
-    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-    return float(theta)
+    where = "rope_parameters.rope_theta" if "rope_theta" in params else "rope_theta"
+    return _positive_float(params.get("rope_theta", hf.get("rope_theta", 10000.0)), where)
+
+
+def _short(v: Any) -> str:
+    r = repr(v)
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
+def _positive_int(hf: dict[str, Any], key: str, default: Any = None) -> int:
+    v = hf.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ConversionError(f"config.json: {key} must be a positive integer, got {_short(v)}")
+    return v
+
+
+def _positive_float(v: Any, key: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise ConversionError(f"config.json: {key} must be a positive number, got {_short(v)}")
+    return float(v)
+
+
+def _flag(hf: dict[str, Any], key: str, default: bool) -> bool:
+    v = hf.get(key, default)
+    if not isinstance(v, bool):
+        raise ConversionError(f"config.json: {key} must be true or false, got {_short(v)}")
+    return v
 
 
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
-    """A LlamaForCausalLM config.json dict -> ModelConfig; unsupported features raise naming the field."""
+    """A LlamaForCausalLM config.json dict -> ModelConfig; an unsupported or malformed field raises
+    ConversionError naming it."""
+    if not isinstance(hf, dict):
+        raise ConversionError(f"config.json must hold a JSON object, got {_short(hf)}")
     if hf.get("model_type", "llama") != "llama":
-        raise ConversionError(f"config.json: model_type={hf.get('model_type')!r}; only 'llama' is supported")
+        raise ConversionError(f"config.json: model_type={_short(hf.get('model_type'))}; only 'llama' is supported")
     for field, want in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
         if field in hf and hf[field] != want:
-            raise ConversionError(f"config.json: {field}={hf[field]!r} is not supported (needs {want!r})")
+            raise ConversionError(f"config.json: {field}={_short(hf[field])} is not supported (needs {want!r})")
     for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
         if field not in hf:
             raise ConversionError(f"config.json: missing {field}")
-    heads = hf["num_attention_heads"]
-    cfg = ModelConfig(
-        vocab_size=hf["vocab_size"],
-        hidden_size=hf["hidden_size"],
-        intermediate_size=hf["intermediate_size"],
-        num_layers=hf["num_hidden_layers"],
-        num_heads=heads,
-        num_kv_heads=hf.get("num_key_value_heads") or heads,
-        max_seq_length=hf.get("max_position_embeddings", 2048),
-        rope_theta=_rope_theta(hf),
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        init_std=float(hf.get("initializer_range", 0.02)),
-    )
+    heads = _positive_int(hf, "num_attention_heads")
+    kv = hf.get("num_key_value_heads") or heads
+    try:
+        cfg = ModelConfig(
+            vocab_size=_positive_int(hf, "vocab_size"),
+            hidden_size=_positive_int(hf, "hidden_size"),
+            intermediate_size=_positive_int(hf, "intermediate_size"),
+            num_layers=_positive_int(hf, "num_hidden_layers"),
+            num_heads=heads,
+            num_kv_heads=_positive_int({"num_key_value_heads": kv}, "num_key_value_heads"),
+            max_seq_length=_positive_int(hf, "max_position_embeddings", 2048),
+            rope_theta=_rope_theta(hf),
+            norm_eps=_positive_float(hf.get("rms_norm_eps", 1e-6), "rms_norm_eps"),
+            tie_embeddings=_flag(hf, "tie_word_embeddings", False),
+            init_std=_positive_float(hf.get("initializer_range", 0.02), "initializer_range"),
+        )
+    except ConversionError:
+        raise
+    except ValueError as exc:  # the sizes do not fit together (heads into hidden_size, kv heads into heads, ...)
+        raise ConversionError(f"config.json: {exc}") from None
     if hf.get("head_dim") not in (None, cfg.head_dim):
         raise ConversionError(
-            f"config.json: head_dim={hf['head_dim']} differs from hidden_size / num_attention_heads "
+            f"config.json: head_dim={_short(hf['head_dim'])} differs from hidden_size / num_attention_heads "
             f"= {cfg.head_dim}; not supported"
         )
     return cfg

@@ -458,6 +458,9 @@ def test_generate_benchmark_smoke():
     assert (
         res["decode_path"] == ("fused" if build_decode_kernel() else "decoder") and res["decode_reason"]
     )  # logged, chosen once
+    if res["decode_path"] == "fused":  # the fused step on binary16 matrices, timed beside it
+        assert res["fp16_tokens_per_s"] > 0 and 0 <= res["fp16_same_tokens_prefix"] <= 8
+        assert 0 < res["fp16_fraction_of_bandwidth_limit"] <= 1
 
 
 @pytest.mark.integration

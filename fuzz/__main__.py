@@ -1,0 +1,164 @@
+"""`python -m fuzz TARGET|all [--examples N] [--seconds S]`: run fuzz targets (fuzz/targets.py), each in a child
+process of its own under an address-space limit, and print one JSON line per target: examples run, seconds, the
+slowest input, and the violations (the input, shortened, and what happened). Exit 1 when any target has one.
+
+A child runs hypothesis rounds of --examples inputs with fresh random seeds until --seconds have passed (at least one
+round), with no example database (nothing is written to the tree). Per input: SIGALRM at twice SECONDS_PER_INPUT
+interrupts a hang in Python code; the parent kills a child that outlives its budget by a minute (a hang in native
+code) and reports it, as it reports a child killed by a signal (a crash)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+MEMORY_LIMIT = 6 * 2**30
+"""RLIMIT_AS of a target's child: far above what any reader here needs on these inputs (< 1 GB), far below a
+machine's memory; an allocation sized by a crafted count fails as MemoryError (a finding) instead of swapping."""
+
+
+class Finding(Exception):
+    """An input broke the contract (recorded in the child's stats): stops hypothesis's round after shrinking."""
+
+
+class Hang(BaseException):
+    """One input ran past twice SECONDS_PER_INPUT (raised by SIGALRM inside the target)."""
+
+
+def _child(name: str, examples: int, seconds: float) -> dict:
+    from hypothesis import HealthCheck, given, settings
+
+    from fuzz.targets import SECONDS_PER_INPUT, TARGETS
+
+    t = TARGETS[name]
+    allowed = t.allowed()
+    strategy = t.strategy()
+    found: list[dict] = []
+    stats = {"target": name, "reads": t.what, "examples": 0, "allowed_errors": 0, "slowest_s": 0.0, "violations": []}
+
+    def alarm(*_):
+        raise Hang(f"no answer in {2 * SECONDS_PER_INPUT:g} s")
+
+    signal.signal(signal.SIGALRM, alarm)
+
+    current = os.environ.get("MSLLM_FUZZ_CURRENT")
+
+    def one(data) -> None:
+        stats["examples"] += 1
+        if current:  # the input in flight, for the parent to report if this process hangs in native code or dies
+            Path(current).write_text(repr(data)[:20_000])
+        with tempfile.TemporaryDirectory(prefix="msllm-fuzz-") as d:
+            t0 = time.perf_counter()
+            signal.setitimer(signal.ITIMER_REAL, 2 * SECONDS_PER_INPUT)
+            try:
+                t.run(data, Path(d))
+            except allowed:
+                stats["allowed_errors"] += 1
+            except (Exception, Hang) as exc:  # noqa: BLE001 - the finding itself
+                found.append(
+                    {
+                        "input": repr(data)[:400],
+                        "error": f"{type(exc).__name__}: {str(exc)[:300]}",
+                        "where": traceback.format_exc(limit=-3)[-1200:],
+                    }
+                )
+                raise Finding from None  # hypothesis shrinks it: the last one recorded is the smallest
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+            dt = time.perf_counter() - t0
+            stats["slowest_s"] = max(stats["slowest_s"], round(dt, 3))
+            if dt > SECONDS_PER_INPUT:
+                found.append({"input": repr(data)[:400], "error": f"took {dt:.1f} s"})
+                raise Finding
+
+    run = settings(
+        max_examples=examples,
+        database=None,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+        derandomize=False,
+    )(given(strategy)(one))
+    t0 = time.perf_counter()
+    while True:
+        try:
+            run()
+        except (Finding, ExceptionGroup):  # hypothesis groups distinct failures it found in one round
+            if not found:
+                raise
+            stats["violations"] = found[-1:] + found[:1] if len(found) > 1 else found  # the smallest, the first
+            break
+        if time.perf_counter() - t0 >= seconds:
+            break
+    stats["seconds"] = round(time.perf_counter() - t0, 1)
+    return stats
+
+
+def _limit_memory() -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
+
+
+def _run_target(name: str, examples: int, seconds: float) -> dict:
+    cmd = [sys.executable, "-m", "fuzz", name, "--child", "--examples", str(examples), "--seconds", str(seconds)]
+    from fuzz.seeds import seeds
+
+    seeds()  # built once, here, before the memory limit
+    budget = seconds + 60 + 30 * examples / 100  # a round always completes; a native hang does not
+    with tempfile.TemporaryDirectory(prefix="msllm-fuzz-run-") as d:
+        current = Path(d) / "current"
+        env = {**os.environ, "PYTHONHASHSEED": "0", "MSLLM_FUZZ_CURRENT": str(current)}
+        try:
+            r = subprocess.run(
+                cmd, cwd=REPO, capture_output=True, text=True, timeout=budget, preexec_fn=_limit_memory, env=env
+            )
+        except subprocess.TimeoutExpired:
+            last = current.read_text()[:2000] if current.is_file() else ""
+            why = f"the child ran past {budget:.0f} s: a hang outside Python code (the alarm could not interrupt it)"
+            return {"target": name, "violations": [{"error": why, "input": last}]}
+        if r.returncode < 0 or not r.stdout.strip():
+            tail = (r.stderr.strip().splitlines() or ["(no output)"])[-5:]
+            last = current.read_text()[:2000] if current.is_file() else ""
+            why = f"the child exited {r.returncode}: {' | '.join(tail)}"
+            return {"target": name, "violations": [{"error": why, "input": last}]}
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    from fuzz.targets import TARGETS
+
+    ap = argparse.ArgumentParser(prog="python -m fuzz", description=__doc__.split("\n\n")[0])
+    ap.add_argument("target", nargs="?", default="all", help=f"one of {', '.join(TARGETS)}, or all")
+    ap.add_argument("--examples", type=int, default=200, help="inputs per hypothesis round (default 200)")
+    ap.add_argument("--seconds", type=float, default=0.0, help="run rounds until this many seconds have passed")
+    ap.add_argument("--list", action="store_true", help="list the targets and what each reads")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.list:
+        for t in TARGETS.values():
+            print(f"{t.name:14} {t.what}")
+        return 0
+    if a.child:
+        print(json.dumps(_child(a.target, a.examples, a.seconds)), flush=True)
+        return 0
+    names = list(TARGETS) if a.target == "all" else [a.target]
+    if unknown := [n for n in names if n not in TARGETS]:
+        ap.error(f"unknown target {unknown[0]!r}; one of {', '.join(TARGETS)} or all")
+    bad = 0
+    for n in names:
+        res = _run_target(n, a.examples, a.seconds)
+        bad += bool(res["violations"])
+        print(json.dumps(res), flush=True)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

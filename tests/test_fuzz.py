@@ -1,0 +1,99 @@
+"""The fuzz targets (fuzz/): a smoke run of every target in CI (each reader holds its contract on a few hundred
+generated inputs), the harness catching a planted violation, and the findings of the fuzzers' runs as regression
+tests (docs/RELIABILITY.md, "Fuzzing")."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SMOKE_EXAMPLES = 150
+
+
+@pytest.mark.integration  # ~30 s: every target in a child of its own, a few hundred inputs each
+def test_every_target_holds_its_contract_in_a_smoke_run():
+    from fuzz.targets import TARGETS
+
+    r = subprocess.run(
+        [sys.executable, "-m", "fuzz", "all", "--examples", str(SMOKE_EXAMPLES)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    rows = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
+    assert [row["target"] for row in rows] == list(TARGETS), r.stderr[-2000:]
+    for row in rows:
+        assert row["violations"] == [], row
+        assert row["examples"] >= SMOKE_EXAMPLES and row["allowed_errors"] <= row["examples"], row
+    assert r.returncode == 0
+
+
+def test_the_harness_reports_a_foreign_exception_with_its_smallest_input(monkeypatch):
+    """A reader that raises anything but its allowed errors is a finding: the round stops, the input is shrunk."""
+    from hypothesis import strategies as st
+
+    import fuzz.__main__ as runner
+    from fuzz import targets
+
+    def reader(n, tmp):
+        if n > 10:
+            raise KeyError(n)
+        if n < 0:
+            raise ValueError(n)  # allowed
+
+    boom = targets.Target("boom", lambda: st.integers(-100, 100), reader, lambda: (ValueError,), "a planted bug")
+    monkeypatch.setitem(targets.TARGETS, "boom", boom)
+    stats = runner._child("boom", 200, 0)
+    assert stats["violations"] and stats["violations"][0]["input"] == "11", stats["violations"]
+    assert stats["violations"][0]["error"] == "KeyError: 11"
+
+
+# ----------------------------------------------------------------------------- what the fuzzers found
+
+HF = {
+    "vocab_size": 300,
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+}
+
+
+@pytest.mark.parametrize(
+    "change, key",
+    [
+        ({"rope_scaling": ["linear", 2]}, "rope_scaling"),  # was AttributeError: 'list' object has no attribute 'get'
+        ({"rope_parameters": True}, "rope_parameters"),
+        ({"intermediate_size": None}, "intermediate_size"),  # was ModelConfig's ValueError, naming no config key
+        ({"max_position_embeddings": [-629]}, "max_position_embeddings"),
+        ({"num_key_value_heads": "2"}, "num_key_value_heads"),
+        ({"vocab_size": 300.5}, "vocab_size"),
+        ({"num_hidden_layers": True}, "num_hidden_layers"),
+        ({"rms_norm_eps": "1e-5"}, "rms_norm_eps"),  # was ValueError from float()
+        ({"rope_theta": {}}, "rope_theta"),  # was TypeError from float()
+        ({"rope_theta": float("nan")}, "rope_theta"),
+        ({"initializer_range": [0.02]}, "initializer_range"),
+        ({"tie_word_embeddings": "yes"}, "tie_word_embeddings"),  # was silently true
+        ({"num_attention_heads": 3}, "config.json"),  # 16 is not divisible by 3: ModelConfig's reason, as ours
+    ],
+)
+def test_a_malformed_config_json_field_is_one_conversion_error_naming_it(change, key):
+    from model.convert import ConversionError, config_from_hf
+
+    with pytest.raises(ConversionError) as err:
+        config_from_hf({**HF, **change})
+    assert str(err.value).startswith("config.json") and key in str(err.value), err.value
+
+
+def test_a_config_json_that_is_not_an_object_is_a_conversion_error():
+    from model.convert import ConversionError, config_from_hf
+
+    for bad in ([], "llama", None, 3):
+        with pytest.raises(ConversionError, match="must hold a JSON object"):
+            config_from_hf(bad)
