@@ -62,5 +62,29 @@ def seeds() -> Path:
     weights = _weights(cfg)
     write_gguf(out / "model.gguf", cfg, weights, meta, qtype="F32")
     save_tensors(out / "model.safetensors", weights)
+    _model_artifact(out, cfg, weights, tok)
     (out / "done").write_text("")
     return out
+
+
+def _model_artifact(out: Path, cfg, weights, tok: Path) -> None:
+    """A published model artifact of the tiny model (store/pretrain/KEY/: manifest, model.json, weights, tokenizer)."""
+    from tasks.store.artifacts import ArtifactStore
+    from tasks.store.model_artifact import tokenizer_info, write_model
+    from tasks.tokenizer import load_tokenizer
+
+    store = ArtifactStore(out / "store")
+    with store.build("pretrain", "f" * 16, pipeline="fuzz", config={}, inputs=[], code="fuzz") as b:
+        write_model(
+            b.dir,
+            name="llama",
+            config=cfg,
+            weights=weights,
+            tokenizer_model=tok,
+            tokenizer_info=tokenizer_info(load_tokenizer(tok)),
+            seq_length=cfg.max_seq_length,
+        )
+
+
+def model_artifact() -> Path:
+    return seeds() / "store" / "pretrain" / ("f" * 16)

@@ -306,6 +306,51 @@ def _safetensors_allowed():
     return (CheckpointError,)
 
 
+def _artifact_strategy():
+    from fuzz.seeds import model_artifact
+
+    art = model_artifact()
+    info, manifest = (art / "model.json").read_text(), (art / "manifest.json").read_text()
+    # model.json edited (re-signed in the manifest, or not), or the manifest edited
+    return st.tuples(mutated_text(info), st.booleans(), st.none() | mutated_text(manifest, max_edits=3))
+
+
+def _model_artifact(case: tuple[str, bool, str | None], tmp: Path):
+    """A model artifact with its model.json (re-signed or not) or its manifest edited: verified, read, its config
+    built and its weights loaded, as every loader of a model artifact does before building a network."""
+    import hashlib
+    import shutil
+
+    from fuzz.seeds import model_artifact
+    from tasks.store.artifacts import ArtifactStore
+    from tasks.store.model_artifact import model_config, read_info
+    from tasks.store.tensors import load_weights
+
+    info, resign, manifest = case
+    art = tmp / "store" / "pretrain" / model_artifact().name
+    shutil.copytree(model_artifact(), art)
+    (art / "model.json").write_text(info, encoding="utf-8")
+    if manifest is not None:
+        (art / "manifest.json").write_text(manifest, encoding="utf-8")
+    elif resign:  # the file's sha256 and size rewritten in the manifest: the edit passes the digest check
+        m = json.loads((art / "manifest.json").read_text())
+        for f in m["files"]:
+            if f["path"] == "model.json":
+                f.update(sha256=hashlib.sha256(info.encode()).hexdigest(), size=len(info.encode()))
+        (art / "manifest.json").write_text(json.dumps(m))
+    ArtifactStore(tmp / "store").verify(art)
+    read_info(art)
+    model_config(art)
+    return load_weights(art)
+
+
+def _artifact_allowed():
+    from tasks.store.errors import ArtifactError
+    from tasks.store.tensors import CheckpointError
+
+    return (ArtifactError, CheckpointError)
+
+
 def _bytes_of(name: str) -> Callable[[], st.SearchStrategy]:
     return lambda: mutated((seeds() / name).read_bytes())
 
@@ -321,6 +366,13 @@ TARGETS = {
             "pipelines", _pipelines_strategy, _pipelines, _config_allowed, "tasks/config/loader.py resolve_pipeline"
         ),
         Target("request", bodies, _request, _request_allowed, "tasks/serving bodies.decode_json + parse_request"),
+        Target(
+            "model_artifact",
+            _artifact_strategy,
+            _model_artifact,
+            _artifact_allowed,
+            "tasks/store: manifest verify, model.json, config, weights",
+        ),
         Target(
             "safetensors",
             _bytes_of("model.safetensors"),

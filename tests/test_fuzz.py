@@ -97,3 +97,23 @@ def test_a_config_json_that_is_not_an_object_is_a_conversion_error():
     for bad in ([], "llama", None, 3):
         with pytest.raises(ConversionError, match="must hold a JSON object"):
             config_from_hf(bad)
+
+
+@pytest.mark.parametrize(
+    "info, want",
+    [
+        ('0{"name": "llama"}', "not valid JSON"),  # was json.JSONDecodeError out of read_info
+        ("[]", "no 'model' object"),
+        ('{"model": {"vocab_size": "many"}}', "its model config does not hold"),  # was ModelConfig's ValueError
+        ('{"model": {"layers": 1}}', "its model config does not hold"),
+    ],
+)
+def test_a_resigned_model_json_that_does_not_hold_is_one_artifact_error(tmp_path, info, want):
+    """model.json edited and its digest rewritten in the manifest (the fuzz target model_artifact's re-signing): the
+    loaders (read_info, model_config, load_network) refuse it with one ArtifactError naming the file."""
+    from fuzz.targets import _model_artifact
+    from tasks.store.errors import ArtifactError
+
+    with pytest.raises(ArtifactError, match=want) as err:
+        _model_artifact((info, True, None), tmp_path)
+    assert "model.json" in str(err.value)

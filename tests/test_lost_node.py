@@ -39,9 +39,8 @@ from pathlib import Path
 import pytest
 
 from tasks.config.loader import resolve_pipeline
-from tasks.stages import pretrain
 from tasks.store.artifacts import ArtifactStore
-from tests.helpers import assert_same_scalars, assert_same_weights, run_stage
+from tests.helpers import assert_same_scalars, assert_same_weights, pretrain_child, run_stage
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -229,8 +228,8 @@ def test_lost_node_stops_the_survivor_in_one_line_and_both_resume_exactly(tmp_pa
     one = ArtifactStore(tmp_path / "one")
     data1 = one.root / "data" / data_artifact.name
     shutil.copytree(data_artifact, data1)
-    key1, _, _ = pretrain.stage_key(cfg1, one, data1, None)
-    single = pretrain._train(cfg1, one, data1, None, key1, progress=False)  # the unbroken reference
+    train, _ = pretrain_child(cfg1, one.root, data1)
+    single = train()  # the unbroken reference
 
     root = tmp_path / "shared"  # the artifact root both hosts see
     data = root / "data" / data_artifact.name

@@ -24,9 +24,8 @@ from pathlib import Path
 import pytest
 
 from tasks.config.loader import resolve_pipeline
-from tasks.stages import pretrain
 from tasks.store.artifacts import ArtifactStore
-from tests.helpers import assert_same_scalars, run_stage
+from tests.helpers import assert_same_scalars, pretrain_child, run_stage
 from tests.test_distributed import free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -169,8 +168,8 @@ def test_two_msrun_nodes_on_one_machine_match_one_process(tmp_path, local_data):
     one = ArtifactStore(tmp_path / "one")
     data1 = one.root / "data" / local_data.name
     shutil.copytree(local_data, data1)
-    key, _, _ = pretrain.stage_key(cfg1, one, data1, None)
-    single = pretrain._train(cfg1, one, data1, None, key, progress=False)
+    train, _ = pretrain_child(cfg1, one.root, data1)
+    single = train()
 
     root = tmp_path / "shared"  # the artifact root every node sees
     shared_data = root / "data" / local_data.name

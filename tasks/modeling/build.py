@@ -50,7 +50,7 @@ from model.llama import MLP, Attention
 from model.registry import build_model
 from tasks.modeling.parallelize import parallelize
 from tasks.runtime.mesh import Mesh
-from tasks.store.model_artifact import read_info
+from tasks.store.model_artifact import model_config, read_info
 from tasks.store.tensors import assign, load_weights
 
 
@@ -141,7 +141,7 @@ def load_network(path: str | Path, *, seed: int = 0) -> tuple[nn.Cell, dict[str,
     info = read_info(path)
     built = build_network(
         info.get("name", "llama"),
-        ModelConfig.from_dict(info["model"]),
+        model_config(path),
         seed=seed,
         weights=load_weights(path),
         source=str(path),

@@ -27,6 +27,7 @@ import numpy as np
 from model.config import ModelConfig
 from tasks.prompts import PROMPT_STYLE_FILE, check_prompt_style, prompt_style
 from tasks.store.disk import atomic_write_json
+from tasks.store.errors import ArtifactError
 from tasks.store.published import verify_published
 from tasks.store.tensors import save_tensors
 from tasks.tokenizer import copy_tokenizer_files, tokenizer_files
@@ -40,12 +41,23 @@ def read_info(path: str | Path) -> dict[str, Any]:
         raise FileNotFoundError(
             f"{path}: no model.json; not a model artifact (pass a pretrain, convert or merged finetune artifact)"
         )
-    return json.loads(verify_published(p).read_text())
+    try:
+        info = json.loads(verify_published(p).read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ArtifactError(f"{p}: not valid JSON ({exc}); the artifact is corrupt: rebuild it") from None
+    if not isinstance(info, dict) or not isinstance(info.get("model"), dict):
+        raise ArtifactError(f"{p}: no 'model' object (the model's config); the artifact is corrupt: rebuild it")
+    return info
 
 
 def model_config(path: str | Path):
-
-    return ModelConfig.from_dict(read_info(path)["model"])
+    """The ModelConfig of model artifact `path`; ArtifactError naming model.json when its config is malformed."""
+    try:
+        return ModelConfig.from_dict(read_info(path)["model"])
+    except (ValueError, TypeError) as exc:
+        raise ArtifactError(
+            f"{Path(path) / 'model.json'}: its model config does not hold ({exc}); the artifact is corrupt: rebuild it"
+        ) from None
 
 
 def load_tokenizer(path: str | Path):
