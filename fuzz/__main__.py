@@ -56,7 +56,7 @@ def _child(name: str, examples: int, seconds: float) -> dict:
     def one(data) -> None:
         stats["examples"] += 1
         if current:  # the input in flight, for the parent to report if this process hangs in native code or dies
-            Path(current).write_text(repr(data)[:20_000])
+            Path(current).write_text(repr(data))
         with tempfile.TemporaryDirectory(prefix="msllm-fuzz-") as d:
             t0 = time.perf_counter()
             signal.setitimer(signal.ITIMER_REAL, 2 * SECONDS_PER_INPUT)
@@ -107,6 +107,19 @@ def _limit_memory() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
 
 
+def _keep(current: Path, name: str) -> str:
+    """The input in flight when a child hung or died: kept whole under the seeds' cache (findings/), and its start."""
+    if not current.is_file():
+        return ""
+    from fuzz.seeds import CACHE
+
+    text = current.read_text()
+    keep = CACHE / "findings" / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.repr"
+    keep.parent.mkdir(parents=True, exist_ok=True)
+    keep.write_text(text)
+    return f"{text[:600]} ... (whole input: {keep})"
+
+
 def _run_target(name: str, examples: int, seconds: float) -> dict:
     cmd = [sys.executable, "-m", "fuzz", name, "--child", "--examples", str(examples), "--seconds", str(seconds)]
     from fuzz.seeds import seeds
@@ -121,12 +134,12 @@ def _run_target(name: str, examples: int, seconds: float) -> dict:
                 cmd, cwd=REPO, capture_output=True, text=True, timeout=budget, preexec_fn=_limit_memory, env=env
             )
         except subprocess.TimeoutExpired:
-            last = current.read_text()[:2000] if current.is_file() else ""
+            last = _keep(current, name)
             why = f"the child ran past {budget:.0f} s: a hang outside Python code (the alarm could not interrupt it)"
             return {"target": name, "violations": [{"error": why, "input": last}]}
         if r.returncode < 0 or not r.stdout.strip():
             tail = (r.stderr.strip().splitlines() or ["(no output)"])[-5:]
-            last = current.read_text()[:2000] if current.is_file() else ""
+            last = _keep(current, name)
             why = f"the child exited {r.returncode}: {' | '.join(tail)}"
             return {"target": name, "violations": [{"error": why, "input": last}]}
     return json.loads(r.stdout.strip().splitlines()[-1])

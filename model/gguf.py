@@ -25,6 +25,7 @@ from gguf import GGUFValueType, quants
 
 from model.config import ModelConfig
 from model.convert import ConversionError, check_layer_count, key_pairs, nonfinite
+from model.gguf_header import header_problem
 
 ARCH = "llama"
 # Weight types this reads (the dequantizer knows more; these are what llama-architecture files use and are tested).
@@ -76,6 +77,12 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 def read_metadata(path: str | Path):
     """(GGUFReader, {key: value}); GGUFError for a file that is not a complete GGUF."""
     p = Path(path)
+    try:
+        why = header_problem(p)  # every claimed count against the bytes left, before gguf-py sizes anything
+    except OSError as exc:
+        raise GGUFError(f"{p}: cannot be read ({exc})") from None
+    if why:
+        raise GGUFError(f"{p}: {why}; the file is truncated, corrupt or crafted: download it again")
     try:
         reader = gguf.GGUFReader(str(p), "r")
     except (ValueError, IndexError, KeyError, OSError, EOFError) as exc:

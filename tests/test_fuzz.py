@@ -117,3 +117,39 @@ def test_a_resigned_model_json_that_does_not_hold_is_one_artifact_error(tmp_path
     with pytest.raises(ArtifactError, match=want) as err:
         _model_artifact((info, True, None), tmp_path)
     assert "model.json" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "patch, want",
+    [
+        ("tokens_count", "claims 4611686018427387904 items"),  # was a MemoryError out of gguf-py's reader
+        ("tokens_uint8", "claims"),  # the same count over one-byte items
+        ("kv_count", "metadata entries"),
+    ],
+)
+def test_a_gguf_claiming_more_than_it_holds_is_refused_before_reading(tmp_path, patch, want):
+    """A claimed count past the bytes left (`python -m fuzz gguf` found a metadata array of 2^62 items running the
+    reader out of memory): one GGUFError naming the file, in bounded time and memory (model/gguf_header.py)."""
+    import resource
+
+    from fuzz.seeds import seeds
+    from model.gguf import GGUFError, read_metadata
+
+    data = bytearray((seeds() / "model.gguf").read_bytes())
+    key = b"tokenizer.ggml.tokens"
+    at = data.index(key) + len(key)  # then: type u32 (9: array), item type u32, count u64
+    if patch == "tokens_count":
+        data[at + 8 : at + 16] = (2**62).to_bytes(8, "little")
+    elif patch == "tokens_uint8":
+        data[at + 4 : at + 8] = (0).to_bytes(4, "little")
+        data[at + 8 : at + 16] = (2**62).to_bytes(8, "little")
+    else:
+        data[16:24] = (2**40).to_bytes(8, "little")
+    path = tmp_path / "crafted.gguf"
+    path.write_bytes(bytes(data))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(GGUFError, match=want) as err:
+        read_metadata(path)
+    assert str(path) in str(err.value) and "\n" not in str(err.value)
+    # no list or array sized by the claim (2^62 items): the peak grows by far less than a 100 MB (ru_maxrss: KiB)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100_000
