@@ -198,7 +198,19 @@ inline void gemv_rows(const WT *W, const float *x, float *y, int64_t n, int64_t 
     for (; r + 4 <= r1; r += 4) {
       const half *w0 = W + r * n, *w1 = w0 + n, *w2 = w1 + n, *w3 = w2 + n;
       simd::vf a0 = simd::zero(), a1 = simd::zero(), a2 = simd::zero(), a3 = simd::zero();
+      simd::vf b0 = simd::zero(), b1 = simd::zero(), b2 = simd::zero(), b3 = simd::zero();
       int64_t j = 0;
+      for (; j + 2 * VW <= n; j += 2 * VW) {  // two vectors a row per step: 8 chains hide the widening's latency
+        const simd::vf xv = simd::loadu(x + j), xw = simd::loadu(x + j + VW);
+        a0 = simd::fma(loadw(w0 + j), xv, a0);
+        a1 = simd::fma(loadw(w1 + j), xv, a1);
+        a2 = simd::fma(loadw(w2 + j), xv, a2);
+        a3 = simd::fma(loadw(w3 + j), xv, a3);
+        b0 = simd::fma(loadw(w0 + j + VW), xw, b0);
+        b1 = simd::fma(loadw(w1 + j + VW), xw, b1);
+        b2 = simd::fma(loadw(w2 + j + VW), xw, b2);
+        b3 = simd::fma(loadw(w3 + j + VW), xw, b3);
+      }
       for (; j + VW <= n; j += VW) {
         const simd::vf xv = simd::loadu(x + j);
         a0 = simd::fma(loadw(w0 + j), xv, a0);
@@ -206,7 +218,7 @@ inline void gemv_rows(const WT *W, const float *x, float *y, int64_t n, int64_t 
         a2 = simd::fma(loadw(w2 + j), xv, a2);
         a3 = simd::fma(loadw(w3 + j), xv, a3);
       }
-      float s0 = simd::hsum(a0), s1 = simd::hsum(a1), s2 = simd::hsum(a2), s3 = simd::hsum(a3);
+      float s0 = simd::hsum(a0 + b0), s1 = simd::hsum(a1 + b1), s2 = simd::hsum(a2 + b2), s3 = simd::hsum(a3 + b3);
       for (; j < n; ++j) {
         s0 += widen(w0[j]) * x[j];
         s1 += widen(w1[j]) * x[j];

@@ -136,6 +136,10 @@ class ReadBench:
         return {impl: max(self.a.nbytes / t for (i, _), t in self.best.items() if i == impl) for impl in self.impls}
 
 
+STORED = {"fp16": 2 / 4, "q8_0": 34 / 32 / 4}
+"""The stored weight formats the fused step reads, and their bytes per weight as a fraction of fp32's."""
+
+
 def weight_bytes_per_token(cfg) -> int:
     """fp32 bytes of the weights one decode step multiplies by: every projection and the LM head."""
     h, kv, f = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
@@ -256,11 +260,10 @@ def main() -> None:
     add_isa_arg(ap)
     add_record_args(ap)
     ap.add_argument(
-        "--fp16",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="also time the fused step reading binary16 copies of the weight matrices (`Generator(weights='fp16')`, "
-        "`msllm serve --weights fp16`) on every thread count: fp16_tokens_per_s and its bandwidth fraction",
+        "--stored",
+        default="fp16,q8_0",
+        help="also time the fused step reading these stored weight formats (`Generator(weights=...)`, `msllm serve "
+        "--weights`; '' for none) on every thread count: <format>_tokens_per_s and its bandwidth fraction",
     )
     ap.add_argument("--side", choices=["hf"], default=None, help=argparse.SUPPRESS)
     ap.add_argument("--weights", default=None, help=argparse.SUPPRESS)
@@ -319,8 +322,13 @@ def main() -> None:
     paths = {**{f"cached@{t}": g for t, g in fused.items()}, "decoder": plain}
     if gen.decode_path != "fused":  # every Generator decodes on MindSpore kernels: time it once
         paths = {f"cached@{counts[-1]}": gen}
-    elif a.fp16:  # the same fused step on binary16 matrices: half the bytes each token reads
-        paths.update({f"fp16@{t}": Generator(net, threads=t, weights="fp16") for t in counts})
+    else:  # the same fused step on stored matrices: fp16 (2 bytes a weight), q8_0 (34 bytes per 32)
+        for fmt in [f for f in a.stored.split(",") if f]:
+            gens = {f"{fmt}@{t}": Generator(net, threads=t, weights=fmt) for t in counts}
+            if all(g.weights == fmt for g in gens.values()):
+                paths.update(gens)
+            else:  # this model does not take the format (Q8_0: rows of whole 32-weight blocks): said, not timed
+                res[f"{fmt}_skipped"] = next(iter(gens.values())).decode_reason
     t0 = time.perf_counter()
     for g in paths.values():
         g.compile(len(prompt), a.new_tokens)
@@ -374,17 +382,20 @@ def main() -> None:
                 len(tokens["hf"]),
             ),
         )
-    if any(k.startswith("fp16@") for k in tps):
-        best["fp16"], fp16_key = best_of("fp16")
-        res.update(
-            fp16_tokens_per_s=round(best["fp16"], 2),
-            fp16_best_threads=int(fp16_key.split("@")[1]),
-            fp16_speedup_vs_fp32=round(best["fp16"] / best["cached"], 2),
-            fp16_same_tokens_prefix=next(
-                (i for i, (x, y) in enumerate(zip(tokens[fp16_key], tokens["uncached"])) if x != y),
-                len(tokens["uncached"]),
-            ),
-        )
+    for fmt in STORED:
+        if any(k.startswith(f"{fmt}@") for k in tps):
+            best[fmt], key = best_of(fmt)
+            res.update(
+                {
+                    f"{fmt}_tokens_per_s": round(best[fmt], 2),
+                    f"{fmt}_best_threads": int(key.split("@")[1]),
+                    f"{fmt}_speedup_vs_fp32": round(best[fmt] / best["cached"], 2),
+                    f"{fmt}_same_tokens_prefix": next(
+                        (i for i, (x, y) in enumerate(zip(tokens[key], tokens["uncached"])) if x != y),
+                        len(tokens["uncached"]),
+                    ),
+                }
+            )
     if "decoder" in tps:
         best["decoder"] = max(tps["decoder"])
         res["decoder_tokens_per_s"] = round(best["decoder"], 2)
@@ -404,9 +415,10 @@ def main() -> None:
         bandwidth_limit_tokens_per_s=round(limit / per_token, 1),
     )
     over = []
-    for name, key in (("cached", ""), ("fp16", "fp16_"), ("decoder", "decoder_"), ("hf", "hf_")):
+    sides = [("cached", "", 1.0), *((f, f"{f}_", STORED[f]) for f in STORED), ("decoder", "decoder_", 1.0)]
+    for name, key, scale in [*sides, ("hf", "hf_", 1.0)]:
         if name in best:
-            frac = best[name] * per_token / limit / (2 if name == "fp16" else 1)  # fp16: 2 bytes a weight
+            frac = best[name] * per_token * scale / limit  # stored formats read `scale` of fp32's bytes
             if frac > 1:
                 over.append(f"{name} {best[name]:.1f} tokens/s = {frac:.2f}x")
             res[f"{key}fraction_of_bandwidth_limit"] = round(min(frac, 1.0), 3)
@@ -418,7 +430,9 @@ def main() -> None:
         print(f"[generate] WARNING {res['bandwidth_note']}", file=sys.stderr, flush=True)
     res["kv_speedup"] = round(best["cached"] / res["uncached_tokens_per_s"], 2)  # secondary: vs our own uncached path
     # the fp32 paths (fp16's rounded weights may part from them: fp16_same_tokens_prefix)
-    res["same_tokens"] = all(v == tokens["uncached"] for k, v in tokens.items() if k != "hf" and "fp16" not in k)
+    res["same_tokens"] = all(
+        v == tokens["uncached"] for k, v in tokens.items() if k != "hf" and k.split("@")[0] not in STORED
+    )
 
     if a.requests <= 0:  # decode only
         record(res, a)
