@@ -226,3 +226,22 @@ def test_every_import_form_is_an_edge(tmp_path):
     assert [(d.module, d.code) for d in dynamic_imports(tmp_path)] == [("tasks.a", "importlib.import_module(name)")]
     # the closure adds the __init__ of every package it passes through
     assert import_closure("model.heavy", tmp_path) == ["model/__init__.py", "model/config.py", "model/heavy.py"]
+
+
+def test_a_stage_key_follows_the_versions_of_the_libraries_its_code_imports(monkeypatch):
+    """Upgrading lm-eval changes eval's code version (so its key: no cache hit with the old scores) and not data's;
+    a progress-bar library changes none (issue 54)."""
+    import importlib.metadata
+
+    from tasks.store.codeversion import library_versions, stage_code_version
+
+    ev, data = library_versions("tasks.stages.evaluate"), library_versions("tasks.stages.data")
+    assert "lm_eval" in ev and "mindspore" in ev and "lm_eval" not in data and "sentencepiece" in data
+    assert "tqdm" not in ev and "numpy" in data
+    before = {
+        s: stage_code_version(s, m) for s, m in (("eval", "tasks.stages.evaluate"), ("data", "tasks.stages.data"))
+    }
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda d: "99.0" if d in ("lm_eval", "tqdm") else real(d))
+    after = {s: stage_code_version(s, m) for s, m in (("eval", "tasks.stages.evaluate"), ("data", "tasks.stages.data"))}
+    assert after["eval"] != before["eval"] and after["data"] == before["data"]

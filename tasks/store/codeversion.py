@@ -35,8 +35,11 @@ Standard library only: the CLI and the flows call this without MindSpore.
 from __future__ import annotations
 
 import ast
+import functools
 import glob
 import hashlib
+import importlib.metadata
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,6 +69,7 @@ class _Parsed:
     typing_imports: frozenset[str]  # under `if TYPE_CHECKING:`
     dynamic: tuple[DynamicImport, ...]
     native: tuple[str, ...] = ()  # NATIVE_SOURCES: file names beside the module that it compiles at run time
+    external: frozenset[str] = frozenset()  # top-level names of the third-party modules it imports (run-time ones)
 
 
 _PARSE_CACHE: dict[tuple[str, str, str, str], _Parsed] = {}  # (file, module, sha256 of bytes, module set)
@@ -154,6 +158,7 @@ class _ImportVisitor(ast.NodeVisitor):
         self.typing_imports: set[str] = set()
         self.in_typing = False
         self.dynamic: list[DynamicImport] = []
+        self.external: set[str] = set()
 
     # -- helpers
     def _where(self, node: ast.AST) -> str:
@@ -165,6 +170,8 @@ class _ImportVisitor(ast.NodeVisitor):
     def _require(self, node: ast.AST, module: str, what: str) -> None:
         """Record `module` (and check that it and its parent packages resolve to files in the project)."""
         if not _is_project(module):
+            if not self.in_typing:
+                self.external.add(module.split(".")[0])
             return
         for anc in _ancestry(module):
             if not self.project.exists(anc):
@@ -277,6 +284,7 @@ def _parse(project: _Project, name: str, path: Path, data: bytes) -> _Parsed:
         frozenset(v.typing_imports - v.imports),
         tuple(v.dynamic),
         _native_sources(project, path, tree),
+        frozenset(v.external),
     )
 
 
@@ -406,10 +414,40 @@ def code_version(modules: str | Iterable[str], data_files: Iterable[str] = (), r
 
 
 def stage_code_version(name: str, module: str, data_files: Iterable[str] = (), root: str | Path = REPO) -> str:
-    """16 hex digits: a stage's name + every source file its module imports + its declared data files (what the
-    stage table's `code_version(name)` returns, and what a stage module below the table computes for itself)."""
+    """16 hex digits: a stage's name + every source file its module imports + its declared data files + the versions
+    of the libraries that code imports (`library_versions`: after upgrading lm-eval, eval is not a cache hit with the
+    old scores). What the stage table's `code_version(name)` returns, and what a stage module below the table
+    computes for itself."""
     closure = code_version(module, data_files=list(data_files), root=root)
-    return hashlib.sha256(f"{name}:{closure}".encode()).hexdigest()[:16]
+    libs = ",".join(f"{d}={v}" for d, v in library_versions(module, root).items())
+    return hashlib.sha256(f"{name}:{closure}:{libs}".encode()).hexdigest()[:16]
+
+
+def library_versions(modules: str | Iterable[str], root: str | Path = REPO) -> dict[str, str]:
+    """{distribution: installed version} of every third-party library the import closure of `modules` imports
+    (mindspore, numpy, lm-eval, onnxruntime, tokenizers, sentencepiece, ...): what shapes a stage's bytes besides
+    its own code. A library that is not installed is left out (the stage could not import it anyway)."""
+    project = _Project(Path(root).resolve())
+    names = [modules] if isinstance(modules, str) else list(modules)
+    tops = {top for m in _closure_modules(project, names) for top in project.parsed(m).external}
+    tops -= {*PACKAGES, *sys.stdlib_module_names, *_NOT_SHAPING, ""}
+    out = {}
+    for top in sorted(tops):
+        for dist in _distributions().get(top, ()):
+            try:
+                out[dist] = importlib.metadata.version(dist)
+            except importlib.metadata.PackageNotFoundError:
+                pass
+    return dict(sorted(out.items()))
+
+
+# imported for progress bars and process stats only: no byte of an artifact depends on their version
+_NOT_SHAPING = frozenset({"tqdm", "rich", "psutil"})
+
+
+@functools.lru_cache(maxsize=1)
+def _distributions() -> dict[str, list[str]]:
+    return importlib.metadata.packages_distributions()
 
 
 def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
