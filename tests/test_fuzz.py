@@ -153,3 +153,28 @@ def test_a_gguf_claiming_more_than_it_holds_is_refused_before_reading(tmp_path, 
     assert str(path) in str(err.value) and "\n" not in str(err.value)
     # no list or array sized by the claim (2^62 items): the peak grows by far less than a 100 MB (ru_maxrss: KiB)
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100_000
+
+
+@pytest.mark.parametrize(
+    "files, want",
+    [
+        ([{"size": 1, "sha256": "0" * 64}], "files\\[0\\] has no path"),  # was KeyError: 'path' out of verify
+        ({"model.json": 1}, "'files' is not a list"),
+        ([{"path": "../../etc/passwd", "size": 1, "sha256": "0" * 64}], "not a path inside the artifact"),
+        ([{"path": "/etc/passwd", "size": 1, "sha256": "0" * 64}], "not a path inside the artifact"),
+        ([{"path": "model.json", "size": "1", "sha256": "0" * 64}], "files\\[0\\] has no size"),
+    ],
+)
+def test_an_edited_manifest_file_list_is_one_artifact_error(tmp_path, files, want):
+    """A manifest whose `files` entries lack their keys or point outside the artifact (`python -m fuzz
+    model_artifact` found a KeyError out of ArtifactStore.verify): one ArtifactError naming the manifest."""
+    from fuzz.seeds import model_artifact
+    from fuzz.targets import _model_artifact
+    from tasks.store.errors import ArtifactError
+
+    m = json.loads((model_artifact() / "manifest.json").read_text())
+    m["files"] = files
+    info = (model_artifact() / "model.json").read_text()
+    with pytest.raises(ArtifactError, match=want) as err:
+        _model_artifact((info, False, json.dumps(m)), tmp_path)
+    assert "manifest.json: corrupt manifest" in str(err.value)

@@ -32,7 +32,25 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
         raise ArtifactError(f"{m}: corrupt manifest ({exc}); delete the directory and rerun the stage") from None
     if not isinstance(data, dict) or data.get("complete") is not True or "digest" not in data:
         raise ArtifactError(f"{m}: incomplete manifest; delete the directory and rerun the stage")
+    if problem := _files_problem(data.get("files")):
+        raise ArtifactError(f"{m}: corrupt manifest ({problem}); delete the directory and rerun the stage")
     return data
+
+
+def _files_problem(files) -> str | None:
+    """Why a manifest's `files` is not a list of {path: a relative path inside the artifact, size, sha256}, or None
+    (a crafted one could name files outside the artifact, or lack the keys every reader indexes)."""
+    if not isinstance(files, list):
+        return "'files' is not a list"
+    for i, f in enumerate(files):
+        if not isinstance(f, dict) or not isinstance(f.get("path"), str) or not isinstance(f.get("sha256"), str):
+            return f"files[{i}] has no path and sha256"
+        if isinstance(f.get("size"), bool) or not isinstance(f.get("size"), int):
+            return f"files[{i}] has no size"
+        rel = Path(f["path"])
+        if rel.is_absolute() or ".." in rel.parts or not rel.parts:
+            return f"files[{i}].path {f['path']!r} is not a path inside the artifact"
+    return None
 
 
 # The msllm command that builds each artifact kind, for "rebuild it" hints. It is the stage table's `command`
