@@ -16,6 +16,8 @@ import os
 
 import mindspore as ms
 import numpy as np
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
 from mindspore import Tensor, nn, ops
 from mindspore.ops import signature as sig
 
@@ -157,12 +159,9 @@ quantizer (llama.cpp's `quantize_row_q8_0_ref`), so the blocks equal a Q8_0 GGUF
 
 def q8_0_blocks(w: np.ndarray) -> np.ndarray:
     """A float32 matrix [rows, n] (n a multiple of 32) as Q8_0 blocks, uint8 [rows, n / 32 * 34] (ggml's layout)."""
-    import gguf
-    from gguf.quants import quantize
-
     if w.ndim != 2 or w.shape[1] % 32:
         raise ValueError(f"Q8_0 weights need rows of a multiple of 32 weights, got a matrix of shape {list(w.shape)}")
-    return quantize(np.ascontiguousarray(w, np.float32), gguf.GGMLQuantizationType.Q8_0)
+    return quantize(np.ascontiguousarray(w, np.float32), GGMLQuantizationType.Q8_0)
 
 
 class DecodeWeights(nn.Cell):
