@@ -37,18 +37,9 @@ def tmeta(tok_dir) -> dict:
 
 
 def _cfg(vocab: int):
-    from model.config import ModelConfig
+    from fuzz.seeds import tiny_config  # the fuzzers' seed model is this one
 
-    return ModelConfig(
-        vocab_size=vocab,
-        hidden_size=16,
-        intermediate_size=32,
-        num_layers=1,
-        num_heads=2,
-        num_kv_heads=1,
-        max_seq_length=32,
-        tie_embeddings=False,
-    )
+    return tiny_config(vocab)
 
 
 def _weights(cfg, seed: int = 0) -> dict[str, np.ndarray]:
