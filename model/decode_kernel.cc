@@ -165,34 +165,6 @@ template <typename WT>
 inline void gemv_rows(const WT *W, const float *x, float *y, int64_t n, int64_t r0, int64_t r1, bool accumulate) {
   int64_t r = r0;
 #if MSLLM_VW > 0
-  if constexpr (std::is_same_v<WT, Q8Block>) {  // four rows at a time, block by block: x's block loaded once
-    constexpr int64_t VW = simd::kVW;
-    const int64_t nb = n / kQ8;
-    for (; r + 4 <= r1; r += 4) {
-      const Q8Block *b0 = W + r * nb, *b1 = b0 + nb, *b2 = b1 + nb, *b3 = b2 + nb;
-      simd::vf a0 = simd::zero(), a1 = simd::zero(), a2 = simd::zero(), a3 = simd::zero();
-      for (int64_t k = 0; k < nb; ++k) {
-        simd::vf s0 = simd::zero(), s1 = simd::zero(), s2 = simd::zero(), s3 = simd::zero();
-        for (int64_t j = 0; j < kQ8; j += VW) {
-          const simd::vf xv = simd::loadu(x + k * kQ8 + j);
-          s0 = simd::fma(load_q(b0[k].qs + j), xv, s0);
-          s1 = simd::fma(load_q(b1[k].qs + j), xv, s1);
-          s2 = simd::fma(load_q(b2[k].qs + j), xv, s2);
-          s3 = simd::fma(load_q(b3[k].qs + j), xv, s3);
-        }
-        a0 = simd::fma(s0, simd::set1(simd::half_to_float(b0[k].d)), a0);
-        a1 = simd::fma(s1, simd::set1(simd::half_to_float(b1[k].d)), a1);
-        a2 = simd::fma(s2, simd::set1(simd::half_to_float(b2[k].d)), a2);
-        a3 = simd::fma(s3, simd::set1(simd::half_to_float(b3[k].d)), a3);
-      }
-      const float s0 = simd::hsum(a0), s1 = simd::hsum(a1), s2 = simd::hsum(a2), s3 = simd::hsum(a3);
-      if (accumulate) {
-        y[r] += s0; y[r + 1] += s1; y[r + 2] += s2; y[r + 3] += s3;
-      } else {
-        y[r] = s0; y[r + 1] = s1; y[r + 2] = s2; y[r + 3] = s3;
-      }
-    }
-  }
   if constexpr (std::is_same_v<WT, half>) {
     constexpr int64_t VW = simd::kVW;
     for (; r + 4 <= r1; r += 4) {
@@ -274,6 +246,93 @@ inline void gemv_rows(const WT *W, const float *x, float *y, int64_t n, int64_t 
     y[r] = accumulate ? y[r] + s : s;
   }
 }
+
+// Q8_0 weights times Q8_0 activations, as ggml computes a Q8_0 matrix-vector product (its vec_dot_type for Q8_0):
+// x is quantized per 32-value block as ggml's quantize_row_q8_0 does it (amax over the block, id = 127 / amax,
+// q = x * id rounded to nearest, ties to even, in [-127, 127]; the block's scale d = amax / 127 stored as binary16),
+// then each block's 32 products are an exact int32 sum, times d_w * d_x in float32. A token's decode reads 34 bytes
+// per 32 weights and does one float multiply-add per block; the activation's rounding (at most d_x / 2 a value) is
+// the one error the float path does not have. The prefill's GEMM keeps float activations (it is compute-bound).
+struct Q8Act {
+  std::vector<int8_t> q;  // n values
+  std::vector<float> d;   // n / 32 scales, each exactly a binary16 value
+};
+
+inline void quantize_q8(const float *x, int64_t n, Q8Act &a) {
+  a.q.resize(n);
+  a.d.resize(n / kQ8);
+  for (int64_t k = 0; k < n / kQ8; ++k) {
+    const float *xb = x + k * kQ8;
+    float amax = 0.f;
+    for (int64_t j = 0; j < kQ8; ++j) amax = std::fabs(xb[j]) > amax ? std::fabs(xb[j]) : amax;
+    const float id = amax != 0.f ? 127.f / amax : 0.f;
+    a.d[k] = simd::half_to_float(simd::float_to_half(amax / 127.f));
+    int8_t *q = a.q.data() + k * kQ8;
+    for (int64_t j = 0; j < kQ8; ++j) q[j] = static_cast<int8_t>(std::nearbyint(xb[j] * id));
+  }
+}
+
+// the int32 sum of 32 int8 products
+inline int32_t block_dot(const int8_t *w, const int8_t *x) {
+  int32_t s = 0;
+  for (int64_t j = 0; j < kQ8; ++j) s += static_cast<int32_t>(w[j]) * static_cast<int32_t>(x[j]);
+  return s;
+}
+
+#if MSLLM_VW == 16 || MSLLM_VW == 8
+// 32 int8 products of one block, summed in pairs into 8 int32 lanes, as floats: maddubs multiplies unsigned by
+// signed bytes, so x's signs move onto w (|x| <= 127 and |w| <= 128: each pair sum fits int16 exactly)
+inline __m256 block_dot8(const int8_t *w, __m256i ax, __m256i sx) {
+  const __m256i qw = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(w));
+  const __m256i p16 = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(qw, sx));
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
+}
+inline float hsum8(__m256 v) {  // lane 0 first, as simd::hsum
+  float s = v[0];
+  for (int i = 1; i < 8; ++i) s += v[i];
+  return s;
+}
+#endif
+
+// y[r] (+)= W[r, :] . x for r in [r0, r1), W Q8_0 blocks [rows, n / 32]; x quantized once per call (this thread's
+// copy: n values, negligible beside the rows' n bytes each). Four rows at a time share each block of x.
+inline void gemv_rows(const Q8Block *W, const float *x, float *y, int64_t n, int64_t r0, int64_t r1, bool accumulate) {
+  thread_local Q8Act a;
+  quantize_q8(x, n, a);
+  const int64_t nb = n / kQ8;
+  int64_t r = r0;
+#if MSLLM_VW == 16 || MSLLM_VW == 8
+  for (; r + 4 <= r1; r += 4) {
+    const Q8Block *b0 = W + r * nb, *b1 = b0 + nb, *b2 = b1 + nb, *b3 = b2 + nb;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t k = 0; k < nb; ++k) {
+      const __m256i sx = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(a.q.data() + k * kQ8));
+      const __m256i ax = _mm256_sign_epi8(sx, sx);
+      const float dx = a.d[k];
+      a0 = _mm256_fmadd_ps(block_dot8(b0[k].qs, ax, sx), _mm256_set1_ps(simd::half_to_float(b0[k].d) * dx), a0);
+      a1 = _mm256_fmadd_ps(block_dot8(b1[k].qs, ax, sx), _mm256_set1_ps(simd::half_to_float(b1[k].d) * dx), a1);
+      a2 = _mm256_fmadd_ps(block_dot8(b2[k].qs, ax, sx), _mm256_set1_ps(simd::half_to_float(b2[k].d) * dx), a2);
+      a3 = _mm256_fmadd_ps(block_dot8(b3[k].qs, ax, sx), _mm256_set1_ps(simd::half_to_float(b3[k].d) * dx), a3);
+    }
+    const float s0 = hsum8(a0), s1 = hsum8(a1), s2 = hsum8(a2), s3 = hsum8(a3);
+    if (accumulate) {
+      y[r] += s0; y[r + 1] += s1; y[r + 2] += s2; y[r + 3] += s3;
+    } else {
+      y[r] = s0; y[r + 1] = s1; y[r + 2] = s2; y[r + 3] = s3;
+    }
+  }
+#endif
+  for (; r < r1; ++r) {
+    const Q8Block *b = W + r * nb;
+    float s = 0.f;
+    for (int64_t k = 0; k < nb; ++k)
+      s += simd::half_to_float(b[k].d) * a.d[k] * static_cast<float>(block_dot(b[k].qs, a.q.data() + k * kQ8));
+    y[r] = accumulate ? y[r] + s : s;
+  }
+}
+
+// y = W x for W Q8_0 blocks [rows, n / 32] and x float [n]: the Q8_0 decode GEMV alone (tests/test_kernel_isa.py)
+extern "C" int GemvQ8(const void *W, const float *x, float *y, int64_t rows, int64_t n, int threads);
 
 #if MSLLM_VW > 0
 constexpr int64_t kNR = 2 * simd::kVW;       // weight rows per packed panel: two vectors of outputs per token
@@ -937,6 +996,22 @@ extern "C" int Gemv(const float *W, const float *x, float *y, int64_t rows, int6
     int64_t b, e;
     split(rows, t, nt, &b, &e);
     gemv_rows(W, x, y, n, b, e, false);
+  }
+  return 0;
+}
+
+extern "C" int GemvQ8(const void *W, const float *x, float *y, int64_t rows, int64_t n, int threads) {
+  if (n % kQ8) return 3;
+#pragma omp parallel num_threads(threads > 0 ? threads : 1)
+  {
+#ifdef _OPENMP
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+#else
+    const int t = 0, nt = 1;
+#endif
+    int64_t b, e;
+    split(rows, t, nt, &b, &e);
+    gemv_rows(static_cast<const Q8Block *>(W), x, y, n, b, e, false);
   }
   return 0;
 }

@@ -22,7 +22,7 @@ the LM head tied to the embedding or not. Batch 1, numpy only (no MindSpore).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -40,6 +40,13 @@ LAYER_WEIGHTS = (
     "input_layernorm.weight",
     "post_attention_layernorm.weight",
 )
+
+
+Act = Callable[[np.ndarray, str], np.ndarray]
+
+
+def _in(act: Act | None, x: np.ndarray, name: str) -> np.ndarray:
+    return x if act is None else act(x, name)
 
 
 def layer_weights(weights: Mapping[str, np.ndarray], i: int) -> dict[str, np.ndarray]:
@@ -68,13 +75,14 @@ def attention(
     config: Any,
     positions: np.ndarray,
     cache: tuple[np.ndarray, np.ndarray] | None = None,
+    act: Act | None = None,
 ) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
     """Attention of x [T, H] at `positions` over the cache's keys/values [nkv, P, hd] (positions 0..P-1) and its own;
     returns ([T, H], the cache with its keys/values appended)."""
     t, nh, nkv, hd = x.shape[0], config.num_heads, config.num_kv_heads, config.head_dim
-    q = (x @ w["self_attn.q_proj.weight"].T).reshape(t, nh, hd).transpose(1, 0, 2)  # [nh, T, hd]
-    k = (x @ w["self_attn.k_proj.weight"].T).reshape(t, nkv, hd).transpose(1, 0, 2)  # [nkv, T, hd]
-    v = (x @ w["self_attn.v_proj.weight"].T).reshape(t, nkv, hd).transpose(1, 0, 2)
+    q = (_in(act, x, "self_attn.q_proj.weight") @ w["self_attn.q_proj.weight"].T).reshape(t, nh, hd).transpose(1, 0, 2)
+    k = (_in(act, x, "self_attn.k_proj.weight") @ w["self_attn.k_proj.weight"].T).reshape(t, nkv, hd).transpose(1, 0, 2)
+    v = (_in(act, x, "self_attn.v_proj.weight") @ w["self_attn.v_proj.weight"].T).reshape(t, nkv, hd).transpose(1, 0, 2)
     q, k = rope(q, positions, config) * hd**-0.5, rope(k, positions, config)
     if cache is not None:
         k, v = np.concatenate([cache[0], k], axis=1), np.concatenate([cache[1], v], axis=1)
@@ -86,12 +94,14 @@ def attention(
         scores = np.where(key_pos[None, :] > positions[:, None], -np.inf, scores)
         p = np.exp(scores - scores.max(-1, keepdims=True))
         out[h] = (p / p.sum(-1, keepdims=True)) @ v[g]
-    return out.transpose(1, 0, 2).reshape(t, nh * hd) @ w["self_attn.o_proj.weight"].T, (k, v)
+    o = "self_attn.o_proj.weight"
+    return _in(act, out.transpose(1, 0, 2).reshape(t, nh * hd), o) @ w[o].T, (k, v)
 
 
-def mlp(x: np.ndarray, w: Mapping[str, np.ndarray]) -> np.ndarray:
-    gate, up = x @ w["mlp.gate_proj.weight"].T, x @ w["mlp.up_proj.weight"].T
-    return (gate / (1.0 + np.exp(-gate)) * up) @ w["mlp.down_proj.weight"].T
+def mlp(x: np.ndarray, w: Mapping[str, np.ndarray], act: Act | None = None) -> np.ndarray:
+    gate = _in(act, x, "mlp.gate_proj.weight") @ w["mlp.gate_proj.weight"].T
+    up = _in(act, x, "mlp.up_proj.weight") @ w["mlp.up_proj.weight"].T
+    return _in(act, gate / (1.0 + np.exp(-gate)) * up, "mlp.down_proj.weight") @ w["mlp.down_proj.weight"].T
 
 
 def decoder_layer(
@@ -100,25 +110,34 @@ def decoder_layer(
     config: Any,
     positions: np.ndarray,
     cache: tuple[np.ndarray, np.ndarray] | None = None,
+    act: Act | None = None,
 ) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
     """One pre-norm block on x [T, H]: (y [T, H], the layer's cache with these positions' keys/values appended)."""
-    a, cache = attention(rms_norm(x, w["input_layernorm.weight"], config.norm_eps), w, config, positions, cache)
+    a, cache = attention(rms_norm(x, w["input_layernorm.weight"], config.norm_eps), w, config, positions, cache, act)
     x = x + a
-    return x + mlp(rms_norm(x, w["post_attention_layernorm.weight"], config.norm_eps), w), cache
+    return x + mlp(rms_norm(x, w["post_attention_layernorm.weight"], config.norm_eps), w, act), cache
 
 
 def forward(
-    ids, weights: Mapping[str, np.ndarray], config: Any, cache: list[tuple[np.ndarray, np.ndarray]] | None = None
+    ids,
+    weights: Mapping[str, np.ndarray],
+    config: Any,
+    cache: list[tuple[np.ndarray, np.ndarray]] | None = None,
+    act: Act | None = None,
 ) -> tuple[np.ndarray, list]:
-    """Logits [T, V] of token ids [T] that follow the cache's positions (none: from position 0), and the cache."""
+    """Logits [T, V] of token ids [T] that follow the cache's positions (none: from position 0), and the cache.
+    `act(x, name)`, where given, is what each weight matrix `name` (a LAYER_WEIGHTS name or "lm_head") multiplies
+    instead of x [T, in]: a path that rounds its activations (Q8_0's int8 blocks) is defined by it."""
     start = 0 if not cache else cache[0][0].shape[1]
     positions = np.arange(start, start + len(ids))
     embed = np.asarray(weights["embed_tokens.weight"], np.float64)
     x = embed[np.asarray(ids)]
     out = []
     for i in range(config.num_layers):
-        x, layer_cache = decoder_layer(x, layer_weights(weights, i), config, positions, cache[i] if cache else None)
+        x, layer_cache = decoder_layer(
+            x, layer_weights(weights, i), config, positions, cache[i] if cache else None, act
+        )
         out.append(layer_cache)
     x = rms_norm(x, np.asarray(weights["norm.weight"], np.float64), config.norm_eps)
     head = embed if config.tie_embeddings else np.asarray(weights["lm_head.weight"], np.float64)
-    return x @ head.T, out
+    return _in(act, x, "lm_head") @ head.T, out

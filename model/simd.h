@@ -106,6 +106,26 @@ inline float half_to_float(uint16_t h) {
 }
 #endif
 
+// A float as the nearest binary16 (ties to even; overflow to infinity, NaN kept a NaN): the scale of a Q8_0 block.
+#if MSLLM_VW == 16 || MSLLM_VW == 8
+inline uint16_t float_to_half(float f) { return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT); }
+#else
+inline uint16_t float_to_half(float f) {
+  uint32_t x;
+  __builtin_memcpy(&x, &f, 4);
+  const uint32_t sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
+  if (ax > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);  // NaN
+  if (ax >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // >= 65520: infinity
+  if (ax < 0x38800000u) {  // below 2^-14: a subnormal half, f * 2^24 rounded to an integer (ties to even)
+    float v;
+    __builtin_memcpy(&v, &ax, 4);
+    return static_cast<uint16_t>(sign | static_cast<uint32_t>(std::nearbyint(v * 16777216.0f)));
+  }
+  // normal: rebias 127 -> 15 and round the 13 dropped mantissa bits to nearest, ties to even
+  return static_cast<uint16_t>(sign | ((ax - 0x38000000u + 0xfffu + ((ax >> 13) & 1u)) >> 13));
+}
+#endif
+
 #if MSLLM_VW > 0
 inline vf zero() { return set1(0.0f); }
 

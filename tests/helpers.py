@@ -326,3 +326,18 @@ def pretrain_child(cfg, root: Path, data_art: Path, init_from: Path | None = Non
         return pretrain._train(cfg, store, data_art, init_from, keyed[0], progress=False, keyed=keyed, **kw)
 
     return train, run_dir
+
+
+def q8_0_activations(x):
+    """x [..., n] quantized as ggml's quantize_row_q8_0 (its AVX2 body) does, per 32-value block of each row: from x
+    in float32, id = 127 / amax, q = x * id rounded to nearest (ties to even), the scale amax / 127 rounded to
+    binary16. (q [..., n] int32, d [..., n / 32] float32); q * d is what a Q8_0 GEMV multiplies."""
+    import numpy as np
+
+    xb = np.asarray(x, np.float32).reshape(*np.shape(x)[:-1], -1, 32)
+    amax = np.abs(xb).max(-1)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    q = np.rint(xb * inv[..., None]).astype(np.int32)
+    d = (amax / np.float32(127)).astype(np.float16).astype(np.float32)
+    return q.reshape(np.shape(x)), d

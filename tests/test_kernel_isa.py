@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import q8_0_activations
 
 import model.kernel_build as kernel_build  # the build cache's private memo and helpers
 from model.cpu import cpu_levels, matmul_isa, select_isa
@@ -274,6 +275,48 @@ def test_decode_gemv_matches_the_scalar_reference(isa):
         f(wm.ctypes.data, x.ctypes.data, y.ctypes.data, rows, n, 1)
         out[body] = y
     assert (np.abs(out[isa] - out["scalar"]) <= 2 * n * U * np.abs(wm * x).sum(1)).all()
+
+
+@needs_cxx
+@pytest.mark.parametrize("isa", cpu_levels())
+def test_q8_0_gemv_is_ggmls_integer_dot_in_every_body(isa):
+    """decode_kernel.cc GemvQ8 (the Q8_0 decode GEMV: Q8_0 weights times Q8_0-quantized activations) in each body:
+    the activations' int8 values are exactly ggml's (tests: q8_0_activations), each block's 32 products an exact
+    int32 sum, and y within the float32 rounding of its n/32 block terms (scale products and their sum; twice the
+    recursive-summation bound over nb + 8 terms, 8 for the lanes). Rows 37 (not a 4-row multiple), n 320; a block of
+    zeros in x (scale 0) and a weight block at -128 (ggml's quantizer never writes it; a hub file may)."""
+    import gguf
+
+    from model.fused_decode import q8_0_blocks
+
+    rng = np.random.default_rng(11)
+    rows, n = 37, 320
+    wm = rng.standard_normal((rows, n)).astype(np.float32)
+    x = (rng.standard_normal(n) * np.exp(rng.standard_normal(n))).astype(np.float32)
+    x[64:96] = 0
+    blocks = np.ascontiguousarray(q8_0_blocks(wm))
+    raw = blocks.view(np.uint8).reshape(rows, n // 32, 34)
+    raw[5, 2, 2 + 7] = 0x80  # qs[7] of row 5's third block: -128
+    d_w = raw[:, :, :2].copy().view(np.float16)[..., 0].astype(np.float32)  # [rows, nb]
+    q_w = raw[:, :, 2:].copy().view(np.int8).astype(np.int64)  # [rows, nb, 32]
+    q_x, d_x = q8_0_activations(x)
+    isum = (q_w * q_x.reshape(1, -1, 32)).sum(2)  # exact
+    scale = (d_w * d_x[None, :]).astype(np.float32)  # float32 products, as the kernel's
+    terms = scale.astype(np.float64) * isum
+    want = terms.sum(1)
+    bound = 2 * (n // 32 + 8) * U * (np.abs(scale) * np.abs(q_w * q_x.reshape(1, -1, 32)).sum(2)).sum(1)
+    assert gguf.GGMLQuantizationType.Q8_0 and (np.abs(q_x) <= 127).all()
+    for body in (isa, "scalar"):
+        f = ctypes.CDLL(_lib(body, DECODE_SOURCE, openmp=True)).GemvQ8
+        f.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+        for threads in (1, 2):
+            y = np.full(rows, np.nan, np.float32)
+            assert f(raw.ctypes.data, x.ctypes.data, y.ctypes.data, rows, n, threads) == 0
+            assert (np.abs(y - want) <= bound).all(), (body, threads, np.abs(y - want).max(), bound.min())
+    # the float path's products (x unquantized) differ by the activations' rounding: the test can tell them apart
+    exact = (d_w[:, :, None] * q_w * x.reshape(1, -1, 32)).sum((1, 2))
+    assert (np.abs(exact - want) > 10 * bound).any()
+    assert f(raw.ctypes.data, x.ctypes.data, y.ctypes.data, rows, n - 1, 1) == 3  # not whole blocks: refused
 
 
 @needs_cxx
