@@ -161,6 +161,18 @@ inline float dot(const Q8Block *a, const float *x, int64_t n) {
 // a masked load, then loads W aligned (rows of n % 16 == 0 floats share one alignment).
 // Binary16 W: four rows at a time as well, each vector of a row widened as it is loaded (no alignment step: a
 // 64-byte line holds 32 halves, two AVX-512 vectors).
+// The next row group's bytes, read in order: the GEMVs below take four rows at a time, four interleaved streams a
+// few hundred bytes apart that the hardware prefetchers follow poorly (a Q8_0 GEMV at SmolLM2's 576-weight rows
+// read 12 GB/s on one Zen 4 core, 26 GB/s with this); the four rows after them are contiguous, so each step
+// prefetches its share of them, `bytes` from `p` (a whole number of 64-byte lines, at least one).
+inline void prefetch_span(const void *p, int64_t bytes) {
+#if MSLLM_VW == 16 || MSLLM_VW == 8
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(static_cast<const char *>(p) + o, _MM_HINT_T0);
+#else
+  (void)p; (void)bytes;
+#endif
+}
+
 template <typename WT>
 inline void gemv_rows(const WT *W, const float *x, float *y, int64_t n, int64_t r0, int64_t r1, bool accumulate) {
   int64_t r = r0;
@@ -172,7 +184,9 @@ inline void gemv_rows(const WT *W, const float *x, float *y, int64_t n, int64_t 
       simd::vf a0 = simd::zero(), a1 = simd::zero(), a2 = simd::zero(), a3 = simd::zero();
       simd::vf b0 = simd::zero(), b1 = simd::zero(), b2 = simd::zero(), b3 = simd::zero();
       int64_t j = 0;
+      const half *next = w0 + 4 * n;  // the next four rows: 4 * 2 * VW halves per step
       for (; j + 2 * VW <= n; j += 2 * VW) {  // two vectors a row per step: 8 chains hide the widening's latency
+        prefetch_span(next + 4 * j, 4 * 2 * VW * sizeof(half));
         const simd::vf xv = simd::loadu(x + j), xw = simd::loadu(x + j + VW);
         a0 = simd::fma(loadw(w0 + j), xv, a0);
         a1 = simd::fma(loadw(w1 + j), xv, a1);
@@ -217,7 +231,9 @@ inline void gemv_rows(const WT *W, const float *x, float *y, int64_t n, int64_t 
       __m512 a2 = _mm512_mul_ps(_mm512_maskz_loadu_ps(hm, w2), xv);
       __m512 a3 = _mm512_mul_ps(_mm512_maskz_loadu_ps(hm, w3), xv);
       int64_t j = head;
+      const float *next = w0 + 4 * n;  // the next four rows: 4 * 16 floats per step
       for (; j + 16 <= n; j += 16) {
+        prefetch_span(next + 4 * j, 4 * 16 * sizeof(float));
         xv = _mm512_loadu_ps(x + j);
         a0 = _mm512_fmadd_ps(_mm512_load_ps(w0 + j), xv, a0);
         a1 = _mm512_fmadd_ps(_mm512_load_ps(w1 + j), xv, a1);
@@ -309,6 +325,7 @@ inline void gemv_rows(const Q8Block *W, const float *x, float *y, int64_t n, int
       const __m256i sx = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(a.q.data() + k * kQ8));
       const __m256i ax = _mm256_sign_epi8(sx, sx);
       const float dx = a.d[k];
+      prefetch_span(reinterpret_cast<const char *>(b0 + 4 * nb) + k * 4 * sizeof(Q8Block), 192);  // 136 bytes a step
       a0 = _mm256_fmadd_ps(block_dot8(b0[k].qs, ax, sx), _mm256_set1_ps(simd::half_to_float(b0[k].d) * dx), a0);
       a1 = _mm256_fmadd_ps(block_dot8(b1[k].qs, ax, sx), _mm256_set1_ps(simd::half_to_float(b1[k].d) * dx), a1);
       a2 = _mm256_fmadd_ps(block_dot8(b2[k].qs, ax, sx), _mm256_set1_ps(simd::half_to_float(b2[k].d) * dx), a2);
