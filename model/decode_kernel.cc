@@ -24,6 +24,7 @@
 // embedding's [V, H] and the first layer's sizes, the caches' [nkv, S, hd]); a mismatch returns 2 (dtype)
 // or 3 (shape), a token or position out of range 4 (model/kernels.py names the codes).
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -52,6 +53,44 @@ void on_threads(int threads, F fn) {
   fn(0, threads > 1 ? threads : 1);
   for (auto &w : workers) w.join();
 }
+
+// A barrier for on_threads' threads: the decode step's phases (4 a layer, ~10-100 us each on 2 threads) meet here.
+// The last to arrive advances the generation; the others spin on it (a pause per check), then yield the core after
+// ~50 us, so a thread whose partner was descheduled (a busy machine) does not hold a core spinning. With OpenMP's
+// parallel region and barriers instead, the same step called as a MindSpore op ran 130 tokens/s where ctypes ran
+// ~180 (SmolLM2-135M, Q8_0, 2 threads, AMD EPYC): its two threads were off the CPU a third of each token, asleep in
+// the barriers; on these threads it runs ~215 there (docs/KERNELS.md).
+class Barrier {
+ public:
+  explicit Barrier(int n) : n_(n) {}
+  void wait() {
+    if (n_ <= 1) return;
+    const int gen = gen_.load(std::memory_order_acquire);
+    if (count_.fetch_add(1, std::memory_order_acq_rel) == n_ - 1) {
+      count_.store(0, std::memory_order_relaxed);
+      gen_.fetch_add(1, std::memory_order_release);
+      return;
+    }
+    for (int spins = 0; gen_.load(std::memory_order_acquire) == gen; ++spins) {
+      if (spins < 2000) {
+        relax();
+      } else {
+        std::this_thread::yield();
+      }
+    }
+  }
+
+ private:
+  static void relax() {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    asm volatile("yield");
+#endif
+  }
+  const int n_;
+  std::atomic<int> count_{0}, gen_{0};
+};
 
 inline float dot(const float *a, const float *b, int64_t n) {
   int64_t j = 0;
@@ -769,13 +808,8 @@ int decode_step(void **params, const Model &m) {
   for (int64_t i = 0; i < H; ++i) x[i] = weight_at(row_of(embed, tok, H), i);
   std::vector<float> q(qdim), kv(2 * kvdim), attn(qdim), act(F), up(F), hn(H * threads), scores(S * threads);
 
-#pragma omp parallel num_threads(threads)
-  {
-#ifdef _OPENMP
-    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-#else
-    const int t = 0, nt = 1;
-#endif
+  Barrier barrier(threads);
+  on_threads(threads, [&](int t, int nt) {
     float *h = hn.data() + H * t;       // this thread's copy of the normed activations
     float *sc = scores.data() + S * t;  // this thread's attention scores
     int64_t b, e;
@@ -792,7 +826,7 @@ int decode_step(void **params, const Model &m) {
         gemv_rows(wm(2), h, kv.data(), H, (b > qdim ? b : qdim) - qdim, (e < qdim + kvdim ? e : qdim + kvdim) - qdim, false);
       if (e > qdim + kvdim)
         gemv_rows(wm(3), h, kv.data() + kvdim, H, (b > qdim + kvdim ? b : qdim + kvdim) - qdim - kvdim, e - qdim - kvdim, false);
-#pragma omp barrier
+barrier.wait();
       // RoPE and the cache write: kv heads split over threads; then attention, q heads split over threads
       split(nkv, t, nt, &b, &e);
       for (int64_t g = b; g < e; ++g) {
@@ -800,7 +834,7 @@ int decode_step(void **params, const Model &m) {
         std::memcpy(kc + (g * S + pos) * hd, kv.data() + g * hd, hd * sizeof(float));
         std::memcpy(vc + (g * S + pos) * hd, kv.data() + kvdim + g * hd, hd * sizeof(float));
       }
-#pragma omp barrier
+barrier.wait();
       split(nh, t, nt, &b, &e);
       for (int64_t hh = b; hh < e; ++hh) {
         float *qh = q.data() + hh * hd;
@@ -808,24 +842,24 @@ int decode_step(void **params, const Model &m) {
         const int64_t g = hh / n_rep;
         attend(qh, kc + g * S * hd, vc + g * S * hd, pos, hd, sc, attn.data() + hh * hd);
       }
-#pragma omp barrier
+barrier.wait();
       split(H, t, nt, &b, &e);
       gemv_rows(wm(4), attn.data(), x.data(), qdim, b, e, true);  // x += o(attn), rows of x split
-#pragma omp barrier
+barrier.wait();
       rms_norm(x.data(), w(5), h, H, eps);
       split(F, t, nt, &b, &e);
       gemv_rows(wm(6), h, act.data(), H, b, e, false);  // gate
       gemv_rows(wm(7), h, up.data(), H, b, e, false);   // up
       for (int64_t r = b; r < e; ++r) act[r] = act[r] / (1.0f + std::exp(-act[r])) * up[r];  // silu(gate) * up
-#pragma omp barrier
+barrier.wait();
       split(H, t, nt, &b, &e);
       gemv_rows(wm(8), act.data(), x.data(), F, b, e, true);  // x += down(act)
-#pragma omp barrier
+barrier.wait();
     }
     rms_norm(x.data(), final_norm, h, H, eps);
     split(V, t, nt, &b, &e);
     gemv_rows(head, h, logits, H, b, e, false);
-  }
+  });
   return 0;
 }
 
@@ -868,13 +902,8 @@ int prefill_step(void **params, const Model &m, int64_t T) {
   ChunkAttn c{q.data(), k.data(), v.data(), T, m.nh, m.nkv, hd, m.n_rep, m.S, start, m.cos_t, m.sin_t, scale,
               nullptr, nullptr, qr.data(), kt.data(), attn.data()};
 
-#pragma omp parallel num_threads(threads)
-  {
-#ifdef _OPENMP
-    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-#else
-    const int t = 0, nt = 1;
-#endif
+  Barrier barrier(threads);
+  on_threads(threads, [&](int t, int nt) {
     float *sc = scores.data() + 4 * (start + T) * t;
     int64_t b, e;
     // rows [b, e) of a projection with `rows` rows, split over the threads in whole panels (gemm_rows)
@@ -896,7 +925,7 @@ int prefill_step(void **params, const Model &m, int64_t T) {
       cl.vc = static_cast<float *>(params[8 + 10 * n_layers + l]);
       split(T, t, nt, &b, &e);
       for (int64_t i = b; i < e; ++i) rms_norm(x.data() + i * H, w(0), h.data() + i * H, H, eps);
-#pragma omp barrier
+barrier.wait();
       rows_of(qdim + 2 * kvdim);  // q | k | v rows, one range per thread over the three matrices
       if (b < qdim) gemm_rows(h.data(), H, T, wm(1), H, b, e < qdim ? e : qdim, q.data(), qdim, false);
       if (e > qdim && b < qdim + kvdim)
@@ -905,19 +934,19 @@ int prefill_step(void **params, const Model &m, int64_t T) {
       if (e > qdim + kvdim)
         gemm_rows(h.data(), H, T, wm(3), H, (b > qdim + kvdim ? b : qdim + kvdim) - qdim - kvdim, e - qdim - kvdim,
                   v.data(), kvdim, false);
-#pragma omp barrier
+barrier.wait();
       cl.write(t, nt);
-#pragma omp barrier
+barrier.wait();
       cl.transpose(t, nt);
-#pragma omp barrier
+barrier.wait();
       cl.attend(t, nt, sc);
-#pragma omp barrier
+barrier.wait();
       rows_of(H);
       gemm_rows(attn.data(), qdim, T, wm(4), qdim, b, e, x.data(), H, true);  // x += o(attn), columns of x split
-#pragma omp barrier
+barrier.wait();
       split(T, t, nt, &b, &e);
       for (int64_t i = b; i < e; ++i) rms_norm(x.data() + i * H, w(5), h.data() + i * H, H, eps);
-#pragma omp barrier
+barrier.wait();
       rows_of(F);
       gemm_rows(h.data(), H, T, wm(6), H, b, e, act.data(), F, false);  // gate
       gemm_rows(h.data(), H, T, wm(7), H, b, e, up.data(), F, false);   // up
@@ -926,16 +955,16 @@ int prefill_step(void **params, const Model &m, int64_t T) {
           float &a = act[i * F + r];
           a = a / (1.0f + std::exp(-a)) * up[i * F + r];  // silu(gate) * up
         }
-#pragma omp barrier
+barrier.wait();
       rows_of(H);
       gemm_rows(act.data(), F, T, wm(8), F, b, e, x.data(), H, true);  // x += down(act)
-#pragma omp barrier
+barrier.wait();
     }
     if (t == 0) rms_norm(x.data() + last * H, final_norm, hl.data(), H, eps);
-#pragma omp barrier
+barrier.wait();
     split(V, t, nt, &b, &e);
     gemv_rows(head, hl.data(), logits, H, b, e, false);
-  }
+  });
   return 0;
 }
 
