@@ -739,7 +739,8 @@ bool is_matrix(int i, int n_layers) {
 // Checks every operand of a whole-model op but the first two (token(s), position(s)): the count, dtypes, every
 // weight's shape against the embedding's [V, H] and the first layer's sizes, the caches' [nkv, S, hd] and the
 // output [1, V]. 0 when they hold; else 1 (count), 2 (dtype) or 3 (shape).
-int check_model(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, Model *m) {
+int check_model(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, Model *m,
+                int64_t out_rows = 1) {
   const int n_layers = (nparam - 9) / 11;
   if (n_layers < 1 || 9 + 11 * n_layers != nparam) return 1;
   if (!is_dt(dtypes, 0, "int32") || !is_dt(dtypes, 1, "int32")) return 2;
@@ -768,7 +769,7 @@ int check_model(int nparam, void **params, int *ndims, int64_t **shapes, const c
   if (ndims[kc0] != 3) return 3;
   const int64_t S = shapes[kc0][1], nkv = kvdim / hd;
   if (count(ndims, shapes, 4) != H || !wmat(5, V, H) || !mat(ndims, shapes, 7, S_rope, hd) ||
-      count(ndims, shapes, nparam - 1) != V)
+      count(ndims, shapes, nparam - 1) != V * out_rows)
     return 3;
   for (int l = 0; l < n_layers; ++l) {
     const int w = 8 + 9 * l;
@@ -826,7 +827,7 @@ int decode_step(void **params, const Model &m) {
         gemv_rows(wm(2), h, kv.data(), H, (b > qdim ? b : qdim) - qdim, (e < qdim + kvdim ? e : qdim + kvdim) - qdim, false);
       if (e > qdim + kvdim)
         gemv_rows(wm(3), h, kv.data() + kvdim, H, (b > qdim + kvdim ? b : qdim + kvdim) - qdim - kvdim, e - qdim - kvdim, false);
-barrier.wait();
+      barrier.wait();
       // RoPE and the cache write: kv heads split over threads; then attention, q heads split over threads
       split(nkv, t, nt, &b, &e);
       for (int64_t g = b; g < e; ++g) {
@@ -834,7 +835,7 @@ barrier.wait();
         std::memcpy(kc + (g * S + pos) * hd, kv.data() + g * hd, hd * sizeof(float));
         std::memcpy(vc + (g * S + pos) * hd, kv.data() + kvdim + g * hd, hd * sizeof(float));
       }
-barrier.wait();
+      barrier.wait();
       split(nh, t, nt, &b, &e);
       for (int64_t hh = b; hh < e; ++hh) {
         float *qh = q.data() + hh * hd;
@@ -842,19 +843,19 @@ barrier.wait();
         const int64_t g = hh / n_rep;
         attend(qh, kc + g * S * hd, vc + g * S * hd, pos, hd, sc, attn.data() + hh * hd);
       }
-barrier.wait();
+      barrier.wait();
       split(H, t, nt, &b, &e);
       gemv_rows(wm(4), attn.data(), x.data(), qdim, b, e, true);  // x += o(attn), rows of x split
-barrier.wait();
+      barrier.wait();
       rms_norm(x.data(), w(5), h, H, eps);
       split(F, t, nt, &b, &e);
       gemv_rows(wm(6), h, act.data(), H, b, e, false);  // gate
       gemv_rows(wm(7), h, up.data(), H, b, e, false);   // up
       for (int64_t r = b; r < e; ++r) act[r] = act[r] / (1.0f + std::exp(-act[r])) * up[r];  // silu(gate) * up
-barrier.wait();
+      barrier.wait();
       split(H, t, nt, &b, &e);
       gemv_rows(wm(8), act.data(), x.data(), F, b, e, true);  // x += down(act)
-barrier.wait();
+      barrier.wait();
     }
     rms_norm(x.data(), final_norm, h, H, eps);
     split(V, t, nt, &b, &e);
@@ -882,7 +883,7 @@ extern "C" int DecodeStep(int nparam, void **params, int *ndims, int64_t **shape
 // the threads; attention as ChunkAttention.
 // A prompt chunk of T tokens through the whole model, the weight matrices of type WT; `m` checked by check_model.
 template <typename WT>
-int prefill_step(void **params, const Model &m, int64_t T) {
+int prefill_step(void **params, const Model &m, int64_t T, bool all_rows) {
   const int n_layers = m.n_layers;
   const int64_t V = m.V, H = m.H, hd = m.hd, qdim = m.qdim, kvdim = m.kvdim, F = m.F;
   const int32_t *tokens = static_cast<const int32_t *>(params[0]);
@@ -925,7 +926,7 @@ int prefill_step(void **params, const Model &m, int64_t T) {
       cl.vc = static_cast<float *>(params[8 + 10 * n_layers + l]);
       split(T, t, nt, &b, &e);
       for (int64_t i = b; i < e; ++i) rms_norm(x.data() + i * H, w(0), h.data() + i * H, H, eps);
-barrier.wait();
+      barrier.wait();
       rows_of(qdim + 2 * kvdim);  // q | k | v rows, one range per thread over the three matrices
       if (b < qdim) gemm_rows(h.data(), H, T, wm(1), H, b, e < qdim ? e : qdim, q.data(), qdim, false);
       if (e > qdim && b < qdim + kvdim)
@@ -934,19 +935,19 @@ barrier.wait();
       if (e > qdim + kvdim)
         gemm_rows(h.data(), H, T, wm(3), H, (b > qdim + kvdim ? b : qdim + kvdim) - qdim - kvdim, e - qdim - kvdim,
                   v.data(), kvdim, false);
-barrier.wait();
+      barrier.wait();
       cl.write(t, nt);
-barrier.wait();
+      barrier.wait();
       cl.transpose(t, nt);
-barrier.wait();
+      barrier.wait();
       cl.attend(t, nt, sc);
-barrier.wait();
+      barrier.wait();
       rows_of(H);
       gemm_rows(attn.data(), qdim, T, wm(4), qdim, b, e, x.data(), H, true);  // x += o(attn), columns of x split
-barrier.wait();
+      barrier.wait();
       split(T, t, nt, &b, &e);
       for (int64_t i = b; i < e; ++i) rms_norm(x.data() + i * H, w(5), h.data() + i * H, H, eps);
-barrier.wait();
+      barrier.wait();
       rows_of(F);
       gemm_rows(h.data(), H, T, wm(6), H, b, e, act.data(), F, false);  // gate
       gemm_rows(h.data(), H, T, wm(7), H, b, e, up.data(), F, false);   // up
@@ -955,13 +956,21 @@ barrier.wait();
           float &a = act[i * F + r];
           a = a / (1.0f + std::exp(-a)) * up[i * F + r];  // silu(gate) * up
         }
-barrier.wait();
+      barrier.wait();
       rows_of(H);
       gemm_rows(act.data(), F, T, wm(8), F, b, e, x.data(), H, true);  // x += down(act)
-barrier.wait();
+      barrier.wait();
+    }
+    if (all_rows) {  // every row's logits [T, V]: the final norm of each row, then the head as a GEMM over the chunk
+      split(T, t, nt, &b, &e);
+      for (int64_t i = b; i < e; ++i) rms_norm(x.data() + i * H, final_norm, h.data() + i * H, H, eps);
+      barrier.wait();
+      rows_of(V);
+      gemm_rows(h.data(), H, T, head, H, b, e, logits, V, false);
+      return;
     }
     if (t == 0) rms_norm(x.data() + last * H, final_norm, hl.data(), H, eps);
-barrier.wait();
+    barrier.wait();
     split(V, t, nt, &b, &e);
     gemv_rows(head, hl.data(), logits, H, b, e, false);
   });
@@ -975,8 +984,22 @@ extern "C" int PrefillStep(int nparam, void **params, int *ndims, int64_t **shap
   if (const int rc = check_model(nparam, params, ndims, shapes, dtypes, &m)) return rc;
   const int64_t T = count(ndims, shapes, 0);
   if (T < 1 || count(ndims, shapes, 1) != 2) return 3;
-  if (m.wtype == 2) return prefill_step<Q8Block>(params, m, T);
-  return m.wtype == 1 ? prefill_step<half>(params, m, T) : prefill_step<float>(params, m, T);
+  if (m.wtype == 2) return prefill_step<Q8Block>(params, m, T, false);
+  return m.wtype == 1 ? prefill_step<half>(params, m, T, false) : prefill_step<float>(params, m, T, false);
+}
+
+// ScoreStep: PrefillStep with every row's logits, [T, V] (the eval scorer's log-probabilities of a sequence in the
+// stored weight formats): the same operands, its output [T, V]; `last` is checked and unused.
+extern "C" int ScoreStep(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
+                         void *extra) {
+  (void)stream; (void)extra;
+  Model m;
+  if (nparam < 1) return 1;
+  const int64_t T = count(ndims, shapes, 0);
+  if (const int rc = check_model(nparam, params, ndims, shapes, dtypes, &m, T)) return rc;
+  if (T < 1 || count(ndims, shapes, 1) != 2) return 3;
+  if (m.wtype == 2) return prefill_step<Q8Block>(params, m, T, true);
+  return m.wtype == 1 ? prefill_step<half>(params, m, T, true) : prefill_step<float>(params, m, T, true);
 }
 
 // A prompt chunk's attention over the in-place cache (CachedDecoder's prefill, one op per layer): RoPE on the

@@ -85,10 +85,11 @@ def _decode_dtypes(*dtypes):
 
 
 def _decode_op(lib: str, vocab: int, n_layers: int, name: str = "DecodeStep"):
-    """A whole-model custom op of model/decode_kernel.cc: `DecodeStep` (one token) or `PrefillStep` (a prompt chunk),
-    declared as writing its 2 * n_layers cache inputs (RW_WRITE, side_effect_mem, as model/kernel_ops.py's in-place
-    ops): so a graph never hands the kernel a copy of a cache Parameter, and the write is ordered after any earlier
-    read of it. Both return the logits [1, V] (PrefillStep: of the chunk's row `last`)."""
+    """A whole-model custom op of model/decode_kernel.cc: `DecodeStep` (one token), `PrefillStep` (a prompt chunk) or
+    `ScoreStep` (a chunk, every row's logits), declared as writing its 2 * n_layers cache inputs (RW_WRITE,
+    side_effect_mem, as model/kernel_ops.py's in-place ops): so a graph never hands the kernel a copy of a cache
+    Parameter, and the write is ordered after any earlier read of it. They return the logits [1, V] (PrefillStep: of
+    the chunk's row `last`; ScoreStep: [T, V])."""
     n_in = 8 + 11 * n_layers
     writes = range(8 + 9 * n_layers, n_in)
 
@@ -99,7 +100,10 @@ def _decode_op(lib: str, vocab: int, n_layers: int, name: str = "DecodeStep"):
 
         def __init__(self):
             super().__init__(
-                f"{lib}:{name}", out_shape=lambda *shapes: [1, vocab], out_dtype=_decode_dtypes, func_type="aot"
+                f"{lib}:{name}",
+                out_shape=lambda *shapes: [shapes[0][-1] if name == "ScoreStep" else 1, vocab],
+                out_dtype=_decode_dtypes,
+                func_type="aot",
             )
             self.add_prim_attr("side_effect_mem", True)
 
@@ -204,12 +208,21 @@ class FusedDecodeStep(nn.Cell):
     next step, as on every jit path) and writes the tokens' K/V into the decoder's cache Parameters in
     place. `construct(token [1, 1] int32, pos int32)` returns the logits [1, V] of position pos;
     prefill: `construct(tokens [1, T] int32, [start, last] int32)` writes slots start..start+T-1 and returns the
-    logits of row `last`. One kernel per token (or chunk) instead of ~280 MindSpore kernels, with AVX-512/AVX2
+    logits of row `last`; with `score=True`, the logits of every row, [T, V] (`Generator.score`).
+    One kernel per token (or chunk) instead of ~280 MindSpore kernels, with AVX-512/AVX2
     GEMVs (GEMMs for a chunk) over OpenMP threads, and no graph whose buffers live as long as the process: the
     64-token chunk graph of `CachedDecoder` keeps ~0.5 GB at SmolLM2-135M (docs/MEMORY.md).
     """
 
-    def __init__(self, decoder, lib: str, threads: int, prefill: bool = False, weights: DecodeWeights | None = None):
+    def __init__(
+        self,
+        decoder,
+        lib: str,
+        threads: int,
+        prefill: bool = False,
+        weights: DecodeWeights | None = None,
+        score: bool = False,
+    ):
         super().__init__()
         net = decoder.net
         self.weights = weights  # None: the net's own float32 matrices
@@ -219,7 +232,8 @@ class FusedDecodeStep(nn.Cell):
         v = c.vocab_size
         scale = net.layers[0].self_attn.scale
         self.consts = Tensor(np.array([c.norm_eps, scale, threads], np.float32))
-        self.op = _decode_op(lib, v, len(net.layers), "PrefillStep" if prefill else "DecodeStep")
+        name = "ScoreStep" if score else "PrefillStep" if prefill else "DecodeStep"
+        self.op = _decode_op(lib, v, len(net.layers), name)
 
     def construct(self, token: Tensor, pos: Tensor) -> Tensor:
         net, dec, wt = self.net, self.decoder, self.weights

@@ -293,6 +293,7 @@ class Generator:
         # Decode tokens (T = 1) as one fused custom op when it builds here (see FusedDecodeStep); else, or
         # with fused=False, on the decoder's MindSpore kernels. Both write the same caches.
         self._fused = None
+        self._fused_score = None  # a chunk's every row of logits (ScoreStep), where _fused is
         self._fused_prefill = None  # prompt chunks as one op (FusedDecodeStep with prefill=True), where _fused is
         self._lora = [
             layer for _, layer in lora_layers(net)
@@ -310,6 +311,12 @@ class Generator:
                 return fused_chunk(tokens, where)
 
             self._fused_prefill = ms.jit(fused_prefill)
+            score_chunk = FusedDecodeStep(self._decoder, lib, threads, score=True, weights=self._weights)
+
+            def fused_score(tokens, where):
+                return score_chunk(tokens, where)
+
+            self._fused_score = ms.jit(fused_score)
         log.info("[generate] decode path: %s: %s", self.decode_path, self.decode_reason)
 
     @property
@@ -423,6 +430,50 @@ class Generator:
             return [(x, 0, n - 1)]
         starts = list(range(0, n - c, c)) + [n - c]
         return [(np.asarray([ids[s : s + c]], np.int32), s, c - 1) for s in starts]
+
+    def can_score(self) -> bool:
+        """Whether `score` runs here: the fused steps built, no unmerged LoRA layer, the caches free."""
+        return self._fused_score is not None and not self._lora_on() and not self._decoder_busy
+
+    def score(self, ids: Sequence[int], targets: Sequence[int] | None = None):
+        """The logits [n, V] (float32) at every position of `ids` (row i: the distribution of the token after ids[i]),
+        through the fused steps in this Generator's weight format (`weights`: what it serves is what it scores); with
+        `targets` [n], instead (log p(targets[i]) float64 [n], whether targets[i] is the argmax [n]), a chunk at a
+        time, never holding [n, V]. The sequence goes through `prefill_chunk`-token chunks as a prompt does
+        (`_chunks`: the last one padded, or overlapping the one before), each chunk one ScoreStep: the prefill step
+        with every row's logits. The in-place caches hold the sequence meanwhile; at most max_len tokens."""
+        if not self.can_score():
+            raise RuntimeError(
+                f"Generator.score needs the fused steps, no LoRA left unmerged, free caches: {self.decode_reason}"
+            )
+        n = len(ids)
+        if not 0 < n <= self.max_len:
+            raise ValueError(f"cannot score a sequence of {n} tokens (max_len {self.max_len})")
+        if targets is not None and len(targets) != n:
+            raise ValueError(f"{n} ids but {len(targets)} targets")
+        if targets is None:
+            out = np.empty((n, self.net.config.vocab_size), np.float32)
+        else:
+            tg = np.asarray(targets, np.int64)
+            logp, top = np.empty(n, np.float64), np.empty(n, bool)
+        self._decoder_busy = True
+        try:
+            for x, start, last in self._chunks([int(t) for t in ids]):
+                rows = self._fused_op(self._fused_score, "score", start, Tensor(x), Tensor([start, 0], ms.int32))
+                rows = rows.asnumpy()[: min(last + 1, n - start)]  # a short sequence's padding dropped
+                at = slice(start, start + len(rows))
+                if targets is None:
+                    out[at] = rows
+                    continue
+                z = rows.astype(np.float64)
+                m = z.max(-1)
+                lse = m + np.log(np.exp(z - m[:, None]).sum(-1))
+                picked = z[np.arange(len(z)), tg[at]]
+                logp[at], top[at] = picked - lse, z.argmax(-1) == tg[at]
+        finally:
+            self._decoder_busy = False
+        self._compiled("score")
+        return out if targets is None else (logp, top)
 
     def _fused_op(self, op, what: str, pos: int, *args):
         """One call of the fused prefill/decode op; its failure is a DecodeError naming the path, not a switch."""

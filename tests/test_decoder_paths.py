@@ -257,6 +257,29 @@ def test_fused_decode_with_stored_weights_equals_the_reference_on_them(fmt):
     assert far > 4, f"the {fmt} path is within {far:.1f} bounds of the fp32 weights' logits: were they read?"
 
 
+@pytest.mark.integration  # ~6 s: three formats' score steps compiled
+def test_scoring_in_each_weight_format_equals_the_reference_on_its_weights():
+    """`Generator.score` (the eval scorer's path for stored formats: ScoreStep, the prefill chunk with every row's
+    logits) over a sequence longer than two chunks (the last one overlapping) and one shorter than a chunk (padded):
+    every row equals the definition on the weights as stored (fp32; binary16; Q8_0's d · q, with float activations as
+    the prefill's GEMMs have them) within the float32 bound, and the caches are free again afterwards."""
+    from model.generate import Generator
+
+    cfg = ModelConfig.from_dict({**CFG.to_dict(), "intermediate_size": 160})
+    net, weights, _ = _net(cfg=cfg)
+    for fmt in ("fp32", "fp16", "q8_0"):
+        gen = Generator(net, weights=fmt, max_len=128, prefill_chunk=48)
+        if not gen.can_score():
+            pytest.skip(f"the fused steps do not run here: {gen.decode_reason}")
+        for ids in (_ids(120, seed=8), _ids(23, seed=9)):
+            want = reference.forward(ids, _stored(weights, fmt) if fmt != "fp32" else weights, cfg)[0]
+            got = gen.score(ids)
+            assert got.shape == want.shape and gen.can_score()
+            for i in range(len(ids)):
+                tol = logit_tol(cfg, i + 1, float(np.abs(want[i]).max()))
+                np.testing.assert_allclose(got[i], want[i], rtol=0, atol=tol, err_msg=f"{fmt}, row {i} of {len(ids)}")
+
+
 def test_q8_0_weights_need_rows_of_32_and_say_so():
     """A model whose rows are not whole Q8_0 blocks (tiny: MLP 172) keeps fp32 weights, and the decode reason says
     why; an unknown format is a ValueError naming the formats."""

@@ -480,3 +480,46 @@ def test_unknown_task_names_the_local_ones():
     with pytest.raises(ValueError, match="unknown task.*local_nope.*local_arc_easy"):
         evaluate.task_manager(["local_nope"])
     assert "arc_easy" in evaluate.task_manager(["arc_easy"]).all_tasks  # standard names pass through
+
+
+@pytest.mark.integration  # ~10 s: the fused score steps compiled, two eval runs
+def test_eval_weights_score_and_decode_in_the_stored_format(artifact, lm, logit_scale, tmp_path, caplog):
+    """eval.weights fp16: the harness's loglikelihoods come from the fused steps on binary16 matrices (StepScorer):
+    they equal the fp32 scorer run on a copy of the model whose matrices were rounded to binary16, within the
+    float32 bound, and they are not the fp32 model's; q8_0 on a model whose rows are not whole 32-weight blocks
+    (tiny: MLP 172) scores in fp32 and says why. The eval stage keys, records and reports the format."""
+    from tasks.modeling.build import load_network
+
+    lm16 = lm_adapter.MindSporeLM(pretrained=artifact, batch_size=4, progress=False, weights="fp16")
+    if lm16.weights != "fp16":
+        pytest.skip(f"the fused steps do not run here: {lm16.generator.decode_reason}")
+    assert isinstance(lm16.scorer, lm_adapter.StepScorer)
+    net, _ = load_network(artifact)
+    for p in net.get_parameters():
+        if p.name.endswith(("_proj.weight", "embed_tokens.weight", "lm_head.weight")):
+            p.set_data(Tensor(p.asnumpy().astype(np.float16).astype(np.float32)))
+    rounded = lm_adapter.MindSporeLM(net=net, tokenizer=lm.sp, batch_size=4, progress=False)
+    reqs = [req("loglikelihood", "To be, or not", " to be"), req("loglikelihood", "", TEXT[:200])]
+    got, want, fp32 = (m.loglikelihood(reqs) for m in (lm16, rounded, lm))
+    moved = 0.0
+    for (a, _), (b, _), (c, _), r in zip(got, want, fp32, reqs):
+        n = len(lm.sp.encode(r.arguments[1]))
+        tol = ll_tol(lm, logit_scale, b, n)
+        assert abs(a - b) <= tol, (a, b, tol)
+        moved = max(moved, abs(a - c) / tol)
+    assert moved > 4, "the fp16 scores are the fp32 model's: were the binary16 matrices read?"
+    assert lm16.generate_text("To be", max_gen_toks=4) == rounded.generate_text("To be", max_gen_toks=4)
+
+    with caplog.at_level("WARNING", logger="msllm.eval"):
+        lm8 = lm_adapter.MindSporeLM(pretrained=artifact, batch_size=4, progress=False, weights="q8_0")
+    assert lm8.weights == "fp32" and isinstance(lm8.scorer, lm_adapter.TokenScorer)
+    assert "scoring in fp32 instead" in caplog.text and "q8_0" in caplog.text
+
+    cfg = resolve_pipeline(REPO / "pipelines.yaml", "tiny", ["eval.tasks=[]", "eval.prompts=[]"])
+    cfg16 = resolve_pipeline(REPO / "pipelines.yaml", "tiny", ["eval.tasks=[]", "eval.prompts=[]", "eval.weights=fp16"])
+    store = ArtifactStore(tmp_path)
+    keys = {evaluate.stage_key(c, store, artifact, None)[0] for c in (cfg, cfg16)}
+    assert len(keys) == 2  # the format is part of the key: fp16 scores are not fp32's cache hit
+    path = run_stage("eval", cfg16, store, artifact, progress=False)
+    assert json.loads((path / "results.json").read_text())["weights"] == "fp16"
+    assert "Scored with fp16 weight matrices" in (path / "report.md").read_text()

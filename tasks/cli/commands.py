@@ -166,7 +166,13 @@ def cmd_predict(args) -> int:
     print(f"[predict] {choice.line()}", file=sys.stderr)
     model = choice.path
     ev = cfg.eval
-    lm = MindSporeLM(pretrained=model, max_gen_toks=ev.max_new_tokens, progress=False, fused_kernels=ev.fused_kernels)
+    lm = MindSporeLM(
+        pretrained=model,
+        max_gen_toks=ev.max_new_tokens,
+        progress=False,
+        fused_kernels=ev.fused_kernels,
+        weights=ev.weights,
+    )
     for i, prompt in enumerate(prompts):
         completion = lm.generate_text(
             prompt,

@@ -351,6 +351,12 @@ class EvalSection(_Section):
     stop: list[str] = Field(default_factory=list)
     """Stop strings for the sample generations and `msllm predict` (the text is cut before the first one; EOS always
     stops)."""
+    weights: Literal["fp32", "fp16", "q8_0"] = "fp32"
+    """How the eval scores and decodes read the weight matrices (model/fused_decode.py WEIGHT_FORMATS): fp32, the
+    model's own; fp16 (IEEE binary16, GGUF's F16) or q8_0 (GGUF's Q8_0 blocks) score every sequence through the fused
+    steps on those weights (`Generator.score`) and decode on them, so the perplexity and task scores are the ones
+    `msllm serve --weights` serves. Part of the eval cache key; results.json and the manifest say which ran (a model
+    the fused steps cannot take stays fp32, and the reason is logged)."""
     fused_kernels: bool = True
     """Decode (eval samples, lm-eval generation, `msllm predict`) with the fused decode kernel
     (model/decode_kernel.cc) where model.kernels.enabled(..., kind="decode") allows; false keeps MindSpore's

@@ -285,6 +285,7 @@ def _evaluate(
         max_gen_toks=ev.max_new_tokens,
         progress=progress,
         fused_kernels=ev.fused_kernels,
+        weights=ev.weights,
     )
     check_finite_logits(lm, model_artifact)  # before any score: NaN logits give NaN ppl but "accuracy 1.0"
     ppl = perplexities(cfg, lm, data_artifact, progress)
@@ -314,6 +315,7 @@ def _evaluate(
             "evaluate another model artifact"
         )
     generations = sample_generations(lm, ev, progress)
+    weights = lm.weights  # the format that scored and decoded (eval.weights, or fp32 where the fused steps cannot)
     del lm
     base = base_perplexity(store, model_artifact, data_artifact, ev, progress) if data_artifact is not None else None
     if base and "held-out" in base:
@@ -328,6 +330,7 @@ def _evaluate(
 
     samples = results.pop("samples", {})
     results["perplexity"] = ppl
+    results["weights"] = weights
     if base:
         results["base_perplexity"] = base
     # side outputs first: publishing is the last step, so a failure here (a read-only run dir) leaves no
@@ -401,6 +404,9 @@ def render_report(
     lines += selection_lines(selection)
     if data_artifact is not None:
         lines += [f"Held-out split: `{data_artifact.parent.name}/{data_artifact.name}`", ""]
+    if results.get("weights", "fp32") != "fp32":
+        w = results["weights"]
+        lines += [f"Scored with {w} weight matrices (eval.weights), as `msllm serve --weights {w}` serves them.", ""]
     if results.get("perplexity"):
         evaluated, base = f"`{model_artifact.parent.name}/{model_artifact.name}`", results.get("base_perplexity")
         lines += [

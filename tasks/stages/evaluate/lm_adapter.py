@@ -28,6 +28,7 @@ each was GBs with a 49k vocabulary (docs/MINDSPORE_CPU.md, "Memory").
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,7 @@ from tasks.runtime.progress import progress_bar
 from tasks.store.model_artifact import load_tokenizer
 
 MODEL_NAME = "msllm"
+log = logging.getLogger("msllm.eval")
 
 
 class TokenScorer:
@@ -142,6 +144,41 @@ class TokenScorer:
         return (np.concatenate([p[0].asnumpy() for p in parts]), np.concatenate([p[1].asnumpy() for p in parts]))
 
 
+class StepScorer:
+    """`TokenScorer.score` through a Generator's fused steps (`Generator.score`: the prefill chunk with every row's
+    logits) in its weight format: one sequence at a time, `prefill_chunk` tokens per step, never [T, V] for more than
+    a chunk. The eval scorer for eval.weights fp16 / q8_0."""
+
+    def __init__(self, gen):
+        self.gen = gen
+        self.max_seq_length = gen.max_len
+        self.shapes_run: set[tuple[int, int]] = set()
+
+    def score(
+        self,
+        rows: Sequence[tuple[Sequence[int], Sequence[int]]],
+        progress: bool = False,
+        desc: str = "scoring",
+        tails: Sequence[int] | None = None,
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """As `TokenScorer.score`: for each (input_ids, target_ids) pair, (log p(target_t | input_<=t), is_argmax)."""
+        out: list[Any] = []
+        bar = progress_bar(total=len(rows), desc=desc, enabled=progress)
+        for i, (inp, target) in enumerate(rows):
+            n = len(inp)
+            if n != len(target):
+                raise ValueError(f"row {i}: {n} input ids but {len(target)} targets")
+            if n == 0 or n > self.max_seq_length:
+                raise ValueError(f"cannot score a sequence of {n} tokens (model max_seq_length {self.max_seq_length})")
+            logp, top = self.gen.score(inp, target)
+            first = n - min(n, int(tails[i])) if tails is not None else 0
+            out.append((logp[first:], top[first:]))
+            self.shapes_run.add((1, self.gen.prefill_chunk))
+            bar.update(1)
+        bar.close()
+        return out
+
+
 def token_byte_lengths(tok) -> np.ndarray:
     """UTF-8 bytes each token id stands for (special/unknown tokens 0, byte pieces 1): tasks.tokenizer's token_bytes.
 
@@ -175,12 +212,17 @@ class MindSporeLM(TemplateLM):
         eot_token_id: int | None = None,
         progress: bool = True,
         fused_kernels: bool = True,
+        weights: str = "fp32",
         **_harness_kwargs: Any,
     ):
         """`fused_kernels` (eval.fused_kernels): whether generation may decode with the fused decode kernel
-        (model.kernels.enabled(..., kind="decode")); the tokens are the same either way."""
+        (model.kernels.enabled(..., kind="decode")); the tokens are the same either way. `weights` (eval.weights): the
+        weight format that scores and decodes; other than fp32, every score goes through the fused steps on those
+        weights (`StepScorer`), as `msllm serve --weights` decodes; `self.weights` is the format that runs (fp32 where
+        the fused steps cannot take the model: no compiler, rows not whole Q8_0 blocks, fused_kernels false)."""
         super().__init__()
         self.fused_kernels = fused_kernels
+        self._generator = None
         if pretrained is not None:
             setup_mindspore()
             net, info = load_network(pretrained)
@@ -190,8 +232,16 @@ class MindSporeLM(TemplateLM):
             raise ValueError("MindSporeLM needs `pretrained` (a model artifact path) or `net`")
         self.net, self.sp = net, tokenizer
         bs = int(batch_size) if str(batch_size or "").isdigit() else 8  # "auto" and None: our default
-        self.scorer = TokenScorer(net, batch_size=max(1, bs))
+        self.scorer: TokenScorer | StepScorer = TokenScorer(net, batch_size=max(1, bs))
         self._max_length = min(int(max_length or net.config.max_seq_length), net.config.max_seq_length)
+        self.weights = "fp32"
+        if weights != "fp32":
+            self._generator = generator(net, fused=fused_kernels, max_len=self._max_length, weights=weights)
+            if self._generator.weights == weights and self._generator.can_score():
+                self.scorer, self.weights = StepScorer(self._generator), weights
+            else:
+                log.warning("[eval] weights %s: scoring in fp32 instead (%s)", weights, self._generator.decode_reason)
+                self._generator = None
         self.max_gen_toks = int(max_gen_toks)
         self.progress = progress
         if eot_token_id is None:
@@ -199,7 +249,6 @@ class MindSporeLM(TemplateLM):
                 raise ValueError("MindSporeLM without a tokenizer needs eot_token_id")
             eot_token_id = tokenizer.eos_id() if tokenizer.eos_id() >= 0 else tokenizer.bos_id()
         self._eot = int(eot_token_id)
-        self._generator = None
 
     # ---- what the harness asks about the model
 
@@ -283,7 +332,9 @@ class MindSporeLM(TemplateLM):
     @property
     def generator(self):
         if self._generator is None:
-            self._generator = generator(self.net, fused=self.fused_kernels)
+            self._generator = generator(
+                self.net, fused=self.fused_kernels, max_len=self._max_length, weights=self.weights
+            )
         return self._generator
 
     def generate_text(

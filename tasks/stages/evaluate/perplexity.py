@@ -147,6 +147,8 @@ def base_perplexity(
     if files_sha256(tokenizer_files(base)) != files_sha256(tokenizer_files(data_artifact)):
         return {**out, "skipped": f"its tokenizer is not the one {data_artifact.name} was tokenized with"}
     gc.collect()  # the evaluated model's graphs and weights, let go by the caller, before the base's load
-    lm = MindSporeLM(pretrained=base, batch_size=ev.batch_size, progress=progress, fused_kernels=ev.fused_kernels)
+    lm = MindSporeLM(
+        pretrained=base, batch_size=ev.batch_size, progress=progress, fused_kernels=ev.fused_kernels, weights=ev.weights
+    )
     row = heldout_perplexity(lm, data_artifact, ev.batch_size, progress, ev.heldout_blocks)
     return {**out, "held-out": row}
