@@ -126,7 +126,15 @@ inline float dot(const half *a, const float *b, int64_t n) {
   float s = 0.f;
 #if MSLLM_VW > 0
   constexpr int64_t W = simd::kVW;
-  simd::vf acc0 = simd::zero(), acc1 = simd::zero();
+  simd::vf acc0 = simd::zero(), acc1 = simd::zero(), acc2 = simd::zero(), acc3 = simd::zero();
+  for (; j + 4 * W <= n; j += 4 * W) {
+    acc0 = simd::fma(loadw(a + j), simd::loadu(b + j), acc0);
+    acc1 = simd::fma(loadw(a + j + W), simd::loadu(b + j + W), acc1);
+    acc2 = simd::fma(loadw(a + j + 2 * W), simd::loadu(b + j + 2 * W), acc2);
+    acc3 = simd::fma(loadw(a + j + 3 * W), simd::loadu(b + j + 3 * W), acc3);
+  }
+  acc0 = acc0 + acc2;
+  acc1 = acc1 + acc3;
   for (; j + 2 * W <= n; j += 2 * W) {
     acc0 = simd::fma(loadw(a + j), simd::loadu(b + j), acc0);
     acc1 = simd::fma(loadw(a + j + W), simd::loadu(b + j + W), acc1);
@@ -216,7 +224,7 @@ template <typename WT>
 inline void gemv_rows(const WT *W, const float *x, float *y, int64_t n, int64_t r0, int64_t r1, bool accumulate) {
   int64_t r = r0;
 #if MSLLM_VW > 0
-  if constexpr (std::is_same_v<WT, half>) {
+  if constexpr (std::is_same_v<WT, half> && false) {
     constexpr int64_t VW = simd::kVW;
     for (; r + 4 <= r1; r += 4) {
       const half *w0 = W + r * n, *w1 = w0 + n, *w2 = w1 + n, *w3 = w2 + n;

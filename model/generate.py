@@ -55,6 +55,7 @@ from model.fused_decode import (
     decode_kernel_path,
     decode_threads,
 )
+from model.hugepages import back_with_huge_pages
 from model.layers import Linear
 from model.llama import MLP, Attention
 from model.lora import LoRALinear, lora_layers
@@ -266,6 +267,7 @@ class Generator:
         self._trimmed: set[str] = set()  # graphs whose first run has been followed by trim_heap (_compiled)
         supported = CachedDecoder.supports(net)
         lib = build_decode_kernel(fused) if supported else None
+        self.huge_page_bytes = 0
         threads = threads or decode_threads()
         if not supported:
             self._path_reason = "this network has no in-place KV-cache decoder (CachedDecoder.supports: false)"
@@ -279,6 +281,11 @@ class Generator:
         self._weights, why = _decode_weights(net, weights, lib)  # the fused steps' matrices (None: the net's)
         self.weights = self._weights.dtype if self._weights is not None else "fp32"
         self._path_reason += why
+        if lib is not None:  # the matrices every token streams, on transparent huge pages (model/hugepages.py)
+            streamed = net.get_parameters() if self._weights is None else self._weights.get_parameters()
+            self.huge_page_bytes = back_with_huge_pages([(p.data_ptr(), p.nbytes) for p in streamed])
+            if self.huge_page_bytes:
+                self._path_reason += f", {self.huge_page_bytes >> 20} MiB of them on huge pages"
         self._decoder = CachedDecoder(net, self.max_len, lib, threads) if supported else None
         # The decoder's caches are one set of Parameters: one sequence at a time may use them. Sequences
         # interleaved with it (the server's engine runs several coroutines in turn) take the functional path.
