@@ -24,9 +24,9 @@ def setup_mindspore(
     host_blocking=True (the default; every process of the pipeline, training and inference): each graph call runs on
     the calling thread instead of being queued to MindSpore's host pipeline, whose waits (`asnumpy()` of a queued
     result) busy-loop the caller on a core the kernels need (docs/MINDSPORE_CPU.md, "Threads"): the fused decode
-    step's two threads and that spinning caller on 2 cores decoded SmolLM2-135M in Q8_0 at ~75 tokens/s, blocking at
-    ~200. MindSpore reads MS_DEV_HOST_BLOCKING_RUN once, at its first queued task: call this before any op. An
-    MS_DEV_HOST_BLOCKING_RUN already in the environment wins (0 queues).
+    step's two spinning threads and that caller on 2 cores ran the op at 64-95 tokens/s (SmolLM2-135M, Q8_0, called in
+    a loop), blocking at 147-254. MindSpore reads MS_DEV_HOST_BLOCKING_RUN once, at its first queued task: call this
+    before any op. An MS_DEV_HOST_BLOCKING_RUN already in the environment wins (0 queues).
     """
     global _DONE
     os.environ.setdefault("GLOG_v", "3")  # MindSpore's C++ logs: errors only
