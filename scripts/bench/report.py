@@ -188,6 +188,22 @@ COLUMNS: dict[str, list[tuple[str, str]]] = {
         ("Q8_0.same_prefix", "same greedy tokens Q8_0"),
         ("greedy_tokens", "of"),
     ],
+    "quality": [
+        ("preset", "preset"),
+        ("llamacpp", "llama.cpp"),
+        ("ctx", "ctx"),
+        ("chunks", "chunks"),
+        ("ours.fp32.perplexity", "ours fp32 ppl", ".4f"),
+        ("ours.fp16.perplexity", "ours fp16 ppl", ".4f"),
+        ("ours.fp16.vs_fp32", "fp16 × fp32", ".5f"),
+        ("ours.q8_0.perplexity", "ours q8_0 ppl", ".4f"),
+        ("ours.q8_0.vs_fp32", "q8_0 × fp32", ".5f"),
+        ("ours_q8_0_vs_fp16", "ours q8_0 × fp16", ".5f"),
+        ("F16.perplexity", "llama.cpp F16 ppl", ".4f"),
+        ("F16.pm", "±"),
+        ("Q8_0.perplexity", "llama.cpp Q8_0 ppl", ".4f"),
+        ("Q8_0.vs_F16", "llama.cpp Q8_0 × F16", ".5f"),
+    ],
     "pipeline": [
         ("pipeline", "pipeline"),
         ("overrides", "overrides"),
@@ -242,9 +258,11 @@ def _get(row: dict, key: str):
     return row
 
 
-def _cell(v) -> str:
+def _cell(v, spec: str = "") -> str:
     if v is None:
         return ""
+    if isinstance(v, float) and spec:  # a column's own format (perplexities compared to their 4th digit)
+        return f"{v:{spec}}"
     if isinstance(v, float):  # 3 significant digits for ratios and fractions, one decimal from 100 up
         return f"{v:.3g}" if abs(v) < 100 else f"{v:,.1f}".removesuffix(".0")
     return str(v).replace("|", "\\|").replace("\n", " ")
@@ -272,8 +290,8 @@ def render(rows: list[dict], source: str) -> str:
             (k, k) for k in mine[0] if k not in {"bench", *dict(LABELS)} and not isinstance(mine[0][k], (dict, list))
         ]
         cols = LABELS + [c for c in cols if any(_get(r, c[0]) is not None for r in mine)]
-        out += [f"## {bench}", "", "| " + " | ".join(t for _, t in cols) + " |", "|" + "---|" * len(cols)]
-        out += ["| " + " | ".join(_cell(_get(r, k)) for k, _ in cols) + " |" for r in mine]
+        out += [f"## {bench}", "", "| " + " | ".join(c[1] for c in cols) + " |", "|" + "---|" * len(cols)]
+        out += ["| " + " | ".join(_cell(_get(r, c[0]), *c[2:]) for c in cols) + " |" for r in mine]
         out.append("")
     return "\n".join(out)
 
