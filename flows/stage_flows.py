@@ -39,9 +39,13 @@ def data_flow(
     overrides: list[str] | None = None,
     artifacts: str = "artifacts",
     tokenizer_model: str | None = None,
+    refresh: bool = False,
 ) -> str:
+    """refresh (every stage flow): a forced rerun, recomputed and published under the same key although the store
+    holds it; the previous artifact is kept and named in the new manifest ("replaces")."""
     cfg, store = _setup(pipeline, config, overrides, artifacts)
-    return stages.run_stage(stages.data_task, prepare("data", store, cfg, tokenizer_model=tokenizer_model))
+    call = prepare("data", store, cfg, tokenizer_model=tokenizer_model, refresh=refresh)
+    return stages.run_stage(stages.data_task, call)
 
 
 @flow(name="pretrain-stage", log_prints=True, result_serializer="json")
@@ -53,13 +57,13 @@ def pretrain_flow(
     artifacts: str = "artifacts",
     data_artifact: str | None = None,
     init_from: str | None = None,
+    refresh: bool = False,
 ) -> str:
     cfg, store = _setup(pipeline, config, overrides, artifacts)
     data_artifact = upstream(store, "pretrain", cfg.name, data_artifact)  # given, or the stage table's default
     init_from = stages.resolve_init(store, cfg.name, init_from)  # a GGUF file / HF directory: converted
-    return stages.run_stage(
-        stages.pretrain_task, prepare("pretrain", store, cfg, data_artifact=data_artifact, init_from=init_from)
-    )
+    call = prepare("pretrain", store, cfg, data_artifact=data_artifact, init_from=init_from, refresh=refresh)
+    return stages.run_stage(stages.pretrain_task, call)
 
 
 @flow(name="finetune-stage", log_prints=True, result_serializer="json")
@@ -70,10 +74,12 @@ def finetune_flow(
     overrides: list[str] | None = None,
     artifacts: str = "artifacts",
     base_artifact: str | None = None,
+    refresh: bool = False,
 ) -> dict[str, str]:
     cfg, store = _setup(pipeline, config, overrides, artifacts)
     base_artifact = upstream(store, "finetune", cfg.name, base_artifact)
-    return stages.run_stage(stages.finetune_task, prepare("finetune", store, cfg, base_artifact=base_artifact))
+    call = prepare("finetune", store, cfg, base_artifact=base_artifact, refresh=refresh)
+    return stages.run_stage(stages.finetune_task, call)
 
 
 @flow(name="eval-stage", log_prints=True, result_serializer="json")
@@ -85,14 +91,16 @@ def eval_flow(
     artifacts: str = "artifacts",
     model_artifact: str | None = None,
     data_artifact: str | None = None,
+    refresh: bool = False,
 ) -> str:
-    """Evaluate a model artifact (default: the model tasks.stages.upstream.choose_model names, with its reason)."""
+    """Evaluate a model artifact (default: the model tasks.stages.upstream.choose_model names, with its reason);
+    refresh: evaluate again although the same eval is stored (a new record; the previous one kept in lineage)."""
     cfg, store = _setup(pipeline, config, overrides, artifacts)
     choice = choose_model(store, cfg.name, model_artifact)
     if data_artifact is None:
         found = lineage_data_artifact(store, choice.path)
         data_artifact = str(found) if found else None
-    return stages.run_eval(store, cfg, choice, data_artifact)
+    return stages.run_eval(store, cfg, choice, data_artifact, refresh=refresh)
 
 
 @flow(name="export-stage", log_prints=True, result_serializer="json")
@@ -104,6 +112,7 @@ def export_flow(
     artifacts: str = "artifacts",
     model_artifact: str | None = None,
     eval_artifact: str | None = None,
+    refresh: bool = False,
 ) -> str:
     """Export a model artifact (default: the model tasks.stages.upstream.choose_model names) to MindIR + ONNX."""
     cfg, store = _setup(pipeline, config, overrides, artifacts)
@@ -112,9 +121,8 @@ def export_flow(
     if eval_artifact is None:
         found = matching_eval(store, choice.path, cfg.name)
         eval_artifact = str(found) if found else None
-    return stages.run_stage(
-        stages.export_task, prepare("export", store, cfg, model_artifact=choice.path, eval_artifact=eval_artifact)
-    )
+    call = prepare("export", store, cfg, model_artifact=choice.path, eval_artifact=eval_artifact, refresh=refresh)
+    return stages.run_stage(stages.export_task, call)
 
 
 STAGE_FLOWS = {

@@ -262,7 +262,9 @@ def eval_task(call: StageCall, selection: dict[str, str] | None = None) -> str:
     return _built(call, selection=selection)
 
 
-def run_eval(store: ArtifactStore, cfg: PipelineConfig, choice, data_artifact: str | None) -> str:
+def run_eval(
+    store: ArtifactStore, cfg: PipelineConfig, choice, data_artifact: str | None, refresh: bool = False
+) -> str:
     """The eval task on the model `choice` names (tasks.stages.upstream.ModelChoice): prints which model and why,
     notes when it is not the model of the pipeline's previous eval report, and publishes `eval-report-<pipeline>`
     (also when the eval was cached)."""
@@ -270,7 +272,7 @@ def run_eval(store: ArtifactStore, cfg: PipelineConfig, choice, data_artifact: s
     print(f"eval: {choice.line()}")
     if "note" in selection:
         print(f"eval: note: {selection['note']}")
-    call = prepare("eval", store, cfg, model_artifact=choice.path, data_artifact=data_artifact)
+    call = prepare("eval", store, cfg, model_artifact=choice.path, data_artifact=data_artifact, refresh=refresh)
     path = run_stage(eval_task, call, selection=selection)
     publish_eval_report(path, cfg.name, selection)
     return path

@@ -137,3 +137,56 @@ def test_prepare_refuses_before_any_key(tmp_path, counts):
         prepare("nope", store)
     with pytest.raises(ValueError, match="not run by the stage runner"):
         prepare("merged", store)
+
+
+def test_a_forced_rerun_publishes_under_the_same_key_and_keeps_the_previous(tmp_path):
+    """ArtifactStore.replacing (StageCall.refresh): the published artifact moves to <stage>/.replaced/, out of
+    lookup and list; the rebuild publishes under the same key with "replaces" naming it (path, created, digest),
+    and the lineage shows it; a rebuild that fails puts the previous artifact back."""
+    from tasks.store.lineage import lineage_tree, render
+
+    store = ArtifactStore(tmp_path)
+    key = "ab" * 10
+    first = _stub(store, "eval", key)
+    m1 = store.read_manifest(first)
+    with store.replacing("eval", key) as previous:
+        assert store.lookup("eval", key) is None and previous.parent.name == ".replaced" and previous.is_dir()
+        assert [p for p, _ in store.list("eval")] == []
+        again = _stub(store, "eval", key)
+    assert again == first and store.lookup("eval", key) == first
+    m2 = store.read_manifest(first)
+    assert m2["replaces"] == {"path": str(previous), "created": m1["created"], "digest": m1["digest"]}
+    assert store.read_manifest(previous)["created"] == m1["created"] != m2["created"]
+    tree = lineage_tree(store, first)
+    assert tree["replaces"]["path"] == str(previous) and f"kept at {previous}" in render(tree)
+    assert "replaces" not in store.read_manifest(_stub(store, "eval", "cd" * 10))  # only the rebuilt key's
+
+    with pytest.raises(RuntimeError, match="boom"), store.replacing("eval", key) as moved:  # the rebuild fails
+        assert store.lookup("eval", key) is None
+        raise RuntimeError("boom")
+    assert store.lookup("eval", key) == first and not moved.exists()
+    assert store.read_manifest(first)["created"] == m2["created"]
+
+
+def test_cli_refresh_evaluates_again_under_the_same_key(tmp_path, capsys):
+    """`msllm eval --refresh`: the same eval computed again and published under its key (a plain rerun is a
+    cache hit that computes nothing), the previous record kept and named in the new manifest."""
+    from tasks.cli import main
+    from tests.helpers import tiny_model_artifact
+
+    art = tiny_model_artifact(tmp_path)
+    base = ["--config", str(PIPELINES), "--pipeline", "tiny", "--artifacts", str(tmp_path), "--from", str(art)]
+    sets = ["--set", "eval.tasks=[]", "--set", "eval.prompts=[]"]
+    assert main(["eval", *base, *sets]) == 0
+    path = Path(capsys.readouterr().out.strip().splitlines()[-1])
+    m1 = ArtifactStore(tmp_path).read_manifest(path)
+    assert main(["eval", *base, *sets]) == 0  # cache hit: the same record
+    assert ArtifactStore(tmp_path).read_manifest(path)["created"] == m1["created"]
+    capsys.readouterr()
+    assert main(["eval", *base, *sets, "--refresh"]) == 0
+    out = capsys.readouterr()
+    assert Path(out.out.strip().splitlines()[-1]) == path and "forced rerun" in out.err
+    m2 = ArtifactStore(tmp_path).read_manifest(path)
+    assert m2["key"] == m1["key"] and m2["created"] != m1["created"]
+    assert m2["replaces"]["created"] == m1["created"]
+    assert ArtifactStore(tmp_path).read_manifest(Path(m2["replaces"]["path"]))["digest"] == m1["digest"]

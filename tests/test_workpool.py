@@ -141,6 +141,7 @@ def _wait_terminal(api: str, run_id: str, timeout: float) -> dict:
 @pytest.mark.slow
 def test_two_workers_run_eval_only_from_prefect_yaml(tmp_path):
     from tasks.store.artifacts import ArtifactStore
+    from tasks.store.lineage import lineage_tree
     from tasks.store.tensorboard import read_scalars
     from tests.helpers import tiny_model_artifact
 
@@ -234,12 +235,26 @@ def test_two_workers_run_eval_only_from_prefect_yaml(tmp_path):
             *(logs[w].read_text()[-3000:] for w in ("worker-a", "worker-b")),
         )
         assert all(_task_names(api, r) == ["eval"] for r in run_ids)
+        # the first eval again with the forced rerun: computed again under the same key, the previous record kept
+        p = dict(params, overrides=["eval.tasks=[local_arc_easy]", "eval.limit=3"], refresh=True)
+        out = cli("deployment", "run", "eval-stage/eval-only", "--params", json.dumps(p))
+        rerun = _wait_terminal(api, re.search(r"UUID:\s*([0-9a-f-]{36})", out).group(1), 600)
+        assert rerun["state"]["type"] == "COMPLETED", [logs[w].read_text()[-3000:] for w in logs]
+        assert _task_names(api, rerun["id"]) == ["eval"]
     finally:
         for p in reversed(procs):  # workers first, while the server still answers
             _stop(p)
     store = ArtifactStore(artifacts)
     evals = [p for p, _ in store.list("eval", "tiny")]
-    assert len(evals) == 2
+    assert len(evals) == 2  # the rerun replaced one under its key; the replaced record is out of the listing
+    rerun_path = next(p for p in evals if store.read_manifest(p)["config"]["limit"] == 3)
+    replaced = store.read_manifest(rerun_path)["replaces"]
+    old = store.read_manifest(Path(replaced["path"]))
+    assert (
+        old["key"] == rerun_path.name
+        and old["created"] == replaced["created"] < store.read_manifest(rerun_path)["created"]
+    )
+    assert lineage_tree(store, rerun_path)["replaces"]["path"] == replaced["path"]
     for path in evals:
         m = store.verify(path)
         assert 0.0 <= m["metrics"]["local_arc_easy.acc"] <= 1.0 and (path / "results.json").is_file()

@@ -155,6 +155,12 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         p = sub.add_parser(name, help=help_)
         _stage(p)
+        p.add_argument(
+            "--refresh",
+            action="store_true",
+            help="compute again although this stage's artifact is stored (a forced rerun under the same key; the "
+            "previous artifact is kept and named in the new manifest's 'replaces')",
+        )
         if name == "eval":
             p.add_argument("compare", nargs="*", metavar="compare A B", help="compare two eval artifacts side by side")
 

@@ -82,7 +82,7 @@ def cmd_data(args) -> int:
     cfg = load(args)
     st = store(args)
     tok = _init_from(cfg, st)  # continued pretraining keeps the base model's tokenizer
-    path = runner.prepare("data", st, cfg, tokenizer_model=tok).run()
+    path = runner.prepare("data", st, cfg, tokenizer_model=tok, refresh=args.refresh).run()
     print_metrics(path)
     print(path)
     return 0
@@ -92,7 +92,9 @@ def cmd_train(args) -> int:
     cfg = load(args)
     st = store(args)
     data_art = upstream(args, st, "pretrain", cfg.name)
-    call = runner.prepare("pretrain", st, cfg, data_artifact=data_art, init_from=_init_from(cfg, st))
+    call = runner.prepare(
+        "pretrain", st, cfg, data_artifact=data_art, init_from=_init_from(cfg, st), refresh=args.refresh
+    )
     path = call.run(retries=1)
     print_metrics(path)
     print(path)
@@ -106,7 +108,7 @@ def cmd_finetune(args) -> int:
     cfg = load(args)
     st = store(args)
     base = upstream(args, st, "finetune", cfg.name)
-    path = runner.prepare("finetune", st, cfg, base_artifact=base).run(retries=1)
+    path = runner.prepare("finetune", st, cfg, base_artifact=base, refresh=args.refresh).run(retries=1)
     merged = merge(st, path)
     print_metrics(path)
     print(merged)
@@ -136,7 +138,7 @@ def cmd_eval(args) -> int:
     data = lineage_data_artifact(st, model)
     if data is None:
         print(f"[eval] no data artifact in the lineage of {model}: held-out perplexity skipped", file=sys.stderr)
-    call = runner.prepare("eval", st, cfg, model_artifact=model, data_artifact=data)
+    call = runner.prepare("eval", st, cfg, model_artifact=model, data_artifact=data, refresh=args.refresh)
     path = call.run(selection=selection)
     print_metrics(path)
     print(path)
@@ -205,7 +207,7 @@ def cmd_export(args) -> int:
         f"[export] {choice.line()}" + (f"; eval {ev}" if ev else " (no eval artifact: card without results)"),
         file=sys.stderr,
     )
-    path = runner.prepare("export", st, cfg, model_artifact=model, eval_artifact=ev).run()
+    path = runner.prepare("export", st, cfg, model_artifact=model, eval_artifact=ev, refresh=args.refresh).run()
     print_metrics(path)
     print(path)
     return 0

@@ -19,6 +19,8 @@ imports none of them.
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +41,10 @@ class StageCall:
     """The stage module's `run` arguments by name: cfg (except convert), store and the resolved inputs."""
     keyed: tuple
     """What the stage module's `stage_key` returned: (key, inputs, ...)."""
+    refresh: bool = False
+    """A forced rerun: compute and publish under the same key although the store holds it (`ArtifactStore.replacing`:
+    the previous artifact is kept and named in the new manifest's "replaces"; a training stage's run directory of
+    that key moves aside too, so it starts over instead of resuming its finished run)."""
 
     @property
     def key(self) -> str:
@@ -49,12 +55,24 @@ class StageCall:
         return self.args["store"]
 
     def cached(self) -> Path | None:
-        """The published artifact of this key, or None (never built, or deleted)."""
-        return self.store.lookup(self.stage, self.key)
+        """The published artifact of this key, or None (never built, deleted, or a forced rerun)."""
+        return None if self.refresh else self.store.lookup(self.stage, self.key)
 
     def run(self, **options) -> Path:
-        """The stage's artifact, the cached one or built: `stage_module(stage).run(**args, keyed=keyed, **options)`."""
-        return stage_module(self.stage).run(**self.args, keyed=self.keyed, **options)
+        """The stage's artifact, the cached one or built: `stage_module(stage).run(**args, keyed=keyed, **options)`;
+        with `refresh`, built again in place of the published one (its inputs were checked by `prepare`)."""
+        module = stage_module(self.stage)
+        if not self.refresh:
+            return module.run(**self.args, keyed=self.keyed, **options)
+        with self.store.replacing(self.stage, self.key) as previous:
+            runs = self.store.root / "runs" / self.stage / self.key
+            if runs.is_dir():  # a training stage's checkpoints of this key: start over, keep them beside
+                aside = runs.parent / ".replaced" / (previous.name if previous else f"{self.key}-0")
+                aside.parent.mkdir(parents=True, exist_ok=True)
+                os.rename(runs, aside)
+            if previous is not None:
+                print(f"[{self.stage}] forced rerun: the previous artifact is kept at {previous}", file=sys.stderr)
+            return module.run(**self.args, keyed=self.keyed, **options)
 
 
 def check_machine(cfg: PipelineConfig) -> None:
@@ -64,18 +82,21 @@ def check_machine(cfg: PipelineConfig) -> None:
         raise ConfigError(errs)
 
 
-def prepare(name: str, store: ArtifactStore, cfg: PipelineConfig | None = None, **inputs) -> StageCall:
+def prepare(
+    name: str, store: ArtifactStore, cfg: PipelineConfig | None = None, *, refresh: bool = False, **inputs
+) -> StageCall:
     """Stage `name` on these inputs: checked, its input paths resolved inside `store`, its key computed (once).
 
     cfg: the resolved pipeline config (convert takes none). inputs: as the stage module's `run` names them
     (data: tokenizer_model; pretrain: data_artifact, init_from; finetune: base_artifact; eval: model_artifact,
-    data_artifact; export: model_artifact, eval_artifact; convert: source, pipeline, kind)."""
+    data_artifact; export: model_artifact, eval_artifact; convert: source, pipeline, kind). refresh: a forced rerun
+    (`StageCall.refresh`)."""
     if name not in _PREPARE:
         stage(name)  # UnknownStage for a name the table lacks
         raise ValueError(f"stage {name!r} is not run by the stage runner (the finetune stage publishes it)")
     args, keyed = _PREPARE[name](store, cfg, **inputs)
     return StageCall(
-        name, {"store": store, **args} if name == "convert" else {"cfg": cfg, "store": store, **args}, keyed
+        name, {"store": store, **args} if name == "convert" else {"cfg": cfg, "store": store, **args}, keyed, refresh
     )
 
 

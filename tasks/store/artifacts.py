@@ -113,6 +113,42 @@ class ArtifactStore:
     def __init__(self, root: str | os.PathLike = "artifacts"):
         self.root = Path(root).resolve()
         self._cleaned = False  # leftovers of dead builds are removed on this store's first build
+        self._replaces: dict[tuple[str, str], dict[str, Any]] = {}  # (stage, key) being rebuilt: what it replaces
+
+    # -- a forced rerun
+    @contextlib.contextmanager
+    def replacing(self, stage: str, key: str) -> Iterator[Path | None]:
+        """Rebuild (stage, key) although it is published (a forced rerun: `refresh`): the published artifact moves to
+        <stage>/.replaced/<key>-<its created time> (kept, out of `lookup` and `list`), and the manifest the block's
+        `build` publishes records it under "replaces" (path, created, digest): lineage keeps the previous result.
+        Yields the moved path (None when nothing was published). When the block fails before publishing, the
+        previous artifact moves back. Under the key's build lock for the move; the stage's `build` takes it again."""
+        final = self.path_for(stage, key)
+        with self.lock(stage, key):
+            old = self.lookup(stage, key)
+            moved = None
+            if old is not None:
+                m = self.read_manifest(old)
+                stamp = "".join(c for c in str(m.get("created", "")) if c.isdigit()) or "0"
+                moved = final.parent / ".replaced" / f"{key}-{stamp}"
+                moved.parent.mkdir(parents=True, exist_ok=True)
+                os.rename(old, moved)
+                fsync_dir(final.parent)
+                self._replaces[(stage, key)] = {
+                    "path": str(moved),
+                    "created": m.get("created"),
+                    "digest": m.get("digest"),
+                }
+        try:
+            yield moved
+        except BaseException:
+            if moved is not None:
+                with self.lock(stage, key):
+                    if self.lookup(stage, key) is None and moved.is_dir():
+                        os.rename(moved, final)
+            raise
+        finally:
+            self._replaces.pop((stage, key), None)
 
     # -- one build per key
     def lock(self, stage: str, key: str):
@@ -313,6 +349,7 @@ class ArtifactStore:
             "environment": environment(),
             "metrics": b.metrics,
             **b.extra,
+            **({"replaces": self._replaces[(stage, key)]} if (stage, key) in self._replaces else {}),
             "files": files,
             "digest": digest,
             "complete": True,

@@ -73,6 +73,8 @@ def _node(store: ArtifactStore, path: Path, done: dict, active: set, depth: int)
         },
         "inputs": [],
     }
+    if isinstance(m.get("replaces"), dict):  # a forced rerun: the artifact it replaced under the same key
+        node["replaces"] = {k: m["replaces"].get(k) for k in ("path", "created", "digest")}
     done[path] = node
     active.add(path)
     inputs = m.get("inputs")
@@ -166,6 +168,11 @@ def _label(n: dict[str, Any]) -> str:
         f"{n['stage']}/{n['key']} (pipeline {n['pipeline']}, code {n['code'].get('stage_version', '?')}, "
         f"git {str(n['code'].get('git_commit') or '-')[:8]}, config {n['config_sha256']})"
         + (f" [{metrics}]" if metrics else "")
+        + (
+            f" (rerun; replaces the one of {n['replaces'].get('created')}, kept at {n['replaces'].get('path')})"
+            if isinstance(n.get("replaces"), dict)
+            else ""
+        )
         + warn
     )
 
