@@ -32,6 +32,9 @@ def main() -> int:
     ap.add_argument("--artifacts", default="artifacts")
     ap.add_argument("--set", dest="overrides", action="append", default=[])
     a = ap.parse_args()
+    from tasks.runtime.interrupts import exit_on_interrupt
+
+    exit_on_interrupt("the demo")  # Ctrl-C / SIGTERM: every child stopped within seconds, exit 130; a rerun resumes
 
     from tasks.config.loader import resolve_pipeline
     from tasks.config.schema import ConfigError

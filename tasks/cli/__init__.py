@@ -26,6 +26,8 @@ from tasks.cli import commands
 from tasks.cli.common import StageError
 from tasks.config.schema import ConfigError
 from tasks.config.units import parse_bytes
+from tasks.runtime.interrupts import sigterm_interrupts
+from tasks.runtime.supervise import StageInterrupted
 from tasks.serving.adapters import parse_adapter_flag
 
 
@@ -282,6 +284,8 @@ def _stdout_closed() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if argv is None:  # the `msllm` command itself (not a test calling main): SIGTERM stops it as Ctrl-C does
+        sigterm_interrupts()
     try:
         rc = COMMANDS[args.command](args) or 0
         sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
@@ -293,8 +297,8 @@ def main(argv: list[str] | None = None) -> int:
         for e in exc.errors:
             print(f"  {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+    except (KeyboardInterrupt, StageInterrupted) as exc:
+        print(f"interrupted{f': {exc}' if isinstance(exc, StageInterrupted) else ''}", file=sys.stderr)
         return 130
     except (StageError, OSError, ValueError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)

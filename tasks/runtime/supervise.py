@@ -47,6 +47,16 @@ class StageFailed(RuntimeError):
         self.permanent = permanent
 
 
+class StageInterrupted(StageFailed):
+    """The stage's child ended on SIGINT or SIGTERM (Ctrl-C, `kill`, a cancellation): never retried."""
+
+    def __init__(self, message: str):
+        super().__init__(message, permanent=True)
+
+
+INTERRUPT_CODES = {130, 143, -2, -15}  # exit 128 + SIGINT / SIGTERM, or killed by either
+
+
 def is_permanent(exc: BaseException) -> bool:
     """Whether rerunning cannot fix `exc`: the same input fails the same way.
 
@@ -104,21 +114,34 @@ def run_child(stage: str, entry: str, spec_path: Path) -> str | None:
     assert proc.stdout is not None
     tail, pending = b"", b""
     out = sys.stderr.buffer
-    while chunk := proc.stdout.read1(65536):
-        tail = (tail + chunk)[-20000:]
-        # relay whole lines, minus the child's own `error:` line: the caller reports it, once
-        *lines, pending = (pending + chunk).split(b"\n")
-        out.write(b"".join(ln + b"\n" for ln in lines if not ln.startswith(b"error: ")))
-        if b"\r" in pending:  # a progress bar redraws without a newline: show it as it comes
-            done, _, pending = pending.rpartition(b"\r")
-            out.write(done + b"\r")
-        out.flush()
+    try:
+        while chunk := proc.stdout.read1(65536):
+            tail = (tail + chunk)[-20000:]
+            # relay whole lines, minus the child's own `error:` line: the caller reports it, once
+            *lines, pending = (pending + chunk).split(b"\n")
+            out.write(b"".join(ln + b"\n" for ln in lines if not ln.startswith(b"error: ")))
+            if b"\r" in pending:  # a progress bar redraws without a newline: show it as it comes
+                done, _, pending = pending.rpartition(b"\r")
+                out.write(done + b"\r")
+            out.flush()
+    except BaseException:  # Ctrl-C or SIGTERM here (sigterm_interrupts), a cancellation: the child goes too
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        raise
     if pending and not pending.startswith(b"error: "):
         out.write(pending)
         out.flush()
     rc = proc.wait()
     if rc == 0:
         return None
+    if rc in INTERRUPT_CODES:  # Ctrl-C or SIGTERM reached the child: no retry, and no "out of memory?"
+        how = {130: "SIGINT", -2: "SIGINT"}.get(rc, "SIGTERM")
+        raise StageInterrupted(f"{module} was interrupted ({how}); its checkpoints are kept: rerun to resume")
     lines = [ln.rsplit("\r", 1)[-1] for ln in tail.decode("utf-8", "replace").splitlines()]
     lines = [ln for ln in lines if ln.strip()][-40:]
     errors = [ln for ln in lines if ln.startswith("error:")]
