@@ -117,6 +117,7 @@ def test_sigterm_stops_msllm_train_and_its_child(tmp_path):
 def test_sigterm_stops_msllm_serve(tmp_path):
     from tests.helpers import tiny_model_artifact
 
+    (tmp_path / "artifacts").mkdir()
     art = tiny_model_artifact(tmp_path / "artifacts")
     log = tmp_path / "serve.log"
     port = 18000 + os.getpid() % 1000
