@@ -280,6 +280,31 @@ def test_scoring_in_each_weight_format_equals_the_reference_on_its_weights():
                 np.testing.assert_allclose(got[i], want[i], rtol=0, atol=tol, err_msg=f"{fmt}, row {i} of {len(ids)}")
 
 
+@pytest.mark.integration  # ~4 s: the 256-token fused steps compiled
+def test_prompts_past_256_tokens_prefill_in_256_token_chunks_and_equal_the_reference():
+    """A 300-token sequence (past FUSED_PREFILL_CHUNK): the fused prefill and score steps take it in 256-token chunks
+    (the second overlapping the first), and the logits equal the definition's within the float32 bound: every row of
+    `score`, and the prompt's last row that the first decode step starts from."""
+    from model.generate import FUSED_PREFILL_CHUNK, Generator
+
+    cfg = ModelConfig.from_dict({**CFG.to_dict(), "max_seq_length": 320})
+    net, weights, _ = _net(cfg=cfg)
+    gen = Generator(net, max_len=320)
+    if not gen.can_score():
+        pytest.skip(f"the fused steps do not run here: {gen.decode_reason}")
+    ids = _ids(300, seed=12)
+    assert gen._fused_chunk(len(ids)) == FUSED_PREFILL_CHUNK == 256 and gen._fused_chunk(200) == gen.prefill_chunk
+    want = reference.forward(ids, weights, cfg)[0]
+    got = gen.score(ids)
+    steps = gen._cached_steps(ids)
+    last = next(steps)
+    steps.close()
+    for i in list(range(0, 300, 37)) + [255, 256, 299]:
+        tol = logit_tol(cfg, i + 1, float(np.abs(want[i]).max()))
+        np.testing.assert_allclose(got[i], want[i], rtol=0, atol=tol, err_msg=f"score row {i}")
+    np.testing.assert_allclose(last, want[-1], rtol=0, atol=logit_tol(cfg, 300, float(np.abs(want[-1]).max())))
+
+
 def test_q8_0_weights_need_rows_of_32_and_say_so():
     """A model whose rows are not whole Q8_0 blocks (tiny: MLP 172) keeps fp32 weights, and the decode reason says
     why; an unknown format is a ValueError naming the formats."""
