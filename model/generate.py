@@ -431,6 +431,14 @@ class Generator:
             self._trimmed.add(name)
             trim_heap()
 
+    def long_prompt(self) -> int | None:
+        """The shortest prompt the fused prefill takes in FUSED_PREFILL_CHUNK-token chunks (a shape of its own to
+        compile: a server warms it up), or None where every prompt goes in `prefill_chunk` tokens."""
+        n = FUSED_PREFILL_CHUNK + 1
+        if self.decode_path != "fused" or n >= self.max_len or self._fused_chunk(n) == self.prefill_chunk:
+            return None
+        return n
+
     def _fused_chunk(self, n: int) -> int:
         """Tokens per fused prefill / score step for a sequence of n tokens (FUSED_PREFILL_CHUNK past it)."""
         return min(FUSED_PREFILL_CHUNK, self.max_len) if n > FUSED_PREFILL_CHUNK else self.prefill_chunk

@@ -132,11 +132,18 @@ class MindSporeBackend:
         return self.generator.prompt_logits(ids)
 
     def warmup(self, adapter: str | None = None) -> None:
-        """Compile the prefill (one graph for every prompt length) and the decode step."""
+        """Compile the prefill (one graph for every prompt length) and the decode step; and, where the fused steps
+        take prompts past FUSED_PREFILL_CHUNK tokens in longer chunks, that chunk's step too (~4 s at SmolLM2-135M,
+        which the first long prompt would otherwise wait for)."""
         s = self.steps([self.eos_id], adapter)
         next(s)
         s.send(self.eos_id)
         s.close()
+        long = self.generator.long_prompt()
+        if adapter is None and long is not None:
+            s = self.steps([self.eos_id] * long, adapter)
+            next(s)
+            s.close()
 
     def adapter(self, name: str) -> AdapterBackend:
         """Adapter `name`'s backend: this network, with its update on every call."""
