@@ -25,6 +25,8 @@
 // or 3 (shape), a token or position out of range 4 (model/kernels.py names the codes).
 
 #include <atomic>
+#include <climits>
+#include <mutex>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -33,6 +35,12 @@
 #include <vector>
 
 #include "simd.h"
+#ifdef __linux__
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <pthread.h>
+#include <unistd.h>
+#endif
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -54,12 +62,40 @@ void on_threads(int threads, F fn) {
   for (auto &w : workers) w.join();
 }
 
-// A barrier for on_threads' threads: the decode step's phases (4 a layer, ~10-100 us each on 2 threads) meet here.
-// The last to arrive advances the generation; the others spin on it (a pause per check), then yield the core after
-// ~50 us, so a thread whose partner was descheduled (a busy machine) does not hold a core spinning. With OpenMP's
-// parallel region and barriers instead, the same step called as a MindSpore op ran 130 tokens/s where ctypes ran
-// ~180 (SmolLM2-135M, Q8_0, 2 threads, AMD EPYC): its two threads were off the CPU a third of each token, asleep in
-// the barriers; on these threads it runs ~215 there (docs/KERNELS.md).
+inline void relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+// Wait while `a` holds `v`: spin ~2,000 checks (~50 us, a pause each), then sleep on it (a futex on Linux, woken by
+// `wake_all`; elsewhere a yield loop). A thread that only yields hands its core to any runnable process at every
+// long wait, a niced one included; a sleeping one is woken ahead of it.
+inline void await_change(std::atomic<int> &a, int v) {
+  for (int s = 0; s < 2000; ++s) {
+    if (a.load(std::memory_order_acquire) != v) return;
+    relax();
+  }
+  while (a.load(std::memory_order_acquire) == v) {
+#ifdef __linux__
+    syscall(SYS_futex, reinterpret_cast<int *>(&a), FUTEX_WAIT_PRIVATE, v, nullptr, nullptr, 0);
+#else
+    std::this_thread::yield();
+#endif
+  }
+}
+inline void wake_all(std::atomic<int> &a) {
+#ifdef __linux__
+  syscall(SYS_futex, reinterpret_cast<int *>(&a), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr, nullptr, 0);
+#else
+  (void)a;
+#endif
+}
+
+// A barrier for the pool's threads: the decode step's phases (4 a layer, ~10-100 us each on 2 threads) meet here;
+// the last to arrive advances the generation and wakes any sleeper.
 class Barrier {
  public:
   explicit Barrier(int n) : n_(n) {}
@@ -69,28 +105,81 @@ class Barrier {
     if (count_.fetch_add(1, std::memory_order_acq_rel) == n_ - 1) {
       count_.store(0, std::memory_order_relaxed);
       gen_.fetch_add(1, std::memory_order_release);
+      wake_all(gen_);
       return;
     }
-    for (int spins = 0; gen_.load(std::memory_order_acquire) == gen; ++spins) {
-      if (spins < 2000) {
-        relax();
-      } else {
-        std::this_thread::yield();
-      }
-    }
+    await_change(gen_, gen);
   }
 
  private:
-  static void relax() {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#elif defined(__aarch64__)
-    asm volatile("yield");
-#endif
-  }
   const int n_;
   std::atomic<int> count_{0}, gen_{0};
 };
+
+// The whole-model steps' threads: workers started once and kept (process-wide), the caller thread 0. A call wakes
+// them, runs its share, and waits until every worker has finished (so the next call never overlaps a straggler);
+// between tokens they spin briefly, then sleep. What it replaced, measured on SmolLM2-135M in Q8_0, 2 threads, AMD
+// EPYC (docs/KERNELS.md): OpenMP's parallel region (as a MindSpore op its threads slept a third of each token in the
+// barriers: 130 tokens/s against ~180 through ctypes), then std::threads started per call with a spin-then-yield
+// barrier (~220 quiet, but 100-121 beside one `nice -n 19` busy loop: a thread started per token, or yielding,
+// waits behind the niced process).
+class Pool {
+ public:
+  template <typename F>
+  void run(int nt, F &fn) {
+    if (nt <= 1) {
+      fn(0, 1);
+      return;
+    }
+    std::lock_guard<std::mutex> one(call_);
+    while (workers_ < nt - 1) {
+      const int t = ++workers_, start = job_.load(std::memory_order_acquire);
+      std::thread([this, t, start] { loop(t, start); }).detach();
+    }
+    call_fn_ = [](void *f, int t, int n) { (*static_cast<F *>(f))(t, n); };
+    ctx_ = &fn;
+    nt_ = nt;
+    pending_.store(workers_, std::memory_order_relaxed);
+    job_.fetch_add(1, std::memory_order_release);
+    wake_all(job_);
+    fn(0, nt);
+    for (int p; (p = pending_.load(std::memory_order_acquire)) != 0;) await_change(pending_, p);
+  }
+  // after fork(): the child has none of the workers (tasks/ forks data-pool workers)
+  void forget() { workers_ = 0; }
+
+ private:
+  void loop(int t, int seen) {  // `seen`: the job count when it was started (the job being set up is new to it)
+    for (;;) {
+      await_change(job_, seen);
+      seen = job_.load(std::memory_order_acquire);
+      if (t < nt_) call_fn_(ctx_, t, nt_);
+      if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) wake_all(pending_);
+    }
+  }
+  std::mutex call_;
+  int workers_ = 0, nt_ = 1;
+  void (*call_fn_)(void *, int, int) = nullptr;
+  void *ctx_ = nullptr;
+  std::atomic<int> job_{0}, pending_{0};
+};
+
+Pool &pool() {
+  static Pool *p = [] {
+    auto *q = new Pool();  // never destroyed: detached workers may still sleep in it at exit
+#ifdef __linux__
+    pthread_atfork(nullptr, nullptr, [] { pool().forget(); });
+#endif
+    return q;
+  }();
+  return *p;
+}
+
+// fn(t, nt) on `threads` pool threads (the caller is thread 0), all finished before returning
+template <typename F>
+void on_pool(int threads, F fn) {
+  pool().run(threads > 1 ? threads : 1, fn);
+}
 
 inline float dot(const float *a, const float *b, int64_t n) {
   int64_t j = 0;
@@ -818,7 +907,7 @@ int decode_step(void **params, const Model &m) {
   std::vector<float> q(qdim), kv(2 * kvdim), attn(qdim), act(F), up(F), hn(H * threads), scores(S * threads);
 
   Barrier barrier(threads);
-  on_threads(threads, [&](int t, int nt) {
+  on_pool(threads, [&](int t, int nt) {
     float *h = hn.data() + H * t;       // this thread's copy of the normed activations
     float *sc = scores.data() + S * t;  // this thread's attention scores
     int64_t b, e;
@@ -912,7 +1001,7 @@ int prefill_step(void **params, const Model &m, int64_t T, bool all_rows) {
               nullptr, nullptr, qr.data(), kt.data(), attn.data()};
 
   Barrier barrier(threads);
-  on_threads(threads, [&](int t, int nt) {
+  on_pool(threads, [&](int t, int nt) {
     float *sc = scores.data() + 4 * (start + T) * t;
     int64_t b, e;
     // rows [b, e) of a projection with `rows` rows, split over the threads in whole panels (gemm_rows)
