@@ -48,6 +48,7 @@ the values; greedy tokens of random weights are not meaningful text), so no down
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -58,7 +59,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from host import add_isa_arg, apply_isa, describe  # noqa: E402  (scripts/bench/)
+from host import BUSY_LOOP, add_isa_arg, apply_isa, busy_loop, describe  # noqa: E402  (scripts/bench/)
 from report import add_record_args, record  # noqa: E402
 
 
@@ -265,6 +266,12 @@ def main() -> None:
         help="also time the fused step reading these stored weight formats (`Generator(weights=...)`, `msllm serve "
         "--weights`; '' for none) on every thread count: <format>_tokens_per_s and its bandwidth fraction",
     )
+    ap.add_argument(
+        "--load",
+        action="store_true",
+        help="also time every side beside one `nice -n 19` busy loop, in the same rounds (quiet, then loaded): "
+        "load_<side>_tokens_per_s and load_slowdown (1 - loaded / quiet, best against best)",
+    )
     ap.add_argument("--side", choices=["hf"], default=None, help=argparse.SUPPRESS)
     ap.add_argument("--weights", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--prompt", default=None, help=argparse.SUPPRESS)
@@ -346,14 +353,16 @@ def main() -> None:
         for t in counts:
             for name, rb in benches.items():
                 rb.measure(t, 3 if name else max(2, min(10, (256 << 20) // per_token)))
-        for t in counts if hf is not None else ():
-            out = hf.run(t)
-            tps.setdefault(f"hf@{t}", []).append(out["tokens_per_s"])
-            tokens["hf"] = out["tokens"]
-        for name, g in paths.items():
-            t0 = time.perf_counter()
-            tokens[name] = g.generate(prompt, a.new_tokens)  # no eos: always the full length
-            tps.setdefault(name, []).append(len(tokens[name]) / (time.perf_counter() - t0))
+        for phase in ("", "load:") if a.load else ("",):  # quiet, then beside the busy loop (--load)
+            with busy_loop() if phase else contextlib.nullcontext():
+                for t in counts if hf is not None else ():
+                    out = hf.run(t)
+                    tps.setdefault(f"{phase}hf@{t}", []).append(out["tokens_per_s"])
+                    tokens["hf"] = out["tokens"]
+                for name, g in paths.items():
+                    t0 = time.perf_counter()
+                    tokens[name] = g.generate(prompt, a.new_tokens)  # no eos: always the full length
+                    tps.setdefault(phase + name, []).append(len(tokens[name]) / (time.perf_counter() - t0))
     if hf is not None:
         hf.close()
     t0 = time.perf_counter()
@@ -366,6 +375,14 @@ def main() -> None:
     def best_of(side: str) -> tuple[float, str]:
         return max((max(v), k) for k, v in tps.items() if k.startswith(side + "@"))
 
+    if a.load:  # each side's best thread count, quiet and beside the busy loop
+        res["background"] = BUSY_LOOP
+        res["load_slowdown"] = {}
+        for side in ["hf", "cached", *STORED]:
+            if any(k.startswith(f"load:{side}@") for k in tps):
+                quiet, loaded = best_of(side)[0], best_of(f"load:{side}")[0]
+                res[f"load_{side}_tokens_per_s"] = round(loaded, 2)
+                res["load_slowdown"][side] = round(1 - loaded / quiet, 3)
     best = {"cached": best_of("cached")[0]}
     res["tokens_per_s"] = round(best["cached"], 2)
     res["best_threads"] = int(best_of("cached")[1].split("@")[1])

@@ -77,6 +77,11 @@ COLUMNS: dict[str, list[tuple[str, str]]] = {
         ("q8_0_speedup_vs_fp32", "Q8_0 × fp32"),
         ("decoder_tokens_per_s", "decoder tokens/s"),
         ("eval_requests_per_s", "eval req/s"),
+        ("background", "background"),
+        ("load_slowdown.hf", "HF slowdown"),
+        ("load_slowdown.cached", "fp32 slowdown"),
+        ("load_slowdown.fp16", "fp16 slowdown"),
+        ("load_slowdown.q8_0", "q8_0 slowdown"),
     ],
     "memory": [
         ("stage", "stage"),
