@@ -113,3 +113,21 @@ def test_a_missing_gguf_is_one_line_naming_the_fetch_script():
     assert "models/not-there.gguf" in why and "scripts/fetch_smollm2.sh" in why and "\n" not in why
     assert "no/such/dir" in bench.missing_input("tiny", init_from="no/such/dir")
     assert bench.missing_input("tiny") is None
+
+
+def test_the_doc_shows_the_newest_run_of_each_cpu_in_a_column_of_its_own(tmp_path):
+    """Stated times hold only where they were taken: each CPU and ISA (an emulated one apart) gets a column of its
+    newest shipped run, newest first; the stated total read back is the newest run's."""
+    epyc = {**ROW, "cpu": "AMD EPYC", "date": "2026-12-05", "total_s": 1200.0}
+    capped = {**epyc, "emulated_isa": "avx2", "total_s": 1500.0}
+    old_xeon = {**ROW, "total_s": 700.0}
+    rows = [old_xeon, ROW, epyc, capped, {**epyc, "tag": "smoke", "total_s": 5.0}]
+    cols = report.pipeline_times_per_cpu(rows)
+    assert [c["total_s"] for c in cols] == [1200.0, 1500.0, 901.0]  # newest first; each CPU's newest run
+    doc = tmp_path / "REAL_MODELS.md"
+    doc.write_text(DOC_TEXT)
+    report.write_pipeline_times(doc, rows)
+    text = doc.read_text()
+    assert "AMD EPYC (avx512), 2026-12-05 | AMD EPYC (avx2 capped), 2026-12-05 | Intel(R) Xeon(R) Processor" in text
+    assert "| **total (the flow run)** | **20.0** | **25.0** | **15.0** |" in text
+    assert report.stated_total_s(text) == pytest.approx(20.0 * 60)

@@ -335,12 +335,30 @@ def _minutes(s) -> str:
     return "" if s is None else f"{s / 60:.1f}"
 
 
-def pipeline_times_md(row: dict | None) -> str:
-    """What stands between the markers: the stage-time table of `row` (a `pipeline` line), or NOT_MEASURED."""
+def pipeline_times_per_cpu(rows: list[dict], pipeline: str = TIMES_PIPELINE) -> list[dict]:
+    """The newest shipped `pipeline` line (as `pipeline_times_row`) of each CPU and ISA (emulated or not), newest
+    first: stated times hold only on the machine they were taken on, so the doc shows every kind measured."""
+    seen: dict[tuple, dict] = {}
+    for r in rows:
+        if pipeline_times_row([r], pipeline) is r:
+            seen[(r.get("cpu"), r.get("cpu_isa"), r.get("emulated_isa"))] = r
+    return sorted(seen.values(), key=lambda r: str(r.get("date")), reverse=True)
+
+
+def _cpu_label(r: dict) -> str:
+    isa = f"{r.get('emulated_isa')} capped" if r.get("emulated_isa") else r.get("cpu_isa")
+    return f"{r.get('cpu')} ({isa}), {r.get('date')}"
+
+
+def pipeline_times_md(row: dict | list[dict] | None) -> str:
+    """What stands between the markers: the stage-time table of `row` (a `pipeline` line, or one per CPU: a column
+    each, the first one's total read back by `stated_total_s`), or NOT_MEASURED."""
     head = "<!-- written by scripts/bench/report.py from docs/bench/results.jsonl: do not edit by hand -->"
-    if row is None:
+    cols = [row] if isinstance(row, dict) else list(row or [])
+    if not cols:
         return f"{head}\n{NOT_MEASURED}"
-    ev = row.get("eval") or {}
+    new = cols[0]
+    ev = new.get("eval") or {}
     tasks = ", ".join(ev.get("tasks") or [])
     limit = "null" if ev.get("limit") is None else ev["limit"]
     budget = f"`eval.limit: {limit}` documents per task of `eval.tasks: [{tasks}]`"
@@ -348,22 +366,31 @@ def pipeline_times_md(row: dict | None) -> str:
         budget += f", `eval.heldout_blocks: {ev['heldout_blocks']}`"
     lines = [
         head,
-        f"Measured by `scripts/bench/pipeline.py` on {row.get('date')}: the `{row.get('pipeline')}` pipeline as "
-        f"shipped, every stage run (a fresh artifact root), on {row.get('cpu')} ({row.get('cpu_isa')}), "
-        f"{row.get('threads')} threads (load average {row.get('loadavg_before')} before the run). Eval budget: "
-        f"{budget}.",
+        f"Measured by `scripts/bench/pipeline.py`: the `{new.get('pipeline')}` pipeline as shipped, every stage run "
+        f"(a fresh artifact root), one column per CPU (its newest run: the CPU, its ISA, the date), "
+        f"{new.get('threads')} threads. Eval budget: {budget}. Load average before each run: "
+        + ", ".join(f"{r.get('loadavg_before')}" for r in cols)
+        + ".",
         "",
-        "| stage | minutes |",
-        "|---|---|",
+        "| stage | " + " | ".join(_cpu_label(r) for r in cols) + " |",
+        "|---|" + "---|" * len(cols),
     ]
-    lines += [f"| {STAGE_TITLES.get(k, k)} | {_minutes(v)} |" for k, v in (row.get("stages") or {}).items()]
+    stages = list(dict.fromkeys(k for r in cols for k in (r.get("stages") or {})))
     lines += [
-        f"| outside the tasks (config, stage keys, lineage) | {_minutes(row.get('outside_tasks_s'))} |",
-        f"| **total (the flow run)** | **{_minutes(row.get('total_s'))}** |",
+        f"| {STAGE_TITLES.get(k, k)} | " + " | ".join(_minutes((r.get("stages") or {}).get(k)) for r in cols) + " |"
+        for k in stages
+    ]
+    lines += [
+        "| outside the tasks (config, stage keys, lineage) | "
+        + " | ".join(_minutes(r.get("outside_tasks_s")) for r in cols)
+        + " |",
+        "| **total (the flow run)** | " + " | ".join(f"**{_minutes(r.get('total_s'))}**" for r in cols) + " |",
         "",
-        f"Peak RSS of the whole run (the flow process and every child, summed, sampled every 0.5 s): "
-        f"{row.get('peak_rss_gb')} GB. The process took {_minutes(row.get('process_s'))} minutes (Prefect's "
-        "embedded server starting on a fresh database included).",
+        "Peak RSS of the whole run (the flow process and every child, summed, sampled every 0.5 s): "
+        + ", ".join(f"{r.get('peak_rss_gb')} GB" for r in cols)
+        + ". The process took "
+        + ", ".join(_minutes(r.get("process_s")) for r in cols)
+        + " minutes (Prefect's embedded server starting on a fresh database included).",
     ]
     return "\n".join(lines)
 
@@ -376,11 +403,12 @@ def _between(text: str, where: str) -> tuple[int, int]:
 
 
 def write_pipeline_times(doc: Path, rows: list[dict]) -> dict | None:
-    """Rewrite the block between the markers of `doc` from the newest smollm2 `pipeline` line; returns that line."""
+    """Rewrite the block between the markers of `doc` from the newest smollm2 `pipeline` line of each CPU; returns the
+    newest of all."""
     text = doc.read_text()
     b, e = _between(text, str(doc))
     row = pipeline_times_row(rows)
-    doc.write_text(text[:b] + "\n" + pipeline_times_md(row) + "\n" + text[e:])
+    doc.write_text(text[:b] + "\n" + pipeline_times_md(pipeline_times_per_cpu(rows)) + "\n" + text[e:])
     return row
 
 
