@@ -17,8 +17,11 @@
 //   8 + 9 * n + l: k cache [nkv, S, hd]       8 + 10 * n + l: v cache [nkv, S, hd]
 // Output: logits float32 [1, V].
 //
-// Parallel over rows of every projection (and over heads in attention) with OpenMP: one parallel
-// region per token, a barrier between dependent phases (4 per layer).
+// Parallel over rows of every projection (and over heads in attention) on a pool of threads started once
+// (`Pool`, `on_pool`), a barrier between dependent phases (4 per layer). PrefillStep (a chunk, logits of one row) and
+// ScoreStep (every row's logits) take the same operands with tokens [1, T] and [start, last]; the matrices may be
+// float32, binary16 or Q8_0 blocks (uint8), all alike. OpenMP remains only in the Gemv / GemvQ8 entries (benches and
+// tests).
 //
 // The operands are checked before anything is read (count, dtypes, every weight's shape against the
 // embedding's [V, H] and the first layer's sizes, the caches' [nkv, S, hd]); a mismatch returns 2 (dtype)
@@ -27,6 +30,7 @@
 #include <atomic>
 #include <climits>
 #include <mutex>
+#include <new>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -145,8 +149,13 @@ class Pool {
     fn(0, nt);
     for (int p; (p = pending_.load(std::memory_order_acquire)) != 0;) await_change(pending_, p);
   }
-  // after fork(): the child has none of the workers (tasks/ forks data-pool workers)
-  void forget() { workers_ = 0; }
+  // after fork(): the child has none of the workers (tasks/ forks data-pool workers), and a lock its parent's other
+  // thread held stays held in it: start afresh
+  void forget() {
+    workers_ = 0;
+    new (&call_) std::mutex();
+    pending_.store(0);
+  }
 
  private:
   void loop(int t, int seen) {  // `seen`: the job count when it was started (the job being set up is new to it)

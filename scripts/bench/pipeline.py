@@ -318,7 +318,7 @@ def main() -> None:
     if len(sys.argv) == 3 and sys.argv[1] == "--read-prefect":  # the reading child (read_runs)
         print("RUNS " + json.dumps(_read_prefect()), flush=True)
         return
-    from host import describe  # scripts/bench/ (this script's directory is sys.path[0])
+    from host import add_isa_arg, apply_isa, describe  # scripts/bench/ (this script's directory is sys.path[0])
     from report import add_record_args, record
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -333,8 +333,10 @@ def main() -> None:
     )
     ap.add_argument("--keep", action="store_true", help="keep the temp dir (artifacts, PREFECT_HOME, flow.log)")
     ap.add_argument("--timeout", type=float, default=None, help="stop the run after this many seconds")
+    add_isa_arg(ap)  # --isa avx2: every library of the flow and its children capped at AVX2 (host.py)
     add_record_args(ap)
     a = ap.parse_args()
+    apply_isa(a.isa)
     try:
         res = measure(
             a.pipeline,
