@@ -50,6 +50,7 @@ from prefect.states import Cancelled
 
 from tasks.config.schema import PipelineConfig
 from tasks.modeling.merge import merge
+from tasks.runtime.interrupts import stop_descendants
 from tasks.runtime.supervise import is_permanent
 from tasks.stages import runner
 from tasks.stages.evaluate import selection_lines
@@ -133,19 +134,7 @@ def stop_children(before: set[int], grace: float = 10.0) -> int:
     training or export child, msrun and its ranks, the data stage's pool; SIGKILL to those left after `grace` s.
     Returns how many there were. (A runner's cancellation signals only the flow process where it does not
     isolate a process group; a child left running would go on training, holding the stage's lock.)"""
-    kids = []
-    for c in psutil.Process().children():
-        if c.pid not in before:
-            with contextlib.suppress(psutil.Error):
-                kids += [c, *c.children(recursive=True)]
-    for k in kids:
-        with contextlib.suppress(psutil.Error):
-            k.terminate()
-    _, alive = psutil.wait_procs(kids, timeout=grace)
-    for k in alive:
-        with contextlib.suppress(psutil.Error):
-            k.kill()
-    return len(kids)
+    return stop_descendants(grace, before=before)
 
 
 def cancellable(fn):

@@ -2,7 +2,7 @@
 // causal attention of a prompt chunk over the same caches (ChunkAttention, at the end of this file).
 //
 // Built and loaded by model/generate.py (FusedDecodeStep) through model/kernels.py, once per ISA level
-// (model/simd.h; -fopenmp where the compiler has it), the level chosen at load from what the CPU reports.
+// (model/simd.h), the level chosen at load from what the CPU reports.
 // The step reads the net's own fp32 Parameters (no copies, so weights never go stale) and writes the
 // new token's K/V rows into the decoder's cache Parameters in place, then returns the logits [1, V].
 // Same math as CachedDecoder.construct with T = 1 (RMSNorm, rotate-half RoPE, scaled dot-product
@@ -20,8 +20,7 @@
 // Parallel over rows of every projection (and over heads in attention) on a pool of threads started once
 // (`Pool`, `on_pool`), a barrier between dependent phases (4 per layer). PrefillStep (a chunk, logits of one row) and
 // ScoreStep (every row's logits) take the same operands with tokens [1, T] and [start, last]; the matrices may be
-// float32, binary16 or Q8_0 blocks (uint8), all alike. OpenMP remains only in the Gemv / GemvQ8 entries (benches and
-// tests).
+// float32, binary16 or Q8_0 blocks (uint8), all alike.
 //
 // The operands are checked before anything is read (count, dtypes, every weight's shape against the
 // embedding's [V, H] and the first layer's sizes, the caches' [nkv, S, hd]); a mismatch returns 2 (dtype)
@@ -44,9 +43,6 @@
 #include <sys/syscall.h>
 #include <pthread.h>
 #include <unistd.h>
-#endif
-#ifdef _OPENMP
-#include <omp.h>
 #endif
 
 namespace {
@@ -306,6 +302,15 @@ inline float dot(const Q8Block *a, const float *x, int64_t n) {
 // a masked load, then loads W aligned (rows of n % 16 == 0 floats share one alignment).
 // Binary16 W: four rows at a time as well, each vector of a row widened as it is loaded (no alignment step: a
 // 64-byte line holds 32 halves, two AVX-512 vectors).
+// y[0..4) = (or +=) four rows' sums
+inline void store4(float *y, float s0, float s1, float s2, float s3, bool accumulate) {
+  if (accumulate) {
+    y[0] += s0; y[1] += s1; y[2] += s2; y[3] += s3;
+  } else {
+    y[0] = s0; y[1] = s1; y[2] = s2; y[3] = s3;
+  }
+}
+
 // The next row group's bytes, read in order: the GEMVs below take four rows at a time, four interleaved streams a
 // few hundred bytes apart that the hardware prefetchers follow poorly (a Q8_0 GEMV at SmolLM2's 576-weight rows
 // read 12 GB/s on one Zen 4 core, 26 GB/s with this); the four rows after them are contiguous, so each step
@@ -356,11 +361,7 @@ inline void gemv_rows(const WT *W, const float *x, float *y, int64_t n, int64_t 
         s2 += widen(w2[j]) * x[j];
         s3 += widen(w3[j]) * x[j];
       }
-      if (accumulate) {
-        y[r] += s0; y[r + 1] += s1; y[r + 2] += s2; y[r + 3] += s3;
-      } else {
-        y[r] = s0; y[r + 1] = s1; y[r + 2] = s2; y[r + 3] = s3;
-      }
+      store4(y + r, s0, s1, s2, s3, accumulate);
     }
   }
 #endif
@@ -394,11 +395,7 @@ inline void gemv_rows(const WT *W, const float *x, float *y, int64_t n, int64_t 
       }
       float s0 = _mm512_reduce_add_ps(a0), s1 = _mm512_reduce_add_ps(a1);
       float s2 = _mm512_reduce_add_ps(a2), s3 = _mm512_reduce_add_ps(a3);
-      if (accumulate) {
-        y[r] += s0; y[r + 1] += s1; y[r + 2] += s2; y[r + 3] += s3;
-      } else {
-        y[r] = s0; y[r + 1] = s1; y[r + 2] = s2; y[r + 3] = s3;
-      }
+      store4(y + r, s0, s1, s2, s3, accumulate);
     }
   }
 #endif
@@ -477,11 +474,7 @@ inline void gemv_rows(const Q8Block *W, const float *x, float *y, int64_t n, int
       a3 = _mm256_fmadd_ps(block_dot8(b3[k].qs, ax, sx), _mm256_set1_ps(simd::half_to_float(b3[k].d) * dx), a3);
     }
     const float s0 = hsum8(a0), s1 = hsum8(a1), s2 = hsum8(a2), s3 = hsum8(a3);
-    if (accumulate) {
-      y[r] += s0; y[r + 1] += s1; y[r + 2] += s2; y[r + 3] += s3;
-    } else {
-      y[r] = s0; y[r + 1] = s1; y[r + 2] = s2; y[r + 3] = s3;
-    }
+    store4(y + r, s0, s1, s2, s3, accumulate);
   }
 #endif
   for (; r < r1; ++r) {
@@ -492,9 +485,6 @@ inline void gemv_rows(const Q8Block *W, const float *x, float *y, int64_t n, int
     y[r] = accumulate ? y[r] + s : s;
   }
 }
-
-// y = W x for W Q8_0 blocks [rows, n / 32] and x float [n]: the Q8_0 decode GEMV alone (tests/test_kernel_isa.py)
-extern "C" int GemvQ8(const void *W, const float *x, float *y, int64_t rows, int64_t n, int threads);
 
 #if MSLLM_VW > 0
 constexpr int64_t kNR = 2 * simd::kVW;       // weight rows per packed panel: two vectors of outputs per token
@@ -1158,35 +1148,24 @@ extern "C" int ChunkAttention(int nparam, void **params, int *ndims, int64_t **s
   return 0;
 }
 
-// y = W x for W [rows, n]: the decode step's GEMV alone, over `threads` OpenMP threads. For measuring this
-// machine's read bandwidth the way decoding uses it (scripts/bench/generate.py, through ctypes).
-extern "C" int Gemv(const float *W, const float *x, float *y, int64_t rows, int64_t n, int threads) {
-#pragma omp parallel num_threads(threads > 0 ? threads : 1)
-  {
-#ifdef _OPENMP
-    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-#else
-    const int t = 0, nt = 1;
-#endif
+// y = W x for W [rows, n] (float32, or Q8_0 blocks [rows, n / 32]): the decode step's GEMV alone, on the same pool
+// of `threads` threads. For measuring this machine's read bandwidth the way decoding uses it
+// (scripts/bench/generate.py, through ctypes) and for testing each body's GEMV (tests/test_kernel_isa.py).
+template <typename WT>
+int gemv_entry(const WT *W, const float *x, float *y, int64_t rows, int64_t n, int threads) {
+  on_pool(threads, [&](int t, int nt) {
     int64_t b, e;
     split(rows, t, nt, &b, &e);
     gemv_rows(W, x, y, n, b, e, false);
-  }
+  });
   return 0;
+}
+
+extern "C" int Gemv(const float *W, const float *x, float *y, int64_t rows, int64_t n, int threads) {
+  return gemv_entry(W, x, y, rows, n, threads);
 }
 
 extern "C" int GemvQ8(const void *W, const float *x, float *y, int64_t rows, int64_t n, int threads) {
   if (n % kQ8) return 3;
-#pragma omp parallel num_threads(threads > 0 ? threads : 1)
-  {
-#ifdef _OPENMP
-    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-#else
-    const int t = 0, nt = 1;
-#endif
-    int64_t b, e;
-    split(rows, t, nt, &b, &e);
-    gemv_rows(static_cast<const Q8Block *>(W), x, y, n, b, e, false);
-  }
-  return 0;
+  return gemv_entry(static_cast<const Q8Block *>(W), x, y, rows, n, threads);
 }

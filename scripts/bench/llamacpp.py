@@ -353,6 +353,15 @@ def export(a: argparse.Namespace, out: Path) -> tuple[Path, dict[str, Path]]:
     return art, {t: out / FILES[t] for t in TYPES}
 
 
+def add_artifacts_arg(ap: argparse.ArgumentParser) -> None:
+    """--artifacts: the store that holds (or gets) the convert artifact of SmolLM2's GGUF (`export`)."""
+    ap.add_argument(
+        "--artifacts",
+        default=os.environ.get("MSLLM_ARTIFACTS", str(REPO / "artifacts")),
+        help="artifact store for the convert artifact (msllm's default)",
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument(
@@ -362,11 +371,7 @@ def main() -> None:
         "step, comma-separated: each side's best counts (a shared 2-core machine can make 2 lose)",
     )
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds of ours (llama-bench: its 5 repetitions)")
-    ap.add_argument(
-        "--artifacts",
-        default=os.environ.get("MSLLM_ARTIFACTS", str(REPO / "artifacts")),
-        help="artifact store for the convert artifact (msllm's default)",
-    )
+    add_artifacts_arg(ap)
     add_isa_arg(ap)
     add_record_args(ap)
     ap.add_argument(

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import re
 import sys
 import tempfile
@@ -32,7 +31,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from host import add_isa_arg, apply_isa, describe  # noqa: E402  (scripts/bench/)
-from llamacpp import BUILD, VERSION, die, export, llama_cpp, measured  # noqa: E402
+from llamacpp import BUILD, VERSION, add_artifacts_arg, die, export, llama_cpp, measured  # noqa: E402
 from report import add_record_args, record  # noqa: E402
 
 TEXT = REPO / "data" / "corpora" / "tinyshakespeare.txt"
@@ -96,11 +95,7 @@ def main() -> None:
     ap.add_argument("--chars", type=int, default=40000, help="characters from the end of the text file")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--weights", default="fp32,fp16,q8_0", help="our formats, comma-separated")
-    ap.add_argument(
-        "--artifacts",
-        default=os.environ.get("MSLLM_ARTIFACTS", str(REPO / "artifacts")),
-        help="artifact store for the convert artifact (msllm's default)",
-    )
+    add_artifacts_arg(ap)
     add_isa_arg(ap)
     add_record_args(ap)
     a = ap.parse_args()

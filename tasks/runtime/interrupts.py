@@ -32,13 +32,18 @@ def sigterm_interrupts() -> None:
         signal.signal(signal.SIGTERM, _raise_interrupt)
 
 
-def stop_descendants(grace: float = 5.0, exclude: set[int] | None = None) -> int:
+def stop_descendants(grace: float = 5.0, before: set[int] | None = None) -> int:
     """SIGTERM to every process this one started and theirs (training children, msrun and its ranks, a data pool,
-    Prefect's temporary server), then SIGKILL to those still alive after `grace` s. Returns how many there were."""
+    Prefect's temporary server), then SIGKILL to those still alive after `grace` s. With `before` (this process's
+    children's pids at some earlier point), only the children started since then, and theirs. Returns how many."""
     import psutil  # lazy: `msllm --help` loads no heavy package (tests/test_imports.py)
 
+    kids = []
     try:
-        kids = [k for k in psutil.Process().children(recursive=True) if k.pid not in (exclude or set())]
+        for c in psutil.Process().children():
+            if before is None or c.pid not in before:
+                with contextlib.suppress(psutil.Error):
+                    kids += [c, *c.children(recursive=True)]
     except psutil.Error:
         return 0
     for k in kids:
