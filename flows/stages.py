@@ -35,6 +35,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import functools
+import logging
 import signal
 import sys
 from pathlib import Path
@@ -107,6 +108,21 @@ def _stage_body(fn):
                 return Cancelled(message=f"{stage} stopped: {why}")
 
     return wrapper
+
+
+class CancelledIsNoError(logging.Filter):
+    """Prefect's task engine logs every final state but Completed at ERROR: a stage the user cancelled ("Finished in
+    state Cancelled(...)") would read as a failure in the run's log, after the stage's own "stopped" line. This
+    logs it at INFO, as the flow engine logs the flow's own final state; Failed and Crashed stay errors."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno == logging.ERROR and str(record.msg).startswith("Finished in state Cancelled"):
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+
+if not any(isinstance(f, CancelledIsNoError) for f in logging.getLogger("prefect.task_runs").filters):
+    logging.getLogger("prefect.task_runs").addFilter(CancelledIsNoError())  # where the task engine logs it
 
 
 class RunCancelled(Exception):

@@ -229,6 +229,8 @@ def test_cancelling_a_flow_run_ends_it_and_its_task_cancelled(tmp_path):
     assert task["name"].startswith("data-") and task["state"]["type"] == "CANCELLED", (task["state"], text)
     assert "task: data: stopped, the flow run was cancelled" in text, text
     assert "flow: Finished in state Cancelled(" in text and "task: Finished in state Cancelled(" in text, text
+    finished = [lg["level"] for lg in logs if lg["message"].startswith("Finished in state Cancelled(")]
+    assert finished == [20, 20], (finished, text)  # the task's and the flow's, at INFO: a cancellation is no error
     assert "Running()" not in text and "Crash" not in text and "Traceback" not in text, text
     assert not left, [p.cmdline() for p in left]
 
