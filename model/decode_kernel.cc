@@ -263,34 +263,14 @@ inline float weight_at(const Q8Block *row, int64_t k) {
   return simd::half_to_float(row[k / kQ8].d) * static_cast<float>(row[k / kQ8].qs[k % kQ8]);
 }
 
-#if MSLLM_VW > 0
-// kVW int8 weights as floats
-inline simd::vf load_q(const int8_t *p) {
-#if MSLLM_VW == 16
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p))));
-#elif MSLLM_VW == 8
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(p))));
-#else
-  const float f[4] = {static_cast<float>(p[0]), static_cast<float>(p[1]), static_cast<float>(p[2]),
-                      static_cast<float>(p[3])};
-  return simd::loadu(f);
-#endif
-}
-#endif
-
-// a . x for a row of Q8_0 blocks
+// a . x for a row of Q8_0 blocks and float x: the scalar body's prompt GEMM (gemm_rows); the SIMD bodies pack the
+// dequantized weights into panels instead, and every decode GEMV takes the int8 path below
 inline float dot(const Q8Block *a, const float *x, int64_t n) {
   float s = 0.f;
   for (int64_t k = 0; k < n / kQ8; ++k) {
     const float *xb = x + k * kQ8;
     float b = 0.f;
-    int64_t j = 0;
-#if MSLLM_VW > 0
-    simd::vf acc = simd::zero();
-    for (; j + simd::kVW <= kQ8; j += simd::kVW) acc = simd::fma(load_q(a[k].qs + j), simd::loadu(xb + j), acc);
-    b = simd::hsum(acc);
-#endif
-    for (; j < kQ8; ++j) b += static_cast<float>(a[k].qs[j]) * xb[j];
+    for (int64_t j = 0; j < kQ8; ++j) b += static_cast<float>(a[k].qs[j]) * xb[j];
     s += simd::half_to_float(a[k].d) * b;
   }
   return s;

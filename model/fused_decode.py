@@ -210,7 +210,8 @@ class FusedDecodeStep(nn.Cell):
     prefill: `construct(tokens [1, T] int32, [start, last] int32)` writes slots start..start+T-1 and returns the
     logits of row `last`; with `score=True`, the logits of every row, [T, V] (`Generator.score`).
     One kernel per token (or chunk) instead of ~280 MindSpore kernels, with AVX-512/AVX2
-    GEMVs (GEMMs for a chunk) over OpenMP threads, and no graph whose buffers live as long as the process: the
+    GEMVs (GEMMs for a chunk) on the kernel's own thread pool,
+    and no graph whose buffers live as long as the process: the
     64-token chunk graph of `CachedDecoder` keeps ~0.5 GB at SmolLM2-135M (docs/MEMORY.md).
     """
 

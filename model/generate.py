@@ -444,7 +444,8 @@ class Generator:
         return min(FUSED_PREFILL_CHUNK, self.max_len) if n > FUSED_PREFILL_CHUNK else self.prefill_chunk
 
     def _chunks(self, ids: list[int], c: int | None = None):
-        """The prompt as fixed-size chunks [1, C] (C = `prefill_chunk`): (ids, start, index of the last real token).
+        """The prompt as fixed-size chunks [1, C] (C = `c`, default `prefill_chunk`): (ids, start, index of the last
+        real token).
         A prompt shorter than C is right-padded (the padding's K/V land in slots past the prompt: masked, then
         overwritten by decoding); a longer one is cut at multiples of C and its last chunk ends exactly at the
         prompt's end, overlapping the one before (those positions are computed again from the same tokens), so no
@@ -465,9 +466,10 @@ class Generator:
         """The logits [n, V] (float32) at every position of `ids` (row i: the distribution of the token after ids[i]),
         through the fused steps in this Generator's weight format (`weights`: what it serves is what it scores); with
         `targets` [n], instead (log p(targets[i]) float64 [n], whether targets[i] is the argmax [n]), a chunk at a
-        time, never holding [n, V]. The sequence goes through `prefill_chunk`-token chunks as a prompt does
-        (`_chunks`: the last one padded, or overlapping the one before), each chunk one ScoreStep: the prefill step
-        with every row's logits. The in-place caches hold the sequence meanwhile; at most max_len tokens."""
+        time, never holding [n, V]. The sequence goes through chunks as a prompt on the fused steps does
+        (`_fused_chunk` tokens; `_chunks`: the last one padded, or overlapping the one before), each chunk one
+        ScoreStep: the prefill step with every row's logits. The in-place caches hold the sequence meanwhile; at most
+        max_len tokens."""
         if not self.can_score():
             raise RuntimeError(
                 f"Generator.score needs the fused steps, no LoRA left unmerged, free caches: {self.decode_reason}"

@@ -146,8 +146,8 @@ class TokenScorer:
 
 class StepScorer:
     """`TokenScorer.score` through a Generator's fused steps (`Generator.score`: the prefill chunk with every row's
-    logits) in its weight format: one sequence at a time, `prefill_chunk` tokens per step, never [T, V] for more than
-    a chunk. The eval scorer for eval.weights fp16 / q8_0."""
+    logits) in its weight format: one sequence at a time, a chunk per step (`Generator._fused_chunk`), never [T, V]
+    for more than a chunk. The eval scorer for eval.weights fp16 / q8_0."""
 
     def __init__(self, gen):
         self.gen = gen
@@ -173,7 +173,7 @@ class StepScorer:
             logp, top = self.gen.score(inp, target)
             first = n - min(n, int(tails[i])) if tails is not None else 0
             out.append((logp[first:], top[first:]))
-            self.shapes_run.add((1, self.gen.prefill_chunk))
+            self.shapes_run.add((1, self.gen._fused_chunk(n)))  # the chunk shape its steps ran
             bar.update(1)
         bar.close()
         return out
@@ -232,16 +232,15 @@ class MindSporeLM(TemplateLM):
             raise ValueError("MindSporeLM needs `pretrained` (a model artifact path) or `net`")
         self.net, self.sp = net, tokenizer
         bs = int(batch_size) if str(batch_size or "").isdigit() else 8  # "auto" and None: our default
-        self.scorer: TokenScorer | StepScorer = TokenScorer(net, batch_size=max(1, bs))
         self._max_length = min(int(max_length or net.config.max_seq_length), net.config.max_seq_length)
-        self.weights = "fp32"
+        self.weights, scorer = "fp32", None
         if weights != "fp32":
-            self._generator = generator(net, fused=fused_kernels, max_len=self._max_length, weights=weights)
-            if self._generator.weights == weights and self._generator.can_score():
-                self.scorer, self.weights = StepScorer(self._generator), weights
+            gen = generator(net, fused=fused_kernels, max_len=self._max_length, weights=weights)
+            if gen.weights == weights and gen.can_score():
+                self._generator, self.weights, scorer = gen, weights, StepScorer(gen)
             else:
-                log.warning("[eval] weights %s: scoring in fp32 instead (%s)", weights, self._generator.decode_reason)
-                self._generator = None
+                log.warning("[eval] weights %s: scoring in fp32 instead (%s)", weights, gen.decode_reason)
+        self.scorer: TokenScorer | StepScorer = scorer or TokenScorer(net, batch_size=max(1, bs))
         self.max_gen_toks = int(max_gen_toks)
         self.progress = progress
         if eot_token_id is None:
