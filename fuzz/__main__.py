@@ -1,9 +1,12 @@
-"""`python -m fuzz TARGET|all [--examples N] [--seconds S]`: run fuzz targets (fuzz/targets.py), each in a child
-process of its own under an address-space limit, and print one JSON line per target: examples run, seconds, the
-slowest input, and the violations (the input, shortened, and what happened). Exit 1 when any target has one.
+"""`python -m fuzz TARGET|all [--examples N] [--seconds S] [--until N] [--coverage]`: run fuzz targets
+(fuzz/targets.py), each in a child process of its own under an address-space limit, and print one JSON line per
+target: examples run, seconds, the slowest input, and the violations (the input, shortened, and what happened).
+Exit 1 when any target has one.
 
 A child runs hypothesis rounds of --examples inputs with fresh random seeds until --seconds have passed (at least one
-round), with no example database (nothing is written to the tree). Per input: SIGALRM at twice SECONDS_PER_INPUT
+round) or --until inputs have run, with no example database (nothing is written to the tree). With --coverage the
+child runs under coverage.py and its line reports the line coverage of the reader's own code (the target's `covers`;
+the tracer slows a run 2-3x, so long runs go without it). Per input: SIGALRM at twice SECONDS_PER_INPUT
 interrupts a hang in Python code; the parent kills a child that outlives its budget by a minute (a hang in native
 code) and reports it, as it reports a child killed by a signal (a crash)."""
 
@@ -35,7 +38,13 @@ class Hang(BaseException):
     """One input ran past twice SECONDS_PER_INPUT (raised by SIGALRM inside the target)."""
 
 
-def _child(name: str, examples: int, seconds: float) -> dict:
+def _child(name: str, examples: int, seconds: float, until: int = 0, measure: bool = False) -> dict:
+    cov = None
+    if measure:
+        import coverage
+
+        cov = coverage.Coverage(data_file=None, branch=False, include=[str(REPO / "*")])
+        cov.start()
     from hypothesis import HealthCheck, given, settings
 
     from fuzz.targets import SECONDS_PER_INPUT, TARGETS
@@ -97,10 +106,49 @@ def _child(name: str, examples: int, seconds: float) -> dict:
                 raise
             stats["violations"] = found[-1:] + found[:1] if len(found) > 1 else found  # the smallest, the first
             break
-        if time.perf_counter() - t0 >= seconds:
+        if time.perf_counter() - t0 >= seconds or (until and stats["examples"] >= until):
             break
     stats["seconds"] = round(time.perf_counter() - t0, 1)
+    if cov is not None:
+        cov.stop()
+        stats["coverage"] = _coverage(cov, t.covers)
     return stats
+
+
+def _spans(path: Path, names: list[str]) -> list[tuple[int, int]]:
+    """The line spans of the named top-level functions/classes (or `Class.method`) of a module."""
+    import ast
+
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    spans = []
+    for name in names:
+        body, node = tree.body, None
+        for part in name.split("."):
+            node = next((n for n in body if getattr(n, "name", None) == part), None)
+            if node is None:
+                raise SystemExit(f"fuzz: {path.name} has no {name!r} (a target's covers is stale)")
+            body = getattr(node, "body", [])
+        first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+        spans.append((first, node.end_lineno))
+    return spans
+
+
+def _coverage(cov, covers: tuple[str, ...]) -> dict:
+    """Statements run / statements, per entry of a target's `covers`, and in all."""
+    out, run_all, total_all = {}, 0, 0
+    for spec in covers:
+        rel, _, names = spec.partition(":")
+        path = REPO / rel
+        _, statements, _, missing, _ = cov.analysis2(str(path))
+        if names:
+            spans = _spans(path, names.split(","))
+            statements = [ln for ln in statements if any(a <= ln <= b for a, b in spans)]
+        missing_set = set(missing)
+        ran = sum(ln not in missing_set for ln in statements)
+        out[spec] = f"{ran}/{len(statements)}"
+        run_all, total_all = run_all + ran, total_all + len(statements)
+    out["all"] = f"{run_all}/{total_all} ({100 * run_all / max(total_all, 1):.0f}%)"
+    return out
 
 
 def _limit_memory() -> None:
@@ -120,8 +168,9 @@ def _keep(current: Path, name: str) -> str:
     return f"{text[:600]} ... (whole input: {keep})"
 
 
-def _run_target(name: str, examples: int, seconds: float) -> dict:
+def _run_target(name: str, examples: int, seconds: float, until: int = 0, measure: bool = False) -> dict:
     cmd = [sys.executable, "-m", "fuzz", name, "--child", "--examples", str(examples), "--seconds", str(seconds)]
+    cmd += ["--until", str(until)] + (["--coverage"] if measure else [])
     from fuzz.seeds import seeds
 
     seeds()  # built once, here, before the memory limit
@@ -152,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("target", nargs="?", default="all", help=f"one of {', '.join(TARGETS)}, or all")
     ap.add_argument("--examples", type=int, default=200, help="inputs per hypothesis round (default 200)")
     ap.add_argument("--seconds", type=float, default=0.0, help="run rounds until this many seconds have passed")
+    ap.add_argument("--until", type=int, default=0, help="stop a target once this many inputs have run (0: no limit)")
+    ap.add_argument("--coverage", action="store_true", help="report the line coverage of each reader's own code")
     ap.add_argument("--list", action="store_true", help="list the targets and what each reads")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -160,14 +211,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{t.name:14} {t.what}")
         return 0
     if a.child:
-        print(json.dumps(_child(a.target, a.examples, a.seconds)), flush=True)
+        print(json.dumps(_child(a.target, a.examples, a.seconds, a.until, a.coverage)), flush=True)
         return 0
     names = list(TARGETS) if a.target == "all" else [a.target]
     if unknown := [n for n in names if n not in TARGETS]:
         ap.error(f"unknown target {unknown[0]!r}; one of {', '.join(TARGETS)} or all")
     bad = 0
     for n in names:
-        res = _run_target(n, a.examples, a.seconds)
+        res = _run_target(n, a.examples, a.seconds, a.until, a.coverage)
         bad += bool(res["violations"])
         print(json.dumps(res), flush=True)
     return 1 if bad else 0
