@@ -285,7 +285,18 @@ class Generator:
             self._path_reason = (
                 f"the fused decode kernel (model/decode_kernel.cc, {decode_kernel_path(fused)} body, {threads} threads)"
             )
-        self._weights, why = _decode_weights(net, weights, lib)  # the fused steps' matrices (None: the net's)
+        stored = getattr(net, "stored_weights", None)  # a network loaded with only its 16/8-bit matrices
+        self.lean = stored is not None
+        if self.lean:
+            if weights != stored.dtype or lib is None:
+                raise DecodeError(
+                    f"this network holds only {stored.dtype} weight matrices (load_network(..., weights="
+                    f"{stored.dtype!r})): only the fused steps in that format run it, "
+                    + (f"so decode with weights={stored.dtype!r}" if lib is not None else f"and {self._path_reason}")
+                )
+            self._weights, why = stored, f", {stored.dtype} weight matrices only ({stored.nbytes() / 1e6:.0f} MB)"
+        else:
+            self._weights, why = _decode_weights(net, weights, lib)  # the fused steps' matrices (None: the net's)
         self.weights = self._weights.dtype if self._weights is not None else "fp32"
         self._path_reason += why
         if lib is not None:  # the matrices every token streams, on transparent huge pages (model/hugepages.py)
@@ -392,7 +403,7 @@ class Generator:
     def compile(self, prompt_len: int, max_new_tokens: int, use_cache: bool = True) -> None:
         """Compile every shape a `generate` of this size uses (benchmarks time decoding, not compilation)."""
         n = min(prompt_len, self.max_len - 1)
-        if use_cache:
+        if use_cache or self.lean:
             self.generate([0] * n, 2)
             return
         fed = range(n, min(n + max_new_tokens, self.max_len))  # sequence lengths the forward sees
@@ -408,6 +419,8 @@ class Generator:
         (~10 s each on SmolLM2) and kept each one's buffers for the life of the process (docs/MINDSPORE_CPU.md)."""
         if not 0 < len(ids) <= self.max_len:
             raise ValueError(f"prompt of {len(ids)} tokens: 1..{self.max_len} (max_len)")
+        if self.lean:  # the same logits through the fused score step, in the stored format
+            return self.score(ids)
 
         def head(net, x):
             return net.head_logits(x).astype(ms.float32)
@@ -524,6 +537,8 @@ class Generator:
         decoder's MindSpore kernels, which apply them."""
         n = len(ids)
         fused = self._fused is not None and (base_only or not self._lora_on())
+        if not fused:
+            self._refuse_lean("unmerged LoRA layers")
         if self._decoder is not None and not self._decoder_busy:
             # in-place caches; slots past the prompt are masked until written
             self._decoder_busy = True
@@ -556,6 +571,7 @@ class Generator:
                     pos += 1
             finally:  # close(), or the coroutine garbage-collected
                 self._decoder_busy = False
+        self._refuse_lean("a second sequence interleaved with the one decoding")
         k, v = self.net.init_cache(1, self.max_len)
         for x, start, last in self._chunks(ids):
             logits, k, v = self._chunk_step(
@@ -568,7 +584,17 @@ class Generator:
             pos += 1
             tok = yield logits.asnumpy()[0, 0]
 
+    def _refuse_lean(self, what: str) -> None:
+        """A MindSpore path on a network holding only its stored matrices (its own are placeholders): an error."""
+        if self.lean:
+            raise DecodeError(
+                f"{what} needs the float32 weights, and this network holds only its {self.weights} matrices "
+                f"(load_network(..., weights={self.weights!r})): one sequence at a time through the fused steps; "
+                "load it whole (weights='fp32') for more"
+            )
+
     def _uncached_steps(self, ids: list[int]):
+        self._refuse_lean("decoding without the KV cache (use_cache=False)")
         seq = list(ids)
         while True:  # the whole sequence again, right-padded to a bucket (causal: padding never leaks back)
             n = len(seq)

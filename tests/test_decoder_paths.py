@@ -335,3 +335,68 @@ def test_onnx_graph_equals_the_reference(tmp_path):
         np.testing.assert_allclose(
             got, w, rtol=0, atol=logit_tol(CFG, len(prompt) + i, float(np.abs(w).max())), err_msg=f"step {i}"
         )
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "q8_0"])
+def test_a_network_loaded_with_only_its_stored_matrices_runs_as_the_copy_does(tmp_path, fmt, monkeypatch):
+    """`load_network(artifact, weights=fmt)` reads each matrix straight into the format (the embedding in blocks of
+    rows: CONVERT_CHUNK made smaller than it here) and never allocates the float32 ones: its Generator decodes the
+    same greedy tokens and scores the same logits, bit for bit, as a Generator copying the matrices of the whole
+    float32 network (the same stored bytes through the same kernel); the paths that would read the float32
+    matrices refuse with a DecodeError that says how to load the model for them."""
+    from helpers import tiny_model_artifact
+
+    import tasks.store.tensors as tensors
+    from model.generate import DecodeError, Generator
+    from tasks.modeling.build import load_network
+
+    art = tiny_model_artifact(tmp_path, intermediate_size=160, vocab_size=512)
+    whole, _ = load_network(art)
+    copy = Generator(whole, weights=fmt, max_len=64)
+    if copy.weights != fmt:
+        pytest.skip(f"the fused steps do not run here: {copy.decode_reason}")
+    monkeypatch.setattr(tensors, "CONVERT_CHUNK", 512 * 64 * 4 // 3)  # the [512, 64] embedding in 4 blocks of rows
+    lean, _ = load_network(art, weights=fmt)
+    assert lean.stored_weights.dtype == fmt and lean.stored_weights.nbytes() == copy._weights.nbytes()
+    for a, b in zip(lean.stored_weights.get_parameters(), copy._weights.get_parameters(), strict=True):
+        np.testing.assert_array_equal(a.asnumpy(), b.asnumpy(), err_msg=a.name)
+    gen = Generator(lean, weights=fmt, max_len=64)
+    assert gen.lean and gen.decode_path == "fused" and "only" in gen.decode_reason
+    ids = _ids(21, seed=4)
+    assert gen.generate(ids, 12) == copy.generate(ids, 12)
+    np.testing.assert_array_equal(gen.score(ids), copy.score(ids))
+    np.testing.assert_array_equal(gen.prompt_logits(ids), copy.score(ids))  # echo: the score step
+    with pytest.raises(DecodeError, match="without the KV cache.*weights='fp32'"):
+        gen.generate(ids, 2, use_cache=False)
+    first = gen._cached_steps(ids)
+    next(first)
+    with pytest.raises(DecodeError, match="interleaved"):
+        next(gen._cached_steps(ids))
+    first.close()
+    with pytest.raises(DecodeError, match=f"only {fmt} weight matrices"):
+        Generator(lean, weights="fp32")
+
+
+def test_stored_matrices_load_refuses_a_bad_file_and_a_misfit_model_loads_whole(tmp_path, capsys):
+    """Loading only the stored matrices checks what the float32 load checks: a NaN in a matrix names the tensor
+    (before it is converted), and a model whose rows are not whole Q8_0 blocks (tiny: MLP 172) loads its float32
+    weights, saying why on stderr."""
+    from helpers import tiny_model_artifact
+    from safetensors.numpy import load_file, save_file
+
+    import tasks.store.tensors as tensors
+    from tasks.modeling.build import load_network
+    from tasks.store.tensors import CheckpointError
+
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    misfit = tiny_model_artifact(tmp_path / "a")
+    net, _ = load_network(misfit, weights="q8_0")
+    assert getattr(net, "stored_weights", None) is None and "Q8_0 rows need a multiple of 32" in capsys.readouterr().err
+    art = tiny_model_artifact(tmp_path / "b", intermediate_size=160)
+    w = load_file(str(art / "model.safetensors"))
+    w["layers.1.mlp.down_proj.weight"][3, 5] = np.nan
+    save_file(w, str(art / "model.safetensors"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tensors, "verify_published", lambda p: None)  # past the manifest's digest: the NaN check itself
+        with pytest.raises(CheckpointError, match=r"layers\.1\.mlp\.down_proj\.weight"):
+            load_network(art, weights="fp16")

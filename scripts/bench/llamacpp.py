@@ -13,8 +13,9 @@ not a gate: it reports, it asserts nothing about speed or tokens.
    writes model.f16.gguf and model.q8_0.gguf from that artifact, for this run.
 3. Greedy tokens: `llama-completion --temp 0` (32 new tokens, stops at an end-of-generation token) on PROMPT on each
    file; its token ids are read from the session file `--prompt-cache-all` writes (its header holds every token id).
-   Ours: `model.generate.Generator` (greedy, the fp32 artifact, as `msllm serve` loads it; with --weights fp16 the
-   fused steps read binary16 copies of the matrices, as `msllm serve --weights fp16`) on llama.cpp's prompt ids.
+   Ours: `model.generate.Generator` (greedy) on llama.cpp's prompt ids: fp32, the artifact's own weights; fp16 and
+   q8_0 load only those matrices (`load_network(..., weights=)`: read and converted a tensor at a time, no float32
+   copy, as the eval scorer and `msllm predict` load them).
    `same_prefix`: how many of the generated ids agree before the first difference (F16/Q8_0 weights and llama.cpp's
    f16/q8 activations vs our fp32 may part late; reported, not asserted).
 4. Speed, on every thread count of --threads (default 1,2; each side's figure is its best thread count's best
@@ -23,7 +24,10 @@ not a gate: it reports, it asserts nothing about speed or tokens.
    process: decode tokens/s of 64 steps after a 16-token prompt (--rounds, interleaved; the prefill not timed, as
    in llama-bench's tg64), end to end (prefill + 64 tokens) and a 128-token prefill. Peak RSS: each process's
    VmHWM (/proc/<pid>/status, polled for the llama.cpp tools; ours reads its own), so ours counts MindSpore, the
-   fp32 weights and 256-slot KV caches; llama.cpp's counts its mmap'd file. One process after another.
+   weights and 256-slot fp32 KV caches (one per thread count); llama.cpp's counts its mmap'd file. Ours also
+   reports `runtime_rss_gb`: its VmHWM with MindSpore set up and our modules imported, before any model (the
+   runtime's own size), so `beyond_runtime_gb` (peak - runtime) compares with llama.cpp's whole peak. One process
+   after another.
 5. One JSON line (scripts/bench/host.py labels), appended to docs/bench/results.jsonl; report.py's "llamacpp" table.
 
     python scripts/bench/llamacpp.py [--threads 1,2] [--rounds 3] [--tag smoke]
@@ -274,7 +278,8 @@ def our_side(a: argparse.Namespace) -> None:
     from tasks.store.model_artifact import load_tokenizer
     from tasks.training.hardware import peak_rss_bytes
 
-    net, _ = load_network(a.artifact)
+    runtime_gb = peak_rss_bytes() / 2**30  # MindSpore set up and our modules imported, before any model
+    net, _ = load_network(a.artifact, weights=a.weights)  # fp16 / q8_0: only those matrices, never float32 ones
     eos = load_tokenizer(a.artifact).eos_id()
     threads = [int(t) for t in a.threads.split(",")]
     # one per fused-step thread count, reading the weight matrices in a.weights (fp32: the net's own)
@@ -320,6 +325,7 @@ def our_side(a: argparse.Namespace) -> None:
         e2e_tokens_per_s=round(max(e2e), 2),
         pp_tokens_per_s=round(max(pp), 1),
         peak_rss_gb=round(peak_rss_bytes() / 2**30, 3),
+        runtime_rss_gb=round(runtime_gb, 3),
     )
     print(json.dumps(res), flush=True)
 
@@ -427,6 +433,8 @@ def main() -> None:
             same_prefix=same,
             ours_weights=o["weights"],
             ours_vs_llamacpp=round(o["tokens_per_s"] / res[t]["tokens_per_s"], 3),
+            ours_peak_rss_gb=o["peak_rss_gb"],
+            ours_beyond_runtime_gb=round(o["peak_rss_gb"] - o.get("runtime_rss_gb", 0.0), 3),
         )
     res["ours"] = ours.get("fp32") or next(iter(ours.values()))  # the fp32 side, under the name older lines used
     res["ours_by_weights"] = ours

@@ -48,6 +48,7 @@ from model.kernels import decide
 from model.layers import RMSNorm
 from model.llama import MLP, Attention
 from model.registry import build_model
+from model.runtime import trim_heap
 from tasks.modeling.parallelize import parallelize
 from tasks.runtime.mesh import Mesh
 from tasks.store.model_artifact import model_config, read_info
@@ -135,13 +136,31 @@ def build_network(
     return Built(net, config, kernels)
 
 
-def load_network(path: str | Path, *, seed: int = 0) -> tuple[nn.Cell, dict[str, Any]]:
+def load_network(path: str | Path, *, seed: int = 0, weights: str = "fp32") -> tuple[nn.Cell, dict[str, Any]]:
     """(the plain network of model artifact `path` with its weights, in eval mode; its model.json) for inference:
-    eval, serving, export (their decoding kernels are the decode step's, model/generate.py)."""
+    eval, serving, export (their decoding kernels are the decode step's, model/generate.py).
+
+    `weights` "fp16" or "q8_0": the weight matrices are read straight into that format, one tensor at a time (each
+    float32 matrix dropped as soon as it is converted), and only the fused decode steps can run the network: its
+    own matrices stay unallocated placeholders, so the process never holds the float32 weights (SmolLM2-135M: 0.54
+    GB of them; the stored ones 0.27 / 0.14 GB). Its `Generator` (in that format) decodes, prefills and scores one
+    sequence at a time; the MindSpore paths (a second interleaved sequence, LoRA, fused_kernels off) refuse with
+    a DecodeError. Where the fused kernel does not run here or the model does not fit the format, the network loads
+    whole (float32) and says why on stderr; a Generator asked for the format then copies the matrices into it."""
     info = read_info(path)
+    config = model_config(path)
+    if weights != "fp32":
+        from model.fused_decode import build_decode_kernel, decode_disabled_reason, stored_format_misfit
+
+        why = stored_format_misfit(config, weights)
+        if not why and build_decode_kernel(True) is None:
+            why = f"the fused decode kernel does not run here ({decode_disabled_reason(True) or 'no build'})"
+        if not why:
+            return _load_stored(path, info, config, weights, seed), info
+        print(f"[load] {path}: {weights} weights only: {why}; loading the float32 weights", file=sys.stderr)
     built = build_network(
         info.get("name", "llama"),
-        model_config(path),
+        config,
         seed=seed,
         weights=load_weights(path),
         source=str(path),
@@ -150,13 +169,47 @@ def load_network(path: str | Path, *, seed: int = 0) -> tuple[nn.Cell, dict[str,
     return built.net, info
 
 
+def _load_stored(path: str | Path, info: dict[str, Any], config: ModelConfig, dtype: str, seed: int) -> nn.Cell:
+    """`load_network` with only the weight matrices in `dtype` (`DecodeWeights(stored=...)`), the rest float32."""
+    import numpy as np
+
+    from model.fused_decode import DecodeWeights, matrix_names, stored_matrix, stored_shape
+    from tasks.store.tensors import CheckpointError
+
+    net = build_model(info.get("name", "llama"), config, seed=seed, init_weights=False)
+    shapes = {p.name: tuple(p.shape) for p in net.get_parameters()}
+    mats = set(matrix_names(net))
+
+    def convert(name: str, arr: np.ndarray) -> np.ndarray:  # a matrix's rows (read_tensors: a block at a time)
+        if name not in mats:
+            return arr
+        if arr.ndim != 2 or arr.shape[1] != shapes[name][1]:
+            raise CheckpointError(f"{path}: {name} has rows of shape {arr.shape[1:]}, model wants {shapes[name]}")
+        return stored_matrix(arr, dtype)
+
+    arrays = load_weights(path, convert)
+    if missing := sorted(mats - set(arrays)):
+        raise CheckpointError(f"{path} lacks {missing[:3]}; it belongs to another model (compare its model.json)")
+    for name in mats:
+        if arrays[name].shape != stored_shape(shapes[name], dtype):
+            rows = arrays[name].shape[0]
+            raise CheckpointError(f"{path}: {name} has {rows} rows, model wants {shapes[name]}")
+    stored = {k: arrays.pop(k) for k in mats}
+    assign([p for p in net.trainable_params() if p.name not in mats], arrays, str(path), take=True)
+    object.__setattr__(net, "stored_weights", DecodeWeights(net, dtype, stored))  # not a sub-cell: not a parameter
+    net.set_train(False)
+    trim_heap()  # the read and conversion buffers handed back to the OS
+    return net
+
+
 def generator(net: nn.Cell, *, fused: bool = True, max_len: int | None = None, weights: str = "fp32"):
     """THE generator of a network, for every place that generates (eval's lm-eval adapter and `msllm predict`, the
     MindSpore serving backend, the export check, the benchmarks): model/generate.py `Generator`, whose decode and
     prefill path (fused kernel, MindSpore graph) is chosen once, here, logged with its reason (`msllm.generate`) and
     kept as `decode_path` / `decode_reason` for /health and the decode bench. `fused=False`: MindSpore's own ops
     (eval.fused_kernels: false); `max_len`: cache slots (default: the model's max_seq_length); `weights`: the fused
-    steps' weight matrices, "fp32" (the net's own) or "fp16" (binary16 copies; model/fused_decode.py)."""
+    steps' weight matrices, "fp32" (the net's own), "fp16" or "q8_0" (copies, or the only ones of a network loaded
+    with `load_network(..., weights=)`; model/fused_decode.py)."""
     return Generator(net, max_len=max_len, fused=fused, weights=weights)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -78,8 +79,14 @@ _NUMPY_DTYPES = {
 _MAX_HEADER = 100 << 20  # the safetensors library's own limit on the JSON header
 
 
-def read_tensors(path: Path, fix: str) -> dict[str, np.ndarray]:
+def read_tensors(
+    path: Path, fix: str, convert: Callable[[str, np.ndarray], np.ndarray] | None = None
+) -> dict[str, np.ndarray]:
     """A safetensors file's tensors; CheckpointError naming the file when it is truncated or not safetensors.
+    `convert(name, array)`: what is kept of each tensor, called as soon as it is read (a weight matrix stored in 16 or
+    8 bits: the float32 weights never exist all at once). It must treat rows independently: a tensor of more than
+    CONVERT_CHUNK bytes is read and converted CONVERT_CHUNK bytes of rows at a time (an embedding of 128k x 2048 is
+    1 GB of float32), its converted rows written into one array.
 
     Each tensor is read straight into its own array (the format: an 8-byte little-endian header length, the JSON
     header of dtype, shape and [begin, end) data offsets, the data), so reading holds the tensors once: the
@@ -97,7 +104,8 @@ def read_tensors(path: Path, fix: str) -> dict[str, np.ndarray]:
                 raise ValueError("the header is not a JSON object")
             header.pop("__metadata__", None)
             if any(not isinstance(v, dict) or v.get("dtype") not in _NUMPY_DTYPES for v in header.values()):
-                return load_file(str(path))  # a dtype numpy lacks: the library's reader decides
+                out = load_file(str(path))  # a dtype numpy lacks: the library's reader decides
+                return {k: convert(k, v) for k, v in out.items()} if convert else out
             out, start, last_end = {}, 8 + n, 0
             for k, v in sorted(header.items(), key=lambda kv: kv[1].get("data_offsets", [0])[0]):
                 dtype, shape, (begin, end) = np.dtype(_NUMPY_DTYPES[v["dtype"]]), v["shape"], v["data_offsets"]
@@ -116,11 +124,14 @@ def read_tensors(path: Path, fix: str) -> dict[str, np.ndarray]:
                 if begin < last_end:
                     raise ValueError(f"tensor {k!r} overlaps the tensor before it")
                 last_end = end
-                arr = np.empty(shape, dtype)
                 f.seek(start + begin)
+                if convert is not None and len(shape) >= 2 and end - begin > CONVERT_CHUNK and shape[0] > 1:
+                    out[k] = _converted_rows(f, k, shape, dtype, convert)
+                    continue
+                arr = np.empty(shape, dtype)
                 if f.readinto(memoryview(arr.reshape(-1)).cast("B")) != end - begin:
                     raise ValueError(f"tensor {k!r} is cut short")
-                out[k] = arr
+                out[k] = convert(k, arr) if convert else arr
             return out
     except Exception as exc:  # safetensors raises SafetensorError (not an OSError/ValueError) on bad bytes
         if type(exc).__name__ != "SafetensorError" and not isinstance(exc, (OSError, ValueError, KeyError, TypeError)):
@@ -130,8 +141,29 @@ def read_tensors(path: Path, fix: str) -> dict[str, np.ndarray]:
         ) from None
 
 
-def load_weights(path: Path) -> dict[str, np.ndarray]:
-    """Weights from a `model.safetensors` file or an artifact directory holding one, checked against its manifest."""
+CONVERT_CHUNK = 8 << 20
+"""Bytes of a big tensor `read_tensors` reads and converts at a time when it converts (whole rows)."""
+
+
+def _converted_rows(f, name: str, shape: list[int], dtype: np.dtype, convert) -> np.ndarray:
+    """A tensor read from `f` (at its data) CONVERT_CHUNK bytes of whole rows at a time, each block converted."""
+    row_bytes = dtype.itemsize * int(np.prod(shape[1:], dtype=np.int64))
+    step = max(1, CONVERT_CHUNK // max(row_bytes, 1))
+    out, buf = None, np.empty([min(step, shape[0])] + list(shape[1:]), dtype)  # one read buffer for every block
+    for r in range(0, shape[0], step):
+        block = buf[: min(step, shape[0] - r)]
+        if f.readinto(memoryview(block.reshape(-1)).cast("B")) != block.nbytes:
+            raise ValueError(f"tensor {name!r} is cut short")
+        conv = convert(name, block)
+        if out is None:
+            out = np.empty((shape[0],) + conv.shape[1:], conv.dtype)
+        out[r : r + len(block)] = conv
+    return out
+
+
+def load_weights(path: Path, convert: Callable[[str, np.ndarray], np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    """Weights from a `model.safetensors` file or an artifact directory holding one, checked against its manifest
+    and for NaN/Inf; `convert(name, array)`: what is kept of each tensor, as `read_tensors` (checked before it)."""
     p = Path(path)
     if p.is_dir() and (p / "state.json").is_file():
         raise CheckpointError(
@@ -143,9 +175,16 @@ def load_weights(path: Path) -> dict[str, np.ndarray]:
     if not p.is_file():
         raise CheckpointError(f"{path}: no model.safetensors found")
     verify_published(p)  # an artifact's weights are what its manifest published
-    weights = read_tensors(p, "rebuild the artifact that wrote it")
-    check_finite(weights, p)
-    return weights
+    if convert is None:
+        weights = read_tensors(p, "rebuild the artifact that wrote it")
+        check_finite(weights, p)
+        return weights
+
+    def checked(name: str, arr: np.ndarray) -> np.ndarray:
+        check_finite({name: arr}, p)
+        return convert(name, arr)
+
+    return read_tensors(p, "rebuild the artifact that wrote it", checked)
 
 
 def check_finite(arrays: dict[str, np.ndarray], where: str | Path) -> None:

@@ -225,7 +225,8 @@ class MindSporeLM(TemplateLM):
         self._generator = None
         if pretrained is not None:
             setup_mindspore()
-            net, info = load_network(pretrained)
+            # a stored format that the fused steps will run: only its matrices are loaded (no float32 copy)
+            net, info = load_network(pretrained, weights=weights if fused_kernels else "fp32")
             tokenizer = load_tokenizer(pretrained)
             max_length = max_length or info.get("seq_length")
         if net is None:
