@@ -6,8 +6,10 @@ Exit 1 when any target has one.
 A child runs hypothesis rounds of --examples inputs with fresh random seeds until --seconds have passed (at least one
 round) or --until inputs have run, with no example database (nothing is written to the tree). With --coverage the
 child runs under coverage.py and its line reports the line coverage of the reader's own code (the target's `covers`;
-the tracer slows a run 2-3x, so long runs go without it). Per input: SIGALRM at twice SECONDS_PER_INPUT
-interrupts a hang in Python code; the parent kills a child that outlives its budget by a minute (a hang in native
+the tracer slows a run 2-3x, so long runs go without it). Every time is the child's CPU time, not the clock's: a run
+can be paused (SIGSTOP, while a benchmark needs the machine quiet) and continued (SIGCONT) without false hangs, and
+--seconds is CPU seconds of fuzzing on a shared machine. Per input: SIGPROF at twice SECONDS_PER_INPUT of CPU
+interrupts a hang in Python code; the parent kills a child that outlives its CPU budget by a minute (a hang in native
 code) and reports it, as it reports a child killed by a signal (a crash)."""
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ class Finding(Exception):
 
 
 class Hang(BaseException):
-    """One input ran past twice SECONDS_PER_INPUT (raised by SIGALRM inside the target)."""
+    """One input ran past twice SECONDS_PER_INPUT of CPU (raised by SIGPROF inside the target)."""
 
 
 def _child(name: str, examples: int, seconds: float, until: int = 0, measure: bool = False) -> dict:
@@ -58,7 +60,7 @@ def _child(name: str, examples: int, seconds: float, until: int = 0, measure: bo
     def alarm(*_):
         raise Hang(f"no answer in {2 * SECONDS_PER_INPUT:g} s")
 
-    signal.signal(signal.SIGALRM, alarm)
+    signal.signal(signal.SIGPROF, alarm)
 
     current = os.environ.get("MSLLM_FUZZ_CURRENT")
 
@@ -67,8 +69,8 @@ def _child(name: str, examples: int, seconds: float, until: int = 0, measure: bo
         if current:  # the input in flight, for the parent to report if this process hangs in native code or dies
             Path(current).write_text(repr(data))
         with tempfile.TemporaryDirectory(prefix="msllm-fuzz-") as d:
-            t0 = time.perf_counter()
-            signal.setitimer(signal.ITIMER_REAL, 2 * SECONDS_PER_INPUT)
+            t0 = time.process_time()
+            signal.setitimer(signal.ITIMER_PROF, 2 * SECONDS_PER_INPUT)
             try:
                 t.run(data, Path(d))
             except allowed:
@@ -83,8 +85,8 @@ def _child(name: str, examples: int, seconds: float, until: int = 0, measure: bo
                 )
                 raise Finding from None  # hypothesis shrinks it: the last one recorded is the smallest
             finally:
-                signal.setitimer(signal.ITIMER_REAL, 0)
-            dt = time.perf_counter() - t0
+                signal.setitimer(signal.ITIMER_PROF, 0)
+            dt = time.process_time() - t0
             stats["slowest_s"] = max(stats["slowest_s"], round(dt, 3))
             if dt > SECONDS_PER_INPUT:
                 found.append({"input": repr(data)[:400], "error": f"took {dt:.1f} s"})
@@ -97,7 +99,7 @@ def _child(name: str, examples: int, seconds: float, until: int = 0, measure: bo
         suppress_health_check=list(HealthCheck),
         derandomize=False,
     )(given(strategy)(one))
-    t0 = time.perf_counter()
+    t0, w0 = time.process_time(), time.perf_counter()
     while True:
         try:
             run()
@@ -106,9 +108,10 @@ def _child(name: str, examples: int, seconds: float, until: int = 0, measure: bo
                 raise
             stats["violations"] = found[-1:] + found[:1] if len(found) > 1 else found  # the smallest, the first
             break
-        if time.perf_counter() - t0 >= seconds or (until and stats["examples"] >= until):
+        if time.process_time() - t0 >= seconds or (until and stats["examples"] >= until):
             break
-    stats["seconds"] = round(time.perf_counter() - t0, 1)
+    stats["seconds"] = round(time.process_time() - t0, 1)  # CPU seconds
+    stats["wall_seconds"] = round(time.perf_counter() - w0, 1)
     if cov is not None:
         cov.stop()
         stats["coverage"] = _coverage(cov, t.covers)
@@ -174,24 +177,43 @@ def _run_target(name: str, examples: int, seconds: float, until: int = 0, measur
     from fuzz.seeds import seeds
 
     seeds()  # built once, here, before the memory limit
-    budget = seconds + 60 + 30 * examples / 100  # a round always completes; a native hang does not
+    budget = seconds + 60 + 30 * examples / 100  # CPU seconds: a round always completes; a native hang does not
     with tempfile.TemporaryDirectory(prefix="msllm-fuzz-run-") as d:
         current = Path(d) / "current"
         env = {**os.environ, "PYTHONHASHSEED": "0", "MSLLM_FUZZ_CURRENT": str(current)}
-        try:
-            r = subprocess.run(
-                cmd, cwd=REPO, capture_output=True, text=True, timeout=budget, preexec_fn=_limit_memory, env=env
+        with open(Path(d) / "out", "w+") as out, open(Path(d) / "err", "w+") as err:
+            child = subprocess.Popen(
+                cmd, cwd=REPO, stdout=out, stderr=err, text=True, preexec_fn=_limit_memory, env=env
             )
-        except subprocess.TimeoutExpired:
+            while child.poll() is None:  # a hang in native code burns CPU past the budget
+                try:
+                    cpu = _cpu_seconds(child.pid)
+                except OSError:
+                    cpu = 0.0
+                if cpu > budget:
+                    child.kill()
+                    child.wait()
+                    last = _keep(current, name)
+                    why = (
+                        f"the child ran past {budget:.0f} CPU s: a hang outside Python code (the alarm could not "
+                        "interrupt it)"
+                    )
+                    return {"target": name, "violations": [{"error": why, "input": last}]}
+                time.sleep(0.5)
+            out.seek(0), err.seek(0)
+            stdout, stderr = out.read(), err.read()
+        if child.returncode < 0 or not stdout.strip():
+            tail = (stderr.strip().splitlines() or ["(no output)"])[-5:]
             last = _keep(current, name)
-            why = f"the child ran past {budget:.0f} s: a hang outside Python code (the alarm could not interrupt it)"
+            why = f"the child exited {child.returncode}: {' | '.join(tail)}"
             return {"target": name, "violations": [{"error": why, "input": last}]}
-        if r.returncode < 0 or not r.stdout.strip():
-            tail = (r.stderr.strip().splitlines() or ["(no output)"])[-5:]
-            last = _keep(current, name)
-            why = f"the child exited {r.returncode}: {' | '.join(tail)}"
-            return {"target": name, "violations": [{"error": why, "input": last}]}
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+def _cpu_seconds(pid: int) -> float:
+    """A process's CPU time (user + system, /proc/<pid>/stat fields 14 and 15)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main(argv: list[str] | None = None) -> int:

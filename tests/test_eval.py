@@ -494,6 +494,7 @@ def test_eval_weights_score_and_decode_in_the_stored_format(artifact, lm, logit_
     if lm16.weights != "fp16":
         pytest.skip(f"the fused steps do not run here: {lm16.generator.decode_reason}")
     assert isinstance(lm16.scorer, lm_adapter.StepScorer)
+    assert lm16.net.stored_weights.dtype == "fp16"  # loaded with only its binary16 matrices: no float32 copy
     net, _ = load_network(artifact)
     for p in net.get_parameters():
         if p.name.endswith(("_proj.weight", "embed_tokens.weight", "lm_head.weight")):

@@ -54,6 +54,62 @@ def test_the_harness_reports_a_foreign_exception_with_its_smallest_input(monkeyp
     assert stats["violations"][0]["error"] == "KeyError: 11"
 
 
+def test_a_hung_input_is_a_finding_and_a_paused_run_is_not(monkeypatch):
+    """An input that spins is stopped by the CPU-time alarm and reported as a hang; a child paused (SIGSTOP) for
+    longer than every budget and continued (SIGCONT), as a long run is while a benchmark needs the machine quiet,
+    finishes with no finding: the budgets are CPU time, not the clock's."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from hypothesis import strategies as st
+
+    import fuzz.__main__ as runner
+    from fuzz import targets
+
+    def spin(n, tmp):
+        while n == 7:
+            pass
+
+    hang = targets.Target("hang", lambda: st.integers(0, 9), spin, lambda: (), "a planted hang")
+    monkeypatch.setitem(targets.TARGETS, "hang", hang)
+    monkeypatch.setattr(targets, "SECONDS_PER_INPUT", 0.1)
+    stats = runner._child("hang", 100, 0)
+    assert stats["violations"] and stats["violations"][0]["error"].startswith("Hang: no answer in 0.2 s")
+    assert stats["violations"][0]["input"] == "7"
+
+    def pause(proc_name: str) -> None:  # the run's child, once it is fuzzing (3 CPU s in): stopped for 8 s
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            for pid in os.listdir("/proc"):
+                try:
+                    cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                except OSError:
+                    continue
+                try:
+                    ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+                except (OSError, ValueError, IndexError):
+                    continue
+                if b"--child" in cmd and proc_name.encode() in cmd and ppid == os.getpid():  # this run's child
+                    while runner._cpu_seconds(int(pid)) < 3.0:  # past its imports (~1 CPU s), into the inputs
+                        time.sleep(0.05)
+                    os.kill(int(pid), signal.SIGSTOP)
+                    time.sleep(8.0)
+                    os.kill(int(pid), signal.SIGCONT)
+                    return
+            time.sleep(0.05)
+
+    t = threading.Thread(target=pause, args=("safetensors",))
+    t.start()
+    # 5 CPU s of fuzzing (a parent budget of 5 + 60 + 30 CPU s), paused 8 s in between; SECONDS_PER_INPUT stays 5 in
+    # the child (its own import), so only a clock-based alarm or budget could call the pause a hang
+    res = runner._run_target("safetensors", 100, 5.0)
+    t.join()
+    assert res["violations"] == [], res
+    assert res["wall_seconds"] >= res["seconds"] + 7.0, res  # the pause happened while it ran
+
+
 # ----------------------------------------------------------------------------- what the fuzzers found
 
 HF = {
