@@ -453,3 +453,53 @@ def test_hf_config_claiming_more_layers_than_its_tensors_is_one_line(tmp_path, t
     assert _left_behind(tmp_path / "a") == []
     # bounded work: the process's peak grew by less than 100 MB (the tiny model is ~100 KB)
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100 * 1024, "the claim was sized"
+
+
+@pytest.mark.parametrize("qtype, fmt", [("F16", "fp16"), ("Q8_0", "q8_0")])
+def test_a_gguf_loaded_in_its_own_format_holds_the_files_weights_bit_for_bit(tmp_path, tmeta, qtype, fmt):
+    """An F16 or Q8_0 GGUF, converted (`msllm convert --from-gguf`: a float32 artifact) and loaded in its own format
+    (`load_network(..., weights=)`, as eval, predict and `msllm serve --weights` load it): every weight matrix in
+    memory is the file's own bytes (q/k rows in llama.cpp's order inside the file, ours outside). binary16 widens to
+    float32 exactly; a Q8_0 block dequantizes to q * d exactly, and quantizing that again gives d (its largest |q|
+    is 127, as llama.cpp's and gguf-py's quantizers write every block) and the same q. So a hub's GGUF serves in about
+    its own size, no float32 copy, with nothing rounded twice."""
+    import gguf
+
+    from model.config import ModelConfig
+    from model.fused_decode import build_decode_kernel, matrix_names
+    from model.gguf import _permute, write_gguf
+    from tasks.deploy.gguf_export import _gguf_name
+    from tasks.modeling.build import load_network
+    from tasks.store.artifacts import ArtifactStore
+    from tests.helpers import convert_gguf
+
+    if build_decode_kernel(True) is None:
+        pytest.skip("the fused decode kernel does not build here: stored formats need it")
+    cfg = ModelConfig(
+        vocab_size=len(tmeta["tokenizer.ggml.tokens"]),
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        max_seq_length=64,
+        tie_embeddings=False,
+    )
+    path = tmp_path / f"m.{qtype}.gguf"
+    types = write_gguf(path, cfg, _weights(cfg, seed=5), dict(tmeta), qtype=qtype)
+    art = convert_gguf(path, ArtifactStore(tmp_path / "store"))
+    net, _ = load_network(art, weights=fmt)
+    stored = {m: p.asnumpy() for m, p in zip(matrix_names(net), _operands(net.stored_weights), strict=True)}
+    raw = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(str(path)).tensors}
+    for name, mine in stored.items():
+        g = _gguf_name(name)
+        assert types[g] == qtype, (g, types[g])
+        heads = cfg.num_heads if "q_proj" in name else cfg.num_kv_heads if "k_proj" in name else 0
+        if heads:
+            mine = _permute(mine, heads)
+        np.testing.assert_array_equal(mine.view(np.uint8), raw[g].view(np.uint8).reshape(mine.shape[0], -1), g)
+
+
+def _operands(stored) -> list:
+    """A DecodeWeights' matrices in `matrix_names` order: the embedding, the head (untied), each layer's seven."""
+    return [stored.embed, stored.head, *stored.mats]

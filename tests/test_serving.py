@@ -1325,3 +1325,55 @@ def test_adapters_on_an_export_base_run_on_onnxruntime_alone(published_export, l
     served = Path(re.search(r"adapter 'lora-a': .* served from (\S+)", srv.log()).group(1))
     assert served.name == "lora-a" and served.parent.name.startswith("msllm-serve-")
     assert not served.parent.exists()
+
+
+def test_a_stored_format_backend_holds_only_its_matrices_and_queues_sequences(tmp_path):
+    """`load_backend(model, weights="fp16")` (msllm serve --weights fp16, no adapters): the network holds only its
+    binary16 matrices, the engine runs one sequence at a time, and two requests submitted together both finish with
+    the tokens `Generator.generate` gives each alone in that format (the second waits in the queue); echo scores the
+    prompt through the fused score step. lean=False keeps the float32 network and interleaves."""
+    import threading
+
+    from helpers import tiny_model_artifact
+
+    from tasks.modeling.build import generator, load_network
+    from tasks.serving.backends import load_backend
+    from tasks.serving.engine import Engine, Sampling
+
+    art = tiny_model_artifact(tmp_path)
+    engine = Engine(lambda: load_backend(art, weights="fp16"), max_active=8)
+    engine.start(timeout=300)
+    try:
+        b = engine.backend
+        if b.generator.weights != "fp16":
+            pytest.skip(f"the fused steps do not run here: {b.decode_info['reason']}")
+        assert b.net.stored_weights.dtype == "fp16" and engine.max_active == 1 and "one at a time" in str(b.decode_info)
+        prompts = [[b.eos_id, 5, 6, 7, 8], [b.eos_id, 9, 10]]
+        out: dict[int, list] = {0: [], 1: []}
+        done = [threading.Event(), threading.Event()]
+
+        def emit(i):
+            def on(ev):
+                out[i].append(ev)
+                if ev["type"] in ("done", "error"):
+                    done[i].set()
+
+            return on
+
+        for i, p in enumerate(prompts):
+            engine.submit(p, Sampling(max_tokens=6, temperature=0, echo_from=0 if i else None), emit(i))
+        assert all(d.wait(120) for d in done)
+        assert engine.peak_active == 1
+        whole, _ = load_network(art)
+        alone = generator(whole, weights="fp16")
+        for i, p in enumerate(prompts):
+            last = out[i][-1]
+            assert last["type"] == "done", last
+            want = alone.generate(p, 6)
+            assert last["completion_tokens"] == len(want)
+            assert last["text"] == b.tokenizer.decode(want)  # the done event's text: the whole completion
+        assert len(out[1][-1]["prompt_logprobs"]) == len(prompts[1])
+    finally:
+        engine.stop()
+    interleaved = load_backend(art, weights="fp16", lean=False)
+    assert getattr(interleaved.net, "stored_weights", None) is None and interleaved.max_active is None

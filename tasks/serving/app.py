@@ -444,7 +444,7 @@ def serve(
         loaders = {
             model_id: (lambda: MindSporeBackend(artifact, adapters=unmerged, weights=weights))
             if unmerged
-            else (lambda: load_backend(artifact, weights=weights)),
+            else (lambda: load_backend(artifact, weights=weights, lean=not checked)),
             **{
                 a.name: (lambda n=a.name: engine.backends[model_id].adapter(n))
                 if a.name in unmerged
@@ -464,7 +464,7 @@ def serve(
             b.context_length,
             b.vocab_size,
             "batched decoding" if engine.batched else "interleaved decoding",
-            max_active,
+            engine.max_active,
         )
         for a in checked:
             if a.name in unmerged:

@@ -70,17 +70,25 @@ class MindSporeBackend:
 
     `adapters` (name -> finetune artifact directory of a LoRA adapter trained on this model): served unmerged,
     one network for all (see the module docstring); `adapter(name)` is that adapter's backend.
+
+    `weights` fp16 / q8_0 with `lean` (and no adapters): the network is loaded with only those matrices
+    (`load_network(..., weights=)`: no float32 copy; SmolLM2-135M's process is the runtime + 0.14 GB at q8_0), and
+    its sequences run one at a time (`max_active` 1: the engine queues the others, as llama-server with one slot):
+    only the fused steps run such a network, and they hold one sequence's caches. With lean False, or adapters, the
+    float32 network is kept beside the copies and sequences interleave.
     """
 
     kind = "mindspore"
 
-    def __init__(self, path: str | Path, adapters: dict[str, Path] | None = None, weights: str = "fp32"):
+    def __init__(
+        self, path: str | Path, adapters: dict[str, Path] | None = None, weights: str = "fp32", lean: bool = True
+    ):
 
         setup_mindspore()
         from tasks.modeling.build import generator, load_network  # lazy: MindSpore (an export needs onnxruntime only)
 
         self.path = Path(path)
-        net, self.info = load_network(path)
+        net, self.info = load_network(path, weights=weights if lean and not adapters else "fp32")
         self.net = net
         self.tokenizer = load_tokenizer(path)
         self.prompt_style = load_prompt_style(path, self.tokenizer)  # how chat requests are rendered
@@ -88,6 +96,7 @@ class MindSporeBackend:
         self.slots = _lora_slots(net, adapters) if adapters else None
         # eval.fused_kernels' default (model.kernels.off_reason decides); `weights`: the fused steps' matrices
         self.generator = generator(net, fused=True, weights=weights)
+        self.max_active = 1 if self.generator.lean else None  # the engine's cap on running sequences (None: its own)
         self.sample_next = sample_next
         self.context_length = int(self.generator.max_len)
         self.vocab_size = int(net.config.vocab_size)
@@ -97,7 +106,10 @@ class MindSporeBackend:
     def decode_info(self) -> dict[str, str]:
         """The Generator's decode path and why (chosen when it was built; a failure mid-sequence is an error)."""
         g = self.generator
-        return {"path": g.decode_path, "reason": g.decode_reason, "weights": g.weights}
+        info = {"path": g.decode_path, "reason": g.decode_reason, "weights": g.weights}
+        if g.lean:
+            info["sequences"] = "one at a time: only the fused steps run a network holding only its stored matrices"
+        return info
 
     def steps(self, prompt_ids: list[int], adapter: str | None = None) -> Generator[np.ndarray, int, None]:
         # Generator.generate's own coroutine (the prompt in fixed chunks, each one fused op or one static graph;
@@ -195,11 +207,12 @@ def _lora_slots(net, adapters: dict[str, Path]):
     return LoRASlots(net, loaded)
 
 
-def load_backend(path: str | Path, weights: str = "fp32"):
-    """The backend for an artifact directory (see `artifact_kind`); `weights`: a model artifact's decode weights."""
+def load_backend(path: str | Path, weights: str = "fp32", lean: bool = True):
+    """The backend for an artifact directory (see `artifact_kind`); `weights`: a model artifact's decode weights
+    (`lean`: as MindSporeBackend)."""
     kind = artifact_kind(path)
     if kind == "model":
-        return MindSporeBackend(path, weights=weights)
+        return MindSporeBackend(path, weights=weights, lean=lean)
     return OnnxBackend(path)
 
 

@@ -232,6 +232,8 @@ class Engine:
             self._ready.set()
             return
         self.batched = self.batching and all(getattr(b, "batched", False) for b in self.backends.values())
+        # a backend that runs fewer sequences at once (a network holding only its 16/8-bit matrices: one) caps them
+        self.max_active = min([self.max_active] + [b.max_active for b in self.backends.values() if _cap(b)])
         self._ready.set()
         active: list[_Seq] = []
         stop = False
@@ -445,3 +447,8 @@ class Engine:
             }
         )
         return False
+
+
+def _cap(backend) -> bool:
+    """Whether `backend` caps the sequences running at once (`max_active`, an int)."""
+    return isinstance(getattr(backend, "max_active", None), int)
