@@ -20,7 +20,9 @@
 // Parallel over rows of every projection (and over heads in attention) on a pool of threads started once
 // (`Pool`, `on_pool`), a barrier between dependent phases (4 per layer). PrefillStep (a chunk, logits of one row) and
 // ScoreStep (every row's logits) take the same operands with tokens [1, T] and [start, last]; the matrices may be
-// float32, binary16 or Q8_0 blocks (uint8), all alike.
+// float32, binary16 or Q8_0 blocks (uint8), all alike. Caches [NS, nkv, S, hd] hold NS sequences, one per slot:
+// BatchDecodeStep decodes one token of each of B of them in one step (tokens [B], [B, 2] of slot and position,
+// logits [B, V]), PrefillStep / ScoreStep take [start, last, slot].
 //
 // The operands are checked before anything is read (count, dtypes, every weight's shape against the
 // embedding's [V, H] and the first layer's sizes, the caches' [nkv, S, hd]); a mismatch returns 2 (dtype)
@@ -432,11 +434,9 @@ inline float hsum8(__m256 v) {  // lane 0 first, as simd::hsum
 }
 #endif
 
-// y[r] (+)= W[r, :] . x for r in [r0, r1), W Q8_0 blocks [rows, n / 32]; x quantized once per call (this thread's
-// copy: n values, negligible beside the rows' n bytes each). Four rows at a time share each block of x.
-inline void gemv_rows(const Q8Block *W, const float *x, float *y, int64_t n, int64_t r0, int64_t r1, bool accumulate) {
-  thread_local Q8Act a;
-  quantize_q8(x, n, a);
+// y[r] (+)= W[r, :] . x for r in [r0, r1), W Q8_0 blocks [rows, n / 32], x given as its Q8_0 blocks `a`
+// (quantize_q8). Four rows at a time share each block of x.
+inline void gemv_rows_q(const Q8Block *W, const Q8Act &a, float *y, int64_t n, int64_t r0, int64_t r1, bool accumulate) {
   const int64_t nb = n / kQ8;
   int64_t r = r0;
 #if MSLLM_VW == 16 || MSLLM_VW == 8
@@ -463,6 +463,35 @@ inline void gemv_rows(const Q8Block *W, const float *x, float *y, int64_t n, int
     for (int64_t k = 0; k < nb; ++k)
       s += simd::half_to_float(b[k].d) * a.d[k] * static_cast<float>(block_dot(b[k].qs, a.q.data() + k * kQ8));
     y[r] = accumulate ? y[r] + s : s;
+  }
+}
+
+// The same with x quantized once per call (this thread's copy: n values, negligible beside the rows' n bytes each).
+inline void gemv_rows(const Q8Block *W, const float *x, float *y, int64_t n, int64_t r0, int64_t r1, bool accumulate) {
+  thread_local Q8Act a;
+  quantize_q8(x, n, a);
+  gemv_rows_q(W, a, y, n, r0, r1, accumulate);
+}
+
+// Rows [r0, r1) of W times each of B vectors: Y[b] (+)= W[r0:r1] . X[b] (X rows of n, Y rows of `ys`), a block of
+// kBatchRows rows at a time for every vector, so a block is read from memory once and from cache B - 1 times.
+// Each (row, vector) is computed exactly as gemv_rows computes it over [r0, r1) (the blocks keep its groups of 4
+// rows from r0 and its tail), so a sequence's logits do not depend on which others share the step.
+constexpr int64_t kBatchRows = 32;
+template <typename WT>
+inline void gemv_batch(const WT *W, const float *X, int64_t B, int64_t n, float *Y, int64_t ys, int64_t r0, int64_t r1,
+                       bool accumulate) {
+  for (int64_t r = r0; r < r1; r += kBatchRows) {
+    const int64_t e = r + kBatchRows < r1 ? r + kBatchRows : r1;
+    for (int64_t b = 0; b < B; ++b) gemv_rows(W, X + b * n, Y + b * ys, n, r, e, accumulate);
+  }
+}
+// Q8_0: the B vectors quantized once by the caller (qa[b]), as gemv_rows quantizes each
+inline void gemv_batch(const Q8Block *W, const Q8Act *qa, int64_t B, int64_t n, float *Y, int64_t ys, int64_t r0,
+                       int64_t r1, bool accumulate) {
+  for (int64_t r = r0; r < r1; r += kBatchRows) {
+    const int64_t e = r + kBatchRows < r1 ? r + kBatchRows : r1;
+    for (int64_t b = 0; b < B; ++b) gemv_rows_q(W, qa[b], Y + b * ys, n, r, e, accumulate);
   }
 }
 
@@ -801,6 +830,7 @@ struct Model {
   const float *final_norm, *cos_t, *sin_t;
   float *logits;     // the output [1, V]
   int wtype;         // the weight matrices: 0 float32, 1 binary16, 2 Q8_0 (uint8 [rows, n / 32 * 34])
+  int64_t NS;        // cache slots: caches [nkv, S, hd] hold one sequence (1), [NS, nkv, S, hd] one per slot
 };
 
 // The operands that are weight matrices (embedding, LM head, each layer's q k v o gate up down): all float32, all
@@ -842,8 +872,10 @@ int check_model(int nparam, void **params, int *ndims, int64_t **shapes, const c
       (qdim / hd) % (kvdim / hd) || F < 1)
     return 3;
   const int kc0 = 8 + 9 * n_layers;
-  if (ndims[kc0] != 3) return 3;
-  const int64_t S = shapes[kc0][1], nkv = kvdim / hd;
+  const int cd = ndims[kc0], o = cd - 3;  // caches [nkv, S, hd], or [NS, nkv, S, hd]: a sequence per slot
+  if (cd != 3 && cd != 4) return 3;
+  const int64_t S = shapes[kc0][o + 1], nkv = kvdim / hd, NS = o ? shapes[kc0][0] : 1;
+  if (NS < 1) return 3;
   if (count(ndims, shapes, 4) != H || !wmat(5, V, H) || !mat(ndims, shapes, 7, S_rope, hd) ||
       count(ndims, shapes, nparam - 1) != V * out_rows)
     return 3;
@@ -854,13 +886,15 @@ int check_model(int nparam, void **params, int *ndims, int64_t **shapes, const c
         !wmat(w + 8, H, F))
       return 3;
     for (const int c : {kc0 + l, kc0 + n_layers + l})
-      if (ndims[c] != 3 || shapes[c][0] != nkv || shapes[c][1] != S || shapes[c][2] != hd) return 3;
+      if (ndims[c] != cd || (o && shapes[c][0] != NS) || shapes[c][o] != nkv || shapes[c][o + 1] != S ||
+          shapes[c][o + 2] != hd)
+        return 3;
   }
   const float *consts = static_cast<const float *>(params[2]);
   const auto f = [&](int i) { return static_cast<const float *>(params[i]); };
   *m = Model{n_layers, V, H, hd, S_rope, qdim, kvdim, F, qdim / hd, nkv, (qdim / hd) / nkv, S, consts[0], consts[1],
              consts[2] >= 1.f ? static_cast<int>(consts[2]) : 1, params[3], params[5], f(4), f(6), f(7),
-             static_cast<float *>(params[nparam - 1]), wtype};
+             static_cast<float *>(params[nparam - 1]), wtype, NS};
   return 0;
 }
 }  // namespace
@@ -945,9 +979,125 @@ extern "C" int DecodeStep(int nparam, void **params, int *ndims, int64_t **shape
   (void)stream; (void)extra;
   Model m;
   if (const int rc = check_model(nparam, params, ndims, shapes, dtypes, &m)) return rc;
-  if (count(ndims, shapes, 0) != 1 || count(ndims, shapes, 1) != 1) return 3;
+  if (count(ndims, shapes, 0) != 1 || count(ndims, shapes, 1) != 1 || m.NS != 1) return 3;
   if (m.wtype == 2) return decode_step<Q8Block>(params, m);
   return m.wtype == 1 ? decode_step<half>(params, m) : decode_step<float>(params, m);
+}
+
+// One token of each of B sequences (continuous batching: the server's running requests) in one step, each in its
+// own cache slot: operands as DecodeStep's but 0 tokens int32 [B], 1 int32 [B, 2] (slot, position) per row, the
+// caches [NS, nkv, S, hd], the output logits [B, V]. Every matrix is read from memory once for the B rows
+// (gemv_batch), and each row is computed exactly as DecodeStep computes it alone (the same thread split, the same
+// order of every sum): a sequence's tokens do not depend on the others in the step. The slots must differ.
+template <typename WT>
+int batch_step(void **params, const Model &m, int64_t B) {
+  const int n_layers = m.n_layers;
+  const int64_t V = m.V, H = m.H, hd = m.hd, qdim = m.qdim, kvdim = m.kvdim, F = m.F;
+  const int64_t nh = m.nh, nkv = m.nkv, n_rep = m.n_rep, S = m.S;
+  const int32_t *tok = static_cast<const int32_t *>(params[0]), *sp = static_cast<const int32_t *>(params[1]);
+  std::vector<int64_t> slot(B), pos(B);
+  std::vector<char> taken(m.NS, 0);
+  for (int64_t b = 0; b < B; ++b) {
+    slot[b] = sp[2 * b], pos[b] = sp[2 * b + 1];
+    if (tok[b] < 0 || tok[b] >= V || slot[b] < 0 || slot[b] >= m.NS || taken[slot[b]] || pos[b] < 0 || pos[b] >= S ||
+        pos[b] >= m.S_rope)
+      return 4;
+    taken[slot[b]] = 1;
+  }
+  const float eps = m.eps, scale = m.scale;
+  const WT *embed = static_cast<const WT *>(m.embed), *head = static_cast<const WT *>(m.head);
+  const int threads = m.threads;
+  const int64_t stride = nkv * S * hd;  // one slot of a cache
+  std::vector<float> x(B * H);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = 0; i < H; ++i) x[b * H + i] = weight_at(row_of(embed, tok[b], H), i);
+  std::vector<float> q(B * qdim), kv(B * 2 * kvdim), attn(B * qdim), act(B * F), up(B * F);
+  std::vector<float> hn(B * H * threads), scores(S * threads);
+  constexpr bool q8 = std::is_same_v<WT, Q8Block>;
+  std::vector<Q8Act> qa(q8 ? B * threads : 0);
+
+  Barrier barrier(threads);
+  on_pool(threads, [&](int t, int nt) {
+    float *h = hn.data() + B * H * t;  // this thread's copy of the B normed rows
+    float *sc = scores.data() + S * t;
+    Q8Act *qt = q8 ? qa.data() + B * t : nullptr;
+    int64_t b0, e0;
+    // Y[b] (+)= W[r0:r1] . X[b] for every row b: X quantized first where the weights are Q8_0 (gemv_rows does it
+    // per call, on the same values)
+    auto gemv = [&](const WT *W, const float *X, int64_t n, float *Y, int64_t ys, int64_t r0, int64_t r1, bool acc) {
+      if (r0 >= r1) return;
+      if constexpr (q8) {
+        for (int64_t b = 0; b < B; ++b) quantize_q8(X + b * n, n, qt[b]);
+        gemv_batch(W, qt, B, n, Y, ys, r0, r1, acc);
+      } else {
+        gemv_batch(W, X, B, n, Y, ys, r0, r1, acc);
+      }
+    };
+    for (int l = 0; l < n_layers; ++l) {
+      const auto w = [&](int i) { return static_cast<const float *>(params[8 + 9 * l + i]); };
+      const auto wm = [&](int i) { return static_cast<const WT *>(params[8 + 9 * l + i]); };
+      float *kc = static_cast<float *>(params[8 + 9 * n_layers + l]);
+      float *vc = static_cast<float *>(params[8 + 10 * n_layers + l]);
+      for (int64_t b = 0; b < B; ++b) rms_norm(x.data() + b * H, w(0), h + b * H, H, eps);
+      split(qdim + 2 * kvdim, t, nt, &b0, &e0);  // q | k | v rows, one range per thread over the three matrices
+      gemv(wm(1), h, H, q.data(), qdim, b0, e0 < qdim ? e0 : qdim, false);
+      gemv(wm(2), h, H, kv.data(), 2 * kvdim, (b0 > qdim ? b0 : qdim) - qdim,
+           (e0 < qdim + kvdim ? e0 : qdim + kvdim) - qdim, false);
+      gemv(wm(3), h, H, kv.data() + kvdim, 2 * kvdim, (b0 > qdim + kvdim ? b0 : qdim + kvdim) - qdim - kvdim,
+           e0 - qdim - kvdim, false);
+      barrier.wait();
+      split(B * nkv, t, nt, &b0, &e0);  // RoPE and the cache write: (row, kv head) pairs over the threads
+      for (int64_t i = b0; i < e0; ++i) {
+        const int64_t b = i / nkv, g = i % nkv;
+        float *k = kv.data() + b * 2 * kvdim + g * hd, *v = kv.data() + b * 2 * kvdim + kvdim + g * hd;
+        rope(k, m.cos_t + pos[b] * hd, m.sin_t + pos[b] * hd, hd, 1.0f);
+        std::memcpy(kc + slot[b] * stride + (g * S + pos[b]) * hd, k, hd * sizeof(float));
+        std::memcpy(vc + slot[b] * stride + (g * S + pos[b]) * hd, v, hd * sizeof(float));
+      }
+      barrier.wait();
+      split(B * nh, t, nt, &b0, &e0);  // attention: (row, q head) pairs over the threads
+      for (int64_t i = b0; i < e0; ++i) {
+        const int64_t b = i / nh, hh = i % nh, g = hh / n_rep;
+        float *qh = q.data() + b * qdim + hh * hd;
+        rope(qh, m.cos_t + pos[b] * hd, m.sin_t + pos[b] * hd, hd, scale);
+        attend(qh, kc + slot[b] * stride + g * S * hd, vc + slot[b] * stride + g * S * hd, pos[b], hd, sc,
+               attn.data() + b * qdim + hh * hd);
+      }
+      barrier.wait();
+      split(H, t, nt, &b0, &e0);
+      gemv(wm(4), attn.data(), qdim, x.data(), H, b0, e0, true);  // x += o(attn)
+      barrier.wait();
+      for (int64_t b = 0; b < B; ++b) rms_norm(x.data() + b * H, w(5), h + b * H, H, eps);
+      split(F, t, nt, &b0, &e0);
+      gemv(wm(6), h, H, act.data(), F, b0, e0, false);  // gate
+      gemv(wm(7), h, H, up.data(), F, b0, e0, false);   // up
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t r = b0; r < e0; ++r) {
+          float &a = act[b * F + r];
+          a = a / (1.0f + std::exp(-a)) * up[b * F + r];  // silu(gate) * up
+        }
+      barrier.wait();
+      split(H, t, nt, &b0, &e0);
+      gemv(wm(8), act.data(), F, x.data(), H, b0, e0, true);  // x += down(act)
+      barrier.wait();
+    }
+    for (int64_t b = 0; b < B; ++b) rms_norm(x.data() + b * H, m.final_norm, h + b * H, H, eps);
+    split(V, t, nt, &b0, &e0);
+    gemv(head, h, H, m.logits, V, b0, e0, false);
+  });
+  return 0;
+}
+
+extern "C" int BatchDecodeStep(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                               void *stream, void *extra) {
+  (void)stream; (void)extra;
+  Model m;
+  if (nparam < 1) return 1;
+  const int64_t B = count(ndims, shapes, 0);
+  if (const int rc = check_model(nparam, params, ndims, shapes, dtypes, &m, B)) return rc;
+  if (B < 1 || B > m.NS || count(ndims, shapes, 1) != 2 * B) return 3;
+  if (m.wtype == 2) return batch_step<Q8Block>(params, m, B);
+  return m.wtype == 1 ? batch_step<half>(params, m, B) : batch_step<float>(params, m, B);
 }
 
 // A prompt chunk (batch 1, T tokens at slots start..start+T-1) through the whole model, as DecodeStep does one
@@ -959,12 +1109,14 @@ extern "C" int DecodeStep(int nparam, void **params, int *ndims, int64_t **shape
 // the threads; attention as ChunkAttention.
 // A prompt chunk of T tokens through the whole model, the weight matrices of type WT; `m` checked by check_model.
 template <typename WT>
-int prefill_step(void **params, const Model &m, int64_t T, bool all_rows) {
+int prefill_step(void **params, const Model &m, int64_t T, bool all_rows, int64_t slot = 0) {
   const int n_layers = m.n_layers;
   const int64_t V = m.V, H = m.H, hd = m.hd, qdim = m.qdim, kvdim = m.kvdim, F = m.F;
   const int32_t *tokens = static_cast<const int32_t *>(params[0]);
   const int64_t start = static_cast<const int32_t *>(params[1])[0], last = static_cast<const int32_t *>(params[1])[1];
-  if (start < 0 || start + T > m.S || start + T > m.S_rope || last < 0 || last >= T) return 4;
+  if (start < 0 || start + T > m.S || start + T > m.S_rope || last < 0 || last >= T || slot < 0 || slot >= m.NS)
+    return 4;
+  const int64_t slot_off = slot * m.nkv * m.S * hd;  // the slot's caches within [NS, nkv, S, hd]
   for (int64_t i = 0; i < T; ++i)
     if (tokens[i] < 0 || tokens[i] >= V) return 4;
   const float eps = m.eps, scale = m.scale, *final_norm = m.final_norm;
@@ -998,8 +1150,8 @@ int prefill_step(void **params, const Model &m, int64_t T, bool all_rows) {
       const auto w = [&](int i) { return static_cast<const float *>(params[8 + 9 * l + i]); };  // the norms
       const auto wm = [&](int i) { return static_cast<const WT *>(params[8 + 9 * l + i]); };  // the matrices
       ChunkAttn cl = c;
-      cl.kc = static_cast<float *>(params[8 + 9 * n_layers + l]);
-      cl.vc = static_cast<float *>(params[8 + 10 * n_layers + l]);
+      cl.kc = static_cast<float *>(params[8 + 9 * n_layers + l]) + slot_off;
+      cl.vc = static_cast<float *>(params[8 + 10 * n_layers + l]) + slot_off;
       split(T, t, nt, &b, &e);
       for (int64_t i = b; i < e; ++i) rms_norm(x.data() + i * H, w(0), h.data() + i * H, H, eps);
       barrier.wait();
@@ -1058,10 +1210,11 @@ extern "C" int PrefillStep(int nparam, void **params, int *ndims, int64_t **shap
   (void)stream; (void)extra;
   Model m;
   if (const int rc = check_model(nparam, params, ndims, shapes, dtypes, &m)) return rc;
-  const int64_t T = count(ndims, shapes, 0);
-  if (T < 1 || count(ndims, shapes, 1) != 2) return 3;
-  if (m.wtype == 2) return prefill_step<Q8Block>(params, m, T, false);
-  return m.wtype == 1 ? prefill_step<half>(params, m, T, false) : prefill_step<float>(params, m, T, false);
+  const int64_t T = count(ndims, shapes, 0), np1 = count(ndims, shapes, 1);
+  if (T < 1 || (np1 != 2 && np1 != 3) || (np1 == 2 && m.NS != 1)) return 3;
+  const int64_t slot = np1 == 3 ? static_cast<const int32_t *>(params[1])[2] : 0;
+  if (m.wtype == 2) return prefill_step<Q8Block>(params, m, T, false, slot);
+  return m.wtype == 1 ? prefill_step<half>(params, m, T, false, slot) : prefill_step<float>(params, m, T, false, slot);
 }
 
 // ScoreStep: PrefillStep with every row's logits, [T, V] (the eval scorer's log-probabilities of a sequence in the
@@ -1073,9 +1226,11 @@ extern "C" int ScoreStep(int nparam, void **params, int *ndims, int64_t **shapes
   if (nparam < 1) return 1;
   const int64_t T = count(ndims, shapes, 0);
   if (const int rc = check_model(nparam, params, ndims, shapes, dtypes, &m, T)) return rc;
-  if (T < 1 || count(ndims, shapes, 1) != 2) return 3;
-  if (m.wtype == 2) return prefill_step<Q8Block>(params, m, T, true);
-  return m.wtype == 1 ? prefill_step<half>(params, m, T, true) : prefill_step<float>(params, m, T, true);
+  const int64_t np1 = count(ndims, shapes, 1);
+  if (T < 1 || (np1 != 2 && np1 != 3) || (np1 == 2 && m.NS != 1)) return 3;
+  const int64_t slot = np1 == 3 ? static_cast<const int32_t *>(params[1])[2] : 0;
+  if (m.wtype == 2) return prefill_step<Q8Block>(params, m, T, true, slot);
+  return m.wtype == 1 ? prefill_step<half>(params, m, T, true, slot) : prefill_step<float>(params, m, T, true, slot);
 }
 
 // A prompt chunk's attention over the in-place cache (CachedDecoder's prefill, one op per layer): RoPE on the

@@ -101,7 +101,7 @@ def _decode_op(lib: str, vocab: int, n_layers: int, name: str = "DecodeStep"):
         def __init__(self):
             super().__init__(
                 f"{lib}:{name}",
-                out_shape=lambda *shapes: [shapes[0][-1] if name == "ScoreStep" else 1, vocab],
+                out_shape=lambda *shapes: [shapes[0][-1] if name in ("ScoreStep", "BatchDecodeStep") else 1, vocab],
                 out_dtype=_decode_dtypes,
                 func_type="aot",
             )
@@ -237,6 +237,31 @@ class DecodeWeights(nn.Cell):
         return sum(int(np.prod(p.shape)) * (2 if self.dtype == "fp16" else 1) for p in seen.values())
 
 
+def zero_cache(shape: tuple[int, ...], name: str) -> ms.Parameter:
+    """A float32 cache Parameter of zeros whose pages are only made resident as they are written: the array comes
+    from calloc (untouched pages are the kernel's shared zero page) and moves in without a copy (`Parameter(Tensor(
+    array))` would copy, touching every page: a 2048-slot KV cache of SmolLM2-135M is 94 MB whatever the prompt)."""
+    p = ms.Parameter(Tensor(np.zeros(1, np.float32)), name=name, requires_grad=False)
+    p.set_data(Tensor.from_numpy(np.zeros(shape, np.float32)))
+    return p
+
+
+class SlotCaches(nn.Cell):
+    """KV caches for `slots` sequences decoded together (`BatchDecodeStep`, continuous batching): per layer a K and
+    a V cache [slots, nkv, S, hd], slot s holding one sequence's positions 0..S-1. The same attributes as
+    `CachedDecoder` (`net`, `k_cache`, `v_cache`), so `FusedDecodeStep` takes either. Pages are resident only once
+    written (`zero_cache`): the memory follows the positions the sequences reach, not slots x S."""
+
+    def __init__(self, net, slots: int, max_len: int):
+        super().__init__()
+        c = net.config
+        object.__setattr__(self, "net", net)
+        self.slots, self.max_len = slots, max_len
+        shape = (slots, c.num_kv_heads, max_len, c.head_dim)
+        self.k_cache = ms.ParameterTuple([zero_cache(shape, f"slot_k_cache.{i}") for i in range(c.num_layers)])
+        self.v_cache = ms.ParameterTuple([zero_cache(shape, f"slot_v_cache.{i}") for i in range(c.num_layers)])
+
+
 class FusedDecodeStep(nn.Cell):
     """One decode token (batch 1, T = 1) of a `CachedDecoder` as ONE MindSpore custom op (model/decode_kernel.cc);
     with `prefill=True`, a prompt chunk (batch 1, T tokens) the same way (`PrefillStep`).
@@ -245,7 +270,9 @@ class FusedDecodeStep(nn.Cell):
     next step, as on every jit path) and writes the tokens' K/V into the decoder's cache Parameters in
     place. `construct(token [1, 1] int32, pos int32)` returns the logits [1, V] of position pos;
     prefill: `construct(tokens [1, T] int32, [start, last] int32)` writes slots start..start+T-1 and returns the
-    logits of row `last`; with `score=True`, the logits of every row, [T, V] (`Generator.score`).
+    logits of row `last`; with `score=True`, the logits of every row, [T, V] (`Generator.score`). Over `SlotCaches`:
+    prefill and score take [start, last, slot]; `batch=True` is `BatchDecodeStep`, `construct(tokens [B] int32,
+    [B, 2] int32 of (slot, position))` -> logits [B, V] (`BatchDecoder`).
     One kernel per token (or chunk) instead of ~280 MindSpore kernels, with AVX-512/AVX2
     GEMVs (GEMMs for a chunk) on the kernel's own thread pool,
     and no graph whose buffers live as long as the process: the
@@ -260,6 +287,7 @@ class FusedDecodeStep(nn.Cell):
         prefill: bool = False,
         weights: DecodeWeights | None = None,
         score: bool = False,
+        batch: bool = False,
     ):
         super().__init__()
         net = decoder.net
@@ -270,7 +298,7 @@ class FusedDecodeStep(nn.Cell):
         v = c.vocab_size
         scale = net.layers[0].self_attn.scale
         self.consts = Tensor(np.array([c.norm_eps, scale, threads], np.float32))
-        name = "ScoreStep" if score else "PrefillStep" if prefill else "DecodeStep"
+        name = "BatchDecodeStep" if batch else "ScoreStep" if score else "PrefillStep" if prefill else "DecodeStep"
         self.op = _decode_op(lib, v, len(net.layers), name)
 
         # The operands after the token, the position and consts, in the op's order, gathered here once: a construct

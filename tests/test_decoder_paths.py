@@ -400,3 +400,64 @@ def test_stored_matrices_load_refuses_a_bad_file_and_a_misfit_model_loads_whole(
         mp.setattr(tensors, "verify_published", lambda p: None)  # past the manifest's digest: the NaN check itself
         with pytest.raises(CheckpointError, match=r"layers\.1\.mlp\.down_proj\.weight"):
             load_network(art, weights="fp16")
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "fp16", "q8_0"])
+def test_batched_decoding_gives_each_sequence_the_logits_it_gets_alone(fmt):
+    """`BatchDecoder` (the server's continuous batching): three sequences of different prompt lengths (one past a
+    prefill chunk) prefilled into their slots, decoded together one token each per step, one leaving and another
+    joining its freed slot midway: every row's logits equal, bit for bit, what the Generator's own fused steps give
+    that sequence alone (the same prefill chunks; each row of BatchDecodeStep summed in DecodeStep's order), in
+    every weight format; and a decode past the slots or into a slot twice is refused."""
+    from model.generate import DecodeError, Generator
+
+    cfg = ModelConfig.from_dict({**CFG.to_dict(), "intermediate_size": 160})
+    net, _, _ = _net(cfg=cfg)
+    gen = Generator(net, weights=fmt, max_len=96, prefill_chunk=16)
+    if gen.decode_path != "fused" or gen.weights != fmt:
+        pytest.skip(f"the fused steps do not run here: {gen.decode_reason}")
+    prompts = [_ids(5, seed=20), _ids(23, seed=21), _ids(9, seed=22), _ids(14, seed=23)]
+    steps = 7
+
+    def alone(ids):  # the prompt's logits, then each step's after feeding the argmax
+        co = gen._cached_steps(list(ids))
+        out = [next(co)]
+        for _ in range(steps):
+            out.append(co.send(int(np.argmax(out[-1]))))
+        co.close()
+        return out
+
+    want = [alone(p) for p in prompts]
+    batch = gen.batch(3)
+    running = {}  # sequence -> [slot, position, logits so far]
+    for i in range(3):
+        slot = batch.acquire()
+        running[i] = [slot, len(prompts[i]), [batch.prefill(slot, prompts[i])]]
+    assert batch.free == 0
+    with pytest.raises(DecodeError, match="all 3 decode slots"):
+        batch.acquire()
+    for step in range(2 * steps):
+        if step == 3:  # sequence 0 leaves; sequence 3 joins in its slot
+            batch.release(running.pop(0)[0])
+            slot = batch.acquire()
+            running[3] = [slot, len(prompts[3]), [batch.prefill(slot, prompts[3])]]
+        live = [i for i in running if len(running[i][2]) <= steps]
+        if not live:
+            break
+        rows = batch.decode(
+            [running[i][0] for i in live],
+            [running[i][1] for i in live],
+            [int(np.argmax(running[i][2][-1])) for i in live],
+        )
+        for i, row in zip(live, rows, strict=True):
+            running[i][1] += 1
+            running[i][2].append(row)
+    for i, (_, _, got) in running.items():
+        assert len(got) == steps + 1
+        for k, (a, b) in enumerate(zip(got, want[i], strict=True)):
+            np.testing.assert_array_equal(a, b, err_msg=f"{fmt}: sequence {i}, step {k}")
+    s0, s1 = running[1][0], running[2][0]
+    with pytest.raises(DecodeError):  # the same slot twice in one step
+        batch.decode([s0, s0], [30, 31], [1, 2])
+    with pytest.raises(DecodeError):  # a position past the slot
+        batch.decode([s1], [96], [1])

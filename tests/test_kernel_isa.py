@@ -452,6 +452,57 @@ def test_prefill_step_matches_decode_steps_and_the_scalar_body(isa):
         assert rc == 4 and np.array_equal(kv, caches) and np.isnan(logits).all()
 
 
+@needs_cxx
+@pytest.mark.parametrize("isa", cpu_levels())
+def test_batch_decode_step_is_each_rows_decode_step_in_every_body(isa):
+    """decode_kernel.cc BatchDecodeStep (one token of each of B sequences, caches [NS, nkv, S, hd], a slot each):
+    every row's logits and the cache rows it writes equal, bit for bit, DecodeStep run on that sequence alone in the
+    same body (each row summed in DecodeStep's order; widths that are not whole vectors or 4-row groups); a slot not
+    in the step is untouched. PrefillStep with [start, last, slot] writes that slot exactly as it writes a cache of
+    its own. Two rows in one slot, a position past the cache or more rows than slots are refused before anything is
+    written."""
+    rng = np.random.default_rng(11)
+    weights, caches = _whole_model(rng)
+    L, nkv, S, hd = caches.shape[1:]
+    V = weights[0].shape[0]
+    consts = np.array([1e-5, 10**-0.5, 3], np.float32)
+    NS = 4
+    slots = rng.standard_normal((2, L, NS, nkv, S, hd)).astype(np.float32)
+    rows = np.array([[2, 5], [0, S - 1], [1, 0]], np.int32)  # (slot, position); slot 3 sits out
+    tokens = rng.integers(0, V, 3).astype(np.int32)
+    lib = _lib(isa, DECODE_SOURCE, openmp=True)
+
+    def batch(toks, where):
+        kv, logits = slots.copy(), np.full((len(toks), V), np.nan, np.float32)
+        return _call(lib, "BatchDecodeStep", toks, where, consts, *weights, *kv[0], *kv[1], logits), kv, logits
+
+    rc, kv, logits = batch(tokens, rows)
+    assert rc == 0
+    for b, (slot, pos) in enumerate(rows):
+        one, out = slots[:, :, slot].copy(), np.full((1, V), np.nan, np.float32)
+        args = (tokens[b : b + 1].reshape(1, 1), np.array(pos, np.int32), consts, *weights, *one[0], *one[1], out)
+        assert _call(lib, "DecodeStep", *args) == 0
+        np.testing.assert_array_equal(logits[b], out[0], err_msg=f"row {b}")
+        np.testing.assert_array_equal(kv[:, :, slot], one, err_msg=f"slot {slot}")
+    np.testing.assert_array_equal(kv[:, :, 3], slots[:, :, 3])
+    chunk = rng.integers(0, V, (1, 6)).astype(np.int32)
+    one, out = slots[:, :, 1].copy(), np.full((1, V), np.nan, np.float32)
+    assert _call(lib, "PrefillStep", chunk, np.array([2, 5], np.int32), consts, *weights, *one[0], *one[1], out) == 0
+    kv, got = slots.copy(), np.full((1, V), np.nan, np.float32)
+    assert _call(lib, "PrefillStep", chunk, np.array([2, 5, 1], np.int32), consts, *weights, *kv[0], *kv[1], got) == 0
+    np.testing.assert_array_equal(got, out)
+    np.testing.assert_array_equal(kv[:, :, 1], one)
+    np.testing.assert_array_equal(np.delete(kv, 1, axis=2), np.delete(slots, 1, axis=2))
+    for toks, where, code in (
+        (tokens[:2], np.array([[1, 3], [1, 4]], np.int32), 4),  # one slot twice
+        (tokens[:1], np.array([[0, S]], np.int32), 4),  # past the cache
+        (tokens[:1], np.array([[NS, 0]], np.int32), 4),  # no such slot
+        (rng.integers(0, V, NS + 1).astype(np.int32), np.zeros((NS + 1, 2), np.int32), 3),  # more rows than slots
+    ):
+        rc, kv, logits = batch(toks, where)
+        assert rc == code and np.array_equal(kv, slots) and np.isnan(logits).all(), (where.tolist(), rc)
+
+
 # ----------------------------------------------------------------------------- operand checks in the kernels
 
 

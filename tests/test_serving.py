@@ -1377,3 +1377,58 @@ def test_a_stored_format_backend_holds_only_its_matrices_and_queues_sequences(tm
         engine.stop()
     interleaved = load_backend(art, weights="fp16", lean=False)
     assert getattr(interleaved.net, "stored_weights", None) is None and interleaved.max_active is None
+
+
+@pytest.mark.parametrize("weights", ["fp32", "q8_0"])
+def test_mindspore_sequences_decode_together_with_the_tokens_each_gets_alone(tmp_path, weights):
+    """`load_backend(model, parallel=3)` (msllm serve --parallel 3): five requests submitted together run three at a
+    time, decoded in one batched step per round (the others queued, then taking freed slots), and every request's
+    text is the one `Generator.generate` gives it alone, greedy and seeded-sampled alike; fp32 and a network holding
+    only its Q8_0 matrices."""
+    import threading
+
+    import numpy as np
+    from helpers import tiny_model_artifact
+
+    from model.generate import Generator
+    from tasks.modeling.build import load_network
+    from tasks.serving.backends import load_backend
+    from tasks.serving.engine import Engine, Sampling
+
+    art = tiny_model_artifact(tmp_path, intermediate_size=160)
+    engine = Engine(lambda: load_backend(art, weights=weights, parallel=3), max_active=8)
+    engine.start(timeout=300)
+    try:
+        b = engine.backend
+        if not engine.batched:
+            pytest.skip(f"the fused steps do not run here: {b.decode_info['reason']}")
+        assert engine.max_active == 3 and "batched" in b.decode_info["sequences"]
+        rng = np.random.default_rng(4)
+        prompts = [[b.eos_id, *rng.integers(3, 500, n).tolist()] for n in (4, 30, 9, 2, 17)]
+        samplings = [
+            Sampling(max_tokens=m, temperature=t, seed=s)
+            for m, t, s in [(8, 0, 0), (5, 0.9, 3), (12, 0, 0), (6, 0.7, 11), (3, 0, 0)]
+        ]
+        done = [threading.Event() for _ in prompts]
+        last: dict[int, dict] = {}
+
+        def emit(i):
+            def on(ev):
+                if ev["type"] in ("done", "error"):
+                    last[i] = ev
+                    done[i].set()
+
+            return on
+
+        for i, (p, s) in enumerate(zip(prompts, samplings, strict=True)):
+            engine.submit(p, s, emit(i))
+        assert all(d.wait(120) for d in done)
+        assert engine.peak_active == 3
+        whole, _ = load_network(art)
+        alone = Generator(whole, weights=weights)
+        for i, (p, s) in enumerate(zip(prompts, samplings, strict=True)):
+            assert last[i]["type"] == "done", last[i]
+            want = alone.generate(p, s.max_tokens, temperature=s.temperature, seed=s.seed)
+            assert last[i]["text"] == b.tokenizer.decode(want), i
+    finally:
+        engine.stop()

@@ -1,13 +1,16 @@
-"""Serving throughput and latency of `msllm serve` at 1, 8 and 32 concurrent streaming clients.
+"""Serving throughput and latency of `msllm serve` at 1, 4 and 16 (default) concurrent streaming clients.
 
 A random-init model of `--preset` (default `small`, the demo's shape) is written as a model
 artifact (store format, a SentencePiece tokenizer trained on Shakespeare at the preset's
 vocabulary size) and, for the onnxruntime backend, as an export-style directory holding the
 KV-cache ONNX decoder of the same weights (`tasks.deploy.onnx_decoder`, what the export stage
-writes); `--artifact PATH` serves an existing artifact instead. For each backend a real
+writes); `--artifact PATH` serves an existing model artifact instead (and, for onnxruntime, the KV-cache ONNX decoder
+built from its weights; an export artifact serves on onnxruntime alone). For each backend a real
 server process (`python -m tasks.cli serve`) is started on a free loopback port; the
 onnxruntime backend runs twice, with batched decoding (one call per round for all active
-sequences, the default) and interleaved (`--no-batching`: one call per sequence). For each
+sequences, the default) and interleaved (`--no-batching`: one call per sequence); the MindSpore backend batched
+(`mindspore`: `--parallel` slots, default the largest concurrency level, `--weights`) or interleaved
+(`mindspore-interleaved`: `--parallel 1`). For each
 concurrency level C, C clients each send `--rounds` streaming completion requests one after
 another (a `--prompt-tokens` token-id prompt, `--new-tokens` greedy tokens), after one
 warm-up request per client. Clients are raw `httpx` SSE readers in one asyncio loop (the
@@ -15,11 +18,13 @@ warm-up request per client. Clients are raw `httpx` SSE readers in one asyncio l
 
 Per level: requests/s and output tokens/s over the wall time, p50/p95 time to first token
 (request sent -> first text chunk) and inter-token latency (the gaps between a stream's
-chunks, pooled over all requests). Prints one JSON line.
+chunks, pooled over all requests), and whether every request's text is the text one request alone got (greedy,
+the same prompt: continuous batching must not change a sequence's tokens). One JSON line with the CPU and ISA
+(scripts/bench/host.py), appended to docs/bench/results.jsonl (report.py's "serve" table).
 
-    python scripts/bench/serve.py [--preset small] [--backends onnxruntime,onnxruntime-interleaved,mindspore]
-    [--concurrency 1,8,32] python scripts/bench/serve.py --preset tiny --new-tokens 8 --concurrency 1,4 --rounds 1 #
-    smoke
+    python scripts/bench/serve.py [--preset small] [--backends onnxruntime,mindspore] [--concurrency 1,4,16]
+    python scripts/bench/serve.py --artifact artifacts/convert/<key> --weights q8_0      # SmolLM2 after convert
+    python scripts/bench/serve.py --preset tiny --new-tokens 8 --concurrency 1,4 --rounds 1 --results ''  # smoke
 
 With `--guidellm BIN --guidellm-tokenizer HF_DIR` (guidellm 0.8.1 installed in its own venv: docs/SERVING.md,
 "Load testing with guidellm"), each level is also run by guidellm against the same server (its synthetic prompts of
@@ -44,6 +49,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from host import describe  # noqa: E402  (scripts/bench/)
+from report import add_record_args, record  # noqa: E402
 
 
 def _percentile(xs: list[float], q: float) -> float | None:
@@ -65,27 +73,34 @@ def make_artifacts(preset: str, root: Path, backends: list[str]) -> dict[str, Pa
     """{backend: artifact dir} for a random-init model of `preset`."""
     import mindspore as ms
 
-    from tasks.store.model_artifact import read_info
-    from tasks.store.tensors import load_weights
     from tests.helpers import tiny_model_artifact  # the store-format model artifact the tests use
 
     ms.set_device("CPU")
     model = tiny_model_artifact(root, preset=preset)
     out = {"mindspore": model}
     if "onnxruntime" in backends:
-        from tasks.deploy.onnx_decoder import build_decoder, save_model
-
-        exp = root / "export" / f"{preset}-kv"
-        exp.mkdir(parents=True, exist_ok=True)
-        info = read_info(model)
-        save_model(
-            build_decoder(info["model"], load_weights(model), metadata={"eos_id": info["tokenizer"]["eos_id"]}),
-            exp / "model.onnx",
-        )
-        for f in ("tokenizer.model", "model.json"):
-            shutil.copy2(model / f, exp / f)
-        out["onnxruntime"] = exp
+        out["onnxruntime"] = onnx_of(model, root / "export" / f"{preset}-kv")
     return out
+
+
+def onnx_of(model: Path, exp: Path) -> Path:
+    """An export-style directory holding the KV-cache ONNX decoder of model artifact `model`'s weights (what the export
+    stage writes), its tokenizer files, model.json and prompt style."""
+    from tasks.deploy.onnx_decoder import build_decoder, save_model
+    from tasks.store.model_artifact import read_info
+    from tasks.store.tensors import load_weights
+    from tasks.tokenizer import tokenizer_files
+
+    exp.mkdir(parents=True, exist_ok=True)
+    info = read_info(model)
+    save_model(
+        build_decoder(info["model"], load_weights(model), metadata={"eos_id": info["tokenizer"]["eos_id"]}),
+        exp / "model.onnx",
+    )
+    for f in [*tokenizer_files(model), model / "model.json", model / "prompt_style.json"]:
+        if Path(f).is_file():
+            shutil.copy2(f, exp / Path(f).name)
+    return exp
 
 
 class ServerProcess:
@@ -130,7 +145,7 @@ class ServerProcess:
 
 async def _one(client, url: str, body: dict) -> dict:
     t0 = time.perf_counter()
-    stamps, usage = [], None
+    stamps, usage, text = [], None, []
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
         if r.status_code != 200:
             raise SystemExit(f"request failed: {r.status_code} {(await r.aread())[:300]!r}")
@@ -140,8 +155,10 @@ async def _one(client, url: str, body: dict) -> dict:
             chunk = json.loads(line[6:])
             if chunk["choices"] and chunk["choices"][0]["text"]:
                 stamps.append(time.perf_counter())
+                text.append(chunk["choices"][0]["text"])
             usage = chunk.get("usage") or usage
-    return {"t0": t0, "stamps": stamps, "tokens": usage["completion_tokens"] if usage else len(stamps)}
+    tokens = usage["completion_tokens"] if usage else len(stamps)
+    return {"t0": t0, "stamps": stamps, "tokens": tokens, "text": "".join(text)}
 
 
 async def _level(url: str, model: str, concurrency: int, rounds: int, prompt: list[int], new_tokens: int) -> dict:
@@ -162,7 +179,9 @@ async def _level(url: str, model: str, concurrency: int, rounds: int, prompt: li
     itl = [b - a for r in done for a, b in zip(r["stamps"], r["stamps"][1:])]
     out_tokens = sum(r["tokens"] for r in done)
     ms = lambda x: None if x is None else round(1000 * x, 2)  # noqa: E731
+    texts = sorted({r["text"] for r in done})
     return {
+        "texts": texts,
         "clients": concurrency,
         "requests": len(done),
         "wall_s": round(wall, 2),
@@ -230,10 +249,14 @@ def main() -> None:
     ap.add_argument("--artifact", default=None, help="serve this export or model artifact instead of a random-init one")
     ap.add_argument(
         "--backends",
-        default="onnxruntime,onnxruntime-interleaved,mindspore",
-        help="onnxruntime (batched decoding), onnxruntime-interleaved (--no-batching), mindspore",
+        default="onnxruntime,mindspore",
+        help="onnxruntime (batched decoding), onnxruntime-interleaved (--no-batching), mindspore (batched: "
+        "--parallel slots), mindspore-interleaved (--parallel 1)",
     )
-    ap.add_argument("--concurrency", default="1,8,32")
+    ap.add_argument("--parallel", type=int, default=0, help="mindspore's decode slots (default: the largest level)")
+    ap.add_argument("--weights", default="fp32", help="mindspore's weight format: fp32, fp16 or q8_0")
+    add_record_args(ap)
+    ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--rounds", type=int, default=2, help="requests each client sends one after another")
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -259,12 +282,22 @@ def main() -> None:
         if a.artifact:
             from tasks.serving.backends import artifact_kind
 
-            arts = {"onnxruntime" if artifact_kind(a.artifact) == "export" else "mindspore": Path(a.artifact).resolve()}
+            art = Path(a.artifact).resolve()
+            if artifact_kind(art) == "export":
+                arts = {"onnxruntime": art}
+            else:
+                arts = {
+                    b: art if b.startswith("mindspore") else onnx_of(art, tmp / "export" / "onnx")
+                    for b in a.backends.split(",")
+                }
         else:
             arts = make_artifacts(a.preset, tmp, [b.split("-")[0] for b in a.backends.split(",")])
             arts = {b: arts[b.split("-")[0]] for b in a.backends.split(",")}
         res: dict = {
             "bench": "serve",
+            **describe(None),
+            "weights": a.weights,
+            "parallel": a.parallel or max(levels),
             "preset": None if a.artifact else a.preset,
             "artifact": a.artifact,
             "prompt_tokens": a.prompt_tokens,
@@ -274,12 +307,11 @@ def main() -> None:
             "backends": {},
         }
         for backend, art in arts.items():
-            srv = ServerProcess(
-                art,
-                tmp / f"serve-{backend}.log",
-                max(levels),
-                *(["--no-batching"] if backend.endswith("-interleaved") else []),
-            )
+            extra = ["--no-batching"] if backend == "onnxruntime-interleaved" else []
+            if backend.startswith("mindspore"):
+                slots = 1 if backend.endswith("-interleaved") else a.parallel or max(levels)
+                extra = ["--parallel", str(slots), "--weights", a.weights]
+            srv = ServerProcess(art, tmp / f"serve-{backend}.log", max(levels), *extra)
             try:
                 info = json.loads(urllib.request.urlopen(srv.url + "/v1/models").read())["data"][0]
                 if a.prompt_tokens + a.new_tokens > info["context_length"]:
@@ -289,8 +321,15 @@ def main() -> None:
                     )
                 prompt = [int(t) for t in np.random.default_rng(0).integers(4, 200, a.prompt_tokens)]
                 out = {"startup_s": round(srv.startup_s, 1)}
+                alone: list[str] = []
                 for c in levels:
                     out[f"c{c}"] = asyncio.run(_level(srv.url, srv.model, c, a.rounds, prompt, a.new_tokens))
+                    texts = out[f"c{c}"].pop("texts")
+                    alone = texts if c == levels[0] else alone
+                    out[f"c{c}"]["same_text_as_alone"] = texts == alone
+                    if c != levels[0]:
+                        first = out[f"c{levels[0]}"]["output_tokens_per_s"]
+                        out[f"c{c}"]["x_one_stream"] = round(out[f"c{c}"]["output_tokens_per_s"] / first, 2)
                     if a.guidellm:
                         out[f"c{c}"]["guidellm"] = guidellm_level(
                             a.guidellm,
@@ -306,7 +345,7 @@ def main() -> None:
                 res["backends"][backend] = out
             finally:
                 srv.stop()
-        print(json.dumps(res))
+        record(res, a)
     finally:
         if a.keep:
             print(f"# kept {tmp}", file=sys.stderr)

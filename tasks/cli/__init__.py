@@ -111,7 +111,17 @@ def _serve_parser(sub) -> None:
         "--no-batching",
         dest="batching",
         action="store_false",
-        help="onnxruntime: decode the active sequences one call each instead of one batched call",
+        help="decode the active sequences one call each instead of one batched call",
+    )
+    p.add_argument(
+        "--parallel",
+        type=_positive_int,
+        default=4,
+        metavar="N",
+        help="a model artifact on MindSpore: KV cache slots whose sequences are decoded together in one batched step "
+        "(continuous batching; more wait in the queue). A slot's cache is resident as its positions fill: "
+        "layers x 2 x kv heads x head dim x 4 bytes a token (46 KB at SmolLM2-135M). 1: one sequence's caches, "
+        "sequences interleaved (default: 4)",
     )
     p.add_argument(
         "--weights",
@@ -224,6 +234,13 @@ def _positive_bytes(text: str, what: str) -> int:
 def _body_size(text: str) -> int:
     """argparse type of `serve --max-body-size`: a positive size in bytes (bad values exit 2 naming the flag)."""
     return _positive_bytes(text, "a size; give a positive size in bytes or with a unit, e.g. --max-body-size 8MiB")
+
+
+def _positive_int(text: str) -> int:
+    """argparse type of `serve --parallel`: a whole number of at least 1."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1, e.g. 4")
+    return int(text)
 
 
 def _seconds(text: str) -> float:

@@ -267,6 +267,7 @@ def cmd_serve(args) -> int:
         max_body=args.max_body_size or MAX_BODY,
         weights=args.weights,
         head_timeout=args.head_timeout,
+        parallel=args.parallel,
     )
 
 

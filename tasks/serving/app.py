@@ -424,10 +424,12 @@ def serve(
     max_body: int = MAX_BODY,
     weights: str = "fp32",
     head_timeout: float = HEAD_TIMEOUT,
+    parallel: int = 4,
 ) -> int:
     """Load the artifact (and each adapter, unmerged or merged: tasks/serving/adapters.py), serve until
     SIGTERM/SIGINT, drain, return 0. `store` resolves adapter references that are not directories; `weights`: a
-    model artifact's decode weights (model/fused_decode.py WEIGHT_FORMATS)."""
+    model artifact's decode weights (model/fused_decode.py WEIGHT_FORMATS); `parallel`: a model artifact's decode slots
+    (sequences decoded together, tasks/serving/backends.py MindSporeBackend)."""
     artifact = Path(artifact).resolve()
     kind = artifact_kind(artifact)  # a bad path fails here, before the model is loaded
     model_id = model_name or default_model_id(artifact)
@@ -444,7 +446,7 @@ def serve(
         loaders = {
             model_id: (lambda: MindSporeBackend(artifact, adapters=unmerged, weights=weights))
             if unmerged
-            else (lambda: load_backend(artifact, weights=weights, lean=not checked)),
+            else (lambda: load_backend(artifact, weights=weights, lean=not checked, parallel=parallel)),
             **{
                 a.name: (lambda n=a.name: engine.backends[model_id].adapter(n))
                 if a.name in unmerged

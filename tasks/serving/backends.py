@@ -71,17 +71,28 @@ class MindSporeBackend:
     `adapters` (name -> finetune artifact directory of a LoRA adapter trained on this model): served unmerged,
     one network for all (see the module docstring); `adapter(name)` is that adapter's backend.
 
+    `parallel` (> 1, no adapters, the fused steps running): the running sequences are decoded together, one
+    `BatchDecodeStep` per round over `parallel` KV cache slots (`model.generate.BatchDecoder`: continuous batching,
+    each sequence prefilled alone into its slot, every row computed as it is alone, so a request's tokens are the
+    same alone or among others); `max_active` caps the engine at `parallel` sequences, the rest queue. A slot's
+    cache pages are resident only as its positions are written. Otherwise (`parallel` 1, adapters, no fused
+    kernel) sequences interleave, each through its own `steps` coroutine.
+
     `weights` fp16 / q8_0 with `lean` (and no adapters): the network is loaded with only those matrices
-    (`load_network(..., weights=)`: no float32 copy; SmolLM2-135M's process is the runtime + 0.14 GB at q8_0), and
-    its sequences run one at a time (`max_active` 1: the engine queues the others, as llama-server with one slot):
-    only the fused steps run such a network, and they hold one sequence's caches. With lean False, or adapters, the
-    float32 network is kept beside the copies and sequences interleave.
+    (`load_network(..., weights=)`: no float32 copy; SmolLM2-135M's process is the runtime + 0.19 GB at q8_0): only
+    the fused steps run such a network, so without batching its sequences run one at a time (`max_interleaved` 1:
+    the engine queues the others). With lean False, or adapters, the float32 network is kept beside the copies.
     """
 
     kind = "mindspore"
 
     def __init__(
-        self, path: str | Path, adapters: dict[str, Path] | None = None, weights: str = "fp32", lean: bool = True
+        self,
+        path: str | Path,
+        adapters: dict[str, Path] | None = None,
+        weights: str = "fp32",
+        lean: bool = True,
+        parallel: int = 1,
     ):
 
         setup_mindspore()
@@ -96,7 +107,12 @@ class MindSporeBackend:
         self.slots = _lora_slots(net, adapters) if adapters else None
         # eval.fused_kernels' default (model.kernels.off_reason decides); `weights`: the fused steps' matrices
         self.generator = generator(net, fused=True, weights=weights)
-        self.max_active = 1 if self.generator.lean else None  # the engine's cap on running sequences (None: its own)
+        # the engine's caps on running sequences, batched and interleaved (None: the engine's own)
+        self.batched = parallel > 1 and not adapters and self.generator.decode_path == "fused"
+        self._batch = self.generator.batch(parallel) if self.batched else None
+        self._rows: dict = {}  # a batched sequence (the engine's key) -> [slot, next position]
+        self.max_active = parallel if self.batched else None
+        self.max_interleaved = 1 if self.generator.lean else None
         self.sample_next = sample_next
         self.context_length = int(self.generator.max_len)
         self.vocab_size = int(net.config.vocab_size)
@@ -107,9 +123,39 @@ class MindSporeBackend:
         """The Generator's decode path and why (chosen when it was built; a failure mid-sequence is an error)."""
         g = self.generator
         info = {"path": g.decode_path, "reason": g.decode_reason, "weights": g.weights}
-        if g.lean:
+        if self.batched:
+            info["sequences"] = f"batched: up to {self._batch.slots} decoded together (BatchDecodeStep)"
+        elif g.lean:
             info["sequences"] = "one at a time: only the fused steps run a network holding only its stored matrices"
         return info
+
+    # ---- continuous batching (`batched`): the engine's prefill / decode / release, keyed by its sequence objects
+
+    def prefill(self, key, prompt_ids: list[int]) -> np.ndarray:
+        """The prompt into a free slot; the logits [V] after it. The sequence `key` joins the batch."""
+        slot = self._batch.acquire()
+        try:
+            logits = self._batch.prefill(slot, prompt_ids)
+        except BaseException:
+            self._batch.release(slot)
+            raise
+        self._rows[key] = [slot, len(prompt_ids)]
+        return logits
+
+    def decode(self, tokens: dict) -> dict:
+        """One step for every sequence given: {key: token} -> {key: logits [V]}, one BatchDecodeStep."""
+        keys = list(tokens)
+        rows = [self._rows[k] for k in keys]
+        out = self._batch.decode([r[0] for r in rows], [r[1] for r in rows], [int(tokens[k]) for k in keys])
+        for r in rows:
+            r[1] += 1
+        return {k: out[i] for i, k in enumerate(keys)}
+
+    def release(self, key) -> None:
+        """The sequence `key` is done (idempotent): its slot is free for the next prefill."""
+        row = self._rows.pop(key, None)
+        if row is not None:
+            self._batch.release(row[0])
 
     def steps(self, prompt_ids: list[int], adapter: str | None = None) -> Generator[np.ndarray, int, None]:
         # Generator.generate's own coroutine (the prompt in fixed chunks, each one fused op or one static graph;
@@ -156,6 +202,15 @@ class MindSporeBackend:
             s = self.steps([self.eos_id] * long, adapter)
             next(s)
             s.close()
+        if self._batch is not None:  # the slot prefill (short and long chunks) and every batch size's decode step
+            b = self._batch
+            slots = [b.acquire() for _ in range(b.slots)]
+            for n in [1] + ([long] if long is not None else []):
+                b.prefill(slots[0], [self.eos_id] * n)
+            for k in range(1, b.slots + 1):
+                b.decode(slots[:k], [1] * k, [self.eos_id] * k)
+            for slot in slots:
+                b.release(slot)
 
     def adapter(self, name: str) -> AdapterBackend:
         """Adapter `name`'s backend: this network, with its update on every call."""
@@ -207,12 +262,12 @@ def _lora_slots(net, adapters: dict[str, Path]):
     return LoRASlots(net, loaded)
 
 
-def load_backend(path: str | Path, weights: str = "fp32", lean: bool = True):
+def load_backend(path: str | Path, weights: str = "fp32", lean: bool = True, parallel: int = 1):
     """The backend for an artifact directory (see `artifact_kind`); `weights`: a model artifact's decode weights
-    (`lean`: as MindSporeBackend)."""
+    (`lean`, `parallel`: as MindSporeBackend)."""
     kind = artifact_kind(path)
     if kind == "model":
-        return MindSporeBackend(path, weights=weights, lean=lean)
+        return MindSporeBackend(path, weights=weights, lean=lean, parallel=parallel)
     return OnnxBackend(path)
 
 

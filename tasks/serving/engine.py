@@ -25,9 +25,10 @@ their calls puts its adapter in place first, which is exact because MindSpore se
 `max_active` sequences run at once (the rest wait in the queue, FIFO); each round gives every one of them a token, so
 a new request gets its first token after at most one round instead of waiting for every
 earlier request to finish. A newly admitted sequence is prefilled alone. Then either:
-  - batched (a backend with `batched = True`, onnxruntime): one `decode` call per round for
-    all running sequences, which the backend keeps as one left-padded batch (continuous
-    batching: rows join after their prefill and leave when done), or
+  - batched (a backend with `batched = True`: onnxruntime, which keeps the running sequences as one left-padded
+    batch, or MindSpore with `--parallel` > 1, which keeps each in a KV cache slot: `BatchDecodeStep`): one
+    `decode` call per round for all running sequences (continuous batching: rows join after their prefill and
+    leave when done; a backend's `max_active` caps how many run, the rest queue), or
   - interleaved (MindSpore, or `batching=False`): one call per sequence per round through
     its own `steps` coroutine.
 Each sequence has its own KV cache (or cache rows) and its own
@@ -232,8 +233,10 @@ class Engine:
             self._ready.set()
             return
         self.batched = self.batching and all(getattr(b, "batched", False) for b in self.backends.values())
-        # a backend that runs fewer sequences at once (a network holding only its 16/8-bit matrices: one) caps them
-        self.max_active = min([self.max_active] + [b.max_active for b in self.backends.values() if _cap(b)])
+        # a backend that runs fewer sequences at once caps them: batched, its decode slots; interleaved, a network
+        # holding only its 16/8-bit matrices runs one
+        caps = [getattr(b, "max_active" if self.batched else "max_interleaved", None) for b in self.backends.values()]
+        self.max_active = min([self.max_active] + [c for c in caps if isinstance(c, int)])
         self._ready.set()
         active: list[_Seq] = []
         stop = False
@@ -447,8 +450,3 @@ class Engine:
             }
         )
         return False
-
-
-def _cap(backend) -> bool:
-    """Whether `backend` caps the sequences running at once (`max_active`, an int)."""
-    return isinstance(getattr(backend, "max_active", None), int)
