@@ -43,7 +43,7 @@ from collections.abc import Callable, Sequence
 
 import mindspore as ms
 import numpy as np
-from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
+from mindspore import ParameterTuple, Tensor, nn, ops
 
 from model.fused_decode import (
     WEIGHT_FORMATS,
@@ -55,6 +55,7 @@ from model.fused_decode import (
     decode_disabled_reason,
     decode_kernel_path,
     decode_threads,
+    zero_cache,
 )
 from model.hugepages import back_with_huge_pages
 from model.layers import Linear
@@ -93,26 +94,10 @@ class CachedDecoder(nn.Cell):
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.n_rep = c.num_heads // c.num_kv_heads
         self.max_len = max_len
-        self.k_cache = ParameterTuple(
-            [
-                Parameter(
-                    Tensor(np.zeros((c.num_kv_heads, max_len, c.head_dim), np.float32)),
-                    name=f"decoder_k_cache.{i}",
-                    requires_grad=False,
-                )
-                for i in range(c.num_layers)
-            ]
-        )
-        self.v_cache = ParameterTuple(
-            [
-                Parameter(
-                    Tensor(np.zeros((c.num_kv_heads, max_len, c.head_dim), np.float32)),
-                    name=f"decoder_v_cache.{i}",
-                    requires_grad=False,
-                )
-                for i in range(c.num_layers)
-            ]
-        )
+        # resident only as positions are written (zero_cache): an 8192-slot cache costs what the prompts reach
+        shape = (c.num_kv_heads, max_len, c.head_dim)
+        self.k_cache = ParameterTuple([zero_cache(shape, f"decoder_k_cache.{i}") for i in range(c.num_layers)])
+        self.v_cache = ParameterTuple([zero_cache(shape, f"decoder_v_cache.{i}") for i in range(c.num_layers)])
         self.scores_matmul = ops.BatchMatMul(transpose_b=True)
         self.values_matmul = ops.BatchMatMul()
         self.head_matmul = ops.MatMul(transpose_b=True)
