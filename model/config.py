@@ -215,6 +215,21 @@ PRESETS: dict[str, dict[str, Any]] = {
         norm_eps=1e-5,
         tie_embeddings=True,
     ),
+    # Llama-3.2-1B's decoder (16 layers, hidden 2048, MLP 8192, 32 query / 8 kv heads, tied, rope theta 500000) with
+    # SmolLM2's 49152-token vocabulary, the benches' tokenizer (Llama-3.2's own 128256 tokens add 0.16 B embedding
+    # weights): 1.07 B parameters, random weights for the decode and memory benches (scripts/bench/llamacpp.py).
+    "llama-3.2-1b-body": dict(
+        vocab_size=49152,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_layers=16,
+        num_heads=32,
+        num_kv_heads=8,
+        max_seq_length=4096,
+        rope_theta=500000.0,
+        norm_eps=1e-5,
+        tie_embeddings=True,
+    ),
     # Real shapes, for the memory estimator (never built on CPU).
     "llama2-7b": dict(
         vocab_size=32000,

