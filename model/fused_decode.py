@@ -27,6 +27,12 @@ from model.kernel_ops import KernelShapeError, dtype_of
 from model.kernels import off_reason
 
 
+class DecodeError(RuntimeError):
+    """The decode path chosen when the Generator was built failed in the middle of a sequence. Never answered by a
+    silent switch to a slower path (the speed measured would not be the speed served): the message names the path,
+    the position and the way to choose another path (MSLLM_FUSED_DECODE=0 decodes on MindSpore's kernels)."""
+
+
 def build_decode_kernel(fused: bool = True) -> str | None:
     """Path of the compiled fused decode step (model/decode_kernel.cc, OpenMP where the compiler has it),
     built once per source, compiler and ISA level by `model.kernel_build.build`; None where it cannot be used:
@@ -264,6 +270,32 @@ class SlotCaches(nn.Cell):
         shape = (slots, c.num_kv_heads, max_len, c.head_dim)
         self.k_cache = ms.ParameterTuple([zero_cache(shape, f"slot_k_cache.{i}") for i in range(c.num_layers)])
         self.v_cache = ms.ParameterTuple([zero_cache(shape, f"slot_v_cache.{i}") for i in range(c.num_layers)])
+
+
+def decode_weights_for(net, weights: str, lib: str | None, path_reason: str) -> tuple[DecodeWeights | None, bool, str]:
+    """The fused steps' weight matrices for a Generator of `net` in `weights`: (the matrices, None for the net's own
+    fp32 ones; whether the net holds only them, its own matrices placeholders (`load_network(..., weights=)`); what
+    the decode reason adds). A stored format needs the fused kernel (`lib`), and Q8_0 rows of a multiple of 32
+    weights: without them the weights stay fp32 and the reason says why. A net holding only one stored format runs
+    in that format only (DecodeError otherwise)."""
+    stored = getattr(net, "stored_weights", None)
+    if stored is not None:
+        if weights != stored.dtype or lib is None:
+            raise DecodeError(
+                f"this network holds only {stored.dtype} weight matrices (load_network(..., weights="
+                f"{stored.dtype!r})): only the fused steps in that format run it, "
+                + (f"so decode with weights={stored.dtype!r}" if lib is not None else f"and {path_reason}")
+            )
+        return stored, True, f", {stored.dtype} weight matrices only ({stored.nbytes() / 1e6:.0f} MB)"
+    if weights == "fp32":
+        return None, False, ""
+    if lib is None:
+        return None, False, f"; {weights} weights need it, so the weights stay fp32"
+    try:
+        store = DecodeWeights(net, weights)
+    except ValueError as exc:
+        return None, False, f"; {weights} weights do not fit this model ({exc}), so the weights stay fp32"
+    return store, False, f", {weights} weight matrices ({store.nbytes() / 1e6:.0f} MB)"
 
 
 class FusedDecodeStep(nn.Cell):

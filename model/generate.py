@@ -45,16 +45,17 @@ import mindspore as ms
 import numpy as np
 from mindspore import ParameterTuple, Tensor, nn, ops
 
+from model.batch_decode import BatchDecoder
 from model.fused_decode import (
     WEIGHT_FORMATS,
-    DecodeWeights,
+    DecodeError,
     FusedDecodeStep,
-    SlotCaches,
     build_decode_kernel,
     chunk_attention_op,
     decode_disabled_reason,
     decode_kernel_path,
     decode_threads,
+    decode_weights_for,
     zero_cache,
 )
 from model.hugepages import back_with_huge_pages
@@ -65,12 +66,6 @@ from model.runtime import dynamic_graph, hidden_states_graph, trim_heap
 from model.sampling import sample_next
 
 log = logging.getLogger("msllm.generate")
-
-
-class DecodeError(RuntimeError):
-    """The decode path chosen when the Generator was built failed in the middle of a sequence. Never answered by a
-    silent switch to a slower path (the speed measured would not be the speed served): the message names the path,
-    the position and the way to choose another path (MSLLM_FUSED_DECODE=0 decodes on MindSpore's kernels)."""
 
 
 class CachedDecoder(nn.Cell):
@@ -271,18 +266,8 @@ class Generator:
             self._path_reason = (
                 f"the fused decode kernel (model/decode_kernel.cc, {decode_kernel_path(fused)} body, {threads} threads)"
             )
-        stored = getattr(net, "stored_weights", None)  # a network loaded with only its 16/8-bit matrices
-        self.lean = stored is not None
-        if self.lean:
-            if weights != stored.dtype or lib is None:
-                raise DecodeError(
-                    f"this network holds only {stored.dtype} weight matrices (load_network(..., weights="
-                    f"{stored.dtype!r})): only the fused steps in that format run it, "
-                    + (f"so decode with weights={stored.dtype!r}" if lib is not None else f"and {self._path_reason}")
-                )
-            self._weights, why = stored, f", {stored.dtype} weight matrices only ({stored.nbytes() / 1e6:.0f} MB)"
-        else:
-            self._weights, why = _decode_weights(net, weights, lib)  # the fused steps' matrices (None: the net's)
+        # the fused steps' matrices (None: the net's); lean: the net holds only them (load_network(..., weights=))
+        self._weights, self.lean, why = decode_weights_for(net, weights, lib, self._path_reason)
         self.weights = self._weights.dtype if self._weights is not None else "fp32"
         self._path_reason += why
         if lib is not None:  # the matrices every token streams, on transparent huge pages (model/hugepages.py)
@@ -572,7 +557,8 @@ class Generator:
             tok = yield logits.asnumpy()[0, 0]
 
     def batch(self, slots: int) -> BatchDecoder:
-        """A `BatchDecoder` of `slots` sequences over this Generator's network, weights and fused steps."""
+        """A `BatchDecoder` (model/batch_decode.py) of `slots` sequences over this Generator's network, weights and
+        fused steps."""
         return BatchDecoder(self, slots)
 
     def _refuse_lean(self, what: str) -> None:
@@ -593,89 +579,6 @@ class Generator:
             x[0, :n] = seq
             tok = yield self._forward(Tensor(x)).asnumpy()[0, n - 1]
             seq.append(tok)
-
-
-class BatchDecoder:
-    """Sequences decoded together (continuous batching: a server's running requests), one token of each per step:
-    `slots` KV caches (`SlotCaches`: pages resident only as positions are written), each sequence prefilled alone
-    into its slot (the fused prefill in the Generator's chunks), then one `BatchDecodeStep` per round for every
-    running slot, reading each weight matrix once for all of them. Every row is computed as the Generator's own
-    fused steps compute that sequence alone (the same prefill chunks, the same order of every sum in the decode
-    step), so a sequence's tokens equal `Generator.generate`'s whatever else runs beside it. Needs the fused steps
-    and no unmerged LoRA (each sequence's adapter would be its own weights).
-
-        batch = gen.batch(4)
-        slot = batch.acquire()
-        logits = batch.prefill(slot, prompt_ids)               # [V] after the prompt
-        rows = batch.decode([slot, ...], [position, ...], [token, ...])   # [B, V]
-        batch.release(slot)
-    """
-
-    def __init__(self, gen: Generator, slots: int):
-        if gen.decode_path != "fused":
-            raise DecodeError(f"batched decoding needs the fused steps: {gen.decode_reason}")
-        if slots < 1:
-            raise ValueError(f"slots must be at least 1, got {slots}")
-        self.gen, self.slots = gen, slots
-        self.caches = SlotCaches(gen.net, slots, gen.max_len)
-        chunk = FusedDecodeStep(self.caches, gen._lib, gen._threads, prefill=True, weights=gen._weights)
-        step = FusedDecodeStep(self.caches, gen._lib, gen._threads, batch=True, weights=gen._weights)
-
-        def slot_prefill(tokens, where):
-            return chunk(tokens, where)
-
-        def batch_decode(tokens, where):
-            return step(tokens, where)
-
-        self._prefill, self._decode = ms.jit(slot_prefill), ms.jit(batch_decode)
-        self._free = list(range(slots - 1, -1, -1))  # pop() hands out slot 0 first
-
-    @property
-    def free(self) -> int:
-        return len(self._free)
-
-    def acquire(self) -> int:
-        if not self._free:
-            raise DecodeError(f"all {self.slots} decode slots are in use")
-        return self._free.pop()
-
-    def release(self, slot: int) -> None:
-        if slot not in self._free:
-            self._free.append(slot)
-
-    def prefill(self, slot: int, ids: Sequence[int]) -> np.ndarray:
-        """The prompt `ids` into `slot` (its positions 0..n-1); the logits [V] after it."""
-        ids = [int(t) for t in ids]
-        if not 0 < len(ids) < self.gen.max_len:
-            raise ValueError(f"prompt of {len(ids)} tokens: 1..{self.gen.max_len - 1} (max_len - 1)")
-        logits = None
-        for x, start, last in self.gen._chunks(ids, self.gen._fused_chunk(len(ids))):
-            where = Tensor([start, last, slot], ms.int32)
-            logits = self.gen._fused_op(self._prefill, "prefill", start, Tensor(x), where)
-        self.gen._compiled("batch prefill")
-        return logits.asnumpy()[0]
-
-    def decode(self, slots: Sequence[int], positions: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
-        """One token of each running sequence: `tokens[b]` at `positions[b]` of slot `slots[b]` -> logits [B, V]."""
-        where = np.stack([np.asarray(slots, np.int32), np.asarray(positions, np.int32)], 1)
-        tok = Tensor(np.asarray(tokens, np.int32))
-        out = self.gen._fused_op(self._decode, "batch decode", int(max(positions)), tok, Tensor(where)).asnumpy()
-        self.gen._compiled("batch decode")
-        return out
-
-
-def _decode_weights(net, weights: str, lib: str | None) -> tuple[DecodeWeights | None, str]:
-    """The fused steps' weight matrices in `weights` (None: the net's own fp32 ones) and what the decode reason adds:
-    a stored format needs the fused kernel (`lib`), and Q8_0 rows of a multiple of 32 weights."""
-    if weights == "fp32":
-        return None, ""
-    if lib is None:
-        return None, f"; {weights} weights need it, so the weights stay fp32"
-    try:
-        store = DecodeWeights(net, weights)
-    except ValueError as exc:
-        return None, f"; {weights} weights do not fit this model ({exc}), so the weights stay fp32"
-    return store, f", {weights} weight matrices ({store.nbytes() / 1e6:.0f} MB)"
 
 
 def generate(net, prompt_ids: Sequence[int], max_new_tokens: int = 64, **kwargs) -> list[int]:

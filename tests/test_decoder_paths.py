@@ -347,7 +347,8 @@ def test_a_network_loaded_with_only_its_stored_matrices_runs_as_the_copy_does(tm
     from helpers import tiny_model_artifact
 
     import tasks.store.tensors as tensors
-    from model.generate import DecodeError, Generator
+    from model.fused_decode import DecodeError
+    from model.generate import Generator
     from tasks.modeling.build import load_network
 
     art = tiny_model_artifact(tmp_path, intermediate_size=160, vocab_size=512)
@@ -409,7 +410,8 @@ def test_batched_decoding_gives_each_sequence_the_logits_it_gets_alone(fmt):
     joining its freed slot midway: every row's logits equal, bit for bit, what the Generator's own fused steps give
     that sequence alone (the same prefill chunks; each row of BatchDecodeStep summed in DecodeStep's order), in
     every weight format; and a decode past the slots or into a slot twice is refused."""
-    from model.generate import DecodeError, Generator
+    from model.fused_decode import DecodeError
+    from model.generate import Generator
 
     cfg = ModelConfig.from_dict({**CFG.to_dict(), "intermediate_size": 160})
     net, _, _ = _net(cfg=cfg)

@@ -340,7 +340,7 @@ def test_a_fused_step_that_fails_mid_sequence_is_an_error_not_a_slower_path(net)
     """The fused decode op raising in the middle of a sequence (it failed to load or run) stops that sequence with
     a DecodeError naming the path, the position and how to choose another; the Generator keeps its path (no silent
     switch to the decoder: the speed a user measured is the speed they get)."""
-    from model.generate import DecodeError
+    from model.fused_decode import DecodeError
 
     g = Generator(net)
     if g.decode_path != "fused":

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import mindspore as ms
+import numpy as np
 from mindspore import nn
 
 from model.config import ModelConfig
@@ -41,6 +42,15 @@ from model.fused_cells import (
     FusedRMSNorm,
     FusedSwiGLU,
 )
+from model.fused_decode import (
+    DecodeWeights,
+    build_decode_kernel,
+    decode_disabled_reason,
+    matrix_names,
+    stored_format_misfit,
+    stored_matrix,
+    stored_shape,
+)
 from model.generate import Generator
 from model.kernel_build import kernel_path
 from model.kernel_ops import train_ops
@@ -52,7 +62,7 @@ from model.runtime import trim_heap
 from tasks.modeling.parallelize import parallelize
 from tasks.runtime.mesh import Mesh
 from tasks.store.model_artifact import model_config, read_info
-from tasks.store.tensors import assign, load_weights
+from tasks.store.tensors import CheckpointError, assign, load_weights
 
 
 @dataclass(frozen=True)
@@ -150,8 +160,6 @@ def load_network(path: str | Path, *, seed: int = 0, weights: str = "fp32") -> t
     info = read_info(path)
     config = model_config(path)
     if weights != "fp32":
-        from model.fused_decode import build_decode_kernel, decode_disabled_reason, stored_format_misfit
-
         why = stored_format_misfit(config, weights)
         if not why and build_decode_kernel(True) is None:
             why = f"the fused decode kernel does not run here ({decode_disabled_reason(True) or 'no build'})"
@@ -171,11 +179,6 @@ def load_network(path: str | Path, *, seed: int = 0, weights: str = "fp32") -> t
 
 def _load_stored(path: str | Path, info: dict[str, Any], config: ModelConfig, dtype: str, seed: int) -> nn.Cell:
     """`load_network` with only the weight matrices in `dtype` (`DecodeWeights(stored=...)`), the rest float32."""
-    import numpy as np
-
-    from model.fused_decode import DecodeWeights, matrix_names, stored_matrix, stored_shape
-    from tasks.store.tensors import CheckpointError
-
     net = build_model(info.get("name", "llama"), config, seed=seed, init_weights=False)
     shapes = {p.name: tuple(p.shape) for p in net.get_parameters()}
     mats = set(matrix_names(net))

@@ -1,0 +1,81 @@
+"""Continuous batching on the fused decode kernel: several sequences decoded together, one token of each per step
+(`Generator.batch(slots)`; the MindSpore serving backend with `msllm serve --parallel`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import mindspore as ms
+import numpy as np
+from mindspore import Tensor
+
+from model.fused_decode import DecodeError, FusedDecodeStep, SlotCaches
+
+
+class BatchDecoder:
+    """Sequences decoded together (continuous batching: a server's running requests), one token of each per step:
+    `slots` KV caches (`SlotCaches`: pages resident only as positions are written), each sequence prefilled alone
+    into its slot (the fused prefill in the Generator's chunks), then one `BatchDecodeStep` per round for every
+    running slot, reading each weight matrix once for all of them. Every row is computed as the Generator's own
+    fused steps compute that sequence alone (the same prefill chunks, the same order of every sum in the decode
+    step), so a sequence's tokens equal `Generator.generate`'s whatever else runs beside it. Needs the fused steps
+    and no unmerged LoRA (each sequence's adapter would be its own weights).
+
+        batch = gen.batch(4)
+        slot = batch.acquire()
+        logits = batch.prefill(slot, prompt_ids)               # [V] after the prompt
+        rows = batch.decode([slot, ...], [position, ...], [token, ...])   # [B, V]
+        batch.release(slot)
+    """
+
+    def __init__(self, gen, slots: int):
+        if gen.decode_path != "fused":
+            raise DecodeError(f"batched decoding needs the fused steps: {gen.decode_reason}")
+        if slots < 1:
+            raise ValueError(f"slots must be at least 1, got {slots}")
+        self.gen, self.slots = gen, slots
+        self.caches = SlotCaches(gen.net, slots, gen.max_len)
+        chunk = FusedDecodeStep(self.caches, gen._lib, gen._threads, prefill=True, weights=gen._weights)
+        step = FusedDecodeStep(self.caches, gen._lib, gen._threads, batch=True, weights=gen._weights)
+
+        def slot_prefill(tokens, where):
+            return chunk(tokens, where)
+
+        def batch_decode(tokens, where):
+            return step(tokens, where)
+
+        self._prefill, self._decode = ms.jit(slot_prefill), ms.jit(batch_decode)
+        self._free = list(range(slots - 1, -1, -1))  # pop() hands out slot 0 first
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def acquire(self) -> int:
+        if not self._free:
+            raise DecodeError(f"all {self.slots} decode slots are in use")
+        return self._free.pop()
+
+    def release(self, slot: int) -> None:
+        if slot not in self._free:
+            self._free.append(slot)
+
+    def prefill(self, slot: int, ids: Sequence[int]) -> np.ndarray:
+        """The prompt `ids` into `slot` (its positions 0..n-1); the logits [V] after it."""
+        ids = [int(t) for t in ids]
+        if not 0 < len(ids) < self.gen.max_len:
+            raise ValueError(f"prompt of {len(ids)} tokens: 1..{self.gen.max_len - 1} (max_len - 1)")
+        logits = None
+        for x, start, last in self.gen._chunks(ids, self.gen._fused_chunk(len(ids))):
+            where = Tensor([start, last, slot], ms.int32)
+            logits = self.gen._fused_op(self._prefill, "prefill", start, Tensor(x), where)
+        self.gen._compiled("batch prefill")
+        return logits.asnumpy()[0]
+
+    def decode(self, slots: Sequence[int], positions: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
+        """One token of each running sequence: `tokens[b]` at `positions[b]` of slot `slots[b]` -> logits [B, V]."""
+        where = np.stack([np.asarray(slots, np.int32), np.asarray(positions, np.int32)], 1)
+        tok = Tensor(np.asarray(tokens, np.int32))
+        out = self.gen._fused_op(self._decode, "batch decode", int(max(positions)), tok, Tensor(where)).asnumpy()
+        self.gen._compiled("batch decode")
+        return out
