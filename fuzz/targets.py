@@ -367,7 +367,11 @@ TARGETS = {
             _gguf,
             _gguf_allowed,
             "model/gguf.py read_metadata + read_gguf",
-            ("model/gguf_header.py", "model/gguf.py"),
+            (
+                "model/gguf_header.py",
+                "model/gguf.py:_pairs,_unpermute,read_metadata,_undecodable,_check_layout,_f32,config_from_meta,"
+                "_short,tokenizer_problem,read_gguf,_shape_table",
+            ),
         ),
         Target(
             "hf_config",
