@@ -10,7 +10,7 @@ from __future__ import annotations
 import mindspore as ms
 import numpy as np
 import pytest
-from helpers import decoder_reduction, fp32_tol, logit_tol, q8_0_activations
+from helpers import decoder_reduction, fp32_tol, logit_tol, loglikelihood_tol, q8_0_activations
 from mindspore import Tensor
 
 from model import reference
@@ -463,3 +463,37 @@ def test_batched_decoding_gives_each_sequence_the_logits_it_gets_alone(fmt):
         batch.decode([s0, s0], [30, 31], [1, 2])
     with pytest.raises(DecodeError):  # a position past the slot
         batch.decode([s1], [96], [1])
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "q8_0"])
+def test_a_formats_perplexity_change_is_its_rounding_and_nothing_else(fmt):
+    """Scoring in `fmt` instead of fp32 changes the log-likelihood of a sequence (its perplexity: docs/SERVING.md
+    states the change per format on SmolLM2-135M, scripts/bench/quality.py measures it beside llama.cpp's) by exactly
+    what the format's rounding of the weights changes in the definition (model/reference.py in float64 on the stored
+    weights), within the float32 bound of the two scored sequences (helpers.loglikelihood_tol, one per side); and the
+    format moves it by more than that bound, so a path that scored in fp32 instead (a change of 0) fails."""
+    from model.generate import Generator
+
+    cfg = ModelConfig.from_dict({**CFG.to_dict(), "intermediate_size": 160})
+    net, weights, _ = _net(cfg=cfg)
+    ids = _ids(97, seed=31)
+    x, y = ids[:-1], ids[1:]
+    n = len(x)
+
+    def definition(w):  # (log-likelihood of y given x, the largest |logit|)
+        z = reference.forward(x, w, cfg)[0]
+        m = z.max(-1)
+        lse = m + np.log(np.exp(z - m[:, None]).sum(-1))
+        return float((z[np.arange(n), y] - lse).sum()), float(np.abs(z).max())
+
+    ll32, z32 = definition(weights)
+    llf, zf = definition(_stored(weights, fmt))
+    got = {}
+    for w in ("fp32", fmt):
+        gen = Generator(net, weights=w, max_len=128)
+        if gen.weights != w or not gen.can_score():
+            pytest.skip(f"the fused steps do not run here: {gen.decode_reason}")
+        got[w] = float(gen.score(x, y)[0].sum())
+    tol = loglikelihood_tol(cfg, n, n, z32, ll32) + loglikelihood_tol(cfg, n, n, zf, llf)
+    assert abs((got[fmt] - got["fp32"]) - (llf - ll32)) <= tol, (got, ll32, llf, tol)
+    assert abs(llf - ll32) > tol, (llf - ll32, tol)

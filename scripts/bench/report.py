@@ -58,6 +58,11 @@ COLUMNS: dict[str, list[tuple[str, str]]] = {
         ("ms_layerwise.ratio_vs_compile", "its × compile"),
         ("ms_layerwise.peak_rss_gb", "its RSS GB"),
         ("ms_layerwise.rss_ratio", "its RSS × sdpa"),
+        ("load", "load"),
+        ("load_slowdown", "our slowdown under load"),
+        ("hf.sdpa.load_slowdown", "sdpa's"),
+        ("hf.compile.load_slowdown", "compile's"),
+        ("ms_layerwise.load_slowdown", "layer at a time's"),
     ],
     "generate": [
         ("preset", "preset"),

@@ -34,6 +34,8 @@ and is not emulated), prints to stdout and is appended to docs/bench/results.jso
     python scripts/bench/train.py --preset smollm2-135m --layerwise        # + the step one layer at a time
     python scripts/bench/train.py --preset smollm2-135m --layerwise --rounds 3   # sides alive at once, timed
         in turn, three rounds: each ratio within a round (a shared VM's speed drifts by ~30% over minutes)
+    python scripts/bench/train.py --rounds 3 --load                        # every side also timed beside one
+        `nice -n 19` busy loop in each round (host.py busy_loop): `load_slowdown` per side, 1 - loaded / quiet
     python scripts/bench/train.py --profile /tmp/prof [--steps 3]         # MindSpore side only:
         MindSpore's Profiler over `--steps` steps; one JSON line with the time by op category
         (MatMul, BatchMatMul, reductions, element-wise, softmax kernels, data movement,
@@ -47,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import glob
 import json
 import os
@@ -59,7 +62,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from host import add_isa_arg, apply_isa, describe, effective_flags  # noqa: E402  (scripts/bench/)
+from host import BUSY_LOOP, add_isa_arg, apply_isa, busy_loop, describe, effective_flags  # noqa: E402
 from report import add_record_args, record  # noqa: E402
 
 from tasks.training.hardware import best_time, peak_rss_bytes  # noqa: E402  (after the sys.path insert)
@@ -267,14 +270,16 @@ def _interleaved(specs: dict, cmd, env: dict, a: argparse.Namespace) -> dict:
             first = _json_line(p)
             if first is None or "ready" not in first:  # exited, or an error line (a compile failure) instead
                 failed(name, p, err, fatal and first is None, first)
-        times = {name: [] for name in procs}
+        times = {f"{phase}{name}": [] for name in procs for phase in ("", "load:")}
         for _ in range(a.rounds):
             for name, (p, err, fatal) in list(procs.items()):
-                r = _json_line(p, "run")
-                if r is None or "step_s" not in r:
-                    failed(name, p, err, fatal)
-                else:
-                    times[name].append(r["step_s"])
+                for phase in ("", "load:") if a.load else ("",):  # quiet, then beside the busy loop (--load)
+                    with busy_loop() if phase else contextlib.nullcontext():
+                        r = _json_line(p, "run")
+                    if r is None or "step_s" not in r:
+                        failed(name, p, err, fatal)
+                        break
+                    times[phase + name].append(r["step_s"])
         for name, (p, err, fatal) in list(procs.items()):
             res = _json_line(p, "done")
             if res is None or "error" in res:
@@ -288,6 +293,11 @@ def _interleaved(specs: dict, cmd, env: dict, a: argparse.Namespace) -> dict:
                 "tokens_per_s": a.batch * a.seq / step_s,
                 "rounds_step_s": times[name],
             }
+            if times["load:" + name]:  # each round's loaded step against the same round's quiet one
+                out[name]["load_step_s"] = statistics.median(times["load:" + name])
+                out[name]["load_slowdown"] = statistics.median(
+                    1 - q / w for q, w in zip(times[name], times["load:" + name])
+                )
     finally:
         for p, _, _ in procs.values():
             if p.poll() is None:
@@ -429,6 +439,12 @@ def main() -> None:
         "rounds' ratios): drift of a shared machine between sides becomes drift between rounds; "
         "needs the sides' memory at once (tiny and 135M: yes; the 360M shape: no)",
     )
+    ap.add_argument(
+        "--load",
+        action="store_true",
+        help="time every side also beside one `nice -n 19` busy loop in each round (the machine as users have it): "
+        "`load_slowdown` per side, 1 - loaded / quiet speed, the median of the rounds'",
+    )
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--side", choices=["ms", "torch", "peak"], default=None, help=argparse.SUPPRESS)
     ap.add_argument("--attn", default="sdpa", help=argparse.SUPPRESS)
@@ -497,7 +513,7 @@ def main() -> None:
         # a compile failure is a result
         **({"compile": ("torch", ["--attn", "sdpa", "--compile"], False)} if "compile" in baselines else {}),
     }
-    if a.rounds > 1:
+    if a.rounds > 1 or a.load:
         runs = _interleaved(specs, cmd, env, a)
     else:
         runs = {name: side(kind, extra, fatal) for name, (kind, extra, fatal) in specs.items()}
@@ -526,6 +542,9 @@ def main() -> None:
         }
         if "rounds_step_s" in r:
             out["rounds_step_s"] = [round(v, 3) for v in r["rounds_step_s"]]
+        if "load_slowdown" in r:
+            out["load_step_s"] = round(r["load_step_s"], 3)
+            out["load_slowdown"] = round(r["load_slowdown"], 3)
         for k in ("attn", "cpu_capability", "compile_s"):
             if k in r:
                 out[k] = round(r[k], 1) if isinstance(r[k], float) else r[k]
@@ -539,6 +558,7 @@ def main() -> None:
         "seq": a.seq,
         "steps": a.steps,
         "rounds": a.rounds,
+        "load": BUSY_LOOP if a.load else None,
         "fused_kernels": ms_["fused_kernels"],
         "kernel_body": ms_["kernel_body"],
         "step": ms_["step"],
