@@ -13,7 +13,8 @@
 
 Each `steps` coroutine owns its KV cache, so any number of them can be interleaved (the
 engine does, one token each per round) and each yields what it would yield alone.
-A backend with `batched = True` (onnxruntime) also keeps a running batch for the engine:
+A backend with `batched = True` (onnxruntime; MindSpore with `parallel` > 1: a KV cache slot per sequence) also keeps
+a running batch for the engine, and may cap how many sequences run (`max_active`):
 
     logits = backend.prefill(key, prompt_ids)    # the sequence `key` alone, then it joins the batch
     rows = backend.decode({key: token, ...})     # one call for every sequence of the batch -> {key: logits}
@@ -72,7 +73,7 @@ class MindSporeBackend:
     one network for all (see the module docstring); `adapter(name)` is that adapter's backend.
 
     `parallel` (> 1, no adapters, the fused steps running): the running sequences are decoded together, one
-    `BatchDecodeStep` per round over `parallel` KV cache slots (`model.generate.BatchDecoder`: continuous batching,
+    `BatchDecodeStep` per round over `parallel` KV cache slots (`model.batch_decode.BatchDecoder`: continuous batching,
     each sequence prefilled alone into its slot, every row computed as it is alone, so a request's tokens are the
     same alone or among others); `max_active` caps the engine at `parallel` sequences, the rest queue. A slot's
     cache pages are resident only as its positions are written. Otherwise (`parallel` 1, adapters, no fused
