@@ -93,7 +93,7 @@ def test_interleaved_sides_time_in_rounds_and_ratios_stay_within_a_round():
         for name, mod in (("host", host), ("report", report)):
             if sys.modules.get(name) is mod:
                 del sys.modules[name]
-    a = argparse.Namespace(rounds=3, batch=2, seq=4)
+    a = argparse.Namespace(rounds=3, batch=2, seq=4, load=False)
     cmd = lambda kind, extra: [sys.executable, "-c", _WORKER, kind]  # noqa: E731  (kind: the worker's step times)
     specs = {
         "ours": ("1.0,2.0,1.0", [], True),
@@ -109,3 +109,9 @@ def test_interleaved_sides_time_in_rounds_and_ratios_stay_within_a_round():
     assert abs(train._ratio(out["ours"], out["ref"]) - 1.1) < 1e-12  # float64 quotients of exact inputs: an ulp
     with pytest.raises(SystemExit, match="broken side failed"):
         train._interleaved({"broken": ("fail", [], True)}, cmd, {}, a)
+    # --load: each round times a side quiet, then beside the busy loop; the slowdown is the rounds' median
+    loaded = train._interleaved(
+        {"ours": ("1.0,2.0,1.5,3.0", [], True)}, cmd, {}, argparse.Namespace(**{**vars(a), "rounds": 2, "load": True})
+    )
+    assert loaded["ours"]["rounds_step_s"] == [1.0, 1.5] and loaded["ours"]["load_step_s"] == 2.5
+    assert loaded["ours"]["load_slowdown"] == 0.5
