@@ -63,6 +63,7 @@ def _child(name: str, examples: int, seconds: float, until: int = 0, measure: bo
     signal.signal(signal.SIGPROF, alarm)
 
     current = os.environ.get("MSLLM_FUZZ_CURRENT")
+    progress = os.environ.get("MSLLM_FUZZ_PROGRESS")
 
     def one(data) -> None:
         stats["examples"] += 1
@@ -108,6 +109,11 @@ def _child(name: str, examples: int, seconds: float, until: int = 0, measure: bo
                 raise
             stats["violations"] = found[-1:] + found[:1] if len(found) > 1 else found  # the smallest, the first
             break
+        if progress:  # the counts so far, for a run stopped before it reports (a long run spanning sessions)
+            done = {**stats, "seconds": round(time.process_time() - t0, 1), "finished": False}
+            tmp = Path(f"{progress}.tmp")
+            tmp.write_text(json.dumps(done) + "\n")
+            tmp.replace(progress)
         if time.process_time() - t0 >= seconds or (until and stats["examples"] >= until):
             break
     stats["seconds"] = round(time.process_time() - t0, 1)  # CPU seconds
@@ -171,7 +177,9 @@ def _keep(current: Path, name: str) -> str:
     return f"{text[:600]} ... (whole input: {keep})"
 
 
-def _run_target(name: str, examples: int, seconds: float, until: int = 0, measure: bool = False) -> dict:
+def _run_target(
+    name: str, examples: int, seconds: float, until: int = 0, measure: bool = False, progress: str = ""
+) -> dict:
     cmd = [sys.executable, "-m", "fuzz", name, "--child", "--examples", str(examples), "--seconds", str(seconds)]
     cmd += ["--until", str(until)] + (["--coverage"] if measure else [])
     from fuzz.seeds import seeds
@@ -181,6 +189,8 @@ def _run_target(name: str, examples: int, seconds: float, until: int = 0, measur
     with tempfile.TemporaryDirectory(prefix="msllm-fuzz-run-") as d:
         current = Path(d) / "current"
         env = {**os.environ, "PYTHONHASHSEED": "0", "MSLLM_FUZZ_CURRENT": str(current)}
+        if progress:
+            env["MSLLM_FUZZ_PROGRESS"] = f"{progress}.{name}.json"
         with open(Path(d) / "out", "w+") as out, open(Path(d) / "err", "w+") as err:
             child = subprocess.Popen(
                 cmd, cwd=REPO, stdout=out, stderr=err, text=True, preexec_fn=_limit_memory, env=env
@@ -225,6 +235,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=0.0, help="run rounds until this many seconds have passed")
     ap.add_argument("--until", type=int, default=0, help="stop a target once this many inputs have run (0: no limit)")
     ap.add_argument("--coverage", action="store_true", help="report the line coverage of each reader's own code")
+    ap.add_argument(
+        "--progress",
+        default="",
+        metavar="PREFIX",
+        help="after every round, write the counts so far to PREFIX.<target>.json (a run stopped before it reports)",
+    )
     ap.add_argument("--list", action="store_true", help="list the targets and what each reads")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -240,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown target {unknown[0]!r}; one of {', '.join(TARGETS)} or all")
     bad = 0
     for n in names:
-        res = _run_target(n, a.examples, a.seconds, a.until, a.coverage)
+        res = _run_target(n, a.examples, a.seconds, a.until, a.coverage, a.progress)
         bad += bool(res["violations"])
         print(json.dumps(res), flush=True)
     return 1 if bad else 0
