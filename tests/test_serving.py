@@ -544,7 +544,9 @@ def test_32_concurrent_streaming_clients_match_single_client_tokens(backend, req
     assert len({r[0] for r in results}) > 8  # independent outputs, not one answer copied around
     assert took < 120
     health = json.loads(urllib.request.urlopen(server.url + "/health", timeout=5).read())
-    assert health["peak_active"] > 8 and health["batched"] == (backend == "onnxruntime")  # really concurrent
+    # really concurrent, and batched on both: onnxruntime runs them all, MindSpore its --parallel slots (default 4)
+    assert health["batched"], health
+    assert health["peak_active"] == 4 if backend == "mindspore" else health["peak_active"] > 8, health
 
 
 def test_onnx_batch_rows_join_and_leave_without_changing_tokens(onnx_art):
