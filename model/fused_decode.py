@@ -223,11 +223,7 @@ class DecodeWeights(nn.Cell):
 
         def half(p):
             data = np.ascontiguousarray(stored.pop(p.name) if stored is not None else stored_matrix(p.asnumpy(), dtype))
-            # the array becomes the Parameter's memory: set_data(from_numpy) shares it, where Parameter(tensor) copies
-            # (the matrices are held once while they load)
-            param = ms.Parameter(Tensor(np.zeros(1, data.dtype)), name=f"decode_{dtype}.{p.name}", requires_grad=False)
-            param.set_data(Tensor.from_numpy(data))
-            return param
+            return parameter_over(data, f"decode_{dtype}.{p.name}")  # held once while they load
 
         self.embed = half(net.embed_tokens.weight)
         self.head = self.embed if net.tie_embeddings else half(net.lm_head.weight)
@@ -251,8 +247,14 @@ def zero_cache(shape: tuple[int, ...], name: str) -> ms.Parameter:
     and moves in without a copy (`Parameter(Tensor(array))` would copy, touching every page: a 8192-slot KV cache of
     SmolLM2-135M is 0.38 GB whatever the prompt)."""
     arr = np.frombuffer(mmap.mmap(-1, max(4, int(np.prod(shape)) * 4)), np.float32)[: int(np.prod(shape))]
-    p = ms.Parameter(Tensor(np.zeros(1, np.float32)), name=name, requires_grad=False)
-    p.set_data(Tensor.from_numpy(arr.reshape(shape)))
+    return parameter_over(arr.reshape(shape), name)
+
+
+def parameter_over(arr: np.ndarray, name: str) -> ms.Parameter:
+    """A Parameter (not trained) whose memory is the contiguous array `arr` itself: `Parameter(Tensor.from_numpy(a))`
+    copies it, `set_data(Tensor.from_numpy(a))` on a 1-element placeholder shares it (docs/MINDSPORE_CPU.md)."""
+    p = ms.Parameter(Tensor(np.zeros(1, arr.dtype)), name=name, requires_grad=False)
+    p.set_data(Tensor.from_numpy(arr))
     return p
 
 
