@@ -33,9 +33,15 @@ from pathlib import Path
 from model.cpu import level, select_isa
 
 HERE = Path(__file__).resolve().parent
-NATIVE_SOURCES = ("train_kernels.cc", "decode_kernel.cc", "simd.h")  # in the code version (tasks/store/codeversion.py)
+NATIVE_SOURCES = (
+    "train_kernels.cc",
+    "decode_kernel.cc",
+    "spin_wait.cc",
+    "simd.h",
+)  # in the code version (tasks/store/codeversion.py)
 TRAIN_SOURCE = HERE / "train_kernels.cc"
 DECODE_SOURCE = HERE / "decode_kernel.cc"
+SPIN_SOURCE = HERE / "spin_wait.cc"  # model/runtime.py spin_waits
 HEADERS = (HERE / "simd.h",)  # included by every source: part of every build key
 FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread"]
 _FORMAT = "msllm-kernel-build-2"
@@ -160,10 +166,10 @@ def _stderr_tail(text: str, lines: int = 12) -> str:
     return " | ".join(t[-lines:]) if t else "(no output)"
 
 
-def build_kernel(source: Path, openmp: bool = False, isa: str | None = None) -> KernelBuild:
+def build_kernel(source: Path, openmp: bool = False, isa: str | None = None, say: bool = True) -> KernelBuild:
     """`source` built for `isa` (default: select_isa(), the CPU's best or MSLLM_KERNEL_ISA) and verified, from
     the cache when its checksum matches. Never raises for a missing compiler, a failed build or a bad
-    cache: the result says why it is off."""
+    cache: the result says why it is off. `say=False`: no line on stderr (the caller reports)."""
     source = Path(source)
     chosen, why = select_isa(isa)
     cxx = shutil.which(os.environ.get("CXX", "g++"))
@@ -172,9 +178,9 @@ def build_kernel(source: Path, openmp: bool = False, isa: str | None = None) -> 
         return _builds[memo]
     result = _build(source, openmp, chosen, why, cxx)
     _builds[memo] = result
-    if result.lib:
+    if say and result.lib:
         _say(f"{source.name}: {result.isa} body ({' '.join(level(result.isa).flags)}), {result.lib}")
-    else:
+    elif say:
         _say(f"{source.name}: off, MindSpore's own ops run instead: {result.reason}")
     return result
 

@@ -9,8 +9,13 @@ from __future__ import annotations
 import copy
 import ctypes
 import os
+import sys
+
+from model.kernel_build import SPIN_SOURCE, build_kernel
 
 _DONE = False
+SPIN_WAIT = "not set up"  # how MindSpore's thread pool waits in this process: spin_waits()
+_spin_lib = None
 
 
 def setup_mindspore(
@@ -36,10 +41,42 @@ def setup_mindspore(
 
     if not _DONE:
         ms.set_device(device)
+        global SPIN_WAIT
+        SPIN_WAIT = spin_waits()
         _DONE = True
     ms.set_context(mode=ms.GRAPH_MODE if graph_mode else ms.PYNATIVE_MODE)
     if seed is not None:
         ms.set_seed(seed)
+
+
+def spin_waits() -> str:
+    """Make MindSpore's thread pool spin while it waits instead of calling sched_yield (model/spin_wait.cc: each
+    `sched_yield` import of the libraries under mindspore/lib/ is pointed at a short run of the CPU's pause hint).
+    On Linux's EEVDF scheduler a thread that yields in a loop hands its core to any other runnable task, a
+    `nice -n 19` one included, for a whole slice: beside one niced busy loop the train step ran at half speed
+    (tiny-llama-bench, AMD EPYC, 2 threads: 0.23 -> 0.47 s; PyTorch's -1.5%), with the patch at its quiet speed
+    (docs/MINDSPORE_CPU.md, "Threads"). Returns what runs, for logs and bench lines: "spin (N imports in M
+    libraries)" or "yield: <why not>" (MSLLM_SPIN_WAIT=0, no compiler, a slot that could not be written)."""
+    global _spin_lib
+    if os.environ.get("MSLLM_SPIN_WAIT", "1") == "0":
+        return "yield: MSLLM_SPIN_WAIT=0"
+    built = build_kernel(SPIN_SOURCE, say=False)
+    if built.lib is None:
+        return f"yield: {built.reason}"
+    lib = ctypes.CDLL(built.lib)
+    lib.msllm_patch_yield.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_int)]
+    libraries = ctypes.c_int()
+    slots = lib.msllm_patch_yield(b"/mindspore/lib/", ctypes.byref(libraries))
+    _spin_lib = lib  # loaded for the life of the process: the patched slots point into it
+    if slots < 0:
+        print(
+            "[runtime] MindSpore's thread pool keeps yielding in some libraries: a sched_yield import could not be "
+            "made writable (mprotect); under a background load its waits hand the core away",
+            file=sys.stderr,
+            flush=True,
+        )
+        return "yield: a sched_yield import could not be patched (mprotect failed)"
+    return f"spin ({slots} sched_yield imports in {libraries.value} libraries)"
 
 
 def actor_thread_branch(flag):

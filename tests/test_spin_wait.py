@@ -1,0 +1,122 @@
+"""model/spin_wait.cc through model/runtime.py `spin_waits`: MindSpore's thread pool spins while it waits instead of
+calling sched_yield, which on Linux's EEVDF scheduler hands the core to a `nice -n 19` process for a whole slice
+(docs/MINDSPORE_CPU.md, "Threads"; the speed itself is scripts/bench/train.py --load's, not a test's).
+
+The GOT walk is checked on a library of our own, built three ways (full RELRO with BIND_NOW, lazy binding, no PLT:
+a GLOB_DAT slot), in a fresh process so nothing else calls the spin meanwhile; then on MindSpore's own libraries.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import mindspore as ms
+import numpy as np
+import pytest
+
+from model import runtime
+from model.kernel_build import SPIN_SOURCE, build_kernel
+
+CXX = shutil.which(os.environ.get("CXX", "g++"))
+pytestmark = pytest.mark.skipif(CXX is None, reason="no C++ compiler (the spin-wait patch is built with g++)")
+ROOT = Path(__file__).resolve().parents[1]
+
+YIELDS = 'extern "C" int yield_n(int n) { for (int i = 0; i < n; ++i) sched_yield(); return n; }\n'
+
+CHILD = r"""
+import ctypes, json, sys
+spin = ctypes.CDLL(sys.argv[1])
+spin.msllm_patch_yield.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_int)]
+spin.msllm_yield_target.restype = ctypes.c_void_p
+spin.msllm_yield_target.argtypes = [ctypes.c_char_p]
+spin_at = ctypes.cast(spin.msllm_spin_yield, ctypes.c_void_p).value
+out = {}
+for path in sys.argv[2:]:
+    lib = ctypes.CDLL(path)
+    lib.yield_n(10)  # bind the lazy slot first: the patch must replace a resolved address too
+    def perms():
+        return sorted(line.split()[1] for line in open("/proc/self/maps") if line.rstrip().endswith(path))
+    before, maps = spin.msllm_yield_target(path.encode()), perms()
+    libraries = ctypes.c_int()
+    slots = spin.msllm_patch_yield(path.encode(), ctypes.byref(libraries))
+    calls = spin.msllm_spin_yield_calls()
+    lib.yield_n(1000)
+    out[path] = {
+        "slots": slots, "libraries": libraries.value, "calls": spin.msllm_spin_yield_calls() - calls,
+        "before_is_spin": before == spin_at, "after_is_spin": spin.msllm_yield_target(path.encode()) == spin_at,
+        "maps_kept": perms() == maps,
+    }
+print(json.dumps(out))
+"""
+
+
+def _spin_lib() -> str:
+    built = build_kernel(SPIN_SOURCE, say=False)
+    assert built.lib, built.reason
+    return built.lib
+
+
+def test_sched_yield_imports_of_a_library_are_pointed_at_the_spin_however_it_was_linked(tmp_path):
+    src = tmp_path / "yields.cc"
+    src.write_text("#include <sched.h>\n" + YIELDS)
+    libs = []
+    for name, flags in {
+        "relro-now": ["-Wl,-z,relro,-z,now"],  # the GOT is read-only once relocated: must be opened and closed again
+        "lazy": ["-Wl,-z,lazy"],  # a JUMP_SLOT in a writable .got.plt
+        "no-plt": ["-fno-plt", "-Wl,-z,relro,-z,now"],  # called through a GLOB_DAT slot
+    }.items():
+        out = tmp_path / f"libyields-{name}.so"
+        subprocess.run([CXX, "-O1", "-shared", "-fPIC", *flags, str(src), "-o", str(out)], check=True, timeout=120)
+        libs.append(str(out))
+    r = subprocess.run(
+        [sys.executable, "-c", CHILD, _spin_lib(), *libs], capture_output=True, text=True, timeout=120, check=True
+    )
+    for path, got in json.loads(r.stdout).items():
+        name = Path(path).name
+        assert got["libraries"] == 1 and got["slots"] >= 1, (name, got)
+        assert not got["before_is_spin"] and got["after_is_spin"], (name, got)
+        assert got["calls"] == 1000, (name, got)  # every sched_yield of the library now lands in the spin
+        assert got["maps_kept"], (name, got)  # RELRO pages are read-only again; nothing else changed protection
+
+
+def test_mindspore_thread_pool_spins_after_setup_and_computes_the_same():
+    runtime.setup_mindspore()
+    assert runtime.SPIN_WAIT.startswith("spin ("), runtime.SPIN_WAIT
+    spin = ctypes.CDLL(_spin_lib())  # the same library (dlopen hands back the loaded one)
+    spin.msllm_yield_target.restype = ctypes.c_void_p
+    spin.msllm_yield_target.argtypes = [ctypes.c_char_p]
+    assert spin.msllm_yield_target(b"libmindspore_core") == ctypes.cast(spin.msllm_spin_yield, ctypes.c_void_p).value
+    calls = spin.msllm_spin_yield_calls()
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((384, 256), np.float32), rng.standard_normal((256, 320), np.float32)
+    got = ms.ops.matmul(ms.Tensor(a), ms.Tensor(b)).asnumpy()  # oneDNN on MindSpore's two-thread pool
+    assert spin.msllm_spin_yield_calls() > calls  # the pool's waits went through the spin
+    # fp32 sums of 256 products: within 256 * eps32 of the magnitude of the terms, whatever the summation order
+    bound = 256 * np.finfo(np.float32).eps * (np.abs(a) @ np.abs(b))
+    assert np.all(np.abs(got - a.astype(np.float64) @ b) <= bound)
+
+
+def test_msllm_spin_wait_0_keeps_mindspore_s_sched_yield():
+    code = (
+        "import ctypes, sys; from model import runtime; runtime.setup_mindspore(); print(runtime.SPIN_WAIT); "
+        "spin = ctypes.CDLL(sys.argv[1]); spin.msllm_yield_target.restype = ctypes.c_void_p; "
+        "spin.msllm_yield_target.argtypes = [ctypes.c_char_p]; "
+        "at = ctypes.cast(spin.msllm_spin_yield, ctypes.c_void_p).value; "
+        "print(spin.msllm_yield_target(b'libmindspore_core') == at)"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, _spin_lib()],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**os.environ, "MSLLM_SPIN_WAIT": "0"},
+        check=True,
+    )
+    assert r.stdout.split("\n")[:2] == ["yield: MSLLM_SPIN_WAIT=0", "False"], r.stdout
