@@ -283,9 +283,9 @@ def main() -> None:
 
     import numpy as np
 
-    from model.runtime import setup_mindspore
+    from model import runtime
 
-    setup_mindspore()
+    runtime.setup_mindspore()
     from model.config import ModelConfig
     from model.fused_decode import build_decode_kernel, decode_kernel_path
     from model.generate import Generator
@@ -309,6 +309,7 @@ def main() -> None:
 
     res: dict = {
         "bench": "generate",
+        "spin_wait": runtime.SPIN_WAIT,  # MindSpore's pool waits (model/runtime.py spin_waits)
         **describe(a.threads),
         "kernel_body": decode_kernel_path(),
         "preset": a.preset,

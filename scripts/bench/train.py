@@ -79,9 +79,9 @@ SGEMM_N = 2048
 def _ms(a: argparse.Namespace) -> dict:
     import numpy as np
 
-    from model.runtime import setup_mindspore
+    from model import runtime
 
-    setup_mindspore(host_blocking=True)  # as the trainer
+    runtime.setup_mindspore(host_blocking=True)  # as the trainer
     from model.config import ModelConfig
     from model.kernel_build import kernel_path
     from tasks.modeling.build import build_network
@@ -103,6 +103,7 @@ def _ms(a: argparse.Namespace) -> dict:
         "step": type(step).__name__,
         "kernel_body": kernel_path() if built.kernels.fused else built.kernels.model,
         "flops_per_token": cfg.flops_per_token(a.seq),
+        "spin_wait": runtime.SPIN_WAIT,  # MindSpore's pool waits: "spin (...)" or "yield: <why>"
     }
     if not a.profile:
         return _timed(a, lambda: step(batch, 1e-4, next(steps))[0], info)
@@ -295,6 +296,7 @@ def _interleaved(specs: dict, cmd, env: dict, a: argparse.Namespace) -> dict:
             }
             if times["load:" + name]:  # each round's loaded step against the same round's quiet one
                 out[name]["load_step_s"] = statistics.median(times["load:" + name])
+                out[name]["load_rounds_step_s"] = times["load:" + name]
                 out[name]["load_slowdown"] = statistics.median(
                     1 - q / w for q, w in zip(times[name], times["load:" + name])
                 )
@@ -544,6 +546,7 @@ def main() -> None:
             out["rounds_step_s"] = [round(v, 3) for v in r["rounds_step_s"]]
         if "load_slowdown" in r:
             out["load_step_s"] = round(r["load_step_s"], 3)
+            out["load_rounds_step_s"] = [round(v, 3) for v in r["load_rounds_step_s"]]
             out["load_slowdown"] = round(r["load_slowdown"], 3)
         for k in ("attn", "cpu_capability", "compile_s"):
             if k in r:
@@ -562,6 +565,7 @@ def main() -> None:
         "fused_kernels": ms_["fused_kernels"],
         "kernel_body": ms_["kernel_body"],
         "step": ms_["step"],
+        "spin_wait": ms_.get("spin_wait"),
         **figures(ms_),
         "hf": {k: figures(v) for k, v in hf.items()},
     }
