@@ -101,17 +101,18 @@ def test_interleaved_sides_time_in_rounds_and_ratios_stay_within_a_round():
         "broken": ("fail", [], False),
         "flaky": ("1.0,-1,1.0", [], False),
     }  # flaky: a compile side that dies in the second round
-    out = train._interleaved(specs, cmd, {}, a)
+    env = lambda kind: {}  # noqa: E731  (each side's environment; the workers need none)
+    out = train._interleaved(specs, cmd, env, a)
     assert out["ours"]["rounds_step_s"] == [1.0, 2.0, 1.0] and out["ours"]["step_s"] == 1.0
     assert out["ours"]["tokens_per_s"] == 8.0 and out["ours"]["peak_rss_bytes"] == 7
     assert out["broken"] == {"error": "exit 3: no such model"} and out["flaky"]["error"].startswith("exit ")
     # rounds 1.1x, 1.1x, 1.2x: the median ratio 1.1 (the ratio of the medians would say 1.2, the mean 1.13)
     assert abs(train._ratio(out["ours"], out["ref"]) - 1.1) < 1e-12  # float64 quotients of exact inputs: an ulp
     with pytest.raises(SystemExit, match="broken side failed"):
-        train._interleaved({"broken": ("fail", [], True)}, cmd, {}, a)
+        train._interleaved({"broken": ("fail", [], True)}, cmd, env, a)
     # --load: each round times a side quiet, then beside the busy loop; the slowdown is the rounds' median
     loaded = train._interleaved(
-        {"ours": ("1.0,2.0,1.5,3.0", [], True)}, cmd, {}, argparse.Namespace(**{**vars(a), "rounds": 2, "load": True})
+        {"ours": ("1.0,2.0,1.5,3.0", [], True)}, cmd, env, argparse.Namespace(**{**vars(a), "rounds": 2, "load": True})
     )
     assert loaded["ours"]["rounds_step_s"] == [1.0, 1.5] and loaded["ours"]["load_step_s"] == 2.5
     assert loaded["ours"]["load_slowdown"] == 0.5

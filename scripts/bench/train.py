@@ -241,7 +241,7 @@ def _json_line(p: subprocess.Popen, command: str | None = None) -> dict | None:
     return None
 
 
-def _interleaved(specs: dict, cmd, env: dict, a: argparse.Namespace) -> dict:
+def _interleaved(specs: dict, cmd, env, a: argparse.Namespace) -> dict:
     """`--rounds`: every side started and warmed up in turn (no compilation beside a timed step), then `a.rounds`
     rounds, each side timing `--steps` steps in turn while the others wait on stdin; step_s the median, rounds_step_s
     each round's (`_ratio`), peak RSS the side's own. A failed side is the bench's error where `fatal`, else
@@ -265,7 +265,7 @@ def _interleaved(specs: dict, cmd, env: dict, a: argparse.Namespace) -> dict:
                 stdout=subprocess.PIPE,
                 stderr=err,
                 text=True,
-                env=env,
+                env=env(kind),
             )
             procs[name] = (p, err, fatal)
             first = _json_line(p)
@@ -460,7 +460,17 @@ def main() -> None:
         return
     apply_isa(a.isa)  # re-execs under the emulated CPU's environment; the children inherit it
     baselines = ["sdpa", *(b for b in ("eager", "compile") if b in a.hf.split(","))]
-    env = dict(os.environ, GLOG_v="3", OMP_NUM_THREADS=str(a.threads))
+    base_env = dict(os.environ, GLOG_v="3", OMP_NUM_THREADS=str(a.threads))
+
+    def env(kind: str) -> dict:
+        """A side's environment. PyTorch's threads are OMP_NUM_THREADS. MindSpore sizes its own pool from the cores
+        and, where OMP_NUM_THREADS is unset, sets it to its own choice (1 on 2 cores) for the OpenMP kernels inside
+        the step: the trainer runs so, and an explicit OMP_NUM_THREADS=2 made SmolLM2-135M's step 16-20% slower
+        (0.735 -> 0.855-0.886 s, alternated, AMD EPYC Zen 5): the ms sides get it only below the cores."""
+        if kind in ("ms", "peak") and a.threads >= len(os.sched_getaffinity(0)):
+            return {k: v for k, v in base_env.items() if k != "OMP_NUM_THREADS"}
+        return base_env
+
     common = [
         "--steps",
         str(a.steps),
@@ -481,7 +491,7 @@ def main() -> None:
         return [sys.executable, __file__, "--side", name, *common, *extra]
 
     def side(name: str, extra: list[str] = (), fatal: bool = True) -> dict:
-        out = subprocess.run(cmd(name, extra), capture_output=True, text=True, env=env)
+        out = subprocess.run(cmd(name, extra), capture_output=True, text=True, env=env(name))
         if out.returncode:
             if fatal:
                 raise SystemExit(
