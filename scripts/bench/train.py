@@ -410,7 +410,13 @@ def main() -> None:
     ap.add_argument("--preset", default=PRESET)
     ap.add_argument("--batch", type=int, default=None, help="micro batch (default: per preset, SHAPES)")
     ap.add_argument("--seq", type=int, default=None, help="sequence length (default: per preset, SHAPES)")
-    ap.add_argument("--threads", type=int, default=2, help="threads of every side (OMP_NUM_THREADS, torch)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=2,
+        help="threads of every side (torch: OMP_NUM_THREADS; the MindSpore sides get OMP_NUM_THREADS only "
+        "below the cores, as the trainer runs)",
+    )
     ap.add_argument(
         "--hf", default="sdpa,eager,compile", help="HF baselines, comma-separated, of sdpa (always run), eager, compile"
     )
