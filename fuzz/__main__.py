@@ -26,6 +26,8 @@ import time
 import traceback
 from pathlib import Path
 
+from tasks.training.hardware import process_cpu_seconds
+
 REPO = Path(__file__).resolve().parent.parent
 MEMORY_LIMIT = 6 * 2**30
 """RLIMIT_AS of a target's child: far above what any reader here needs on these inputs (< 1 GB), far below a
@@ -197,7 +199,7 @@ def _run_target(
             )
             while child.poll() is None:  # a hang in native code burns CPU past the budget
                 try:
-                    cpu = _cpu_seconds(child.pid)
+                    cpu = process_cpu_seconds(child.pid)
                 except OSError:
                     cpu = 0.0
                 if cpu > budget:
@@ -218,12 +220,6 @@ def _run_target(
             why = f"the child exited {child.returncode}: {' | '.join(tail)}"
             return {"target": name, "violations": [{"error": why, "input": last}]}
     return json.loads(stdout.strip().splitlines()[-1])
-
-
-def _cpu_seconds(pid: int) -> float:
-    """A process's CPU time (user + system, /proc/<pid>/stat fields 14 and 15)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -67,6 +67,7 @@ def test_a_hung_input_is_a_finding_and_a_paused_run_is_not(monkeypatch):
 
     import fuzz.__main__ as runner
     from fuzz import targets
+    from tasks.training.hardware import process_cpu_seconds
 
     def spin(n, tmp):
         while n == 7:
@@ -92,7 +93,7 @@ def test_a_hung_input_is_a_finding_and_a_paused_run_is_not(monkeypatch):
                 except (OSError, ValueError, IndexError):
                     continue
                 if b"--child" in cmd and proc_name.encode() in cmd and ppid == os.getpid():  # this run's child
-                    while runner._cpu_seconds(int(pid)) < 3.0:  # past its imports (~1 CPU s), into the inputs
+                    while process_cpu_seconds(int(pid)) < 3.0:  # past its imports (~1 CPU s), into the inputs
                         time.sleep(0.05)
                     os.kill(int(pid), signal.SIGSTOP)
                     time.sleep(8.0)

@@ -40,6 +40,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from model.cpu import cpu_flags, cpu_levels, cpu_model  # noqa: E402  (after the sys.path insert)
+from tasks.training.hardware import process_cpu_seconds  # noqa: E402
 
 _MARK = "MSLLM_BENCH_EMULATED_ISA"  # set once the environment is applied: the re-exec'd process sees it
 
@@ -133,12 +134,10 @@ class busy_loop:
         import time
 
         self.proc = subprocess.Popen(["nice", "-n", "19", sys.executable, "-c", "while True: pass"])
-        tick, t0 = os.sysconf("SC_CLK_TCK"), time.monotonic()
+        t0 = time.monotonic()
         while time.monotonic() - t0 < 10 * self.WARM_CPU_S and self.proc.poll() is None:
             try:
-                with open(f"/proc/{self.proc.pid}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                if (int(fields[11]) + int(fields[12])) / tick >= self.WARM_CPU_S:  # utime + stime
+                if process_cpu_seconds(self.proc.pid) >= self.WARM_CPU_S:
                     break
             except (OSError, IndexError, ValueError):  # not Linux: wait the time instead
                 pass

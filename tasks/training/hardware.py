@@ -32,6 +32,13 @@ def _status_bytes(field: str) -> int | None:
     return None
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """A process's CPU time so far, user + system (/proc/<pid>/stat fields 14 and 15; Linux). The fuzz runner's hang
+    budget and the benches' busy loop read it."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def peak_rss_bytes() -> int:
     """Peak resident memory of this process: VmHWM, the high-water mark of its own address space.
 
