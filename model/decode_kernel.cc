@@ -188,6 +188,15 @@ void on_pool(int threads, F fn) {
   pool().run(threads > 1 ? threads : 1, fn);
 }
 
+// s + a * b for the dot products' scalar tails: in the SIMD bodies one explicit fused multiply-add, so every
+// inlined copy of a tail (dot alone, the batched tiles below) rounds the same way whatever the compiler would
+// contract or vectorize there; the scalar body keeps its plain expression
+#if MSLLM_VW > 0
+inline float mul_add(float a, float b, float s) { return std::fma(a, b, s); }
+#else
+inline float mul_add(float a, float b, float s) { return s + a * b; }
+#endif
+
 inline float dot(const float *a, const float *b, int64_t n) {
   int64_t j = 0;
   float s = 0.f;
@@ -202,7 +211,7 @@ inline float dot(const float *a, const float *b, int64_t n) {
   for (; j + W <= n; j += W) acc0 = simd::fma(loadu(a + j), loadu(b + j), acc0);
   s = simd::hsum(acc0 + acc1);
 #endif
-  for (; j < n; ++j) s += a[j] * b[j];
+  for (; j < n; ++j) s = mul_add(a[j], b[j], s);
   return s;
 }
 
@@ -238,7 +247,7 @@ inline float dot(const half *a, const float *b, int64_t n) {
   for (; j + W <= n; j += W) acc0 = simd::fma(loadw(a + j), simd::loadu(b + j), acc0);
   s = simd::hsum(acc0 + acc1);
 #endif
-  for (; j < n; ++j) s += widen(a[j]) * b[j];
+  for (; j < n; ++j) s = mul_add(widen(a[j]), b[j], s);
   return s;
 }
 
@@ -473,20 +482,281 @@ inline void gemv_rows(const Q8Block *W, const float *x, float *y, int64_t n, int
   gemv_rows_q(W, a, y, n, r0, r1, accumulate);
 }
 
-// Rows [r0, r1) of W times each of B vectors: Y[b] (+)= W[r0:r1] . X[b] (X rows of n, Y rows of `ys`), a block of
-// kBatchRows rows at a time for every vector, so a block is read from memory once and from cache B - 1 times.
-// Each (row, vector) is computed exactly as gemv_rows computes it over [r0, r1) (the blocks keep its groups of 4
-// rows from r0 and its tail), so a sequence's logits do not depend on which others share the step.
-constexpr int64_t kBatchRows = 32;
+// Rows [r0, r1) of W times each of B vectors: Y[b] (+)= W[r0:r1] . X[b] (X rows of n, Y rows of `ys`). Register
+// blocked: a group of rows is loaded once per step for up to kNV vectors (each loaded weight vector multiplies every
+// one of them), and the group's rows stay in L1 while every vector passes over them, so the weights are read from
+// memory once and from L1, not L2, for the B - 1 after the first. Each (row, vector) is still summed exactly as
+// gemv_rows sums it over [r0, r1) (the same groups of 4 rows from r0 on AVX-512, the same accumulators, steps,
+// masks, reduction and tail), so a sequence's logits do not depend on which others share the step.
+#if MSLLM_VW > 0
+constexpr int kNV = MSLLM_VW == 16 ? 4 : 2;  // vectors per pass of AVX-512's aligned 4-row groups (16 accumulators)
+// rows x vectors per pass of the dot-product paths below (their accumulators must fit the registers: AVX-512 has 32)
+constexpr int kDotRows = MSLLM_VW == 16 ? 2 : 2, kDotVecs = MSLLM_VW == 16 ? 4 : 2;
+constexpr int kHalfRows = 1, kHalfVecs = MSLLM_VW == 16 ? 4 : 2;  // 4 accumulators a (row, vector)
+
+// a[i] . X[v] for R rows and NV vectors (s[i * NV + v]), each exactly as dot(const float *, ...) computes it: two
+// accumulators over steps of 2 vectors, one more step of one, hsum(acc0 + acc1), then the scalar tail
+template <int R, int NV>
+inline void dot_many(const float *const *a, const float *const *X, int64_t n, float *s) {
+  constexpr int64_t W = simd::kVW;
+  simd::vf acc0[R][NV], acc1[R][NV];
+#pragma GCC unroll 4
+  for (int i = 0; i < R; ++i)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc0[i][v] = acc1[i][v] = simd::zero();
+  int64_t j = 0;
+  for (; j + 2 * W <= n; j += 2 * W) {
+    simd::vf w0[R], w1[R];
+#pragma GCC unroll 4
+    for (int i = 0; i < R; ++i) w0[i] = simd::loadu(a[i] + j), w1[i] = simd::loadu(a[i] + j + W);
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) {
+      const simd::vf x0 = simd::loadu(X[v] + j), x1 = simd::loadu(X[v] + j + W);
+#pragma GCC unroll 4
+      for (int i = 0; i < R; ++i) {
+        acc0[i][v] = simd::fma(w0[i], x0, acc0[i][v]);
+        acc1[i][v] = simd::fma(w1[i], x1, acc1[i][v]);
+      }
+    }
+  }
+  for (; j + W <= n; j += W)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) {
+      const simd::vf x0 = simd::loadu(X[v] + j);
+#pragma GCC unroll 4
+      for (int i = 0; i < R; ++i) acc0[i][v] = simd::fma(simd::loadu(a[i] + j), x0, acc0[i][v]);
+    }
+#pragma GCC unroll 4
+  for (int i = 0; i < R; ++i)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) {
+      float t = simd::hsum(acc0[i][v] + acc1[i][v]);
+      for (int64_t k = j; k < n; ++k) t = mul_add(a[i][k], X[v][k], t);
+      s[i * NV + v] = t;
+    }
+}
+
+// the same for binary16 rows, each exactly as dot(const half *, ...) computes it: four accumulators over steps of 4
+// vectors, folded to two, steps of 2 and of 1, hsum(acc0 + acc1), the scalar tail. T = float: rows widened from
+// binary16 beforehand (widening is exact, so the sums are the same bits), each weight converted once for all NV
+template <int R, int NV, typename T>
+inline void dot_many_h(const T *const *a, const float *const *X, int64_t n, float *s) {
+  constexpr int64_t W = simd::kVW;
+  simd::vf acc0[R][NV], acc1[R][NV], acc2[R][NV], acc3[R][NV];
+#pragma GCC unroll 4
+  for (int i = 0; i < R; ++i)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc0[i][v] = acc1[i][v] = acc2[i][v] = acc3[i][v] = simd::zero();
+  int64_t j = 0;
+  for (; j + 4 * W <= n; j += 4 * W) {
+    simd::vf w0[R], w1[R], w2[R], w3[R];
+#pragma GCC unroll 4
+    for (int i = 0; i < R; ++i) {
+      w0[i] = loadw(a[i] + j), w1[i] = loadw(a[i] + j + W);
+      w2[i] = loadw(a[i] + j + 2 * W), w3[i] = loadw(a[i] + j + 3 * W);
+    }
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v)
+#pragma GCC unroll 4
+      for (int i = 0; i < R; ++i) {
+        acc0[i][v] = simd::fma(w0[i], simd::loadu(X[v] + j), acc0[i][v]);
+        acc1[i][v] = simd::fma(w1[i], simd::loadu(X[v] + j + W), acc1[i][v]);
+        acc2[i][v] = simd::fma(w2[i], simd::loadu(X[v] + j + 2 * W), acc2[i][v]);
+        acc3[i][v] = simd::fma(w3[i], simd::loadu(X[v] + j + 3 * W), acc3[i][v]);
+      }
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < R; ++i)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) {
+      acc0[i][v] = acc0[i][v] + acc2[i][v];
+      acc1[i][v] = acc1[i][v] + acc3[i][v];
+    }
+  for (; j + 2 * W <= n; j += 2 * W)
+#pragma GCC unroll 4
+    for (int i = 0; i < R; ++i) {
+      const simd::vf w0 = loadw(a[i] + j), w1 = loadw(a[i] + j + W);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) {
+        acc0[i][v] = simd::fma(w0, simd::loadu(X[v] + j), acc0[i][v]);
+        acc1[i][v] = simd::fma(w1, simd::loadu(X[v] + j + W), acc1[i][v]);
+      }
+    }
+  for (; j + W <= n; j += W)
+#pragma GCC unroll 4
+    for (int i = 0; i < R; ++i) {
+      const simd::vf w0 = loadw(a[i] + j);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc0[i][v] = simd::fma(w0, simd::loadu(X[v] + j), acc0[i][v]);
+    }
+#pragma GCC unroll 4
+  for (int i = 0; i < R; ++i)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) {
+      float t = simd::hsum(acc0[i][v] + acc1[i][v]);
+      for (int64_t k = j; k < n; ++k) t = mul_add(widen(a[i][k]), X[v][k], t);
+      s[i * NV + v] = t;
+    }
+}
+
+#if MSLLM_VW == 16
+// Four float rows from w0 (rows of n % 16 == 0 floats, w0's first `head` floats up to a 64-byte boundary) times NV
+// vectors, each (row, vector) as gemv_rows' AVX-512 group computes it: s[i * NV + v]
+template <int NV>
+inline void rows4_many(const float *w0, int64_t n, int64_t head, const float *const *X, bool prefetch, float *s) {
+  const float *w1 = w0 + n, *w2 = w1 + n, *w3 = w2 + n;
+  const __mmask16 hm = static_cast<__mmask16>((1u << head) - 1), tm = static_cast<__mmask16>((1u << (16 - head)) - 1);
+  __m512 a0[NV], a1[NV], a2[NV], a3[NV];
+  {
+    const __m512 h0 = _mm512_maskz_loadu_ps(hm, w0), h1 = _mm512_maskz_loadu_ps(hm, w1);
+    const __m512 h2 = _mm512_maskz_loadu_ps(hm, w2), h3 = _mm512_maskz_loadu_ps(hm, w3);
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) {
+      const __m512 xv = _mm512_maskz_loadu_ps(hm, X[v]);
+      a0[v] = _mm512_mul_ps(h0, xv);
+      a1[v] = _mm512_mul_ps(h1, xv);
+      a2[v] = _mm512_mul_ps(h2, xv);
+      a3[v] = _mm512_mul_ps(h3, xv);
+    }
+  }
+  int64_t j = head;
+  const float *next = w0 + 4 * n;
+  for (; j + 16 <= n; j += 16) {
+    if (prefetch) prefetch_span(next + 4 * j, 4 * 16 * sizeof(float));
+    const __m512 v0 = _mm512_load_ps(w0 + j), v1 = _mm512_load_ps(w1 + j);
+    const __m512 v2 = _mm512_load_ps(w2 + j), v3 = _mm512_load_ps(w3 + j);
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) {
+      const __m512 xv = _mm512_loadu_ps(X[v] + j);
+      a0[v] = _mm512_fmadd_ps(v0, xv, a0[v]);
+      a1[v] = _mm512_fmadd_ps(v1, xv, a1[v]);
+      a2[v] = _mm512_fmadd_ps(v2, xv, a2[v]);
+      a3[v] = _mm512_fmadd_ps(v3, xv, a3[v]);
+    }
+  }
+  if (head) {
+    const __m512 v0 = _mm512_maskz_load_ps(tm, w0 + j), v1 = _mm512_maskz_load_ps(tm, w1 + j);
+    const __m512 v2 = _mm512_maskz_load_ps(tm, w2 + j), v3 = _mm512_maskz_load_ps(tm, w3 + j);
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) {
+      const __m512 xv = _mm512_maskz_loadu_ps(tm, X[v] + j);
+      a0[v] = _mm512_fmadd_ps(v0, xv, a0[v]);
+      a1[v] = _mm512_fmadd_ps(v1, xv, a1[v]);
+      a2[v] = _mm512_fmadd_ps(v2, xv, a2[v]);
+      a3[v] = _mm512_fmadd_ps(v3, xv, a3[v]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int v = 0; v < NV; ++v) {
+    s[0 * NV + v] = _mm512_reduce_add_ps(a0[v]);
+    s[1 * NV + v] = _mm512_reduce_add_ps(a1[v]);
+    s[2 * NV + v] = _mm512_reduce_add_ps(a2[v]);
+    s[3 * NV + v] = _mm512_reduce_add_ps(a3[v]);
+  }
+}
+#endif
+
+// y (+)= s
+inline void put(float *y, float s, bool accumulate) { *y = accumulate ? *y + s : s; }
+
+// R rows from r times NV vectors from b, each (row, vector) as dot computes it
+template <typename WT, int R, int NV>
+inline void dot_tile(const WT *W, const float *wide, const float *X, int64_t n, float *Y, int64_t ys, int64_t r,
+                     int64_t b, bool accumulate) {
+  const float *xs[NV];
+  float s[R * NV];
+  for (int v = 0; v < NV; ++v) xs[v] = X + (b + v) * n;
+  if constexpr (std::is_same_v<WT, half>) {
+    const float *rows[R];
+    for (int i = 0; i < R; ++i) rows[i] = wide + i * n;
+    dot_many_h<R, NV>(rows, xs, n, s);
+  } else {
+    const WT *rows[R];
+    for (int i = 0; i < R; ++i) rows[i] = row_of(W, r + i, n);
+    dot_many<R, NV>(rows, xs, n, s);
+  }
+  for (int i = 0; i < R; ++i)
+    for (int v = 0; v < NV; ++v) put(Y + (b + v) * ys + r + i, s[i * NV + v], accumulate);
+}
+
+// rows [r, r1) on the dot path (gemv_rows' rows outside its AVX-512 groups: dot per row), every vector: tiles of
+// R rows x NV vectors, then the rows and vectors left over
+template <typename WT, int R, int NV>
+inline void rows_dot(const WT *W, const float *X, int64_t B, int64_t n, float *Y, int64_t ys, int64_t r, int64_t r1,
+                     bool accumulate) {
+  thread_local std::vector<float> scratch;  // binary16 rows widened once for all B vectors
+  float *wide = nullptr;
+  const auto widen_rows = [&](int64_t r, int k) {
+    if constexpr (std::is_same_v<WT, half>) {
+      if (static_cast<int64_t>(scratch.size()) < R * n + 16) scratch.resize(R * n + 16);
+      wide = scratch.data() + (16 - reinterpret_cast<uintptr_t>(scratch.data()) / 4 % 16) % 16;  // 64-byte aligned
+      if (r + 2 * k <= r1) prefetch_span(W + (r + 2 * k) * n, k * n * sizeof(half) / 64 * 64);  // the rows after next
+      for (int i = 0; i < k; ++i) {
+        const half *row = W + (r + i) * n;
+        int64_t j = 0;
+        for (; j + simd::kVW <= n; j += simd::kVW) simd::storeu(wide + i * n + j, loadw(row + j));
+        for (; j < n; ++j) wide[i * n + j] = widen(row[j]);
+      }
+    }
+  };
+  for (; r + R <= r1; r += R) {
+    widen_rows(r, R);
+    int64_t b = 0;
+    for (; b + NV <= B; b += NV) dot_tile<WT, R, NV>(W, wide, X, n, Y, ys, r, b, accumulate);
+    for (; b < B; ++b) dot_tile<WT, R, 1>(W, wide, X, n, Y, ys, r, b, accumulate);
+  }
+  for (; r < r1; ++r) {
+    widen_rows(r, 1);
+    int64_t b = 0;
+    for (; b + NV <= B; b += NV) dot_tile<WT, 1, NV>(W, wide, X, n, Y, ys, r, b, accumulate);
+    for (; b < B; ++b) dot_tile<WT, 1, 1>(W, wide, X, n, Y, ys, r, b, accumulate);
+  }
+}
+#endif
+
 template <typename WT>
 inline void gemv_batch(const WT *W, const float *X, int64_t B, int64_t n, float *Y, int64_t ys, int64_t r0, int64_t r1,
                        bool accumulate) {
-  for (int64_t r = r0; r < r1; r += kBatchRows) {
-    const int64_t e = r + kBatchRows < r1 ? r + kBatchRows : r1;
-    for (int64_t b = 0; b < B; ++b) gemv_rows(W, X + b * n, Y + b * ys, n, r, e, accumulate);
+#if MSLLM_VW > 0
+  int64_t r = r0;
+#if MSLLM_VW == 16
+  if (std::is_same_v<WT, float> && n % 16 == 0 && n >= 16 && reinterpret_cast<uintptr_t>(W) % 4 == 0) {
+    for (; r + 4 <= r1; r += 4) {  // gemv_rows' groups of four rows from r0
+      const float *w0 = reinterpret_cast<const float *>(W) + r * n;
+      const int64_t head = ((64 - reinterpret_cast<uintptr_t>(w0) % 64) % 64) / 4;
+      int64_t b = 0;
+      for (; b + kNV <= B; b += kNV) {
+        const float *xs[kNV];
+        float s[4 * kNV];
+        for (int v = 0; v < kNV; ++v) xs[v] = X + (b + v) * n;
+        rows4_many<kNV>(w0, n, head, xs, b == 0, s);
+        for (int v = 0; v < kNV; ++v) store4(Y + (b + v) * ys + r, s[v], s[kNV + v], s[2 * kNV + v], s[3 * kNV + v], accumulate);
+      }
+      for (; b < B; ++b) {
+        const float *xs[1] = {X + b * n};
+        float s[4];
+        rows4_many<1>(w0, n, head, xs, b == 0, s);
+        store4(Y + b * ys + r, s[0], s[1], s[2], s[3], accumulate);
+      }
+    }
   }
+#endif
+  if constexpr (std::is_same_v<WT, float>) {
+    rows_dot<WT, kDotRows, kDotVecs>(W, X, B, n, Y, ys, r, r1, accumulate);
+  } else if constexpr (std::is_same_v<WT, half>) {
+    rows_dot<WT, kHalfRows, kHalfVecs>(W, X, B, n, Y, ys, r, r1, accumulate);
+  } else {
+    for (int64_t b = 0; b < B; ++b) gemv_rows(W, X + b * n, Y + b * ys, n, r, r1, accumulate);
+  }
+#else
+  for (int64_t b = 0; b < B; ++b) gemv_rows(W, X + b * n, Y + b * ys, n, r0, r1, accumulate);
+#endif
 }
-// Q8_0: the B vectors quantized once by the caller (qa[b]), as gemv_rows quantizes each
+
+// Q8_0: rows [r0, r1) a block of kBatchRows rows at a time for every vector (a block of Q8_0 rows fits L1: read
+// from memory once, from L1 B - 1 times), each (row, vector) exactly as gemv_rows_q computes it.
+constexpr int64_t kBatchRows = 32;
+// (the B vectors quantized once by the caller, qa[b], as gemv_rows quantizes each)
 inline void gemv_batch(const Q8Block *W, const Q8Act *qa, int64_t B, int64_t n, float *Y, int64_t ys, int64_t r0,
                        int64_t r1, bool accumulate) {
   for (int64_t r = r0; r < r1; r += kBatchRows) {
@@ -984,6 +1254,15 @@ extern "C" int DecodeStep(int nparam, void **params, int *ndims, int64_t **shape
   return m.wtype == 1 ? decode_step<half>(params, m) : decode_step<float>(params, m);
 }
 
+// n floats, zeroed, from a 64-byte boundary
+struct AlignedFloats {
+  std::vector<float> v;
+  float *p;
+  explicit AlignedFloats(int64_t n) : v(n + 16, 0.f), p(v.data() + (16 - reinterpret_cast<uintptr_t>(v.data()) / 4 % 16) % 16) {}
+  float *data() { return p; }
+  float &operator[](int64_t i) { return p[i]; }
+};
+
 // One token of each of B sequences (continuous batching: the server's running requests) in one step, each in its
 // own cache slot: operands as DecodeStep's but 0 tokens int32 [B], 1 int32 [B, 2] (slot, position) per row, the
 // caches [NS, nkv, S, hd], the output logits [B, V]. Every matrix is read from memory once for the B rows
@@ -1008,11 +1287,12 @@ int batch_step(void **params, const Model &m, int64_t B) {
   const WT *embed = static_cast<const WT *>(m.embed), *head = static_cast<const WT *>(m.head);
   const int threads = m.threads;
   const int64_t stride = nkv * S * hd;  // one slot of a cache
-  std::vector<float> x(B * H);
+  // the B vectors each projection reads, 64-byte aligned (a row of a multiple of 16 floats starts a cache line:
+  // unaligned vector loads that straddle two lines would halve the tiles' load throughput)
+  AlignedFloats x(B * H), attn(B * qdim), act(B * F), hn(B * H * threads);
   for (int64_t b = 0; b < B; ++b)
     for (int64_t i = 0; i < H; ++i) x[b * H + i] = weight_at(row_of(embed, tok[b], H), i);
-  std::vector<float> q(B * qdim), kv(B * 2 * kvdim), attn(B * qdim), act(B * F), up(B * F);
-  std::vector<float> hn(B * H * threads), scores(S * threads);
+  std::vector<float> q(B * qdim), kv(B * 2 * kvdim), up(B * F), scores(S * threads);
   constexpr bool q8 = std::is_same_v<WT, Q8Block>;
   std::vector<Q8Act> qa(q8 ? B * threads : 0);
 

@@ -452,24 +452,34 @@ def test_prefill_step_matches_decode_steps_and_the_scalar_body(isa):
         assert rc == 4 and np.array_equal(kv, caches) and np.isnan(logits).all()
 
 
+def _as_dtype(weights, dtype):
+    """`_whole_model`'s weights with the matrices (embedding, LM head, each layer's seven projections) in `dtype`."""
+    mat = lambda i: i in (0, 2) or (i >= 5 and (i - 5) % 9 not in (0, 5))  # noqa: E731
+    return [w.astype(dtype) if mat(i) else w for i, w in enumerate(weights)]
+
+
 @needs_cxx
 @pytest.mark.parametrize("isa", cpu_levels())
-def test_batch_decode_step_is_each_rows_decode_step_in_every_body(isa):
+@pytest.mark.parametrize("dtype,H", [(np.float32, 40), (np.float32, 48), (np.float16, 40)])
+def test_batch_decode_step_is_each_rows_decode_step_in_every_body(isa, dtype, H):
     """decode_kernel.cc BatchDecodeStep (one token of each of B sequences, caches [NS, nkv, S, hd], a slot each):
     every row's logits and the cache rows it writes equal, bit for bit, DecodeStep run on that sequence alone in the
-    same body (each row summed in DecodeStep's order; widths that are not whole vectors or 4-row groups); a slot not
-    in the step is untouched. PrefillStep with [start, last, slot] writes that slot exactly as it writes a cache of
-    its own. Two rows in one slot, a position past the cache or more rows than slots are refused before anything is
-    written."""
+    same body (each row summed in DecodeStep's order; widths that are not whole vectors or 4-row groups, and H = 48,
+    whose rows take AVX-512's aligned 4-row path; 7 rows: whole register-blocked passes of several vectors and the
+    rows left over; float32 and binary16 weights); a slot not in the step is untouched. PrefillStep with
+    [start, last, slot] writes that slot exactly as it writes a cache of its own. Two rows in one slot, a position
+    past the cache or more rows than slots are refused before anything is written."""
     rng = np.random.default_rng(11)
-    weights, caches = _whole_model(rng)
+    weights, caches = _whole_model(rng, H=H)
+    weights = _as_dtype(weights, dtype)
     L, nkv, S, hd = caches.shape[1:]
     V = weights[0].shape[0]
     consts = np.array([1e-5, 10**-0.5, 3], np.float32)
-    NS = 4
+    NS = 8
     slots = rng.standard_normal((2, L, NS, nkv, S, hd)).astype(np.float32)
-    rows = np.array([[2, 5], [0, S - 1], [1, 0]], np.int32)  # (slot, position); slot 3 sits out
-    tokens = rng.integers(0, V, 3).astype(np.int32)
+    where = [[2, 5], [0, S - 1], [1, 0], [6, 7], [4, 11], [3, 1], [5, 20]]
+    rows = np.array(where, np.int32)  # (slot, position); slot 7 sits out
+    tokens = rng.integers(0, V, len(rows)).astype(np.int32)
     lib = _lib(isa, DECODE_SOURCE, openmp=True)
 
     def batch(toks, where):
@@ -484,7 +494,7 @@ def test_batch_decode_step_is_each_rows_decode_step_in_every_body(isa):
         assert _call(lib, "DecodeStep", *args) == 0
         np.testing.assert_array_equal(logits[b], out[0], err_msg=f"row {b}")
         np.testing.assert_array_equal(kv[:, :, slot], one, err_msg=f"slot {slot}")
-    np.testing.assert_array_equal(kv[:, :, 3], slots[:, :, 3])
+    np.testing.assert_array_equal(kv[:, :, 7], slots[:, :, 7])
     chunk = rng.integers(0, V, (1, 6)).astype(np.int32)
     one, out = slots[:, :, 1].copy(), np.full((1, V), np.nan, np.float32)
     assert _call(lib, "PrefillStep", chunk, np.array([2, 5], np.int32), consts, *weights, *one[0], *one[1], out) == 0
