@@ -1382,8 +1382,8 @@ extern "C" int BatchDecodeStep(int nparam, void **params, int *ndims, int64_t **
 
 // A prompt chunk (batch 1, T tokens at slots start..start+T-1) through the whole model, as DecodeStep does one
 // token: the operands are DecodeStep's but 0 tokens int32 [1, T] and 1 int32 [2]: start, last (the row whose
-// logits are returned, 0 <= last < T). Writes the chunk's K/V rows into the caches and returns the logits [1, V]
-// of row `last`. Every buffer is the chunk's own ([T, widths] and the keys of slots 0..start+T-1, transposed):
+// logits are returned, 0 <= last < T). Writes the K/V rows of the chunk's tokens 0..last into the caches and returns
+// the logits [1, V] of row `last` (rows past `last`, a short prompt's padding, are checked, not computed). Every buffer is the chunk's own ([T, widths] and the keys of slots 0..start+T-1, transposed):
 // nothing a static MindSpore graph would keep per kernel (~0.5 GB of the 64-token chunk graph at SmolLM2-135M).
 // The projections are GEMMs over the chunk (gemm_rows: every weight row read once per chunk), split by rows over
 // the threads; attention as ChunkAttention.
@@ -1399,6 +1399,10 @@ int prefill_step(void **params, const Model &m, int64_t T, bool all_rows, int64_
   const int64_t slot_off = slot * m.nkv * m.S * hd;  // the slot's caches within [NS, nkv, S, hd]
   for (int64_t i = 0; i < T; ++i)
     if (tokens[i] < 0 || tokens[i] >= V) return 4;
+  // PrefillStep: the rows after `last` (a short prompt's padding) cannot change row `last` (attention is causal, and
+  // each row's projections are its own sums, the same in any chunk length), so they are not computed: a 33-token
+  // prompt in a 64-token chunk costs 33 rows, and the cache slots past `last` keep what they held
+  if (!all_rows) T = last + 1;
   const float eps = m.eps, scale = m.scale, *final_norm = m.final_norm;
   const WT *embed = static_cast<const WT *>(m.embed), *head = static_cast<const WT *>(m.head);
   const int threads = m.threads;

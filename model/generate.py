@@ -431,10 +431,11 @@ class Generator:
     def _chunks(self, ids: list[int], c: int | None = None):
         """The prompt as fixed-size chunks [1, C] (C = `c`, default `prefill_chunk`): (ids, start, index of the last
         real token).
-        A prompt shorter than C is right-padded (the padding's K/V land in slots past the prompt: masked, then
-        overwritten by decoding); a longer one is cut at multiples of C and its last chunk ends exactly at the
-        prompt's end, overlapping the one before (those positions are computed again from the same tokens), so no
-        slot past the prompt is written and no position goes past the cache."""
+        A prompt shorter than C is right-padded (the fused PrefillStep stops at the prompt's last token; on
+        MindSpore's ops the padding's K/V land in slots past the prompt: masked, then overwritten by decoding); a
+        longer one is cut at multiples of C and its last chunk ends exactly at the prompt's end, overlapping the one
+        before (those positions are computed again from the same tokens), so no slot past the prompt is written and
+        no position goes past the cache."""
         n, c = len(ids), c or self.prefill_chunk
         if n <= c:
             x = np.zeros((1, c), np.int32)

@@ -395,8 +395,9 @@ def test_prefill_step_matches_decode_steps_and_the_scalar_body(isa):
     run token by token from the same caches, and against its own scalar body: the same cache rows and logits of the
     chosen row, within the rounding of reordered fp32 sums (per layer: reductions over H, F and the P visible
     slots, ~1 ulp of the magnitude each, relative; 8x for the two sides' errors and the exp / rsqrt); the cache
-    slots outside the chunk untouched; a chunk past the cache, a `last` outside it and a token outside the
-    vocabulary refused (4) before anything is written."""
+    slots outside the chunk's rows 0..last untouched (the rows past `last`, a short prompt's padding, are not
+    computed); a chunk past the cache, a `last` outside it and a token outside the vocabulary refused (4) before
+    anything is written."""
     rng = np.random.default_rng(7)
     weights, caches = _whole_model(rng)
     L, S, V, H, F = 2, caches.shape[3], weights[0].shape[0], weights[0].shape[1], 52
@@ -438,8 +439,9 @@ def test_prefill_step_matches_decode_steps_and_the_scalar_body(isa):
         rc, kv, logits = prefill(lib, last)
         assert rc == 0 and np.isfinite(logits).all()
         np.testing.assert_array_equal(kv[:, :, :, :start], caches[:, :, :, :start])  # slots before the chunk
-        np.testing.assert_array_equal(kv[:, :, :, start + T :], caches[:, :, :, start + T :])  # and after it
-        assert np.abs(kv - kv_dec).max() <= bound(kv_dec)
+        end = start + last + 1
+        np.testing.assert_array_equal(kv[:, :, :, end:], caches[:, :, :, end:])  # and after row `last`
+        assert np.abs(kv[:, :, :, :end] - kv_dec[:, :, :, :end]).max() <= bound(kv_dec)
         assert np.abs(logits[0] - logits_dec[last]).max() <= bound(logits_dec[last])
         rc, kv_s, logits_s = prefill(_lib("scalar", DECODE_SOURCE, openmp=True), last)
         assert rc == 0 and np.abs(logits - logits_s).max() <= bound(logits_s) and np.abs(kv - kv_s).max() <= bound(kv_s)
