@@ -11,6 +11,8 @@ from mindspore import Tensor
 
 from model.fused_decode import DecodeError, FusedDecodeStep, SlotCaches
 
+PACK_PROMPTS = 16  # prompts a PackedPrefillStep takes at most (its table's rows)
+
 
 class BatchDecoder:
     """Sequences decoded together (continuous batching: a server's running requests), one token of each per step:
@@ -24,6 +26,7 @@ class BatchDecoder:
         batch = gen.batch(4)
         slot = batch.acquire()
         logits = batch.prefill(slot, prompt_ids)               # [V] after the prompt
+        rows = batch.prefill_many([slot, ...], [prompt_ids, ...])  # several prompts in one pass: [V] each
         rows = batch.decode([slot, ...], [position, ...], [token, ...])   # [B, V]
         batch.release(slot)
     """
@@ -37,6 +40,7 @@ class BatchDecoder:
         self.caches = SlotCaches(gen.net, slots, gen.max_len)
         chunk = FusedDecodeStep(self.caches, gen._lib, gen._threads, prefill=True, weights=gen._weights)
         step = FusedDecodeStep(self.caches, gen._lib, gen._threads, batch=True, weights=gen._weights)
+        packed = FusedDecodeStep(self.caches, gen._lib, gen._threads, packed=True, weights=gen._weights)
 
         def slot_prefill(tokens, where):
             return chunk(tokens, where)
@@ -44,7 +48,14 @@ class BatchDecoder:
         def batch_decode(tokens, where):
             return step(tokens, where)
 
+        def packed_prefill(tokens, table):
+            return packed(tokens, table)
+
         self._prefill, self._decode = ms.jit(slot_prefill), ms.jit(batch_decode)
+        self._packed = ms.jit(packed_prefill)
+        # prompts of at most one prefill chunk go into one PackedPrefillStep together: a chunk of up to this many
+        # tokens (one static shape; only the prompts' own rows are computed)
+        self.pack_tokens = min(slots, PACK_PROMPTS) * gen.prefill_chunk
         self._free = list(range(slots - 1, -1, -1))  # pop() hands out slot 0 first
 
     @property
@@ -71,6 +82,40 @@ class BatchDecoder:
             logits = self.gen._fused_op(self._prefill, "prefill", start, Tensor(x), where)
         self.gen._compiled("batch prefill")
         return logits.asnumpy()[0]
+
+    def prefill_many(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """Each prompt into its slot, the logits [V] after each: the prompts of at most `prefill_chunk` tokens
+        packed into PackedPrefillStep calls (every weight matrix read once for all of them, each prompt's rows
+        computed as `prefill` computes them alone: the same logits and caches, bit for bit), longer ones alone."""
+        out: list[np.ndarray | None] = [None] * len(prompts)
+        short = []
+        for i, (slot, ids) in enumerate(zip(slots, prompts, strict=True)):
+            ids = [int(t) for t in ids]
+            if 0 < len(ids) <= self.gen.prefill_chunk and len(ids) < self.gen.max_len:
+                short.append((i, slot, ids))
+            else:
+                out[i] = self.prefill(slot, ids)
+        while short:
+            group, n = [], 0
+            while short and len(group) < min(self.slots, PACK_PROMPTS) and n + len(short[0][2]) <= self.pack_tokens:
+                group.append(short.pop(0))
+                n += len(group[-1][2])
+            if len(group) == 1:
+                i, slot, ids = group[0]
+                out[i] = self.prefill(slot, ids)
+                continue
+            tokens = np.zeros((1, self.pack_tokens), np.int32)
+            table = np.zeros((min(self.slots, PACK_PROMPTS), 3), np.int32)
+            at = 0
+            for k, (_, slot, ids) in enumerate(group):
+                tokens[0, at : at + len(ids)] = ids
+                table[k] = (slot, 0, len(ids))
+                at += len(ids)
+            rows = self.gen._fused_op(self._packed, "packed prefill", 0, Tensor(tokens), Tensor(table)).asnumpy()
+            self.gen._compiled("packed prefill")
+            for k, (i, _, _) in enumerate(group):
+                out[i] = rows[k]
+        return out
 
     def decode(self, slots: Sequence[int], positions: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
         """One token of each running sequence: `tokens[b]` at `positions[b]` of slot `slots[b]` -> logits [B, V]."""

@@ -28,6 +28,7 @@
 // embedding's [V, H] and the first layer's sizes, the caches' [nkv, S, hd]); a mismatch returns 2 (dtype)
 // or 3 (shape), a token or position out of range 4 (model/kernels.py names the codes).
 
+#include <algorithm>
 #include <atomic>
 #include <climits>
 #include <mutex>
@@ -1387,37 +1388,47 @@ extern "C" int BatchDecodeStep(int nparam, void **params, int *ndims, int64_t **
 // nothing a static MindSpore graph would keep per kernel (~0.5 GB of the 64-token chunk graph at SmolLM2-135M).
 // The projections are GEMMs over the chunk (gemm_rows: every weight row read once per chunk), split by rows over
 // the threads; attention as ChunkAttention.
-// A prompt chunk of T tokens through the whole model, the weight matrices of type WT; `m` checked by check_model.
+// One prompt (chunk) of a chunk step: its cache slot, its first position, its rows (tokens) in the packed chunk.
+struct Seg {
+  int64_t slot, start, n;
+};
+
+// Prompt chunks through the whole model in one pass, the weight matrices of type WT; `m` checked by check_model.
+// `segs` are consecutive rows of the chunk `tokens` (each row a token at its own position of its own slot): every
+// projection is one GEMM over all of them (each weight row read once for all the prompts), attention is each
+// segment's own (ChunkAttn over its slot). Each row's sums are its own, in the same order whatever else is in the
+// chunk, so a prompt's K/V and logits are the same bits alone or packed with others. all_rows: every row's logits
+// [T, V] (ScoreStep); else each segment's last row's, [segments, V].
 template <typename WT>
-int prefill_step(void **params, const Model &m, int64_t T, bool all_rows, int64_t slot = 0) {
+int chunk_step(void **params, const Model &m, const int32_t *tokens, const std::vector<Seg> &segs, bool all_rows) {
   const int n_layers = m.n_layers;
-  const int64_t V = m.V, H = m.H, hd = m.hd, qdim = m.qdim, kvdim = m.kvdim, F = m.F;
-  const int32_t *tokens = static_cast<const int32_t *>(params[0]);
-  const int64_t start = static_cast<const int32_t *>(params[1])[0], last = static_cast<const int32_t *>(params[1])[1];
-  if (start < 0 || start + T > m.S || start + T > m.S_rope || last < 0 || last >= T || slot < 0 || slot >= m.NS)
-    return 4;
-  const int64_t slot_off = slot * m.nkv * m.S * hd;  // the slot's caches within [NS, nkv, S, hd]
-  for (int64_t i = 0; i < T; ++i)
-    if (tokens[i] < 0 || tokens[i] >= V) return 4;
-  // PrefillStep: the rows after `last` (a short prompt's padding) cannot change row `last` (attention is causal, and
-  // each row's projections are its own sums, the same in any chunk length), so they are not computed: a 33-token
-  // prompt in a 64-token chunk costs 33 rows, and the cache slots past `last` keep what they held
-  if (!all_rows) T = last + 1;
+  const int64_t V = m.V, H = m.H, hd = m.hd, qdim = m.qdim, kvdim = m.kvdim, F = m.F, NQ = segs.size();
+  int64_t T = 0, kt_all = 0, P_max = 0;
+  std::vector<int64_t> off(NQ), kt_off(NQ);
+  for (int64_t i = 0; i < NQ; ++i) {
+    off[i] = T, kt_off[i] = kt_all;
+    T += segs[i].n, kt_all += m.nkv * hd * (segs[i].start + segs[i].n);
+    P_max = std::max(P_max, segs[i].start + segs[i].n);
+  }
   const float eps = m.eps, scale = m.scale, *final_norm = m.final_norm;
   const WT *embed = static_cast<const WT *>(m.embed), *head = static_cast<const WT *>(m.head);
   const int threads = m.threads;
   float *logits = m.logits;
 
   std::vector<float> x(T * H), h(T * H), q(T * qdim), k(T * kvdim), v(T * kvdim), attn(T * qdim), act(T * F),
-      up(T * F), qr(T * qdim), kt(m.nkv * hd * (start + T)), scores(4 * (start + T) * threads), hl(H);
+      up(T * F), qr(T * qdim), kt(kt_all), scores(4 * P_max * threads);
+  AlignedFloats hl(NQ * H);
   for (int64_t i = 0; i < T; ++i)
     for (int64_t j = 0; j < H; ++j) x[i * H + j] = weight_at(row_of(embed, tokens[i], H), j);
-  ChunkAttn c{q.data(), k.data(), v.data(), T, m.nh, m.nkv, hd, m.n_rep, m.S, start, m.cos_t, m.sin_t, scale,
-              nullptr, nullptr, qr.data(), kt.data(), attn.data()};
+  std::vector<ChunkAttn> att;  // each segment's attention, over its rows and its slot
+  for (int64_t i = 0; i < NQ; ++i)
+    att.push_back({q.data() + off[i] * qdim, k.data() + off[i] * kvdim, v.data() + off[i] * kvdim, segs[i].n, m.nh,
+                   m.nkv, hd, m.n_rep, m.S, segs[i].start, m.cos_t, m.sin_t, scale, nullptr, nullptr,
+                   qr.data() + off[i] * qdim, kt.data() + kt_off[i], attn.data() + off[i] * qdim});
 
   Barrier barrier(threads);
   on_pool(threads, [&](int t, int nt) {
-    float *sc = scores.data() + 4 * (start + T) * t;
+    float *sc = scores.data() + 4 * P_max * t;
     int64_t b, e;
     // rows [b, e) of a projection with `rows` rows, split over the threads in whole panels (gemm_rows)
 #if MSLLM_VW > 0
@@ -1433,9 +1444,13 @@ int prefill_step(void **params, const Model &m, int64_t T, bool all_rows, int64_
     for (int l = 0; l < n_layers; ++l) {
       const auto w = [&](int i) { return static_cast<const float *>(params[8 + 9 * l + i]); };  // the norms
       const auto wm = [&](int i) { return static_cast<const WT *>(params[8 + 9 * l + i]); };  // the matrices
-      ChunkAttn cl = c;
-      cl.kc = static_cast<float *>(params[8 + 9 * n_layers + l]) + slot_off;
-      cl.vc = static_cast<float *>(params[8 + 10 * n_layers + l]) + slot_off;
+      const auto seg_attn = [&](int64_t i) {  // segment i's attention over layer l's caches of its slot
+        ChunkAttn a = att[i];
+        const int64_t slot_off = segs[i].slot * m.nkv * m.S * hd;  // the slot's caches within [NS, nkv, S, hd]
+        a.kc = static_cast<float *>(params[8 + 9 * n_layers + l]) + slot_off;
+        a.vc = static_cast<float *>(params[8 + 10 * n_layers + l]) + slot_off;
+        return a;
+      };
       split(T, t, nt, &b, &e);
       for (int64_t i = b; i < e; ++i) rms_norm(x.data() + i * H, w(0), h.data() + i * H, H, eps);
       barrier.wait();
@@ -1448,11 +1463,11 @@ int prefill_step(void **params, const Model &m, int64_t T, bool all_rows, int64_
         gemm_rows(h.data(), H, T, wm(3), H, (b > qdim + kvdim ? b : qdim + kvdim) - qdim - kvdim, e - qdim - kvdim,
                   v.data(), kvdim, false);
       barrier.wait();
-      cl.write(t, nt);
+      for (int64_t i = 0; i < NQ; ++i) seg_attn(i).write(t, nt);  // the slots differ: no cache row written twice
       barrier.wait();
-      cl.transpose(t, nt);
+      for (int64_t i = 0; i < NQ; ++i) seg_attn(i).transpose(t, nt);
       barrier.wait();
-      cl.attend(t, nt, sc);
+      for (int64_t i = 0; i < NQ; ++i) seg_attn(i).attend(t, nt, sc);
       barrier.wait();
       rows_of(H);
       gemm_rows(attn.data(), qdim, T, wm(4), qdim, b, e, x.data(), H, true);  // x += o(attn), columns of x split
@@ -1481,12 +1496,61 @@ int prefill_step(void **params, const Model &m, int64_t T, bool all_rows, int64_
       gemm_rows(h.data(), H, T, head, H, b, e, logits, V, false);
       return;
     }
-    if (t == 0) rms_norm(x.data() + last * H, final_norm, hl.data(), H, eps);
+    if (t == 0)
+      for (int64_t i = 0; i < NQ; ++i)
+        rms_norm(x.data() + (off[i] + segs[i].n - 1) * H, final_norm, hl.data() + i * H, H, eps);
     barrier.wait();
     split(V, t, nt, &b, &e);
-    gemv_rows(head, hl.data(), logits, H, b, e, false);
+    if constexpr (std::is_same_v<WT, Q8Block>) {
+      for (int64_t i = 0; i < NQ; ++i) gemv_rows(head, hl.data() + i * H, logits + i * V, H, b, e, false);
+    } else {
+      gemv_batch(head, hl.data(), NQ, H, logits, V, b, e, false);  // each row as gemv_rows computes it
+    }
   });
   return 0;
+}
+
+// A prompt chunk (PrefillStep, ScoreStep): tokens [1, T] at positions start..start+T-1 of `slot`, operand 1
+// [start, last(, slot)]. PrefillStep: the rows after `last` (a short prompt's padding) cannot change row `last`
+// (attention is causal, each row's sums its own), so they are checked, not computed: a 33-token prompt in a 64-token
+// chunk costs 33 rows, and the cache slots past `last` keep what they held.
+template <typename WT>
+int prefill_step(void **params, const Model &m, int64_t T, bool all_rows, int64_t slot = 0) {
+  const int32_t *tokens = static_cast<const int32_t *>(params[0]);
+  const int64_t start = static_cast<const int32_t *>(params[1])[0], last = static_cast<const int32_t *>(params[1])[1];
+  if (start < 0 || start + T > m.S || start + T > m.S_rope || last < 0 || last >= T || slot < 0 || slot >= m.NS)
+    return 4;
+  for (int64_t i = 0; i < T; ++i)
+    if (tokens[i] < 0 || tokens[i] >= m.V) return 4;
+  return chunk_step<WT>(params, m, tokens, {Seg{slot, start, all_rows ? T : last + 1}}, all_rows);
+}
+
+// Several prompts' chunks in one pass (the server's newly admitted requests, `BatchDecoder.prefill_many`): the
+// operands are PrefillStep's over slot caches [NS, nkv, S, hd] but 0 tokens int32 [1, P] (the prompts one after
+// another, then padding) and 1 int32 [K, 3], per prompt (slot, start, n): its n tokens are the next n of operand 0,
+// at positions start..start+n-1 of its slot; a row with n = 0 ends the list. The output [K, V]: row i the logits
+// after prompt i's last token (rows past the list untouched). Each prompt's K/V and logits are PrefillStep's on it
+// alone, bit for bit. Refused (4) before anything is written: two prompts in one slot, a slot or position outside
+// the caches, more tokens than P, a token outside the vocabulary, no prompt.
+template <typename WT>
+int packed_prefill(void **params, const Model &m, int64_t P, int64_t K) {
+  const int32_t *tokens = static_cast<const int32_t *>(params[0]), *sp = static_cast<const int32_t *>(params[1]);
+  std::vector<Seg> segs;
+  std::vector<char> taken(m.NS, 0);
+  int64_t T = 0;
+  for (int64_t i = 0; i < K && sp[3 * i + 2] != 0; ++i) {
+    const int64_t slot = sp[3 * i], start = sp[3 * i + 1], n = sp[3 * i + 2];
+    if (n < 0 || slot < 0 || slot >= m.NS || taken[slot] || start < 0 || start + n > m.S || start + n > m.S_rope ||
+        T + n > P)
+      return 4;
+    taken[slot] = 1;
+    segs.push_back({slot, start, n});
+    T += n;
+  }
+  if (segs.empty()) return 4;
+  for (int64_t i = 0; i < T; ++i)
+    if (tokens[i] < 0 || tokens[i] >= m.V) return 4;
+  return chunk_step<WT>(params, m, tokens, segs, false);
 }
 
 extern "C" int PrefillStep(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
@@ -1499,6 +1563,18 @@ extern "C" int PrefillStep(int nparam, void **params, int *ndims, int64_t **shap
   const int64_t slot = np1 == 3 ? static_cast<const int32_t *>(params[1])[2] : 0;
   if (m.wtype == 2) return prefill_step<Q8Block>(params, m, T, false, slot);
   return m.wtype == 1 ? prefill_step<half>(params, m, T, false, slot) : prefill_step<float>(params, m, T, false, slot);
+}
+
+extern "C" int PackedPrefillStep(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                                 void *stream, void *extra) {
+  (void)stream; (void)extra;
+  Model m;
+  if (nparam < 2 || ndims[1] != 2 || shapes[1][1] != 3) return 3;
+  const int64_t P = count(ndims, shapes, 0), K = shapes[1][0];
+  if (const int rc = check_model(nparam, params, ndims, shapes, dtypes, &m, K)) return rc;
+  if (P < 1 || K < 1 || K > m.NS) return 3;
+  if (m.wtype == 2) return packed_prefill<Q8Block>(params, m, P, K);
+  return m.wtype == 1 ? packed_prefill<half>(params, m, P, K) : packed_prefill<float>(params, m, P, K);
 }
 
 // ScoreStep: PrefillStep with every row's logits, [T, V] (the eval scorer's log-probabilities of a sequence in the

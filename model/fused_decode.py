@@ -92,11 +92,12 @@ def _decode_dtypes(*dtypes):
 
 
 def _decode_op(lib: str, vocab: int, n_layers: int, name: str = "DecodeStep"):
-    """A whole-model custom op of model/decode_kernel.cc: `DecodeStep` (one token), `PrefillStep` (a prompt chunk) or
-    `ScoreStep` (a chunk, every row's logits), declared as writing its 2 * n_layers cache inputs (RW_WRITE,
-    side_effect_mem, as model/kernel_ops.py's in-place ops): so a graph never hands the kernel a copy of a cache
-    Parameter, and the write is ordered after any earlier read of it. They return the logits [1, V] (PrefillStep: of
-    the chunk's row `last`; ScoreStep: [T, V])."""
+    """A whole-model custom op of model/decode_kernel.cc: `DecodeStep` (one token), `PrefillStep` (a prompt chunk),
+    `ScoreStep` (a chunk, every row's logits), `BatchDecodeStep` or `PackedPrefillStep` (several prompts), declared
+    as writing its 2 * n_layers cache inputs (RW_WRITE, side_effect_mem, as model/kernel_ops.py's in-place ops): so
+    a graph never hands the kernel a copy of a cache Parameter, and the write is ordered after any earlier read of
+    it. They return the logits [1, V] (PrefillStep: of the chunk's row `last`; ScoreStep: [T, V]; BatchDecodeStep:
+    [B, V]; PackedPrefillStep: [K, V], each prompt's last row)."""
     n_in = 8 + 11 * n_layers
     writes = range(8 + 9 * n_layers, n_in)
 
@@ -108,7 +109,14 @@ def _decode_op(lib: str, vocab: int, n_layers: int, name: str = "DecodeStep"):
         def __init__(self):
             super().__init__(
                 f"{lib}:{name}",
-                out_shape=lambda *shapes: [shapes[0][-1] if name in ("ScoreStep", "BatchDecodeStep") else 1, vocab],
+                out_shape=lambda *shapes: [
+                    shapes[0][-1]
+                    if name in ("ScoreStep", "BatchDecodeStep")
+                    else shapes[1][0]
+                    if name == "PackedPrefillStep"
+                    else 1,
+                    vocab,
+                ],
                 out_dtype=_decode_dtypes,
                 func_type="aot",
             )
@@ -310,7 +318,9 @@ class FusedDecodeStep(nn.Cell):
     prefill: `construct(tokens [1, T] int32, [start, last] int32)` writes slots start..start+T-1 and returns the
     logits of row `last`; with `score=True`, the logits of every row, [T, V] (`Generator.score`). Over `SlotCaches`:
     prefill and score take [start, last, slot]; `batch=True` is `BatchDecodeStep`, `construct(tokens [B] int32,
-    [B, 2] int32 of (slot, position))` -> logits [B, V] (`BatchDecoder`).
+    [B, 2] int32 of (slot, position))` -> logits [B, V] (`BatchDecoder`); `packed=True` is `PackedPrefillStep`,
+    `construct(tokens [1, P] int32, [K, 3] int32 of (slot, start, n))` -> [K, V]: several prompts in one pass, the
+    logits after each one's last token (`BatchDecoder.prefill_many`).
     One kernel per token (or chunk) instead of ~280 MindSpore kernels, with AVX-512/AVX2
     GEMVs (GEMMs for a chunk) on the kernel's own thread pool,
     and no graph whose buffers live as long as the process: the
@@ -326,6 +336,7 @@ class FusedDecodeStep(nn.Cell):
         weights: DecodeWeights | None = None,
         score: bool = False,
         batch: bool = False,
+        packed: bool = False,
     ):
         super().__init__()
         net = decoder.net
@@ -336,7 +347,17 @@ class FusedDecodeStep(nn.Cell):
         v = c.vocab_size
         scale = net.layers[0].self_attn.scale
         self.consts = Tensor(np.array([c.norm_eps, scale, threads], np.float32))
-        name = "BatchDecodeStep" if batch else "ScoreStep" if score else "PrefillStep" if prefill else "DecodeStep"
+        name = (
+            "BatchDecodeStep"
+            if batch
+            else "PackedPrefillStep"
+            if packed
+            else "ScoreStep"
+            if score
+            else "PrefillStep"
+            if prefill
+            else "DecodeStep"
+        )
         self.op = _decode_op(lib, v, len(net.layers), name)
 
         # The operands after the token, the position and consts, in the op's order, gathered here once: a construct

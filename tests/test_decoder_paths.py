@@ -406,7 +406,8 @@ def test_stored_matrices_load_refuses_a_bad_file_and_a_misfit_model_loads_whole(
 @pytest.mark.parametrize("fmt", ["fp32", "fp16", "q8_0"])
 def test_batched_decoding_gives_each_sequence_the_logits_it_gets_alone(fmt):
     """`BatchDecoder` (the server's continuous batching): three sequences of different prompt lengths (one past a
-    prefill chunk) prefilled into their slots, decoded together one token each per step, one leaving and another
+    prefill chunk) prefilled into their slots together (`prefill_many`: the two short ones in one PackedPrefillStep),
+    decoded together one token each per step, one leaving and another
     joining its freed slot midway: every row's logits equal, bit for bit, what the Generator's own fused steps give
     that sequence alone (the same prefill chunks; each row of BatchDecodeStep summed in DecodeStep's order), in
     every weight format; and a decode past the slots or into a slot twice is refused."""
@@ -432,9 +433,10 @@ def test_batched_decoding_gives_each_sequence_the_logits_it_gets_alone(fmt):
     want = [alone(p) for p in prompts]
     batch = gen.batch(3)
     running = {}  # sequence -> [slot, position, logits so far]
+    slots = [batch.acquire() for _ in range(3)]
+    first = batch.prefill_many(slots, prompts[:3])  # 5 and 9 tokens packed in one pass, 23 (past a chunk) alone
     for i in range(3):
-        slot = batch.acquire()
-        running[i] = [slot, len(prompts[i]), [batch.prefill(slot, prompts[i])]]
+        running[i] = [slots[i], len(prompts[i]), [first[i]]]
     assert batch.free == 0
     with pytest.raises(DecodeError, match="all 3 decode slots"):
         batch.acquire()

@@ -515,6 +515,63 @@ def test_batch_decode_step_is_each_rows_decode_step_in_every_body(isa, dtype, H)
         assert rc == code and np.array_equal(kv, slots) and np.isnan(logits).all(), (where.tolist(), rc)
 
 
+@needs_cxx
+@pytest.mark.parametrize("isa", cpu_levels())
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_packed_prefill_is_each_prompts_prefill_step(isa, dtype):
+    """decode_kernel.cc PackedPrefillStep (several prompts in one pass: one GEMM over all their rows, each prompt's
+    own attention over its slot): each prompt's logits and cache rows equal, bit for bit, PrefillStep on that prompt
+    alone in the same body; slots not in the list, and a prompt's slots past its tokens, untouched; the output rows
+    past the list untouched. Two prompts in one slot, more tokens than the chunk, a position past the cache, a token
+    outside the vocabulary or an empty list are refused (4) before anything is written."""
+    rng = np.random.default_rng(5)
+    weights, _ = _whole_model(rng, H=48)
+    weights = _as_dtype(weights, dtype)
+    L, V, NS, S, nkv, hd = 2, weights[0].shape[0], 6, 24, 2, 10
+    consts = np.array([1e-5, 10**-0.5, 3], np.float32)
+    slots = rng.standard_normal((2, L, NS, nkv, S, hd)).astype(np.float32)
+    prompts = [(4, 0, 5), (1, 3, 1), (0, 9, 7), (5, 0, 13)]  # (slot, start, n): slots 2 and 3 sit out
+    P, K = 32, 5
+    toks = rng.integers(0, V, P).astype(np.int32)
+    table = np.zeros((K, 3), np.int32)
+    table[: len(prompts)] = prompts
+    lib = _lib(isa, DECODE_SOURCE, openmp=True)
+
+    def packed(tokens, where):
+        kv, out = slots.copy(), np.full((len(where), V), np.nan, np.float32)
+        return (
+            _call(lib, "PackedPrefillStep", tokens.reshape(1, -1), where, consts, *weights, *kv[0], *kv[1], out),
+            kv,
+            out,
+        )
+
+    rc, kv, out = packed(toks, table)
+    assert rc == 0
+    at = 0
+    for i, (slot, start, n) in enumerate(prompts):
+        alone, one = np.full((1, V), np.nan, np.float32), slots.copy()
+        where = np.array([start, n - 1, slot], np.int32)
+        assert _call(lib, "PrefillStep", toks[None, at : at + n], where, consts, *weights, *one[0], *one[1], alone) == 0
+        np.testing.assert_array_equal(out[i], alone[0], err_msg=f"prompt {i}")
+        np.testing.assert_array_equal(kv[:, :, slot], one[:, :, slot], err_msg=f"slot {slot}")
+        np.testing.assert_array_equal(kv[:, :, slot, :, start + n :], slots[:, :, slot, :, start + n :])
+        at += n
+    assert np.isnan(out[len(prompts) :]).all()
+    np.testing.assert_array_equal(kv[:, :, 2:4], slots[:, :, 2:4])
+    bad_token = toks.copy()
+    bad_token[3] = V
+    for tokens, where in (
+        (toks, np.array([[1, 0, 4], [1, 5, 2], [0, 0, 0]], np.int32)),  # one slot twice
+        (toks, np.array([[1, 0, 20], [2, 0, 13], [0, 0, 0]], np.int32)),  # 33 tokens in a chunk of 32
+        (toks, np.array([[1, S - 2, 3], [0, 0, 0]], np.int32)),  # past the cache
+        (toks, np.array([[NS, 0, 3], [0, 0, 0]], np.int32)),  # no such slot
+        (bad_token, np.array([[1, 0, 5], [0, 0, 0]], np.int32)),  # a token outside the vocabulary
+        (toks, np.zeros((2, 3), np.int32)),  # no prompt
+    ):
+        rc, kv, out = packed(tokens, where)
+        assert rc == 4 and np.array_equal(kv, slots) and np.isnan(out).all(), where.tolist()
+
+
 # ----------------------------------------------------------------------------- operand checks in the kernels
 
 

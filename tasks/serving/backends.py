@@ -143,6 +143,22 @@ class MindSporeBackend:
         self._rows[key] = [slot, len(prompt_ids)]
         return logits
 
+    def prefill_many(self, prompts: dict) -> dict:
+        """Several sequences' prompts at once, {key: prompt ids} -> {key: logits [V]}, each into a free slot: the
+        short ones in one pass (BatchDecoder.prefill_many, the same logits as `prefill` alone). Each joins the batch."""
+        keys, slots = list(prompts), []
+        try:
+            for _ in keys:
+                slots.append(self._batch.acquire())
+            out = self._batch.prefill_many(slots, [prompts[k] for k in keys])
+        except BaseException:
+            for slot in slots:
+                self._batch.release(slot)
+            raise
+        for k, slot in zip(keys, slots, strict=True):
+            self._rows[k] = [slot, len(prompts[k])]
+        return dict(zip(keys, out, strict=True))
+
     def decode(self, tokens: dict) -> dict:
         """One step for every sequence given: {key: token} -> {key: logits [V]}, one BatchDecodeStep."""
         keys = list(tokens)
@@ -208,6 +224,7 @@ class MindSporeBackend:
             slots = [b.acquire() for _ in range(b.slots)]
             for n in [1] + ([long] if long is not None else []):
                 b.prefill(slots[0], [self.eos_id] * n)
+            b.prefill_many(slots[:2], [[self.eos_id]] * 2)  # the packed prefill of admitted requests
             for k in range(1, b.slots + 1):
                 b.decode(slots[:k], [1] * k, [self.eos_id] * k)
             for slot in slots:

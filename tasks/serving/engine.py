@@ -24,7 +24,8 @@ adapters are backends over the base's one network (tasks/serving/backends.py `Ad
 their calls puts its adapter in place first, which is exact because MindSpore sequences take one call each. Up to
 `max_active` sequences run at once (the rest wait in the queue, FIFO); each round gives every one of them a token, so
 a new request gets its first token after at most one round instead of waiting for every
-earlier request to finish. A newly admitted sequence is prefilled alone. Then either:
+earlier request to finish. Newly admitted sequences are prefilled (batched on a backend with `prefill_many`, the
+MindSpore slots: their prompts in one pass; otherwise each alone). Then either:
   - batched (a backend with `batched = True`: onnxruntime, which keeps the running sequences as one left-padded
     batch, or MindSpore with `--parallel` > 1, which keeps each in a KV cache slot: `BatchDecodeStep`): one
     `decode` call per round for all running sequences (continuous batching: rows join after their prefill and
@@ -265,7 +266,7 @@ class Engine:
                 running = self._batched_step(active)
             else:
                 running = [seq for seq in active if self._advance(seq)]
-            running += [seq for seq in new if self._advance(seq)]
+            running += self._prefill_new(new) if self.batched else [seq for seq in new if self._advance(seq)]
             for seq in active + new:
                 if seq not in running:
                     seq.close()
@@ -371,6 +372,23 @@ class Engine:
         except Exception as exc:  # noqa: BLE001 - one request fails, the server goes on
             return self._fail([seq], exc)
         return self._take(seq, logits)
+
+    def _prefill_new(self, new: list[_Seq]) -> list[_Seq]:
+        """The newly admitted sequences' prompts, batched: one `prefill_many` call per backend that has it for its
+        sequences (their prompts in one pass), the others one `prefill` each; those still running."""
+        running = []
+        for backend in self.backends.values():
+            mine = [seq for seq in new if seq.backend is backend and not seq.req.cancelled]
+            if len(mine) < 2 or not hasattr(backend, "prefill_many"):
+                running += [seq for seq in mine if self._advance(seq)]
+                continue
+            try:
+                rows = backend.prefill_many({seq: seq.req.prompt_ids for seq in mine})
+            except Exception as exc:  # noqa: BLE001 - these requests fail, the server goes on
+                self._fail(mine, exc)
+                continue
+            running += [seq for seq in mine if self._take(seq, rows[seq])]
+        return running
 
     def _batched_step(self, active: list[_Seq]) -> list[_Seq]:
         """One batched decode call per backend for its active sequences; those still running."""
