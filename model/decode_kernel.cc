@@ -1040,7 +1040,11 @@ struct ChunkAttn {
   }
 
   void transpose(int t, int nt) const {
-    for (int64_t gj = t; gj < nkv * P; gj += nt) {
+    // a contiguous range of (kv head, slot) per thread: the threads dealt alternate slots would write alternate
+    // floats of the same cache lines of kt (each line bouncing between the cores)
+    int64_t b, e;
+    split(nkv * P, t, nt, &b, &e);
+    for (int64_t gj = b; gj < e; ++gj) {
       const int64_t g = gj / P, j = gj % P;
       const float *kr = kc + (g * S + j) * hd;
       float *dst = kt + g * hd * P + j;

@@ -78,6 +78,7 @@ def test_the_doc_table_comes_from_the_newest_shipped_smollm2_run():
         {**ROW, "overrides": ["eval.limit=null"]},
         {**ROW, "pipeline": "tiny"},
         {**ROW, "init_from": "x.gguf"},
+        {**ROW, "prefect": "server beside (prefect server start)"},  # not the README's command: its own row
         {"bench": "train", "pipeline": "smollm2"},
     ]
     assert report.pipeline_times_row(rows) is newer
@@ -106,6 +107,29 @@ def test_stage_times_and_the_convert_checks_from_task_runs():
     assert bench.convert_checks(runs) == {"convert_task_run": True, "convert_artifact": True}
     runs["artifacts"][0]["task_run_id"] = "d"  # a convert-metrics artifact of another task run does not count
     assert bench.convert_checks(runs) == {"convert_task_run": True, "convert_artifact": False}
+
+
+def test_each_stages_slowdown_beside_the_server_is_against_the_same_stage_alone():
+    alone = {**ROW, "stages": {"data": 10.0, "pretrain": 200.0, "eval": 0.0}, "total_s": 250.0}
+    beside = {**ROW, "stages": {"data": 11.0, "pretrain": 190.0, "eval": 5.0}, "total_s": 260.0}
+    assert bench.slowdowns(alone, beside) == {"data": 10.0, "pretrain": -5.0, "total": 4.0}  # eval: no time alone
+
+
+@pytest.mark.integration
+def test_a_prefect_server_beside_the_flow_starts_answers_and_stops(tmp_path):
+    """`--prefect server`'s PrefectServer: `prefect server start` on a free port of the run's own PREFECT_HOME
+    answers /health, counts its CPU, and stop() ends its whole process group."""
+    import psutil
+
+    pytest.importorskip("prefect")
+    server = bench.PrefectServer(tmp_path / "home", tmp_path / "server.log")
+    try:
+        assert server.url.startswith("http://127.0.0.1:") and server.cpu_s() > 0
+        pids = [server.proc.pid, *(c.pid for c in psutil.Process(server.proc.pid).children(recursive=True))]
+    finally:
+        server.stop()
+    assert server.proc.poll() is not None
+    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
 
 
 def test_a_missing_gguf_is_one_line_naming_the_fetch_script():

@@ -91,7 +91,9 @@ def test_mindspore_thread_pool_spins_after_setup_and_computes_the_same():
     spin = ctypes.CDLL(_spin_lib())  # the same library (dlopen hands back the loaded one)
     spin.msllm_yield_target.restype = ctypes.c_void_p
     spin.msllm_yield_target.argtypes = [ctypes.c_char_p]
-    assert spin.msllm_yield_target(b"libmindspore_core") == ctypes.cast(spin.msllm_spin_yield, ctypes.c_void_p).value
+    at = ctypes.cast(spin.msllm_spin_yield, ctypes.c_void_p).value
+    assert spin.msllm_yield_target(b"libmindspore_core") == at
+    assert spin.msllm_yield_target(b"numpy.libs/libopenblas") == at  # NumPy's OpenBLAS pool (host work) too
     calls = spin.msllm_spin_yield_calls()
     rng = np.random.default_rng(0)
     a, b = rng.standard_normal((384, 256), np.float32), rng.standard_normal((256, 320), np.float32)

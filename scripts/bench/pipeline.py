@@ -3,6 +3,7 @@
     .venv/bin/python scripts/bench/pipeline.py                       # smollm2 as shipped (15-40 min: a quiet machine)
     .venv/bin/python scripts/bench/pipeline.py --set eval.limit=null # the same with the full eval budget
     .venv/bin/python scripts/bench/pipeline.py --pipeline tiny --tag smoke --results /tmp/pipeline_smoke.jsonl
+    .venv/bin/python scripts/bench/pipeline.py --prefect both        # alone, then beside `prefect server start`
 
 What runs: the README's command, `python -m flows.full_pipeline --pipeline X --artifacts FRESH [--set K=V ...]
 [--init-from SRC]`, in a subprocess from the repo root, on Prefect's embedded (ephemeral) server:
@@ -23,6 +24,12 @@ total_s less the task runs (config resolution, stage keys (hashing the inputs), 
 into the base model runs inside the finetune task, so its time is finetune's. `convert_task_run`: a `convert` task
 run exists; `convert_artifact`: that task run has the `convert-metrics` table artifact every stage publishes
 (flows/stages.py publish_metrics). A pipeline without `pretrain.init_from` (tiny) has no convert (both false).
+
+`--prefect server` starts `prefect server start` (a free loopback port, the run's PREFECT_HOME) before the flow and
+points the flow and the reader at it (PREFECT_API_URL), as a user with a server runs the pipeline; `server_cpu_s` is
+the CPU the server's processes used during the run (on 2 cores, taken from the stages). `--prefect both` runs the
+pipeline with the embedded server, then beside the standalone one, and puts each stage's slowdown (percent) into the
+second line (`slowdown_vs_embedded`).
 
 Peak RSS: the summed RSS of the flow process and all its descendants (training/export children, the data pool,
 the embedded server), sampled with psutil every 0.5 s; what the machine must hold at once. Not
@@ -122,12 +129,74 @@ class TreeRSS(threading.Thread):
             self.stop.wait(SAMPLE_S)
 
 
-def _env(prefect_home: Path) -> dict[str, str]:
+def _env(prefect_home: Path, api_url: str | None = None) -> dict[str, str]:
     env = dict(os.environ, PREFECT_HOME=str(prefect_home), PREFECT_SERVER_ANALYTICS_ENABLED="false")
-    env.pop("PREFECT_API_URL", None)  # the embedded server, never one this shell points at
+    env.pop("PREFECT_API_URL", None)  # the embedded server, never one this shell points at ...
+    if api_url:  # ... unless the bench started a server of its own beside the flow (--prefect server)
+        env["PREFECT_API_URL"] = api_url
     env.setdefault("HF_DATASETS_OFFLINE", "1")
     env.setdefault("HF_HUB_OFFLINE", "1")
     return env
+
+
+class PrefectServer:
+    """`prefect server start` on a free loopback port with the run's own PREFECT_HOME, as the README's "Using it with
+    Prefect" starts one: a separate process (uvicorn, the API, its database and background services) beside the
+    flow, which talks to it through PREFECT_API_URL. `cpu_s()`: the CPU seconds its process tree has used."""
+
+    def __init__(self, home: Path, log: Path, timeout: float = 120):
+        import socket
+        import urllib.request
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}/api"
+        env = dict(_env(home), PREFECT_SERVER_API_HOST="127.0.0.1", PREFECT_SERVER_API_PORT=str(port))
+        prefect = str(Path(sys.executable).with_name("prefect"))
+        cmd = [prefect, "server", "start", "--host", "127.0.0.1", "--port", str(port)]
+        self.log = log
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(
+                cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        t0 = time.time()
+        while time.time() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise BenchError(f"`prefect server start` exited {self.proc.returncode}; log: {log}\n{_tail(log)}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(1)
+        self.stop()
+        raise BenchError(f"the Prefect server at {self.url} did not answer /health in {timeout:g} s; log: {log}")
+
+    def cpu_s(self) -> float:
+        import psutil
+
+        try:
+            root = psutil.Process(self.proc.pid)
+            total = 0.0
+            for p in [root, *root.children(recursive=True)]:
+                try:
+                    t = p.cpu_times()
+                    total += t.user + t.system
+                except psutil.Error:
+                    pass
+            return total
+        except psutil.Error:
+            return 0.0
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=30)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
 
 
 def _tail(log: Path, n: int = 40) -> str:
@@ -159,13 +228,13 @@ def _run_flow(cmd: list[str], env: dict, log: Path, timeout: float | None) -> tu
     return rc, time.perf_counter() - t0, rss.peak
 
 
-def read_runs(prefect_home: Path, timeout: float = 300) -> dict:
+def read_runs(prefect_home: Path, timeout: float = 300, api_url: str | None = None) -> dict:
     """The flow run and its task runs and artifacts, as the Prefect client reads them from that PREFECT_HOME's
-    embedded server (in a child process: `--read-prefect`)."""
+    embedded server, or from the server at `api_url` (in a child process: `--read-prefect`)."""
     r = subprocess.run(
         [sys.executable, str(Path(__file__).resolve()), "--read-prefect", str(prefect_home)],
         cwd=REPO,
-        env=_env(prefect_home),
+        env=_env(prefect_home, api_url),
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -245,11 +314,14 @@ def measure(
     init_from: str | None = None,
     keep: bool = False,
     timeout: float | None = None,
+    prefect: str = "embedded",
 ) -> dict:
     """Run `pipeline` through `python -m flows.full_pipeline` in a fresh artifact root and PREFECT_HOME; returns the
-    figures of the bench's JSON line (without the host labels). Raises BenchError with one line on a missing input
-    or an invalid pipeline, an artifact root that is not empty, or a failed or timed-out run (the flow's log is kept
-    then, its path in the message)."""
+    figures of the bench's JSON line (without the host labels). `prefect`: "embedded" (the README's command: the
+    flow starts Prefect's embedded server in its own process) or "server" (a `prefect server start` process beside
+    the flow, which talks to it over HTTP, as a user with a server runs it; its CPU seconds over the run are
+    `server_cpu_s`). Raises BenchError with one line on a missing input or an invalid pipeline, an artifact root
+    that is not empty, or a failed or timed-out run (the flow's log is kept then, its path in the message)."""
     from tasks.config.schema import ConfigError
 
     overrides = list(overrides)
@@ -279,14 +351,23 @@ def measure(
         *(["--init-from", str(Path(init_from).resolve())] if init_from else []),
     ]
     print(f"[pipeline bench] {' '.join(cmd[1:])}\n[pipeline bench] log: {log}", file=sys.stderr, flush=True)
-    load = os.getloadavg()[0]
+    if prefect not in ("embedded", "server"):
+        raise BenchError(f"--prefect {prefect}: embedded or server")
+    server = PrefectServer(home, work / "server.log") if prefect == "server" else None
     try:
-        rc, process_s, peak = _run_flow(cmd, _env(home), log, timeout)
-    except subprocess.TimeoutExpired:
-        raise BenchError(f"the run took over {timeout:g} s and was stopped; log kept: {log}") from None
-    if rc != 0:
-        raise BenchError(f"the flow exited {rc}; log kept: {log}\n{_tail(log)}")
-    runs = read_runs(home)
+        load = os.getloadavg()[0]
+        cpu0 = server.cpu_s() if server else 0.0
+        try:
+            rc, process_s, peak = _run_flow(cmd, _env(home, server and server.url), log, timeout)
+        except subprocess.TimeoutExpired:
+            raise BenchError(f"the run took over {timeout:g} s and was stopped; log kept: {log}") from None
+        server_cpu = server.cpu_s() - cpu0 if server else None
+        if rc != 0:
+            raise BenchError(f"the flow exited {rc}; log kept: {log}\n{_tail(log)}")
+        runs = read_runs(home, api_url=server and server.url)
+    finally:
+        if server:
+            server.stop()
     if runs["flow"]["state"] != "Completed":
         raise BenchError(f"the flow run ended {runs['flow']['state']}; log kept: {log}")
     times, states = stage_times(runs)
@@ -306,12 +387,26 @@ def measure(
         **convert_checks(runs),
         "peak_rss_gb": round(peak / 1e9, 2),
         "loadavg_before": round(load, 2),
+        "prefect": "embedded" if server is None else "server beside (prefect server start)",
+        "server_cpu_s": None if server_cpu is None else round(server_cpu, 1),
     }
     if keep:
         res["kept"] = str(work)
     else:  # the temp dir (with its artifacts, PREFECT_HOME and log); an --artifacts DIR stays where it was named
         shutil.rmtree(work, ignore_errors=True)
     return res
+
+
+def slowdowns(alone: dict, beside: dict) -> dict[str, float]:
+    """Each stage's (and the flow run's) time beside the server over its time with the embedded one, less 1, in
+    percent: what the server process costs the stages on the same cores."""
+    out = {
+        k: round(100 * (beside["stages"][k] / v - 1), 1)
+        for k, v in alone["stages"].items()
+        if v and beside["stages"].get(k)
+    }
+    out["total"] = round(100 * (beside["total_s"] / alone["total_s"] - 1), 1)
+    return out
 
 
 def main() -> None:
@@ -333,23 +428,39 @@ def main() -> None:
     )
     ap.add_argument("--keep", action="store_true", help="keep the temp dir (artifacts, PREFECT_HOME, flow.log)")
     ap.add_argument("--timeout", type=float, default=None, help="stop the run after this many seconds")
+    ap.add_argument(
+        "--prefect",
+        choices=["embedded", "server", "both"],
+        default="embedded",
+        help="embedded: the flow's own embedded server (the README's command); server: a `prefect server start` "
+        "process beside the flow; both: one run each, embedded first, the second line with each stage's slowdown",
+    )
     add_isa_arg(ap)  # --isa avx2: every library of the flow and its children capped at AVX2 (host.py)
     add_record_args(ap)
     a = ap.parse_args()
     apply_isa(a.isa)
-    try:
-        res = measure(
-            a.pipeline,
-            config=a.config,
-            overrides=a.overrides,
-            artifacts=a.artifacts,
-            init_from=a.init_from,
-            keep=a.keep,
-            timeout=a.timeout,
-        )
-    except BenchError as exc:
-        raise SystemExit(f"pipeline bench: {exc}") from None
-    record({"bench": "pipeline", **describe(len(os.sched_getaffinity(0))), **res}, a)
+    modes = ["embedded", "server"] if a.prefect == "both" else [a.prefect]
+    if len(modes) > 1 and a.artifacts:
+        raise SystemExit("pipeline bench: --prefect both runs twice, each in a fresh temp root: leave out --artifacts")
+    alone = None
+    for mode in modes:
+        try:
+            res = measure(
+                a.pipeline,
+                config=a.config,
+                overrides=a.overrides,
+                artifacts=a.artifacts,
+                init_from=a.init_from,
+                keep=a.keep,
+                timeout=a.timeout,
+                prefect=mode,
+            )
+        except BenchError as exc:
+            raise SystemExit(f"pipeline bench: {exc}") from None
+        if alone is not None:
+            res["slowdown_vs_embedded"] = slowdowns(alone, res)
+        alone = res
+        record({"bench": "pipeline", **describe(len(os.sched_getaffinity(0))), **res}, a)
 
 
 if __name__ == "__main__":
