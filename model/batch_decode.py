@@ -77,7 +77,7 @@ class BatchDecoder:
         if not 0 < len(ids) < self.gen.max_len:
             raise ValueError(f"prompt of {len(ids)} tokens: 1..{self.gen.max_len - 1} (max_len - 1)")
         logits = None
-        for x, start, last in self.gen._chunks(ids, self.gen._fused_chunk(len(ids))):
+        for x, start, last in self.gen._chunks(ids, self.gen._fused_chunk(len(ids)), pad_last=True):
             where = Tensor([start, last, slot], ms.int32)
             logits = self.gen._fused_op(self._prefill, "prefill", start, Tensor(x), where)
         self.gen._compiled("batch prefill")

@@ -877,6 +877,26 @@ inline void scores4(const float *const *q, const float *Kt, int64_t P, int64_t l
   int64_t j = 0;
 #if MSLLM_VW > 0
   constexpr int64_t W = simd::kVW;
+#if MSLLM_VW == 8
+  // AVX2: two vectors of keys a pass, so each broadcast query value serves 16 keys (one vector a pass was bound by
+  // the broadcasts' loads: 4 for 4 FMAs); every score is the same FMA chain over d either way
+  for (; j + 2 * W <= len; j += 2 * W) {
+    simd::vf a[4][2];
+    for (int r = 0; r < 4; ++r) a[r][0] = a[r][1] = simd::zero();
+    for (int64_t d = 0; d < hd; ++d) {
+      const simd::vf k0 = simd::loadu(Kt + d * P + j), k1 = simd::loadu(Kt + d * P + j + W);
+      for (int r = 0; r < 4; ++r) {
+        const simd::vf qv = simd::set1(q[r][d]);
+        a[r][0] = simd::fma(qv, k0, a[r][0]);
+        a[r][1] = simd::fma(qv, k1, a[r][1]);
+      }
+    }
+    for (int r = 0; r < 4; ++r) {
+      simd::storeu(sc + r * P + j, a[r][0]);
+      simd::storeu(sc + r * P + j + W, a[r][1]);
+    }
+  }
+#endif
   for (; j + W <= len; j += W) {
     simd::vf a0 = simd::zero(), a1 = simd::zero(), a2 = simd::zero(), a3 = simd::zero();
     for (int64_t d = 0; d < hd; ++d) {
@@ -904,9 +924,18 @@ inline void scores4(const float *const *q, const float *Kt, int64_t P, int64_t l
 // (slots a later query of the block sees); returns 1 / their sum.
 inline float softmax_weights(float *sc, int64_t p, int64_t len) {
   float mx = -INFINITY;
-  for (int64_t j = 0; j <= p; ++j) mx = sc[j] > mx ? sc[j] : mx;
-  float sum = 0.f;
   int64_t j = 0;
+#if MSLLM_VW > 0
+  {  // the max a vector at a time (a scalar chain of maxss was ~10% of a long prompt's attention); any order gives
+     // the same max
+    simd::vf vm = simd::set1(-INFINITY);
+    for (; j + simd::kVW <= p + 1; j += simd::kVW) vm = simd::vmax(vm, simd::loadu(sc + j));
+    mx = simd::hmax(vm);
+  }
+#endif
+  for (; j <= p; ++j) mx = sc[j] > mx ? sc[j] : mx;
+  float sum = 0.f;
+  j = 0;
 #if MSLLM_VW > 0
   const simd::vf m = simd::set1(mx);
   simd::vf acc = simd::zero();
@@ -969,14 +998,17 @@ inline void values4_any(const float *w, int64_t P, int64_t len, const float *V, 
 inline void values4_dispatch(const float *w, int64_t P, int64_t len, const float *V, int64_t hd, const float *inv,
                              int nq, float *const *out) {
 #if MSLLM_VW > 0
-  if (hd % simd::kVW == 0) {
-    switch (hd / simd::kVW) {
-      case 1: return values4<1>(w, P, len, V, hd, inv, nq, out);
-      case 2: return values4<2>(w, P, len, V, hd, inv, nq, out);
-      case 4: return values4<4>(w, P, len, V, hd, inv, nq, out);
-      case 8: return values4<8>(w, P, len, V, hd, inv, nq, out);
-      default: break;
+  // at most kVB vectors of the head a pass: 4 x kVB accumulators must stay in registers (AVX2 has 16: a 64-wide
+  // head's 8 vectors in one pass spilled 32 accumulators); each output is the same FMA chain over j either way
+  constexpr int64_t kVB = MSLLM_VW == 16 ? 4 : 2, W = simd::kVW;
+  const int64_t nv = hd / W;
+  if (hd % W == 0 && (nv == 1 || nv == 2 || nv == 4 || nv == 8)) {
+    if (nv < kVB) return nv == 1 ? values4<1>(w, P, len, V, hd, inv, nq, out) : values4<2>(w, P, len, V, hd, inv, nq, out);
+    for (int64_t v0 = 0; v0 < nv; v0 += kVB) {
+      float *const o[4] = {out[0] + v0 * W, out[1] + v0 * W, out[2] + v0 * W, out[3] + v0 * W};
+      values4<kVB>(w, P, len, V + v0 * W, hd, inv, nq, o);
     }
+    return;
   }
 #endif
   values4_any(w, P, len, V, hd, inv, nq, out);
@@ -1522,11 +1554,12 @@ template <typename WT>
 int prefill_step(void **params, const Model &m, int64_t T, bool all_rows, int64_t slot = 0) {
   const int32_t *tokens = static_cast<const int32_t *>(params[0]);
   const int64_t start = static_cast<const int32_t *>(params[1])[0], last = static_cast<const int32_t *>(params[1])[1];
-  if (start < 0 || start + T > m.S || start + T > m.S_rope || last < 0 || last >= T || slot < 0 || slot >= m.NS)
+  const int64_t rows = all_rows ? T : last + 1;  // the rows computed and written: a prompt's padding may pass the cache
+  if (start < 0 || start + rows > m.S || start + rows > m.S_rope || last < 0 || last >= T || slot < 0 || slot >= m.NS)
     return 4;
   for (int64_t i = 0; i < T; ++i)
     if (tokens[i] < 0 || tokens[i] >= m.V) return 4;
-  return chunk_step<WT>(params, m, tokens, {Seg{slot, start, all_rows ? T : last + 1}}, all_rows);
+  return chunk_step<WT>(params, m, tokens, {Seg{slot, start, rows}}, all_rows);
 }
 
 // Several prompts' chunks in one pass (the server's newly admitted requests, `BatchDecoder.prefill_many`): the

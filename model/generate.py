@@ -428,15 +428,23 @@ class Generator:
         """Tokens per fused prefill / score step for a sequence of n tokens (FUSED_PREFILL_CHUNK past it)."""
         return min(FUSED_PREFILL_CHUNK, self.max_len) if n > FUSED_PREFILL_CHUNK else self.prefill_chunk
 
-    def _chunks(self, ids: list[int], c: int | None = None):
+    def _chunks(self, ids: list[int], c: int | None = None, pad_last: bool = False):
         """The prompt as fixed-size chunks [1, C] (C = `c`, default `prefill_chunk`): (ids, start, index of the last
         real token).
         A prompt shorter than C is right-padded (the fused PrefillStep stops at the prompt's last token; on
         MindSpore's ops the padding's K/V land in slots past the prompt: masked, then overwritten by decoding); a
         longer one is cut at multiples of C and its last chunk ends exactly at the prompt's end, overlapping the one
         before (those positions are computed again from the same tokens), so no slot past the prompt is written and
-        no position goes past the cache."""
+        no position goes past the cache. `pad_last` (the fused PrefillStep, which computes and writes a chunk's rows
+        only up to `last`): a longer one in chunks from 0, c, 2c, ..., its last chunk padded, nothing recomputed."""
         n, c = len(ids), c or self.prefill_chunk
+        if pad_last and n > c:  # the fused PrefillStep: chunks from 0, c, 2c, ..., the last one padded, none recomputed
+            out = []
+            for s in range(0, n, c):
+                x = np.zeros((1, c), np.int32)
+                x[0, : min(c, n - s)] = ids[s : s + c]
+                out.append((x, s, min(c, n - s) - 1))
+            return out
         if n <= c:
             x = np.zeros((1, c), np.int32)
             x[0, :n] = ids
@@ -519,9 +527,10 @@ class Generator:
                 zero = Tensor(0, ms.int32)
                 # fixed [1, C] chunks: the same shapes for every prompt (the fused step: longer ones past 256 tokens)
                 c = self._fused_chunk(n) if fused and self._fused_prefill is not None else self.prefill_chunk
-                for x, start, last in self._chunks(ids, c):
+                on_fused = fused and self._fused_prefill is not None
+                for x, start, last in self._chunks(ids, c, pad_last=on_fused):
                     logits = None
-                    if fused and self._fused_prefill is not None:
+                    if on_fused:
                         logits = self._fused_op(
                             self._fused_prefill, "prefill", start, Tensor(x), Tensor([start, last], ms.int32)
                         )

@@ -396,8 +396,8 @@ def test_prefill_step_matches_decode_steps_and_the_scalar_body(isa):
     chosen row, within the rounding of reordered fp32 sums (per layer: reductions over H, F and the P visible
     slots, ~1 ulp of the magnitude each, relative; 8x for the two sides' errors and the exp / rsqrt); the cache
     slots outside the chunk's rows 0..last untouched (the rows past `last`, a short prompt's padding, are not
-    computed); a chunk past the cache, a `last` outside it and a token outside the vocabulary refused (4) before
-    anything is written."""
+    computed, so padding may pass the cache); a row `last` past the cache, a `last` outside the chunk and a token
+    outside the vocabulary refused (4) before anything is written."""
     rng = np.random.default_rng(7)
     weights, caches = _whole_model(rng)
     L, S, V, H, F = 2, caches.shape[3], weights[0].shape[0], weights[0].shape[1], 52
@@ -445,10 +445,14 @@ def test_prefill_step_matches_decode_steps_and_the_scalar_body(isa):
         assert np.abs(logits[0] - logits_dec[last]).max() <= bound(logits_dec[last])
         rc, kv_s, logits_s = prefill(_lib("scalar", DECODE_SOURCE, openmp=True), last)
         assert rc == 0 and np.abs(logits - logits_s).max() <= bound(logits_s) and np.abs(kv - kv_s).max() <= bound(kv_s)
+    # a chunk whose padding (the rows past `last`) would pass the cache: those rows are not computed, so it is fine
+    rc, kv, logits = prefill(lib, T - 2, at=S - T + 1)
+    assert rc == 0 and np.isfinite(logits).all()
+    np.testing.assert_array_equal(kv[:, :, :, : S - T + 1], caches[:, :, :, : S - T + 1])
     for rc, kv, logits in (
         prefill(lib, T),
         prefill(lib, -1),
-        prefill(lib, 0, at=S - T + 1),
+        prefill(lib, T - 1, at=S - T + 1),  # row `last` past the cache
         prefill(lib, 0, toks=np.where(np.arange(T) == 2, V, tokens).astype(np.int32)),
     ):
         assert rc == 4 and np.array_equal(kv, caches) and np.isnan(logits).all()
