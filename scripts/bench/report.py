@@ -133,8 +133,10 @@ COLUMNS: dict[str, list[tuple[str, str]]] = {
                 ("decode_vs_hf", "× HF"),
                 ("same_text", "same greedy text"),
                 ("requests_s", "requests s"),
+                ("ladder.-1.ttft_s", "TTFT longest s"),
             )
         ],
+        ("hf.ladder.-1.ttft_s", "HF TTFT longest s"),
         ("hf.loaded_rss_gb", "HF loaded GB"),
         ("hf.peak_rss_gb", "HF peak GB"),
         ("hf.growth_gb", "HF growth GB"),
@@ -297,10 +299,14 @@ def record(res: dict, a: argparse.Namespace) -> None:
 
 
 def _get(row: dict, key: str):
+    """row[a][b]... for key "a.b...": a part that is an integer indexes a list (-1: its last item)."""
     for part in key.split("."):
-        if not isinstance(row, dict) or part not in row:
+        if isinstance(row, list) and part.lstrip("-").isdigit() and -len(row) <= int(part) < len(row):
+            row = row[int(part)]
+        elif isinstance(row, dict) and part in row:
+            row = row[part]
+        else:
             return None
-        row = row[part]
     return row
 
 
