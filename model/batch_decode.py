@@ -53,9 +53,10 @@ class BatchDecoder:
 
         self._prefill, self._decode = ms.jit(slot_prefill), ms.jit(batch_decode)
         self._packed = ms.jit(packed_prefill)
-        # prompts of at most one prefill chunk go into one PackedPrefillStep together: a chunk of up to this many
-        # tokens (one static shape; only the prompts' own rows are computed)
-        self.pack_tokens = min(slots, PACK_PROMPTS) * gen.prefill_chunk
+        # prompts of at most one prefill chunk go into one PackedPrefillStep together: up to `pack_prompts` of them in
+        # a chunk of `pack_tokens` tokens (one static shape; only the prompts' own rows are computed)
+        self.pack_prompts = min(slots, PACK_PROMPTS)
+        self.pack_tokens = self.pack_prompts * gen.prefill_chunk
         self._free = list(range(slots - 1, -1, -1))  # pop() hands out slot 0 first
 
     @property
@@ -97,7 +98,7 @@ class BatchDecoder:
                 out[i] = self.prefill(slot, ids)
         while short:
             group, n = [], 0
-            while short and len(group) < min(self.slots, PACK_PROMPTS) and n + len(short[0][2]) <= self.pack_tokens:
+            while short and len(group) < self.pack_prompts and n + len(short[0][2]) <= self.pack_tokens:
                 group.append(short.pop(0))
                 n += len(group[-1][2])
             if len(group) == 1:
@@ -105,7 +106,7 @@ class BatchDecoder:
                 out[i] = self.prefill(slot, ids)
                 continue
             tokens = np.zeros((1, self.pack_tokens), np.int32)
-            table = np.zeros((min(self.slots, PACK_PROMPTS), 3), np.int32)
+            table = np.zeros((self.pack_prompts, 3), np.int32)
             at = 0
             for k, (_, slot, ids) in enumerate(group):
                 tokens[0, at : at + len(ids)] = ids

@@ -294,6 +294,13 @@ inline float dot(const Q8Block *a, const float *x, int64_t n) {
 // a masked load, then loads W aligned (rows of n % 16 == 0 floats share one alignment).
 // Binary16 W: four rows at a time as well, each vector of a row widened as it is loaded (no alignment step: a
 // 64-byte line holds 32 halves, two AVX-512 vectors).
+// a float buffer of at least n floats in v, from a 64-byte boundary (a row of a multiple of 16 floats then starts a
+// cache line: unaligned vector loads that straddle two lines would halve a tile's load throughput)
+inline float *aligned64(std::vector<float> &v, int64_t n) {
+  if (static_cast<int64_t>(v.size()) < n + 16) v.resize(n + 16);
+  return v.data() + (16 - reinterpret_cast<uintptr_t>(v.data()) / 4 % 16) % 16;
+}
+
 // y[0..4) = (or +=) four rows' sums
 inline void store4(float *y, float s0, float s1, float s2, float s3, bool accumulate) {
   if (accumulate) {
@@ -314,6 +321,64 @@ inline void prefetch_span(const void *p, int64_t bytes) {
   (void)p; (void)bytes;
 #endif
 }
+
+#if MSLLM_VW == 16
+// Four float rows from w0 (rows of n % 16 == 0 floats, w0's first `head` floats up to a 64-byte boundary) times NV
+// vectors, s[i * NV + v]: gemv_rows' AVX-512 group (NV = 1: the rows are read from memory, the next four prefetched)
+// and the batched step's (each loaded weight vector multiplies all NV; every (row, vector) the same sums as NV = 1)
+template <int NV>
+inline void rows4_many(const float *w0, int64_t n, int64_t head, const float *const *X, bool prefetch, float *s) {
+  const float *w1 = w0 + n, *w2 = w1 + n, *w3 = w2 + n;
+  const __mmask16 hm = static_cast<__mmask16>((1u << head) - 1), tm = static_cast<__mmask16>((1u << (16 - head)) - 1);
+  __m512 a0[NV], a1[NV], a2[NV], a3[NV];
+  {
+    const __m512 h0 = _mm512_maskz_loadu_ps(hm, w0), h1 = _mm512_maskz_loadu_ps(hm, w1);
+    const __m512 h2 = _mm512_maskz_loadu_ps(hm, w2), h3 = _mm512_maskz_loadu_ps(hm, w3);
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) {
+      const __m512 xv = _mm512_maskz_loadu_ps(hm, X[v]);
+      a0[v] = _mm512_mul_ps(h0, xv);
+      a1[v] = _mm512_mul_ps(h1, xv);
+      a2[v] = _mm512_mul_ps(h2, xv);
+      a3[v] = _mm512_mul_ps(h3, xv);
+    }
+  }
+  int64_t j = head;
+  const float *next = w0 + 4 * n;
+  for (; j + 16 <= n; j += 16) {
+    if (prefetch) prefetch_span(next + 4 * j, 4 * 16 * sizeof(float));
+    const __m512 v0 = _mm512_load_ps(w0 + j), v1 = _mm512_load_ps(w1 + j);
+    const __m512 v2 = _mm512_load_ps(w2 + j), v3 = _mm512_load_ps(w3 + j);
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) {
+      const __m512 xv = _mm512_loadu_ps(X[v] + j);
+      a0[v] = _mm512_fmadd_ps(v0, xv, a0[v]);
+      a1[v] = _mm512_fmadd_ps(v1, xv, a1[v]);
+      a2[v] = _mm512_fmadd_ps(v2, xv, a2[v]);
+      a3[v] = _mm512_fmadd_ps(v3, xv, a3[v]);
+    }
+  }
+  if (head) {
+    const __m512 v0 = _mm512_maskz_load_ps(tm, w0 + j), v1 = _mm512_maskz_load_ps(tm, w1 + j);
+    const __m512 v2 = _mm512_maskz_load_ps(tm, w2 + j), v3 = _mm512_maskz_load_ps(tm, w3 + j);
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) {
+      const __m512 xv = _mm512_maskz_loadu_ps(tm, X[v] + j);
+      a0[v] = _mm512_fmadd_ps(v0, xv, a0[v]);
+      a1[v] = _mm512_fmadd_ps(v1, xv, a1[v]);
+      a2[v] = _mm512_fmadd_ps(v2, xv, a2[v]);
+      a3[v] = _mm512_fmadd_ps(v3, xv, a3[v]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int v = 0; v < NV; ++v) {
+    s[0 * NV + v] = _mm512_reduce_add_ps(a0[v]);
+    s[1 * NV + v] = _mm512_reduce_add_ps(a1[v]);
+    s[2 * NV + v] = _mm512_reduce_add_ps(a2[v]);
+    s[3 * NV + v] = _mm512_reduce_add_ps(a3[v]);
+  }
+}
+#endif
 
 template <typename WT>
 inline void gemv_rows(const WT *W, const float *x, float *y, int64_t n, int64_t r0, int64_t r1, bool accumulate) {
@@ -357,37 +422,14 @@ inline void gemv_rows(const WT *W, const float *x, float *y, int64_t n, int64_t 
     }
   }
 #endif
-#if MSLLM_VW == 16  // AVX-512: the masked loads below have no portable spelling
+#if MSLLM_VW == 16  // AVX-512: the masked loads have no portable spelling
   if (std::is_same_v<WT, float> && n % 16 == 0 && n >= 16 && reinterpret_cast<uintptr_t>(W) % 4 == 0) {
     for (; r + 4 <= r1; r += 4) {
-      const float *w0 = reinterpret_cast<const float *>(W) + r * n, *w1 = w0 + n, *w2 = w1 + n, *w3 = w2 + n;
+      const float *w0 = reinterpret_cast<const float *>(W) + r * n;
       const int64_t head = ((64 - reinterpret_cast<uintptr_t>(w0) % 64) % 64) / 4;  // 0..15 floats
-      const __mmask16 hm = static_cast<__mmask16>((1u << head) - 1), tm = static_cast<__mmask16>((1u << (16 - head)) - 1);
-      __m512 xv = _mm512_maskz_loadu_ps(hm, x);
-      __m512 a0 = _mm512_mul_ps(_mm512_maskz_loadu_ps(hm, w0), xv);
-      __m512 a1 = _mm512_mul_ps(_mm512_maskz_loadu_ps(hm, w1), xv);
-      __m512 a2 = _mm512_mul_ps(_mm512_maskz_loadu_ps(hm, w2), xv);
-      __m512 a3 = _mm512_mul_ps(_mm512_maskz_loadu_ps(hm, w3), xv);
-      int64_t j = head;
-      const float *next = w0 + 4 * n;  // the next four rows: 4 * 16 floats per step
-      for (; j + 16 <= n; j += 16) {
-        prefetch_span(next + 4 * j, 4 * 16 * sizeof(float));
-        xv = _mm512_loadu_ps(x + j);
-        a0 = _mm512_fmadd_ps(_mm512_load_ps(w0 + j), xv, a0);
-        a1 = _mm512_fmadd_ps(_mm512_load_ps(w1 + j), xv, a1);
-        a2 = _mm512_fmadd_ps(_mm512_load_ps(w2 + j), xv, a2);
-        a3 = _mm512_fmadd_ps(_mm512_load_ps(w3 + j), xv, a3);
-      }
-      if (head) {  // the last 16 - head floats: aligned, masked
-        xv = _mm512_maskz_loadu_ps(tm, x + j);
-        a0 = _mm512_fmadd_ps(_mm512_maskz_load_ps(tm, w0 + j), xv, a0);
-        a1 = _mm512_fmadd_ps(_mm512_maskz_load_ps(tm, w1 + j), xv, a1);
-        a2 = _mm512_fmadd_ps(_mm512_maskz_load_ps(tm, w2 + j), xv, a2);
-        a3 = _mm512_fmadd_ps(_mm512_maskz_load_ps(tm, w3 + j), xv, a3);
-      }
-      float s0 = _mm512_reduce_add_ps(a0), s1 = _mm512_reduce_add_ps(a1);
-      float s2 = _mm512_reduce_add_ps(a2), s3 = _mm512_reduce_add_ps(a3);
-      store4(y + r, s0, s1, s2, s3, accumulate);
+      float s[4];
+      rows4_many<1>(w0, n, head, &x, true, s);
+      store4(y + r, s[0], s[1], s[2], s[3], accumulate);
     }
   }
 #endif
@@ -492,7 +534,7 @@ inline void gemv_rows(const Q8Block *W, const float *x, float *y, int64_t n, int
 #if MSLLM_VW > 0
 constexpr int kNV = MSLLM_VW == 16 ? 4 : 2;  // vectors per pass of AVX-512's aligned 4-row groups (16 accumulators)
 // rows x vectors per pass of the dot-product paths below (their accumulators must fit the registers: AVX-512 has 32)
-constexpr int kDotRows = MSLLM_VW == 16 ? 2 : 2, kDotVecs = MSLLM_VW == 16 ? 4 : 2;
+constexpr int kDotRows = 2, kDotVecs = MSLLM_VW == 16 ? 4 : 2;
 constexpr int kHalfRows = 1, kHalfVecs = MSLLM_VW == 16 ? 4 : 2;  // 4 accumulators a (row, vector)
 
 // a[i] . X[v] for R rows and NV vectors (s[i * NV + v]), each exactly as dot(const float *, ...) computes it: two
@@ -600,62 +642,6 @@ inline void dot_many_h(const T *const *a, const float *const *X, int64_t n, floa
     }
 }
 
-#if MSLLM_VW == 16
-// Four float rows from w0 (rows of n % 16 == 0 floats, w0's first `head` floats up to a 64-byte boundary) times NV
-// vectors, each (row, vector) as gemv_rows' AVX-512 group computes it: s[i * NV + v]
-template <int NV>
-inline void rows4_many(const float *w0, int64_t n, int64_t head, const float *const *X, bool prefetch, float *s) {
-  const float *w1 = w0 + n, *w2 = w1 + n, *w3 = w2 + n;
-  const __mmask16 hm = static_cast<__mmask16>((1u << head) - 1), tm = static_cast<__mmask16>((1u << (16 - head)) - 1);
-  __m512 a0[NV], a1[NV], a2[NV], a3[NV];
-  {
-    const __m512 h0 = _mm512_maskz_loadu_ps(hm, w0), h1 = _mm512_maskz_loadu_ps(hm, w1);
-    const __m512 h2 = _mm512_maskz_loadu_ps(hm, w2), h3 = _mm512_maskz_loadu_ps(hm, w3);
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) {
-      const __m512 xv = _mm512_maskz_loadu_ps(hm, X[v]);
-      a0[v] = _mm512_mul_ps(h0, xv);
-      a1[v] = _mm512_mul_ps(h1, xv);
-      a2[v] = _mm512_mul_ps(h2, xv);
-      a3[v] = _mm512_mul_ps(h3, xv);
-    }
-  }
-  int64_t j = head;
-  const float *next = w0 + 4 * n;
-  for (; j + 16 <= n; j += 16) {
-    if (prefetch) prefetch_span(next + 4 * j, 4 * 16 * sizeof(float));
-    const __m512 v0 = _mm512_load_ps(w0 + j), v1 = _mm512_load_ps(w1 + j);
-    const __m512 v2 = _mm512_load_ps(w2 + j), v3 = _mm512_load_ps(w3 + j);
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) {
-      const __m512 xv = _mm512_loadu_ps(X[v] + j);
-      a0[v] = _mm512_fmadd_ps(v0, xv, a0[v]);
-      a1[v] = _mm512_fmadd_ps(v1, xv, a1[v]);
-      a2[v] = _mm512_fmadd_ps(v2, xv, a2[v]);
-      a3[v] = _mm512_fmadd_ps(v3, xv, a3[v]);
-    }
-  }
-  if (head) {
-    const __m512 v0 = _mm512_maskz_load_ps(tm, w0 + j), v1 = _mm512_maskz_load_ps(tm, w1 + j);
-    const __m512 v2 = _mm512_maskz_load_ps(tm, w2 + j), v3 = _mm512_maskz_load_ps(tm, w3 + j);
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) {
-      const __m512 xv = _mm512_maskz_loadu_ps(tm, X[v] + j);
-      a0[v] = _mm512_fmadd_ps(v0, xv, a0[v]);
-      a1[v] = _mm512_fmadd_ps(v1, xv, a1[v]);
-      a2[v] = _mm512_fmadd_ps(v2, xv, a2[v]);
-      a3[v] = _mm512_fmadd_ps(v3, xv, a3[v]);
-    }
-  }
-#pragma GCC unroll 4
-  for (int v = 0; v < NV; ++v) {
-    s[0 * NV + v] = _mm512_reduce_add_ps(a0[v]);
-    s[1 * NV + v] = _mm512_reduce_add_ps(a1[v]);
-    s[2 * NV + v] = _mm512_reduce_add_ps(a2[v]);
-    s[3 * NV + v] = _mm512_reduce_add_ps(a3[v]);
-  }
-}
-#endif
 
 // y (+)= s
 inline void put(float *y, float s, bool accumulate) { *y = accumulate ? *y + s : s; }
@@ -689,8 +675,7 @@ inline void rows_dot(const WT *W, const float *X, int64_t B, int64_t n, float *Y
   float *wide = nullptr;
   const auto widen_rows = [&](int64_t r, int k) {
     if constexpr (std::is_same_v<WT, half>) {
-      if (static_cast<int64_t>(scratch.size()) < R * n + 16) scratch.resize(R * n + 16);
-      wide = scratch.data() + (16 - reinterpret_cast<uintptr_t>(scratch.data()) / 4 % 16) % 16;  // 64-byte aligned
+      wide = aligned64(scratch, R * n);
       if (r + 2 * k <= r1) prefetch_span(W + (r + 2 * k) * n, k * n * sizeof(half) / 64 * 64);  // the rows after next
       for (int i = 0; i < k; ++i) {
         const half *row = W + (r + i) * n;
@@ -755,9 +740,9 @@ inline void gemv_batch(const WT *W, const float *X, int64_t B, int64_t n, float 
 }
 
 // Q8_0: rows [r0, r1) a block of kBatchRows rows at a time for every vector (a block of Q8_0 rows fits L1: read
-// from memory once, from L1 B - 1 times), each (row, vector) exactly as gemv_rows_q computes it.
+// from memory once, from L1 B - 1 times), each (row, vector) exactly as gemv_rows_q computes it; the B vectors
+// quantized once by the caller (qa[b]), as gemv_rows quantizes each.
 constexpr int64_t kBatchRows = 32;
-// (the B vectors quantized once by the caller, qa[b], as gemv_rows quantizes each)
 inline void gemv_batch(const Q8Block *W, const Q8Act *qa, int64_t B, int64_t n, float *Y, int64_t ys, int64_t r0,
                        int64_t r1, bool accumulate) {
   for (int64_t r = r0; r < r1; r += kBatchRows) {
@@ -998,17 +983,14 @@ inline void values4_any(const float *w, int64_t P, int64_t len, const float *V, 
 inline void values4_dispatch(const float *w, int64_t P, int64_t len, const float *V, int64_t hd, const float *inv,
                              int nq, float *const *out) {
 #if MSLLM_VW > 0
-  // at most kVB vectors of the head a pass: 4 x kVB accumulators must stay in registers (AVX2 has 16: a 64-wide
-  // head's 8 vectors in one pass spilled 32 accumulators); each output is the same FMA chain over j either way
-  constexpr int64_t kVB = MSLLM_VW == 16 ? 4 : 2, W = simd::kVW;
-  const int64_t nv = hd / W;
-  if (hd % W == 0 && (nv == 1 || nv == 2 || nv == 4 || nv == 8)) {
-    if (nv < kVB) return nv == 1 ? values4<1>(w, P, len, V, hd, inv, nq, out) : values4<2>(w, P, len, V, hd, inv, nq, out);
-    for (int64_t v0 = 0; v0 < nv; v0 += kVB) {
-      float *const o[4] = {out[0] + v0 * W, out[1] + v0 * W, out[2] + v0 * W, out[3] + v0 * W};
-      values4<kVB>(w, P, len, V + v0 * W, hd, inv, nq, o);
+  if (hd % simd::kVW == 0) {
+    switch (hd / simd::kVW) {
+      case 1: return values4<1>(w, P, len, V, hd, inv, nq, out);
+      case 2: return values4<2>(w, P, len, V, hd, inv, nq, out);
+      case 4: return values4<4>(w, P, len, V, hd, inv, nq, out);
+      case 8: return values4<8>(w, P, len, V, hd, inv, nq, out);
+      default: break;
     }
-    return;
   }
 #endif
   values4_any(w, P, len, V, hd, inv, nq, out);
@@ -1291,11 +1273,11 @@ extern "C" int DecodeStep(int nparam, void **params, int *ndims, int64_t **shape
   return m.wtype == 1 ? decode_step<half>(params, m) : decode_step<float>(params, m);
 }
 
-// n floats, zeroed, from a 64-byte boundary
+// n floats, zeroed, from a 64-byte boundary (aligned64)
 struct AlignedFloats {
   std::vector<float> v;
   float *p;
-  explicit AlignedFloats(int64_t n) : v(n + 16, 0.f), p(v.data() + (16 - reinterpret_cast<uintptr_t>(v.data()) / 4 % 16) % 16) {}
+  explicit AlignedFloats(int64_t n) : p(aligned64(v, n)) {}
   float *data() { return p; }
   float &operator[](int64_t i) { return p[i]; }
 };
@@ -1324,8 +1306,7 @@ int batch_step(void **params, const Model &m, int64_t B) {
   const WT *embed = static_cast<const WT *>(m.embed), *head = static_cast<const WT *>(m.head);
   const int threads = m.threads;
   const int64_t stride = nkv * S * hd;  // one slot of a cache
-  // the B vectors each projection reads, 64-byte aligned (a row of a multiple of 16 floats starts a cache line:
-  // unaligned vector loads that straddle two lines would halve the tiles' load throughput)
+  // the B vectors each projection reads, 64-byte aligned (aligned64)
   AlignedFloats x(B * H), attn(B * qdim), act(B * F), hn(B * H * threads);
   for (int64_t b = 0; b < B; ++b)
     for (int64_t i = 0; i < H; ++i) x[b * H + i] = weight_at(row_of(embed, tok[b], H), i);
@@ -1417,13 +1398,6 @@ extern "C" int BatchDecodeStep(int nparam, void **params, int *ndims, int64_t **
   return m.wtype == 1 ? batch_step<half>(params, m, B) : batch_step<float>(params, m, B);
 }
 
-// A prompt chunk (batch 1, T tokens at slots start..start+T-1) through the whole model, as DecodeStep does one
-// token: the operands are DecodeStep's but 0 tokens int32 [1, T] and 1 int32 [2]: start, last (the row whose
-// logits are returned, 0 <= last < T). Writes the K/V rows of the chunk's tokens 0..last into the caches and returns
-// the logits [1, V] of row `last` (rows past `last`, a short prompt's padding, are checked, not computed). Every buffer is the chunk's own ([T, widths] and the keys of slots 0..start+T-1, transposed):
-// nothing a static MindSpore graph would keep per kernel (~0.5 GB of the 64-token chunk graph at SmolLM2-135M).
-// The projections are GEMMs over the chunk (gemm_rows: every weight row read once per chunk), split by rows over
-// the threads; attention as ChunkAttention.
 // One prompt (chunk) of a chunk step: its cache slot, its first position, its rows (tokens) in the packed chunk.
 struct Seg {
   int64_t slot, start, n;
@@ -1537,19 +1511,19 @@ int chunk_step(void **params, const Model &m, const int32_t *tokens, const std::
         rms_norm(x.data() + (off[i] + segs[i].n - 1) * H, final_norm, hl.data() + i * H, H, eps);
     barrier.wait();
     split(V, t, nt, &b, &e);
-    if constexpr (std::is_same_v<WT, Q8Block>) {
-      for (int64_t i = 0; i < NQ; ++i) gemv_rows(head, hl.data() + i * H, logits + i * V, H, b, e, false);
-    } else {
-      gemv_batch(head, hl.data(), NQ, H, logits, V, b, e, false);  // each row as gemv_rows computes it
-    }
+    gemv_batch(head, hl.data(), NQ, H, logits, V, b, e, false);  // each row as gemv_rows computes it
   });
   return 0;
 }
 
-// A prompt chunk (PrefillStep, ScoreStep): tokens [1, T] at positions start..start+T-1 of `slot`, operand 1
-// [start, last(, slot)]. PrefillStep: the rows after `last` (a short prompt's padding) cannot change row `last`
-// (attention is causal, each row's sums its own), so they are checked, not computed: a 33-token prompt in a 64-token
-// chunk costs 33 rows, and the cache slots past `last` keep what they held.
+// A prompt chunk (batch 1, T tokens at slots start..start+T-1) through the whole model, as DecodeStep does one
+// token: the operands are DecodeStep's but 0 tokens int32 [1, T] and 1 int32 [start, last(, slot)] (`last` the row
+// whose logits are returned, 0 <= last < T). PrefillStep writes the K/V rows of tokens 0..last into the caches and
+// returns the logits [1, V] of row `last`; the rows after it (a short prompt's padding) cannot change it (attention is
+// causal, each row's sums its own), so they are checked, not computed: a 33-token prompt in a 64-token chunk costs
+// 33 rows, and the cache slots past `last` keep what they held. ScoreStep computes every row. Every buffer is the
+// chunk's own (chunk_step): nothing a static MindSpore graph would keep per kernel (~0.5 GB of the 64-token chunk
+// graph at SmolLM2-135M). The projections are GEMMs over the chunk, split by rows over the threads.
 template <typename WT>
 int prefill_step(void **params, const Model &m, int64_t T, bool all_rows, int64_t slot = 0) {
   const int32_t *tokens = static_cast<const int32_t *>(params[0]);

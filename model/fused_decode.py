@@ -91,6 +91,14 @@ def _decode_dtypes(*dtypes):
     return ms.float32
 
 
+def _logit_rows(name: str, shapes) -> int:
+    """Rows of a whole-model op's logits: one per token (ScoreStep's chunk, BatchDecodeStep's sequences), one per
+    prompt of PackedPrefillStep's table, else one."""
+    if name in ("ScoreStep", "BatchDecodeStep"):
+        return shapes[0][-1]
+    return shapes[1][0] if name == "PackedPrefillStep" else 1
+
+
 def _decode_op(lib: str, vocab: int, n_layers: int, name: str = "DecodeStep"):
     """A whole-model custom op of model/decode_kernel.cc: `DecodeStep` (one token), `PrefillStep` (a prompt chunk),
     `ScoreStep` (a chunk, every row's logits), `BatchDecodeStep` or `PackedPrefillStep` (several prompts), declared
@@ -109,14 +117,7 @@ def _decode_op(lib: str, vocab: int, n_layers: int, name: str = "DecodeStep"):
         def __init__(self):
             super().__init__(
                 f"{lib}:{name}",
-                out_shape=lambda *shapes: [
-                    shapes[0][-1]
-                    if name in ("ScoreStep", "BatchDecodeStep")
-                    else shapes[1][0]
-                    if name == "PackedPrefillStep"
-                    else 1,
-                    vocab,
-                ],
+                out_shape=lambda *shapes: [_logit_rows(name, shapes), vocab],
                 out_dtype=_decode_dtypes,
                 func_type="aot",
             )

@@ -438,17 +438,13 @@ class Generator:
         no position goes past the cache. `pad_last` (the fused PrefillStep, which computes and writes a chunk's rows
         only up to `last`): a longer one in chunks from 0, c, 2c, ..., its last chunk padded, nothing recomputed."""
         n, c = len(ids), c or self.prefill_chunk
-        if pad_last and n > c:  # the fused PrefillStep: chunks from 0, c, 2c, ..., the last one padded, none recomputed
+        if n <= c or pad_last:  # chunks from 0, c, 2c, ..., the last one right-padded
             out = []
             for s in range(0, n, c):
                 x = np.zeros((1, c), np.int32)
                 x[0, : min(c, n - s)] = ids[s : s + c]
                 out.append((x, s, min(c, n - s) - 1))
             return out
-        if n <= c:
-            x = np.zeros((1, c), np.int32)
-            x[0, :n] = ids
-            return [(x, 0, n - 1)]
         starts = list(range(0, n - c, c)) + [n - c]
         return [(np.asarray([ids[s : s + c]], np.int32), s, c - 1) for s in starts]
 

@@ -134,14 +134,7 @@ class MindSporeBackend:
 
     def prefill(self, key, prompt_ids: list[int]) -> np.ndarray:
         """The prompt into a free slot; the logits [V] after it. The sequence `key` joins the batch."""
-        slot = self._batch.acquire()
-        try:
-            logits = self._batch.prefill(slot, prompt_ids)
-        except BaseException:
-            self._batch.release(slot)
-            raise
-        self._rows[key] = [slot, len(prompt_ids)]
-        return logits
+        return self.prefill_many({key: prompt_ids})[key]
 
     def prefill_many(self, prompts: dict) -> dict:
         """Several sequences' prompts at once, {key: prompt ids} -> {key: logits [V]}, each into a free slot: the
