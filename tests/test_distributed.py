@@ -47,6 +47,7 @@ def _cfg(*overrides: str):
         "checkpoint.save_steps=3",
         "checkpoint.keep_checkpoint_max=3",
         f"parallel.master_port={free_port()}",
+        "pretrain.train.layerwise=false",  # the whole-model graph; LAYERWISE (below) the default step
     ]
     return resolve_pipeline(REPO / "pipelines.yaml", "tiny", [*base, *overrides])
 

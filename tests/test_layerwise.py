@@ -188,7 +188,9 @@ def test_where_it_cannot_run_the_whole_model_step_runs_and_says_why():
     step, how = train_step(net, causal_lm_loss_fn(net), subset, opt, layerwise=True)
     assert type(step) is TrainStep and how.startswith("whole model: ") and "subset" in how
     step, how = train_step(net, causal_lm_loss_fn(net), params, parallelize_optimizer(params, train, Mesh(), False))
-    assert type(step) is TrainStep and how == "whole model"  # the default: train.layerwise is false
+    assert type(step) is LayerwiseTrainStep and how == "layer at a time"  # the default, as train.layerwise's
+    step, how = train_step(net, causal_lm_loss_fn(net), params, step.optimizer, layerwise=False)
+    assert type(step) is TrainStep and how == "whole model"
     assert layerwise_unsupported(net, params) is None
     assert "tensor parallel" in layerwise_unsupported(net, params, SimpleNamespace(tp=2))
     # the written-out layer backward needs the fused fp32 kernels; elsewhere the autodiff layer graph runs

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from model.config import ModelConfig
-from tasks.training.memory import GiB, Layout, estimate, layer_saved_bytes, plan
+from tasks.training.memory import GiB, Layout, estimate, layer_saved_bytes, mode_setting, plan
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -215,6 +215,11 @@ def test_layer_at_a_time_in_the_estimate_and_the_cpu_plan():
     rows = plan(cfg, devices=1, device_memory=between, precision="fp32", backend="CPU", **kw)
     assert rows[0][1] == "layerwise" and rows[0][3]
     assert plan(cfg, devices=1, device_memory=2 * whole.total, precision="fp32", backend="CPU", **kw)[0][1] == "off"
+    # on CPU the layer-at-a-time step is the default: the whole-model modes say to turn it off, elsewhere not
+    assert mode_setting("off", "CPU") == "pretrain.recompute: false, pretrain.train.layerwise: false"
+    assert mode_setting("recompute", "Ascend") == "pretrain.recompute: true"
+    gpu = dict(kw, precision="fp32", backend="GPU")
+    assert estimate(cfg, **gpu, layerwise=True).parts == estimate(cfg, **gpu).parts  # not on a device: ignored
 
 
 def test_fused_attention_keeps_no_scores_in_the_estimate():
@@ -236,7 +241,9 @@ def test_validation_names_train_layerwise_where_it_would_fit():
     from tasks.training.memory import machine_fit_errors
 
     pipelines = REPO / "pipelines.yaml"
-    cfg = resolve_pipeline(pipelines, "tiny", ["pretrain.train.loop.micro_batch_size=512"])
+    cfg = resolve_pipeline(
+        pipelines, "tiny", ["pretrain.train.loop.micro_batch_size=512", "pretrain.train.layerwise=false"]
+    )
     mc, ptr = cfg.model.resolve(), cfg.pretrain.train
     kw = dict(
         micro_batch=512, seq=cfg.pretrain.seq_length, precision=ptr.precision.dtype, fused_kernels=ptr.fused_kernels

@@ -52,9 +52,10 @@ def _train(cfg, root: Path, data_art: Path, **kw):
     return train(), run_dir
 
 
-def test_resume_gives_identical_losses(tmp_path, data_artifact):
-    cfg = _cfg()
+def test_resume_gives_identical_losses(tmp_path, data_artifact, capfd):
+    cfg = _cfg()  # the default step: one decoder layer at a time (train.layerwise: true)
     straight, run_a = _train(cfg, tmp_path / "a", data_artifact)
+    assert "[train] step: layer at a time\n" in capfd.readouterr().err
     stopped, run_b = _train(cfg, tmp_path / "b", data_artifact, stop_after=3)
     assert stopped is None and [c.name for c in complete_checkpoints(run_b / "checkpoints")] == ["step_00000003"]
     resumed, _ = _train(cfg, tmp_path / "b", data_artifact)
@@ -82,12 +83,12 @@ def test_resume_gives_identical_losses(tmp_path, data_artifact):
         assert k in row, k
 
 
-def test_layer_at_a_time_step_trains_and_resumes_exactly(tmp_path, data_artifact, capfd):
-    """`train.layerwise: true` through the trainer: it runs (the log says so), validates through its layer graph,
-    and a run stopped at step 3 and resumed gives the straight run's losses bit for bit."""
-    cfg = _cfg("pretrain.train.layerwise=true")
+def test_whole_model_step_trains_and_resumes_exactly(tmp_path, data_artifact, capfd):
+    """`train.layerwise: false` through the trainer: the whole-model graph runs (the log says so), validates, and a
+    run stopped at step 3 and resumed gives the straight run's losses bit for bit."""
+    cfg = _cfg("pretrain.train.layerwise=false")
     straight, run_a = _train(cfg, tmp_path / "a", data_artifact)
-    assert "[train] step: layer at a time" in capfd.readouterr().err
+    assert "[train] step: whole model\n" in capfd.readouterr().err
     _train(cfg, tmp_path / "b", data_artifact, stop_after=3)
     _, run_b = _train(cfg, tmp_path / "b", data_artifact)
     la, lb = _losses(run_a), _losses(run_b)

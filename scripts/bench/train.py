@@ -6,10 +6,11 @@ heads, micro batch 8 × seq 256; `smollm2-135m`: micro batch 2 × seq 128), fp32
 (so peak RSS is its own), one after the other (`--rounds N`: all alive, timed in turn N times), with `--threads`
 (2) threads:
 
-- `ms`: this trainer's step (`causal_lm_train_step`; fused kernels as `pretrain.train.fused_kernels`, the body
-  `kernel_body` names: avx512 / avx2 / neon / scalar, forced with MSLLM_KERNEL_ISA or `--isa`; the trainer's
-  default whole-model step; `--layerwise` adds `ms_layerwise`, the step one decoder layer at a time
-  (`train.layerwise: true`), beside it);
+- `ms`: this trainer's whole-model step (`causal_lm_train_step`, `train.layerwise: false`; fused kernels as
+  `pretrain.train.fused_kernels`, the body `kernel_body` names: avx512 / avx2 / neon / scalar, forced with
+  MSLLM_KERNEL_ISA or `--isa`);
+- `ms_layerwise`: the step one decoder layer at a time (`train.layerwise: true`, the trainer's default on CPU;
+  `default_step` names the default), beside it (`--no-layerwise` leaves it out);
 - `hf.sdpa`: HF LLaMA with its default attention (`sdpa`): the baseline `ratio` divides by;
 - `hf.eager`: the same with `attn_implementation="eager"` (`ratio_vs_eager`);
 - `hf.compile`: the sdpa model under `torch.compile` (inductor, CPU): forward, loss and backward compiled
@@ -31,8 +32,8 @@ and is not emulated), prints to stdout and is appended to docs/bench/results.jso
     python scripts/bench/train.py [--steps 10] [--warmup 3]
     python scripts/bench/train.py --isa avx2                              # both sides as on an AVX2-only CPU
     python scripts/bench/train.py --preset smollm2-135m --steps 5          # continued-pretraining shapes, 2 × 128
-    python scripts/bench/train.py --preset smollm2-135m --layerwise        # + the step one layer at a time
-    python scripts/bench/train.py --preset smollm2-135m --layerwise --rounds 3   # sides alive at once, timed
+    python scripts/bench/train.py --preset smollm2-135m --no-layerwise     # the whole-model step alone
+    python scripts/bench/train.py --preset smollm2-135m --rounds 3         # sides alive at once, timed
         in turn, three rounds: each ratio within a round (a shared VM's speed drifts by ~30% over minutes)
     python scripts/bench/train.py --rounds 3 --load                        # every side also timed beside one
         `nice -n 19` busy loop in each round (host.py busy_loop): `load_slowdown` per side, 1 - loaded / quiet
@@ -65,7 +66,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from host import BUSY_LOOP, add_isa_arg, apply_isa, busy_loop, describe, effective_flags  # noqa: E402
 from report import add_record_args, record  # noqa: E402
 
-from tasks.training.hardware import best_time, peak_rss_bytes  # noqa: E402  (after the sys.path insert)
+from tasks.config.schema import TrainSection  # noqa: E402  (after the sys.path insert)
+from tasks.training.hardware import best_time, peak_rss_bytes  # noqa: E402
 
 PRESET = "tiny-llama-bench"
 SHAPES = {
@@ -428,8 +430,10 @@ def main() -> None:
     )
     ap.add_argument(
         "--layerwise",
-        action="store_true",
-        help="also run the step one decoder layer at a time (train.layerwise: true), as `ms_layerwise`",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also run the step one decoder layer at a time (train.layerwise: true, the trainer's default on CPU), "
+        "as `ms_layerwise` (default: on; --no-layerwise: the whole-model step alone)",
     )
     ap.add_argument("--layerwise-side", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument(
@@ -581,6 +585,7 @@ def main() -> None:
         "fused_kernels": ms_["fused_kernels"],
         "kernel_body": ms_["kernel_body"],
         "step": ms_["step"],
+        "default_step": "layer at a time" if TrainSection().layerwise else "whole model",  # what the trainer runs
         "spin_wait": ms_.get("spin_wait"),
         **figures(ms_),
         "hf": {k: figures(v) for k, v in hf.items()},

@@ -198,13 +198,16 @@ class TrainSection(_Section):
     """fp32 training: the causal softmax, SwiGLU, RMSNorm, cross-entropy and the AdamW update as fused custom ops
     (model/train_kernels.cc, built with g++ on first use); the one decision is model.kernels.enabled. Without a
     compiler MindSpore's own ops run: the same math to ~1e-6, slower. false always uses MindSpore's own ops."""
-    layerwise: bool = False
-    """Run the train step one decoder layer at a time (tasks/training/layerwise.py): the same step and arithmetic with
-    one layer's working set and what each layer's written-out backward reads held, instead of every buffer of a
-    whole-model graph (SmolLM2-135M, 2 x 128: 3.2 GB instead of 4.9, at 0.84-0.98x the whole-model step's speed and
-    1.1x torch.compile's; docs/MEMORY.md, "Train"). LoRA trains the adapters alone this way (base weights and head
-    frozen). For a model whose whole-model step does not fit. Where it does not apply (tensor parallel; LoRA or fp16
-    without the fused fp32 kernels) the whole-model step runs and the log says why."""
+    layerwise: bool = True
+    """Run the train step one decoder layer at a time (tasks/training/layerwise.py; the default): the same step and
+    arithmetic with one layer's working set and what each layer's written-out backward reads held, instead of every
+    buffer of a whole-model graph. Measured side by side with HF (docs/BENCHMARKS.md "train", docs/MEMORY.md
+    "Train"): at tiny, SmolLM2-135M and the 360M shape it is at or below HF sdpa's peak RSS (SmolLM2-135M, 2 x 128:
+    3.2 GB against 3.35; the whole-model graph 4.9) and faster than torch.compile on AVX2 and AVX-512, where the
+    whole-model step is 1.1-1.5x sdpa's memory. false runs the whole-model graph: 1.0-1.3x this step's speed where
+    its memory fits (the preflight's memory plan says). LoRA trains the adapters alone this way (base
+    weights and head frozen). Where it does not apply (tensor parallel; LoRA or fp16 without the fused fp32
+    kernels) the whole-model step runs and the log says why."""
 
 
 FINETUNE_INHERITS = (

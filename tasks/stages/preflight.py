@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 from model.runtime import setup_mindspore
 from tasks.config.schema import PipelineConfig
-from tasks.training.memory import MODE_SETTING, GiB, Layout, estimate, plan, unsupported
+from tasks.training.memory import GiB, Layout, estimate, mode_setting, plan, unsupported
 
 
 class PlanReport(NamedTuple):
@@ -99,7 +99,7 @@ def memory_plan(cfg: PipelineConfig, device_memory: int, devices: int | None = N
         f"recommendation: parallel: {{data_parallel: {lay2.dp}, tensor_parallel: {lay2.tp}, "
         f"optimizer_shard: {str(lay2.optimizer_shard).lower()}, device_num: {lay2.devices}}}"
         + (f", plan: {{pipeline_parallel: {lay2.pp}, micro_batch_num: {lay2.micro_batch_num}}}" if lay2.pp > 1 else "")
-        + f", {MODE_SETTING[mode]}  ({e2.total / GiB:.2f} GiB per device)"
+        + f", {mode_setting(mode, par.device_target)}  ({e2.total / GiB:.2f} GiB per device)"
     )
     return PlanReport(out, True)
 

@@ -58,6 +58,8 @@ def layerwise_unsupported(net, params: list[Parameter], mesh=None) -> str | None
     """Why the layer-at-a-time step cannot run `net` over `params` (None when it can)."""
     if not all(hasattr(net, a) for a in ("layers", "layer_inputs", "head_logits", "loss_fn")):
         return f"{type(net).__name__} is not a decoder with layer_inputs / layers / head_logits"
+    if (target := ms.get_context("device_target")) != "CPU":
+        return f"device target {target} (built for CPU: every gradient passes through host memory)"
     if mesh is not None and mesh.tp > 1:
         return "tensor parallel (the layers hold collectives)"
     if {id(p) for p in params} != {id(p) for p in net.trainable_params()} or not params:
@@ -357,10 +359,11 @@ class LayerwiseTrainStep(TrainStep):
 
 
 def train_step(
-    net, loss_fn, params: list[Parameter], optimizer, *, accumulation: int = 1, mesh=None, layerwise: bool = False
+    net, loss_fn, params: list[Parameter], optimizer, *, accumulation: int = 1, mesh=None, layerwise: bool = True
 ) -> tuple[TrainStep, str]:
-    """The step the trainer runs (`train.layerwise`): layer at a time where it applies and `layerwise` is on, else
-    the whole-model `TrainStep`. Returns (step, how: "layer at a time", "whole model" or "whole model: <why>")."""
+    """The step the trainer runs (`train.layerwise`, true by default): layer at a time where it applies and
+    `layerwise` is on, else the whole-model `TrainStep`. Returns (step, how: "layer at a time", "whole model" or
+    "whole model: <why>")."""
     dp_group, dp = (mesh.dp_group, mesh.dp) if mesh is not None else (None, 1)
     if not layerwise:
         return TrainStep(loss_fn, params, optimizer, accumulation=accumulation, dp_group=dp_group, dp=dp), "whole model"

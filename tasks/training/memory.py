@@ -140,11 +140,14 @@ def param_split(cfg: ModelConfig, layout: Layout) -> int:
     return per_layer * layers + first_stage_extra
 
 
-def layerwise_applies(layout: Layout, trainable_fraction: float = 1.0, *, written_out: bool) -> bool:
+def layerwise_applies(
+    layout: Layout, trainable_fraction: float = 1.0, *, written_out: bool, backend: str = "CPU"
+) -> bool:
     """Whether `train.layerwise` runs the layer-at-a-time step for this layout (else the trainer runs the whole-model
-    step: tasks/training/layerwise.py `layerwise_unsupported`): no tensor or pipeline parallel, and every parameter
-    trained or, LoRA (a fraction trained), the written-out layer functions (`written_out`: fused fp32 kernels)."""
-    return layout.tp == 1 and layout.pp == 1 and (trainable_fraction >= 1.0 or written_out)
+    step: tasks/training/layerwise.py `layerwise_unsupported`): CPU, no tensor or pipeline parallel, and every
+    parameter trained or, LoRA (a fraction trained), the written-out layer functions (`written_out`: fused fp32
+    kernels)."""
+    return backend == "CPU" and layout.tp == 1 and layout.pp == 1 and (trainable_fraction >= 1.0 or written_out)
 
 
 def layer_activation_bytes(
@@ -216,7 +219,9 @@ def estimate(
     # the fused loss keeps the logits and their gradient; where MatMul runs oneDNN's AVX2 path the head's backward
     # also transposes the gradient (model/fused_cells.py FusedHeadMatMul)
     logits = ((3 if matmul_isa() == "avx2" else 2) if fused else 3) * micro_batch * seq * cfg.vocab_size * 4
-    layer_at_a_time = layerwise and layerwise_applies(layout, trainable_fraction, written_out=fused and not half)
+    layer_at_a_time = layerwise and layerwise_applies(
+        layout, trainable_fraction, written_out=fused and not half, backend=backend
+    )
     own_ops = ACTIVATION_FACTOR_LAYER if layer_at_a_time else ACTIVATION_FACTOR  # MindSpore's own ops
     factor = ACTIVATION_FACTOR_FUSED[backend] if fused else own_ops.get(backend, 1.0)
     outputs, runtime = {}, RUNTIME_BYTES.get(backend, GiB)
@@ -290,15 +295,19 @@ def unsupported(layout: Layout, backend: str) -> str | None:
 
 MODES = ("off", "recompute", "layerwise")
 """How a layout may save activation memory, cheapest in compute first: none, `pretrain.recompute` (a second forward
-inside the graph; lowers nothing on CPU, module doc), `train.layerwise` (CPU, where `layerwise_applies`: the step one
-layer at a time, ~0.9× the whole-model step's speed at SmolLM2-135M, docs/MEMORY.md "Train")."""
+inside the graph; lowers nothing on CPU, module doc), `train.layerwise` (CPU, where `layerwise_applies`, and there
+the default: the step one layer at a time, 0.8-1.0× the whole-model step's speed, docs/MEMORY.md "Train")."""
 
-MODE_SETTING = {
-    "off": "pretrain.recompute: false",
-    "recompute": "pretrain.recompute: true",
-    "layerwise": "pretrain.train.layerwise: true",
-}
-"""What a plan row's mode is in pipelines.yaml."""
+
+def mode_setting(mode: str, backend: str) -> str:
+    """What a plan row's mode is in pipelines.yaml. On CPU `train.layerwise` is on by default, so the whole-model
+    modes say to turn it off."""
+    whole = ", pretrain.train.layerwise: false" if backend == "CPU" else ""
+    return {
+        "off": f"pretrain.recompute: false{whole}",
+        "recompute": f"pretrain.recompute: true{whole}",
+        "layerwise": "pretrain.train.layerwise: true (the default on CPU)",
+    }[mode]
 
 
 def plan(
@@ -321,7 +330,7 @@ def plan(
     rows = []
     for lay in candidate_layouts(cfg, devices):
         for mode in MODES:
-            if mode == "layerwise" and (backend != "CPU" or not layerwise_applies(lay, written_out=False)):
+            if mode == "layerwise" and not layerwise_applies(lay, written_out=False, backend=backend):
                 continue
             est = estimate(
                 cfg,
@@ -420,7 +429,7 @@ def machine_fit_errors(cfg, prefix: str, machine_bytes: int | None = None) -> li
                     f"{prefix}.{stage}.train.layerwise: false, and {micro} × seq_length {s} with model "
                     f"{cfg.model.preset} needs about {need / GiB:,.1f} GiB by the memory plan but this machine "
                     f"has {have / GiB:.1f} GiB; set {stage}.train.layerwise: true (the step one decoder layer "
-                    f"at a time: about {lw_need / GiB:,.1f} GiB, at ~0.9× the speed) or lower {key}"
+                    f"at a time, the default: about {lw_need / GiB:,.1f} GiB, at 0.8-1.0× the speed) or lower {key}"
                 )
                 continue
             ranks = f" × {local} ranks on this node" if procs > 1 else ""

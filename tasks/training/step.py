@@ -2,9 +2,10 @@
 loss scale.
 
 Everything that runs per step is compiled under `mindspore.jit`; the learning rate, step count and loss
-scale are tensors fed in each step (no recompilation). `train.layerwise: true` runs the same step one decoder layer at
-a time (tasks/training/layerwise.py `LayerwiseTrainStep`, built on this one: less memory, slower); `train_step` there
-picks between them and `causal_lm_train_step` builds either for the benchmarks and tests.
+scale are tensors fed in each step (no recompilation). This is the whole-model step (`train.layerwise: false`, and
+where the layer-at-a-time step does not apply); the default on CPU runs the same step one decoder layer at a time
+(tasks/training/layerwise.py `LayerwiseTrainStep`, built on this one: less memory, 0.8-1.0x the speed); `train_step`
+there picks between them and `causal_lm_train_step` builds either for the benchmarks and tests.
 """
 
 from __future__ import annotations

@@ -181,7 +181,7 @@ class Trainer:
             self.optimizer,
             accumulation=train.loop.gradient_accumulation,
             mesh=mesh,
-            layerwise=getattr(train, "layerwise", False),
+            layerwise=getattr(train, "layerwise", True),
         )
         self.log(f"step: {how}")
         self.fp16 = self.precision.dtype == "fp16"
