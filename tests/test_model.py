@@ -255,7 +255,7 @@ def test_presets_sizes():
 def test_flops_per_token():
     cfg = ModelConfig.from_name("llama2-7b")
     n_matmul = cfg.num_parameters - cfg.vocab_size * cfg.hidden_size - (2 * 32 + 1) * 4096
-    assert cfg.flops_per_token(2048) == 6 * n_matmul + 12 * 32 * 4096 * 2048
+    assert cfg.flops_per_token(2048) == 6 * n_matmul + 6 * 32 * 4096 * 2048  # attention: the causal half
 
 
 def test_config_round_trip_and_overrides():
