@@ -299,6 +299,13 @@ inside the graph; lowers nothing on CPU, module doc), `train.layerwise` (CPU, wh
 the default: the step one layer at a time, 0.8-1.0× the whole-model step's speed, docs/MEMORY.md "Train")."""
 
 
+def mode_order(backend: str) -> tuple[str, ...]:
+    """The plan's preference among modes that fit: MODES' order, except on CPU, where the layer-at-a-time step is the
+    default (faster than torch.compile at HF sdpa's memory or less) and comes first; the whole-model step there is a
+    choice for speed where memory is plentiful."""
+    return ("layerwise", "off", "recompute") if backend == "CPU" else MODES
+
+
 def mode_setting(mode: str, backend: str) -> str:
     """What a plan row's mode is in pipelines.yaml. On CPU `train.layerwise` is on by default, so the whole-model
     modes say to turn it off."""
@@ -323,9 +330,9 @@ def plan(
     """Every candidate (layout, mode of MODES) with its estimate and whether it fits, best first.
 
     Layouts this pipeline can run (`unsupported(...) is None`) come before those it cannot.
-    Preference among layouts that fit: the cheapest mode (MODES' order: recompute costs ~1/3 more compute, the
-    layer-at-a-time step more), then the least model splitting (tensor parallel before pipeline parallel: TP needs
-    fast intra-node links, PP adds bubbles), then optimizer sharding off.
+    Preference among layouts that fit: the mode (`mode_order`: on GPU/Ascend the cheapest in compute, recompute
+    costing ~1/3 more; on CPU the default layer-at-a-time step first), then the least model splitting (tensor
+    parallel before pipeline parallel: TP needs fast intra-node links, PP adds bubbles), then optimizer sharding off.
     """
     rows = []
     for lay in candidate_layouts(cfg, devices):
@@ -349,7 +356,7 @@ def plan(
         return (
             not fits,
             unsupported(lay, backend) is not None,
-            MODES.index(mode),
+            mode_order(backend).index(mode),
             lay.tp * lay.pp,
             lay.pp,
             lay.optimizer_shard,
