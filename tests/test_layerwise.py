@@ -168,7 +168,7 @@ def test_written_out_layer_backward_equals_autodiff():
         np.testing.assert_allclose(a, b, rtol=0, atol=fp32_tol(np.abs(b).max(), n), err_msg=name)
 
 
-def test_where_it_cannot_run_the_whole_model_step_runs_and_says_why():
+def test_where_it_cannot_run_the_whole_model_step_runs_and_says_why(monkeypatch):
     cfg, built = _net(True)
     net = built.net
     params = net.trainable_params()
@@ -193,6 +193,10 @@ def test_where_it_cannot_run_the_whole_model_step_runs_and_says_why():
     assert type(step) is TrainStep and how == "whole model"
     assert layerwise_unsupported(net, params) is None
     assert "tensor parallel" in layerwise_unsupported(net, params, SimpleNamespace(tp=2))
+    real = ms.get_context  # on a device the gradients would pass through host memory: the whole-model step there
+    monkeypatch.setattr(ms, "get_context", lambda key: "Ascend" if key == "device_target" else real(key))
+    assert layerwise_unsupported(net, params).startswith("device target Ascend")
+    monkeypatch.undo()
     # the written-out layer backward needs the fused fp32 kernels; elsewhere the autodiff layer graph runs
     assert functional_unsupported(net) is None or not built.kernels.fused
     assert functional_unsupported(_net(True, fused=False)[1].net) == "the fused kernels are off"
