@@ -783,9 +783,13 @@ def _scrape(url: str) -> dict[str, dict[tuple, float]]:
 
 
 def test_metrics_during_load(server):
+    """Six streams at once, the gauges scraped once every stream has its first chunk. Each asks for the whole context
+    so that it is still being decoded then: at 40 tokens the six, decoded together in one batched step, had all
+    finished before the scrape on a fast machine (the running gauge read 0)."""
     before = _scrape(server.url)
     m = (("engine", "0"), ("model_name", server.model))  # vLLM's labels (tasks/serving/metrics.py)
-    n_req, max_tokens = 6, 40
+    ctx = json.loads(urllib.request.urlopen(server.url + "/v1/models", timeout=5).read())["data"][0]["context_length"]
+    n_req, max_tokens = 6, ctx - 16
 
     async def main():
         client = server.client(openai.AsyncOpenAI)
