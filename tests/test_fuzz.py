@@ -235,3 +235,32 @@ def test_an_edited_manifest_file_list_is_one_artifact_error(tmp_path, files, wan
     with pytest.raises(ArtifactError, match=want) as err:
         _model_artifact((info, False, json.dumps(m)), tmp_path)
     assert "manifest.json: corrupt manifest" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "text, where, key",
+    [
+        ("0: a\npipelines: {p: {}}\n", "", "0 is a number"),  # was TypeError in difflib ("did you mean")
+        ("pipelines: {0: {}}\n", "pipelines: ", "0 is a number"),
+        ("pipelines: {p: {data: {1.5: x}}}\n", "pipelines.p.data: ", "1.5 is a number"),
+        (
+            "pipelines:\n  p:\n    data:\n      sources: [{true: 1}]\n",
+            "pipelines.p.data.sources[0]: ",
+            "True is a boolean",
+        ),
+        ("pipelines: {p: {pretrain: {null: 1}}}\n", "pipelines.p.pretrain: ", "None is a null"),
+    ],
+)
+def test_a_key_that_is_not_text_is_one_config_error_naming_where(tmp_path, text, where, key):
+    """fuzz/ target pipelines (s61): a mutated pipelines.yaml whose document began `0: ...` reached the unknown-key
+    hint's difflib with an int and raised TypeError; every mapping key anywhere is now checked to be text first."""
+    from tasks.config.loader import resolve_pipeline
+    from tasks.config.schema import ConfigError
+
+    path = tmp_path / "pipelines.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        resolve_pipeline(path, "p", [])
+    assert str(err.value) == f"{path}: {where}the key {key}, " + (
+        "not text (YAML reads unquoted keys such as `0:`, `1.5:`, `true:` or `null:` so); quote it or rename it"
+    )

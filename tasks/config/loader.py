@@ -107,11 +107,40 @@ def read_pipelines_file(path: str | os.PathLike) -> dict[str, Any]:
         raise ConfigError([f"{p}: not valid YAML: {exc}{hint}"]) from None
     if not isinstance(raw, dict) or not isinstance(raw.get("pipelines"), dict) or not raw["pipelines"]:
         raise ConfigError([f"{p}: expected a mapping with a non-empty 'pipelines:' mapping of named pipelines"])
+    if (bad := _non_string_key(raw)) is not None:
+        where, key = bad
+        kind = _KINDS.get(type(key), type(key).__name__)
+        raise ConfigError(
+            [
+                f"{p}: {where + ': ' if where else ''}the key {key!r} is a {kind}, "
+                "not text (YAML reads unquoted keys such as `0:`, `1.5:`, `true:` or `null:` so); quote it or rename it"
+            ]
+        )
     unknown = set(raw) - {"default", "pipelines"}
     if unknown:
         k = sorted(unknown)[0]
         raise ConfigError([f"{k}: unknown top-level key '{k}'; {_suggest(k, ['default', 'pipelines'])}"])
     return raw
+
+
+_KINDS = {int: "number", float: "number", bool: "boolean", type(None): "null"}
+
+
+def _non_string_key(doc) -> tuple[str, object] | None:
+    """(the dotted path of the mapping, the key) of the first mapping key anywhere in `doc` that is not a string, or
+    None. Every key path, "did you mean" hint and schema field is text; `0:` or `true:` as a key (a YAML int or bool)
+    reached them as a TypeError (found by fuzz/, target pipelines). Iterative: the document's depth is the input's."""
+    stack = [("", doc)]
+    while stack:
+        where, node = stack.pop()
+        if isinstance(node, dict):
+            for k, v in node.items():
+                if not isinstance(k, str):
+                    return where, k
+                stack.append((f"{where}.{k}" if where else k, v))
+        elif isinstance(node, list):
+            stack.extend((f"{where}[{i}]", v) for i, v in enumerate(node))
+    return None
 
 
 def _raw_pipeline(raw: dict, name: str, seen: tuple[str, ...] = ()) -> dict:
