@@ -235,6 +235,21 @@ PRESETS: dict[str, dict[str, Any]] = {
         norm_eps=1e-5,
         tie_embeddings=True,
     ),
+    # Llama-3.2-1B's shape whole: the decoder above with its own 128256-token vocabulary (1.24 B parameters, 0.26 B of
+    # them the tied embedding): the 1B serve, eval and LoRA benches (random weights; scripts/bench/serve_memory.py pads
+    # SmolLM2's tokenizer to this vocabulary, `padded_tokenizer`).
+    "llama-3.2-1b": dict(
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_layers=16,
+        num_heads=32,
+        num_kv_heads=8,
+        max_seq_length=4096,
+        rope_theta=500000.0,
+        norm_eps=1e-5,
+        tie_embeddings=True,
+    ),
     # Real shapes, for the memory estimator (never built on CPU).
     "llama2-7b": dict(
         vocab_size=32000,

@@ -12,7 +12,6 @@ MSLLM_FUSED_KERNELS. The ops read the net's own Parameters and write the caches 
 
 from __future__ import annotations
 
-import mmap
 import os
 
 import mindspore as ms
@@ -25,6 +24,7 @@ from mindspore.ops import signature as sig
 from model.kernel_build import DECODE_SOURCE, build, kernel_path
 from model.kernel_ops import KernelShapeError, dtype_of
 from model.kernels import off_reason
+from model.layers import untouched_zeros
 
 
 class DecodeError(RuntimeError):
@@ -250,13 +250,11 @@ class DecodeWeights(nn.Cell):
 
 
 def zero_cache(shape: tuple[int, ...], name: str) -> ms.Parameter:
-    """A float32 cache Parameter of zeros whose pages are only made resident as they are written: the array lies in
-    an anonymous mapping of its own (its untouched pages are the kernel's shared zero page, in any thread: calloc
-    from a worker thread's arena, where the server loads its model, cleared the pages and made them all resident)
-    and moves in without a copy (`Parameter(Tensor(array))` would copy, touching every page: a 8192-slot KV cache of
-    SmolLM2-135M is 0.38 GB whatever the prompt)."""
-    arr = np.frombuffer(mmap.mmap(-1, max(4, int(np.prod(shape)) * 4)), np.float32)[: int(np.prod(shape))]
-    return parameter_over(arr.reshape(shape), name)
+    """A float32 cache Parameter of zeros whose pages are only made resident as they are written
+    (model/layers.py `untouched_zeros`: calloc from a worker thread's arena, where the server loads its model,
+    cleared the pages and made them all resident; `Parameter(Tensor(array))` would copy, touching every page: a
+    8192-slot KV cache of SmolLM2-135M is 0.38 GB whatever the prompt)."""
+    return untouched_zeros(shape, name)
 
 
 def parameter_over(arr: np.ndarray, name: str) -> ms.Parameter:

@@ -14,11 +14,26 @@ is named `weight`: the model's attribute path makes the full name (layers.0.self
 
 from __future__ import annotations
 
+import mmap
+
 import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
 _MASKED = -1e9  # additive score for disallowed keys; exp() of it underflows to exactly 0
+
+
+def untouched_zeros(shape: tuple[int, ...], name: str, dtype=np.float32) -> Parameter:
+    """A Parameter of zeros (not trained) whose memory is an anonymous mapping of its own, shared without a copy: its
+    pages stay the kernel's zero page, resident only once written. `Parameter(Tensor(shape, init=Zero()))` lets
+    numpy's calloc place smaller arrays in malloc's heap, where clearing them made them resident (30 MB at
+    SmolLM2-135M's placeholders); `Parameter(Tensor.from_numpy(a))` copies. KV caches and the placeholders of a
+    network whose weights arrive next (docs/MINDSPORE_CPU.md)."""
+    n = int(np.prod(shape))
+    arr = np.frombuffer(mmap.mmap(-1, max(4, n * np.dtype(dtype).itemsize)), dtype)[:n].reshape(shape)
+    p = Parameter(Tensor(np.zeros(1, dtype)), name=name, requires_grad=False)
+    p.set_data(Tensor.from_numpy(arr))  # on a 1-element Parameter: shares the array (a same-shape one would copy)
+    return p
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -46,13 +61,21 @@ def causal_mask(q_positions: Tensor, k_positions: Tensor) -> Tensor:
     return future.astype(ms.float32) * _MASKED
 
 
+def _weight(weight: np.ndarray | Tensor) -> Parameter:
+    """A cell's trainable `weight`: a Parameter of the array / Tensor, or a placeholder Parameter as it is."""
+    if isinstance(weight, Parameter):
+        weight.name, weight.requires_grad = "weight", True
+        return weight
+    return Parameter(weight if isinstance(weight, Tensor) else Tensor(weight), name="weight")
+
+
 class Linear(nn.Cell):
     """Bias-free projection with an [out, in] weight, as ONE 2-D matmul on flattened tokens."""
 
     def __init__(self, weight: np.ndarray | Tensor, compute_dtype=ms.float32):
         super().__init__()
         self.out_features = weight.shape[0]
-        self.weight = Parameter(weight if isinstance(weight, Tensor) else Tensor(weight), name="weight")
+        self.weight = _weight(weight)
         self.matmul = ops.MatMul(transpose_b=True)
         self.half = compute_dtype != ms.float32
         self.compute_dtype = compute_dtype
@@ -73,7 +96,7 @@ class Embedding(nn.Cell):
 
     def __init__(self, weight: np.ndarray | Tensor, compute_dtype=ms.float32):
         super().__init__()
-        self.weight = Parameter(weight if isinstance(weight, Tensor) else Tensor(weight), name="weight")
+        self.weight = _weight(weight)
         self.half = compute_dtype != ms.float32
         self.compute_dtype = compute_dtype
 

@@ -28,10 +28,18 @@ from __future__ import annotations
 import mindspore as ms
 import numpy as np
 from mindspore import Tensor, nn, ops
-from mindspore.common.initializer import Zero
 
 from model.config import ModelConfig
-from model.layers import Embedding, Linear, MaskedSoftmax, RMSNorm, SwiGLU, causal_mask, rotate_half_matrix
+from model.layers import (
+    Embedding,
+    Linear,
+    MaskedSoftmax,
+    RMSNorm,
+    SwiGLU,
+    causal_mask,
+    rotate_half_matrix,
+    untouched_zeros,
+)
 from model.rope import rope_tables
 
 
@@ -196,8 +204,8 @@ class LlamaForCausalLM(nn.Cell):
         rng = np.random.RandomState(seed)
 
         def init(*shape: int) -> np.ndarray | Tensor:
-            if not init_weights:  # weights assigned next (tasks/modeling/build.py): a placeholder, nothing allocated
-                return Tensor(shape=shape, dtype=ms.float32, init=Zero())
+            if not init_weights:  # weights assigned next (tasks/modeling/build.py): a placeholder, nothing resident
+                return untouched_zeros(shape, "weight")
             return rng.normal(0.0, config.init_std, size=shape).astype(np.float32)
 
         h = config.hidden_size

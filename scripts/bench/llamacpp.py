@@ -280,8 +280,8 @@ def our_side(a: argparse.Namespace) -> None:
     from tasks.training.hardware import peak_rss_bytes
 
     runtime_gb = peak_rss_bytes() / 2**30  # MindSpore set up and our modules imported, before any model
+    eos = load_tokenizer(a.artifact).eos_id()  # first, as the server loads it (its parse's peak under the weights')
     net, _ = load_network(a.artifact, weights=a.weights)  # fp16 / q8_0: only those matrices, never float32 ones
-    eos = load_tokenizer(a.artifact).eos_id()
     threads = [int(t) for t in a.threads.split(",")]
     # one per fused-step thread count, reading the weight matrices in a.weights (fp32: the net's own)
     gens = {t: Generator(net, max_len=SLOTS, threads=t, weights=a.weights) for t in threads}

@@ -24,9 +24,13 @@ docs/bench/results.jsonl (scripts/bench/report.py writes docs/BENCHMARKS.md from
 `--stage eval`: the eval stage's loglikelihood scorer (`TokenScorer`, batch 8) over `--requests` synthetic
 multiple-choice requests (context 20..`--eval-max-len` tokens, continuation 1..12), beside the computation
 lm-eval's `hf` model runs for them (right-padded batch, full forward, log_softmax over [B, T, V]).
+`--weights fp16|q8_0` (eval.weights): the eval stage's own `MindSporeLM` on a model artifact of --preset's shape
+(random weights, written once into the artifact store: scripts/bench/serve_memory.py `random_model`), scoring
+through its fused steps in that format (`StepScorer`); `--model DIR`: that artifact instead.
 
     python scripts/bench/memory.py --preset smollm2-135m --context 2048 --requests 200
     python scripts/bench/memory.py --stage eval --preset smollm2-135m --requests 64
+    python scripts/bench/memory.py --stage eval --preset llama-3.2-1b --weights q8_0 --requests 24
     python scripts/bench/memory.py --preset smollm2-360m --context 2048 --requests 50
     python scripts/bench/memory.py --preset tiny --context 128 --requests 20 --tag smoke
 """
@@ -98,12 +102,20 @@ def run_eval_side(a, cfg) -> dict:
         from tasks.modeling.build import build_network
         from tasks.stages.evaluate.lm_adapter import TokenScorer
 
-        net = build_network("llama", cfg, seed=0).net
-        net.set_train(False)
+        if a.model:  # the eval stage's own model: MindSporeLM on the artifact, in eval.weights `a.weights`
+            from tasks.stages.evaluate.lm_adapter import MindSporeLM
+
+            lm = MindSporeLM(pretrained=a.model, batch_size=a.batch_size, weights=a.weights)
+            scorer = lm.scorer
+            if isinstance(scorer, TokenScorer) and a.max_bytes:
+                scorer.max_bytes = a.max_bytes
+        else:
+            net = build_network("llama", cfg, seed=0).net
+            net.set_train(False)
+            scorer = TokenScorer(net, batch_size=a.batch_size, max_bytes=a.max_bytes)
         loaded = _rss_gb()
-        scorer = TokenScorer(net, batch_size=a.batch_size, max_bytes=a.max_bytes)
         scorer.score([(ids[:-1], ids[1:]) for ids, _ in rows], tails=[tail for _, tail in rows])
-        path = "TokenScorer"
+        path = f"{type(scorer).__name__} ({getattr(scorer, 'gen', None) and scorer.gen.weights or 'fp32'})"
     else:
         import torch
         import torch.nn.functional as F
@@ -146,11 +158,21 @@ def _hf_model(a, cfg):
     return LlamaForCausalLM(LlamaConfig(**hf, attn_implementation="sdpa")).eval()
 
 
-def run_side(a) -> dict:
-    """One side in this process: load, then the ladder and the requests; RSS after each phase."""
+def model_config(a):
+    """The shape benched: --model's (a model artifact) or --preset's."""
     from model.config import ModelConfig
 
-    cfg = ModelConfig.from_name(a.preset)
+    if a.model:
+        from tasks.store.model_artifact import read_info
+
+        return ModelConfig.from_dict(read_info(a.model)["model"])
+    return ModelConfig.from_name(a.preset)
+
+
+def run_side(a) -> dict:
+    """One side in this process: load, then the ladder and the requests; RSS after each phase."""
+
+    cfg = model_config(a)
     if a.stage == "eval":
         return run_eval_side(a, cfg)
     ladder, requests = prompts(a, cfg.vocab_size)
@@ -218,6 +240,15 @@ def main() -> None:
         help="decode: the server's decode path; eval: the loglikelihood scorer",
     )
     ap.add_argument("--preset", default="smollm2-135m")
+    ap.add_argument(
+        "--weights",
+        choices=["fp32", "fp16", "q8_0"],
+        default="fp32",
+        help="eval: eval.weights, the scorer's weight format (fp16 / q8_0: the eval stage's MindSporeLM on a model "
+        "artifact of --preset's shape with random weights, written once into --artifacts)",
+    )
+    ap.add_argument("--model", default=None, help="eval: a model artifact to score with (MindSporeLM) instead")
+    ap.add_argument("--artifacts", default=os.environ.get("MSLLM_ARTIFACTS", "artifacts"), help=argparse.SUPPRESS)
     ap.add_argument("--batch-size", type=int, default=8, help="eval: rows per call (eval.batch_size)")
     ap.add_argument("--eval-max-len", type=int, default=500, help="eval: longest context, tokens")
     ap.add_argument(
@@ -236,12 +267,19 @@ def main() -> None:
         print(json.dumps(run_side(a)))
         return
     apply_isa(a.isa)
-    from model.config import ModelConfig
+    if a.stage == "eval" and a.weights != "fp32" and not a.model:
+        from serve_memory import fetch_model, random_model
 
-    cfg = ModelConfig.from_name(a.preset)
+        from model.runtime import setup_mindspore
+
+        setup_mindspore()
+        a.model = str(random_model(a.preset, fetch_model(a), Path(a.artifacts)))
+    from serve_memory import weights_bytes
+
+    cfg = model_config(a)
     if a.stage == "decode" and a.context > cfg.max_seq_length:
         ap.error(f"--context {a.context} exceeds {a.preset}'s max_seq_length {cfg.max_seq_length}")
-    weights_gb = cfg.num_parameters * 4 / 1e9
+    weights_gb = weights_bytes(cfg, a.weights if a.stage == "eval" else "fp32") / 1e9
     kv_gb = 2 * cfg.num_layers * cfg.num_kv_heads * a.context * cfg.head_dim * 4 / 1e9
     budget_gb = weights_gb + kv_gb + GIB / 1e9
     res = {
@@ -250,6 +288,7 @@ def main() -> None:
         "stage": a.stage,
         "preset": a.preset,
         "requests": a.requests,
+        "weights": a.weights if a.stage == "eval" else "fp32",
         "weights_gb": round(weights_gb, 3),
     }
     if a.stage == "decode":
@@ -284,6 +323,9 @@ def main() -> None:
             "--eval-max-len",
             str(a.eval_max_len),
             *(["--max-bytes", str(a.max_bytes)] if a.max_bytes else []),
+            *(["--model", a.model] if a.model else []),
+            "--weights",
+            a.weights,
         ]
         out = subprocess.run(args, capture_output=True, text=True, env=os.environ)
         if out.returncode:

@@ -11,20 +11,29 @@ same model (SmolLM2-135M-Instruct: scripts/fetch_smollm2.sh's GGUF converted by 
    of the two requests' times is the other tokens' decode, measured the same way on the HF side;
    `decode_tokens_per_s` is the shortest prompt's, whose prefill varies least), and the server's RSS
    after each; 2. `requests`: `--requests` prompts of random lengths (log-uniform over 1..`--longest`, so short and
-   long ones both come often; seeded), `--request-tokens` greedy tokens each: the server's RSS after
-   the first tenth and at the end (`growth_gb`: what the last nine tenths added) and its peak (VmHWM).
+   long ones both come often; seeded; `--request-longest` caps them below `--longest`), `--request-tokens` greedy
+   tokens each: the server's RSS after the first tenth and at the end (`growth_gb`: what the last nine tenths
+   added) and its peak (VmHWM).
+
+`--weights fp16|q8_0`: the MindSpore backend serves in that format (`msllm serve --weights`), and the budget counts
+the weights in it (`weights_bytes`). `--preset NAME`: a random-weight model of that shape instead, written once into
+the artifact store (stage pretrain, pipeline "bench") with SmolLM2's tokenizer, padded to the shape's vocabulary
+where it is larger (`padded_tokenizer`: Llama-3.2-1B's 128256 tokens).
 
 Backends: `mindspore` (the model artifact: the Generator's fused prefill and decode ops) and
 `onnxruntime` (an export-style directory of the same weights written here: the KV-cache ONNX decoder of
 `tasks.deploy.onnx_decoder`, the tokenizer, model.json and prompt_style.json, as the export stage writes
 them). The reference runs in its own process: HF transformers `LlamaForCausalLM` (sdpa) with the same
-fp32 weights (`model.convert.native_to_hf`), `generate` greedy on the same prompts (ladder and the first
+fp32 weights, loaded as its users load a model (`from_pretrained` of `msllm convert --to-hf`'s directory, written
+before it starts), `generate` greedy on the same prompts (ladder and the first
 `--hf-requests` requests). `same_text`: how many ladder prompts each backend answered with the text
 HF's greedy tokens decode to (the tokenizer's own decode). The KV cache in the budget is the
 MindSpore backend's (context_length slots; onnxruntime's grows with the sequence, so it is at most that).
 
     python scripts/bench/serve_memory.py                      # SmolLM2-135M, both backends, 1000 requests
     python scripts/bench/serve_memory.py --model DIR --requests 20 --longest 100 --tag smoke
+    python scripts/bench/serve_memory.py --preset llama-3.2-1b --weights q8_0 --backends mindspore \
+        --request-longest 256 --hf-requests 50       # Llama-3.2-1B's shape, 1000 requests
 """
 
 from __future__ import annotations
@@ -62,7 +71,8 @@ def lengths(a, vocab: int) -> tuple[list[list[int]], list[list[int]]]:
 
     rng = np.random.default_rng(0)
     ladder = [n for n in (16, 64, 256, 1024) if n < a.longest] + [a.longest]
-    sizes = np.exp(rng.uniform(0, math.log(a.longest), a.requests)).astype(int).clip(1, a.longest)
+    top = a.request_longest or a.longest
+    sizes = np.exp(rng.uniform(0, math.log(top), a.requests)).astype(int).clip(1, top)
     draw = lambda n: [int(t) for t in rng.integers(3, vocab, int(n))]  # noqa: E731
     return [draw(n) for n in ladder], [draw(n) for n in sizes]
 
@@ -81,32 +91,66 @@ def fetch_model(a) -> Path:
     return prepare("convert", ArtifactStore(a.artifacts), source=gguf).run(progress=False)
 
 
-def random_model(preset: str, tokenizer_of: Path, root: Path) -> Path:
+def padded_tokenizer(src: Path, dst: Path, vocab: int) -> Path:
+    """`src`'s tokenizer files (an HF tokenizer.json, byte-level BPE) in `dst`, its vocabulary grown to `vocab` ids
+    with entries `benchpad<i>` that no merge reaches (plain ASCII: they decode to their own text), so a random-weight
+    model of a larger vocabulary (Llama-3.2-1B's 128256) samples ids the tokenizer can decode. A bench's stand-in."""
+    from tasks.tokenizer import copy_tokenizer_files
+
+    dst.mkdir(parents=True, exist_ok=True)
+    copy_tokenizer_files(src, dst)
+    f = dst / "tokenizer.json"
+    if not f.is_file():
+        raise SystemExit(f"{src}: no tokenizer.json to pad to {vocab} tokens")
+    tj = json.loads(f.read_text())
+    table = tj["model"]["vocab"]
+    n = max(max(table.values()), *(t["id"] for t in tj.get("added_tokens", []))) + 1
+    table.update({f"benchpad{i}": i for i in range(n, vocab)})
+    f.write_text(json.dumps(tj, ensure_ascii=False))
+    return dst
+
+
+def random_model(preset: str, tokenizer_of: Path, artifacts: Path) -> Path:
     """A model artifact of `preset`'s shape with random weights (memory and speed do not depend on the values) and
-    the tokenizer files of `tokenizer_of` (a model artifact of the same vocabulary), built in a store under `root`."""
-    from model.config import ModelConfig
+    the tokenizer of `tokenizer_of` (padded to the preset's vocabulary where it is larger: `padded_tokenizer`),
+    kept in the store `artifacts` (stage pretrain, pipeline "bench"; reused while the preset is unchanged)."""
+    from model.config import PRESETS, ModelConfig
     from model.llama import LlamaForCausalLM
     from tasks.store.artifacts import ArtifactStore
     from tasks.store.model_artifact import read_info, write_model
+    from tasks.tokenizer import load_tokenizer
 
     cfg = ModelConfig.from_name(preset)
     vocab = read_info(tokenizer_of)["model"]["vocab_size"]
-    if vocab != cfg.vocab_size:
+    if vocab > cfg.vocab_size:
         raise SystemExit(f"--preset {preset}: vocabulary {cfg.vocab_size}, but {tokenizer_of}'s tokenizer has {vocab}")
-    store = ArtifactStore(root)
-    key = store.key("pretrain", {"preset": preset, "seed": 0}, [], "bench")
-    weights = {p.name: p.asnumpy() for p in LlamaForCausalLM(cfg, seed=0).trainable_params()}
-    with store.build("pretrain", key, pipeline="bench", config={"preset": preset}, inputs=[], code="bench") as b:
-        write_model(
-            b.dir,
-            name="llama",
-            config=cfg,
-            weights=weights,
-            tokenizer_model=tokenizer_of,
-            tokenizer_info=read_info(tokenizer_of)["tokenizer"],
-            seq_length=cfg.max_seq_length,
-        )
+    store = ArtifactStore(artifacts)
+    key = store.key("pretrain", {"preset": PRESETS[preset], "seed": 0, "tokenizer": str(tokenizer_of)}, [], "bench")
+    if (done := store.lookup("pretrain", key)) is not None:
+        return done
+    with tempfile.TemporaryDirectory(prefix="bench-tokenizer-") as td:
+        tok_dir = padded_tokenizer(tokenizer_of, Path(td), cfg.vocab_size) if vocab < cfg.vocab_size else tokenizer_of
+        weights = {p.name: p.asnumpy() for p in LlamaForCausalLM(cfg, seed=0).trainable_params()}
+        with store.build("pretrain", key, pipeline="bench", config={"preset": preset}, inputs=[], code="bench") as b:
+            write_model(
+                b.dir,
+                name="llama",
+                config=cfg,
+                weights=weights,
+                tokenizer_model=tok_dir,
+                tokenizer_info=load_tokenizer(tok_dir).info(),
+                seq_length=cfg.max_seq_length,
+            )
     return b.path
+
+
+def weights_bytes(cfg, weights: str) -> int:
+    """Bytes of `cfg`'s weights as the MindSpore backend holds them in format `weights`: the matrices (embedding /
+    LM head included) at 4 (fp32), 2 (fp16) or 34/32 (q8_0: 32 int8 weights and one fp16 scale a block) bytes a
+    weight, the norms in float32 (model/fused_decode.py `stored_matrix`)."""
+    norms = (2 * cfg.num_layers + 1) * cfg.hidden_size
+    per = {"fp32": 4.0, "fp16": 2.0, "q8_0": 34 / 32}[weights]
+    return int((cfg.num_parameters - norms) * per + norms * 4)
 
 
 def write_export(model: Path, out: Path) -> Path:
@@ -149,7 +193,7 @@ def serve_side(a, backend: str, artifact: Path, ladder, requests, log: Path) -> 
     import httpx
     from serve import ServerProcess
 
-    srv = ServerProcess(artifact, log, 1)
+    srv = ServerProcess(artifact, log, 1, *(["--weights", a.weights] if backend == "mindspore" else []))
     pid = srv.proc.pid
     try:
         info = json.loads(urllib.request.urlopen(srv.url + "/v1/models").read())["data"][0]
@@ -194,29 +238,20 @@ def serve_side(a, backend: str, artifact: Path, ladder, requests, log: Path) -> 
 
 def hf_side(a) -> dict:
     """HF transformers (sdpa) with the artifact's fp32 weights, in this process: the same prompts, greedy."""
-    import numpy as np
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     from model.config import ModelConfig
-    from model.convert import config_to_hf, native_to_hf
     from tasks.serving.parsing import completion_prompt, document_prefix
     from tasks.store.model_artifact import load_tokenizer, read_info
-    from tasks.store.tensors import load_weights
 
     torch.set_num_threads(a.threads)
     art = Path(a.model)
     cfg = ModelConfig.from_dict(read_info(art)["model"])
     tok = load_tokenizer(art)
     eos = int(tok.eos_id())
-    hf_cfg = {k: v for k, v in config_to_hf(cfg).items() if k not in ("architectures", "model_type", "dtype")}
-    hf = LlamaForCausalLM(LlamaConfig(**hf_cfg, attn_implementation="sdpa")).eval()
-    state = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in native_to_hf(load_weights(art), cfg).items()}
-    missing, unexpected = hf.load_state_dict(state, strict=False)
-    if unexpected or set(missing) - ({"lm_head.weight"} if cfg.tie_embeddings else set()):
-        raise SystemExit(f"HF side: weights not loaded: missing {missing}, unexpected {unexpected}")
-    hf.tie_weights()  # a tied model's lm_head shares the embedding
-    del state
+    # as a transformers user loads a model: from_pretrained of its directory (safetensors, no random init first)
+    hf = LlamaForCausalLM.from_pretrained(a.hf_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
     ladder, requests = lengths(a, cfg.vocab_size)
     prefix = document_prefix(tok)  # what the server puts before token-id prompts (tasks.serving.parsing)
 
@@ -282,12 +317,25 @@ def main() -> None:
     ap.add_argument("--longest", type=int, default=2000, help="the longest prompt, tokens")
     ap.add_argument("--new-tokens", type=int, default=32, help="greedy tokens per ladder prompt")
     ap.add_argument("--requests", type=int, default=1000)
+    ap.add_argument(
+        "--request-longest",
+        type=int,
+        default=None,
+        help="the longest request prompt, tokens (default: --longest); the ladder still reaches --longest",
+    )
+    ap.add_argument(
+        "--weights",
+        choices=["fp32", "fp16", "q8_0"],
+        default="fp32",
+        help="the MindSpore backend's weight format (msllm serve --weights); the budget counts the weights in it",
+    )
     ap.add_argument("--request-tokens", type=int, default=4, help="greedy tokens per request")
     ap.add_argument("--hf-requests", type=int, default=None, help="requests the HF side runs (default: all)")
     ap.add_argument("--threads", type=int, default=2, help="PyTorch threads on the HF side")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--keep", action="store_true", help="keep the export directory and the server logs")
     ap.add_argument("--side", choices=["hf"], help=argparse.SUPPRESS)  # the reference's own process
+    ap.add_argument("--hf-dir", help=argparse.SUPPRESS)  # its transformers directory (convert --to-hf of --model)
     add_isa_arg(ap)
     add_record_args(ap)
     a = ap.parse_args()
@@ -311,7 +359,7 @@ def main() -> None:
         model = Path(a.model).resolve() if a.model else fetch_model(a)
         model_label = a.model or "SmolLM2-135M-Instruct (Q4_1 GGUF -> msllm convert, fp32)"
         if a.preset:
-            model = random_model(a.preset, model, tmp / "store")
+            model = random_model(a.preset, model, Path(a.artifacts))
             model_label = f"{a.preset} (random weights, the tokenizer of {model_label})"
         a.model = str(model)
         cfg = ModelConfig.from_dict(read_info(model)["model"])
@@ -320,7 +368,7 @@ def main() -> None:
                 f"--longest {a.longest} + --new-tokens {a.new_tokens} exceed the model's context {cfg.max_seq_length}"
             )
         ladder, requests = lengths(a, cfg.vocab_size)
-        weights_gb = cfg.num_parameters * 4 / 1e9
+        weights_gb = weights_bytes(cfg, a.weights) / 1e9
         res: dict = {
             "bench": "serve-memory",
             **describe(threads=a.threads),
@@ -329,7 +377,9 @@ def main() -> None:
             "longest": a.longest,
             "new_tokens": a.new_tokens,
             "requests": a.requests,
+            "request_longest": a.request_longest or a.longest,
             "request_tokens": a.request_tokens,
+            "weights": a.weights,
             "weights_gb": round(weights_gb, 3),
         }
         arts = {"mindspore": model}
@@ -339,6 +389,9 @@ def main() -> None:
             res[b] = serve_side(a, b, arts[b], ladder, requests, tmp / f"serve-{b}.log")
             print(f"# {b}: peak {res[b]['peak_rss_gb']} GB, {res[b]['requests_s']} s", file=sys.stderr, flush=True)
         if not a.no_hf:
+            from tasks.stages.convert import to_hf
+
+            to_hf(model, tmp / "hf", dtype="float32")
             args = [
                 sys.executable,
                 __file__,
@@ -356,6 +409,10 @@ def main() -> None:
                 str(a.request_tokens),
                 "--hf-requests",
                 str(a.hf_requests),
+                "--hf-dir",
+                str(tmp / "hf"),
+                "--request-longest",
+                str(a.request_longest or a.longest),
                 "--threads",
                 str(a.threads),
             ]

@@ -100,9 +100,10 @@ class MindSporeBackend:
         from tasks.modeling.build import generator, load_network  # lazy: MindSpore (an export needs onnxruntime only)
 
         self.path = Path(path)
+        # the tokenizer first: its parse's transient peak then falls under the weights' load, not on top of them
+        self.tokenizer = load_tokenizer(path)
         net, self.info = load_network(path, weights=weights if lean and not adapters else "fp32")
         self.net = net
-        self.tokenizer = load_tokenizer(path)
         self.prompt_style = load_prompt_style(path, self.tokenizer)  # how chat requests are rendered
         # before the Generator: its compiled graphs then hold the LoRA layers, and serve every adapter
         self.slots = _lora_slots(net, adapters) if adapters else None

@@ -226,8 +226,8 @@ class MindSporeLM(TemplateLM):
         if pretrained is not None:
             setup_mindspore()
             # a stored format that the fused steps will run: only its matrices are loaded (no float32 copy)
+            tokenizer = load_tokenizer(pretrained)  # first: its parse's transient peak under the weights' load
             net, info = load_network(pretrained, weights=weights if fused_kernels else "fp32")
-            tokenizer = load_tokenizer(pretrained)
             max_length = max_length or info.get("seq_length")
         if net is None:
             raise ValueError("MindSporeLM needs `pretrained` (a model artifact path) or `net`")
