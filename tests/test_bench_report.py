@@ -116,3 +116,33 @@ def test_interleaved_sides_time_in_rounds_and_ratios_stay_within_a_round():
     )
     assert loaded["ours"]["rounds_step_s"] == [1.0, 1.5] and loaded["ours"]["load_step_s"] == 2.5
     assert loaded["ours"]["load_slowdown"] == 0.5
+
+
+def test_padded_tokenizer_and_stored_weight_bytes(tmp_path):
+    """serve_memory's stand-in tokenizer for a larger random-weight vocabulary (Llama-3.2-1B's 128256): every id below
+    the new size decodes, the original ids encode and decode as before; and the budget's weight bytes per format."""
+    import sys
+
+    from model.config import ModelConfig
+    from tasks.tokenizer import load_tokenizer
+    from tests.helpers import train_tiny_hf_tokenizer
+
+    path = list(sys.path)
+    try:
+        sm = load_bench("serve_memory")
+    finally:  # it puts scripts/bench on sys.path (for its own runs): never left there (helpers.load_bench)
+        sys.path[:] = path
+    src = train_tiny_hf_tokenizer(tmp_path / "src", vocab_size=300)
+    orig = load_tokenizer(src)
+    tok = load_tokenizer(sm.padded_tokenizer(src, tmp_path / "padded", 1000))
+    assert orig.vocab_size == 300 and tok.vocab_size == 1000
+    text = "Thou art more lovely, 1604."
+    assert tok.encode(text) == orig.encode(text) and tok.decode(tok.encode(text)) == orig.decode(orig.encode(text))
+    assert tok.decode([999, 300]) == "benchpad999benchpad300" and tok.eos_id() == orig.eos_id()
+    assert tok.info()["vocab_size"] == 1000 and tok.sha256 != orig.sha256
+    cfg = ModelConfig.from_name("llama-3.2-1b")
+    norms = (2 * cfg.num_layers + 1) * cfg.hidden_size
+    assert sm.weights_bytes(cfg, "fp32") == 4 * cfg.num_parameters
+    assert sm.weights_bytes(cfg, "fp16") == 2 * (cfg.num_parameters - norms) + 4 * norms
+    assert sm.weights_bytes(cfg, "q8_0") == (cfg.num_parameters - norms) // 32 * 34 + 4 * norms
+    assert cfg.num_parameters == 1_235_814_400  # Llama-3.2-1B's published count (tied embedding)
