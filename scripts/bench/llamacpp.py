@@ -119,9 +119,21 @@ def _source(dest: Path) -> None:
     os.replace(tmp, dest)
 
 
+def _has_amx() -> bool:
+    try:
+        return " amx_tile" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
 def llama_cpp(isa: str, native: bool) -> Path:
-    """The directory holding TOOLS, built once per llama.cpp version and ISA (GGML_NATIVE, or AVX2 when emulated)."""
-    root = CACHE / f"{VERSION}-{isa}"
+    """The directory holding TOOLS, built once per llama.cpp version and ISA (GGML_NATIVE, or AVX2 when emulated).
+
+    A native build on a CPU with AMX leaves it out (-mno-amx-*): on the 2-core Xeon VM here (AMX advertised, the
+    tile permission granted), b11434's AMX Q8_0 matmul died of SIGILL at `tilezero` in its worker threads, so no
+    Q8_0 run finished; F16 never takes that path. Its AVX-512 (VNNI, BF16) kernels are what runs instead."""
+    no_amx = native and _has_amx()
+    root = CACHE / f"{VERSION}-{isa}{'-noamx' if no_amx else ''}"
     bins = root / "build" / "bin"
     if all((bins / t).is_file() for t in TOOLS):
         return bins
@@ -135,8 +147,9 @@ def llama_cpp(isa: str, native: bool) -> Path:
     if not (root / "src" / "CMakeLists.txt").is_file():
         shutil.rmtree(root / "src", ignore_errors=True)
         _source(root / "src")
+    off = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
     isa_flags = (
-        ["-DGGML_NATIVE=ON"]
+        ["-DGGML_NATIVE=ON", *([f"-DCMAKE_C_FLAGS={off}", f"-DCMAKE_CXX_FLAGS={off}"] if no_amx else [])]
         if native
         else ["-DGGML_NATIVE=OFF"] + [f"-DGGML_{f}=ON" for f in ("AVX", "AVX2", "FMA", "F16C", "BMI2")]
     )
@@ -395,9 +408,9 @@ def main() -> None:
     add_record_args(ap)
     ap.add_argument(
         "--weights",
-        default="fp32,fp16",
+        default="fp32,fp16,q8_0",
         help="our decode weight formats, comma-separated (model/fused_decode.py WEIGHT_FORMATS): each in a "
-        "process of its own; fp16 is compared with llama.cpp's F16, fp32 is reported beside both",
+        "process of its own; fp16 is compared with llama.cpp's F16, q8_0 with its Q8_0, fp32 is reported beside",
     )
     ap.add_argument("--side", choices=["ours"], default=None, help=argparse.SUPPRESS)
     ap.add_argument("--artifact", default=None, help=argparse.SUPPRESS)
