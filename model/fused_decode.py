@@ -24,7 +24,7 @@ from mindspore.ops import signature as sig
 from model.kernel_build import DECODE_SOURCE, build, kernel_path
 from model.kernel_ops import KernelShapeError, dtype_of
 from model.kernels import off_reason
-from model.layers import untouched_zeros
+from model.layers import parameter_over, untouched_zeros
 
 
 class DecodeError(RuntimeError):
@@ -255,14 +255,6 @@ def zero_cache(shape: tuple[int, ...], name: str) -> ms.Parameter:
     cleared the pages and made them all resident; `Parameter(Tensor(array))` would copy, touching every page: a
     8192-slot KV cache of SmolLM2-135M is 0.38 GB whatever the prompt)."""
     return untouched_zeros(shape, name)
-
-
-def parameter_over(arr: np.ndarray, name: str) -> ms.Parameter:
-    """A Parameter (not trained) whose memory is the contiguous array `arr` itself: `Parameter(Tensor.from_numpy(a))`
-    copies it, `set_data(Tensor.from_numpy(a))` on a 1-element placeholder shares it (docs/MINDSPORE_CPU.md)."""
-    p = ms.Parameter(Tensor(np.zeros(1, arr.dtype)), name=name, requires_grad=False)
-    p.set_data(Tensor.from_numpy(arr))
-    return p
 
 
 class SlotCaches(nn.Cell):

@@ -31,8 +31,14 @@ def untouched_zeros(shape: tuple[int, ...], name: str, dtype=np.float32) -> Para
     network whose weights arrive next (docs/MINDSPORE_CPU.md)."""
     n = int(np.prod(shape))
     arr = np.frombuffer(mmap.mmap(-1, max(4, n * np.dtype(dtype).itemsize)), dtype)[:n].reshape(shape)
-    p = Parameter(Tensor(np.zeros(1, dtype)), name=name, requires_grad=False)
-    p.set_data(Tensor.from_numpy(arr))  # on a 1-element Parameter: shares the array (a same-shape one would copy)
+    return parameter_over(arr, name)
+
+
+def parameter_over(arr: np.ndarray, name: str) -> Parameter:
+    """A Parameter (not trained) whose memory is the contiguous array `arr` itself: `Parameter(Tensor.from_numpy(a))`
+    copies it, `set_data(Tensor.from_numpy(a))` on a 1-element placeholder shares it (docs/MINDSPORE_CPU.md)."""
+    p = Parameter(Tensor(np.zeros(1, arr.dtype)), name=name, requires_grad=False)
+    p.set_data(Tensor.from_numpy(arr))
     return p
 
 

@@ -24,7 +24,6 @@ The backends, the chat-template sandbox (Jinja) and the GGUF reader load on firs
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import json
 import shutil
@@ -35,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from model.runtime import trim_heap
 from tasks.tokenizer_error import TokenizerError
 
 SP_FILE = "tokenizer.model"
@@ -92,15 +92,6 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     if p.name.endswith(".json"):
         return HFTokenizer(p)
     return SentencePieceTokenizer(p)
-
-
-def _trim_heap() -> None:
-    """glibc's `malloc_trim(0)` (model/runtime.py `trim_heap`, without importing the model package); a no-op
-    elsewhere. Parsing a tokenizer.json frees its buffers into malloc's arenas, which keep them resident."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 class Tokenizer:
@@ -314,7 +305,7 @@ class HFTokenizer(Tokenizer):
                 f"{self.path}: not a Hugging Face tokenizer.json ({str(exc)[:200]}); "
                 "re-save the tokenizer with transformers or tokenizers"
             ) from None
-        _trim_heap()  # its JSON parse's ~25 MB of freed buffers (SmolLM2's file) back to the OS, not kept resident
+        trim_heap()  # its JSON parse's ~25 MB of freed buffers (SmolLM2's file) back to the OS, not kept resident
         cfg_path = d / HF_CONFIG
         try:
             self.config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
