@@ -13,9 +13,11 @@ operand (KernelShapeError), before any kernel runs. Whether to ask for them at a
 
 from __future__ import annotations
 
+import ctypes
 from types import SimpleNamespace
 
 import mindspore as ms
+import numpy as np
 from mindspore import ops
 from mindspore.ops import signature as sig
 
@@ -240,3 +242,30 @@ def zero_ops() -> SimpleNamespace | None:
         ns = SimpleNamespace(lib=lib, adamw=ZeroAdamW())
     _zero_ops.append(ns)
     return ns
+
+
+_grad_put: list = []  # memo of grad_put()
+
+
+def grad_put():
+    """`put(dst, src, accumulate, square) -> float`: `src` written (or added) into `dst` (float32 arrays of one size,
+    C-contiguous), returning Σ dst² (float64) when `square`, else 0.0; one pass on the kernels' threads
+    (MsllmGradPut in model/train_kernels.cc, through ctypes). None where the library is not built (no compiler, or
+    MSLLM_FUSED_KERNELS=0): the caller keeps NumPy."""
+    if _grad_put:
+        return _grad_put[0]
+    lib = None if disabled_reason() else build(TRAIN_SOURCE)
+    fn = None
+    if lib is not None:
+        c = ctypes.CDLL(lib).MsllmGradPut
+        c.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+        c.restype = ctypes.c_double
+
+        def fn(dst: np.ndarray, src: np.ndarray, accumulate: bool, square: bool) -> float:
+            ok = all(a.dtype == np.float32 and a.flags.c_contiguous for a in (dst, src)) and dst.size == src.size
+            if not ok or not dst.flags.writeable:
+                raise ValueError(f"grad_put: float32 C-contiguous arrays of one size, got {dst.dtype} and {src.dtype}")
+            return c(dst.ctypes.data, src.ctypes.data, dst.size, int(accumulate), int(square))
+
+    _grad_put.append(fn)
+    return fn

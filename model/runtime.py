@@ -6,6 +6,7 @@ parent side stays MindSpore-free, and GLOG_v must be set before MindSpore first 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import ctypes
 import os
@@ -77,6 +78,7 @@ def spin_waits() -> str:
         got = lib.msllm_patch_yield(where.encode(), ctypes.byref(libraries))
         slots, n_libs = (-1 if got < 0 or slots < 0 else slots + got), n_libs + libraries.value
     _spin_lib = lib  # loaded for the life of the process: the patched slots point into it
+    held = _patch_spin_min(lib) if slots >= 0 else ""
     if slots < 0:
         print(
             "[runtime] MindSpore's thread pool keeps yielding in some libraries: a sched_yield import could not be "
@@ -85,7 +87,47 @@ def spin_waits() -> str:
             flush=True,
         )
         return "yield: a sched_yield import could not be patched (mprotect failed)"
-    return f"spin ({slots} sched_yield imports in {n_libs} libraries)"
+    return f"spin ({slots} sched_yield imports in {n_libs} libraries{held})"
+
+
+SPIN_MIN = "_ZN9mindspore10ThreadPool20SetSpinCountMinValueEv"  # mindspore::ThreadPool::SetSpinCountMinValue()
+_spin_held = False  # whether `graphs_back_to_back` holds the pool's spin-count drop (the patch is in place)
+
+
+def _patch_spin_min(lib) -> str:
+    """Route MindSpore's after-graph spin-count drop through model/spin_wait.cc so `graphs_back_to_back` can hold it;
+    returns the bench-line note ('' where it is off or not possible: the calls then go to MindSpore's directly)."""
+    global _spin_held
+    if os.environ.get("MSLLM_SPIN_BETWEEN_GRAPHS", "1") == "0":
+        return "; MSLLM_SPIN_BETWEEN_GRAPHS=0"
+    import mindspore
+
+    core = os.path.join(os.path.dirname(mindspore.__file__), "lib", "libmindspore_core.so")
+    try:
+        real = ctypes.cast(getattr(ctypes.CDLL(core), SPIN_MIN), ctypes.c_void_p).value
+    except (OSError, AttributeError):  # another MindSpore build: nothing patched, its pool drops as it always did
+        return ""
+    lib.msllm_patch_spin_min.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_void_p]
+    slots = lib.msllm_patch_spin_min(b"/mindspore/lib/", SPIN_MIN.encode(), real)
+    _spin_held = slots > 0
+    return f"; held between back-to-back graphs: {slots} SetSpinCountMinValue import" if _spin_held else ""
+
+
+@contextlib.contextmanager
+def graphs_back_to_back():
+    """Within it, MindSpore's thread pool keeps spinning between graph calls; on leaving, it drops its spin count as
+    after any graph. MindSpore drops the pool's spin count to the minimum after every graph run
+    (`GraphScheduler::Run` -> `ThreadPool::SetSpinCountMinValue`), so the pool's threads sleep when a graph ends and
+    the next call has to wake them: the layer-at-a-time train step runs ~2L + 3 graphs a step and paid those wake-ups
+    (docs/MINDSPORE_CPU.md, "Threads"). A no-op where the patch is not in place (`spin_waits`)."""
+    if not _spin_held:
+        yield
+        return
+    _spin_lib.msllm_hold_spin(1)
+    try:
+        yield
+    finally:
+        _spin_lib.msllm_hold_spin(0)
 
 
 def actor_thread_branch(flag):

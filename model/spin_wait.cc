@@ -9,6 +9,13 @@
 // relocation) of each loaded library whose path contains `needle` at msllm_spin_yield: a short run of the CPU's
 // spin-wait hint, then return. The waiting loops are unchanged; they just stop handing the core away. Nothing
 // else is touched (other libraries keep the real sched_yield). Linux with glibc, x86-64 and AArch64.
+//
+// msllm_patch_spin_min(needle, real) does the same for MindSpore's `ThreadPool::SetSpinCountMinValue` imports:
+// after every graph run MindSpore's graph scheduler drops its pool's spin count to the minimum, so the pool's threads
+// sleep as soon as the graph ends and the next graph call wakes them (a futex wake, and on a VM a halted vCPU). A
+// caller that runs many small graphs back to back (the layer-at-a-time train step: ~2L + 3 a step) holds the drop
+// (msllm_hold_spin(1)): the pool keeps the spin count the graph started with until msllm_hold_spin(0), which drops
+// it then, once, as the last graph would have. Outside a hold every call goes straight to MindSpore's own.
 #include <elf.h>
 #include <link.h>
 #include <stdint.h>
@@ -24,6 +31,12 @@ namespace {
 
 std::atomic<long> g_calls{0};
 
+using SpinMin = void (*)(void *);  // ThreadPool::SetSpinCountMinValue(this): a non-virtual member, `this` first
+std::atomic<SpinMin> g_spin_min{nullptr};  // MindSpore's own
+std::atomic<int> g_hold{0};
+std::atomic<void *> g_held_pool{nullptr};  // the pool whose drop a hold deferred
+std::atomic<long> g_deferred{0};
+
 constexpr int kPauses = 32;  // ~0.3-1.5 us by the CPU's pause latency: about one sched_yield syscall
 
 inline void spin_hint() {
@@ -38,6 +51,7 @@ inline void spin_hint() {
 
 struct PatchJob {
   const char *needle;
+  const char *symbol;  // the import whose slots are written
   void *target;
   int slots;      // GOT slots now pointing at target
   int libraries;  // libraries whose path matched
@@ -79,10 +93,10 @@ void reprotect_relro(const dl_phdr_info *info) {
   }
 }
 
-// Calls visit(slot) for every GOT slot of `info`'s library that a `sched_yield` import goes through (JUMP_SLOT and
+// Calls visit(slot) for every GOT slot of `info`'s library that an import of `symbol` goes through (JUMP_SLOT and
 // GLOB_DAT relocations, in DT_JMPREL and DT_RELA); stops early when visit returns false.
 template <class Visit>
-void for_each_yield_slot(const dl_phdr_info *info, Visit visit) {
+void for_each_import_slot(const dl_phdr_info *info, const char *symbol, Visit visit) {
   const ElfW(Dyn) *dyn = nullptr;
   for (int i = 0; i < info->dlpi_phnum; ++i)
     if (info->dlpi_phdr[i].p_type == PT_DYNAMIC)
@@ -119,7 +133,7 @@ void for_each_yield_slot(const dl_phdr_info *info, Visit visit) {
       const size_t sym = ELF32_R_SYM(r.r_info);
 #endif
       if ((type != kJumpSlot && type != kGlobDat) || sym == 0) continue;
-      if (strcmp(strtab + symtab[sym].st_name, "sched_yield") != 0) continue;
+      if (strcmp(strtab + symtab[sym].st_name, symbol) != 0) continue;
       if (!visit(reinterpret_cast<void **>(base + r.r_offset))) return;
     }
   }
@@ -134,7 +148,7 @@ int patch_library(dl_phdr_info *info, size_t, void *data) {
   if (!matches(info, job->needle)) return 0;
   ++job->libraries;
   bool wrote = false;
-  for_each_yield_slot(info, [&](void **slot) {
+  for_each_import_slot(info, job->symbol, [&](void **slot) {
     if (write_slot(slot, job->target)) {
       ++job->slots;
       wrote = true;
@@ -155,7 +169,7 @@ struct FindJob {
 int find_target(dl_phdr_info *info, size_t, void *data) {
   auto *job = static_cast<FindJob *>(data);
   if (!matches(info, job->needle)) return 0;
-  for_each_yield_slot(info, [&](void **slot) {
+  for_each_import_slot(info, "sched_yield", [&](void **slot) {
     job->found = *slot;
     return false;
   });
@@ -179,11 +193,44 @@ int msllm_spin_yield() {
 // How many times msllm_spin_yield has run in this process (tests: the patched loops do call it).
 long msllm_spin_yield_calls() { return g_calls.load(std::memory_order_relaxed); }
 
+// What the patched SetSpinCountMinValue imports call: MindSpore's own, or under a hold, nothing yet (the pool kept).
+void msllm_spin_count_min(void *pool) {
+  if (g_hold.load(std::memory_order_acquire)) {
+    g_held_pool.store(pool, std::memory_order_release);
+    g_deferred.fetch_add(1, std::memory_order_relaxed);
+    return;
+  }
+  if (SpinMin real = g_spin_min.load(std::memory_order_acquire)) real(pool);
+}
+
+// Hold (1) or release (0) the pool's spin-count drop; a release drops it for the pool a hold deferred, if any.
+void msllm_hold_spin(int on) {
+  g_hold.store(on ? 1 : 0, std::memory_order_release);
+  if (on) return;
+  void *pool = g_held_pool.exchange(nullptr, std::memory_order_acq_rel);
+  SpinMin real = g_spin_min.load(std::memory_order_acquire);
+  if (pool != nullptr && real != nullptr) real(pool);
+}
+
+// How many drops holds have deferred in this process (tests: the graphs' drops did come through here).
+long msllm_spin_min_deferred() { return g_deferred.load(std::memory_order_relaxed); }
+
+// Point the SetSpinCountMinValue imports (`symbol`, mangled) of every loaded library whose path contains `needle`
+// at msllm_spin_count_min; `real` is MindSpore's own function (the caller resolves it: its library exports it).
+// Returns the slots written, or -1 when one could not be.
+int msllm_patch_spin_min(const char *needle, const char *symbol, void *real) {
+  if (real == nullptr) return 0;
+  g_spin_min.store(reinterpret_cast<SpinMin>(real), std::memory_order_release);
+  PatchJob job{needle, symbol, reinterpret_cast<void *>(&msllm_spin_count_min), 0, 0, 0};
+  dl_iterate_phdr(patch_library, &job);
+  return job.failures ? -1 : job.slots;
+}
+
 // Patch the sched_yield imports of every loaded library whose path contains `needle`. Returns the number of GOT
 // slots now pointing at msllm_spin_yield (0: no such library, or none imports sched_yield), or -1 when a slot
 // could not be written. `libraries`, when not null, receives how many libraries matched.
 int msllm_patch_yield(const char *needle, int *libraries) {
-  PatchJob job{needle, reinterpret_cast<void *>(&msllm_spin_yield), 0, 0, 0};
+  PatchJob job{needle, "sched_yield", reinterpret_cast<void *>(&msllm_spin_yield), 0, 0, 0};
   dl_iterate_phdr(patch_library, &job);
   if (libraries != nullptr) *libraries = job.libraries;
   return job.failures ? -1 : job.slots;

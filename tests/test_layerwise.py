@@ -251,3 +251,33 @@ def test_layer_at_a_time_memory_stays_flat_after_the_first_step():
     # the first step allocates the moments and the gradient arrays; after it the process may move by allocator
     # noise, far less than half a set of gradients (the old behaviour grew by a whole set)
     assert rss[3] - rss[0] < grad_bytes / 2, (rss, grad_bytes)
+
+
+def test_gradient_writes_on_the_kernels_threads_copy_add_and_square(monkeypatch):
+    """model/kernel_ops.py grad_put (MsllmGradPut): the layer-at-a-time step's gradient writes. The copy and the sum
+    are exact (a float32 add is one rounding, as NumPy's); Σ dst² of non-negative terms is within n·u of the float64
+    sum, n the longest chain of float32 additions (a run of kPutRun = 1024 terms, plus a lane reduction of at most
+    16), and the same bits at 1 and 2 threads (fixed blocks summed in order)."""
+    from model.kernel_ops import grad_put
+
+    put = grad_put()
+    if put is None:
+        pytest.skip("the kernel library is not built (no compiler)")
+    rng = np.random.default_rng(5)
+    n = 3 * (1 << 14) * 8 + 77  # several blocks per thread and a ragged tail
+    src, add = rng.standard_normal(n, np.float32), rng.standard_normal(n, np.float32)
+    dst = np.full(n, np.nan, np.float32)
+    assert put(dst, src, False, False) == 0.0
+    assert np.array_equal(dst, src)
+    squares = put(dst, add, True, True)
+    want = src + add
+    assert np.array_equal(dst, want)
+    exact = float(np.dot(want.astype(np.float64), want.astype(np.float64)))
+    assert abs(squares - exact) <= (1024 + 16) * np.finfo(np.float32).eps / 2 * exact
+    by_threads = []
+    for threads in ("1", "2"):
+        monkeypatch.setenv("MSLLM_KERNEL_THREADS", threads)
+        by_threads.append(put(np.empty_like(want), want, False, True))
+    assert by_threads[0] == by_threads[1] == squares
+    with pytest.raises(ValueError, match="float32 C-contiguous"):
+        put(dst, src.astype(np.float64), False, True)

@@ -122,3 +122,29 @@ def test_msllm_spin_wait_0_keeps_mindspore_s_sched_yield():
         check=True,
     )
     assert r.stdout.split("\n")[:2] == ["yield: MSLLM_SPIN_WAIT=0", "False"], r.stdout
+
+
+def test_graphs_back_to_back_hold_the_pool_s_spin_count_drop_until_they_end():
+    """MindSpore drops its pool's spin count after every graph run (ThreadPool::SetSpinCountMinValue); inside
+    `runtime.graphs_back_to_back()` (the layer-at-a-time train step) those drops are held, and one is made on leaving
+    it; outside, every drop goes straight to MindSpore's own function."""
+    runtime.setup_mindspore()
+    assert "SetSpinCountMinValue" in runtime.SPIN_WAIT, runtime.SPIN_WAIT
+    spin = ctypes.CDLL(_spin_lib())
+    rng = np.random.default_rng(0)
+    a = ms.Tensor(rng.standard_normal((64, 64), np.float32))
+
+    @ms.jit
+    def f(x):
+        return ms.ops.matmul(x, x) + 1.0
+
+    f(a).asnumpy()
+    held = spin.msllm_spin_min_deferred()
+    f(a).asnumpy()
+    assert spin.msllm_spin_min_deferred() == held  # outside a hold: nothing deferred
+    with runtime.graphs_back_to_back():
+        outs = [f(a).asnumpy() for _ in range(3)]
+    assert spin.msllm_spin_min_deferred() >= held + 3  # each graph's drop came through the hold
+    want = a.asnumpy().astype(np.float64) @ a.asnumpy() + 1.0
+    bound = 64 * np.finfo(np.float32).eps * (np.abs(a.asnumpy()) @ np.abs(a.asnumpy()) + 1.0)
+    assert all(np.all(np.abs(o - want) <= bound) for o in outs)

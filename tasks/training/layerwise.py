@@ -23,8 +23,12 @@ the layer graph over a copy of layer 0 whose weights are assigned inside each ca
 the eval scorer's mechanism), the head through `value_and_grad`, and the layer-gradient graph recomputing each
 layer's forward from its kept input (GradOperation with the upstream gradient as sens).
 
-Every gradient is kept until the update (the norm needs all of them before any weight moves); the activations are
-one layer's working set plus what each backward reads. The graphs are static (a train step's shapes are fixed; the
+Every gradient is kept until the update (the norm needs all of them before any weight moves): each graph's gradient
+outputs are written into the step's arrays as the graph returns, with the fused build by `model.kernel_ops.grad_put`
+on the kernels' threads, which also leaves each one's Σ g² for the global norm (one pass, not a copy and a norm pass).
+The activations are one layer's working set plus what each backward reads. The step runs inside
+`model.runtime.graphs_back_to_back()`: MindSpore's pool keeps spinning between its graph calls instead of sleeping
+after each (docs/MINDSPORE_CPU.md, "Threads"). The graphs are static (a train step's shapes are fixed; the
 fused cells fail in dynamic-shape graphs in MindSpore 2.10); a new batch shape compiles its own, as the whole-model
 step does. Each graph of the step has a never-taken branch (`model.runtime.actor_thread_branch`): MindSpore then runs
 it on its actor thread instead of the calling thread, whose spinning beside the kernel pool cost the small graphs
@@ -45,8 +49,9 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
+from model.kernel_ops import grad_put
 from model.lora import is_lora_param
-from model.runtime import actor_thread_branch, weight_slot
+from model.runtime import actor_thread_branch, graphs_back_to_back, weight_slot
 from tasks.runtime.mesh import Mesh
 from tasks.training.adamw import AdamW
 from tasks.training.layer_grad import functional_unsupported, layer_functions
@@ -191,6 +196,7 @@ class LayerwiseTrainStep(TrainStep):
         dp: int = 1,
     ):
         self.net, self.params, self._grad_arrays = net, list(params), None
+        self._squares: dict[int, float] = {}  # Σ g² per gradient slot, left by the last micro-batch's writes
         super().__init__(
             None, params, optimizer, accumulation=accumulation, loss_scale=loss_scale, dp_group=dp_group, dp=dp
         )
@@ -201,6 +207,8 @@ class LayerwiseTrainStep(TrainStep):
         # the layer's forward and written-out backward as functions of its weights (tasks/training/layer_grad.py):
         # no recomputed forward, no template; else the autodiff layer graph over a template of g layers
         self.fn = layer_functions(net)
+        # the gradient writes on the kernels' threads where the fused build runs (else NumPy's copy and norm)
+        self._put = grad_put() if self.fn is not None else None
         self.flag = Tensor(0, ms.int32)  # the graphs' never-taken branch (model.runtime.actor_thread_branch)
         g = 1 if self.fn is not None else layers_per_graph(len(layers))
         self.layer_params = [tuple(p for _, p in layer.parameters_and_names()) for layer in layers]
@@ -268,17 +276,26 @@ class LayerwiseTrainStep(TrainStep):
         """The mean loss of one batch (validation), one layer at a time."""
         ids = ids.asnumpy() if isinstance(ids, Tensor) else np.asarray(ids)
         labels = labels if isinstance(labels, Tensor) else Tensor(np.asarray(labels))
-        xs, *_ = self._inputs(ids, keep=False)
-        return self._head_loss(xs[-1], labels, self.flag)[0]
+        with graphs_back_to_back():
+            xs, *_ = self._inputs(ids, keep=False)
+            return self._head_loss(xs[-1], labels, self.flag)[0]
 
-    def _micro_grads(self, ids: np.ndarray, labels: np.ndarray, weight: Tensor, scale: Tensor, first: bool):
+    def _micro_grads(
+        self, ids: np.ndarray, labels: np.ndarray, weight: Tensor, scale: Tensor, first: bool, last: bool = True
+    ):
         """One micro-batch's forward and backward; its gradients (× weight × scale) written (`first`) or added into
-        `_grads()`, each graph's as soon as it returns. Returns the loss × weight."""
-        acc = self._grads()
+        `_grads()`, each graph's as soon as it returns (with the kernels, the `last` micro-batch's writes also leave
+        each gradient's Σ g² in `_squares`, but the embedding's, finished afterwards). Returns the loss × weight."""
+        acc, sq = self._grads(), self._squares
         slot = self.slot
+        square = last and self.host_norm  # the last micro-batch's writes give the global norm's squares too
 
         def put(k: int, g: np.ndarray) -> None:
-            if first:
+            if self._put is not None and g.dtype == np.float32 and g.flags.c_contiguous:
+                s = self._put(acc[k], g, not first, square)  # one pass on the kernels' threads
+                if square:
+                    sq[k] = s
+            elif first:
                 np.copyto(acc[k], g)
             else:
                 acc[k] += g
@@ -319,7 +336,15 @@ class LayerwiseTrainStep(TrainStep):
         order = np.argsort(flat_ids, kind="stable")
         rows, starts = np.unique(flat_ids[order], return_index=True)
         e[rows] += np.add.reduceat(dx.asnumpy().reshape(-1, h).astype(np.float32)[order], starts, axis=0)
+        sq.pop(slot[("embed",)], None)  # rows added after its write: its squares come from `_host_norm`
         return loss
+
+    def _norm(self, acc: list[np.ndarray]) -> float:
+        """sqrt(Σ g²) over the step's gradients: the squares the writes left (`_squares`), the rest by `_host_norm`."""
+        sq = self._squares
+        rest = [a for k, a in enumerate(acc) if k not in sq]
+        total = sum(sq.values()) + (_host_norm(rest) ** 2 if rest else 0.0)
+        return math.sqrt(total) if math.isfinite(total) else float("nan")
 
     def _grads(self) -> list[np.ndarray]:
         """The step's gradient arrays, one per optimizer parameter, allocated once and rewritten every step. Fresh
@@ -331,16 +356,22 @@ class LayerwiseTrainStep(TrainStep):
         return self._grad_arrays
 
     def __call__(self, micro_batches, lr: float, step: int, loss_scale: float | None = None, allow: bool = True):
+        with graphs_back_to_back():  # ~2L + 3 graphs: the pool spins between them instead of sleeping
+            return self._step(micro_batches, lr, step, loss_scale, allow)
+
+    def _step(self, micro_batches, lr: float, step: int, loss_scale: float | None, allow: bool):
         s = self.loss_scale if loss_scale is None else loss_scale
         scale = Tensor(s, ms.float32)
         weights = [Tensor(w, ms.float32) for w in self.token_weights([labels for _, labels in micro_batches])]
         losses = []
+        self._squares.clear()
         for m, ((ids, labels), w) in enumerate(zip(micro_batches, weights)):
-            loss = self._micro_grads(np.asarray(ids), np.asarray(labels), w, scale, first=m == 0)
+            last = m == len(micro_batches) - 1
+            loss = self._micro_grads(np.asarray(ids), np.asarray(labels), w, scale, first=m == 0, last=last)
             losses.append(float(loss.asnumpy()))
         acc = self._grads()
         # the unscaled gradient's norm (a loss scale of 0 gives NaN, as 0 / 0 in the graph: the step is skipped)
-        norm = (Tensor(_host_norm(acc) / (s * self.k) if s else float("nan"), ms.float32),) if self.host_norm else ()
+        norm = (Tensor(self._norm(acc) / (s * self.k) if s else float("nan"), ms.float32),) if self.host_norm else ()
         grads = tuple(Tensor.from_numpy(a) for a in acc)
         gnorm, finite, loss = self._apply_grads(
             Tensor(lr, ms.float32),
