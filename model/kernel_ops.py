@@ -94,6 +94,28 @@ def _check_attention(op, q, k, v, *more):
         _need(_numel(more[1]) == q[0] * q[1] * q[2], op, f"lse must be [B, heads, T], got {list(more[1])}")
 
 
+def _check_rope(op, y, cos, sin, scale, tokens=False):
+    """RopeHeads (y [N, n·hd] -> [N / T, n, T, hd]) or, `tokens`, RopeTokens (d [B, n, T, hd] -> [B·T, n·hd])."""
+    same = len(cos) == 2 and list(sin) == list(cos)
+    _need(same, op, f"cos and sin must be one [T, hd], got {list(cos)} and {list(sin)}")
+    t, hd = cos
+    _need(t > 0 and hd > 0 and hd % 2 == 0, op, f"cos must be [T, hd] with T > 0 and an even hd, got {list(cos)}")
+    _need(_numel(scale) == 1, op, f"scale must have one element, got shape {list(scale)}")
+    if tokens:
+        _need(len(y) == 4 and y[2] == t and y[3] == hd, op, f"d must be [B, n, T = {t}, hd = {hd}], got {list(y)}")
+    else:
+        ok = len(y) == 2 and y[0] % t == 0 and y[1] % hd == 0
+        _need(ok, op, f"y must be [B·T, n·hd] for T = {t}, hd = {hd}, got {list(y)}")
+
+
+def _rope_heads_shape(y, cos, sin, scale):
+    return [y[0] // cos[0], y[1] // cos[1], cos[0], cos[1]] if _known(y, cos) else [-1, -1, -1, -1]
+
+
+def _rope_tokens_shape(d, cos, sin, scale):
+    return [d[0] * d[2], d[1] * d[3]] if _known(d) else [-1, -1]
+
+
 def _check_2d(op, x):
     _need(len(x) == 2, op, f"x must be 2-D [R, C], got shape {list(x)}")
 
@@ -143,7 +165,9 @@ def train_ops() -> SimpleNamespace | None:
     swiglu_grad(gate, up, dout) -> (dgate, dup); rms_norm(x [N, H], weight [H], eps [1]) -> y;
     rms_norm_grad(x, weight, eps, dy) -> (dx, dweight); cross_entropy(logits [N, V], labels [N] int32) ->
     (nll [N], logsumexp [N]); cross_entropy_grad(logits, labels, logsumexp, dnll) -> dlogits;
-    transpose(x [R, C]) -> [C, R]; causal_attention(q [B, nh, T, hd] (scaled), k, v [B, nkv, S, hd]) ->
+    transpose(x [R, C]) -> [C, R]; rope_heads(y [B·T, n·hd], cos [T, hd], sin [T, hd], scale [1]) -> [B, n, T, hd]
+    (to heads, RoPE'd, scaled) and rope_tokens(d [B, n, T, hd], cos, sin, scale) -> [B·T, n·hd] (its transpose);
+    causal_attention(q [B, nh, T, hd] (scaled), k, v [B, nkv, S, hd]) ->
     (out [B, nh, T, hd], lse [B, nh, T]); causal_attention_grad(q, k, v, out, lse, dout) -> (dq, dk, dv).
     Operands are checked when the graph is inferred (KernelShapeError) and again by the kernel.
     """
@@ -185,6 +209,14 @@ def train_ops() -> SimpleNamespace | None:
                 lambda q, k, v, o, lse, d: (q, q, q),
             ),
             transpose=op("Transpose", _check_2d, lambda x: [x[1], x[0]], "x", lambda x: x),
+            rope_heads=op("RopeHeads", _check_rope, _rope_heads_shape, "y cos sin scale", lambda y, c, s, k: y),
+            rope_tokens=op(
+                "RopeTokens",
+                lambda op_, *shapes: _check_rope(op_, *shapes, tokens=True),
+                _rope_tokens_shape,
+                "d cos sin scale",
+                lambda d, c, s, k: d,
+            ),
             cross_entropy=ops.Custom(
                 f"{lib}:CrossEntropy",
                 out_shape=_shape_fn("CrossEntropy", _check_ce, lambda x, y: ([x[0]], [x[0]])),

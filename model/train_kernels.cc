@@ -9,7 +9,11 @@
 // joined before it returns: nothing spins afterwards. (OpenMP's idle workers spin-wait after each parallel
 // region and took a core from MindSpore's next MatMul: the step got 1.3x slower. libgomp's wait policy is
 // read once, when MindSpore loads it at import, so it cannot be set from here.) The count: the CPUs this
-// process may use, capped by OMP_NUM_THREADS (msrun gives each rank its share) and MSLLM_KERNEL_THREADS.
+// process may use, capped by OMP_NUM_THREADS (msrun gives each rank its share) and MSLLM_KERNEL_THREADS, read from
+// the C environment at every call. There MindSpore, once its graph scheduler starts, sets OMP_NUM_THREADS to its
+// own choice where the process had none (1 on 2 cores): the trainer's kernels then run on the graph's thread alone,
+// which measured best beside a background load (docs/KERNELS.md, "Threads": a second thread, started per call or
+// kept in a pool, was up to 10% faster on a quiet 2-core Xeon but 11-20% slower beside a niced busy loop).
 // Every element is computed by exactly one thread in a fixed order: results do not depend on the count.
 //
 //   CausalSoftmax(scores [N, T, S]) -> probs [N, T, S]
@@ -29,6 +33,8 @@
 //   CrossEntropyGrad(logits [N, V], labels [N], lse [N], dnll [N]) -> dlogits = (softmax - onehot) * dnll
 //       (one pass: MindSpore's LogSoftmax + gather backward write two [N, V] buffers and read three).
 //   Transpose(x [R, C]) -> xᵀ [C, R] (the LM head's dlogits where MatMul runs oneDNN's AVX2 path)
+//   RopeHeads(y [N, n·hd], cos [T, hd], sin [T, hd], scale [1]) -> [N / T, n, T, hd]; RopeTokens, its transpose
+//       (both described with them, before the attention)
 //   CausalAttention(q [B, nh, T, hd], k, v [B, nkv, S, hd]) -> (out [B, nh, T, hd], lse [B, nh, T])
 //   CausalAttentionGrad(q, k, v, out, lse, dout) -> (dq, dk, dv)   (both described with them, at the end)
 //   MsllmGradPut(dst, src, n, accumulate, square) -> Σ dst² (a host function, not an op: described at the end)
@@ -223,6 +229,9 @@ bool causal_shape(int *ndims, int64_t **shapes, int i) {
 // Which body this library runs ("avx512", "avx2", "neon", "scalar"): model/kernels.py checks that a built
 // library exports it (and the kernels) before caching it, and reports it.
 extern "C" const char *MsllmKernelIsa() { return MSLLM_ISA; }
+
+// The thread count the kernels would use now (num_threads: the environment as it is at this call).
+extern "C" int MsllmKernelThreads() { return num_threads(); }
 
 extern "C" int RMSNorm(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
                        void *extra) {
@@ -650,6 +659,89 @@ extern "C" int Transpose(int nparam, void **params, int *ndims, int64_t **shapes
     transpose_columns(x, y, r, c, tb * kTransposeTile, std::min(c, te * kTransposeTile));
   });
   return kOk;
+}
+
+// RopeHeads(y [N, n·hd], cos [T, hd], sin [T, hd], scale [1]) -> out [N / T, n, T, hd]
+//     a projection's rows (token-major, N = B·T) to heads, RoPE applied and scaled, in one pass:
+//     out[b, h, t] = scale · (z · cos[t] + rotate_half(z) · sin[t]) for z = y[b·T + t, h·hd : (h+1)·hd],
+//     rotate_half(z) = (-z[hd/2:], z[:hd/2]) (LLaMA's layout: model/layers.py rotate_half_matrix).
+// RopeTokens(d [B, n, T, hd], cos, sin, scale [1]) -> dy [B·T, n·hd]: its transpose (the backward):
+//     dy[b·T + t, h] = scale · (d · cos[t] + rotate_halfᵀ(d · sin[t])), rotate_halfᵀ(z) = (z[hd/2:], -z[:hd/2]).
+// What they replace in the layer-at-a-time step: a Transpose, two broadcasts of cos / sin, a MatMul by the ±1
+// rotation, two Muls, an Add and the scale's Mul, each a pass over [B, n, T, hd].
+namespace {
+struct RopeShape {
+  int64_t rows, n, t, hd;
+};
+
+// y / dy [N, n·hd] (token-major) against cos, sin [T, hd], scale [1] and the head-major [N / T, n, T, hd]
+int check_rope(int *ndims, int64_t **shapes, const char **dtypes, bool tokens, RopeShape *r) {
+  if (!all_f32(dtypes, 5)) return kDtype;
+  if (!nonneg(ndims, shapes, 5) || ndims[1] != 2 || !same_shape(ndims, shapes, 1, 2) || numel(ndims[3], shapes[3]) != 1)
+    return kShape;
+  const int64_t t = shapes[1][0], hd = shapes[1][1];
+  if (t <= 0 || hd <= 0 || hd % 2 != 0) return kShape;
+  const int tok = tokens ? 4 : 0, heads = tokens ? 0 : 4;  // RopeHeads: y in, heads out; RopeTokens: the reverse
+  if (ndims[tok] != 2 || ndims[heads] != 4) return kShape;
+  const int64_t *y = shapes[tok], *h = shapes[heads];
+  if (y[1] % hd != 0 || y[0] % t != 0) return kShape;
+  *r = {y[0], y[1] / hd, t, hd};
+  if (h[0] != y[0] / t || h[1] != r->n || h[2] != t || h[3] != hd) return kShape;
+  return kOk;
+}
+
+// one head-row: out = s · (z · c + rotate_half(z) · sn), or (transpose) s · (z · c + rotate_halfᵀ(z · sn))
+inline void rope_row(const float *z, const float *c, const float *sn, float s, int64_t hd, bool transpose, float *out) {
+  const int64_t half = hd / 2;
+  if (!transpose) {
+    for (int64_t i = 0; i < half; ++i) {
+      out[i] = s * (z[i] * c[i] - z[i + half] * sn[i]);
+      out[i + half] = s * (z[i + half] * c[i + half] + z[i] * sn[i + half]);
+    }
+  } else {
+    for (int64_t i = 0; i < half; ++i) {
+      out[i] = s * (z[i] * c[i] + z[i + half] * sn[i + half]);
+      out[i + half] = s * (z[i + half] * c[i + half] - z[i] * sn[i]);
+    }
+  }
+}
+
+int rope(void **params, int *ndims, int64_t **shapes, const char **dtypes, bool tokens) {
+  RopeShape r;
+  if (const int rc = check_rope(ndims, shapes, dtypes, tokens, &r)) return rc;
+  const float *x = static_cast<const float *>(params[0]), *c = static_cast<const float *>(params[1]),
+              *sn = static_cast<const float *>(params[2]);
+  const float s = *static_cast<const float *>(params[3]);
+  float *y = static_cast<float *>(params[4]);
+  const int64_t width = r.n * r.hd;
+  parallel_for(r.rows, 64, [&](int64_t b, int64_t e) {
+    for (int64_t row = b; row < e; ++row) {
+      const int64_t bt = row / r.t, t = row % r.t;
+      for (int64_t h = 0; h < r.n; ++h) {
+        const int64_t tok = row * width + h * r.hd, head = ((bt * r.n + h) * r.t + t) * r.hd;
+        if (tokens)  // RopeTokens: head-major in, token-major out
+          rope_row(x + head, c + t * r.hd, sn + t * r.hd, s, r.hd, true, y + tok);
+        else
+          rope_row(x + tok, c + t * r.hd, sn + t * r.hd, s, r.hd, false, y + head);
+      }
+    }
+  });
+  return kOk;
+}
+}  // namespace
+
+extern "C" int RopeHeads(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
+                         void *extra) {
+  (void)stream, (void)extra;
+  if (nparam != 5) return kArity;
+  return rope(params, ndims, shapes, dtypes, false);
+}
+
+extern "C" int RopeTokens(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
+                          void *extra) {
+  (void)stream, (void)extra;
+  if (nparam != 5) return kArity;
+  return rope(params, ndims, shapes, dtypes, true);
 }
 
 // CausalAttention(q [B, nh, T, hd], k [B, nkv, S, hd], v [B, nkv, S, hd]) -> (out [B, nh, T, hd], lse [B, nh, T])

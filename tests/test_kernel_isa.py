@@ -239,6 +239,17 @@ def test_every_body_matches_the_scalar_reference(isa):
     np.testing.assert_array_equal(tt, xt.T)
     np.testing.assert_array_equal(rt, xt.T)
 
+    # RoPE to heads and back: two products, a sum and the scale per element (a body may fuse a product into the sum)
+    bt, nr, hr, tr = 3 * 11, 3, 20, 11
+    yr = rng.standard_normal((bt, nr * hr)).astype(np.float32)
+    ang = rng.uniform(0, 6.3, (tr, hr))
+    cr, sr = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    sc = np.array([0.3], np.float32)
+    (hh_,), (rh,) = both("RopeHeads", [yr, cr, sr, sc], [((3, nr, tr, hr), np.float32)])
+    assert np.abs(hh_ - rh).max() <= 4 * U * 0.3 * 2 * np.abs(yr).max()
+    (tk,), (rtk,) = both("RopeTokens", [rh, cr, sr, sc], [((bt, nr * hr), np.float32)])
+    assert np.abs(tk - rtk).max() <= 4 * U * 0.3 * 2 * np.abs(rh).max()
+
     # causal attention [B, nh, T, hd] over [B, nkv, S, hd]: GQA, T past one 64-query block, hd 20 (vector tails)
     b, nh, nkv, t, s, hd = 2, 4, 2, 70, 73, 20
     q = (rng.standard_normal((b, nh, t, hd)) * 0.5).astype(np.float32)
@@ -597,6 +608,10 @@ def test_kernels_refuse_bad_operands_before_touching_memory(isa):
     assert _call(lib, "CrossEntropy", f32(4, 8), np.zeros(5, np.int32), f32(4), f32(4)) == 3
     assert _call(lib, "SwiGLU", f32(4), f32(4)) == 1
     assert _call(lib, "Transpose", f32(4, 8), f32(4, 8)) == 3  # the output not [C, R]
+    assert _call(lib, "RopeHeads", f32(6, 16), f32(4, 8), f32(4, 8), f32(1), f32(1, 2, 4, 8)) == 3  # 6 rows, T = 4
+    assert _call(lib, "RopeHeads", f32(8, 16), f32(4, 8), f32(4, 8), f32(1), f32(2, 2, 4, 9)) == 3  # output's hd
+    assert _call(lib, "RopeTokens", f32(1, 2, 4, 7), f32(4, 7), f32(4, 7), f32(1), f32(4, 14)) == 3  # odd hd
+    assert _call(lib, "RopeTokens", f32(1, 2, 4, 8), f32(4, 8), f32(4, 8), f32(1), f32(4, 8)) == 3  # output too small
     assert (
         _call(lib, "CausalAttention", f32(1, 3, 4, 8), f32(1, 2, 4, 8), f32(1, 2, 4, 8), f32(1, 3, 4, 8), f32(1, 3, 4))
         == 3

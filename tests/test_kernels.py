@@ -7,6 +7,7 @@ The ISA bodies against the scalar reference, the probe and the build cache: test
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 
@@ -21,6 +22,7 @@ from model.fused_cells import FusedSwiGLU
 from model.kernel_build import disabled_reason, kernel_path
 from model.kernel_ops import KernelShapeError, train_ops
 from model.llama import LlamaForCausalLM
+from model.rope import rope_tables
 from tasks.modeling.build import Kernels, build_network
 
 K = train_ops()
@@ -54,6 +56,12 @@ def test_bad_operands_are_a_clear_error_not_a_write_out_of_bounds():
         K.causal_attention(Tensor(np.ones((1, 3, 4, 8), np.float32)), *(Tensor(np.ones((1, 2, 4, 8), np.float32)),) * 2)
     with pytest.raises(KernelShapeError, match=r"CausalAttention: T = 5 queries exceed S = 4 keys"):
         K.causal_attention(Tensor(np.ones((1, 2, 5, 8), np.float32)), *(Tensor(np.ones((1, 2, 4, 8), np.float32)),) * 2)
+    cs = Tensor(np.ones((4, 8), np.float32))
+    with pytest.raises(KernelShapeError, match=r"RopeHeads: y must be \[B·T, n·hd\] for T = 4, hd = 8, got \[6, 16\]"):
+        K.rope_heads(Tensor(np.ones((6, 16), np.float32)), cs, cs, Tensor(np.ones(1, np.float32)))
+    with pytest.raises(KernelShapeError, match=r"RopeTokens: cos must be \[T, hd\] with T > 0 and an even hd"):
+        odd = Tensor(np.ones((4, 7), np.float32))
+        K.rope_tokens(Tensor(np.ones((1, 2, 4, 7), np.float32)), odd, odd, Tensor(np.ones(1, np.float32)))
     with pytest.raises(KernelShapeError, match=r"SwiGLU: gate must be float32"):
         K.swiglu(Tensor(np.ones(4, np.float16)), Tensor(np.ones(4, np.float16)))
 
@@ -66,10 +74,27 @@ def _ref_causal_softmax(x: np.ndarray) -> np.ndarray:
     return e / e.sum(-1, keepdims=True)
 
 
+def kernel_threads() -> int:
+    """The thread count the train kernels would use now (MsllmKernelThreads: the C environment at this call)."""
+    fn = ctypes.CDLL(K.lib).MsllmKernelThreads
+    fn.restype = ctypes.c_int
+    return fn()
+
+
+def use_threads(monkeypatch, n: str) -> int:
+    """Run the kernels on `n` threads (at most the CPUs): MSLLM_KERNEL_THREADS, and an OMP_NUM_THREADS that does not
+    cap it (MindSpore sets OMP_NUM_THREADS=1 in the C environment of a 2-core process once its graph scheduler
+    starts; without this every count here ran one thread). Returns the count the kernels report."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "64")
+    monkeypatch.setenv("MSLLM_KERNEL_THREADS", n)
+    got = kernel_threads()
+    assert got == min(int(n), len(os.sched_getaffinity(0)))
+    return got
+
+
 @pytest.fixture(params=["1", "3"])
 def threads(request, monkeypatch):
-    monkeypatch.setenv("MSLLM_KERNEL_THREADS", request.param)  # read at every call: results must not depend on it
-    return int(request.param)
+    return use_threads(monkeypatch, request.param)  # read at every call: results must not depend on it
 
 
 @needs_kernels
@@ -154,6 +179,38 @@ def test_cross_entropy_and_its_gradient(threads):
 def test_transpose_moves_every_element_exactly(r, c, threads):  # register blocks), tails, a row, a column
     x = np.random.default_rng(4).standard_normal((r, c)).astype(np.float32)
     np.testing.assert_array_equal(K.transpose(Tensor(x)).asnumpy(), x.T)
+
+
+def _ref_rope_heads(y, cos, sin, scale, hd):
+    """[B·T, n·hd] -> [B, n, T, hd], RoPE'd (rotate-half) and scaled, in float64."""
+    t = cos.shape[0]
+    z = y.astype(np.float64).reshape(-1, t, y.shape[1] // hd, hd).transpose(0, 2, 1, 3)  # [B, n, T, hd]
+    rot = np.concatenate([-z[..., hd // 2 :], z[..., : hd // 2]], axis=-1)
+    return scale * (z * cos.astype(np.float64) + rot * sin.astype(np.float64))
+
+
+@needs_kernels
+@pytest.mark.parametrize("b,t,n,hd", [(2, 37, 3, 16), (1, 5, 9, 64), (3, 8, 2, 6)])  # odd T; SmolLM2's hd; hd/2 odd
+def test_rope_to_heads_and_its_transpose(b, t, n, hd, threads):
+    rng = np.random.default_rng(b * t * n + hd)
+    y = rng.standard_normal((b * t, n * hd)).astype(np.float32)
+    d = rng.standard_normal((b, n, t, hd)).astype(np.float32)
+    cos, sin = (a[11 : 11 + t] for a in rope_tables(hd, 64, 10000.0))  # positions 11.., as a continued chunk
+    scale = np.float32(hd**-0.5)
+    args = (Tensor(cos), Tensor(sin), Tensor(np.array([scale], np.float32)))
+    got = K.rope_heads(Tensor(y), *args).asnumpy()
+    want = _ref_rope_heads(y, cos, sin, float(scale), hd)
+    # each output: two fp32 products, a sum and the scale's product: within 4 roundings of the terms' magnitude
+    bound = 4 * np.finfo(np.float32).eps * float(scale) * (np.abs(y).max() * (np.abs(cos).max() + np.abs(sin).max()))
+    assert got.shape == (b, n, t, hd) and np.abs(got - want).max() <= bound
+    back = K.rope_tokens(Tensor(d), *args).asnumpy()
+    assert back.shape == (b * t, n * hd)
+    # the transpose: <heads(y), d> == <y, tokens(d)> for every y (checked on the basis: the matrix itself)
+    eye = np.eye(n * hd, dtype=np.float64)
+    forward = np.stack([_ref_rope_heads(np.tile(e, (b * t, 1)), cos, sin, float(scale), hd) for e in eye])
+    want_back = np.einsum("kbntd,bntd->btk", forward, d.astype(np.float64)).reshape(b * t, n * hd)
+    bound = 4 * np.finfo(np.float32).eps * float(scale) * (np.abs(d).max() * (np.abs(cos).max() + np.abs(sin).max()))
+    assert np.abs(back - want_back).max() <= bound
 
 
 @needs_kernels
@@ -246,8 +303,12 @@ def test_results_do_not_depend_on_the_thread_count(monkeypatch):
     kv = rng.standard_normal((2, 3, 2, 32, 16)).astype(np.float32)  # attention's dk and dv sum over them; 6 units
     dout = Tensor(rng.standard_normal(q.shape).astype(np.float32))
     outs = []
+    y = rng.standard_normal((2 * 32, 6 * 16)).astype(np.float32)
+    cos, sin = (Tensor(a[:32]) for a in rope_tables(16, 64, 10000.0))
+    scale = Tensor(np.array([0.25], np.float32))
+    counts = []
     for t in ("1", "2", "5"):
-        monkeypatch.setenv("MSLLM_KERNEL_THREADS", t)
+        counts.append(use_threads(monkeypatch, t))
         dx, dw = K.rms_norm_grad(Tensor(x), w, e, Tensor(dy))
         att, lse = K.causal_attention(Tensor(q), Tensor(kv[0]), Tensor(kv[1]))
         grads = K.causal_attention_grad(Tensor(q), Tensor(kv[0]), Tensor(kv[1]), att, lse, dout)
@@ -259,8 +320,11 @@ def test_results_do_not_depend_on_the_thread_count(monkeypatch):
                 att.asnumpy(),
                 lse.asnumpy(),
                 *(a.asnumpy() for a in grads),
+                K.rope_heads(Tensor(y), cos, sin, scale).asnumpy(),
+                K.rope_tokens(Tensor(q), cos, sin, scale).asnumpy(),
             )
         )
+    assert len(set(counts)) == min(3, len(os.sched_getaffinity(0)))  # the counts did differ (where CPUs allow)
     for other in outs[1:]:
         for a, b in zip(outs[0], other):
             np.testing.assert_array_equal(a, b)

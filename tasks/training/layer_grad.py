@@ -12,7 +12,8 @@ Why (docs/MEMORY.md, "Train"): through autodiff, the layer-gradient graph had to
 its input (GradOperation differentiates the function it runs: a third of the layer's FLOPs), and each layer's
 weights were assigned into a template layer inside every graph call. Here
 the weights are plain graph inputs (no template, no copy) and the backward is written out: every projection's
-gradients are two MatMuls, RoPE's is its transpose, the attention's the fused attention kernel's backward
+gradients are two MatMuls, RoPE's is its transpose (RoPE with the heads' transpose and the queries' scale one kernel
+each way, model/train_kernels.cc RopeHeads / RopeTokens), the attention's the fused attention kernel's backward
 (`FusedCausalAttention`; without it, the four BatchMatMuls and the fused softmax's backward), RMSNorm's and SwiGLU's the
 fused kernels' own backward (model/train_kernels.cc). The same kernels as the
 model's fused cells (model/fused_cells.py), so the arithmetic is the model's; the gradients equal autodiff's to
@@ -51,6 +52,7 @@ from model.fused_cells import (
     FusedRMSNorm,
     FusedSwiGLU,
 )
+from model.kernel_ops import train_ops
 from model.layers import Linear
 from model.lora import LORA_A, LORA_B, LoRALinear, is_lora_param
 from model.runtime import actor_thread_branch
@@ -155,7 +157,9 @@ class _Ops(nn.Cell):
         fused = attn.fused if isinstance(attn.fused, FusedCausalAttention) else None  # one kernel each way
         self.attention, self.attention_grad = (fused.forward_op, fused.backward_op) if fused else (None, None)
         self.swiglu, self.swiglu_grad = layer.mlp.swiglu.forward_op, layer.mlp.swiglu.backward_op
-        self.rotate = Tensor(attn.rotate.asnumpy())
+        rope = train_ops()  # the fused build's kernels (functional_unsupported checked it is one)
+        self.rope_heads, self.rope_tokens = rope.rope_heads, rope.rope_tokens
+        self.scale_q, self.unscaled = Tensor([self.scale], ms.float32), Tensor([1.0], ms.float32)
         self.mm = ops.MatMul()  # a @ b
         self.mm_bt = ops.MatMul(transpose_b=True)  # a @ b^T (a projection: x @ W^T)
         self.mm_at = ops.MatMul(transpose_a=True)  # a^T @ b (a weight's gradient: dy^T @ x)
@@ -170,16 +174,6 @@ class _Ops(nn.Cell):
     def tokens(self, y, b, t, n):
         """[B, n, T, hd] -> [N, n·hd]"""
         return ops.transpose(y, (0, 2, 1, 3)).reshape(b * t, n * self.hd)
-
-    def rope(self, z, cos, sin):
-        """z·cos + rotate_half(z)·sin, as the model's Attention._rope (rotate-half a MatMul by a ±1 permutation)."""
-        rotated = self.mm(z.reshape(-1, self.hd), self.rotate).reshape(z.shape)
-        return z * ops.broadcast_to(cos, z.shape) + rotated * ops.broadcast_to(sin, z.shape)
-
-    def rope_grad(self, dz, cos, sin):
-        """The transpose of `rope`: dz·cos + rotate_half^T(dz·sin)."""
-        s = dz * ops.broadcast_to(sin, dz.shape)
-        return dz * ops.broadcast_to(cos, dz.shape) + self.mm_bt(s.reshape(-1, self.hd), self.rotate).reshape(dz.shape)
 
     def proj(self, i, x, ps):
         """Projection i of x [N, in]: x W^T, plus scaling · (x A^T) B^T where it has an adapter."""
@@ -214,8 +208,8 @@ class _Forward(_Ops):
         n1, n2 = ps[self.norm_slots[0]], ps[self.norm_slots[1]]
         x2 = x.reshape(b * t, h)  # [N, H]
         a = self.rms(x2, n1, self.eps)
-        q = self.rope(self.heads(self.proj(0, a, ps), b, t, self.nh), cos, sin) * self.scale  # [B, nh, T, hd]
-        k = self.rope(self.heads(self.proj(1, a, ps), b, t, self.nkv), cos, sin)  # [B, nkv, T, hd]
+        q = self.rope_heads(self.proj(0, a, ps), cos, sin, self.scale_q)  # [B, nh, T, hd], RoPE'd and scaled
+        k = self.rope_heads(self.proj(1, a, ps), cos, sin, self.unscaled)  # [B, nkv, T, hd]
         v = self.heads(self.proj(2, a, ps), b, t, self.nkv)  # [B, nkv, T, hd]
         if self.attention is None:
             q = q.reshape(b, self.nkv, self.rep * t, self.hd)  # GQA: a kv head's query heads along the query axis
@@ -253,13 +247,12 @@ class _Backward(_Ops):
             dv = self.bmm_at(p, dc)  # [B, nkv, T, hd]
             ds = self.softmax_grad(p.reshape(b * self.nh, t, t), self.bmm_bt(dc, v).reshape(b * self.nh, t, t))
             ds = ds.reshape(b, self.nkv, self.rep * t, t)
-            dq = self.bmm(ds, k).reshape(b, self.nh, t, self.hd) * self.scale
+            dq = self.bmm(ds, k).reshape(b, self.nh, t, self.hd)
             dk = self.bmm_at(ds, q)  # [B, nkv, T, hd]
         else:
             dq, dk, dv = self.attention_grad(q, k, v, self.heads(context, b, t, self.nh), lse, dc)
-            dq = dq * self.scale
-        dq = self.tokens(self.rope_grad(dq, cos, sin), b, t, self.nh)  # [N, nh·hd]
-        dk = self.tokens(self.rope_grad(dk, cos, sin), b, t, self.nkv)
+        dq = self.rope_tokens(dq, cos, sin, self.scale_q)  # [N, nh·hd]: the scale's, RoPE's and heads' transposes
+        dk = self.rope_tokens(dk, cos, sin, self.unscaled)
         dv = self.tokens(dv, b, t, self.nkv)
         a = self.rms(x2, n1, self.eps)
         da_q, gq = self.back(0, a, dq, ps)
