@@ -13,7 +13,7 @@
 // the C environment at every call. There MindSpore, once its graph scheduler starts, sets OMP_NUM_THREADS to its
 // own choice where the process had none (1 on 2 cores): the trainer's kernels then run on the graph's thread alone,
 // which measured best beside a background load (docs/KERNELS.md, "Threads": a second thread, started per call or
-// kept in a pool, was up to 10% faster on a quiet 2-core Xeon but 11-20% slower beside a niced busy loop).
+// kept in a pool, was up to 11% faster on a quiet 2-core Xeon but lost 7-21% beside a niced busy loop, one thread 4-6%).
 // Every element is computed by exactly one thread in a fixed order: results do not depend on the count.
 //
 //   CausalSoftmax(scores [N, T, S]) -> probs [N, T, S]

@@ -4,8 +4,10 @@ computations of the same math use: every tolerance in tests/ is one of these or 
 
 from __future__ import annotations
 
+import ctypes
 import io
 import math
+import os
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -341,3 +343,23 @@ def q8_0_activations(x):
     q = np.rint(xb * inv[..., None]).astype(np.int32)
     d = (amax / np.float32(127)).astype(np.float16).astype(np.float32)
     return q.reshape(np.shape(x)), d
+
+
+def kernel_threads() -> int:
+    """The thread count the train kernels would use now (MsllmKernelThreads: the C environment at this call)."""
+    from model.kernel_ops import train_ops
+
+    fn = ctypes.CDLL(train_ops().lib).MsllmKernelThreads
+    fn.restype = ctypes.c_int
+    return fn()
+
+
+def use_threads(monkeypatch, n: str) -> int:
+    """Run the kernels on `n` threads (at most the CPUs): MSLLM_KERNEL_THREADS, and an OMP_NUM_THREADS that does not
+    cap it (MindSpore sets OMP_NUM_THREADS=1 in the C environment of a 2-core process once its graph scheduler
+    starts; without this every count here ran one thread). Returns the count the kernels report."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "64")
+    monkeypatch.setenv("MSLLM_KERNEL_THREADS", n)
+    got = kernel_threads()
+    assert got == min(int(n), len(os.sched_getaffinity(0)))
+    return got

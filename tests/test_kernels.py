@@ -7,14 +7,13 @@ The ISA bodies against the scalar reference, the probe and the build cache: test
 
 from __future__ import annotations
 
-import ctypes
 import os
 import shutil
 
 import mindspore as ms
 import numpy as np
 import pytest
-from helpers import decoder_reduction, fp32_tol
+from helpers import decoder_reduction, fp32_tol, use_threads
 from mindspore import Tensor
 
 from model.config import ModelConfig
@@ -72,24 +71,6 @@ def _ref_causal_softmax(x: np.ndarray) -> np.ndarray:
     z = np.where(keep, x.astype(np.float64), -np.inf)
     e = np.exp(z - z.max(-1, keepdims=True))
     return e / e.sum(-1, keepdims=True)
-
-
-def kernel_threads() -> int:
-    """The thread count the train kernels would use now (MsllmKernelThreads: the C environment at this call)."""
-    fn = ctypes.CDLL(K.lib).MsllmKernelThreads
-    fn.restype = ctypes.c_int
-    return fn()
-
-
-def use_threads(monkeypatch, n: str) -> int:
-    """Run the kernels on `n` threads (at most the CPUs): MSLLM_KERNEL_THREADS, and an OMP_NUM_THREADS that does not
-    cap it (MindSpore sets OMP_NUM_THREADS=1 in the C environment of a 2-core process once its graph scheduler
-    starts; without this every count here ran one thread). Returns the count the kernels report."""
-    monkeypatch.setenv("OMP_NUM_THREADS", "64")
-    monkeypatch.setenv("MSLLM_KERNEL_THREADS", n)
-    got = kernel_threads()
-    assert got == min(int(n), len(os.sched_getaffinity(0)))
-    return got
 
 
 @pytest.fixture(params=["1", "3"])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import mindspore as ms
 import numpy as np
 import pytest
-from helpers import decoder_reduction, fp32_tol
+from helpers import decoder_reduction, fp32_tol, use_threads
 from mindspore import Tensor
 
 from model.config import ModelConfig
@@ -275,9 +275,8 @@ def test_gradient_writes_on_the_kernels_threads_copy_add_and_square(monkeypatch)
     exact = float(np.dot(want.astype(np.float64), want.astype(np.float64)))
     assert abs(squares - exact) <= (1024 + 16) * np.finfo(np.float32).eps / 2 * exact
     by_threads = []
-    monkeypatch.setenv("OMP_NUM_THREADS", "64")  # not MindSpore's own 1 in the C environment: the count below decides
     for threads in ("1", "2"):
-        monkeypatch.setenv("MSLLM_KERNEL_THREADS", threads)
+        use_threads(monkeypatch, threads)  # asserts the kernels report that count (at most the CPUs)
         by_threads.append(put(np.empty_like(want), want, False, True))
     assert by_threads[0] == by_threads[1] == squares
     with pytest.raises(ValueError, match="float32 C-contiguous"):
