@@ -22,6 +22,7 @@ from mindspore import ops
 from mindspore.ops import signature as sig
 
 from model.kernel_build import TRAIN_SOURCE, build, disabled_reason
+from model.runtime import lend_idle_threads
 
 KERNEL_ERRORS = {
     1: "wrong number of operands",
@@ -176,6 +177,7 @@ def train_ops() -> SimpleNamespace | None:
     lib = None if disabled_reason() else build(TRAIN_SOURCE)
     ns = None
     if lib is not None:
+        lend_idle_threads(lib)  # MindSpore's waiting pool thread takes pieces of these kernels
 
         def op(name, shape_check, shape_out, dtype_names, dtype_out):
             def dt_check(op_name, *dts):

@@ -79,6 +79,8 @@ def spin_waits() -> str:
         slots, n_libs = (-1 if got < 0 or slots < 0 else slots + got), n_libs + libraries.value
     _spin_lib = lib  # loaded for the life of the process: the patched slots point into it
     held = _patch_spin_min(lib) if slots >= 0 else ""
+    for kernel_lib in _to_lend:  # train kernels built before this patch
+        lend_idle_threads(kernel_lib)
     if slots < 0:
         print(
             "[runtime] MindSpore's thread pool keeps yielding in some libraries: a sched_yield import could not be "
@@ -87,7 +89,36 @@ def spin_waits() -> str:
             flush=True,
         )
         return "yield: a sched_yield import could not be patched (mprotect failed)"
-    return f"spin ({slots} sched_yield imports in {n_libs} libraries{held})"
+    return f"spin ({slots} sched_yield imports in {n_libs} libraries{held})" + (LENT_NOTE if _lent else "")
+
+
+_lent: list = []  # the kernel libraries whose MsllmHelp the waits call (kept loaded: the hook points into them)
+_to_lend: list = []  # kernel libraries built before the waits were patched
+LENT_NOTE = "; waiting threads run pieces of the train kernels"  # in SPIN_WAIT (bench lines) where they do
+
+
+def lend_idle_threads(kernel_lib: str) -> bool:
+    """Let MindSpore's waiting pool threads run pieces of the fused train kernels (model/train_kernels.cc
+    `MsllmHelp`, called from every patched wait, `spin_waits`). Inside the trainer the kernels have one thread
+    (MindSpore sets OMP_NUM_THREADS=1 on 2 cores) while the pool's other thread spins beside them; with the hook
+    that spinning thread takes pieces of the running kernel, so the kernel gets the second core the pool already
+    holds and no thread is added (a thread of our own beside the pool lost 7-21% beside a background load:
+    docs/KERNELS.md, "Threads"). False where the waits are not patched or MSLLM_KERNEL_HELPERS=0."""
+    if os.environ.get("MSLLM_KERNEL_HELPERS", "1") == "0":
+        return False
+    if _spin_lib is None:  # not patched (yet): `spin_waits` hooks it once it patches
+        if kernel_lib not in _to_lend:
+            _to_lend.append(kernel_lib)
+        return False
+    lib = ctypes.CDLL(kernel_lib)
+    _spin_lib.msllm_set_idle_hook.argtypes = [ctypes.c_void_p]
+    _spin_lib.msllm_set_idle_hook(ctypes.cast(lib.MsllmHelp, ctypes.c_void_p))
+    global SPIN_WAIT
+    lib.MsllmLendIdleThreads(1)
+    _lent.append(lib)
+    if SPIN_WAIT.startswith("spin (") and LENT_NOTE not in SPIN_WAIT:
+        SPIN_WAIT += LENT_NOTE
+    return True
 
 
 SPIN_MIN = "_ZN9mindspore10ThreadPool20SetSpinCountMinValueEv"  # mindspore::ThreadPool::SetSpinCountMinValue()

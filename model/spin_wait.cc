@@ -37,6 +37,9 @@ std::atomic<int> g_hold{0};
 std::atomic<void *> g_held_pool{nullptr};  // the pool whose drop a hold deferred
 std::atomic<long> g_deferred{0};
 
+using IdleHook = void (*)();  // run by a waiting thread before it pauses: the train kernels' MsllmHelp
+std::atomic<IdleHook> g_idle_hook{nullptr};
+
 constexpr int kPauses = 32;  // ~0.3-1.5 us by the CPU's pause latency: about one sched_yield syscall
 
 inline void spin_hint() {
@@ -186,8 +189,15 @@ const char *MsllmKernelIsa() { return MSLLM_ISA; }
 // checks its flag and calls again, or sleeps on its condition variable after its own spin count).
 int msllm_spin_yield() {
   g_calls.fetch_add(1, std::memory_order_relaxed);
+  if (IdleHook hook = g_idle_hook.load(std::memory_order_relaxed)) hook();
   for (int i = 0; i < kPauses; ++i) spin_hint();
   return 0;
+}
+
+// Have every wait of the patched loops call `hook` first (a waiting thread lends itself to a kernel that has work
+// open: model/train_kernels.cc MsllmHelp); null removes it.
+void msllm_set_idle_hook(void *hook) {
+  g_idle_hook.store(reinterpret_cast<IdleHook>(hook), std::memory_order_release);
 }
 
 // How many times msllm_spin_yield has run in this process (tests: the patched loops do call it).

@@ -7,8 +7,12 @@ The ISA bodies against the scalar reference, the probe and the build cache: test
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import shutil
+import threading
+import time
 
 import mindspore as ms
 import numpy as np
@@ -16,6 +20,7 @@ import pytest
 from helpers import decoder_reduction, fp32_tol, use_threads
 from mindspore import Tensor
 
+from model import runtime
 from model.config import ModelConfig
 from model.fused_cells import FusedSwiGLU
 from model.kernel_build import disabled_reason, kernel_path
@@ -290,25 +295,87 @@ def test_results_do_not_depend_on_the_thread_count(monkeypatch):
     counts = []
     for t in ("1", "2", "5"):
         counts.append(use_threads(monkeypatch, t))
-        dx, dw = K.rms_norm_grad(Tensor(x), w, e, Tensor(dy))
-        att, lse = K.causal_attention(Tensor(q), Tensor(kv[0]), Tensor(kv[1]))
-        grads = K.causal_attention_grad(Tensor(q), Tensor(kv[0]), Tensor(kv[1]), att, lse, dout)
-        outs.append(
-            (
-                dx.asnumpy(),
-                dw.asnumpy(),
-                K.causal_softmax(Tensor(np.stack([x[:48], x[48:96]]))).asnumpy(),
-                att.asnumpy(),
-                lse.asnumpy(),
-                *(a.asnumpy() for a in grads),
-                K.rope_heads(Tensor(y), cos, sin, scale).asnumpy(),
-                K.rope_tokens(Tensor(q), cos, sin, scale).asnumpy(),
-            )
-        )
+        outs.append(_thread_outputs(x, dy, w, e, q, kv, dout, y, cos, sin, scale))
     assert len(set(counts)) == min(3, len(os.sched_getaffinity(0)))  # the counts did differ (where CPUs allow)
     for other in outs[1:]:
         for a, b in zip(outs[0], other):
             np.testing.assert_array_equal(a, b)
+
+
+@needs_kernels
+def test_pieces_a_waiting_thread_takes_give_the_same_bits(monkeypatch):
+    """One kernel thread (the trainer's count) with a thread that does what MindSpore's waiting pool threads do once
+    `lend_idle_threads` hooks their waits (MsllmHelp in a loop): the pieces it takes give the bits the caller alone
+    gives. Calls repeat until it has taken some (it may not get a core during a call: other threads spin)."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one CPU")
+    use_threads(monkeypatch, "1")
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((2, 8, 128, 32)).astype(np.float32)  # 2 x 4 (batch, kv head) units: 8 pieces
+    kv = rng.standard_normal((2, 2, 4, 128, 32)).astype(np.float32)
+    dout = Tensor(rng.standard_normal(q.shape).astype(np.float32))
+    x, dy = rng.standard_normal((2, 2048, 96)).astype(np.float32)
+    w, e = Tensor(rng.standard_normal(96).astype(np.float32)), Tensor(np.array([1e-6], np.float32))
+
+    def outputs():
+        att, lse = K.causal_attention(Tensor(q), Tensor(kv[0]), Tensor(kv[1]))
+        grads = K.causal_attention_grad(Tensor(q), Tensor(kv[0]), Tensor(kv[1]), att, lse, dout)
+        return [a.asnumpy() for a in (att, lse, *grads, *K.rms_norm_grad(Tensor(x), w, e, Tensor(dy)))]
+
+    lib = ctypes.CDLL(K.lib)
+    with helper(lib, False):
+        alone = outputs()
+    with helper(lib, True) as helped:
+        for _ in range(50):
+            for a, b in zip(outputs(), alone):
+                np.testing.assert_array_equal(a, b)
+            if helped() > 0:
+                break
+        assert helped() > 0  # the helper did take pieces of these calls
+
+
+@contextlib.contextmanager
+def helper(lib, on: bool):
+    """With `on`, a thread that does what MindSpore's waiting pool threads do once `lend_idle_threads` hooks their
+    waits: call MsllmHelp in a loop (MsllmHelpUntil); yields a function giving the pieces it ran so far."""
+    lib.MsllmHelpedPieces.restype = ctypes.c_long
+    before = lib.MsllmHelpedPieces()
+    if not on:
+        lib.MsllmLendIdleThreads(0)  # the caller alone (MindSpore's pool threads take no piece either)
+        try:
+            yield lambda: 0
+        finally:
+            lib.MsllmLendIdleThreads(int(bool(runtime._lent)))
+        return
+    flag = ctypes.c_int(0)
+    lib.MsllmLendIdleThreads(1)  # on here even where this process's waits are not patched
+    th = threading.Thread(target=lib.MsllmHelpUntil, args=(ctypes.byref(flag),))
+    th.start()
+    while flag.value != 1:  # the helper is in its loop (its start needs the GIL, which the ops may not release)
+        time.sleep(0.001)
+    try:
+        yield lambda: lib.MsllmHelpedPieces() - before
+    finally:
+        flag.value = 2
+        th.join()
+        lib.MsllmLendIdleThreads(int(bool(runtime._lent)))  # as the process had it
+
+
+def _thread_outputs(x, dy, w, e, q, kv, dout, y, cos, sin, scale):
+    """Every threaded kernel once on the same operands (the thread-count test compares these bit for bit)."""
+    dx, dw = K.rms_norm_grad(Tensor(x), w, e, Tensor(dy))
+    att, lse = K.causal_attention(Tensor(q), Tensor(kv[0]), Tensor(kv[1]))
+    grads = K.causal_attention_grad(Tensor(q), Tensor(kv[0]), Tensor(kv[1]), att, lse, dout)
+    return (
+        dx.asnumpy(),
+        dw.asnumpy(),
+        K.causal_softmax(Tensor(np.stack([x[:48], x[48:96]]))).asnumpy(),
+        att.asnumpy(),
+        lse.asnumpy(),
+        *(a.asnumpy() for a in grads),
+        K.rope_heads(Tensor(y), cos, sin, scale).asnumpy(),
+        K.rope_tokens(Tensor(q), cos, sin, scale).asnumpy(),
+    )
 
 
 def _loss_and_grads(net, ids, labels):

@@ -148,3 +148,48 @@ def test_graphs_back_to_back_hold_the_pool_s_spin_count_drop_until_they_end():
     want = a.asnumpy().astype(np.float64) @ a.asnumpy() + 1.0
     bound = 64 * np.finfo(np.float32).eps * (np.abs(a.asnumpy()) @ np.abs(a.asnumpy()) + 1.0)
     assert all(np.all(np.abs(o - want) <= bound) for o in outs)
+
+
+def test_the_pool_s_waiting_threads_run_pieces_of_the_train_kernels(monkeypatch):
+    """With the waits patched and the train kernels built, MindSpore's idle pool thread spinning beside a fused
+    kernel runs some of its pieces (model/train_kernels.cc MsllmHelp, hooked into msllm_spin_yield by
+    `runtime.lend_idle_threads`), and the kernel computes what it computes alone, bit for bit."""
+    from model.kernel_ops import train_ops
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one CPU: no pool thread waits beside the kernel")
+    runtime.setup_mindspore()
+    k = train_ops()
+    if k is None:
+        pytest.skip("the train kernels are not built here")
+    assert runtime._lent, "the kernels' MsllmHelp is not hooked into the pool's waits"
+    lib = ctypes.CDLL(k.lib)
+    lib.MsllmHelpedPieces.restype = ctypes.c_long
+    monkeypatch.setenv("MSLLM_KERNEL_THREADS", "1")  # the trainer's count (MindSpore's OMP_NUM_THREADS=1 on 2 cores)
+    rng = np.random.default_rng(0)
+    w = ms.Tensor(rng.standard_normal((256, 256), np.float32) * 0.06)
+    x = ms.Tensor(rng.standard_normal((8 * 128, 256), np.float32))
+
+    @ms.jit
+    def f(x, w):  # a MatMul on the pool's two threads, then the attention on the graph's thread
+        q = ms.ops.matmul(x, w).reshape(8, 128, 8, 32).transpose(0, 2, 1, 3)
+        return k.causal_attention(q, q, q)[0]
+
+    def run(helpers: int):
+        lib.MsllmLendIdleThreads(helpers)
+        before = lib.MsllmHelpedPieces()
+        with runtime.graphs_back_to_back():
+            outs = [f(x, w).asnumpy() for _ in range(4)]
+        return outs, lib.MsllmHelpedPieces() - before
+
+    try:
+        alone, none_helped = run(0)
+        for _ in range(10):  # until the pool thread has come by during a call (it spins: it nearly always does)
+            lent, helped = run(1)
+            for a in alone + lent:
+                np.testing.assert_array_equal(a, alone[0])
+            if helped:
+                break
+    finally:
+        lib.MsllmLendIdleThreads(1)
+    assert none_helped == 0 and helped > 0
