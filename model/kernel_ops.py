@@ -303,3 +303,40 @@ def grad_put():
 
     _grad_put.append(fn)
     return fn
+
+
+_embed_grad: list = []  # memo of embed_grad()
+
+
+def embed_grad():
+    """`add(e, dx, ids, zero, square) -> float`: the rows of `dx` [n, h] added onto `e` [rows, h]'s rows `ids` [n]
+    (int32), tokens in order, after zeroing `e` when `zero`; returns Σ e² (float64) when `square`, else 0.0; one
+    pass on the kernels' threads (MsllmEmbedGrad in model/train_kernels.cc, through ctypes). An id outside [0, rows)
+    is a ValueError, nothing written. None where the library is not built: the caller keeps NumPy."""
+    if _embed_grad:
+        return _embed_grad[0]
+    lib = None if disabled_reason() else build(TRAIN_SOURCE)
+    fn = None
+    if lib is not None:
+        c = ctypes.CDLL(lib).MsllmEmbedGrad
+        c.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+        c.argtypes += [ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_double)]
+        c.restype = ctypes.c_int
+
+        def fn(e: np.ndarray, dx: np.ndarray, ids: np.ndarray, zero: bool, square: bool) -> float:
+            ids = np.ascontiguousarray(ids, np.int32).reshape(-1)
+            ok = e.ndim == 2 and e.dtype == np.float32 and e.flags.c_contiguous and e.flags.writeable
+            ok = ok and dx.dtype == np.float32 and dx.flags.c_contiguous and dx.size == ids.size * e.shape[1]
+            if not ok:
+                raise ValueError(
+                    f"embed_grad: e float32 [rows, h] C-contiguous and dx float32 [n, h] for n ids, got e {e.dtype} "
+                    f"{e.shape}, dx {dx.dtype} {dx.shape}, {ids.size} ids"
+                )
+            out = ctypes.c_double(0.0)
+            rc = c(e.ctypes.data, e.shape[0], e.shape[1], dx.ctypes.data, ids.ctypes.data, ids.size, zero, square, out)
+            if rc:
+                raise ValueError(f"embed_grad: a token id outside [0, {e.shape[0]}) (ids {ids.min()}..{ids.max()})")
+            return out.value
+
+    _embed_grad.append(fn)
+    return fn

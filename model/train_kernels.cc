@@ -40,6 +40,7 @@
 //   CausalAttention(q [B, nh, T, hd], k, v [B, nkv, S, hd]) -> (out [B, nh, T, hd], lse [B, nh, T])
 //   CausalAttentionGrad(q, k, v, out, lse, dout) -> (dq, dk, dv)   (both described with them, at the end)
 //   MsllmGradPut(dst, src, n, accumulate, square) -> Σ dst² (a host function, not an op: described at the end)
+//   MsllmEmbedGrad(e, rows, h, dx, ids, n, zero, square, sumsq): the embedding's gradient rows (host, at the end)
 //
 // Every entry point checks its operands (count, dtypes, shapes) before touching memory and returns a
 // non-zero code when they are wrong (1 count, 2 dtype, 3 shape; model/kernels.py names them).
@@ -1098,3 +1099,72 @@ extern "C" double MsllmGradPut(float *dst, const float *src, int64_t n, int accu
   for (double v : sums) total += v;
   return total;
 }
+
+// The layer-at-a-time step's embedding gradient (host side, through ctypes): e [rows, h] (zeroed first when `zero`)
+// += dx [n, h] row i onto row ids[i], the tokens in order; Σ e² in float64 into *sumsq when `square` (the whole
+// array: a tied head's gradient is in it too). NumPy's argsort / unique / reduceat / fancy add and a separate norm
+// pass took ~8 ms of a ~0.3 s tiny-llama-bench step. Columns split in fixed blocks of kEmbedCols (each element sums
+// its tokens in token order) and the squares as MsllmGradPut's (fixed blocks and runs): the same bits at any thread
+// count. Returns kOk, or kShape (nothing written) where an id is outside [0, rows) or a size is not positive.
+namespace {
+constexpr int64_t kEmbedCols = 64;
+
+double square_block(const float *a, int64_t b, int64_t e) {
+  double total = 0.0;
+  for (int64_t c = b; c < e; c += kPutRun) {
+    const int64_t ce = std::min(e, c + kPutRun);
+    int64_t j = c;
+    float run = 0.f;
+#if MSLLM_VW > 0
+    vf acc = simd::zero();
+    for (; j + kVW <= ce; j += kVW) {
+      const vf v = loadu(a + j);
+      acc = simd::fma(v, v, acc);
+    }
+    run = simd::hsum(acc);
+#endif
+    for (; j < ce; ++j) run += a[j] * a[j];
+    total += run;
+  }
+  return total;
+}
+}  // namespace
+
+extern "C" int MsllmEmbedGrad(float *e, int64_t rows, int64_t h, const float *dx, const int32_t *ids, int64_t n,
+                              int zero, int square, double *sumsq) {
+  if (e == nullptr || dx == nullptr || ids == nullptr || rows <= 0 || h <= 0 || n < 0) return kShape;
+  for (int64_t i = 0; i < n; ++i)
+    if (ids[i] < 0 || ids[i] >= rows) return kShape;
+  const int64_t total = rows * h;
+  if (zero) {
+    const int64_t blocks = (total + kPutBlock - 1) / kPutBlock;
+    parallel_for(blocks, 8, [&](int64_t bb, int64_t be) {
+      const int64_t b = bb * kPutBlock, end = std::min(total, be * kPutBlock);
+      std::memset(e + b, 0, static_cast<size_t>(end - b) * sizeof(float));
+    });
+  }
+  const int64_t cols = (h + kEmbedCols - 1) / kEmbedCols;
+  parallel_for(cols, 1, [&](int64_t cb, int64_t ce) {
+    const int64_t c0 = cb * kEmbedCols, c1 = std::min(h, ce * kEmbedCols);
+    for (int64_t i = 0; i < n; ++i) {
+      float *dst = e + static_cast<int64_t>(ids[i]) * h;
+      const float *src = dx + i * h;
+      int64_t j = c0;
+#if MSLLM_VW > 0
+      for (; j + kVW <= c1; j += kVW) storeu(dst + j, loadu(dst + j) + loadu(src + j));
+#endif
+      for (; j < c1; ++j) dst[j] += src[j];
+    }
+  });
+  if (sumsq != nullptr) *sumsq = 0.0;
+  if (square && sumsq != nullptr) {
+    const int64_t blocks = (total + kPutBlock - 1) / kPutBlock;
+    std::vector<double> sums(blocks, 0.0);
+    parallel_for(blocks, 8, [&](int64_t bb, int64_t be) {
+      for (int64_t k = bb; k < be; ++k) sums[k] = square_block(e, k * kPutBlock, std::min(total, (k + 1) * kPutBlock));
+    });
+    for (double v : sums) *sumsq += v;
+  }
+  return kOk;
+}
+

@@ -281,3 +281,50 @@ def test_gradient_writes_on_the_kernels_threads_copy_add_and_square(monkeypatch)
     assert by_threads[0] == by_threads[1] == squares
     with pytest.raises(ValueError, match="float32 C-contiguous"):
         put(dst, src.astype(np.float64), False, True)
+
+
+def test_embedding_gradient_rows_on_the_kernels_threads(monkeypatch):
+    """model/kernel_ops.py embed_grad (MsllmEmbedGrad): dx's rows added onto the embedding gradient's rows `ids`, in
+    token order, after zeroing (an untied head) or onto what is there (the tied head's gradient); Σ e² as grad_put's.
+    Each element's sum is a chain of float32 adds in token order, the same chain as the loop below: exact; the same
+    bits at 1 and 2 threads; an id outside the table writes nothing."""
+    from model.kernel_ops import embed_grad
+
+    add = embed_grad()
+    if add is None:
+        pytest.skip("the kernel library is not built (no compiler)")
+    rng = np.random.default_rng(7)
+    rows, h, n = 300, 72, 500  # h: a 64-column block and a ragged one; repeated ids
+    ids = rng.integers(0, rows, n).astype(np.int32)
+    ids[:5] = 17  # one row hit several times in a row
+    dx = rng.standard_normal((n, h), np.float32)
+    head = rng.standard_normal((rows, h), np.float32)
+
+    def reference(start):
+        e = start.copy()
+        for i, r in enumerate(ids):
+            e[r] += dx[i]
+        return e
+
+    e = np.full((rows, h), np.nan, np.float32)
+    assert add(e, dx, ids, True, False) == 0.0  # zeroed first: the NaNs are gone
+    assert np.array_equal(e, reference(np.zeros_like(head)))
+    e = head.copy()
+    squares = add(e, dx, ids, False, True)
+    want = reference(head)
+    assert np.array_equal(e, want)
+    exact = float(np.sum(want.astype(np.float64) ** 2))
+    assert abs(squares - exact) <= (1024 + 16) * np.finfo(np.float32).eps / 2 * exact
+    by_threads = []
+    for threads in ("1", "2"):
+        use_threads(monkeypatch, threads)
+        e = head.copy()
+        by_threads.append((add(e, dx, ids, False, True), e))
+    assert by_threads[0][0] == by_threads[1][0] == squares
+    assert np.array_equal(by_threads[0][1], by_threads[1][1])
+    bad = ids.copy()
+    bad[-1] = rows
+    e = head.copy()
+    with pytest.raises(ValueError, match=r"a token id outside \[0, 300\)"):
+        add(e, dx, bad, True, True)
+    assert np.array_equal(e, head)  # nothing written, not even the zeroing

@@ -49,7 +49,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
-from model.kernel_ops import grad_put
+from model.kernel_ops import embed_grad, grad_put
 from model.lora import is_lora_param
 from model.runtime import actor_thread_branch, graphs_back_to_back, weight_slot
 from tasks.runtime.mesh import Mesh
@@ -209,6 +209,7 @@ class LayerwiseTrainStep(TrainStep):
         self.fn = layer_functions(net)
         # the gradient writes on the kernels' threads where the fused build runs (else NumPy's copy and norm)
         self._put = grad_put() if self.fn is not None else None
+        self._embed_add = embed_grad() if self.fn is not None else None
         self.flag = Tensor(0, ms.int32)  # the graphs' never-taken branch (model.runtime.actor_thread_branch)
         g = 1 if self.fn is not None else layers_per_graph(len(layers))
         self.layer_params = [tuple(p for _, p in layer.parameters_and_names()) for layer in layers]
@@ -327,16 +328,26 @@ class LayerwiseTrainStep(TrainStep):
             xs[i] = None
         if self.lora:
             return loss
-        # the embedding's gradient: the first layer's d(input) summed onto the ids' rows (+ the tied head's, above)
-        e = acc[slot[("embed",)]]
+        # the embedding's gradient: the first layer's d(input) summed onto the ids' rows (+ the tied head's, above):
+        # MsllmEmbedGrad where the kernels are built, else NumPy
+        k = slot[("embed",)]
+        e = acc[k]
+        h = self.embed.shape[1]
+        d = dx.asnumpy().reshape(-1, h)
+        if self._embed_add is not None and d.dtype == np.float32 and d.flags.c_contiguous:
+            s = self._embed_add(e, d, ids, first and not self.tied, square)  # one pass on the kernels' threads
+            if square:
+                sq[k] = s
+            else:
+                sq.pop(k, None)
+            return loss
         if first and not self.tied:
             e.fill(0.0)
-        h = self.embed.shape[1]
         flat_ids = ids.reshape(-1)
         order = np.argsort(flat_ids, kind="stable")
         rows, starts = np.unique(flat_ids[order], return_index=True)
-        e[rows] += np.add.reduceat(dx.asnumpy().reshape(-1, h).astype(np.float32)[order], starts, axis=0)
-        sq.pop(slot[("embed",)], None)  # rows added after its write: its squares come from `_host_norm`
+        e[rows] += np.add.reduceat(d.astype(np.float32)[order], starts, axis=0)
+        sq.pop(k, None)  # rows added after its write: its squares come from `_host_norm`
         return loss
 
     def _norm(self, acc: list[np.ndarray]) -> float:
