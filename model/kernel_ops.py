@@ -225,6 +225,12 @@ def train_ops() -> SimpleNamespace | None:
                 out_dtype=_dtype_fn("CrossEntropy", _dt_ce, lambda x, y: (x, x)),
                 func_type="aot",
             ),
+            cross_entropy_with_grad=ops.Custom(
+                f"{lib}:CrossEntropyWithGrad",
+                out_shape=_shape_fn("CrossEntropyWithGrad", _check_ce, lambda x, y, d: ([x[0]], x)),
+                out_dtype=_dtype_fn("CrossEntropyWithGrad", _dt_ce, lambda x, y, d: (x, x)),
+                func_type="aot",
+            ),
             cross_entropy_grad=ops.Custom(
                 f"{lib}:CrossEntropyGrad",
                 out_shape=_shape_fn("CrossEntropyGrad", _check_ce, lambda x, y, lse, d: x),

@@ -33,6 +33,7 @@
 //   CrossEntropy(logits [N, V], labels [N] int32) -> (nll [N], lse [N])
 //       nll = logsumexp(row) - row[label]; a label < 0 (ignore_index) gives nll 0.
 //   CrossEntropyGrad(logits [N, V], labels [N], lse [N], dnll [N]) -> dlogits = (softmax - onehot) * dnll
+//   CrossEntropyWithGrad(logits, labels, dnll [N]) -> (nll, dlogits): both in one pass (the written-out head)
 //       (one pass: MindSpore's LogSoftmax + gather backward write two [N, V] buffers and read three).
 //   Transpose(x [R, C]) -> xᵀ [C, R] (the LM head's dlogits where MatMul runs oneDNN's AVX2 path)
 //   RopeHeads(y [N, n·hd], cos [T, hd], sin [T, hd], scale [1]) -> [N / T, n, T, hd]; RopeTokens, its transpose
@@ -517,6 +518,67 @@ extern "C" int CrossEntropyGrad(int nparam, void **params, int *ndims, int64_t *
       for (; j + kVW <= v; j += kVW) storeu(out + j, simd::exp_v(loadu(row + j) - vl) * vd);
 #endif
       for (; j < v; ++j) out[j] = exp1(row[j] - lse[r]) * d;
+      out[y] -= d;
+    }
+  });
+  return kOk;
+}
+
+// The head's loss and its gradient in one pass where the gradient's scale is known before the loss (the layer-at-a-
+// time step's written-out head): per row, the max, then exp(x - max) written into dlogits while summed, then scaled by
+// dnll / sum (the row still in cache) and -dnll at the label. One exp per element and one read of the logits, where
+// CrossEntropy then CrossEntropyGrad took two of each. nll and lse as CrossEntropy's; dlogits as CrossEntropyGrad's
+// up to the rounding of exp(x - max) / sum against exp(x - lse) (a few ulp).
+extern "C" int CrossEntropyWithGrad(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                                    void *stream, void *extra) {
+  (void)stream, (void)extra;
+  if (nparam != 5) return kArity;
+  if (const int rc = check_ce(ndims, shapes, dtypes, 4, 2)) return rc;  // logits, labels, dnll, nll
+  if (!is(dtypes, 4, "float32")) return kDtype;
+  if (!same_shape(ndims, shapes, 0, 4)) return kShape;
+  const float *x = static_cast<const float *>(params[0]);
+  const int32_t *label = static_cast<const int32_t *>(params[1]);
+  const float *dnll = static_cast<const float *>(params[2]);
+  float *nll = static_cast<float *>(params[3]);
+  float *dx = static_cast<float *>(params[4]);
+  const int64_t n = shapes[0][0], v = shapes[0][1];
+  parallel_for(n, 8, [&](int64_t rb, int64_t re) {
+    for (int64_t r = rb; r < re; ++r) {
+      const float *row = x + r * v;
+      float *out = dx + r * v;
+      const int32_t y = label[r];
+      const bool counted = y >= 0 && y < v;
+      const float m = row_max(row, v);
+      float sum = 0.f;
+      int64_t j = 0;
+#if MSLLM_VW > 0
+      const vf vmax = set1(m);
+      vf vs = simd::zero();
+      for (; j + kVW <= v; j += kVW) {
+        const vf ex = simd::exp_v(loadu(row + j) - vmax);
+        storeu(out + j, ex);
+        vs = vs + ex;
+      }
+      sum = simd::hsum(vs);
+#endif
+      for (; j < v; ++j) {
+        out[j] = exp1(row[j] - m);
+        sum += out[j];
+      }
+      const float lse = m + std::log(sum);
+      nll[r] = counted ? lse - row[y] : 0.f;
+      const float d = counted ? dnll[r] : 0.f;
+      if (d == 0.f) {
+        std::memset(out, 0, sizeof(float) * v);
+        continue;
+      }
+      const float c = d / sum;
+      j = 0;
+#if MSLLM_VW > 0
+      const vf vc = set1(c);
+      for (; j + kVW <= v; j += kVW) storeu(out + j, loadu(out + j) * vc);
+#endif
+      for (; j < v; ++j) out[j] *= c;
       out[y] -= d;
     }
   });

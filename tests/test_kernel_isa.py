@@ -219,6 +219,11 @@ def test_every_body_matches_the_scalar_reference(isa):
     (gl,), (rgl,) = both("CrossEntropyGrad", [logits, labels, rl, dn], [(logits.shape, np.float32)])
     mag = np.abs(logits) + np.abs(rl)[:, None]  # x - lse: an absolute error of u * mag in exp's argument
     assert (np.abs(gl - rgl) <= (8 + 2 * mag) * 2 * U * (np.abs(rgl) + np.abs(dn)[:, None])).all()
+    # both in one pass: exp(x - max) / sum against the scalar body's, the sum's rounding (v terms) on top
+    outs = [((9,), np.float32), (logits.shape, np.float32)]
+    (n1, g1), (rn1, rg1) = both("CrossEntropyWithGrad", [logits, labels, dn], outs)
+    assert (np.abs(n1 - rn1) <= 2 * (v + 4) * U + 4 * U * (np.abs(rl) + np.abs(rn1))).all() and n1[4] == rn1[4] == 0
+    assert (np.abs(g1 - rg1) <= (v + 8 + 2 * mag) * 2 * U * (np.abs(rg1) + np.abs(dn)[:, None])).all()
 
     # the AdamW update: the same correctly rounded operations per element in every body: the same bits
     k = 1001
@@ -606,6 +611,10 @@ def test_kernels_refuse_bad_operands_before_touching_memory(isa):
     assert _call(lib, "SwiGLUGrad", f32(4, 8), f32(4, 8), f32(4, 8), f32(4, 8), f32(3, 8)) == 3
     assert _call(lib, "CrossEntropy", f32(4, 8), np.zeros(4, np.float32), f32(4), f32(4)) == 2  # labels not int32
     assert _call(lib, "CrossEntropy", f32(4, 8), np.zeros(5, np.int32), f32(4), f32(4)) == 3
+    labels4 = np.zeros(4, np.int32)
+    assert _call(lib, "CrossEntropyWithGrad", f32(4, 8), labels4, f32(4), f32(4)) == 1  # no d logits operand
+    assert _call(lib, "CrossEntropyWithGrad", f32(4, 8), labels4, f32(4), f32(4), f32(4, 7)) == 3  # d logits' shape
+    assert _call(lib, "CrossEntropyWithGrad", f32(4, 8), labels4, f32(3), f32(4), f32(4, 8)) == 3  # dnll [N]
     assert _call(lib, "SwiGLU", f32(4), f32(4)) == 1
     assert _call(lib, "Transpose", f32(4, 8), f32(4, 8)) == 3  # the output not [C, R]
     assert _call(lib, "RopeHeads", f32(6, 16), f32(4, 8), f32(4, 8), f32(1), f32(1, 2, 4, 8)) == 3  # 6 rows, T = 4

@@ -158,6 +158,12 @@ def test_cross_entropy_and_its_gradient(threads):
     want[np.arange(9), np.maximum(y, 0)] -= 1
     want = np.where(keep[:, None], want * d[:, None], 0)
     assert np.abs(got - want).max() <= fp32_tol(np.abs(d).max(), 37)
+    # both in one pass (the written-out head): the same nll bits (the same max, exps and sum), and the gradient as
+    # exp(x - max) / sum x d: within the reference's bound too; ignored rows exactly 0
+    nll_once, got_once = (a.asnumpy() for a in K.cross_entropy_with_grad(Tensor(x), Tensor(y), Tensor(d)))
+    np.testing.assert_array_equal(nll_once, nll)
+    assert np.abs(got_once - want).max() <= fp32_tol(np.abs(d).max(), 37)
+    assert not got_once[~keep].any()
 
 
 @needs_kernels

@@ -273,8 +273,7 @@ class _Head(nn.Cell):
         super().__init__(auto_prefix=False)
         norm = net.norm.normalize.kernel
         self.rms, self.rms_grad, self.eps = norm.forward_op, norm.backward_op, norm.eps
-        ce = net.loss_fn.cross_entropy
-        self.ce, self.ce_grad = ce.forward_op, ce.backward_op
+        self.ce_with_grad = train_ops().cross_entropy_with_grad  # the loss and d logits in one pass
         self.mm, self.mm_bt, self.mm_at = ops.MatMul(), ops.MatMul(transpose_b=True), ops.MatMul(transpose_a=True)
         self.frozen = any(_adapted(net.layers[0]))  # LoRA: the head trains nothing, only d x is needed
         head = net.tied_matmul if net.tie_embeddings else net.lm_head.matmul
@@ -286,11 +285,10 @@ class _Head(nn.Cell):
         labels = labels.reshape(-1).astype(ms.int32)  # [N]
         xn = self.rms(x2, norm_w, self.eps)
         logits = self.mm_bt(xn, head_w)  # [N, V]
-        nll, lse = self.ce(logits, labels)
         count = ops.maximum((labels != -100).astype(ms.float32).sum(), 1.0)
+        dnll = ops.broadcast_to((weight * scale / count).reshape(1), labels.shape)  # ignored rows: the kernel gives 0
+        nll, dlogits = self.ce_with_grad(logits, labels, dnll)
         loss = nll.sum() / count * weight
-        dnll = ops.broadcast_to((weight * scale / count).reshape(1), nll.shape)  # ignored rows: the kernel gives 0
-        dlogits = self.ce_grad(logits, labels, lse, dnll)
         dx, dnorm = self.rms_grad(x2, norm_w, self.eps, self.mm(dlogits, head_w))
         if self.frozen:
             return loss, dx.reshape(b, t, h), actor_thread_branch(flag)
