@@ -242,9 +242,8 @@ inline float row_max(const float *row, int64_t k) {
   return m;
 }
 
-// softmax of row[0..k) into out[0..k) (out may be row), zeros in out[k..s); returns the log-sum-exp of row[0..k)
-float softmax_row(const float *row, float *out, int64_t k, int64_t s) {
-  const float m = row_max(row, k);
+// exp(row[j] - m) into out[0..k) (out may be row); returns their sum (vector lanes, then the tail)
+float exp_row(const float *row, float *out, int64_t k, float m) {
   float sum = 0.f;
   int64_t j = 0;
 #if MSLLM_VW > 0
@@ -261,8 +260,15 @@ float softmax_row(const float *row, float *out, int64_t k, int64_t s) {
     out[j] = exp1(row[j] - m);
     sum += out[j];
   }
+  return sum;
+}
+
+// softmax of row[0..k) into out[0..k) (out may be row), zeros in out[k..s); returns the log-sum-exp of row[0..k)
+float softmax_row(const float *row, float *out, int64_t k, int64_t s) {
+  const float m = row_max(row, k);
+  const float sum = exp_row(row, out, k, m);
   const float inv = 1.0f / sum;
-  j = 0;
+  int64_t j = 0;
 #if MSLLM_VW > 0
   const vf vinv = set1(inv);
   for (; j + kVW <= k; j += kVW) storeu(out + j, loadu(out + j) * vinv);
@@ -292,20 +298,25 @@ void softmax_grad_row(const float *p, const float *dp, float *out, int64_t k, in
 
 constexpr int64_t kRowBlock = 32;  // rows per partial sum of RMSNormGrad's dweight
 
-// 1 / sqrt(mean(x^2) + eps) of one row
-inline float inv_rms(const float *x, int64_t h, float eps) {
+// Σ x[j]² over [0, n) in float32 (vector lanes, then the tail)
+inline float sum_squares(const float *x, int64_t n) {
   float ss = 0.f;
   int64_t j = 0;
 #if MSLLM_VW > 0
   vf acc = simd::zero();
-  for (; j + kVW <= h; j += kVW) {
+  for (; j + kVW <= n; j += kVW) {
     const vf v = loadu(x + j);
     acc = simd::fma(v, v, acc);
   }
   ss = simd::hsum(acc);
 #endif
-  for (; j < h; ++j) ss += x[j] * x[j];
-  return 1.0f / std::sqrt(ss / static_cast<float>(h) + eps);
+  for (; j < n; ++j) ss += x[j] * x[j];
+  return ss;
+}
+
+// 1 / sqrt(mean(x^2) + eps) of one row
+inline float inv_rms(const float *x, int64_t h, float eps) {
+  return 1.0f / std::sqrt(sum_squares(x, h) / static_cast<float>(h) + eps);
 }
 
 float scalar(void *p) { return *static_cast<const float *>(p); }
@@ -549,22 +560,7 @@ extern "C" int CrossEntropyWithGrad(int nparam, void **params, int *ndims, int64
       const int32_t y = label[r];
       const bool counted = y >= 0 && y < v;
       const float m = row_max(row, v);
-      float sum = 0.f;
-      int64_t j = 0;
-#if MSLLM_VW > 0
-      const vf vmax = set1(m);
-      vf vs = simd::zero();
-      for (; j + kVW <= v; j += kVW) {
-        const vf ex = simd::exp_v(loadu(row + j) - vmax);
-        storeu(out + j, ex);
-        vs = vs + ex;
-      }
-      sum = simd::hsum(vs);
-#endif
-      for (; j < v; ++j) {
-        out[j] = exp1(row[j] - m);
-        sum += out[j];
-      }
+      const float sum = exp_row(row, out, v, m);
       const float lse = m + std::log(sum);
       nll[r] = counted ? lse - row[y] : 0.f;
       const float d = counted ? dnll[r] : 0.f;
@@ -573,7 +569,7 @@ extern "C" int CrossEntropyWithGrad(int nparam, void **params, int *ndims, int64
         continue;
       }
       const float c = d / sum;
-      j = 0;
+      int64_t j = 0;
 #if MSLLM_VW > 0
       const vf vc = set1(c);
       for (; j + kVW <= v; j += kVW) storeu(out + j, loadu(out + j) * vc);
@@ -1173,21 +1169,7 @@ constexpr int64_t kEmbedCols = 64;
 
 double square_block(const float *a, int64_t b, int64_t e) {
   double total = 0.0;
-  for (int64_t c = b; c < e; c += kPutRun) {
-    const int64_t ce = std::min(e, c + kPutRun);
-    int64_t j = c;
-    float run = 0.f;
-#if MSLLM_VW > 0
-    vf acc = simd::zero();
-    for (; j + kVW <= ce; j += kVW) {
-      const vf v = loadu(a + j);
-      acc = simd::fma(v, v, acc);
-    }
-    run = simd::hsum(acc);
-#endif
-    for (; j < ce; ++j) run += a[j] * a[j];
-    total += run;
-  }
+  for (int64_t c = b; c < e; c += kPutRun) total += sum_squares(a + c, std::min(e, c + kPutRun) - c);
   return total;
 }
 }  // namespace
