@@ -104,18 +104,19 @@ def lend_idle_threads(kernel_lib: str) -> bool:
     that spinning thread takes pieces of the running kernel, so the kernel gets the second core the pool already
     holds and no thread is added (a thread of our own beside the pool lost 7-21% beside a background load:
     docs/KERNELS.md, "Threads"). False where the waits are not patched or MSLLM_KERNEL_HELPERS=0."""
+    global SPIN_WAIT
     if os.environ.get("MSLLM_KERNEL_HELPERS", "1") == "0":
         return False
     if _spin_lib is None:  # not patched (yet): `spin_waits` hooks it once it patches
         if kernel_lib not in _to_lend:
             _to_lend.append(kernel_lib)
         return False
-    lib = ctypes.CDLL(kernel_lib)
+    lib = ctypes.CDLL(kernel_lib)  # the library MindSpore's custom ops loaded (dlopen hands back the same one)
     _spin_lib.msllm_set_idle_hook.argtypes = [ctypes.c_void_p]
     _spin_lib.msllm_set_idle_hook(ctypes.cast(lib.MsllmHelp, ctypes.c_void_p))
-    global SPIN_WAIT
     lib.MsllmLendIdleThreads(1)
-    _lent.append(lib)
+    if all(held._name != lib._name for held in _lent):
+        _lent.append(lib)
     if SPIN_WAIT.startswith("spin (") and LENT_NOTE not in SPIN_WAIT:
         SPIN_WAIT += LENT_NOTE
     return True

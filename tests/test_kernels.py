@@ -312,13 +312,14 @@ def test_results_do_not_depend_on_the_thread_count(monkeypatch):
 def test_pieces_a_waiting_thread_takes_give_the_same_bits(monkeypatch):
     """One kernel thread (the trainer's count) with a thread that does what MindSpore's waiting pool threads do once
     `lend_idle_threads` hooks their waits (MsllmHelp in a loop): the pieces it takes give the bits the caller alone
-    gives. Calls repeat until it has taken some (it may not get a core during a call: other threads spin)."""
+    gives. Calls repeat until it has taken some: on 2 cores MindSpore's own threads spin beside the call too, so the
+    helper gets a core only now and then; each call lasts several scheduler slices (~1 GFLOP of attention)."""
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("one CPU")
     use_threads(monkeypatch, "1")
     rng = np.random.default_rng(5)
-    q = rng.standard_normal((2, 8, 128, 32)).astype(np.float32)  # 2 x 4 (batch, kv head) units: 8 pieces
-    kv = rng.standard_normal((2, 2, 4, 128, 32)).astype(np.float32)
+    q = rng.standard_normal((2, 8, 512, 64)).astype(np.float32)  # 2 x 4 (batch, kv head) units: 8 pieces
+    kv = rng.standard_normal((2, 2, 4, 512, 64)).astype(np.float32)
     dout = Tensor(rng.standard_normal(q.shape).astype(np.float32))
     x, dy = rng.standard_normal((2, 2048, 96)).astype(np.float32)
     w, e = Tensor(rng.standard_normal(96).astype(np.float32)), Tensor(np.array([1e-6], np.float32))
@@ -332,7 +333,7 @@ def test_pieces_a_waiting_thread_takes_give_the_same_bits(monkeypatch):
     with helper(lib, False):
         alone = outputs()
     with helper(lib, True) as helped:
-        for _ in range(50):
+        for _ in range(40):
             for a, b in zip(outputs(), alone):
                 np.testing.assert_array_equal(a, b)
             if helped() > 0:
