@@ -178,10 +178,11 @@ bool lend(int64_t n, int64_t min_per, F &fn) {
 // fn(begin, end) over [0, n) in contiguous pieces, one per thread; the calling thread takes the first.
 template <typename F>
 void parallel_for(int64_t n, int64_t min_per_thread, F fn) {
-  int64_t t = num_threads();
+  const int64_t threads = num_threads();
+  int64_t t = threads;
   if (t > n / (min_per_thread > 0 ? min_per_thread : 1)) t = n / (min_per_thread > 0 ? min_per_thread : 1);
   if (t <= 1) {
-    if (t == 1 && num_threads() == 1 && lend(n, min_per_thread, fn)) return;
+    if (threads == 1 && lend(n, min_per_thread, fn)) return;  // lend itself needs 2 pieces at least
     fn(int64_t(0), n);
     return;
   }
@@ -1118,6 +1119,20 @@ extern "C" int CausalAttentionGrad(int nparam, void **params, int *ndims, int64_
 namespace {
 constexpr int64_t kPutBlock = 1 << 14, kPutRun = 1024;
 
+// block(b, e) over n floats in fixed blocks of kPutBlock, 8 blocks a thread at least; the blocks' results summed in
+// block order (the same bits at any thread count)
+template <typename F>
+double over_blocks(int64_t n, F block) {
+  const int64_t blocks = (n + kPutBlock - 1) / kPutBlock;
+  std::vector<double> sums(blocks, 0.0);
+  parallel_for(blocks, 8, [&](int64_t bb, int64_t be) {  // 8 blocks (512 KiB) a thread at least
+    for (int64_t k = bb; k < be; ++k) sums[k] = block(k * kPutBlock, std::min(n, (k + 1) * kPutBlock));
+  });
+  double total = 0.0;
+  for (double v : sums) total += v;
+  return total;
+}
+
 double put_block(float *dst, const float *src, int64_t b, int64_t e, bool accumulate, bool square) {
   double total = 0.0;
   for (int64_t c = b; c < e; c += kPutRun) {  // runs of kPutRun floats: squares summed in float, runs in float64
@@ -1147,15 +1162,7 @@ double put_block(float *dst, const float *src, int64_t b, int64_t e, bool accumu
 
 extern "C" double MsllmGradPut(float *dst, const float *src, int64_t n, int accumulate, int square) {
   if (dst == nullptr || src == nullptr || n <= 0) return 0.0;
-  const int64_t blocks = (n + kPutBlock - 1) / kPutBlock;
-  std::vector<double> sums(blocks, 0.0);
-  parallel_for(blocks, 8, [&](int64_t bb, int64_t be) {  // 8 blocks (512 KiB) a thread at least
-    for (int64_t k = bb; k < be; ++k)
-      sums[k] = put_block(dst, src, k * kPutBlock, std::min(n, (k + 1) * kPutBlock), accumulate != 0, square != 0);
-  });
-  double total = 0.0;
-  for (double v : sums) total += v;
-  return total;
+  return over_blocks(n, [&](int64_t b, int64_t e) { return put_block(dst, src, b, e, accumulate != 0, square != 0); });
 }
 
 // The layer-at-a-time step's embedding gradient (host side, through ctypes): e [rows, h] (zeroed first when `zero`)
@@ -1180,13 +1187,11 @@ extern "C" int MsllmEmbedGrad(float *e, int64_t rows, int64_t h, const float *dx
   for (int64_t i = 0; i < n; ++i)
     if (ids[i] < 0 || ids[i] >= rows) return kShape;
   const int64_t total = rows * h;
-  if (zero) {
-    const int64_t blocks = (total + kPutBlock - 1) / kPutBlock;
-    parallel_for(blocks, 8, [&](int64_t bb, int64_t be) {
-      const int64_t b = bb * kPutBlock, end = std::min(total, be * kPutBlock);
+  if (zero)
+    over_blocks(total, [&](int64_t b, int64_t end) {
       std::memset(e + b, 0, static_cast<size_t>(end - b) * sizeof(float));
+      return 0.0;
     });
-  }
   const int64_t cols = (h + kEmbedCols - 1) / kEmbedCols;
   parallel_for(cols, 1, [&](int64_t cb, int64_t ce) {
     const int64_t c0 = cb * kEmbedCols, c1 = std::min(h, ce * kEmbedCols);
@@ -1200,15 +1205,8 @@ extern "C" int MsllmEmbedGrad(float *e, int64_t rows, int64_t h, const float *dx
       for (; j < c1; ++j) dst[j] += src[j];
     }
   });
-  if (sumsq != nullptr) *sumsq = 0.0;
-  if (square && sumsq != nullptr) {
-    const int64_t blocks = (total + kPutBlock - 1) / kPutBlock;
-    std::vector<double> sums(blocks, 0.0);
-    parallel_for(blocks, 8, [&](int64_t bb, int64_t be) {
-      for (int64_t k = bb; k < be; ++k) sums[k] = square_block(e, k * kPutBlock, std::min(total, (k + 1) * kPutBlock));
-    });
-    for (double v : sums) *sumsq += v;
-  }
+  if (sumsq != nullptr)
+    *sumsq = square ? over_blocks(total, [&](int64_t b, int64_t end) { return square_block(e, b, end); }) : 0.0;
   return kOk;
 }
 
