@@ -5,9 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import mindspore as ms
 import numpy as np
-from mindspore import Tensor
 
 from model.fused_decode import DecodeError, FusedDecodeStep, SlotCaches
 
@@ -38,21 +36,10 @@ class BatchDecoder:
             raise ValueError(f"slots must be at least 1, got {slots}")
         self.gen, self.slots = gen, slots
         self.caches = SlotCaches(gen.net, slots, gen.max_len)
-        chunk = FusedDecodeStep(self.caches, gen._lib, gen._threads, prefill=True, weights=gen._weights)
-        step = FusedDecodeStep(self.caches, gen._lib, gen._threads, batch=True, weights=gen._weights)
-        packed = FusedDecodeStep(self.caches, gen._lib, gen._threads, packed=True, weights=gen._weights)
-
-        def slot_prefill(tokens, where):
-            return chunk(tokens, where)
-
-        def batch_decode(tokens, where):
-            return step(tokens, where)
-
-        def packed_prefill(tokens, table):
-            return packed(tokens, table)
-
-        self._prefill, self._decode = ms.jit(slot_prefill), ms.jit(batch_decode)
-        self._packed = ms.jit(packed_prefill)
+        args = (self.caches, gen._lib, gen._threads)
+        self._prefill = FusedDecodeStep(*args, prefill=True, weights=gen._weights)
+        self._decode = FusedDecodeStep(*args, batch=True, weights=gen._weights)
+        self._packed = FusedDecodeStep(*args, packed=True, weights=gen._weights)
         # prompts of at most one prefill chunk go into one PackedPrefillStep together: up to `pack_prompts` of them in
         # a chunk of `pack_tokens` tokens (one static shape; only the prompts' own rows are computed)
         self.pack_prompts = min(slots, PACK_PROMPTS)
@@ -77,18 +64,24 @@ class BatchDecoder:
         ids = [int(t) for t in ids]
         if not 0 < len(ids) < self.gen.max_len:
             raise ValueError(f"prompt of {len(ids)} tokens: 1..{self.gen.max_len - 1} (max_len - 1)")
+        self._bind()
         logits = None
         for x, start, last in self.gen._chunks(ids, self.gen._fused_chunk(len(ids)), pad_last=True):
-            where = Tensor([start, last, slot], ms.int32)
-            logits = self.gen._fused_op(self._prefill, "prefill", start, Tensor(x), where)
-        self.gen._compiled("batch prefill")
-        return logits.asnumpy()[0]
+            where = np.array([start, last, slot], np.int32)
+            logits = self.gen._fused_op(self._prefill, "prefill", start, x, where)
+        return logits[0]
+
+    def _bind(self) -> None:
+        """The steps' operands where they are now (a sequence is admitted: `FusedDecodeStep.bind`)."""
+        for step in (self._prefill, self._decode, self._packed):
+            step.bind()
 
     def prefill_many(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> list[np.ndarray]:
         """Each prompt into its slot, the logits [V] after each: the prompts of at most `prefill_chunk` tokens
         packed into PackedPrefillStep calls (every weight matrix read once for all of them, each prompt's rows
         computed as `prefill` computes them alone: the same logits and caches, bit for bit), longer ones alone."""
         out: list[np.ndarray | None] = [None] * len(prompts)
+        self._bind()
         short = []
         for i, (slot, ids) in enumerate(zip(slots, prompts, strict=True)):
             ids = [int(t) for t in ids]
@@ -112,8 +105,7 @@ class BatchDecoder:
                 tokens[0, at : at + len(ids)] = ids
                 table[k] = (slot, 0, len(ids))
                 at += len(ids)
-            rows = self.gen._fused_op(self._packed, "packed prefill", 0, Tensor(tokens), Tensor(table)).asnumpy()
-            self.gen._compiled("packed prefill")
+            rows = self.gen._fused_op(self._packed, "packed prefill", 0, tokens, table)
             for k, (i, _, _) in enumerate(group):
                 out[i] = rows[k]
         return out
@@ -121,7 +113,5 @@ class BatchDecoder:
     def decode(self, slots: Sequence[int], positions: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
         """One token of each running sequence: `tokens[b]` at `positions[b]` of slot `slots[b]` -> logits [B, V]."""
         where = np.stack([np.asarray(slots, np.int32), np.asarray(positions, np.int32)], 1)
-        tok = Tensor(np.asarray(tokens, np.int32))
-        out = self.gen._fused_op(self._decode, "batch decode", int(max(positions)), tok, Tensor(where)).asnumpy()
-        self.gen._compiled("batch decode")
-        return out
+        tok = np.asarray(tokens, np.int32)
+        return self.gen._fused_op(self._decode, "batch decode", int(max(positions)), tok, where)

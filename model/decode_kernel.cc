@@ -1,8 +1,11 @@
-// One LLaMA decode step (batch 1, one token) as a single MindSpore "aot" custom op on CPU; and the prefill's
-// causal attention of a prompt chunk over the same caches (ChunkAttention, at the end of this file).
+// One LLaMA decode step (batch 1, one token) as one call with MindSpore's "aot" custom-op signature on CPU; and the
+// prefill's causal attention of a prompt chunk over the same caches (ChunkAttention, at the end of this file: a
+// MindSpore custom op in CachedDecoder's chunk graph).
 //
-// Built and loaded by model/generate.py (FusedDecodeStep) through model/kernels.py, once per ISA level
-// (model/simd.h), the level chosen at load from what the CPU reports.
+// Built by model/kernel_build.py once per ISA level (model/simd.h), the level chosen at load from what the CPU
+// reports. The whole-model steps are called through ctypes on the caller's thread (model/fused_decode.py
+// FusedDecodeStep, which fills the operand tables an aot op would get): as a MindSpore op they ran on MindSpore's
+// actor thread while the caller slept, and lost a third of their speed beside a niced process (docs/KERNELS.md).
 // The step reads the net's own fp32 Parameters (no copies, so weights never go stale) and writes the
 // new token's K/V rows into the decoder's cache Parameters in place, then returns the logits [1, V].
 // Same math as CachedDecoder.construct with T = 1 (RMSNorm, rotate-half RoPE, scaled dot-product
@@ -30,6 +33,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <climits>
 #include <mutex>
 #include <new>
@@ -73,13 +77,28 @@ inline void relax() {
 #endif
 }
 
-// Wait while `a` holds `v`: spin ~2,000 checks (~50 us, a pause each), then sleep on it (a futex on Linux, woken by
-// `wake_all`; elsewhere a yield loop). A thread that only yields hands its core to any runnable process at every
-// long wait, a niced one included; a sleeping one is woken ahead of it.
+// How long a waiting thread spins before it sleeps (the pool's workers between calls, a barrier, the caller waiting
+// for its workers). Any sleep on a shared CPU is costly under Linux's EEVDF scheduler (6.6+): the thread it woke
+// waits for the slice of whatever took its core, a `nice -n 19` process included, ~1-3 ms; two normal processes
+// that slept 0.2 ms in every 2 ms kept only 0.54 of a core each beside one niced busy loop, which took 0.88
+// (docs/MINDSPORE_CPU.md, "Threads"). Spinning 2,000 pauses (21 us on the Xeon) slept at every gap between two
+// tokens: decode lost 30-45% beside the busy loop; spinning ~200 us or ~2 ms, 1-12% (alternated in one process).
+#ifndef MSLLM_SPIN_US
+#define MSLLM_SPIN_US 500
+#endif
+
+// Wait while `a` holds `v`: spin (a pause each) for up to MSLLM_SPIN_US, then sleep on it (a futex on Linux, woken
+// by `wake_all`; elsewhere a yield loop).
 inline void await_change(std::atomic<int> &a, int v) {
-  for (int s = 0; s < 2000; ++s) {
+  for (int s = 0; s < 64; ++s) {  // most waits inside a step end here, before any clock read
     if (a.load(std::memory_order_acquire) != v) return;
     relax();
+  }
+  const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(MSLLM_SPIN_US);
+  for (int s = 0;; ++s) {
+    if (a.load(std::memory_order_acquire) != v) return;
+    relax();
+    if ((s & 63) == 63 && std::chrono::steady_clock::now() >= until) break;
   }
   while (a.load(std::memory_order_acquire) == v) {
 #ifdef __linux__
@@ -121,7 +140,7 @@ class Barrier {
 
 // The whole-model steps' threads: workers started once and kept (process-wide), the caller thread 0. A call wakes
 // them, runs its share, and waits until every worker has finished (so the next call never overlaps a straggler);
-// between tokens they spin briefly, then sleep. What it replaced, measured on SmolLM2-135M in Q8_0, 2 threads, AMD
+// between tokens they spin (await_change: up to MSLLM_SPIN_US), then sleep. What it replaced, measured on SmolLM2-135M in Q8_0, 2 threads, AMD
 // EPYC (docs/KERNELS.md): OpenMP's parallel region (as a MindSpore op its threads slept a third of each token in the
 // barriers: 130 tokens/s against ~180 through ctypes), then std::threads started per call with a spin-then-yield
 // barrier (~220 quiet, but 100-121 beside one `nice -n 19` busy loop: a thread started per token, or yielding,

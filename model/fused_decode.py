@@ -1,24 +1,28 @@
-"""The fused decode kernels (model/decode_kernel.cc) as MindSpore custom ops, for model/generate.py's Generator:
+"""The fused decode kernels (model/decode_kernel.cc) for model/generate.py's Generator: the whole-model steps called
+through ctypes on the calling thread, and the prefill graph's per-layer attention as a MindSpore custom op:
 
     lib = build_decode_kernel(fused=True)       # the compiled library, or None (decision, no g++, failed build)
     step = FusedDecodeStep(decoder, lib, decode_threads())                 # one token through the whole model
     chunk = FusedDecodeStep(decoder, lib, threads, prefill=True)          # a prompt chunk through the whole model
+    logits = step(np.array([[token]], np.int32), np.array([pos], np.int32))   # [1, V], numpy
     attn = chunk_attention_op(lib)              # RoPE + cache write + attention of one layer (CachedDecoder's chunk
     graph) decode_kernel_path() # "avx512" / "avx2" / "neon" / "scalar", or "off: <why>"
 
 Whether they run is model.kernels.off_reason(..., kind="decode"): eval.fused_kernels, MSLLM_FUSED_DECODE and
-MSLLM_FUSED_KERNELS. The ops read the net's own Parameters and write the caches in place.
+MSLLM_FUSED_KERNELS. The steps read the net's own Parameters and write the caches in place.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
+import threading
 
 import mindspore as ms
 import numpy as np
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
-from mindspore import Tensor, nn, ops
+from mindspore import nn, ops
 from mindspore.ops import signature as sig
 
 from model.kernel_build import DECODE_SOURCE, build, kernel_path
@@ -97,33 +101,6 @@ def _logit_rows(name: str, shapes) -> int:
     if name in ("ScoreStep", "BatchDecodeStep"):
         return shapes[0][-1]
     return shapes[1][0] if name == "PackedPrefillStep" else 1
-
-
-def _decode_op(lib: str, vocab: int, n_layers: int, name: str = "DecodeStep"):
-    """A whole-model custom op of model/decode_kernel.cc: `DecodeStep` (one token), `PrefillStep` (a prompt chunk),
-    `ScoreStep` (a chunk, every row's logits), `BatchDecodeStep` or `PackedPrefillStep` (several prompts), declared
-    as writing its 2 * n_layers cache inputs (RW_WRITE, side_effect_mem, as model/kernel_ops.py's in-place ops): so
-    a graph never hands the kernel a copy of a cache Parameter, and the write is ordered after any earlier read of
-    it. They return the logits [1, V] (PrefillStep: of the chunk's row `last`; ScoreStep: [T, V]; BatchDecodeStep:
-    [B, V]; PackedPrefillStep: [K, V], each prompt's last row)."""
-    n_in = 8 + 11 * n_layers
-    writes = range(8 + 9 * n_layers, n_in)
-
-    class WholeModelStep(ops.Custom):
-        __mindspore_signature__ = tuple(
-            sig.make_sig(f"x{i}", sig.sig_rw.RW_WRITE if i in writes else sig.sig_rw.RW_READ) for i in range(n_in)
-        )
-
-        def __init__(self):
-            super().__init__(
-                f"{lib}:{name}",
-                out_shape=lambda *shapes: [_logit_rows(name, shapes), vocab],
-                out_dtype=_decode_dtypes,
-                func_type="aot",
-            )
-            self.add_prim_attr("side_effect_mem", True)
-
-    return WholeModelStep()
 
 
 def chunk_attention_op(lib: str):
@@ -299,23 +276,40 @@ def decode_weights_for(net, weights: str, lib: str | None, path_reason: str) -> 
     return store, False, f", {weights} weight matrices ({store.nbytes() / 1e6:.0f} MB)"
 
 
-class FusedDecodeStep(nn.Cell):
-    """One decode token (batch 1, T = 1) of a `CachedDecoder` as ONE MindSpore custom op (model/decode_kernel.cc);
-    with `prefill=True`, a prompt chunk (batch 1, T tokens) the same way (`PrefillStep`).
+KERNEL_CODES = {
+    1: "the operand count",
+    2: "an operand's dtype",
+    3: "an operand's shape",
+    4: "a token, position or slot out of range",
+}
+"""What a whole-model step's nonzero return code names (model/decode_kernel.cc checks before it reads anything)."""
 
-    The op reads the net's own Parameters (nothing is copied, so weights updated in place reach the
-    next step, as on every jit path) and writes the tokens' K/V into the decoder's cache Parameters in
-    place. `construct(token [1, 1] int32, pos int32)` returns the logits [1, V] of position pos;
-    prefill: `construct(tokens [1, T] int32, [start, last] int32)` writes slots start..start+T-1 and returns the
-    logits of row `last`; with `score=True`, the logits of every row, [T, V] (`Generator.score`). Over `SlotCaches`:
-    prefill and score take [start, last, slot]; `batch=True` is `BatchDecodeStep`, `construct(tokens [B] int32,
-    [B, 2] int32 of (slot, position))` -> logits [B, V] (`BatchDecoder`); `packed=True` is `PackedPrefillStep`,
-    `construct(tokens [1, P] int32, [K, 3] int32 of (slot, start, n))` -> [K, V]: several prompts in one pass, the
-    logits after each one's last token (`BatchDecoder.prefill_many`).
-    One kernel per token (or chunk) instead of ~280 MindSpore kernels, with AVX-512/AVX2
-    GEMVs (GEMMs for a chunk) on the kernel's own thread pool,
-    and no graph whose buffers live as long as the process: the
-    64-token chunk graph of `CachedDecoder` keeps ~0.5 GB at SmolLM2-135M (docs/MEMORY.md).
+_DTYPE_NAMES = {ms.float32: b"float32", ms.float16: b"float16", ms.uint8: b"uint8", ms.int32: b"int32"}
+
+
+class FusedDecodeStep:
+    """One decode token (batch 1, T = 1) of a `CachedDecoder` through ONE call of model/decode_kernel.cc's
+    `DecodeStep`; with `prefill=True`, a prompt chunk (batch 1, T tokens) the same way (`PrefillStep`).
+
+    Called on the calling thread through ctypes (`step(a, b)`, numpy int32 operands, numpy float32 logits out; the
+    GIL is released meanwhile), the thread taking its share of the kernel's pool as thread 0. Not as a MindSpore
+    custom op: PyNative and graph calls both ran the op on MindSpore's actor thread while the Python thread slept
+    until its result, and each token's wake-up of that thread then waited behind whatever held its core: beside one
+    `nice -n 19` busy loop the op lost 34-43% of its speed, the same kernel called here 1-12% (docs/KERNELS.md).
+    The step reads the net's own Parameters in place (their addresses, `Parameter.data_ptr()`, taken by `bind()` when
+    a sequence starts: nothing is copied, so weights updated in place reach the next sequence; a graph's updates
+    land in the same memory, docs/MINDSPORE_CPU.md) and writes the tokens' K/V into the decoder's cache Parameters.
+
+    `step(token [1, 1], [pos])` returns the logits [1, V] of position pos; prefill: `step(tokens [1, T], [start,
+    last])` writes slots start..start+T-1 and returns the logits [1, V] of row `last`; with `score=True`, every
+    row's, [T, V] (`Generator.score`). Over `SlotCaches`: prefill and score take [start, last, slot]; `batch=True` is
+    `BatchDecodeStep`, `step(tokens [B], [B, 2] of (slot, position))` -> [B, V] (`BatchDecoder`); `packed=True` is
+    `PackedPrefillStep`, `step(tokens [1, P], [K, 3] of (slot, start, n))` -> [K, V]: several prompts in one pass,
+    the logits after each one's last token (`BatchDecoder.prefill_many`). A nonzero return code raises RuntimeError
+    naming it (`KERNEL_CODES`).
+    One kernel call per token (or chunk) instead of ~280 MindSpore kernels, with AVX-512/AVX2 GEMVs (GEMMs for a
+    chunk) on the kernel's own thread pool, and no graph whose buffers live as long as the process: the 64-token
+    chunk graph of `CachedDecoder` keeps ~0.5 GB at SmolLM2-135M (docs/MEMORY.md).
     """
 
     def __init__(
@@ -329,16 +323,13 @@ class FusedDecodeStep(nn.Cell):
         batch: bool = False,
         packed: bool = False,
     ):
-        super().__init__()
         net = decoder.net
         self.weights = weights  # None: the net's own float32 matrices
         c = net.config
-        object.__setattr__(self, "net", net)
-        object.__setattr__(self, "decoder", decoder)
-        v = c.vocab_size
+        self.net, self.decoder, self.vocab = net, decoder, c.vocab_size
         scale = net.layers[0].self_attn.scale
-        self.consts = Tensor(np.array([c.norm_eps, scale, threads], np.float32))
-        name = (
+        self.consts = np.array([c.norm_eps, scale, threads], np.float32)
+        self.name = (
             "BatchDecodeStep"
             if batch
             else "PackedPrefillStep"
@@ -349,11 +340,6 @@ class FusedDecodeStep(nn.Cell):
             if prefill
             else "DecodeStep"
         )
-        self.op = _decode_op(lib, v, len(net.layers), name)
-
-        # The operands after the token, the position and consts, in the op's order, gathered here once: a construct
-        # that walked the net's layers to collect them took 4.4 s and 0.45 GB to compile at 30 layers (0.15 s as a
-        # flat tuple: MindSpore parses every Cell attribute path it meets, per layer)
         wt = weights
         if wt is None:
             embed = net.embed_tokens.weight
@@ -369,8 +355,52 @@ class FusedDecodeStep(nn.Cell):
             else:
                 mats = list(wt.mats[7 * i : 7 * i + 7])
             args += [layer.input_layernorm.weight] + mats[:4] + [layer.post_attention_layernorm.weight] + mats[4:]
-        args += list(decoder.k_cache) + list(decoder.v_cache)
-        object.__setattr__(self, "operands", tuple(args))  # not registered: the Parameters stay their owners'
+        self.operands = tuple(args + list(decoder.k_cache) + list(decoder.v_cache))  # the op's order after consts
 
-    def construct(self, token: Tensor, pos: Tensor) -> Tensor:
-        return self.op(token, pos, self.consts, *self.operands)
+        fn = getattr(ctypes.CDLL(lib), self.name)
+        i64p = ctypes.POINTER(ctypes.c_int64)
+        fn.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int)]
+        fn.argtypes += [ctypes.POINTER(i64p), ctypes.POINTER(ctypes.c_char_p), ctypes.c_void_p, ctypes.c_void_p]
+        fn.restype = ctypes.c_int
+        n = 3 + len(self.operands) + 1  # a, b, consts, the operands, the logits
+        self._fn, self._n = fn, n
+        self._ptrs = (ctypes.c_void_p * n)()
+        self._ndims = (ctypes.c_int * n)()
+        self._dims = [(ctypes.c_int64 * 4)() for _ in range(n)]  # every operand has at most 3 dimensions
+        self._shapes = (i64p * n)(*[ctypes.cast(d, i64p) for d in self._dims])
+        self._dtypes = (ctypes.c_char_p * n)(b"int32", b"int32", b"float32", *([None] * (n - 4)), b"float32")
+        self._bound = False
+        self._lock = threading.Lock()  # one call at a time: the operand tables are this object's
+
+    def bind(self) -> None:
+        """Take the operands' addresses, shapes and dtypes (checked here, with a KernelShapeError naming the operand):
+        when a sequence starts (`Generator`, `BatchDecoder`), so a Parameter set to new data between sequences is
+        read where it now is. Costs ~0.1 ms at 30 layers."""
+        with self._lock:
+            _decode_dtypes(ms.int32, ms.int32, ms.float32, *(p.dtype for p in self.operands))
+            self._set(2, self.consts.ctypes.data, self.consts.shape)
+            for i, p in enumerate(self.operands, start=3):
+                self._set(i, p.data_ptr(), p.shape)
+                self._dtypes[i] = _DTYPE_NAMES[p.dtype]
+            self._bound = True
+
+    def _set(self, i: int, ptr: int, shape) -> None:
+        self._ptrs[i] = ptr
+        self._ndims[i] = len(shape)
+        for k, d in enumerate(shape):
+            self._dims[i][k] = int(d)
+
+    def __call__(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        if not self._bound:
+            self.bind()
+        a = np.ascontiguousarray(a, np.int32)
+        b = np.ascontiguousarray(b, np.int32)
+        out = np.empty((_logit_rows(self.name, [a.shape, b.shape]), self.vocab), np.float32)
+        with self._lock:
+            self._set(0, a.ctypes.data, a.shape)
+            self._set(1, b.ctypes.data, b.shape)
+            self._set(self._n - 1, out.ctypes.data, out.shape)
+            rc = self._fn(self._n, self._ptrs, self._ndims, self._shapes, self._dtypes, None, None)
+        if rc:
+            raise RuntimeError(f"fused kernel {self.name} returned {rc}: {KERNEL_CODES.get(rc, 'unknown code')}")
+        return out

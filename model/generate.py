@@ -11,11 +11,11 @@ chunks of `prefill_chunk` (64) tokens through ONE static graph (`CachedDecoder` 
 RoPE, cache write and attention are one custom op per layer over slots 0..position (`ChunkAttention`,
 model/decode_kernel.cc) where the kernel builds: neither its buffers nor its work grow with the prompt or with S, and no
 prompt length compiles anything new. (A dynamic-length graph held 24 GB at a 2000-token SmolLM2 prompt and a static
-graph per 32-token bucket kept every bucket's buffers; see docs/MINDSPORE_CPU.md, "Memory".) It then decodes each token
-with ONE MindSpore custom op, `FusedDecodeStep` (model/decode_kernel.cc, built with g++ on first use:
-every layer's RMSNorm, projections, RoPE, attention over the cache and SwiGLU MLP, plus the LM head,
-with AVX-512 GEMVs over OpenMP threads; it reads the net's own Parameters, so weights updated in place
-are seen at the next step, and writes the caches in place). Without a compiler (or with
+graph per 32-token bucket kept every bucket's buffers; see docs/MINDSPORE_CPU.md, "Memory".) Where the fused kernel
+builds, the prompt chunks and then each token are ONE call of it instead, `FusedDecodeStep` (model/decode_kernel.cc,
+built with g++ on first use: every layer's RMSNorm, projections, RoPE, attention over the cache and SwiGLU MLP, plus
+the LM head, with SIMD GEMVs on the kernel's own thread pool, called through ctypes on this thread; it reads the net's
+own Parameters, so weights updated in place are seen, and writes the caches in place). Without a compiler (or with
 MSLLM_FUSED_DECODE=0) the tokens go through `CachedDecoder` on MindSpore's kernels: same tokens,
 slower. A net with unmerged LoRA layers (`model.lora.LoRALinear`, e.g. the server's `LoRASlots`) runs on
 `CachedDecoder`, which calls the projection Cells and so adds each B·A; the fused step reads only each
@@ -287,33 +287,18 @@ class Generator:
                 return decoder(input_ids, start_pos, last)
 
             self._decode = ms.jit(decode)  # T = 1 steps: static shapes
-        # Decode tokens (T = 1) as one fused custom op when it builds here (see FusedDecodeStep); else, or
+        # Decode tokens (T = 1) as one fused kernel call when it builds here (see FusedDecodeStep); else, or
         # with fused=False, on the decoder's MindSpore kernels. Both write the same caches.
         self._fused = None
         self._fused_score = None  # a chunk's every row of logits (ScoreStep), where _fused is
-        self._fused_prefill = None  # prompt chunks as one op (FusedDecodeStep with prefill=True), where _fused is
+        self._fused_prefill = None  # prompt chunks as one call (FusedDecodeStep with prefill=True), where _fused is
         self._lora = [
             layer for _, layer in lora_layers(net)
         ]  # the fused step ignores their updates (see _cached_steps)
-        if lib is not None:
-            fused_step = FusedDecodeStep(self._decoder, lib, threads, weights=self._weights)
-
-            def fused_decode(token, pos):
-                return fused_step(token, pos)
-
-            self._fused = ms.jit(fused_decode)
-            fused_chunk = FusedDecodeStep(self._decoder, lib, threads, prefill=True, weights=self._weights)
-
-            def fused_prefill(tokens, where):
-                return fused_chunk(tokens, where)
-
-            self._fused_prefill = ms.jit(fused_prefill)
-            score_chunk = FusedDecodeStep(self._decoder, lib, threads, score=True, weights=self._weights)
-
-            def fused_score(tokens, where):
-                return score_chunk(tokens, where)
-
-            self._fused_score = ms.jit(fused_score)
+        if lib is not None:  # called on this thread through ctypes (FusedDecodeStep: not as a MindSpore op)
+            self._fused = FusedDecodeStep(self._decoder, lib, threads, weights=self._weights)
+            self._fused_prefill = FusedDecodeStep(self._decoder, lib, threads, prefill=True, weights=self._weights)
+            self._fused_score = FusedDecodeStep(self._decoder, lib, threads, score=True, weights=self._weights)
         log.info("[generate] decode path: %s: %s", self.decode_path, self.decode_reason)
 
     @property
@@ -476,9 +461,10 @@ class Generator:
             logp, top = np.empty(n, np.float64), np.empty(n, bool)
         self._decoder_busy = True
         try:
+            self._fused_score.bind()
             for x, start, last in self._chunks([int(t) for t in ids], self._fused_chunk(n)):
-                rows = self._fused_op(self._fused_score, "score", start, Tensor(x), Tensor([start, 0], ms.int32))
-                rows = rows.asnumpy()[: min(last + 1, n - start)]  # a short sequence's padding dropped
+                rows = self._fused_op(self._fused_score, "score", start, x, np.array([start, 0], np.int32))
+                rows = rows[: min(last + 1, n - start)]  # a short sequence's padding dropped
                 at = slice(start, start + len(rows))
                 if targets is None:
                     out[at] = rows
@@ -494,7 +480,7 @@ class Generator:
         return out if targets is None else (logp, top)
 
     def _fused_op(self, op, what: str, pos: int, *args):
-        """One call of the fused prefill/decode op; its failure is a DecodeError naming the path, not a switch."""
+        """One call of a fused prefill/decode step; its failure is a DecodeError naming the path, not a switch."""
         try:
             return op(*args)
         except RuntimeError as exc:  # the op failed to load or run: an error with its reason, never a fallback
@@ -524,28 +510,26 @@ class Generator:
                 # fixed [1, C] chunks: the same shapes for every prompt (the fused step: longer ones past 256 tokens)
                 c = self._fused_chunk(n) if fused and self._fused_prefill is not None else self.prefill_chunk
                 on_fused = fused and self._fused_prefill is not None
+                if on_fused:
+                    self._fused_prefill.bind()
                 for x, start, last in self._chunks(ids, c, pad_last=on_fused):
-                    logits = None
                     if on_fused:
-                        logits = self._fused_op(
-                            self._fused_prefill, "prefill", start, Tensor(x), Tensor([start, last], ms.int32)
-                        )
-                    if logits is None:
-                        logits = self._decode(Tensor(x), Tensor(start, ms.int32), Tensor(last, ms.int32))
-                logits = logits.asnumpy()[0]
+                        where = np.array([start, last], np.int32)
+                        logits = self._fused_op(self._fused_prefill, "prefill", start, x, where)[0]
+                    else:
+                        logits = self._decode(Tensor(x), Tensor(start, ms.int32), Tensor(last, ms.int32)).asnumpy()[0]
                 self._compiled("prefill")
                 tok = yield logits
                 pos = n
+                if fused:
+                    self._fused.bind()
                 while True:
-                    token, at = Tensor([[tok]], ms.int32), Tensor(pos, ms.int32)
-                    logits = None
-                    if fused and self._fused is not None:
-                        logits = self._fused_op(self._fused, "decode", pos, token, at)
-                    if logits is None:
-                        logits = self._decode(token, at, zero)
-                    logits = logits.asnumpy()[0]
+                    if fused:
+                        logits = self._fused_op(self._fused, "decode", pos, np.array([[tok]], np.int32), np.int32(pos))
+                    else:
+                        logits = self._decode(Tensor([[tok]], ms.int32), Tensor(pos, ms.int32), zero).asnumpy()
                     self._compiled("decode")
-                    tok = yield logits
+                    tok = yield logits[0]
                     pos += 1
             finally:  # close(), or the coroutine garbage-collected
                 self._decoder_busy = False

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
+import time
 
 import mindspore as ms
 import numpy as np
@@ -336,6 +338,47 @@ def test_without_a_compiler_generation_falls_back_to_the_decoder(net, monkeypatc
     assert Generator(net, fused=False).decode_reason == "the fused decode kernel is off: eval.fused_kernels is false"
 
 
+def test_the_fused_steps_run_on_the_calling_thread():
+    """The whole-model steps are called through ctypes on the caller's thread, the caller its pool's thread 0: not
+    as a MindSpore op, which ran on MindSpore's actor thread while the caller slept until its result, and each
+    wake-up then waited behind any other process holding that core (docs/KERNELS.md). With one kernel thread the
+    calling thread's CPU time is the process's (as an op it was a few percent of it)."""
+    cfg = ModelConfig.from_name(
+        "tiny", vocab_size=4096, hidden_size=256, intermediate_size=688, num_layers=4, max_seq_length=128
+    )
+    model = LlamaForCausalLM(cfg, seed=0)
+    model.set_train(False)
+    g = Generator(model, threads=1)
+    if g.decode_path != "fused":
+        pytest.skip(f"no fused decode step here: {g.decode_reason}")
+    seq = ids(128, seed=2)
+    g.score(seq)  # the caches' pages, the heap
+    thread, process = time.thread_time(), time.process_time()
+    for _ in range(3):
+        g.score(seq)  # ScoreStep: 2 chunks of 64 tokens, ~0.5 GFLOP each
+        g.generate(seq[:9], 16)  # PrefillStep, then DecodeStep per token
+    thread, process = time.thread_time() - thread, time.process_time() - process
+    assert thread >= 0.5 * process, (thread, process)
+
+
+def test_a_weight_set_to_new_data_between_sequences_is_read_where_it_now_is():
+    """The fused steps take their operands' addresses when a sequence starts: a Parameter given new memory between
+    two sequences (`set_data`, as a reload does) is read there by the next one, as a Generator built afresh reads it."""
+    model = LlamaForCausalLM(ModelConfig.from_name("tiny", init_std=0.3), seed=6)
+    model.set_train(False)
+    g = Generator(model)
+    if g.decode_path != "fused":
+        pytest.skip(f"no fused decode step here: {g.decode_reason}")
+    prompt = ids(7, seed=3)
+    before = g.generate(prompt, 10)
+    w = model.layers[0].mlp.down_proj.weight
+    at = w.data_ptr()
+    w.set_data(Tensor.from_numpy(np.random.default_rng(1).normal(0, 0.3, w.shape).astype(np.float32)))
+    assert w.data_ptr() != at  # new memory (the old may be freed: reading it would be a bug, not just stale)
+    after = g.generate(prompt, 10)
+    assert after == Generator(model).generate(prompt, 10) and after != before
+
+
 def test_a_fused_step_that_fails_mid_sequence_is_an_error_not_a_slower_path(net):
     """The fused decode op raising in the middle of a sequence (it failed to load or run) stops that sequence with
     a DecodeError naming the path, the position and how to choose another; the Generator keeps its path (no silent
@@ -347,20 +390,21 @@ def test_a_fused_step_that_fails_mid_sequence_is_an_error_not_a_slower_path(net)
         pytest.skip(f"no fused decode step here: {g.decode_reason}")
     assert "model/decode_kernel.cc" in g.decode_reason
     calls = []
+    step = g._fused
 
-    def failing(token, pos):
-        calls.append(int(pos.asnumpy()))
-        raise RuntimeError("CustomOp DecodeStep: injected failure")
+    def failing(n, ptrs, *rest):  # the kernel's entry point, as ctypes calls it: it returns a code
+        calls.append(ctypes.cast(ptrs[1], ctypes.POINTER(ctypes.c_int32))[0])  # operand 1: the position
+        return 3
 
-    g._fused = failing
+    step._fn = failing
     prompt = ids(7, seed=12)
     with pytest.raises(
         DecodeError,
         match=r"the fused decode step failed at position 7 \(the fused decode kernel .*"
-        r"injected failure; MSLLM_FUSED_DECODE=0",
+        r"fused kernel DecodeStep returned 3: an operand's shape; MSLLM_FUSED_DECODE=0",
     ):
         g.generate(prompt, 4)
-    assert calls == [7] and g._fused is failing and g.decode_path == "fused"
+    assert calls == [7] and g._fused is step and g.decode_path == "fused"
 
 
 @pytest.mark.integration  # ~9 s: a LoRA net's decoder and fused step compiled
@@ -390,8 +434,8 @@ def test_a_lora_net_decodes_on_the_decoder_and_takes_the_fused_step_only_for_bas
     assert new == g.generate(prompt, 12, use_cache=False) and new != base_tokens
     if g._fused is not None:
         calls = []
-        fused = g._fused
-        g._fused = lambda *a: calls.append(1) or fused(*a)
+        kernel = g._fused._fn
+        g._fused._fn = lambda *a: calls.append(1) or kernel(*a)
         slots.use(None)
         steps = g._cached_steps(prompt, base_only=True)
         got = [int(np.argmax(next(steps)))]

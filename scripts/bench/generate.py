@@ -3,9 +3,9 @@
 A random-init model of `--preset` (default `small`, the demo's shape) generates `--new-tokens`
 (256) greedy tokens after a `--prompt-tokens` (16) prompt, batch 1, on these paths in one run:
 
-- this project's `Generator` with its KV cache: the prefill on MindSpore kernels, then one fused
-  custom op per token (model/decode_kernel.cc; `decode_path` says "decoder" where it could not be
-  built) -- the headline `tokens_per_s`,
+- this project's `Generator` with its KV cache: the prompt in fused chunks, then one call of the fused
+  kernel per token (model/decode_kernel.cc, through ctypes; `decode_path` says "decoder" where it could not
+  be built) -- the headline `tokens_per_s`,
 - HF transformers `LlamaForCausalLM.generate` on PyTorch with its default attention (`sdpa`; `--hf-attn
   eager`) and its cache (`use_cache=True`), the same weights (converted with model/convert.py), in its
   own process that stays up for the whole run (`--no-hf` skips it; needs the `reference` extra),

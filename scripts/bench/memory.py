@@ -15,7 +15,7 @@ and it must stay flat: no growth per new prompt length or per request. This benc
 
 Each side runs in a process of its own (so each peak is its own, VmHWM), one after the other (never
 side by side: the machine has two cores): this project's `Generator` (the decode path the server's
-MindSpore backend uses: chunked prefill, each chunk one fused op (PrefillStep), then the fused decode op) and HF
+MindSpore backend uses: chunked prefill, each chunk one fused kernel call (PrefillStep), then one per token) and HF
 transformers
 `LlamaForCausalLM.generate` (PyTorch, sdpa, its dynamic cache) on the same prompts (`--no-hf` skips it).
 Prints one JSON line labelled with the CPU and ISA (scripts/bench/host.py) and appends it to

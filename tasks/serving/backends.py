@@ -169,7 +169,7 @@ class MindSporeBackend:
             self._batch.release(row[0])
 
     def steps(self, prompt_ids: list[int], adapter: str | None = None) -> Generator[np.ndarray, int, None]:
-        # Generator.generate's own coroutine (the prompt in fixed chunks, each one fused op or one static graph;
+        # Generator.generate's own coroutine (the prompt in fixed chunks, each one kernel call or one static graph;
         # one fused or compiled decode step): the same arithmetic as `msllm predict`.
         ids = [int(t) for t in prompt_ids]
         if self.slots is None:
