@@ -79,12 +79,16 @@ inline void relax() {
 
 // How long a waiting thread spins before it sleeps (the pool's workers between calls, a barrier, the caller waiting
 // for its workers). Any sleep on a shared CPU is costly under Linux's EEVDF scheduler (6.6+): the thread it woke
-// waits for the slice of whatever took its core, a `nice -n 19` process included, ~1-3 ms; two normal processes
-// that slept 0.2 ms in every 2 ms kept only 0.54 of a core each beside one niced busy loop, which took 0.88
-// (docs/MINDSPORE_CPU.md, "Threads"). Spinning 2,000 pauses (21 us on the Xeon) slept at every gap between two
-// tokens: decode lost 30-45% beside the busy loop; spinning ~200 us or ~2 ms, 1-12% (alternated in one process).
+// waits for the slice of whatever took its core, a `nice -n 19` process included; two normal processes that slept
+// 0.2 ms in every 2 ms kept only 0.54 of a core each beside one niced busy loop, which took 0.88
+// (docs/MINDSPORE_CPU.md, "Threads"). And a thread that never sleeps still loses its core to a niced process for
+// its fair share, a slice at a time, until the next scheduler tick (4 ms at HZ=250, 10 at HZ=100): a partner that
+// stops spinning sooner sleeps, and its wake-up waits again. So the wait spins longer than a tick. Measured
+// (SmolLM2-135M fp32, 2 threads, the Xeon VM, 6 alternated rounds beside one niced busy loop; docs/KERNELS.md):
+// 2,000 pauses (21 us) 40-48% slower; 500 us 6-11% in one run, 62-64% in another (thousands of sleeps a sequence);
+// 10 ms 4-7% (no sleep); spinning 0.5 ms and then yielding up to 10 ms, 6-7%. Quiet speed the same for all.
 #ifndef MSLLM_SPIN_US
-#define MSLLM_SPIN_US 500
+#define MSLLM_SPIN_US 10000
 #endif
 
 // Wait while `a` holds `v`: spin (a pause each) for up to MSLLM_SPIN_US, then sleep on it (a futex on Linux, woken
@@ -140,11 +144,11 @@ class Barrier {
 
 // The whole-model steps' threads: workers started once and kept (process-wide), the caller thread 0. A call wakes
 // them, runs its share, and waits until every worker has finished (so the next call never overlaps a straggler);
-// between tokens they spin (await_change: up to MSLLM_SPIN_US), then sleep. What it replaced, measured on SmolLM2-135M in Q8_0, 2 threads, AMD
-// EPYC (docs/KERNELS.md): OpenMP's parallel region (as a MindSpore op its threads slept a third of each token in the
-// barriers: 130 tokens/s against ~180 through ctypes), then std::threads started per call with a spin-then-yield
-// barrier (~220 quiet, but 100-121 beside one `nice -n 19` busy loop: a thread started per token, or yielding,
-// waits behind the niced process).
+// between tokens they spin (await_change: up to MSLLM_SPIN_US), then sleep. What it replaced, measured on SmolLM2-135M
+// in Q8_0, 2 threads, AMD EPYC (docs/KERNELS.md): OpenMP's parallel region (as a MindSpore op its threads slept a third
+// of each token in the barriers: 130 tokens/s against ~180 through ctypes), then std::threads started per call with a
+// spin-then-yield barrier (~220 quiet, but 100-121 beside one `nice -n 19` busy loop: a thread started per token, or
+// yielding, waits behind the niced process).
 class Pool {
  public:
   template <typename F>

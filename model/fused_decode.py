@@ -295,7 +295,7 @@ class FusedDecodeStep:
     GIL is released meanwhile), the thread taking its share of the kernel's pool as thread 0. Not as a MindSpore
     custom op: PyNative and graph calls both ran the op on MindSpore's actor thread while the Python thread slept
     until its result, and each token's wake-up of that thread then waited behind whatever held its core: beside one
-    `nice -n 19` busy loop the op lost 34-43% of its speed, the same kernel called here 1-12% (docs/KERNELS.md).
+    `nice -n 19` busy loop the op lost 34-43% of its speed, the same kernel called here 4-7% (docs/KERNELS.md).
     The step reads the net's own Parameters in place (their addresses, `Parameter.data_ptr()`, taken by `bind()` when
     a sequence starts: nothing is copied, so weights updated in place reach the next sequence; a graph's updates
     land in the same memory, docs/MINDSPORE_CPU.md) and writes the tokens' K/V into the decoder's cache Parameters.

@@ -84,6 +84,8 @@ COLUMNS: dict[str, list[tuple[str, str]]] = {
         ("decoder_tokens_per_s", "decoder tokens/s"),
         ("eval_requests_per_s", "eval req/s"),
         ("background", "background"),
+        ("rounds", "rounds"),
+        ("load_slowdown_by", "slowdown: 1 − loaded / quiet, of"),
         ("load_slowdown.hf", "HF slowdown"),
         ("load_slowdown.cached", "fp32 slowdown"),
         ("load_slowdown.fp16", "fp16 slowdown"),
