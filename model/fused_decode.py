@@ -81,8 +81,8 @@ def is_matrix(i: int, n_layers: int) -> bool:
 
 
 def _decode_dtypes(*dtypes):
-    """The decode op's dtype check (the kernel checks again): token and position int32, the weight matrices all
-    float32 or all float16, the rest float32."""
+    """The whole-model steps' dtype check, by operand (the kernel checks again): token and position int32, the weight
+    matrices all float32, all float16 or all Q8_0 blocks (uint8), the rest float32."""
     n_layers = (len(dtypes) - 8) // 11
     matrices = dtype_of(dtypes[3]) if dtype_of(dtypes[3]) in (ms.float16, ms.uint8) else ms.float32
     for i, t in enumerate(dtypes):

@@ -33,7 +33,8 @@ KERNEL_ERRORS = {
 
 
 class KernelShapeError(ValueError):
-    """A fused op called with operands its kernel does not accept (raised when MindSpore infers the graph)."""
+    """A fused op called with operands its kernel does not accept (raised when MindSpore infers the graph, or when a
+    fused decode step takes its operands: model/fused_decode.py `FusedDecodeStep.bind`)."""
 
 
 def _need(ok: bool, op: str, what: str) -> None:
