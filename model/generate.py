@@ -508,12 +508,12 @@ class Generator:
             try:
                 zero = Tensor(0, ms.int32)
                 # fixed [1, C] chunks: the same shapes for every prompt (the fused step: longer ones past 256 tokens)
-                c = self._fused_chunk(n) if fused and self._fused_prefill is not None else self.prefill_chunk
-                on_fused = fused and self._fused_prefill is not None
-                if on_fused:
+                # (the three fused steps are built together: `fused` means the prefill step is there too)
+                c = self._fused_chunk(n) if fused else self.prefill_chunk
+                if fused:
                     self._fused_prefill.bind()
-                for x, start, last in self._chunks(ids, c, pad_last=on_fused):
-                    if on_fused:
+                for x, start, last in self._chunks(ids, c, pad_last=fused):
+                    if fused:
                         where = np.array([start, last], np.int32)
                         logits = self._fused_op(self._fused_prefill, "prefill", start, x, where)[0]
                     else:
