@@ -58,6 +58,8 @@ class BatchDecoder:
     def release(self, slot: int) -> None:
         if slot not in self._free:
             self._free.append(slot)
+        if len(self._free) == self.slots:  # nothing left to decode: the kernel's threads sleep now
+            self._decode.park()
 
     def prefill(self, slot: int, ids: Sequence[int]) -> np.ndarray:
         """The prompt `ids` into `slot` (its positions 0..n-1); the logits [V] after it."""

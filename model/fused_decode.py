@@ -362,6 +362,8 @@ class FusedDecodeStep:
         fn.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int)]
         fn.argtypes += [ctypes.POINTER(i64p), ctypes.POINTER(ctypes.c_char_p), ctypes.c_void_p, ctypes.c_void_p]
         fn.restype = ctypes.c_int
+        self._park = ctypes.CDLL(lib).DecodePoolPark
+        self._park.restype = None
         n = 3 + len(self.operands) + 1  # a, b, consts, the operands, the logits
         self._fn, self._n = fn, n
         self._ptrs = (ctypes.c_void_p * n)()
@@ -383,6 +385,14 @@ class FusedDecodeStep:
                 self._set(i, p.data_ptr(), p.shape)
                 self._dtypes[i] = _DTYPE_NAMES[p.dtype]
             self._bound = True
+
+    def park(self) -> None:
+        """The caller's sequences are over for now: the kernel's pool threads sleep at once instead of spinning
+        10 ms for a next call that is not coming (decode_kernel.cc `Pool::park`). Each sequence's end calls it
+        (`Generator`, `BatchDecoder` when its last slot is released): after that spin a sequence started a moment
+        later beside a `nice -n 19` process lost 25-45% of its speed, the scheduler making up to the niced process
+        for the spin; parked, 0-6% (docs/KERNELS.md, "Decoding"). Never blocks; a call in flight is left alone."""
+        self._park()
 
     def _set(self, i: int, ptr: int, shape) -> None:
         self._ptrs[i] = ptr

@@ -476,6 +476,7 @@ class Generator:
                 logp[at], top[at] = picked - lse, z.argmax(-1) == tg[at]
         finally:
             self._decoder_busy = False
+            self._fused_score.park()
         self._compiled("score")
         return out if targets is None else (logp, top)
 
@@ -533,6 +534,8 @@ class Generator:
                     pos += 1
             finally:  # close(), or the coroutine garbage-collected
                 self._decoder_busy = False
+                if fused:
+                    self._fused.park()
         self._refuse_lean("a second sequence interleaved with the one decoding")
         k, v = self.net.init_cache(1, self.max_len)
         for x, start, last in self._chunks(ids):

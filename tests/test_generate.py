@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import os
 import shutil
+import threading
 import time
 
 import mindspore as ms
@@ -359,6 +360,54 @@ def test_the_fused_steps_run_on_the_calling_thread():
         g.generate(seq[:9], 16)  # PrefillStep, then DecodeStep per token
     thread, process = time.thread_time() - thread, time.process_time() - process
     assert thread >= 0.5 * process, (thread, process)
+
+
+def _other_threads_cpu_s() -> float:
+    """CPU seconds of every thread of this process but the calling one (/proc/self/task/*/schedstat)."""
+    me, total = str(threading.get_native_id()), 0
+    for task in os.listdir("/proc/self/task"):
+        if task != me:
+            try:
+                with open(f"/proc/self/task/{task}/schedstat") as f:
+                    total += int(f.read().split()[0])
+            except OSError:  # a thread that ended meanwhile
+                pass
+    return total / 1e9
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="reads threads' CPU time from Linux's /proc")
+def test_the_kernel_threads_sleep_when_a_sequence_ends():
+    """The fused steps' pool threads wait for the next call spinning up to 10 ms (MSLLM_SPIN_US: longer than a
+    scheduler tick, so a busy partner keeps its core beside a niced process), but when a sequence ends (generate,
+    score, a BatchDecoder's last slot released) they are parked: they sleep at once. Spinning on after it, the
+    scheduler then made up for that CPU time to a niced process during the next sequence: 25-45% slower
+    (docs/KERNELS.md, "Decoding"). Bound: in the 50 ms after, the other threads use less than a fifth of the spin
+    that parking cuts short (unparked they take the spin's whole 10 ms where the core is free)."""
+    model = LlamaForCausalLM(ModelConfig.from_name("tiny"), seed=0)
+    model.set_train(False)
+    g = Generator(model, threads=2)
+    if g.decode_path != "fused":
+        pytest.skip(f"no fused decode step here: {g.decode_reason}")
+    seq = ids(40, seed=4)
+    batch = g.batch(2)
+
+    def batched():
+        slots = [batch.acquire(), batch.acquire()]
+        batch.prefill_many(slots, [seq[:5], seq[:7]])
+        batch.decode(slots, [5, 7], [1, 2])
+        for slot in slots:
+            batch.release(slot)
+
+    runs = {"generate": lambda: g.generate(seq[:9], 8), "score": lambda: g.score(seq), "batch": batched}
+    for name, run in runs.items():
+        run()  # warm: the pool's threads started, pages touched
+        spent = []
+        for _ in range(3):  # the least of three: a thread of MindSpore's waking meanwhile is not the pool's spin
+            run()
+            before = _other_threads_cpu_s()
+            time.sleep(0.05)
+            spent.append(_other_threads_cpu_s() - before)
+        assert min(spent) < 0.2 * 0.010, (name, spent)
 
 
 def test_a_weight_set_to_new_data_between_sequences_is_read_where_it_now_is():
