@@ -146,7 +146,8 @@ class Barrier {
 
 // The whole-model steps' threads: workers started once and kept (process-wide), the caller thread 0. A call wakes
 // them, runs its share, and waits until every worker has finished (so the next call never overlaps a straggler);
-// between tokens they spin (await_change: up to MSLLM_SPIN_US), then sleep. What it replaced, measured on SmolLM2-135M
+// between tokens they spin (await_change: up to MSLLM_SPIN_US), then sleep; at a sequence's end the caller parks
+// them (`park`: they sleep at once). What it replaced, measured on SmolLM2-135M
 // in Q8_0, 2 threads, AMD EPYC (docs/KERNELS.md): OpenMP's parallel region (as a MindSpore op its threads slept a third
 // of each token in the barriers: 130 tokens/s against ~180 through ctypes), then std::threads started per call with a
 // spin-then-yield barrier (~220 quiet, but 100-121 beside one `nice -n 19` busy loop: a thread started per token, or
