@@ -215,6 +215,7 @@ def test_unsupported_layouts_are_config_errors():
 # ----------------------------------------------------------------------------- msrun jobs
 
 
+@pytest.mark.slow  # a 2-rank msrun job (~25 s): keeps unit + integration under 10 minutes
 def test_tensor_parallel_logits_and_train_step_match_one_device(tmp_path):
     err = run_msrun(
         [str(REPO / "tests" / "dist_tp_check.py"), str(tmp_path)],

@@ -308,6 +308,7 @@ def _peak_rss(run_dir: Path) -> list[int]:
     return [int(re.findall(r"peak RSS (\d+) bytes", p.read_text())[-1]) for p in logs.values()]
 
 
+@pytest.mark.slow  # three training runs (~45 s): keeps unit + integration under 10 minutes
 def test_zero_matches_unsharded_and_one_process(tmp_path, data_artifact):
     """dp=2 sharded == dp=2 unsharded == 1 process with global batch 8, per step within train_tol (tests/helpers.py);
     replicas bit-identical; every rank wrote its optimizer share; plan's per-rank estimate within 30% of each rank's
