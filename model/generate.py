@@ -437,14 +437,15 @@ class Generator:
         """Whether `score` runs here: the fused steps built, no unmerged LoRA layer, the caches free."""
         return self._fused_score is not None and not self._lora_on() and not self._decoder_busy
 
-    def score(self, ids: Sequence[int], targets: Sequence[int] | None = None):
+    def score(self, ids: Sequence[int], targets: Sequence[int] | None = None, park: bool = True):
         """The logits [n, V] (float32) at every position of `ids` (row i: the distribution of the token after ids[i]),
         through the fused steps in this Generator's weight format (`weights`: what it serves is what it scores); with
         `targets` [n], instead (log p(targets[i]) float64 [n], whether targets[i] is the argmax [n]), a chunk at a
         time, never holding [n, V]. The sequence goes through chunks as a prompt on the fused steps does
         (`_fused_chunk` tokens; `_chunks`: the last one padded, or overlapping the one before), each chunk one
         ScoreStep: the prefill step with every row's logits. The in-place caches hold the sequence meanwhile; at most
-        max_len tokens."""
+        max_len tokens. `park=False` leaves the kernel's threads spinning for a next call that follows at once (a
+        loop of scores, which calls `park()` at its end)."""
         if not self.can_score():
             raise RuntimeError(
                 f"Generator.score needs the fused steps, no LoRA left unmerged, free caches: {self.decode_reason}"
@@ -476,9 +477,17 @@ class Generator:
                 logp[at], top[at] = picked - lse, z.argmax(-1) == tg[at]
         finally:
             self._decoder_busy = False
-            self._fused_score.park()
+            if park:
+                self._fused_score.park()
         self._compiled("score")
         return out if targets is None else (logp, top)
+
+    def park(self) -> None:
+        """This Generator's sequences are over for now: the fused kernel's threads sleep at once instead of spinning
+        10 ms for a next call (`FusedDecodeStep.park`). A sequence's end does it (generate, score), so only a caller
+        that deferred it (`score(..., park=False)` in a loop) calls this."""
+        if self._fused is not None:
+            self._fused.park()
 
     def _fused_op(self, op, what: str, pos: int, *args):
         """One call of a fused prefill/decode step; its failure is a DecodeError naming the path, not a switch."""

@@ -381,8 +381,11 @@ def test_the_kernel_threads_sleep_when_a_sequence_ends():
     scheduler tick, so a busy partner keeps its core beside a niced process), but when a sequence ends (generate,
     score, a BatchDecoder's last slot released) they are parked: they sleep at once. Spinning on after it, the
     scheduler then made up for that CPU time to a niced process during the next sequence: 25-45% slower
-    (docs/KERNELS.md, "Decoding"). Bound: in the 50 ms after, the other threads use less than a fifth of the spin
+    (docs/KERNELS.md, "Decoding"). The eval scorer scores its rows back to back (`score(..., park=False)`) and parks
+    after the last. Bound: in the 50 ms after, the other threads use less than a fifth of the spin
     that parking cuts short (unparked they take the spin's whole 10 ms where the core is free)."""
+    from tasks.stages.evaluate.lm_adapter import StepScorer
+
     model = LlamaForCausalLM(ModelConfig.from_name("tiny"), seed=0)
     model.set_train(False)
     g = Generator(model, threads=2)
@@ -398,7 +401,13 @@ def test_the_kernel_threads_sleep_when_a_sequence_ends():
         for slot in slots:
             batch.release(slot)
 
-    runs = {"generate": lambda: g.generate(seq[:9], 8), "score": lambda: g.score(seq), "batch": batched}
+    scorer = StepScorer(g)  # the eval scorer of fp16 / q8_0 weights: its rows back to back, parked after the last
+    runs = {
+        "generate": lambda: g.generate(seq[:9], 8),
+        "score": lambda: g.score(seq),
+        "batch": batched,
+        "eval scorer": lambda: scorer.score([(seq, seq)] * 3),
+    }
     for name, run in runs.items():
         run()  # warm: the pool's threads started, pages touched
         spent = []

@@ -164,17 +164,22 @@ class StepScorer:
         """As `TokenScorer.score`: for each (input_ids, target_ids) pair, (log p(target_t | input_<=t), is_argmax)."""
         out: list[Any] = []
         bar = progress_bar(total=len(rows), desc=desc, enabled=progress)
-        for i, (inp, target) in enumerate(rows):
-            n = len(inp)
-            if n != len(target):
-                raise ValueError(f"row {i}: {n} input ids but {len(target)} targets")
-            if n == 0 or n > self.max_seq_length:
-                raise ValueError(f"cannot score a sequence of {n} tokens (model max_seq_length {self.max_seq_length})")
-            logp, top = self.gen.score(inp, target)
-            first = n - min(n, int(tails[i])) if tails is not None else 0
-            out.append((logp[first:], top[first:]))
-            self.shapes_run.add((1, self.gen._fused_chunk(n)))  # the chunk shape its steps ran
-            bar.update(1)
+        try:  # the rows back to back, the kernel's threads spinning between them (park=False); asleep after the last
+            for i, (inp, target) in enumerate(rows):
+                n = len(inp)
+                if n != len(target):
+                    raise ValueError(f"row {i}: {n} input ids but {len(target)} targets")
+                if n == 0 or n > self.max_seq_length:
+                    raise ValueError(
+                        f"cannot score a sequence of {n} tokens (model max_seq_length {self.max_seq_length})"
+                    )
+                logp, top = self.gen.score(inp, target, park=False)
+                first = n - min(n, int(tails[i])) if tails is not None else 0
+                out.append((logp[first:], top[first:]))
+                self.shapes_run.add((1, self.gen._fused_chunk(n)))  # the chunk shape its steps ran
+                bar.update(1)
+        finally:
+            self.gen.park()
         bar.close()
         return out
 
