@@ -357,12 +357,13 @@ class FusedDecodeStep:
             args += [layer.input_layernorm.weight] + mats[:4] + [layer.post_attention_layernorm.weight] + mats[4:]
         self.operands = tuple(args + list(decoder.k_cache) + list(decoder.v_cache))  # the op's order after consts
 
-        fn = getattr(ctypes.CDLL(lib), self.name)
+        dll = ctypes.CDLL(lib)
+        fn = getattr(dll, self.name)
         i64p = ctypes.POINTER(ctypes.c_int64)
         fn.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int)]
         fn.argtypes += [ctypes.POINTER(i64p), ctypes.POINTER(ctypes.c_char_p), ctypes.c_void_p, ctypes.c_void_p]
         fn.restype = ctypes.c_int
-        self._park = ctypes.CDLL(lib).DecodePoolPark
+        self._park = dll.DecodePoolPark
         self._park.restype = None
         n = 3 + len(self.operands) + 1  # a, b, consts, the operands, the logits
         self._fn, self._n = fn, n

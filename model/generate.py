@@ -478,14 +478,15 @@ class Generator:
         finally:
             self._decoder_busy = False
             if park:
-                self._fused_score.park()
+                self.park()
         self._compiled("score")
         return out if targets is None else (logp, top)
 
     def park(self) -> None:
         """This Generator's sequences are over for now: the fused kernel's threads sleep at once instead of spinning
-        10 ms for a next call (`FusedDecodeStep.park`). A sequence's end does it (generate, score), so only a caller
-        that deferred it (`score(..., park=False)` in a loop) calls this."""
+        10 ms for a next call (`FusedDecodeStep.park`; the pool is the library's, one for all three steps). A
+        sequence's end does it (generate, score), so only a caller that deferred it (`score(..., park=False)` in a
+        loop) calls this."""
         if self._fused is not None:
             self._fused.park()
 
@@ -544,7 +545,7 @@ class Generator:
             finally:  # close(), or the coroutine garbage-collected
                 self._decoder_busy = False
                 if fused:
-                    self._fused.park()
+                    self.park()
         self._refuse_lean("a second sequence interleaved with the one decoding")
         k, v = self.net.init_cache(1, self.max_len)
         for x, start, last in self._chunks(ids):
