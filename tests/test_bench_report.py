@@ -146,3 +146,28 @@ def test_padded_tokenizer_and_stored_weight_bytes(tmp_path):
     assert sm.weights_bytes(cfg, "fp16") == 2 * (cfg.num_parameters - norms) + 4 * norms
     assert sm.weights_bytes(cfg, "q8_0") == (cfg.num_parameters - norms) // 32 * 34 + 4 * norms
     assert cfg.num_parameters == 1_235_814_400  # Llama-3.2-1B's published count (tied embedding)
+
+
+def test_peak_rss_of_another_process_is_its_own_high_water_mark():
+    """`peak_rss_bytes(pid)` (the serve bench's server, the llama.cpp bench's tools) reads that process's VmHWM: a
+    child that touched 200 MB and freed it still reports at least that, this process's own peak is not it, and a
+    process that is gone reads 0."""
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+
+    from tasks.training.hardware import peak_rss_bytes
+
+    if not os.path.exists("/proc/self/status"):
+        pytest.skip("VmHWM is Linux's /proc/<pid>/status")
+    code = "import sys; b = b'\\x01' * 200_000_000; del b; print('ready', flush=True); sys.stdin.read()"
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        assert peak_rss_bytes(child.pid) >= 200_000_000
+        assert peak_rss_bytes(child.pid) != peak_rss_bytes()
+    finally:
+        child.communicate("")
+    assert peak_rss_bytes(child.pid) == 0

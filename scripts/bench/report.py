@@ -227,6 +227,7 @@ COLUMNS: dict[str, list[tuple[str, str]]] = {
         ("backends.mindspore.c16.x_one_stream", "× one"),
         ("backends.mindspore.c16.itl_p50_ms", "ITL p50 ms"),
         ("backends.mindspore.c16.same_text_as_alone", "same text"),
+        ("backends.mindspore.peak_rss_gb", "MindSpore peak RSS GB"),
         ("backends.onnxruntime.c1.output_tokens_per_s", "onnxruntime c1 tokens/s"),
         ("backends.onnxruntime.c1.itl_p50_ms", "ITL p50 ms"),
         ("backends.onnxruntime.c4.output_tokens_per_s", "onnxruntime c4 tokens/s"),
@@ -237,6 +238,7 @@ COLUMNS: dict[str, list[tuple[str, str]]] = {
         ("backends.onnxruntime.c16.x_one_stream", "× one"),
         ("backends.onnxruntime.c16.itl_p50_ms", "ITL p50 ms"),
         ("backends.onnxruntime.c16.same_text_as_alone", "same text"),
+        ("backends.onnxruntime.peak_rss_gb", "onnxruntime peak RSS GB"),
     ],
     "quality": [
         ("preset", "preset"),

@@ -19,8 +19,9 @@ warm-up request per client. Clients are raw `httpx` SSE readers in one asyncio l
 Per level: requests/s and output tokens/s over the wall time, p50/p95 time to first token
 (request sent -> first text chunk) and inter-token latency (the gaps between a stream's
 chunks, pooled over all requests), and whether every request's text is the text one request alone got (greedy,
-the same prompt: continuous batching must not change a sequence's tokens). One JSON line with the CPU and ISA
-(scripts/bench/host.py), appended to docs/bench/results.jsonl (report.py's "serve" table).
+the same prompt: continuous batching must not change a sequence's tokens). Per backend, the server process's peak
+resident memory over all its levels (`peak_rss_gb`: its VmHWM, read before it is stopped). One JSON line with the
+CPU and ISA (scripts/bench/host.py), appended to docs/bench/results.jsonl (report.py's "serve" table).
 
     python scripts/bench/serve.py [--preset small] [--backends onnxruntime,mindspore] [--concurrency 1,4,16]
     python scripts/bench/serve.py --artifact artifacts/convert/<key> --weights q8_0      # SmolLM2 after convert
@@ -52,6 +53,8 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from host import describe  # noqa: E402  (scripts/bench/)
 from report import add_record_args, record  # noqa: E402
+
+from tasks.training.hardware import peak_rss_bytes  # noqa: E402
 
 
 def _percentile(xs: list[float], q: float) -> float | None:
@@ -342,6 +345,7 @@ def main() -> None:
                             a.new_tokens,
                             tmp / f"guidellm-{backend}-c{c}.json",
                         )
+                out["peak_rss_gb"] = round(peak_rss_bytes(srv.proc.pid) / 1e9, 2)  # the server's, after every level
                 res["backends"][backend] = out
             finally:
                 srv.stop()

@@ -20,10 +20,11 @@ import numpy as np
 from model.cpu import cpu_flags
 
 
-def _status_bytes(field: str) -> int | None:
-    """A `kB` line of /proc/self/status (VmHWM, VmRSS) in bytes; None where there is no /proc."""
+def _status_bytes(field: str, pid: int | str = "self") -> int | None:
+    """A `kB` line of /proc/<pid>/status (VmHWM, VmRSS; this process's by default) in bytes; None where there is no
+    /proc (or no such process)."""
     try:
-        with open("/proc/self/status") as f:
+        with open(f"/proc/{pid}/status") as f:
             for line in f:
                 if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
@@ -39,12 +40,15 @@ def process_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def peak_rss_bytes() -> int:
-    """Peak resident memory of this process: VmHWM, the high-water mark of its own address space.
+def peak_rss_bytes(pid: int | None = None) -> int:
+    """Peak resident memory of this process (or of process `pid`, e.g. a bench's server; 0 where it cannot be read):
+    VmHWM, the high-water mark of its own address space.
 
     Not ru_maxrss: Linux folds the pre-exec image into it, so a child started by a large
     parent (pytest, a Prefect worker) would report the parent's peak.
     """
+    if pid is not None:
+        return _status_bytes("VmHWM", pid) or 0
     hwm = _status_bytes("VmHWM")
     return hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
