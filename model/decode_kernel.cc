@@ -69,14 +69,6 @@ void on_threads(int threads, F fn) {
   for (auto &w : workers) w.join();
 }
 
-inline void relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#endif
-}
-
 // How long a waiting thread spins before it sleeps (the pool's workers between calls, a barrier, the caller waiting
 // for its workers). Any sleep on a shared CPU is costly under Linux's EEVDF scheduler (6.6+): the thread it woke
 // waits for the slice of whatever took its core, a `nice -n 19` process included; two normal processes that slept
@@ -96,12 +88,12 @@ inline void relax() {
 inline void await_change(std::atomic<int> &a, int v, const std::atomic<int> *stop = nullptr) {
   for (int s = 0; s < 64; ++s) {  // most waits inside a step end here, before any clock read
     if (a.load(std::memory_order_acquire) != v) return;
-    relax();
+    simd::cpu_relax();
   }
   const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(MSLLM_SPIN_US);
   for (int s = 0;; ++s) {
     if (a.load(std::memory_order_acquire) != v) return;
-    relax();
+    simd::cpu_relax();
     if ((s & 63) == 63 && (std::chrono::steady_clock::now() >= until ||
                            (stop != nullptr && stop->load(std::memory_order_relaxed) != 0)))
       break;

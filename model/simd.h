@@ -164,4 +164,16 @@ inline vf exp_v(vf x) {
 }
 #endif
 
+// The spin-wait hint every waiting thread of the kernels' pools and of model/spin_wait.cc gives the CPU between
+// polls (x86 PAUSE, Arm YIELD; elsewhere a compiler barrier only): one definition for all three sources.
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  __asm__ __volatile__("yield" ::: "memory");
+#else
+  __asm__ __volatile__("" ::: "memory");
+#endif
+}
+
 }  // namespace simd

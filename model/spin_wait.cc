@@ -42,16 +42,6 @@ std::atomic<IdleHook> g_idle_hook{nullptr};
 
 constexpr int kPauses = 32;  // ~0.3-1.5 us by the CPU's pause latency: about one sched_yield syscall
 
-inline void spin_hint() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  __asm__ __volatile__("yield" ::: "memory");
-#else
-  __asm__ __volatile__("" ::: "memory");
-#endif
-}
-
 struct PatchJob {
   const char *needle;
   const char *symbol;  // the import whose slots are written
@@ -190,7 +180,7 @@ const char *MsllmKernelIsa() { return MSLLM_ISA; }
 int msllm_spin_yield() {
   g_calls.fetch_add(1, std::memory_order_relaxed);
   if (IdleHook hook = g_idle_hook.load(std::memory_order_relaxed)) hook();
-  for (int i = 0; i < kPauses; ++i) spin_hint();
+  for (int i = 0; i < kPauses; ++i) simd::cpu_relax();
   return 0;
 }
 

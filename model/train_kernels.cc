@@ -123,14 +123,6 @@ inline void set_mxcsr(unsigned v) {
   (void)v;
 #endif
 }
-inline void pause_hint() {
-#if defined(__x86_64__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  __asm__ __volatile__("yield" ::: "memory");
-#endif
-}
-
 // Piece p of n items in `pieces` contiguous pieces (the first n % pieces one item longer).
 inline void piece_range(int64_t n, int64_t pieces, int64_t p, int64_t *b, int64_t *e) {
   const int64_t q = n / pieces, r = n % pieces;
@@ -168,9 +160,9 @@ bool lend(int64_t n, int64_t min_per, F &fn) {
   g_help.done.store(0, std::memory_order_relaxed);
   g_help.state.store(1, std::memory_order_seq_cst);  // open: the fields above are visible to a helper that sees 1
   take_pieces(g_help);
-  while (g_help.done.load(std::memory_order_acquire) < pieces) pause_hint();  // pieces helpers still run
+  while (g_help.done.load(std::memory_order_acquire) < pieces) simd::cpu_relax();  // pieces helpers still run
   g_help.state.store(2, std::memory_order_seq_cst);  // closed: a helper arriving now leaves without reading
-  while (g_help.inside.load(std::memory_order_seq_cst) != 0) pause_hint();
+  while (g_help.inside.load(std::memory_order_seq_cst) != 0) simd::cpu_relax();
   g_help.state.store(0, std::memory_order_release);
   return true;
 }
@@ -364,7 +356,7 @@ extern "C" void MsllmHelpUntil(int *flag) {
   __atomic_store_n(flag, 1, __ATOMIC_RELEASE);
   while (__atomic_load_n(flag, __ATOMIC_ACQUIRE) != 2) {
     MsllmHelp();
-    pause_hint();
+    simd::cpu_relax();
   }
 }
 

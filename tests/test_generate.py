@@ -563,6 +563,10 @@ def test_generate_benchmark_smoke():
     if res["decode_path"] == "fused":  # the fused step on binary16 matrices, timed beside it
         assert res["fp16_tokens_per_s"] > 0 and 0 <= res["fp16_same_tokens_prefix"] <= 8
         assert 0 < res["fp16_fraction_of_bandwidth_limit"] <= 1
+    # peak RSS beside the tokens/s: ours holds at least the fp32 weights a token reads; HF's process its own copy
+    assert res["peak_rss_gb"] * 1e9 >= res["weight_mb_per_token"] * 1e6 and "cached" in res["peak_rss_scope"]
+    if "hf_tokens_per_s" in res:
+        assert res["hf_peak_rss_gb"] * 1e9 >= res["weight_mb_per_token"] * 1e6
 
 
 @pytest.mark.integration

@@ -30,6 +30,9 @@ tokens, and the weight-sized measurements see that too. `bandwidth_limit_by` nam
 `bandwidth_gb_per_s` has all four. No fraction can exceed 1: were a decode faster than the limit, the
 limit would be wrong; it is then clipped to 1 and `bandwidth_note` (and stderr) says so loudly.
 Compilation / warm-up happen before the clock starts on every path.
+Peak RSS (VmHWM over the timed rounds): `hf_peak_rss_gb` is the HF process's, which holds only its side;
+`peak_rss_gb` is this process's, which holds every timed path at once (`peak_rss_scope` lists them), so it bounds
+any one path's from above; scripts/bench/memory.py runs each side alone for the per-path figure.
 Then `MindSporeLM._loglikelihood_tokens` scores `--requests` synthetic (context, continuation) pairs
 shaped like multiple-choice requests (context 20–100 tokens, continuation 1–12) with `--batch-size`,
 after one warm-up pass. Prints one JSON line, labelled with the CPU, ISA levels and the decode kernel's
@@ -238,6 +241,12 @@ class _HFWorker:
         self.proc.stdin.flush()
         return self._read()
 
+    def peak_rss_bytes(self) -> int:
+        """The HF process's peak resident memory so far (VmHWM): its weights, its cache, PyTorch's runtime."""
+        from tasks.training.hardware import peak_rss_bytes
+
+        return peak_rss_bytes(self.proc.pid)
+
     def close(self) -> None:
         self.proc.stdin.close()
         self.proc.wait()
@@ -366,7 +375,17 @@ def main() -> None:
                     t0 = time.perf_counter()
                     tokens[name] = g.generate(prompt, a.new_tokens)  # no eos: always the full length
                     tps.setdefault(phase + name, []).append(len(tokens[name]) / (time.perf_counter() - t0))
+    # peak RSS over the timed rounds, read before the uncached path compiles: HF's process holds only its side; ours
+    # holds every timed path at once (the fp32 network and its fused step's views, the fp16 and q8_0 copies, the
+    # decoder's graphs), so its peak bounds any one path's from above. Each path alone: scripts/bench/memory.py.
+    from tasks.training.hardware import peak_rss_bytes
+
+    res["peak_rss_gb"] = round(peak_rss_bytes() / 1e9, 3)
+    res["peak_rss_scope"] = (
+        "this process: every timed path (" + ", ".join(sorted({k.split("@")[0] for k in paths})) + ")"
+    )
     if hf is not None:
+        res["hf_peak_rss_gb"] = round(hf.peak_rss_bytes() / 1e9, 3)
         hf.close()
     t0 = time.perf_counter()
     gen.compile(len(prompt), a.new_tokens, use_cache=False)

@@ -73,6 +73,8 @@ COLUMNS: dict[str, list[tuple[str, str]]] = {
         ("tokens_per_s", "tokens/s"),
         ("hf_tokens_per_s", "HF tokens/s"),
         ("speedup_vs_hf", "× HF"),
+        ("peak_rss_gb", "peak RSS GB (all paths)"),
+        ("hf_peak_rss_gb", "HF peak RSS GB"),
         ("bandwidth_limit_tokens_per_s", "limit tokens/s"),
         ("bandwidth_limit_by", "limit from"),
         ("fraction_of_bandwidth_limit", "of limit"),
