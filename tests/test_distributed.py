@@ -242,6 +242,7 @@ def test_tensor_parallel_logits_and_train_step_match_one_device(tmp_path):
         assert res["param_update_max"] > 0.5e-3  # the step moved weights (AdamW's first step: ~lr = 1e-3)
 
 
+@pytest.mark.slow  # a 2-rank msrun job and a one-process run (~25 s); the rank-failure msrun test stays default
 def test_data_parallel_matches_single_process(tmp_path, data_artifact):
     """2 ranks × micro batch 4 == 1 process × micro batch 8: same losses, replicas bit-identical."""
     single, run_single = _single(_cfg(), tmp_path / "single", data_artifact)

@@ -538,7 +538,7 @@ def test_sample_next_temperature_top_k_top_p():
     assert abs((hot == 3).mean() - 0.25) < 0.04
 
 
-@pytest.mark.integration
+@pytest.mark.slow  # ~13 s: the bench's every path and HF's process; keeps unit + integration under 10 minutes
 def test_generate_benchmark_smoke():
     import json
     import subprocess
@@ -599,7 +599,7 @@ def test_memory_benchmark_smoke():
     assert res["within_budget"] == (res["peak_rss_gb"] <= res["budget_gb"])
 
 
-@pytest.mark.integration
+@pytest.mark.slow  # ~12 s: a server per side; keeps unit + integration under 10 minutes
 def test_serve_memory_benchmark_smoke(tmp_path):
     """scripts/bench/serve_memory.py serves one model artifact on both backends (real `msllm serve` processes) and
     HF generate beside them: each side's RSS after the ladder and the requests, the budget from the served context."""

@@ -107,7 +107,7 @@ print("REPORT " + json.dumps(fl()))
 """
 
 
-@pytest.mark.integration  # starts Prefect's embedded server (a fresh database: 16-30 s)
+@pytest.mark.slow  # starts Prefect's embedded server (a fresh database: 13-30 s)
 def test_dill_globals_detection_stays_out_of_the_log(tmp_path):
     """Prefect's log_prints logs dill's `dis.dis` capture (and dill then sees no globals); inside our tasks the
     redirect wins. `bare` shows the Prefect behaviour the wrapper exists for."""
