@@ -241,12 +241,6 @@ class _HFWorker:
         self.proc.stdin.flush()
         return self._read()
 
-    def peak_rss_bytes(self) -> int:
-        """The HF process's peak resident memory so far (VmHWM): its weights, its cache, PyTorch's runtime."""
-        from tasks.training.hardware import peak_rss_bytes
-
-        return peak_rss_bytes(self.proc.pid)
-
     def close(self) -> None:
         self.proc.stdin.close()
         self.proc.wait()
@@ -385,7 +379,7 @@ def main() -> None:
         "this process: every timed path (" + ", ".join(sorted({k.split("@")[0] for k in paths})) + ")"
     )
     if hf is not None:
-        res["hf_peak_rss_gb"] = round(hf.peak_rss_bytes() / 1e9, 3)
+        res["hf_peak_rss_gb"] = round(peak_rss_bytes(hf.proc.pid) / 1e9, 3)  # its process's VmHWM, alive
         hf.close()
     t0 = time.perf_counter()
     gen.compile(len(prompt), a.new_tokens, use_cache=False)
